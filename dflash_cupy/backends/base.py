@@ -1,0 +1,139 @@
+"""The one seam between the CPU and the GPU on the Python side.
+
+Every class in dflash_cupy talks to a ``Backend``; there are two:
+
+* ``CudaBackend`` (``backends/cuda.py``): CuPy arrays, ``cupy.RawModule``
+  compiled by NVRTC, CuPy streams/events, CUDA graph capture.
+* ``EmulatedBackend`` (``backends/emulated.py``): device arrays ARE NumPy
+  arrays (allocated with guard pages), the same ``cuda_src/*.cu`` compiled by
+  g++ against ``cuda_src/emu/cuda_emu.h`` (threads as fibers), launches run
+  synchronously on the CPU, capture records launches/copies and replays them.
+
+Calling conventions (identical on both):
+
+* ``kernel(grid, block, args, shared_mem=0, stream=None)``: CuPy's RawKernel
+  convention. ``args`` is a tuple of device arrays and NumPy scalars of the
+  exact C type of the parameter (``np.int32`` for ``int``, ``np.float32`` for
+  ``float``, ``np.int64`` for ``long long``, ...).
+* Copies take whole contiguous arrays of equal byte size (``nbytes`` may
+  restrict to a prefix). H2D copies read *pinned* host memory when the copy
+  executes — during replay, for a captured copy.
+* Nothing allocates, synchronises or reads device data on the host while a
+  stream is capturing: both backends raise ``CaptureError``.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Any, Sequence
+
+import numpy as np
+
+
+class BackendError(RuntimeError):
+    """A backend operation failed (compile error, launch failure, ...)."""
+
+
+class CaptureError(BackendError):
+    """An operation that cannot be recorded was attempted during capture."""
+
+
+class KernelLaunchError(BackendError):
+    """A kernel failed while running (emulated: deadlock, out-of-bounds)."""
+
+
+class Graph(abc.ABC):
+    """A captured sequence of launches and copies, replayable any number of times."""
+
+    @abc.abstractmethod
+    def launch(self, stream: Any = None) -> None: ...
+
+
+class Kernel(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0,
+                 stream: Any = None) -> None: ...
+
+
+class Module(abc.ABC):
+    @abc.abstractmethod
+    def get_function(self, name: str) -> Kernel: ...
+
+
+class Backend(abc.ABC):
+    """Arrays, compilation, launches, copies, streams/events and capture."""
+
+    name: str = "?"
+
+    # ---- arrays -----------------------------------------------------------
+    @abc.abstractmethod
+    def empty(self, shape, dtype) -> Any: ...
+
+    @abc.abstractmethod
+    def zeros(self, shape, dtype) -> Any: ...
+
+    @abc.abstractmethod
+    def asarray(self, host: np.ndarray) -> Any:
+        """A new device array holding a copy of ``host`` (synchronous)."""
+
+    @abc.abstractmethod
+    def to_numpy(self, arr) -> np.ndarray:
+        """A host copy of a device array (synchronises the device)."""
+
+    @abc.abstractmethod
+    def pinned_empty(self, shape, dtype) -> np.ndarray:
+        """A page-locked host array (a NumPy view of it)."""
+
+    @abc.abstractmethod
+    def is_device_array(self, x) -> bool: ...
+
+    # ---- code -------------------------------------------------------------
+    @abc.abstractmethod
+    def compile(self, source: str, options: Sequence[str] = (),
+                filename: str | None = None) -> Module:
+        """Compile CUDA C source. ``options``: ``-DNAME=VALUE`` and ``-I dir``
+        are honoured by both backends; other NVRTC flags only by CUDA.
+        ``filename`` names the source in compiler messages."""
+
+    # ---- streams, events, copies -------------------------------------------
+    @abc.abstractmethod
+    def stream(self) -> Any:
+        """A new non-blocking stream."""
+
+    @abc.abstractmethod
+    def event(self) -> Any:
+        """A new event with ``record(stream)``, ``synchronize()`` and ``query()``."""
+
+    @abc.abstractmethod
+    def copy_h2d_async(self, dst, src: np.ndarray, stream=None, nbytes: int | None = None) -> None: ...
+
+    @abc.abstractmethod
+    def copy_d2h_async(self, dst: np.ndarray, src, stream=None, nbytes: int | None = None) -> None: ...
+
+    @abc.abstractmethod
+    def copy_d2d_async(self, dst, src, stream=None, nbytes: int | None = None) -> None: ...
+
+    @abc.abstractmethod
+    def synchronize(self) -> None: ...
+
+    # ---- capture ----------------------------------------------------------
+    @abc.abstractmethod
+    def begin_capture(self, stream) -> None: ...
+
+    @abc.abstractmethod
+    def end_capture(self, stream) -> Graph: ...
+
+    @abc.abstractmethod
+    def is_capturing(self) -> bool: ...
+
+
+def copy_nbytes(dst, src, nbytes: int | None, what: str) -> int:
+    """Validated byte count of a copy between two contiguous arrays."""
+    for name, a in (("dst", dst), ("src", src)):
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{what}: {name} must be C-contiguous")
+    n = src.nbytes if nbytes is None else int(nbytes)
+    if n < 0 or n > src.nbytes or n > dst.nbytes:
+        raise ValueError(f"{what}: nbytes={n} exceeds src ({src.nbytes} B) or dst ({dst.nbytes} B)")
+    return n

@@ -1,0 +1,25 @@
+"""Shared fixtures: every kernel test runs on the emulated backend always, and
+on the CuPy backend as well when a GPU is visible."""
+import numpy as np
+import pytest
+
+from dflash_cupy import backends
+
+BACKEND_NAMES = ["emulated"] + (["cuda"] if backends.gpu_available() else [])
+
+
+@pytest.fixture(params=BACKEND_NAMES)
+def backend(request):
+    return backends.get(request.param)
+
+
+@pytest.fixture
+def emu():
+    return backends.get("emulated")
+
+
+@pytest.fixture
+def rng(request):
+    # Seeded from the test's name, so each test draws the same data on every run.
+    import zlib
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
