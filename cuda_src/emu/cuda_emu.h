@@ -1,0 +1,822 @@
+// cuda_emu.h — run CUDA C kernels on the CPU (g++), the one place where the
+// CPU and the GPU differ. Kernel files in cuda_src/ include <cuda_fp16.h> /
+// <cuda_bf16.h> / <math_constants.h>; under g++ those resolve to
+// cuda_src/emu/include/*.h, which include this file.
+//
+// Model:
+// - A launch runs the blocks of its grid one after another (or spread over a
+//   few OS threads, each with its own blocks); the threads of a block are
+//   user-space fibers on one OS thread. A fiber runs until it reaches a
+//   barrier or a warp collective, then the scheduler picks the next runnable
+//   fiber, in forward, reverse or seeded-shuffled order, so a missing
+//   __syncthreads shows up as a wrong result rather than hiding behind a
+//   friendly order.
+// - `__shared__` is `thread_local`: one copy per OS thread, i.e. per block in
+//   flight. `extern __shared__` buffers are defined by the launcher generator
+//   and poisoned with 0xFF (NaN for f32/f16) before each block.
+// - f32 arithmetic runs with FTZ/DAZ set in MXCSR, as CuPy compiles with
+//   -ftz=true. Conversions to/from f16/bf16 are bit-exact round-to-nearest-even.
+// - Deadlocks (a barrier or a collective not reached by every live thread)
+//   and faults (guard pages around every emulated device array, integer
+//   division by zero) end the launch with an error message, not a crash.
+// - After this header, names that NVRTC lacks (std, <cstdint> types,
+//   INFINITY, NAN) are poisoned so g++ rejects what NVRTC would reject.
+#pragma once
+#ifndef DFLASH_CUDA_EMU_H
+#define DFLASH_CUDA_EMU_H
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <csetjmp>
+#include <csignal>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+#include <vector>
+#include <sys/mman.h>
+#include <unistd.h>
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
+
+// ---------------------------------------------------------------- keywords
+#define __global__
+#define __device__
+#define __host__
+#define __constant__
+#define __shared__ thread_local
+#define __forceinline__ inline __attribute__((always_inline))
+#define __noinline__ __attribute__((noinline))
+#define __align__(n) __attribute__((aligned(n)))
+#define __launch_bounds__(...)
+#define __grid_constant__
+
+// ---------------------------------------------------------------- vector types
+struct dim3 {
+    unsigned int x, y, z;
+    constexpr dim3(unsigned int x_ = 1, unsigned int y_ = 1, unsigned int z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct uint3 { unsigned int x, y, z; };
+#define EMU_VEC2(T, N, A) struct __attribute__((aligned(A))) N { T x, y; }; \
+    static inline N make_##N(T x, T y) { N r; r.x = x; r.y = y; return r; }
+#define EMU_VEC3(T, N) struct N { T x, y, z; }; \
+    static inline N make_##N(T x, T y, T z) { N r; r.x = x; r.y = y; r.z = z; return r; }
+#define EMU_VEC4(T, N, A) struct __attribute__((aligned(A))) N { T x, y, z, w; }; \
+    static inline N make_##N(T x, T y, T z, T w) { N r; r.x = x; r.y = y; r.z = z; r.w = w; return r; }
+EMU_VEC2(char, char2, 2) EMU_VEC4(char, char4, 4)
+EMU_VEC2(unsigned char, uchar2, 2) EMU_VEC4(unsigned char, uchar4, 4)
+EMU_VEC2(short, short2, 4) EMU_VEC4(short, short4, 8)
+EMU_VEC2(unsigned short, ushort2, 4) EMU_VEC4(unsigned short, ushort4, 8)
+EMU_VEC2(int, int2, 8) EMU_VEC3(int, int3) EMU_VEC4(int, int4, 16)
+EMU_VEC2(unsigned int, uint2, 8) EMU_VEC4(unsigned int, uint4, 16)
+EMU_VEC2(float, float2, 8) EMU_VEC3(float, float3) EMU_VEC4(float, float4, 16)
+EMU_VEC2(double, double2, 16)
+EMU_VEC2(long long, longlong2, 16)
+static inline uint3 make_uint3(unsigned int x, unsigned int y, unsigned int z) { uint3 r{x, y, z}; return r; }
+#undef EMU_VEC2
+#undef EMU_VEC3
+#undef EMU_VEC4
+
+#define warpSize 32
+
+// ---------------------------------------------------------------- bit casts
+static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+static inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+static inline float __uint_as_float(unsigned int i) { float f; std::memcpy(&f, &i, 4); return f; }
+static inline unsigned int __float_as_uint(float f) { unsigned int i; std::memcpy(&i, &f, 4); return i; }
+static inline double __longlong_as_double(long long i) { double d; std::memcpy(&d, &i, 8); return d; }
+static inline long long __double_as_longlong(double d) { long long i; std::memcpy(&i, &d, 8); return i; }
+
+// ---------------------------------------------------------------- math
+// __expf, __logf, __log2f, __sinf, __cosf, __tanf, __powf and __sincosf come from
+// glibc's <cmath> under the same names (accurate, not fast; tests use tolerances).
+static inline float __fdividef(float x, float y) { return x / y; }
+static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+static inline double rsqrt(double x) { return 1.0 / sqrt(x); }
+static inline float __frsqrt_rn(float x) { return 1.0f / sqrtf(x); }
+static inline float __frcp_rn(float x) { return 1.0f / x; }
+static inline float __fsqrt_rn(float x) { return sqrtf(x); }
+static inline float __saturatef(float x) { return x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : (x == x ? x : 0.0f)); }
+static inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline double __dadd_rn(double a, double b) { return a + b; }
+static inline double __dmul_rn(double a, double b) { return a * b; }
+static inline double __fma_rn(double a, double b, double c) { return fma(a, b, c); }
+static inline int min(int a, int b) { return a < b ? a : b; }
+static inline int max(int a, int b) { return a > b ? a : b; }
+static inline unsigned int min(unsigned int a, unsigned int b) { return a < b ? a : b; }
+static inline unsigned int max(unsigned int a, unsigned int b) { return a > b ? a : b; }
+static inline long long min(long long a, long long b) { return a < b ? a : b; }
+static inline long long max(long long a, long long b) { return a > b ? a : b; }
+static inline float min(float a, float b) { return fminf(a, b); }
+static inline float max(float a, float b) { return fmaxf(a, b); }
+static inline double min(double a, double b) { return fmin(a, b); }
+static inline double max(double a, double b) { return fmax(a, b); }
+static inline int __popc(unsigned int x) { return __builtin_popcount(x); }
+static inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+static inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz((unsigned int)x); }
+static inline int __clzll(long long x) { return x == 0 ? 64 : __builtin_clzll((unsigned long long)x); }
+static inline int __ffs(int x) { return __builtin_ffs(x); }
+static inline int __ffsll(long long x) { return __builtin_ffsll(x); }
+static inline unsigned int __brev(unsigned int x) {
+    x = ((x >> 1) & 0x55555555u) | ((x & 0x55555555u) << 1);
+    x = ((x >> 2) & 0x33333333u) | ((x & 0x33333333u) << 2);
+    x = ((x >> 4) & 0x0f0f0f0fu) | ((x & 0x0f0f0f0fu) << 4);
+    x = ((x >> 8) & 0x00ff00ffu) | ((x & 0x00ff00ffu) << 8);
+    return (x >> 16) | (x << 16);
+}
+static inline int __mul24(int a, int b) { return a * b; }
+static inline int __mulhi(int a, int b) { return (int)(((long long)a * (long long)b) >> 32); }
+static inline unsigned int __umulhi(unsigned int a, unsigned int b) {
+    return (unsigned int)(((unsigned long long)a * (unsigned long long)b) >> 32);
+}
+template <typename T> static inline T __ldg(const T* p) { return *p; }
+template <typename T> static inline T __ldcs(const T* p) { return *p; }
+template <typename T> static inline T __ldcg(const T* p) { return *p; }
+template <typename T> static inline void __stcs(T* p, T v) { *p = v; }
+template <typename T> static inline void __stcg(T* p, T v) { *p = v; }
+static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+static inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+
+// ---------------------------------------------------------------- atomics
+// Fibers of a block never run concurrently, but blocks on other OS threads
+// may: global-memory atomics are real atomics.
+#define EMU_ATOMIC_INT(T) \
+    static inline T atomicAdd(T* p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); } \
+    static inline T atomicSub(T* p, T v) { return __atomic_fetch_sub(p, v, __ATOMIC_RELAXED); } \
+    static inline T atomicExch(T* p, T v) { return __atomic_exchange_n(p, v, __ATOMIC_RELAXED); } \
+    static inline T atomicAnd(T* p, T v) { return __atomic_fetch_and(p, v, __ATOMIC_RELAXED); } \
+    static inline T atomicOr(T* p, T v) { return __atomic_fetch_or(p, v, __ATOMIC_RELAXED); } \
+    static inline T atomicXor(T* p, T v) { return __atomic_fetch_xor(p, v, __ATOMIC_RELAXED); } \
+    static inline T atomicCAS(T* p, T cmp, T v) { \
+        __atomic_compare_exchange_n(p, &cmp, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED); return cmp; } \
+    static inline T atomicMax(T* p, T v) { T o = *p; \
+        while (o < v && !__atomic_compare_exchange_n(p, &o, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {} return o; } \
+    static inline T atomicMin(T* p, T v) { T o = *p; \
+        while (o > v && !__atomic_compare_exchange_n(p, &o, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {} return o; }
+EMU_ATOMIC_INT(int)
+EMU_ATOMIC_INT(unsigned int)
+EMU_ATOMIC_INT(unsigned long long)
+EMU_ATOMIC_INT(long long)
+#undef EMU_ATOMIC_INT
+#define EMU_ATOMIC_FP(T, U) \
+    static inline T atomicAdd(T* p, T v) { \
+        U* q = reinterpret_cast<U*>(p); U o = __atomic_load_n(q, __ATOMIC_RELAXED); \
+        for (;;) { T f; std::memcpy(&f, &o, sizeof f); T n = f + v; U nu; std::memcpy(&nu, &n, sizeof nu); \
+            if (__atomic_compare_exchange_n(q, &o, nu, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return f; } } \
+    static inline T atomicExch(T* p, T v) { \
+        U nu; std::memcpy(&nu, &v, sizeof nu); U o = __atomic_exchange_n(reinterpret_cast<U*>(p), nu, __ATOMIC_RELAXED); \
+        T f; std::memcpy(&f, &o, sizeof f); return f; }
+EMU_ATOMIC_FP(float, unsigned int)
+EMU_ATOMIC_FP(double, unsigned long long)
+#undef EMU_ATOMIC_FP
+
+// ---------------------------------------------------------------- f16 / bf16
+namespace emu {
+static inline unsigned short f32_to_f16_bits(float f) {
+    unsigned int x = __float_as_uint(f);
+    unsigned int sign = (x >> 16) & 0x8000u;
+    unsigned int ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return 0x7fffu;               // NaN: CUDA's canonical NaN
+    if (ax >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u);  // >= 65520 rounds to inf
+    if (ax >= 0x38800000u) {                              // normal half
+        unsigned int r = ax - 0x38000000u;
+        r += 0x0fffu + ((r >> 13) & 1u);
+        return (unsigned short)(sign | (r >> 13));
+    }
+    if (ax < 0x33000000u) return (unsigned short)sign;  // below half the smallest subnormal
+    unsigned int e = ax >> 23, mant = (ax & 0x7fffffu) | 0x800000u;
+    unsigned int s = 126u - e;                            // 14..24
+    unsigned int q = mant >> s, rem = mant & ((1u << s) - 1u), half = 1u << (s - 1u);
+    if (rem > half || (rem == half && (q & 1u))) q++;
+    return (unsigned short)(sign | q);
+}
+static inline float f16_bits_to_f32(unsigned short h) {
+    unsigned int sign = (unsigned int)(h & 0x8000u) << 16;
+    unsigned int e = (h >> 10) & 0x1fu, m = h & 0x3ffu, bits;
+    if (e == 0) {
+        if (m == 0) bits = sign;
+        else {
+            e = 113;
+            while (!(m & 0x400u)) { m <<= 1; e--; }
+            bits = sign | (e << 23) | ((m & 0x3ffu) << 13);
+        }
+    } else if (e == 31) bits = sign | 0x7f800000u | (m << 13);
+    else bits = sign | ((e + 112u) << 23) | (m << 13);
+    return __uint_as_float(bits);
+}
+static inline unsigned short f32_to_bf16_bits(float f) {
+    unsigned int x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return 0x7fffu;
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (unsigned short)(x >> 16);
+}
+static inline float bf16_bits_to_f32(unsigned short b) { return __uint_as_float((unsigned int)b << 16); }
+}  // namespace emu
+
+struct __half {
+    unsigned short __x;
+    __half() = default;
+    __half(float f) : __x(emu::f32_to_f16_bits(f)) {}
+    __half(double f) : __x(emu::f32_to_f16_bits((float)f)) {}
+    __half(int i) : __x(emu::f32_to_f16_bits((float)i)) {}
+    operator float() const { return emu::f16_bits_to_f32(__x); }
+};
+struct __half2 { __half x, y; } __attribute__((aligned(4)));
+struct __nv_bfloat16 {
+    unsigned short __x;
+    __nv_bfloat16() = default;
+    __nv_bfloat16(float f) : __x(emu::f32_to_bf16_bits(f)) {}
+    __nv_bfloat16(double f) : __x(emu::f32_to_bf16_bits((float)f)) {}
+    __nv_bfloat16(int i) : __x(emu::f32_to_bf16_bits((float)i)) {}
+    operator float() const { return emu::bf16_bits_to_f32(__x); }
+};
+struct __nv_bfloat162 { __nv_bfloat16 x, y; } __attribute__((aligned(4)));
+typedef __half half;
+typedef __half2 half2;
+typedef __nv_bfloat16 nv_bfloat16;
+typedef __nv_bfloat162 nv_bfloat162;
+
+static inline __half __ushort_as_half(unsigned short u) { __half h; h.__x = u; return h; }
+static inline unsigned short __half_as_ushort(__half h) { return h.__x; }
+static inline __half __float2half(float f) { return __ushort_as_half(emu::f32_to_f16_bits(f)); }
+static inline __half __float2half_rn(float f) { return __float2half(f); }
+static inline float __half2float(__half h) { return emu::f16_bits_to_f32(h.__x); }
+static inline __half2 __halves2half2(__half a, __half b) { __half2 r; r.x = a; r.y = b; return r; }
+static inline __half2 __floats2half2_rn(float a, float b) { return __halves2half2(__float2half(a), __float2half(b)); }
+static inline __half2 __float2half2_rn(float a) { return __floats2half2_rn(a, a); }
+static inline __half2 __float22half2_rn(float2 f) { return __floats2half2_rn(f.x, f.y); }
+static inline float2 __half22float2(__half2 h) { return make_float2(__half2float(h.x), __half2float(h.y)); }
+static inline __half __low2half(__half2 h) { return h.x; }
+static inline __half __high2half(__half2 h) { return h.y; }
+static inline float __low2float(__half2 h) { return __half2float(h.x); }
+static inline float __high2float(__half2 h) { return __half2float(h.y); }
+static inline __half __hadd(__half a, __half b) { return __float2half(__half2float(a) + __half2float(b)); }
+static inline __half __hsub(__half a, __half b) { return __float2half(__half2float(a) - __half2float(b)); }
+static inline __half __hmul(__half a, __half b) { return __float2half(__half2float(a) * __half2float(b)); }
+static inline __half __hdiv(__half a, __half b) { return __float2half(__half2float(a) / __half2float(b)); }
+static inline __half __hneg(__half a) { return __ushort_as_half((unsigned short)(a.__x ^ 0x8000u)); }
+static inline __half __habs(__half a) { return __ushort_as_half((unsigned short)(a.__x & 0x7fffu)); }
+static inline __half __hfma(__half a, __half b, __half c) {
+    return __float2half(fmaf(__half2float(a), __half2float(b), __half2float(c)));
+}
+static inline __half __hmax(__half a, __half b) { return __half2float(a) >= __half2float(b) ? a : b; }
+static inline __half __hmin(__half a, __half b) { return __half2float(a) <= __half2float(b) ? a : b; }
+static inline bool __hisinf(__half a) { return (a.__x & 0x7fffu) == 0x7c00u; }
+static inline bool __hisnan(__half a) { return (a.__x & 0x7fffu) > 0x7c00u; }
+static inline __half2 __hadd2(__half2 a, __half2 b) { return __halves2half2(__hadd(a.x, b.x), __hadd(a.y, b.y)); }
+static inline __half2 __hmul2(__half2 a, __half2 b) { return __halves2half2(__hmul(a.x, b.x), __hmul(a.y, b.y)); }
+static inline __half2 __hfma2(__half2 a, __half2 b, __half2 c) {
+    return __halves2half2(__hfma(a.x, b.x, c.x), __hfma(a.y, b.y, c.y));
+}
+static inline __half operator+(const __half& a, const __half& b) { return __hadd(a, b); }
+static inline __half operator-(const __half& a, const __half& b) { return __hsub(a, b); }
+static inline __half operator*(const __half& a, const __half& b) { return __hmul(a, b); }
+static inline __half operator/(const __half& a, const __half& b) { return __hdiv(a, b); }
+static inline __half operator-(const __half& a) { return __hneg(a); }
+
+static inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short u) { __nv_bfloat16 h; h.__x = u; return h; }
+static inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.__x; }
+static inline __nv_bfloat16 __float2bfloat16(float f) { return __ushort_as_bfloat16(emu::f32_to_bf16_bits(f)); }
+static inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __float2bfloat16(f); }
+static inline float __bfloat162float(__nv_bfloat16 h) { return emu::bf16_bits_to_f32(h.__x); }
+static inline __nv_bfloat162 __halves2bfloat162(__nv_bfloat16 a, __nv_bfloat16 b) { __nv_bfloat162 r; r.x = a; r.y = b; return r; }
+static inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
+    return __halves2bfloat162(__float2bfloat16(a), __float2bfloat16(b));
+}
+static inline __nv_bfloat162 __float2bfloat162_rn(float a) { return __floats2bfloat162_rn(a, a); }
+static inline __nv_bfloat162 __float22bfloat162_rn(float2 f) { return __floats2bfloat162_rn(f.x, f.y); }
+static inline float2 __bfloat1622float2(__nv_bfloat162 h) {
+    return make_float2(__bfloat162float(h.x), __bfloat162float(h.y));
+}
+static inline float __low2float(__nv_bfloat162 h) { return __bfloat162float(h.x); }
+static inline float __high2float(__nv_bfloat162 h) { return __bfloat162float(h.y); }
+static inline __nv_bfloat16 __low2bfloat16(__nv_bfloat162 h) { return h.x; }
+static inline __nv_bfloat16 __high2bfloat16(__nv_bfloat162 h) { return h.y; }
+static inline __nv_bfloat16 __hadd(__nv_bfloat16 a, __nv_bfloat16 b) { return __float2bfloat16(__bfloat162float(a) + __bfloat162float(b)); }
+static inline __nv_bfloat16 __hmul(__nv_bfloat16 a, __nv_bfloat16 b) { return __float2bfloat16(__bfloat162float(a) * __bfloat162float(b)); }
+static inline __nv_bfloat16 operator+(const __nv_bfloat16& a, const __nv_bfloat16& b) { return __hadd(a, b); }
+static inline __nv_bfloat16 operator*(const __nv_bfloat16& a, const __nv_bfloat16& b) { return __hmul(a, b); }
+
+// ---------------------------------------------------------------- constants
+#define CUDART_INF_F __int_as_float(0x7f800000)
+#define CUDART_NAN_F __int_as_float(0x7fffffff)
+#define CUDART_INF __longlong_as_double(0x7ff0000000000000LL)
+#define CUDART_NAN __longlong_as_double(0xfff8000000000000LL)
+#define CUDART_PI_F 3.141592654f
+#define CUDART_PI 3.1415926535897931e+0
+#define CUDART_2PI 6.2831853071795862e+0
+#define CUDART_SQRT_HALF_F 0.707106781f
+#define CUDART_L2E_F 1.442695041f
+#define CUDART_LN2_F 0.693147181f
+#define CUDART_ZERO_F 0.0f
+#define CUDART_ONE_F 1.0f
+
+// ---------------------------------------------------------------- fibers
+namespace emu {
+
+enum : int { RUNNABLE = 0, AT_BARRIER = 1, AT_WARP = 2, DONE = 3 };
+enum : int { OP_SYNCWARP = 1, OP_SHFL_IDX, OP_SHFL_UP, OP_SHFL_DOWN, OP_SHFL_XOR, OP_BALLOT, OP_ANY, OP_ALL };
+enum : int { ORDER_FORWARD = 0, ORDER_REVERSE = 1, ORDER_SHUFFLE = 2 };
+
+static const char* const op_names[] = {"?", "__syncwarp", "__shfl_sync", "__shfl_up_sync", "__shfl_down_sync",
+                                       "__shfl_xor_sync", "__ballot_sync", "__any_sync", "__all_sync"};
+
+struct Fiber {
+    void* sp;
+    char* stack;  // usable stack (a PROT_NONE guard page lies just below)
+    uint3 tidx;
+    int tid;
+    int state;
+    int bar_result;
+    unsigned long long warp_result;
+#if !defined(__x86_64__)
+    ucontext_t uc;
+#endif
+};
+
+struct Warp {
+    int live, arrived, op;
+    unsigned long long in[32];
+    int arg[32], width[32];
+    bool present[32];
+};
+
+struct Block {
+    uint3 bidx;
+    uint3 bdim, gdim;
+    int nthreads, live, bar_arrived, bar_count;
+    Fiber* fibers;
+    Warp* warps;
+    void* sched_sp;
+#if !defined(__x86_64__)
+    ucontext_t sched_uc;
+#endif
+    void (*body)(void**);
+    void** args;
+    char* err;
+    int errlen;
+    bool failed;
+};
+
+static thread_local Fiber* tl_fiber;
+static thread_local Block* tl_block;
+
+static const size_t STACK_BYTES = 64 * 1024;
+
+#if defined(__x86_64__)
+// Saves callee-saved registers, MXCSR and the x87 control word on the old
+// stack, switches stacks and restores the same from the new one.
+extern "C" void emu_ctx_switch(void** save_sp, void* new_sp);
+asm(".text\n"
+    ".p2align 4\n"
+    ".globl emu_ctx_switch\n"
+    ".hidden emu_ctx_switch\n"
+    ".type emu_ctx_switch,@function\n"
+    "emu_ctx_switch:\n"
+    "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+    "  subq $8, %rsp\n  stmxcsr (%rsp)\n  fnstcw 4(%rsp)\n"
+    "  movq %rsp, (%rdi)\n  movq %rsi, %rsp\n"
+    "  ldmxcsr (%rsp)\n  fldcw 4(%rsp)\n  addq $8, %rsp\n"
+    "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n"
+    "  ret\n"
+    ".size emu_ctx_switch, .-emu_ctx_switch\n");
+#endif
+
+static void fiber_main();
+
+struct StackPool {
+    std::vector<char*> stacks;
+    ~StackPool() {
+        long pg = sysconf(_SC_PAGESIZE);
+        for (char* s : stacks) munmap(s - pg, STACK_BYTES + pg);
+    }
+    char* get(size_t i) {
+        while (stacks.size() <= i) {
+            long pg = sysconf(_SC_PAGESIZE);
+            void* m = mmap(nullptr, STACK_BYTES + pg, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (m == MAP_FAILED) return nullptr;
+            mprotect(m, pg, PROT_NONE);  // guard page: a stack overflow faults instead of corrupting
+            stacks.push_back((char*)m + pg);
+        }
+        return stacks[i];
+    }
+};
+static thread_local StackPool tl_stacks;
+
+static inline void switch_to_scheduler() {
+    Fiber* f = tl_fiber;
+    Block* b = tl_block;
+#if defined(__x86_64__)
+    emu_ctx_switch(&f->sp, b->sched_sp);
+#else
+    swapcontext(&f->uc, &b->sched_uc);
+#endif
+}
+
+static inline void switch_to_fiber(Block* b, Fiber* f) {
+    tl_fiber = f;
+#if defined(__x86_64__)
+    emu_ctx_switch(&b->sched_sp, f->sp);
+#else
+    swapcontext(&b->sched_uc, &f->uc);
+#endif
+}
+
+static inline void init_fiber(Fiber* f) {
+#if defined(__x86_64__)
+    // Frame popped by emu_ctx_switch: [mxcsr|fpucw][r15..rbp][ret=fiber_main].
+    // After its `ret`, rsp % 16 == 8, as at the entry of a called function.
+    unsigned long long* top = (unsigned long long*)(f->stack + STACK_BYTES);
+    unsigned long long* sp = top - 9;
+    const unsigned int mxcsr = 0x1f80u | 0x8000u | 0x0040u;  // all masked, FTZ, DAZ
+    sp[0] = (unsigned long long)mxcsr | (0x037fULL << 32);
+    for (int i = 1; i <= 6; i++) sp[i] = 0;
+    sp[7] = (unsigned long long)(void*)&fiber_main;
+    sp[8] = 0;
+    f->sp = sp;
+#else
+    getcontext(&f->uc);
+    f->uc.uc_stack.ss_sp = f->stack;
+    f->uc.uc_stack.ss_size = STACK_BYTES;
+    f->uc.uc_link = nullptr;
+    makecontext(&f->uc, (void (*)())fiber_main, 0);
+#endif
+}
+
+static inline void release_barrier(Block* b) {
+    for (int i = 0; i < b->nthreads; i++) {
+        Fiber* f = &b->fibers[i];
+        if (f->state == AT_BARRIER) { f->state = RUNNABLE; f->bar_result = b->bar_count; }
+    }
+    b->bar_arrived = 0;
+    b->bar_count = 0;
+}
+
+static inline unsigned long long lane_value(const Warp& w, int lane, int src) {
+    return (src >= 0 && src < 32 && w.present[src]) ? w.in[src] : w.in[lane];
+}
+
+static inline void resolve_warp(Block* b, int wi) {
+    Warp& w = b->warps[wi];
+    unsigned long long vote = 0;
+    for (int l = 0; l < 32; l++)
+        if (w.present[l] && w.in[l] != 0) vote |= 1ull << l;
+    unsigned long long present_mask = 0;
+    for (int l = 0; l < 32; l++)
+        if (w.present[l]) present_mask |= 1ull << l;
+    for (int l = 0; l < 32; l++) {
+        if (!w.present[l]) continue;
+        Fiber* f = &b->fibers[wi * 32 + l];
+        int width = w.width[l], arg = w.arg[l];
+        int seg = l & ~(width - 1), src;
+        unsigned long long r = 0;
+        switch (w.op) {
+            case OP_SHFL_IDX: src = seg + (arg & (width - 1)); r = lane_value(w, l, src); break;
+            case OP_SHFL_UP: src = l - arg; r = (src < seg) ? w.in[l] : lane_value(w, l, src); break;
+            case OP_SHFL_DOWN: src = l + arg; r = (src >= seg + width) ? w.in[l] : lane_value(w, l, src); break;
+            case OP_SHFL_XOR: src = l ^ arg; r = (src >= seg + width) ? w.in[l] : lane_value(w, l, src); break;
+            case OP_BALLOT: r = vote; break;
+            case OP_ANY: r = vote != 0; break;
+            case OP_ALL: r = vote == present_mask; break;
+            default: r = 0; break;
+        }
+        f->warp_result = r;
+        f->state = RUNNABLE;
+        w.present[l] = false;
+    }
+    w.arrived = 0;
+}
+
+static inline void fail(Block* b, const char* msg) {
+    if (!b->failed) {
+        b->failed = true;
+        snprintf(b->err, (size_t)b->errlen, "%s", msg);
+    }
+}
+
+static inline unsigned long long warp_collective(int op, unsigned long long v, int arg, int width) {
+    Block* b = tl_block;
+    Fiber* f = tl_fiber;
+    int wi = f->tid >> 5, lane = f->tid & 31;
+    Warp& w = b->warps[wi];
+    if (width <= 0 || width > 32 || (width & (width - 1))) {
+        char m[160];
+        snprintf(m, sizeof m, "%s: width %d is not a power of two in [1, 32] (thread %d)", op_names[op], width, f->tid);
+        fail(b, m);
+        width = 32;
+    }
+    if (w.arrived == 0) w.op = op;
+    else if (w.op != op) {
+        char m[200];
+        snprintf(m, sizeof m, "divergent warp collectives in warp %d: lanes wait at %s while lane %d reached %s",
+                 wi, op_names[w.op], lane, op_names[op]);
+        fail(b, m);
+    }
+    w.in[lane] = v;
+    w.arg[lane] = arg;
+    w.width[lane] = width;
+    w.present[lane] = true;
+    f->state = AT_WARP;
+    if (++w.arrived == w.live) resolve_warp(b, wi);
+    switch_to_scheduler();
+    return f->warp_result;
+}
+
+static void fiber_main() {
+    Block* b = tl_block;
+    b->body(b->args);
+    Fiber* f = tl_fiber;
+    f->state = DONE;
+    b->live--;
+    Warp& w = b->warps[f->tid >> 5];
+    w.live--;
+    if (w.arrived > 0 && w.arrived == w.live) resolve_warp(b, f->tid >> 5);
+    if (b->bar_arrived > 0 && b->bar_arrived == b->live) release_barrier(b);
+    switch_to_scheduler();
+    __builtin_unreachable();
+}
+
+struct Rng {  // splitmix64: tiny, seedable, identical everywhere
+    unsigned long long s;
+    unsigned long long next() {
+        unsigned long long z = (s += 0x9e3779b97f4a7c15ULL);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+        return z ^ (z >> 31);
+    }
+};
+
+static void describe_deadlock(Block* b) {
+    char msg[768];
+    int n = snprintf(msg, sizeof msg,
+                     "deadlock in block (%u,%u,%u): %d of %d threads still live and none can proceed;",
+                     b->bidx.x, b->bidx.y, b->bidx.z, b->live, b->nthreads);
+    int at_bar = 0, first_bar = -1;
+    for (int i = 0; i < b->nthreads; i++)
+        if (b->fibers[i].state == AT_BARRIER) { if (first_bar < 0) first_bar = i; at_bar++; }
+    if (at_bar) n += snprintf(msg + n, sizeof msg - n, " %d wait at __syncthreads (first: thread %d);", at_bar, first_bar);
+    int nw = (b->nthreads + 31) / 32;
+    for (int wi = 0; wi < nw && n < (int)sizeof msg - 96; wi++) {
+        Warp& w = b->warps[wi];
+        if (w.arrived)
+            n += snprintf(msg + n, sizeof msg - n, " warp %d: %d of %d live lanes wait at %s;", wi, w.arrived,
+                          w.live, op_names[w.op]);
+    }
+    snprintf(msg + n, sizeof msg - n, " (a barrier or warp collective in divergent code?)");
+    fail(b, msg);
+}
+
+// Runs one block; false on deadlock or misuse (message in b->err).
+static bool run_block(Block* b, int order, Rng& rng) {
+    const int nt = b->nthreads, nw = (nt + 31) / 32;
+    for (int i = 0; i < nt; i++) {
+        Fiber* f = &b->fibers[i];
+        f->tid = i;
+        f->tidx.x = (unsigned)i % b->bdim.x;
+        f->tidx.y = ((unsigned)i / b->bdim.x) % b->bdim.y;
+        f->tidx.z = (unsigned)i / (b->bdim.x * b->bdim.y);
+        f->state = RUNNABLE;
+        f->stack = tl_stacks.get((size_t)i);
+        if (!f->stack) { fail(b, "out of memory for fiber stacks"); return false; }
+        init_fiber(f);
+    }
+    for (int wi = 0; wi < nw; wi++) {
+        Warp& w = b->warps[wi];
+        w.live = std::min(32, nt - wi * 32);
+        w.arrived = 0;
+        for (int l = 0; l < 32; l++) w.present[l] = false;
+    }
+    b->live = nt;
+    b->bar_arrived = b->bar_count = 0;
+    std::vector<int> order_buf;
+    order_buf.reserve((size_t)nt);
+    while (b->live > 0) {
+        order_buf.clear();
+        for (int i = 0; i < nt; i++)
+            if (b->fibers[i].state == RUNNABLE) order_buf.push_back(i);
+        if (order_buf.empty()) { describe_deadlock(b); return false; }
+        if (order == ORDER_REVERSE) std::reverse(order_buf.begin(), order_buf.end());
+        else if (order == ORDER_SHUFFLE)
+            for (size_t i = order_buf.size(); i > 1; i--) std::swap(order_buf[i - 1], order_buf[rng.next() % i]);
+        for (int i : order_buf) {
+            if (b->fibers[i].state != RUNNABLE) continue;
+            switch_to_fiber(b, &b->fibers[i]);
+            if (b->failed) return false;
+        }
+    }
+    return true;
+}
+
+// ---------------------------------------------------------------- faults
+static thread_local sigjmp_buf* tl_fault_jmp;
+static thread_local void* tl_fault_addr;
+static thread_local int tl_fault_sig;
+static struct sigaction old_actions[3];
+static const int fault_sigs[3] = {SIGSEGV, SIGBUS, SIGFPE};
+
+static void fault_handler(int sig, siginfo_t* si, void* ctx) {
+    sigjmp_buf* j = tl_fault_jmp;
+    if (j) {
+        tl_fault_jmp = nullptr;
+        tl_fault_addr = si->si_addr;
+        tl_fault_sig = sig;
+        siglongjmp(*j, 1);
+    }
+    // Not ours: hand over to whoever was installed before (Python's faulthandler, default).
+    for (int i = 0; i < 3; i++) {
+        if (fault_sigs[i] != sig) continue;
+        struct sigaction* o = &old_actions[i];
+        if ((o->sa_flags & SA_SIGINFO) && o->sa_sigaction) { o->sa_sigaction(sig, si, ctx); return; }
+        if (o->sa_handler != SIG_DFL && o->sa_handler != SIG_IGN) { o->sa_handler(sig); return; }
+        sigaction(sig, o, nullptr);  // default action when the faulting instruction re-executes
+    }
+}
+
+static void install_fault_handlers() {
+    static std::atomic<bool> installed(false);
+    bool expected = false;
+    if (installed.compare_exchange_strong(expected, true)) {
+        for (int i = 0; i < 3; i++) {
+            struct sigaction sa;
+            std::memset(&sa, 0, sizeof sa);
+            sa.sa_sigaction = fault_handler;
+            sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+            sigemptyset(&sa.sa_mask);
+            sigaction(fault_sigs[i], &sa, &old_actions[i]);
+        }
+    }
+    static thread_local bool alt_done = false;
+    if (!alt_done) {  // a fiber stack overflow needs somewhere else to run the handler
+        static thread_local char* alt = nullptr;
+        const size_t sz = 64 * 1024;
+        alt = (char*)mmap(nullptr, sz, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        stack_t ss;
+        ss.ss_sp = alt;
+        ss.ss_size = sz;
+        ss.ss_flags = 0;
+        sigaltstack(&ss, nullptr);
+        alt_done = true;
+    }
+}
+
+struct LaunchResult {
+    int status;  // 0 ok, 1 error message, 2 fault
+    void* fault_addr;
+    int fault_sig;
+};
+
+// Runs blocks [first, grid_total) with stride `stride` on the calling OS thread.
+static void run_blocks(void (*body)(void**), void** args, const unsigned* grid, const unsigned* block,
+                       void (*poison)(unsigned), unsigned shmem, unsigned long long seed, int order,
+                       unsigned long long first, unsigned long long stride, char* err, int errlen,
+                       LaunchResult* res) {
+    install_fault_handlers();
+    const int nt = (int)(block[0] * block[1] * block[2]);
+    std::vector<Fiber> fibers((size_t)nt);
+    std::vector<Warp> warps((size_t)((nt + 31) / 32));
+    Block b;
+    std::memset(&b, 0, sizeof b);
+    b.bdim = make_uint3(block[0], block[1], block[2]);
+    b.gdim = make_uint3(grid[0], grid[1], grid[2]);
+    b.nthreads = nt;
+    b.fibers = fibers.data();
+    b.warps = warps.data();
+    b.body = body;
+    b.args = args;
+    b.err = err;
+    b.errlen = errlen;
+    const unsigned long long total = (unsigned long long)grid[0] * grid[1] * grid[2];
+    sigjmp_buf jb;
+    volatile unsigned long long cur = first;
+    if (sigsetjmp(jb, 1)) {
+        res->status = 2;
+        res->fault_addr = tl_fault_addr;
+        res->fault_sig = tl_fault_sig;
+        unsigned long long c = cur;
+        snprintf(err, (size_t)errlen, "block (%llu,%llu,%llu)", c % grid[0], (c / grid[0]) % grid[1],
+                 c / ((unsigned long long)grid[0] * grid[1]));
+        tl_block = nullptr;
+        tl_fiber = nullptr;
+        return;
+    }
+    tl_fault_jmp = &jb;
+    tl_block = &b;
+    for (unsigned long long i = first; i < total; i += stride) {
+        cur = i;
+        b.bidx.x = (unsigned)(i % grid[0]);
+        b.bidx.y = (unsigned)((i / grid[0]) % grid[1]);
+        b.bidx.z = (unsigned)(i / ((unsigned long long)grid[0] * grid[1]));
+        if (poison) poison(shmem);
+        Rng rng{seed ^ (0x9e3779b97f4a7c15ULL * (i + 1))};
+        if (!run_block(&b, order, rng)) { res->status = 1; break; }
+    }
+    tl_fault_jmp = nullptr;
+    tl_block = nullptr;
+    tl_fiber = nullptr;
+}
+
+static int launch(void (*body)(void**), void** args, const unsigned* grid, const unsigned* block,
+                  void (*poison)(unsigned), unsigned shmem, unsigned long long seed, int order, int nworkers,
+                  char* err, int errlen, void** fault_addr, int* fault_sig) {
+    const unsigned long long total = (unsigned long long)grid[0] * grid[1] * grid[2];
+    if (nworkers < 1) nworkers = 1;
+    if ((unsigned long long)nworkers > total) nworkers = (int)total;
+    std::vector<LaunchResult> res((size_t)nworkers, LaunchResult{0, nullptr, 0});
+    std::vector<std::vector<char>> errs((size_t)nworkers, std::vector<char>((size_t)errlen, 0));
+    if (nworkers == 1) {
+        run_blocks(body, args, grid, block, poison, shmem, seed, order, 0, 1, errs[0].data(), errlen, &res[0]);
+    } else {
+        std::vector<std::thread> th;
+        for (int w = 0; w < nworkers; w++)
+            th.emplace_back(run_blocks, body, args, grid, block, poison, shmem, seed, order,
+                            (unsigned long long)w, (unsigned long long)nworkers, errs[w].data(), errlen, &res[w]);
+        for (auto& t : th) t.join();
+    }
+    for (int w = 0; w < nworkers; w++) {
+        if (res[w].status) {
+            std::memcpy(err, errs[w].data(), (size_t)errlen);
+            *fault_addr = res[w].fault_addr;
+            *fault_sig = res[w].fault_sig;
+            return res[w].status;
+        }
+    }
+    return 0;
+}
+
+template <typename T> static inline unsigned long long to_bits(T v) {
+    static_assert(sizeof(T) <= 8, "warp collectives move at most 8 bytes");
+    unsigned long long u = 0;
+    std::memcpy(&u, &v, sizeof(T));
+    return u;
+}
+template <typename T> static inline T from_bits(unsigned long long u) {
+    T v;
+    std::memcpy(&v, &u, sizeof(T));
+    return v;
+}
+}  // namespace emu
+
+// ---------------------------------------------------------------- built-ins
+#define threadIdx (::emu::tl_fiber->tidx)
+#define blockIdx (::emu::tl_block->bidx)
+#define blockDim (::emu::tl_block->bdim)
+#define gridDim (::emu::tl_block->gdim)
+
+static inline void __syncthreads() {
+    emu::Block* b = emu::tl_block;
+    emu::Fiber* f = emu::tl_fiber;
+    f->state = emu::AT_BARRIER;
+    if (++b->bar_arrived == b->live) emu::release_barrier(b);
+    emu::switch_to_scheduler();
+}
+static inline int emu_sync_count(int pred) {
+    emu::Block* b = emu::tl_block;
+    emu::Fiber* f = emu::tl_fiber;
+    f->state = emu::AT_BARRIER;
+    b->bar_count += pred != 0;
+    if (++b->bar_arrived == b->live) emu::release_barrier(b);
+    emu::switch_to_scheduler();
+    return f->bar_result;
+}
+static inline int __syncthreads_count(int pred) { return emu_sync_count(pred); }
+static inline int __syncthreads_or(int pred) { return emu_sync_count(pred) != 0; }
+static inline int __syncthreads_and(int pred) {
+    const int live = emu::tl_block->live;
+    return emu_sync_count(pred) == live;
+}
+static inline void __syncwarp(unsigned int mask = 0xffffffffu) {
+    (void)mask;
+    emu::warp_collective(emu::OP_SYNCWARP, 0, 0, 32);
+}
+template <typename T> static inline T __shfl_sync(unsigned int, T v, int src, int width = 32) {
+    return emu::from_bits<T>(emu::warp_collective(emu::OP_SHFL_IDX, emu::to_bits(v), src, width));
+}
+template <typename T> static inline T __shfl_up_sync(unsigned int, T v, unsigned int d, int width = 32) {
+    return emu::from_bits<T>(emu::warp_collective(emu::OP_SHFL_UP, emu::to_bits(v), (int)d, width));
+}
+template <typename T> static inline T __shfl_down_sync(unsigned int, T v, unsigned int d, int width = 32) {
+    return emu::from_bits<T>(emu::warp_collective(emu::OP_SHFL_DOWN, emu::to_bits(v), (int)d, width));
+}
+template <typename T> static inline T __shfl_xor_sync(unsigned int, T v, int m, int width = 32) {
+    return emu::from_bits<T>(emu::warp_collective(emu::OP_SHFL_XOR, emu::to_bits(v), m, width));
+}
+static inline unsigned int __ballot_sync(unsigned int, int pred) {
+    return (unsigned int)emu::warp_collective(emu::OP_BALLOT, pred != 0, 0, 32);
+}
+static inline int __any_sync(unsigned int, int pred) { return (int)emu::warp_collective(emu::OP_ANY, pred != 0, 0, 32); }
+static inline int __all_sync(unsigned int, int pred) { return (int)emu::warp_collective(emu::OP_ALL, pred != 0, 0, 32); }
+static inline unsigned int __activemask() { return 0xffffffffu; }
+static inline unsigned int __lanemask_lt() { return (1u << (emu::tl_fiber->tid & 31)) - 1u; }
+
+// Names NVRTC does not know: using them in a kernel must fail here too.
+#undef INFINITY
+#undef NAN
+#pragma GCC poison std uint8_t int8_t uint16_t int16_t uint32_t int32_t uint64_t int64_t INFINITY NAN
+
+#endif  // DFLASH_CUDA_EMU_H

@@ -1,0 +1,77 @@
+"""Emulated device memory: NumPy arrays whose bytes sit flush against a
+PROT_NONE guard page, so a kernel that reads or writes past the end faults
+at once; the fault address is mapped back to the array it overran."""
+from __future__ import annotations
+
+import bisect
+import ctypes
+import mmap
+import threading
+import weakref
+
+import numpy as np
+
+PAGE = mmap.PAGESIZE
+ALIGN = 16  # kernels may use 16-byte vector loads on any array base
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_PROT_NONE = 0
+
+_lock = threading.Lock()
+_starts: list[int] = []          # sorted mapping start addresses
+_regions: dict[int, tuple] = {}  # start -> (map_end, data_start, data_end, description)
+
+
+def _forget(start: int) -> None:
+    with _lock:
+        i = bisect.bisect_left(_starts, start)
+        if i < len(_starts) and _starts[i] == start:
+            _starts.pop(i)
+        _regions.pop(start, None)
+
+
+def guarded_empty(shape, dtype, what: str = "array") -> np.ndarray:
+    """An uninitialised C-contiguous array with guard pages on both sides."""
+    dtype = np.dtype(dtype)
+    shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+    if any(s < 0 for s in shape):
+        raise ValueError(f"shape {shape} has a negative dimension")
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    data_pages = max(1, -(-(nbytes + ALIGN) // PAGE))
+    total = (data_pages + 2) * PAGE
+    mm = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    probe = ctypes.c_char.from_buffer(mm)
+    base = ctypes.addressof(probe)
+    del probe
+    for guard in (base, base + (data_pages + 1) * PAGE):
+        if _libc.mprotect(guard, PAGE, _PROT_NONE) != 0:
+            raise OSError(ctypes.get_errno(), "mprotect of a guard page failed")
+    data_end = base + (data_pages + 1) * PAGE
+    off = (data_end - nbytes) // ALIGN * ALIGN - base
+    arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=off)
+    arr = arr.view(dtype).reshape(shape) if nbytes else np.empty(shape, dtype)
+    desc = f"{what} shape={shape} dtype={dtype.name}"
+    with _lock:
+        bisect.insort(_starts, base)
+        _regions[base] = (base + total, base + off, base + off + nbytes, desc)
+    weakref.finalize(mm, _forget, base)
+    return arr
+
+
+def describe_address(addr: int | None) -> str:
+    """Which emulated array an address falls next to, for fault reports."""
+    if addr is None:
+        return "at an unknown address"
+    with _lock:
+        i = bisect.bisect_right(_starts, addr) - 1
+        if i >= 0:
+            start = _starts[i]
+            map_end, d0, d1, desc = _regions[start]
+            if start <= addr < map_end:
+                if addr >= d1:
+                    return f"at 0x{addr:x}, {addr - d1} bytes past the end of {desc}"
+                if addr < d0:
+                    return f"at 0x{addr:x}, {d0 - addr} bytes before the start of {desc}"
+                return f"at 0x{addr:x}, inside {desc}"
+    return f"at 0x{addr:x}, outside every emulated device array"
