@@ -33,7 +33,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <thread>
 #include <vector>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -488,8 +487,8 @@ static inline void resolve_warp(Block* b, int wi) {
         }
         f->warp_result = r;
         f->state = RUNNABLE;
-        w.present[l] = false;
     }
+    for (int l = 0; l < 32; l++) w.present[l] = false;
     w.arrived = 0;
 }
 
@@ -721,32 +720,18 @@ static void run_blocks(void (*body)(void**), void** args, const unsigned* grid, 
     tl_fiber = nullptr;
 }
 
+// Runs blocks first, first+stride, ... of a launch on the calling OS thread;
+// the Python side spreads a launch over its persistent worker threads (fiber
+// stacks and shared memory are per OS thread and stay warm between launches).
 static int launch(void (*body)(void**), void** args, const unsigned* grid, const unsigned* block,
-                  void (*poison)(unsigned), unsigned shmem, unsigned long long seed, int order, int nworkers,
-                  char* err, int errlen, void** fault_addr, int* fault_sig) {
-    const unsigned long long total = (unsigned long long)grid[0] * grid[1] * grid[2];
-    if (nworkers < 1) nworkers = 1;
-    if ((unsigned long long)nworkers > total) nworkers = (int)total;
-    std::vector<LaunchResult> res((size_t)nworkers, LaunchResult{0, nullptr, 0});
-    std::vector<std::vector<char>> errs((size_t)nworkers, std::vector<char>((size_t)errlen, 0));
-    if (nworkers == 1) {
-        run_blocks(body, args, grid, block, poison, shmem, seed, order, 0, 1, errs[0].data(), errlen, &res[0]);
-    } else {
-        std::vector<std::thread> th;
-        for (int w = 0; w < nworkers; w++)
-            th.emplace_back(run_blocks, body, args, grid, block, poison, shmem, seed, order,
-                            (unsigned long long)w, (unsigned long long)nworkers, errs[w].data(), errlen, &res[w]);
-        for (auto& t : th) t.join();
-    }
-    for (int w = 0; w < nworkers; w++) {
-        if (res[w].status) {
-            std::memcpy(err, errs[w].data(), (size_t)errlen);
-            *fault_addr = res[w].fault_addr;
-            *fault_sig = res[w].fault_sig;
-            return res[w].status;
-        }
-    }
-    return 0;
+                  void (*poison)(unsigned), unsigned shmem, unsigned long long seed, int order,
+                  unsigned long long first, unsigned long long stride, char* err, int errlen,
+                  void** fault_addr, int* fault_sig) {
+    LaunchResult res{0, nullptr, 0};
+    run_blocks(body, args, grid, block, poison, shmem, seed, order, first, stride, err, errlen, &res);
+    *fault_addr = res.fault_addr;
+    *fault_sig = res.fault_sig;
+    return res.status;
 }
 
 template <typename T> static inline unsigned long long to_bits(T v) {

@@ -119,10 +119,11 @@ def generate_tu(src_path: Path, kernels: list[KernelSig], smem: dict[str, str]) 
     lines.append("static void (*const emu_tramps[])(void**) = {"
                  + ", ".join(f"emu_tramp_{i}" for i in range(len(kernels))) + "};")
     lines.append('extern "C" int emu_launch(int k, void** args, const unsigned* grid, const unsigned* block,')
-    lines.append("        unsigned shmem, unsigned long long seed, int order, int nworkers,")
+    lines.append("        unsigned shmem, unsigned long long seed, int order, unsigned long long first,")
+    lines.append("        unsigned long long stride,")
     lines.append("        char* err, int errlen, void** fault_addr, int* fault_sig) {")
     lines.append("    return emu::launch(emu_tramps[k], args, grid, block, emu_poison_smem, shmem, seed, order,")
-    lines.append("                       nworkers, err, errlen, fault_addr, fault_sig);")
+    lines.append("                       first, stride, err, errlen, fault_addr, fault_sig);")
     lines.append("}")
     return "\n".join(lines) + "\n"
 

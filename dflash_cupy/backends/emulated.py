@@ -150,22 +150,30 @@ class EmuKernel(Kernel):
         backend = self._module.backend
         grid = (ctypes.c_uint * 3)(*g)
         block = (ctypes.c_uint * 3)(*b)
-        err = ctypes.create_string_buffer(_ERRLEN)
-        fault_addr = ctypes.c_void_p()
-        fault_sig = ctypes.c_int()
         seed = backend._next_seed()
         nblocks = g[0] * g[1] * g[2]
-        workers = min(backend.threads, nblocks)
-        rc = self._module._launch(self._index, ptrs, grid, block, shared_mem, seed, backend.order,
-                                  workers, err, _ERRLEN, ctypes.byref(fault_addr), ctypes.byref(fault_sig))
-        if rc == 0:
-            return
-        where = err.value.decode(errors="replace")
-        if rc == 2:
-            what = _SIGNAMES.get(fault_sig.value, f"signal {fault_sig.value}")
-            loc = emu_memory.describe_address(fault_addr.value)
-            raise KernelLaunchError(f"kernel {self.name}: {what} {loc} in {where}")
-        raise KernelLaunchError(f"kernel {self.name}: {where}")
+        # Worker threads pay off only when there is enough work to share.
+        workers = min(backend.threads, nblocks) if nblocks * b[0] * b[1] * b[2] >= 4096 else 1
+
+        def part(first: int):
+            err = ctypes.create_string_buffer(_ERRLEN)
+            fault_addr, fault_sig = ctypes.c_void_p(), ctypes.c_int()
+            rc = self._module._launch(self._index, ptrs, grid, block, shared_mem, seed, backend.order,
+                                      first, workers, err, _ERRLEN, ctypes.byref(fault_addr),
+                                      ctypes.byref(fault_sig))
+            return rc, err.value.decode(errors="replace"), fault_addr.value, fault_sig.value
+
+        if workers == 1:
+            results = [part(0)]
+        else:
+            results = list(backend._pool().map(part, range(workers)))
+        for rc, where, addr, sig in results:
+            if rc == 2:
+                what = _SIGNAMES.get(sig, f"signal {sig}")
+                raise KernelLaunchError(f"kernel {self.name}: {what} {emu_memory.describe_address(addr)} "
+                                        f"in {where}")
+            if rc:
+                raise KernelLaunchError(f"kernel {self.name}: {where}")
 
 
 class EmuModule(Module):
@@ -175,8 +183,8 @@ class EmuModule(Module):
         f = self._lib.emu_launch
         f.restype = ctypes.c_int
         f.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint,
-                      ctypes.c_ulonglong, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
-                      ctypes.c_void_p, ctypes.c_void_p)
+                      ctypes.c_ulonglong, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ulonglong,
+                      ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
         self._launch = f
         self._kernels = {k.name: EmuKernel(self, i, k) for i, k in enumerate(kernels)}
 
@@ -202,6 +210,13 @@ class EmulatedBackend(Backend):
         self._launch_count = 0
         self._capturing: EmuStream | None = None
         self._lock = threading.Lock()
+        self._executor = None
+
+    def _pool(self):
+        if self._executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="dflash-emu")
+        return self._executor
 
     # ---- debug settings
     @property

@@ -1,0 +1,661 @@
+"""The CUDA backend: CuPy arrays, NVRTC-compiled ``cupy.RawModule`` kernels,
+CuPy streams/events and CUDA graph capture.
+
+Behaviour mirrors ``EmulatedBackend`` (``backends/emulated.py``) wherever
+the interface says what happens, so code that passes on the emulator runs
+here unchanged:
+
+* Kernel arguments are checked against the kernel's C signature (parsed from
+  the source with the emulator's own parser, ``emu_build.parse_kernels``):
+  pointer parameters take CuPy arrays, scalar parameters take NumPy scalars
+  of exactly the parameter's dtype. CuPy itself would silently pass a Python
+  ``int`` as a 64-bit value and launch with a wrong argument count; both are
+  undefined behaviour on the device, so they raise ``TypeError`` here.
+* While a stream is capturing, every launch/copy/event record must name the
+  capturing stream, and allocation, host reads, synchronisation, compilation
+  and graph launches raise ``CaptureError`` (checked against this backend's
+  own flag before touching CUDA).
+* ``stream()`` and ``event()`` return thin wrappers (``CudaStream``,
+  ``CudaEvent``) whose ``synchronize()`` honours the capture rule; the raw
+  CuPy objects are their ``.raw`` attributes. Raw ``cupy.cuda.Stream`` /
+  ``ExternalStream`` objects are accepted wherever a stream is taken.
+
+Not shared with the emulator: H2D copies require ``src`` to be a pinned
+buffer from ``pinned_empty`` (a pageable source cannot be replayed by a
+graph and makes ``cudaMemcpyAsync`` synchronous), and a D2H copy issued
+during capture requires a pinned ``dst`` for the same reason.
+
+API facts relied on (CuPy 13/14; confirmed against CuPy's sources/docs):
+
+* ``RawModule(code=, options=<tuple>, backend="nvrtc")`` compiles lazily;
+  ``RawModule.compile()`` forces it, raising
+  ``cupy.cuda.compiler.CompileException`` whose message is the NVRTC log.
+  CuPy appends ``-ftz=true``, its own include dirs and
+  ``--device-as-default-execution-space`` and compiles to a cubin for the
+  current device's architecture (cupy/cuda/compiler.py).
+* ``RawKernel.__call__(grid: tuple, block: tuple, args, shared_mem=,
+  stream=)`` forwards to ``Function.__call__``; ``stream=None`` means the
+  current stream. CuPy clamps every grid/block dimension to >= 1, so a zero
+  grid would launch one block; ``_dim3`` rejects it first.
+* ``RawKernel.max_dynamic_shared_size_bytes`` is a setter for
+  ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` (the driver-API name of
+  ``cudaFuncAttributeMaxDynamicSharedMemorySize``), needed above 48 KiB.
+* ``cupy.cuda.runtime.memcpyAsync(dst, src, size, kind, stream_ptr)`` is a
+  plain ``cudaMemcpyAsync``; stream capture records it as a memcpy node
+  (CUDA Programming Guide, "Creating a Graph Using Stream Capture"), unlike
+  CuPy's higher-level transfers: ``Stream.begin_capture``'s docstring says
+  synchronous device-host transfers raise during capture.
+* ``Stream.begin_capture(mode=None)`` uses ``cudaStreamCaptureModeRelaxed``
+  and refuses the legacy default stream; ``Stream.end_capture()`` returns an
+  instantiated ``cupy.cuda.Graph`` whose ``launch(stream=None)`` runs on the
+  given (or current) stream (cupy/cuda/stream.pyx, cupy/cuda/graph.pyx).
+* ``cupy.cuda.alloc_pinned_memory(n)`` returns a ``PinnedMemoryPointer``
+  exporting the buffer protocol (``numpy.frombuffer`` keeps it alive); its
+  ``.mem`` is weak-referenceable and dies when the last view of the
+  allocation does. ``set_pinned_memory_allocator`` has no getter, so the
+  capture guard restores CuPy's default pinned pool allocator.
+* ``cupy.cuda.set_allocator`` raises inside a ``using_allocator`` block and
+  is process-global, so the capture guard uses the thread-local
+  ``cupy.cuda.using_allocator`` context (entered at ``begin_capture``, left
+  at ``end_capture``) which takes precedence over the global allocator.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import re
+import weakref
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+import cupy
+from cupy.cuda import driver as _driver
+from cupy.cuda import runtime as _runtime
+
+from . import emu_build
+from .base import (Backend, BackendError, CaptureError, Graph, Kernel, KernelLaunchError, Module,
+                   copy_nbytes)
+
+NVRTC_FLAGS = ("--std=c++17", "-ftz=true")
+
+_DEFAULT_SMEM = 48 * 1024        # dynamic shared memory allowed without the opt-in attribute
+_FALLBACK_SMEM_OPTIN = 232448    # Hopper/Ampere-A100 class opt-in limit, if the query fails
+_DEFAULT_STREAM_PTRS = (0, 1, 2)  # legacy NULL, cudaStreamLegacy, cudaStreamPerThread
+
+
+# ---------------------------------------------------------------------------
+# CUDA headers for NVRTC
+# ---------------------------------------------------------------------------
+def nvrtc_version() -> tuple[int, int] | None:
+    """(major, minor) of the NVRTC library CuPy loads, or None if it cannot be loaded."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+        major, minor = nvrtc.getVersion()
+        return int(major), int(minor)
+    except Exception:
+        return None
+
+
+def _header_major(d: Path) -> int | None:
+    try:
+        text = (d / "cuda_runtime_api.h").read_text(errors="replace")
+    except OSError:
+        return None
+    m = re.search(r"#define\s+CUDART_VERSION\s+(\d+)", text)
+    return int(m.group(1)) // 1000 if m else None
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_include_dirs() -> tuple[str, ...]:
+    """The CUDA runtime header directory (``cuda_fp16.h``, ``cuda_bf16.h``) whose
+    version matches NVRTC's major version, as a 0- or 1-tuple.
+
+    Wheel layouts: CUDA 13 puts every toolkit header in ``nvidia/cu13/include``,
+    CUDA 12 in per-component ``nvidia/cuda_runtime/include`` (the same two
+    layouts ``cuda.pathfinder``'s ``cudart`` entry lists). Headers of another
+    major version are skipped: CuPy adds its own include directories after
+    ours, so a mismatched directory here would shadow a correct one there.
+    """
+    ver = nvrtc_version()
+    major = ver[0] if ver else None
+    cands: list[Path] = []
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+        found = find_nvidia_header_directory("cudart")
+        if found:
+            cands.append(Path(found))
+    except Exception:
+        pass
+    try:
+        import nvidia
+        for base in list(getattr(nvidia, "__path__", [])):
+            base = Path(base)
+            if major is not None:
+                cands.append(base / f"cu{major}" / "include")
+            cands += [base / "cu13" / "include", base / "cu12" / "include",
+                      base / "cuda_runtime" / "include"]
+    except ImportError:
+        pass
+    for var in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(var):
+            cands.append(Path(os.environ[var]) / "include")
+    try:
+        root = cupy.cuda.get_cuda_path()
+        if root:
+            cands.append(Path(root) / "include")
+    except Exception:
+        pass
+    cands.append(Path("/usr/local/cuda/include"))
+    seen = set()
+    for d in cands:
+        try:
+            key = d.resolve()
+        except OSError:
+            continue
+        if key in seen:
+            continue
+        seen.add(key)
+        if not (d / "cuda_fp16.h").is_file():
+            continue
+        hm = _header_major(d)
+        if major is None or hm is None or hm == major:
+            return (str(d),)
+    return ()
+
+
+def _normalise_options(options: Sequence[str]) -> tuple[str, ...]:
+    """Options as NVRTC wants them: one token each, ``-I dir`` joined to ``-Idir``."""
+    out: list[str] = []
+    opts = [str(o) for o in options]
+    i = 0
+    while i < len(opts):
+        o = opts[i].strip()
+        if o in ("-I", "-D") and i + 1 < len(opts):
+            o = o + opts[i + 1].strip()
+            i += 1
+        elif (o.startswith("-I ") or o.startswith("-D ")):
+            o = o[:2] + o[2:].strip()
+        out.append(o)
+        i += 1
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+def _dim3(v, what: str) -> tuple[int, int, int]:
+    t = (v,) if isinstance(v, (int, np.integer)) else tuple(v)
+    if not 1 <= len(t) <= 3:
+        raise ValueError(f"{what} must have 1 to 3 dimensions, got {v!r}")
+    t = tuple(int(x) for x in t) + (1,) * (3 - len(t))
+    if any(x < 1 for x in t):
+        raise ValueError(f"{what} dimensions must be >= 1, got {v!r}")
+    return t
+
+
+def _host_ptr(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def _check_dtype_supported(dtype) -> np.dtype:
+    dt = np.dtype(dtype)
+    if dt.kind == "V" or dt.name == "bfloat16":
+        raise TypeError(f"dtype {dt} cannot live in a CuPy array; store bf16 as np.uint16 bit patterns "
+                        "(x.astype(ml_dtypes.bfloat16).view(np.uint16))")
+    return dt
+
+
+# ---------------------------------------------------------------------------
+# streams, events, graphs
+# ---------------------------------------------------------------------------
+class CudaStream:
+    """A non-blocking CuPy stream (``.raw``) whose ``synchronize()`` refuses during capture."""
+
+    def __init__(self, backend: "CudaBackend", raw):
+        self._backend = backend
+        self.raw = raw
+
+    @property
+    def ptr(self) -> int:
+        return self.raw.ptr
+
+    def synchronize(self) -> None:
+        self._backend._no_capture("stream.synchronize()")
+        try:
+            self.raw.synchronize()
+        except _runtime.CUDARuntimeError as e:
+            raise KernelLaunchError(f"device error while synchronising a stream "
+                                    f"(an earlier kernel failed?): {e}") from e
+
+    def is_capturing(self) -> bool:
+        return self._backend._capture_raw is not None and self._backend._capture_raw.ptr == self.ptr
+
+    def __repr__(self) -> str:
+        return f"<CudaStream 0x{self.ptr:x}>"
+
+
+class CudaEvent:
+    """A CuPy event (``.raw``) with ``record(stream)``, ``synchronize()`` and ``query()``."""
+
+    def __init__(self, backend: "CudaBackend"):
+        self._backend = backend
+        self.raw = cupy.cuda.Event()
+
+    def record(self, stream=None) -> None:
+        raw = self._backend._stream_for(stream, "event.record()")
+        self.raw.record(raw)
+
+    def synchronize(self) -> None:
+        self._backend._no_capture("event.synchronize()")
+        try:
+            self.raw.synchronize()
+        except _runtime.CUDARuntimeError as e:
+            raise KernelLaunchError(f"device error while synchronising an event "
+                                    f"(an earlier kernel failed?): {e}") from e
+
+    def query(self) -> bool:
+        try:
+            return bool(self.raw.done)
+        except _runtime.CUDARuntimeError as e:
+            if self._backend.is_capturing():
+                raise CaptureError(f"event.query() failed while a stream is capturing: {e}") from e
+            raise KernelLaunchError(f"device error while querying an event: {e}") from e
+
+
+class CudaGraph(Graph):
+    """An instantiated CUDA graph (``.raw`` is the ``cupy.cuda.Graph``)."""
+
+    def __init__(self, backend: "CudaBackend", raw, n_launches: int, n_copies: int):
+        self._backend = backend
+        self.raw = raw
+        self.n_launches = n_launches
+        self.n_copies = n_copies
+
+    def launch(self, stream=None) -> None:
+        self._backend._no_capture("graph.launch()")
+        raw = self._backend._stream_for(stream, "graph.launch()")
+        try:
+            self.raw.launch(stream=raw)
+        except _runtime.CUDARuntimeError as e:
+            raise KernelLaunchError(f"graph launch failed: {e}") from e
+
+
+# ---------------------------------------------------------------------------
+# modules and kernels
+# ---------------------------------------------------------------------------
+class CudaKernel(Kernel):
+    def __init__(self, module: "CudaModule", raw, sig: emu_build.KernelSig):
+        self._module = module
+        self._raw = raw
+        self.sig = sig
+        self.name = sig.name
+        self._smem_attr = _DEFAULT_SMEM  # dynamic shared memory currently allowed by the attribute
+
+    @property
+    def raw(self):
+        """The ``cupy.RawKernel`` (for attributes such as ``num_regs``)."""
+        return self._raw
+
+    def _check_args(self, args: Sequence[Any]) -> tuple:
+        params = self.sig.params
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"kernel {self.name}: args must be a tuple, got {type(args).__name__}")
+        if len(args) != len(params):
+            raise TypeError(f"kernel {self.name} takes {len(params)} arguments "
+                            f"({', '.join(p.name for p in params)}), got {len(args)}")
+        for i, (p, a) in enumerate(zip(params, args)):
+            if p.is_pointer:
+                if not isinstance(a, cupy.ndarray):
+                    hint = " (a host NumPy array; copy it to the device first)" \
+                        if isinstance(a, np.ndarray) else ""
+                    raise TypeError(f"kernel {self.name}: argument {i} ({p.name}: {p.ctype}) must be a "
+                                    f"device array, got {type(a).__name__}{hint}")
+            else:
+                if not isinstance(a, np.generic):
+                    raise TypeError(f"kernel {self.name}: argument {i} ({p.name}: {p.ctype}) must be a NumPy "
+                                    f"scalar of dtype {p.dtype}, got {type(a).__name__} {a!r}")
+                if a.dtype != np.dtype(p.dtype):
+                    raise TypeError(f"kernel {self.name}: argument {i} ({p.name}: {p.ctype}) needs dtype "
+                                    f"{p.dtype}, got {a.dtype}")
+        return tuple(args)
+
+    def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0, stream=None) -> None:
+        be = self._module.backend
+        g, b = _dim3(grid, f"kernel {self.name}: grid"), _dim3(block, f"kernel {self.name}: block")
+        nthreads = b[0] * b[1] * b[2]
+        if nthreads > 1024:
+            raise ValueError(f"kernel {self.name}: block {b} has {nthreads} threads (max 1024)")
+        shared_mem = int(shared_mem)
+        limit = be._smem_optin()
+        if not 0 <= shared_mem <= limit:
+            raise ValueError(f"kernel {self.name}: shared_mem={shared_mem} outside [0, {limit}]")
+        args = self._check_args(args)
+        raw_stream = be._stream_for(stream, f"kernel {self.name}")
+        try:
+            if shared_mem > self._smem_attr:
+                # Needed above 48 KiB; set once per kernel, ideally by a warm-up launch before
+                # capture (it is a function attribute, not stream work).
+                self._raw.max_dynamic_shared_size_bytes = shared_mem
+                self._smem_attr = shared_mem
+            self._raw(g, b, args, shared_mem=shared_mem, stream=raw_stream)
+        except (_driver.CUDADriverError, _runtime.CUDARuntimeError) as e:
+            raise KernelLaunchError(f"kernel {self.name}: launch grid={g} block={b} shared_mem={shared_mem} "
+                                    f"failed: {e}") from e
+        if be._capture_raw is not None:
+            be._captured_launches += 1
+
+
+class CudaModule(Module):
+    def __init__(self, backend: "CudaBackend", raw_module, sigs: list[emu_build.KernelSig],
+                 filename: str):
+        self.backend = backend
+        self.raw = raw_module
+        self.filename = filename
+        self._sigs = {s.name: s for s in sigs}
+        self._kernels: dict[str, CudaKernel] = {}
+
+    def get_function(self, name: str) -> CudaKernel:
+        k = self._kernels.get(name)
+        if k is not None:
+            return k
+        sig = self._sigs.get(name)
+        if sig is None:
+            raise BackendError(f"no extern \"C\" __global__ function {name!r} in module {self.filename} "
+                               f"(has: {', '.join(self._sigs) or 'none'})")
+        try:
+            raw = self.raw.get_function(name)  # loads the function now (CUDA_ERROR_NOT_FOUND if absent)
+        except (_driver.CUDADriverError, _runtime.CUDARuntimeError) as e:
+            raise BackendError(f"kernel {name!r} of {self.filename} could not be loaded: {e}") from e
+        k = CudaKernel(self, raw, sig)
+        self._kernels[name] = k
+        return k
+
+
+# ---------------------------------------------------------------------------
+# the backend
+# ---------------------------------------------------------------------------
+def _deny_device_alloc(size):
+    raise CaptureError(f"device allocation during capture ({size} bytes): allocate every buffer "
+                       "before begin_capture (a captured graph must not depend on pool addresses)")
+
+
+def _deny_pinned_alloc(size):
+    raise CaptureError(f"pinned host allocation during capture ({size} bytes): CuPy stages host "
+                       "transfers through pinned memory, which cannot be captured; allocate "
+                       "pinned buffers with pinned_empty() before begin_capture")
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self):
+        # Nothing here touches the device, so the class can be built (and its interface checked)
+        # on a machine without a GPU.
+        self._capture_raw = None          # raw cupy stream being captured, or None
+        self._alloc_guard = None          # the entered using_allocator context during capture
+        self._captured_launches = 0
+        self._captured_copies = 0
+        self._pinned: dict[int, tuple[int, int]] = {}   # key -> [start, end) of a live pinned block
+        self._pinned_keys = itertools.count()
+        self._smem_limit: int | None = None
+
+    # ---- capture plumbing -------------------------------------------------
+    def _no_capture(self, what: str) -> None:
+        if self._capture_raw is not None:
+            raise CaptureError(f"{what} is not allowed while a stream is capturing "
+                               f"(it would not be recorded into the graph)")
+
+    @staticmethod
+    def _raw_stream(stream):
+        if stream is None:
+            return None
+        if isinstance(stream, CudaStream):
+            return stream.raw
+        if isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
+            return stream
+        raise TypeError(f"stream must be a stream from backend.stream(), a cupy.cuda.Stream or None, "
+                        f"got {type(stream).__name__}")
+
+    def _stream_for(self, stream, what: str):
+        """The raw CuPy stream to issue work on (None: CuPy's current stream)."""
+        raw = self._raw_stream(stream)
+        cap = self._capture_raw
+        if cap is not None and (raw is None or raw.ptr != cap.ptr):
+            raise CaptureError(f"{what}: work was issued to another stream (or the default stream) while "
+                               "a stream is capturing; issue it to the capturing stream")
+        return raw
+
+    @staticmethod
+    def _stream_ptr(raw) -> int:
+        return int((raw if raw is not None else cupy.cuda.get_current_stream()).ptr)
+
+    def _smem_optin(self) -> int:
+        if self._smem_limit is None:
+            try:
+                self._smem_limit = int(_runtime.deviceGetAttribute(
+                    _runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, _runtime.getDevice()))
+            except Exception:
+                self._smem_limit = _FALLBACK_SMEM_OPTIN
+        return self._smem_limit
+
+    # ---- arrays -----------------------------------------------------------
+    def empty(self, shape, dtype):
+        self._no_capture("allocation (empty)")
+        return cupy.empty(shape, _check_dtype_supported(dtype))
+
+    def zeros(self, shape, dtype):
+        self._no_capture("allocation (zeros)")
+        a = cupy.zeros(shape, _check_dtype_supported(dtype))
+        # cupy.zeros memsets on the current stream; finish it so work on any other (non-blocking)
+        # stream sees zeros, as on the emulator.
+        _runtime.deviceSynchronize()
+        return a
+
+    def asarray(self, host):
+        self._no_capture("allocation (asarray)")
+        if isinstance(host, cupy.ndarray):
+            a = host.copy()
+            _runtime.deviceSynchronize()
+            return a
+        host = np.ascontiguousarray(host)
+        a = cupy.empty(host.shape, _check_dtype_supported(host.dtype))
+        if host.nbytes:
+            # Synchronous cudaMemcpy plus a device sync: the copy is complete for every stream
+            # when this returns (CuPy's asarray would copy asynchronously on the current stream).
+            _runtime.memcpy(a.data.ptr, _host_ptr(host), host.nbytes, _runtime.memcpyHostToDevice)
+            _runtime.deviceSynchronize()
+        return a
+
+    def to_numpy(self, arr) -> np.ndarray:
+        self._no_capture("to_numpy (a device-to-host read)")
+        if isinstance(arr, np.ndarray):
+            return np.array(arr, copy=True)
+        if not isinstance(arr, cupy.ndarray):
+            raise TypeError(f"arr must be a CuPy device array, got {type(arr).__name__}")
+        src = cupy.ascontiguousarray(arr)
+        out = np.empty(arr.shape, arr.dtype)
+        try:
+            _runtime.deviceSynchronize()
+            if out.nbytes:
+                _runtime.memcpy(_host_ptr(out), src.data.ptr, out.nbytes, _runtime.memcpyDeviceToHost)
+        except _runtime.CUDARuntimeError as e:
+            raise KernelLaunchError(f"device error while reading an array (an earlier kernel "
+                                    f"failed?): {e}") from e
+        return out
+
+    def pinned_empty(self, shape, dtype) -> np.ndarray:
+        self._no_capture("allocation (pinned_empty)")
+        dtype = np.dtype(dtype)
+        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        if any(s < 0 for s in shape):
+            raise ValueError(f"shape {shape} has a negative dimension")
+        count = int(np.prod(shape, dtype=np.int64))
+        nbytes = count * dtype.itemsize
+        mem = cupy.cuda.alloc_pinned_memory(nbytes)
+        # frombuffer keeps `mem` alive through the array's base; the pool may round the block up.
+        arr = np.frombuffer(mem, dtype=dtype, count=count).reshape(shape)
+        if nbytes:
+            key = next(self._pinned_keys)
+            start = int(mem.ptr)
+            self._pinned[key] = (start, start + nbytes)
+            owner = getattr(mem, "mem", None)
+            try:
+                weakref.finalize(owner if owner is not None else mem, self._pinned.pop, key, None)
+            except TypeError:
+                # Not weak-referenceable (a custom pinned allocator): tie the entry to the array.
+                weakref.finalize(arr, self._pinned.pop, key, None)
+        return arr
+
+    def is_pinned(self, a: np.ndarray) -> bool:
+        """True if ``a``'s bytes lie in a live buffer from ``pinned_empty``."""
+        if not isinstance(a, np.ndarray):
+            return False
+        start = _host_ptr(a)
+        end = start + a.nbytes
+        return any(s <= start and end <= e for s, e in list(self._pinned.values()))
+
+    def is_device_array(self, x) -> bool:
+        return isinstance(x, cupy.ndarray)
+
+    # ---- code -------------------------------------------------------------
+    def compile(self, source: str, options: Sequence[str] = (), filename: str | None = None) -> CudaModule:
+        self._no_capture("compile")
+        fname = filename or "<source>.cu"
+        try:
+            sigs = emu_build.parse_kernels(source)
+        except ValueError as e:
+            raise BackendError(f"{fname}: {e}") from None
+        opts = NVRTC_FLAGS + _normalise_options(options) + tuple("-I" + d for d in cuda_include_dirs())
+        # #line makes NVRTC name the original file in its messages (CuPy compiles a hashed temp name).
+        escaped = fname.replace("\\", "\\\\").replace('"', '\\"')
+        code = f'#line 1 "{escaped}"\n' + source
+        try:
+            raw = cupy.RawModule(code=code, options=opts, backend="nvrtc")
+            raw.compile()  # eager: errors surface here, not at the first launch
+        except cupy.cuda.compiler.CompileException as e:
+            raise BackendError(f"NVRTC failed to compile {fname}:\n{e}\n"
+                               f"(options: {' '.join(opts)})") from None
+        except Exception as e:  # CUDA root not found, cubin load failure, ...
+            raise BackendError(f"compiling {fname} for CUDA failed: {type(e).__name__}: {e}") from e
+        return CudaModule(self, raw, sigs, fname)
+
+    # ---- streams, events, copies -------------------------------------------
+    def stream(self) -> CudaStream:
+        return CudaStream(self, cupy.cuda.Stream(non_blocking=True))
+
+    def event(self) -> CudaEvent:
+        return CudaEvent(self)
+
+    def _memcpy(self, dst_ptr: int, src_ptr: int, n: int, kind: int, raw_stream, what: str) -> None:
+        if n == 0:
+            return
+        try:
+            _runtime.memcpyAsync(dst_ptr, src_ptr, n, kind, self._stream_ptr(raw_stream))
+        except _runtime.CUDARuntimeError as e:
+            if self._capture_raw is not None:
+                raise CaptureError(f"{what}: cudaMemcpyAsync refused during capture: {e}") from e
+            raise BackendError(f"{what}: cudaMemcpyAsync failed: {e}") from e
+        if self._capture_raw is not None:
+            self._captured_copies += 1
+
+    def copy_h2d_async(self, dst, src: np.ndarray, stream=None, nbytes: int | None = None) -> None:
+        what = "copy_h2d_async"
+        if not isinstance(dst, cupy.ndarray):
+            raise TypeError(f"{what}: dst must be a CuPy device array, got {type(dst).__name__}")
+        if not isinstance(src, np.ndarray):
+            raise TypeError(f"{what}: src must be a pinned NumPy array from pinned_empty(), "
+                            f"got {type(src).__name__}")
+        n = copy_nbytes(dst, src, nbytes, what)
+        if not self.is_pinned(src):
+            raise ValueError(f"{what}: src is not pinned host memory; allocate it with "
+                             "backend.pinned_empty() (the copy reads it when it executes, "
+                             "which for a captured copy is at graph replay)")
+        raw = self._stream_for(stream, what)
+        self._memcpy(dst.data.ptr, _host_ptr(src), n, _runtime.memcpyHostToDevice, raw, what)
+
+    def copy_d2h_async(self, dst: np.ndarray, src, stream=None, nbytes: int | None = None) -> None:
+        what = "copy_d2h_async"
+        if not isinstance(dst, np.ndarray):
+            raise TypeError(f"{what}: dst must be a NumPy array, got {type(dst).__name__}")
+        if not isinstance(src, cupy.ndarray):
+            raise TypeError(f"{what}: src must be a CuPy device array, got {type(src).__name__}")
+        if not dst.flags.writeable:
+            raise ValueError(f"{what}: dst is read-only")
+        n = copy_nbytes(dst, src, nbytes, what)
+        if self._capture_raw is not None and not self.is_pinned(dst):
+            raise ValueError(f"{what}: during capture dst must be pinned host memory from "
+                             "backend.pinned_empty() (the graph writes it at replay)")
+        raw = self._stream_for(stream, what)
+        self._memcpy(_host_ptr(dst), src.data.ptr, n, _runtime.memcpyDeviceToHost, raw, what)
+
+    def copy_d2d_async(self, dst, src, stream=None, nbytes: int | None = None) -> None:
+        what = "copy_d2d_async"
+        for name, a in (("dst", dst), ("src", src)):
+            if not isinstance(a, cupy.ndarray):
+                raise TypeError(f"{what}: {name} must be a CuPy device array, got {type(a).__name__}")
+        n = copy_nbytes(dst, src, nbytes, what)
+        d0, s0 = int(dst.data.ptr), int(src.data.ptr)
+        if n and d0 != s0 and d0 < s0 + n and s0 < d0 + n:
+            # cudaMemcpyAsync on overlapping ranges is undefined; fail loudly instead.
+            raise ValueError(f"{what}: dst and src overlap ({n} bytes at 0x{d0:x} and 0x{s0:x})")
+        raw = self._stream_for(stream, what)
+        self._memcpy(d0, s0, n, _runtime.memcpyDeviceToDevice, raw, what)
+
+    def synchronize(self) -> None:
+        self._no_capture("synchronize()")
+        try:
+            _runtime.deviceSynchronize()
+        except _runtime.CUDARuntimeError as e:
+            raise KernelLaunchError(f"device error while synchronising (an earlier kernel failed?): "
+                                    f"{e}") from e
+
+    # ---- capture ----------------------------------------------------------
+    def begin_capture(self, stream) -> None:
+        if self._capture_raw is not None:
+            raise CaptureError("a stream is already capturing")
+        if stream is None:
+            raise CaptureError("capture needs a stream from backend.stream() (not the default stream)")
+        raw = self._raw_stream(stream)
+        if raw.ptr in _DEFAULT_STREAM_PTRS:
+            raise CaptureError("capture needs a stream from backend.stream() (not the default stream)")
+        guard = cupy.cuda.using_allocator(_deny_device_alloc)
+        guard.__enter__()
+        cupy.cuda.set_pinned_memory_allocator(_deny_pinned_alloc)
+        try:
+            raw.begin_capture()
+        except BaseException as e:
+            self._restore_allocators(guard)
+            raise CaptureError(f"cudaStreamBeginCapture failed: {e}") from e
+        self._alloc_guard = guard
+        self._capture_raw = raw
+        self._captured_launches = 0
+        self._captured_copies = 0
+
+    def _restore_allocators(self, guard) -> None:
+        cupy.cuda.set_pinned_memory_allocator(cupy.get_default_pinned_memory_pool().malloc)
+        guard.__exit__(None, None, None)
+
+    def end_capture(self, stream) -> CudaGraph:
+        cap = self._capture_raw
+        if cap is None or stream is None:
+            raise CaptureError("end_capture on a stream that is not capturing")
+        raw = self._raw_stream(stream)
+        if raw.ptr != cap.ptr:
+            raise CaptureError("end_capture on a stream that is not capturing")
+        guard = self._alloc_guard
+        self._capture_raw = None
+        self._alloc_guard = None
+        try:
+            g = cap.end_capture()
+        except Exception as e:
+            # e.g. cudaErrorStreamCaptureInvalidated after an operation capture could not record
+            raise CaptureError(f"capture failed at end_capture: {e}") from e
+        finally:
+            self._restore_allocators(guard)
+        return CudaGraph(self, g, self._captured_launches, self._captured_copies)
+
+    def is_capturing(self) -> bool:
+        return self._capture_raw is not None
