@@ -1,0 +1,398 @@
+"""The float64 NumPy oracle of the drafter step (SPEC §2) and its ring masks (SPEC §3).
+
+This file is the living definition of what the kernels compute. It is
+written to be read, not to be fast: every step of SPEC §2 is one small
+function, all arithmetic is float64, and weights of any stored dtype (f32,
+f16, bf16 via ml_dtypes) are widened to float64 first.
+
+Entry points:
+
+* ``draft_forward(weights, feat_rows, noise_embed, *, lm_head=None, pos_offset=0)``:
+  the legacy one-shot forward over a rebased window (context rows at
+  positions ``pos_offset + 0..C-1``, noise rows at ``pos_offset + C..C+B-1``).
+  Returns ``hidden [B, H]`` float64, or ``(hidden, logits)`` when ``lm_head``
+  is given (``logits = hidden @ lm_head.T``, ``[B, V]``).
+* ``draft_forward_positions(...)``: the same with explicit absolute positions
+  and, optionally, explicit per-layer visibility masks.
+* ``draft_window(weights, features, committed, capacity, noise_embed, ...)``:
+  what a ring-cache step must reproduce: the window ``[lo, committed)`` of a
+  feature history indexed by absolute position, rebased.
+* ``ring_masks(slot_pos, committed, geom, swa_window)``: the f16 ``0 / -inf``
+  masks of SPEC §3 step 5 over the ``kv_total`` cache rows.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .config import DraftConfig
+from .geometry import RingGeometry
+
+__all__ = [
+    "rmsnorm", "silu", "softplus", "rope_parameters", "rope_cos_sin", "apply_rope",
+    "fuse_features", "layer_visibility", "attention", "decoder_layer",
+    "draft_forward", "draft_forward_positions", "draft_window",
+    "ring_masks", "contiguous_slot_pos",
+]
+
+
+# --------------------------------------------------------------------------- basics
+def f64(a) -> np.ndarray:
+    """Any float array (f32, f16, ml_dtypes.bfloat16, ...) as float64."""
+    return np.asarray(a).astype(np.float64)
+
+
+def rmsnorm(x, weight=None, eps: float = 1e-6) -> np.ndarray:
+    """``x / sqrt(mean(x**2) + eps)`` over the last axis, times ``weight`` if given."""
+    x = f64(x)
+    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return y if weight is None else y * f64(weight)
+
+
+def silu(x) -> np.ndarray:
+    """``x * sigmoid(x)``."""
+    with np.errstate(over="ignore"):  # exp(-x) -> inf for x << 0 gives the right limit, -0
+        return x / (1.0 + np.exp(-x))
+
+
+def softplus(x) -> np.ndarray:
+    """``log(1 + exp(x))``, without overflow."""
+    return np.logaddexp(0.0, x)
+
+
+# --------------------------------------------------------------------------- RoPE
+def rope_parameters(config: DraftConfig) -> tuple[np.ndarray, float]:
+    """``(inv_freq [head_dim/2], attention_scaling)`` as Hugging Face computes them.
+
+    Plain RoPE: ``inv_freq[i] = theta ** (-2i/d)``, scaling 1.
+    ``linear``: ``inv_freq / factor``, scaling 1.
+    ``yarn`` (HF ``_compute_yarn_parameters``): per-frequency blend of the
+    interpolated (``/ factor``) and extrapolated (plain) frequencies with a
+    linear ramp between the correction dims of ``beta_fast`` (default 32) and
+    ``beta_slow`` (default 1) over ``original_max_position_embeddings``, and
+    ``attention_scaling = attention_factor`` if given, else
+    ``get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)`` when both
+    are set, else ``0.1 * ln(factor) + 1`` (1 for factor <= 1). HF multiplies
+    cos and sin by it, i.e. both q and k.
+    ``factor`` defaults to ``max_position_embeddings / original_max_position_embeddings``
+    and ``original_max_position_embeddings`` to ``max_position_embeddings``
+    (transformers v5 reading). HF computes these in float32; here they are
+    float64, which changes nothing that matters (a rotation by ``p * f`` for any
+    fixed ``f`` still makes scores depend on position differences only).
+    """
+    d = config.head_dim
+    base = config.rope_theta
+    exponents = np.arange(0, d, 2, dtype=np.float64) / d      # 2i/d
+    pos_freqs = base ** exponents
+    inv_freq = 1.0 / pos_freqs
+    rs = config.rope_scaling
+    if rs is None:
+        return inv_freq, 1.0
+    if rs["rope_type"] == "linear":
+        return inv_freq / float(rs["factor"]), 1.0
+    assert rs["rope_type"] == "yarn", rs
+    return _yarn(rs, d, base, pos_freqs, config.max_position_embeddings)
+
+
+def _yarn(rs: dict, d: int, base: float, pos_freqs: np.ndarray, max_pos):
+    orig = rs.get("original_max_position_embeddings") or max_pos
+    factor = rs.get("factor")
+    if factor is None:
+        factor = max_pos / orig
+    factor = float(factor)
+
+    def get_mscale(scale, mscale=1.0):
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = rs.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = rs.get("mscale"), rs.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = rs.get("beta_fast") or 32
+    beta_slow = rs.get("beta_slow") or 1
+
+    def correction_dim(num_rotations):
+        # the dimension index whose wavelength makes num_rotations turns over `orig` tokens
+        return (d * math.log(orig / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # HF: prevent a zero-width ramp
+    ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    extrapolation_weight = 1.0 - ramp
+    inv_freq_extrapolation = 1.0 / pos_freqs
+    inv_freq_interpolation = 1.0 / (factor * pos_freqs)
+    inv_freq = (inv_freq_interpolation * (1.0 - extrapolation_weight)
+                + inv_freq_extrapolation * extrapolation_weight)
+    return inv_freq, float(attention_factor)
+
+
+def rope_cos_sin(positions, config: DraftConfig) -> tuple[np.ndarray, np.ndarray]:
+    """``cos, sin`` of ``p * inv_freq``, ``[n, head_dim/2]``, already multiplied by
+    the attention scaling. Angles are formed in float64 from integer positions,
+    so positions up to 2^20 and beyond keep ~1e-10 absolute accuracy."""
+    inv_freq, scaling = rope_parameters(config)
+    angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles) * scaling, np.sin(angles) * scaling
+
+
+def apply_rope(x, positions, config: DraftConfig) -> np.ndarray:
+    """NEOX / rotate_half RoPE on ``x [n, heads, d]`` at ``positions [n]``:
+    ``(x_i, x_{i+d/2}) -> (x_i cos - x_{i+d/2} sin, x_{i+d/2} cos + x_i sin)``."""
+    x = f64(x)
+    half = x.shape[-1] // 2
+    cos, sin = rope_cos_sin(positions, config)
+    cos, sin = cos[:, None, :], sin[:, None, :]          # broadcast over heads
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+# --------------------------------------------------------------------------- blocks
+def fuse_features(weights, feat_rows) -> np.ndarray:
+    """SPEC §2.1: feature rows ``[C, fc_in]`` -> fused context rows ``T [C, H]``.
+    With ``aux_hidden_norms`` each captured layer's slice is rms-normalised
+    with its own weight first."""
+    c = weights.config
+    X = f64(feat_rows)
+    if c.aux_hidden_norms:
+        H = c.hidden_size
+        X = np.concatenate(
+            [rmsnorm(X[:, j * H:(j + 1) * H], weights[f"aux_hidden_norms.{j}.weight"],
+                     c.rms_norm_eps) for j in range(c.n_captured)], axis=1)
+    return rmsnorm(X @ f64(weights["fc.weight"]).T, weights["hidden_norm.weight"], c.rms_norm_eps)
+
+
+def layer_visibility(n_ctx: int, n_noise: int, sliding: bool, sliding_window) -> np.ndarray:
+    """Which keys each noise row sees in the one-shot forward: bool ``[B, C+B]``
+    over keys ordered context rows ``0..C-1`` then noise rows.
+
+    Full layers: everything (the noise block is bidirectional). Sliding
+    layers: the last ``eff`` context rows, ``eff = sliding_window`` if
+    ``0 < sliding_window < C`` else ``C`` (anchored at the block start for every
+    noise row), and noise rows ``j <= q`` (causal).
+    """
+    C, B = n_ctx, n_noise
+    vis = np.zeros((B, C + B), dtype=bool)
+    if not sliding:
+        vis[:] = True
+        return vis
+    w = sliding_window or 0
+    eff = w if 0 < w < C else C
+    vis[:, C - eff:C] = True
+    vis[:, C:] = np.tril(np.ones((B, B), dtype=bool))
+    return vis
+
+
+def attention(Q, K, V, visible) -> np.ndarray:
+    """Masked softmax attention with GQA.
+
+    ``Q [B, nh, d]``, ``K, V [S, nkv, d]``, ``visible`` bool ``[B, S]``;
+    query head ``i`` reads kv head ``i // (nh/nkv)``; scale ``1/sqrt(d)``.
+    Returns ``[B, nh, d]``.
+    """
+    B, nh, d = Q.shape
+    nkv = K.shape[1]
+    rep = nh // nkv
+    Kh = np.repeat(K, rep, axis=1)                       # [S, nh, d]: head i <- kv head i//rep
+    Vh = np.repeat(V, rep, axis=1)
+    scores = np.einsum("bhd,shd->hbs", Q, Kh) / math.sqrt(d)
+    scores = np.where(visible[None, :, :], scores, -np.inf)
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    return np.einsum("hbs,shd->bhd", p, Vh)
+
+
+def decoder_layer(weights, layer: int, h, T, pos_ctx, pos_noise, visible) -> np.ndarray:
+    """SPEC §2.2 for one layer: noise rows ``h [B, H]`` attend over the fused
+    context ``T [C, H]`` and themselves; returns the new ``h``."""
+    c = weights.config
+    eps, nh, nkv, d = c.rms_norm_eps, c.n_head, c.n_head_kv, c.head_dim
+    B, C = h.shape[0], T.shape[0]
+
+    def w(name):
+        return f64(weights[f"layers.{layer}.{name}.weight"])
+
+    hn = rmsnorm(h, w("input_layernorm"), eps)
+    Q = (hn @ w("self_attn.q_proj").T).reshape(B, nh, d)
+    Q = apply_rope(rmsnorm(Q, w("self_attn.q_norm"), eps), pos_noise, c)
+
+    Tk = rmsnorm(T, w("input_layernorm"), eps) if c.context_kv_layer_norm else T
+    src = np.concatenate([Tk, hn], axis=0)                # keys: context rows, then noise rows
+    pos_kv = np.concatenate([pos_ctx, pos_noise])
+    K = (src @ w("self_attn.k_proj").T).reshape(C + B, nkv, d)
+    K = apply_rope(rmsnorm(K, w("self_attn.k_norm"), eps), pos_kv, c)
+    V = (src @ w("self_attn.v_proj").T).reshape(C + B, nkv, d)
+
+    attn = attention(Q, K, V, visible)                    # [B, nh, d]
+    if c.attn_gate == "head":
+        attn = attn * softplus(hn @ w("self_attn.gate_proj").T)[:, :, None]
+    elif c.attn_gate == "element":
+        attn = attn * softplus(hn @ w("self_attn.gate_proj").T).reshape(B, nh, d)
+    h = h + attn.reshape(B, nh * d) @ w("self_attn.o_proj").T
+
+    hf = rmsnorm(h, w("post_attention_layernorm"), eps)
+    ffn = silu(hf @ w("mlp.gate_proj").T) * (hf @ w("mlp.up_proj").T)
+    return h + ffn @ w("mlp.down_proj").T
+
+
+# --------------------------------------------------------------------------- forward
+def _check_inputs(weights, feat_rows, noise_embed):
+    c = weights.config
+    X, E = np.asarray(feat_rows), np.asarray(noise_embed)
+    if X.ndim != 2 or X.shape[1] != c.fc_in or X.shape[0] < 1:
+        raise ValueError(f"feat_rows: shape {X.shape}, expected [C >= 1, fc_in={c.fc_in}]")
+    if E.ndim != 2 or E.shape[1] != c.hidden_size or E.shape[0] < 1:
+        raise ValueError(f"noise_embed: shape {E.shape}, expected [B >= 1, "
+                         f"hidden_size={c.hidden_size}] (B is normally block_size={c.block_size})")
+    return X, E
+
+
+def _logits(weights, hidden, lm_head):
+    W = np.asarray(lm_head)
+    if W.ndim != 2 or W.shape[1] != weights.config.hidden_size:
+        raise ValueError(f"lm_head: shape {W.shape}, expected [vocab, "
+                         f"hidden_size={weights.config.hidden_size}]")
+    return hidden @ f64(W).T
+
+
+def draft_forward_positions(weights, feat_rows, noise_embed, pos_ctx, pos_noise, *,
+                            visible=None, lm_head=None):
+    """The drafter forward with explicit absolute positions.
+
+    ``pos_ctx [C]`` and ``pos_noise [B]`` are the RoPE positions of the
+    context and noise rows. ``visible`` overrides the masks: one bool
+    ``[B, C+B]`` array for every layer, or a list of ``n_layer`` of them;
+    None uses ``layer_visibility`` per layer from the config.
+    Returns ``hidden [B, H]`` float64, or ``(hidden, logits)`` with ``lm_head``.
+    """
+    c = weights.config
+    X, E = _check_inputs(weights, feat_rows, noise_embed)
+    C, B = X.shape[0], E.shape[0]
+    pos_ctx = np.asarray(pos_ctx, dtype=np.int64).reshape(-1)
+    pos_noise = np.asarray(pos_noise, dtype=np.int64).reshape(-1)
+    if pos_ctx.shape != (C,):
+        raise ValueError(f"pos_ctx: {pos_ctx.shape[0]} positions for C={C} context rows")
+    if pos_noise.shape != (B,):
+        raise ValueError(f"pos_noise: {pos_noise.shape[0]} positions for B={B} noise rows")
+    if visible is None:
+        masks = [layer_visibility(C, B, c.layer_sliding[l], c.sliding_window)
+                 for l in range(c.n_layer)]
+    else:
+        masks = list(visible) if isinstance(visible, (list, tuple)) else [visible] * c.n_layer
+        if len(masks) != c.n_layer:
+            raise ValueError(f"visible: {len(masks)} masks for n_layer={c.n_layer}")
+        masks = [np.asarray(m, dtype=bool) for m in masks]
+        for m in masks:
+            if m.shape != (B, C + B):
+                raise ValueError(f"visible: mask shape {m.shape}, expected {(B, C + B)}")
+
+    T = fuse_features(weights, X)
+    h = f64(E)
+    for l in range(c.n_layer):
+        h = decoder_layer(weights, l, h, T, pos_ctx, pos_noise, masks[l])
+    hidden = rmsnorm(h, weights["norm.weight"], c.rms_norm_eps)
+    if lm_head is None:
+        return hidden
+    return hidden, _logits(weights, hidden, lm_head)
+
+
+def draft_forward(weights, feat_rows, noise_embed, *, lm_head=None, pos_offset: int = 0):
+    """The legacy one-shot forward (SPEC §2) over a rebased window.
+
+    ``feat_rows [C, fc_in]`` (C >= 1) are the raw feature rows of the window,
+    oldest first; ``noise_embed [B, H]`` the embedded noise block (B is
+    normally ``block_size``). Context row ``k`` sits at position
+    ``pos_offset + k``, noise row ``q`` at ``pos_offset + C + q``; the result
+    does not depend on ``pos_offset`` (RoPE scores see differences only).
+    Returns ``hidden [B, H]`` float64, or ``(hidden, logits [B, V])`` when
+    ``lm_head [V, H]`` is given (``logits = hidden @ lm_head.T``).
+    """
+    X, E = _check_inputs(weights, feat_rows, noise_embed)
+    C, B = X.shape[0], E.shape[0]
+    base = int(pos_offset)
+    return draft_forward_positions(weights, X, E, base + np.arange(C), base + C + np.arange(B),
+                                   lm_head=lm_head)
+
+
+def draft_window(weights, features, committed: int, capacity: int, noise_embed, *,
+                 lm_head=None, pos_offset: int = 0):
+    """What a ring-cache step at ``committed`` must equal (SPEC §2, §3):
+    ``draft_forward`` over the window ``[lo, committed)`` of ``features``
+    (indexed by absolute position, at least ``committed`` rows), where
+    ``lo = committed - min(committed, capacity)``."""
+    if committed <= 0:
+        raise ValueError(f"committed={committed}: must be > 0")
+    if capacity <= 0:
+        raise ValueError(f"capacity={capacity}: must be > 0")
+    features = np.asarray(features)
+    if features.shape[0] < committed:
+        raise ValueError(f"features: {features.shape[0]} rows, need committed={committed}")
+    lo = committed - min(committed, capacity)
+    return draft_forward(weights, features[lo:committed], noise_embed,
+                         lm_head=lm_head, pos_offset=pos_offset)
+
+
+# --------------------------------------------------------------------------- ring masks
+def contiguous_slot_pos(committed: int, capacity: int) -> np.ndarray:
+    """``slot_pos`` of a ring that has appended positions ``0..committed-1`` in
+    order: slot ``p % capacity`` holds the newest ``p`` that maps to it, -1 if none."""
+    sp = np.full(capacity, -1, dtype=np.int64)
+    for p in range(max(0, committed - capacity), committed):
+        sp[p % capacity] = p
+    return sp
+
+
+def ring_masks(slot_pos, committed: int, geom: RingGeometry,
+               swa_window) -> tuple[np.ndarray, np.ndarray]:
+    """SPEC §3 step 5: ``(mask_full, mask_swa)``, float16 ``[q_len, kv_total]``,
+    0 where visible and -inf where hidden.
+
+    ``slot_pos [capacity]`` is the absolute position held by each ring slot
+    (-1: empty). With ``win = min(committed, capacity)``, ``lo = committed - win``:
+
+    * full layers: ring slot ``s`` visible iff ``lo <= slot_pos[s] < committed``;
+      every noise slot ``capacity + j`` visible to every noise row;
+    * sliding layers: ``eff = swa_window if 0 < swa_window < win else win``,
+      ``swa_lo = committed - eff``; slot ``s`` visible iff
+      ``swa_lo <= slot_pos[s] < committed``; noise row ``q`` sees noise slots
+      ``j <= q`` only;
+    * the trash slot and the padding rows are hidden in both.
+    """
+    if not isinstance(geom, RingGeometry):
+        raise TypeError(f"geom must be a RingGeometry, got {type(geom).__name__}")
+    cap, B, total = geom.capacity, geom.q_len, geom.kv_total
+    sp = np.asarray(slot_pos)
+    if sp.shape != (cap,) or not np.issubdtype(sp.dtype, np.integer):
+        raise ValueError(f"slot_pos: shape {sp.shape} dtype {sp.dtype}, expected integer "
+                         f"[capacity={cap}]")
+    committed = int(committed)
+    if committed <= 0:
+        raise ValueError(f"committed={committed}: must be > 0")
+    w = int(swa_window or 0)
+    if w < 0:
+        raise ValueError(f"swa_window={swa_window}: must be >= 0 (0: no limit)")
+
+    win = min(committed, cap)
+    lo = committed - win
+    eff = w if 0 < w < win else win
+    swa_lo = committed - eff
+
+    zero, ninf = np.float16(0.0), np.float16(-np.inf)
+    noise = slice(cap, cap + B)
+
+    mask_full = np.full((B, total), ninf, dtype=np.float16)
+    mask_full[:, :cap] = np.where((sp >= lo) & (sp < committed), zero, ninf)[None, :]
+    mask_full[:, noise] = zero
+
+    mask_swa = np.full((B, total), ninf, dtype=np.float16)
+    mask_swa[:, :cap] = np.where((sp >= swa_lo) & (sp < committed), zero, ninf)[None, :]
+    mask_swa[:, noise] = np.where(np.tril(np.ones((B, B), dtype=bool)), zero, ninf)
+    return mask_full, mask_swa
