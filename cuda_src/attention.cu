@@ -1,0 +1,308 @@
+// attention.cu — masked split-KV attention of the q_len noise rows of one
+// layer over the whole ring cache (SPEC §2 steps 5-6, §3 step 6).
+//
+// Layouts (row-major, contiguous):
+//   q        [B, NH, D] f32 (after q_norm and RoPE)
+//   k_cache, v_cache [KV_TOTAL, NKV*D] f16 (row = one position, kv heads fused)
+//   mask     [B, KV_TOTAL] f16 additive (0 visible, -inf hidden)
+//   gate     GATE=1: [B, NH] f32 logits, GATE=2: [B, NH*D] f32; unused if 0
+//   out      [B, NH*D] f32 = softmax(q k^T * scale + mask) v  (* softplus(gate))
+//   part_o   [SPLITS, B*NH, D] f32 un-normalised partial outputs
+//   part_ml  [SPLITS, B*NH, 2] f32 (running max in log2 units, partial sum)
+// GQA: query head h reads kv head h / (NH/NKV).
+//
+// ring_attn_split: grid (NKV, SPLITS, ROW_GROUPS), block (NWARPS*32).
+//   A block takes one kv head, one contiguous slice of the kv rows and the
+//   B*(NH/NKV) query rows that read that head (in groups of at most RB rows,
+//   only when they do not fit shared memory at once), so each K/V tile is
+//   loaded from global memory once and used by all of those rows.
+//   Per 32-key tile: lane t of every warp owns key t. The score of (row, t)
+//   is a full dot product read from shared memory (K tile stored with an XOR
+//   swizzle of its 16-byte chunks so the 32 lanes reading 32 different rows
+//   hit distinct banks); online softmax in f32 in the log2 domain (q is
+//   pre-scaled by scale*log2(e)); the P·V product broadcasts p_t with a
+//   shuffle while lane owns output dims lane + 32*j. The lane keeps a partial
+//   softmax denominator, reduced once at the end.
+//   With SPLITS == 1 the block normalises and writes `out` itself (and the
+//   combine kernel is not launched).
+// ring_attn_combine: grid (ceil(B*NH*D / 128)), block (128): merges the
+//   splits with log-sum-exp weights, applies the gate, writes `out`.
+// A row whose every key is masked gets output 0 (never NaN).
+//
+// Compile-time (-D, each with a default): D (multiple of 8, <= 256), NH, NKV,
+// B, KV_TOTAL (any value >= 1), SPLITS, RB (query rows per block), NWARPS,
+// GATE (0 none, 1 per head, 2 per element).
+#include <cuda_fp16.h>
+
+#ifndef D
+#define D 128
+#endif
+#ifndef NH
+#define NH 32
+#endif
+#ifndef NKV
+#define NKV 8
+#endif
+#ifndef B
+#define B 16
+#endif
+#ifndef KV_TOTAL
+#define KV_TOTAL 2080
+#endif
+#ifndef SPLITS
+#define SPLITS 4
+#endif
+#ifndef GATE
+#define GATE 0
+#endif
+
+#define G (NH / NKV)
+#define R (B * G)
+#ifndef RB
+#define RB (R < 64 ? R : 64)
+#endif
+#ifndef NWARPS
+#define NWARPS (RB < 8 ? RB : 8)
+#endif
+
+#define TILE 32
+#define NT (NWARPS * 32)
+#define KV_W (NKV * D)
+#define CPR (D / 8)                       // 16-byte chunks per head row
+#define DPL ((D + 31) / 32)               // output dims per lane
+#define RPW ((RB + NWARPS - 1) / NWARPS)  // query rows per warp
+#define N_TILES ((KV_TOTAL + TILE - 1) / TILE)
+#define TILES_PER_SPLIT ((N_TILES + SPLITS - 1) / SPLITS)
+#define SPLIT_KEYS (TILES_PER_SPLIT * TILE)
+// swizzle width: the largest power of two <= 8 dividing CPR, so c ^ (t & SWZ)
+// stays inside the row
+#define SWZ ((CPR % 8 == 0) ? 7 : (CPR % 4 == 0) ? 3 : (CPR % 2 == 0) ? 1 : 0)
+
+#if NH % NKV != 0
+#error "attention.cu: NH must be a multiple of NKV"
+#endif
+#if D % 8 != 0 || D > 256
+#error "attention.cu: D must be a multiple of 8 and at most 256"
+#endif
+#if GATE < 0 || GATE > 2
+#error "attention.cu: GATE must be 0, 1 or 2"
+#endif
+
+#define LOG2E 1.4426950408889634f
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// softplus with PyTorch's threshold (beta 1, threshold 20)
+__device__ __forceinline__ float softplus(float x) {
+    return x > 20.f ? x : log1pf(expf(x));
+}
+
+__device__ __forceinline__ float gate_factor(const float* gate, int qrow, int d) {
+#if GATE == 1
+    return softplus(gate[qrow]);
+#elif GATE == 2
+    return softplus(gate[(long long)qrow * D + d]);
+#else
+    return 1.f;
+#endif
+}
+
+__device__ __forceinline__ void half8_to_float(const uint4& c, float* f) {
+    const __half2* h = reinterpret_cast<const __half2*>(&c);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const float2 v = __half22float2(h[e]);
+        f[2 * e] = v.x;
+        f[2 * e + 1] = v.y;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NT)
+ring_attn_split(const float* __restrict__ q,
+                const __half* __restrict__ k_cache,
+                const __half* __restrict__ v_cache,
+                const __half* __restrict__ mask,
+                float* __restrict__ part_o,
+                float* __restrict__ part_ml,
+                float* __restrict__ out,
+                const float* __restrict__ gate,
+                float scale)
+{
+    __shared__ __align__(16) float q_s[RB * D];
+    __shared__ __align__(16) uint4 k_s[TILE * CPR];
+    __shared__ __align__(16) uint4 v_s[TILE * CPR];
+
+    const int kvh = blockIdx.x;
+    const int split = blockIdx.y;
+    const int row0 = blockIdx.z * RB;           // first query row (b*G + g) of this block
+    const int rows_here = min(RB, R - row0);
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int k_begin = split * SPLIT_KEYS;
+    const int k_end = min(KV_TOTAL, k_begin + SPLIT_KEYS);
+
+    // query rows of this block, pre-scaled so that exp2 gives the softmax
+    const float qscale = scale * LOG2E;
+    for (int i = threadIdx.x; i < RB * D; i += NT) {
+        const int r = i / D, d = i % D;
+        float v = 0.f;
+        if (r < rows_here) {
+            const int rg = row0 + r;
+            const int b = rg / G, h = kvh * G + rg % G;
+            v = q[((long long)b * NH + h) * D + d] * qscale;
+        }
+        q_s[i] = v;
+    }
+
+    float acc[RPW][DPL];
+    float m_run[RPW], l_run[RPW];
+#pragma unroll
+    for (int rr = 0; rr < RPW; ++rr) {
+        m_run[rr] = NEG_INF;
+        l_run[rr] = 0.f;
+#pragma unroll
+        for (int j = 0; j < DPL; ++j) acc[rr][j] = 0.f;
+    }
+
+    const __half* v_h = reinterpret_cast<const __half*>(v_s);
+
+    for (int k0 = k_begin; k0 < k_end; k0 += TILE) {
+        __syncthreads();  // previous tile fully consumed (and q_s written, first time)
+        for (int i = threadIdx.x; i < TILE * CPR; i += NT) {
+            const int t = i / CPR, c = i % CPR;
+            const int key = k0 + t;
+            uint4 kc = make_uint4(0u, 0u, 0u, 0u), vc = make_uint4(0u, 0u, 0u, 0u);
+            if (key < k_end) {
+                const long long off = (long long)key * KV_W + kvh * D + c * 8;
+                kc = *reinterpret_cast<const uint4*>(k_cache + off);
+                vc = *reinterpret_cast<const uint4*>(v_cache + off);
+            }
+            k_s[t * CPR + (c ^ (t & SWZ))] = kc;
+            v_s[i] = vc;
+        }
+        __syncthreads();
+
+        const int key = k0 + lane;
+        const bool key_ok = key < k_end;
+
+        // scores of this lane's key for every row of the warp
+        float s[RPW];
+#pragma unroll
+        for (int rr = 0; rr < RPW; ++rr) s[rr] = 0.f;
+#pragma unroll 4
+        for (int c = 0; c < CPR; ++c) {
+            float kf[8];
+            half8_to_float(k_s[lane * CPR + (c ^ (lane & SWZ))], kf);
+#pragma unroll
+            for (int rr = 0; rr < RPW; ++rr) {
+                const int r = rr * NWARPS + warp;
+                if (r < RB) {
+                    const float4 qa = *reinterpret_cast<const float4*>(&q_s[r * D + c * 8]);
+                    const float4 qb = *reinterpret_cast<const float4*>(&q_s[r * D + c * 8 + 4]);
+                    s[rr] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3]
+                           + qb.x * kf[4] + qb.y * kf[5] + qb.z * kf[6] + qb.w * kf[7];
+                }
+            }
+        }
+
+        float p[RPW];
+#pragma unroll
+        for (int rr = 0; rr < RPW; ++rr) {
+            p[rr] = 0.f;
+            const int r = rr * NWARPS + warp;
+            if (r >= rows_here) continue;  // warp-uniform
+            const int b = (row0 + r) / G;
+            float sc = NEG_INF;
+            if (key_ok) sc = s[rr] + __half2float(mask[(long long)b * KV_TOTAL + key]) * LOG2E;
+            const float m_new = fmaxf(m_run[rr], warp_max(sc));
+            if (m_new == NEG_INF) continue;  // nothing visible yet: stay at zero
+            const float alpha = exp2f(m_run[rr] - m_new);  // 0 when m_run was -inf
+            p[rr] = exp2f(sc - m_new);                     // 0 for hidden keys
+            l_run[rr] = l_run[rr] * alpha + p[rr];
+            m_run[rr] = m_new;
+#pragma unroll
+            for (int j = 0; j < DPL; ++j) acc[rr][j] *= alpha;
+        }
+
+        const int n_keys = min(TILE, k_end - k0);
+        for (int t = 0; t < n_keys; ++t) {
+            float vt[DPL];
+#pragma unroll
+            for (int j = 0; j < DPL; ++j) {
+                const int d = lane + 32 * j;
+                vt[j] = d < D ? __half2float(v_h[t * D + d]) : 0.f;
+            }
+#pragma unroll
+            for (int rr = 0; rr < RPW; ++rr) {
+                const int r = rr * NWARPS + warp;
+                if (r < rows_here) {
+                    const float pt = __shfl_sync(0xffffffffu, p[rr], t);
+#pragma unroll
+                    for (int j = 0; j < DPL; ++j) acc[rr][j] += pt * vt[j];
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int rr = 0; rr < RPW; ++rr) {
+        const int r = rr * NWARPS + warp;
+        if (r >= rows_here) continue;
+        const int rg = row0 + r;
+        const int b = rg / G, h = kvh * G + rg % G;
+        const int qrow = b * NH + h;
+        const float l = warp_sum(l_run[rr]);
+#if SPLITS == 1
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+        for (int j = 0; j < DPL; ++j) {
+            const int d = lane + 32 * j;
+            if (d < D) out[(long long)qrow * D + d] = acc[rr][j] * inv * gate_factor(gate, qrow, d);
+        }
+#else
+        float* po = part_o + ((long long)split * (B * NH) + qrow) * D;
+#pragma unroll
+        for (int j = 0; j < DPL; ++j) {
+            const int d = lane + 32 * j;
+            if (d < D) po[d] = acc[rr][j];
+        }
+        if (lane == 0) {
+            part_ml[((long long)split * (B * NH) + qrow) * 2] = m_run[rr];
+            part_ml[((long long)split * (B * NH) + qrow) * 2 + 1] = l;
+        }
+#endif
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+ring_attn_combine(const float* __restrict__ part_o,
+                  const float* __restrict__ part_ml,
+                  const float* __restrict__ gate,
+                  float* __restrict__ out)
+{
+    const int i = blockIdx.x * 128 + threadIdx.x;
+    if (i >= B * NH * D) return;
+    const int qrow = i / D, d = i % D;
+    float m = NEG_INF;
+    for (int s = 0; s < SPLITS; ++s)
+        m = fmaxf(m, part_ml[((long long)s * (B * NH) + qrow) * 2]);
+    float o = 0.f, l = 0.f;
+    if (m != NEG_INF) {
+        for (int s = 0; s < SPLITS; ++s) {
+            const long long r = (long long)s * (B * NH) + qrow;
+            const float w = exp2f(part_ml[r * 2] - m);  // 0 for empty / fully hidden splits
+            l += w * part_ml[r * 2 + 1];
+            o += w * part_o[r * D + d];
+        }
+    }
+    out[i] = (l > 0.f ? o / l : 0.f) * gate_factor(gate, qrow, d);
+}

@@ -1,0 +1,113 @@
+// norm.cu — RMSNorm over rows of width NORM_D.
+//
+//   y[r, :] = x[r, :] * rsqrt(mean(x[r, :]^2) + eps) * w[r % w_rows, :]
+//
+// Layouts (row-major, C-contiguous, f32): x [rows, NORM_D], y [rows, NORM_D] (y may be
+// x itself: every element is read into registers before the reduction barrier and
+// written by the thread that read it), w [w_rows, NORM_D].
+// w_rows > 1 serves tensors whose rows cycle through several weight vectors: the aux
+// hidden norms view x [M, n_cap*H] as [M*n_cap, H] rows with a weight table [n_cap, H];
+// per-head q/k norms use w_rows = 1 on [B*heads, d] rows.
+//
+// Launch: block = NORM_BLOCK threads; NORM_TPR threads (a multiple of 32 dividing
+// NORM_BLOCK) share one row, so a block covers NORM_BLOCK / NORM_TPR rows;
+// grid = ceil(rows / (NORM_BLOCK / NORM_TPR)). No dynamic shared memory.
+// Each thread keeps its ceil(NORM_D / VEC / NORM_TPR) chunks of the row in registers,
+// so x is read once. Sum of squares in f32: warp shuffles, then (NORM_TPR > 32) the
+// row's warp partials through shared memory.
+// Overflow: like the f32 reference implementations, mean(x^2) overflows for
+// |x| >~ 1e18; no pre-scaling is done.
+//
+// nvrtc-check: -DNORM_D=4096 -DNORM_TPR=256 -DNORM_BLOCK=256
+// nvrtc-check: -DNORM_D=19 -DNORM_TPR=32 -DNORM_BLOCK=128
+// nvrtc-check: -DNORM_D=5120 -DNORM_TPR=512 -DNORM_BLOCK=512
+
+#ifndef NORM_D
+#define NORM_D 128
+#endif
+#ifndef NORM_TPR
+#define NORM_TPR 32
+#endif
+#ifndef NORM_BLOCK
+#define NORM_BLOCK 128
+#endif
+
+#if NORM_TPR % 32 != 0 || NORM_BLOCK % NORM_TPR != 0
+#error "NORM_TPR must be a multiple of 32 that divides NORM_BLOCK"
+#endif
+
+namespace norm_detail {
+constexpr int D = NORM_D;
+constexpr int VEC = (D % 4 == 0) ? 4 : 1;
+constexpr int CHUNKS = D / VEC;
+constexpr int PER_THREAD = (CHUNKS + NORM_TPR - 1) / NORM_TPR;
+constexpr int ROWS_PER_BLOCK = NORM_BLOCK / NORM_TPR;
+constexpr int WARPS_PER_ROW = NORM_TPR / 32;
+}  // namespace norm_detail
+
+extern "C" __global__ void __launch_bounds__(NORM_BLOCK)
+rmsnorm(const float* x, const float* w, float* y, int rows, int w_rows, float eps)
+{
+    using namespace norm_detail;
+    __shared__ float partial[NORM_BLOCK / 32];
+
+    const int local_row = threadIdx.x / NORM_TPR;
+    const int t = threadIdx.x - local_row * NORM_TPR;
+    const int row = blockIdx.x * ROWS_PER_BLOCK + local_row;
+    // Threads of a missing row still take part in the barrier below.
+    const bool valid = row < rows;
+    const float* xr = x + (long long)row * D;
+
+    float v[PER_THREAD][VEC];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+        const int c = t + i * NORM_TPR;
+        if (valid && c < CHUNKS) {
+            if (VEC == 4) {
+                const float4 q = *reinterpret_cast<const float4*>(xr + c * VEC);
+                v[i][0] = q.x; v[i][VEC > 1 ? 1 : 0] = q.y;
+                v[i][VEC > 2 ? 2 : 0] = q.z; v[i][VEC > 3 ? 3 : 0] = q.w;
+            } else {
+                v[i][0] = xr[c];
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) v[i][e] = 0.f;
+        }
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) ss = fmaf(v[i][e], v[i][e], ss);
+    }
+
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (WARPS_PER_ROW > 1) {
+        if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
+        __syncthreads();
+        ss = 0.f;
+#pragma unroll
+        for (int j = 0; j < WARPS_PER_ROW; ++j) ss += partial[local_row * WARPS_PER_ROW + j];
+    }
+    if (!valid) return;
+
+    const float inv = rsqrtf(ss * (1.0f / D) + eps);
+    const float* wr = w + (long long)(row % w_rows) * D;
+    float* yr = y + (long long)row * D;
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+        const int c = t + i * NORM_TPR;
+        if (c < CHUNKS) {
+            if (VEC == 4) {
+                const float4 g = *reinterpret_cast<const float4*>(wr + c * VEC);
+                float4 o;
+                o.x = v[i][0] * inv * g.x;
+                o.y = v[i][VEC > 1 ? 1 : 0] * inv * g.y;
+                o.z = v[i][VEC > 2 ? 2 : 0] * inv * g.z;
+                o.w = v[i][VEC > 3 ? 3 : 0] * inv * g.w;
+                *reinterpret_cast<float4*>(yr + c * VEC) = o;
+            } else {
+                yr[c] = v[i][0] * inv * wr[c];
+            }
+        }
+    }
+}

@@ -1,0 +1,179 @@
+// rope.cu — per-head RMSNorm of Q and K, NEOX RoPE at absolute positions,
+// and the f16 scatter of K/V rows into the ring caches (SPEC §2 steps 2-4,
+// §3 "cached rows hold K after k_norm and RoPE at their absolute position").
+//
+// One kernel serves both users:
+//   * the append stage (HAS_Q=0): rows of K|V for newly committed context
+//     positions; rows[m] is the ring slot, or the trash slot for padding;
+//   * the noise rows (HAS_Q=1): Q|K|V of the q_len noise tokens; Q goes to
+//     q_out (f32), K/V to the noise scratch rows capacity + i.
+//
+// Layouts (row-major, all contiguous):
+//   qkv       [M, QKV_W] f32, QKV_W = (HAS_Q ? NH*D : 0) + 2*NKV*D:
+//             [Q (NH heads of D) | K (NKV heads) | V (NKV heads)]
+//   q_norm    [D] f32 (read only when HAS_Q), k_norm [D] f32
+//   inv_freq  [D/2] f64: f_i (theta^(-2i/D) for plain RoPE; linear/YaRN
+//             scaling is just another table, computed on the host)
+//   pos       [M] int32 absolute positions, rows [M] int32 cache rows
+//   q_out     [M, NH*D] f32 (HAS_Q only)
+//   k_cache, v_cache [kv_rows, NKV*D] f16; rows outside [0, kv_rows) are
+//             skipped (a defensive bound: a bad row index must not scribble
+//             over other device memory)
+//
+// Math per head (x = one D-slice):
+//   xn = x / sqrt(mean(x^2) + eps) * w          (Q and K; V untouched)
+//   a_i = pos * f_i; c = cos(a_i)*mscale, s = sin(a_i)*mscale
+//   (xn_i, xn_{i+D/2}) -> (xn_i c - xn_{i+D/2} s, xn_{i+D/2} c + xn_i s)
+// The angle is formed in double and reduced modulo 2*pi before sincosf, so
+// positions >= 2^20 lose nothing against a rebased window (an f32 product
+// p*f would have an absolute error of ~p * 2^-24 radians).
+//
+// Launch: grid (M), block (ROPE_THREADS) — ROPE_THREADS a multiple of 32.
+//   Step 1: the block computes the D/2 (cos, sin) pairs of its row once into
+//           shared memory (shared by every Q and K head of the row).
+//   Step 2: each warp takes head units (NH Q heads, NKV K heads, NKV V heads)
+//           round-robin; lanes own pairs (i, i+D/2), i = lane + 32*j, so the
+//           rotation needs no cross-lane traffic and the norm one warp sum.
+//
+// Compile-time: D (even), NH, NKV, HAS_Q, ROPE_THREADS.
+// Runtime: M, kv_rows, eps, attn_scale_factor (YaRN mscale; 1.0 otherwise).
+#include <cuda_fp16.h>
+
+#ifndef D
+#define D 128
+#endif
+#ifndef NH
+#define NH 32
+#endif
+#ifndef NKV
+#define NKV 8
+#endif
+#ifndef HAS_Q
+#define HAS_Q 1
+#endif
+#ifndef ROPE_THREADS
+#define ROPE_THREADS 128
+#endif
+
+#define HALF_D (D / 2)
+#define Q_W (HAS_Q ? NH * D : 0)
+#define KV_W (NKV * D)
+#define QKV_W (Q_W + 2 * KV_W)
+#define PAIRS_PER_LANE ((HALF_D + 31) / 32)
+#define ROPE_WARPS (ROPE_THREADS / 32)
+
+#if D % 2 != 0
+#error "rope.cu: head dim D must be even"
+#endif
+#if ROPE_THREADS % 32 != 0
+#error "rope.cu: ROPE_THREADS must be a multiple of 32"
+#endif
+
+// 2*pi split in two doubles (Cody-Waite): k*TWO_PI_HI is exact under fma, so
+// the reduction error stays ~1 ulp of the reduced angle even for k ~ 1e8.
+#define TWO_PI_HI 6.283185307179586
+#define TWO_PI_LO 2.4492935982947064e-16
+#define INV_TWO_PI 0.15915494309189535
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
+qkv_norm_rope(const float* __restrict__ qkv,
+              const float* __restrict__ q_norm,
+              const float* __restrict__ k_norm,
+              const double* __restrict__ inv_freq,
+              const int* __restrict__ pos,
+              const int* __restrict__ rows,
+              float* __restrict__ q_out,
+              __half* __restrict__ k_cache,
+              __half* __restrict__ v_cache,
+              int M, int kv_rows, float eps, float attn_scale_factor)
+{
+    __shared__ float cs_cos[HALF_D];
+    __shared__ float cs_sin[HALF_D];
+
+    const int m = blockIdx.x;
+    if (m >= M) return;  // block-uniform: no barrier is skipped by part of a block
+    const int p = pos[m];
+    const int row = rows[m];
+    const bool row_ok = row >= 0 && row < kv_rows;
+
+    for (int i = threadIdx.x; i < HALF_D; i += ROPE_THREADS) {
+        const double a = (double)p * inv_freq[i];
+        const double k = rint(a * INV_TWO_PI);
+        double r = fma(-k, TWO_PI_HI, a);
+        r = fma(-k, TWO_PI_LO, r);
+        float s, c;
+        sincosf((float)r, &s, &c);
+        cs_cos[i] = c * attn_scale_factor;
+        cs_sin[i] = s * attn_scale_factor;
+    }
+    __syncthreads();
+
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const float* xrow = qkv + (long long)m * QKV_W;
+    const int n_units = (HAS_Q ? NH : 0) + 2 * NKV;
+
+    for (int u = warp; u < n_units; u += ROPE_WARPS) {
+        // unit -> (kind, head): Q heads first, then K heads, then V heads
+        int kind, h;
+        if (HAS_Q && u < NH) { kind = 0; h = u; }
+        else if (u < (HAS_Q ? NH : 0) + NKV) { kind = 1; h = u - (HAS_Q ? NH : 0); }
+        else { kind = 2; h = u - (HAS_Q ? NH : 0) - NKV; }
+
+        const float* x = xrow + (kind == 0 ? 0 : Q_W + (kind - 1) * KV_W) + h * D;
+
+        if (kind == 2) {
+            if (!row_ok) continue;
+            __half* dst = v_cache + (long long)row * KV_W + h * D;
+            for (int d = lane; d < D; d += 32) dst[d] = __float2half_rn(x[d]);
+            continue;
+        }
+
+        float lo[PAIRS_PER_LANE], hi[PAIRS_PER_LANE];
+        float ss = 0.f;
+#pragma unroll
+        for (int j = 0; j < PAIRS_PER_LANE; ++j) {
+            const int i = lane + 32 * j;
+            lo[j] = 0.f; hi[j] = 0.f;
+            if (i < HALF_D) { lo[j] = x[i]; hi[j] = x[i + HALF_D]; }
+            ss += lo[j] * lo[j] + hi[j] * hi[j];
+        }
+        ss = warp_sum(ss);
+        const float rn = rsqrtf(ss / (float)D + eps);
+        const float* w = kind == 0 ? q_norm : k_norm;
+
+        if (kind == 0) {
+            float* dst = q_out + (long long)m * (NH * D) + h * D;
+#pragma unroll
+            for (int j = 0; j < PAIRS_PER_LANE; ++j) {
+                const int i = lane + 32 * j;
+                if (i < HALF_D) {
+                    const float a = lo[j] * rn * w[i];
+                    const float b = hi[j] * rn * w[i + HALF_D];
+                    const float c = cs_cos[i], s = cs_sin[i];
+                    dst[i] = a * c - b * s;
+                    dst[i + HALF_D] = b * c + a * s;
+                }
+            }
+        } else {
+            if (!row_ok) continue;
+            __half* dst = k_cache + (long long)row * KV_W + h * D;
+#pragma unroll
+            for (int j = 0; j < PAIRS_PER_LANE; ++j) {
+                const int i = lane + 32 * j;
+                if (i < HALF_D) {
+                    const float a = lo[j] * rn * w[i];
+                    const float b = hi[j] * rn * w[i + HALF_D];
+                    const float c = cs_cos[i], s = cs_sin[i];
+                    dst[i] = __float2half_rn(a * c - b * s);
+                    dst[i + HALF_D] = __float2half_rn(b * c + a * s);
+                }
+            }
+        }
+    }
+}

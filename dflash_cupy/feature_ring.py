@@ -1,0 +1,154 @@
+"""``FeatureRing``: the target's captured hidden states, one feature row per
+committed position, in a device ring (position ``p`` in slot ``p % capacity``).
+
+The drafter step gathers the rows it appends straight from this ring on the
+device (wraparound and dtype conversion included), so the ring is bound into
+the step's CUDA graph by pointer: it is allocated once and never reallocated.
+
+Which positions the ring holds is tracked as one contiguous range
+``[lo, hi)`` (O(1) per write): ``write(start, rows)`` makes
+``[start, start+n)`` the newest positions; positions after them are dropped
+(a rewind rewrites from the rewind point), and only the last ``capacity``
+positions survive.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from . import backends
+from .ops.plan import ring_kind
+
+_STORAGE = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "bf16": np.dtype(np.uint16)}
+_HOST_VIEW = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
+              "bf16": np.dtype(ml_dtypes.bfloat16)}
+STAGE_ROWS = 64  # rows per pinned staging chunk of a host write
+
+
+def _pos_int(v, name: str, minimum: int = 0) -> int:
+    if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if v < minimum:
+        raise ValueError(f"{name}={v} must be >= {minimum}")
+    return int(v)
+
+
+class FeatureRing:
+    """``FeatureRing(capacity, n_captured_layers, hidden_size, dtype=np.float32, backend=None)``.
+
+    ``storage``: device array ``[capacity, n_captured_layers*hidden_size]`` of
+    f32, f16 or bf16 (bf16 as uint16 bit patterns).
+    """
+
+    def __init__(self, capacity: int, n_captured_layers: int, hidden_size: int, dtype=np.float32,
+                 backend=None):
+        self.capacity = _pos_int(capacity, "capacity", 1)
+        self.n_captured_layers = _pos_int(n_captured_layers, "n_captured_layers", 1)
+        self.hidden_size = _pos_int(hidden_size, "hidden_size", 1)
+        self.fc_in = self.n_captured_layers * self.hidden_size
+        self.kind = ring_kind(dtype)
+        self.backend = backends.get(backend)
+        self.storage = self.backend.zeros((self.capacity, self.fc_in), _STORAGE[self.kind])
+        self._stage = self.backend.pinned_empty((min(STAGE_ROWS, self.capacity), self.fc_in),
+                                                _STORAGE[self.kind])
+        self._stream = self.backend.stream()
+        self.lo = 0  # positions [lo, hi) are present
+        self.hi = 0
+        self._closed = False
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The storage dtype as NumPy sees it (ml_dtypes.bfloat16 for bf16)."""
+        return _HOST_VIEW[self.kind]
+
+    def __repr__(self):
+        return (f"FeatureRing(capacity={self.capacity}, fc_in={self.fc_in}, {self.kind}, "
+                f"holds [{self.lo}, {self.hi}))")
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("FeatureRing is closed")
+
+    def holds(self, start: int, stop: int) -> bool:
+        """True when every position in ``[start, stop)`` is in the ring."""
+        return stop <= start or (self.lo <= start and stop <= self.hi)
+
+    def _segments(self, start: int, n: int):
+        """(first row of the chunk, slot, count) pieces of ``[start, start+n)`` in ring order."""
+        done = 0
+        while done < n:
+            slot = (start + done) % self.capacity
+            c = min(n - done, self.capacity - slot)
+            yield done, slot, c
+            done += c
+
+    def write(self, start_pos: int, rows) -> None:
+        """Store feature rows ``[n, fc_in]`` (NumPy of any float dtype, or a
+        device array of the storage dtype) for positions ``start_pos ..``."""
+        self._check_open()
+        start = _pos_int(start_pos, "start_pos")
+        be = self.backend
+        # On the emulated backend device arrays are NumPy arrays: the host path serves both.
+        on_device = not isinstance(rows, np.ndarray) and be.is_device_array(rows)
+        if not hasattr(rows, "shape") or len(rows.shape) != 2 or rows.shape[1] != self.fc_in:
+            raise ValueError(f"rows must have shape [n, {self.fc_in}], got "
+                             f"{getattr(rows, 'shape', type(rows).__name__)}")
+        n = int(rows.shape[0])
+        if n > self.capacity:
+            raise ValueError(f"rows: {n} rows do not fit a ring of capacity {self.capacity}")
+        if start + n > 2**31 - 1:
+            raise ValueError(f"start_pos={start}: positions overflow int32")
+        if on_device:
+            if rows.dtype != self.storage.dtype:
+                raise TypeError(f"rows: a device array must have the ring's storage dtype "
+                                f"{self.storage.dtype} ({self.kind}), got {rows.dtype}")
+            for r0, slot, c in self._segments(start, n):
+                be.copy_d2d_async(self.storage[slot:slot + c], rows[r0:r0 + c], stream=self._stream)
+            self._stream.synchronize()
+        else:
+            host = np.asarray(rows)
+            if host.dtype.kind not in "fiu" and host.dtype != _HOST_VIEW["bf16"]:
+                raise TypeError(f"rows: expected a float array, got dtype {host.dtype}")
+            host = host.astype(_HOST_VIEW[self.kind], copy=False)
+            if self.kind == "bf16":
+                host = host.view(np.uint16)
+            cap = self._stage.shape[0]
+            for r0, slot, c in self._segments(start, n):
+                for k in range(0, c, cap):
+                    m = min(cap, c - k)
+                    self._stage[:m] = host[r0 + k:r0 + k + m]
+                    be.copy_h2d_async(self.storage[slot + k:slot + k + m], self._stage[:m],
+                                      stream=self._stream)
+                    # the staging buffer is reused by the next chunk
+                    self._stream.synchronize()
+        new_hi = start + n
+        new_lo = self.lo if self.lo <= start <= self.hi else start
+        self.lo, self.hi = max(new_lo, new_hi - self.capacity), new_hi
+
+    def read(self, start_pos: int, n: int) -> np.ndarray:
+        """Feature rows ``[n, fc_in]`` of positions ``start_pos ..`` as NumPy
+        (the storage dtype; bf16 as ml_dtypes.bfloat16)."""
+        self._check_open()
+        start, n = _pos_int(start_pos, "start_pos"), _pos_int(n, "n")
+        if not self.holds(start, start + n):
+            raise KeyError(f"positions [{start}, {start + n}) are not all in the ring "
+                           f"(it holds [{self.lo}, {self.hi}))")
+        host = self.backend.to_numpy(self.storage)
+        out = np.concatenate([host[slot:slot + c] for _, slot, c in self._segments(start, n)]
+                             or [host[:0]], axis=0)
+        return out.view(_HOST_VIEW[self.kind])
+
+    def reset(self) -> None:
+        self._check_open()
+        self.lo = self.hi = 0
+
+    def close(self) -> None:
+        self.storage = None
+        self._stage = None
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

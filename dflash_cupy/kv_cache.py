@@ -1,0 +1,401 @@
+"""``DraftKvCache``: the drafter step over a ring-cached context KV, replayed
+as one captured graph (SPEC §3-§4).
+
+Plan / run split:
+
+* ``begin_step(ring, committed)`` (plan, host O(1)): decides rewind / bulk
+  append / in-graph append, runs the rare bulk append (prefill, jumps, after
+  a rewind) outside the graph in chunks, and writes the step descriptor into
+  pinned memory. It validates everything before it changes anything: a bad
+  call raises and leaves the cache as it was.
+* ``run()`` (replay): launches the captured step graph. Inside it one copy
+  brings the descriptor over; kernels derive the append rows and positions,
+  update the slot table, gather the new feature rows from the ring, build
+  both masks, append the new K/V rows, and run the layer stack over the
+  noise block.
+
+Two step graphs alternate (double-buffered descriptors and noise staging),
+so the host can plan step N+1 while the device still runs step N; before
+it rewrites a pinned buffer the host waits on the event of the replay that
+read it (two steps back), never on the step it just launched.
+
+Device buffers (row-major):
+  k_cache[l], v_cache[l]  [kv_total, n_head_kv*head_dim] f16
+  mask_full, mask_swa     [q_len, kv_total] f16 (0 visible / -inf hidden)
+  noise_embed             [q_len, hidden] f32 (input)
+  hidden_states           [q_len, hidden] f32 (output)
+  logits                  [q_len, vocab]  f32 (output, iff lm_head)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import backends
+from .device_weights import DeviceWeights, device_dtype, to_device_matrix
+from .feature_ring import FeatureRing
+from .geometry import BULK_CHUNK, RingGeometry
+from .nvtx_ranges import nvtx_range
+from .ops.attention import RingAttention
+from .ops.gemm import Gemm
+from .ops.norm import RmsNorm
+from .ops.plan import (DESC_LEN, FeatureGather, StepPlanner, bulk_chunks, fill_chunk_descriptor,
+                       fill_step_descriptor, plan_step)
+from .ops.rope import QkvNormRope
+from .reference import rope_parameters
+from .weights import DraftWeights
+
+MAX_M = 64  # rows per GEMM M-tile
+
+
+class DraftKvCache:
+    """``DraftKvCache(weights, capacity, *, lm_head=None, backend=None, bulk_chunk=256)``.
+
+    ``weights``: ``DraftWeights`` (host) — placed on the backend once and
+    cached on the weights object. ``capacity``: ring slots, the drafter's
+    feature-window cap. ``lm_head``: the target's ``[vocab, hidden]`` matrix
+    (NumPy f32/f16/bf16 or a device array), optional.
+    """
+
+    def __init__(self, weights: DraftWeights, capacity: int, *, lm_head=None, backend=None,
+                 bulk_chunk: int = 256):
+        if not isinstance(weights, DraftWeights):
+            raise TypeError(f"weights must be a DraftWeights, got {type(weights).__name__}")
+        if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 1:
+            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        if not isinstance(bulk_chunk, int) or not 1 <= bulk_chunk <= BULK_CHUNK:
+            raise ValueError(f"bulk_chunk must be an int in [1, {BULK_CHUNK}], got {bulk_chunk!r}")
+        be = self.backend = backends.get(backend)
+        c = self.config = weights.config
+        self.weights = weights
+        self.geom = RingGeometry(int(capacity), c.q_len)
+        g = self.geom
+        self.dw = weights.device(be) if hasattr(weights, "device") else DeviceWeights(weights, be)
+        H, B, A = c.hidden_size, g.q_len, g.a_step
+        self.bulk_chunk = max(int(bulk_chunk), A)
+        R = self.bulk_chunk  # rows of the append workspace (step: A, bulk chunk: <= R)
+
+        # ---- caches and step state
+        kvw = c.kv_dim
+        self.k_cache = [be.zeros((g.kv_total, kvw), np.float16) for _ in range(c.n_layer)]
+        self.v_cache = [be.zeros((g.kv_total, kvw), np.float16) for _ in range(c.n_layer)]
+        self.mask_full = be.zeros((B, g.kv_total), np.float16) if c.any_full else None
+        self.mask_swa = be.zeros((B, g.kv_total), np.float16) if c.any_sliding else None
+        self.slot_pos = be.asarray(np.full(g.capacity, -1, np.int32))
+        self.desc = be.zeros((DESC_LEN,), np.int32)
+        self.bulk_desc = be.zeros((DESC_LEN,), np.int32)
+        self.ap_pos = be.zeros((R,), np.int32)
+        self.ap_rows = be.zeros((R,), np.int32)
+        self.pos_q = be.zeros((B,), np.int32)
+        self.noise_rows = be.asarray(np.arange(g.capacity, g.capacity + B, dtype=np.int32))
+        inv_freq, self.attn_scaling = rope_parameters(c)
+        self.inv_freq = be.asarray(np.asarray(inv_freq, np.float64))
+
+        # ---- activations
+        self.ap_feat = be.zeros((R, c.fc_in), np.float32)
+        self.ctx = be.zeros((R, H), np.float32)
+        self.ctx_kv_in = be.zeros((R, H), np.float32) if c.context_kv_layer_norm else None
+        self.ctx_kv = be.zeros((R, 2 * kvw), np.float32)
+        self.noise_embed = be.zeros((B, H), np.float32)
+        self.h = be.zeros((B, H), np.float32)
+        self.hn = be.zeros((B, H), np.float32)
+        self.qkv = be.zeros((B, c.q_dim + 2 * kvw), np.float32)
+        self.q = be.zeros((B, c.q_dim), np.float32)
+        self.attn = be.zeros((B, c.q_dim), np.float32)
+        gate_w = {"none": 0, "head": c.n_head, "element": c.q_dim}[c.attn_gate]
+        self.gate = be.zeros((B, gate_w), np.float32) if gate_w else None
+        self.act = be.zeros((B, c.intermediate_size), np.float32)
+        self.hidden_states = be.zeros((B, H), np.float32)
+        self.lm_head = None
+        self.logits = None
+        if lm_head is not None:
+            self.lm_head = self._place_lm_head(lm_head)
+            self.logits = be.zeros((B, self.lm_head.shape[0]), np.float32)
+
+        # ---- pinned staging (two of each: alternating steps)
+        self._desc_host = [be.pinned_empty((DESC_LEN,), np.int32) for _ in range(2)]
+        self._noise_host = [be.pinned_empty((B, H), np.float32) for _ in range(2)]
+        for d in self._desc_host:
+            d[:] = 0
+        n_chunks = -(-g.capacity // self.bulk_chunk) + 1
+        self._bulk_desc_host = be.pinned_empty((n_chunks, DESC_LEN), np.int32)
+        self.stream = be.stream()
+        self._events = [be.event() for _ in range(2)]
+        self._event_used = [False, False]
+        self._bulk_event = be.event()
+        self._bulk_event_used = False
+
+        # ---- kernels (all compiled now: nothing compiles during capture)
+        wdt = lambda a: a.dtype  # noqa: E731  (device dtypes: uint16 means bf16)
+        L0 = self.dw.layers[0]
+        self.rms = RmsNorm(be, H, c.rms_norm_eps)
+        self.g_fc = Gemm(be, H, c.fc_in, wdt(self.dw.fc), max_m=MAX_M)
+        self.g_kv = Gemm(be, 2 * kvw, H, wdt(L0.w_qkv), max_m=MAX_M)
+        self.g_qkv = Gemm(be, c.q_dim + 2 * kvw, H, wdt(L0.w_qkv), max_m=MAX_M)
+        self.g_o = Gemm(be, H, c.q_dim, wdt(L0.w_o), "residual", max_m=MAX_M)
+        self.g_gate_up = Gemm(be, c.intermediate_size, H, wdt(L0.w_gate_up), "silu_mul", max_m=MAX_M)
+        self.g_down = Gemm(be, H, c.intermediate_size, wdt(L0.w_down), "residual", max_m=MAX_M)
+        self.g_attn_gate = (Gemm(be, gate_w, H, wdt(L0.w_attn_gate), max_m=MAX_M) if gate_w else None)
+        self.g_lm = (Gemm(be, self.lm_head.shape[0], H, wdt(self.lm_head), max_m=MAX_M)
+                     if self.lm_head is not None else None)
+        self.rope_ctx = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, False, c.rms_norm_eps,
+                                    self.attn_scaling)
+        self.rope_noise = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, True, c.rms_norm_eps,
+                                      self.attn_scaling)
+        self.attention = RingAttention(be, c.head_dim, c.n_head, c.n_head_kv, B, g.kv_total,
+                                       gate=None if c.attn_gate == "none" else c.attn_gate)
+        self.planner = StepPlanner(be, g)
+        self._gather: FeatureGather | None = None
+        self._ring: FeatureRing | None = None
+
+        self.next_pos = 0
+        self._graphs = [None, None]
+        self._slot = 0
+        self._planned = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ properties
+    capacity = property(lambda self: self.geom.capacity)
+    q_len = property(lambda self: self.geom.q_len)
+    kv_total = property(lambda self: self.geom.kv_total)
+    a_step = property(lambda self: self.geom.a_step)
+    trash_slot = property(lambda self: self.geom.trash_slot)
+
+    def __repr__(self):
+        return (f"DraftKvCache({self.geom}, layers={self.config.n_layer}, backend={self.backend.name}, "
+                f"next_pos={self.next_pos})")
+
+    def _place_lm_head(self, lm_head):
+        be, H = self.backend, self.config.hidden_size
+        if isinstance(lm_head, np.ndarray):
+            if lm_head.ndim != 2 or lm_head.shape[1] != H:
+                raise ValueError(f"lm_head must have shape [vocab, {H}], got {lm_head.shape}")
+            device_dtype(lm_head.dtype)  # raises for unsupported dtypes
+            return to_device_matrix(be, lm_head)
+        if not be.is_device_array(lm_head):
+            raise TypeError(f"lm_head must be a NumPy or {be.name} device array, got {type(lm_head).__name__}")
+        if len(lm_head.shape) != 2 or lm_head.shape[1] != H:
+            raise ValueError(f"lm_head must have shape [vocab, {H}], got {tuple(lm_head.shape)}")
+        if np.dtype(lm_head.dtype) not in (np.float32, np.float16, np.uint16):
+            raise TypeError(f"lm_head dtype must be f32, f16 or bf16 (uint16 bits), got {lm_head.dtype}")
+        return lm_head
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("DraftKvCache is closed")
+
+    # ------------------------------------------------------------------ the step body
+    def _append_stage(self, desc, m: int, stream) -> None:
+        """Rows [0, m) of ap_pos/ap_rows/ap_feat -> K/V cache rows of every layer."""
+        c, dw = self.config, self.dw
+        if dw.aux_norms is not None:  # each captured layer's slice normalised with its own scale
+            self.rms(self.ap_feat, dw.aux_norms, self.ap_feat, rows=m * c.n_captured, stream=stream)
+        self.g_fc(self.ap_feat, dw.fc, self.ctx, m, stream=stream)
+        self.rms(self.ctx, dw.hidden_norm, self.ctx, rows=m, stream=stream)
+        for li, L in enumerate(dw.layers):
+            src = self.ctx
+            if self.ctx_kv_in is not None:
+                self.rms(self.ctx, L.input_layernorm, self.ctx_kv_in, rows=m, stream=stream)
+                src = self.ctx_kv_in
+            self.g_kv(src, L.w_kv, self.ctx_kv, m, stream=stream)
+            self.rope_ctx(self.ctx_kv, L.k_norm, self.inv_freq, self.ap_pos, self.ap_rows,
+                          self.k_cache[li], self.v_cache[li], n_rows=m, stream=stream)
+
+    def _noise_stage(self, stream, eager: bool) -> None:
+        c, dw, be = self.config, self.dw, self.backend
+        B = self.q_len
+        be.copy_d2d_async(self.h, self.noise_embed, stream=stream)
+        for li, L in enumerate(dw.layers):
+            rng = nvtx_range(f"layer {li}") if eager else None
+            if rng is not None:
+                rng.__enter__()
+            self.rms(self.h, L.input_layernorm, self.hn, stream=stream)
+            self.g_qkv(self.hn, L.w_qkv, self.qkv, B, stream=stream)
+            self.rope_noise(self.qkv, L.k_norm, self.inv_freq, self.pos_q, self.noise_rows,
+                            self.k_cache[li], self.v_cache[li], q_norm=L.q_norm, q_out=self.q,
+                            stream=stream)
+            if self.g_attn_gate is not None:
+                self.g_attn_gate(self.hn, L.w_attn_gate, self.gate, B, stream=stream)
+            mask = self.mask_swa if L.sliding else self.mask_full
+            self.attention(self.q, self.k_cache[li], self.v_cache[li], mask, self.attn, gate=self.gate,
+                           stream=stream)
+            self.g_o(self.attn, L.w_o, self.h, B, residual=self.h, stream=stream)
+            self.rms(self.h, L.post_attention_layernorm, self.hn, stream=stream)
+            self.g_gate_up(self.hn, L.w_gate_up, self.act, B, stream=stream)
+            self.g_down(self.act, L.w_down, self.h, B, residual=self.h, stream=stream)
+            if rng is not None:
+                rng.__exit__(None, None, None)
+        self.rms(self.h, dw.norm, self.hidden_states, stream=stream)
+        if self.g_lm is not None:
+            self.g_lm(self.hidden_states, self.lm_head, self.logits, B, stream=stream)
+
+    def _issue_step(self, slot: int, stream, eager: bool = False) -> None:
+        """Every launch and copy of one step, in order (captured once per slot)."""
+        be, A = self.backend, self.a_step
+        be.copy_h2d_async(self.desc, self._desc_host[slot], stream=stream)
+        self.planner.reset_slots_if(self.desc, self.slot_pos, stream=stream)
+        self.planner.plan_append(self.desc, self.ap_pos, self.ap_rows, self.slot_pos, pos_q=self.pos_q,
+                                 n_rows=A, stream=stream)
+        self._gather(self.desc, self._ring.storage, self.ap_feat, n_rows=A, stream=stream)
+        self.planner.build_masks(self.desc, self.slot_pos, mask_full=self.mask_full,
+                                 mask_swa=self.mask_swa, stream=stream)
+        self._append_stage(self.desc, A, stream)
+        self._noise_stage(stream, eager)
+
+    def _bulk_append(self, fields) -> None:
+        """Append ``[bulk_start, bulk_start+bulk_count)`` outside the graph, chunk by chunk."""
+        be, s = self.backend, self.stream
+        if self._bulk_event_used:  # the pinned chunk descriptors of the last bulk must have been read
+            self._bulk_event.synchronize()
+        if fields.reset:
+            self.planner.reset_slots(self.slot_pos, stream=s)
+        for i, (start, count) in enumerate(bulk_chunks(fields.bulk_start, fields.bulk_count,
+                                                       self.bulk_chunk)):
+            host = self._bulk_desc_host[i % self._bulk_desc_host.shape[0]]
+            if i and i % self._bulk_desc_host.shape[0] == 0:
+                s.synchronize()  # wrapped around the chunk descriptors (only for tiny chunks)
+            fill_chunk_descriptor(host, fields, start, count)
+            be.copy_h2d_async(self.bulk_desc, host, stream=s)
+            self.planner.plan_append(self.bulk_desc, self.ap_pos, self.ap_rows, self.slot_pos,
+                                     n_rows=count, stream=s)
+            self._gather(self.bulk_desc, self._ring.storage, self.ap_feat, n_rows=count, stream=s)
+            self._append_stage(self.bulk_desc, count, s)
+        self._bulk_event.record(s)
+        self._bulk_event_used = True
+
+    # ------------------------------------------------------------------ public API
+    def begin_step(self, ring: FeatureRing, committed: int) -> None:
+        """Plan one step for ``committed`` tokens (host O(1); bulk append if needed)."""
+        self._check_open()
+        with nvtx_range("dflash plan", "green"):
+            if not isinstance(ring, FeatureRing):
+                raise TypeError(f"ring must be a FeatureRing, got {type(ring).__name__}")
+            if ring._closed:
+                raise RuntimeError("ring is closed")
+            if ring.backend is not self.backend:
+                raise ValueError(f"ring lives on backend {ring.backend.name!r}, the cache on "
+                                 f"{self.backend.name!r}")
+            if ring.fc_in != self.config.fc_in:
+                raise ValueError(f"ring rows have fc_in={ring.fc_in}, the drafter needs {self.config.fc_in}")
+            if not isinstance(committed, (int, np.integer)) or isinstance(committed, bool):
+                raise TypeError(f"committed must be an int, got {type(committed).__name__}")
+            fields = plan_step(self.next_pos, int(committed), self.geom, self.config.swa_window)
+            win = fields.committed - fields.lo
+            if ring.capacity < win:
+                raise ValueError(f"ring capacity {ring.capacity} is smaller than the window of "
+                                 f"{win} positions (committed={committed})")
+            need = (fields.bulk_start, fields.bulk_start + fields.bulk_count) if fields.bulk_count \
+                else (fields.start, fields.start + fields.n_new)
+            if not ring.holds(*need):
+                raise KeyError(f"feature rows for positions [{need[0]}, {need[1]}) are not all in the "
+                               f"ring (it holds [{ring.lo}, {ring.hi})); committed={committed}")
+            # ---- validated: from here on state changes
+            if ring is not self._ring:
+                if self._gather is None or (self._gather.ring_capacity, self._gather.kind) != \
+                        (ring.capacity, ring.kind):
+                    self._gather = FeatureGather(self.backend, ring.fc_in, ring.capacity, ring.kind)
+                self._ring = ring
+                self._graphs = [None, None]  # the graphs read the ring by pointer
+            slot = self._slot ^ 1
+            if self._event_used[slot]:
+                self._events[slot].synchronize()  # the replay that read this slot's pinned buffers
+            if fields.bulk_count:
+                with nvtx_range("dflash bulk append", "red"):
+                    self._bulk_append(fields)
+                self.next_pos = fields.committed
+            fill_step_descriptor(self._desc_host[slot], fields)
+            self._slot = slot
+            self._pending_next = fields.committed
+            self._planned = True
+
+    def set_noise_embed(self, noise_embed) -> None:
+        """Copy ``[q_len, hidden]`` noise embeddings (NumPy or device) into ``noise_embed``."""
+        self._check_open()
+        shape = (self.q_len, self.config.hidden_size)
+        if tuple(getattr(noise_embed, "shape", ())) != shape:
+            raise ValueError(f"noise_embed must have shape {shape}, got "
+                             f"{getattr(noise_embed, 'shape', type(noise_embed).__name__)}")
+        be = self.backend
+        if noise_embed is self.noise_embed:
+            return  # filled in place by the caller
+        if isinstance(noise_embed, np.ndarray):  # host data (on the emulator also device arrays)
+            if noise_embed.dtype.kind != "f":
+                raise TypeError(f"noise_embed must be a float array, got dtype {noise_embed.dtype}")
+            slot = self._slot if self._planned else self._slot ^ 1
+            if self._event_used[slot]:
+                self._events[slot].synchronize()  # the replay that last read this staging buffer
+            stage = self._noise_host[slot]
+            stage[...] = noise_embed
+            be.copy_h2d_async(self.noise_embed, stage, stream=self.stream)
+        elif be.is_device_array(noise_embed):
+            if np.dtype(noise_embed.dtype) != np.float32:
+                raise TypeError(f"noise_embed device array must be float32, got {noise_embed.dtype}")
+            be.copy_d2d_async(self.noise_embed, noise_embed, stream=self.stream)
+        else:
+            raise TypeError(f"noise_embed must be a NumPy or {be.name} device array, "
+                            f"got {type(noise_embed).__name__}")
+
+    def run(self, eager: bool = False):
+        """Replay the planned step (``eager=True``: launch its kernels one by one
+        instead, same order, same results). Returns ``hidden_states``."""
+        self._check_open()
+        if not self._planned:
+            raise RuntimeError("run() needs a planned step: call begin_step(ring, committed) first")
+        slot, be = self._slot, self.backend
+        if eager:
+            with nvtx_range("dflash eager step", "yellow"):
+                self._issue_step(slot, self.stream, eager=True)
+        else:
+            if self._graphs[slot] is None:
+                with nvtx_range("dflash capture", "purple"):
+                    be.begin_capture(self.stream)
+                    try:
+                        self._issue_step(slot, self.stream)
+                    finally:
+                        graph = be.end_capture(self.stream)
+                    self._graphs[slot] = graph
+            with nvtx_range("dflash replay", "blue"):
+                self._graphs[slot].launch(self.stream)
+        self._events[slot].record(self.stream)
+        self._event_used[slot] = True
+        self.next_pos = self._pending_next
+        return self.hidden_states
+
+    def step(self, ring: FeatureRing, committed: int, noise_embed):
+        """``begin_step`` + noise embeddings + ``run``; returns ``hidden_states``."""
+        self._check_open()
+        shape = (self.q_len, self.config.hidden_size)
+        if tuple(getattr(noise_embed, "shape", ())) != shape:  # checked before anything changes
+            raise ValueError(f"noise_embed must have shape {shape}, got "
+                             f"{getattr(noise_embed, 'shape', type(noise_embed).__name__)}")
+        self.begin_step(ring, committed)
+        self.set_noise_embed(noise_embed)
+        return self.run()
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def reset(self) -> None:
+        """Forget every cached row (a new request whose prefix differs)."""
+        self._check_open()
+        self.next_pos = 0
+        self._planned = False
+        self.planner.reset_slots(self.slot_pos, stream=self.stream)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.stream.synchronize()
+        except Exception:
+            pass
+        self._graphs = [None, None]
+        for name in ("k_cache", "v_cache", "mask_full", "mask_swa", "noise_embed", "hidden_states",
+                     "logits", "ap_feat", "ctx", "ctx_kv", "qkv", "act", "_ring", "_gather"):
+            setattr(self, name, None)
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,203 @@
+"""Masked split-KV ring attention of the noise rows (``cuda_src/attention.cu``)
+and its NumPy reference.
+
+``out[b, h*d:(h+1)*d] = softmax(q[b,h] . K[:, kvh]^T * scale + mask[b]) @ V[:, kvh]``
+with ``kvh = h // (n_head/n_head_kv)`` (GQA), over all ``kv_total`` cache rows
+(f16, read exactly), additive f16 mask (0 / -inf), softmax in f32, and an
+optional fused gate ``out *= softplus(g)`` with ``g [B, n_head]`` (``"head"``)
+or ``[B, n_head*d]`` (``"element"``). A row with every key hidden gets 0.
+
+Grid ``(n_head_kv, n_splits, row_groups)``: each block loads a 32-row K/V
+tile of one kv head once for all ``q_len * n_head/n_head_kv`` query rows that
+read it; ``n_splits > 1`` adds a combine launch (log-sum-exp merge) over a
+workspace allocated once by the constructor.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import kernels
+from .gemm import _check_array, _overlaps, _ptr
+
+GATES = {None: 0, "head": 1, "element": 2}
+TILE = 32                  # keys per shared-memory tile (attention.cu TILE)
+SMEM_LIMIT = 48 * 1024     # static shared memory cap without the opt-in attribute
+MAX_WARPS = 8
+TARGET_BLOCKS = 264        # ~2 blocks per SM on a 132-SM H100/H200
+MIN_TILES_PER_SPLIT = 8    # keeps the partials' traffic small next to the K/V a split reads
+COMBINE_THREADS = 128
+
+
+def _pos_int(v, name) -> int:
+    if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return int(v)
+
+
+def default_splits(n_head_kv: int, kv_total: int, row_groups: int = 1) -> int:
+    """Enough blocks to fill the GPU, but at least MIN_TILES_PER_SPLIT tiles each."""
+    n_tiles = -(-kv_total // TILE)
+    want = -(-TARGET_BLOCKS // (n_head_kv * row_groups))
+    return max(1, min(want, n_tiles // MIN_TILES_PER_SPLIT))
+
+
+class RingAttention:
+    """``RingAttention(backend, head_dim, n_head, n_head_kv, q_len, kv_total,
+    n_splits=None, gate=None, scale=None)``; ``gate`` is ``None``, ``"head"`` or
+    ``"element"``; ``scale`` defaults to ``1/sqrt(head_dim)``.
+
+    ``__call__(q, k_cache, v_cache, mask, out, gate=None, stream=None)``:
+    ``q [q_len, n_head, head_dim]`` or ``[q_len, n_head*head_dim]`` f32;
+    ``k_cache``, ``v_cache [kv_total, n_head_kv*head_dim]`` f16 (16-byte aligned);
+    ``mask [q_len, kv_total]`` f16; ``out [q_len, n_head*head_dim]`` f32;
+    ``gate [q_len, n_head]`` / ``[q_len, n_head*head_dim]`` f32 per the mode.
+    No allocation, no host sync: capture-safe.
+    """
+
+    def __init__(self, backend, head_dim: int, n_head: int, n_head_kv: int, q_len: int,
+                 kv_total: int, n_splits: int | None = None, gate: str | None = None,
+                 scale: float | None = None):
+        self.backend = backend
+        self.D = _pos_int(head_dim, "head_dim")
+        self.NH = _pos_int(n_head, "n_head")
+        self.NKV = _pos_int(n_head_kv, "n_head_kv")
+        self.B = _pos_int(q_len, "q_len")
+        self.kv_total = _pos_int(kv_total, "kv_total")
+        if self.D % 8 or self.D > 256:
+            raise ValueError(f"head_dim must be a multiple of 8 and at most 256, got {head_dim}")
+        if self.NH % self.NKV:
+            raise ValueError(f"n_head={n_head} must be a multiple of n_head_kv={n_head_kv}")
+        if gate not in GATES:
+            raise ValueError(f"gate {gate!r}: expected one of {tuple(GATES)}")
+        self.gate = gate
+        self.scale = 1.0 / math.sqrt(self.D) if scale is None else float(scale)
+        if not np.isfinite(self.scale):
+            raise ValueError(f"scale must be finite, got {scale!r}")
+
+        G = self.NH // self.NKV
+        R = self.B * G
+        # rows per block: all of them unless q_s [RB, D] f32 plus one K and one
+        # V tile would exceed the static shared-memory cap
+        rb_fit = (SMEM_LIMIT - 2 * TILE * self.D * 2) // (4 * self.D)
+        self.rows_per_block = min(R, rb_fit)
+        self.row_groups = -(-R // self.rows_per_block)
+        self.warps = min(MAX_WARPS, self.rows_per_block)
+        n_tiles = -(-self.kv_total // TILE)
+        if n_splits is None:
+            n_splits = default_splits(self.NKV, self.kv_total, self.row_groups)
+        self.n_splits = _pos_int(n_splits, "n_splits")
+        if self.n_splits > n_tiles:
+            raise ValueError(f"n_splits={n_splits} exceeds the {n_tiles} key tiles of kv_total={kv_total}")
+
+        self._module = kernels.load_module(
+            backend, "attention.cu", D=self.D, NH=self.NH, NKV=self.NKV, B=self.B,
+            KV_TOTAL=self.kv_total, SPLITS=self.n_splits, GATE=GATES[gate],
+            RB=self.rows_per_block, NWARPS=self.warps)
+        self._split = self._module.get_function("ring_attn_split")
+        self._combine = self._module.get_function("ring_attn_combine") if self.n_splits > 1 else None
+        if self.n_splits > 1:
+            self.part_o = backend.zeros((self.n_splits, self.B * self.NH, self.D), np.float32)
+            self.part_ml = backend.zeros((self.n_splits, self.B * self.NH, 2), np.float32)
+        else:
+            self.part_o = self.part_ml = None
+        self._grid = (self.NKV, self.n_splits, self.row_groups)
+        self._block = (self.warps * 32, 1, 1)
+        self._cgrid = (-(-(self.B * self.NH * self.D) // COMBINE_THREADS), 1, 1)
+
+    def __repr__(self):
+        return (f"RingAttention(head_dim={self.D}, n_head={self.NH}, n_head_kv={self.NKV}, "
+                f"q_len={self.B}, kv_total={self.kv_total}, n_splits={self.n_splits}, "
+                f"gate={self.gate!r}, rows_per_block={self.rows_per_block}, warps={self.warps})")
+
+    def bytes_moved(self) -> int:
+        """Compulsory traffic: K and V once, q, mask, out (+ partials twice)."""
+        b = 2 * self.kv_total * self.NKV * self.D * 2 + 2 * self.B * self.NH * self.D * 4
+        b += self.B * self.kv_total * 2
+        if self.n_splits > 1:
+            b += 2 * self.n_splits * self.B * self.NH * (self.D + 2) * 4
+        return b
+
+    def __call__(self, q, k_cache, v_cache, mask, out, gate=None, stream=None):
+        be = self.backend
+        B, NH, D = self.B, self.NH, self.D
+        _check_array(be, "q", q, np.float32, ndim=None)
+        if tuple(q.shape) not in ((B, NH, D), (B, NH * D)):
+            raise ValueError(f"q must have shape {(B, NH, D)} or {(B, NH * D)}, got {tuple(q.shape)}")
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            _check_array(be, name, c, np.float16, ndim=2)
+            if tuple(c.shape) != (self.kv_total, self.NKV * D):
+                raise ValueError(f"{name} must have shape {(self.kv_total, self.NKV * D)}, "
+                                 f"got {tuple(c.shape)}")
+            if _ptr(c) % 16:
+                raise ValueError(f"{name} must be 16-byte aligned (vectorised tile loads), "
+                                 f"address {_ptr(c):#x}")
+        _check_array(be, "mask", mask, np.float16, ndim=2)
+        if tuple(mask.shape) != (B, self.kv_total):
+            raise ValueError(f"mask must have shape {(B, self.kv_total)}, got {tuple(mask.shape)}")
+        _check_array(be, "out", out, np.float32, ndim=2)
+        if tuple(out.shape) != (B, NH * D):
+            raise ValueError(f"out must have shape {(B, NH * D)}, got {tuple(out.shape)}")
+        for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("mask", mask)):
+            if _overlaps(out, a):
+                raise ValueError(f"out must not overlap {name}")
+        if self.gate is None:
+            if gate is not None:
+                raise ValueError("gate given but this RingAttention was built with gate=None")
+            gate = out  # never read
+        else:
+            if gate is None:
+                raise ValueError(f"gate is required (built with gate={self.gate!r})")
+            _check_array(be, "gate", gate, np.float32, ndim=2)
+            want = (B, NH) if self.gate == "head" else (B, NH * D)
+            if tuple(gate.shape) != want:
+                raise ValueError(f"gate must have shape {want} for gate={self.gate!r}, "
+                                 f"got {tuple(gate.shape)}")
+            if _overlaps(out, gate):
+                raise ValueError("out must not overlap gate")
+        po = self.part_o if self.part_o is not None else out      # unused when n_splits == 1
+        pml = self.part_ml if self.part_ml is not None else out
+        self._split(self._grid, self._block,
+                    (q, k_cache, v_cache, mask, po, pml, out, gate, np.float32(self.scale)),
+                    stream=stream)
+        if self._combine is not None:
+            self._combine(self._cgrid, (COMBINE_THREADS, 1, 1), (po, pml, gate, out), stream=stream)
+
+
+def ring_attention_reference(q, k_cache, v_cache, mask, *, n_head_kv: int, scale: float | None = None,
+                             gate=None, gate_mode: str | None = None) -> np.ndarray:
+    """NumPy oracle of ``RingAttention`` in float64: ``q [B, nh, d]`` (or
+    ``[B, nh*d]``) f32, caches f16 ``[S, nkv*d]`` converted exactly, additive
+    f16 ``mask [B, S]``. Returns f32 ``[B, nh*d]``; rows with every key hidden
+    give 0. ``gate_mode``: ``None``, ``"head"`` (``gate [B, nh]``) or
+    ``"element"`` (``gate [B, nh*d]``), applied as ``softplus(gate)``."""
+    k = np.asarray(k_cache, dtype=np.float16).astype(np.float64)
+    v = np.asarray(v_cache, dtype=np.float16).astype(np.float64)
+    S = k.shape[0]
+    nkv = int(n_head_kv)
+    d = k.shape[1] // nkv
+    qq = np.asarray(q, dtype=np.float32).astype(np.float64)
+    B = qq.shape[0]
+    qq = qq.reshape(B, -1, d)
+    nh = qq.shape[1]
+    rep = nh // nkv
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    kh = np.repeat(k.reshape(S, nkv, d), rep, axis=1)          # [S, nh, d]
+    vh = np.repeat(v.reshape(S, nkv, d), rep, axis=1)
+    m = np.asarray(mask, dtype=np.float16).astype(np.float64)  # [B, S]
+    scores = np.einsum("bhd,shd->bhs", qq, kh) * scale + m[:, None, :]
+    mx = scores.max(axis=-1, keepdims=True)
+    hidden_row = ~np.isfinite(mx)
+    with np.errstate(invalid="ignore"):
+        p = np.exp(scores - np.where(hidden_row, 0.0, mx))
+    p = np.where(hidden_row, 0.0, p)
+    den = p.sum(axis=-1, keepdims=True)
+    o = np.einsum("bhs,shd->bhd", p, vh) / np.where(den > 0, den, 1.0)
+    if gate_mode is not None:
+        g = np.asarray(gate, dtype=np.float32).astype(np.float64)
+        sp = np.logaddexp(0.0, g)
+        o = o * (sp.reshape(B, nh, 1) if gate_mode == "head" else sp.reshape(B, nh, d))
+    elif gate is not None:
+        raise ValueError("gate given without gate_mode")
+    return o.reshape(B, nh * d).astype(np.float32)

@@ -1,0 +1,225 @@
+"""Small-M weight-streaming GEMM (``cuda_src/gemm.cu``) and its NumPy reference.
+
+``y[:m] = x[:m] @ W.T`` with f32 activations, f32/f16/bf16 weights ``[N, K]``
+(Hugging Face ``[out, in]``), f32 accumulation and a fused epilogue:
+
+* ``"none"``: ``y = acc``
+* ``"residual"``: ``y = residual + acc`` (``residual`` may be ``y`` itself, for
+  ``h += attn @ wo.T``)
+* ``"silu_mul"``: ``W`` is ``[2N, K]`` = gate rows then up rows (e.g.
+  ``concat([gate_proj, up_proj])``), ``y = silu(x @ gate.T) * (x @ up.T)``.
+
+Compile-time: weight dtype, epilogue, K, the M tile ``max_m``, and the tiling
+derived from them; N and m are launch arguments. One ``Gemm`` per shape.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import kernels
+
+EPILOGUES = {"none": 0, "residual": 1, "silu_mul": 2}
+WTYPES = {"f32": 0, "f16": 1, "bf16": 2}
+_DEVICE_DTYPE = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
+                 "bf16": np.dtype(np.uint16)}  # bf16 lives on the device as bit patterns
+_ESIZE = {"f32": 4, "f16": 2, "bf16": 2}
+
+MAX_M_LIMIT = 64          # acc registers per lane = R * rows * max_m; 64 keeps silu_mul spill-free
+WARPS = 4                 # warps per block
+LANE_K = 4                # K elements per lane per step (gemm.cu GEMM_LANE_K)
+WARP_K = 32 * LANE_K      # K elements per warp per step
+SMEM_LIMIT = 48 * 1024    # the default dynamic shared-memory cap (no opt-in attribute needed)
+ACC_BUDGET = 64           # accumulators per lane the tiling aims for
+
+
+def weight_kind(dtype) -> str:
+    """``"f32" | "f16" | "bf16"`` from a name or a dtype (``np.uint16`` and
+    ``ml_dtypes.bfloat16`` both mean bf16)."""
+    if isinstance(dtype, str) and dtype in WTYPES:
+        return dtype
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"w_dtype {dtype!r}: expected 'f32', 'f16', 'bf16' or a NumPy dtype") from None
+    if dt == np.float32:
+        return "f32"
+    if dt == np.float16:
+        return "f16"
+    if dt == np.uint16 or dt.name == "bfloat16":
+        return "bf16"
+    raise TypeError(f"w_dtype {dtype!r}: expected float32, float16 or bfloat16 weights")
+
+
+def _ptr(a) -> int:
+    """Device address of an array (CuPy ``data.ptr``, NumPy ``ctypes.data``), no sync."""
+    d = getattr(a, "data", None)
+    p = getattr(d, "ptr", None)
+    return int(p) if p is not None else int(a.ctypes.data)
+
+
+def _check_array(backend, name, a, dtype, ndim=2):
+    if not backend.is_device_array(a):
+        raise TypeError(f"{name} must be a device array of backend {backend.name!r}, got {type(a).__name__}")
+    if a.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}, got {a.dtype}")
+    if ndim is not None and a.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(a.shape)}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+
+
+def _overlaps(a, b) -> bool:
+    pa, pb = _ptr(a), _ptr(b)
+    return pa < pb + b.nbytes and pb < pa + a.nbytes
+
+
+class Gemm:
+    """``Gemm(backend, N, K, w_dtype, epilogue="none", max_m=64)``.
+
+    ``__call__(x, w, y, m, residual=None, stream=None)`` computes rows
+    ``[0, m)``: ``x [>=m, K] f32``, ``w [N, K]`` (``[2N, K]`` for
+    ``"silu_mul"``) of ``w_dtype``, ``y [>=m, N] f32``. Any ``m >= 1`` works:
+    rows beyond ``max_m`` are further M tiles of the same launch (each tile
+    re-reads the weights, mostly from L2). No allocation, no host sync:
+    safe inside graph capture.
+    """
+
+    def __init__(self, backend, N: int, K: int, w_dtype, epilogue: str = "none", max_m: int = 64):
+        for name, v in (("N", N), ("K", K), ("max_m", max_m)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if epilogue not in EPILOGUES:
+            raise ValueError(f"epilogue {epilogue!r}: expected one of {tuple(EPILOGUES)}")
+        if max_m > MAX_M_LIMIT:
+            raise ValueError(f"max_m={max_m} exceeds {MAX_M_LIMIT} (larger m is tiled automatically)")
+        self.backend = backend
+        self.N, self.K, self.max_m = int(N), int(K), int(max_m)
+        self.epilogue = epilogue
+        self.wkind = weight_kind(w_dtype)
+        self.w_device_dtype = _DEVICE_DTYPE[self.wkind]
+        self.w_rows = 2 * self.N if epilogue == "silu_mul" else self.N
+        nw = 2 if epilogue == "silu_mul" else 1
+        # Columns per warp: as many as the accumulator budget allows, so that
+        # one staged x tile serves more weight rows.
+        self.rows_per_warp = max(1, min(4, ACC_BUDGET // (self.max_m * nw)))
+        self.cols_per_block = WARPS * self.rows_per_warp
+        # K tile: the largest multiple of WARP_K whose x tile fits the default
+        # shared-memory cap, never longer than K needs.
+        k_round = -(-self.K // WARP_K) * WARP_K
+        kt_fit = max(WARP_K, (SMEM_LIMIT // (4 * self.max_m)) // WARP_K * WARP_K)
+        self.k_tile = min(k_round, kt_fit)
+        self.vectorized = self.K % LANE_K == 0
+        self.threads = WARPS * 32
+        self._module = kernels.load_module(
+            backend, "gemm.cu", GEMM_WTYPE=WTYPES[self.wkind], GEMM_EPI=EPILOGUES[epilogue],
+            GEMM_K=self.K, GEMM_MAX_M=self.max_m, GEMM_R=self.rows_per_warp,
+            GEMM_WARPS=WARPS, GEMM_KT=self.k_tile)
+        self._kernel = self._module.get_function("gemm")
+        self._nblk = -(-self.N // self.cols_per_block)
+
+    def __repr__(self):
+        return (f"Gemm(N={self.N}, K={self.K}, w={self.wkind}, epilogue={self.epilogue!r}, "
+                f"max_m={self.max_m}, R={self.rows_per_warp}, KT={self.k_tile})")
+
+    def launch_config(self, m: int):
+        """``(grid, block, shared_mem)`` of a launch over ``m`` rows."""
+        mtiles = -(-m // self.max_m)
+        smem = min(m, self.max_m) * self.k_tile * 4
+        return (self._nblk * mtiles, 1, 1), (self.threads, 1, 1), smem
+
+    def bytes_moved(self, m: int) -> int:
+        """Compulsory traffic of one call: weights once, x read, y written,
+        residual read. (For ``m > max_m`` each extra M tile re-reads the
+        weights, mostly from L2; not counted.)"""
+        b = self.w_rows * self.K * _ESIZE[self.wkind] + m * self.K * 4 + m * self.N * 4
+        if self.epilogue == "residual":
+            b += m * self.N * 4
+        return b
+
+    def flops(self, m: int) -> int:
+        return 2 * m * self.w_rows * self.K
+
+    def __call__(self, x, w, y, m, residual=None, stream=None):
+        be = self.backend
+        if not isinstance(m, (int, np.integer)) or isinstance(m, bool):
+            raise TypeError(f"m must be an int, got {type(m).__name__}")
+        m = int(m)
+        _check_array(be, "x", x, np.float32)
+        _check_array(be, "w", w, self.w_device_dtype)
+        _check_array(be, "y", y, np.float32)
+        if x.shape[1] != self.K:
+            raise ValueError(f"x must have K={self.K} columns, got shape {tuple(x.shape)}")
+        if tuple(w.shape) != (self.w_rows, self.K):
+            raise ValueError(f"w must have shape {(self.w_rows, self.K)} for epilogue "
+                             f"{self.epilogue!r}, got {tuple(w.shape)}")
+        if y.shape[1] != self.N:
+            raise ValueError(f"y must have N={self.N} columns, got shape {tuple(y.shape)}")
+        if m < 1 or m > x.shape[0] or m > y.shape[0]:
+            raise ValueError(f"m={m} must be in [1, min(x rows={x.shape[0]}, y rows={y.shape[0]})]")
+        if _overlaps(x, y):
+            raise ValueError("y must not overlap x")
+        if _overlaps(w, y):
+            raise ValueError("y must not overlap w")
+        if self.epilogue == "residual":
+            if residual is None:
+                raise ValueError("residual is required for epilogue 'residual'")
+            _check_array(be, "residual", residual, np.float32)
+            if residual.shape[1] != self.N or residual.shape[0] < m:
+                raise ValueError(f"residual must have shape [>= m={m}, N={self.N}], "
+                                 f"got {tuple(residual.shape)}")
+            # Exact aliasing (same element read then written by one thread) is fine;
+            # a shifted overlap would read elements other blocks already wrote.
+            if _overlaps(residual, y) and _ptr(residual) != _ptr(y):
+                raise ValueError("residual must be y itself or not overlap it")
+            r = residual
+        else:
+            if residual is not None:
+                raise ValueError(f"residual given but epilogue is {self.epilogue!r}")
+            r = y  # unused by the kernel; any valid pointer
+        if self.vectorized:
+            for name, a in (("x", x), ("w", w), ("y", y), ("residual", r)):
+                if _ptr(a) % 16:
+                    raise ValueError(f"{name} must be 16-byte aligned for K % {LANE_K} == 0 "
+                                     f"(vectorised loads), address {_ptr(a):#x}")
+        grid, block, smem = self.launch_config(m)
+        self._kernel(grid, block, (x, w, y, r, np.int32(m), np.int32(self.N)),
+                     shared_mem=smem, stream=stream)
+
+
+def _weights_to_f64(w: np.ndarray) -> np.ndarray:
+    """Exact float64 value of host weights (float32, float16, bf16 as uint16 bits
+    or ml_dtypes.bfloat16)."""
+    w = np.asarray(w)
+    if w.dtype == np.uint16:
+        return (w.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    if w.dtype.name == "bfloat16":
+        return w.astype(np.float64)
+    if w.dtype in (np.float32, np.float16):
+        return w.astype(np.float64)
+    raise TypeError(f"w: unsupported weight dtype {w.dtype}")
+
+
+def gemm_reference(x, w, epilogue: str = "none", residual=None) -> np.ndarray:
+    """NumPy oracle for ``Gemm``: the weights are widened exactly from their
+    stored dtype (uint16 = bf16 bits), everything is computed in float64 and
+    the result rounded once to float32. The kernel accumulates in f32 in a
+    different order; ``tolerances.TOL["f32"]`` absorbs that."""
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue {epilogue!r}: expected one of {tuple(EPILOGUES)}")
+    x = np.asarray(x, dtype=np.float32).astype(np.float64)
+    w = _weights_to_f64(w)
+    acc = x @ w.T
+    if epilogue == "none":
+        out = acc
+    elif epilogue == "residual":
+        if residual is None:
+            raise ValueError("residual is required for epilogue 'residual'")
+        out = np.asarray(residual, dtype=np.float32).astype(np.float64) + acc
+    else:
+        n = w.shape[0] // 2
+        if w.shape[0] != 2 * n:
+            raise ValueError(f"w must have an even number of rows for silu_mul, got {w.shape[0]}")
+        g, u = acc[:, :n], acc[:, n:]
+        with np.errstate(over="ignore"):
+            out = g / (1.0 + np.exp(-g)) * u
+    return out.astype(np.float32)

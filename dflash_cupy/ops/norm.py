@@ -1,0 +1,112 @@
+"""RMSNorm over rows (``cuda_src/norm.cu``) and its NumPy reference.
+
+``y[r] = x[r] / sqrt(mean(x[r]**2) + eps) * w[r % w_rows]`` for rows of width
+``D``. ``x`` may be any C-contiguous f32 array whose last axis is a multiple of
+``D``: it is viewed as ``[x.size // D, D]`` rows, so per-head norms take
+``[B, nh*d]`` with ``D = d`` and the aux hidden norms take ``[M, n_cap*H]``
+with ``D = H`` and a weight table ``[n_cap, H]``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import kernels
+from .gemm import _check_array, _overlaps, _ptr
+
+MAX_TPR = 1024      # threads per row at most (one block)
+CHUNKS_PER_THREAD = 4  # target register chunks per thread before widening the row group
+
+
+def _as_float(v, name) -> float:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a float, got {v!r}") from None
+    return f
+
+
+class RmsNorm:
+    """``RmsNorm(backend, D, eps=1e-6)``; ``__call__(x, w, y, rows=None, stream=None)``.
+
+    ``w``: f32 ``[D]`` or ``[w_rows, D]`` (row ``r`` uses ``w[r % w_rows]``).
+    ``y``: f32, same shape as ``x``, may be ``x`` itself. ``rows``: normalise
+    only the first ``rows`` D-wide rows (default: all). Capture-safe.
+    """
+
+    def __init__(self, backend, D: int, eps: float = 1e-6):
+        if not isinstance(D, (int, np.integer)) or isinstance(D, bool) or D < 1:
+            raise ValueError(f"D must be a positive int, got {D!r}")
+        eps = _as_float(eps, "eps")
+        if not eps >= 0.0:
+            raise ValueError(f"eps must be >= 0, got {eps!r}")
+        self.backend = backend
+        self.D = int(D)
+        self.eps = eps
+        self.vec = 4 if self.D % 4 == 0 else 1
+        chunks = self.D // self.vec
+        want = -(-chunks // CHUNKS_PER_THREAD)
+        self.tpr = min(MAX_TPR, max(32, -(-want // 32) * 32))
+        self.block = max(self.tpr, 128)
+        self.rows_per_block = self.block // self.tpr
+        self._module = kernels.load_module(backend, "norm.cu", NORM_D=self.D,
+                                           NORM_TPR=self.tpr, NORM_BLOCK=self.block)
+        self._kernel = self._module.get_function("rmsnorm")
+
+    def __repr__(self):
+        return f"RmsNorm(D={self.D}, eps={self.eps}, tpr={self.tpr}, block={self.block})"
+
+    def bytes_moved(self, rows: int, w_rows: int = 1) -> int:
+        return (2 * rows + w_rows) * self.D * 4
+
+    def __call__(self, x, w, y, rows=None, stream=None):
+        be = self.backend
+        D = self.D
+        for name, a in (("x", x), ("w", w), ("y", y)):
+            _check_array(be, name, a, np.float32, ndim=None)
+        if x.ndim < 1 or x.shape[-1] % D:
+            raise ValueError(f"x's last axis must be a multiple of D={D}, got shape {tuple(x.shape)}")
+        if tuple(y.shape) != tuple(x.shape):
+            raise ValueError(f"y must have x's shape {tuple(x.shape)}, got {tuple(y.shape)}")
+        if w.ndim == 1 and w.shape[0] == D:
+            w_rows = 1
+        elif w.ndim == 2 and w.shape[1] == D and w.shape[0] >= 1:
+            w_rows = w.shape[0]
+        else:
+            raise ValueError(f"w must have shape [{D}] or [w_rows, {D}], got {tuple(w.shape)}")
+        total = x.size // D
+        if rows is None:
+            rows = total
+        elif not isinstance(rows, (int, np.integer)) or isinstance(rows, bool):
+            raise TypeError(f"rows must be an int, got {type(rows).__name__}")
+        rows = int(rows)
+        if rows < 0 or rows > total:
+            raise ValueError(f"rows={rows} must be in [0, {total}] (x holds {total} rows of {D})")
+        if _overlaps(x, y) and _ptr(x) != _ptr(y):
+            raise ValueError("y must be x itself or not overlap it")
+        if _overlaps(w, y):
+            raise ValueError("y must not overlap w")
+        if self.vec == 4:
+            for name, a in (("x", x), ("w", w), ("y", y)):
+                if _ptr(a) % 16:
+                    raise ValueError(f"{name} must be 16-byte aligned for D % 4 == 0 "
+                                     f"(vectorised loads), address {_ptr(a):#x}")
+        if rows == 0:
+            return
+        grid = (-(-rows // self.rows_per_block), 1, 1)
+        self._kernel(grid, (self.block, 1, 1),
+                     (x, w, y, np.int32(rows), np.int32(w_rows), np.float32(self.eps)),
+                     stream=stream)
+
+
+def rmsnorm_reference(x, w, D: int | None = None, eps: float = 1e-6) -> np.ndarray:
+    """NumPy oracle for ``RmsNorm``: rows of width ``D`` (default ``w.shape[-1]``),
+    weight row ``r % w_rows``, computed in float64 from the f32 inputs and rounded
+    once to float32."""
+    w = np.asarray(w, dtype=np.float32).astype(np.float64)
+    D = w.shape[-1] if D is None else int(D)
+    w = w.reshape(-1, D)
+    x = np.asarray(x, dtype=np.float32)
+    rows = x.astype(np.float64).reshape(-1, D)
+    inv = 1.0 / np.sqrt(np.mean(rows * rows, axis=1, keepdims=True) + eps)
+    wr = w[np.arange(rows.shape[0]) % w.shape[0]]
+    return (rows * inv * wr).astype(np.float32).reshape(x.shape)

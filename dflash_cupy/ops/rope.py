@@ -1,0 +1,182 @@
+"""Per-head q/k RMSNorm + NEOX RoPE + f16 K/V scatter (``cuda_src/rope.cu``)
+and its NumPy reference.
+
+One launch takes the rows of one fused QKV GEMM, ``qkv [M, QKV_W] f32`` laid
+out ``[Q (n_head*d, only with has_q) | K (n_head_kv*d) | V (n_head_kv*d)]``:
+
+* Q: ``rmsnorm(q_head) * q_norm``, RoPE at ``pos[m]`` -> ``q_out [M, n_head*d] f32``;
+* K: ``rmsnorm(k_head) * k_norm``, RoPE -> f16 row ``k_cache[rows[m]]``;
+* V: f16 row ``v_cache[rows[m]]``.
+
+RoPE uses a device table ``inv_freq [d/2] float64`` (plain ``theta**(-2i/d)``,
+or HF linear / YaRN tables from ``dflash_cupy.reference.rope_parameters``)
+and multiplies cos and sin by ``attn_scale_factor`` (YaRN's attention scaling,
+1.0 otherwise). Angles are formed in double and reduced modulo 2*pi on the
+device, so absolute positions of 2^20 and beyond lose no accuracy.
+
+The append stage uses ``has_q=False`` (rows = ring slots / the trash slot),
+the noise rows ``has_q=True`` (rows = ``capacity + i``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import kernels
+from .gemm import _check_array, _overlaps
+
+THREADS = 128  # 4 warps per row: enough head units to keep them busy, one block per row
+
+
+def _pos_int(v, name) -> int:
+    if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return int(v)
+
+
+def _as_float(v, name) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a float, got {v!r}") from None
+
+
+class QkvNormRope:
+    """``QkvNormRope(backend, head_dim, n_head, n_head_kv, has_q, eps=1e-6, attn_scale_factor=1.0)``.
+
+    ``__call__(qkv, k_norm, inv_freq, pos, rows, k_cache, v_cache, q_norm=None,
+    q_out=None, n_rows=None, stream=None)``:
+
+    * ``qkv [>= n_rows, qkv_width] f32``; ``q_norm``/``k_norm [head_dim] f32``;
+      ``inv_freq [head_dim/2] float64``; ``pos``, ``rows [>= n_rows] int32``;
+    * ``k_cache``, ``v_cache [kv_rows, n_head_kv*head_dim] f16`` (rows outside
+      ``[0, kv_rows)`` are skipped by the kernel rather than written);
+    * ``q_out [>= n_rows, n_head*head_dim] f32`` and ``q_norm`` only with ``has_q``.
+
+    ``n_rows`` defaults to ``qkv.shape[0]`` (a bulk-append chunk may use a
+    prefix of a larger buffer). No allocation, no host sync: capture-safe.
+    """
+
+    def __init__(self, backend, head_dim: int, n_head: int, n_head_kv: int, has_q: bool,
+                 eps: float = 1e-6, attn_scale_factor: float = 1.0):
+        self.backend = backend
+        self.D = _pos_int(head_dim, "head_dim")
+        self.NH = _pos_int(n_head, "n_head")
+        self.NKV = _pos_int(n_head_kv, "n_head_kv")
+        if self.D % 2:
+            raise ValueError(f"head_dim must be even for rotate_half RoPE, got {head_dim}")
+        if not isinstance(has_q, (bool, np.bool_)):
+            raise TypeError(f"has_q must be a bool, got {has_q!r}")
+        self.has_q = bool(has_q)
+        self.eps = _as_float(eps, "eps")
+        if not self.eps >= 0.0:
+            raise ValueError(f"eps must be >= 0, got {eps!r}")
+        self.attn_scale_factor = _as_float(attn_scale_factor, "attn_scale_factor")
+        if not np.isfinite(self.attn_scale_factor):
+            raise ValueError(f"attn_scale_factor must be finite, got {attn_scale_factor!r}")
+        self.q_width = self.NH * self.D if self.has_q else 0
+        self.kv_width = self.NKV * self.D
+        self.qkv_width = self.q_width + 2 * self.kv_width
+        self._module = kernels.load_module(backend, "rope.cu", D=self.D, NH=self.NH, NKV=self.NKV,
+                                           HAS_Q=self.has_q, ROPE_THREADS=THREADS)
+        self._kernel = self._module.get_function("qkv_norm_rope")
+
+    def __repr__(self):
+        return (f"QkvNormRope(head_dim={self.D}, n_head={self.NH}, n_head_kv={self.NKV}, "
+                f"has_q={self.has_q}, eps={self.eps}, attn_scale_factor={self.attn_scale_factor})")
+
+    def __call__(self, qkv, k_norm, inv_freq, pos, rows, k_cache, v_cache, q_norm=None,
+                 q_out=None, n_rows=None, stream=None):
+        be = self.backend
+        _check_array(be, "qkv", qkv, np.float32, ndim=2)
+        _check_array(be, "k_norm", k_norm, np.float32, ndim=1)
+        _check_array(be, "inv_freq", inv_freq, np.float64, ndim=1)
+        _check_array(be, "pos", pos, np.int32, ndim=1)
+        _check_array(be, "rows", rows, np.int32, ndim=1)
+        _check_array(be, "k_cache", k_cache, np.float16, ndim=2)
+        _check_array(be, "v_cache", v_cache, np.float16, ndim=2)
+        if qkv.shape[1] != self.qkv_width:
+            raise ValueError(f"qkv must have {self.qkv_width} columns "
+                             f"({'Q|' if self.has_q else ''}K|V), got shape {tuple(qkv.shape)}")
+        if k_norm.shape[0] != self.D:
+            raise ValueError(f"k_norm must have shape ({self.D},), got {tuple(k_norm.shape)}")
+        if inv_freq.shape[0] != self.D // 2:
+            raise ValueError(f"inv_freq must have shape ({self.D // 2},), got {tuple(inv_freq.shape)}")
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if c.shape[1] != self.kv_width:
+                raise ValueError(f"{name} must have {self.kv_width} columns (n_head_kv*head_dim), "
+                                 f"got shape {tuple(c.shape)}")
+        if tuple(k_cache.shape) != tuple(v_cache.shape):
+            raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+        if _overlaps(k_cache, v_cache):
+            raise ValueError("k_cache and v_cache must not overlap")
+        if n_rows is None:
+            n_rows = qkv.shape[0]
+        elif not isinstance(n_rows, (int, np.integer)) or isinstance(n_rows, bool):
+            raise TypeError(f"n_rows must be an int, got {type(n_rows).__name__}")
+        n_rows = int(n_rows)
+        for name, a in (("qkv", qkv), ("pos", pos), ("rows", rows)):
+            if a.shape[0] < n_rows:
+                raise ValueError(f"{name} has {a.shape[0]} rows, fewer than n_rows={n_rows}")
+        if n_rows < 0:
+            raise ValueError(f"n_rows={n_rows} must be >= 0")
+        if self.has_q:
+            if q_norm is None or q_out is None:
+                raise ValueError("q_norm and q_out are required when has_q=True")
+            _check_array(be, "q_norm", q_norm, np.float32, ndim=1)
+            _check_array(be, "q_out", q_out, np.float32, ndim=2)
+            if q_norm.shape[0] != self.D:
+                raise ValueError(f"q_norm must have shape ({self.D},), got {tuple(q_norm.shape)}")
+            if q_out.shape[1] != self.q_width or q_out.shape[0] < n_rows:
+                raise ValueError(f"q_out must have shape [>= {n_rows}, {self.q_width}], "
+                                 f"got {tuple(q_out.shape)}")
+            for name, a in (("qkv", qkv), ("k_cache", k_cache), ("v_cache", v_cache)):
+                if _overlaps(q_out, a):
+                    raise ValueError(f"q_out must not overlap {name}")
+        else:
+            if q_norm is not None or q_out is not None:
+                raise ValueError("q_norm / q_out given but has_q=False")
+            q_norm = k_norm  # never read
+            q_out = k_norm   # never written
+        if n_rows == 0:
+            return
+        self._kernel((n_rows, 1, 1), (THREADS, 1, 1),
+                     (qkv, q_norm, k_norm, inv_freq, pos, rows, q_out, k_cache, v_cache,
+                      np.int32(n_rows), np.int32(k_cache.shape[0]), np.float32(self.eps),
+                      np.float32(self.attn_scale_factor)), stream=stream)
+
+
+def qkv_norm_rope_reference(qkv, q_norm, k_norm, inv_freq, pos, *, head_dim: int, n_head: int,
+                            n_head_kv: int, has_q: bool, eps: float = 1e-6,
+                            attn_scale_factor: float = 1.0):
+    """NumPy oracle of ``QkvNormRope`` in float64 from the f32 inputs.
+
+    Returns ``(q [M, n_head*d] float32 or None, k [M, n_head_kv*d] float16,
+    v [M, n_head_kv*d] float16)``: rounded where the kernel rounds (Q stored
+    f32, K and V stored f16). Angles ``pos * inv_freq`` in float64 exactly as
+    the kernel forms them (``np.cos`` reduces large float64 arguments exactly).
+    """
+    d, nh, nkv = int(head_dim), int(n_head), int(n_head_kv)
+    x = np.asarray(qkv, dtype=np.float32).astype(np.float64)
+    M = x.shape[0]
+    qw = nh * d if has_q else 0
+    if x.shape[1] != qw + 2 * nkv * d:
+        raise ValueError(f"qkv: {x.shape[1]} columns, expected {qw + 2 * nkv * d}")
+    inv = np.asarray(inv_freq, dtype=np.float64)
+    ang = np.asarray(pos, dtype=np.int64).astype(np.float64)[:, None] * inv[None, :]
+    cos = (np.cos(ang) * attn_scale_factor)[:, None, :]
+    sin = (np.sin(ang) * attn_scale_factor)[:, None, :]
+    half = d // 2
+
+    def norm_rope(h, w):  # h [M, heads, d]
+        h = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) * np.asarray(w, np.float64)
+        a, b = h[..., :half], h[..., half:]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+    q = None
+    if has_q:
+        q = norm_rope(x[:, :qw].reshape(M, nh, d), q_norm).reshape(M, qw).astype(np.float32)
+    k = norm_rope(x[:, qw:qw + nkv * d].reshape(M, nkv, d), k_norm)
+    k = k.reshape(M, nkv * d).astype(np.float16)
+    v = x[:, qw + nkv * d:].astype(np.float16)
+    return q, k, v
+
