@@ -148,6 +148,7 @@ class DraftKvCache:
         self._ring: FeatureRing | None = None
 
         self.next_pos = 0
+        self.last_plan = None  # StepFields of the latest begin_step (for reports)
         self._graphs = [None, None]
         self._slot = 0
         self._planned = False
@@ -304,6 +305,7 @@ class DraftKvCache:
                 self.next_pos = fields.committed
             fill_step_descriptor(self._desc_host[slot], fields)
             self._slot = slot
+            self.last_plan = fields
             self._pending_next = fields.committed
             self._planned = True
 

@@ -1,0 +1,142 @@
+"""``python -m dflash_cupy demo``: the ring cache on a drafter, checked against the oracle.
+
+Runs a DFlash-like schedule — a prompt prefill, then steps that accept a
+random 1..q_len tokens, one jump longer than a step can append, one rewind —
+through ``DraftKvCache`` on the chosen backend (CPU emulation when no GPU is
+visible), checks every step's hidden states against the float64 one-shot
+forward over the window (``reference.draft_forward``), and prints a table:
+step, committed, rows appended, bulk?, max error, host µs in ``begin_step``.
+Exit status 1 if any step is outside the "step" tolerance.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+
+def _int_list(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {s!r}") from None
+
+
+def add_arguments(d: argparse.ArgumentParser) -> None:
+    d.add_argument("--checkpoint", default=None,
+                   help="a DFlash drafter directory (config.json + model.safetensors); default: random")
+    d.add_argument("--backend", default=None, choices=["cuda", "emulated"],
+                   help="default: cuda when a GPU is visible, else emulated")
+    d.add_argument("--steps", type=int, default=200, help="drafter steps (default 200)")
+    d.add_argument("--capacity", type=int, default=48, help="ring capacity (default 48)")
+    d.add_argument("--prompt", type=int, default=20, help="prompt length before step 0 (default 20)")
+    d.add_argument("--every", type=int, default=10, help="print every N-th step, plus bulk steps (default 10)")
+    d.add_argument("--layers", type=int, default=2, help="random drafter: layers (default 2)")
+    d.add_argument("--hidden", type=int, default=64, help="random drafter: hidden size (default 64)")
+    d.add_argument("--heads", type=int, default=4, help="random drafter: query heads (default 4)")
+    d.add_argument("--kv-heads", type=int, default=2, help="random drafter: kv heads (default 2)")
+    d.add_argument("--head-dim", type=int, default=32, help="random drafter: head dim (default 32)")
+    d.add_argument("--intermediate", type=int, default=128, help="random drafter: FFN size (default 128)")
+    d.add_argument("--block-size", type=int, default=8, help="random drafter: q_len (default 8)")
+    d.add_argument("--captured", type=int, default=3, help="random drafter: captured layers (default 3)")
+    d.add_argument("--sliding", type=_int_list, default=[0],
+                   help="random drafter: comma-separated sliding-window layers (default 0)")
+    d.add_argument("--window", type=int, default=16, help="random drafter: sliding window (default 16)")
+    d.add_argument("--dtype", default="bf16", choices=["f32", "f16", "bf16"],
+                   help="random drafter: weight dtype (default bf16)")
+    d.add_argument("--seed", type=int, default=0)
+
+
+def _schedule(rng, steps: int, prompt: int, q_len: int, a_step: int, capacity: int) -> list[int]:
+    """Committed length per step: random acceptances, one jump, one rewind."""
+    out, c = [], prompt
+    jump_at, rewind_at = steps // 3, (2 * steps) // 3
+    for i in range(steps):
+        if i == jump_at:
+            c += a_step + 1 + int(rng.integers(0, q_len))   # more than a step can fold in
+        elif i == rewind_at:
+            c = max(1, c - int(rng.integers(q_len, capacity + q_len + 1)))  # rewind
+        elif i > 0:
+            c += int(rng.integers(1, q_len + 1))              # accepted a of q_len drafts, +1
+        out.append(c)
+    return out
+
+
+def run(args) -> int:
+    from . import backends, reference
+    from .config import DraftConfig
+    from .feature_ring import FeatureRing
+    from .kv_cache import DraftKvCache
+    from .tolerances import TOL, within
+    from .weights import DraftWeights
+
+    be = backends.get(args.backend)
+    if args.checkpoint:
+        w = DraftWeights.from_pretrained(args.checkpoint, backend=be)
+    else:
+        sliding = tuple(i in set(args.sliding) for i in range(args.layers))
+        cfg = DraftConfig(n_layer=args.layers, hidden_size=args.hidden, n_head=args.heads,
+                          n_head_kv=args.kv_heads, head_dim=args.head_dim,
+                          intermediate_size=args.intermediate, block_size=args.block_size,
+                          target_layer_ids=tuple(range(args.captured)), layer_sliding=sliding,
+                          sliding_window=args.window or None)
+        w = DraftWeights.random(cfg, seed=args.seed, dtype=args.dtype)
+    cfg = w.config
+    rng = np.random.default_rng(args.seed + 1)
+    t0 = time.perf_counter()
+    kv = DraftKvCache(w, args.capacity, backend=be)
+    build_s = time.perf_counter() - t0
+    sched = _schedule(rng, args.steps, args.prompt, kv.q_len, kv.a_step, kv.capacity)
+    n_pos = max(sched) + 1
+    features = rng.standard_normal((n_pos, cfg.fc_in)).astype(np.float32)
+    ring = FeatureRing(max(kv.capacity, 2 * kv.a_step), cfg.n_captured, cfg.hidden_size, backend=be)
+
+    print(f"backend: {be.name}; drafter: {w}")
+    print(f"layers: {' '.join(cfg.layer_types)}; sliding_window={cfg.sliding_window}")
+    print(f"ring cache: capacity={kv.capacity} q_len={kv.q_len} a_step={kv.a_step} "
+          f"kv_total={kv.kv_total}; built in {build_s:.2f} s")
+    head = f"{'step':>5} {'committed':>9} {'appended':>8} {'bulk':>5} {'max err':>9} {'host us':>8}"
+    print(head)
+    print("-" * len(head))
+    worst, host_us, bad, written = 0.0, [], 0, 0
+    with kv:
+        for i, c in enumerate(sched):
+            if c < written:  # rewind: the target re-commits features from the rewind point
+                written = max(0, c - ring.capacity)
+            lo = max(written, c - ring.capacity)
+            if c > lo:
+                ring.write(lo, features[lo:c])
+            written = c
+            noise = rng.standard_normal((kv.q_len, cfg.hidden_size)).astype(np.float32)
+            t = time.perf_counter()
+            kv.begin_step(ring, c)
+            dt_us = (time.perf_counter() - t) * 1e6
+            kv.set_noise_embed(noise)
+            got = be.to_numpy(kv.run())
+            plan = kv.last_plan
+            bulk = plan.bulk_count > 0
+            if not bulk:
+                host_us.append(dt_us)
+            win_lo = c - min(c, kv.capacity)
+            ref = reference.draft_forward(w, features[win_lo:c], noise)
+            ok, err = within(got, ref, "step")
+            worst = max(worst, err)
+            bad += not ok
+            if i % max(1, args.every) == 0 or bulk or plan.reset or not ok or i == len(sched) - 1:
+                appended = plan.bulk_count if bulk else plan.n_new
+                flag = "yes" if bulk else "no"
+                if plan.reset:
+                    flag += "*"
+                print(f"{i:>5} {c:>9} {appended:>8} {flag:>5} {err:>9.2e} {dt_us:>8.1f}"
+                      + ("" if ok else "  <-- outside tolerance"))
+    t = TOL["step"]
+    med = float(np.median(host_us)) if host_us else float("nan")
+    print(f"(* = rewind: cache reset)  {args.steps} steps, worst max error {worst:.2e} "
+          f"(tolerance atol={t['atol']} + rtol={t['rtol']}*|ref|), "
+          f"median host begin_step {med:.1f} us (in-graph steps)")
+    if bad:
+        print(f"FAILED: {bad} step(s) outside tolerance")
+        return 1
+    print("OK: every step matches the one-shot oracle")
+    return 0

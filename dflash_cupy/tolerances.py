@@ -1,0 +1,38 @@
+"""The one tolerance table: |got - ref| <= atol + rtol * |ref|, by the dtype in
+which the kernel stores or rounds its result. References round where the
+kernels round, so these only absorb accumulation-order and libm differences."""
+import numpy as np
+
+TOL = {
+    "f32": dict(atol=1e-5, rtol=1e-5),     # f32 accumulation, order differs from NumPy
+    "f16": dict(atol=1e-3, rtol=2e-3),     # one f16 rounding (2^-11) of a value near 1
+    "bf16": dict(atol=8e-3, rtol=1.6e-2),  # one bf16 rounding (2^-8)
+    # whole drafter step vs the float64 oracle: f16 K/V storage and f32 math
+    # through several layers
+    "step": dict(atol=2e-3, rtol=2e-2),
+}
+
+
+def within(got, ref, kind) -> tuple[bool, float]:
+    """(all elements within the ``kind`` tolerance, max abs error)."""
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    t = TOL[kind]
+    err = np.abs(got - ref)
+    return bool((err <= t["atol"] + t["rtol"] * np.abs(ref)).all()), float(err.max(initial=0.0))
+
+
+def assert_close(got, ref, kind, what=""):
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
+    t = TOL[kind]
+    err = np.abs(got - ref)
+    bound = t["atol"] + t["rtol"] * np.abs(ref)
+    bad = ~(err <= bound)
+    if bad.any():
+        i = np.unravel_index(np.argmax(np.where(bad, err - bound, -np.inf)), err.shape)
+        raise AssertionError(
+            f"{what}: {int(bad.sum())}/{err.size} elements outside {kind} tolerance "
+            f"(atol={t['atol']}, rtol={t['rtol']}); worst at {i}: got {got[i]!r}, ref {ref[i]!r}, "
+            f"max abs err {err.max():.3e}")
