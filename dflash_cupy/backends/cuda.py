@@ -84,6 +84,12 @@ NVRTC_FLAGS = ("--std=c++17", "-ftz=true")
 _DEFAULT_SMEM = 48 * 1024        # dynamic shared memory allowed without the opt-in attribute
 _FALLBACK_SMEM_OPTIN = 232448    # Hopper/Ampere-A100 class opt-in limit, if the query fails
 _DEFAULT_STREAM_PTRS = (0, 1, 2)  # legacy NULL, cudaStreamLegacy, cudaStreamPerThread
+# Raw CuPy stream classes accepted where a stream is taken (ExternalStream is deprecated in
+# CuPy 14 and may go; the base class name differs between versions).
+_RAW_STREAM_TYPES = tuple(t for t in (cupy.cuda.Stream, getattr(cupy.cuda, "ExternalStream", None),
+                                      getattr(cupy.cuda.stream, "_BaseStream", None),
+                                      getattr(cupy.cuda.stream, "BaseStream", None))
+                          if isinstance(t, type))
 
 
 # ---------------------------------------------------------------------------
@@ -164,6 +170,13 @@ def cuda_include_dirs() -> tuple[str, ...]:
         if major is None or hm is None or hm == major:
             return (str(d),)
     return ()
+
+
+def with_line_directive(source: str, filename: str) -> str:
+    """``source`` prefixed with ``#line 1 "filename"`` so compiler messages name
+    the original file (CuPy hands NVRTC a hashed temporary name)."""
+    escaped = filename.replace("\\", "\\\\").replace('"', '\\"')
+    return f'#line 1 "{escaped}"\n' + source
 
 
 def _normalise_options(options: Sequence[str]) -> tuple[str, ...]:
@@ -334,12 +347,18 @@ class CudaKernel(Kernel):
             raise ValueError(f"kernel {self.name}: shared_mem={shared_mem} outside [0, {limit}]")
         args = self._check_args(args)
         raw_stream = be._stream_for(stream, f"kernel {self.name}")
-        try:
-            if shared_mem > self._smem_attr:
-                # Needed above 48 KiB; set once per kernel, ideally by a warm-up launch before
-                # capture (it is a function attribute, not stream work).
+        if shared_mem > self._smem_attr:
+            # Needed above 48 KiB. A function attribute, not stream work; normally first set by an
+            # eager launch (cuFuncSetAttribute inside a relaxed-mode capture is not documented as
+            # refused, but is untested here).
+            try:
                 self._raw.max_dynamic_shared_size_bytes = shared_mem
-                self._smem_attr = shared_mem
+            except (_driver.CUDADriverError, _runtime.CUDARuntimeError) as e:
+                during = " (during capture: launch it once before capturing)" if be.is_capturing() else ""
+                raise KernelLaunchError(f"kernel {self.name}: cannot allow shared_mem={shared_mem} "
+                                        f"bytes of dynamic shared memory{during}: {e}") from e
+            self._smem_attr = shared_mem
+        try:
             self._raw(g, b, args, shared_mem=shared_mem, stream=raw_stream)
         except (_driver.CUDADriverError, _runtime.CUDARuntimeError) as e:
             raise KernelLaunchError(f"kernel {self.name}: launch grid={g} block={b} shared_mem={shared_mem} "
@@ -414,7 +433,7 @@ class CudaBackend(Backend):
             return None
         if isinstance(stream, CudaStream):
             return stream.raw
-        if isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
+        if isinstance(stream, _RAW_STREAM_TYPES):
             return stream
         raise TypeError(f"stream must be a stream from backend.stream(), a cupy.cuda.Stream or None, "
                         f"got {type(stream).__name__}")
@@ -460,7 +479,9 @@ class CudaBackend(Backend):
             a = host.copy()
             _runtime.deviceSynchronize()
             return a
-        host = np.ascontiguousarray(host)
+        host = np.asarray(host)
+        if not host.flags.c_contiguous:  # (np.ascontiguousarray would turn 0-d into 1-d)
+            host = np.array(host, order="C")
         a = cupy.empty(host.shape, _check_dtype_supported(host.dtype))
         if host.nbytes:
             # Synchronous cudaMemcpy plus a device sync: the copy is complete for every stream
@@ -475,7 +496,7 @@ class CudaBackend(Backend):
             return np.array(arr, copy=True)
         if not isinstance(arr, cupy.ndarray):
             raise TypeError(f"arr must be a CuPy device array, got {type(arr).__name__}")
-        src = cupy.ascontiguousarray(arr)
+        src = arr if arr.flags.c_contiguous else cupy.ascontiguousarray(arr)
         out = np.empty(arr.shape, arr.dtype)
         try:
             _runtime.deviceSynchronize()
@@ -529,9 +550,7 @@ class CudaBackend(Backend):
         except ValueError as e:
             raise BackendError(f"{fname}: {e}") from None
         opts = NVRTC_FLAGS + _normalise_options(options) + tuple("-I" + d for d in cuda_include_dirs())
-        # #line makes NVRTC name the original file in its messages (CuPy compiles a hashed temp name).
-        escaped = fname.replace("\\", "\\\\").replace('"', '\\"')
-        code = f'#line 1 "{escaped}"\n' + source
+        code = with_line_directive(source, fname)
         try:
             raw = cupy.RawModule(code=code, options=opts, backend="nvrtc")
             raw.compile()  # eager: errors surface here, not at the first launch
@@ -569,7 +588,7 @@ class CudaBackend(Backend):
             raise TypeError(f"{what}: src must be a pinned NumPy array from pinned_empty(), "
                             f"got {type(src).__name__}")
         n = copy_nbytes(dst, src, nbytes, what)
-        if not self.is_pinned(src):
+        if src.nbytes and not self.is_pinned(src):
             raise ValueError(f"{what}: src is not pinned host memory; allocate it with "
                              "backend.pinned_empty() (the copy reads it when it executes, "
                              "which for a captured copy is at graph replay)")
@@ -585,7 +604,7 @@ class CudaBackend(Backend):
         if not dst.flags.writeable:
             raise ValueError(f"{what}: dst is read-only")
         n = copy_nbytes(dst, src, nbytes, what)
-        if self._capture_raw is not None and not self.is_pinned(dst):
+        if self._capture_raw is not None and dst.nbytes and not self.is_pinned(dst):
             raise ValueError(f"{what}: during capture dst must be pinned host memory from "
                              "backend.pinned_empty() (the graph writes it at replay)")
         raw = self._stream_for(stream, what)
@@ -616,10 +635,11 @@ class CudaBackend(Backend):
     def begin_capture(self, stream) -> None:
         if self._capture_raw is not None:
             raise CaptureError("a stream is already capturing")
-        if stream is None:
-            raise CaptureError("capture needs a stream from backend.stream() (not the default stream)")
-        raw = self._raw_stream(stream)
-        if raw.ptr in _DEFAULT_STREAM_PTRS:
+        try:
+            raw = self._raw_stream(stream)
+        except TypeError:
+            raw = None
+        if raw is None or raw.ptr in _DEFAULT_STREAM_PTRS:
             raise CaptureError("capture needs a stream from backend.stream() (not the default stream)")
         guard = cupy.cuda.using_allocator(_deny_device_alloc)
         guard.__enter__()
@@ -628,7 +648,9 @@ class CudaBackend(Backend):
             raw.begin_capture()
         except BaseException as e:
             self._restore_allocators(guard)
-            raise CaptureError(f"cudaStreamBeginCapture failed: {e}") from e
+            if isinstance(e, Exception):
+                raise CaptureError(f"cudaStreamBeginCapture failed: {e}") from e
+            raise
         self._alloc_guard = guard
         self._capture_raw = raw
         self._captured_launches = 0
@@ -640,10 +662,11 @@ class CudaBackend(Backend):
 
     def end_capture(self, stream) -> CudaGraph:
         cap = self._capture_raw
-        if cap is None or stream is None:
-            raise CaptureError("end_capture on a stream that is not capturing")
-        raw = self._raw_stream(stream)
-        if raw.ptr != cap.ptr:
+        try:
+            raw = self._raw_stream(stream)
+        except TypeError:
+            raw = None
+        if cap is None or raw is None or raw.ptr != cap.ptr:
             raise CaptureError("end_capture on a stream that is not capturing")
         guard = self._alloc_guard
         self._capture_raw = None

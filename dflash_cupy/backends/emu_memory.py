@@ -59,6 +59,18 @@ def guarded_empty(shape, dtype, what: str = "array") -> np.ndarray:
     return arr
 
 
+def is_inside(arr: np.ndarray, what: str) -> bool:
+    """True when all of ``arr`` lies inside one live allocation made as ``what``."""
+    a0 = arr.ctypes.data
+    a1 = a0 + arr.nbytes
+    with _lock:
+        i = bisect.bisect_right(_starts, a0) - 1
+        if i < 0:
+            return False
+        _, d0, d1, desc = _regions[_starts[i]]
+        return d0 <= a0 and a1 <= d1 and desc.startswith(what + " ")
+
+
 def describe_address(addr: int | None) -> str:
     """Which emulated array an address falls next to, for fault reports."""
     if addr is None:

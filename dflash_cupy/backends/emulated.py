@@ -303,6 +303,10 @@ class EmulatedBackend(Backend):
             ctypes.memmove(dst.ctypes.data, src.ctypes.data, n)
 
     def copy_h2d_async(self, dst, src, stream=None, nbytes=None):
+        # As on CUDA: an asynchronous (and capturable) H2D copy reads pinned memory.
+        if isinstance(src, np.ndarray) and not emu_memory.is_inside(src, "pinned host array"):
+            raise ValueError("copy_h2d_async: src must be a pinned host array from "
+                             "backend.pinned_empty() (or a view of one)")
         self._copy(dst, src, stream, nbytes, "copy_h2d_async")
 
     def copy_d2h_async(self, dst, src, stream=None, nbytes=None):
