@@ -32,6 +32,10 @@
 // Compile-time (-D, each with a default): D (multiple of 8, <= 256), NH, NKV,
 // B, KV_TOTAL (any value >= 1), SPLITS, RB (query rows per block), NWARPS,
 // GATE (0 none, 1 per head, 2 per element).
+// nvrtc-check: -DD=32 -DNH=4 -DNKV=4 -DB=1 -DKV_TOTAL=37 -DSPLITS=1 -DGATE=1 -DRB=4 -DNWARPS=4
+// nvrtc-check: -DD=64 -DNH=8 -DNKV=2 -DB=16 -DKV_TOTAL=100 -DSPLITS=3 -DGATE=2 -DRB=64 -DNWARPS=8
+// nvrtc-check: -DD=256 -DNH=16 -DNKV=4 -DB=16 -DKV_TOTAL=1000 -DSPLITS=2 -DRB=16 -DNWARPS=8
+// nvrtc-check: -DD=128 -DNH=64 -DNKV=8 -DB=16 -DKV_TOTAL=4128 -DSPLITS=8 -DGATE=1 -DRB=64 -DNWARPS=8
 #include <cuda_fp16.h>
 
 #ifndef D

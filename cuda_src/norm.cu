@@ -15,8 +15,9 @@
 // Each thread keeps its ceil(NORM_D / VEC / NORM_TPR) chunks of the row in registers,
 // so x is read once. Sum of squares in f32: warp shuffles, then (NORM_TPR > 32) the
 // row's warp partials through shared memory.
-// Overflow: like the f32 reference implementations, mean(x^2) overflows for
-// |x| >~ 1e18; no pre-scaling is done.
+// Range: as in the f32 framework implementations no pre-scaling is done, so
+// mean(x^2) overflows for |x| >~ 1e18, and under -ftz squares below 2^-126 (|x| <~ 1e-19)
+// flush to zero and drop out of the sum.
 //
 // nvrtc-check: -DNORM_D=4096 -DNORM_TPR=256 -DNORM_BLOCK=256
 // nvrtc-check: -DNORM_D=19 -DNORM_TPR=32 -DNORM_BLOCK=128

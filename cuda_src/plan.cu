@@ -41,6 +41,8 @@
 //       grid (ceil(KV_TOTAL/128)), block (128): one thread per column writes
 //       that column of every row (coalesced across the warp). It must run
 //       after plan_append in stream order: it reads the updated slot_pos.
+// nvrtc-check: -DRING_DTYPE=1 -DFC_IN=19 -DCAP=3 -DQ_LEN=16 -DKV_TOTAL=32
+// nvrtc-check: -DRING_DTYPE=2 -DFC_IN=20480
 #include <cuda_fp16.h>
 
 #ifndef CAP

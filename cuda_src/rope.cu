@@ -37,6 +37,9 @@
 //
 // Compile-time: D (even), NH, NKV, HAS_Q, ROPE_THREADS.
 // Runtime: M, kv_rows, eps, attn_scale_factor (YaRN mscale; 1.0 otherwise).
+// nvrtc-check: -DD=64 -DNH=4 -DNKV=2 -DHAS_Q=0
+// nvrtc-check: -DD=80 -DNH=3 -DNKV=1 -DHAS_Q=1
+// nvrtc-check: -DD=256 -DNH=16 -DNKV=4 -DHAS_Q=1
 #include <cuda_fp16.h>
 
 #ifndef D

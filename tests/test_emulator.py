@@ -125,7 +125,8 @@ def test_f32_narrowing_rounds_to_nearest_even(backend, rng, kind):
     # every 16-bit value, the midpoints between neighbours (ties), values just off the
     # midpoints, overflow, subnormals, and random bit patterns
     grid = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np_dt)
-    grid = grid.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        grid = grid.astype(np.float64)
     grid = np.sort(grid[np.isfinite(grid)])
     mids = (grid[1:] + grid[:-1]) / 2
     f = np.concatenate([grid, mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf),
@@ -195,6 +196,37 @@ def test_missing_barrier_is_caught(emu, schedule, monkeypatch):
         k = emu.compile(MISSING_BARRIER_SRC, defines, filename="rotate.cu").get_function("rotate")
         k((1,), (128,), (x, y), shared_mem=512)
         assert np.array_equal(y, ref) == should_pass, f"defines={defines}: {y[:8]}"
+
+
+CROSS_WARP_RACE_SRC = r"""
+// Warp w reads the other warp's slot, then overwrites its own: without the
+// second barrier a warp that runs ahead clobbers what the other still reads.
+extern "C" __global__ void swap_halves(float* out) {
+    __shared__ float buf[64];
+    const int t = threadIdx.x;
+    buf[t] = (float)t;
+    __syncthreads();
+    float v = buf[(t + 32) % 64];
+    v += __shfl_xor_sync(0xffffffffu, v, 1) * 0.0f;   // a warp collective in between
+#ifdef WITH_BARRIER
+    __syncthreads();
+#endif
+    buf[t] = v + 1000.0f;
+    __syncthreads();
+    out[t] = v;
+}
+"""
+
+
+@pytest.mark.parametrize("schedule", ["forward", "reverse", "shuffle"])
+def test_missing_barrier_between_warps_is_caught(emu, schedule, monkeypatch):
+    monkeypatch.setattr(emu, "schedule", schedule)
+    ref = ((np.arange(64) + 32) % 64).astype(np.float32)
+    for defines, should_pass in ((["-DWITH_BARRIER=1"], True), ([], False)):
+        out = emu.zeros((64,), np.float32)
+        emu.compile(CROSS_WARP_RACE_SRC, defines, filename="race.cu").get_function("swap_halves")(
+            (1,), (64,), (out,))
+        assert np.array_equal(out, ref) == should_pass, f"defines={defines}: {out[:4]} {out[32:36]}"
 
 
 DEADLOCK_SRC = r"""

@@ -593,20 +593,43 @@ static bool run_block(Block* b, int order, Rng& rng) {
     }
     b->live = nt;
     b->bar_arrived = b->bar_count = 0;
-    std::vector<int> order_buf;
-    order_buf.reserve((size_t)nt);
+    // Warps run one at a time, each as far as it can get (through its warp
+    // collectives, up to a __syncthreads or its end) before the next warp
+    // starts, in forward, reverse or shuffled warp order: one warp runs ahead
+    // of the others by a whole barrier interval, the worst case for a missing
+    // __syncthreads between warps. Lanes inside a warp resume in the same
+    // kind of order, so a missing __syncwarp shows too.
+    std::vector<int> warp_order, lane_order;
+    warp_order.reserve((size_t)nw);
+    lane_order.reserve(32);
     while (b->live > 0) {
-        order_buf.clear();
-        for (int i = 0; i < nt; i++)
-            if (b->fibers[i].state == RUNNABLE) order_buf.push_back(i);
-        if (order_buf.empty()) { describe_deadlock(b); return false; }
-        if (order == ORDER_REVERSE) std::reverse(order_buf.begin(), order_buf.end());
+        warp_order.clear();
+        for (int wi = 0; wi < nw; wi++) {
+            const int l1 = std::min(nt, wi * 32 + 32);
+            for (int i = wi * 32; i < l1; i++)
+                if (b->fibers[i].state == RUNNABLE) { warp_order.push_back(wi); break; }
+        }
+        if (warp_order.empty()) { describe_deadlock(b); return false; }
+        if (order == ORDER_REVERSE) std::reverse(warp_order.begin(), warp_order.end());
         else if (order == ORDER_SHUFFLE)
-            for (size_t i = order_buf.size(); i > 1; i--) std::swap(order_buf[i - 1], order_buf[rng.next() % i]);
-        for (int i : order_buf) {
-            if (b->fibers[i].state != RUNNABLE) continue;
-            switch_to_fiber(b, &b->fibers[i]);
-            if (b->failed) return false;
+            for (size_t i = warp_order.size(); i > 1; i--) std::swap(warp_order[i - 1], warp_order[rng.next() % i]);
+        for (int wi : warp_order) {
+            const int l0 = wi * 32, l1 = std::min(nt, wi * 32 + 32);
+            for (;;) {
+                lane_order.clear();
+                for (int i = l0; i < l1; i++)
+                    if (b->fibers[i].state == RUNNABLE) lane_order.push_back(i);
+                if (lane_order.empty()) break;
+                if (order == ORDER_REVERSE) std::reverse(lane_order.begin(), lane_order.end());
+                else if (order == ORDER_SHUFFLE)
+                    for (size_t i = lane_order.size(); i > 1; i--)
+                        std::swap(lane_order[i - 1], lane_order[rng.next() % i]);
+                for (int i : lane_order) {
+                    if (b->fibers[i].state != RUNNABLE) continue;
+                    switch_to_fiber(b, &b->fibers[i]);
+                    if (b->failed) return false;
+                }
+            }
         }
     }
     return true;

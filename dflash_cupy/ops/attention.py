@@ -53,7 +53,9 @@ class RingAttention:
     ``k_cache``, ``v_cache [kv_total, n_head_kv*head_dim]`` f16 (16-byte aligned);
     ``mask [q_len, kv_total]`` f16; ``out [q_len, n_head*head_dim]`` f32;
     ``gate [q_len, n_head]`` / ``[q_len, n_head*head_dim]`` f32 per the mode.
-    No allocation, no host sync: capture-safe.
+    No allocation, no host sync: capture-safe. With ``n_splits > 1`` the
+    instance owns one partials workspace: calls must be ordered (one stream),
+    never concurrent on two streams.
     """
 
     def __init__(self, backend, head_dim: int, n_head: int, n_head_kv: int, q_len: int,

@@ -1,0 +1,141 @@
+"""ring_attn_split / ring_attn_combine (cuda_src/attention.cu): masked
+split-KV GQA attention of the noise rows over the whole ring cache."""
+import numpy as np
+import pytest
+
+from dflash_cupy.geometry import RingGeometry
+from dflash_cupy.ops.attention import RingAttention, default_splits, ring_attention_reference
+from dflash_cupy.reference import contiguous_slot_pos, ring_masks
+from tests.tolerances import assert_close
+
+NEG_INF = np.float16(-np.inf)
+
+
+def make_inputs(rng, B, NH, NKV, D, kv_total, q_scale=2.0):
+    q = (rng.standard_normal((B, NH, D)) * q_scale).astype(np.float32)
+    k = rng.standard_normal((kv_total, NKV * D)).astype(np.float16)
+    v = rng.standard_normal((kv_total, NKV * D)).astype(np.float16)
+    return q, k, v
+
+
+def run(be, att, q, k, v, mask, gate=None, q_flat=False):
+    out = be.asarray(np.full((att.B, att.NH * att.D), np.nan, np.float32))
+    qd = be.asarray(q.reshape(att.B, -1) if q_flat else q)
+    att(qd, be.asarray(k), be.asarray(v), be.asarray(mask), out,
+        gate=None if gate is None else be.asarray(gate))
+    return be.to_numpy(out)
+
+
+# (D, NH, NKV, B, kv_total, n_splits, gate): GQA ratios 1/2/4, D 32/64/128/256,
+# B 1/3/4/16, awkward kv_total, splits 1..5, gate none/head/element
+CONFIGS = [
+    (32, 4, 4, 1, 37, 1, None),
+    (64, 8, 4, 4, 100, 3, "head"),
+    (128, 8, 2, 16, 160, 2, "element"),
+    (64, 4, 1, 16, 33, 2, None),
+    (128, 4, 4, 4, 97, 4, "head"),
+    (32, 2, 1, 3, 19, 1, "element"),
+    (256, 4, 1, 16, 70, 3, None),       # 64 query rows > 16 that fit shared memory: row groups
+    (64, 2, 2, 16, 200, 5, None),
+]
+
+
+@pytest.mark.parametrize("D,NH,NKV,B,kv_total,n_splits,gate", CONFIGS)
+def test_random_masks(backend, rng, D, NH, NKV, B, kv_total, n_splits, gate):
+    att = RingAttention(backend, D, NH, NKV, B, kv_total, n_splits=n_splits, gate=gate)
+    q, k, v = make_inputs(rng, B, NH, NKV, D, kv_total)
+    mask = np.where(rng.random((B, kv_total)) < 0.4, np.float16(0), NEG_INF).astype(np.float16)
+    mask[:, rng.integers(kv_total)] = 0                  # every row sees something...
+    if B > 2:
+        mask[1] = NEG_INF                                # ...except row 1: all hidden -> 0
+        mask[2] = NEG_INF
+        mask[2, kv_total - 1] = 0                        # one key, in the last (partial) tile
+    g = None
+    if gate == "head":
+        g = (rng.standard_normal((B, NH)) * 3).astype(np.float32)
+    elif gate == "element":
+        g = (rng.standard_normal((B, NH * D)) * 3).astype(np.float32)
+        g.flat[:3] = [25.0, -30.0, 0.0]                  # softplus's linear and tiny ends
+    got = run(backend, att, q, k, v, mask, g, q_flat=(D == 64))
+    ref = ring_attention_reference(q, k, v, mask, n_head_kv=NKV, gate=g, gate_mode=gate)
+    assert np.isfinite(got).all()
+    assert_close(got, ref, "f32", f"attention {att}")
+    if B > 2:
+        assert (got[1] == 0).all(), "row with every key hidden must be exactly 0"
+
+
+@pytest.mark.parametrize("capacity,q_len,committed,swa", [(45, 4, 100, 10), (20, 16, 37, 5),
+                                                          (3, 8, 1000003, 2), (50, 4, 2**20 + 9, 0)])
+def test_ring_masks(backend, rng, capacity, q_len, committed, swa):
+    """Ring-ordered slots with wraparound: masks from the oracle, trash and
+    padding rows holding large finite junk that must stay invisible."""
+    geom = RingGeometry(capacity, q_len)
+    D, NH, NKV = 64, 4, 2
+    q, k, v = make_inputs(rng, q_len, NH, NKV, D, geom.kv_total)
+    k[geom.trash_slot:] = 300.0
+    v[geom.trash_slot:] = -500.0
+    slot_pos = contiguous_slot_pos(committed, capacity)
+    mfull, mswa = ring_masks(slot_pos, committed, geom, swa)
+    att = RingAttention(backend, D, NH, NKV, q_len, geom.kv_total, n_splits=min(2, geom.kv_total // 32))
+    for name, mask in (("full", mfull), ("swa", mswa)):
+        got = run(backend, att, q, k, v, mask)
+        ref = ring_attention_reference(q, k, v, mask, n_head_kv=NKV)
+        assert_close(got, ref, "f32", f"{name} mask")
+
+
+def test_split_count_invariance(backend, rng):
+    """1, 2, 3 and 7 splits (some of them entirely hidden) agree."""
+    D, NH, NKV, B, kv_total = 32, 4, 2, 4, 224
+    q, k, v = make_inputs(rng, B, NH, NKV, D, kv_total)
+    mask = np.full((B, kv_total), NEG_INF, np.float16)
+    mask[:, 3:40] = 0                                     # only the first split sees anything
+    mask[:, 150] = 0
+    outs = [run(backend, RingAttention(backend, D, NH, NKV, B, kv_total, n_splits=s), q, k, v, mask)
+            for s in (1, 2, 3, 7)]
+    ref = ring_attention_reference(q, k, v, mask, n_head_kv=NKV)
+    for s, o in zip((1, 2, 3, 7), outs):
+        assert_close(o, ref, "f32", f"n_splits={s}")
+
+
+@pytest.mark.parametrize("n_splits,gate", [(1, "head"), (3, "element")])
+def test_all_hidden_is_zero(backend, rng, n_splits, gate):
+    D, NH, NKV, B, kv_total = 32, 2, 1, 4, 96
+    q, k, v = make_inputs(rng, B, NH, NKV, D, kv_total)
+    mask = np.full((B, kv_total), NEG_INF, np.float16)
+    g = rng.standard_normal((B, NH) if gate == "head" else (B, NH * D)).astype(np.float32)
+    att = RingAttention(backend, D, NH, NKV, B, kv_total, n_splits=n_splits, gate=gate)
+    got = run(backend, att, q, k, v, mask, g)
+    assert (got == 0).all()
+
+
+def test_default_splits_and_sizes():
+    assert default_splits(8, 2080) == 8          # 65 tiles, >= 8 tiles per split
+    assert default_splits(8, 64) == 1
+    assert default_splits(1, 100000) == 264
+
+
+def test_bad_arguments_raise(emu):
+    be = emu
+    D, NH, NKV, B, kvt = 32, 4, 2, 2, 40
+    att = RingAttention(be, D, NH, NKV, B, kvt, n_splits=2, gate="head")
+    args = dict(q=be.zeros((B, NH, D), np.float32), k_cache=be.zeros((kvt, NKV * D), np.float16),
+                v_cache=be.zeros((kvt, NKV * D), np.float16), mask=be.zeros((B, kvt), np.float16),
+                out=be.zeros((B, NH * D), np.float32), gate=be.zeros((B, NH), np.float32))
+    att(**args)
+    bad = [("q", be.zeros((B, NH, D + 1), np.float32), ValueError),
+           ("k_cache", be.zeros((kvt, NKV * D), np.float32), TypeError),
+           ("v_cache", be.zeros((kvt + 1, NKV * D), np.float16), ValueError),
+           ("mask", be.zeros((B, kvt), np.float32), TypeError),
+           ("out", be.zeros((B, NH, D), np.float32), ValueError),
+           ("gate", be.zeros((B, NH * D), np.float32), ValueError)]
+    for name, val, exc in bad:
+        with pytest.raises(exc, match=name):
+            att(**{**args, name: val})
+    with pytest.raises(ValueError, match="gate"):
+        att(**{**args, "gate": None})
+    with pytest.raises(ValueError, match="n_head"):
+        RingAttention(be, D, 6, 4, B, kvt)
+    with pytest.raises(ValueError, match="head_dim"):
+        RingAttention(be, 36, 4, 4, B, kvt)
+    with pytest.raises(ValueError, match="n_splits"):
+        RingAttention(be, D, NH, NKV, B, kvt, n_splits=3)   # only 2 tiles

@@ -1,0 +1,302 @@
+"""Device-side step planning (cuda_src/plan.cu): append rows and slot_pos
+(SPEC §3 steps 1-4) against a NumPy simulation, feature gather, masks exactly
+equal to dflash_cupy.reference.ring_masks, all driven from one step
+descriptor through a captured graph."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dflash_cupy.geometry import RingGeometry
+from dflash_cupy.ops.plan import (DESC_LEN, DESC_RESET, FeatureGather, StepPlanner, bulk_chunks,
+                                  fill_chunk_descriptor, fill_descriptor, fill_step_descriptor,
+                                  gather_features_reference, plan_append_reference, plan_step)
+from dflash_cupy.reference import ring_masks
+
+
+class RingSim:
+    """SPEC §3 steps 1-4 transcribed directly (independent of ops.plan.plan_step)."""
+
+    def __init__(self, geom, chunk):
+        self.g, self.chunk = geom, chunk
+        self.next_pos = 0
+        self.slot_pos = np.full(geom.capacity, -1, np.int32)
+
+    def begin_step(self, committed):
+        g = self.g
+        if self.next_pos > committed:
+            self.next_pos = 0
+            self.slot_pos[:] = -1
+        win = min(committed, g.capacity)
+        lo = committed - win
+        start = max(self.next_pos, lo)
+        n_new = committed - start
+        chunks = []
+        if n_new > g.a_step:
+            s, n = start, n_new
+            while n > 0:
+                c = min(n, self.chunk)
+                pos = np.arange(s, s + c, dtype=np.int32)
+                chunks.append((pos, (pos % g.capacity).astype(np.int32)))
+                self.slot_pos[pos % g.capacity] = pos
+                s, n = s + c, n - c
+            start, n_new = committed, 0
+        ap_pos = np.zeros(g.a_step, np.int32)
+        ap_rows = np.full(g.a_step, g.trash_slot, np.int32)
+        for i in range(n_new):
+            p = start + i
+            ap_pos[i], ap_rows[i] = p, p % g.capacity
+            self.slot_pos[p % g.capacity] = p
+        self.next_pos = committed
+        return dict(start=start, n_new=n_new, ap_pos=ap_pos, ap_rows=ap_rows, chunks=chunks,
+                    pos_q=(committed + np.arange(g.q_len)).astype(np.int32))
+
+
+def bits(a):
+    return np.ascontiguousarray(a).view(np.uint16)
+
+
+class DeviceRing:
+    """The planning part of a step, the way the cache drives it: bulk chunks
+    outside the graph, then one captured graph (descriptor copy, reset_slots_if,
+    plan_append, gather_features, build_masks) replayed every step."""
+
+    def __init__(self, be, geom, swa, ring_host, chunk):
+        self.be, self.g, self.swa, self.chunk = be, geom, swa, chunk
+        ring_cap, fc_in = ring_host.shape
+        self.planner = StepPlanner(be, geom)
+        self.gather = FeatureGather(be, fc_in, ring_cap, ring_host.dtype)
+        self.ring = be.asarray(ring_host)
+        self.next_pos = 0
+        self.slot_pos = be.zeros((geom.capacity,), np.int32)
+        self.planner.reset_slots(self.slot_pos)
+        self.desc = be.zeros((DESC_LEN,), np.int32)
+        self.desc_h = be.pinned_empty((DESC_LEN,), np.int32)
+        self.chunk_desc = be.zeros((DESC_LEN,), np.int32)
+        self.chunk_desc_h = be.pinned_empty((DESC_LEN,), np.int32)
+        self.ap_pos = be.zeros((geom.a_step,), np.int32)
+        self.ap_rows = be.zeros((geom.a_step,), np.int32)
+        self.pos_q = be.zeros((geom.q_len,), np.int32)
+        self.ap_feat = be.asarray(np.full((geom.a_step, fc_in), np.nan, np.float32))
+        self.bulk_pos = be.zeros((chunk,), np.int32)
+        self.bulk_rows = be.zeros((chunk,), np.int32)
+        self.bulk_feat = be.zeros((chunk, fc_in), np.float32)
+        self.mask_full = be.zeros((geom.q_len, geom.kv_total), np.float16)
+        self.mask_swa = be.zeros((geom.q_len, geom.kv_total), np.float16)
+        s = self.stream = be.stream()
+        fill_descriptor(self.desc_h, 1, 0, 0, 0, 0)
+        be.begin_capture(s)
+        be.copy_h2d_async(self.desc, self.desc_h, stream=s)
+        self.planner.reset_slots_if(self.desc, self.slot_pos, stream=s)
+        self.planner.plan_append(self.desc, self.ap_pos, self.ap_rows, self.slot_pos, self.pos_q, stream=s)
+        self.gather(self.desc, self.ring, self.ap_feat, stream=s)
+        self.planner.build_masks(self.desc, self.slot_pos, self.mask_full, self.mask_swa, stream=s)
+        self.graph = be.end_capture(s)
+
+    def begin_step(self, committed):
+        be = self.be
+        f = plan_step(self.next_pos, committed, self.g, self.swa)
+        chunks = []
+        if f.bulk_count:
+            if f.reset:
+                self.planner.reset_slots(self.slot_pos, stream=self.stream)
+            for s, c in bulk_chunks(f.bulk_start, f.bulk_count, self.chunk):
+                fill_chunk_descriptor(self.chunk_desc_h, f, s, c)
+                be.copy_h2d_async(self.chunk_desc, self.chunk_desc_h, stream=self.stream)
+                self.planner.plan_append(self.chunk_desc, self.bulk_pos, self.bulk_rows, self.slot_pos,
+                                         n_rows=c, stream=self.stream)
+                self.gather(self.chunk_desc, self.ring, self.bulk_feat, n_rows=c, stream=self.stream)
+                chunks.append((be.to_numpy(self.bulk_pos)[:c], be.to_numpy(self.bulk_rows)[:c],
+                               be.to_numpy(self.bulk_feat)[:c], self.chunk_desc_h.copy()))
+        fill_step_descriptor(self.desc_h, f)
+        self.graph.launch(self.stream)
+        be.synchronize()   # the pinned descriptor is rewritten next step
+        self.next_pos = committed
+        return f, chunks
+
+
+def step_sequence(rng, geom, n):
+    """Growth by 0..q_len, jumps past a_step, rewinds, far-away restarts."""
+    c = int(rng.integers(1, 4))
+    out = [c]
+    for _ in range(n):
+        r = rng.random()
+        if r < 0.6:
+            c += int(rng.integers(0, geom.q_len + 1))
+        elif r < 0.75:
+            c += int(rng.integers(geom.a_step + 1, geom.a_step + 2 * geom.capacity + 3))
+        elif r < 0.88:
+            c = max(1, c - int(rng.integers(1, 2 * geom.capacity + 3)))
+        else:
+            c = int(rng.integers(2**20, 2**30))
+        out.append(c)
+    return out
+
+
+@pytest.mark.parametrize("capacity,q_len,swa,chunk", [(7, 4, 3, 1024), (3, 16, 1, 1024),
+                                                      (33, 5, 0, 1024), (64, 16, 40, 1024),
+                                                      (40, 2, 0, 9)])
+def test_step_sequence_matches_simulation(backend, rng, capacity, q_len, swa, chunk):
+    geom = RingGeometry(capacity, q_len)
+    fc_in = 19
+    ring_cap = capacity + 3 * geom.a_step + 5
+    ring = rng.standard_normal((ring_cap, fc_in)).astype(np.float16)
+    dev = DeviceRing(backend, geom, swa, ring, chunk)
+    sim = RingSim(geom, chunk)
+    ring32 = ring.astype(np.float32)
+    for step, committed in enumerate(step_sequence(rng, geom, 30)):
+        what = f"step {step} committed={committed}"
+        exp = sim.begin_step(committed)
+        f, chunks = dev.begin_step(committed)
+        assert (f.start, f.n_new) == (exp["start"], exp["n_new"]), what
+        assert len(chunks) == len(exp["chunks"]), what
+        for (gp, gr, gfeat, cdesc), (ep, er) in zip(chunks, exp["chunks"]):
+            assert np.array_equal(gp, ep) and np.array_equal(gr, er), f"{what}: bulk chunk rows"
+            assert np.array_equal(gfeat, ring32[ep % ring_cap]), f"{what}: bulk chunk features"
+            assert cdesc[DESC_RESET] == 0
+        be = backend
+        assert np.array_equal(be.to_numpy(dev.ap_pos), exp["ap_pos"]), f"{what}: ap_pos"
+        assert np.array_equal(be.to_numpy(dev.ap_rows), exp["ap_rows"]), f"{what}: ap_rows"
+        assert np.array_equal(be.to_numpy(dev.pos_q), exp["pos_q"]), f"{what}: pos_q"
+        assert np.array_equal(be.to_numpy(dev.slot_pos), sim.slot_pos), f"{what}: slot_pos"
+        feat_ref = np.zeros((geom.a_step, fc_in), np.float32)
+        feat_ref[:exp["n_new"]] = ring32[exp["ap_pos"][:exp["n_new"]] % ring_cap]
+        assert np.array_equal(be.to_numpy(dev.ap_feat), feat_ref), f"{what}: ap_feat"
+        mf, ms = ring_masks(sim.slot_pos, committed, geom, swa)
+        assert np.array_equal(bits(be.to_numpy(dev.mask_full)), bits(mf)), f"{what}: mask_full"
+        assert np.array_equal(bits(be.to_numpy(dev.mask_swa)), bits(ms)), f"{what}: mask_swa"
+
+
+MASK_GEOMS = [(1, 1), (3, 16), (7, 4), (33, 5), (100, 16), (31, 1)]
+
+
+@pytest.mark.parametrize("capacity,q_len", MASK_GEOMS)
+def test_masks_exact(backend, rng, capacity, q_len):
+    """Arbitrary slot_pos (empty, stale, in/out of both windows) for many
+    (committed, swa_window): bit-exact against ring_masks, all three entry points."""
+    be = backend
+    geom = RingGeometry(capacity, q_len)
+    planner = StepPlanner(be, geom)
+    shape = (q_len, geom.kv_total)
+    mf_d, ms_d = be.zeros(shape, np.float16), be.zeros(shape, np.float16)
+    one = be.zeros(shape, np.float16)
+    desc_h = np.zeros(DESC_LEN, np.int32)
+    for committed in (1, 2, capacity - 1, capacity, capacity + 1, 5 * capacity + 3, 2**20 + 17,
+                      2**31 - 1 - q_len):
+        if committed < 1:
+            continue
+        for swa in sorted({0, 1, 3, capacity - 1, capacity, capacity + 5}):
+            if swa < 0:
+                continue
+            span = capacity + 8
+            sp = rng.integers(max(-1, committed - span), committed + 4, capacity).astype(np.int32)
+            sp[rng.random(capacity) < 0.2] = -1
+            f = plan_step(committed, committed, geom, swa)
+            fill_step_descriptor(desc_h, f)
+            desc, sp_d = be.asarray(desc_h), be.asarray(sp)
+            planner.build_masks(desc, sp_d, mf_d, ms_d)
+            ref_f, ref_s = ring_masks(sp, committed, geom, swa)
+            what = f"committed={committed} swa={swa}"
+            assert np.array_equal(bits(be.to_numpy(mf_d)), bits(ref_f)), f"{what}: mask_full"
+            assert np.array_equal(bits(be.to_numpy(ms_d)), bits(ref_s)), f"{what}: mask_swa"
+            planner.build_masks(desc, sp_d, mask_full=one)
+            assert np.array_equal(bits(be.to_numpy(one)), bits(ref_f)), f"{what}: full only"
+            planner.build_masks(desc, sp_d, mask_swa=one)
+            assert np.array_equal(bits(be.to_numpy(one)), bits(ref_s)), f"{what}: swa only"
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("fc_in", [1, 19, 1100])
+def test_gather_wraparound(backend, rng, dtype, fc_in):
+    be = backend
+    ring_cap, a_rows = 11, 9
+    x = (rng.standard_normal((ring_cap, fc_in)) * 100).astype(np.float32)
+    host = {"f32": x, "f16": x.astype(np.float16),
+            "bf16": x.astype(ml_dtypes.bfloat16).view(np.uint16)}[dtype]
+    g = FeatureGather(be, fc_in, ring_cap, host.dtype)
+    ring = be.asarray(host)
+    out = be.asarray(np.full((a_rows + 2, fc_in), np.nan, np.float32))
+    desc_h = np.zeros(DESC_LEN, np.int32)
+    for start, n_new in ((0, 9), (7, 6), (2**20 + 5, 3), (10, 0), (2**31 - 5, 4)):
+        fill_descriptor(desc_h, start + n_new, 0, start, n_new, 0)
+        g(be.asarray(desc_h), ring, out, n_rows=a_rows)
+        got = be.to_numpy(out)
+        ref = gather_features_reference(desc_h, host, a_rows)
+        assert np.array_equal(got[:a_rows], ref), f"start={start} n_new={n_new}"
+        assert np.isnan(got[a_rows:]).all(), "rows beyond n_rows were written"
+    if dtype == "bf16":   # the reference decodes bf16 itself: check it once against ml_dtypes
+        assert np.array_equal(ref[:4], host[(2**31 - 5 + np.arange(4)) % ring_cap]
+                              .view(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_plan_append_reference_and_reset_if(backend, rng):
+    be = backend
+    geom = RingGeometry(10, 3)
+    planner = StepPlanner(be, geom)
+    sp0 = rng.integers(-1, 50, 10).astype(np.int32)
+    desc_h = np.zeros(DESC_LEN, np.int32)
+    for start, n_new, n_rows, noise in ((5, 4, 8, True), (18, 8, 8, False), (2**30, 1, 3, True)):
+        fill_descriptor(desc_h, start + n_new, max(0, start + n_new - 10), start, n_new, 0)
+        sp = be.asarray(sp0)
+        ap_pos, ap_rows = be.zeros((n_rows + 1,), np.int32), be.zeros((n_rows + 1,), np.int32)
+        pos_q = be.zeros((3,), np.int32) if noise else None
+        planner.plan_append(be.asarray(desc_h), ap_pos, ap_rows, sp, pos_q, n_rows=n_rows)
+        e_pos, e_rows, e_sp, e_q = plan_append_reference(desc_h, sp0, n_rows, geom, noise)
+        assert np.array_equal(be.to_numpy(ap_pos)[:n_rows], e_pos)
+        assert np.array_equal(be.to_numpy(ap_rows)[:n_rows], e_rows)
+        assert be.to_numpy(ap_rows)[n_rows] == 0, "entry beyond n_rows was written"
+        assert np.array_equal(be.to_numpy(sp), e_sp)
+        if noise:
+            assert np.array_equal(be.to_numpy(pos_q), e_q)
+    sp = be.asarray(sp0)
+    for flag in (0, 1):
+        fill_descriptor(desc_h, 5, 0, 0, 0, 0, reset=bool(flag))
+        planner.reset_slots_if(be.asarray(desc_h), sp)
+        assert np.array_equal(be.to_numpy(sp), np.full(10, -1, np.int32) if flag else sp0)
+
+
+def test_plan_step_host_fields():
+    g = RingGeometry(8, 2)   # a_step 6
+    f = plan_step(0, 5, g, 3)
+    assert (f.lo, f.start, f.n_new, f.swa_lo, f.reset, f.bulk_count) == (0, 0, 5, 2, False, 0)
+    f = plan_step(5, 20, g, 0)            # 15 missing, window 8 -> bulk [12, 20)
+    assert (f.lo, f.bulk_start, f.bulk_count, f.start, f.n_new, f.swa_lo) == (12, 12, 8, 20, 0, 12)
+    f = plan_step(20, 4, g, 100)          # rewind, 4 rows fit the step: reset in the graph
+    assert f.reset and f.bulk_count == 0 and (f.start, f.n_new) == (0, 4)
+    buf = np.zeros(DESC_LEN, np.int32)
+    assert fill_step_descriptor(buf, f)[DESC_RESET] == 1
+    f = plan_step(30, 20, g, 0)           # rewind + bulk: the bulk path resets, not the graph
+    assert f.reset and f.bulk_count == 8
+    assert fill_step_descriptor(buf, f)[DESC_RESET] == 0
+    assert bulk_chunks(3, 10, 4) == [(3, 4), (7, 4), (11, 2)]
+    with pytest.raises(ValueError, match="committed"):
+        plan_step(0, 0, g)
+    with pytest.raises(TypeError, match="buf"):
+        fill_descriptor(np.zeros(DESC_LEN, np.int64), 1, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="n_new"):
+        fill_descriptor(buf, 1, 0, 0, -1, 0)
+
+
+def test_bad_arguments_raise(emu):
+    be = emu
+    geom = RingGeometry(10, 3)
+    planner = StepPlanner(be, geom)
+    desc = be.zeros((DESC_LEN,), np.int32)
+    sp = be.zeros((10,), np.int32)
+    with pytest.raises(ValueError, match="slot_pos"):
+        planner.build_masks(desc, be.zeros((11,), np.int32), be.zeros((3, geom.kv_total), np.float16))
+    with pytest.raises(ValueError, match="mask_swa"):
+        planner.build_masks(desc, sp, mask_swa=be.zeros((3, geom.kv_total + 1), np.float16))
+    with pytest.raises(TypeError, match="mask_full"):
+        planner.build_masks(desc, sp, be.zeros((3, geom.kv_total), np.float32))
+    with pytest.raises(ValueError, match="desc"):
+        planner.reset_slots_if(be.zeros((3,), np.int32), sp)
+    with pytest.raises(TypeError, match="ap_pos"):
+        planner.plan_append(desc, be.zeros((8,), np.int64), be.zeros((8,), np.int32), sp)
+    with pytest.raises(ValueError, match="pos_q"):
+        planner.plan_append(desc, be.zeros((8,), np.int32), be.zeros((8,), np.int32), sp,
+                            be.zeros((4,), np.int32))
+    g = FeatureGather(be, 5, 4, "bf16")
+    with pytest.raises(TypeError, match="ring"):
+        g(desc, be.zeros((4, 5), np.float16), be.zeros((2, 5), np.float32))
+    with pytest.raises(ValueError, match="ap_feat"):
+        g(desc, be.zeros((4, 5), np.uint16), be.zeros((2, 6), np.float32))
