@@ -36,7 +36,8 @@ per replay, or alternating buffers).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import struct
+from typing import NamedTuple
 
 import numpy as np
 
@@ -46,6 +47,7 @@ from .gemm import _check_array, _overlaps
 
 DESC_COMMITTED, DESC_LO, DESC_START, DESC_N_NEW, DESC_SWA_LO, DESC_RESET = range(6)
 DESC_LEN = 8
+_DESC_STRUCT = struct.Struct(f"={DESC_LEN}i")
 RING_DTYPES = {"f32": 0, "f16": 1, "bf16": 2}
 _RING_DEVICE_DTYPE = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
                       "bf16": np.dtype(np.uint16)}
@@ -72,8 +74,7 @@ def ring_kind(dtype) -> str:
 
 
 # --------------------------------------------------------------------------- host side, O(1)
-@dataclass(frozen=True)
-class StepFields:
+class StepFields(NamedTuple):
     """What ``begin_step(committed)`` decides (SPEC §3 steps 1-4).
 
     ``reset``: rewind, the ring must be emptied first (``next_pos`` was beyond
@@ -89,6 +90,8 @@ class StepFields:
     reset: bool
     bulk_start: int
     bulk_count: int
+    # (a NamedTuple: plan_step runs on the per-step host path, where a frozen
+    # dataclass costs microseconds)
 
     @property
     def next_pos(self) -> int:
@@ -142,16 +145,16 @@ def fill_descriptor(buf: np.ndarray, committed: int, lo: int, start: int, n_new:
                     swa_lo: int, reset: bool = False) -> np.ndarray:
     """Write the step descriptor fields into ``buf`` (a host int32 array of at
     least ``DESC_LEN`` elements, normally pinned) and return it."""
-    if not isinstance(buf, np.ndarray) or buf.dtype != np.int32 or buf.ndim != 1 \
+    if not isinstance(buf, np.ndarray) or buf.dtype != np.int32 or buf.ndim != 1 or not buf.flags.c_contiguous \
             or buf.shape[0] < DESC_LEN:
-        raise TypeError(f"buf must be a 1-D host int32 array of >= {DESC_LEN} elements")
-    vals = (int(committed), int(lo), int(start), int(n_new), int(swa_lo), int(bool(reset)))
-    for name, v in zip(("committed", "lo", "start", "n_new", "swa_lo"), vals):
-        if not 0 <= v <= INT32_MAX:
-            raise ValueError(f"descriptor field {name}={v} must be in [0, 2^31)")
-    buf[DESC_COMMITTED], buf[DESC_LO], buf[DESC_START], buf[DESC_N_NEW], \
-        buf[DESC_SWA_LO], buf[DESC_RESET] = vals
-    buf[DESC_RESET + 1:DESC_LEN] = 0
+        raise TypeError(f"buf must be a 1-D C-contiguous host int32 array of >= {DESC_LEN} elements")
+    vals = (int(committed), int(lo), int(start), int(n_new), int(swa_lo))
+    if not (0 <= min(vals) and max(vals) <= INT32_MAX):
+        for name, v in zip(("committed", "lo", "start", "n_new", "swa_lo"), vals):
+            if not 0 <= v <= INT32_MAX:
+                raise ValueError(f"descriptor field {name}={v} must be in [0, 2^31)")
+    # struct packs straight into the (pinned) buffer: far cheaper than NumPy item writes
+    _DESC_STRUCT.pack_into(buf, 0, *vals, 1 if reset else 0, *(0,) * (DESC_LEN - 6))
     return buf
 
 
