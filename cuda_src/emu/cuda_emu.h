@@ -89,8 +89,18 @@ static inline double __longlong_as_double(long long i) { double d; std::memcpy(&
 static inline long long __double_as_longlong(double d) { long long i; std::memcpy(&i, &d, 8); return i; }
 
 // ---------------------------------------------------------------- math
-// __expf, __logf, __log2f, __sinf, __cosf, __tanf, __powf and __sincosf come from
-// glibc's <cmath> under the same names (accurate, not fast; tests use tolerances).
+// CUDA's fast intrinsics map to the accurate libm functions (glibc declares
+// these names but does not export them, hence macros rather than functions).
+#define __expf(x) expf(x)
+#define __exp10f(x) exp10f(x)
+#define __logf(x) logf(x)
+#define __log2f(x) log2f(x)
+#define __log10f(x) log10f(x)
+#define __sinf(x) sinf(x)
+#define __cosf(x) cosf(x)
+#define __tanf(x) tanf(x)
+#define __powf(x, y) powf(x, y)
+#define __sincosf(x, s, c) sincosf(x, s, c)
 static inline float __fdividef(float x, float y) { return x / y; }
 static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 static inline double rsqrt(double x) { return 1.0 / sqrt(x); }
@@ -320,11 +330,13 @@ static inline __nv_bfloat16 operator*(const __nv_bfloat16& a, const __nv_bfloat1
 namespace emu {
 
 enum : int { RUNNABLE = 0, AT_BARRIER = 1, AT_WARP = 2, DONE = 3 };
-enum : int { OP_SYNCWARP = 1, OP_SHFL_IDX, OP_SHFL_UP, OP_SHFL_DOWN, OP_SHFL_XOR, OP_BALLOT, OP_ANY, OP_ALL };
+enum : int { OP_SYNCWARP = 1, OP_SHFL_IDX, OP_SHFL_UP, OP_SHFL_DOWN, OP_SHFL_XOR, OP_BALLOT, OP_ANY, OP_ALL,
+             OP_MMA_F16, OP_MMA_BF16 };
 enum : int { ORDER_FORWARD = 0, ORDER_REVERSE = 1, ORDER_SHUFFLE = 2 };
 
 static const char* const op_names[] = {"?", "__syncwarp", "__shfl_sync", "__shfl_up_sync", "__shfl_down_sync",
-                                       "__shfl_xor_sync", "__ballot_sync", "__any_sync", "__all_sync"};
+                                       "__shfl_xor_sync", "__ballot_sync", "__any_sync", "__all_sync",
+                                       "mma.sync.m16n8k16 (f16)", "mma.sync.m16n8k16 (bf16)"};
 
 struct Fiber {
     void* sp;
@@ -461,8 +473,62 @@ static inline unsigned long long lane_value(const Warp& w, int lane, int src) {
     return (src >= 0 && src < 32 && w.present[src]) ? w.in[src] : w.in[lane];
 }
 
+// One lane's operands of mma.sync.m16n8k16.row.col.f32.{f16,bf16}: registers as
+// in the PTX ISA ("Matrix Fragments for mma.m16n8k16 with floating point type").
+struct MmaLane {
+    float* d;
+    const unsigned int* a;  // 4 registers, 2 elements each (low half first)
+    const unsigned int* b;  // 2 registers
+    const float* c;         // 4 accumulators
+};
+
+// D = A(16x16) * B(16x8) + C with every lane's fragment gathered, products and
+// sums in double and one rounding to f32 (the hardware's f32 accumulation
+// differs in the last bits; tests compare with tolerances).
+static inline void resolve_mma(Warp& w, bool bf16) {
+    float A[16][16], B[16][8], C[16][8];
+    auto elem = [bf16](unsigned int reg, int hi) {
+        unsigned short h = (unsigned short)(hi ? reg >> 16 : reg & 0xffffu);
+        return bf16 ? bf16_bits_to_f32(h) : f16_bits_to_f32(h);
+    };
+    for (int l = 0; l < 32; l++) {
+        const MmaLane* m = (const MmaLane*)(unsigned long long)w.in[l];
+        const int g = l >> 2, t = l & 3;
+        for (int i = 0; i < 8; i++) {
+            const int row = g + ((i & 2) ? 8 : 0), col = t * 2 + (i & 1) + ((i & 4) ? 8 : 0);
+            A[row][col] = elem(m->a[i >> 1], i & 1);
+        }
+        for (int i = 0; i < 4; i++) B[t * 2 + (i & 1) + ((i & 2) ? 8 : 0)][g] = elem(m->b[i >> 1], i & 1);
+        for (int i = 0; i < 4; i++) C[g + ((i & 2) ? 8 : 0)][t * 2 + (i & 1)] = m->c[i];
+    }
+    float D[16][8];
+    for (int r = 0; r < 16; r++)
+        for (int n = 0; n < 8; n++) {
+            double acc = C[r][n];
+            for (int k = 0; k < 16; k++) acc += (double)A[r][k] * (double)B[k][n];
+            D[r][n] = (float)acc;
+        }
+    for (int l = 0; l < 32; l++) {
+        const MmaLane* m = (const MmaLane*)(unsigned long long)w.in[l];
+        const int g = l >> 2, t = l & 3;
+        for (int i = 0; i < 4; i++) m->d[i] = D[g + ((i & 2) ? 8 : 0)][t * 2 + (i & 1)];
+    }
+}
+
+static inline void fail(Block* b, const char* msg);
+
 static inline void resolve_warp(Block* b, int wi) {
     Warp& w = b->warps[wi];
+    if (w.op == OP_MMA_F16 || w.op == OP_MMA_BF16) {
+        if (w.arrived != 32) {
+            char m[128];
+            snprintf(m, sizeof m, "%s in warp %d with only %d lanes: it needs all 32", op_names[w.op], wi,
+                     w.arrived);
+            fail(b, m);
+        } else {
+            resolve_mma(w, w.op == OP_MMA_BF16);
+        }
+    }
     unsigned long long vote = 0;
     for (int l = 0; l < 32; l++)
         if (w.present[l] && w.in[l] != 0) vote |= 1ull << l;
@@ -819,6 +885,12 @@ static inline unsigned int __ballot_sync(unsigned int, int pred) {
 }
 static inline int __any_sync(unsigned int, int pred) { return (int)emu::warp_collective(emu::OP_ANY, pred != 0, 0, 32); }
 static inline int __all_sync(unsigned int, int pred) { return (int)emu::warp_collective(emu::OP_ALL, pred != 0, 0, 32); }
+// Tensor-core MMA for the wrappers in cuda_src/mma.cuh (never called by kernels directly).
+static inline void emu_mma_m16n8k16(int bf16, float* d, const unsigned int* a, const unsigned int* b,
+                                    const float* c) {
+    emu::MmaLane lane{d, a, b, c};
+    emu::warp_collective(bf16 ? emu::OP_MMA_BF16 : emu::OP_MMA_F16, (unsigned long long)&lane, 0, 32);
+}
 static inline unsigned int __activemask() { return 0xffffffffu; }
 static inline unsigned int __lanemask_lt() { return (1u << (emu::tl_fiber->tid & 31)) - 1u; }
 

@@ -24,7 +24,7 @@ SMEM_BYTES = 232448  # 227 KiB: the most dynamic shared memory a Hopper block ma
 CXX = os.environ.get("DFLASH_CUPY_CXX", "g++")
 CXXFLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing",
             "-ffp-contract=off", "-fstack-clash-protection", "-Wno-unknown-pragmas",
-            "-fno-omit-frame-pointer")
+            "-fno-omit-frame-pointer", "-Wl,-z,defs")  # unresolved symbols fail the build, not the load
 
 # C scalar types a kernel may take by value -> (NumPy dtype name, ctypes name)
 SCALAR_TYPES = {

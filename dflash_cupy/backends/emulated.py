@@ -179,7 +179,10 @@ class EmuKernel(Kernel):
 class EmuModule(Module):
     def __init__(self, backend: "EmulatedBackend", so_path, kernels):
         self.backend = backend
-        self._lib = ctypes.CDLL(str(so_path))
+        try:
+            self._lib = ctypes.CDLL(str(so_path))
+        except OSError as e:
+            raise BackendError(f"cannot load the emulated module {so_path}: {e}") from None
         f = self._lib.emu_launch
         f.restype = ctypes.c_int
         f.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint,
