@@ -1,9 +1,12 @@
 // gemm_mma.cu — small-M weight-streaming GEMM on tensor cores (f16 / bf16 weights).
 //
 // Computes, for m < M rows and n < N output columns,
-//     acc[m, n] = sum_k rnd(x[m, k]) * W[n, k]      (f32 accumulation)
-// where rnd rounds the f32 activation to the weight's type (round to nearest
-// even) — the tensor cores take both operands in that type, as cuBLAS does.
+//     acc[m, n] = sum_k xe[m, k] * W[n, k]          (f32 accumulation)
+// The tensor cores take both operands in the weight's 16-bit type, so the f32
+// activation is split: hi = rnd(x), lo = rnd(x - hi) (round to nearest even)
+// and xe = hi + lo with GM_SPLIT 2 (about 16 significant bits: f32-like
+// accuracy for twice the MMAs, which a weight-streaming GEMM has to spare), or
+// xe = hi with GM_SPLIT 1 (what cuBLAS does with 16-bit inputs).
 //   GM_EPI 0:  y[m, n] = acc[m, n]
 //   GM_EPI 1:  y[m, n] = r[m, n] + acc[m, n]        (r may be y itself)
 //   GM_EPI 2:  y[m, n] = silu(acc_gate) * acc_up    (W has 2N rows: gate 0..N-1, up N..2N-1)
@@ -12,7 +15,7 @@
 //   x [M, K] f32      W [N or 2N, K] f16/bf16 bits (GM_WTYPE 1 / 2)      y, r [M, N] f32
 //
 // Launch: block = GM_WARPS*32 threads; grid = (ceil(N / (GM_WARPS*8)), ceil(M / (16*GM_MT)));
-// dynamic shared memory = 16*GM_MT * (GM_KT + 8) * 2 bytes (the x tile in the weight type).
+// dynamic shared memory = GM_SPLIT * 16*GM_MT * (GM_KT + 8) * 2 bytes (x tiles in the weight type).
 //
 // Why this shape: at M <= 64 a drafter GEMM is a stream of weights; with bf16
 // weights each element feeds 16-64 multiply-adds, more than the f32 FMA units
@@ -25,10 +28,11 @@
 // the second, and the x tile is read with the same permutation (one 16-byte
 // shared-memory load per 8 activations). No shuffles, no ldmatrix.
 //
-// nvrtc-check: -DGM_WTYPE=1 -DGM_EPI=0 -DGM_K=5120 -DGM_MT=1 -DGM_KT=1024
-// nvrtc-check: -DGM_WTYPE=2 -DGM_EPI=1 -DGM_K=4096 -DGM_MT=4 -DGM_KT=352
-// nvrtc-check: -DGM_WTYPE=2 -DGM_EPI=2 -DGM_K=5120 -DGM_MT=2 -DGM_KT=736
-// nvrtc-check: -DGM_WTYPE=1 -DGM_EPI=2 -DGM_K=40 -DGM_MT=2 -DGM_KT=64
+// nvrtc-check: -DGM_WTYPE=1 -DGM_EPI=0 -DGM_K=5120 -DGM_MT=1 -DGM_KT=736 -DGM_SPLIT=2
+// nvrtc-check: -DGM_WTYPE=2 -DGM_EPI=1 -DGM_K=4096 -DGM_MT=4 -DGM_KT=160 -DGM_SPLIT=2
+// nvrtc-check: -DGM_WTYPE=2 -DGM_EPI=2 -DGM_K=5120 -DGM_MT=2 -DGM_KT=352 -DGM_SPLIT=2
+// nvrtc-check: -DGM_WTYPE=2 -DGM_EPI=2 -DGM_K=5120 -DGM_MT=4 -DGM_KT=352 -DGM_SPLIT=1
+// nvrtc-check: -DGM_WTYPE=1 -DGM_EPI=2 -DGM_K=40 -DGM_MT=2 -DGM_KT=64 -DGM_SPLIT=1
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -55,6 +59,12 @@
 #ifndef GM_KT
 #define GM_KT 256
 #endif
+#ifndef GM_SPLIT
+#define GM_SPLIT 2
+#endif
+#if GM_SPLIT != 1 && GM_SPLIT != 2
+#error "GM_SPLIT must be 1 (x rounded) or 2 (x as hi + lo)"
+#endif
 
 #if GM_K % 8 != 0
 #error "GM_K must be a multiple of 8 (16-byte weight loads)"
@@ -75,15 +85,30 @@ constexpr int ROWS = 16 * GM_MT;
 constexpr int NW = (GM_EPI == 2) ? 2 : 1;     // weight rows per output column
 constexpr int THREADS = GM_WARPS * 32;
 
-// Two f32 -> one register of two 16-bit values, lower k in the low half.
-__device__ __forceinline__ unsigned int pack2(float lo, float hi) {
+// f32 -> the weight type's bits (nearest even) and back.
+__device__ __forceinline__ unsigned int to16(float v) {
 #if GM_WTYPE == 2
-    return (unsigned int)__bfloat16_as_ushort(__float2bfloat16(lo)) |
-           ((unsigned int)__bfloat16_as_ushort(__float2bfloat16(hi)) << 16);
+    return (unsigned int)__bfloat16_as_ushort(__float2bfloat16(v));
 #else
-    return (unsigned int)__half_as_ushort(__float2half(lo)) |
-           ((unsigned int)__half_as_ushort(__float2half(hi)) << 16);
+    return (unsigned int)__half_as_ushort(__float2half(v));
 #endif
+}
+__device__ __forceinline__ float from16(unsigned int b) {
+#if GM_WTYPE == 2
+    return __bfloat162float(__ushort_as_bfloat16((unsigned short)b));
+#else
+    return __half2float(__ushort_as_half((unsigned short)b));
+#endif
+}
+
+// Four activations -> hi (and lo = rnd(x - hi)) as two registers each, lower k
+// in the low half.
+__device__ __forceinline__ void split4(float4 v, uint2& hi, uint2& lo) {
+    const unsigned int h0 = to16(v.x), h1 = to16(v.y), h2 = to16(v.z), h3 = to16(v.w);
+    hi.x = h0 | (h1 << 16);
+    hi.y = h2 | (h3 << 16);
+    lo.x = to16(v.x - from16(h0)) | (to16(v.y - from16(h1)) << 16);
+    lo.y = to16(v.z - from16(h2)) | (to16(v.w - from16(h3)) << 16);
 }
 
 __device__ __forceinline__ void mma(float d[4], const unsigned int a[4], const unsigned int b[2]) {
@@ -103,7 +128,7 @@ gemm_mma(const float* __restrict__ x, const unsigned short* __restrict__ w, floa
          const float* r, int M, int N) {
     using namespace gemm_mma_detail;
     extern __shared__ __align__(16) unsigned char smem[];
-    unsigned short* xs = reinterpret_cast<unsigned short*>(smem);
+    unsigned short* xs = reinterpret_cast<unsigned short*>(smem);   // hi tile, then lo tile
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
@@ -131,10 +156,10 @@ gemm_mma(const float* __restrict__ x, const unsigned short* __restrict__ w, floa
             const int row = i / (KT / 4), c4 = (i % (KT / 4)) * 4, k = kc + c4;
             float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             if (m0 + row < M && k < K) v = *reinterpret_cast<const float4*>(x + (long long)(m0 + row) * K + k);
-            uint2 p;
-            p.x = pack2(v.x, v.y);
-            p.y = pack2(v.z, v.w);
-            *reinterpret_cast<uint2*>(xs + row * XS + c4) = p;
+            uint2 hi, lo;
+            split4(v, hi, lo);
+            *reinterpret_cast<uint2*>(xs + row * XS + c4) = hi;
+            if (GM_SPLIT == 2) *reinterpret_cast<uint2*>(xs + ROWS * XS + row * XS + c4) = lo;
         }
         __syncthreads();
         const int kend = (K - kc < KT) ? (K - kc) : KT;
@@ -148,17 +173,22 @@ gemm_mma(const float* __restrict__ x, const unsigned short* __restrict__ w, floa
                 if (n_ok && k < K) wv[j] = *reinterpret_cast<const uint4*>(wrow[j] + k);
             }
 #pragma unroll
-            for (int i = 0; i < GM_MT; i++) {
-                const uint4 xa = *reinterpret_cast<const uint4*>(xs + (i * 16 + g) * XS + kb + t * 8);
-                const uint4 xb = *reinterpret_cast<const uint4*>(xs + (i * 16 + g + 8) * XS + kb + t * 8);
-                const unsigned int a_lo[4] = {xa.x, xb.x, xa.y, xb.y};
-                const unsigned int a_hi[4] = {xa.z, xb.z, xa.w, xb.w};
+            for (int s = 0; s < GM_SPLIT; s++) {       // hi part, then (GM_SPLIT 2) lo part
 #pragma unroll
-                for (int j = 0; j < NW; j++) {
-                    const unsigned int b_lo[2] = {wv[j].x, wv[j].y};
-                    const unsigned int b_hi[2] = {wv[j].z, wv[j].w};
-                    mma(acc[i][j], a_lo, b_lo);
-                    mma(acc[i][j], a_hi, b_hi);
+                for (int i = 0; i < GM_MT; i++) {
+                    const unsigned short* xr = xs + s * ROWS * XS + (i * 16 + g) * XS + kb + t * 8;
+                    const uint4 xa = *reinterpret_cast<const uint4*>(xr);
+                    const uint4 xb = *reinterpret_cast<const uint4*>(xr + 8 * XS);
+                    // k+0..3 of this lane -> first MMA, k+4..7 -> second (see the header)
+                    const unsigned int a0[4] = {xa.x, xb.x, xa.y, xb.y};
+                    const unsigned int a1[4] = {xa.z, xb.z, xa.w, xb.w};
+#pragma unroll
+                    for (int j = 0; j < NW; j++) {
+                        const unsigned int b0[2] = {wv[j].x, wv[j].y};
+                        const unsigned int b1[2] = {wv[j].z, wv[j].w};
+                        mma(acc[i][j], a0, b0);
+                        mma(acc[i][j], a1, b1);
+                    }
                 }
             }
         }

@@ -375,3 +375,13 @@ def test_schedules_agree_on_correct_kernels(emu, rng, monkeypatch):
             (7,), (128,), (emu.asarray(x), out, np.int32(333)), shared_mem=512)
         results.append(out.copy())
     assert all(np.array_equal(results[0], r) for r in results[1:])
+
+
+def test_header_survives_short_size_macros(emu):
+    # Kernels take sizes as -D macros (-DD=128, -DB=16 ...); the emulation header,
+    # included first, must not use any such name itself.
+    opts = [f"-D{c}=7" for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ"] + [f"-D{c}{d}=7" for c in "NMKD" for d in "HKVTQ"]
+    src = 'extern "C" __global__ void k(float* x) { x[threadIdx.x] = (float)(D + B + K); }\n'
+    x = emu.zeros((32,), np.float32)
+    emu.compile(src, opts, filename="macros.cu").get_function("k")((1,), (32,), (x,))
+    assert (x == 21).all()

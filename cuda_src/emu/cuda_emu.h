@@ -58,12 +58,12 @@ struct dim3 {
     constexpr dim3(unsigned int x_ = 1, unsigned int y_ = 1, unsigned int z_ = 1) : x(x_), y(y_), z(z_) {}
 };
 struct uint3 { unsigned int x, y, z; };
-#define EMU_VEC2(T, N, A) struct __attribute__((aligned(A))) N { T x, y; }; \
-    static inline N make_##N(T x, T y) { N r; r.x = x; r.y = y; return r; }
-#define EMU_VEC3(T, N) struct N { T x, y, z; }; \
-    static inline N make_##N(T x, T y, T z) { N r; r.x = x; r.y = y; r.z = z; return r; }
-#define EMU_VEC4(T, N, A) struct __attribute__((aligned(A))) N { T x, y, z, w; }; \
-    static inline N make_##N(T x, T y, T z, T w) { N r; r.x = x; r.y = y; r.z = z; r.w = w; return r; }
+#define EMU_VEC2(EmuT, EmuN, EmuA) struct __attribute__((aligned(EmuA))) EmuN { EmuT x, y; }; \
+    static inline EmuN make_##EmuN(EmuT x, EmuT y) { EmuN r; r.x = x; r.y = y; return r; }
+#define EMU_VEC3(EmuT, EmuN) struct EmuN { EmuT x, y, z; }; \
+    static inline EmuN make_##EmuN(EmuT x, EmuT y, EmuT z) { EmuN r; r.x = x; r.y = y; r.z = z; return r; }
+#define EMU_VEC4(EmuT, EmuN, EmuA) struct __attribute__((aligned(EmuA))) EmuN { EmuT x, y, z, w; }; \
+    static inline EmuN make_##EmuN(EmuT x, EmuT y, EmuT z, EmuT w) { EmuN r; r.x = x; r.y = y; r.z = z; r.w = w; return r; }
 EMU_VEC2(char, char2, 2) EMU_VEC4(char, char4, 4)
 EMU_VEC2(unsigned char, uchar2, 2) EMU_VEC4(unsigned char, uchar4, 4)
 EMU_VEC2(short, short2, 4) EMU_VEC4(short, short4, 8)
@@ -144,43 +144,43 @@ static inline int __mulhi(int a, int b) { return (int)(((long long)a * (long lon
 static inline unsigned int __umulhi(unsigned int a, unsigned int b) {
     return (unsigned int)(((unsigned long long)a * (unsigned long long)b) >> 32);
 }
-template <typename T> static inline T __ldg(const T* p) { return *p; }
-template <typename T> static inline T __ldcs(const T* p) { return *p; }
-template <typename T> static inline T __ldcg(const T* p) { return *p; }
-template <typename T> static inline void __stcs(T* p, T v) { *p = v; }
-template <typename T> static inline void __stcg(T* p, T v) { *p = v; }
+template <typename EmuT> static inline EmuT __ldg(const EmuT* p) { return *p; }
+template <typename EmuT> static inline EmuT __ldcs(const EmuT* p) { return *p; }
+template <typename EmuT> static inline EmuT __ldcg(const EmuT* p) { return *p; }
+template <typename EmuT> static inline void __stcs(EmuT* p, EmuT v) { *p = v; }
+template <typename EmuT> static inline void __stcg(EmuT* p, EmuT v) { *p = v; }
 static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 static inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 
 // ---------------------------------------------------------------- atomics
 // Fibers of a block never run concurrently, but blocks on other OS threads
 // may: global-memory atomics are real atomics.
-#define EMU_ATOMIC_INT(T) \
-    static inline T atomicAdd(T* p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); } \
-    static inline T atomicSub(T* p, T v) { return __atomic_fetch_sub(p, v, __ATOMIC_RELAXED); } \
-    static inline T atomicExch(T* p, T v) { return __atomic_exchange_n(p, v, __ATOMIC_RELAXED); } \
-    static inline T atomicAnd(T* p, T v) { return __atomic_fetch_and(p, v, __ATOMIC_RELAXED); } \
-    static inline T atomicOr(T* p, T v) { return __atomic_fetch_or(p, v, __ATOMIC_RELAXED); } \
-    static inline T atomicXor(T* p, T v) { return __atomic_fetch_xor(p, v, __ATOMIC_RELAXED); } \
-    static inline T atomicCAS(T* p, T cmp, T v) { \
+#define EMU_ATOMIC_INT(EmuT) \
+    static inline EmuT atomicAdd(EmuT* p, EmuT v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); } \
+    static inline EmuT atomicSub(EmuT* p, EmuT v) { return __atomic_fetch_sub(p, v, __ATOMIC_RELAXED); } \
+    static inline EmuT atomicExch(EmuT* p, EmuT v) { return __atomic_exchange_n(p, v, __ATOMIC_RELAXED); } \
+    static inline EmuT atomicAnd(EmuT* p, EmuT v) { return __atomic_fetch_and(p, v, __ATOMIC_RELAXED); } \
+    static inline EmuT atomicOr(EmuT* p, EmuT v) { return __atomic_fetch_or(p, v, __ATOMIC_RELAXED); } \
+    static inline EmuT atomicXor(EmuT* p, EmuT v) { return __atomic_fetch_xor(p, v, __ATOMIC_RELAXED); } \
+    static inline EmuT atomicCAS(EmuT* p, EmuT cmp, EmuT v) { \
         __atomic_compare_exchange_n(p, &cmp, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED); return cmp; } \
-    static inline T atomicMax(T* p, T v) { T o = *p; \
+    static inline EmuT atomicMax(EmuT* p, EmuT v) { EmuT o = *p; \
         while (o < v && !__atomic_compare_exchange_n(p, &o, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {} return o; } \
-    static inline T atomicMin(T* p, T v) { T o = *p; \
+    static inline EmuT atomicMin(EmuT* p, EmuT v) { EmuT o = *p; \
         while (o > v && !__atomic_compare_exchange_n(p, &o, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {} return o; }
 EMU_ATOMIC_INT(int)
 EMU_ATOMIC_INT(unsigned int)
 EMU_ATOMIC_INT(unsigned long long)
 EMU_ATOMIC_INT(long long)
 #undef EMU_ATOMIC_INT
-#define EMU_ATOMIC_FP(T, U) \
-    static inline T atomicAdd(T* p, T v) { \
-        U* q = reinterpret_cast<U*>(p); U o = __atomic_load_n(q, __ATOMIC_RELAXED); \
-        for (;;) { T f; std::memcpy(&f, &o, sizeof f); T n = f + v; U nu; std::memcpy(&nu, &n, sizeof nu); \
+#define EMU_ATOMIC_FP(EmuT, EmuU) \
+    static inline EmuT atomicAdd(EmuT* p, EmuT v) { \
+        EmuU* q = reinterpret_cast<EmuU*>(p); EmuU o = __atomic_load_n(q, __ATOMIC_RELAXED); \
+        for (;;) { EmuT f; std::memcpy(&f, &o, sizeof f); EmuT n = f + v; EmuU nu; std::memcpy(&nu, &n, sizeof nu); \
             if (__atomic_compare_exchange_n(q, &o, nu, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return f; } } \
-    static inline T atomicExch(T* p, T v) { \
-        U nu; std::memcpy(&nu, &v, sizeof nu); U o = __atomic_exchange_n(reinterpret_cast<U*>(p), nu, __ATOMIC_RELAXED); \
-        T f; std::memcpy(&f, &o, sizeof f); return f; }
+    static inline EmuT atomicExch(EmuT* p, EmuT v) { \
+        EmuU nu; std::memcpy(&nu, &v, sizeof nu); EmuU o = __atomic_exchange_n(reinterpret_cast<EmuU*>(p), nu, __ATOMIC_RELAXED); \
+        EmuT f; std::memcpy(&f, &o, sizeof f); return f; }
 EMU_ATOMIC_FP(float, unsigned int)
 EMU_ATOMIC_FP(double, unsigned long long)
 #undef EMU_ATOMIC_FP
@@ -486,7 +486,7 @@ struct MmaLane {
 // sums in double and one rounding to f32 (the hardware's f32 accumulation
 // differs in the last bits; tests compare with tolerances).
 static inline void resolve_mma(Warp& w, bool bf16) {
-    float A[16][16], B[16][8], C[16][8];
+    float mma_a[16][16], mma_b[16][8], mma_c[16][8];  // (names clear of kernels' -D macros)
     auto elem = [bf16](unsigned int reg, int hi) {
         unsigned short h = (unsigned short)(hi ? reg >> 16 : reg & 0xffffu);
         return bf16 ? bf16_bits_to_f32(h) : f16_bits_to_f32(h);
@@ -496,22 +496,22 @@ static inline void resolve_mma(Warp& w, bool bf16) {
         const int g = l >> 2, t = l & 3;
         for (int i = 0; i < 8; i++) {
             const int row = g + ((i & 2) ? 8 : 0), col = t * 2 + (i & 1) + ((i & 4) ? 8 : 0);
-            A[row][col] = elem(m->a[i >> 1], i & 1);
+            mma_a[row][col] = elem(m->a[i >> 1], i & 1);
         }
-        for (int i = 0; i < 4; i++) B[t * 2 + (i & 1) + ((i & 2) ? 8 : 0)][g] = elem(m->b[i >> 1], i & 1);
-        for (int i = 0; i < 4; i++) C[g + ((i & 2) ? 8 : 0)][t * 2 + (i & 1)] = m->c[i];
+        for (int i = 0; i < 4; i++) mma_b[t * 2 + (i & 1) + ((i & 2) ? 8 : 0)][g] = elem(m->b[i >> 1], i & 1);
+        for (int i = 0; i < 4; i++) mma_c[g + ((i & 2) ? 8 : 0)][t * 2 + (i & 1)] = m->c[i];
     }
-    float D[16][8];
+    float mma_d[16][8];
     for (int r = 0; r < 16; r++)
         for (int n = 0; n < 8; n++) {
-            double acc = C[r][n];
-            for (int k = 0; k < 16; k++) acc += (double)A[r][k] * (double)B[k][n];
-            D[r][n] = (float)acc;
+            double acc = mma_c[r][n];
+            for (int k = 0; k < 16; k++) acc += (double)mma_a[r][k] * (double)mma_b[k][n];
+            mma_d[r][n] = (float)acc;
         }
     for (int l = 0; l < 32; l++) {
         const MmaLane* m = (const MmaLane*)(unsigned long long)w.in[l];
         const int g = l >> 2, t = l & 3;
-        for (int i = 0; i < 4; i++) m->d[i] = D[g + ((i & 2) ? 8 : 0)][t * 2 + (i & 1)];
+        for (int i = 0; i < 4; i++) m->d[i] = mma_d[g + ((i & 2) ? 8 : 0)][t * 2 + (i & 1)];
     }
 }
 
@@ -823,15 +823,15 @@ static int launch(void (*body)(void**), void** args, const unsigned* grid, const
     return res.status;
 }
 
-template <typename T> static inline unsigned long long to_bits(T v) {
-    static_assert(sizeof(T) <= 8, "warp collectives move at most 8 bytes");
+template <typename EmuT> static inline unsigned long long to_bits(EmuT v) {
+    static_assert(sizeof(EmuT) <= 8, "warp collectives move at most 8 bytes");
     unsigned long long u = 0;
-    std::memcpy(&u, &v, sizeof(T));
+    std::memcpy(&u, &v, sizeof(EmuT));
     return u;
 }
-template <typename T> static inline T from_bits(unsigned long long u) {
-    T v;
-    std::memcpy(&v, &u, sizeof(T));
+template <typename EmuT> static inline EmuT from_bits(unsigned long long u) {
+    EmuT v;
+    std::memcpy(&v, &u, sizeof(EmuT));
     return v;
 }
 }  // namespace emu
@@ -868,17 +868,17 @@ static inline void __syncwarp(unsigned int mask = 0xffffffffu) {
     (void)mask;
     emu::warp_collective(emu::OP_SYNCWARP, 0, 0, 32);
 }
-template <typename T> static inline T __shfl_sync(unsigned int, T v, int src, int width = 32) {
-    return emu::from_bits<T>(emu::warp_collective(emu::OP_SHFL_IDX, emu::to_bits(v), src, width));
+template <typename EmuT> static inline EmuT __shfl_sync(unsigned int, EmuT v, int src, int width = 32) {
+    return emu::from_bits<EmuT>(emu::warp_collective(emu::OP_SHFL_IDX, emu::to_bits(v), src, width));
 }
-template <typename T> static inline T __shfl_up_sync(unsigned int, T v, unsigned int d, int width = 32) {
-    return emu::from_bits<T>(emu::warp_collective(emu::OP_SHFL_UP, emu::to_bits(v), (int)d, width));
+template <typename EmuT> static inline EmuT __shfl_up_sync(unsigned int, EmuT v, unsigned int d, int width = 32) {
+    return emu::from_bits<EmuT>(emu::warp_collective(emu::OP_SHFL_UP, emu::to_bits(v), (int)d, width));
 }
-template <typename T> static inline T __shfl_down_sync(unsigned int, T v, unsigned int d, int width = 32) {
-    return emu::from_bits<T>(emu::warp_collective(emu::OP_SHFL_DOWN, emu::to_bits(v), (int)d, width));
+template <typename EmuT> static inline EmuT __shfl_down_sync(unsigned int, EmuT v, unsigned int d, int width = 32) {
+    return emu::from_bits<EmuT>(emu::warp_collective(emu::OP_SHFL_DOWN, emu::to_bits(v), (int)d, width));
 }
-template <typename T> static inline T __shfl_xor_sync(unsigned int, T v, int m, int width = 32) {
-    return emu::from_bits<T>(emu::warp_collective(emu::OP_SHFL_XOR, emu::to_bits(v), m, width));
+template <typename EmuT> static inline EmuT __shfl_xor_sync(unsigned int, EmuT v, int m, int width = 32) {
+    return emu::from_bits<EmuT>(emu::warp_collective(emu::OP_SHFL_XOR, emu::to_bits(v), m, width));
 }
 static inline unsigned int __ballot_sync(unsigned int, int pred) {
     return (unsigned int)emu::warp_collective(emu::OP_BALLOT, pred != 0, 0, 32);

@@ -11,9 +11,24 @@
 
 Compile-time: weight dtype, epilogue, K, the M tile ``max_m``, and the tiling
 derived from them; N and m are launch arguments. One ``Gemm`` per shape.
+
+Two kernels (``path``):
+
+* ``"mma"`` (``cuda_src/gemm_mma.cu``, the default for f16/bf16 weights with
+  ``K % 8 == 0``): tensor cores, needed to stream bf16 weights at HBM speed
+  for M = 16..64. The operands are 16-bit, so each f32 activation is split
+  into ``hi + lo`` in the weight type (``x_split=True``, the default: about
+  16 significant bits, twice the MMAs) or rounded once (``x_split=False``, as
+  cuBLAS does with 16-bit inputs).
+* ``"fma"`` (``cuda_src/gemm.cu``): f32 activations and FMA; f32 weights,
+  K tails, and anyone who wants unrounded activations.
+
+``Gemm.x_round`` says which rounding the kernel applies; ``gemm_reference``
+takes it.
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from .. import kernels
@@ -29,6 +44,8 @@ WARPS = 4                 # warps per block
 LANE_K = 4                # K elements per lane per step (gemm.cu GEMM_LANE_K)
 WARP_K = 32 * LANE_K      # K elements per warp per step
 SMEM_LIMIT = 48 * 1024    # the default dynamic shared-memory cap (no opt-in attribute needed)
+MMA_COLS = 8              # output columns per warp of gemm_mma.cu
+PATHS = ("auto", "mma", "fma")
 ACC_BUDGET = 64           # accumulators per lane the tiling aims for
 
 
@@ -84,7 +101,8 @@ class Gemm:
     safe inside graph capture.
     """
 
-    def __init__(self, backend, N: int, K: int, w_dtype, epilogue: str = "none", max_m: int = 64):
+    def __init__(self, backend, N: int, K: int, w_dtype, epilogue: str = "none", max_m: int = 64,
+                 path: str = "auto", x_split: bool = True):
         for name, v in (("N", N), ("K", K), ("max_m", max_m)):
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -99,6 +117,18 @@ class Gemm:
         self.w_device_dtype = _DEVICE_DTYPE[self.wkind]
         self.w_rows = 2 * self.N if epilogue == "silu_mul" else self.N
         nw = 2 if epilogue == "silu_mul" else 1
+        if path not in PATHS:
+            raise ValueError(f"path {path!r}: expected one of {PATHS}")
+        mma_ok = self.wkind in ("f16", "bf16") and self.K % 8 == 0
+        if path == "mma" and not mma_ok:
+            raise ValueError(f"path 'mma' needs f16/bf16 weights and K % 8 == 0 (got {self.wkind}, K={self.K})")
+        self.path = "mma" if (path == "auto" and mma_ok) or path == "mma" else "fma"
+        self.x_split = bool(x_split)
+        self.x_round = (self.wkind + ("x2" if self.x_split else "")) if self.path == "mma" else None
+        self.threads = WARPS * 32
+        if self.path == "mma":
+            self._init_mma()
+            return
         # Columns per warp: as many as the accumulator budget allows, so that
         # one staged x tile serves more weight rows.
         self.rows_per_warp = max(1, min(4, ACC_BUDGET // (self.max_m * nw)))
@@ -117,12 +147,34 @@ class Gemm:
         self._kernel = self._module.get_function("gemm")
         self._nblk = -(-self.N // self.cols_per_block)
 
+    def _init_mma(self):
+        # M tile: 16, 32 or 64 rows (gemm_mma.cu spills at 48); x tile in the
+        # weight type must fit the default shared-memory cap.
+        self.m_tiles = 1 if self.max_m <= 16 else (2 if self.max_m <= 32 else 4)
+        rows = 16 * self.m_tiles
+        k_round = -(-self.K // 32) * 32
+        self.split = 2 if self.x_split else 1
+        kt_fit = (SMEM_LIMIT // (2 * rows * self.split) - 8) // 32 * 32
+        self.k_tile = min(k_round, kt_fit)
+        self.vectorized = True
+        self.rows_per_warp = 1
+        self.cols_per_block = WARPS * MMA_COLS
+        self._module = kernels.load_module(
+            self.backend, "gemm_mma.cu", GM_WTYPE=WTYPES[self.wkind], GM_EPI=EPILOGUES[self.epilogue],
+            GM_K=self.K, GM_MT=self.m_tiles, GM_WARPS=WARPS, GM_KT=self.k_tile, GM_SPLIT=self.split)
+        self._kernel = self._module.get_function("gemm_mma")
+        self._nblk = -(-self.N // self.cols_per_block)
+
     def __repr__(self):
         return (f"Gemm(N={self.N}, K={self.K}, w={self.wkind}, epilogue={self.epilogue!r}, "
-                f"max_m={self.max_m}, R={self.rows_per_warp}, KT={self.k_tile})")
+                f"max_m={self.max_m}, path={self.path}, R={self.rows_per_warp}, KT={self.k_tile})")
 
     def launch_config(self, m: int):
         """``(grid, block, shared_mem)`` of a launch over ``m`` rows."""
+        if self.path == "mma":
+            rows = 16 * self.m_tiles
+            return ((self._nblk, -(-m // rows), 1), (self.threads, 1, 1),
+                    self.split * rows * (self.k_tile + 8) * 2)
         mtiles = -(-m // self.max_m)
         smem = min(m, self.max_m) * self.k_tile * 4
         return (self._nblk * mtiles, 1, 1), (self.threads, 1, 1), smem
@@ -199,14 +251,28 @@ def _weights_to_f64(w: np.ndarray) -> np.ndarray:
     raise TypeError(f"w: unsupported weight dtype {w.dtype}")
 
 
-def gemm_reference(x, w, epilogue: str = "none", residual=None) -> np.ndarray:
+def gemm_reference(x, w, epilogue: str = "none", residual=None, x_round: str | None = None) -> np.ndarray:
     """NumPy oracle for ``Gemm``: the weights are widened exactly from their
-    stored dtype (uint16 = bf16 bits), everything is computed in float64 and
-    the result rounded once to float32. The kernel accumulates in f32 in a
-    different order; ``tolerances.TOL["f32"]`` absorbs that."""
+    stored dtype (uint16 = bf16 bits), the activations rounded (nearest even)
+    as ``x_round`` says (``Gemm.x_round``: ``"f16"``/``"bf16"`` once,
+    ``"f16x2"``/``"bf16x2"`` as hi + lo) or kept f32, everything computed in float64 and the result
+    rounded once to float32. The kernel accumulates in f32 in a different
+    order; ``tolerances.TOL["f32"]`` absorbs that."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue {epilogue!r}: expected one of {tuple(EPILOGUES)}")
-    x = np.asarray(x, dtype=np.float32).astype(np.float64)
+    x = np.asarray(x, dtype=np.float32)
+    if x_round is not None:
+        kinds = {"bf16": ml_dtypes.bfloat16, "f16": np.float16}
+        if x_round.rstrip("x2") not in kinds or x_round not in ("bf16", "f16", "bf16x2", "f16x2"):
+            raise ValueError(f"x_round {x_round!r}: expected None, 'f16', 'bf16', 'f16x2' or 'bf16x2'")
+        dt = kinds[x_round.rstrip("x2")]
+        with np.errstate(over="ignore"):
+            hi = x.astype(dt)
+            xe = hi.astype(np.float64)
+            if x_round.endswith("x2"):  # lo = rnd(x - hi), the difference taken in f32 (exact)
+                xe = xe + (x - hi.astype(np.float32)).astype(dt).astype(np.float64)
+        x = xe
+    x = x.astype(np.float64)
     w = _weights_to_f64(w)
     acc = x @ w.T
     if epilogue == "none":

@@ -1,0 +1,358 @@
+"""Helpers shared by the benchmarks: drafter presets, fast random weights
+placed straight on the backend, ring filling, result files, tables.
+
+Random weights: ``DraftWeights.random`` draws float64 on the host (minutes for
+a 3.5 GB drafter); ``RandomDraftWeights`` instead draws float32 normals in
+chunks with the backend's own generator (CuPy on a GPU, NumPy on the
+emulator) and rounds them to bf16 in place, directly into the fused device
+layout ``DeviceWeights`` uses. ``DraftKvCache`` only asks a weights object
+for ``.config`` and ``.device(backend)``, so it takes these unchanged.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from dflash_cupy import backends
+from dflash_cupy.config import DraftConfig
+from dflash_cupy.weights import DraftWeights
+
+PROFILING_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PROFILING_DIR.parent
+RESULTS_DIR = PROFILING_DIR / "results"
+
+# ---------------------------------------------------------------------------- drafter presets
+DRAFTERS = {
+    # The Qwen3.5-27B DFlash drafter: 5 layers, hidden 5120, 5 captured target layers.
+    "qwen3.5-27b": dict(n_layer=5, hidden_size=5120, n_head=32, n_head_kv=8, head_dim=128,
+                        intermediate_size=17408, block_size=16,
+                        target_layer_ids=(1, 16, 31, 46, 61), rope_theta=10_000_000.0),
+    # A hidden-4096 drafter (Qwen3-8B-sized target).
+    "h4096": dict(n_layer=5, hidden_size=4096, n_head=32, n_head_kv=8, head_dim=128,
+                  intermediate_size=12288, block_size=16, target_layer_ids=(1, 9, 17, 25, 33),
+                  rope_theta=1_000_000.0),
+    # Smoke / host-overhead drafter: every dimension tiny, same code paths.
+    "tiny": dict(n_layer=2, hidden_size=32, n_head=4, n_head_kv=2, head_dim=8,
+                 intermediate_size=64, block_size=4, target_layer_ids=(0, 1)),
+}
+DEFAULT_DRAFTER = "qwen3.5-27b"
+
+
+def drafter_config(name: str) -> DraftConfig:
+    if name not in DRAFTERS:
+        raise ValueError(f"unknown drafter {name!r}: expected one of {', '.join(DRAFTERS)}")
+    return DraftConfig(**DRAFTERS[name])
+
+
+def config_summary(c: DraftConfig) -> dict:
+    return {"n_layer": c.n_layer, "hidden_size": c.hidden_size, "n_head": c.n_head,
+            "n_head_kv": c.n_head_kv, "head_dim": c.head_dim,
+            "intermediate_size": c.intermediate_size, "block_size": c.block_size,
+            "n_captured": c.n_captured, "fc_in": c.fc_in, "attn_gate": c.attn_gate,
+            "any_sliding": c.any_sliding}
+
+
+# ---------------------------------------------------------------------------- CLI helpers
+def int_list(s: str) -> list[int]:
+    """``"256,1K,32k"`` -> ``[256, 1024, 32768]``."""
+    out = []
+    for tok in str(s).split(","):
+        tok = tok.strip()
+        if not tok:
+            continue
+        mult = 1
+        if tok[-1] in "kK":
+            tok, mult = tok[:-1], 1024
+        try:
+            v = int(tok) * mult
+        except ValueError:
+            raise ValueError(f"expected comma-separated ints (K suffix allowed), got {s!r}") from None
+        if v <= 0:
+            raise ValueError(f"values must be positive, got {s!r}")
+        out.append(v)
+    if not out:
+        raise ValueError(f"empty list {s!r}")
+    return out
+
+
+def str_list(s: str) -> list[str]:
+    return [t.strip() for t in str(s).split(",") if t.strip()]
+
+
+def add_common_args(p, *, json_default_name: str) -> None:
+    p.add_argument("--backend", choices=backends.NAMES, default=None,
+                   help="cuda or emulated (default: $DFLASH_CUPY_BACKEND, else cuda if a GPU is visible)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes and few repeats (CI / dry run); every code path, no meaningful numbers")
+    p.add_argument("--out", default=None,
+                   help=f"result JSON path (default profiling/results/[cpu/]{json_default_name})")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def default_out(backend, name: str) -> Path:
+    return (RESULTS_DIR if backend.name == "cuda" else RESULTS_DIR / "cpu") / name
+
+
+# ---------------------------------------------------------------------------- environment
+def device_info(backend) -> dict:
+    info = {"backend": backend.name, "python": sys.version.split()[0], "numpy": np.__version__,
+            "host": platform.node(), "cpu_count": os.cpu_count()}
+    if backend.name == "cuda":
+        try:
+            import cupy
+            rt = cupy.cuda.runtime
+            dev = rt.getDevice()
+            props = rt.getDeviceProperties(dev)
+            name = props.get("name", b"?")
+            info.update({
+                "gpu": name.decode(errors="replace") if isinstance(name, bytes) else str(name),
+                "cupy": cupy.__version__, "cuda_runtime": rt.runtimeGetVersion(),
+                "cuda_driver": rt.driverGetVersion(),
+                "sm_count": int(props.get("multiProcessorCount", 0)),
+                "l2_bytes": int(props.get("l2CacheSize", 0)),
+                "total_mem_bytes": int(props.get("totalGlobalMem", 0)),
+                "cc": f"{props.get('major', '?')}.{props.get('minor', '?')}",
+            })
+        except Exception as e:  # informational only
+            info["gpu_info_error"] = f"{type(e).__name__}: {e}"
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+        info["emu_threads"] = getattr(backend, "threads", None)
+    return info
+
+
+def git_info() -> dict:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
+        if head.returncode:
+            return {}
+        return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+    except Exception:
+        return {}
+
+
+def meta(backend, argv=None) -> dict:
+    return {"time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "argv": list(sys.argv[1:] if argv is None else argv),
+            "device": device_info(backend), "git": git_info()}
+
+
+def write_json(path, obj) -> Path:
+    """Write atomically (a timeout mid-write leaves the previous file intact)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=_json_default) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _json_default(o):
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def free_device_memory(backend) -> None:
+    """Return cached blocks to the driver between configurations (CuPy pools)."""
+    if backend.name != "cuda":
+        return
+    import gc
+    gc.collect()
+    try:
+        import cupy
+        backend.synchronize()
+        cupy.get_default_memory_pool().free_all_blocks()
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
+    except Exception:
+        pass
+
+
+def format_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
+    """``cols``: (key, header, format spec); missing keys print as '-'."""
+    cells = [[h for _, h, _ in cols]]
+    for r in rows:
+        line = []
+        for key, _, fmt in cols:
+            v = r.get(key)
+            line.append("-" if v is None else (format(v, fmt) if fmt else str(v)))
+        cells.append(line)
+    widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in cells)
+
+
+# ---------------------------------------------------------------------------- random data on the backend
+def _xp(backend):
+    if backend.name == "cuda":
+        import cupy
+        return cupy
+    return np
+
+
+def _rng(backend, seed: int):
+    if backend.name == "cuda":
+        import cupy
+        return cupy.random.RandomState(int(seed))
+    return np.random.default_rng(int(seed))
+
+
+CHUNK_ELEMS = 1 << 24  # elements drawn per chunk (64 MiB of float32 scratch)
+
+
+def _fill(backend, out, seed: int, scale: float, convert) -> None:
+    """Draw N(0, scale^2) float32 rows into ``out`` chunk by chunk through ``convert``."""
+    rs = _rng(backend, seed)
+    rows = out.shape[0]
+    cols = int(np.prod(out.shape[1:], dtype=np.int64)) if out.ndim > 1 else 1
+    step = max(1, CHUNK_ELEMS // max(cols, 1))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        x = rs.standard_normal((r1 - r0,) + tuple(out.shape[1:]), dtype=np.float32)
+        if scale != 1.0:
+            x *= np.float32(scale)
+        out[r0:r1] = convert(x)
+    backend.synchronize()  # CuPy drew on the default stream; the step runs on others
+
+
+def _to_bf16_bits(x):
+    """float32 -> bf16 bit patterns (uint16), round to nearest even (finite inputs)."""
+    xp = np if isinstance(x, np.ndarray) else _cupy()
+    u = x.view(xp.uint32)
+    u = u + (xp.uint32(0x7FFF) + ((u >> 16) & xp.uint32(1)))
+    return (u >> 16).astype(xp.uint16)
+
+
+def _cupy():
+    import cupy
+    return cupy
+
+
+def random_bf16(backend, shape, *, scale: float = 1.0, seed: int = 0):
+    """A device array of bf16 bit patterns (uint16) ~ N(0, scale^2)."""
+    out = backend.empty(tuple(shape), np.uint16)
+    _fill(backend, out, seed, scale, _to_bf16_bits)
+    return out
+
+
+def random_f16(backend, shape, *, scale: float = 1.0, seed: int = 0):
+    out = backend.empty(tuple(shape), np.float16)
+    _fill(backend, out, seed, scale, lambda x: x.astype(np.float16))
+    return out
+
+
+def random_f32(backend, shape, *, scale: float = 1.0, seed: int = 0):
+    out = backend.empty(tuple(shape), np.float32)
+    _fill(backend, out, seed, scale, lambda x: x)
+    return out
+
+
+def _norm_scale(backend, n: int, seed: int, rows: int | None = None):
+    rng = np.random.default_rng(seed)
+    shape = (n,) if rows is None else (rows, n)
+    return backend.asarray(rng.uniform(0.8, 1.2, size=shape).astype(np.float32))
+
+
+class _Layer:
+    """The attributes ``DraftKvCache`` reads from ``DeviceWeights.layers[i]``."""
+
+    def __init__(self, backend, c: DraftConfig, i: int, seed: int):
+        H, s = c.hidden_size, seed + 100 * (i + 1)
+        self.input_layernorm = _norm_scale(backend, H, s)
+        self.post_attention_layernorm = _norm_scale(backend, H, s + 1)
+        self.q_norm = _norm_scale(backend, c.head_dim, s + 2)
+        self.k_norm = _norm_scale(backend, c.head_dim, s + 3)
+        self.w_qkv = random_bf16(backend, (c.q_dim + 2 * c.kv_dim, H), scale=H ** -0.5, seed=s + 4)
+        self.w_kv = self.w_qkv[c.q_dim:]  # [k; v] rows, as DeviceWeights lays them out
+        self.w_o = random_bf16(backend, (H, c.q_dim), scale=c.q_dim ** -0.5, seed=s + 5)
+        self.w_gate_up = random_bf16(backend, (2 * c.intermediate_size, H), scale=H ** -0.5,
+                                     seed=s + 6)
+        self.w_down = random_bf16(backend, (H, c.intermediate_size),
+                                  scale=c.intermediate_size ** -0.5, seed=s + 7)
+        gate_rows = {"none": 0, "head": c.n_head, "element": c.q_dim}[c.attn_gate]
+        self.w_attn_gate = (random_bf16(backend, (gate_rows, H), scale=H ** -0.5, seed=s + 8)
+                            if gate_rows else None)
+        self.sliding = c.is_sliding(i)
+
+    def arrays(self):
+        yield from (self.input_layernorm, self.post_attention_layernorm, self.q_norm, self.k_norm,
+                    self.w_qkv, self.w_o, self.w_gate_up, self.w_down)
+        if self.w_attn_gate is not None:
+            yield self.w_attn_gate
+
+
+class RandomDeviceWeights:
+    """Random bf16 weights in ``DeviceWeights``' layout, drawn on the backend."""
+
+    def __init__(self, config: DraftConfig, backend, seed: int = 0):
+        c = self.config = config
+        self.backend = backend
+        H = c.hidden_size
+        self.fc = random_bf16(backend, (H, c.fc_in), scale=c.fc_in ** -0.5, seed=seed + 1)
+        self.hidden_norm = _norm_scale(backend, H, seed + 2)
+        self.norm = _norm_scale(backend, H, seed + 3)
+        self.aux_norms = _norm_scale(backend, H, seed + 4, rows=c.n_captured) if c.aux_hidden_norms \
+            else None
+        self.layers = [_Layer(backend, c, i, seed) for i in range(c.n_layer)]
+        arrays = [self.fc, self.hidden_norm, self.norm] + ([self.aux_norms] if self.aux_norms is not None
+                                                           else [])
+        for L in self.layers:
+            arrays.extend(L.arrays())
+        self.nbytes = sum(int(a.nbytes) for a in arrays)
+
+
+class RandomDraftWeights(DraftWeights):
+    """A ``DraftWeights`` whose only form is random bf16 on one backend
+    (no host tensors): ``device(backend)`` returns the placed weights."""
+
+    def __init__(self, config: DraftConfig, backend=None, seed: int = 0):  # noqa: no super().__init__
+        self.config = config
+        self.tensors = {}
+        self._dev = RandomDeviceWeights(config, backends.get(backend), seed)
+
+    def device(self, backend=None):
+        be = backends.get(backend)
+        if be is not self._dev.backend:
+            raise ValueError(f"these random weights live on {self._dev.backend.name!r}, not {be.name!r}")
+        return self._dev
+
+    @property
+    def nbytes(self) -> int:
+        return self._dev.nbytes
+
+    def __repr__(self):
+        c = self.config
+        return (f"RandomDraftWeights(n_layer={c.n_layer}, hidden={c.hidden_size}, fc_in={c.fc_in}, "
+                f"bf16 on {self._dev.backend.name}, {self.nbytes / 2**20:.1f} MiB)")
+
+
+RING_BLOCK_ROWS = 4096
+
+
+def fill_ring(ring, backend, seed: int = 0) -> None:
+    """Write random feature rows for positions ``[0, ring.capacity)``."""
+    cap, fc_in = ring.capacity, ring.fc_in
+    blk = min(RING_BLOCK_ROWS, cap)
+    if backend.name == "cuda":
+        kind = ring.kind
+        make = {"bf16": random_bf16, "f16": random_f16, "f32": random_f32}[kind]
+        block = make(backend, (blk, fc_in), seed=seed)
+    else:  # the emulator's FeatureRing takes host rows (device arrays are NumPy arrays there)
+        block = np.random.default_rng(seed).standard_normal((blk, fc_in), dtype=np.float32)
+    for start in range(0, cap, blk):
+        n = min(blk, cap - start)
+        ring.write(start, block[:n])
+    del block

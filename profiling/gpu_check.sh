@@ -1,0 +1,195 @@
+#!/usr/bin/env bash
+# The one GPU measurement: tests + benchmarks, everything written to OUTDIR.
+#
+#   profiling/gpu_check.sh OUTDIR            # on a machine with a GPU (about 8 minutes at most)
+#   profiling/gpu_check.sh OUTDIR --dry-run  # the same commands, tiny shapes, emulated backend (CPU)
+#
+# Runs from the checkout with PYTHONPATH=<repo root>; needs only python3 with
+# numpy + cupy (+ pytest for the tests, matplotlib for the plot) and coreutils.
+# Order = value: the test log first, then the default drafter's step at a few
+# windows, then the GEMM and attention kernels, then the full sweep (reusing
+# the first step results), then the host-overhead check. Each step has its own
+# timeout, shortened so that the whole script ends within GPU_CHECK_BUDGET_S
+# (default 470 s); a failed or timed-out step is reported and the next one
+# still runs. A broken environment (no GPU, CuPy or NVRTC not working) stops
+# the script at once (exit 2) before any long step.
+#
+# OUTDIR receives at most 8 files (what one device call brings back):
+#   gpu_check.log   this script's log: environment, nvidia-smi, step status, summary
+#   tests.log       pytest output
+#   bench.log       every benchmark's output
+#   step_quick.json bench_step, qwen3.5-27b, windows 256/4K/32K, graph/eager/legacy
+#   gemm.json       bench_gemm (dflash GEMM and cuBLAS)
+#   attention.json  bench_attention
+#   step.json/.png  bench_step, both drafters, all windows (+ plot)
+# The bench_host result is printed into gpu_check.log (its JSON is kept outside OUTDIR).
+#
+# Environment: PYTHON (default python3), GPU_CHECK_BUDGET_S (default 470),
+# GPU_CHECK_PYTEST_ARGS (default: -x -k "not emulated"; the emulated half of the
+# suite is CI's job).
+set -uo pipefail
+
+usage() { echo "usage: $0 OUTDIR [--dry-run]" >&2; exit 2; }
+[[ $# -ge 1 && $1 != -* ]] || usage
+OUTDIR=$1
+shift
+DRY=0
+for arg in "$@"; do
+    case $arg in
+        --dry-run) DRY=1 ;;
+        *) usage ;;
+    esac
+done
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT" || exit 2
+mkdir -p "$OUTDIR" || { echo "gpu_check: cannot create $OUTDIR" >&2; exit 2; }
+OUTDIR=$(cd "$OUTDIR" && pwd)
+PY=${PYTHON:-python3}
+BUDGET=${GPU_CHECK_BUDGET_S:-470}
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export PYTHONDONTWRITEBYTECODE=1
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
+LOG=$OUTDIR/gpu_check.log
+BLOG=$OUTDIR/bench.log
+: >"$LOG"
+: >"$BLOG"
+START=$SECONDS
+FAILED=()
+
+say() { printf '[gpu_check %4ds] %s\n' $((SECONDS - START)) "$*" | tee -a "$LOG"; }
+die() { say "FATAL: $*"; say "stopping: the environment is not usable (nothing else was run)"; exit 2; }
+
+if ((DRY)); then
+    export DFLASH_CUPY_BACKEND=emulated
+    SMOKE=(--smoke)
+    PYTEST_ARGS=(--collect-only -q -x -k "not emulated")
+    HOST_BACKEND=emulated
+    say "DRY RUN: emulated backend, tiny shapes (--smoke); pytest only collects"
+else
+    unset DFLASH_CUPY_BACKEND
+    SMOKE=()
+    if [[ -n ${GPU_CHECK_PYTEST_ARGS:-} ]]; then
+        read -r -a PYTEST_ARGS <<<"$GPU_CHECK_PYTEST_ARGS"
+    else
+        PYTEST_ARGS=(-x -k "not emulated")
+    fi
+    HOST_BACKEND=cuda
+fi
+
+# ---------------------------------------------------------------- preflight (fail early)
+command -v timeout >/dev/null || die "coreutils 'timeout' not found"
+command -v "$PY" >/dev/null || die "python '$PY' not found (set PYTHON=...)"
+say "repo $ROOT; python $("$PY" -c 'import sys; print(sys.version.split()[0], sys.executable)')"
+say "outdir $OUTDIR; budget ${BUDGET}s"
+if command -v nvidia-smi >/dev/null; then
+    say "nvidia-smi: $(nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.mem,temperature.gpu,power.draw,pstate --format=csv,noheader 2>&1 | head -n 4)"
+elif ((!DRY)); then
+    say "WARNING: nvidia-smi not found"
+fi
+
+timeout -k 5 120 "$PY" - "$DRY" >>"$LOG" 2>&1 <<'EOF'
+import sys, time
+t0 = time.perf_counter()
+dry = sys.argv[1] == "1"
+import numpy as np
+print("numpy", np.__version__)
+from dflash_cupy import backends
+if not dry:
+    import cupy
+    print("cupy", cupy.__version__, "devices", cupy.cuda.runtime.getDeviceCount())
+    if not backends.gpu_available():
+        sys.exit("CuPy sees no CUDA GPU")
+be = backends.get()
+want = "emulated" if dry else "cuda"
+if be.name != want:
+    sys.exit(f"backend is {be.name!r}, expected {want!r} (DFLASH_CUPY_BACKEND={__import__('os').environ.get('DFLASH_CUPY_BACKEND')})")
+# one kernel end to end: NVRTC (or g++) compile, launch, read back, compare
+from dflash_cupy.ops.norm import RmsNorm, rmsnorm_reference
+from profiling import common, timer
+x = np.random.default_rng(0).standard_normal((5, 64)).astype(np.float32)
+w = np.linspace(0.5, 1.5, 64).astype(np.float32)
+xd, wd, yd = be.asarray(x), be.asarray(w), be.zeros((5, 64), np.float32)
+RmsNorm(be, 64)(xd, wd, yd)
+y = be.to_numpy(yd)
+ref = rmsnorm_reference(x, w)
+err = float(np.max(np.abs(y - ref)))
+print(f"rmsnorm on {be.name}: max abs err {err:.2e}")
+if not err < 1e-4:
+    sys.exit(f"rmsnorm result wrong on {be.name} (max abs err {err})")
+print("device:", common.device_info(be))
+try:
+    import matplotlib  # noqa: F401
+    print("matplotlib", matplotlib.__version__)
+except Exception as e:
+    print("WARNING: matplotlib not importable, no plot:", e)
+from dflash_cupy import nvtx_ranges
+print("nvtx python package:", "yes" if nvtx_ranges.available() else "no (NVTX ranges are no-ops)")
+print(f"preflight ok in {time.perf_counter() - t0:.1f} s")
+EOF
+rc=$?
+tail -n 12 "$LOG"
+((rc == 0)) || die "preflight failed (rc=$rc); see $LOG"
+
+# ---------------------------------------------------------------- steps
+# run_step NAME LIMIT_S LOGFILE CMD...
+run_step() {
+    local name=$1 limit=$2 logf=$3
+    shift 3
+    local left=$((BUDGET - (SECONDS - START) - 10))
+    if ((left < 20)); then
+        say "SKIP $name: ${left}s of the budget left"
+        FAILED+=("$name(skipped)")
+        return
+    fi
+    ((limit > left)) && limit=$left
+    say "START $name (timeout ${limit}s): $*"
+    printf '\n===== %s: %s\n' "$name" "$*" >>"$logf"
+    local t0=$SECONDS before
+    before=$(wc -l <"$logf")
+    timeout -k 10 "$limit" "$@" >>"$logf" 2>&1
+    local rc=$?
+    tail -n +"$((before + 1))" "$logf" | tail -n 8
+    if ((rc == 0)); then
+        say "DONE $name in $((SECONDS - t0))s"
+    else
+        if ((rc == 124 || rc == 137)); then
+            say "TIMEOUT $name after $((SECONDS - t0))s (limit ${limit}s)"
+        else
+            say "FAILED $name rc=$rc after $((SECONDS - t0))s (see $(basename "$logf"))"
+        fi
+        FAILED+=("$name")
+    fi
+}
+
+TLOG=$OUTDIR/tests.log
+: >"$TLOG"
+run_step tests 150 "$TLOG" "$PY" -m pytest -q -p no:cacheprovider tests "${PYTEST_ARGS[@]}"
+
+run_step step_quick 90 "$BLOG" "$PY" -m profiling.bench_step ${SMOKE[@]+"${SMOKE[@]}"} \
+    --drafters "$( ((DRY)) && echo tiny || echo qwen3.5-27b)" \
+    --windows "$( ((DRY)) && echo 32 || echo 256,4K,32K)" \
+    --budget-s 5 --no-plot --out "$OUTDIR/step_quick.json"
+
+run_step gemm 50 "$BLOG" "$PY" -m profiling.bench_gemm ${SMOKE[@]+"${SMOKE[@]}"} --out "$OUTDIR/gemm.json"
+
+run_step attention 40 "$BLOG" "$PY" -m profiling.bench_attention ${SMOKE[@]+"${SMOKE[@]}"} --out "$OUTDIR/attention.json"
+
+run_step step_full 130 "$BLOG" "$PY" -m profiling.bench_step ${SMOKE[@]+"${SMOKE[@]}"} --budget-s 4 \
+    --merge "$OUTDIR/step_quick.json" --out "$OUTDIR/step.json" --plot "$OUTDIR/step.png"
+
+run_step host 45 "$BLOG" "$PY" -m profiling.bench_host ${SMOKE[@]+"${SMOKE[@]}"} --backend "$HOST_BACKEND" --json \
+    --out "$WORK/host.json"
+
+# ---------------------------------------------------------------- summary
+say "summary:"
+"$PY" -m profiling.summarize --dir "$OUTDIR" --host "$WORK/host.json" 2>&1 | tee -a "$LOG"
+n_files=$(find "$OUTDIR" -maxdepth 1 -type f | wc -l)
+say "files in $OUTDIR: $n_files ($(cd "$OUTDIR" && ls | tr '\n' ' '))"
+rm -rf "$WORK"
+if ((${#FAILED[@]})); then
+    say "FINISHED with failures: ${FAILED[*]} (total $((SECONDS - START))s)"
+    exit 1
+fi
+say "FINISHED ok (total $((SECONDS - START))s)"

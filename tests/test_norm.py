@@ -1,0 +1,123 @@
+"""RmsNorm (cuda_src/norm.cu) against rmsnorm_reference: widths that exercise each
+row split (one warp, several warps, several rows per block, scalar tails), cycling
+weight rows (aux hidden norms), in-place use, row prefixes, extreme magnitudes and
+bad input."""
+import numpy as np
+import pytest
+
+from dflash_cupy.ops.norm import RmsNorm, rmsnorm_reference
+from tests.tolerances import assert_close
+
+
+def run(backend, rng, D, xh, wh, *, eps=1e-6, rows=None, in_place=False):
+    op = RmsNorm(backend, D, eps=eps)
+    x, w = backend.asarray(xh), backend.asarray(wh)
+    sentinel = np.full(xh.shape, -3.25, np.float32)
+    y = x if in_place else backend.asarray(sentinel)
+    op(x, w, y, rows=rows)
+    got = backend.to_numpy(y)
+    n = xh.size // D if rows is None else rows
+    flat_got = got.reshape(-1, D)
+    ref = rmsnorm_reference(xh, wh, D=D, eps=eps).reshape(-1, D)
+    assert_close(flat_got[:n], ref[:n], "f32", f"{op!r} rows={n} in_place={in_place}")
+    untouched = xh.reshape(-1, D) if in_place else sentinel.reshape(-1, D)
+    np.testing.assert_array_equal(flat_got[n:], untouched[n:], err_msg="rows past `rows` written")
+    return op
+
+
+@pytest.mark.parametrize("D,expect_tpr", [
+    (19, 32),      # scalar loads, several rows per block
+    (128, 32),     # one warp per row (head_dim)
+    (1000, 64),    # two warps per row, two rows per block: shared partials
+    (4096, 256),   # 8 warps, 4 float4 chunks per thread
+    (5000, 320),   # chunk count not a multiple of the row's threads
+])
+def test_widths(backend, rng, D, expect_tpr):
+    for nrows in (1, 3, 19, 33) if D <= 1000 else (1, 3):
+        xh = rng.standard_normal((nrows, D)).astype(np.float32)
+        wh = (1.0 + 0.3 * rng.standard_normal(D)).astype(np.float32)
+        op = run(backend, rng, D, xh, wh)
+        assert op.tpr == expect_tpr
+
+
+def test_per_head_rows(backend, rng):
+    # q_norm: [B, nh*d] normalised per head with one weight row.
+    B, nh, d = 5, 3, 64
+    xh = rng.standard_normal((B, nh * d)).astype(np.float32)
+    wh = rng.standard_normal(d).astype(np.float32)
+    run(backend, rng, d, xh, wh)
+
+
+@pytest.mark.parametrize("n_cap,H,M", [(3, 64, 7), (2, 33, 5)])
+def test_cycling_weight_rows(backend, rng, n_cap, H, M):
+    # aux hidden norms: [M, n_cap*H] as M*n_cap rows, weight table [n_cap, H].
+    xh = rng.standard_normal((M, n_cap * H)).astype(np.float32)
+    wh = rng.standard_normal((n_cap, H)).astype(np.float32)
+    run(backend, rng, H, xh, wh)
+    # the weight row really cycles: a reference that ignored it would differ
+    ref = rmsnorm_reference(xh, wh, D=H).reshape(M, n_cap, H)
+    ref0 = rmsnorm_reference(xh, wh[0], D=H).reshape(M, n_cap, H)
+    assert not np.allclose(ref[:, 1], ref0[:, 1])
+
+
+@pytest.mark.parametrize("D", [19, 256])
+def test_in_place_and_prefix(backend, rng, D):
+    xh = rng.standard_normal((9, D)).astype(np.float32)
+    wh = rng.standard_normal((3, D)).astype(np.float32)
+    run(backend, rng, D, xh, wh, in_place=True)
+    run(backend, rng, D, xh, wh, in_place=True, rows=4)
+    run(backend, rng, D, xh, wh, rows=5)
+    run(backend, rng, D, xh, wh, rows=0)
+
+
+@pytest.mark.parametrize("scale", [1e15, 1e-15, 1e-3, 1e4])
+def test_magnitudes(backend, rng, scale):
+    D = 384
+    xh = (rng.standard_normal((6, D)) * scale).astype(np.float32)
+    # rows of different magnitude are independent; stay clear of squares below
+    # f32's normal range (-ftz flushes them; see norm.cu)
+    xh[2] *= 1e2 if scale < 1 else 1e-2
+    xh[4] = 0.0     # an all-zero row normalises to zero (eps keeps it finite)
+    wh = rng.standard_normal(D).astype(np.float32)
+    run(backend, rng, D, xh, wh, eps=1e-6)
+    # eps = 0 (0/0 on the zero row is NaN in both, so leave it out)
+    run(backend, rng, D, np.delete(xh, 4, axis=0), wh, eps=0.0)
+
+
+def test_eps_matters(backend, rng):
+    # Small inputs: the result depends on eps, so a kernel that dropped it would fail.
+    D = 64
+    xh = (rng.standard_normal((2, D)) * 1e-3).astype(np.float32)
+    wh = np.ones(D, np.float32)
+    run(backend, rng, D, xh, wh, eps=1e-6)
+    a = rmsnorm_reference(xh, wh, eps=1e-6)
+    b = rmsnorm_reference(xh, wh, eps=0.0)
+    assert not np.allclose(a, b, rtol=1e-3)
+
+
+def test_bad_input(backend):
+    D = 32
+    op = RmsNorm(backend, D)
+    x = backend.zeros((4, D), np.float32)
+    w = backend.zeros((D,), np.float32)
+    y = backend.zeros((4, D), np.float32)
+    op(x, w, y)
+
+    def raises(exc, match, *args, **kw):
+        with pytest.raises(exc, match=match):
+            op(*args, **kw)
+
+    raises(TypeError, "^x ", backend.zeros((4, D), np.float16), w, y)
+    raises(TypeError, "^w ", x, backend.zeros((D,), np.float16), y)
+    raises(TypeError, "^y ", x, w, np.zeros((4, D), np.float32).tolist())
+    raises(ValueError, "^x's last axis", backend.zeros((4, D + 1), np.float32), w,
+           backend.zeros((4, D + 1), np.float32))
+    raises(ValueError, "^y must have x's shape", x, w, backend.zeros((5, D), np.float32))
+    raises(ValueError, "^w must have shape", x, backend.zeros((D + 1,), np.float32), y)
+    raises(ValueError, "^w must have shape", x, backend.zeros((2, 2, D), np.float32), y)
+    raises(ValueError, "^rows=", x, w, y, rows=5)
+    raises(TypeError, "^rows ", x, w, y, rows=1.5)
+    with pytest.raises(ValueError, match="^D "):
+        RmsNorm(backend, 0)
+    with pytest.raises(ValueError, match="^eps "):
+        RmsNorm(backend, D, eps=-1.0)
