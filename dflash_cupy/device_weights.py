@@ -4,7 +4,10 @@ Large matrices keep their checkpoint dtype (bf16 as uint16 bit patterns, since
 CuPy has no bfloat16); the projections that read the same input are fused
 into one matrix so one weight-streaming GEMM serves them: ``[q; k; v]``
 (noise rows), whose ``[k; v]`` rows double as the append stage's matrix, and
-``[gate; up]`` for the SiLU·up epilogue. Norm scales are f32 (tiny).
+``[gate; up]`` for the SiLU·up epilogue. One GEMM, compiled for one weight
+dtype, serves a role in every layer, so a role whose tensors differ in dtype
+(between layers or inside a fused group) is widened to f32 rather than
+rounded. Norm scales are f32 (tiny).
 """
 from __future__ import annotations
 
@@ -29,31 +32,42 @@ def to_device_matrix(backend, a: np.ndarray):
     return backend.asarray(a)
 
 
-def _fuse(parts: list[np.ndarray]) -> np.ndarray:
-    dts = {p.dtype for p in parts}
-    # Mixed dtypes inside one fused group: widen to f32 rather than round anything.
-    dt = dts.pop() if len(dts) == 1 else np.dtype(np.float32)
-    return np.concatenate([p.astype(dt, copy=False) for p in parts], axis=0)
+# The matrices each step GEMM reads, by role; one Gemm (compiled for one
+# weight dtype) serves a role in every layer.
+ROLES = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "o": ("self_attn.o_proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+         "down": ("mlp.down_proj",), "attn_gate": ("self_attn.gate_proj",)}
+
+
+def role_dtypes(w: DraftWeights) -> dict:
+    """The stored dtype of each role, f32 where layers (or a fused group) disagree."""
+    c = w.config
+    out = {}
+    for role, names in ROLES.items():
+        if role == "attn_gate" and c.attn_gate == "none":
+            continue
+        dts = {w.layer(i, n).dtype for i in range(c.n_layer) for n in names}
+        out[role] = dts.pop() if len(dts) == 1 else np.dtype(np.float32)
+    return out
 
 
 class LayerWeights:
-    def __init__(self, backend, w: DraftWeights, i: int):
+    def __init__(self, backend, w: DraftWeights, i: int, dtypes: dict | None = None):
         c = w.config
+        dtypes = role_dtypes(w) if dtypes is None else dtypes
         f32 = lambda name: backend.asarray(np.asarray(w.layer(i, name), dtype=np.float32))  # noqa: E731
+        mat = lambda role: to_device_matrix(backend, np.concatenate(  # noqa: E731
+            [w.layer(i, n).astype(dtypes[role], copy=False) for n in ROLES[role]], axis=0))
         self.input_layernorm = f32("input_layernorm")
         self.post_attention_layernorm = f32("post_attention_layernorm")
         self.q_norm = f32("self_attn.q_norm")
         self.k_norm = f32("self_attn.k_norm")
-        qkv = _fuse([w.layer(i, "self_attn.q_proj"), w.layer(i, "self_attn.k_proj"),
-                     w.layer(i, "self_attn.v_proj")])
-        self.w_qkv = to_device_matrix(backend, qkv)
+        self.w_qkv = mat("qkv")
         self.w_kv = self.w_qkv[c.q_dim:]            # [k; v]: the append stage's matrix
-        self.w_o = to_device_matrix(backend, w.layer(i, "self_attn.o_proj"))
-        self.w_gate_up = to_device_matrix(backend, _fuse([w.layer(i, "mlp.gate_proj"),
-                                                          w.layer(i, "mlp.up_proj")]))
-        self.w_down = to_device_matrix(backend, w.layer(i, "mlp.down_proj"))
-        self.w_attn_gate = (to_device_matrix(backend, w.layer(i, "self_attn.gate_proj"))
-                            if c.attn_gate != "none" else None)
+        self.w_o = mat("o")
+        self.w_gate_up = mat("gate_up")
+        self.w_down = mat("down")
+        self.w_attn_gate = mat("attn_gate") if c.attn_gate != "none" else None
         self.sliding = c.is_sliding(i)
 
 
@@ -72,7 +86,8 @@ class DeviceWeights:
             self.aux_norms = backend.asarray(np.stack(
                 [np.asarray(weights[f"aux_hidden_norms.{j}.weight"], np.float32)
                  for j in range(c.n_captured)]))
-        self.layers = [LayerWeights(backend, weights, i) for i in range(c.n_layer)]
+        dtypes = role_dtypes(weights)
+        self.layers = [LayerWeights(backend, weights, i, dtypes) for i in range(c.n_layer)]
         self.nbytes = sum(int(a.nbytes) for a in self._arrays())
 
     def _arrays(self):

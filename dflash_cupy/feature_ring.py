@@ -54,6 +54,7 @@ class FeatureRing:
         self._stream = self.backend.stream()
         self.lo = 0  # positions [lo, hi) are present
         self.hi = 0
+        self._readers: dict = {}  # reader -> event after its latest queued read of storage
         self._closed = False
 
     @property
@@ -68,6 +69,13 @@ class FeatureRing:
     def _check_open(self):
         if self._closed:
             raise RuntimeError("FeatureRing is closed")
+
+    def note_read(self, reader, event) -> None:
+        """A reader (``DraftKvCache``) queued reads of ``storage`` on its own
+        stream, all done when ``event`` completes: later writes are ordered
+        after them on the device (no write may replace a slot a queued step
+        still has to gather)."""
+        self._readers[id(reader)] = event
 
     def holds(self, start: int, stop: int) -> bool:
         """True when every position in ``[start, stop)`` is in the ring."""
@@ -102,9 +110,6 @@ class FeatureRing:
             if rows.dtype != self.storage.dtype:
                 raise TypeError(f"rows: a device array must have the ring's storage dtype "
                                 f"{self.storage.dtype} ({self.kind}), got {rows.dtype}")
-            for r0, slot, c in self._segments(start, n):
-                be.copy_d2d_async(self.storage[slot:slot + c], rows[r0:r0 + c], stream=self._stream)
-            self._stream.synchronize()
         else:
             host = np.asarray(rows)
             if host.dtype.kind not in "fiu" and host.dtype != _HOST_VIEW["bf16"]:
@@ -112,6 +117,14 @@ class FeatureRing:
             host = host.astype(_HOST_VIEW[self.kind], copy=False)
             if self.kind == "bf16":
                 host = host.view(np.uint16)
+        # ---- validated: from here on the ring changes
+        for ev in self._readers.values():  # queued steps that still gather from the ring
+            self._stream.wait_event(ev)
+        if on_device:
+            for r0, slot, c in self._segments(start, n):
+                be.copy_d2d_async(self.storage[slot:slot + c], rows[r0:r0 + c], stream=self._stream)
+            self._stream.synchronize()
+        else:
             cap = self._stage.shape[0]
             for r0, slot, c in self._segments(start, n):
                 for k in range(0, c, cap):

@@ -170,7 +170,10 @@ class DraftKvCache:
         if isinstance(lm_head, np.ndarray):
             if lm_head.ndim != 2 or lm_head.shape[1] != H:
                 raise ValueError(f"lm_head must have shape [vocab, {H}], got {lm_head.shape}")
-            device_dtype(lm_head.dtype)  # raises for unsupported dtypes
+            try:
+                device_dtype(lm_head.dtype)
+            except TypeError:
+                raise TypeError(f"lm_head dtype must be f32, f16 or bf16, got {lm_head.dtype}") from None
             return to_device_matrix(be, lm_head)
         if not be.is_device_array(lm_head):
             raise TypeError(f"lm_head must be a NumPy or {be.name} device array, got {type(lm_head).__name__}")
@@ -261,6 +264,7 @@ class DraftKvCache:
             self._gather(self.bulk_desc, self._ring.storage, self.ap_feat, n_rows=count, stream=s)
             self._append_stage(self.bulk_desc, count, s)
         self._bulk_event.record(s)
+        self._ring.note_read(self, self._bulk_event)
         self._bulk_event_used = True
 
     # ------------------------------------------------------------------ public API
@@ -312,26 +316,32 @@ class DraftKvCache:
     def set_noise_embed(self, noise_embed) -> None:
         """Copy ``[q_len, hidden]`` noise embeddings (NumPy or device) into ``noise_embed``."""
         self._check_open()
-        shape = (self.q_len, self.config.hidden_size)
-        if tuple(getattr(noise_embed, "shape", ())) != shape:
-            raise ValueError(f"noise_embed must have shape {shape}, got "
-                             f"{getattr(noise_embed, 'shape', type(noise_embed).__name__)}")
+        self._check_noise(noise_embed)
         be = self.backend
         if noise_embed is self.noise_embed:
             return  # filled in place by the caller
         if isinstance(noise_embed, np.ndarray):  # host data (on the emulator also device arrays)
-            if noise_embed.dtype.kind != "f":
-                raise TypeError(f"noise_embed must be a float array, got dtype {noise_embed.dtype}")
             slot = self._slot if self._planned else self._slot ^ 1
             if self._event_used[slot]:
                 self._events[slot].synchronize()  # the replay that last read this staging buffer
             stage = self._noise_host[slot]
             stage[...] = noise_embed
             be.copy_h2d_async(self.noise_embed, stage, stream=self.stream)
+        else:
+            be.copy_d2d_async(self.noise_embed, noise_embed, stream=self.stream)
+
+    def _check_noise(self, noise_embed) -> None:
+        shape = (self.q_len, self.config.hidden_size)
+        if tuple(getattr(noise_embed, "shape", ())) != shape:
+            raise ValueError(f"noise_embed must have shape {shape}, got "
+                             f"{getattr(noise_embed, 'shape', type(noise_embed).__name__)}")
+        be = self.backend
+        if isinstance(noise_embed, np.ndarray):
+            if noise_embed.dtype.kind != "f":
+                raise TypeError(f"noise_embed must be a float array, got dtype {noise_embed.dtype}")
         elif be.is_device_array(noise_embed):
             if np.dtype(noise_embed.dtype) != np.float32:
                 raise TypeError(f"noise_embed device array must be float32, got {noise_embed.dtype}")
-            be.copy_d2d_async(self.noise_embed, noise_embed, stream=self.stream)
         else:
             raise TypeError(f"noise_embed must be a NumPy or {be.name} device array, "
                             f"got {type(noise_embed).__name__}")
@@ -358,6 +368,7 @@ class DraftKvCache:
             with nvtx_range("dflash replay", "blue"):
                 self._graphs[slot].launch(self.stream)
         self._events[slot].record(self.stream)
+        self._ring.note_read(self, self._events[slot])  # the ring's next write waits for this step
         self._event_used[slot] = True
         self.next_pos = self._pending_next
         return self.hidden_states
@@ -365,10 +376,7 @@ class DraftKvCache:
     def step(self, ring: FeatureRing, committed: int, noise_embed):
         """``begin_step`` + noise embeddings + ``run``; returns ``hidden_states``."""
         self._check_open()
-        shape = (self.q_len, self.config.hidden_size)
-        if tuple(getattr(noise_embed, "shape", ())) != shape:  # checked before anything changes
-            raise ValueError(f"noise_embed must have shape {shape}, got "
-                             f"{getattr(noise_embed, 'shape', type(noise_embed).__name__)}")
+        self._check_noise(noise_embed)  # before begin_step changes anything
         self.begin_step(ring, committed)
         self.set_noise_embed(noise_embed)
         return self.run()

@@ -99,7 +99,8 @@ class Backend(abc.ABC):
     # ---- streams, events, copies -------------------------------------------
     @abc.abstractmethod
     def stream(self) -> Any:
-        """A new non-blocking stream."""
+        """A new non-blocking stream with ``synchronize()``, ``is_capturing()``
+        and ``wait_event(event)`` (device-side ordering after an event)."""
 
     @abc.abstractmethod
     def event(self) -> Any:
@@ -126,6 +127,17 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def is_capturing(self) -> bool: ...
+
+
+def dim3(v, what: str) -> tuple[int, int, int]:
+    """A grid or block as three positive ints (a bare int or a 1-3 tuple)."""
+    t = (v,) if isinstance(v, (int, np.integer)) else tuple(v)
+    if not 1 <= len(t) <= 3:
+        raise ValueError(f"{what} must have 1 to 3 dimensions, got {v!r}")
+    t = tuple(int(x) for x in t) + (1,) * (3 - len(t))
+    if any(x < 1 for x in t):
+        raise ValueError(f"{what} dimensions must be >= 1, got {v!r}")
+    return t
 
 
 def copy_nbytes(dst, src, nbytes: int | None, what: str) -> int:

@@ -78,6 +78,7 @@ from cupy.cuda import runtime as _runtime
 from . import emu_build
 from .base import (Backend, BackendError, CaptureError, Graph, Kernel, KernelLaunchError, Module,
                    copy_nbytes)
+from .base import dim3 as _dim3
 
 NVRTC_FLAGS = ("--std=c++17", "-ftz=true")
 
@@ -199,16 +200,6 @@ def _normalise_options(options: Sequence[str]) -> tuple[str, ...]:
 # ---------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------
-def _dim3(v, what: str) -> tuple[int, int, int]:
-    t = (v,) if isinstance(v, (int, np.integer)) else tuple(v)
-    if not 1 <= len(t) <= 3:
-        raise ValueError(f"{what} must have 1 to 3 dimensions, got {v!r}")
-    t = tuple(int(x) for x in t) + (1,) * (3 - len(t))
-    if any(x < 1 for x in t):
-        raise ValueError(f"{what} dimensions must be >= 1, got {v!r}")
-    return t
-
-
 def _host_ptr(a: np.ndarray) -> int:
     return int(a.__array_interface__["data"][0])
 
@@ -245,6 +236,10 @@ class CudaStream:
 
     def is_capturing(self) -> bool:
         return self._backend._capture_raw is not None and self._backend._capture_raw.ptr == self.ptr
+
+    def wait_event(self, event: "CudaEvent") -> None:
+        """Later work on this stream waits (on the device) for ``event``."""
+        self.raw.wait_event(event.raw)
 
     def __repr__(self) -> str:
         return f"<CudaStream 0x{self.ptr:x}>"

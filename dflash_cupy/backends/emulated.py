@@ -27,21 +27,12 @@ import numpy as np
 from . import emu_build, emu_memory
 from .base import (Backend, BackendError, CaptureError, Graph, Kernel, KernelLaunchError, Module,
                    copy_nbytes)
+from .base import dim3 as _dim3
 
 _ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}
 _ERRLEN = 1024
 _SIGNAMES = {signal.SIGSEGV: "invalid memory access (SIGSEGV)", signal.SIGBUS: "bus error (SIGBUS)",
              signal.SIGFPE: "arithmetic fault (SIGFPE, e.g. integer division by zero)"}
-
-
-def _dim3(v, what: str) -> tuple[int, int, int]:
-    t = (v,) if isinstance(v, (int, np.integer)) else tuple(v)
-    if not 1 <= len(t) <= 3:
-        raise ValueError(f"{what} must have 1 to 3 dimensions, got {v!r}")
-    t = tuple(int(x) for x in t) + (1,) * (3 - len(t))
-    if any(x < 1 for x in t):
-        raise ValueError(f"{what} dimensions must be >= 1, got {v!r}")
-    return t
 
 
 class EmuStream:
@@ -57,6 +48,9 @@ class EmuStream:
 
     def is_capturing(self) -> bool:
         return self._record is not None
+
+    def wait_event(self, event) -> None:
+        """Work runs in issue order here: nothing to wait for."""
 
 
 class EmuEvent:

@@ -1,0 +1,643 @@
+"""DraftKvCache (SPEC §3-§4): the ring-cached drafter step against the float64
+one-shot oracle ``reference.draft_forward`` over the window ``[lo, committed)``.
+
+Every step a test drives is checked the same way (``Driver.check``):
+``hidden`` (and ``logits``) within the "step" tolerance of the oracle, the
+slot table equal to a NumPy model of SPEC §3, and both masks bit-equal to
+``reference.ring_masks`` of that model.
+
+Cost: a step of these tiny drafters takes ~20-200 ms on the emulator, so the
+shapes live in a few fixed drafters (``SPECS``, each compiled once and cached
+on disk by g++) and hypothesis draws schedules and drafter indices, not shapes.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dflash_cupy import backends, reference
+from dflash_cupy.config import DraftConfig
+from dflash_cupy.feature_ring import FeatureRing
+from dflash_cupy.kv_cache import DraftKvCache
+from dflash_cupy.weights import DraftWeights
+from tests.tolerances import assert_close
+
+BF16 = ml_dtypes.bfloat16
+P20 = 2**20
+
+
+# --------------------------------------------------------------------------- fixed drafters
+@dataclass(frozen=True)
+class Spec:
+    config: DraftConfig
+    wdtype: object          # weight dtype
+    capacity: int
+    ring_capacity: int
+    ring_dtype: object
+    vocab: int = 0          # 0: no lm_head
+    lm_dtype: object = np.float32
+    bulk_chunk: int = 256
+
+
+def _cfg(**kw):
+    return DraftConfig(**{"rms_norm_eps": 1e-6, "rope_theta": 10000.0, **kw})
+
+
+# Between them: block sizes 1/4/8/16, GQA ratios 1/2/4, head_dim 32/64/128, full
+# and sliding layers mixed, windows below (a, d) and above (b) the capacity,
+# every drafter variant, f32/f16/bf16 weights and rings, logits with f32 and bf16
+# LM heads, capacities odd, smaller than q_len (b), larger than a_step (bulk
+# path: a, c, e) and large enough for split attention (e: kv_total 512).
+SPECS = {
+    "a": Spec(_cfg(n_layer=2, hidden_size=32, n_head=2, n_head_kv=1, head_dim=32,
+                   intermediate_size=48, block_size=4, target_layer_ids=(1, 3),
+                   layer_sliding=(False, True), sliding_window=3),
+              np.float32, capacity=23, ring_capacity=25, ring_dtype=np.float32, vocab=19),
+    "b": Spec(_cfg(n_layer=2, hidden_size=32, n_head=4, n_head_kv=1, head_dim=32,
+                   intermediate_size=40, block_size=8, target_layer_ids=(0, 2, 5),
+                   layer_sliding=(True, False), sliding_window=40,
+                   aux_hidden_norms=True, attn_gate="head"),
+              BF16, capacity=5, ring_capacity=5, ring_dtype=BF16),
+    "c": Spec(_cfg(n_layer=1, hidden_size=32, n_head=2, n_head_kv=2, head_dim=64,
+                   intermediate_size=40, block_size=1, target_layer_ids=(0,),
+                   context_kv_layer_norm=True, attn_gate="element"),
+              np.float16, capacity=13, ring_capacity=20, ring_dtype=np.float16, vocab=19,
+              lm_dtype=BF16),
+    "d": Spec(_cfg(n_layer=1, hidden_size=32, n_head=2, n_head_kv=1, head_dim=128,
+                   intermediate_size=48, block_size=16, target_layer_ids=(0,),
+                   layer_sliding=(True,), sliding_window=9),
+              np.float32, capacity=37, ring_capacity=37, ring_dtype=np.float32),
+    "e": Spec(_cfg(n_layer=1, hidden_size=32, n_head=2, n_head_kv=1, head_dim=32,
+                   intermediate_size=32, block_size=4, target_layer_ids=(0, 1),
+                   layer_sliding=(False,)),
+              np.float32, capacity=491, ring_capacity=500, ring_dtype=BF16, bulk_chunk=64),
+}
+# what hypothesis draws from: d and e cost 5-10x a step of the others, so rarely
+DRAWN = ("a", "b", "c", "a", "b", "c", "d", "e")
+
+_BUILT: dict = {}
+MAX_ERR: dict = {}        # weight dtype -> max |hidden - oracle| seen (for reports)
+
+
+def built(name):
+    """(weights, lm_head) of a fixed drafter, made once per session."""
+    if name not in _BUILT:
+        s = SPECS[name]
+        w = DraftWeights.random(s.config, seed=7 + ord(name), dtype=s.wdtype)
+        lm = None
+        if s.vocab:
+            r = np.random.default_rng(ord(name))
+            lm = (r.standard_normal((s.vocab, s.config.hidden_size))
+                  / np.sqrt(s.config.hidden_size)).astype(s.lm_dtype)
+        _BUILT[name] = (w, lm)
+    return _BUILT[name]
+
+
+def bits(a):
+    a = np.asarray(a)
+    return a.view(np.uint16) if a.dtype.itemsize == 2 else a
+
+
+# --------------------------------------------------------------------------- the driver
+class Driver:
+    """Plays the target around one DraftKvCache: owns the feature history
+    (by absolute position, redrawn after rewinds and resets so stale cache
+    rows would show), writes the ring like the target does (only what is
+    missing), models ``slot_pos``/``next_pos`` per SPEC §3, and checks every
+    step against the oracle."""
+
+    def __init__(self, be, name, base=0, seed=0, weights=None):
+        self.be, self.name, self.spec = be, name, SPECS[name]
+        s, c = self.spec, self.spec.config
+        self.w, self.lm = built(name)
+        if weights is not None:
+            self.w = weights
+        self.kv = DraftKvCache(self.w, s.capacity, lm_head=self.lm, backend=be, bulk_chunk=s.bulk_chunk)
+        self.ring = FeatureRing(s.ring_capacity, c.n_captured, c.hidden_size, s.ring_dtype, backend=be)
+        self.rng = np.random.default_rng(seed)
+        self.cap, self.q = s.capacity, c.q_len
+        self.origin = max(0, base - s.capacity)   # first position any window can need
+        self.floor = max(1, base)                 # lowest committed a schedule goes to
+        self.hist = np.zeros((0, c.fc_in), np.float32)
+        self.valid_hi = 0        # ring rows in [ring.lo, valid_hi) match the history
+        self.sp = np.full(s.capacity, -1, np.int64)
+        self.next_pos = 0
+        self.committed = None
+
+    # ---- the target's side
+    def features(self, a, b):
+        need = b - self.origin
+        if need > len(self.hist):
+            more = self.rng.standard_normal((need - len(self.hist), self.hist.shape[1]))
+            self.hist = np.concatenate([self.hist, more.astype(np.float32)])
+        return self.hist[a - self.origin:b - self.origin]
+
+    def forget_from(self, p):
+        """Positions >= p get new features (rewind: new tokens after p)."""
+        self.hist = self.hist[:max(0, p - self.origin)]
+        self.valid_hi = min(self.valid_hi, p)
+
+    def reset(self):
+        """A new request with a different prefix."""
+        self.kv.reset()
+        self.forget_from(self.origin)
+        self.sp[:] = -1
+        self.next_pos = 0
+
+    def feed(self, c):
+        lo = c - min(c, self.cap)
+        good = min(self.ring.hi, self.valid_hi)
+        s = good if self.ring.lo <= lo <= good else lo
+        if s < c:
+            self.ring.write(s, self.features(s, c))
+        self.valid_hi = max(self.valid_hi, c)
+        assert self.ring.holds(lo, c)
+
+    def model(self, c):
+        """SPEC §3 begin_step on the NumPy slot table."""
+        if self.next_pos > c:
+            self.sp[:] = -1
+            self.next_pos = 0
+        lo = c - min(c, self.cap)
+        for p in range(max(self.next_pos, lo), c):
+            self.sp[p % self.cap] = p
+        self.next_pos = c
+
+    def noise(self):
+        return self.rng.standard_normal((self.q, self.spec.config.hidden_size)).astype(np.float32)
+
+    # ---- one step
+    def step(self, c, eager=False, check=True):
+        self.feed(c)
+        noise = self.noise()
+        self.model(c)
+        if eager:
+            self.kv.begin_step(self.ring, c)
+            self.kv.set_noise_embed(noise)
+            out = self.kv.run(eager=True)
+        else:
+            out = self.kv.step(self.ring, c, noise)
+        assert out is self.kv.hidden_states
+        self.committed = c
+        if check:
+            self.check(c, noise)
+        return noise
+
+    def check(self, c, noise):
+        be, kv, cfg = self.be, self.kv, self.spec.config
+        what = f"drafter {self.name}, committed={c}"
+        lo = c - min(c, self.cap)
+        X = self.features(lo, c).astype(self.ring.dtype)   # the ring rounds the features
+        ref = reference.draft_forward(self.w, X, noise, lm_head=self.lm)
+        hidden = be.to_numpy(kv.hidden_states)
+        # "step": the only rounding the SPEC allows is the f16 K/V storage
+        # (rel. 2^-11 per cached row); everything else is f32 math (f16/bf16
+        # weights are read exactly, activations kept f32-accurate) through the
+        # layers, accumulated in another order than the float64 oracle's.
+        key = np.dtype(self.spec.wdtype).name if self.w.dtype is not None else "mixed"
+        if self.lm is not None:
+            ref, lref = ref
+            logits = be.to_numpy(kv.logits)
+            assert_close(logits, lref, "step", what + " (logits)")
+            MAX_ERR[key + " logits"] = max(MAX_ERR.get(key + " logits", 0.0),
+                                           float(np.abs(logits - lref).max()))
+        assert_close(hidden, ref, "step", what)
+        MAX_ERR[key] = max(MAX_ERR.get(key, 0.0), float(np.abs(hidden - ref).max()))
+        assert kv.next_pos == c, what
+        np.testing.assert_array_equal(be.to_numpy(kv.slot_pos), self.sp, err_msg=what + " slot_pos")
+        mf, ms = reference.ring_masks(self.sp, c, kv.geom, cfg.swa_window)
+        assert (kv.mask_full is not None) == cfg.any_full
+        assert (kv.mask_swa is not None) == cfg.any_sliding
+        if kv.mask_full is not None:
+            assert np.array_equal(bits(be.to_numpy(kv.mask_full)), bits(mf)), what + " mask_full"
+        if kv.mask_swa is not None:
+            assert np.array_equal(bits(be.to_numpy(kv.mask_swa)), bits(ms)), what + " mask_swa"
+
+    def run_ops(self, ops):
+        """``ops``: ints (committed, relative to ``floor - 1``), ``("rewind", c)``
+        (features from c on change), ``"reset"`` (new request)."""
+        for op in ops:
+            eager = False
+            if isinstance(op, tuple) and op[0] == "eager":
+                op, eager = op[1], True
+            if op == "reset":
+                self.reset()
+                continue
+            if isinstance(op, tuple):       # ("rewind", c)
+                c = self.floor - 1 + op[1]
+                self.forget_from(c)
+            else:
+                c = self.floor - 1 + op
+            self.step(c, eager=eager)
+
+    def close(self):
+        self.kv.close()
+        self.ring.close()
+
+
+def standard_ops(name):
+    """Growth from 1, acceptances 1..q_len, the largest in-graph append, a bulk
+    jump, sliding past capacity, a jump over a whole window, small and large
+    rewinds, a reset, growth again."""
+    s = SPECS[name]
+    cap, q = s.capacity, s.config.q_len
+    A = 2 * q + 2
+    c, ops = 1, [1]
+    for d in (1, q, A, A + 1, 1, q):
+        c += d
+        ops.append(c)
+    c = max(c + 1, cap + 3)          # past capacity: the ring wraps
+    ops += [c, c + 1, c + q]
+    c += q + 2 * cap + 5             # nothing of the old window survives
+    ops += [c, c + q // 2 + 1]
+    c += q // 2 + 1
+    ops += [("rewind", c - 3), c - 2, ("rewind", max(1, c - cap - 1)), max(2, c - cap)]
+    ops += ["reset", 3, 3 + q, ("eager", 4 + q)]
+    return ops
+
+
+# --------------------------------------------------------------------------- 1. the SPEC §3 invariant
+@pytest.mark.parametrize("name,base", [
+    ("a", 0), ("a", P20 - 7), ("b", 0), ("b", P20 - 3), ("c", 0), ("c", 2**31 - 200),
+    ("d", 0), ("e", P20 - 100),
+])
+def test_invariant_schedule(backend, name, base):
+    d = Driver(backend, name, base=base, seed=zlib.crc32(f"{name}{base}".encode()))
+    try:
+        d.run_ops(standard_ops(name))
+    finally:
+        d.close()
+
+
+@st.composite
+def scenarios(draw):
+    name = draw(st.sampled_from(DRAWN))
+    s = SPECS[name]
+    cap, q = s.capacity, s.config.q_len
+    A = 2 * q + 2
+    base = draw(st.sampled_from([0, 0, P20 - 5]))
+    first = draw(st.integers(1, cap + A + 2))
+    op = st.one_of(
+        st.tuples(st.just("accept"), st.integers(1, q)),
+        st.tuples(st.just("grow"), st.integers(0, A)),               # in-graph append (0: redraft)
+        st.tuples(st.just("jump"), st.integers(A + 1, A + 2 * cap + 3)),  # bulk path
+        st.tuples(st.just("rewind"), st.integers(1, 2 * cap + q)),
+        st.tuples(st.just("reset"), st.integers(1, cap + A + 2)),
+    )
+    ops = draw(st.lists(st.tuples(op, st.booleans()), min_size=2, max_size=7))
+    return name, base, first, ops, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None, print_blob=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                 HealthCheck.data_too_large])
+@given(scenario=scenarios())
+def test_invariant_property(backend, scenario):
+    name, base, first, ops, seed = scenario
+    d = Driver(backend, name, base=base, seed=seed)
+    try:
+        d.step(d.floor - 1 + first)
+        for (kind, k), eager in ops:
+            c = d.committed
+            if kind in ("accept", "grow", "jump"):
+                c += k
+            elif kind == "rewind":
+                c = max(d.floor, c - k)
+                d.forget_from(c)
+            else:
+                d.reset()
+                c = d.floor - 1 + k
+            d.step(c, eager=eager)
+    finally:
+        d.close()
+
+
+def test_mixed_weight_dtypes(backend):
+    """A checkpoint whose matrices differ in dtype between layers and inside a
+    fused group (q f16, k/v bf16) still steps: one GEMM serves every layer."""
+    w, _ = built("a")
+    t = dict(w.tensors)
+    t["fc.weight"] = t["fc.weight"].astype(np.float16)
+    t["layers.0.self_attn.q_proj.weight"] = t["layers.0.self_attn.q_proj.weight"].astype(np.float16)
+    for n in ("self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.down_proj",
+              "input_layernorm"):
+        t[f"layers.1.{n}.weight"] = t[f"layers.1.{n}.weight"].astype(BF16)
+    mixed = DraftWeights(w.config, t)
+    assert mixed.dtype is None
+    d = Driver(backend, "a", seed=4, weights=mixed)
+    try:
+        d.run_ops([3, 30, ("rewind", 9), 10])
+    finally:
+        d.close()
+
+
+def test_ring_switch(backend):
+    """A step reads the ring by pointer inside its graph: switching to another
+    ring (another dtype, another capacity) must rebind it, and back again."""
+    d = Driver(backend, "a", seed=3)
+    cfg = d.spec.config
+    other = FeatureRing(31, cfg.n_captured, cfg.hidden_size, np.float16, backend=backend)
+    first = d.ring
+    try:
+        d.run_ops([1, 5, 30, 33])
+        d.ring, d.valid_hi = other, 0            # the target now writes another ring
+        d.run_ops([34, 37, ("eager", 38)])
+        d.ring, d.valid_hi = first, 0
+        d.run_ops([39, 43])
+    finally:
+        d.close()
+        other.close()
+
+
+# --------------------------------------------------------------------------- 2. replay == eager
+@pytest.mark.parametrize("name", ["a", "b"])
+def test_replay_equals_eager_bitwise(backend, name):
+    cap, q = SPECS[name].capacity, SPECS[name].config.q_len
+    g, e = Driver(backend, name, seed=11), Driver(backend, name, seed=11)
+    sched = [1, 1 + q, 3 + q, cap + 2, cap + 3, cap + 3 + q, 3 * cap + 40, 2, "reset", 4]
+    try:
+        for c in sched:
+            if c == "reset":
+                g.reset()
+                e.reset()
+                continue
+            if c < (g.committed or 0):
+                g.forget_from(c)
+                e.forget_from(c)
+            g.step(c, eager=False)
+            e.step(c, eager=True)
+            a, b = g.kv, e.kv
+            pairs = [("hidden_states", a.hidden_states, b.hidden_states), ("slot_pos", a.slot_pos, b.slot_pos)]
+            pairs += [(n, getattr(a, n), getattr(b, n)) for n in ("logits", "mask_full", "mask_swa")
+                      if getattr(a, n) is not None]
+            pairs += [(f"k_cache[{i}]", x, y) for i, (x, y) in enumerate(zip(a.k_cache, b.k_cache))]
+            pairs += [(f"v_cache[{i}]", x, y) for i, (x, y) in enumerate(zip(a.v_cache, b.v_cache))]
+            for n, x, y in pairs:
+                assert np.array_equal(bits(backend.to_numpy(x)), bits(backend.to_numpy(y))), \
+                    f"{n} differs between replay and eager at committed={c}"
+    finally:
+        g.close()
+        e.close()
+
+
+# --------------------------------------------------------------------------- 3. steady state
+def test_steady_state_no_alloc_no_sync_no_recapture(emu, monkeypatch):
+    d = Driver(emu, "a", seed=5)
+    kv = d.kv
+    cap, q = d.cap, d.q
+    d.run_ops([1, cap + 1, cap + 2, cap + 2 + q])   # window full, both step graphs captured
+    graphs = list(kv._graphs)
+    assert all(gr is not None for gr in graphs)
+
+    phase = {"now": None}
+    calls = {"capture": 0, "launch": 0}
+
+    def forbid(what, phases):
+        def f(*a, **k):
+            if phase["now"] in phases:
+                raise AssertionError(f"{what} called during {phase['now']} of a steady-state step")
+            return orig[what](*a, **k)
+        return f
+
+    orig = {n: getattr(emu, n) for n in ("empty", "zeros", "asarray", "pinned_empty", "to_numpy",
+                                        "synchronize", "compile", "begin_capture")}
+    plan_and_run = ("begin_step", "set_noise_embed", "run")
+    for n in ("empty", "zeros", "asarray", "pinned_empty", "compile"):
+        monkeypatch.setattr(emu, n, forbid(n, plan_and_run))
+    for n in ("to_numpy", "synchronize"):
+        monkeypatch.setattr(emu, n, forbid(n, plan_and_run))
+
+    def counting_capture(stream):
+        calls["capture"] += 1
+        return orig["begin_capture"](stream)
+    monkeypatch.setattr(emu, "begin_capture", counting_capture)
+    orig["stream_sync"] = kv.stream.synchronize
+    monkeypatch.setattr(kv.stream, "synchronize", forbid("stream_sync", plan_and_run))
+    for i, ev in enumerate(kv._events):
+        # begin_step may wait for the replay two steps back; the replay itself never waits
+        orig[f"event{i}"] = ev.synchronize
+        monkeypatch.setattr(ev, "synchronize", forbid(f"event{i}", ("run",)))
+    for gr in graphs:
+        launch = gr.launch
+
+        def counted(stream=None, _launch=launch):
+            calls["launch"] += 1
+            return _launch(stream)
+        monkeypatch.setattr(gr, "launch", counted)
+
+    c = d.committed
+    for a in (1, q, 2, q):          # acceptances within a_step, window full
+        c += a
+        d.feed(c)
+        noise = d.noise()
+        d.model(c)
+        phase["now"] = "begin_step"
+        kv.begin_step(d.ring, c)
+        phase["now"] = "set_noise_embed"
+        kv.set_noise_embed(noise)
+        phase["now"] = "run"
+        out = kv.run()
+        phase["now"] = None
+        assert out is kv.hidden_states
+        d.committed = c
+        d.check(c, noise)
+    assert calls == {"capture": 0, "launch": 4}
+    assert [id(gr) for gr in kv._graphs] == [id(gr) for gr in graphs]
+    d.close()
+
+
+# --------------------------------------------------------------------------- 4. masks and slot table
+def test_masks_and_slot_table(backend):
+    """Window edges: below the sliding window, at it, at capacity, one past,
+    in-graph rewind (reset flag in the descriptor), bulk rewind, redraft."""
+    d = Driver(backend, "a", seed=9)
+    cap, q, w = d.cap, d.q, 3
+    try:
+        d.run_ops([1, w - 1, w, w + 1, cap - 1, cap, cap + 1, cap + 1, 2 * cap + 1,
+                   ("rewind", 2 * cap - 2), ("rewind", cap + 2), cap + 2 + q, ("rewind", 2),
+                   ("eager", 2 + q)])
+        sp = backend.to_numpy(d.kv.slot_pos)
+        assert sorted(sp[sp >= 0].tolist()) == list(range(0, 2 + q))
+    finally:
+        d.close()
+
+
+# --------------------------------------------------------------------------- 5. bad input
+def _state(kv):
+    return kv.next_pos, kv.backend.to_numpy(kv.slot_pos).tolist(), kv._planned
+
+
+def test_bad_input_leaves_cache_unchanged(backend):
+    """Each bad call raises an exception naming the problem, changes nothing,
+    and the next valid step equals (bit for bit) that of a twin cache which
+    never saw the bad call."""
+    name = "c"
+    s = SPECS[name]
+    cfg, cap, q = s.config, s.capacity, s.config.q_len
+    d = Driver(backend, name, seed=21)
+    twin = DraftKvCache(d.w, cap, lm_head=d.lm, backend=backend)
+    kv, ring = d.kv, d.ring
+    H = cfg.hidden_size
+
+    def bad(exc, match, fn, *args):
+        before = _state(kv)
+        with pytest.raises(exc, match=match):
+            fn(*args)
+        assert _state(kv) == before, f"{fn.__name__}{args!r} changed the cache"
+
+    def valid(c, order="step"):
+        d.feed(c)
+        noise = d.noise()
+        d.model(c)
+        if order == "step":
+            kv.step(ring, c, noise)
+        elif order == "noise_first":    # noise embeddings may be staged before planning
+            kv.set_noise_embed(noise)
+            kv.begin_step(ring, c)
+            kv.run()
+        elif order == "device":         # a device array (on the emulator: the host path)
+            kv.begin_step(ring, c)
+            kv.set_noise_embed(backend.asarray(noise))
+            kv.run()
+        else:
+            kv.begin_step(ring, c)
+            kv.set_noise_embed(noise)
+            kv.run()
+        twin.step(ring, c, noise)
+        d.committed = c
+        d.check(c, noise)
+        for n in ("hidden_states", "logits"):
+            assert np.array_equal(backend.to_numpy(getattr(kv, n)), backend.to_numpy(getattr(twin, n))), \
+                f"{n} differs from the twin at committed={c}"
+
+    small = FeatureRing(cap - 1, cfg.n_captured, H, s.ring_dtype, backend=backend)
+    wide = FeatureRing(cap, cfg.n_captured + 1, H, s.ring_dtype, backend=backend)
+    closed = FeatureRing(cap, cfg.n_captured, H, s.ring_dtype, backend=backend)
+    closed.close()
+    try:
+        bad(RuntimeError, "begin_step", kv.run)
+        for c in (0, -3):
+            bad(ValueError, "committed", kv.begin_step, ring, c)
+        for c in (True, 2.0, "3"):
+            bad(TypeError, "committed", kv.begin_step, ring, c)
+        bad(KeyError, r"positions \[0, 2\)", kv.begin_step, ring, 2)      # nothing written yet
+        valid(5)
+        bad(KeyError, r"positions \[5, 12\)", kv.begin_step, ring, 12)    # bulk range missing
+        bad(KeyError, r"positions \[5, 7\)", kv.begin_step, ring, 7)      # in-graph range missing
+        bad(TypeError, "ring", kv.begin_step, np.zeros((cap, cfg.fc_in), np.float32), 5)
+        bad(ValueError, "fc_in", kv.begin_step, wide, 5)
+        bad(RuntimeError, "ring is closed", kv.begin_step, closed, 5)
+        d.feed(cap + 4)
+        bad(ValueError, "ring capacity", kv.begin_step, small, cap + 4)   # window cap > cap-1
+        valid(cap + 4)
+        for shape in ((q, H - 1), (q + 1, H), (H,), (q * H,)):
+            bad(ValueError, "noise_embed", kv.step, ring, cap + 5, np.zeros(shape, np.float32))
+            bad(ValueError, "noise_embed", kv.set_noise_embed, np.zeros(shape, np.float32))
+        for arr in (np.zeros((q, H), np.int32), np.zeros((q, H), np.complex64), [[0.0] * H] * q):
+            exc = ValueError if isinstance(arr, list) else TypeError
+            bad(exc, "noise_embed", kv.set_noise_embed, arr)
+        if backend.name != "emulated":              # device arrays must be f32
+            bad(TypeError, "noise_embed", kv.set_noise_embed, backend.asarray(np.zeros((q, H), np.float16)))
+        d.feed(cap + 4 + 3 * q + 4)                 # a bulk jump ...
+        bad(TypeError, "noise_embed", kv.step, ring, cap + 4 + 3 * q + 4, np.zeros((q, H), np.int64))
+        valid(cap + 4 + 3 * q + 4)                  # ... after a bad step call changes nothing
+        # a bad call while a valid step is planned leaves that plan in place
+        c = d.committed + 1
+        d.feed(c)
+        kv.begin_step(ring, c)
+        bad(ValueError, "committed", kv.begin_step, ring, 0)
+        bad(TypeError, "noise_embed", kv.set_noise_embed, np.zeros((q, H), np.int16))
+        noise = d.noise()
+        kv.set_noise_embed(noise)
+        kv.run()
+        twin.step(ring, c, noise)
+        d.model(c)
+        d.committed = c
+        d.check(c, noise)
+        assert np.array_equal(backend.to_numpy(kv.hidden_states), backend.to_numpy(twin.hidden_states))
+        valid(c + 1, order="noise_first")
+        valid(c + 2, order="split")
+        valid(c + 3, order="device")
+        d.reset()                                   # kv.reset()
+        twin.reset()
+        bad(RuntimeError, "begin_step", kv.run)
+        valid(2)
+        valid(3, order="noise_first")
+    finally:
+        for r in (small, wide):
+            r.close()
+        twin.close()
+        d.close()
+
+
+def test_ring_on_another_backend():
+    if not backends.gpu_available():
+        pytest.skip("needs both backends (no GPU visible)")
+    emu, cuda = backends.get("emulated"), backends.get("cuda")
+    w, lm = built("c")
+    s = SPECS["c"]
+    for be, other in ((emu, cuda), (cuda, emu)):
+        with DraftKvCache(w, s.capacity, lm_head=lm, backend=be) as kv, \
+                FeatureRing(s.ring_capacity, 1, 32, backend=other) as r:
+            r.write(0, np.ones((3, 32), np.float32))
+            with pytest.raises(ValueError, match="backend"):
+                kv.begin_step(r, 3)
+            assert kv.next_pos == 0 and not kv._planned
+
+
+def test_constructor_errors(emu):
+    w, _ = built("a")
+    H = SPECS["a"].config.hidden_size
+    with pytest.raises(TypeError, match="weights"):
+        DraftKvCache(w.tensors, 7, backend=emu)
+    for cap in (0, -1, True, 2.5):
+        with pytest.raises(ValueError, match="capacity"):
+            DraftKvCache(w, cap, backend=emu)
+    for bc in (0, 2048, 1.5):
+        with pytest.raises(ValueError, match="bulk_chunk"):
+            DraftKvCache(w, 7, backend=emu, bulk_chunk=bc)
+    for lm in (np.zeros((5, H + 1), np.float32), np.zeros((H,), np.float32)):
+        with pytest.raises(ValueError, match="lm_head"):
+            DraftKvCache(w, 7, lm_head=lm, backend=emu)
+    with pytest.raises(TypeError, match="lm_head"):
+        DraftKvCache(w, 7, lm_head=np.zeros((5, H), np.int32), backend=emu)
+
+
+# --------------------------------------------------------------------------- 7. close
+def test_close_and_context_manager(backend):
+    d = Driver(backend, "c", seed=2)
+    d.run_ops([1, 4])
+    kv, ring = d.kv, d.ring
+    with kv as k:
+        assert k is kv
+        d.step(5)
+    noise = d.noise()
+    for fn, args in ((kv.begin_step, (ring, 6)), (kv.set_noise_embed, (noise,)), (kv.run, ()),
+                     (kv.step, (ring, 6, noise)), (kv.reset, ())):
+        with pytest.raises(RuntimeError, match="closed"):
+            fn(*args)
+    kv.close()      # idempotent
+    ring.close()
+
+
+def test_ring_writes_wait_for_queued_steps(emu, monkeypatch):
+    # On a GPU the ring's copies run on its own stream: each write must be ordered
+    # after every step (and bulk append) the cache has queued that gathers from the
+    # ring, or a fast write could replace a slot before the step read it.
+    d = Driver(emu, "a", seed=11)
+    kv, ring = d.kv, d.ring
+    waits = []
+    monkeypatch.setattr(ring._stream, "wait_event", lambda ev: waits.append(ev))
+    d.run_ops([d.cap + 3])             # a bulk append, then the step's replay
+    assert kv._bulk_event is not None and ring._readers[id(kv)] in kv._events
+    last = ring._readers[id(kv)]
+    waits.clear()
+    d.feed(d.committed + 1)            # the next write waits for that replay, on the device
+    assert waits == [last]
+    d.close()
