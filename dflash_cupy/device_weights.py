@@ -13,23 +13,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from .weights import BF16, DraftWeights
+from . import dtypes
+from .weights import DraftWeights
 
 
 def device_dtype(dt) -> np.dtype:
-    dt = np.dtype(dt)
-    if dt == BF16:
-        return np.dtype(np.uint16)
-    if dt in (np.float32, np.float16):
-        return dt
-    raise TypeError(f"unsupported weight dtype {dt}")
+    """The device dtype of a stored weight dtype (bf16 -> uint16 bits)."""
+    return dtypes.DEVICE[dtypes.kind_of(dt, "weight dtype")]
 
 
 def to_device_matrix(backend, a: np.ndarray):
-    a = np.ascontiguousarray(a)
-    if a.dtype == BF16:
-        a = a.view(np.uint16)
-    return backend.asarray(a)
+    return backend.asarray(dtypes.device_bits(a))
 
 
 # The matrices each step GEMM reads, by role; one Gemm (compiled for one

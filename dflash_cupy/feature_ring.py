@@ -13,15 +13,13 @@ positions survive.
 """
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
-from . import backends
+from . import backends, dtypes
 from .ops.plan import ring_kind
 
-_STORAGE = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "bf16": np.dtype(np.uint16)}
-_HOST_VIEW = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
-              "bf16": np.dtype(ml_dtypes.bfloat16)}
+_STORAGE = dtypes.DEVICE
+_HOST_VIEW = dtypes.HOST
 STAGE_ROWS = 64  # rows per pinned staging chunk of a host write
 
 

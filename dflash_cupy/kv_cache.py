@@ -28,6 +28,8 @@ Device buffers (row-major):
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from . import backends
@@ -188,7 +190,7 @@ class DraftKvCache:
             raise RuntimeError("DraftKvCache is closed")
 
     # ------------------------------------------------------------------ the step body
-    def _append_stage(self, desc, m: int, stream) -> None:
+    def _append_stage(self, m: int, stream) -> None:
         """Rows [0, m) of ap_pos/ap_rows/ap_feat -> K/V cache rows of every layer."""
         c, dw = self.config, self.dw
         if dw.aux_norms is not None:  # each captured layer's slice normalised with its own scale
@@ -204,33 +206,33 @@ class DraftKvCache:
             self.rope_ctx(self.ctx_kv, L.k_norm, self.inv_freq, self.ap_pos, self.ap_rows,
                           self.k_cache[li], self.v_cache[li], n_rows=m, stream=stream)
 
-    def _noise_stage(self, stream, eager: bool) -> None:
-        c, dw, be = self.config, self.dw, self.backend
+    def _noise_layer(self, li: int, L, stream) -> None:
+        """One decoder layer over the q_len noise rows (SPEC §2 step 2)."""
         B = self.q_len
-        be.copy_d2d_async(self.h, self.noise_embed, stream=stream)
+        self.rms(self.h, L.input_layernorm, self.hn, stream=stream)
+        self.g_qkv(self.hn, L.w_qkv, self.qkv, B, stream=stream)
+        self.rope_noise(self.qkv, L.k_norm, self.inv_freq, self.pos_q, self.noise_rows,
+                        self.k_cache[li], self.v_cache[li], q_norm=L.q_norm, q_out=self.q, stream=stream)
+        if self.g_attn_gate is not None:
+            self.g_attn_gate(self.hn, L.w_attn_gate, self.gate, B, stream=stream)
+        mask = self.mask_swa if L.sliding else self.mask_full
+        self.attention(self.q, self.k_cache[li], self.v_cache[li], mask, self.attn, gate=self.gate,
+                       stream=stream)
+        self.g_o(self.attn, L.w_o, self.h, B, residual=self.h, stream=stream)
+        self.rms(self.h, L.post_attention_layernorm, self.hn, stream=stream)
+        self.g_gate_up(self.hn, L.w_gate_up, self.act, B, stream=stream)
+        self.g_down(self.act, L.w_down, self.h, B, residual=self.h, stream=stream)
+
+    def _noise_stage(self, stream, eager: bool) -> None:
+        dw = self.dw
+        self.backend.copy_d2d_async(self.h, self.noise_embed, stream=stream)
         for li, L in enumerate(dw.layers):
-            rng = nvtx_range(f"layer {li}") if eager else None
-            if rng is not None:
-                rng.__enter__()
-            self.rms(self.h, L.input_layernorm, self.hn, stream=stream)
-            self.g_qkv(self.hn, L.w_qkv, self.qkv, B, stream=stream)
-            self.rope_noise(self.qkv, L.k_norm, self.inv_freq, self.pos_q, self.noise_rows,
-                            self.k_cache[li], self.v_cache[li], q_norm=L.q_norm, q_out=self.q,
-                            stream=stream)
-            if self.g_attn_gate is not None:
-                self.g_attn_gate(self.hn, L.w_attn_gate, self.gate, B, stream=stream)
-            mask = self.mask_swa if L.sliding else self.mask_full
-            self.attention(self.q, self.k_cache[li], self.v_cache[li], mask, self.attn, gate=self.gate,
-                           stream=stream)
-            self.g_o(self.attn, L.w_o, self.h, B, residual=self.h, stream=stream)
-            self.rms(self.h, L.post_attention_layernorm, self.hn, stream=stream)
-            self.g_gate_up(self.hn, L.w_gate_up, self.act, B, stream=stream)
-            self.g_down(self.act, L.w_down, self.h, B, residual=self.h, stream=stream)
-            if rng is not None:
-                rng.__exit__(None, None, None)
+            # per-layer ranges only when eager: inside a graph they would mark capture time
+            with nvtx_range(f"layer {li}") if eager else contextlib.nullcontext():
+                self._noise_layer(li, L, stream)
         self.rms(self.h, dw.norm, self.hidden_states, stream=stream)
         if self.g_lm is not None:
-            self.g_lm(self.hidden_states, self.lm_head, self.logits, B, stream=stream)
+            self.g_lm(self.hidden_states, self.lm_head, self.logits, self.q_len, stream=stream)
 
     def _issue_step(self, slot: int, stream, eager: bool = False) -> None:
         """Every launch and copy of one step, in order (captured once per slot)."""
@@ -242,7 +244,7 @@ class DraftKvCache:
         self._gather(self.desc, self._ring.storage, self.ap_feat, n_rows=A, stream=stream)
         self.planner.build_masks(self.desc, self.slot_pos, mask_full=self.mask_full,
                                  mask_swa=self.mask_swa, stream=stream)
-        self._append_stage(self.desc, A, stream)
+        self._append_stage(A, stream)
         self._noise_stage(stream, eager)
 
     def _bulk_append(self, fields) -> None:
@@ -262,7 +264,7 @@ class DraftKvCache:
             self.planner.plan_append(self.bulk_desc, self.ap_pos, self.ap_rows, self.slot_pos,
                                      n_rows=count, stream=s)
             self._gather(self.bulk_desc, self._ring.storage, self.ap_feat, n_rows=count, stream=s)
-            self._append_stage(self.bulk_desc, count, s)
+            self._append_stage(count, s)
         self._bulk_event.record(s)
         self._ring.note_read(self, self._bulk_event)
         self._bulk_event_used = True

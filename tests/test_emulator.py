@@ -385,3 +385,16 @@ def test_header_survives_short_size_macros(emu):
     x = emu.zeros((32,), np.float32)
     emu.compile(src, opts, filename="macros.cu").get_function("k")((1,), (32,), (x,))
     assert (x == 21).all()
+
+
+def test_fiber_stack_overflow_is_reported(emu):
+    src = r"""
+    extern "C" __global__ void big_locals(float* x, int n) {
+        volatile float buf[40000];            // 160 KB of locals: more than a fiber stack holds
+        for (int i = 0; i < n; i++) buf[i] = (float)i;
+        x[threadIdx.x] = buf[n - 1];
+    }
+    """
+    k = emu.compile(src, filename="stack.cu").get_function("big_locals")
+    with pytest.raises(KernelLaunchError, match="big_locals: .*stack overflow"):
+        k((1,), (32,), (emu.zeros((32,), np.float32), np.int32(40000)))

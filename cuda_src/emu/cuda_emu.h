@@ -378,7 +378,10 @@ struct Block {
 static thread_local Fiber* tl_fiber;
 static thread_local Block* tl_block;
 
-static const size_t STACK_BYTES = 64 * 1024;
+#ifndef EMU_STACK_BYTES
+#define EMU_STACK_BYTES 65536  // the launcher generator defines it from emu_build.STACK_BYTES
+#endif
+static const size_t STACK_BYTES = EMU_STACK_BYTES;
 
 #if defined(__x86_64__)
 // Saves callee-saved registers, MXCSR and the x87 control word on the old
@@ -401,24 +404,15 @@ asm(".text\n"
 
 static void fiber_main();
 
-struct StackPool {
-    std::vector<char*> stacks;
-    ~StackPool() {
-        long pg = sysconf(_SC_PAGESIZE);
-        for (char* s : stacks) munmap(s - pg, STACK_BYTES + pg);
-    }
-    char* get(size_t i) {
-        while (stacks.size() <= i) {
-            long pg = sysconf(_SC_PAGESIZE);
-            void* m = mmap(nullptr, STACK_BYTES + pg, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-            if (m == MAP_FAILED) return nullptr;
-            mprotect(m, pg, PROT_NONE);  // guard page: a stack overflow faults instead of corrupting
-            stacks.push_back((char*)m + pg);
-        }
-        return stacks[i];
-    }
+// Fiber stacks come from the caller (the Python side keeps one arena per OS
+// thread, shared by every module): STACK_BYTES each, a PROT_NONE guard page
+// below each one, so a stack overflow faults instead of corrupting.
+struct StackArena {
+    char* base;
+    int count;
+    size_t stride;  // guard page + STACK_BYTES
+    char* get(int i) const { return i < count ? base + (size_t)i * stride + (stride - STACK_BYTES) : nullptr; }
 };
-static thread_local StackPool tl_stacks;
 
 static inline void switch_to_scheduler() {
     Fiber* f = tl_fiber;
@@ -638,7 +632,7 @@ static void describe_deadlock(Block* b) {
 }
 
 // Runs one block; false on deadlock or misuse (message in b->err).
-static bool run_block(Block* b, int order, Rng& rng) {
+static bool run_block(Block* b, int order, Rng& rng, const StackArena& stacks) {
     const int nt = b->nthreads, nw = (nt + 31) / 32;
     for (int i = 0; i < nt; i++) {
         Fiber* f = &b->fibers[i];
@@ -647,8 +641,8 @@ static bool run_block(Block* b, int order, Rng& rng) {
         f->tidx.y = ((unsigned)i / b->bdim.x) % b->bdim.y;
         f->tidx.z = (unsigned)i / (b->bdim.x * b->bdim.y);
         f->state = RUNNABLE;
-        f->stack = tl_stacks.get((size_t)i);
-        if (!f->stack) { fail(b, "out of memory for fiber stacks"); return false; }
+        f->stack = stacks.get(i);
+        if (!f->stack) { fail(b, "the fiber stack arena is smaller than the block"); return false; }
         init_fiber(f);
     }
     for (int wi = 0; wi < nw; wi++) {
@@ -762,8 +756,8 @@ struct LaunchResult {
 // Runs blocks [first, grid_total) with stride `stride` on the calling OS thread.
 static void run_blocks(void (*body)(void**), void** args, const unsigned* grid, const unsigned* block,
                        void (*poison)(unsigned), unsigned shmem, unsigned long long seed, int order,
-                       unsigned long long first, unsigned long long stride, char* err, int errlen,
-                       LaunchResult* res) {
+                       unsigned long long first, unsigned long long stride, const StackArena& stacks,
+                       char* err, int errlen, LaunchResult* res) {
     install_fault_handlers();
     const int nt = (int)(block[0] * block[1] * block[2]);
     std::vector<Fiber> fibers((size_t)nt);
@@ -802,7 +796,7 @@ static void run_blocks(void (*body)(void**), void** args, const unsigned* grid, 
         b.bidx.z = (unsigned)(i / ((unsigned long long)grid[0] * grid[1]));
         if (poison) poison(shmem);
         Rng rng{seed ^ (0x9e3779b97f4a7c15ULL * (i + 1))};
-        if (!run_block(&b, order, rng)) { res->status = 1; break; }
+        if (!run_block(&b, order, rng, stacks)) { res->status = 1; break; }
     }
     tl_fault_jmp = nullptr;
     tl_block = nullptr;
@@ -810,14 +804,15 @@ static void run_blocks(void (*body)(void**), void** args, const unsigned* grid, 
 }
 
 // Runs blocks first, first+stride, ... of a launch on the calling OS thread;
-// the Python side spreads a launch over its persistent worker threads (fiber
-// stacks and shared memory are per OS thread and stay warm between launches).
+// the Python side spreads a launch over its persistent worker threads, each
+// with its own stack arena (shared memory is per OS thread too).
 static int launch(void (*body)(void**), void** args, const unsigned* grid, const unsigned* block,
                   void (*poison)(unsigned), unsigned shmem, unsigned long long seed, int order,
-                  unsigned long long first, unsigned long long stride, char* err, int errlen,
-                  void** fault_addr, int* fault_sig) {
+                  unsigned long long first, unsigned long long stride, void* stack_base, int stack_count,
+                  unsigned long long stack_stride, char* err, int errlen, void** fault_addr, int* fault_sig) {
     LaunchResult res{0, nullptr, 0};
-    run_blocks(body, args, grid, block, poison, shmem, seed, order, first, stride, err, errlen, &res);
+    const StackArena stacks{(char*)stack_base, stack_count, (size_t)stack_stride};
+    run_blocks(body, args, grid, block, poison, shmem, seed, order, first, stride, stacks, err, errlen, &res);
     *fault_addr = res.fault_addr;
     *fault_sig = res.fault_sig;
     return res.status;

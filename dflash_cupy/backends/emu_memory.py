@@ -59,6 +59,42 @@ def guarded_empty(shape, dtype, what: str = "array") -> np.ndarray:
     return arr
 
 
+class StackArena:
+    """Fiber stacks of one OS thread, shared by every emulated module: ``count``
+    stacks of ``emu_build.STACK_BYTES``, each above a PROT_NONE guard page."""
+
+    def __init__(self, count: int, stack_bytes: int):
+        self.count = count
+        self.stride = PAGE + stack_bytes
+        self._map = mmap.mmap(-1, count * self.stride, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                              prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        probe = ctypes.c_char.from_buffer(self._map)
+        self.base = ctypes.addressof(probe)
+        del probe
+        for i in range(count):
+            if _libc.mprotect(self.base + i * self.stride, PAGE, _PROT_NONE) != 0:
+                raise OSError(ctypes.get_errno(), "mprotect of a fiber stack guard page failed")
+        _all_arenas.add(self)
+
+
+_all_arenas = weakref.WeakSet()  # for fault reports: an address in a stack guard page is an overflow
+
+
+_arenas = threading.local()
+
+
+def stack_arena(nthreads: int) -> StackArena:
+    """This OS thread's fiber stacks, grown to hold ``nthreads`` (one per thread of a block)."""
+    from .emu_build import STACK_BYTES
+    arena = getattr(_arenas, "arena", None)
+    if arena is None or arena.count < nthreads:
+        count = 128
+        while count < nthreads:
+            count *= 2
+        _arenas.arena = arena = StackArena(count, STACK_BYTES)  # the old one is unmapped when dropped
+    return arena
+
+
 def is_inside(arr: np.ndarray, what: str) -> bool:
     """True when all of ``arr`` lies inside one live allocation made as ``what``."""
     a0 = arr.ctypes.data
@@ -86,4 +122,9 @@ def describe_address(addr: int | None) -> str:
                 if addr < d0:
                     return f"at 0x{addr:x}, {d0 - addr} bytes before the start of {desc}"
                 return f"at 0x{addr:x}, inside {desc}"
+    for arena in list(_all_arenas):
+        off = addr - arena.base
+        if 0 <= off < arena.count * arena.stride and off % arena.stride < PAGE:
+            return (f"at 0x{addr:x}, in the guard page below fiber stack {off // arena.stride}: "
+                    f"a stack overflow (kernel locals beyond {arena.stride - PAGE} bytes?)")
     return f"at 0x{addr:x}, outside every emulated device array"

@@ -149,12 +149,15 @@ class EmuKernel(Kernel):
         # Worker threads pay off only when there is enough work to share.
         workers = min(backend.threads, nblocks) if nblocks * b[0] * b[1] * b[2] >= 4096 else 1
 
+        nthreads = b[0] * b[1] * b[2]
+
         def part(first: int):
             err = ctypes.create_string_buffer(_ERRLEN)
             fault_addr, fault_sig = ctypes.c_void_p(), ctypes.c_int()
+            arena = emu_memory.stack_arena(nthreads)  # this OS thread's fiber stacks
             rc = self._module._launch(self._index, ptrs, grid, block, shared_mem, seed, backend.order,
-                                      first, workers, err, _ERRLEN, ctypes.byref(fault_addr),
-                                      ctypes.byref(fault_sig))
+                                      first, workers, arena.base, arena.count, arena.stride,
+                                      err, _ERRLEN, ctypes.byref(fault_addr), ctypes.byref(fault_sig))
             return rc, err.value.decode(errors="replace"), fault_addr.value, fault_sig.value
 
         if workers == 1:
@@ -181,6 +184,7 @@ class EmuModule(Module):
         f.restype = ctypes.c_int
         f.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint,
                       ctypes.c_ulonglong, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ulonglong,
+                      ctypes.c_void_p, ctypes.c_int, ctypes.c_ulonglong,
                       ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
         self._launch = f
         self._kernels = {k.name: EmuKernel(self, i, k) for i, k in enumerate(kernels)}

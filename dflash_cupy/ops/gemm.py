@@ -31,13 +31,10 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .. import kernels
+from .. import dtypes, kernels
 
 EPILOGUES = {"none": 0, "residual": 1, "silu_mul": 2}
-WTYPES = {"f32": 0, "f16": 1, "bf16": 2}
-_DEVICE_DTYPE = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
-                 "bf16": np.dtype(np.uint16)}  # bf16 lives on the device as bit patterns
-_ESIZE = {"f32": 4, "f16": 2, "bf16": 2}
+WTYPES = dtypes.CODE
 
 MAX_M_LIMIT = 64          # acc registers per lane = R * rows * max_m; 64 keeps silu_mul spill-free
 WARPS = 4                 # warps per block
@@ -50,21 +47,8 @@ ACC_BUDGET = 64           # accumulators per lane the tiling aims for
 
 
 def weight_kind(dtype) -> str:
-    """``"f32" | "f16" | "bf16"`` from a name or a dtype (``np.uint16`` and
-    ``ml_dtypes.bfloat16`` both mean bf16)."""
-    if isinstance(dtype, str) and dtype in WTYPES:
-        return dtype
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"w_dtype {dtype!r}: expected 'f32', 'f16', 'bf16' or a NumPy dtype") from None
-    if dt == np.float32:
-        return "f32"
-    if dt == np.float16:
-        return "f16"
-    if dt == np.uint16 or dt.name == "bfloat16":
-        return "bf16"
-    raise TypeError(f"w_dtype {dtype!r}: expected float32, float16 or bfloat16 weights")
+    """``"f32" | "f16" | "bf16"`` of a weight dtype (``np.uint16`` = bf16 bits)."""
+    return dtypes.kind_of(dtype, "w_dtype")
 
 
 def _ptr(a) -> int:
@@ -114,7 +98,7 @@ class Gemm:
         self.N, self.K, self.max_m = int(N), int(K), int(max_m)
         self.epilogue = epilogue
         self.wkind = weight_kind(w_dtype)
-        self.w_device_dtype = _DEVICE_DTYPE[self.wkind]
+        self.w_device_dtype = dtypes.DEVICE[self.wkind]
         self.w_rows = 2 * self.N if epilogue == "silu_mul" else self.N
         nw = 2 if epilogue == "silu_mul" else 1
         if path not in PATHS:
@@ -183,7 +167,7 @@ class Gemm:
         """Compulsory traffic of one call: weights once, x read, y written,
         residual read. (For ``m > max_m`` each extra M tile re-reads the
         weights, mostly from L2; not counted.)"""
-        b = self.w_rows * self.K * _ESIZE[self.wkind] + m * self.K * 4 + m * self.N * 4
+        b = self.w_rows * self.K * dtypes.ITEMSIZE[self.wkind] + m * self.K * 4 + m * self.N * 4
         if self.epilogue == "residual":
             b += m * self.N * 4
         return b

@@ -41,36 +41,21 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import kernels
+from .. import dtypes, kernels
 from ..geometry import BULK_CHUNK, RingGeometry
 from .gemm import _check_array, _overlaps
 
 DESC_COMMITTED, DESC_LO, DESC_START, DESC_N_NEW, DESC_SWA_LO, DESC_RESET = range(6)
 DESC_LEN = 8
 _DESC_STRUCT = struct.Struct(f"={DESC_LEN}i")
-RING_DTYPES = {"f32": 0, "f16": 1, "bf16": 2}
-_RING_DEVICE_DTYPE = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
-                      "bf16": np.dtype(np.uint16)}
+RING_DTYPES = dtypes.CODE
 GATHER_THREADS = 256
 INT32_MAX = 2**31 - 1
 
 
 def ring_kind(dtype) -> str:
-    """``"f32" | "f16" | "bf16"`` from a name or dtype (``np.uint16`` and
-    ``ml_dtypes.bfloat16`` mean bf16 bit patterns)."""
-    if isinstance(dtype, str) and dtype in RING_DTYPES:
-        return dtype
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"ring_dtype {dtype!r}: expected 'f32', 'f16', 'bf16' or a NumPy dtype") from None
-    if dt == np.float32:
-        return "f32"
-    if dt == np.float16:
-        return "f16"
-    if dt == np.uint16 or dt.name == "bfloat16":
-        return "bf16"
-    raise TypeError(f"ring_dtype {dtype!r}: expected float32, float16 or bfloat16")
+    """``"f32" | "f16" | "bf16"`` of a ring dtype (``np.uint16`` = bf16 bits)."""
+    return dtypes.kind_of(dtype, "ring_dtype")
 
 
 # --------------------------------------------------------------------------- host side, O(1)
@@ -306,7 +291,7 @@ class FeatureGather:
         self.backend = backend
         self.fc_in, self.ring_capacity = int(fc_in), int(ring_capacity)
         self.kind = ring_kind(ring_dtype)
-        self.ring_device_dtype = _RING_DEVICE_DTYPE[self.kind]
+        self.ring_device_dtype = dtypes.DEVICE[self.kind]
         self._module = kernels.load_module(backend, "plan.cu", FC_IN=self.fc_in,
                                            RING_CAP=self.ring_capacity,
                                            RING_DTYPE=RING_DTYPES[self.kind],
