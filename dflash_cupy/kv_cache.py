@@ -85,10 +85,14 @@ class DraftKvCache:
         self.slot_pos = be.asarray(np.full(g.capacity, -1, np.int32))
         self.desc = be.zeros((DESC_LEN,), np.int32)
         self.bulk_desc = be.zeros((DESC_LEN,), np.int32)
-        self.ap_pos = be.zeros((R,), np.int32)
+        self.ap_pos = be.zeros((R,), np.int32)    # bulk append rows
         self.ap_rows = be.zeros((R,), np.int32)
-        self.pos_q = be.zeros((B,), np.int32)
-        self.noise_rows = be.asarray(np.arange(g.capacity, g.capacity + B, dtype=np.int32))
+        # The step's rows: A append rows then the B noise rows, positions and cache rows
+        # side by side so one GEMM and one RoPE launch per layer serve both.
+        self.pos_all = be.zeros((A + B,), np.int32)
+        self.rows_all = be.asarray(np.concatenate([np.zeros(A, np.int32),
+                                                   np.arange(g.capacity, g.capacity + B, dtype=np.int32)]))
+        self.pos_q = self.pos_all[A:]
         inv_freq, self.attn_scaling = rope_parameters(c)
         self.inv_freq = be.asarray(np.asarray(inv_freq, np.float64))
 
@@ -98,10 +102,16 @@ class DraftKvCache:
         self.ctx_kv_in = be.zeros((R, H), np.float32) if c.context_kv_layer_norm else None
         self.ctx_kv = be.zeros((R, 2 * kvw), np.float32)
         self.noise_embed = be.zeros((B, H), np.float32)
-        self.h = be.zeros((B, H), np.float32)
-        self.hn = be.zeros((B, H), np.float32)
-        self.qkv = be.zeros((B, c.q_dim + 2 * kvw), np.float32)
-        self.q = be.zeros((B, c.q_dim), np.float32)
+        # Step rows [0, A): the appended context rows, [A, A+B): the noise rows.
+        # resid: [T (context-KV-norm variant) | h, the residual stream];
+        # xin: each layer's GEMM input [T or rmsnorm(T)*ln | rmsnorm(h)*ln].
+        self.resid = be.zeros((A + B, H), np.float32)
+        self.xin = be.zeros((A + B, H), np.float32)
+        self.h, self.hn = self.resid[A:], self.xin[A:]
+        self.ctx_step = self.resid[:A] if c.context_kv_layer_norm else self.xin[:A]
+        self.qkv = be.zeros((A + B, c.q_dim + 2 * kvw), np.float32)
+        self.q_all = be.zeros((A + B, c.q_dim), np.float32)
+        self.q = self.q_all[A:]
         self.attn = be.zeros((B, c.q_dim), np.float32)
         gate_w = {"none": 0, "head": c.n_head, "element": c.q_dim}[c.attn_gate]
         self.gate = be.zeros((B, gate_w), np.float32) if gate_w else None
@@ -132,7 +142,7 @@ class DraftKvCache:
         self.rms = RmsNorm(be, H, c.rms_norm_eps)
         self.g_fc = Gemm(be, H, c.fc_in, wdt(self.dw.fc), max_m=MAX_M)
         self.g_kv = Gemm(be, 2 * kvw, H, wdt(L0.w_qkv), max_m=MAX_M)
-        self.g_qkv = Gemm(be, c.q_dim + 2 * kvw, H, wdt(L0.w_qkv), max_m=MAX_M)
+        self.g_qkv = Gemm(be, c.q_dim + 2 * kvw, H, wdt(L0.w_qkv), max_m=MAX_M)  # M = A + B
         self.g_o = Gemm(be, H, c.q_dim, wdt(L0.w_o), "residual", max_m=MAX_M)
         self.g_gate_up = Gemm(be, c.intermediate_size, H, wdt(L0.w_gate_up), "silu_mul", max_m=MAX_M)
         self.g_down = Gemm(be, H, c.intermediate_size, wdt(L0.w_down), "residual", max_m=MAX_M)
@@ -141,8 +151,8 @@ class DraftKvCache:
                      if self.lm_head is not None else None)
         self.rope_ctx = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, False, c.rms_norm_eps,
                                     self.attn_scaling)
-        self.rope_noise = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, True, c.rms_norm_eps,
-                                      self.attn_scaling)
+        self.rope_step = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, True, c.rms_norm_eps,
+                                     self.attn_scaling)
         self.attention = RingAttention(be, c.head_dim, c.n_head, c.n_head_kv, B, g.kv_total,
                                        gate=None if c.attn_gate == "none" else c.attn_gate)
         self.planner = StepPlanner(be, g)
@@ -190,13 +200,18 @@ class DraftKvCache:
             raise RuntimeError("DraftKvCache is closed")
 
     # ------------------------------------------------------------------ the step body
-    def _append_stage(self, m: int, stream) -> None:
-        """Rows [0, m) of ap_pos/ap_rows/ap_feat -> K/V cache rows of every layer."""
+    def _fuse_features(self, out, m: int, stream) -> None:
+        """Rows [0, m) of ap_feat -> T = rmsnorm(feat @ fc.T) * hidden_norm into ``out``."""
         c, dw = self.config, self.dw
         if dw.aux_norms is not None:  # each captured layer's slice normalised with its own scale
             self.rms(self.ap_feat, dw.aux_norms, self.ap_feat, rows=m * c.n_captured, stream=stream)
-        self.g_fc(self.ap_feat, dw.fc, self.ctx, m, stream=stream)
-        self.rms(self.ctx, dw.hidden_norm, self.ctx, rows=m, stream=stream)
+        self.g_fc(self.ap_feat, dw.fc, out, m, stream=stream)
+        self.rms(out, dw.hidden_norm, out, rows=m, stream=stream)
+
+    def _append_stage(self, m: int, stream) -> None:
+        """Bulk append: rows [0, m) of ap_pos/ap_rows/ap_feat -> K/V cache rows of every layer."""
+        dw = self.dw
+        self._fuse_features(self.ctx, m, stream)
         for li, L in enumerate(dw.layers):
             src = self.ctx
             if self.ctx_kv_in is not None:
@@ -206,13 +221,21 @@ class DraftKvCache:
             self.rope_ctx(self.ctx_kv, L.k_norm, self.inv_freq, self.ap_pos, self.ap_rows,
                           self.k_cache[li], self.v_cache[li], n_rows=m, stream=stream)
 
-    def _noise_layer(self, li: int, L, stream) -> None:
-        """One decoder layer over the q_len noise rows (SPEC §2 step 2)."""
-        B = self.q_len
-        self.rms(self.h, L.input_layernorm, self.hn, stream=stream)
-        self.g_qkv(self.hn, L.w_qkv, self.qkv, B, stream=stream)
-        self.rope_noise(self.qkv, L.k_norm, self.inv_freq, self.pos_q, self.noise_rows,
-                        self.k_cache[li], self.v_cache[li], q_norm=L.q_norm, q_out=self.q, stream=stream)
+    def _step_layer(self, li: int, L, stream) -> None:
+        """One decoder layer (SPEC §2 step 2) over the noise rows, with the
+        layer's K/V of the step's appended context rows computed alongside:
+        one [q; k; v] GEMM and one norm+RoPE+scatter over all A+B rows (the
+        context rows' q is computed and ignored: free next to streaming the
+        weights once instead of twice)."""
+        A, B = self.a_step, self.q_len
+        if self.config.context_kv_layer_norm:  # context rows: rmsnorm(T) * input_layernorm too
+            self.rms(self.resid, L.input_layernorm, self.xin, stream=stream)
+        else:
+            self.rms(self.h, L.input_layernorm, self.hn, stream=stream)
+        self.g_qkv(self.xin, L.w_qkv, self.qkv, A + B, stream=stream)
+        self.rope_step(self.qkv, L.k_norm, self.inv_freq, self.pos_all, self.rows_all,
+                       self.k_cache[li], self.v_cache[li], q_norm=L.q_norm, q_out=self.q_all,
+                       stream=stream)
         if self.g_attn_gate is not None:
             self.g_attn_gate(self.hn, L.w_attn_gate, self.gate, B, stream=stream)
         mask = self.mask_swa if L.sliding else self.mask_full
@@ -229,7 +252,7 @@ class DraftKvCache:
         for li, L in enumerate(dw.layers):
             # per-layer ranges only when eager: inside a graph they would mark capture time
             with nvtx_range(f"layer {li}") if eager else contextlib.nullcontext():
-                self._noise_layer(li, L, stream)
+                self._step_layer(li, L, stream)
         self.rms(self.h, dw.norm, self.hidden_states, stream=stream)
         if self.g_lm is not None:
             self.g_lm(self.hidden_states, self.lm_head, self.logits, self.q_len, stream=stream)
@@ -239,12 +262,12 @@ class DraftKvCache:
         be, A = self.backend, self.a_step
         be.copy_h2d_async(self.desc, self._desc_host[slot], stream=stream)
         self.planner.reset_slots_if(self.desc, self.slot_pos, stream=stream)
-        self.planner.plan_append(self.desc, self.ap_pos, self.ap_rows, self.slot_pos, pos_q=self.pos_q,
-                                 n_rows=A, stream=stream)
+        self.planner.plan_append(self.desc, self.pos_all[:A], self.rows_all[:A], self.slot_pos,
+                                 pos_q=self.pos_q, n_rows=A, stream=stream)
         self._gather(self.desc, self._ring.storage, self.ap_feat, n_rows=A, stream=stream)
         self.planner.build_masks(self.desc, self.slot_pos, mask_full=self.mask_full,
                                  mask_swa=self.mask_swa, stream=stream)
-        self._append_stage(A, stream)
+        self._fuse_features(self.ctx_step, A, stream)
         self._noise_stage(stream, eager)
 
     def _bulk_append(self, fields) -> None:
@@ -402,7 +425,8 @@ class DraftKvCache:
             pass
         self._graphs = [None, None]
         for name in ("k_cache", "v_cache", "mask_full", "mask_swa", "noise_embed", "hidden_states",
-                     "logits", "ap_feat", "ctx", "ctx_kv", "qkv", "act", "_ring", "_gather"):
+                     "logits", "ap_feat", "ctx", "ctx_kv", "qkv", "q_all", "resid", "xin", "h", "hn",
+                     "act", "_ring", "_gather"):
             setattr(self, name, None)
         self._closed = True
 

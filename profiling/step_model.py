@@ -3,13 +3,14 @@
 Each kernel is charged what it must read and write once (the GEMMs' and the
 attention's ``bytes_moved``; the small kernels counted here). Categories:
 
-* ``weights``: every GEMM's weight matrix, once per call (the append stage
-  reads ``fc`` and each layer's ``[k; v]`` rows, the noise stage each layer's
-  ``qkv``, ``o``, ``gate_up``, ``down``; the ``[k; v]`` rows are read twice);
+* ``weights``: every GEMM's weight matrix, once per call (a step reads ``fc``
+  and each layer's ``qkv`` (for the appended and the noise rows together),
+  ``o``, ``gate_up``, ``down``; a bulk append chunk ``fc`` and each layer's
+  ``[k; v]`` rows);
 * ``lm_head``: the LM head's weight matrix, if the cache has one;
 * ``kv_cache_read``: the attention's K and V reads, all ``kv_total`` rows of
   every layer (masked rows are read too: the kernel streams the whole ring);
-* ``kv_cache_write``: the K/V rows the two RoPE launches scatter per layer
+* ``kv_cache_write``: the K/V rows the RoPE launch scatters per layer
   (``a_step`` append rows, trash padding included, plus ``q_len`` noise rows);
 * ``masks``: the mask builder's ``slot_pos`` read and mask writes, plus each
   layer's attention reading its mask;
@@ -48,9 +49,12 @@ def _rope(b: Counter, rope, m: int) -> None:
     b["kv_cache_write"] += 2 * m * rope.kv_width * 2
 
 
-def append_bytes(cache, m: int, n_new: int, ring_itemsize: int, *, noise_positions: bool) -> Counter:
-    """``plan_append`` + feature gather + append stage over ``m`` rows of which
-    ``n_new`` are real (the rest go to the trash slot)."""
+def append_bytes(cache, m: int, n_new: int, ring_itemsize: int, *, noise_positions: bool,
+                 layers: bool = True) -> Counter:
+    """``plan_append`` + feature gather + feature fusion over ``m`` rows of which
+    ``n_new`` are real (the rest go to the trash slot), and with ``layers`` the
+    bulk append's per-layer ``[k; v]`` GEMM and RoPE (a step does those inside
+    its layers, together with the noise rows)."""
     c, b = cache.config, Counter()
     b["activations"] += DESC_BYTES + 2 * m * 4 + n_new * 4
     if noise_positions:
@@ -60,7 +64,7 @@ def append_bytes(cache, m: int, n_new: int, ring_itemsize: int, *, noise_positio
         b["activations"] += cache.rms.bytes_moved(m * c.n_captured, c.n_captured)
     _gemm(b, cache.g_fc, m)
     b["activations"] += cache.rms.bytes_moved(m)
-    for _ in range(c.n_layer):
+    for _ in range(c.n_layer if layers else 0):
         if cache.ctx_kv_in is not None:
             b["activations"] += cache.rms.bytes_moved(m)
         _gemm(b, cache.g_kv, m)
@@ -79,7 +83,7 @@ def step_bytes(cache, n_new: int, ring_itemsize: int) -> dict:
     c, B, A = cache.config, cache.q_len, cache.a_step
     b = Counter()
     b["activations"] += 2 * DESC_BYTES  # descriptor copy; reset_slots_if reads it
-    b.update(append_bytes(cache, A, n_new, ring_itemsize, noise_positions=True))
+    b.update(append_bytes(cache, A, n_new, ring_itemsize, noise_positions=True, layers=False))
     n_masks = (cache.mask_full is not None) + (cache.mask_swa is not None)
     b["masks"] += DESC_BYTES + cache.capacity * 4 + n_masks * B * cache.kv_total * 2
     H = c.hidden_size
@@ -88,9 +92,9 @@ def step_bytes(cache, n_new: int, ring_itemsize: int) -> dict:
     kv_read = 2 * att.kv_total * att.NKV * att.D * 2
     mask_read = att.B * att.kv_total * 2
     for _ in range(c.n_layer):
-        b["activations"] += cache.rms.bytes_moved(B)
-        _gemm(b, cache.g_qkv, B)
-        _rope(b, cache.rope_noise, B)
+        b["activations"] += cache.rms.bytes_moved(A + B if c.context_kv_layer_norm else B)
+        _gemm(b, cache.g_qkv, A + B)
+        _rope(b, cache.rope_step, A + B)
         if cache.g_attn_gate is not None:
             _gemm(b, cache.g_attn_gate, B)
         total = att.bytes_moved()

@@ -38,8 +38,9 @@ def _tiny_dims():
     return dict(L=2, H=32, NH=4, NKV=2, D=8, I=64, B=4, FC=64, QD=32, KVW=16, A=10)
 
 
-def hand_append(m, n_new, noise_positions):
-    """bytes of plan_append + gather + append stage over m rows (bf16 ring)."""
+def hand_append(m, n_new, noise_positions, layers=True):
+    """bytes of plan_append + gather + feature fusion over m rows (bf16 ring), and
+    with ``layers`` the bulk append's per-layer [k; v] GEMM + RoPE."""
     d = _tiny_dims()
     L, H, D, FC, KVW = d["L"], d["H"], d["D"], d["FC"], d["KVW"]
     act = 32 + 2 * m * 4 + n_new * 4 + (d["B"] * 4 if noise_positions else 0)
@@ -48,7 +49,7 @@ def hand_append(m, n_new, noise_positions):
     act += m * FC * 4 + m * H * 4                      # fc x, y
     act += (2 * m + 1) * H * 4                         # hidden_norm
     kv_write = 0
-    for _ in range(L):
+    for _ in range(L if layers else 0):
         w += 2 * KVW * H * 2                           # [k; v] rows
         act += m * H * 4 + m * 2 * KVW * 4             # kv gemm x, y
         act += m * 2 * KVW * 4 + 2 * m * 4 + D * 4 + (D // 2) * 8   # rope: qkv, pos+rows, k_norm, inv_freq
@@ -61,17 +62,18 @@ def hand_step(window, n_new):
     L, H, NH, NKV, D, I, B, QD, KVW, A = (d[k] for k in ("L", "H", "NH", "NKV", "D", "I", "B", "QD",
                                                          "KVW", "A"))
     S = _align32(window + B + 1)
-    ap = hand_append(A, n_new, True)
+    ap = hand_append(A, n_new, True, layers=False)     # the layers do the appended rows
+    M = A + B                                          # rows of the per-layer qkv GEMM and RoPE
     w, act, kvw_ = ap["weights"], ap["activations"] + 2 * 32, ap["kv_cache_write"]
     masks = 32 + window * 4 + B * S * 2
     act += 2 * B * H * 4                               # h <- noise_embed
     kv_read = 0
     for _ in range(L):
-        act += (2 * B + 1) * H * 4                     # input_layernorm
+        act += (2 * B + 1) * H * 4                     # input_layernorm (noise rows)
         w += (QD + 2 * KVW) * H * 2
-        act += B * H * 4 + B * (QD + 2 * KVW) * 4      # qkv gemm
-        act += B * (QD + 2 * KVW) * 4 + 2 * B * 4 + 2 * D * 4 + (D // 2) * 8 + B * QD * 4  # rope + q out
-        kvw_ += 2 * B * KVW * 2
+        act += M * H * 4 + M * (QD + 2 * KVW) * 4      # qkv gemm, appended + noise rows
+        act += M * (QD + 2 * KVW) * 4 + 2 * M * 4 + 2 * D * 4 + (D // 2) * 8 + M * QD * 4  # rope + q out
+        kvw_ += 2 * M * KVW * 2
         kv_read += 2 * S * NKV * D * 2                 # attention K, V (n_splits == 1 here)
         masks += B * S * 2
         act += 2 * B * NH * D * 4                      # attention q, out
