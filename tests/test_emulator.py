@@ -398,3 +398,24 @@ def test_fiber_stack_overflow_is_reported(emu):
     k = emu.compile(src, filename="stack.cu").get_function("big_locals")
     with pytest.raises(KernelLaunchError, match="big_locals: .*stack overflow"):
         k((1,), (32,), (emu.zeros((32,), np.float32), np.int32(40000)))
+
+
+FTZ_SRC = r"""
+// -ftz=true (how CuPy compiles): f32 denormal inputs read as zero and denormal
+// results flush to zero.
+extern "C" __global__ void ftz(const float* x, float* y) {
+    const float one = x[3];   // from memory: x * 1.0f would be folded away
+    y[0] = x[0] * one;        // a denormal input
+    y[1] = x[1] * x[2];       // 1e-30 * 1e-10: a denormal result
+    y[2] = x[1] * one;        // a normal value passes
+}
+"""
+
+
+def test_f32_flushes_denormals_like_ftz(backend):
+    x = np.array([1e-40, 1e-30, 1e-10, 1.0], np.float32)
+    assert x[0] != 0 and 0 < abs(np.float32(1e-30) * np.float32(1e-10)) < np.finfo(np.float32).tiny
+    y = backend.zeros((3,), np.float32)
+    backend.compile(FTZ_SRC, filename="ftz.cu").get_function("ftz")((1,), (32,), (backend.asarray(x), y))
+    got = backend.to_numpy(y)
+    assert got[0] == 0.0 and got[1] == 0.0 and got[2] == np.float32(1e-30)

@@ -641,3 +641,30 @@ def test_ring_writes_wait_for_queued_steps(emu, monkeypatch):
     d.feed(d.committed + 1)            # the next write waits for that replay, on the device
     assert waits == [last]
     d.close()
+
+
+@pytest.mark.skipif(not backends.gpu_available(),
+                    reason="CuPy allocator check; its emulated twin is test_steady_state_no_alloc_no_sync_no_recapture")
+def test_steady_state_no_device_allocation_cuda():
+    import cupy
+    be = backends.get("cuda")
+    d = Driver(be, "a", seed=6)
+    kv = d.kv
+    d.run_ops([1, d.cap + 1, d.cap + 2, d.cap + 2 + d.q])     # both step graphs captured
+
+    def deny(size):
+        raise AssertionError(f"device allocation of {size} bytes inside a steady-state step")
+
+    c = d.committed
+    for a in (1, d.q, 2):
+        c += a
+        d.feed(c)
+        noise = d.noise()
+        d.model(c)
+        with cupy.cuda.using_allocator(deny):
+            kv.begin_step(d.ring, c)
+            kv.set_noise_embed(noise)
+            kv.run()
+        d.committed = c
+        d.check(c, noise)
+    d.close()
