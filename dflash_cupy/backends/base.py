@@ -129,6 +129,28 @@ class Backend(abc.ABC):
     def is_capturing(self) -> bool: ...
 
 
+def check_kernel_args(name: str, params, args, array_type, hint=lambda a: "") -> None:
+    """The CuPy RawKernel convention, strictly: one argument per parameter,
+    device arrays (``array_type``) for pointers, NumPy scalars of the exact C
+    type for the rest. ``hint(a)`` may explain a wrong array type."""
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"kernel {name}: args must be a tuple, got {type(args).__name__}")
+    if len(args) != len(params):
+        raise TypeError(f"kernel {name} takes {len(params)} arguments "
+                        f"({', '.join(p.name for p in params)}), got {len(args)}")
+    for i, (p, a) in enumerate(zip(params, args)):
+        if p.is_pointer:
+            if not isinstance(a, array_type):
+                raise TypeError(f"kernel {name}: argument {i} ({p.name}: {p.ctype}) must be a "
+                                f"device array, got {type(a).__name__}{hint(a)}")
+        elif not isinstance(a, np.generic):
+            raise TypeError(f"kernel {name}: argument {i} ({p.name}: {p.ctype}) must be a NumPy "
+                            f"scalar of dtype {p.dtype}, got {type(a).__name__} {a!r}")
+        elif a.dtype != np.dtype(p.dtype):
+            raise TypeError(f"kernel {name}: argument {i} ({p.name}: {p.ctype}) needs dtype "
+                            f"{p.dtype}, got {a.dtype}")
+
+
 def dim3(v, what: str) -> tuple[int, int, int]:
     """A grid or block as three positive ints (a bare int or a 1-3 tuple)."""
     t = (v,) if isinstance(v, (int, np.integer)) else tuple(v)

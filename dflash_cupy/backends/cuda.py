@@ -78,6 +78,7 @@ from cupy.cuda import runtime as _runtime
 from . import emu_build
 from .base import (Backend, BackendError, CaptureError, Graph, Kernel, KernelLaunchError, Module,
                    copy_nbytes)
+from .base import check_kernel_args
 from .base import dim3 as _dim3
 
 NVRTC_FLAGS = ("--std=c++17", "-ftz=true")
@@ -308,26 +309,9 @@ class CudaKernel(Kernel):
         return self._raw
 
     def _check_args(self, args: Sequence[Any]) -> tuple:
-        params = self.sig.params
-        if not isinstance(args, (tuple, list)):
-            raise TypeError(f"kernel {self.name}: args must be a tuple, got {type(args).__name__}")
-        if len(args) != len(params):
-            raise TypeError(f"kernel {self.name} takes {len(params)} arguments "
-                            f"({', '.join(p.name for p in params)}), got {len(args)}")
-        for i, (p, a) in enumerate(zip(params, args)):
-            if p.is_pointer:
-                if not isinstance(a, cupy.ndarray):
-                    hint = " (a host NumPy array; copy it to the device first)" \
-                        if isinstance(a, np.ndarray) else ""
-                    raise TypeError(f"kernel {self.name}: argument {i} ({p.name}: {p.ctype}) must be a "
-                                    f"device array, got {type(a).__name__}{hint}")
-            else:
-                if not isinstance(a, np.generic):
-                    raise TypeError(f"kernel {self.name}: argument {i} ({p.name}: {p.ctype}) must be a NumPy "
-                                    f"scalar of dtype {p.dtype}, got {type(a).__name__} {a!r}")
-                if a.dtype != np.dtype(p.dtype):
-                    raise TypeError(f"kernel {self.name}: argument {i} ({p.name}: {p.ctype}) needs dtype "
-                                    f"{p.dtype}, got {a.dtype}")
+        check_kernel_args(self.name, self.sig.params, args, cupy.ndarray,
+                          lambda a: " (a host NumPy array; copy it to the device first)"
+                          if isinstance(a, np.ndarray) else "")
         return tuple(args)
 
     def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0, stream=None) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 from . import emu_build, emu_memory
 from .base import (Backend, BackendError, CaptureError, Graph, Kernel, KernelLaunchError, Module,
                    copy_nbytes)
+from .base import check_kernel_args
 from .base import dim3 as _dim3
 
 _ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}
@@ -95,32 +96,17 @@ class EmuKernel(Kernel):
         self.name = sig.name
 
     def _pack(self, args: Sequence[Any]):
-        params = self.sig.params
-        if not isinstance(args, (tuple, list)):
-            raise TypeError(f"kernel {self.name}: args must be a tuple, got {type(args).__name__}")
-        if len(args) != len(params):
-            raise TypeError(f"kernel {self.name} takes {len(params)} arguments "
-                            f"({', '.join(p.name for p in params)}), got {len(args)}")
+        check_kernel_args(self.name, self.sig.params, args, np.ndarray)
         keep, slots = [], []
-        for i, (p, a) in enumerate(zip(params, args)):
+        for p, a in zip(self.sig.params, args):
             if p.is_pointer:
-                if not isinstance(a, np.ndarray):
-                    raise TypeError(f"kernel {self.name}: argument {i} ({p.name}: {p.ctype}) must be a "
-                                    f"device array, got {type(a).__name__}")
                 keep.append(a)
                 slots.append(ctypes.c_void_p(a.ctypes.data))
             else:
-                if not isinstance(a, np.generic):
-                    raise TypeError(f"kernel {self.name}: argument {i} ({p.name}: {p.ctype}) must be a NumPy "
-                                    f"scalar of dtype {p.dtype}, got {type(a).__name__} {a!r}")
-                if a.dtype != np.dtype(p.dtype):
-                    raise TypeError(f"kernel {self.name}: argument {i} ({p.name}: {p.ctype}) needs dtype "
-                                    f"{p.dtype}, got {a.dtype}")
-                buf = ctypes.create_string_buffer(a.tobytes(), max(a.dtype.itemsize, 8))
-                slots.append(buf)
+                slots.append(ctypes.create_string_buffer(a.tobytes(), max(a.dtype.itemsize, 8)))
         ptrs = (ctypes.c_void_p * max(1, len(slots)))()
         for i, s in enumerate(slots):
-            ptrs[i] = ctypes.addressof(s) if isinstance(s, ctypes.Array) else ctypes.addressof(s)
+            ptrs[i] = ctypes.addressof(s)
         return ptrs, (keep, slots)
 
     def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0,
