@@ -1,0 +1,247 @@
+"""Exercise CudaBackend's Python logic with faked CUDA calls (no GPU needed).
+
+Run as a script (tests/test_cuda_backend_logic.py runs it in a subprocess, since it
+monkeypatches CuPy for the whole process); prints "harness OK" when every check passed."""
+import gc, ctypes
+import numpy as np, pytest, cupy
+from cupy.cuda import runtime as R, driver as D
+import dflash_cupy.backends.cuda as C
+from dflash_cupy.backends.base import BackendError, CaptureError, KernelLaunchError
+
+calls = []
+
+class DrvErr(D.CUDADriverError):
+    def __init__(self, status): RuntimeError.__init__(self, f"fake driver error {status}")
+
+class RtErr(R.CUDARuntimeError):
+    def __init__(self, status): RuntimeError.__init__(self, f"fake runtime error {status}")
+
+def fake_dev_array(shape, dtype):
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape)) * dtype.itemsize
+    buf = np.zeros(max(n, 1), np.uint8)
+    mem = cupy.cuda.UnownedMemory(buf.ctypes.data, n, buf, device_id=0)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0)), buf
+
+class FakeStream(cupy.cuda.ExternalStream):
+    n = 0x1000
+    def __init__(self):
+        FakeStream.n += 0x10
+        super().__init__(FakeStream.n, device_id=0)
+        self.capturing = False
+    def begin_capture(self, mode=None):
+        assert not self.capturing; self.capturing = True; calls.append(("begin", self.ptr))
+    def end_capture(self):
+        assert self.capturing; self.capturing = False; calls.append(("end", self.ptr))
+        if getattr(self, "fail", False):
+            raise RtErr(901)
+        return FakeGraph()
+    def synchronize(self): calls.append(("ssync", self.ptr))
+
+class FakeGraph:
+    def launch(self, stream=None): calls.append(("glaunch", None if stream is None else stream.ptr))
+
+class FakePinned:
+    pass
+
+class PinBuf(np.ndarray):
+    pass
+
+def fake_alloc_pinned(n):
+    raw = (ctypes.c_char * (-(-n // 512) * 512))()  # buffer exporter, like PinnedMemoryPointer
+    raw.ptr = ctypes.addressof(raw) if n else 0
+    raw.mem = FakePinned()
+    return raw
+
+class FakeRawKernel:
+    def __init__(self, name): self.name = name; self.max_dynamic_shared_size_bytes = 0
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        assert isinstance(grid, tuple) and isinstance(block, tuple)
+        calls.append(("launch", self.name, grid, block, len(args), shared_mem,
+                      None if stream is None else stream.ptr, self.max_dynamic_shared_size_bytes))
+
+class FakeRawModule:
+    fail = None
+    def __init__(self, code, options, backend):
+        assert isinstance(options, tuple) and backend == "nvrtc"
+        self.code, self.options = code, options
+    def compile(self):
+        if FakeRawModule.fail:
+            raise cupy.cuda.compiler.CompileException(FakeRawModule.fail, self.code, "x.cu", self.options)
+    def get_function(self, name):
+        if name == "missing_in_cubin":
+            raise DrvErr(500)
+        return FakeRawKernel(name)
+
+class MP:  # tiny monkeypatch
+    def __init__(self): self.undo = []
+    def setattr(self, obj, name, val):
+        self.undo.append((obj, name, getattr(obj, name))); setattr(obj, name, val)
+    def restore(self):
+        for o, n, v in reversed(self.undo): setattr(o, n, v)
+
+mp = MP()
+mp.setattr(R, "memcpyAsync", lambda d, s, n, k, st: (calls.append(("memcpyAsync", d, s, n, k, st)), ctypes.memmove(d, s, n)))
+mp.setattr(R, "memcpy", lambda d, s, n, k: (calls.append(("memcpy", n, k)), ctypes.memmove(d, s, n)))
+mp.setattr(R, "deviceSynchronize", lambda: calls.append(("dsync",)))
+mp.setattr(R, "deviceGetAttribute", lambda a, d: 232448)
+mp.setattr(R, "getDevice", lambda: 0)
+mp.setattr(cupy.cuda, "alloc_pinned_memory", fake_alloc_pinned)
+mp.setattr(cupy, "RawModule", FakeRawModule)
+keep = []
+def fake_empty(shape, dtype):
+    a, buf = fake_dev_array(shape if isinstance(shape, tuple) else (shape,), dtype); keep.append(buf); return a
+mp.setattr(cupy, "empty", fake_empty)
+def fake_zeros(shape, dtype): return fake_empty(shape, dtype)
+mp.setattr(cupy, "zeros", fake_zeros)
+mp.setattr(cupy, "ascontiguousarray", lambda a: a)
+mp.setattr(cupy.cuda, "get_current_stream", lambda: cupy.cuda.ExternalStream(0, device_id=0))
+
+be = C.CudaBackend()
+mp.setattr(be, "stream", lambda: C.CudaStream(be, FakeStream()))
+mp.setattr(C.CudaEvent, "__init__", lambda self, backend: (setattr(self, "_backend", backend), setattr(self, "raw", type("E", (), {"record": lambda s, st=None: calls.append(("erec", None if st is None else st.ptr)), "synchronize": lambda s: calls.append(("esync",)), "done": True})())) and None)
+
+SRC = r'''
+extern "C" __global__ void k(const float* __restrict__ x, float* y, int n, float s, long long z) {}
+extern "C" __global__ void missing_in_cubin(float* y) {}
+'''
+
+# ---- compile
+mod = be.compile(SRC, ("-DA=1", "-I", "/inc", "-I /inc2"), filename="/p/x.cu")
+assert mod.raw.code.startswith('#line 1 "/p/x.cu"\n'), mod.raw.code[:40]
+o = mod.raw.options
+assert o[:2] == C.NVRTC_FLAGS and "-DA=1" in o and "-I/inc" in o and "-I/inc2" in o, o
+assert any(x.startswith("-I") and "cuda_runtime" in x for x in o), o
+k = mod.get_function("k"); assert mod.get_function("k") is k
+with pytest.raises(BackendError, match="no extern"): mod.get_function("nope")
+with pytest.raises(BackendError, match="could not be loaded"): mod.get_function("missing_in_cubin")
+FakeRawModule.fail = "x.cu(3): error: identifier \"q\" is undefined"
+with pytest.raises(BackendError, match=r"(?s)NVRTC failed to compile /p/y.cu.*identifier"): be.compile(SRC, (), "/p/y.cu")
+FakeRawModule.fail = None
+with pytest.raises(BackendError, match="cannot parse|must be a pointer|has type"):
+    be.compile('extern "C" __global__ void bad(float& r) {}', (), "bad.cu")
+
+# ---- arrays
+x = be.asarray(np.arange(6, dtype=np.float32).reshape(2, 3))
+assert be.is_device_array(x) and x.shape == (2, 3)
+got = be.to_numpy(x); assert (got == np.arange(6).reshape(2, 3)).all() and got.dtype == np.float32
+assert be.to_numpy(np.ones(2)).tolist() == [1, 1]
+with pytest.raises(TypeError): be.to_numpy([1, 2])
+with pytest.raises(TypeError, match="uint16"):
+    import ml_dtypes; be.empty((2,), ml_dtypes.bfloat16)
+y = be.zeros((2, 3), np.float32)
+z = be.empty(4, np.float32); assert z.shape == (4,)
+
+# ---- pinned registry
+p = be.pinned_empty((2, 3), np.float32)
+assert p.shape == (2, 3) and p.dtype == np.float32 and p.flags.writeable and p.flags.c_contiguous
+assert be.is_pinned(p) and be.is_pinned(p[1]) and not be.is_pinned(np.empty((2, 3), np.float32))
+p0 = be.pinned_empty((0, 3), np.int32); assert p0.shape == (0, 3)
+n_before = len(be._pinned)
+q = be.pinned_empty(5, np.int64); v = q[2:]; del q; gc.collect()
+assert len(be._pinned) == n_before + 1 and be.is_pinned(v), "a view must keep the block registered"
+del v; gc.collect(); assert len(be._pinned) == n_before, be._pinned
+
+# ---- kernel launch checks
+calls.clear()
+k((3,), 64, (x, y, np.int32(6), np.float32(2), np.int64(1)))
+assert calls[-1][:6] == ("launch", "k", (3, 1, 1), (64, 1, 1), 5, 0), calls[-1]
+with pytest.raises(TypeError, match="argument 2 .*NumPy scalar"): k(1, 32, (x, y, 6, np.float32(2), np.int64(1)))
+with pytest.raises(TypeError, match="argument 3 .*needs dtype float32"): k(1, 32, (x, y, np.int32(6), np.float64(2), np.int64(1)))
+with pytest.raises(TypeError, match="argument 0 .*device array.*host NumPy"): k(1, 32, (np.ones(3), y, np.int32(6), np.float32(2), np.int64(1)))
+with pytest.raises(TypeError, match="takes 5 arguments"): k(1, 32, (x, y))
+with pytest.raises(TypeError, match="must be a tuple"): k(1, 32, x)
+with pytest.raises(ValueError, match="grid dimensions must be >= 1"): k((0,), 32, (x, y, np.int32(6), np.float32(2), np.int64(1)))
+with pytest.raises(ValueError, match="max 1024"): k(1, (64, 32), (x, y, np.int32(6), np.float32(2), np.int64(1)))
+with pytest.raises(ValueError, match="shared_mem"): k(1, 32, (x, y, np.int32(6), np.float32(2), np.int64(1)), shared_mem=232449)
+k(1, 32, (x, y, np.int32(6), np.float32(2), np.int64(1)), shared_mem=100000)
+assert calls[-1][5] == 100000 and calls[-1][7] == 100000
+k(1, 32, (x, y, np.int32(6), np.float32(2), np.int64(1)), shared_mem=1000)
+s = be.stream()
+k(1, 32, (x, y, np.int32(6), np.float32(2), np.int64(1)), stream=s); assert calls[-1][6] == s.ptr
+with pytest.raises(TypeError, match="stream must be"): k(1, 32, (x, y, np.int32(6), np.float32(2), np.int64(1)), stream=5)
+
+# ---- copies
+hp = be.pinned_empty((2, 3), np.float32); hp[...] = 7
+d = be.empty((2, 3), np.float32)
+be.copy_h2d_async(d, hp, stream=s); assert calls[-1][0] == "memcpyAsync" and calls[-1][4] == R.memcpyHostToDevice and calls[-1][5] == s.ptr
+assert (be.to_numpy(d) == 7).all()
+with pytest.raises(ValueError, match="src is not pinned"): be.copy_h2d_async(d, np.ones((2, 3), np.float32))
+with pytest.raises(TypeError, match="dst must be a CuPy"): be.copy_h2d_async(np.ones((2, 3), np.float32), hp)
+with pytest.raises(ValueError, match="nbytes"): be.copy_h2d_async(d, hp, nbytes=25)
+be.copy_h2d_async(d, hp, nbytes=4); assert calls[-1][3] == 4 and calls[-1][5] == 0
+out = np.zeros((2, 3), np.float32)
+be.copy_d2h_async(out, d); assert (out == 7).all()
+with pytest.raises(ValueError, match="read-only"):
+    ro = np.zeros((2, 3), np.float32); ro.flags.writeable = False; be.copy_d2h_async(ro, d)
+d2 = be.empty((2, 3), np.float32)
+be.copy_d2d_async(d2, d); assert (be.to_numpy(d2) == 7).all()
+big = be.empty((8,), np.float32)
+with pytest.raises(ValueError, match="overlap"): be.copy_d2d_async(big[2:6], big[0:4])
+be.copy_d2d_async(big[4:8], big[0:4])
+with pytest.raises(ValueError, match="C-contiguous"): be.copy_d2d_async(d2[:, :2], d[:, :2])
+
+# ---- events
+e = be.event(); e.record(s); e.synchronize(); assert e.query() is True
+
+# ---- capture
+import cupy.cuda.memory as M
+prev_tl = M._get_thread_local_allocator()
+with pytest.raises(CaptureError, match="default stream"): be.begin_capture(None)
+with pytest.raises(CaptureError, match="default stream"): be.begin_capture(cupy.cuda.ExternalStream(0, device_id=0))
+cs = be.stream()
+calls.clear()
+be.begin_capture(cs)
+assert be.is_capturing() and cs.is_capturing() and not s.is_capturing()
+with pytest.raises(CaptureError, match="already capturing"): be.begin_capture(cs)
+for f in (lambda: be.empty(3, np.float32), lambda: be.zeros(3, np.float32), lambda: be.asarray(np.ones(3)),
+          lambda: be.to_numpy(d), be.synchronize, lambda: be.pinned_empty(3, np.float32),
+          lambda: be.compile(SRC), cs.synchronize, e.synchronize):
+    with pytest.raises(CaptureError, match="not allowed while a stream is capturing"): f()
+# CuPy-level allocations in this thread hit the guards
+with pytest.raises(CaptureError, match="device allocation during capture"): cupy.cuda.alloc(16)
+with pytest.raises(CaptureError, match="pinned host allocation"): cupy.cuda.pinned_memory.alloc_pinned_memory(16)
+args = (x, y, np.int32(6), np.float32(2), np.int64(1))
+with pytest.raises(CaptureError, match="another stream"): k(1, 32, args)
+with pytest.raises(CaptureError, match="another stream"): k(1, 32, args, stream=s)
+with pytest.raises(CaptureError, match="another stream"): be.copy_h2d_async(d, hp)
+with pytest.raises(CaptureError, match="another stream"): e.record()
+k(1, 32, args, stream=cs); k(1, 32, args, stream=cs.raw)
+be.copy_h2d_async(d, hp, stream=cs)
+be.copy_d2h_async(hp, d, stream=cs)
+with pytest.raises(ValueError, match="during capture dst must be pinned"): be.copy_d2h_async(out, d, stream=cs)
+be.copy_d2d_async(d2, d, stream=cs)
+e.record(cs)
+with pytest.raises(CaptureError, match="not capturing"): be.end_capture(s)
+g = be.end_capture(cs)
+assert not be.is_capturing() and g.n_launches == 2 and g.n_copies == 3, (g.n_launches, g.n_copies)
+assert M._get_thread_local_allocator() is prev_tl
+# pinned allocator restored to CuPy's default pool (our fake alloc_pinned_memory is patched on cupy.cuda,
+# the real module-level one must work again: allocate 0 bytes, which needs no driver)
+cupy.cuda.pinned_memory.alloc_pinned_memory(0)
+with pytest.raises(CaptureError, match="not capturing"): be.end_capture(cs)
+g.launch(s); assert calls[-1] == ("glaunch", s.ptr)
+g.launch(); assert calls[-1] == ("glaunch", None)
+# a failing end_capture restores the guards too
+be.begin_capture(cs); cs.raw.fail = True
+with pytest.raises(CaptureError, match="capture failed at end_capture"): be.end_capture(cs)
+cs.raw.fail = False
+assert not be.is_capturing() and M._get_thread_local_allocator() is prev_tl
+cupy.cuda.pinned_memory.alloc_pinned_memory(0)
+# graph launch during capture refused
+be.begin_capture(cs)
+with pytest.raises(CaptureError, match="graph.launch"): g.launch(cs)
+be.end_capture(cs)
+mp.restore()
+print("harness OK")
+# 0-d round trip keeps its shape
+mp2 = MP()
+mp2.setattr(R, "memcpy", lambda d, s, n, k: ctypes.memmove(d, s, n))
+mp2.setattr(R, "deviceSynchronize", lambda: None)
+mp2.setattr(cupy, "empty", fake_empty)
+s0 = be.asarray(np.float32(3.5)); assert s0.shape == (), s0.shape
+r0 = be.to_numpy(s0); assert r0.shape == () and r0 == np.float32(3.5)
+nc = be.asarray(np.arange(12, dtype=np.int32).reshape(3, 4)[:, 1:3])
+assert be.to_numpy(nc).tolist() == [[1, 2], [5, 6], [9, 10]]
+mp2.restore()
+print("harness 0-d OK")
