@@ -14,8 +14,15 @@
 // Layouts (row-major, C-contiguous, 16-byte aligned; K % 8 == 0):
 //   x [M, K] f32      W [N or 2N, K] f16/bf16 bits (GM_WTYPE 1 / 2)      y, r [M, N] f32
 //
-// Launch: block = GM_WARPS*32 threads; grid = (ceil(N / (GM_WARPS*8)), ceil(M / (16*GM_MT)));
+// Launch: block = GM_WARPS*32 threads; grid = (ceil(N / (GM_WARPS*8)), ceil(M / (16*GM_MT)), GM_KSPLIT);
 // dynamic shared memory = GM_SPLIT * 16*GM_MT * (GM_KT + 8) * 2 bytes (x tiles in the weight type).
+//
+// Split K (GM_KSPLIT > 1, one M tile only): an N of a few thousand gives too few
+// blocks to keep enough weight loads in flight on 132 SMs, so blockIdx.z takes
+// one K slice, writes its partial tile to ws [GM_KSPLIT][NW][16*GM_MT][N] f32,
+// and the last block of each column group to arrive (counters[blockIdx.x],
+// zero between launches: that block resets it) sums the slices in z order
+// (deterministic: replays are bit-identical) and applies the epilogue.
 //
 // Why this shape: at M <= 64 a drafter GEMM is a stream of weights; with bf16
 // weights each element feeds 16-64 multiply-adds, more than the f32 FMA units
@@ -33,6 +40,8 @@
 // nvrtc-check: -DGM_WTYPE=2 -DGM_EPI=2 -DGM_K=5120 -DGM_MT=2 -DGM_KT=352 -DGM_SPLIT=2
 // nvrtc-check: -DGM_WTYPE=2 -DGM_EPI=2 -DGM_K=5120 -DGM_MT=4 -DGM_KT=352 -DGM_SPLIT=1
 // nvrtc-check: -DGM_WTYPE=1 -DGM_EPI=2 -DGM_K=40 -DGM_MT=2 -DGM_KT=64 -DGM_SPLIT=1
+// nvrtc-check: -DGM_WTYPE=2 -DGM_EPI=2 -DGM_K=17408 -DGM_MT=4 -DGM_KT=160 -DGM_SPLIT=2 -DGM_KSPLIT=3
+// nvrtc-check: -DGM_WTYPE=2 -DGM_EPI=1 -DGM_K=5120 -DGM_MT=1 -DGM_KT=736 -DGM_SPLIT=2 -DGM_KSPLIT=4
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -62,6 +71,9 @@
 #ifndef GM_SPLIT
 #define GM_SPLIT 2
 #endif
+#ifndef GM_KSPLIT
+#define GM_KSPLIT 1
+#endif
 #if GM_SPLIT != 1 && GM_SPLIT != 2
 #error "GM_SPLIT must be 1 (x rounded) or 2 (x as hi + lo)"
 #endif
@@ -84,6 +96,7 @@ constexpr int XS = GM_KT + 8;                 // x tile row stride (elements): s
 constexpr int ROWS = 16 * GM_MT;
 constexpr int NW = (GM_EPI == 2) ? 2 : 1;     // weight rows per output column
 constexpr int THREADS = GM_WARPS * 32;
+constexpr int KZ = ((K + GM_KSPLIT - 1) / GM_KSPLIT + 31) / 32 * 32;   // K per slice
 
 // f32 -> the weight type's bits (nearest even) and back.
 __device__ __forceinline__ unsigned int to16(float v) {
@@ -121,11 +134,24 @@ __device__ __forceinline__ void mma(float d[4], const unsigned int a[4], const u
 
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }  // expf: off the hot path, matches the reference
 
+// The epilogue for one output element (a: the dot product, u: the up dot product of GM_EPI 2).
+__device__ __forceinline__ void store(float* y, const float* r, long long o, float a, float u) {
+#if GM_EPI == 0
+    y[o] = a;
+#elif GM_EPI == 1
+    y[o] = r[o] + a;
+#else
+    y[o] = silu(a) * u;
+#endif
+    (void)r;
+    (void)u;
+}
+
 }  // namespace gemm_mma_detail
 
-extern "C" __global__ void __launch_bounds__(GM_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(GM_WARPS * 32, 1)  // min 1 block: ptxas otherwise spills a few bytes
 gemm_mma(const float* __restrict__ x, const unsigned short* __restrict__ w, float* y,
-         const float* r, int M, int N) {
+         const float* r, int M, int N, float* ws, int* counters) {
     using namespace gemm_mma_detail;
     extern __shared__ __align__(16) unsigned char smem[];
     unsigned short* xs = reinterpret_cast<unsigned short*>(smem);   // hi tile, then lo tile
@@ -148,21 +174,25 @@ gemm_mma(const float* __restrict__ x, const unsigned short* __restrict__ w, floa
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
 
-    for (int kc = 0; kc < K; kc += KT) {
+    // This block's K slice (all of K unless split); its ends are multiples of 8,
+    // so each lane's 8-element loads are wholly inside or outside it.
+    const int k_begin = blockIdx.z * KZ;
+    const int k_end = (k_begin + KZ < K) ? k_begin + KZ : K;
+    for (int kc = k_begin; kc < k_end; kc += KT) {
         __syncthreads();  // every warp is done with the previous x tile
         // Stage x[m0 .. m0+ROWS, kc .. kc+KT) rounded to the weight type; zeros
-        // past M and K (shared memory starts out as garbage, 0 * NaN poisons).
+        // past M and the slice (shared memory starts out as garbage, 0 * NaN poisons).
         for (int i = threadIdx.x; i < ROWS * (KT / 4); i += THREADS) {
             const int row = i / (KT / 4), c4 = (i % (KT / 4)) * 4, k = kc + c4;
             float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (m0 + row < M && k < K) v = *reinterpret_cast<const float4*>(x + (long long)(m0 + row) * K + k);
+            if (m0 + row < M && k < k_end) v = *reinterpret_cast<const float4*>(x + (long long)(m0 + row) * K + k);
             uint2 hi, lo;
             split4(v, hi, lo);
             *reinterpret_cast<uint2*>(xs + row * XS + c4) = hi;
             if (GM_SPLIT == 2) *reinterpret_cast<uint2*>(xs + ROWS * XS + row * XS + c4) = lo;
         }
         __syncthreads();
-        const int kend = (K - kc < KT) ? (K - kc) : KT;
+        const int kend = (k_end - kc < KT) ? (k_end - kc) : KT;
 #pragma unroll 4
         for (int kb = 0; kb < kend; kb += 32) {
             const int k = kc + kb + t * 8;
@@ -170,7 +200,7 @@ gemm_mma(const float* __restrict__ x, const unsigned short* __restrict__ w, floa
 #pragma unroll
             for (int j = 0; j < NW; j++) {
                 wv[j] = make_uint4(0u, 0u, 0u, 0u);
-                if (n_ok && k < K) wv[j] = *reinterpret_cast<const uint4*>(wrow[j] + k);
+                if (n_ok && k < k_end) wv[j] = *reinterpret_cast<const uint4*>(wrow[j] + k);
             }
 #pragma unroll
             for (int s = 0; s < GM_SPLIT; s++) {       // hi part, then (GM_SPLIT 2) lo part
@@ -195,21 +225,53 @@ gemm_mma(const float* __restrict__ x, const unsigned short* __restrict__ w, floa
     }
 
     // acc[i][j][e] holds output row m0 + 16i + g (+8 for e >= 2), column n0 + 2t + (e & 1).
+#if GM_KSPLIT == 1
+    (void)ws;
+    (void)counters;
 #pragma unroll
     for (int i = 0; i < GM_MT; i++) {
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int row = m0 + i * 16 + g + ((e & 2) ? 8 : 0);
             const int col = n0 + 2 * t + (e & 1);
-            if (row >= M || col >= N) continue;
-            const long long o = (long long)row * N + col;
-#if GM_EPI == 0
-            y[o] = acc[i][0][e];
-#elif GM_EPI == 1
-            y[o] = r[o] + acc[i][0][e];
-#else
-            y[o] = silu(acc[i][0][e]) * acc[i][NW - 1][e];
-#endif
+            if (row < M && col < N) store(y, r, (long long)row * N + col, acc[i][0][e], acc[i][NW - 1][e]);
         }
     }
+#else
+    // ---- split K: publish this slice's partial tile, the last slice to finish reduces.
+#pragma unroll
+    for (int i = 0; i < GM_MT; i++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int lrow = i * 16 + g + ((e & 2) ? 8 : 0);
+            const int col = n0 + 2 * t + (e & 1);
+            if (m0 + lrow >= M || col >= N) continue;
+#pragma unroll
+            for (int j = 0; j < NW; j++)
+                ws[((long long)(blockIdx.z * NW + j) * ROWS + lrow) * N + col] = acc[i][j][e];
+        }
+    }
+    __shared__ int ticket;
+    __threadfence();  // the partial tile is visible device-wide before the count says so
+    __syncthreads();
+    if (threadIdx.x == 0) ticket = atomicAdd(&counters[blockIdx.x], 1);
+    __syncthreads();
+    if (ticket != GM_KSPLIT - 1) return;
+    __threadfence();
+    constexpr int COLS = GM_WARPS * 8;  // output columns per block
+    const int c0 = blockIdx.x * COLS;
+    for (int idx = threadIdx.x; idx < ROWS * COLS; idx += THREADS) {
+        const int lrow = idx / COLS, col = c0 + idx % COLS;
+        if (m0 + lrow >= M || col >= N) continue;
+        float a[NW];
+#pragma unroll
+        for (int j = 0; j < NW; j++) {
+            a[j] = 0.0f;
+            for (int z = 0; z < GM_KSPLIT; z++)  // fixed order: bit-identical every launch
+                a[j] += __ldcg(ws + ((long long)(z * NW + j) * ROWS + lrow) * N + col);
+        }
+        store(y, r, (long long)(m0 + lrow) * N + col, a[0], a[NW - 1]);
+    }
+    if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch (or replay)
+#endif
 }

@@ -23,8 +23,9 @@ def host_weights(rng, rows, K, wkind):
 
 
 def run(backend, rng, *, N, K, wkind, epilogue, m, max_m=64, x_rows=None, in_place=False, path="auto",
-        x_split=True):
-    op = Gemm(backend, N, K, wkind, epilogue=epilogue, max_m=max_m, path=path, x_split=x_split)
+        x_split=True, k_split=None):
+    op = Gemm(backend, N, K, wkind, epilogue=epilogue, max_m=max_m, path=path, x_split=x_split,
+              k_split=k_split)
     x_rows = m if x_rows is None else x_rows
     xh = rng.standard_normal((x_rows, K)).astype(np.float32)
     wh = host_weights(rng, 2 * N if epilogue == "silu_mul" else N, K, wkind)
@@ -64,6 +65,45 @@ def test_mma_rounded_activations(backend, rng, wkind):
         op = run(backend, rng, N=40, K=264, wkind=wkind, epilogue="silu_mul", m=m, path="mma",
                  x_split=False)
         assert op.x_round == wkind and op.split == 1
+
+
+@pytest.mark.parametrize("k_split", [2, 3, 5])
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+def test_mma_split_k(backend, rng, k_split, epilogue):
+    # K slices (uneven: the last one shorter) summed by the
+    # last block; launched twice to show the arrival counters reset themselves;
+    # m beyond one M tile falls back to the unsplit kernel.
+    for m in (1, 19, 33):
+        op = run(backend, rng, N=70, K=296, wkind="bf16", epilogue=epilogue, m=m, max_m=32,
+                 x_rows=40, path="mma", k_split=k_split)
+        assert op.k_split == k_split
+        op = run(backend, rng, N=70, K=296, wkind="bf16", epilogue=epilogue, m=m, max_m=32,
+                 x_rows=40, path="mma", k_split=k_split, in_place=epilogue == "residual")
+    assert backend.to_numpy(op._counters).tolist() == [0] * op._nblk
+
+
+def test_split_k_results_repeat_bit_for_bit(backend, rng):
+    N, K, m = 45, 1024, 16
+    op = Gemm(backend, N, K, "bf16", max_m=16, k_split=4)
+    x = backend.asarray(rng.standard_normal((m, K)).astype(np.float32))
+    w = backend.asarray(host_weights(rng, N, K, "bf16"))
+    outs = []
+    for _ in range(3):
+        y = backend.zeros((m, N), np.float32)
+        op(x, w, y, m)
+        outs.append(backend.to_numpy(y))
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+
+
+def test_k_split_defaults(backend):
+    # few column groups and a long K: split; many column groups or a short K: not
+    assert Gemm(backend, 5120, 17408, "bf16", max_m=16).k_split > 1
+    assert Gemm(backend, 64, 128, "bf16", max_m=16).k_split == 1
+    assert Gemm(backend, 8, 64, "f32").k_split == 1
+    with pytest.raises(ValueError, match="only the 'mma' path"):
+        Gemm(backend, 8, 64, "f32", k_split=2)
+    with pytest.raises(ValueError, match="k_split must be"):
+        Gemm(backend, 8, 64, "bf16", k_split=0)
 
 
 def test_split_activations_are_f32_accurate(backend, rng):

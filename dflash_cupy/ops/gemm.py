@@ -42,6 +42,9 @@ LANE_K = 4                # K elements per lane per step (gemm.cu GEMM_LANE_K)
 WARP_K = 32 * LANE_K      # K elements per warp per step
 SMEM_LIMIT = 48 * 1024    # the default dynamic shared-memory cap (no opt-in attribute needed)
 MMA_COLS = 8              # output columns per warp of gemm_mma.cu
+SM_COUNT = 132            # H100/H200 SXM: split K until ~4 blocks per SM are in flight
+MIN_K_PER_SLICE = 512     # below this a K slice is not worth its partial-sum traffic
+MAX_K_SPLIT = 8
 PATHS = ("auto", "mma", "fma")
 ACC_BUDGET = 64           # accumulators per lane the tiling aims for
 
@@ -75,18 +78,22 @@ def _overlaps(a, b) -> bool:
 
 
 class Gemm:
-    """``Gemm(backend, N, K, w_dtype, epilogue="none", max_m=64)``.
+    """``Gemm(backend, N, K, w_dtype, epilogue="none", max_m=64, path="auto",
+    x_split=True, k_split=None)``.
 
     ``__call__(x, w, y, m, residual=None, stream=None)`` computes rows
     ``[0, m)``: ``x [>=m, K] f32``, ``w [N, K]`` (``[2N, K]`` for
     ``"silu_mul"``) of ``w_dtype``, ``y [>=m, N] f32``. Any ``m >= 1`` works:
     rows beyond ``max_m`` are further M tiles of the same launch (each tile
-    re-reads the weights, mostly from L2). No allocation, no host sync:
-    safe inside graph capture.
+    re-reads the weights, mostly from L2). ``k_split`` (MMA path, one M tile):
+    K slices per column group, by default enough to put ~4 blocks per SM in
+    flight; the partial sums live in a workspace this object owns, so one
+    ``Gemm`` serves one stream at a time. No allocation, no host sync: safe
+    inside graph capture.
     """
 
     def __init__(self, backend, N: int, K: int, w_dtype, epilogue: str = "none", max_m: int = 64,
-                 path: str = "auto", x_split: bool = True):
+                 path: str = "auto", x_split: bool = True, k_split: int | None = None):
         for name, v in (("N", N), ("K", K), ("max_m", max_m)):
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -111,8 +118,11 @@ class Gemm:
         self.x_round = (self.wkind + ("x2" if self.x_split else "")) if self.path == "mma" else None
         self.threads = WARPS * 32
         if self.path == "mma":
-            self._init_mma()
+            self._init_mma(k_split)
             return
+        if k_split not in (None, 1):
+            raise ValueError(f"k_split={k_split}: only the 'mma' path splits K")
+        self.k_split = 1
         # Columns per warp: as many as the accumulator budget allows, so that
         # one staged x tile serves more weight rows.
         self.rows_per_warp = max(1, min(4, ACC_BUDGET // (self.max_m * nw)))
@@ -131,7 +141,7 @@ class Gemm:
         self._kernel = self._module.get_function("gemm")
         self._nblk = -(-self.N // self.cols_per_block)
 
-    def _init_mma(self):
+    def _init_mma(self, k_split):
         # M tile: 16, 32 or 64 rows (gemm_mma.cu spills at 48); x tile in the
         # weight type must fit the default shared-memory cap.
         self.m_tiles = 1 if self.max_m <= 16 else (2 if self.max_m <= 32 else 4)
@@ -143,21 +153,39 @@ class Gemm:
         self.vectorized = True
         self.rows_per_warp = 1
         self.cols_per_block = WARPS * MMA_COLS
-        self._module = kernels.load_module(
-            self.backend, "gemm_mma.cu", GM_WTYPE=WTYPES[self.wkind], GM_EPI=EPILOGUES[self.epilogue],
-            GM_K=self.K, GM_MT=self.m_tiles, GM_WARPS=WARPS, GM_KT=self.k_tile, GM_SPLIT=self.split)
-        self._kernel = self._module.get_function("gemm_mma")
         self._nblk = -(-self.N // self.cols_per_block)
+        if k_split is None:  # enough blocks for the weight stream, slices not too thin
+            k_split = max(1, min(MAX_K_SPLIT, (4 * SM_COUNT) // self._nblk, self.K // MIN_K_PER_SLICE))
+        if not isinstance(k_split, (int, np.integer)) or isinstance(k_split, bool) or k_split < 1:
+            raise ValueError(f"k_split must be a positive int, got {k_split!r}")
+        self.k_split = int(k_split)
+        opts = dict(GM_WTYPE=WTYPES[self.wkind], GM_EPI=EPILOGUES[self.epilogue], GM_K=self.K,
+                    GM_MT=self.m_tiles, GM_WARPS=WARPS, GM_KT=self.k_tile, GM_SPLIT=self.split)
+        # m beyond one M tile (bulk append chunks) runs unsplit: the partial sums
+        # of all its tiles would need a workspace sized for the largest m.
+        self._kernel = kernels.load_module(self.backend, "gemm_mma.cu", **opts).get_function("gemm_mma")
+        self._kernel_split = None
+        nw = 2 if self.epilogue == "silu_mul" else 1
+        if self.k_split > 1:
+            self._kernel_split = kernels.load_module(self.backend, "gemm_mma.cu", GM_KSPLIT=self.k_split,
+                                                     **opts).get_function("gemm_mma")
+            self._ws = self.backend.zeros((self.k_split * nw * rows * self.N,), np.float32)
+            self._counters = self.backend.zeros((self._nblk,), np.int32)
+        else:
+            self._ws = None
+            self._counters = self.backend.zeros((1,), np.int32)  # a valid pointer, never used
 
     def __repr__(self):
         return (f"Gemm(N={self.N}, K={self.K}, w={self.wkind}, epilogue={self.epilogue!r}, "
-                f"max_m={self.max_m}, path={self.path}, R={self.rows_per_warp}, KT={self.k_tile})")
+                f"max_m={self.max_m}, path={self.path}, R={self.rows_per_warp}, KT={self.k_tile}, "
+                f"k_split={self.k_split})")
 
     def launch_config(self, m: int):
         """``(grid, block, shared_mem)`` of a launch over ``m`` rows."""
         if self.path == "mma":
             rows = 16 * self.m_tiles
-            return ((self._nblk, -(-m // rows), 1), (self.threads, 1, 1),
+            kz = self.k_split if m <= rows else 1
+            return ((self._nblk, -(-m // rows), kz), (self.threads, 1, 1),
                     self.split * rows * (self.k_tile + 8) * 2)
         mtiles = -(-m // self.max_m)
         smem = min(m, self.max_m) * self.k_tile * 4
@@ -218,8 +246,15 @@ class Gemm:
                     raise ValueError(f"{name} must be 16-byte aligned for K % {LANE_K} == 0 "
                                      f"(vectorised loads), address {_ptr(a):#x}")
         grid, block, smem = self.launch_config(m)
-        self._kernel(grid, block, (x, w, y, r, np.int32(m), np.int32(self.N)),
-                     shared_mem=smem, stream=stream)
+        if self.path == "fma":
+            self._kernel(grid, block, (x, w, y, r, np.int32(m), np.int32(self.N)),
+                         shared_mem=smem, stream=stream)
+        elif grid[2] > 1:
+            self._kernel_split(grid, block, (x, w, y, r, np.int32(m), np.int32(self.N), self._ws,
+                                             self._counters), shared_mem=smem, stream=stream)
+        else:
+            self._kernel(grid, block, (x, w, y, r, np.int32(m), np.int32(self.N), y, self._counters),
+                         shared_mem=smem, stream=stream)
 
 
 def _weights_to_f64(w: np.ndarray) -> np.ndarray:
