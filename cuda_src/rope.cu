@@ -83,6 +83,28 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// Store one normalised, rotated head: (a, b) = (lo, hi) * rn * w, then the NEOX
+// rotation by this row's angles; q rows as f32, K rows as f16 (the cache type).
+__device__ __forceinline__ void put(float* p, float v) { *p = v; }
+__device__ __forceinline__ void put(__half* p, float v) { *p = __float2half_rn(v); }
+
+template <typename T>
+__device__ __forceinline__ void norm_rope_store(T* dst, const float* lo, const float* hi, float rn,
+                                                const float* w, const float* cs_cos, const float* cs_sin,
+                                                int lane) {
+#pragma unroll
+    for (int j = 0; j < PAIRS_PER_LANE; ++j) {
+        const int i = lane + 32 * j;
+        if (i < HALF_D) {
+            const float a = lo[j] * rn * w[i];
+            const float b = hi[j] * rn * w[i + HALF_D];
+            const float c = cs_cos[i], s = cs_sin[i];
+            put(dst + i, a * c - b * s);
+            put(dst + i + HALF_D, b * c + a * s);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
 qkv_norm_rope(const float* __restrict__ qkv,
               const float* __restrict__ q_norm,
@@ -151,32 +173,10 @@ qkv_norm_rope(const float* __restrict__ qkv,
         const float* w = kind == 0 ? q_norm : k_norm;
 
         if (kind == 0) {
-            float* dst = q_out + (long long)m * (NH * D) + h * D;
-#pragma unroll
-            for (int j = 0; j < PAIRS_PER_LANE; ++j) {
-                const int i = lane + 32 * j;
-                if (i < HALF_D) {
-                    const float a = lo[j] * rn * w[i];
-                    const float b = hi[j] * rn * w[i + HALF_D];
-                    const float c = cs_cos[i], s = cs_sin[i];
-                    dst[i] = a * c - b * s;
-                    dst[i + HALF_D] = b * c + a * s;
-                }
-            }
+            norm_rope_store(q_out + (long long)m * (NH * D) + h * D, lo, hi, rn, w, cs_cos, cs_sin, lane);
         } else {
             if (!row_ok) continue;
-            __half* dst = k_cache + (long long)row * KV_W + h * D;
-#pragma unroll
-            for (int j = 0; j < PAIRS_PER_LANE; ++j) {
-                const int i = lane + 32 * j;
-                if (i < HALF_D) {
-                    const float a = lo[j] * rn * w[i];
-                    const float b = hi[j] * rn * w[i + HALF_D];
-                    const float c = cs_cos[i], s = cs_sin[i];
-                    dst[i] = __float2half_rn(a * c - b * s);
-                    dst[i + HALF_D] = __float2half_rn(b * c + a * s);
-                }
-            }
+            norm_rope_store(k_cache + (long long)row * KV_W + h * D, lo, hi, rn, w, cs_cos, cs_sin, lane);
         }
     }
 }

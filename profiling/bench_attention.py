@@ -135,11 +135,8 @@ def main(argv=None) -> dict:
     cfg = common.drafter_config(args.drafter)
     print(f"bench_attention: backend={be.name} drafter={args.drafter} windows={args.windows} -> {out}",
           flush=True)
-    copy = timer.copy_bandwidth(be, (16 << 20) if args.smoke else None)
-    bw = copy["GBps"] * 1e9
-    print(f"copy bandwidth (read+write): {copy['GBps']:.1f} GB/s", flush=True)
-    result = {"bench": "attention", "meta": common.meta(be, argv), "args": vars(args), "copy": copy,
-              "drafter": args.drafter, "config": common.config_summary(cfg), "rows": []}
+    result, bw = common.start_result("attention", be, args, argv, "")
+    result.update({"drafter": args.drafter, "config": common.config_summary(cfg), "rows": []})
     for window in args.windows:
         rows = [bench_ours(be, cfg, window, args, bw, args.seed + window)]
         if be.name == "cuda" and not args.no_cupy:
@@ -147,12 +144,7 @@ def main(argv=None) -> dict:
                 rows.append(bench_cupy(be, cfg, window, args, bw, args.seed + window))
             except Exception as e:
                 rows.append({"impl": "cupy_unfused", "window": window, "error": f"{type(e).__name__}: {e}"})
-        for r in rows:
-            if "us" in r:
-                print(f"  window={window:>6} {r['impl']:>12}: {r['us']:9.2f} us  {r['GBps']:7.0f} GB/s "
-                      f"({r['frac_of_copy_bw']:.2f} of copy)", flush=True)
-            else:
-                print(f"  window={window:>6} {r['impl']:>12}: {r['error']}", flush=True)
+        common.print_rows(f"window={window:>6}", rows)
         result["rows"].extend(rows)
         common.write_json(out, result)
         common.free_device_memory(be)

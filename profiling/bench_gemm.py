@@ -172,11 +172,8 @@ def main(argv=None) -> dict:
             raise SystemExit(f"--shapes: unknown {sorted(unknown)}")
         shapes = [s for s in shapes if s[0] in args.shapes]
     print(f"bench_gemm: backend={be.name} drafter={args.drafter} M={args.ms} -> {out}", flush=True)
-    copy = timer.copy_bandwidth(be, (16 << 20) if args.smoke else None)
-    bw = copy["GBps"] * 1e9
-    print(f"copy bandwidth (read+write): {copy['GBps']:.1f} GB/s; L2 {timer.l2_bytes(be)} B", flush=True)
-    result = {"bench": "gemm", "meta": common.meta(be, argv), "args": vars(args), "copy": copy,
-              "drafter": args.drafter, "config": common.config_summary(cfg), "rows": []}
+    result, bw = common.start_result("gemm", be, args, argv, f"; L2 {timer.l2_bytes(be)} B")
+    result.update({"drafter": args.drafter, "config": common.config_summary(cfg), "rows": []})
     cublas = be.name == "cuda" and not args.no_cublas
     for i, (name, N, K, epi) in enumerate(shapes):
         rows = bench_ours(be, name, N, K, epi, args.ms, args, bw, args.seed + 97 * i)
@@ -185,12 +182,7 @@ def main(argv=None) -> dict:
                 rows += bench_cublas(be, name, N, K, epi, args.ms, args, bw, args.seed + 97 * i)
             except Exception as e:
                 rows.append({"impl": "cublas_f16", "shape": name, "error": f"{type(e).__name__}: {e}"})
-        for r in rows:
-            if "us" in r:
-                print(f"  {name:>8} {r['impl']:>10} M={r['M']:>3}: {r['us']:9.2f} us  {r['GBps']:7.0f} GB/s "
-                      f"({r['frac_of_copy_bw']:.2f} of copy)", flush=True)
-            else:
-                print(f"  {name:>8} {r['impl']:>10}: {r['error']}", flush=True)
+        common.print_rows(f"{name:>8}", rows)
         result["rows"].extend(rows)
         common.write_json(out, result)
         common.free_device_memory(be)

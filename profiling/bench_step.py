@@ -279,11 +279,8 @@ def main(argv=None) -> dict:
     out = Path(args.out) if args.out else common.default_out(be, "bench_step.json")
     print(f"bench_step: backend={be.name} drafters={args.drafters} windows={args.windows} "
           f"modes={args.modes} -> {out}", flush=True)
-    copy = timer.copy_bandwidth(be, (16 << 20) if args.smoke else None)
-    bw = copy["GBps"] * 1e9
-    print(f"copy bandwidth (read+write): {copy['GBps']:.1f} GB/s", flush=True)
-    result = {"bench": "step", "meta": common.meta(be, argv), "args": vars(args), "copy": copy,
-              "drafters": {}, "rows": []}
+    result, bw = common.start_result("step", be, args, argv, "")
+    result.update({"drafters": {}, "rows": []})
     merged = _merge_rows(args.merge)
     for name in args.drafters:
         cfg = common.drafter_config(name)

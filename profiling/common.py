@@ -147,6 +147,26 @@ def meta(backend, argv=None) -> dict:
             "device": device_info(backend), "git": git_info()}
 
 
+def start_result(bench: str, backend, args, argv, extra_note: str = "") -> tuple[dict, float]:
+    """Measure the copy bandwidth (the floor's yardstick, same run), print it,
+    and start the result dict every bench writes. Returns (result, bytes/s)."""
+    from . import timer
+    copy = timer.copy_bandwidth(backend, (16 << 20) if args.smoke else None)
+    print(f"copy bandwidth (read+write): {copy['GBps']:.1f} GB/s{extra_note}", flush=True)
+    return ({"bench": bench, "meta": meta(backend, argv), "args": vars(args), "copy": copy},
+            copy["GBps"] * 1e9)
+
+
+def print_rows(label: str, rows: list[dict]) -> None:
+    """One line per kernel row: time and achieved bandwidth, or the error it hit."""
+    for r in rows:
+        if "us" in r:
+            print(f"  {label} {r['impl']:>12}{' M=%3d' % r['M'] if 'M' in r else ''}: {r['us']:9.2f} us "
+                  f"{r['GBps']:7.0f} GB/s ({r['frac_of_copy_bw']:.2f} of copy)", flush=True)
+        else:
+            print(f"  {label} {r['impl']:>12}: {r['error']}", flush=True)
+
+
 def write_json(path, obj) -> Path:
     """Write atomically (a timeout mid-write leaves the previous file intact)."""
     path = Path(path)
