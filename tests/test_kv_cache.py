@@ -85,6 +85,14 @@ _BUILT: dict = {}
 MAX_ERR: dict = {}        # weight dtype -> max |hidden - oracle| seen (for reports)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _report_errors():
+    yield
+    if MAX_ERR:  # shown with -s: the measured errors behind the "step" tolerance
+        print("\nmax |step - oracle| by weight dtype: "
+              + ", ".join(f"{k}: {v:.2e}" for k, v in sorted(MAX_ERR.items())))
+
+
 def built(name):
     """(weights, lm_head) of a fixed drafter, made once per session."""
     if name not in _BUILT:
