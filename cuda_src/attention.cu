@@ -37,31 +37,8 @@
 // nvrtc-check: -DD=256 -DNH=16 -DNKV=4 -DB=16 -DKV_TOTAL=1000 -DSPLITS=2 -DRB=16 -DNWARPS=8
 // nvrtc-check: -DD=128 -DNH=64 -DNKV=8 -DB=16 -DKV_TOTAL=4128 -DSPLITS=8 -DGATE=1 -DRB=64 -DNWARPS=8
 #include <cuda_fp16.h>
+#include "attention_common.cuh"
 
-#ifndef D
-#define D 128
-#endif
-#ifndef NH
-#define NH 32
-#endif
-#ifndef NKV
-#define NKV 8
-#endif
-#ifndef B
-#define B 16
-#endif
-#ifndef KV_TOTAL
-#define KV_TOTAL 2080
-#endif
-#ifndef SPLITS
-#define SPLITS 4
-#endif
-#ifndef GATE
-#define GATE 0
-#endif
-
-#define G (NH / NKV)
-#define R (B * G)
 #ifndef RB
 #define RB (R < 64 ? R : 64)
 #endif
@@ -69,56 +46,13 @@
 #define NWARPS (RB < 8 ? RB : 8)
 #endif
 
-#define TILE 32
 #define NT (NWARPS * 32)
-#define KV_W (NKV * D)
 #define CPR (D / 8)                       // 16-byte chunks per head row
 #define DPL ((D + 31) / 32)               // output dims per lane
 #define RPW ((RB + NWARPS - 1) / NWARPS)  // query rows per warp
-#define N_TILES ((KV_TOTAL + TILE - 1) / TILE)
-#define TILES_PER_SPLIT ((N_TILES + SPLITS - 1) / SPLITS)
-#define SPLIT_KEYS (TILES_PER_SPLIT * TILE)
 // swizzle width: the largest power of two <= 8 dividing CPR, so c ^ (t & SWZ)
 // stays inside the row
 #define SWZ ((CPR % 8 == 0) ? 7 : (CPR % 4 == 0) ? 3 : (CPR % 2 == 0) ? 1 : 0)
-
-#if NH % NKV != 0
-#error "attention.cu: NH must be a multiple of NKV"
-#endif
-#if D % 8 != 0 || D > 256
-#error "attention.cu: D must be a multiple of 8 and at most 256"
-#endif
-#if GATE < 0 || GATE > 2
-#error "attention.cu: GATE must be 0, 1 or 2"
-#endif
-
-#define LOG2E 1.4426950408889634f
-#define NEG_INF __int_as_float(0xff800000)
-
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-// softplus with PyTorch's threshold (beta 1, threshold 20)
-__device__ __forceinline__ float softplus(float x) {
-    return x > 20.f ? x : log1pf(expf(x));
-}
-
-__device__ __forceinline__ float gate_factor(const float* gate, int qrow, int d) {
-#if GATE == 1
-    return softplus(gate[qrow]);
-#elif GATE == 2
-    return softplus(gate[(long long)qrow * D + d]);
-#else
-    return 1.f;
-#endif
-}
 
 __device__ __forceinline__ void half8_to_float(const uint4& c, float* f) {
     const __half2* h = reinterpret_cast<const __half2*>(&c);

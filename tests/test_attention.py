@@ -1,5 +1,6 @@
-"""ring_attn_split / ring_attn_combine (cuda_src/attention.cu): masked
-split-KV GQA attention of the noise rows over the whole ring cache."""
+"""ring_attn_split / ring_attn_combine (cuda_src/attention.cu) and
+ring_attn_mma_split (cuda_src/attention_mma.cu): masked split-KV GQA attention
+of the noise rows over the whole ring cache; both split kernels where they apply."""
 import numpy as np
 import pytest
 
@@ -40,9 +41,17 @@ CONFIGS = [
 ]
 
 
+def paths(D):
+    return ("fma", "mma") if D % 16 == 0 and D <= 128 else ("fma",)
+
+
+@pytest.mark.parametrize("path", ["fma", "mma"])
 @pytest.mark.parametrize("D,NH,NKV,B,kv_total,n_splits,gate", CONFIGS)
-def test_random_masks(backend, rng, D, NH, NKV, B, kv_total, n_splits, gate):
-    att = RingAttention(backend, D, NH, NKV, B, kv_total, n_splits=n_splits, gate=gate)
+def test_random_masks(backend, rng, D, NH, NKV, B, kv_total, n_splits, gate, path):
+    if path not in paths(D):
+        path = "fma"   # D=256: the CUDA-core kernel only (checked again, harmlessly)
+    att = RingAttention(backend, D, NH, NKV, B, kv_total, n_splits=n_splits, gate=gate, path=path)
+    assert att.path == path
     q, k, v = make_inputs(rng, B, NH, NKV, D, kv_total)
     mask = np.where(rng.random((B, kv_total)) < 0.4, np.float16(0), NEG_INF).astype(np.float16)
     mask[:, rng.integers(kv_total)] = 0                  # every row sees something...
@@ -76,11 +85,13 @@ def test_ring_masks(backend, rng, capacity, q_len, committed, swa):
     v[geom.trash_slot:] = -500.0
     slot_pos = contiguous_slot_pos(committed, capacity)
     mfull, mswa = ring_masks(slot_pos, committed, geom, swa)
-    att = RingAttention(backend, D, NH, NKV, q_len, geom.kv_total, n_splits=min(2, geom.kv_total // 32))
-    for name, mask in (("full", mfull), ("swa", mswa)):
-        got = run(backend, att, q, k, v, mask)
-        ref = ring_attention_reference(q, k, v, mask, n_head_kv=NKV)
-        assert_close(got, ref, "f32", f"{name} mask")
+    for path in paths(D):
+        att = RingAttention(backend, D, NH, NKV, q_len, geom.kv_total,
+                            n_splits=min(2, geom.kv_total // 32), path=path)
+        for name, mask in (("full", mfull), ("swa", mswa)):
+            got = run(backend, att, q, k, v, mask)
+            ref = ring_attention_reference(q, k, v, mask, n_head_kv=NKV)
+            assert_close(got, ref, "f32", f"{name} mask, {path}")
 
 
 def test_split_count_invariance(backend, rng):
@@ -90,11 +101,12 @@ def test_split_count_invariance(backend, rng):
     mask = np.full((B, kv_total), NEG_INF, np.float16)
     mask[:, 3:40] = 0                                     # only the first split sees anything
     mask[:, 150] = 0
-    outs = [run(backend, RingAttention(backend, D, NH, NKV, B, kv_total, n_splits=s), q, k, v, mask)
-            for s in (1, 2, 3, 7)]
     ref = ring_attention_reference(q, k, v, mask, n_head_kv=NKV)
-    for s, o in zip((1, 2, 3, 7), outs):
-        assert_close(o, ref, "f32", f"n_splits={s}")
+    for path in paths(D):
+        outs = [run(backend, RingAttention(backend, D, NH, NKV, B, kv_total, n_splits=s, path=path),
+                    q, k, v, mask) for s in (1, 2, 3, 7)]
+        for s, o in zip((1, 2, 3, 7), outs):
+            assert_close(o, ref, "f32", f"n_splits={s}, {path}")
 
 
 @pytest.mark.parametrize("n_splits,gate", [(1, "head"), (3, "element")])
@@ -103,9 +115,10 @@ def test_all_hidden_is_zero(backend, rng, n_splits, gate):
     q, k, v = make_inputs(rng, B, NH, NKV, D, kv_total)
     mask = np.full((B, kv_total), NEG_INF, np.float16)
     g = rng.standard_normal((B, NH) if gate == "head" else (B, NH * D)).astype(np.float32)
-    att = RingAttention(backend, D, NH, NKV, B, kv_total, n_splits=n_splits, gate=gate)
-    got = run(backend, att, q, k, v, mask, g)
-    assert (got == 0).all()
+    for path in paths(D):
+        att = RingAttention(backend, D, NH, NKV, B, kv_total, n_splits=n_splits, gate=gate, path=path)
+        got = run(backend, att, q, k, v, mask, g)
+        assert (got == 0).all(), path
 
 
 def test_default_splits_and_sizes():

@@ -11,6 +11,13 @@ Grid ``(n_head_kv, n_splits, row_groups)``: each block loads a 32-row K/V
 tile of one kv head once for all ``q_len * n_head/n_head_kv`` query rows that
 read it; ``n_splits > 1`` adds a combine launch (log-sum-exp merge) over a
 workspace allocated once by the constructor.
+
+Two split kernels (``path``): ``"mma"`` (``cuda_src/attention_mma.cu``,
+tensor cores, q and p split into two f16 terms; the default where it applies:
+``head_dim % 16 == 0``, ``head_dim <= 128``, at most 256 query rows per kv
+head) and ``"fma"`` (``attention.cu``, CUDA cores, any head_dim). At long
+windows the CUDA-core kernel is bound by its own arithmetic (B*G rows x D x
+2 FMAs per key), the tensor-core one by reading K and V.
 """
 from __future__ import annotations
 
@@ -60,7 +67,7 @@ class RingAttention:
 
     def __init__(self, backend, head_dim: int, n_head: int, n_head_kv: int, q_len: int,
                  kv_total: int, n_splits: int | None = None, gate: str | None = None,
-                 scale: float | None = None):
+                 scale: float | None = None, path: str = "auto"):
         self.backend = backend
         self.D = _pos_int(head_dim, "head_dim")
         self.NH = _pos_int(n_head, "n_head")
@@ -80,6 +87,13 @@ class RingAttention:
 
         G = self.NH // self.NKV
         R = self.B * G
+        mma_ok = self.D % 16 == 0 and self.D <= 128 and R <= 256
+        if path not in ("auto", "mma", "fma"):
+            raise ValueError(f"path {path!r}: expected 'auto', 'mma' or 'fma'")
+        if path == "mma" and not mma_ok:
+            raise ValueError(f"path 'mma' needs head_dim % 16 == 0, head_dim <= 128 and at most 256 "
+                             f"query rows per kv head (head_dim={self.D}, rows={R})")
+        self.path = "mma" if (path == "auto" and mma_ok) or path == "mma" else "fma"
         # rows per block: all of them unless q_s [RB, D] f32 plus one K and one
         # V tile would exceed the static shared-memory cap
         rb_fit = (SMEM_LIMIT - 2 * TILE * self.D * 2) // (4 * self.D)
@@ -88,7 +102,7 @@ class RingAttention:
         self.warps = min(MAX_WARPS, self.rows_per_block)
         n_tiles = -(-self.kv_total // TILE)
         if n_splits is None:
-            n_splits = default_splits(self.NKV, self.kv_total, self.row_groups)
+            n_splits = default_splits(self.NKV, self.kv_total, 1 if self.path == "mma" else self.row_groups)
         self.n_splits = _pos_int(n_splits, "n_splits")
         if self.n_splits > n_tiles:
             raise ValueError(f"n_splits={n_splits} exceeds the {n_tiles} key tiles of kv_total={kv_total}")
@@ -98,20 +112,30 @@ class RingAttention:
             KV_TOTAL=self.kv_total, SPLITS=self.n_splits, GATE=GATES[gate],
             RB=self.rows_per_block, NWARPS=self.warps)
         self._split = self._module.get_function("ring_attn_split")
+        if self.path == "mma":  # all R rows in one block: one warp per 16 rows
+            self._split = kernels.load_module(
+                backend, "attention_mma.cu", D=self.D, NH=self.NH, NKV=self.NKV, B=self.B,
+                KV_TOTAL=self.kv_total, SPLITS=self.n_splits, GATE=GATES[gate]).get_function(
+                "ring_attn_mma_split")
         self._combine = self._module.get_function("ring_attn_combine") if self.n_splits > 1 else None
         if self.n_splits > 1:
             self.part_o = backend.zeros((self.n_splits, self.B * self.NH, self.D), np.float32)
             self.part_ml = backend.zeros((self.n_splits, self.B * self.NH, 2), np.float32)
         else:
             self.part_o = self.part_ml = None
-        self._grid = (self.NKV, self.n_splits, self.row_groups)
-        self._block = (self.warps * 32, 1, 1)
+        if self.path == "mma":
+            self._grid = (self.NKV, self.n_splits, 1)
+            self._block = (-(-R // 16) * 32, 1, 1)
+        else:
+            self._grid = (self.NKV, self.n_splits, self.row_groups)
+            self._block = (self.warps * 32, 1, 1)
         self._cgrid = (-(-(self.B * self.NH * self.D) // COMBINE_THREADS), 1, 1)
 
     def __repr__(self):
         return (f"RingAttention(head_dim={self.D}, n_head={self.NH}, n_head_kv={self.NKV}, "
                 f"q_len={self.B}, kv_total={self.kv_total}, n_splits={self.n_splits}, "
-                f"gate={self.gate!r}, rows_per_block={self.rows_per_block}, warps={self.warps})")
+                f"gate={self.gate!r}, path={self.path}, rows_per_block={self.rows_per_block}, "
+                f"warps={self.warps})")
 
     def bytes_moved(self) -> int:
         """Compulsory traffic: K and V once, q, mask, out (+ partials twice)."""

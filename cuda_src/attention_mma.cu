@@ -1,0 +1,243 @@
+// attention_mma.cu — the split-KV ring attention of attention.cu on tensor cores.
+//
+// Same inputs, outputs, partial layout, masks, GQA and gate as
+// ring_attn_split (attention.cu, whose ring_attn_combine merges the splits);
+// see attention_common.cuh for the sizes. Needs D % 16 == 0, D <= 128 and at
+// most 256 query rows per kv head (R = B * NH/NKV).
+//
+// ring_attn_mma_split: grid (NKV, SPLITS), block (MW*32), MW = ceil(R / 16).
+//   A block takes one kv head and one contiguous slice of keys; warp w owns
+//   query rows 16w .. 16w+15 of that head (row r = b*G + g_head), so every
+//   K/V tile in shared memory serves all R rows. Per 32-key tile, as
+//   FlashAttention-2 does it with mma.sync m16n8k16 (f16 in, f32 out):
+//     S = Q K^T   Q from registers, K tile [key][d] in shared memory is the
+//                 "col" B operand as it stands;
+//     online softmax on the S fragments in the log2 domain (q pre-scaled by
+//                 scale*log2(e)), row max/sum over the 4 lanes of a row;
+//     O += P V    the S fragments of two 8-key groups are the A fragment of
+//                 P for one 16-key step; V is staged transposed ([d][key]) so
+//                 its fragments are single 32-bit loads.
+//   Q and P are f32 split into two f16 terms (hi + lo, ~22 significant bits
+//   for P in [0,1], ~16 for q) so the products keep f32-like accuracy; K and V
+//   are the f16 cache rows themselves.
+//
+// nvrtc-check: -DD=64 -DNH=8 -DNKV=2 -DB=16 -DKV_TOTAL=100 -DSPLITS=3 -DGATE=2
+// nvrtc-check: -DD=32 -DNH=4 -DNKV=4 -DB=1 -DKV_TOTAL=37 -DSPLITS=1 -DGATE=1
+// nvrtc-check: -DD=128 -DNH=64 -DNKV=8 -DB=16 -DKV_TOTAL=4128 -DSPLITS=8 -DGATE=1
+#include <cuda_fp16.h>
+#include "attention_common.cuh"
+#include "mma.cuh"
+
+#define MW ((R + 15) / 16)          // warps: one per 16 query rows
+#define KS (D + 8)                  // k_s row stride (halves): conflict-free fragment loads
+#define VS (TILE + 8)               // vt_s row stride (halves)
+#define DK (D / 16)                 // k steps of Q K^T
+#define DN (D / 8)                  // n tiles of O
+
+#if D % 16 != 0 || D > 128
+#error "attention_mma.cu: D must be a multiple of 16 and at most 128"
+#endif
+#if MW > 16
+#error "attention_mma.cu: at most 256 query rows per kv head"
+#endif
+
+namespace attn_mma {
+
+__device__ __forceinline__ unsigned int h2bits(float lo, float hi) {
+    return (unsigned int)__half_as_ushort(__float2half(lo)) |
+           ((unsigned int)__half_as_ushort(__float2half(hi)) << 16);
+}
+
+// (a, b) -> f16 pair hi and the f16 pair of the rounding residue lo
+__device__ __forceinline__ void split2(float a, float b, unsigned int& hi, unsigned int& lo) {
+    const __half ha = __float2half(a), hb = __float2half(b);
+    hi = (unsigned int)__half_as_ushort(ha) | ((unsigned int)__half_as_ushort(hb) << 16);
+    lo = h2bits(a - __half2float(ha), b - __half2float(hb));
+}
+
+__device__ __forceinline__ unsigned int ld32(const __half* p) {
+    return *reinterpret_cast<const unsigned int*>(p);
+}
+
+}  // namespace attn_mma
+
+extern "C" __global__ void __launch_bounds__(MW * 32, 1)
+ring_attn_mma_split(const float* __restrict__ q,
+                    const __half* __restrict__ k_cache,
+                    const __half* __restrict__ v_cache,
+                    const __half* __restrict__ mask,
+                    float* __restrict__ part_o,
+                    float* __restrict__ part_ml,
+                    float* __restrict__ out,
+                    const float* __restrict__ gate,
+                    float scale)
+{
+    using namespace attn_mma;
+    __shared__ __align__(16) __half k_s[TILE * KS];
+    __shared__ __align__(16) __half vt_s[D * VS];
+
+    const int kvh = blockIdx.x, split = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int k_begin = split * SPLIT_KEYS;
+    const int k_end = min(KV_TOTAL, k_begin + SPLIT_KEYS);
+
+    // This lane's two query rows (fragment rows g and g+8 of the warp's 16).
+    int rowr[2], bq[2];
+    bool rok[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        rowr[u] = warp * 16 + g + 8 * u;
+        rok[u] = rowr[u] < R;
+        bq[u] = rok[u] ? rowr[u] / G : 0;
+    }
+
+    // Q as A fragments, hi and lo, pre-scaled for exp2: for k step kk the
+    // lane holds Q[row][16kk + 2t (+1)] and Q[row][16kk + 2t + 8 (+1)].
+    unsigned int qh[DK][4], ql[DK][4];
+    const float qscale = scale * LOG2E;
+#pragma unroll
+    for (int kk = 0; kk < DK; ++kk) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {           // e: (row g | g+8) x (cols +0 | +8)
+            const int u = e & 1, d = 16 * kk + 2 * t + ((e & 2) ? 8 : 0);
+            float a = 0.f, b2 = 0.f;
+            if (rok[u]) {
+                const int h = kvh * G + rowr[u] % G;
+                const float* qp = q + ((long long)bq[u] * NH + h) * D + d;
+                a = qp[0] * qscale;
+                b2 = qp[1] * qscale;
+            }
+            split2(a, b2, qh[kk][e], ql[kk][e]);
+        }
+    }
+
+    float o[DN][4];
+#pragma unroll
+    for (int j = 0; j < DN; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
+    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};
+
+    for (int k0 = k_begin; k0 < k_end; k0 += TILE) {
+        __syncthreads();  // every warp is done with the previous tile
+        for (int i = threadIdx.x; i < TILE * (D / 8); i += MW * 32) {
+            const int key = i / (D / 8), c = (i % (D / 8)) * 8;
+            uint4 kc = make_uint4(0u, 0u, 0u, 0u), vc = make_uint4(0u, 0u, 0u, 0u);
+            if (k0 + key < k_end) {
+                const long long off = (long long)(k0 + key) * KV_W + kvh * D + c;
+                kc = *reinterpret_cast<const uint4*>(k_cache + off);
+                vc = *reinterpret_cast<const uint4*>(v_cache + off);
+            }
+            *reinterpret_cast<uint4*>(&k_s[key * KS + c]) = kc;
+            const __half* vh = reinterpret_cast<const __half*>(&vc);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) vt_s[(c + e) * VS + key] = vh[e];
+        }
+        __syncthreads();
+
+        // S = Q K^T: 4 n tiles of 8 keys, fragments s[n][e] at row g(+8), key 8n + 2t (+1)
+        float s[TILE / 8][4];
+#pragma unroll
+        for (int n = 0; n < TILE / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < DK; ++kk) {
+                const __half* kr = &k_s[(8 * n + g) * KS + 16 * kk + 2 * t];
+                const unsigned int bfr[2] = {ld32(kr), ld32(kr + 8)};
+                mma_m16n8k16_f16(s[n], qh[kk], bfr, s[n]);
+                mma_m16n8k16_f16(s[n], ql[kk], bfr, s[n]);
+            }
+        }
+
+        // mask, online softmax (per fragment row u: g and g+8)
+        float tile_max[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int n = 0; n < TILE / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int u = e >> 1, key = k0 + 8 * n + 2 * t + (e & 1);
+                float v = NEG_INF;
+                if (rok[u] && key < k_end) v = s[n][e] + __half2float(mask[(long long)bq[u] * KV_TOTAL + key]) * LOG2E;
+                s[n][e] = v;
+                tile_max[u] = fmaxf(tile_max[u], v);
+            }
+        }
+        float alpha[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            tile_max[u] = fmaxf(tile_max[u], __shfl_xor_sync(0xffffffffu, tile_max[u], 1));
+            tile_max[u] = fmaxf(tile_max[u], __shfl_xor_sync(0xffffffffu, tile_max[u], 2));
+            const float m_new = fmaxf(m_run[u], tile_max[u]);
+            // nothing visible yet: keep everything at zero (and avoid -inf - -inf)
+            alpha[u] = (m_new == NEG_INF) ? 1.f : exp2f(m_run[u] - m_new);
+            m_run[u] = m_new;
+        }
+        l_run[0] *= alpha[0];
+        l_run[1] *= alpha[1];
+#pragma unroll
+        for (int n = 0; n < TILE / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int u = e >> 1;
+                const float p = (m_run[u] == NEG_INF) ? 0.f : exp2f(s[n][e] - m_run[u]);  // 0 if hidden
+                s[n][e] = p;
+                l_run[u] += p;
+            }
+#pragma unroll
+        for (int j = 0; j < DN; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[j][e] *= alpha[e >> 1];
+
+        // O += P V over the tile's two 16-key steps
+#pragma unroll
+        for (int kk = 0; kk < TILE / 16; ++kk) {
+            unsigned int ph[4], pl[4];
+            split2(s[2 * kk][0], s[2 * kk][1], ph[0], pl[0]);          // row g,   keys 2t..
+            split2(s[2 * kk][2], s[2 * kk][3], ph[1], pl[1]);          // row g+8
+            split2(s[2 * kk + 1][0], s[2 * kk + 1][1], ph[2], pl[2]);  // row g,   keys 2t+8..
+            split2(s[2 * kk + 1][2], s[2 * kk + 1][3], ph[3], pl[3]);  // row g+8
+#pragma unroll
+            for (int j = 0; j < DN; ++j) {
+                const __half* vr = &vt_s[(8 * j + g) * VS + 16 * kk + 2 * t];
+                const unsigned int bfr[2] = {ld32(vr), ld32(vr + 8)};
+                mma_m16n8k16_f16(o[j], ph, bfr, o[j]);
+                mma_m16n8k16_f16(o[j], pl, bfr, o[j]);
+            }
+        }
+    }
+
+    // Row sums over the 4 lanes of a row, then the partial (or, unsplit, the output).
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        l_run[u] += __shfl_xor_sync(0xffffffffu, l_run[u], 1);
+        l_run[u] += __shfl_xor_sync(0xffffffffu, l_run[u], 2);
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        if (!rok[u]) continue;
+        const int h = kvh * G + rowr[u] % G;
+        const int qrow = bq[u] * NH + h;
+#if SPLITS == 1
+        const float inv = l_run[u] > 0.f ? 1.f / l_run[u] : 0.f;
+#pragma unroll
+        for (int j = 0; j < DN; ++j)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int d = 8 * j + 2 * t + c;
+                out[(long long)qrow * D + d] = o[j][2 * u + c] * inv * gate_factor(gate, qrow, d);
+            }
+#else
+        float* po = part_o + ((long long)split * (B * NH) + qrow) * D;
+#pragma unroll
+        for (int j = 0; j < DN; ++j)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) po[8 * j + 2 * t + c] = o[j][2 * u + c];
+        if (t == 0) {
+            part_ml[((long long)split * (B * NH) + qrow) * 2] = m_run[u];
+            part_ml[((long long)split * (B * NH) + qrow) * 2 + 1] = l_run[u];
+        }
+#endif
+    }
+}
