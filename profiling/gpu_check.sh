@@ -25,7 +25,7 @@
 # The bench_host result is printed into gpu_check.log (its JSON is kept outside OUTDIR).
 #
 # Environment: PYTHON (default python3), GPU_CHECK_BUDGET_S (default 470),
-# GPU_CHECK_PYTEST_ARGS (default: -x -k "not emulated"; the emulated half of the
+# GPU_CHECK_PYTEST_ARGS (default: --maxfail=25 -k "not emulated"; the emulated half of the
 # suite is CI's job).
 set -uo pipefail
 
@@ -73,7 +73,7 @@ else
     if [[ -n ${GPU_CHECK_PYTEST_ARGS:-} ]]; then
         read -r -a PYTEST_ARGS <<<"$GPU_CHECK_PYTEST_ARGS"
     else
-        PYTEST_ARGS=(-x -k "not emulated")
+        PYTEST_ARGS=(--maxfail=25 -k "not emulated")  # first contact: see many failures, not one
     fi
     HOST_BACKEND=cuda
 fi

@@ -364,7 +364,7 @@ def test_gpu_check_real_commands_parse(tmp_path):
     assert mods == ["pytest", "profiling.bench_step", "profiling.bench_gemm", "profiling.bench_attention",
                     "profiling.bench_step", "profiling.bench_host", "profiling.summarize"]
     pytest_args = cmds[1][2:]
-    assert pytest_args[-3:] == ["-x", "-k", "not emulated"] and "tests" in pytest_args
+    assert pytest_args[-3:] == ["--maxfail=25", "-k", "not emulated"] and "tests" in pytest_args
     parsers = {"profiling.bench_step": bench_step.parse_args, "profiling.bench_gemm": bench_gemm.parse_args,
                "profiling.bench_attention": bench_attention.parse_args,
                "profiling.bench_host": bench_host.parse_args, "profiling.summarize": None}
