@@ -165,7 +165,7 @@ run_step() {
 
 TLOG=$OUTDIR/tests.log
 : >"$TLOG"
-run_step tests 150 "$TLOG" "$PY" -m pytest -q -p no:cacheprovider tests "${PYTEST_ARGS[@]}"
+run_step tests 180 "$TLOG" "$PY" -m pytest -q -p no:cacheprovider tests "${PYTEST_ARGS[@]}"
 
 run_step step_quick 90 "$BLOG" "$PY" -m profiling.bench_step ${SMOKE[@]+"${SMOKE[@]}"} \
     --drafters "$( ((DRY)) && echo tiny || echo qwen3.5-27b)" \
@@ -176,7 +176,7 @@ run_step gemm 50 "$BLOG" "$PY" -m profiling.bench_gemm ${SMOKE[@]+"${SMOKE[@]}"}
 
 run_step attention 40 "$BLOG" "$PY" -m profiling.bench_attention ${SMOKE[@]+"${SMOKE[@]}"} --out "$OUTDIR/attention.json"
 
-run_step step_full 130 "$BLOG" "$PY" -m profiling.bench_step ${SMOKE[@]+"${SMOKE[@]}"} --budget-s 4 \
+run_step step_full 100 "$BLOG" "$PY" -m profiling.bench_step ${SMOKE[@]+"${SMOKE[@]}"} --budget-s 4 \
     --merge "$OUTDIR/step_quick.json" --out "$OUTDIR/step.json" --plot "$OUTDIR/step.png"
 
 run_step host 45 "$BLOG" "$PY" -m profiling.bench_host ${SMOKE[@]+"${SMOKE[@]}"} --backend "$HOST_BACKEND" --json \
