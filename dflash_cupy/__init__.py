@@ -1,3 +1,15 @@
 """dflash_cupy: the DFlash drafter's ring-cached context KV as CuPy raw kernels,
-with a CPU emulation backend that runs the same CUDA C."""
+with a CPU emulation backend that runs the same CUDA C.
+
+The main objects: ``DraftConfig`` / ``DraftWeights`` (a drafter checkpoint),
+``FeatureRing`` (the target's captured hidden states), ``DraftKvCache`` (the
+drafter step, replayed as one captured graph); ``backends.get()`` picks CuPy
+or the emulator."""
 __version__ = "0.1.0"
+
+from .config import DraftConfig  # noqa: E402,F401
+from .feature_ring import FeatureRing  # noqa: E402,F401
+from .kv_cache import DraftKvCache  # noqa: E402,F401
+from .weights import DraftWeights  # noqa: E402,F401
+
+__all__ = ["DraftConfig", "DraftWeights", "FeatureRing", "DraftKvCache", "__version__"]
