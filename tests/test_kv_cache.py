@@ -77,6 +77,13 @@ SPECS = {
                    intermediate_size=32, block_size=4, target_layer_ids=(0, 1),
                    layer_sliding=(False,)),
               np.float32, capacity=491, ring_capacity=500, ring_dtype=BF16, bulk_chunk=64),
+    # RoPE scaling: YaRN (frequency blend and attention factor on cos/sin) through the ring
+    "f": Spec(_cfg(n_layer=1, hidden_size=32, n_head=2, n_head_kv=1, head_dim=32,
+                   intermediate_size=32, block_size=4, target_layer_ids=(0,),
+                   rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                 "original_max_position_embeddings": 64},
+                   max_position_embeddings=256),
+              BF16, capacity=29, ring_capacity=40, ring_dtype=np.float16),
 }
 # what hypothesis draws from: d and e cost 5-10x a step of the others, so rarely
 DRAWN = ("a", "b", "c", "a", "b", "c", "d", "e")
@@ -273,7 +280,7 @@ def standard_ops(name):
 # --------------------------------------------------------------------------- 1. the SPEC §3 invariant
 @pytest.mark.parametrize("name,base", [
     ("a", 0), ("a", P20 - 7), ("b", 0), ("b", P20 - 3), ("c", 0), ("c", 2**31 - 200),
-    ("d", 0), ("e", P20 - 100),
+    ("d", 0), ("e", P20 - 100), ("f", P20 + 11),
 ])
 def test_invariant_schedule(backend, name, base):
     d = Driver(backend, name, base=base, seed=zlib.crc32(f"{name}{base}".encode()))
