@@ -145,12 +145,8 @@ def main(argv=None) -> dict:
             except Exception as e:
                 rows.append({"impl": "cupy_unfused", "window": window, "error": f"{type(e).__name__}: {e}"})
         common.print_rows(f"window={window:>6}", rows)
-        result["rows"].extend(rows)
-        common.write_json(out, result)
-        common.free_device_memory(be)
-    print(common.format_table([r for r in result["rows"] if "us" in r], TABLE))
-    print(f"results: {out}")
-    return result
+        common.add_rows(result, rows, out, be)
+    return common.finish(result, out, TABLE)
 
 
 if __name__ == "__main__":

@@ -183,12 +183,8 @@ def main(argv=None) -> dict:
             except Exception as e:
                 rows.append({"impl": "cublas_f16", "shape": name, "error": f"{type(e).__name__}: {e}"})
         common.print_rows(f"{name:>8}", rows)
-        result["rows"].extend(rows)
-        common.write_json(out, result)
-        common.free_device_memory(be)
-    print(common.format_table([r for r in result["rows"] if "us" in r], TABLE))
-    print(f"results: {out}")
-    return result
+        common.add_rows(result, rows, out, be)
+    return common.finish(result, out, TABLE)
 
 
 if __name__ == "__main__":

@@ -167,6 +167,20 @@ def print_rows(label: str, rows: list[dict]) -> None:
             print(f"  {label} {r['impl']:>12}: {r['error']}", flush=True)
 
 
+def add_rows(result: dict, rows: list[dict], out, backend) -> None:
+    """Keep a finished configuration's rows: into the result, onto disk at once
+    (a later timeout loses nothing), device memory freed for the next one."""
+    result["rows"].extend(rows)
+    write_json(out, result)
+    free_device_memory(backend)
+
+
+def finish(result: dict, out, table) -> dict:
+    print(format_table([r for r in result["rows"] if "us" in r], table))
+    print(f"results: {out}")
+    return result
+
+
 def write_json(path, obj) -> Path:
     """Write atomically (a timeout mid-write leaves the previous file intact)."""
     path = Path(path)

@@ -216,6 +216,17 @@ def _check_dtype_supported(dtype) -> np.dtype:
 # ---------------------------------------------------------------------------
 # streams, events, graphs
 # ---------------------------------------------------------------------------
+def _host_wait(backend, raw, what: str) -> None:
+    """``raw.synchronize()`` (a CuPy stream or event), refused during capture;
+    a device error surfaces as KernelLaunchError."""
+    backend._no_capture(f"{what.split()[-1]}.synchronize()")
+    try:
+        raw.synchronize()
+    except _runtime.CUDARuntimeError as e:
+        raise KernelLaunchError(f"device error while synchronising {what} "
+                                f"(an earlier kernel failed?): {e}") from e
+
+
 class CudaStream:
     """A non-blocking CuPy stream (``.raw``) whose ``synchronize()`` refuses during capture."""
 
@@ -228,12 +239,7 @@ class CudaStream:
         return self.raw.ptr
 
     def synchronize(self) -> None:
-        self._backend._no_capture("stream.synchronize()")
-        try:
-            self.raw.synchronize()
-        except _runtime.CUDARuntimeError as e:
-            raise KernelLaunchError(f"device error while synchronising a stream "
-                                    f"(an earlier kernel failed?): {e}") from e
+        _host_wait(self._backend, self.raw, "a stream")
 
     def is_capturing(self) -> bool:
         return self._backend._capture_raw is not None and self._backend._capture_raw.ptr == self.ptr
@@ -258,12 +264,7 @@ class CudaEvent:
         self.raw.record(raw)
 
     def synchronize(self) -> None:
-        self._backend._no_capture("event.synchronize()")
-        try:
-            self.raw.synchronize()
-        except _runtime.CUDARuntimeError as e:
-            raise KernelLaunchError(f"device error while synchronising an event "
-                                    f"(an earlier kernel failed?): {e}") from e
+        _host_wait(self._backend, self.raw, "an event")
 
     def query(self) -> bool:
         try:
