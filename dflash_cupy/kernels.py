@@ -7,11 +7,9 @@ options).
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-CUDA_SRC = Path(os.environ.get("DFLASH_CUPY_CUDA_SRC",
-                               Path(__file__).resolve().parent.parent / "cuda_src"))
+from .source_dir import CUDA_SRC
 
 _cache: dict = {}
 

@@ -18,7 +18,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-EMU_DIR = Path(__file__).resolve().parent.parent.parent / "cuda_src" / "emu"
+from ..source_dir import EMU_DIR
+
 SMEM_BYTES = 232448  # 227 KiB: the most dynamic shared memory a Hopper block may opt into
 STACK_BYTES = 64 * 1024  # per fiber (the generated code passes it to cuda_emu.h)
 
