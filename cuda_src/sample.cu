@@ -1,0 +1,267 @@
+// sample.cu — draft tokens from rows of logits: greedy argmax, or seeded
+// sampling with temperature, top-k and top-p from a counter-based RNG.
+//
+// Layouts: logits [n_rows, ld] f32 (the first SAMPLE_V columns are the vocabulary),
+// tokens [n_rows] int32 (out). Per-step values live in device memory so a captured
+// graph picks up new ones at every replay:
+//   knobs f32 [3]: temperature (0: greedy), top_p (>= 1: off), top_k (0 or >= V: off;
+//                  an integer held exactly in f32);
+//   rng   u64 [2]: seed, counter base (e.g. the step's first noise position).
+// Launch: grid = n_rows (one block per row), block = SAMPLE_BLOCK. No dynamic shared memory.
+//
+// What it computes (ops/sample.py's NumPy reference mirrors every step):
+//  greedy: the lowest index of the largest logit (NaN ranks below -inf, as in key order).
+//  sampling, per row:
+//   z_i = logit_i * (1/T) (both in f32); key_i = the order-preserving u32 of z_i (NaN -> 0);
+//   m = max z; w_i = 1 if z_i == m else expf(z_i - m); mass_i = trunc(w_i * 2^40) (u64).
+//     Integer masses make every sum below exact and independent of summation order, so the
+//     kernel is deterministic; a token whose probability is under 2^-40 of the most likely
+//     one is never drawn.
+//   top-k: keep key_i >= kth, the k-th largest key (ties at the threshold are all kept).
+//   top-p: among those, S = kept mass, P = ceil(top_p * S) (in double); keep key_i >= t,
+//     t the largest key with mass(kept, key >= t) >= P (the smallest prefix of the
+//     descending order that holds top_p of the mass; ties kept).
+//   draw: (c0..c3) = Philox4x32-10(counter = (row, base lo, base hi, 0), key = (seed lo, seed hi));
+//     r = c1 << 32 | c0; target = floor(r * S_kept / 2^64); token = the first index (in id order)
+//     whose running kept mass exceeds target.
+//  Thresholds come from radix selection over the keys (4 passes of 8 bits, histograms in
+//  shared memory with integer atomics); the draw scans contiguous chunks after a block-wide
+//  exclusive scan of their masses.
+//
+// nvrtc-check: -DSAMPLE_V=151936 -DSAMPLE_BLOCK=512
+// nvrtc-check: -DSAMPLE_V=19 -DSAMPLE_BLOCK=64
+
+#ifndef SAMPLE_V
+#define SAMPLE_V 1000
+#endif
+#ifndef SAMPLE_BLOCK
+#define SAMPLE_BLOCK 256
+#endif
+
+#if SAMPLE_BLOCK % 32 != 0 || SAMPLE_BLOCK > 1024
+#error "SAMPLE_BLOCK must be a multiple of 32, at most 1024"
+#endif
+
+namespace sample_detail {
+constexpr int V = SAMPLE_V;
+constexpr int NT = SAMPLE_BLOCK;
+constexpr int NW = NT / 32;
+constexpr int CHUNK = (V + NT - 1) / NT;  // contiguous columns per thread in the draw
+constexpr float MASS_SCALE = 1099511627776.0f;  // 2^40
+
+__device__ __forceinline__ unsigned int order_key(float z)
+{
+    const unsigned int u = __float_as_uint(z);
+    if (z != z) return 0u;
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_value(unsigned int k)
+{
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+__device__ __forceinline__ unsigned long long mass_of(float z, float m)
+{
+    if (z != z) return 0ull;
+    const float w = (z == m) ? 1.0f : expf(z - m);
+    return (unsigned long long)(w * MASS_SCALE);
+}
+
+__device__ __forceinline__ unsigned long long mulhi64(unsigned long long a, unsigned long long b)
+{
+    const unsigned long long al = a & 0xffffffffull, ah = a >> 32, bl = b & 0xffffffffull, bh = b >> 32;
+    const unsigned long long p0 = al * bl, p1 = al * bh, p2 = ah * bl, p3 = ah * bh;
+    const unsigned long long mid = (p0 >> 32) + (p1 & 0xffffffffull) + (p2 & 0xffffffffull);
+    return p3 + (p1 >> 32) + (p2 >> 32) + (mid >> 32);
+}
+
+__device__ __forceinline__ void philox4x32_10(unsigned int c[4], unsigned int k0, unsigned int k1)
+{
+#pragma unroll
+    for (int r = 0; r < 10; ++r) {
+        if (r) { k0 += 0x9E3779B9u; k1 += 0xBB67AE85u; }
+        const unsigned int hi0 = __umulhi(0xD2511F53u, c[0]), lo0 = 0xD2511F53u * c[0];
+        const unsigned int hi1 = __umulhi(0xCD9E8D57u, c[2]), lo1 = 0xCD9E8D57u * c[2];
+        const unsigned int n0 = hi1 ^ c[1] ^ k0, n2 = hi0 ^ c[3] ^ k1;
+        c[0] = n0; c[1] = lo1; c[2] = n2; c[3] = lo0;
+    }
+}
+
+// Every thread gets the block's sum (warp partials added in a fixed order).
+__device__ __forceinline__ unsigned long long block_sum(unsigned long long v, unsigned long long* red)
+{
+#pragma unroll
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();  // red may still be read from the previous call
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    unsigned long long t = 0;
+    for (int i = 0; i < NW; ++i) t += red[i];
+    return t;
+}
+
+__device__ __forceinline__ unsigned int block_max(unsigned int v, unsigned int* red)
+{
+#pragma unroll
+    for (int o = 16; o; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    unsigned int t = 0;
+    for (int i = 0; i < NW; ++i) t = max(t, red[i]);
+    return t;
+}
+
+struct SampleShared {
+    unsigned long long hist[256];
+    unsigned long long red[NW];
+    unsigned int redk[NW];
+    unsigned int prefix;
+    unsigned long long carry;
+};
+
+// Radix selection of a threshold key among the row's keys with key >= floor_key:
+// by_mass == false: the largest key t with count(key >= t) >= need (the need-th largest);
+// by_mass == true:  the largest key t with mass(key >= t) >= need.
+__device__ unsigned int radix_select(const float* zrow, float inv_t, float m, unsigned int floor_key,
+                                     bool by_mass, unsigned long long need, SampleShared& sh)
+{
+    unsigned int prefix = 0u, pmask = 0u;
+    unsigned long long above = 0ull;  // count or mass of selected keys above the current bin range
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += NT) sh.hist[b] = 0ull;
+        __syncthreads();
+        for (int i = threadIdx.x; i < V; i += NT) {
+            const float z = zrow[i] * inv_t;
+            const unsigned int k = order_key(z);
+            if (k >= floor_key && (k & pmask) == prefix) {
+                const unsigned long long add = by_mass ? mass_of(z, m) : 1ull;
+                if (add) atomicAdd(&sh.hist[(k >> shift) & 255u], add);
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned long long acc = above;
+            int b = 255;
+            for (; b > 0; --b) {
+                if (acc + sh.hist[b] >= need) break;
+                acc += sh.hist[b];
+            }
+            sh.prefix = prefix | ((unsigned int)b << shift);
+            sh.carry = acc;
+        }
+        __syncthreads();
+        prefix = sh.prefix;
+        above = sh.carry;
+        pmask |= 255u << shift;
+        __syncthreads();
+    }
+    return prefix;
+}
+}  // namespace sample_detail
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_BLOCK)
+sample_rows(const float* logits, int ld, int n_rows, const float* knobs, const unsigned long long* rng,
+            int* tokens)
+{
+    using namespace sample_detail;
+    __shared__ SampleShared sh;
+    const int row = blockIdx.x;
+    if (row >= n_rows) return;
+    const float* lrow = logits + (long long)row * ld;
+    const float temperature = knobs[0], top_p = knobs[1], top_k_f = knobs[2];
+
+    if (!(temperature > 0.0f)) {  // greedy: largest key, lowest index among equals
+        unsigned int best = 0u;
+        int best_i = 0x7fffffff;
+        for (int i = threadIdx.x; i < V; i += NT) {
+            const unsigned int k = order_key(lrow[i]);
+            if (k > best || best_i == 0x7fffffff) { best = k; best_i = i; }
+        }
+#pragma unroll
+        for (int o = 16; o; o >>= 1) {
+            const unsigned int ok = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+            if (ok > best || (ok == best && oi < best_i)) { best = ok; best_i = oi; }
+        }
+        if ((threadIdx.x & 31) == 0) { sh.redk[threadIdx.x >> 5] = best; sh.hist[threadIdx.x >> 5] = (unsigned long long)best_i; }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned int bk = sh.redk[0];
+            int bi = (int)sh.hist[0];
+            for (int w = 1; w < NW; ++w) {
+                const unsigned int k = sh.redk[w];
+                const int i = (int)sh.hist[w];
+                if (k > bk || (k == bk && i < bi)) { bk = k; bi = i; }
+            }
+            tokens[row] = bi < V ? bi : 0;
+        }
+        return;
+    }
+
+    const float inv_t = 1.0f / temperature;
+    unsigned int kmax = 0u;
+    for (int i = threadIdx.x; i < V; i += NT) kmax = max(kmax, order_key(lrow[i] * inv_t));
+    kmax = block_max(kmax, sh.redk);
+    const float m = key_value(kmax);
+
+    unsigned int thr = 1u;  // NaN keys (0) never drawn
+    const int top_k = (int)top_k_f;
+    if (top_k > 0 && top_k < V)
+        thr = max(thr, radix_select(lrow, inv_t, m, 0u, false, (unsigned long long)top_k, sh));
+    if (top_p < 1.0f) {
+        unsigned long long s = 0ull;
+        for (int i = threadIdx.x; i < V; i += NT) {
+            const float z = lrow[i] * inv_t;
+            if (order_key(z) >= thr) s += mass_of(z, m);
+        }
+        s = block_sum(s, sh.red);
+        if (s > 0ull) {
+            unsigned long long p = (unsigned long long)ceil((double)top_p * (double)s);
+            p = p < 1ull ? 1ull : (p > s ? s : p);
+            thr = max(thr, radix_select(lrow, inv_t, m, thr, true, p, sh));
+        }
+    }
+
+    // The draw: each thread owns a contiguous chunk; an exclusive scan of chunk masses
+    // (warp shuffles, then warp totals in a fixed order) finds the chunk holding target.
+    const int c0 = threadIdx.x * CHUNK, c1 = min(V, c0 + CHUNK);
+    unsigned long long mine = 0ull;
+    for (int i = c0; i < c1; ++i) {
+        const float z = lrow[i] * inv_t;
+        if (order_key(z) >= thr) mine += mass_of(z, m);
+    }
+    unsigned long long incl = mine;
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned long long up = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += up;
+    }
+    __syncthreads();
+    if (lane == 31) sh.red[wid] = incl;
+    __syncthreads();
+    unsigned long long before = 0ull, total = 0ull;
+    for (int w = 0; w < NW; ++w) {
+        if (w < wid) before += sh.red[w];
+        total += sh.red[w];
+    }
+    const unsigned long long start = before + incl - mine;
+    if (threadIdx.x == 0 && total == 0ull) tokens[row] = 0;  // nothing drawable (all NaN)
+    if (total == 0ull || mine == 0ull) return;
+
+    unsigned int c[4] = {(unsigned int)row, (unsigned int)(rng[1] & 0xffffffffull),
+                         (unsigned int)(rng[1] >> 32), 0u};
+    philox4x32_10(c, (unsigned int)(rng[0] & 0xffffffffull), (unsigned int)(rng[0] >> 32));
+    const unsigned long long r = ((unsigned long long)c[1] << 32) | c[0];
+    const unsigned long long target = mulhi64(r, total);
+    if (target < start || target >= start + mine) return;
+    unsigned long long run = start;
+    for (int i = c0; i < c1; ++i) {
+        const float z = lrow[i] * inv_t;
+        if (order_key(z) < thr) continue;
+        run += mass_of(z, m);
+        if (run > target) { tokens[row] = i; return; }
+    }
+}
