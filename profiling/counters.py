@@ -209,12 +209,13 @@ def _gemm_mma(L) -> KernelCounters:
     c = KernelCounters("gemm_mma", "static estimate", L.n_blocks)
     warps = L.n_blocks * WARPS
 
-    # weight rows streamed: each lane one row n (8 per warp), 16 B per 32-wide K step
-    valid_cols = N                                  # every n < N is streamed once per K slice
-    w_rows = NW * valid_cols
+    # weight rows streamed: each lane one row n (8 per warp), 16 B per 32-wide K step;
+    # a full step of a warp is 8 rows x 64 contiguous bytes
+    w_rows = NW * N
     c.bytes_read[_name(w)] = w_rows * K * 2
-    # per full step a warp's 8 rows x 4 lanes x 16 B: 8 rows x 64 contiguous B
-    full_sec, full_req = global_sectors([((g * K) + t * 8) * 2 for g in range(8) for t in range(4)], 16)
+    rows_of_warp = [max(0, min(8, N - (bx * WARPS + wp) * 8)) for bx in range(gx) for wp in range(WARPS)]
+    full_warps = rows_of_warp.count(8)
+    partial_rows = Counter(v for v in rows_of_warp if 0 < v < 8)
     peak_steps = 0
     dram_trips = l2_trips = 0.0
     x_rows_total = 0
@@ -231,13 +232,17 @@ def _gemm_mma(L) -> KernelCounters:
             steps_part += s - kend // 32
             trips += -(-s // 4)          # #pragma unroll 4: up to 4 steps' loads in flight
             peak_steps = max(peak_steps, min(4, s))
-        # weights: per warp (all warps of all column blocks, rows < N assumed: N % 32 == 0 in presets)
-        n_w = gx * gy * WARPS
-        c.add_global("ld", n_w * NW * steps_full, full_sec, full_req)
-        if steps_part:
-            rem = (span % 32) // 8           # lanes t with k < k_end in the last partial step
-            sec, req = global_sectors([((g * K) + t * 8) * 2 for g in range(8) for t in range(rem)], 16)
-            c.add_global("ld", n_w * NW * steps_part, sec, req)
+        # weights: each warp's lanes with n < N load (a whole warp past N issues nothing)
+        for vr in (8, *sorted(partial_rows)):
+            n_w = gy * (full_warps if vr == 8 else partial_rows[vr])
+            if not n_w:
+                continue
+            sec, req = global_sectors([((g * K) + t * 8) * 2 for g in range(vr) for t in range(4)], 16)
+            c.add_global("ld", n_w * NW * steps_full, sec, req)
+            if steps_part:
+                rem = (span % 32) // 8           # lanes t with k < k_end in the last partial step
+                sec, req = global_sectors([((g * K) + t * 8) * 2 for g in range(vr) for t in range(rem)], 16)
+                c.add_global("ld", n_w * NW * steps_part, sec, req)
         # x tile staging: ROWS x KT/4 float4 per tile, only rows < M and k < k_end load
         for by in range(gy):
             m_valid = max(0, min(ROWS, M - by * ROWS))
@@ -271,6 +276,8 @@ def _gemm_mma(L) -> KernelCounters:
         c.barriers += gx * gy * 2 * tiles
     c.bytes_read[_name(x)] = M * K * 4
     c.notes.append(f"x re-staged by each of the {gx} column blocks: {x_rows_total * 4 / 1e6:.2f} MB from L2")
+    if SPLIT == 2:
+        c.notes.append("activations split hi + lo: 2x the MMAs and x-tile reads")
     if MT * 16 > M:
         c.notes.append(f"{MT} M-tiles compiled for M={M}: {MT * 16 - M} of {MT * 16} rows of MMA and "
                        f"x-tile reads are zeros")
@@ -454,6 +461,37 @@ def copy_counters(copy) -> KernelCounters:
     c.bytes_read[copy.src.name] = copy.nbytes
     c.bytes_written[copy.dst.name] = copy.nbytes
     c.dram_bytes = 2 * copy.nbytes if copy.kind == "d2d" else copy.nbytes
+    return c
+
+
+def sample_blocks(grid, n: int = 8, seed: int = 0) -> list:
+    """The blocks a sampling counter mode runs: the first, the last and
+    ``n - 2`` others drawn with ``seed`` (all of them when the grid is small),
+    as (x, y, z) in launch order. Additive counters of the sample are scaled
+    by ``blocks / len(sample)``; per-array distinct bytes are not additive
+    (blocks re-read shared inputs) and come from the static model or an
+    address-only pass over the whole grid."""
+    gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+    total = gx * gy * gz
+    if n < 2 or total < 1:
+        raise ValueError(f"n must be >= 2 and the grid non-empty, got n={n}, grid={grid}")
+    if total <= n:
+        ids = list(range(total))
+    else:
+        rng = np.random.default_rng(seed)
+        ids = sorted({0, total - 1, *rng.choice(np.arange(1, total - 1), size=n - 2, replace=False).tolist()})
+    return [(i % gx, (i // gx) % gy, i // (gx * gy)) for i in ids]
+
+
+def scale_sample(c: KernelCounters, blocks_counted: int) -> KernelCounters:
+    """Additive counters of ``blocks_counted`` sampled blocks scaled to ``c.blocks``."""
+    if not 1 <= blocks_counted <= c.blocks:
+        raise ValueError(f"blocks_counted must be in [1, {c.blocks}], got {blocks_counted}")
+    f = c.blocks / blocks_counted
+    for k in ("gld_requests", "gld_sectors", "gld_bytes", "gst_requests", "gst_sectors", "gst_bytes",
+              "smem_requests", "smem_wavefronts", "smem_ideal_wavefronts", "mma", "barriers"):
+        setattr(c, k, int(round(getattr(c, k) * f)))
+    c.blocks_counted = blocks_counted
     return c
 
 

@@ -67,6 +67,7 @@ class NodeTime:
     waves: float = 0.0
     tail_blocks: int = 0
     wave_efficiency: float = 1.0
+    inflight_kb_per_sm: float = 0.0   # static peak: per-warp peak x warps resident on the busiest SM
     bounds_us: dict = field(default_factory=dict)
     predicted_us: float = 0.0
     bound: str = ""
@@ -98,6 +99,8 @@ def kernel_time(n, c: ctr.KernelCounters, gpu) -> NodeTime:
                      counters=c)
         blocks = n.n_blocks
         per_sm_max = math.ceil(blocks / gpu.sm_count)     # blocks the busiest SM runs
+        t.inflight_kb_per_sm = (c.inflight_peak_bytes_per_warp * (n.threads // 32)
+                                * min(occ.blocks_per_sm, per_sm_max) / 1024)
         clk = gpu.clock_hz
         smem = c.smem_wavefronts / blocks * per_sm_max / (gpu.smem_wavefronts_per_clk_sm * clk)
         mma = c.mma / blocks * per_sm_max / (gpu.mma_per_clk_sm * clk)
@@ -161,6 +164,7 @@ def model_step(drafter: str, window: int, gpu, *, accept: int = 6, lm_head_vocab
             "kv_total": plan.kv_total, "q_len": plan.q_len, "a_step": plan.a_step,
             "bytes": sb, "floor_us": floor_us, "kernels_us": kern_us, "gaps_us": gap_us,
             "step_us": step_us, "ratio": step_us / floor_us,
+            "inflight_needed_kb_per_sm": gpu.hbm_Bps * gpu.hbm_latency_s / gpu.sm_count / 1024,
             "counted_dram_bytes": sum(t.counters.dram_bytes for t in nodes),
             "counted_l2_bytes": sum(t.counters.l2_bytes for t in nodes),
             "groups": groups, "losses": _losses(groups, gap_us), "nodes": nodes}
@@ -218,11 +222,25 @@ def _losses(groups, gap_us) -> list:
 def load_measured(path: Path = MEASURED_FILE) -> dict:
     """``{preset: {window: {"step_us": x, "kernels": {label: us}}}}`` from a
     GPU run (format in the README), or {} when there is none."""
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text())
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object keyed by drafter preset")
+    data: dict = {}
+    if path.is_file():
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object keyed by drafter preset")
+    # bench_step results of GPU runs (profiling/results/*.json): the graph rows' step time
+    for f in sorted(path.parent.glob("*.json")) if path.parent.is_dir() else ():
+        try:
+            doc = json.loads(f.read_text())
+        except ValueError:
+            continue
+        if not isinstance(doc, dict) or doc.get("bench") != "step":
+            continue
+        if doc.get("meta", {}).get("device", {}).get("backend") != "cuda":
+            continue
+        for r in doc.get("rows", []):
+            if r.get("mode") == "graph" and "us_per_step" in r:
+                e = data.setdefault(r["drafter"], {}).setdefault(str(r["window"]), {})
+                e.setdefault("step_us", r["us_per_step"])
     return data
 
 
@@ -234,7 +252,7 @@ def format_report(m: dict, measured: dict | None = None) -> str:
              f"{m['n_nodes']} graph nodes ({m['n_launches']} launches, {m['n_copies']} copies)"]
     hdr = (f"{'kernel':24s} {'n':>2s} {'grid':>13s} {'reg':>4s} {'blk/SM':>6s} {'waves':>5s} {'tail':>4s} "
            f"{'DRAM MB':>8s} {'L2 MB':>7s} {'sect':>5s} {'smem wf':>9s} {'confl':>5s} {'mma':>8s} "
-           f"{'infl B/w':>8s} | " + " ".join(f"{b:>7s}" for b in BOUNDS) + f" | {'pred us':>8s} bound")
+           f"{'KB/SM':>5s} | " + " ".join(f"{b:>7s}" for b in BOUNDS) + f" | {'pred us':>8s} bound")
     if mk:
         hdr += "   meas us"
     lines.append(hdr)
@@ -245,7 +263,7 @@ def format_report(m: dict, measured: dict | None = None) -> str:
         row = (f"{label[:24]:24s} {k:2d} {grid:>13s} {t.registers:4d} {t.blocks_per_sm:6d} {t.waves:5.2f} "
                f"{t.tail_blocks if t.waves > 1 else 0:4d} {c.dram_bytes * k / 1e6:8.2f} {c.l2_bytes * k / 1e6:7.1f} "
                f"{c.sector_efficiency:5.2f} {c.smem_wavefronts * k:9.3g} {c.bank_conflict_factor:5.2f} "
-               f"{c.mma * k:8.3g} {c.inflight_peak_bytes_per_warp:8d} | "
+               f"{c.mma * k:8.3g} {t.inflight_kb_per_sm:5.1f} | "
                + " ".join(f"{b.get(x, 0.0):7.1f}" for x in BOUNDS)
                + f" | {e['predicted_us']:8.1f} {max(e['binding'], key=e['binding'].get)}")
         if mk:
@@ -256,10 +274,21 @@ def format_report(m: dict, measured: dict | None = None) -> str:
                  f"compulsory); ratio {m['ratio']:.2f}x (goal 1.15x)"
                  + (f"; measured step {meas['step_us']:.1f} us ({meas['step_us'] / m['floor_us']:.2f}x)"
                     if "step_us" in meas else ""))
-    lines.append(f"L2 traffic {m['counted_l2_bytes'] / 1e9:.2f} GB, counted DRAM {m['counted_dram_bytes'] / 1e9:.3f} GB")
+    lines.append(f"L2 traffic {m['counted_l2_bytes'] / 1e9:.2f} GB, counted DRAM {m['counted_dram_bytes'] / 1e9:.3f} GB; "
+                 f"loads in flight needed per SM at this GPU's bandwidth x latency: "
+                 f"{m['inflight_needed_kb_per_sm']:.1f} KB (KB/SM column: static peak)")
+    lines.append("where the time goes:")
+    total = m["step_us"]
+    parts = [(label, e["predicted_us"]) for label, e in m["groups"].items()] + [("node gaps", m["gaps_us"])]
+    for label, v in sorted(parts, key=lambda p: -p[1]):
+        if v >= 0.005 * total:
+            lines.append(f"  {label[:24]:24s} {v:8.1f} us {100 * v / total:5.1f}% " + "#" * round(50 * v / total))
     lines.append("largest losses (time above each kernel's own HBM bound):")
     for d in m["losses"][:5]:
         lines.append(f"  {d['loss_us']:8.1f} us  {d['label']}: {d['why']}")
+        for note in d["notes"]:
+            if not note.startswith("in-flight"):
+                lines.append(f"{'':14s}- {note}")
     return "\n".join(lines)
 
 

@@ -308,3 +308,23 @@ def test_cli_json(capsys):
 def test_cli_rejects_unknown_drafter():
     with pytest.raises(ValueError, match="drafter 'nope'"):
         pm.main(["--drafter", "nope", "--windows", "64"])
+
+
+def test_gemm_mma_partial_column_block():
+    """N = 40: the second column block has one warp with 8 rows and three past N."""
+    c = ctr.static_counters(_gemm_launch(16, 40, 256, MT=1, KT=128))
+    steps = 256 // 32
+    weight_sectors = (4 + 1) * steps * 16           # 5 warps x 8 K steps x 8 rows x 2 sectors
+    assert c.gld_sectors - 2 * 16 * 256 * 4 // 32 == weight_sectors   # the rest is x staging
+    assert c.bytes_read["w"] == 40 * 256 * 2
+
+
+def test_sample_blocks():
+    s = ctr.sample_blocks((544, 1, 1), 8, seed=3)
+    assert s[0] == (0, 0, 0) and s[-1] == (543, 0, 0) and len(set(s)) == 8
+    assert s == ctr.sample_blocks((544, 1, 1), 8, seed=3)
+    assert ctr.sample_blocks((2, 2, 1), 8) == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
+    c = ctr.KernelCounters("k", "emulator", blocks=544, mma=8 * 10)
+    assert ctr.scale_sample(c, 8).mma == 544 * 10
+    with pytest.raises(ValueError, match="blocks_counted"):
+        ctr.scale_sample(c, 0)
