@@ -328,3 +328,20 @@ def test_sample_blocks():
     assert ctr.scale_sample(c, 8).mma == 544 * 10
     with pytest.raises(ValueError, match="blocks_counted"):
         ctr.scale_sample(c, 0)
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    m = pm.model_step("tiny", 64, H200)
+    out = pm.plot([m], tmp_path / "p.png")
+    assert out is not None and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_measured_from_gpu_bench_step_results(tmp_path):
+    row = {"drafter": "tiny", "window": 64, "mode": "graph", "us_per_step": 50.0}
+    (tmp_path / "step.json").write_text(json.dumps(
+        {"bench": "step", "meta": {"device": {"backend": "cuda"}}, "rows": [row]}))
+    (tmp_path / "cpu_step.json").write_text(json.dumps(
+        {"bench": "step", "meta": {"device": {"backend": "emulated"}}, "rows": [dict(row, window=128)]}))
+    got = pm.load_measured(tmp_path / "perf_measured.json")
+    assert got == {"tiny": {"64": {"step_us": 50.0}}}    # emulated runs are not measurements
