@@ -38,7 +38,7 @@ from . import counters as ctr
 from . import static_facts as sf
 from .common import DRAFTERS, drafter_config, int_list, str_list
 from .hw_params import get_gpu
-from .launch_plan import Copy, Launch, step_plan
+from .launch_plan import Copy, step_plan
 from .step_model import step_bytes
 
 ALIASES = {"qwen3-8b": "h4096", "h5120": "qwen3.5-27b"}

@@ -27,7 +27,7 @@ from profiling import perf_model as pm
 from profiling import static_facts as sf
 from profiling.common import drafter_config
 from profiling.hw_params import H100, H200, get_gpu
-from profiling.launch_plan import ArrayRef, Copy, Launch, step_plan
+from profiling.launch_plan import ArrayRef, Launch, step_plan
 from profiling.step_model import step_bytes
 
 
