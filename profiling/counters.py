@@ -1,0 +1,506 @@
+"""Per-launch counters: the interface, the access arithmetic, and static estimates.
+
+``KernelCounters`` is what the cost model reads for one launch. Two producers
+fill it:
+
+* **static estimates** (this module, ``static_counters(launch)``): derived by
+  hand from each kernel's source (its loops and address expressions, written
+  out below per kernel) and the launch's real shapes, evaluated lane by lane
+  for the warp-level accesses that matter (weight and activation loads, the x
+  and K/V tiles in shared memory) with the same two functions an emulator
+  counter mode would call: ``global_sectors`` and ``smem_wavefronts``. Kernels
+  without a written-out access model get their compulsory bytes only
+  (``source`` says which);
+* **the emulator** (a later round: every kernel memory access goes through
+  hook functions in ``cuda_src/emu/cuda_emu.h``): a counter mode that runs a
+  sample of blocks of each launch at the real shapes, feeds each warp-level
+  access to ``global_sectors`` / ``smem_wavefronts`` (or the same rules in
+  C++) and fills the same fields, scaled by the grid; ``source`` then reads
+  ``"emulator"`` and ``blocks_counted`` says how many blocks ran.
+
+Rules (what a "request", a "sector" and a "wavefront" are here):
+
+* global: one request per warp-level load/store instruction with any active
+  lane; sectors = distinct 32-byte sectors its active lanes touch; requested
+  bytes = the active lanes' access sizes summed. ``sector_efficiency`` =
+  requested / (sectors x 32).
+* shared: an access of width w bytes is served in phases of 32 / max(1, w/4)
+  lanes (all 32 for <= 4 B, 16 for 8 B, 8 for 16 B); in each phase, the
+  wavefronts are the largest number of distinct 4-byte words any one of the 32
+  banks must deliver (lanes reading the same word share it). A conflict-free
+  access needs ceil(32 w / 128) wavefronts.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+SECTOR = 32
+BANKS = 32
+
+
+# ---------------------------------------------------------------------------- access arithmetic
+def global_sectors(addrs, width: int) -> tuple[int, int]:
+    """``(sectors, requested_bytes)`` of one warp-level global access: ``addrs``
+    the byte address of each lane (``None`` = inactive), ``width`` bytes each."""
+    if width not in (1, 2, 4, 8, 16):
+        raise ValueError(f"width must be 1, 2, 4, 8 or 16 bytes, got {width}")
+    secs, req = set(), 0
+    for a in addrs:
+        if a is None:
+            continue
+        if a % width:
+            raise ValueError(f"address {a:#x} is not aligned to its width {width}")
+        secs.update(range(a // SECTOR, (a + width - 1) // SECTOR + 1))
+        req += width
+    return len(secs), req
+
+
+def smem_wavefronts(addrs, width: int) -> int:
+    """Wavefronts of one warp-level shared-memory access (module docstring)."""
+    if width not in (1, 2, 4, 8, 16):
+        raise ValueError(f"width must be 1, 2, 4, 8 or 16 bytes, got {width}")
+    addrs = list(addrs)
+    if len(addrs) != 32:
+        raise ValueError(f"addrs must list 32 lanes (None for inactive), got {len(addrs)}")
+    per_phase = 32 // max(1, width // 4)
+    total = 0
+    for p0 in range(0, 32, per_phase):
+        banks: dict = {}
+        for a in addrs[p0:p0 + per_phase]:
+            if a is None:
+                continue
+            if a % width:
+                raise ValueError(f"address {a:#x} is not aligned to its width {width}")
+            for word in range(a // 4, (a + width - 1) // 4 + 1):
+                banks.setdefault(word % BANKS, set()).add(word)
+        if banks:
+            total += max(len(s) for s in banks.values())
+    return total
+
+
+def ideal_wavefronts(width: int, active: int = 32) -> int:
+    return max(1, math.ceil(active * width / 128))
+
+
+# ---------------------------------------------------------------------------- the interface
+@dataclass
+class KernelCounters:
+    """Counters of one launch (all blocks). Bytes per array are compulsory
+    (distinct) bytes; ``l2_bytes`` is every sector moved between the SMs and L2."""
+    kernel: str
+    source: str                      # "static estimate" | "static estimate (bytes only)" | "emulator"
+    blocks: int
+    blocks_counted: int = 0          # emulator: blocks run (sampled), scaled to ``blocks``
+    gld_requests: int = 0
+    gld_sectors: int = 0
+    gld_bytes: int = 0               # requested by the lanes
+    gst_requests: int = 0
+    gst_sectors: int = 0
+    gst_bytes: int = 0
+    bytes_read: dict = field(default_factory=dict)      # array name -> distinct bytes read
+    bytes_written: dict = field(default_factory=dict)   # array name -> distinct bytes written
+    dram_bytes: int = 0              # compulsory: what must cross HBM (persistent state and first touches)
+    smem_requests: int = 0
+    smem_wavefronts: int = 0
+    smem_ideal_wavefronts: int = 0
+    mma: int = 0                     # mma.sync m16n8k16 instructions (warp-level)
+    barriers: int = 0                # __syncthreads executed, summed over blocks
+    # Latency path of one block (the longest): dependent round trips of its
+    # warps' global loads. A static estimate from the loop structure.
+    dram_round_trips_per_block: float = 0.0
+    l2_round_trips_per_block: float = 0.0
+    inflight_peak_bytes_per_warp: int = 0   # loads a warp can have issued and not consumed
+    notes: list = field(default_factory=list)
+
+    @property
+    def l2_bytes(self) -> int:
+        return (self.gld_sectors + self.gst_sectors) * SECTOR
+
+    @property
+    def sector_efficiency(self) -> float:
+        s = self.gld_sectors + self.gst_sectors
+        return (self.gld_bytes + self.gst_bytes) / (s * SECTOR) if s else 1.0
+
+    @property
+    def bank_conflict_factor(self) -> float:
+        return self.smem_wavefronts / self.smem_ideal_wavefronts if self.smem_ideal_wavefronts else 1.0
+
+    def add_global(self, kind: str, n: int, sectors: int, nbytes: int) -> None:
+        """``n`` warp-level requests, each with ``sectors`` sectors and ``nbytes`` requested."""
+        if kind == "ld":
+            self.gld_requests += n
+            self.gld_sectors += n * sectors
+            self.gld_bytes += n * nbytes
+        else:
+            self.gst_requests += n
+            self.gst_sectors += n * sectors
+            self.gst_bytes += n * nbytes
+
+    def add_smem(self, n: int, addrs, width: int) -> None:
+        """``n`` warp-level shared accesses with the lane addresses ``addrs``."""
+        active = sum(a is not None for a in addrs)
+        self.smem_requests += n
+        self.smem_wavefronts += n * smem_wavefronts(addrs, width)
+        self.smem_ideal_wavefronts += n * ideal_wavefronts(width, active)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.update(l2_bytes=self.l2_bytes, sector_efficiency=self.sector_efficiency,
+                 bank_conflict_factor=self.bank_conflict_factor)
+        return d
+
+
+# ---------------------------------------------------------------------------- helpers
+def _name(a) -> str:
+    return getattr(a, "name", "?")
+
+
+def _rw(c: KernelCounters, reads=(), writes=()) -> None:
+    for name, n in reads:
+        c.bytes_read[name] = c.bytes_read.get(name, 0) + int(n)
+    for name, n in writes:
+        c.bytes_written[name] = c.bytes_written.get(name, 0) + int(n)
+
+
+def _contig(c: KernelCounters, kind: str, nbytes: int, width: int = 4) -> None:
+    """Fully coalesced traffic of ``nbytes`` in 32-lane requests of ``width`` B each."""
+    if nbytes <= 0:
+        return
+    reqs, secs = -(-nbytes // (32 * width)), -(-nbytes // SECTOR)
+    if kind == "ld":
+        c.gld_requests += reqs
+        c.gld_sectors += secs
+        c.gld_bytes += nbytes
+    else:
+        c.gst_requests += reqs
+        c.gst_sectors += secs
+        c.gst_bytes += nbytes
+
+
+def _staging_loads(ROWS, KT, K, m_valid, kvalid, _cache={}):
+    """(requests, sectors, bytes) of one x-tile staging pass of gemm_mma:
+    ROWS x KT/4 float4 items, 32 consecutive items per warp-level load, only
+    rows < m_valid and columns < kvalid load."""
+    key = (ROWS, KT, K, m_valid, kvalid)
+    if key not in _cache:
+        i = np.arange(ROWS * (KT // 4))
+        row, c4 = i // (KT // 4), (i % (KT // 4)) * 4
+        ok = (row < m_valid) & (c4 < kvalid)
+        grp = (i // 32)[ok]
+        sec = (row[ok] * K + c4[ok]) * 4 // SECTOR
+        pairs = np.unique(grp.astype(np.int64) * (1 << 40) + sec)
+        _cache[key] = (len(np.unique(grp)), len(pairs), int(ok.sum()) * 16)
+    return _cache[key]
+
+
+# ---------------------------------------------------------------------------- gemm_mma.cu
+def _gemm_mma(L) -> KernelCounters:
+    d = L.defines
+    K, KT, MT, SPLIT = d["GM_K"], d["GM_KT"], d["GM_MT"], d.get("GM_SPLIT", 2)
+    KSPLIT, EPI, WARPS = d.get("GM_KSPLIT", 1), d.get("GM_EPI", 0), d.get("GM_WARPS", 4)
+    x, w, y, r, M, N, ws, _cnt = L.args
+    ROWS, XS, NW, THREADS = 16 * MT, KT + 8, 2 if EPI == 2 else 1, WARPS * 32
+    KZ = (-(-K // KSPLIT) + 31) // 32 * 32
+    gx, gy, gz = L.grid
+    c = KernelCounters("gemm_mma", "static estimate", L.n_blocks)
+    warps = L.n_blocks * WARPS
+
+    # weight rows streamed: each lane one row n (8 per warp), 16 B per 32-wide K step;
+    # a full step of a warp is 8 rows x 64 contiguous bytes
+    w_rows = NW * N
+    c.bytes_read[_name(w)] = w_rows * K * 2
+    rows_of_warp = [max(0, min(8, N - (bx * WARPS + wp) * 8)) for bx in range(gx) for wp in range(WARPS)]
+    full_warps = rows_of_warp.count(8)
+    partial_rows = Counter(v for v in rows_of_warp if 0 < v < 8)
+    peak_steps = 0
+    dram_trips = l2_trips = 0.0
+    x_rows_total = 0
+    for bz in range(gz):
+        k_begin, k_end = bz * KZ, min(K, bz * KZ + KZ)
+        span = max(0, k_end - k_begin)
+        tiles = -(-span // KT)
+        steps_full = steps_part = 0
+        trips = 0
+        for t_i in range(tiles):
+            kend = min(KT, span - t_i * KT)
+            s = -(-kend // 32)
+            steps_full += kend // 32
+            steps_part += s - kend // 32
+            trips += -(-s // 4)          # #pragma unroll 4: up to 4 steps' loads in flight
+            peak_steps = max(peak_steps, min(4, s))
+        # weights: each warp's lanes with n < N load (a whole warp past N issues nothing)
+        for vr in (8, *sorted(partial_rows)):
+            n_w = gy * (full_warps if vr == 8 else partial_rows[vr])
+            if not n_w:
+                continue
+            sec, req = global_sectors([((g * K) + t * 8) * 2 for g in range(vr) for t in range(4)], 16)
+            c.add_global("ld", n_w * NW * steps_full, sec, req)
+            if steps_part:
+                rem = (span % 32) // 8           # lanes t with k < k_end in the last partial step
+                sec, req = global_sectors([((g * K) + t * 8) * 2 for g in range(vr) for t in range(rem)], 16)
+                c.add_global("ld", n_w * NW * steps_part, sec, req)
+        # x tile staging: ROWS x KT/4 float4 per tile, only rows < M and k < k_end load
+        for by in range(gy):
+            m_valid = max(0, min(ROWS, M - by * ROWS))
+            x_rows_total += m_valid * span * gx
+            for t_i in range(tiles):
+                kvalid = min(KT, span - t_i * KT)
+                reqs, secs, nb = _staging_loads(ROWS, KT, K, m_valid, kvalid)
+                c.gld_requests += gx * reqs
+                c.gld_sectors += gx * secs
+                c.gld_bytes += gx * nb
+        dram_trips = max(dram_trips, trips)
+        l2_trips = max(l2_trips, tiles)
+        # shared stores of the staged tile (hi, lo): every item stores, valid or not
+        n_iter = -(-ROWS * (KT // 4) // THREADS)
+        tiles_all = tiles * gx * gy
+        for it in range(n_iter):
+            for wp in range(WARPS):
+                lanes = [it * THREADS + wp * 32 + ln for ln in range(32)]
+                addrs = [((i // (KT // 4)) * XS + (i % (KT // 4)) * 4) * 2 if i < ROWS * (KT // 4) else None
+                         for i in lanes]
+                if any(a is not None for a in addrs):
+                    c.add_smem(tiles_all * SPLIT, addrs, 8)
+        # MMA loop: per warp per step SPLIT x MT x 2 x 16-byte x-tile loads, SPLIT x MT x NW x 2 MMAs
+        steps = steps_full + steps_part
+        n_steps_warps = gx * gy * WARPS * steps
+        xa = [(g * XS + t * 8) * 2 for g in range(8) for t in range(4)]
+        xb = [a + 8 * XS * 2 for a in xa]
+        c.add_smem(n_steps_warps * SPLIT * MT, xa, 16)
+        c.add_smem(n_steps_warps * SPLIT * MT, xb, 16)
+        c.mma += n_steps_warps * SPLIT * MT * NW * 2
+        c.barriers += gx * gy * 2 * tiles
+    c.bytes_read[_name(x)] = M * K * 4
+    c.notes.append(f"x re-staged by each of the {gx} column blocks: {x_rows_total * 4 / 1e6:.2f} MB from L2")
+    if SPLIT == 2:
+        c.notes.append("activations split hi + lo: 2x the MMAs and x-tile reads")
+    if MT * 16 > M:
+        c.notes.append(f"{MT} M-tiles compiled for M={M}: {MT * 16 - M} of {MT * 16} rows of MMA and "
+                       f"x-tile reads are zeros")
+
+    # epilogue: lane stores (row g(+8), cols 2t, 2t+1 of the warp's 8): 8 rows x 32 B per instruction
+    e_addr = [(g * N + 2 * t) * 4 for g in range(8) for t in range(4)]
+    e_sec, e_req = global_sectors(e_addr, 4)
+    rows_valid = min(M, gy * ROWS)
+    inst_per_warp = sum(1 for i in range(MT) for e in range(4) for by in range(gy)
+                        if by * ROWS + i * 16 + (8 if e & 2 else 0) < M)
+    n_epi = gx * WARPS * inst_per_warp
+    if KSPLIT == 1:
+        c.add_global("st", n_epi, e_sec, e_req)
+        if EPI == 1:
+            c.add_global("ld", n_epi, e_sec, e_req)
+    else:
+        c.add_global("st", n_epi * KSPLIT * NW, e_sec, e_req)            # partial tiles -> ws
+        red = rows_valid * WARPS * 8 * gx                                   # last block: sums slices
+        _contig(c, "ld", red * 4 * KSPLIT * NW)
+        _contig(c, "st", red * 4)
+        if EPI == 1:
+            _contig(c, "ld", red * 4)
+        c.barriers += L.n_blocks * 2
+        c.bytes_written[_name(ws)] = KSPLIT * NW * rows_valid * N * 4
+        c.bytes_read[_name(ws)] = KSPLIT * NW * rows_valid * N * 4
+        c.notes.append(f"split-K {KSPLIT}: partial tiles round-trip through L2")
+    c.bytes_written[_name(y)] = M * N * 4
+    if EPI == 1:
+        c.bytes_read[_name(r) + " (residual)"] = M * N * 4
+    c.dram_bytes = w_rows * K * 2 + M * K * 4 + M * N * 4 * (2 if EPI == 1 else 1)
+    c.dram_round_trips_per_block = dram_trips
+    c.l2_round_trips_per_block = l2_trips
+    c.inflight_peak_bytes_per_warp = peak_steps * NW * 512
+    c.notes.append("in-flight: static estimate, #pragma unroll 4 lets a warp issue up to 4 steps' "
+                   "weight loads before the first MMA needs them; a barrier per K tile drains them")
+    return c
+
+
+# ---------------------------------------------------------------------------- attention_mma.cu
+def _attn_mma(L) -> KernelCounters:
+    d = L.defines
+    D, NH, NKV, B, KVT, SPLITS = d["D"], d["NH"], d["NKV"], d["B"], d["KV_TOTAL"], d["SPLITS"]
+    q, kc, vc, mask, po, pml, out, gate, _scale = L.args
+    TILE, G = 32, NH // NKV
+    R = B * G
+    MW = -(-R // 16)
+    KS, VS, DK, DN = D + 8, TILE + 8, D // 16, D // 8
+    n_tiles = -(-KVT // TILE)
+    tps = -(-n_tiles // SPLITS)
+    c = KernelCounters("ring_attn_mma_split", "static estimate", L.n_blocks)
+    tiles_total = 0
+    max_tiles = 0
+    for s in range(SPLITS):
+        kb, ke = s * tps * TILE, min(KVT, (s + 1) * tps * TILE)
+        t = -(-(ke - kb) // TILE) if ke > kb else 0
+        tiles_total += t
+        max_tiles = max(max_tiles, t)
+    tiles_total *= NKV
+    THR = MW * 32
+    items = TILE * (D // 8)
+    # staging: each item one 16-B K load and one 16-B V load (a key row's D halves are contiguous)
+    for it in range(-(-items // THR)):
+        for wp in range(MW):
+            lanes = [it * THR + wp * 32 + ln for ln in range(32)]
+            ga = [((i // (D // 8)) * NKV * D + (i % (D // 8)) * 8) * 2 if i < items else None for i in lanes]
+            if all(a is None for a in ga):
+                continue
+            sec, req = global_sectors(ga, 16)
+            c.add_global("ld", 2 * tiles_total, sec, req)
+            ka = [((i // (D // 8)) * KS + (i % (D // 8)) * 8) * 2 if i < items else None for i in lanes]
+            c.add_smem(tiles_total, ka, 16)
+            for e in range(8):  # V transposed: vt_s[(c + e) * VS + key], 2-byte stores
+                va = [(((i % (D // 8)) * 8 + e) * VS + i // (D // 8)) * 2 if i < items else None
+                      for i in lanes]
+                c.add_smem(tiles_total, va, 2)
+    # S = Q K^T: per warp per tile 4 n-tiles x DK k-steps: 2 x ld32 of K, 2 MMAs (hi, lo)
+    warp_tiles = tiles_total * MW
+    ks = [((8 * 0 + g) * KS + 2 * t) * 2 for g in range(8) for t in range(4)]
+    c.add_smem(warp_tiles * (TILE // 8) * DK * 2, ks, 4)
+    c.mma += warp_tiles * (TILE // 8) * DK * 2
+    # mask: per warp per tile 16 loads of 2 B (rows g, g+8 -> query row b = row / G)
+    ma = [((g // G) * KVT + 2 * t) * 2 for g in range(8) for t in range(4)]
+    sec, req = global_sectors(ma, 2)
+    c.add_global("ld", warp_tiles * 16, sec, req)
+    # O += P V: per warp per tile 2 k-steps x DN n-tiles: 2 x ld32 of V^T, 2 MMAs
+    vs = [((8 * 0 + g) * VS + 2 * t) * 2 for g in range(8) for t in range(4)]
+    c.add_smem(warp_tiles * (TILE // 16) * DN * 2, vs, 4)
+    c.mma += warp_tiles * (TILE // 16) * DN * 2
+    c.barriers += 2 * tiles_total
+    kv_bytes = KVT * NKV * D * 2
+    c.bytes_read.update({_name(kc): kv_bytes, _name(vc): kv_bytes, _name(mask): B * KVT * 2,
+                         _name(q): B * NH * D * 4})
+    # q: each lane 2 x 4 B per (kk, e): small; counted as its bytes
+    _contig(c, "ld", B * NH * D * 4)
+    out_b = B * NH * D * 4
+    if SPLITS > 1:
+        c.bytes_written[_name(po)] = SPLITS * out_b
+        c.bytes_written[_name(pml)] = SPLITS * B * NH * 8
+        _contig(c, "st", SPLITS * (out_b + B * NH * 8))
+    else:
+        c.bytes_written[_name(out)] = out_b
+        _contig(c, "st", out_b)
+    c.dram_bytes = 2 * kv_bytes + B * KVT * 2 + B * NH * D * 4 + (
+        SPLITS * (out_b + B * NH * 8) if SPLITS > 1 else out_b)
+    # the K/V loads of a tile are consumed at the barrier right after: one round trip per tile
+    c.dram_round_trips_per_block = max_tiles
+    c.inflight_peak_bytes_per_warp = -(-items // THR) * 2 * 16 * 32
+    c.notes.append(f"{L.n_blocks} blocks ({NKV} kv heads x {SPLITS} splits), {max_tiles} key tiles each, "
+                   f"one K/V round trip per tile")
+    return c
+
+
+# ---------------------------------------------------------------------------- the small kernels
+def _bytes_only(L, reads, writes, note="") -> KernelCounters:
+    c = KernelCounters(L.kernel, "static estimate (bytes only)", L.n_blocks)
+    _rw(c, reads, writes)
+    for _, n in reads:
+        _contig(c, "ld", n)
+    for _, n in writes:
+        _contig(c, "st", n)
+    c.dram_bytes = sum(n for _, n in reads) + sum(n for _, n in writes)
+    c.dram_round_trips_per_block = 1.0
+    if note:
+        c.notes.append(note)
+    return c
+
+
+def _small(L) -> KernelCounters:
+    k, a, d = L.kernel, L.args, L.defines
+    if k == "reset_slots_if":
+        return _bytes_only(L, [(_name(a[0]), 4)], [], "steady state: desc says no reset")
+    if k == "reset_slots":
+        return _bytes_only(L, [], [(_name(a[0]), d["CAP"] * 4)])
+    if k == "plan_append":
+        n, n_q = a[5], a[6]
+        return _bytes_only(L, [(_name(a[0]), 12)],
+                           [(_name(a[1]), n * 4), (_name(a[2]), n * 4), (_name(a[4]), n_q * 4)],
+                           "slot_pos writes (n_new of them) not counted: data-dependent")
+    if k == "gather_features":
+        rows, fc_in = a[3], d["FC_IN"]
+        item = {0: 4, 1: 2, 2: 2}[d["RING_DTYPE"]]
+        return _bytes_only(L, [(_name(a[1]), rows * fc_in * item)], [(_name(a[2]), rows * fc_in * 4)],
+                           "all rows counted as new (upper bound of the ring read)")
+    if k.startswith("build_mask"):
+        nm = 2 if k == "build_masks" else 1
+        writes = [(_name(a[2 + i]), d["Q_LEN"] * d["KV_TOTAL"] * 2) for i in range(nm)]
+        return _bytes_only(L, [(_name(a[1]), d["CAP"] * 4)], writes)
+    if k == "rmsnorm":
+        rows, D = a[3], d["NORM_D"]
+        return _bytes_only(L, [(_name(a[0]), rows * D * 4), (_name(a[1]), a[4] * D * 4)],
+                           [(_name(a[2]), rows * D * 4)])
+    if k == "qkv_norm_rope":
+        M, D, NH, NKV, has_q = a[9], d["D"], d["NH"], d["NKV"], d.get("HAS_Q", 0)
+        width = (NH if has_q else 0) * D + 2 * NKV * D
+        reads = [(_name(a[0]), M * width * 4), (_name(a[4]), M * 4), (_name(a[5]), M * 4),
+                 (_name(a[3]), D // 2 * 8)]
+        writes = [(_name(a[7]), M * NKV * D * 2), (_name(a[8]), M * NKV * D * 2)]
+        if has_q:
+            writes.append((_name(a[6]), M * NH * D * 4))
+        return _bytes_only(L, reads, writes)
+    if k == "ring_attn_combine":
+        S, B, NH, D = d["SPLITS"], d["B"], d["NH"], d["D"]
+        return _bytes_only(L, [(_name(a[0]), S * B * NH * D * 4), (_name(a[1]), S * B * NH * 8)],
+                           [(_name(a[3]), B * NH * D * 4)],
+                           "part_ml is re-read by every thread of a row: L1/L2 hits, not counted")
+    return _bytes_only(L, [], [], f"no access model for kernel {k!r}: counters are empty")
+
+
+def static_counters(launch) -> KernelCounters:
+    """A ``KernelCounters`` estimated from the kernel's source and the launch's shapes."""
+    if launch.kernel == "gemm_mma":
+        return _gemm_mma(launch)
+    if launch.kernel == "ring_attn_mma_split":
+        return _attn_mma(launch)
+    return _small(launch)
+
+
+def copy_counters(copy) -> KernelCounters:
+    """A graph memcpy node: its bytes (read + written)."""
+    c = KernelCounters(f"memcpy {copy.kind}", "static estimate (bytes only)", 0)
+    c.bytes_read[copy.src.name] = copy.nbytes
+    c.bytes_written[copy.dst.name] = copy.nbytes
+    c.dram_bytes = 2 * copy.nbytes if copy.kind == "d2d" else copy.nbytes
+    return c
+
+
+def sample_blocks(grid, n: int = 8, seed: int = 0) -> list:
+    """The blocks a sampling counter mode runs: the first, the last and
+    ``n - 2`` others drawn with ``seed`` (all of them when the grid is small),
+    as (x, y, z) in launch order. Additive counters of the sample are scaled
+    by ``blocks / len(sample)``; per-array distinct bytes are not additive
+    (blocks re-read shared inputs) and come from the static model or an
+    address-only pass over the whole grid."""
+    gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+    total = gx * gy * gz
+    if n < 2 or total < 1:
+        raise ValueError(f"n must be >= 2 and the grid non-empty, got n={n}, grid={grid}")
+    if total <= n:
+        ids = list(range(total))
+    else:
+        rng = np.random.default_rng(seed)
+        ids = sorted({0, total - 1, *rng.choice(np.arange(1, total - 1), size=n - 2, replace=False).tolist()})
+    return [(i % gx, (i // gx) % gy, i // (gx * gy)) for i in ids]
+
+
+def scale_sample(c: KernelCounters, blocks_counted: int) -> KernelCounters:
+    """Additive counters of ``blocks_counted`` sampled blocks scaled to ``c.blocks``."""
+    if not 1 <= blocks_counted <= c.blocks:
+        raise ValueError(f"blocks_counted must be in [1, {c.blocks}], got {blocks_counted}")
+    f = c.blocks / blocks_counted
+    for k in ("gld_requests", "gld_sectors", "gld_bytes", "gst_requests", "gst_sectors", "gst_bytes",
+              "smem_requests", "smem_wavefronts", "smem_ideal_wavefronts", "mma", "barriers"):
+        setattr(c, k, int(round(getattr(c, k) * f)))
+    c.blocks_counted = blocks_counted
+    return c
+
+
+def totals(counters) -> Counter:
+    t = Counter()
+    for c in counters:
+        t["dram_bytes"] += c.dram_bytes
+        t["l2_bytes"] += c.l2_bytes
+        t["mma"] += c.mma
+        t["smem_wavefronts"] += c.smem_wavefronts
+        t["barriers"] += c.barriers
+    return t

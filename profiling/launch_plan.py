@@ -1,0 +1,381 @@
+"""The launches and copies of one drafter step at real shapes, without running it.
+
+``RecordingBackend`` implements the backend seam (``dflash_cupy.backends.base``)
+with NumPy arrays that are allocated but never touched (Linux maps their pages
+lazily, so a 3.5 GB drafter costs address space, not memory) and kernels that
+only record their launch: name, source file, compile-time sizes, grid, block,
+dynamic shared memory and arguments. ``DraftKvCache`` runs unchanged on it, so
+the recorded step graph is exactly what the product would capture: the same
+launcher classes decide grids, tilings and split factors.
+
+``step_plan(config, window)`` builds a cache with ``capacity = window``, plans
+the prefill (a bulk append, recorded separately) and one in-graph step, and
+returns a ``StepPlan``: the graph's nodes in order (``Launch`` / ``Copy``),
+each launch's arrays named after the cache attribute they are (``k_cache[2]``,
+``w.layers[0].w_gate_up``, ...).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from dflash_cupy.backends.base import Backend, CaptureError, Graph, Kernel, Module, dim3
+from dflash_cupy.config import DraftConfig
+from dflash_cupy.weights import DraftWeights
+
+_DEFINE_RE = re.compile(r"^-D(\w+)=(.*)$")
+
+
+@dataclass(frozen=True)
+class ArrayRef:
+    """An array argument: its name in the cache (or ``?``), shape, dtype, bytes, address."""
+    name: str
+    shape: tuple
+    dtype: str
+    nbytes: int
+    ptr: int
+
+
+@dataclass
+class Launch:
+    kernel: str
+    file: str
+    defines: dict
+    grid: tuple
+    block: tuple
+    shared_mem: int
+    args: list            # ArrayRef or a Python int/float (the scalar's value)
+
+    @property
+    def n_blocks(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+    @property
+    def threads(self) -> int:
+        return self.block[0] * self.block[1] * self.block[2]
+
+    def arg(self, i: int):
+        return self.args[i]
+
+    def variant(self) -> tuple:
+        """What one compiled kernel is: (file, kernel, sorted defines)."""
+        return (self.file, self.kernel, tuple(sorted(self.defines.items())))
+
+
+@dataclass
+class Copy:
+    kind: str        # "h2d" | "d2h" | "d2d"
+    nbytes: int
+    dst: ArrayRef
+    src: ArrayRef
+
+
+def _ref(a) -> ArrayRef:
+    return ArrayRef("?", tuple(a.shape), str(a.dtype), int(a.nbytes), int(a.ctypes.data))
+
+
+class _Stream:
+    def __init__(self, be):
+        self._be = be
+        self.ptr = id(self)
+
+    def synchronize(self):
+        self._be._no_capture("stream.synchronize()")
+
+    def is_capturing(self) -> bool:
+        return self._be._capturing is self
+
+    def wait_event(self, event):
+        pass
+
+
+class _Event:
+    def __init__(self, be):
+        self._be = be
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        self._be._no_capture("event.synchronize()")
+
+    def query(self) -> bool:
+        return True
+
+
+class RecordedGraph(Graph):
+    def __init__(self, nodes: list):
+        self.nodes = nodes
+
+    def launch(self, stream=None) -> None:
+        pass  # nothing to run: the nodes are the product
+
+
+class _Kernel(Kernel):
+    def __init__(self, be, name, file, defines):
+        self._be, self.name, self.file, self.defines = be, name, file, defines
+
+    def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0, stream=None):
+        g, b = dim3(grid, f"kernel {self.name}: grid"), dim3(block, f"kernel {self.name}: block")
+        vals = [_ref(a) if isinstance(a, np.ndarray) else a.item() for a in args]
+        self._be._emit(Launch(self.name, self.file, dict(self.defines), g, b, int(shared_mem), vals))
+
+
+class _Module(Module):
+    def __init__(self, be, file, defines):
+        self._be, self.file, self.defines = be, file, defines
+
+    def get_function(self, name: str) -> Kernel:
+        return _Kernel(self._be, name, self.file, self.defines)
+
+
+class RecordingBackend(Backend):
+    """Backend whose launches and copies are recorded, never run (module docstring)."""
+
+    name = "recording"
+
+    def __init__(self):
+        self._capturing = None
+        self._capture_nodes: list | None = None
+        self.eager: list = []   # everything issued outside capture (prefill, resets)
+
+    def _emit(self, node):
+        (self._capture_nodes if self._capturing is not None else self.eager).append(node)
+
+    def _no_capture(self, what):
+        if self._capturing is not None:
+            raise CaptureError(f"{what} during capture")
+
+    # arrays: untouched pages are never committed
+    def empty(self, shape, dtype):
+        self._no_capture("allocation")
+        return np.empty(shape, dtype)
+
+    def zeros(self, shape, dtype):
+        self._no_capture("allocation")
+        return np.zeros(shape, dtype)
+
+    def asarray(self, host):
+        self._no_capture("allocation")
+        return np.array(host, copy=True, order="C")
+
+    def to_numpy(self, arr):
+        return np.array(arr)
+
+    def pinned_empty(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+    def is_device_array(self, x) -> bool:
+        return isinstance(x, np.ndarray)
+
+    def compile(self, source, options=(), filename=None) -> Module:
+        defines = {}
+        for o in options:
+            m = _DEFINE_RE.match(o)
+            if m:
+                v = m.group(2)
+                try:
+                    defines[m.group(1)] = int(v)
+                except ValueError:
+                    defines[m.group(1)] = float(v)
+        file = (filename or "?").rsplit("/", 1)[-1]
+        return _Module(self, file, defines)
+
+    def stream(self):
+        return _Stream(self)
+
+    def event(self):
+        return _Event(self)
+
+    def _copy(self, kind, dst, src, nbytes):
+        n = src.nbytes if nbytes is None else int(nbytes)
+        self._emit(Copy(kind, n, _ref(dst), _ref(src)))
+
+    def copy_h2d_async(self, dst, src, stream=None, nbytes=None):
+        self._copy("h2d", dst, src, nbytes)
+
+    def copy_d2h_async(self, dst, src, stream=None, nbytes=None):
+        self._copy("d2h", dst, src, nbytes)
+
+    def copy_d2d_async(self, dst, src, stream=None, nbytes=None):
+        self._copy("d2d", dst, src, nbytes)
+
+    def synchronize(self):
+        self._no_capture("synchronize()")
+
+    def begin_capture(self, stream):
+        if self._capturing is not None:
+            raise CaptureError("already capturing")
+        self._capturing, self._capture_nodes = stream, []
+
+    def end_capture(self, stream):
+        if self._capturing is not stream:
+            raise CaptureError("end_capture on a stream that is not capturing")
+        g = RecordedGraph(self._capture_nodes)
+        self._capturing, self._capture_nodes = None, None
+        return g
+
+    def is_capturing(self) -> bool:
+        return self._capturing is not None
+
+
+# ---------------------------------------------------------------------------- weights
+class _EmptyLayer:
+    """``DeviceWeights.layers[i]``'s attributes, bf16 bits, never written."""
+
+    def __init__(self, be, c: DraftConfig, i: int, wdt):
+        H = c.hidden_size
+        f32 = lambda n: be.empty((n,), np.float32)  # noqa: E731
+        self.input_layernorm, self.post_attention_layernorm = f32(H), f32(H)
+        self.q_norm, self.k_norm = f32(c.head_dim), f32(c.head_dim)
+        self.w_qkv = be.empty((c.q_dim + 2 * c.kv_dim, H), wdt)
+        self.w_kv = self.w_qkv[c.q_dim:]
+        self.w_o = be.empty((H, c.q_dim), wdt)
+        self.w_gate_up = be.empty((2 * c.intermediate_size, H), wdt)
+        self.w_down = be.empty((H, c.intermediate_size), wdt)
+        gate_rows = {"none": 0, "head": c.n_head, "element": c.q_dim}[c.attn_gate]
+        self.w_attn_gate = be.empty((gate_rows, H), wdt) if gate_rows else None
+        self.sliding = c.is_sliding(i)
+
+
+class _EmptyDeviceWeights:
+    def __init__(self, c: DraftConfig, be, wdt):
+        self.config, self.backend = c, be
+        H = c.hidden_size
+        self.fc = be.empty((H, c.fc_in), wdt)
+        self.hidden_norm = be.empty((H,), np.float32)
+        self.norm = be.empty((H,), np.float32)
+        self.aux_norms = be.empty((c.n_captured, H), np.float32) if c.aux_hidden_norms else None
+        self.layers = [_EmptyLayer(be, c, i, wdt) for i in range(c.n_layer)]
+
+
+class ShapeOnlyWeights(DraftWeights):
+    """A ``DraftWeights`` with the real layout and dtype and no values."""
+
+    def __init__(self, config: DraftConfig, backend: RecordingBackend, w_dtype=np.uint16):  # noqa
+        self.config = config
+        self.tensors = {}
+        self._dev = _EmptyDeviceWeights(config, backend, w_dtype)
+
+    def device(self, backend=None):
+        return self._dev
+
+
+# ---------------------------------------------------------------------------- the step
+@dataclass
+class StepPlan:
+    config: DraftConfig
+    window: int
+    capacity: int
+    q_len: int
+    a_step: int
+    kv_total: int
+    nodes: list                          # the step graph, in order
+    prefill: list = field(default_factory=list)   # the bulk append issued by the first begin_step
+    cache: Any = None                    # the DraftKvCache (recording backend), for its ops
+
+    @property
+    def launches(self) -> list:
+        return [n for n in self.nodes if isinstance(n, Launch)]
+
+    @property
+    def copies(self) -> list:
+        return [n for n in self.nodes if isinstance(n, Copy)]
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self.nodes)
+
+
+def _name_arrays(kv) -> dict:
+    """(address, nbytes) -> the cache attribute holding that array."""
+    names: dict = {}
+
+    def put(name, a):
+        if isinstance(a, np.ndarray):
+            names.setdefault((int(a.ctypes.data), int(a.nbytes)), name)
+
+    for k, v in vars(kv).items():
+        if isinstance(v, np.ndarray):
+            put(k, v)
+        elif isinstance(v, list):
+            for i, a in enumerate(v):
+                put(f"{k}[{i}]", a)
+    for gname in ("g_fc", "g_kv", "g_qkv", "g_o", "g_gate_up", "g_down", "g_attn_gate", "g_lm"):
+        g = getattr(kv, gname, None)
+        if g is not None:
+            put(f"{gname}.ws", getattr(g, "_ws", None))
+            put(f"{gname}.counters", getattr(g, "_counters", None))
+    att = kv.attention
+    put("attention.part_o", att.part_o)
+    put("attention.part_ml", att.part_ml)
+    dw = kv.dw
+    for k in ("fc", "hidden_norm", "norm", "aux_norms"):
+        put(f"w.{k}", getattr(dw, k))
+    for i, L in enumerate(dw.layers):
+        for k, v in vars(L).items():
+            put(f"w.layers[{i}].{k}", v)
+    if kv._ring is not None:
+        put("ring.storage", kv._ring.storage)
+    put("inv_freq", kv.inv_freq)
+    return names
+
+
+def _rename(nodes, names):
+    def fix(r):
+        if isinstance(r, ArrayRef):
+            return ArrayRef(names.get((r.ptr, r.nbytes), _containing(names, r)), r.shape, r.dtype,
+                            r.nbytes, r.ptr)
+        return r
+
+    for n in nodes:
+        if isinstance(n, Launch):
+            n.args = [fix(a) for a in n.args]
+        else:
+            n.dst, n.src = fix(n.dst), fix(n.src)
+
+
+def _containing(names, r) -> str:
+    """A view's name: the named array that holds it, with the byte offset."""
+    for (p, nb), name in names.items():
+        if p <= r.ptr and r.ptr + r.nbytes <= p + nb:
+            return f"{name}+{r.ptr - p}" if r.ptr != p else f"{name}[:{r.nbytes}B]"
+    return "?"
+
+
+def step_plan(config: DraftConfig, window: int, *, ring_dtype=np.uint16, w_dtype=np.uint16,
+              accept: int = 6, lm_head_vocab: int | None = None) -> StepPlan:
+    """The step graph of a steady-state step at ``window`` (``capacity = window``,
+    the ring full, ``accept`` rows appended in the graph). Weights and ring
+    default to bf16 (``np.uint16`` bits)."""
+    from dflash_cupy.feature_ring import FeatureRing
+    from dflash_cupy.kv_cache import DraftKvCache
+
+    if not isinstance(window, (int, np.integer)) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"window must be a positive int, got {window!r}")
+    be = RecordingBackend()
+    w = ShapeOnlyWeights(config, be, w_dtype)
+    lm = be.empty((int(lm_head_vocab), config.hidden_size), w_dtype) if lm_head_vocab else None
+    kv = DraftKvCache(w, capacity=int(window), backend=be, lm_head=lm)
+    ring_kind = {np.dtype(np.uint16): "bf16", np.dtype(np.float16): np.float16,
+                 np.dtype(np.float32): np.float32}[np.dtype(ring_dtype)]
+    import ml_dtypes
+    ring = FeatureRing(int(window), config.n_captured, config.hidden_size,
+                       dtype=ml_dtypes.bfloat16 if ring_kind == "bf16" else ring_kind, backend=be)
+    # The ring "holds" every position the two plans read; its rows are never looked at.
+    ring.lo, ring.hi = 0, int(window) + accept
+    kv.begin_step(ring, int(window))          # prefill: bulk append outside the graph
+    prefill = list(be.eager)
+    be.eager.clear()
+    kv.run()                                  # no step captured yet: captures slot 1's graph
+    kv.begin_step(ring, int(window) + accept)  # steady state: accept rows appended in-graph
+    kv.run()                                  # captures slot 0's graph
+    nodes = kv._graphs[kv._slot].nodes
+    names = _name_arrays(kv)
+    _rename(nodes, names)
+    _rename(prefill, names)
+    return StepPlan(config, int(window), kv.capacity, kv.q_len, kv.a_step, kv.kv_total, nodes,
+                    prefill, kv)

@@ -1,0 +1,347 @@
+"""The cost model's parts against answers known by hand (``profiling/perf_model.py``).
+
+* access arithmetic: coalesced / strided global accesses, 2-way, 32-way and
+  swizzled shared accesses (what an emulator counter mode will also call);
+* static counters of gemm_mma: the MMA and barrier count of a small launch,
+  the 2-way conflict of the x tile (row stride KT + 8 halves), the 4 M-tiles
+  compiled for M = 16; the attention's transposed V stores;
+* occupancy and waves: hand-worked register/shared/warp limits, the 544-block
+  gate_up of the hidden-5120 drafter on 132 SMs x 4;
+* the recorded step graph: node count against the hand formula for several
+  drafter variants, and launch for launch against a step graph captured on the
+  emulated backend;
+* the step's counted bytes against ``step_model``'s hand-counted byte model;
+* the model: predicted = largest bound, step = kernels + gaps, calibration.
+"""
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dflash_cupy.config import DraftConfig
+from profiling import counters as ctr
+from profiling import perf_model as pm
+from profiling import static_facts as sf
+from profiling.common import drafter_config
+from profiling.hw_params import H100, H200, get_gpu
+from profiling.launch_plan import ArrayRef, Launch, step_plan
+from profiling.step_model import step_bytes
+
+
+# ---------------------------------------------------------------------------- access arithmetic
+def test_coalesced_float4_uses_every_sector():
+    sectors, req = ctr.global_sectors([16 * lane for lane in range(32)], 16)
+    assert (sectors, req) == (16, 512)          # 512 B in 16 full sectors
+
+
+def test_strided_access_uses_one_eighth_of_each_sector():
+    sectors, req = ctr.global_sectors([32 * lane for lane in range(32)], 4)
+    assert (sectors, req) == (32, 128)
+    c = ctr.KernelCounters("k", "test", 1)
+    c.add_global("ld", 1, sectors, req)
+    assert c.sector_efficiency == pytest.approx(1 / 8)
+
+
+def test_inactive_lanes_and_misalignment():
+    assert ctr.global_sectors([None] * 31 + [64], 4) == (1, 4)
+    with pytest.raises(ValueError, match="aligned"):
+        ctr.global_sectors([2], 4)
+    with pytest.raises(ValueError, match="width"):
+        ctr.smem_wavefronts([0] * 32, 3)
+
+
+def test_shared_two_way_conflict():
+    assert ctr.smem_wavefronts([8 * lane for lane in range(32)], 4) == 2   # float a[2 * lane]
+
+
+def test_shared_thirty_two_way_conflict():
+    assert ctr.smem_wavefronts([128 * lane for lane in range(32)], 4) == 32  # a column of float[32][32]
+
+
+def test_shared_swizzle_is_conflict_free():
+    col = 5  # a column of float[32][32] with the XOR swizzle: word 32*lane + (col ^ lane)
+    assert ctr.smem_wavefronts([4 * (32 * lane + (col ^ lane)) for lane in range(32)], 4) == 1
+
+
+def test_shared_broadcast_and_wide_accesses():
+    assert ctr.smem_wavefronts([0] * 32, 4) == 1                       # one word for all: broadcast
+    assert ctr.smem_wavefronts([16 * lane for lane in range(32)], 16) == 4  # 512 B: four passes, no conflict
+    assert ctr.smem_wavefronts([8 * lane for lane in range(32)], 8) == 2
+    with pytest.raises(ValueError, match="32 lanes"):
+        ctr.smem_wavefronts([0] * 16, 4)
+
+
+# ---------------------------------------------------------------------------- gemm_mma / attention counters
+def _arr(name, shape, dtype):
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return ArrayRef(name, tuple(shape), np.dtype(dtype).name, n, 0)
+
+
+def _gemm_launch(M, N, K, MT, KT, split=2, ksplit=1, epi=0):
+    nw = 2 if epi == 2 else 1
+    grid = (-(-N // 32), -(-M // (16 * MT)), ksplit)
+    d = dict(GM_WTYPE=2, GM_EPI=epi, GM_K=K, GM_MT=MT, GM_WARPS=4, GM_KT=KT, GM_SPLIT=split)
+    if ksplit > 1:
+        d["GM_KSPLIT"] = ksplit
+    args = [_arr("x", (M, K), np.float32), _arr("w", (nw * N, K), np.uint16), _arr("y", (M, N), np.float32),
+            _arr("y", (M, N), np.float32), M, N, _arr("ws", (1,), np.float32), _arr("cnt", (1,), np.int32)]
+    return Launch("gemm_mma", "gemm_mma.cu", d, grid, (128, 1, 1), split * 16 * MT * (KT + 8) * 2, args)
+
+
+def test_gemm_mma_counts_by_hand():
+    # M=16, N=64, K=256, one M tile, KT=128: 2 blocks x 4 warps, 8 K steps of 32 per warp,
+    # each step 2 (hi, lo) x 1 M tile x 2 MMAs: 32 MMAs per warp.
+    c = ctr.static_counters(_gemm_launch(16, 64, 256, MT=1, KT=128))
+    assert c.mma == 2 * 4 * 8 * 2 * 1 * 2 == (16 * 64 * 256) // (16 * 8 * 16) * 2
+    assert c.barriers == 2 * 2 * 2                  # 2 per K tile, 2 tiles, 2 blocks
+    assert c.bytes_read["w"] == 64 * 256 * 2
+    assert c.gld_sectors * 32 >= 64 * 256 * 2       # every weight byte passes L2 once at least
+    # weights (32 KB) and x staging (2 blocks x 16 rows x 1 KB) use every sector; the epilogue's
+    # 32 stores (8 warps x 4) each write 8 rows x 16 B of 4-byte values at stride 8 B: 128 B in 8 sectors
+    assert (c.gld_sectors, c.gst_sectors, c.gst_bytes) == (1024 + 1024, 32 * 8, 32 * 128)
+    assert c.sector_efficiency == pytest.approx((32768 + 32768 + 4096) / ((2048 + 256) * 32))
+    assert c.dram_bytes == 64 * 256 * 2 + 16 * 256 * 4 + 16 * 64 * 4
+
+
+def test_gemm_mma_compiles_four_m_tiles_for_m16():
+    one = ctr.static_counters(_gemm_launch(16, 64, 256, MT=1, KT=128))
+    four = ctr.static_counters(_gemm_launch(16, 64, 256, MT=4, KT=128))
+    assert four.mma == 4 * one.mma
+    assert any("4 M-tiles compiled for M=16" in n for n in four.notes)
+
+
+def test_gemm_mma_x_tile_two_way_conflict():
+    KT = 160
+    XS = KT + 8  # halves: the row stride gemm_mma.cu uses
+    xa = [(g * XS + t * 8) * 2 for g in range(8) for t in range(4)]
+    assert ctr.smem_wavefronts(xa, 16) == 8 == 2 * ctr.ideal_wavefronts(16)
+    c = ctr.static_counters(_gemm_launch(16, 64, 640, MT=1, KT=KT))
+    assert 1.7 < c.bank_conflict_factor <= 2.0      # the loads dominate; the tile stores are clean
+
+
+def test_attention_v_transpose_store_conflict():
+    D, VS = 128, 32 + 8
+    lanes = range(32)   # item i: key i // 16, column (i % 16) * 8; element e=0 of the 8-half vector
+    va = [(((i % (D // 8)) * 8) * VS + i // (D // 8)) * 2 for i in lanes]
+    assert ctr.smem_wavefronts(va, 2) == 16
+
+
+def test_split_k_partials_round_trip_through_l2():
+    one = ctr.static_counters(_gemm_launch(16, 128, 4096, MT=1, KT=736))
+    split = ctr.static_counters(_gemm_launch(16, 128, 4096, MT=1, KT=736, ksplit=4))
+    assert split.mma == one.mma
+    assert split.l2_bytes > one.l2_bytes
+    assert split.bytes_written["ws"] == 4 * 16 * 128 * 4
+
+
+# ---------------------------------------------------------------------------- occupancy, waves
+@pytest.mark.parametrize("threads,regs,smem,blocks,by", [
+    (128, 103, 43008 + 16, 4, "registers"),   # ceil(103*32/256)*256 = 3328/warp: 19 warps -> 4 blocks
+    (128, 220, 18944, 2, "registers"),        # 7168/warp: 9 warps -> 2 blocks
+    (128, 32, 100 * 1024, 2, "shared"),       # (100 KB + 1 KB reserved) per block in 228 KB
+    (1024, 16, 0, 2, "warps"),                # 32 warps per block, 64 per SM (registers allow 4)
+    (32, 16, 0, 32, "blocks"),                # 32 blocks per SM cap
+])
+def test_occupancy_by_hand(threads, regs, smem, blocks, by):
+    o = sf.occupancy(H200, threads, regs, 0, smem)
+    assert (o.blocks_per_sm, o.limited_by) == (blocks, by)
+
+
+def test_occupancy_rejects_bad_input():
+    with pytest.raises(ValueError, match="threads"):
+        sf.occupancy(H200, 0, 32, 0, 0)
+    with pytest.raises(ValueError, match="shared memory"):
+        sf.occupancy(H200, 128, 32, 0, 300 * 1024)
+
+
+def test_waves_of_the_hidden_5120_gate_up():
+    w = sf.waves(544, 4, 132)
+    assert (w.slots, w.full_waves, w.tail_blocks) == (528, 1, 16)
+    assert w.efficiency == pytest.approx(544 / 1056)
+    assert sf.waves(528, 4, 132).tail_blocks == 0
+
+
+def test_ptxas_facts_of_the_gate_up_gemm():
+    """The real gate_up launch of the hidden-5120 drafter: 544 blocks, 4 per SM."""
+    plan = step_plan(drafter_config("qwen3.5-27b"), 256)
+    gu = [n for n in plan.launches if n.kernel == "gemm_mma" and n.args[1].name.endswith("w_gate_up")]
+    assert len(gu) == 5 and gu[0].grid == (544, 1, 1)
+    info = sf.ptxas_info(gu[0].file, gu[0].defines)["gemm_mma"]
+    assert info["spill_stores"] == 0 and 0 < info["registers"] <= 255
+    o = sf.occupancy(H200, gu[0].threads, info["registers"], info["smem"], gu[0].shared_mem)
+    assert sf.waves(544, o.blocks_per_sm, 132).tail_blocks == 544 - o.blocks_per_sm * 132
+
+
+# ---------------------------------------------------------------------------- the step graph
+def _cfg(**kw):
+    base = dict(n_layer=2, hidden_size=32, n_head=4, n_head_kv=2, head_dim=16, intermediate_size=64,
+                block_size=4, target_layer_ids=(0, 1), rms_norm_eps=1e-6, rope_theta=10000.0)
+    base.update(kw)
+    return DraftConfig(**base)
+
+
+@pytest.mark.parametrize("kw,window", [
+    ({}, 64),
+    ({"aux_hidden_norms": True, "attn_gate": "head"}, 64),
+    ({"context_kv_layer_norm": True, "attn_gate": "element", "layer_sliding": (True, False),
+      "sliding_window": 16}, 64),
+    ({}, 4096),                                   # split attention: a combine launch per layer
+])
+def test_node_count_formula(kw, window):
+    c = _cfg(**kw)
+    plan = step_plan(c, window)
+    att = plan.cache.attention
+    n = sf.graph_node_count(c.n_layer, aux_norms=c.aux_hidden_norms, context_kv_norm=c.context_kv_layer_norm,
+                            attn_gate=c.attn_gate != "none", attn_splits=att.n_splits,
+                            both_masks=c.any_full and c.any_sliding)
+    assert plan.n_nodes == n
+    assert len(plan.copies) == 2                 # the descriptor and the noise embeddings
+
+
+def test_node_count_of_the_presets():
+    for name in ("h4096", "qwen3.5-27b"):
+        plan = step_plan(drafter_config(name), 2048)
+        assert plan.n_nodes == 54 == sf.graph_node_count(5, attn_splits=plan.cache.attention.n_splits)
+
+
+def test_recorded_graph_matches_the_emulated_capture():
+    """The recording backend sees the same launches, in the same order, with the
+    same grids, as a step graph captured on the emulated backend."""
+    from dflash_cupy import backends
+    from dflash_cupy.feature_ring import FeatureRing
+    from dflash_cupy.kv_cache import DraftKvCache
+    from dflash_cupy.weights import DraftWeights
+
+    c = _cfg()
+    window = 40
+    be = backends.get("emulated")
+    w = DraftWeights.random(c, seed=3, dtype=ml_dtypes.bfloat16)
+    ring = FeatureRing(window + 8, c.n_captured, c.hidden_size, dtype=ml_dtypes.bfloat16, backend=be)
+    ring.write(0, np.random.default_rng(0).standard_normal((window + 6, c.fc_in), dtype=np.float32))
+    with DraftKvCache(w, capacity=window, backend=be) as kv:
+        kv.begin_step(ring, window)
+        kv.set_noise_embed(np.zeros((c.block_size, c.hidden_size), np.float32))
+        kv.run()
+        kv.begin_step(ring, window + 6)
+        kv.set_noise_embed(np.zeros((c.block_size, c.hidden_size), np.float32))
+        kv.run()
+        graph = kv._graphs[kv._slot]
+        # a recorded launch: (kernel, (grid, block, arg pointers, kept arrays, shared bytes))
+        emu = [(op[1][0].name, tuple(op[1][1][0]), tuple(op[1][1][1]), op[1][1][4])
+               for op in graph._ops if op[0] == "launch"]
+        n_emu = graph.n_launches + graph.n_copies
+    plan = step_plan(c, window)
+    assert n_emu == plan.n_nodes
+    assert emu == [(n.kernel, n.grid, n.block, n.shared_mem) for n in plan.launches]
+
+
+def test_step_bytes_match_the_hand_counted_model():
+    """Counted per launch (static counters) vs counted per op by step_model."""
+    for name in ("h4096", "qwen3.5-27b"):
+        plan = step_plan(drafter_config(name), 2048)
+        counted = sum(ctr.static_counters(n).dram_bytes for n in plan.launches)
+        counted += sum(ctr.copy_counters(n).dram_bytes for n in plan.copies)
+        model = step_bytes(plan.cache, 6, 2)
+        assert counted == pytest.approx(model["total"], rel=0.005)
+        weights = sum(v for n in plan.launches for k, v in ctr.static_counters(n).bytes_read.items()
+                      if k == "w.fc" or ".w_" in k)    # the matrices, not the norm scales
+        assert weights == model["weights"]
+
+
+# ---------------------------------------------------------------------------- the model
+def test_model_step_structure():
+    m = pm.model_step("tiny", 64, H200)
+    assert m["n_nodes"] == len(m["nodes"])
+    for t in m["nodes"]:
+        assert t.predicted_us == max(t.bounds_us.values())
+    assert m["step_us"] == pytest.approx(sum(t.predicted_us for t in m["nodes"]) + m["gaps_us"])
+    assert m["gaps_us"] == pytest.approx(m["n_nodes"] * H200.node_gap_s * 1e6)
+    assert m["ratio"] == pytest.approx(m["step_us"] / m["floor_us"])
+    assert m["losses"] and m["losses"][0]["loss_us"] >= m["losses"][-1]["loss_us"]
+
+
+def test_model_h5120_names_the_tail_wave():
+    m = pm.model_step("h5120", 2048, H200)
+    gu = m["groups"]["gemm_mma[gate_up]"]["first"]
+    assert (gu.tail_blocks, gu.blocks_per_sm) == (16, 4)
+    assert any("tail wave of 16" in d["why"] for d in m["losses"])
+    assert 1.15 < m["ratio"] < 20
+
+
+def test_h100_is_slower_than_h200():
+    a, b = pm.model_step("tiny", 64, H200), pm.model_step("tiny", 64, H100)
+    assert b["floor_us"] > a["floor_us"]
+
+
+def test_calibration_overrides_and_rejects(tmp_path):
+    f = tmp_path / "cal.json"
+    f.write_text(json.dumps({"H200": {"hbm_Bps": 2.0e12, "node_gap_s": 3e-6}}))
+    g = get_gpu("h200", f)
+    assert (g.hbm_Bps, g.node_gap_s) == (2.0e12, 3e-6)
+    assert g.sources["hbm_Bps"] == "calibration file"
+    f.write_text(json.dumps({"H200": {"hbm_bandwidth": 1.0}}))
+    with pytest.raises(ValueError, match="hbm_bandwidth"):
+        get_gpu("H200", f)
+    with pytest.raises(ValueError, match="gpu 'A100'"):
+        get_gpu("A100", f)
+    with pytest.raises(FileNotFoundError):
+        get_gpu("H200", tmp_path / "missing.json")
+
+
+def test_report_shows_measured_beside_predicted():
+    m = pm.model_step("tiny", 64, H200)
+    text = pm.format_report(m, {"tiny": {"64": {"step_us": 123.0, "kernels": {"rmsnorm": 4.5}}}})
+    assert "meas us" in text and "4.5" in text and "measured step 123.0 us" in text
+
+
+def test_cli_json(capsys):
+    assert pm.main(["--drafter", "tiny", "--windows", "64", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (m,) = doc["models"]
+    assert m["window"] == 64 and m["ratio"] > 1 and "gemm_mma[gate_up]" in m["groups"]
+    assert doc["gpu_sources"]["hbm_peak_Bps"].startswith("NVIDIA")
+
+
+def test_cli_rejects_unknown_drafter():
+    with pytest.raises(ValueError, match="drafter 'nope'"):
+        pm.main(["--drafter", "nope", "--windows", "64"])
+
+
+def test_gemm_mma_partial_column_block():
+    """N = 40: the second column block has one warp with 8 rows and three past N."""
+    c = ctr.static_counters(_gemm_launch(16, 40, 256, MT=1, KT=128))
+    steps = 256 // 32
+    weight_sectors = (4 + 1) * steps * 16           # 5 warps x 8 K steps x 8 rows x 2 sectors
+    assert c.gld_sectors - 2 * 16 * 256 * 4 // 32 == weight_sectors   # the rest is x staging
+    assert c.bytes_read["w"] == 40 * 256 * 2
+
+
+def test_sample_blocks():
+    s = ctr.sample_blocks((544, 1, 1), 8, seed=3)
+    assert s[0] == (0, 0, 0) and s[-1] == (543, 0, 0) and len(set(s)) == 8
+    assert s == ctr.sample_blocks((544, 1, 1), 8, seed=3)
+    assert ctr.sample_blocks((2, 2, 1), 8) == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
+    c = ctr.KernelCounters("k", "emulator", blocks=544, mma=8 * 10)
+    assert ctr.scale_sample(c, 8).mma == 544 * 10
+    with pytest.raises(ValueError, match="blocks_counted"):
+        ctr.scale_sample(c, 0)
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    m = pm.model_step("tiny", 64, H200)
+    out = pm.plot([m], tmp_path / "p.png")
+    assert out is not None and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_measured_from_gpu_bench_step_results(tmp_path):
+    row = {"drafter": "tiny", "window": 64, "mode": "graph", "us_per_step": 50.0}
+    (tmp_path / "step.json").write_text(json.dumps(
+        {"bench": "step", "meta": {"device": {"backend": "cuda"}}, "rows": [row]}))
+    (tmp_path / "cpu_step.json").write_text(json.dumps(
+        {"bench": "step", "meta": {"device": {"backend": "emulated"}}, "rows": [dict(row, window=128)]}))
+    got = pm.load_measured(tmp_path / "perf_measured.json")
+    assert got == {"tiny": {"64": {"step_us": 50.0}}}    # emulated runs are not measurements
