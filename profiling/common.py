@@ -352,25 +352,9 @@ class RandomDraftWeights(DraftWeights):
     """A ``DraftWeights`` whose only form is random bf16 on one backend
     (no host tensors): ``device(backend)`` returns the placed weights."""
 
-    def __init__(self, config: DraftConfig, backend=None, seed: int = 0):  # noqa: no super().__init__
-        self.config = config
-        self.tensors = {}
-        self._dev = RandomDeviceWeights(config, backends.get(backend), seed)
-
-    def device(self, backend=None):
+    def __init__(self, config: DraftConfig, backend=None, seed: int = 0):
         be = backends.get(backend)
-        if be is not self._dev.backend:
-            raise ValueError(f"these random weights live on {self._dev.backend.name!r}, not {be.name!r}")
-        return self._dev
-
-    @property
-    def nbytes(self) -> int:
-        return self._dev.nbytes
-
-    def __repr__(self):
-        c = self.config
-        return (f"RandomDraftWeights(n_layer={c.n_layer}, hidden={c.hidden_size}, fc_in={c.fc_in}, "
-                f"bf16 on {self._dev.backend.name}, {self.nbytes / 2**20:.1f} MiB)")
+        super().__init__(config, {}, placed={be.name: RandomDeviceWeights(config, be, seed)})
 
 
 RING_BLOCK_ROWS = 4096
