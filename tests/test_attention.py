@@ -122,9 +122,9 @@ def test_all_hidden_is_zero(backend, rng, n_splits, gate):
 
 
 def test_default_splits_and_sizes():
-    assert default_splits(8, 2080) == 8          # 65 tiles, >= 8 tiles per split
-    assert default_splits(8, 64) == 1
-    assert default_splits(1, 100000) == 264
+    assert default_splits(8, 2080, 132) == 8          # 65 tiles, >= 8 tiles per split
+    assert default_splits(8, 64, 132) == 1
+    assert default_splits(1, 100000, 132) == 264
 
 
 def test_bad_arguments_raise(emu):
