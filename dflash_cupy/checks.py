@@ -40,7 +40,7 @@ def check_no_overlap(**arrays) -> None:
     for i, (na, a) in enumerate(items):
         for nb, b in items[i + 1:]:
             if overlaps(a, b):
-                raise ValueError(f"{na} and {nb} must not overlap")
+                raise ValueError(f"{na} must not overlap {nb}")
 
 
 def device_array(backend, name, a, dtype, ndim=2) -> None:

@@ -5,7 +5,7 @@ Constants flow one way per constant: sizes a launcher chooses go to the
 kernel as ``-D`` macros (``compile_options``, the one function that builds
 them, so the CUDA and emulated builds of a file see the same values); layouts
 and tile sizes the kernels fix (the step descriptor, attention's key tile)
-are ``#define``\ s in ``cuda_src`` that Python reads with ``constants``.
+are ``#define`` lines in ``cuda_src`` that Python reads with ``constants``.
 Modules are cached per (backend, file, options).
 """
 from __future__ import annotations

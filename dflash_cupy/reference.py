@@ -14,9 +14,6 @@ Entry points:
   is given (``logits = hidden @ lm_head.T``, ``[B, V]``).
 * ``draft_forward_positions(...)``: the same with explicit absolute positions
   and, optionally, explicit per-layer visibility masks.
-* ``draft_window(weights, features, committed, capacity, noise_embed, ...)``:
-  what a ring-cache step must reproduce: the window ``[lo, committed)`` of a
-  feature history indexed by absolute position, rebased.
 * ``ring_masks(slot_pos, committed, geom, swa_window)``: the f16 ``0 / -inf``
   masks of SPEC §3 step 5 over the ``kv_total`` cache rows.
 """
@@ -33,7 +30,7 @@ from .rope_params import rope_parameters
 __all__ = [
     "rmsnorm", "silu", "softplus", "rope_parameters", "rope_cos_sin", "apply_rope",
     "fuse_features", "layer_visibility", "attention", "decoder_layer",
-    "draft_forward", "draft_forward_positions", "draft_window",
+    "draft_forward", "draft_forward_positions",
     "ring_masks", "contiguous_slot_pos",
 ]
 
@@ -249,24 +246,6 @@ def draft_forward(weights, feat_rows, noise_embed, *, lm_head=None, pos_offset: 
     base = int(pos_offset)
     return draft_forward_positions(weights, X, E, base + np.arange(C), base + C + np.arange(B),
                                    lm_head=lm_head)
-
-
-def draft_window(weights, features, committed: int, capacity: int, noise_embed, *,
-                 lm_head=None, pos_offset: int = 0):
-    """What a ring-cache step at ``committed`` must equal (SPEC §2, §3):
-    ``draft_forward`` over the window ``[lo, committed)`` of ``features``
-    (indexed by absolute position, at least ``committed`` rows), where
-    ``lo = committed - min(committed, capacity)``."""
-    if committed <= 0:
-        raise ValueError(f"committed={committed}: must be > 0")
-    if capacity <= 0:
-        raise ValueError(f"capacity={capacity}: must be > 0")
-    features = np.asarray(features)
-    if features.shape[0] < committed:
-        raise ValueError(f"features: {features.shape[0]} rows, need committed={committed}")
-    lo = committed - min(committed, capacity)
-    return draft_forward(weights, features[lo:committed], noise_embed,
-                         lm_head=lm_head, pos_offset=pos_offset)
 
 
 # --------------------------------------------------------------------------- ring masks

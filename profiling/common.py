@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_cupy import backends
+from dflash_cupy import backends, device_props
 from dflash_cupy.config import DraftConfig
 from dflash_cupy.weights import DraftWeights
 
@@ -104,19 +104,17 @@ def default_out(backend, name: str) -> Path:
 def device_info(backend) -> dict:
     info = {"backend": backend.name, "python": sys.version.split()[0], "numpy": np.__version__,
             "host": platform.node(), "cpu_count": os.cpu_count()}
+    p = device_props.of(backend)  # what the launchers size their grids by
+    info.update({"gpu": p.name, "sm_count": p.sm_count, "l2_bytes": p.l2_bytes,
+                 "smem_optin_bytes": p.smem_optin})
     if backend.name == "cuda":
         try:
             import cupy
             rt = cupy.cuda.runtime
-            dev = rt.getDevice()
-            props = rt.getDeviceProperties(dev)
-            name = props.get("name", b"?")
+            props = rt.getDeviceProperties(rt.getDevice())
             info.update({
-                "gpu": name.decode(errors="replace") if isinstance(name, bytes) else str(name),
                 "cupy": cupy.__version__, "cuda_runtime": rt.runtimeGetVersion(),
                 "cuda_driver": rt.driverGetVersion(),
-                "sm_count": int(props.get("multiProcessorCount", 0)),
-                "l2_bytes": int(props.get("l2CacheSize", 0)),
                 "total_mem_bytes": int(props.get("totalGlobalMem", 0)),
                 "cc": f"{props.get('major', '?')}.{props.get('minor', '?')}",
             })

@@ -118,7 +118,7 @@ def test_bad_input(backend):
     raises(ValueError, "^w must have shape", x, backend.zeros((2, 2, D), np.float32), y)
     raises(ValueError, "^rows=", x, w, y, rows=5)
     raises(TypeError, "^rows ", x, w, y, rows=1.5)
-    with pytest.raises(ValueError, match="^D "):
+    with pytest.raises(ValueError, match="^D=0 must be >= 1"):
         RmsNorm(backend, 0)
     with pytest.raises(ValueError, match="^eps "):
         RmsNorm(backend, D, eps=-1.0)

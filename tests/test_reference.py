@@ -387,18 +387,6 @@ def test_bad_inputs_name_the_argument():
         R.draft_forward_positions(w, X, E, np.arange(4), np.arange(5), visible=[np.ones((5, 9))])
 
 
-def test_draft_window_slices_the_history():
-    c = cfg()
-    w = DraftWeights.random(c, seed=17)
-    feats, E = inputs(c, 40, seed=18)
-    np.testing.assert_array_equal(R.draft_window(w, feats, 30, 8, E),
-                                  R.draft_forward(w, feats[22:30], E))
-    np.testing.assert_array_equal(R.draft_window(w, feats, 5, 8, E),
-                                  R.draft_forward(w, feats[:5], E))
-    with pytest.raises(ValueError, match="features"):
-        R.draft_window(w, feats, 41, 8, E)
-
-
 # =========================================================== variants
 def test_aux_hidden_norms_equal_prenormalised_slices():
     c = cfg(aux_hidden_norms=True)

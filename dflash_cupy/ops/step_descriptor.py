@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import kernels
-from ..geometry import BULK_CHUNK, RingGeometry
+from ..geometry import RingGeometry
 
 _C = kernels.constants("step_desc.cuh")
 DESC_COMMITTED, DESC_LO, DESC_START = _C["DESC_COMMITTED"], _C["DESC_LO"], _C["DESC_START"]
@@ -94,8 +94,8 @@ def plan_step(next_pos: int, committed: int, geom: RingGeometry, swa_window=0) -
                       bulk_start=bulk_start, bulk_count=bulk_count)
 
 
-def bulk_chunks(bulk_start: int, bulk_count: int, chunk: int = BULK_CHUNK):
-    """``(start, count)`` of each bulk-append chunk."""
+def bulk_chunks(bulk_start: int, bulk_count: int, chunk: int):
+    """``(start, count)`` of each bulk-append chunk of at most ``chunk`` rows."""
     out = []
     s, n = int(bulk_start), int(bulk_count)
     while n > 0:
