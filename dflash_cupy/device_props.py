@@ -25,25 +25,21 @@ class DeviceProps:
 H200 = DeviceProps(name="NVIDIA H200 (emulated profile)", sm_count=132, smem_optin=232448,
                    l2_bytes=50 * 2**20)
 
-_queried: dict = {}
-
-
 def query_cupy(device: int | None = None) -> DeviceProps:
-    """The current (or given) CUDA device's properties, through CuPy's runtime."""
+    """The current (or given) CUDA device's properties, through CuPy's runtime
+    (a few attribute reads: launchers query once, when they are built)."""
     import cupy
     rt = cupy.cuda.runtime
     dev = rt.getDevice() if device is None else int(device)
-    if dev not in _queried:
-        attr = lambda a: int(rt.deviceGetAttribute(a, dev))  # noqa: E731
-        try:
-            name = rt.getDeviceProperties(dev).get("name", b"?")
-            name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
-        except Exception:  # the name is informational only
-            name = f"CUDA device {dev}"
-        _queried[dev] = DeviceProps(name=name, sm_count=attr(rt.cudaDevAttrMultiProcessorCount),
-                                    smem_optin=attr(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin),
-                                    l2_bytes=attr(rt.cudaDevAttrL2CacheSize))
-    return _queried[dev]
+    attr = lambda a: int(rt.deviceGetAttribute(a, dev))  # noqa: E731
+    try:
+        name = rt.getDeviceProperties(dev).get("name", b"?")
+        name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+    except Exception:  # the name is informational only
+        name = f"CUDA device {dev}"
+    return DeviceProps(name=name, sm_count=attr(rt.cudaDevAttrMultiProcessorCount),
+                       smem_optin=attr(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin),
+                       l2_bytes=attr(rt.cudaDevAttrL2CacheSize))
 
 
 def of(backend) -> DeviceProps:

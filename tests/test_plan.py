@@ -16,7 +16,7 @@ from dflash_cupy.reference import ring_masks
 
 
 class RingSim:
-    """SPEC §3 steps 1-4 transcribed directly (independent of ops.plan.plan_step)."""
+    """SPEC §3 steps 1-4 transcribed directly (independent of ops.step_descriptor.plan_step)."""
 
     def __init__(self, geom, chunk):
         self.g, self.chunk = geom, chunk
