@@ -5,8 +5,9 @@ Random weights: ``DraftWeights.random`` draws float64 on the host (minutes for
 a 3.5 GB drafter); ``RandomDraftWeights`` instead draws float32 normals in
 chunks with the backend's own generator (CuPy on a GPU, NumPy on the
 emulator) and rounds them to bf16 in place, directly into the fused device
-layout ``DeviceWeights`` uses. ``DraftKvCache`` only asks a weights object
-for ``.config`` and ``.device(backend)``, so it takes these unchanged.
+layout ``DeviceWeights`` uses, and hands them to ``DraftWeights`` as weights
+that live only on that device (``placed=``), which ``DraftKvCache`` takes
+unchanged.
 """
 from __future__ import annotations
 
