@@ -25,7 +25,7 @@
 //   softmax denominator, reduced once at the end.
 //   With SPLITS == 1 the block normalises and writes `out` itself (and the
 //   combine kernel is not launched).
-// ring_attn_combine: grid (ceil(B*NH*D / 128)), block (128): merges the
+// ring_attn_combine: grid (ceil(B*NH*D / COMBINE_THREADS)), block (COMBINE_THREADS): merges the
 //   splits with log-sum-exp weights, applies the gate, writes `out`.
 // A row whose every key is masked gets output 0 (never NaN).
 //
@@ -221,13 +221,13 @@ ring_attn_split(const float* __restrict__ q,
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
 ring_attn_combine(const float* __restrict__ part_o,
                   const float* __restrict__ part_ml,
                   const float* __restrict__ gate,
                   float* __restrict__ out)
 {
-    const int i = blockIdx.x * 128 + threadIdx.x;
+    const int i = blockIdx.x * COMBINE_THREADS + threadIdx.x;
     if (i >= B * NH * D) return;
     const int qrow = i / D, d = i % D;
     float m = NEG_INF;

@@ -4,6 +4,7 @@
 // partial-result layout read by ring_attn_combine, the gate.
 #pragma once
 #include <cuda_fp16.h>
+#include "warp.cuh"
 
 #ifndef D
 #define D 128
@@ -30,7 +31,8 @@
 #define G (NH / NKV)
 #define R (B * G)
 
-#define TILE 32
+#define TILE 32               // keys per shared-memory tile (read by ops/attention.py)
+#define COMBINE_THREADS 128    // block of ring_attn_combine (read by ops/attention.py)
 #define KV_W (NKV * D)
 #define N_TILES ((KV_TOTAL + TILE - 1) / TILE)
 #define TILES_PER_SPLIT ((N_TILES + SPLITS - 1) / SPLITS)
@@ -48,16 +50,6 @@
 
 #define LOG2E 1.4426950408889634f
 #define NEG_INF __int_as_float(0xff800000)
-
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 // softplus with PyTorch's threshold (beta 1, threshold 20)
 __device__ __forceinline__ float softplus(float x) {

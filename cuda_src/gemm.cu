@@ -24,9 +24,9 @@
 // so the weights stream through once while the x tile (<= GEMM_MAX_M rows by GEMM_KT
 // columns) is staged in shared memory and reused by every weight row of the block.
 // Each lane reads 4 consecutive K elements per step (float4 / 8-byte loads) and the
-// partial sums are folded across the warp with xor shuffles at the end. A tensor-core
-// path would replace the inner "for mm" FMA loop (x tile in smem is already the A
-// operand) and the shuffle reduction; the tiling and epilogues stay as they are.
+// partial sums are folded across the warp with xor shuffles at the end. (The
+// tensor-core kernel for f16/bf16 weights is gemm_mma.cu; this one serves f32
+// weights, K tails and unrounded activations.)
 //
 // K tails: K need not be a multiple of 4. When it is (GEMM_K % 4 == 0) weight and x
 // loads are vectorised (the launcher checks 16-byte alignment of every pointer);
@@ -41,6 +41,7 @@
 // nvrtc-check: -DGEMM_WTYPE=0 -DGEMM_EPI=1 -DGEMM_K=19 -DGEMM_MAX_M=1 -DGEMM_R=4 -DGEMM_KT=128
 
 #include <cuda_fp16.h>
+#include "warp.cuh"
 
 #ifndef GEMM_WTYPE
 #define GEMM_WTYPE 1
@@ -126,12 +127,6 @@ __device__ __forceinline__ float4 load_w4(const gemm_w_t* row, int k, bool valid
         if (k + 3 < K) r.w = w_to_float(row[k + 3]);
     }
     return r;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
 }
 
 __device__ __forceinline__ float silu(float g) {

@@ -88,6 +88,9 @@
 #error "GM_WTYPE must be 1 (f16) or 2 (bf16)"
 #endif
 
+// Output columns per warp: one n8 MMA tile (read by ops/gemm.py).
+#define GM_WARP_COLS 8
+
 namespace gemm_mma_detail {
 
 constexpr int K = GM_K;
@@ -159,7 +162,7 @@ gemm_mma(const float* __restrict__ x, const unsigned short* __restrict__ w, floa
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int m0 = blockIdx.y * ROWS;
-    const int n0 = (blockIdx.x * GM_WARPS + warp) * 8;      // this warp's 8 columns
+    const int n0 = (blockIdx.x * GM_WARPS + warp) * GM_WARP_COLS;   // this warp's columns
     const int n = n0 + g;                                    // the weight row this lane streams
     const bool n_ok = n < N;
     const unsigned short* wrow[NW];
@@ -258,7 +261,7 @@ gemm_mma(const float* __restrict__ x, const unsigned short* __restrict__ w, floa
     __syncthreads();
     if (ticket != GM_KSPLIT - 1) return;
     __threadfence();
-    constexpr int COLS = GM_WARPS * 8;  // output columns per block
+    constexpr int COLS = GM_WARPS * GM_WARP_COLS;  // output columns per block
     const int c0 = blockIdx.x * COLS;
     for (int idx = threadIdx.x; idx < ROWS * COLS; idx += THREADS) {
         const int lrow = idx / COLS, col = c0 + idx % COLS;

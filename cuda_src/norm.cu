@@ -6,8 +6,8 @@
 // x itself: every element is read into registers before the reduction barrier and
 // written by the thread that read it), w [w_rows, NORM_D].
 // w_rows > 1 serves tensors whose rows cycle through several weight vectors: the aux
-// hidden norms view x [M, n_cap*H] as [M*n_cap, H] rows with a weight table [n_cap, H];
-// per-head q/k norms use w_rows = 1 on [B*heads, d] rows.
+// hidden norms view x [M, n_cap*H] as [M*n_cap, H] rows with a weight table [n_cap, H].
+// (Per-head q/k norms are fused into rope.cu.)
 //
 // Launch: block = NORM_BLOCK threads; NORM_TPR threads (a multiple of 32 dividing
 // NORM_BLOCK) share one row, so a block covers NORM_BLOCK / NORM_TPR rows;
@@ -22,6 +22,8 @@
 // nvrtc-check: -DNORM_D=4096 -DNORM_TPR=256 -DNORM_BLOCK=256
 // nvrtc-check: -DNORM_D=19 -DNORM_TPR=32 -DNORM_BLOCK=128
 // nvrtc-check: -DNORM_D=5120 -DNORM_TPR=512 -DNORM_BLOCK=512
+
+#include "warp.cuh"
 
 #ifndef NORM_D
 #define NORM_D 128
@@ -80,8 +82,7 @@ rmsnorm(const float* x, const float* w, float* y, int rows, int w_rows, float ep
         for (int e = 0; e < VEC; ++e) ss = fmaf(v[i][e], v[i][e], ss);
     }
 
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    ss = warp_sum(ss);
     if (WARPS_PER_ROW > 1) {
         if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
         __syncthreads();

@@ -41,6 +41,7 @@
 // nvrtc-check: -DD=80 -DNH=3 -DNKV=1 -DHAS_Q=1
 // nvrtc-check: -DD=256 -DNH=16 -DNKV=4 -DHAS_Q=1
 #include <cuda_fp16.h>
+#include "warp.cuh"
 
 #ifndef D
 #define D 128
@@ -77,11 +78,6 @@
 #define TWO_PI_HI 6.283185307179586
 #define TWO_PI_LO 2.4492935982947064e-16
 #define INV_TWO_PI 0.15915494309189535
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 // Store one normalised, rotated head: (a, b) = (lo, hi) * rn * w, then the NEOX
 // rotation by this row's angles; q rows as f32, K rows as f16 (the cache type).

@@ -69,20 +69,9 @@ VARIANT_KEYS = ("aux_hidden_norms", "context_kv_layer_norm", "attn_gate")
 # HF Qwen3Config's default for max_window_layers, used only when layer_types is absent.
 _HF_DEFAULT_MAX_WINDOW_LAYERS = 28
 
-# Keys from_hf consumes; everything else in a config.json is kept in `extra`
-# so a loaded-then-saved config loses nothing.
-_CONSUMED_KEYS = {
-    "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "intermediate_size", "block_size", "num_target_layers", "rms_norm_eps",
-    "rope_theta", "rope_scaling", "rope_parameters", "layer_types", "sliding_window",
-    "use_sliding_window", "max_window_layers", "max_position_embeddings",
-    "dflash_config", "target_layer_ids", "mask_token_id", "hidden_act", "attention_bias",
-    "partial_rotary_factor", *VARIANT_KEYS,
-}
-
-
-# DraftConfig field -> config.json key, for error messages from from_hf
-_HF_KEY = {
+# DraftConfig field -> the config.json key it comes from (and, for the plain
+# ones, goes back to in to_hf): the one key map; error messages name it too.
+HF_KEY = {
     "n_layer": "num_hidden_layers", "hidden_size": "hidden_size",
     "n_head": "num_attention_heads", "n_head_kv": "num_key_value_heads",
     "head_dim": "head_dim", "intermediate_size": "intermediate_size",
@@ -91,6 +80,16 @@ _HF_KEY = {
     "rope_theta": "rope_theta", "rope_scaling": "rope_scaling", "layer_sliding": "layer_types",
     "sliding_window": "sliding_window", "max_position_embeddings": "max_position_embeddings",
     "mask_token_id": "dflash_config.mask_token_id",
+}
+# fields to_hf writes unchanged under their HF_KEY
+_PLAIN_FIELDS = ("hidden_size", "n_layer", "n_head", "n_head_kv", "head_dim", "intermediate_size",
+                 "rms_norm_eps", "sliding_window", "block_size", "num_target_layers")
+
+# Keys from_hf consumes; everything else in a config.json is kept in `extra`
+# so a loaded-then-saved config loses nothing.
+_CONSUMED_KEYS = {k.split(".")[-1] for k in HF_KEY.values()} | {
+    "rope_parameters", "use_sliding_window", "max_window_layers", "dflash_config",
+    "hidden_act", "attention_bias", "partial_rotary_factor", *VARIANT_KEYS,
 }
 
 
@@ -423,8 +422,8 @@ class DraftConfig:
             # name the config.json key as well as the DraftConfig field
             msg = str(e)
             m = re.match(r"DraftConfig\.(\w+)", msg)
-            if m and m.group(1) in _HF_KEY:
-                raise ValueError(f"{msg} [config.json: {_HF_KEY[m.group(1)]}]") from None
+            if m and m.group(1) in HF_KEY:
+                raise ValueError(f"{msg} [config.json: {HF_KEY[m.group(1)]}]") from None
             raise
 
     def to_hf(self, include_extra: bool = True) -> dict:
@@ -434,24 +433,15 @@ class DraftConfig:
         extra_dc = extra.pop("dflash_config", {})
         d.update(extra)
         rt = self.rope_theta
+        d.update({HF_KEY[f]: getattr(self, f) for f in _PLAIN_FIELDS})
         d.update({
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.n_layer,
-            "num_attention_heads": self.n_head,
-            "num_key_value_heads": self.n_head_kv,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
             "hidden_act": "silu",
             "attention_bias": False,
-            "rms_norm_eps": self.rms_norm_eps,
             # an integral theta is written as an int, as the published configs do
             "rope_theta": int(rt) if rt.is_integer() and abs(rt) < 2**53 else rt,
             "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
             "layer_types": list(self.layer_types),
             "use_sliding_window": self.any_sliding and self.sliding_window is not None,
-            "sliding_window": self.sliding_window,
-            "block_size": self.block_size,
-            "num_target_layers": self.num_target_layers,
         })
         if self.max_position_embeddings is not None:
             d["max_position_embeddings"] = self.max_position_embeddings

@@ -14,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 
 from . import dtypes
-from .weights import DraftWeights
 
 
 def device_dtype(dt) -> np.dtype:
@@ -33,7 +32,7 @@ ROLES = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "down": ("mlp.down_proj",), "attn_gate": ("self_attn.gate_proj",)}
 
 
-def role_dtypes(w: DraftWeights) -> dict:
+def role_dtypes(w) -> dict:
     """The stored dtype of each role, f32 where layers (or a fused group) disagree."""
     c = w.config
     out = {}
@@ -46,7 +45,7 @@ def role_dtypes(w: DraftWeights) -> dict:
 
 
 class LayerWeights:
-    def __init__(self, backend, w: DraftWeights, i: int, dtypes: dict | None = None):
+    def __init__(self, backend, w, i: int, dtypes: dict | None = None):
         c = w.config
         dtypes = role_dtypes(w) if dtypes is None else dtypes
         f32 = lambda name: backend.asarray(np.asarray(w.layer(i, name), dtype=np.float32))  # noqa: E731
@@ -66,9 +65,10 @@ class LayerWeights:
 
 
 class DeviceWeights:
-    """``DeviceWeights(weights, backend)``: see the module docstring."""
+    """``DeviceWeights(weights, backend)`` from host ``DraftWeights`` (which
+    calls it from ``DraftWeights.device``): see the module docstring."""
 
-    def __init__(self, weights: DraftWeights, backend):
+    def __init__(self, weights, backend):
         c = weights.config
         self.config = c
         self.backend = backend

@@ -16,19 +16,11 @@ from __future__ import annotations
 import numpy as np
 
 from . import backends, dtypes
-from .ops.plan import ring_kind
+from .checks import int_arg as _pos_int
 
 _STORAGE = dtypes.DEVICE
 _HOST_VIEW = dtypes.HOST
 STAGE_ROWS = 64  # rows per pinned staging chunk of a host write
-
-
-def _pos_int(v, name: str, minimum: int = 0) -> int:
-    if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
-        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-    if v < minimum:
-        raise ValueError(f"{name}={v} must be >= {minimum}")
-    return int(v)
 
 
 class FeatureRing:
@@ -44,7 +36,7 @@ class FeatureRing:
         self.n_captured_layers = _pos_int(n_captured_layers, "n_captured_layers", 1)
         self.hidden_size = _pos_int(hidden_size, "hidden_size", 1)
         self.fc_in = self.n_captured_layers * self.hidden_size
-        self.kind = ring_kind(dtype)
+        self.kind = dtypes.kind_of(dtype, "dtype")
         self.backend = backends.get(backend)
         self.storage = self.backend.zeros((self.capacity, self.fc_in), _STORAGE[self.kind])
         self._stage = self.backend.pinned_empty((min(STAGE_ROWS, self.capacity), self.fc_in),

@@ -4,7 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KV_ROW_ALIGN = 32  # cache rows are padded so masks/attention tiles never straddle the end
-BULK_CHUNK = 1024  # rows per bulk-append chunk (prefill, jumps, after a rewind)
+# The largest bulk-append chunk (rows per launch for a prefill, a jump or after
+# a rewind) a DraftKvCache accepts; its bulk_chunk argument picks the size.
+BULK_CHUNK = 1024
 
 
 def align_up(x: int, a: int) -> int:

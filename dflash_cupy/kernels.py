@@ -1,12 +1,17 @@
-"""Loading ``cuda_src/*.cu`` onto a backend with compile-time sizes.
+"""Loading ``cuda_src/*.cu`` onto a backend with compile-time sizes, and
+reading the constants the CUDA sources define.
 
-Every kernel file takes its sizes as ``-D`` macros; ``compile_options`` is
-the one function that builds them, so the CUDA and emulated builds of a file
-see exactly the same constants. Modules are cached per (backend, file,
-options).
+Constants flow one way per constant: sizes a launcher chooses go to the
+kernel as ``-D`` macros (``compile_options``, the one function that builds
+them, so the CUDA and emulated builds of a file see the same values); layouts
+and tile sizes the kernels fix (the step descriptor, attention's key tile)
+are ``#define`` lines in ``cuda_src`` that Python reads with ``constants``.
+Modules are cached per (backend, file, options).
 """
 from __future__ import annotations
 
+import functools
+import re
 from pathlib import Path
 
 from .source_dir import CUDA_SRC
@@ -32,6 +37,27 @@ def source_path(filename: str) -> Path:
     if not p.is_file():
         raise FileNotFoundError(f"kernel source {filename!r} not found in {CUDA_SRC}")
     return p
+
+
+_IFNDEF = re.compile(r"\s*#\s*ifndef\s+(\w+)")
+_DEFINE = re.compile(r"\s*#\s*define\s+(\w+)\s+(-?\d+)\s*(//.*)?$")
+
+
+@functools.lru_cache(maxsize=None)
+def constants(filename: str) -> dict[str, int]:
+    """The integer constants ``cuda_src/<filename>`` fixes: each
+    ``#define NAME <integer>``, except the ``#ifndef NAME`` defaults of sizes
+    that launchers set with ``-D``."""
+    out, defaults = {}, set()
+    for line in source_path(filename).read_text().splitlines():
+        m = _IFNDEF.match(line)
+        if m:
+            defaults.add(m.group(1))
+            continue
+        m = _DEFINE.match(line)
+        if m and m.group(1) not in defaults:
+            out[m.group(1)] = int(m.group(2))
+    return out
 
 
 def load_module(backend, filename: str, **defines):

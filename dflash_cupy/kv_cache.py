@@ -33,6 +33,7 @@ import contextlib
 import numpy as np
 
 from . import backends
+from .checks import int_arg
 from .device_weights import device_dtype, to_device_matrix
 from .feature_ring import FeatureRing
 from .geometry import BULK_CHUNK, RingGeometry
@@ -40,10 +41,12 @@ from .nvtx_ranges import nvtx_range
 from .ops.attention import RingAttention
 from .ops.gemm import Gemm
 from .ops.norm import RmsNorm
-from .ops.plan import (DESC_LEN, FeatureGather, StepPlanner, bulk_chunks, fill_chunk_descriptor,
-                       fill_step_descriptor, plan_step)
+from .ops.gather import FeatureGather
+from .ops.plan import StepPlanner
+from .ops.step_descriptor import (DESC_LEN, bulk_chunks, fill_chunk_descriptor, fill_step_descriptor,
+                                  plan_step)
 from .ops.rope import QkvNormRope
-from .reference import rope_parameters
+from .rope_params import rope_parameters
 from .weights import DraftWeights
 
 MAX_M = 64  # rows per GEMM M-tile
@@ -62,8 +65,7 @@ class DraftKvCache:
                  bulk_chunk: int = 256):
         if not isinstance(weights, DraftWeights):
             raise TypeError(f"weights must be a DraftWeights, got {type(weights).__name__}")
-        if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 1:
-            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        capacity = int_arg(capacity, "capacity", 1)
         if not isinstance(bulk_chunk, int) or not 1 <= bulk_chunk <= BULK_CHUNK:
             raise ValueError(f"bulk_chunk must be an int in [1, {BULK_CHUNK}], got {bulk_chunk!r}")
         be = self.backend = backends.get(backend)

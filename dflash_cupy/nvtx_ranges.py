@@ -1,6 +1,7 @@
 """NVTX ranges under one domain ("dflash_cupy"), free when no profiler is
-attached and a no-op where the ``nvtx`` package is missing (the GPU check
-machine has no network to install it)."""
+attached. ``nvtx`` is optional (the ``bench`` and ``test`` extras install
+it): without it the ranges are no-ops, so the product runs where it cannot be
+installed (the GPU check machine has no network)."""
 from __future__ import annotations
 
 import contextlib

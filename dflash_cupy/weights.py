@@ -34,45 +34,38 @@ from __future__ import annotations
 
 import json
 import os
-import struct
+import types
 import warnings
 
-import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
+from . import backends, dtypes
 from .config import DraftConfig
+from .device_weights import DeviceWeights
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-_ST_TO_NP = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": BF16}
-_NP_TO_ST = {v: k for k, v in _ST_TO_NP.items()}
-_DTYPE_ALIASES = {
-    "f32": np.float32, "float32": np.float32, "fp32": np.float32,
-    "f16": np.float16, "float16": np.float16, "fp16": np.float16, "half": np.float16,
-    "bf16": BF16, "bfloat16": BF16,
-}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+_FROM_SAFETENSORS = {v: k for k, v in dtypes.SAFETENSORS.items()}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read as the drafter's weights: the
+    message names the file and what is wrong with it."""
 
 
 def resolve_dtype(dtype) -> np.dtype:
-    """np.float32 / np.float16 / ml_dtypes.bfloat16, or "f32" / "f16" / "bf16" -> np.dtype."""
-    if isinstance(dtype, str):
-        key = dtype.lower()
-        if key not in _DTYPE_ALIASES:
-            raise ValueError(f"dtype={dtype!r}: expected one of 'f32', 'f16', 'bf16'")
-        return np.dtype(_DTYPE_ALIASES[key])
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise ValueError(f"dtype={dtype!r}: expected float32, float16 or bfloat16") from None
-    if dt not in _NP_TO_ST:
-        raise ValueError(f"dtype={dtype!r}: expected float32, float16 or bfloat16")
-    return dt
+    """np.float32 / np.float16 / ml_dtypes.bfloat16, or a name ("f32", "bf16",
+    "float16", ...) -> the host np.dtype; TypeError otherwise."""
+    return dtypes.host_dtype(dtype, "dtype")
 
 
 def dtype_name(dt) -> str:
-    return {"F32": "f32", "F16": "f16", "BF16": "bf16"}.get(_NP_TO_ST.get(np.dtype(dt)),
-                                                            str(np.dtype(dt)))
+    try:
+        return dtypes.kind_of(dt, "dtype", bits=False)
+    except TypeError:
+        return str(np.dtype(dt))
 
 
 def expected_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
@@ -118,35 +111,59 @@ class DraftWeights:
     ``tensors`` maps HF names to arrays of dtype float32, float16 or
     ml_dtypes.bfloat16; the constructor checks them against
     ``expected_shapes(config)``.
+
+    The weights are immutable once built: ``tensors`` is a read-only mapping
+    of read-only array views, so an edit raises instead of being silently
+    missed by a copy already placed on a device (``device()`` places them once
+    per backend and caches the result). To change a weight, build a new
+    ``DraftWeights`` from ``dict(w.tensors)`` with the new array.
+
+    ``placed`` (backend name -> device weights) builds weights that exist only
+    on a device (benchmarks draw random weights there); their ``tensors`` is
+    empty and ``device()`` on another backend raises.
     """
 
-    def __init__(self, config: DraftConfig, tensors: dict, *, strict: bool = True):
+    def __init__(self, config: DraftConfig, tensors: dict, *, strict: bool = True,
+                 placed: dict | None = None):
         if not isinstance(config, DraftConfig):
             raise TypeError(f"config must be a DraftConfig, got {type(config).__name__}")
         self.config = config
-        self.tensors = _check_tensors(config, dict(tensors), strict=strict, source="tensors")
+        if placed:
+            if tensors:
+                raise ValueError("placed weights take no host tensors")
+            checked = {}
+        else:
+            checked = _check_tensors(config, dict(tensors), strict=strict, source="tensors")
+        self._tensors = types.MappingProxyType({k: _read_only(a) for k, a in checked.items()})
+        self._placed = dict(placed or {})
+        self._host = not placed
+
+    @property
+    def tensors(self) -> types.MappingProxyType:
+        """Name -> read-only array (see the class docstring)."""
+        return self._tensors
 
     # ------------------------------------------------------------- access
     def __getitem__(self, name: str) -> np.ndarray:
         try:
-            return self.tensors[name]
+            return self._tensors[name]
         except KeyError:
             raise KeyError(f"DraftWeights has no tensor {name!r}") from None
 
     def __contains__(self, name) -> bool:
-        return name in self.tensors
+        return name in self._tensors
 
     def __iter__(self):
-        return iter(self.tensors)
+        return iter(self._tensors)
 
     def __len__(self) -> int:
-        return len(self.tensors)
+        return len(self._tensors)
 
     def keys(self):
-        return self.tensors.keys()
+        return self._tensors.keys()
 
     def items(self):
-        return self.tensors.items()
+        return self._tensors.items()
 
     def layer(self, i: int, name: str) -> np.ndarray:
         """``layer(i, "self_attn.q_proj")`` -> ``tensors["layers.{i}.self_attn.q_proj.weight"]``."""
@@ -156,30 +173,33 @@ class DraftWeights:
     def dtype(self):
         """The common dtype of all tensors, or None when they are mixed
         (``dtype_summary()`` then says which)."""
-        dts = {a.dtype for a in self.tensors.values()}
+        dts = {a.dtype for a in self._tensors.values()}
         return dts.pop() if len(dts) == 1 else None
 
     def dtype_summary(self) -> str:
         """e.g. ``"bf16 x 58"`` or ``"bf16 x 56, f32 x 2"``."""
         counts: dict[str, int] = {}
-        for a in self.tensors.values():
+        for a in self._tensors.values():
             k = dtype_name(a.dtype)
             counts[k] = counts.get(k, 0) + 1
         return ", ".join(f"{k} x {n}" for k, n in sorted(counts.items()))
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.tensors.values())
+        if not self._host:
+            return sum(int(d.nbytes) for d in self._placed.values())
+        return sum(a.nbytes for a in self._tensors.values())
 
     def astype(self, dtype) -> "DraftWeights":
         """A copy with every tensor converted (round to nearest even) to ``dtype``."""
         dt = resolve_dtype(dtype)
-        return DraftWeights(self.config, {k: _convert(v, dt) for k, v in self.tensors.items()})
+        return DraftWeights(self.config, {k: _convert(v, dt) for k, v in self._tensors.items()})
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"DraftWeights(n_layer={c.n_layer}, hidden={c.hidden_size}, fc_in={c.fc_in}, "
-                f"{len(self.tensors)} tensors, {self.dtype_summary()}, "
+        where = self.dtype_summary() if self._host else "on " + ", ".join(self._placed)
+        return (f"{type(self).__name__}(n_layer={c.n_layer}, hidden={c.hidden_size}, "
+                f"fc_in={c.fc_in}, {len(self._tensors)} tensors, {where}, "
                 f"{self.nbytes / 2**20:.1f} MiB)")
 
     # ------------------------------------------------------------ creation
@@ -208,9 +228,12 @@ class DraftWeights:
         or a sharded ``model.safetensors.index.json``.
 
         ``dtype=None`` keeps each tensor bit-exactly as stored (F32, F16, BF16);
-        a dtype converts every tensor. Missing or misshapen tensors raise
-        ValueError naming them; unexpected tensors raise too unless
-        ``strict=False``, which warns and drops them.
+        a dtype converts every tensor. A malformed file (empty, truncated,
+        header not JSON or of absurd length, offsets past the end or
+        overlapping, an unsupported dtype, a missing shard, a tensor missing,
+        misshapen or in another shard than the index says) raises
+        ``CheckpointError`` naming the file; unexpected tensors raise too
+        unless ``strict=False``, which warns and drops them.
         ``backend`` (a name or a Backend): also place the weights on that
         backend now (``device(backend)``), so the first step pays nothing.
         """
@@ -219,39 +242,52 @@ class DraftWeights:
         if not os.path.isdir(path):
             raise FileNotFoundError(f"from_pretrained: {path!r} is not a checkpoint directory")
         config = DraftConfig.from_hf(path)
-        files = _safetensors_files(path)
-        tensors = {}
-        for f in files:
+        tensors, where = {}, {}
+        for f, names in _safetensors_files(path).items():
             for name, arr in _read_safetensors(f).items():
                 if name in tensors:
-                    raise ValueError(f"from_pretrained: tensor {name!r} appears in more than one "
-                                     f"shard (again in {os.path.basename(f)})")
+                    raise CheckpointError(f"{f}: tensor {name!r} is also in {where[name]}")
+                if names is not None and name not in names:
+                    raise CheckpointError(f"{f}: holds tensor {name!r}, which the index "
+                                          f"{INDEX_FILE} does not place in this shard")
                 tensors[name] = arr if dt is None else _convert(arr, dt)
-        weights = cls(config, _check_tensors(config, tensors, strict=strict, source=path))
+                where[name] = f
+        checked = _check_tensors(config, tensors, strict=strict, source=path, where=where)
+        weights = cls(config, checked)
         if backend is not None:
             weights.device(backend)
         return weights
 
-    def device(self, backend=None):
+    def device(self, backend=None) -> DeviceWeights:
         """The weights on ``backend`` (``DeviceWeights``: fused, device-resident),
         built once per backend and cached on this object."""
-        from . import backends
-        from .device_weights import DeviceWeights
         be = backends.get(backend)
-        cache = self.__dict__.setdefault("_device_cache", {})
-        if be.name not in cache:
-            cache[be.name] = DeviceWeights(self, be)
-        return cache[be.name]
+        placed = self._placed.get(be.name)
+        if placed is None:
+            if not self._host:
+                raise ValueError(f"these weights live only on {', '.join(map(repr, self._placed))}, "
+                                 f"not {be.name!r}")
+            placed = self._placed[be.name] = DeviceWeights(self, be)
+        return placed
 
     def save_pretrained(self, path) -> None:
         """Write ``config.json`` and ``model.safetensors`` (HF layout) into directory ``path``."""
+        if not self._host:
+            raise ValueError("weights that live only on a device cannot be saved")
         path = os.fspath(path)
         os.makedirs(path, exist_ok=True)
         self.config.save(os.path.join(path, "config.json"))
-        _write_safetensors(os.path.join(path, SINGLE_FILE), self.tensors)
+        save_file({k: np.ascontiguousarray(v) for k, v in self._tensors.items()},
+                  os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
 
 
 # ---------------------------------------------------------------- helpers
+def _read_only(a: np.ndarray) -> np.ndarray:
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
 def _convert(a, dt: np.dtype) -> np.ndarray:
     a = np.asarray(a)
     if a.dtype == dt:
@@ -261,130 +297,81 @@ def _convert(a, dt: np.dtype) -> np.ndarray:
     return np.ascontiguousarray(a.astype(dt))
 
 
-def _check_tensors(config, tensors: dict, *, strict: bool, source: str) -> dict:
+def _check_tensors(config, tensors: dict, *, strict: bool, source: str, where=None) -> dict:
+    """The tensors ``config`` needs, checked. ``where`` (name -> file) marks a
+    checkpoint: its problems raise ``CheckpointError`` naming the file."""
+    err = ValueError if where is None else CheckpointError
+
+    def origin(n):
+        return source if where is None else where[n]
+
     shapes = expected_shapes(config)
     missing = [n for n in shapes if n not in tensors]
     if missing:
         more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
-        raise ValueError(f"{source}: missing tensor(s) "
-                         + ", ".join(f"{n} {list(shapes[n])}" for n in missing[:8]) + more)
+        raise err(f"{source}: missing tensor(s) "
+                  + ", ".join(f"{n} {list(shapes[n])}" for n in missing[:8]) + more)
     out = {}
     for n, shape in shapes.items():
         a = tensors[n]
         if not isinstance(a, np.ndarray):
             raise TypeError(f"{source}: tensor {n!r} is a {type(a).__name__}, not a NumPy array")
-        if a.dtype not in _NP_TO_ST:
-            raise ValueError(f"{source}: tensor {n!r} has dtype {a.dtype}; expected float32, "
-                             "float16 or bfloat16")
+        try:
+            dtypes.kind_of(a.dtype, n, bits=False)
+        except TypeError:
+            raise err(f"{origin(n)}: tensor {n!r} has dtype {a.dtype}; expected float32, "
+                      "float16 or bfloat16") from None
         if tuple(a.shape) != shape:
-            raise ValueError(f"{source}: tensor {n!r} has shape {list(a.shape)}, expected "
-                             f"{list(shape)}")
+            raise err(f"{origin(n)}: tensor {n!r} has shape {list(a.shape)}, expected "
+                      f"{list(shape)}")
         out[n] = a
     unexpected = sorted(n for n in tensors if n not in shapes)
     if unexpected:
         msg = (f"{source}: unexpected tensor(s) not used by this config: "
                + ", ".join(unexpected))
         if strict:
-            raise ValueError(msg + " (pass strict=False to ignore them)")
+            raise err(msg + " (pass strict=False to ignore them)")
         warnings.warn(msg + " (ignored)", stacklevel=3)
     return out
 
 
-def _safetensors_files(path: str) -> list[str]:
+def _safetensors_files(path: str) -> dict:
+    """Shard path -> the tensor names the index places in it (None: no index)."""
     index = os.path.join(path, INDEX_FILE)
     single = os.path.join(path, SINGLE_FILE)
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            wm = json.load(f).get("weight_map")
-        if not isinstance(wm, dict) or not wm:
-            raise ValueError(f"{index}: no 'weight_map'")
-        files = []
-        for shard in dict.fromkeys(wm.values()):  # first-seen order, no repeats
+        try:
+            with open(index, encoding="utf-8") as f:
+                wm = json.load(f).get("weight_map")
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a JSON index object ({e})") from None
+        if not isinstance(wm, dict) or not wm or not all(isinstance(v, str) for v in wm.values()):
+            raise CheckpointError(f"{index}: no 'weight_map' of tensor name -> shard file")
+        files: dict[str, set] = {}
+        for name, shard in wm.items():
             p = os.path.join(path, shard)
             if not os.path.isfile(p):
-                raise FileNotFoundError(f"{index}: shard {shard!r} is missing")
-            files.append(p)
+                raise CheckpointError(f"{index}: shard {shard!r} (holding {name!r}) is missing")
+            files.setdefault(p, set()).add(name)
         return files
     if os.path.isfile(single):
-        return [single]
+        return {single: None}
     raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
 
 
 def _read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """All tensors of one file, bit-exact. Uses the safetensors package; a
-    tensor it cannot return as NumPy (older releases lack bf16) is read from
-    the raw bytes instead."""
-    from safetensors import safe_open
-
-    header = _read_header(path)
+    """All tensors of one file, bit-exact (the safetensors package checks the
+    header, offsets and sizes); any fault raises ``CheckpointError`` naming it."""
     out = {}
-    with safe_open(path, framework="numpy") as f:
-        for name in f.keys():
-            st_dtype = header[name]["dtype"]
-            if st_dtype not in _ST_TO_NP:
-                raise ValueError(f"{path}: tensor {name!r} has dtype {st_dtype}; supported: "
-                                 f"{', '.join(_ST_TO_NP)}")
-            try:
-                a = f.get_tensor(name)
-            except Exception:
-                a = None
-            want = _ST_TO_NP[st_dtype]
-            if a is None or a.dtype != want:
-                a = _read_raw_tensor(path, header, name)
-            out[name] = np.ascontiguousarray(a)
-    return out
-
-
-def _read_header(path: str) -> dict:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    header["__data_start__"] = 8 + n
-    return header
-
-
-def _read_raw_tensor(path: str, header: dict, name: str) -> np.ndarray:
-    info = header[name]
-    dt = _ST_TO_NP[info["dtype"]]
-    b, e = info["data_offsets"]
-    with open(path, "rb") as f:
-        f.seek(header["__data_start__"] + b)
-        raw = f.read(e - b)
-    n = int(np.prod(info["shape"], dtype=np.int64))
-    if len(raw) != n * dt.itemsize:
-        raise ValueError(f"{path}: tensor {name!r} holds {len(raw)} bytes, expected "
-                         f"{n * dt.itemsize}")
-    # via uint16/uint32 bit patterns so no value conversion can happen
-    bits = np.frombuffer(raw, dtype=np.dtype(f"<u{dt.itemsize}"))
-    return bits.view(dt).reshape(info["shape"]).copy()
-
-
-def _write_safetensors(path: str, tensors: dict) -> None:
-    from safetensors.numpy import save_file
-
-    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
     try:
-        save_file(arrays, path, metadata={"format": "pt"})
-        return
-    except Exception:
-        pass  # e.g. a safetensors release without bf16 in its NumPy API
-    _write_safetensors_raw(path, arrays)
-
-
-def _write_safetensors_raw(path: str, arrays: dict) -> None:
-    header, blobs, off = {"__metadata__": {"format": "pt"}}, [], 0
-    for k in sorted(arrays):
-        a = arrays[k]
-        raw = a.view(np.dtype(f"<u{a.dtype.itemsize}")).tobytes()
-        header[k] = {"dtype": _NP_TO_ST[a.dtype], "shape": list(a.shape),
-                     "data_offsets": [off, off + len(raw)]}
-        blobs.append(raw)
-        off += len(raw)
-    h = json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * (-len(h) % 8)  # the format pads the header to 8 bytes
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)))
-        f.write(h)
-        for raw in blobs:
-            f.write(raw)
+        with safe_open(path, framework="numpy") as f:
+            for name in f.keys():
+                st = f.get_slice(name).get_dtype()
+                if st not in _FROM_SAFETENSORS:
+                    raise CheckpointError(f"{path}: tensor {name!r} has dtype {st}; supported: "
+                                          f"{', '.join(_FROM_SAFETENSORS)}")
+                out[name] = np.ascontiguousarray(f.get_tensor(name))
+    except (SafetensorError, OSError, MemoryError, OverflowError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file: "
+                              f"{type(e).__name__}: {e}") from None
+    return out

@@ -113,7 +113,7 @@ def component_costs(cache, ring, committed: int, n: int = 20000) -> dict:
     on the same cache; no state changes)."""
     import timeit
     from dflash_cupy.nvtx_ranges import nvtx_range
-    from dflash_cupy.ops.plan import fill_step_descriptor, plan_step
+    from dflash_cupy.ops.step_descriptor import fill_step_descriptor, plan_step
     g, sw = cache.geom, cache.config.swa_window
     fields = plan_step(committed - 3, committed, g, sw)
     buf = np.zeros(8, np.int32)

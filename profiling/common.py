@@ -5,8 +5,9 @@ Random weights: ``DraftWeights.random`` draws float64 on the host (minutes for
 a 3.5 GB drafter); ``RandomDraftWeights`` instead draws float32 normals in
 chunks with the backend's own generator (CuPy on a GPU, NumPy on the
 emulator) and rounds them to bf16 in place, directly into the fused device
-layout ``DeviceWeights`` uses. ``DraftKvCache`` only asks a weights object
-for ``.config`` and ``.device(backend)``, so it takes these unchanged.
+layout ``DeviceWeights`` uses, and hands them to ``DraftWeights`` as weights
+that live only on that device (``placed=``), which ``DraftKvCache`` takes
+unchanged.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_cupy import backends
+from dflash_cupy import backends, device_props
 from dflash_cupy.config import DraftConfig
 from dflash_cupy.weights import DraftWeights
 
@@ -104,19 +105,17 @@ def default_out(backend, name: str) -> Path:
 def device_info(backend) -> dict:
     info = {"backend": backend.name, "python": sys.version.split()[0], "numpy": np.__version__,
             "host": platform.node(), "cpu_count": os.cpu_count()}
+    p = device_props.of(backend)  # what the launchers size their grids by
+    info.update({"gpu": p.name, "sm_count": p.sm_count, "l2_bytes": p.l2_bytes,
+                 "smem_optin_bytes": p.smem_optin})
     if backend.name == "cuda":
         try:
             import cupy
             rt = cupy.cuda.runtime
-            dev = rt.getDevice()
-            props = rt.getDeviceProperties(dev)
-            name = props.get("name", b"?")
+            props = rt.getDeviceProperties(rt.getDevice())
             info.update({
-                "gpu": name.decode(errors="replace") if isinstance(name, bytes) else str(name),
                 "cupy": cupy.__version__, "cuda_runtime": rt.runtimeGetVersion(),
                 "cuda_driver": rt.driverGetVersion(),
-                "sm_count": int(props.get("multiProcessorCount", 0)),
-                "l2_bytes": int(props.get("l2CacheSize", 0)),
                 "total_mem_bytes": int(props.get("totalGlobalMem", 0)),
                 "cc": f"{props.get('major', '?')}.{props.get('minor', '?')}",
             })
@@ -352,25 +351,9 @@ class RandomDraftWeights(DraftWeights):
     """A ``DraftWeights`` whose only form is random bf16 on one backend
     (no host tensors): ``device(backend)`` returns the placed weights."""
 
-    def __init__(self, config: DraftConfig, backend=None, seed: int = 0):  # noqa: no super().__init__
-        self.config = config
-        self.tensors = {}
-        self._dev = RandomDeviceWeights(config, backends.get(backend), seed)
-
-    def device(self, backend=None):
+    def __init__(self, config: DraftConfig, backend=None, seed: int = 0):
         be = backends.get(backend)
-        if be is not self._dev.backend:
-            raise ValueError(f"these random weights live on {self._dev.backend.name!r}, not {be.name!r}")
-        return self._dev
-
-    @property
-    def nbytes(self) -> int:
-        return self._dev.nbytes
-
-    def __repr__(self):
-        c = self.config
-        return (f"RandomDraftWeights(n_layer={c.n_layer}, hidden={c.hidden_size}, fc_in={c.fc_in}, "
-                f"bf16 on {self._dev.backend.name}, {self.nbytes / 2**20:.1f} MiB)")
+        super().__init__(config, {}, placed={be.name: RandomDeviceWeights(config, be, seed)})
 
 
 RING_BLOCK_ROWS = 4096

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from dflash_cupy.ops.plan import DESC_LEN, bulk_chunks
+from dflash_cupy.ops.step_descriptor import DESC_LEN, bulk_chunks
 
 CATEGORIES = ("weights", "lm_head", "kv_cache_read", "kv_cache_write", "masks", "features",
               "activations")

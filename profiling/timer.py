@@ -141,15 +141,11 @@ def capture(backend, stream, fn, inner: int = 1):
 
 
 def l2_bytes(backend) -> int:
-    """The GPU's L2 size in bytes (0 on the emulated backend or if unknown)."""
+    """The GPU's L2 size in bytes (0 on the emulated backend: no cache to flush)."""
     if getattr(backend, "name", "") != "cuda":
         return 0
-    try:
-        import cupy
-        rt = cupy.cuda.runtime
-        return int(rt.deviceGetAttribute(rt.cudaDevAttrL2CacheSize, rt.getDevice()))
-    except Exception:
-        return 0
+    from dflash_cupy import device_props
+    return device_props.query_cupy().l2_bytes
 
 
 def l2_flush(backend, stream):

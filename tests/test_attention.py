@@ -45,11 +45,9 @@ def paths(D):
     return ("fma", "mma") if D % 16 == 0 and D <= 128 else ("fma",)
 
 
-@pytest.mark.parametrize("path", ["fma", "mma"])
-@pytest.mark.parametrize("D,NH,NKV,B,kv_total,n_splits,gate", CONFIGS)
+@pytest.mark.parametrize("D,NH,NKV,B,kv_total,n_splits,gate,path",
+                         [c + (p,) for c in CONFIGS for p in paths(c[0])])
 def test_random_masks(backend, rng, D, NH, NKV, B, kv_total, n_splits, gate, path):
-    if path not in paths(D):
-        path = "fma"   # D=256: the CUDA-core kernel only (checked again, harmlessly)
     att = RingAttention(backend, D, NH, NKV, B, kv_total, n_splits=n_splits, gate=gate, path=path)
     assert att.path == path
     q, k, v = make_inputs(rng, B, NH, NKV, D, kv_total)
@@ -122,9 +120,9 @@ def test_all_hidden_is_zero(backend, rng, n_splits, gate):
 
 
 def test_default_splits_and_sizes():
-    assert default_splits(8, 2080) == 8          # 65 tiles, >= 8 tiles per split
-    assert default_splits(8, 64) == 1
-    assert default_splits(1, 100000) == 264
+    assert default_splits(8, 2080, 132) == 8          # 65 tiles, >= 8 tiles per split
+    assert default_splits(8, 64, 132) == 1
+    assert default_splits(1, 100000, 132) == 264
 
 
 def test_bad_arguments_raise(emu):

@@ -22,8 +22,30 @@ def fresh(monkeypatch):
     backends._instances.update(saved)
 
 
-def test_gpu_available_is_a_bool():
-    assert isinstance(backends.gpu_available(), bool)
+class _FakeRuntime:
+    def __init__(self, count):
+        self.count = count
+
+    def getDeviceCount(self):
+        if isinstance(self.count, Exception):
+            raise self.count
+        return self.count
+
+
+@pytest.mark.parametrize("count,want", [(0, False), (1, True), (4, True),
+                                        (RuntimeError("cudaErrorNoDevice"), False)])
+def test_gpu_available_follows_the_device_count(monkeypatch, count, want):
+    import sys
+    import types
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=_FakeRuntime(count)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    assert backends.gpu_available() is want
+
+
+def test_gpu_available_is_false_when_cupy_does_not_import(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
+    assert backends.gpu_available() is False
 
 
 def test_default_is_cuda_with_gpu_else_emulated():
@@ -91,12 +113,8 @@ def test_cuda_without_gpu_raises_backend_error(monkeypatch):
     assert "cuda" not in backends._instances
 
 
+@pytest.mark.skipif(not GPU, reason="needs a visible CUDA GPU (the no-GPU case is the test above)")
 def test_cuda_with_gpu_is_the_cuda_backend(monkeypatch):
-    if not GPU:
-        # Without a GPU this is the 'no GPU' test above; still import the class.
-        from dflash_cupy.backends.cuda import CudaBackend
-        assert CudaBackend.name == "cuda"
-        return
     b = backends.get("cuda")
     assert b.name == "cuda"
     monkeypatch.setenv(backends.ENV_VAR, "cuda")

@@ -1,6 +1,8 @@
 """Gemm (cuda_src/gemm.cu) against gemm_reference: every weight dtype and epilogue,
 awkward M/N/K (K tails included), M tiling beyond max_m, in-place residual, rows
 past m untouched, and bad input."""
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -102,8 +104,19 @@ def test_k_split_defaults(backend):
     assert Gemm(backend, 8, 64, "f32").k_split == 1
     with pytest.raises(ValueError, match="only the 'mma' path"):
         Gemm(backend, 8, 64, "f32", k_split=2)
-    with pytest.raises(ValueError, match="k_split must be"):
+    with pytest.raises(ValueError, match="k_split=0 must be >= 1"):
         Gemm(backend, 8, 64, "bf16", k_split=0)
+
+
+def test_k_split_follows_the_device_sm_count(emu, monkeypatch):
+    """The split is sized by the device's SM count (the emulator presents the
+    H200 profile): 160 column groups on 132 SMs -> 3 slices, on 264 SMs -> 6."""
+    from dflash_cupy import device_props
+    assert device_props.of(emu) is device_props.H200
+    assert Gemm(emu, 5120, 17408, "bf16", max_m=16).k_split == 4 * 132 // 160
+    big = dataclasses.replace(device_props.H200, sm_count=264)
+    monkeypatch.setattr(device_props, "of", lambda be: big)
+    assert Gemm(emu, 5120, 17408, "bf16", max_m=16).k_split == 4 * 264 // 160
 
 
 def test_split_activations_are_f32_accurate(backend, rng):
@@ -264,5 +277,7 @@ def test_bad_input(backend):
         Gemm(backend, N, K, np.int8)
     with pytest.raises(ValueError, match="^max_m"):
         Gemm(backend, N, K, "f16", max_m=65)
-    with pytest.raises(ValueError, match="^K "):
+    with pytest.raises(ValueError, match="^K=0 must be >= 1"):
         Gemm(backend, N, 0, "f16")
+    with pytest.raises(TypeError, match="^N must be an int"):
+        Gemm(backend, 2.0, K, "f16")

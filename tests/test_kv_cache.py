@@ -611,8 +611,8 @@ def test_constructor_errors(emu):
     H = SPECS["a"].config.hidden_size
     with pytest.raises(TypeError, match="weights"):
         DraftKvCache(w.tensors, 7, backend=emu)
-    for cap in (0, -1, True, 2.5):
-        with pytest.raises(ValueError, match="capacity"):
+    for cap, exc in ((0, ValueError), (-1, ValueError), (True, TypeError), (2.5, TypeError)):
+        with pytest.raises(exc, match="capacity"):
             DraftKvCache(w, cap, backend=emu)
     for bc in (0, 2048, 1.5):
         with pytest.raises(ValueError, match="bulk_chunk"):

@@ -48,8 +48,6 @@ def test_mma_wrapper_matches_matrix_product(backend, rng, kind):
         np.int32(kind == "bf16")))
     ref = a.astype(np.float64) @ bt.astype(np.float64).T + c
     assert_close(backend.to_numpy(d), ref, "f32", f"mma {kind}")
-    # a wrong layout would scramble rows/columns: check one asymmetric element exactly enough
-    assert abs(backend.to_numpy(d)[15, 7] - ref[15, 7]) < 1e-3
 
 
 def test_mma_with_missing_lanes_is_an_error(emu):

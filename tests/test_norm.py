@@ -27,7 +27,7 @@ def run(backend, rng, D, xh, wh, *, eps=1e-6, rows=None, in_place=False):
 
 @pytest.mark.parametrize("D,expect_tpr", [
     (19, 32),      # scalar loads, several rows per block
-    (128, 32),     # one warp per row (head_dim)
+    (128, 32),     # one warp per row
     (1000, 64),    # two warps per row, two rows per block: shared partials
     (4096, 256),   # 8 warps, 4 float4 chunks per thread
     (5000, 320),   # chunk count not a multiple of the row's threads
@@ -40,8 +40,9 @@ def test_widths(backend, rng, D, expect_tpr):
         assert op.tpr == expect_tpr
 
 
-def test_per_head_rows(backend, rng):
-    # q_norm: [B, nh*d] normalised per head with one weight row.
+def test_rows_are_D_wide_slices_of_the_last_axis(backend, rng):
+    # [B, n*d] normalised in d-wide slices with one weight row (the row view the
+    # cycling aux norms below rely on, here without the cycling).
     B, nh, d = 5, 3, 64
     xh = rng.standard_normal((B, nh * d)).astype(np.float32)
     wh = rng.standard_normal(d).astype(np.float32)
@@ -117,7 +118,7 @@ def test_bad_input(backend):
     raises(ValueError, "^w must have shape", x, backend.zeros((2, 2, D), np.float32), y)
     raises(ValueError, "^rows=", x, w, y, rows=5)
     raises(TypeError, "^rows ", x, w, y, rows=1.5)
-    with pytest.raises(ValueError, match="^D "):
+    with pytest.raises(ValueError, match="^D=0 must be >= 1"):
         RmsNorm(backend, 0)
     with pytest.raises(ValueError, match="^eps "):
         RmsNorm(backend, D, eps=-1.0)

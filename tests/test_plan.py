@@ -1,4 +1,5 @@
-"""Device-side step planning (cuda_src/plan.cu): append rows and slot_pos
+"""Device-side step planning (cuda_src/plan.cu, gather.cu, the descriptor of
+ops/step_descriptor.py): append rows and slot_pos
 (SPEC §3 steps 1-4) against a NumPy simulation, feature gather, masks exactly
 equal to dflash_cupy.reference.ring_masks, all driven from one step
 descriptor through a captured graph."""
@@ -7,14 +8,15 @@ import numpy as np
 import pytest
 
 from dflash_cupy.geometry import RingGeometry
-from dflash_cupy.ops.plan import (DESC_LEN, DESC_RESET, FeatureGather, StepPlanner, bulk_chunks,
-                                  fill_chunk_descriptor, fill_descriptor, fill_step_descriptor,
-                                  gather_features_reference, plan_append_reference, plan_step)
+from dflash_cupy.ops.gather import FeatureGather, gather_features_reference
+from dflash_cupy.ops.plan import StepPlanner, plan_append_reference
+from dflash_cupy.ops.step_descriptor import (DESC_LEN, DESC_RESET, bulk_chunks, fill_chunk_descriptor,
+                                             fill_descriptor, fill_step_descriptor, plan_step)
 from dflash_cupy.reference import ring_masks
 
 
 class RingSim:
-    """SPEC §3 steps 1-4 transcribed directly (independent of ops.plan.plan_step)."""
+    """SPEC §3 steps 1-4 transcribed directly (independent of ops.step_descriptor.plan_step)."""
 
     def __init__(self, geom, chunk):
         self.g, self.chunk = geom, chunk

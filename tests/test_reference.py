@@ -128,51 +128,6 @@ def test_matches_scalar_loops(kw, C, B):
 
 
 # =========================================================== RoPE
-def test_rope_plain_and_linear_frequencies():
-    c = cfg(head_dim=8, rope_theta=10000.0)
-    inv, scale = R.rope_parameters(c)
-    assert scale == 1.0
-    np.testing.assert_allclose(inv, [1.0, 0.1, 0.01, 0.001], rtol=1e-15)
-    inv2, scale2 = R.rope_parameters(c.replace(rope_scaling={"rope_type": "linear", "factor": 4}))
-    np.testing.assert_allclose(inv2, inv / 4, rtol=1e-15)
-    assert scale2 == 1.0
-
-
-def test_rope_yarn_matches_hand_derivation():
-    # d=128, theta=1e6, original context 32768, factor 4: the correction dims are
-    # 128*ln(32768/(32*2pi))/(2 ln 1e6) = 23.60 -> floor 23 and
-    # 128*ln(32768/(1*2pi))/(2 ln 1e6) = 39.65 -> ceil 40.
-    c = cfg(hidden_size=128, n_head=1, n_head_kv=1, head_dim=128, rope_theta=1_000_000,
-            rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                          "original_max_position_embeddings": 32768},
-            max_position_embeddings=131072)
-    inv, scale = R.rope_parameters(c)
-    plain = 1e6 ** (-np.arange(64) * 2 / 128)
-    np.testing.assert_allclose(inv[:24], plain[:24], rtol=1e-14)       # extrapolated as is
-    np.testing.assert_allclose(inv[40:], plain[40:] / 4, rtol=1e-14)   # fully interpolated
-    for i in (24, 31, 39):
-        t = (i - 23) / 17
-        np.testing.assert_allclose(inv[i], plain[i] * (1 - t) + plain[i] / 4 * t, rtol=1e-14)
-    assert scale == pytest.approx(0.1 * math.log(4) + 1.0, rel=1e-15)
-    # explicit attention_factor, and the mscale / mscale_all_dim ratio
-    rs = dict(c.rope_scaling, attention_factor=0.7)
-    assert R.rope_parameters(c.replace(rope_scaling=rs))[1] == 0.7
-    rs = dict(c.rope_scaling, mscale=1.0, mscale_all_dim=0.5)
-    want = (0.1 * math.log(4) + 1) / (0.05 * math.log(4) + 1)
-    assert R.rope_parameters(c.replace(rope_scaling=rs))[1] == pytest.approx(want, rel=1e-15)
-    # beta overrides move the ramp: beta_fast=64 lowers the first blended dim
-    rs = dict(c.rope_scaling, beta_fast=64)
-    inv_b = R.rope_parameters(c.replace(rope_scaling=rs))[0]
-    assert inv_b[22] != plain[22] and inv[22] == pytest.approx(plain[22], rel=1e-14)
-
-
-def test_rope_yarn_factor_from_max_positions():
-    c = cfg(hidden_size=128, n_head=1, n_head_kv=1, head_dim=128,
-            rope_scaling={"rope_type": "yarn", "original_max_position_embeddings": 4096},
-            max_position_embeddings=4096 * 8)
-    assert R.rope_parameters(c)[1] == pytest.approx(0.1 * math.log(8) + 1.0)
-
-
 def test_apply_rope_is_complex_rotation():
     rng = np.random.default_rng(1)
     c = cfg()
@@ -430,18 +385,6 @@ def test_bad_inputs_name_the_argument():
         R.draft_forward_positions(w, X, E, np.arange(4), np.arange(2))
     with pytest.raises(ValueError, match="visible"):
         R.draft_forward_positions(w, X, E, np.arange(4), np.arange(5), visible=[np.ones((5, 9))])
-
-
-def test_draft_window_slices_the_history():
-    c = cfg()
-    w = DraftWeights.random(c, seed=17)
-    feats, E = inputs(c, 40, seed=18)
-    np.testing.assert_array_equal(R.draft_window(w, feats, 30, 8, E),
-                                  R.draft_forward(w, feats[22:30], E))
-    np.testing.assert_array_equal(R.draft_window(w, feats, 5, 8, E),
-                                  R.draft_forward(w, feats[:5], E))
-    with pytest.raises(ValueError, match="features"):
-        R.draft_window(w, feats, 41, 8, E)
 
 
 # =========================================================== variants

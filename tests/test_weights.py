@@ -1,6 +1,7 @@
 """DraftWeights: expected shapes, random init, safetensors save/load (bit-exact per dtype),
 dtype conversion, sharded checkpoints, and the errors for bad checkpoints."""
 import json
+import struct
 import warnings
 
 import ml_dtypes
@@ -9,8 +10,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from dflash_cupy.config import DraftConfig
-from dflash_cupy.weights import (DraftWeights, _read_safetensors, _write_safetensors_raw,
-                                 expected_shapes, resolve_dtype)
+from dflash_cupy.weights import CheckpointError, DraftWeights, expected_shapes, resolve_dtype
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -143,24 +143,6 @@ def test_bf16_values_survive_exactly(tmp_path):
     assert np.array_equal(bits(got).reshape(-1)[:patterns.size], patterns)
 
 
-def test_raw_reader_and_writer_agree_with_safetensors(tmp_path):
-    rng = np.random.default_rng(5)
-    arrays = {"a": rng.standard_normal((3, 5)).astype(np.float32),
-              "b": rng.standard_normal((7,)).astype(np.float16),
-              "c": rng.standard_normal((2, 2, 3)).astype(BF16)}
-    save_file(arrays, str(tmp_path / "lib.safetensors"))
-    _write_safetensors_raw(str(tmp_path / "raw.safetensors"), arrays)
-    from dflash_cupy.weights import _read_header, _read_raw_tensor
-    for fname in ("lib.safetensors", "raw.safetensors"):
-        p = str(tmp_path / fname)
-        got = _read_safetensors(p)
-        hdr = _read_header(p)
-        for k, a in arrays.items():
-            assert got[k].dtype == a.dtype and np.array_equal(bits(got[k]), bits(a))
-            raw = _read_raw_tensor(p, hdr, k)
-            assert raw.dtype == a.dtype and np.array_equal(bits(raw), bits(a))
-
-
 def _write_sharded(tmp_path, w, n_shards=3):
     names = sorted(w.keys())
     weight_map = {}
@@ -181,7 +163,7 @@ def test_sharded_index(tmp_path):
     assert_bit_equal(w, w2)
     # a shard named by the index but absent
     (tmp_path / "model-00002-of-00003.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="model-00002-of-00003"):
+    with pytest.raises(CheckpointError, match="index.json: shard 'model-00002-of-00003.*is missing"):
         DraftWeights.from_pretrained(tmp_path)
 
 
@@ -195,7 +177,7 @@ def test_missing_tensor(tmp_path):
     t = dict(w.tensors)
     del t["layers.1.self_attn.k_norm.weight"]
     _save_with(tmp_path, w, t)
-    with pytest.raises(ValueError, match=r"missing.*layers\.1\.self_attn\.k_norm\.weight \[6\]"):
+    with pytest.raises(CheckpointError, match=r"missing.*layers\.1\.self_attn\.k_norm\.weight \[6\]"):
         DraftWeights.from_pretrained(tmp_path)
 
 
@@ -204,8 +186,8 @@ def test_misshapen_tensor(tmp_path):
     t = dict(w.tensors)
     t["layers.0.self_attn.v_proj.weight"] = np.zeros((24, 12), np.float32)  # transposed
     _save_with(tmp_path, w, t)
-    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.v_proj\.weight.*\[24, 12\].*"
-                                         r"\[12, 24\]"):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'layers\.0\.self_attn\.v_proj"
+                                             r"\.weight.*\[24, 12\].*\[12, 24\]"):
         DraftWeights.from_pretrained(tmp_path)
 
 
@@ -258,7 +240,7 @@ def test_unsupported_stored_dtype(tmp_path):
     t = dict(w.tensors)
     t["norm.weight"] = t["norm.weight"].astype(np.float64)
     _save_with(tmp_path, w, t)
-    with pytest.raises(ValueError, match=r"norm\.weight.*F64"):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'norm\.weight' has dtype F64"):
         DraftWeights.from_pretrained(tmp_path)
 
 
@@ -272,8 +254,153 @@ def test_constructor_checks_and_access():
     bad = dict(w.tensors, **{"norm.weight": np.ones(24, np.int32)})
     with pytest.raises(ValueError, match=r"norm\.weight.*int32"):
         DraftWeights(c, bad)
-    with pytest.raises(ValueError, match="dtype='f64'"):
+    with pytest.raises(TypeError, match="dtype='f64'"):
         w.astype("f64")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert "DraftWeights(n_layer=2" in repr(w)
+
+
+# ---------------------------------------------------------------- corrupt checkpoints
+def _good_file(tmp_path):
+    w = DraftWeights.random(small_config(), seed=0, dtype="bf16")
+    w.save_pretrained(tmp_path)
+    p = tmp_path / "model.safetensors"
+    return w, p, p.read_bytes()
+
+
+def _file_with_header(header: dict, data: bytes) -> bytes:
+    h = json.dumps(header).encode()
+    return struct.pack("<Q", len(h)) + h + data
+
+
+def _header(raw: bytes) -> dict:
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n])
+
+
+CORRUPT = {
+    "empty": (lambda raw: b"", "header too small"),
+    "4 bytes": (lambda raw: raw[:4], "header too small"),
+    "truncated header": (lambda raw: raw[:40], "invalid header length|header"),
+    "header not JSON": (lambda raw: struct.pack("<Q", 5) + b"hello", "JSON"),
+    "header length 2^40": (lambda raw: struct.pack("<Q", 2**40) + raw[8:], "header too large"),
+    "random bytes": (lambda raw: np.random.default_rng(3).integers(0, 256, 400, dtype=np.uint8)
+                     .tobytes(), "deserializing header"),
+    "truncated data": (lambda raw: raw[:-7], "not fully covered|offset"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPT))
+def test_corrupt_file_raises_checkpoint_error_naming_it(tmp_path, case):
+    _, p, raw = _good_file(tmp_path)
+    corrupt, why = CORRUPT[case]
+    p.write_bytes(corrupt(raw))
+    with pytest.raises(CheckpointError, match=why) as ei:
+        DraftWeights.from_pretrained(tmp_path)
+    assert str(p) in str(ei.value)
+
+
+def _tamper(tmp_path, edit):
+    """Rewrite the first two tensors' header entries with ``edit(header, a, b)``."""
+    _, p, raw = _good_file(tmp_path)
+    h = _header(raw)
+    data = raw[8 + struct.unpack("<Q", raw[:8])[0]:]
+    names = sorted(k for k in h if k != "__metadata__")
+    data = edit(h, names[0], names[1], data)
+    p.write_bytes(_file_with_header(h, data))
+    return p
+
+
+def _past_the_end(h, a, b, data):
+    s, e = h[a]["data_offsets"]
+    h[a]["data_offsets"] = [s, e + 10 * len(data)]
+    return data
+
+
+def _overlapping(h, a, b, data):
+    keep = {k: h[k] for k in (a, b)}
+    h.clear()
+    h.update(keep)
+    na = keep[a]["data_offsets"][1] - keep[a]["data_offsets"][0]
+    nb = keep[b]["data_offsets"][1] - keep[b]["data_offsets"][0]
+    h[a]["data_offsets"] = [0, na]
+    h[b]["data_offsets"] = [na - 2, na - 2 + nb]   # b's bytes start inside a's
+    return bytes(na - 2 + nb)
+
+
+def _shape_too_big(h, a, b, data):
+    h[a]["shape"] = [x + 1 for x in h[a]["shape"]]
+    return data
+
+
+def _dtype_wider(h, a, b, data):
+    h[a]["dtype"] = "F32"  # bf16 bytes declared as f32: half the elements the shape needs
+    return data
+
+
+@pytest.mark.parametrize("edit,why", [(_past_the_end, "offset"), (_overlapping, "offset"),
+                                      (_shape_too_big, "shape, data type, or offset"),
+                                      (_dtype_wider, "shape, data type, or offset")])
+def test_tampered_header(tmp_path, edit, why):
+    p = _tamper(tmp_path, edit)
+    with pytest.raises(CheckpointError, match=why) as ei:
+        DraftWeights.from_pretrained(tmp_path)
+    assert str(p) in str(ei.value)
+
+
+def test_index_not_json_and_tensor_in_the_wrong_shard(tmp_path):
+    w = DraftWeights.random(small_config(), seed=9, dtype="bf16")
+    _write_sharded(tmp_path, w)
+    index = tmp_path / "model.safetensors.index.json"
+    good = json.loads(index.read_text())
+    index.write_text("{not json")
+    with pytest.raises(CheckpointError, match="index.json: not a JSON index"):
+        DraftWeights.from_pretrained(tmp_path)
+    moved = dict(good["weight_map"])
+    name = sorted(moved)[0]
+    other = next(f for f in set(moved.values()) if f != moved[name])
+    moved[name] = other
+    index.write_text(json.dumps({"weight_map": moved}))
+    with pytest.raises(CheckpointError, match=f"holds tensor '{name}'"):
+        DraftWeights.from_pretrained(tmp_path)
+
+
+# ---------------------------------------------------------------- immutability
+def test_tensors_refuse_edits_after_construction():
+    """A placed copy never goes stale: the mapping and the arrays are read-only."""
+    w = DraftWeights.random(small_config(), seed=0)
+    dw = w.device("emulated")
+    with pytest.raises(TypeError):
+        w.tensors["norm.weight"] = np.zeros(24, np.float32)
+    with pytest.raises(ValueError, match="read-only"):
+        w["norm.weight"][0] = 5.0
+    with pytest.raises(ValueError, match="read-only"):
+        w.layer(0, "self_attn.q_proj")[:] = 0
+    assert w.device("emulated") is dw
+    # the documented way: a new DraftWeights, placed afresh
+    t = dict(w.tensors)
+    t["norm.weight"] = np.full(24, 2.0, np.float32)
+    w2 = DraftWeights(w.config, t)
+    np.testing.assert_array_equal(np.asarray(w2.device("emulated").norm), t["norm.weight"])
+    assert float(np.asarray(w.device("emulated").norm)[0]) != 2.0
+
+
+def test_caller_arrays_stay_writable():
+    w = DraftWeights.random(small_config(), seed=0)
+    t = {k: np.array(v) for k, v in w.tensors.items()}
+    DraftWeights(w.config, t)
+    t["norm.weight"][0] = 1.0  # the caller's own array is not frozen
+
+
+def test_device_only_weights():
+    from profiling.common import RandomDraftWeights
+    c = small_config()
+    rw = RandomDraftWeights(c, "emulated", seed=1)
+    assert len(rw) == 0 and rw.config is c
+    assert rw.device("emulated").nbytes == rw.nbytes > 0
+    assert "on emulated" in repr(rw)
+    with pytest.raises(ValueError, match="cannot be saved"):
+        rw.save_pretrained("/nonexistent")
+    with pytest.raises(ValueError, match="placed weights take no host tensors"):
+        DraftWeights(c, {"fc.weight": np.zeros(1)}, placed={"emulated": object()})

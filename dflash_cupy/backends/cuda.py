@@ -75,6 +75,7 @@ import cupy
 from cupy.cuda import driver as _driver
 from cupy.cuda import runtime as _runtime
 
+from .. import device_props
 from . import emu_build
 from .base import (Backend, BackendError, CaptureError, Graph, Kernel, KernelLaunchError, Module,
                    copy_nbytes)
@@ -83,8 +84,7 @@ from .base import dim3 as _dim3
 
 NVRTC_FLAGS = ("--std=c++17", "-ftz=true")
 
-_DEFAULT_SMEM = 48 * 1024        # dynamic shared memory allowed without the opt-in attribute
-_FALLBACK_SMEM_OPTIN = 232448    # Hopper/Ampere-A100 class opt-in limit, if the query fails
+_DEFAULT_SMEM = device_props.DEFAULT_SMEM  # dynamic shared memory allowed without the opt-in attribute
 _DEFAULT_STREAM_PTRS = (0, 1, 2)  # legacy NULL, cudaStreamLegacy, cudaStreamPerThread
 # Raw CuPy stream classes accepted where a stream is taken (ExternalStream is deprecated in
 # CuPy 14 and may go; the base class name differs between versions).
@@ -433,11 +433,7 @@ class CudaBackend(Backend):
 
     def _smem_optin(self) -> int:
         if self._smem_limit is None:
-            try:
-                self._smem_limit = int(_runtime.deviceGetAttribute(
-                    _runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, _runtime.getDevice()))
-            except Exception:
-                self._smem_limit = _FALLBACK_SMEM_OPTIN
+            self._smem_limit = device_props.query_cupy().smem_optin
         return self._smem_limit
 
     # ---- arrays -----------------------------------------------------------

@@ -18,9 +18,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..device_props import H200
 from ..source_dir import EMU_DIR
 
-SMEM_BYTES = 232448  # 227 KiB: the most dynamic shared memory a Hopper block may opt into
+SMEM_BYTES = H200.smem_optin  # the emulator presents the H200 profile (device_props)
 STACK_BYTES = 64 * 1024  # per fiber (the generated code passes it to cuda_emu.h)
 
 CXX = os.environ.get("DFLASH_CUPY_CXX", "g++")

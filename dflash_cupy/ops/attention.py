@@ -25,28 +25,23 @@ import math
 
 import numpy as np
 
-from .. import kernels
-from .gemm import _check_array, _overlaps, _ptr
+from .. import checks, device_props, kernels
 
 GATES = {None: 0, "head": 1, "element": 2}
-TILE = 32                  # keys per shared-memory tile (attention.cu TILE)
-SMEM_LIMIT = 48 * 1024     # static shared memory cap without the opt-in attribute
+_C = kernels.constants("attention_common.cuh")
+TILE = _C["TILE"]                        # keys per shared-memory tile
+COMBINE_THREADS = _C["COMBINE_THREADS"]
+SMEM_LIMIT = device_props.DEFAULT_SMEM   # static shared memory cap (no opt-in for static)
 MAX_WARPS = 8
-TARGET_BLOCKS = 264        # ~2 blocks per SM on a 132-SM H100/H200
+BLOCKS_PER_SM = 2
 MIN_TILES_PER_SPLIT = 8    # keeps the partials' traffic small next to the K/V a split reads
-COMBINE_THREADS = 128
 
 
-def _pos_int(v, name) -> int:
-    if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"{name} must be a positive int, got {v!r}")
-    return int(v)
-
-
-def default_splits(n_head_kv: int, kv_total: int, row_groups: int = 1) -> int:
-    """Enough blocks to fill the GPU, but at least MIN_TILES_PER_SPLIT tiles each."""
+def default_splits(n_head_kv: int, kv_total: int, sm_count: int, row_groups: int = 1) -> int:
+    """Enough blocks for ``BLOCKS_PER_SM`` per SM, but at least
+    ``MIN_TILES_PER_SPLIT`` key tiles each."""
     n_tiles = -(-kv_total // TILE)
-    want = -(-TARGET_BLOCKS // (n_head_kv * row_groups))
+    want = -(-(BLOCKS_PER_SM * sm_count) // (n_head_kv * row_groups))
     return max(1, min(want, n_tiles // MIN_TILES_PER_SPLIT))
 
 
@@ -69,11 +64,11 @@ class RingAttention:
                  kv_total: int, n_splits: int | None = None, gate: str | None = None,
                  scale: float | None = None, path: str = "auto"):
         self.backend = backend
-        self.D = _pos_int(head_dim, "head_dim")
-        self.NH = _pos_int(n_head, "n_head")
-        self.NKV = _pos_int(n_head_kv, "n_head_kv")
-        self.B = _pos_int(q_len, "q_len")
-        self.kv_total = _pos_int(kv_total, "kv_total")
+        self.D = checks.int_arg(head_dim, "head_dim", 1)
+        self.NH = checks.int_arg(n_head, "n_head", 1)
+        self.NKV = checks.int_arg(n_head_kv, "n_head_kv", 1)
+        self.B = checks.int_arg(q_len, "q_len", 1)
+        self.kv_total = checks.int_arg(kv_total, "kv_total", 1)
         if self.D % 8 or self.D > 256:
             raise ValueError(f"head_dim must be a multiple of 8 and at most 256, got {head_dim}")
         if self.NH % self.NKV:
@@ -102,8 +97,9 @@ class RingAttention:
         self.warps = min(MAX_WARPS, self.rows_per_block)
         n_tiles = -(-self.kv_total // TILE)
         if n_splits is None:
-            n_splits = default_splits(self.NKV, self.kv_total, 1 if self.path == "mma" else self.row_groups)
-        self.n_splits = _pos_int(n_splits, "n_splits")
+            n_splits = default_splits(self.NKV, self.kv_total, device_props.of(backend).sm_count,
+                                      1 if self.path == "mma" else self.row_groups)
+        self.n_splits = checks.int_arg(n_splits, "n_splits", 1)
         if self.n_splits > n_tiles:
             raise ValueError(f"n_splits={n_splits} exceeds the {n_tiles} key tiles of kv_total={kv_total}")
 
@@ -148,26 +144,23 @@ class RingAttention:
     def __call__(self, q, k_cache, v_cache, mask, out, gate=None, stream=None):
         be = self.backend
         B, NH, D = self.B, self.NH, self.D
-        _check_array(be, "q", q, np.float32, ndim=None)
+        checks.device_array(be, "q", q, np.float32, ndim=None)
         if tuple(q.shape) not in ((B, NH, D), (B, NH * D)):
             raise ValueError(f"q must have shape {(B, NH, D)} or {(B, NH * D)}, got {tuple(q.shape)}")
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            _check_array(be, name, c, np.float16, ndim=2)
+            checks.device_array(be, name, c, np.float16, ndim=2)
             if tuple(c.shape) != (self.kv_total, self.NKV * D):
                 raise ValueError(f"{name} must have shape {(self.kv_total, self.NKV * D)}, "
                                  f"got {tuple(c.shape)}")
-            if _ptr(c) % 16:
-                raise ValueError(f"{name} must be 16-byte aligned (vectorised tile loads), "
-                                 f"address {_ptr(c):#x}")
-        _check_array(be, "mask", mask, np.float16, ndim=2)
+            checks.aligned16(**{name: c})
+        checks.device_array(be, "mask", mask, np.float16, ndim=2)
         if tuple(mask.shape) != (B, self.kv_total):
             raise ValueError(f"mask must have shape {(B, self.kv_total)}, got {tuple(mask.shape)}")
-        _check_array(be, "out", out, np.float32, ndim=2)
+        checks.device_array(be, "out", out, np.float32, ndim=2)
         if tuple(out.shape) != (B, NH * D):
             raise ValueError(f"out must have shape {(B, NH * D)}, got {tuple(out.shape)}")
         for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("mask", mask)):
-            if _overlaps(out, a):
-                raise ValueError(f"out must not overlap {name}")
+            checks.check_no_overlap(out=out, **{name: a})
         if self.gate is None:
             if gate is not None:
                 raise ValueError("gate given but this RingAttention was built with gate=None")
@@ -175,13 +168,12 @@ class RingAttention:
         else:
             if gate is None:
                 raise ValueError(f"gate is required (built with gate={self.gate!r})")
-            _check_array(be, "gate", gate, np.float32, ndim=2)
+            checks.device_array(be, "gate", gate, np.float32, ndim=2)
             want = (B, NH) if self.gate == "head" else (B, NH * D)
             if tuple(gate.shape) != want:
                 raise ValueError(f"gate must have shape {want} for gate={self.gate!r}, "
                                  f"got {tuple(gate.shape)}")
-            if _overlaps(out, gate):
-                raise ValueError("out must not overlap gate")
+            checks.check_no_overlap(out=out, gate=gate)
         po = self.part_o if self.part_o is not None else out      # unused when n_splits == 1
         pml = self.part_ml if self.part_ml is not None else out
         self._split(self._grid, self._block,

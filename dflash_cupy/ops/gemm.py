@@ -31,18 +31,17 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .. import dtypes, kernels
+from .. import checks, device_props, dtypes, kernels
 
 EPILOGUES = {"none": 0, "residual": 1, "silu_mul": 2}
-WTYPES = dtypes.CODE
 
 MAX_M_LIMIT = 64          # acc registers per lane = R * rows * max_m; 64 keeps silu_mul spill-free
 WARPS = 4                 # warps per block
-LANE_K = 4                # K elements per lane per step (gemm.cu GEMM_LANE_K)
+LANE_K = kernels.constants("gemm.cu")["GEMM_LANE_K"]        # K elements per lane per step
 WARP_K = 32 * LANE_K      # K elements per warp per step
-SMEM_LIMIT = 48 * 1024    # the default dynamic shared-memory cap (no opt-in attribute needed)
-MMA_COLS = 8              # output columns per warp of gemm_mma.cu
-SM_COUNT = 132            # H100/H200 SXM: split K until ~4 blocks per SM are in flight
+MMA_COLS = kernels.constants("gemm_mma.cu")["GM_WARP_COLS"]  # output columns per warp
+SMEM_LIMIT = device_props.DEFAULT_SMEM  # x tiles stay under it: no opt-in attribute needed
+BLOCKS_PER_SM = 4         # split K until about this many blocks per SM are in flight
 MIN_K_PER_SLICE = 512     # below this a K slice is not worth its partial-sum traffic
 MAX_K_SPLIT = 8
 PATHS = ("auto", "mma", "fma")
@@ -52,29 +51,6 @@ ACC_BUDGET = 64           # accumulators per lane the tiling aims for
 def weight_kind(dtype) -> str:
     """``"f32" | "f16" | "bf16"`` of a weight dtype (``np.uint16`` = bf16 bits)."""
     return dtypes.kind_of(dtype, "w_dtype")
-
-
-def _ptr(a) -> int:
-    """Device address of an array (CuPy ``data.ptr``, NumPy ``ctypes.data``), no sync."""
-    d = getattr(a, "data", None)
-    p = getattr(d, "ptr", None)
-    return int(p) if p is not None else int(a.ctypes.data)
-
-
-def _check_array(backend, name, a, dtype, ndim=2):
-    if not backend.is_device_array(a):
-        raise TypeError(f"{name} must be a device array of backend {backend.name!r}, got {type(a).__name__}")
-    if a.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}, got {a.dtype}")
-    if ndim is not None and a.ndim != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(a.shape)}")
-    if not a.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous")
-
-
-def _overlaps(a, b) -> bool:
-    pa, pb = _ptr(a), _ptr(b)
-    return pa < pb + b.nbytes and pb < pa + a.nbytes
 
 
 class Gemm:
@@ -94,9 +70,7 @@ class Gemm:
 
     def __init__(self, backend, N: int, K: int, w_dtype, epilogue: str = "none", max_m: int = 64,
                  path: str = "auto", x_split: bool = True, k_split: int | None = None):
-        for name, v in (("N", N), ("K", K), ("max_m", max_m)):
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        N, K, max_m = (checks.int_arg(v, name, 1) for v, name in ((N, "N"), (K, "K"), (max_m, "max_m")))
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue {epilogue!r}: expected one of {tuple(EPILOGUES)}")
         if max_m > MAX_M_LIMIT:
@@ -135,7 +109,7 @@ class Gemm:
         self.vectorized = self.K % LANE_K == 0
         self.threads = WARPS * 32
         self._module = kernels.load_module(
-            backend, "gemm.cu", GEMM_WTYPE=WTYPES[self.wkind], GEMM_EPI=EPILOGUES[epilogue],
+            backend, "gemm.cu", GEMM_WTYPE=dtypes.CODE[self.wkind], GEMM_EPI=EPILOGUES[epilogue],
             GEMM_K=self.K, GEMM_MAX_M=self.max_m, GEMM_R=self.rows_per_warp,
             GEMM_WARPS=WARPS, GEMM_KT=self.k_tile)
         self._kernel = self._module.get_function("gemm")
@@ -155,11 +129,11 @@ class Gemm:
         self.cols_per_block = WARPS * MMA_COLS
         self._nblk = -(-self.N // self.cols_per_block)
         if k_split is None:  # enough blocks for the weight stream, slices not too thin
-            k_split = max(1, min(MAX_K_SPLIT, (4 * SM_COUNT) // self._nblk, self.K // MIN_K_PER_SLICE))
-        if not isinstance(k_split, (int, np.integer)) or isinstance(k_split, bool) or k_split < 1:
-            raise ValueError(f"k_split must be a positive int, got {k_split!r}")
-        self.k_split = int(k_split)
-        opts = dict(GM_WTYPE=WTYPES[self.wkind], GM_EPI=EPILOGUES[self.epilogue], GM_K=self.K,
+            sms = device_props.of(self.backend).sm_count
+            k_split = max(1, min(MAX_K_SPLIT, (BLOCKS_PER_SM * sms) // self._nblk,
+                                 self.K // MIN_K_PER_SLICE))
+        self.k_split = checks.int_arg(k_split, "k_split", 1)
+        opts = dict(GM_WTYPE=dtypes.CODE[self.wkind], GM_EPI=EPILOGUES[self.epilogue], GM_K=self.K,
                     GM_MT=self.m_tiles, GM_WARPS=WARPS, GM_KT=self.k_tile, GM_SPLIT=self.split)
         # m beyond one M tile (bulk append chunks) runs unsplit: the partial sums
         # of all its tiles would need a workspace sized for the largest m.
@@ -200,17 +174,12 @@ class Gemm:
             b += m * self.N * 4
         return b
 
-    def flops(self, m: int) -> int:
-        return 2 * m * self.w_rows * self.K
-
     def __call__(self, x, w, y, m, residual=None, stream=None):
         be = self.backend
-        if not isinstance(m, (int, np.integer)) or isinstance(m, bool):
-            raise TypeError(f"m must be an int, got {type(m).__name__}")
-        m = int(m)
-        _check_array(be, "x", x, np.float32)
-        _check_array(be, "w", w, self.w_device_dtype)
-        _check_array(be, "y", y, np.float32)
+        m = checks.int_arg(m, "m")
+        checks.device_array(be, "x", x, np.float32)
+        checks.device_array(be, "w", w, self.w_device_dtype)
+        checks.device_array(be, "y", y, np.float32)
         if x.shape[1] != self.K:
             raise ValueError(f"x must have K={self.K} columns, got shape {tuple(x.shape)}")
         if tuple(w.shape) != (self.w_rows, self.K):
@@ -220,20 +189,18 @@ class Gemm:
             raise ValueError(f"y must have N={self.N} columns, got shape {tuple(y.shape)}")
         if m < 1 or m > x.shape[0] or m > y.shape[0]:
             raise ValueError(f"m={m} must be in [1, min(x rows={x.shape[0]}, y rows={y.shape[0]})]")
-        if _overlaps(x, y):
-            raise ValueError("y must not overlap x")
-        if _overlaps(w, y):
-            raise ValueError("y must not overlap w")
+        checks.check_no_overlap(y=y, x=x)
+        checks.check_no_overlap(y=y, w=w)
         if self.epilogue == "residual":
             if residual is None:
                 raise ValueError("residual is required for epilogue 'residual'")
-            _check_array(be, "residual", residual, np.float32)
+            checks.device_array(be, "residual", residual, np.float32)
             if residual.shape[1] != self.N or residual.shape[0] < m:
                 raise ValueError(f"residual must have shape [>= m={m}, N={self.N}], "
                                  f"got {tuple(residual.shape)}")
             # Exact aliasing (same element read then written by one thread) is fine;
             # a shifted overlap would read elements other blocks already wrote.
-            if _overlaps(residual, y) and _ptr(residual) != _ptr(y):
+            if checks.overlaps(residual, y) and checks.ptr(residual) != checks.ptr(y):
                 raise ValueError("residual must be y itself or not overlap it")
             r = residual
         else:
@@ -241,10 +208,7 @@ class Gemm:
                 raise ValueError(f"residual given but epilogue is {self.epilogue!r}")
             r = y  # unused by the kernel; any valid pointer
         if self.vectorized:
-            for name, a in (("x", x), ("w", w), ("y", y), ("residual", r)):
-                if _ptr(a) % 16:
-                    raise ValueError(f"{name} must be 16-byte aligned for K % {LANE_K} == 0 "
-                                     f"(vectorised loads), address {_ptr(a):#x}")
+            checks.aligned16(x=x, w=w, y=y, residual=r)
         grid, block, smem = self.launch_config(m)
         if self.path == "fma":
             self._kernel(grid, block, (x, w, y, r, np.int32(m), np.int32(self.N)),
@@ -255,19 +219,6 @@ class Gemm:
         else:
             self._kernel(grid, block, (x, w, y, r, np.int32(m), np.int32(self.N), y, self._counters),
                          shared_mem=smem, stream=stream)
-
-
-def _weights_to_f64(w: np.ndarray) -> np.ndarray:
-    """Exact float64 value of host weights (float32, float16, bf16 as uint16 bits
-    or ml_dtypes.bfloat16)."""
-    w = np.asarray(w)
-    if w.dtype == np.uint16:
-        return (w.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    if w.dtype.name == "bfloat16":
-        return w.astype(np.float64)
-    if w.dtype in (np.float32, np.float16):
-        return w.astype(np.float64)
-    raise TypeError(f"w: unsupported weight dtype {w.dtype}")
 
 
 def gemm_reference(x, w, epilogue: str = "none", residual=None, x_round: str | None = None) -> np.ndarray:
@@ -292,7 +243,7 @@ def gemm_reference(x, w, epilogue: str = "none", residual=None, x_round: str | N
                 xe = xe + (x - hi.astype(np.float32)).astype(dt).astype(np.float64)
         x = xe
     x = x.astype(np.float64)
-    w = _weights_to_f64(w)
+    w = dtypes.to_float(w, np.float64)
     acc = x @ w.T
     if epilogue == "none":
         out = acc

@@ -2,27 +2,18 @@
 
 ``y[r] = x[r] / sqrt(mean(x[r]**2) + eps) * w[r % w_rows]`` for rows of width
 ``D``. ``x`` may be any C-contiguous f32 array whose last axis is a multiple of
-``D``: it is viewed as ``[x.size // D, D]`` rows, so per-head norms take
-``[B, nh*d]`` with ``D = d`` and the aux hidden norms take ``[M, n_cap*H]``
-with ``D = H`` and a weight table ``[n_cap, H]``.
+``D``: it is viewed as ``[x.size // D, D]`` rows, so the aux hidden norms
+take ``[M, n_cap*H]`` with ``D = H`` and a weight table ``[n_cap, H]``. (The
+per-head q/k norms are fused into ``rope.cu``.)
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .. import kernels
-from .gemm import _check_array, _overlaps, _ptr
+from .. import checks, kernels
 
 MAX_TPR = 1024      # threads per row at most (one block)
 CHUNKS_PER_THREAD = 4  # target register chunks per thread before widening the row group
-
-
-def _as_float(v, name) -> float:
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a float, got {v!r}") from None
-    return f
 
 
 class RmsNorm:
@@ -34,9 +25,8 @@ class RmsNorm:
     """
 
     def __init__(self, backend, D: int, eps: float = 1e-6):
-        if not isinstance(D, (int, np.integer)) or isinstance(D, bool) or D < 1:
-            raise ValueError(f"D must be a positive int, got {D!r}")
-        eps = _as_float(eps, "eps")
+        D = checks.int_arg(D, "D", 1)
+        eps = checks.float_arg(eps, "eps")
         if not eps >= 0.0:
             raise ValueError(f"eps must be >= 0, got {eps!r}")
         self.backend = backend
@@ -62,7 +52,7 @@ class RmsNorm:
         be = self.backend
         D = self.D
         for name, a in (("x", x), ("w", w), ("y", y)):
-            _check_array(be, name, a, np.float32, ndim=None)
+            checks.device_array(be, name, a, np.float32, ndim=None)
         if x.ndim < 1 or x.shape[-1] % D:
             raise ValueError(f"x's last axis must be a multiple of D={D}, got shape {tuple(x.shape)}")
         if tuple(y.shape) != tuple(x.shape):
@@ -74,22 +64,14 @@ class RmsNorm:
         else:
             raise ValueError(f"w must have shape [{D}] or [w_rows, {D}], got {tuple(w.shape)}")
         total = x.size // D
-        if rows is None:
-            rows = total
-        elif not isinstance(rows, (int, np.integer)) or isinstance(rows, bool):
-            raise TypeError(f"rows must be an int, got {type(rows).__name__}")
-        rows = int(rows)
-        if rows < 0 or rows > total:
+        rows = total if rows is None else checks.int_arg(rows, "rows")
+        if rows > total:
             raise ValueError(f"rows={rows} must be in [0, {total}] (x holds {total} rows of {D})")
-        if _overlaps(x, y) and _ptr(x) != _ptr(y):
+        if checks.overlaps(x, y) and checks.ptr(x) != checks.ptr(y):
             raise ValueError("y must be x itself or not overlap it")
-        if _overlaps(w, y):
-            raise ValueError("y must not overlap w")
+        checks.check_no_overlap(y=y, w=w)
         if self.vec == 4:
-            for name, a in (("x", x), ("w", w), ("y", y)):
-                if _ptr(a) % 16:
-                    raise ValueError(f"{name} must be 16-byte aligned for D % 4 == 0 "
-                                     f"(vectorised loads), address {_ptr(a):#x}")
+            checks.aligned16(x=x, w=w, y=y)
         if rows == 0:
             return
         grid = (-(-rows // self.rows_per_block), 1, 1)

@@ -9,7 +9,7 @@ out ``[Q (n_head*d, only with has_q) | K (n_head_kv*d) | V (n_head_kv*d)]``:
 * V: f16 row ``v_cache[rows[m]]``.
 
 RoPE uses a device table ``inv_freq [d/2] float64`` (plain ``theta**(-2i/d)``,
-or HF linear / YaRN tables from ``dflash_cupy.reference.rope_parameters``)
+or HF linear / YaRN tables from ``dflash_cupy.rope_params.rope_parameters``)
 and multiplies cos and sin by ``attn_scale_factor`` (YaRN's attention scaling,
 1.0 otherwise). Angles are formed in double and reduced modulo 2*pi on the
 device, so absolute positions of 2^20 and beyond lose no accuracy.
@@ -21,23 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import kernels
-from .gemm import _check_array, _overlaps
+from .. import checks, kernels
 
 THREADS = 128  # 4 warps per row: enough head units to keep them busy, one block per row
-
-
-def _pos_int(v, name) -> int:
-    if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"{name} must be a positive int, got {v!r}")
-    return int(v)
-
-
-def _as_float(v, name) -> float:
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a float, got {v!r}") from None
 
 
 class QkvNormRope:
@@ -59,18 +45,18 @@ class QkvNormRope:
     def __init__(self, backend, head_dim: int, n_head: int, n_head_kv: int, has_q: bool,
                  eps: float = 1e-6, attn_scale_factor: float = 1.0):
         self.backend = backend
-        self.D = _pos_int(head_dim, "head_dim")
-        self.NH = _pos_int(n_head, "n_head")
-        self.NKV = _pos_int(n_head_kv, "n_head_kv")
+        self.D = checks.int_arg(head_dim, "head_dim", 1)
+        self.NH = checks.int_arg(n_head, "n_head", 1)
+        self.NKV = checks.int_arg(n_head_kv, "n_head_kv", 1)
         if self.D % 2:
             raise ValueError(f"head_dim must be even for rotate_half RoPE, got {head_dim}")
         if not isinstance(has_q, (bool, np.bool_)):
             raise TypeError(f"has_q must be a bool, got {has_q!r}")
         self.has_q = bool(has_q)
-        self.eps = _as_float(eps, "eps")
+        self.eps = checks.float_arg(eps, "eps")
         if not self.eps >= 0.0:
             raise ValueError(f"eps must be >= 0, got {eps!r}")
-        self.attn_scale_factor = _as_float(attn_scale_factor, "attn_scale_factor")
+        self.attn_scale_factor = checks.float_arg(attn_scale_factor, "attn_scale_factor")
         if not np.isfinite(self.attn_scale_factor):
             raise ValueError(f"attn_scale_factor must be finite, got {attn_scale_factor!r}")
         self.q_width = self.NH * self.D if self.has_q else 0
@@ -87,13 +73,13 @@ class QkvNormRope:
     def __call__(self, qkv, k_norm, inv_freq, pos, rows, k_cache, v_cache, q_norm=None,
                  q_out=None, n_rows=None, stream=None):
         be = self.backend
-        _check_array(be, "qkv", qkv, np.float32, ndim=2)
-        _check_array(be, "k_norm", k_norm, np.float32, ndim=1)
-        _check_array(be, "inv_freq", inv_freq, np.float64, ndim=1)
-        _check_array(be, "pos", pos, np.int32, ndim=1)
-        _check_array(be, "rows", rows, np.int32, ndim=1)
-        _check_array(be, "k_cache", k_cache, np.float16, ndim=2)
-        _check_array(be, "v_cache", v_cache, np.float16, ndim=2)
+        checks.device_array(be, "qkv", qkv, np.float32, ndim=2)
+        checks.device_array(be, "k_norm", k_norm, np.float32, ndim=1)
+        checks.device_array(be, "inv_freq", inv_freq, np.float64, ndim=1)
+        checks.device_array(be, "pos", pos, np.int32, ndim=1)
+        checks.device_array(be, "rows", rows, np.int32, ndim=1)
+        checks.device_array(be, "k_cache", k_cache, np.float16, ndim=2)
+        checks.device_array(be, "v_cache", v_cache, np.float16, ndim=2)
         if qkv.shape[1] != self.qkv_width:
             raise ValueError(f"qkv must have {self.qkv_width} columns "
                              f"({'Q|' if self.has_q else ''}K|V), got shape {tuple(qkv.shape)}")
@@ -107,31 +93,23 @@ class QkvNormRope:
                                  f"got shape {tuple(c.shape)}")
         if tuple(k_cache.shape) != tuple(v_cache.shape):
             raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
-        if _overlaps(k_cache, v_cache):
-            raise ValueError("k_cache and v_cache must not overlap")
-        if n_rows is None:
-            n_rows = qkv.shape[0]
-        elif not isinstance(n_rows, (int, np.integer)) or isinstance(n_rows, bool):
-            raise TypeError(f"n_rows must be an int, got {type(n_rows).__name__}")
-        n_rows = int(n_rows)
+        checks.check_no_overlap(k_cache=k_cache, v_cache=v_cache)
+        n_rows = qkv.shape[0] if n_rows is None else checks.int_arg(n_rows, "n_rows")
         for name, a in (("qkv", qkv), ("pos", pos), ("rows", rows)):
             if a.shape[0] < n_rows:
                 raise ValueError(f"{name} has {a.shape[0]} rows, fewer than n_rows={n_rows}")
-        if n_rows < 0:
-            raise ValueError(f"n_rows={n_rows} must be >= 0")
         if self.has_q:
             if q_norm is None or q_out is None:
                 raise ValueError("q_norm and q_out are required when has_q=True")
-            _check_array(be, "q_norm", q_norm, np.float32, ndim=1)
-            _check_array(be, "q_out", q_out, np.float32, ndim=2)
+            checks.device_array(be, "q_norm", q_norm, np.float32, ndim=1)
+            checks.device_array(be, "q_out", q_out, np.float32, ndim=2)
             if q_norm.shape[0] != self.D:
                 raise ValueError(f"q_norm must have shape ({self.D},), got {tuple(q_norm.shape)}")
             if q_out.shape[1] != self.q_width or q_out.shape[0] < n_rows:
                 raise ValueError(f"q_out must have shape [>= {n_rows}, {self.q_width}], "
                                  f"got {tuple(q_out.shape)}")
             for name, a in (("qkv", qkv), ("k_cache", k_cache), ("v_cache", v_cache)):
-                if _overlaps(q_out, a):
-                    raise ValueError(f"q_out must not overlap {name}")
+                checks.check_no_overlap(q_out=q_out, **{name: a})
         else:
             if q_norm is not None or q_out is not None:
                 raise ValueError("q_norm / q_out given but has_q=False")

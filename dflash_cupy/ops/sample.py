@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import kernels
-from .gemm import _check_array
+from .. import checks, kernels
 
 BLOCK = 512
 MASS_SCALE = np.float32(2.0 ** 40)
@@ -81,10 +80,10 @@ class TokenSampler:
 
     def __call__(self, logits, tokens, knobs, rng, n_rows: int, stream=None) -> None:
         be = self.backend
-        _check_array(be, "logits", logits, np.float32)
-        _check_array(be, "tokens", tokens, np.int32, ndim=1)
-        _check_array(be, "knobs", knobs, np.float32, ndim=1)
-        _check_array(be, "rng", rng, np.uint64, ndim=1)
+        checks.device_array(be, "logits", logits, np.float32)
+        checks.device_array(be, "tokens", tokens, np.int32, ndim=1)
+        checks.device_array(be, "knobs", knobs, np.float32, ndim=1)
+        checks.device_array(be, "rng", rng, np.uint64, ndim=1)
         if logits.shape[1] < self.vocab:
             raise ValueError(f"logits must have >= {self.vocab} columns, got shape {tuple(logits.shape)}")
         if knobs.shape[0] != 3:

@@ -1,0 +1,25 @@
+// step_desc.cuh — the step descriptor: int32 [DESC_LEN] the host fills in
+// pinned memory each step and one captured copy brings to the device
+// (dflash_cupy/ops/step_descriptor.py reads these definitions: this file is
+// their only source).
+//   [DESC_COMMITTED]  committed tokens (noise positions committed + j)
+//   [DESC_LO]         committed - min(committed, capacity): window start
+//   [DESC_START]      first position the step (or bulk chunk) appends
+//   [DESC_N_NEW]      rows to append; the rest of the launch's rows are padding
+//   [DESC_SWA_LO]     committed - eff (sliding-window start)
+//   [DESC_RESET]      1: reset_slots_if empties the ring first (rewind)
+//   the rest          reserved, 0
+#pragma once
+
+#define DESC_COMMITTED 0
+#define DESC_LO 1
+#define DESC_START 2
+#define DESC_N_NEW 3
+#define DESC_SWA_LO 4
+#define DESC_RESET 5
+#define DESC_LEN 8
+
+// Block sizes of the planning kernels (plan.cu): one thread per ring slot,
+// per appended row, or per cache column.
+#define PLAN_SLOT_THREADS 256
+#define PLAN_ROW_THREADS 128

@@ -1,0 +1,15 @@
+// warp.cuh — reductions across the 32 lanes of a warp (xor butterfly: every
+// lane ends with the result). Call from warp-uniform code: all 32 lanes.
+#pragma once
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}

@@ -1,0 +1,70 @@
+"""The feature gather (``cuda_src/gather.cu``) and its NumPy reference: the
+new feature rows of a step or bulk chunk, read from the feature ring at the
+positions the step descriptor names, widened to f32."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import checks, dtypes, kernels
+from .plan import check_desc
+from .step_descriptor import DESC_N_NEW, DESC_START
+
+THREADS = 256  # columns per block pass (4 per thread)
+
+
+class FeatureGather:
+    """``FeatureGather(backend, fc_in, ring_capacity, ring_dtype)``:
+    ``__call__(desc, ring, ap_feat, n_rows=None, stream=None)`` writes
+    ``ap_feat[i] = f32(ring[(start+i) % ring_capacity])`` for ``i < n_new`` and
+    zeros for ``n_new <= i < n_rows`` (default ``len(ap_feat)``).
+    ``ring [ring_capacity, fc_in]`` f32 / f16 / bf16 (uint16 bits);
+    ``ap_feat [>= n_rows, fc_in]`` f32. Capture-safe."""
+
+    def __init__(self, backend, fc_in: int, ring_capacity: int, ring_dtype):
+        self.backend = backend
+        self.fc_in = checks.int_arg(fc_in, "fc_in", 1)
+        self.ring_capacity = checks.int_arg(ring_capacity, "ring_capacity", 1)
+        self.kind = dtypes.kind_of(ring_dtype, "ring_dtype")
+        self.ring_device_dtype = dtypes.DEVICE[self.kind]
+        self._module = kernels.load_module(backend, "gather.cu", FC_IN=self.fc_in,
+                                           RING_CAP=self.ring_capacity,
+                                           RING_DTYPE=dtypes.CODE[self.kind],
+                                           GATHER_THREADS=THREADS)
+        self._kernel = self._module.get_function("gather_features")
+        self._gx = -(-self.fc_in // (THREADS * 4))
+
+    def __repr__(self):
+        return f"FeatureGather(fc_in={self.fc_in}, ring_capacity={self.ring_capacity}, ring={self.kind})"
+
+    def __call__(self, desc, ring, ap_feat, n_rows=None, stream=None):
+        be = self.backend
+        check_desc(be, desc)
+        checks.device_array(be, "ring", ring, self.ring_device_dtype, ndim=2)
+        if tuple(ring.shape) != (self.ring_capacity, self.fc_in):
+            raise ValueError(f"ring must have shape {(self.ring_capacity, self.fc_in)}, "
+                             f"got {tuple(ring.shape)}")
+        checks.device_array(be, "ap_feat", ap_feat, np.float32, ndim=2)
+        if ap_feat.shape[1] != self.fc_in:
+            raise ValueError(f"ap_feat must have {self.fc_in} columns, got shape {tuple(ap_feat.shape)}")
+        n = ap_feat.shape[0] if n_rows is None else checks.int_arg(n_rows, "n_rows")
+        if ap_feat.shape[0] < n:
+            raise ValueError(f"ap_feat has {ap_feat.shape[0]} rows, fewer than n_rows={n}")
+        if checks.overlaps(ap_feat, ring) or checks.overlaps(ap_feat, desc):
+            raise ValueError("ap_feat must not overlap ring or desc")
+        if n == 0:
+            return
+        self._kernel((self._gx, n, 1), (THREADS, 1, 1),
+                     (desc, ring, ap_feat, np.int32(n)), stream=stream)
+
+
+def gather_features_reference(desc, ring, n_rows: int) -> np.ndarray:
+    """NumPy oracle of ``gather_features``: f32 ``[n_rows, fc_in]``; ``ring`` f32,
+    f16 or bf16 (uint16 bit patterns or ml_dtypes.bfloat16)."""
+    ring = np.asarray(ring)
+    ring32 = dtypes.to_float(ring, np.float32)
+    start, n_new = int(desc[DESC_START]), int(desc[DESC_N_NEW])
+    out = np.zeros((n_rows, ring.shape[1]), dtype=np.float32)
+    k = min(n_new, n_rows)
+    if k:
+        out[:k] = ring32[(start + np.arange(k)) % ring.shape[0]]
+    return out

@@ -1,0 +1,107 @@
+"""The package's layering, read from the source (every import, module level
+or inside a function): no import cycle between modules, no import from a
+lower layer into a higher one (kernels' launchers <- the product <- demo and
+benchmarks), and the product never imports the float64 oracle."""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "dflash_cupy"
+
+# The product: what a pipeline runs. It may not import the oracle.
+PRODUCT = ("dflash_cupy.kv_cache", "dflash_cupy.feature_ring", "dflash_cupy.weights",
+           "dflash_cupy.device_weights", "dflash_cupy.ops", "dflash_cupy.backends")
+# layer -> modules (prefixes) it may not import
+FORBIDDEN = {
+    "dflash_cupy.ops": ("dflash_cupy.kv_cache", "dflash_cupy.feature_ring", "dflash_cupy.weights",
+                        "dflash_cupy.device_weights", "dflash_cupy.demo", "dflash_cupy.reference",
+                        "profiling"),
+    "dflash_cupy.backends": ("dflash_cupy.ops", "dflash_cupy.kv_cache", "dflash_cupy.feature_ring",
+                             "dflash_cupy.weights", "dflash_cupy.demo", "profiling"),
+    "dflash_cupy.kv_cache": ("dflash_cupy.demo", "profiling"),
+    "dflash_cupy": ("profiling",),
+}
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PKG.rglob("*.py")}
+
+
+def imports(name: str, path: Path, known: set) -> set:
+    """The package modules ``name`` imports (``from . import x`` names module x)."""
+    is_pkg = path.name == "__init__.py"
+    base = name.split(".") if is_pkg else name.split(".")[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = base[:len(base) - node.level + 1]
+                mod = ".".join(anchor + ([node.module] if node.module else []))
+            else:
+                mod = node.module
+            subs = [f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in known]
+            out.update(subs or [mod])
+    return {m for m in out if m.split(".")[0] in ("dflash_cupy", "profiling")}
+
+
+GRAPH = {n: imports(n, p, set(modules())) for n, p in modules().items()}
+
+
+def test_the_graph_sees_the_imports():
+    # guards the parser: known edges must show up
+    assert "dflash_cupy.device_weights" in GRAPH["dflash_cupy.weights"]
+    assert "dflash_cupy.checks" in GRAPH["dflash_cupy.ops.gemm"]
+    assert "dflash_cupy.rope_params" in GRAPH["dflash_cupy.kv_cache"]
+
+
+def test_no_import_cycles():
+    # package __init__ files only re-export; their edges are not dependencies
+    graph = {n: {m for m in deps if m in GRAPH and not (PKG / "/".join(m.split(".")[1:]) / "__init__.py").is_file()
+                 and m != "dflash_cupy"}
+             for n, deps in GRAPH.items()}
+    state: dict = {}
+
+    def visit(n, stack):
+        state[n] = 1
+        for m in graph.get(n, ()):
+            if state.get(m) == 1:
+                cyc = stack[stack.index(m):] + [m]
+                pytest.fail("import cycle: " + " -> ".join(cyc))
+            if not state.get(m):
+                visit(m, stack + [m])
+        state[n] = 2
+
+    for n in graph:
+        if not state.get(n):
+            visit(n, [n])
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_no_import_from_a_higher_layer(layer):
+    bad = []
+    for name, deps in GRAPH.items():
+        if name != layer and not name.startswith(layer + "."):
+            continue
+        for d in deps:
+            if any(d == f or d.startswith(f + ".") for f in FORBIDDEN[layer]):
+                bad.append(f"{name} imports {d}")
+    assert not bad, bad
+
+
+def test_the_product_never_imports_the_oracle():
+    bad = [f"{n} imports {d}" for n, deps in GRAPH.items()
+           if any(n == p or n.startswith(p + ".") for p in PRODUCT)
+           for d in deps if d == "dflash_cupy.reference"]
+    assert not bad, bad
