@@ -255,12 +255,11 @@ class _EmptyDeviceWeights:
 class ShapeOnlyWeights(DraftWeights):
     """A ``DraftWeights`` with the real layout and dtype and no values."""
 
-    def __init__(self, config: DraftConfig, backend: RecordingBackend, w_dtype=np.uint16):  # noqa
-        self.config = config
-        self.tensors = {}
+    def __init__(self, config: DraftConfig, backend: RecordingBackend, w_dtype=np.uint16):
         self._dev = _EmptyDeviceWeights(config, backend, w_dtype)
+        super().__init__(config, {}, placed={backend.name: self._dev})
 
-    def device(self, backend=None):
+    def device(self, backend=None):  # the recording backend is not registered in backends.get
         return self._dev
 
 
