@@ -127,6 +127,11 @@ class Backend(abc.ABC):
     def current_stream(self) -> Any:
         """The stream ``stream=None`` means (CuPy's ``get_current_stream()``)."""
 
+    @abc.abstractmethod
+    def as_stream(self, stream) -> Any:
+        """``stream`` as this backend's stream object (None: the current stream;
+        on CUDA a raw ``cupy.cuda.Stream`` is wrapped), with ``wait_event``."""
+
     # Declarations for the emulator's hazard tracking (no-ops on CUDA): the
     # host is about to write / has read pinned host memory that stream work
     # also touches, and a readable name for an array in hazard reports.

@@ -397,6 +397,9 @@ class EmulatedBackend(Backend):
         st = self._stream_stack()
         return st[-1] if st else self.null_stream
 
+    def as_stream(self, stream) -> EmuStream:
+        return self._resolve(stream)
+
     # ---- hazard tracking and deferred execution
     def label(self, arr, name: str):
         r = emu_memory.region(arr) if isinstance(arr, np.ndarray) and arr.size else None
@@ -584,7 +587,7 @@ class EmulatedBackend(Backend):
 
     def is_device_array(self, x) -> bool:
         """True for arrays from ``empty``/``zeros``/``asarray`` (and views)."""
-        return isinstance(x, np.ndarray) and (x.nbytes == 0 or emu_memory.is_inside(x, "device array"))
+        return isinstance(x, np.ndarray) and x.nbytes > 0 and emu_memory.is_inside(x, "device array")
 
     # ---- code
     def compile(self, source: str, options: Sequence[str] = (), filename: str | None = None) -> EmuModule:
@@ -614,7 +617,9 @@ class EmulatedBackend(Backend):
         n = copy_nbytes(dst, src, nbytes, what)
         s = self._resolve(stream)
         d, sv = dst.reshape(-1).view(np.uint8)[:n], src.reshape(-1).view(np.uint8)[:n]
-        run = functools.partial(ctypes.memmove, dst.ctypes.data, src.ctypes.data, n)
+
+        def run(dst=dst, src=src):  # holds both arrays: queued work keeps its memory alive
+            ctypes.memmove(dst.ctypes.data, src.ctypes.data, n)
         accesses = [(d, True, f"{what} (dst)"), (sv, False, f"{what} (src)")]
         pinned = (src, n) if pinned_src and n else None
         rec = self._recording(s)
