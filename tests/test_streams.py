@@ -310,14 +310,27 @@ def test_pipeline_on_a_stream_needs_no_synchronisation(emu):
 def test_pipeline_raises_when_the_library_drops_the_ordering(emu, monkeypatch):
     s = emu.stream()
     private = emu.stream()
+    with s:
+        p = Pipeline(emu)
+    emu.synchronize()                       # construction is not what this test is about
     # the old behaviour: the cache issues on its own stream, with no edges to the caller's
     monkeypatch.setattr(DraftKvCache, "_order", lambda self, stream=None: private)
     with s:
-        p = Pipeline(emu)
-        with pytest.raises(StreamOrderError, match=r"FeatureRing.storage|noise|DraftKvCache"):
-            for a in (5, 1, 2):
-                p.step(a)
+        # the step reads its device noise before the caller's stream has written it
+        with pytest.raises(StreamOrderError, match=r"read-after-write hazard .* copy_d2d_async \(src\) on "
+                                                   + private.name):
+            p.step(5)
+        # and the caller reads hidden states the private stream may still be writing
+        p.kv.set_noise_embed(np.zeros((p.kv.q_len, p.cfg.hidden_size), np.float32))
+        h = p.kv.run()
+        with pytest.raises(StreamOrderError, match=r"read-after-write hazard on 'DraftKvCache.hidden_states'"
+                                                   r".* to_numpy on " + s.name):
+            emu.to_numpy(h)
     emu.synchronize()
+    monkeypatch.undo()
+    with s:
+        p.step(5)                           # the library's ordering restored: fine
+    p.close()
 
 
 def test_ring_write_without_ordering_raises(emu, monkeypatch):

@@ -190,6 +190,9 @@ class EmuEvent:
         """True once the recorded work is done (the host then knows it is). The
         emulated device makes progress when asked: a False answer runs the
         work, so a polling loop ends."""
+        s = self._stream
+        if s is None or self._backend._host_vc.get(s._actor, 0) >= self._clock:
+            return True  # the host already knows
         if self._done():
             if self._stream is not None:
                 self._backend._host_wait(self._stream, self._clock, self._vc)
@@ -344,6 +347,7 @@ class EmulatedBackend(Backend):
         self._busy: set = set()                     # streams with queued work (kept alive by it)
         self._mem: dict[int, list[_Rec]] = {}       # allocation serial -> queued accesses
         self._labels: dict[int, str] = {}
+        self._host_res: dict = {}                   # (id, write, what) -> resolved host access
         self._tls = threading.local()
         self.host_waits = 0                         # host waits that had queued work to run
 
@@ -535,7 +539,20 @@ class EmulatedBackend(Backend):
             self._host_vc = _join(self._host_vc, vc)
 
     def _host_access(self, arr, write: bool, what: str) -> None:
-        resolved = self._resolve_accesses([(arr, write, what)])
+        # Staging buffers are declared every step: remember where they live (keeps begin_step's
+        # host cost on the emulator close to the product's own).
+        key = (id(arr), write, what)
+        hit = self._host_res.get(key)
+        if hit is not None and hit[0]() is arr:
+            resolved = hit[1]
+        else:
+            resolved = self._resolve_accesses([(arr, write, what)])
+            if len(self._host_res) > 1024:
+                self._host_res.clear()
+            try:
+                self._host_res[key] = (weakref.ref(arr), resolved)
+            except TypeError:
+                pass
         if not resolved:
             return
         with self._mutex:
