@@ -19,6 +19,12 @@ here unchanged:
   ``CudaEvent``) whose ``synchronize()`` honours the capture rule; the raw
   CuPy objects are their ``.raw`` attributes. Raw ``cupy.cuda.Stream`` /
   ``ExternalStream`` objects are accepted wherever a stream is taken.
+* ``stream=None`` is CuPy's current stream (``current_stream()`` wraps
+  ``cupy.cuda.get_current_stream()``; ``with backend_stream:`` enters the raw
+  stream's own context). ``zeros`` is ``cupy.zeros`` (a memset on the current
+  stream, no device sync) and ``to_numpy(arr, stream=None)`` copies on the
+  current (or given) stream and waits for that stream only, like
+  ``cupy.ndarray.get()``: the emulator tracks both the same way.
 
 Not shared with the emulator: H2D copies require ``src`` to be a pinned
 buffer from ``pinned_empty`` (a pageable source cannot be replayed by a
