@@ -72,6 +72,11 @@ class DraftKvCache:
     cached on the weights object. ``capacity``: ring slots, the drafter's
     feature-window cap. ``lm_head``: the target's ``[vocab, hidden]`` matrix
     (NumPy f32/f16/bf16 or a device array), optional.
+
+    Every step rewrites ``hidden_states``, ``logits`` and ``noise_embed`` in
+    place (the graphs are bound to them): a returned array is the next step's
+    output too. Work is issued on the caller's current stream or ``stream=``
+    (the module docstring has the contract).
     """
 
     def __init__(self, weights: DraftWeights, capacity: int, *, lm_head=None, backend=None,

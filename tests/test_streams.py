@@ -182,6 +182,20 @@ def test_host_read_of_pinned_buffer_a_queued_copy_writes(emu, k):
     assert out[0] == 6
 
 
+def test_device_synchronize_covers_streams_that_are_gone(emu, k):
+    import gc
+    x = fresh(emu, "x")
+    s = emu.stream()
+    fill(k, x, 1.0, s)
+    ev = emu.event()
+    ev.record(s)
+    assert not ev.query()                  # ran, but the host was not told
+    del s, ev
+    gc.collect()
+    emu.synchronize()                      # ... a device synchronisation tells it
+    fill(k, x, 2.0, emu.stream())
+
+
 # --------------------------------------------------------------------------- current stream
 def test_current_stream_and_with_block(emu, k):
     assert emu.current_stream() is emu.null_stream and emu.as_stream(None) is emu.null_stream

@@ -347,6 +347,7 @@ class EmulatedBackend(Backend):
         self._busy: set = set()                     # streams with queued work (kept alive by it)
         self._mem: dict[int, list[_Rec]] = {}       # allocation serial -> queued accesses
         self._labels: dict[int, str] = {}
+        self._ran: dict[int, int] = {}              # actor -> clock of its latest op that ran
         self._host_res: dict = {}                   # (id, write, what) -> resolved host access
         self._tls = threading.local()
         self.host_waits = 0                         # host waits that had queued work to run
@@ -525,6 +526,7 @@ class EmulatedBackend(Backend):
                 for t, c in op.waits:
                     ran |= self._drain(t, c)
                 q.popleft()
+                self._ran[s._actor] = op.clock
                 if not q:
                     self._busy.discard(s)
                 if op.run is not None:
@@ -665,6 +667,8 @@ class EmulatedBackend(Backend):
             busy = list(self._busy)
             for s in busy:
                 self._host_wait(s, s._clock, s._vc)
+            # everything has run, including work of streams that are gone since
+            self._host_vc = _join(self._host_vc, self._ran)
             for s in list(self._streams):
                 self._host_vc = _join(self._host_vc, s._vc)
 
