@@ -283,16 +283,27 @@ class Pipeline:
         be.copy_h2d_async(d, p)            # on the current stream
         return d
 
-    def step(self, accepted):
+    def step(self, accepted, eager=False, ring_stream=None, check=True):
+        """One decode step; ``check=False`` leaves its outputs unread (the
+        device may still be running it when the host issues the next one)."""
         be, kv = self.be, self.kv
         c = self.committed + accepted
         new = self.rng.standard_normal((c - self.committed, self.cfg.fc_in)).astype(np.float32)
         self.hist = np.concatenate([self.hist, new])
         w0 = max(self.committed, c - self.ring.capacity)   # what the ring can hold
         rows = new[w0 - self.committed:].astype(self.ring.dtype)
-        self.ring.write(w0, self.device_input(rows, self.ring.storage.dtype))
+        with ring_stream or be.current_stream():
+            self.ring.write(w0, self.device_input(rows, self.ring.storage.dtype))
         noise = self.rng.standard_normal((kv.q_len, self.cfg.hidden_size)).astype(np.float32)
-        hidden = kv.step(self.ring, c, self.device_input(noise))
+        if eager:
+            kv.begin_step(self.ring, c)
+            kv.set_noise_embed(self.device_input(noise))
+            hidden = kv.run(eager=True)
+        else:
+            hidden = kv.step(self.ring, c, self.device_input(noise))
+        if not check:
+            self.committed = c
+            return hidden
         logits = be.to_numpy(kv.logits)    # on the current stream: in order after the step
         got = be.to_numpy(hidden)
         self.committed = c
@@ -315,9 +326,33 @@ def test_pipeline_on_a_stream_needs_no_synchronisation(emu):
         outs = [p.step(a) for a in (5, 1, p.kv.q_len, 30)]   # a prefill, steps, a bulk jump
         assert all(o is outs[0] for o in outs), "hidden_states is one buffer, rewritten by each step"
     # the same cache used from another stream next: ordered after its earlier work by events
+    with s:
+        p.step(1, check=False)             # still queued on s ...
     s2 = emu.stream()
     with s2:
-        p.step(2)
+        p.step(2)                          # ... when the next step is issued on s2
+        p.step(1, eager=True, check=False)
+    s3 = emu.stream()
+    with s3:
+        p.kv.reset()                       # (ordered after the eager step on s2)
+        # a new request, on a third stream
+        p.ring.reset()
+        p.hist, p.committed = p.hist[:0], 0
+        p.step(6)
+        p.step(2, eager=True)
+    p.close()
+
+
+def test_ring_written_on_one_stream_read_by_steps_on_another(emu):
+    """The target writes features on its stream, the drafter steps on its own:
+    the library orders the gathers after the writes and the next writes after
+    the gathers, on the device, with no synchronisation."""
+    target, drafter = emu.stream(), emu.stream()
+    with drafter:
+        p = Pipeline(emu)
+        for a in (5, 1, 3, 30, 2, 1):      # prefill, steps, a bulk jump (the ring wraps)
+            p.step(a, ring_stream=target, check=False)   # the next write overlaps this step
+            p.step(1, ring_stream=target)
     p.close()
 
 
