@@ -59,8 +59,8 @@ class FeatureRing:
         self.storage = be.label(be.zeros((self.capacity, self.fc_in), _STORAGE[self.kind]),
                                 "FeatureRing.storage")
         rows = min(STAGE_ROWS, self.capacity)
-        self._stage = [be.pinned_empty((rows, self.fc_in), _STORAGE[self.kind])
-                       for _ in range(STAGE_CHUNKS)]
+        self._stage = [be.label(be.pinned_empty((rows, self.fc_in), _STORAGE[self.kind]),
+                                f"FeatureRing staging [{i}]") for i in range(STAGE_CHUNKS)]
         self._stage_events = [be.event() for _ in range(STAGE_CHUNKS)]
         self._stage_next = 0
         # The storage's latest writer (the memset of zeros, then each write): every reader and

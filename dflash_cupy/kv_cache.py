@@ -153,6 +153,10 @@ class DraftKvCache:
             d[:] = 0
         n_chunks = -(-g.capacity // self.bulk_chunk) + 1
         self._bulk_desc_host = be.pinned_empty((n_chunks, DESC_LEN), np.int32)
+        for i in range(2):
+            be.label(self._desc_host[i], f"DraftKvCache step descriptor staging [{i}]")
+            be.label(self._noise_host[i], f"DraftKvCache noise staging [{i}]")
+        be.label(self._bulk_desc_host, "DraftKvCache bulk descriptor staging")
         # Capture only: a CUDA graph cannot be captured on the legacy default stream, and
         # replays run on the caller's stream.
         self.capture_stream = be.stream()

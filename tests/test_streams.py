@@ -444,3 +444,28 @@ def test_host_waits_per_steady_state_step(emu):
         assert kv.host_waits - kv_w <= 2 * 4
         p.step(1)
     p.close()
+
+
+def test_noise_staging_is_reused_only_after_its_copy_ran(emu):
+    """Noise staged several times for one step (the last one counts): each
+    staging buffer is rewritten only once the copy that read it has run."""
+    s = emu.stream()
+    with s:
+        p = Pipeline(emu)
+        p.step(5)
+        kv, H = p.kv, p.cfg.hidden_size
+        c = p.committed + 1
+        new = p.rng.standard_normal((1, p.cfg.fc_in)).astype(np.float32)
+        p.hist = np.concatenate([p.hist, new])
+        p.ring.write(p.committed, new)
+        kv.begin_step(p.ring, c)
+        waits = kv.host_waits
+        noises = [p.rng.standard_normal((kv.q_len, H)).astype(np.float32) for _ in range(3)]
+        for n in noises:                    # the third reuses the first's buffer: its copy is queued
+            kv.set_noise_embed(n)
+        assert kv.host_waits == waits + 1
+        got = emu.to_numpy(kv.run())
+        ref, _ = reference.draft_forward(p.w, p.hist[c - min(c, kv.capacity):c], noises[-1],
+                                         lm_head=p.lm)
+        assert_close(got, ref, "step", "last staged noise")
+    p.close()
