@@ -128,6 +128,7 @@ class FeatureRing:
         self._check_open()
         start = _pos_int(start_pos, "start_pos")
         be = self.backend
+        stream = be.as_stream(stream)
         on_device = be.is_device_array(rows)
         if not hasattr(rows, "shape") or len(rows.shape) != 2 or rows.shape[1] != self.fc_in:
             raise ValueError(f"rows must have shape [n, {self.fc_in}], got "

@@ -242,7 +242,7 @@ class DraftKvCache:
         """The stream a call issues on: ``stream`` or the caller's current one,
         ordered (on the device) after the work this cache issued elsewhere."""
         s = self.backend.as_stream(stream)
-        if s is not self._tail_stream and getattr(s, "ptr", None) != getattr(self._tail_stream, "ptr", -1):
+        if s != self._tail_stream:
             s.wait_event(self._tail)
         return s
 
@@ -359,6 +359,7 @@ class DraftKvCache:
         when needed, runs on the current stream (or ``stream``)."""
         self._check_open()
         with nvtx_range("dflash plan", "green"):
+            stream = self.backend.as_stream(stream)  # (a bad stream raises before any change)
             if not isinstance(ring, FeatureRing):
                 raise TypeError(f"ring must be a FeatureRing, got {type(ring).__name__}")
             if ring._closed:
@@ -408,6 +409,7 @@ class DraftKvCache:
         self._check_open()
         self._check_noise(noise_embed)
         be = self.backend
+        stream = be.as_stream(stream)
         if noise_embed is self.noise_embed:
             return  # filled in place by the caller
         s = self._order(stream)
@@ -480,6 +482,7 @@ class DraftKvCache:
         next step: ``kv.step(...) is kv.step(...)``)."""
         self._check_open()
         self._check_noise(noise_embed)  # before begin_step changes anything
+        stream = self.backend.as_stream(stream)
         self.begin_step(ring, committed, stream=stream)
         self.set_noise_embed(noise_embed, stream=stream)
         return self.run(stream=stream)
@@ -492,9 +495,9 @@ class DraftKvCache:
         """Forget every cached row (a new request whose prefix differs); the
         slot table is cleared on the current stream (or ``stream``)."""
         self._check_open()
+        s = self._order(stream)
         self.next_pos = 0
         self._planned = False
-        s = self._order(stream)
         self.planner.reset_slots(self.slot_pos, stream=s)
         self._issued(s)
 

@@ -469,3 +469,28 @@ def test_noise_staging_is_reused_only_after_its_copy_ran(emu):
                                          lm_head=p.lm)
         assert_close(got, ref, "step", "last staged noise")
     p.close()
+
+
+def test_a_bad_stream_argument_changes_nothing(emu):
+    s = emu.stream()
+    with s:
+        p = Pipeline(emu)
+        p.step(5)
+    kv, ring = p.kv, p.ring
+    H, c = p.cfg.hidden_size, p.committed
+    noise = np.zeros((kv.q_len, H), np.float32)
+    rows = np.ones((1, p.cfg.fc_in), np.float32)
+    state = lambda: (kv.next_pos, kv._planned, kv._slot, ring.lo, ring.hi)  # noqa: E731
+    before = state()
+    for bad in (5, "s", np.float32(0)):
+        for call in (lambda: kv.step(ring, c + 1, noise, stream=bad),
+                     lambda: kv.begin_step(ring, c, stream=bad),
+                     lambda: kv.set_noise_embed(noise, stream=bad),
+                     lambda: kv.reset(stream=bad),
+                     lambda: ring.write(c, rows, stream=bad)):
+            with pytest.raises(TypeError, match="stream"):
+                call()
+            assert state() == before
+    with pytest.raises(RuntimeError, match="begin_step"):
+        kv.run(stream=s)
+    p.close()
