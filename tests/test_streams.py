@@ -254,7 +254,13 @@ def test_capture_rules(emu):
         inside.record(cs)
         cs.wait_event(inside)               # an event of the same capture: fine
     finally:
-        emu.end_capture(cs)
+        g = emu.end_capture(cs)
+    s = emu.stream()
+    g.launch(s)                             # the event node records on the replay stream
+    assert inside._stream is s
+    other = emu.stream()
+    other.wait_event(inside)
+    other.synchronize()
 
 
 # --------------------------------------------------------------------------- the library's contract
