@@ -10,6 +10,14 @@ Which positions the ring holds is tracked as one contiguous range
 ``[start, start+n)`` the newest positions; positions after them are dropped
 (a rewind rewrites from the rewind point), and only the last ``capacity``
 positions survive.
+
+Streams (CuPy's way): ``write`` issues its copies on the caller's current
+stream (or ``stream=``), after every queued step that gathers from the ring
+(event edges, on the device) and after the ring's previous write; a device
+``rows`` array produced on that stream is read after it is written. The
+host never waits, except to reuse a pinned staging chunk whose copy has not
+run yet (``STAGE_CHUNKS`` chunks of ``STAGE_ROWS`` rows: a write of more rows
+than that, or a device that has fallen that far behind).
 """
 from __future__ import annotations
 
@@ -20,7 +28,8 @@ from .checks import int_arg as _pos_int
 
 _STORAGE = dtypes.DEVICE
 _HOST_VIEW = dtypes.HOST
-STAGE_ROWS = 64  # rows per pinned staging chunk of a host write
+STAGE_ROWS = 64   # rows per pinned staging chunk of a host write
+STAGE_CHUNKS = 4  # staging chunks, reused round robin once their copy has run
 
 
 class FeatureRing:
@@ -38,13 +47,22 @@ class FeatureRing:
         self.fc_in = self.n_captured_layers * self.hidden_size
         self.kind = dtypes.kind_of(dtype, "dtype")
         self.backend = backends.get(backend)
-        self.storage = self.backend.zeros((self.capacity, self.fc_in), _STORAGE[self.kind])
-        self._stage = self.backend.pinned_empty((min(STAGE_ROWS, self.capacity), self.fc_in),
-                                                _STORAGE[self.kind])
-        self._stream = self.backend.stream()
+        be = self.backend
+        self.storage = be.label(be.zeros((self.capacity, self.fc_in), _STORAGE[self.kind]),
+                                "FeatureRing.storage")
+        rows = min(STAGE_ROWS, self.capacity)
+        self._stage = [be.label(be.pinned_empty((rows, self.fc_in), _STORAGE[self.kind]),
+                                f"FeatureRing staging [{i}]") for i in range(STAGE_CHUNKS)]
+        self._stage_events = [be.event() for _ in range(STAGE_CHUNKS)]
+        self._stage_next = 0
+        # The storage's latest writer (the memset of zeros, then each write): every reader and
+        # the next write are ordered after it on the device.
+        self._write_event = be.event()
+        self._write_event.record(be.current_stream())
         self.lo = 0  # positions [lo, hi) are present
         self.hi = 0
         self._readers: dict = {}  # reader -> event after its latest queued read of storage
+        self.host_waits = 0       # times write() had to wait for a staging chunk's copy
         self._closed = False
 
     @property
@@ -61,11 +79,26 @@ class FeatureRing:
             raise RuntimeError("FeatureRing is closed")
 
     def note_read(self, reader, event) -> None:
-        """A reader (``DraftKvCache``) queued reads of ``storage`` on its own
+        """A reader (``DraftKvCache``) queued reads of ``storage`` on some
         stream, all done when ``event`` completes: later writes are ordered
         after them on the device (no write may replace a slot a queued step
         still has to gather)."""
         self._readers[id(reader)] = event
+
+    @property
+    def write_event(self):
+        """Recorded after the latest write of ``storage``: readers on any stream wait on it."""
+        return self._write_event
+
+    def _order(self, stream):
+        """The stream this call issues on (the caller's current one unless
+        given), made to wait on the device for the ring's previous write and
+        every queued reader."""
+        s = self.backend.as_stream(stream)
+        s.wait_event(self._write_event)
+        for ev in self._readers.values():
+            s.wait_event(ev)
+        return s
 
     def holds(self, start: int, stop: int) -> bool:
         """True when every position in ``[start, stop)`` is in the ring."""
@@ -80,14 +113,15 @@ class FeatureRing:
             yield done, slot, c
             done += c
 
-    def write(self, start_pos: int, rows) -> None:
+    def write(self, start_pos: int, rows, stream=None) -> None:
         """Store feature rows ``[n, fc_in]`` (NumPy of any float dtype, or a
-        device array of the storage dtype) for positions ``start_pos ..``."""
+        device array of the storage dtype) for positions ``start_pos ..``,
+        on the current stream (or ``stream``), without a host wait."""
         self._check_open()
         start = _pos_int(start_pos, "start_pos")
         be = self.backend
-        # On the emulated backend device arrays are NumPy arrays: the host path serves both.
-        on_device = not isinstance(rows, np.ndarray) and be.is_device_array(rows)
+        stream = be.as_stream(stream)
+        on_device = be.is_device_array(rows)
         if not hasattr(rows, "shape") or len(rows.shape) != 2 or rows.shape[1] != self.fc_in:
             raise ValueError(f"rows must have shape [n, {self.fc_in}], got "
                              f"{getattr(rows, 'shape', type(rows).__name__)}")
@@ -101,42 +135,52 @@ class FeatureRing:
                 raise TypeError(f"rows: a device array must have the ring's storage dtype "
                                 f"{self.storage.dtype} ({self.kind}), got {rows.dtype}")
         else:
-            host = np.asarray(rows)
+            if not isinstance(rows, np.ndarray):
+                raise TypeError(f"rows must be a NumPy or {be.name} device array, got {type(rows).__name__}")
+            host = rows
             if host.dtype.kind not in "fiu" and host.dtype != _HOST_VIEW["bf16"]:
                 raise TypeError(f"rows: expected a float array, got dtype {host.dtype}")
             host = host.astype(_HOST_VIEW[self.kind], copy=False)
             if self.kind == "bf16":
                 host = host.view(np.uint16)
         # ---- validated: from here on the ring changes
-        for ev in self._readers.values():  # queued steps that still gather from the ring
-            self._stream.wait_event(ev)
+        s = self._order(stream)
         if on_device:
             for r0, slot, c in self._segments(start, n):
-                be.copy_d2d_async(self.storage[slot:slot + c], rows[r0:r0 + c], stream=self._stream)
-            self._stream.synchronize()
+                be.copy_d2d_async(self.storage[slot:slot + c], rows[r0:r0 + c], stream=s)
         else:
-            cap = self._stage.shape[0]
+            cap = self._stage[0].shape[0]
             for r0, slot, c in self._segments(start, n):
                 for k in range(0, c, cap):
                     m = min(cap, c - k)
-                    self._stage[:m] = host[r0 + k:r0 + k + m]
-                    be.copy_h2d_async(self.storage[slot + k:slot + k + m], self._stage[:m],
-                                      stream=self._stream)
-                    # the staging buffer is reused by the next chunk
-                    self._stream.synchronize()
+                    i = self._stage_next
+                    self._stage_next = (i + 1) % len(self._stage)
+                    ev = self._stage_events[i]
+                    if not ev.query():  # this chunk's previous copy has not run yet
+                        ev.synchronize()
+                        self.host_waits += 1
+                    stage = self._stage[i]
+                    be.host_write(stage[:m], "FeatureRing.write (staging)")
+                    stage[:m] = host[r0 + k:r0 + k + m]
+                    be.copy_h2d_async(self.storage[slot + k:slot + k + m], stage[:m], stream=s)
+                    ev.record(s)
+        self._write_event.record(s)
         new_hi = start + n
         new_lo = self.lo if self.lo <= start <= self.hi else start
         self.lo, self.hi = max(new_lo, new_hi - self.capacity), new_hi
 
-    def read(self, start_pos: int, n: int) -> np.ndarray:
+    def read(self, start_pos: int, n: int, stream=None) -> np.ndarray:
         """Feature rows ``[n, fc_in]`` of positions ``start_pos ..`` as NumPy
-        (the storage dtype; bf16 as ml_dtypes.bfloat16)."""
+        (the storage dtype; bf16 as ml_dtypes.bfloat16), read on the current
+        stream (or ``stream``) after the latest write; the host waits for it."""
         self._check_open()
         start, n = _pos_int(start_pos, "start_pos"), _pos_int(n, "n")
         if not self.holds(start, start + n):
             raise KeyError(f"positions [{start}, {start + n}) are not all in the ring "
                            f"(it holds [{self.lo}, {self.hi}))")
-        host = self.backend.to_numpy(self.storage)
+        s = self.backend.as_stream(stream)
+        s.wait_event(self._write_event)
+        host = self.backend.to_numpy(self.storage, stream=s)
         out = np.concatenate([host[slot:slot + c] for _, slot, c in self._segments(start, n)]
                              or [host[:0]], axis=0)
         return out.view(_HOST_VIEW[self.kind])

@@ -14,10 +14,26 @@ Plan / run split:
   both masks, append the new K/V rows, and run the layer stack over the
   noise block.
 
-Two step graphs alternate (double-buffered descriptors and noise staging),
-so the host can plan step N+1 while the device still runs step N; before
-it rewrites a pinned buffer the host waits on the event of the replay that
-read it (two steps back), never on the step it just launched.
+Two step graphs alternate (double-buffered descriptors), so the host can
+plan step N+1 while the device still runs step N; before it rewrites a
+pinned buffer the host checks the event of the work that read it (the replay
+two steps back, the noise copy two calls back) and waits only if that has
+not run yet, never on the step it just launched.
+
+Streams (CuPy's way): every call that issues device work (``begin_step``'s
+bulk append, ``set_noise_embed``, ``run``, ``step``, ``reset``) issues it on
+the caller's current stream (``cupy.cuda.get_current_stream()``; the
+emulated backend's ``current_stream()``) or on ``stream=``. Inputs produced
+on that stream (a device ``noise_embed``, ring rows written there) are read
+after they are written; outputs can be consumed there at once. Work the cache
+issued earlier on another stream, and the ring's latest write, are ordered
+before it by event edges on the device; nothing waits on the host. The step
+graphs are captured on a private stream and replayed on the caller's.
+
+Output lifetime: ``hidden_states`` and ``logits`` are the cache's own
+buffers, rewritten by every step (``h1 = kv.step(...); h2 = kv.step(...)``
+gives ``h1 is h2``): consume or copy them, in stream order, before the next
+``run``/``step`` on another stream, or wait for them.
 
 Device buffers (row-major):
   k_cache[l], v_cache[l]  [kv_total, n_head_kv*head_dim] f16
@@ -59,6 +75,11 @@ class DraftKvCache:
     cached on the weights object. ``capacity``: ring slots, the drafter's
     feature-window cap. ``lm_head``: the target's ``[vocab, hidden]`` matrix
     (NumPy f32/f16/bf16 or a device array), optional.
+
+    Every step rewrites ``hidden_states``, ``logits`` and ``noise_embed`` in
+    place (the graphs are bound to them): a returned array is the next step's
+    output too. Work is issued on the caller's current stream or ``stream=``
+    (the module docstring has the contract).
     """
 
     def __init__(self, weights: DraftWeights, capacity: int, *, lm_head=None, backend=None,
@@ -128,15 +149,21 @@ class DraftKvCache:
         # ---- pinned staging (two of each: alternating steps)
         self._desc_host = [be.pinned_empty((DESC_LEN,), np.int32) for _ in range(2)]
         self._noise_host = [be.pinned_empty((B, H), np.float32) for _ in range(2)]
+        self._noise_events = [be.event() for _ in range(2)]  # after the copy that read each
+        self._noise_next = 0
         for d in self._desc_host:
             d[:] = 0
         n_chunks = -(-g.capacity // self.bulk_chunk) + 1
         self._bulk_desc_host = be.pinned_empty((n_chunks, DESC_LEN), np.int32)
-        self.stream = be.stream()
-        self._events = [be.event() for _ in range(2)]
-        self._event_used = [False, False]
+        for i in range(2):
+            be.label(self._desc_host[i], f"DraftKvCache step descriptor staging [{i}]")
+            be.label(self._noise_host[i], f"DraftKvCache noise staging [{i}]")
+        be.label(self._bulk_desc_host, "DraftKvCache bulk descriptor staging")
+        # Capture only: a CUDA graph cannot be captured on the legacy default stream, and
+        # replays run on the caller's stream.
+        self.capture_stream = be.stream()
+        self._events = [be.event() for _ in range(2)]  # after the replay that read each descriptor
         self._bulk_event = be.event()
-        self._bulk_event_used = False
 
         # ---- kernels (all compiled now: nothing compiles during capture)
         L0 = self.dw.layers[0]
@@ -166,6 +193,18 @@ class DraftKvCache:
         self._slot = 0
         self._planned = False
         self._closed = False
+        self.host_waits = 0  # times the host had to wait for queued work to reuse a pinned buffer
+        for name in ("hidden_states", "logits", "noise_embed", "k_cache", "v_cache", "slot_pos",
+                     "desc", "resid", "xin", "ap_feat"):
+            v = getattr(self, name)
+            for i, a in enumerate(v if isinstance(v, list) else [v]):
+                if a is not None:
+                    be.label(a, f"DraftKvCache.{name}" + (f"[{i}]" if isinstance(v, list) else ""))
+        # Everything above (zeros, kernel workspaces) was memset on the current stream: the
+        # first call on any other stream waits for it on the device.
+        self._tail = be.event()       # after the latest work this cache issued
+        self._tail.record(be.current_stream())
+        self._tail_stream = be.current_stream()
 
     # ------------------------------------------------------------------ properties
     capacity = property(lambda self: self.geom.capacity)
@@ -180,7 +219,7 @@ class DraftKvCache:
 
     def _place_lm_head(self, lm_head):
         be, H = self.backend, self.config.hidden_size
-        if isinstance(lm_head, np.ndarray):
+        if isinstance(lm_head, np.ndarray) and not be.is_device_array(lm_head):
             if lm_head.ndim != 2 or lm_head.shape[1] != H:
                 raise ValueError(f"lm_head must have shape [vocab, {H}], got {lm_head.shape}")
             try:
@@ -199,6 +238,27 @@ class DraftKvCache:
     def _check_open(self):
         if self._closed:
             raise RuntimeError("DraftKvCache is closed")
+
+    # ------------------------------------------------------------------ stream order
+    def _order(self, stream):
+        """The stream a call issues on: ``stream`` or the caller's current one,
+        ordered (on the device) after the work this cache issued elsewhere."""
+        s = self.backend.as_stream(stream)
+        if s != self._tail_stream:
+            s.wait_event(self._tail)
+        return s
+
+    def _issued(self, s) -> None:
+        """Work was issued on ``s``: the next call on another stream waits for it."""
+        self._tail.record(s)
+        self._tail_stream = s
+
+    def _reuse(self, event) -> None:
+        """Before rewriting a pinned buffer: wait for the work ``event`` follows
+        only if it has not run yet (on a device that keeps up: never)."""
+        if not event.query():
+            event.synchronize()
+            self.host_waits += 1
 
     # ------------------------------------------------------------------ the step body
     def _fuse_features(self, out, m: int, stream) -> None:
@@ -271,18 +331,21 @@ class DraftKvCache:
         self._fuse_features(self.ctx_step, A, stream)
         self._noise_stage(stream, eager)
 
-    def _bulk_append(self, fields) -> None:
-        """Append ``[bulk_start, bulk_start+bulk_count)`` outside the graph, chunk by chunk."""
-        be, s = self.backend, self.stream
-        if self._bulk_event_used:  # the pinned chunk descriptors of the last bulk must have been read
-            self._bulk_event.synchronize()
+    def _bulk_append(self, fields, s) -> None:
+        """Append ``[bulk_start, bulk_start+bulk_count)`` outside the graph, chunk by chunk, on ``s``."""
+        be = self.backend
+        self._reuse(self._bulk_event)  # the pinned chunk descriptors of the last bulk must have been read
+        s.wait_event(self._ring.write_event)
         if fields.reset:
             self.planner.reset_slots(self.slot_pos, stream=s)
+        rows = self._bulk_desc_host.shape[0]
         for i, (start, count) in enumerate(bulk_chunks(fields.bulk_start, fields.bulk_count,
                                                        self.bulk_chunk)):
-            host = self._bulk_desc_host[i % self._bulk_desc_host.shape[0]]
-            if i and i % self._bulk_desc_host.shape[0] == 0:
-                s.synchronize()  # wrapped around the chunk descriptors (only for tiny chunks)
+            host = self._bulk_desc_host[i % rows]
+            if i and i % rows == 0:  # wrapped around the chunk descriptors (only for tiny chunks)
+                self._bulk_event.record(s)
+                self._reuse(self._bulk_event)
+            be.host_write(host, "DraftKvCache bulk chunk descriptor")
             fill_chunk_descriptor(host, fields, start, count)
             be.copy_h2d_async(self.bulk_desc, host, stream=s)
             self.planner.plan_append(self.bulk_desc, self.ap_pos, self.ap_rows, self.slot_pos,
@@ -291,13 +354,14 @@ class DraftKvCache:
             self._append_stage(count, s)
         self._bulk_event.record(s)
         self._ring.note_read(self, self._bulk_event)
-        self._bulk_event_used = True
 
     # ------------------------------------------------------------------ public API
-    def begin_step(self, ring: FeatureRing, committed: int) -> None:
-        """Plan one step for ``committed`` tokens (host O(1); bulk append if needed)."""
+    def begin_step(self, ring: FeatureRing, committed: int, stream=None) -> None:
+        """Plan one step for ``committed`` tokens (host O(1)); a bulk append,
+        when needed, runs on the current stream (or ``stream``)."""
         self._check_open()
         with nvtx_range("dflash plan", "green"):
+            stream = self.backend.as_stream(stream)  # (a bad stream raises before any change)
             if not isinstance(ring, FeatureRing):
                 raise TypeError(f"ring must be a FeatureRing, got {type(ring).__name__}")
             if ring._closed:
@@ -327,34 +391,42 @@ class DraftKvCache:
                 self._ring = ring
                 self._graphs = [None, None]  # the graphs read the ring by pointer
             slot = self._slot ^ 1
-            if self._event_used[slot]:
-                self._events[slot].synchronize()  # the replay that read this slot's pinned buffers
+            self._reuse(self._events[slot])  # the replay that read this slot's descriptor
             if fields.bulk_count:
+                s = self._order(stream)
                 with nvtx_range("dflash bulk append", "red"):
-                    self._bulk_append(fields)
+                    self._bulk_append(fields, s)
+                self._issued(s)
                 self.next_pos = fields.committed
+            self.backend.host_write(self._desc_host[slot], "DraftKvCache.begin_step (descriptor)")
             fill_step_descriptor(self._desc_host[slot], fields)
             self._slot = slot
             self.last_plan = fields
             self._pending_next = fields.committed
             self._planned = True
 
-    def set_noise_embed(self, noise_embed) -> None:
-        """Copy ``[q_len, hidden]`` noise embeddings (NumPy or device) into ``noise_embed``."""
+    def set_noise_embed(self, noise_embed, stream=None) -> None:
+        """Copy ``[q_len, hidden]`` noise embeddings (NumPy, or a device array
+        read in order on the current stream or ``stream``) into ``noise_embed``."""
         self._check_open()
         self._check_noise(noise_embed)
         be = self.backend
+        stream = be.as_stream(stream)
         if noise_embed is self.noise_embed:
             return  # filled in place by the caller
-        if isinstance(noise_embed, np.ndarray):  # host data (on the emulator also device arrays)
-            slot = self._slot if self._planned else self._slot ^ 1
-            if self._event_used[slot]:
-                self._events[slot].synchronize()  # the replay that last read this staging buffer
-            stage = self._noise_host[slot]
+        s = self._order(stream)
+        if not be.is_device_array(noise_embed):  # host data, through pinned staging
+            i = self._noise_next
+            self._noise_next ^= 1
+            self._reuse(self._noise_events[i])  # the copy that last read this staging buffer
+            stage = self._noise_host[i]
+            be.host_write(stage, "DraftKvCache.set_noise_embed (staging)")
             stage[...] = noise_embed
-            be.copy_h2d_async(self.noise_embed, stage, stream=self.stream)
+            be.copy_h2d_async(self.noise_embed, stage, stream=s)
+            self._noise_events[i].record(s)
         else:
-            be.copy_d2d_async(self.noise_embed, noise_embed, stream=self.stream)
+            be.copy_d2d_async(self.noise_embed, noise_embed, stream=s)
+        self._issued(s)
 
     def _check_noise(self, noise_embed) -> None:
         shape = (self.q_len, self.config.hidden_size)
@@ -362,66 +434,80 @@ class DraftKvCache:
             raise ValueError(f"noise_embed must have shape {shape}, got "
                              f"{getattr(noise_embed, 'shape', type(noise_embed).__name__)}")
         be = self.backend
-        if isinstance(noise_embed, np.ndarray):
-            if noise_embed.dtype.kind != "f":
-                raise TypeError(f"noise_embed must be a float array, got dtype {noise_embed.dtype}")
-        elif be.is_device_array(noise_embed):
+        if be.is_device_array(noise_embed):
             if np.dtype(noise_embed.dtype) != np.float32:
                 raise TypeError(f"noise_embed device array must be float32, got {noise_embed.dtype}")
+        elif isinstance(noise_embed, np.ndarray):
+            if noise_embed.dtype.kind != "f":
+                raise TypeError(f"noise_embed must be a float array, got dtype {noise_embed.dtype}")
         else:
             raise TypeError(f"noise_embed must be a NumPy or {be.name} device array, "
                             f"got {type(noise_embed).__name__}")
 
-    def run(self, eager: bool = False):
-        """Replay the planned step (``eager=True``: launch its kernels one by one
-        instead, same order, same results). Returns ``hidden_states``."""
+    def run(self, eager: bool = False, stream=None):
+        """Replay the planned step on the current stream (or ``stream``;
+        ``eager=True``: launch its kernels one by one instead, same order,
+        same results) and consume the plan. Returns ``hidden_states``, which
+        the next step rewrites (so do ``logits``)."""
         self._check_open()
         if not self._planned:
-            raise RuntimeError("run() needs a planned step: call begin_step(ring, committed) first")
+            raise RuntimeError("run() needs a planned step: call begin_step(ring, committed) first "
+                               "(each begin_step plans exactly one run)")
         slot, be = self._slot, self.backend
+        s = self._order(stream)
+        s.wait_event(self._ring.write_event)  # the rows this step gathers
         if eager:
             with nvtx_range("dflash eager step", "yellow"):
-                self._issue_step(slot, self.stream, eager=True)
+                self._issue_step(slot, s, eager=True)
         else:
             if self._graphs[slot] is None:
                 with nvtx_range("dflash capture", "purple"):
-                    be.begin_capture(self.stream)
+                    cs = self.capture_stream
+                    be.begin_capture(cs)
                     try:
-                        self._issue_step(slot, self.stream)
+                        self._issue_step(slot, cs)
                     finally:
-                        graph = be.end_capture(self.stream)
+                        graph = be.end_capture(cs)
                     self._graphs[slot] = graph
             with nvtx_range("dflash replay", "blue"):
-                self._graphs[slot].launch(self.stream)
-        self._events[slot].record(self.stream)
+                self._graphs[slot].launch(s)
+        self._events[slot].record(s)
         self._ring.note_read(self, self._events[slot])  # the ring's next write waits for this step
-        self._event_used[slot] = True
+        self._issued(s)
+        self._planned = False
         self.next_pos = self._pending_next
         return self.hidden_states
 
-    def step(self, ring: FeatureRing, committed: int, noise_embed):
-        """``begin_step`` + noise embeddings + ``run``; returns ``hidden_states``."""
+    def step(self, ring: FeatureRing, committed: int, noise_embed, stream=None):
+        """``begin_step`` + noise embeddings + ``run``, all on the current
+        stream (or ``stream``); returns ``hidden_states`` (rewritten by the
+        next step: ``kv.step(...) is kv.step(...)``)."""
         self._check_open()
         self._check_noise(noise_embed)  # before begin_step changes anything
-        self.begin_step(ring, committed)
-        self.set_noise_embed(noise_embed)
-        return self.run()
+        stream = self.backend.as_stream(stream)
+        self.begin_step(ring, committed, stream=stream)
+        self.set_noise_embed(noise_embed, stream=stream)
+        return self.run(stream=stream)
 
     def synchronize(self) -> None:
-        self.stream.synchronize()
+        """Host wait for every piece of work this cache issued, on any stream."""
+        self._tail.synchronize()
 
-    def reset(self) -> None:
-        """Forget every cached row (a new request whose prefix differs)."""
+    def reset(self, stream=None) -> None:
+        """Forget every cached row (a new request whose prefix differs); the
+        slot table is cleared on the current stream (or ``stream``)."""
         self._check_open()
+        s = self._order(stream)
         self.next_pos = 0
         self._planned = False
-        self.planner.reset_slots(self.slot_pos, stream=self.stream)
+        self.planner.reset_slots(self.slot_pos, stream=s)
+        self._issued(s)
 
     def close(self) -> None:
         if self._closed:
             return
         try:
-            self.stream.synchronize()
+            self._tail.synchronize()
         except Exception:
             pass
         self._graphs = [None, None]

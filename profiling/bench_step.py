@@ -155,7 +155,7 @@ def bench_window(be, name, cfg, weights, lm_head, window, args, bw_Bps, log=prin
         fns = {"graph": step_graph, "eager": step_eager, "legacy": step_legacy}
         for mode, warmup, repeats, inner in plans:
             with nvtx_range(f"bench {name} window={window} {mode}", "orange"):
-                t = timer.measure(fns[mode], be, stream=cache.stream, warmup=warmup, repeats=repeats,
+                t = timer.measure(fns[mode], be, stream=be.current_stream(), warmup=warmup, repeats=repeats,
                                   inner=inner, budget_s=args.budget_s)
             hidden = be.to_numpy(cache.hidden_states)
             by = (step_model.legacy_bytes(cache, window, itemsize) if mode == "legacy"

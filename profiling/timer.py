@@ -77,6 +77,7 @@ def measure(fn, backend, *, stream=None, warmup: int = 3, repeats: int = 10, inn
                         ("min_repeats", min_repeats, 1)):
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < lo:
             raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    _sync(backend, stream)  # an idle device: buffers memset on another stream (zeros) are done
     for _ in range(warmup):
         fn()
     _sync(backend, stream)
@@ -127,6 +128,7 @@ def _measure_cuda(fn, backend, stream, repeats, inner, min_repeats, budget_s, fl
 def capture(backend, stream, fn, inner: int = 1):
     """A graph of ``inner`` calls of ``fn`` (which must issue its work on
     ``stream`` and be capture-safe). Returns the backend's ``Graph``."""
+    backend.synchronize()  # what was allocated (and memset on another stream) is done before replays
     backend.begin_capture(stream)
     try:
         for _ in range(inner):

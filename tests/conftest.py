@@ -23,3 +23,13 @@ def rng(request):
     # Seeded from the test's name, so each test draws the same data on every run.
     import zlib
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(autouse=True)
+def _drain_emulated_streams():
+    """Emulated stream work runs when waited for: wait at the end of each test,
+    so work a test left queued (and any error it raises) is that test's."""
+    yield
+    be = backends._instances.get("emulated")
+    if be is not None and not be.is_capturing():
+        be.synchronize()

@@ -37,6 +37,10 @@ class FakeStream(cupy.cuda.ExternalStream):
             raise RtErr(901)
         return FakeGraph()
     def synchronize(self): calls.append(("ssync", self.ptr))
+    def wait_event(self, ev): calls.append(("swait", self.ptr, ev))
+    # CuPy's `with stream:` makes it current (a thread-local stack), faked here
+    def __enter__(self): current.append(self); return self
+    def __exit__(self, *exc): assert current.pop() is self
 
 class FakeGraph:
     def launch(self, stream=None): calls.append(("glaunch", None if stream is None else stream.ptr))
@@ -84,6 +88,7 @@ mp = MP()
 mp.setattr(R, "memcpyAsync", lambda d, s, n, k, st: (calls.append(("memcpyAsync", d, s, n, k, st)), ctypes.memmove(d, s, n)))
 mp.setattr(R, "memcpy", lambda d, s, n, k: (calls.append(("memcpy", n, k)), ctypes.memmove(d, s, n)))
 mp.setattr(R, "deviceSynchronize", lambda: calls.append(("dsync",)))
+mp.setattr(R, "streamSynchronize", lambda st: calls.append(("ssync", st)))
 mp.setattr(R, "deviceGetAttribute", lambda a, d: 232448)
 mp.setattr(R, "getDevice", lambda: 0)
 mp.setattr(cupy.cuda, "alloc_pinned_memory", fake_alloc_pinned)
@@ -95,7 +100,8 @@ mp.setattr(cupy, "empty", fake_empty)
 def fake_zeros(shape, dtype): return fake_empty(shape, dtype)
 mp.setattr(cupy, "zeros", fake_zeros)
 mp.setattr(cupy, "ascontiguousarray", lambda a: a)
-mp.setattr(cupy.cuda, "get_current_stream", lambda: cupy.cuda.ExternalStream(0, device_id=0))
+current = [cupy.cuda.ExternalStream(0, device_id=0)]   # CuPy's current-stream stack, faked
+mp.setattr(cupy.cuda, "get_current_stream", lambda: current[-1])
 
 be = C.CudaBackend()
 mp.setattr(be, "stream", lambda: C.CudaStream(be, FakeStream()))
@@ -124,12 +130,17 @@ with pytest.raises(BackendError, match="cannot parse|must be a pointer|has type"
 # ---- arrays
 x = be.asarray(np.arange(6, dtype=np.float32).reshape(2, 3))
 assert be.is_device_array(x) and x.shape == (2, 3)
+calls.clear()
 got = be.to_numpy(x); assert (got == np.arange(6).reshape(2, 3)).all() and got.dtype == np.float32
+# cupy.ndarray.get(): an async copy on the current stream, then a wait for that stream only
+assert [c[0] for c in calls] == ["memcpyAsync", "ssync"] and calls[0][5] == 0 and calls[1] == ("ssync", 0), calls
 assert be.to_numpy(np.ones(2)).tolist() == [1, 1]
 with pytest.raises(TypeError): be.to_numpy([1, 2])
 with pytest.raises(TypeError, match="uint16"):
     import ml_dtypes; be.empty((2,), ml_dtypes.bfloat16)
+calls.clear()
 y = be.zeros((2, 3), np.float32)
+assert calls == [], "zeros is cupy.zeros: a memset on the current stream, no device sync"
 z = be.empty(4, np.float32); assert z.shape == (4,)
 
 # ---- pinned registry
@@ -184,6 +195,24 @@ with pytest.raises(ValueError, match="C-contiguous"): be.copy_d2d_async(d2[:, :2
 # ---- events
 e = be.event(); e.record(s); e.synchronize(); assert e.query() is True
 
+# ---- the current stream (CuPy's), `with stream:`, as_stream, to_numpy on a stream
+cur0 = be.current_stream()
+assert isinstance(cur0, C.CudaStream) and cur0.ptr == 0 and be.as_stream(None) == cur0
+s2 = be.stream()
+with s2 as entered:
+    assert entered is s2 and be.current_stream() == s2 and cupy.cuda.get_current_stream() is s2.raw
+    assert be.as_stream(None) == s2 and be.as_stream(s2.raw) == s2 and be.as_stream(s2) is s2
+    calls.clear()
+    k(1, 32, (x, y, np.int32(6), np.float32(2), np.int64(1)))   # stream=None: CuPy's current one
+    assert calls[-1][6] is None, calls[-1]
+    got = be.to_numpy(d)
+    assert calls[-2][0] == "memcpyAsync" and calls[-2][5] == s2.ptr and calls[-1] == ("ssync", s2.ptr), calls
+assert be.current_stream() == cur0 and be.current_stream() != s2 and hash(be.current_stream()) == hash(cur0)
+calls.clear()
+be.to_numpy(d, stream=s2); assert calls[-1] == ("ssync", s2.ptr), calls
+s2.wait_event(e); assert calls[-1] == ("swait", s2.ptr, e.raw), calls
+with pytest.raises(TypeError, match="stream must be"): be.as_stream(5)
+
 # ---- capture
 import cupy.cuda.memory as M
 prev_tl = M._get_thread_local_allocator()
@@ -207,6 +236,8 @@ with pytest.raises(CaptureError, match="another stream"): k(1, 32, args, stream=
 with pytest.raises(CaptureError, match="another stream"): be.copy_h2d_async(d, hp)
 with pytest.raises(CaptureError, match="another stream"): e.record()
 k(1, 32, args, stream=cs); k(1, 32, args, stream=cs.raw)
+with cs:
+    k(1, 32, args)    # stream=None inside `with cs:` is the capturing stream
 be.copy_h2d_async(d, hp, stream=cs)
 be.copy_d2h_async(hp, d, stream=cs)
 with pytest.raises(ValueError, match="during capture dst must be pinned"): be.copy_d2h_async(out, d, stream=cs)
@@ -214,7 +245,7 @@ be.copy_d2d_async(d2, d, stream=cs)
 e.record(cs)
 with pytest.raises(CaptureError, match="not capturing"): be.end_capture(s)
 g = be.end_capture(cs)
-assert not be.is_capturing() and g.n_launches == 2 and g.n_copies == 3, (g.n_launches, g.n_copies)
+assert not be.is_capturing() and g.n_launches == 3 and g.n_copies == 3, (g.n_launches, g.n_copies)
 assert M._get_thread_local_allocator() is prev_tl
 # pinned allocator restored to CuPy's default pool (our fake alloc_pinned_memory is patched on cupy.cuda,
 # the real module-level one must work again: allocate 0 bytes, which needs no driver)
@@ -238,6 +269,9 @@ print("harness OK")
 mp2 = MP()
 mp2.setattr(R, "memcpy", lambda d, s, n, k: ctypes.memmove(d, s, n))
 mp2.setattr(R, "deviceSynchronize", lambda: None)
+mp2.setattr(R, "memcpyAsync", lambda d, s, n, k, st: ctypes.memmove(d, s, n))
+mp2.setattr(R, "streamSynchronize", lambda st: None)
+mp2.setattr(cupy.cuda, "get_current_stream", lambda: current[-1])
 mp2.setattr(cupy, "empty", fake_empty)
 s0 = be.asarray(np.float32(3.5)); assert s0.shape == (), s0.shape
 r0 = be.to_numpy(s0); assert r0.shape == () and r0 == np.float32(3.5)

@@ -130,7 +130,7 @@ def test_cuda_backend_implements_the_whole_interface():
     assert b.name == "cuda" and not b.is_capturing()
     assert "--std=c++17" in NVRTC_FLAGS and "-ftz=true" in NVRTC_FLAGS
     for meth in ("empty", "zeros", "asarray", "to_numpy", "pinned_empty", "is_device_array",
-                 "compile", "stream", "event", "copy_h2d_async", "copy_d2h_async",
+                 "compile", "stream", "current_stream", "as_stream", "event", "copy_h2d_async", "copy_d2h_async",
                  "copy_d2d_async", "synchronize", "begin_capture", "end_capture", "is_capturing"):
         sig_base = inspect.signature(getattr(Backend, meth))
         sig_cuda = inspect.signature(getattr(CudaBackend, meth))

@@ -195,6 +195,7 @@ def test_missing_barrier_is_caught(emu, schedule, monkeypatch):
         y = emu.zeros((128,), np.float32)
         k = emu.compile(MISSING_BARRIER_SRC, defines, filename="rotate.cu").get_function("rotate")
         k((1,), (128,), (x, y), shared_mem=512)
+        y = emu.to_numpy(y)
         assert np.array_equal(y, ref) == should_pass, f"defines={defines}: {y[:8]}"
 
 
@@ -226,6 +227,7 @@ def test_missing_barrier_between_warps_is_caught(emu, schedule, monkeypatch):
         out = emu.zeros((64,), np.float32)
         emu.compile(CROSS_WARP_RACE_SRC, defines, filename="race.cu").get_function("swap_halves")(
             (1,), (64,), (out,))
+        out = emu.to_numpy(out)
         assert np.array_equal(out, ref) == should_pass, f"defines={defines}: {out[:4]} {out[32:36]}"
 
 
@@ -247,13 +249,17 @@ extern "C" __global__ void early_exit_ok(float* x) {
 
 
 def test_deadlock_and_divergent_collectives_reported(emu):
+    # Launches run when their stream is waited for: the error surfaces there, as on a GPU.
     mod = emu.compile(DEADLOCK_SRC, filename="deadlock.cu")
     with pytest.raises(KernelLaunchError, match=r"split_warp: deadlock in block \(0,0,0\).*__syncthreads"):
         mod.get_function("split_warp")((1,), (32,), (emu.zeros((32,), np.float32),))
+        emu.synchronize()
     with pytest.raises(KernelLaunchError, match=r"mixed_collectives: divergent warp collectives"):
         mod.get_function("mixed_collectives")((1,), (32,), (emu.zeros((32,), np.int32),))
+        emu.synchronize()
     x = emu.zeros((64,), np.float32)
     mod.get_function("early_exit_ok")((1,), (64,), (x,))
+    x = emu.to_numpy(x)
     assert x[:40].tolist() == [1.0] * 40 and x[40:].tolist() == [0.0] * 24
 
 
@@ -275,10 +281,13 @@ def test_out_of_bounds_access_names_kernel_and_array(emu, monkeypatch, threads):
     with pytest.raises(KernelLaunchError, match=r"kernel overrun: invalid memory access .* past the end of "
                                                 r"device array shape=\(8, 64, 33\) dtype=float32"):
         mod.get_function("overrun")((66,), (256,), (x, y, np.int32(64)))
+        emu.synchronize()
     with pytest.raises(KernelLaunchError, match=r"kernel div0: arithmetic fault"):
         mod.get_function("div0")((1,), (32,), (emu.zeros((32,), np.int32), np.int32(0)))
+        emu.synchronize()
     # the backend is still usable afterwards
     mod.get_function("overrun")((1,), (32,), (x, y, np.int32(0)))
+    emu.synchronize()
 
 
 def test_scalar_arguments_must_have_the_exact_c_type(backend):
@@ -321,6 +330,7 @@ def test_graph_replay_counts_and_reads_pinned_at_replay_time(backend):
     seen = backend.zeros((100,), np.int32)
     slot = backend.zeros((1,), np.int32)  # not used: slot index travels as data below
     s = backend.stream()
+    backend.synchronize()  # the zeros were memset on the default stream; the graph runs on s
     backend.begin_capture(s)
     backend.copy_h2d_async(desc_dev, desc_host, stream=s)
     k((1,), (32,), (counter, desc_dev, seen, np.int32(0)), stream=s)
@@ -344,6 +354,7 @@ def test_capture_misuse_raises(backend):
     counter = backend.zeros((1,), np.int32)
     desc = backend.zeros((1,), np.int32)
     seen = backend.zeros((1,), np.int32)
+    backend.synchronize()  # the zeros were memset on the default stream; the graph runs on s
     backend.begin_capture(s)
     try:
         with pytest.raises(CaptureError):
@@ -373,7 +384,7 @@ def test_schedules_agree_on_correct_kernels(emu, rng, monkeypatch):
         out = emu.zeros((7,), np.float32)
         emu.compile(REDUCE_SRC, filename="reduce.cu").get_function("row_sum")(
             (7,), (128,), (emu.asarray(x), out, np.int32(333)), shared_mem=512)
-        results.append(out.copy())
+        results.append(emu.to_numpy(out))
     assert all(np.array_equal(results[0], r) for r in results[1:])
 
 
@@ -384,7 +395,7 @@ def test_header_survives_short_size_macros(emu):
     src = 'extern "C" __global__ void k(float* x) { x[threadIdx.x] = (float)(D + B + K); }\n'
     x = emu.zeros((32,), np.float32)
     emu.compile(src, opts, filename="macros.cu").get_function("k")((1,), (32,), (x,))
-    assert (x == 21).all()
+    assert (emu.to_numpy(x) == 21).all()
 
 
 def test_fiber_stack_overflow_is_reported(emu):
@@ -398,6 +409,7 @@ def test_fiber_stack_overflow_is_reported(emu):
     k = emu.compile(src, filename="stack.cu").get_function("big_locals")
     with pytest.raises(KernelLaunchError, match="big_locals: .*stack overflow"):
         k((1,), (32,), (emu.zeros((32,), np.float32), np.int32(40000)))
+        emu.synchronize()
 
 
 FTZ_SRC = r"""

@@ -432,12 +432,15 @@ def test_steady_state_no_alloc_no_sync_no_recapture(emu, monkeypatch):
         calls["capture"] += 1
         return orig["begin_capture"](stream)
     monkeypatch.setattr(emu, "begin_capture", counting_capture)
-    orig["stream_sync"] = kv.stream.synchronize
-    monkeypatch.setattr(kv.stream, "synchronize", forbid("stream_sync", plan_and_run))
-    for i, ev in enumerate(kv._events):
-        # begin_step may wait for the replay two steps back; the replay itself never waits
+    for st in (emu.null_stream, kv.capture_stream):
+        orig[st.name] = st.synchronize
+        monkeypatch.setattr(st, "synchronize", forbid(st.name, plan_and_run))
+    for i, ev in enumerate(kv._events + kv._noise_events + [kv._tail, kv._bulk_event]):
+        # the device keeps up (check() reads every step's outputs): no pinned buffer is
+        # reused before the work that read it has run, so the host never waits
         orig[f"event{i}"] = ev.synchronize
-        monkeypatch.setattr(ev, "synchronize", forbid(f"event{i}", ("run",)))
+        monkeypatch.setattr(ev, "synchronize", forbid(f"event{i}", plan_and_run))
+    waits = kv.host_waits
     for gr in graphs:
         launch = gr.launch
 
@@ -464,6 +467,7 @@ def test_steady_state_no_alloc_no_sync_no_recapture(emu, monkeypatch):
         d.check(c, noise)
     assert calls == {"capture": 0, "launch": 4}
     assert [id(gr) for gr in kv._graphs] == [id(gr) for gr in graphs]
+    assert kv.host_waits == waits
     d.close()
 
 
@@ -516,7 +520,7 @@ def test_bad_input_leaves_cache_unchanged(backend):
             kv.set_noise_embed(noise)
             kv.begin_step(ring, c)
             kv.run()
-        elif order == "device":         # a device array (on the emulator: the host path)
+        elif order == "device":         # a device array, read on the current stream
             kv.begin_step(ring, c)
             kv.set_noise_embed(backend.asarray(noise))
             kv.run()
@@ -557,8 +561,8 @@ def test_bad_input_leaves_cache_unchanged(backend):
         for arr in (np.zeros((q, H), np.int32), np.zeros((q, H), np.complex64), [[0.0] * H] * q):
             exc = ValueError if isinstance(arr, list) else TypeError
             bad(exc, "noise_embed", kv.set_noise_embed, arr)
-        if backend.name != "emulated":              # device arrays must be f32
-            bad(TypeError, "noise_embed", kv.set_noise_embed, backend.asarray(np.zeros((q, H), np.float16)))
+        # device arrays must be f32
+        bad(TypeError, "noise_embed", kv.set_noise_embed, backend.asarray(np.zeros((q, H), np.float16)))
         d.feed(cap + 4 + 3 * q + 4)                 # a bulk jump ...
         bad(TypeError, "noise_embed", kv.step, ring, cap + 4 + 3 * q + 4, np.zeros((q, H), np.int64))
         valid(cap + 4 + 3 * q + 4)                  # ... after a bad step call changes nothing
@@ -648,13 +652,16 @@ def test_ring_writes_wait_for_queued_steps(emu, monkeypatch):
     d = Driver(emu, "a", seed=11)
     kv, ring = d.kv, d.ring
     waits = []
-    monkeypatch.setattr(ring._stream, "wait_event", lambda ev: waits.append(ev))
+    s = emu.stream()
+    monkeypatch.setattr(s, "wait_event", lambda ev: waits.append(ev))
     d.run_ops([d.cap + 3])             # a bulk append, then the step's replay
     assert kv._bulk_event is not None and ring._readers[id(kv)] in kv._events
     last = ring._readers[id(kv)]
     waits.clear()
-    d.feed(d.committed + 1)            # the next write waits for that replay, on the device
-    assert waits == [last]
+    with s:
+        d.feed(d.committed + 1)        # the next write waits for that replay, on the device
+    assert last in waits and ring.write_event in waits
+    emu.synchronize()
     d.close()
 
 

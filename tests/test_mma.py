@@ -65,3 +65,4 @@ def test_mma_with_missing_lanes_is_an_error(emu):
     mod = emu.compile(src, ["-I" + str(CUDA_SRC)], filename="partial_mma.cu")
     with pytest.raises(KernelLaunchError, match="needs all 32"):
         mod.get_function("partial")((1,), (32,), (emu.zeros((32,), np.float32),))
+        emu.synchronize()  # launches run (and fail) when their stream is waited for

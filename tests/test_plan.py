@@ -85,6 +85,7 @@ class DeviceRing:
         self.mask_full = be.zeros((geom.q_len, geom.kv_total), np.float16)
         self.mask_swa = be.zeros((geom.q_len, geom.kv_total), np.float16)
         s = self.stream = be.stream()
+        be.synchronize()  # the zeros are memset on the default stream; the work runs on s
         fill_descriptor(self.desc_h, 1, 0, 0, 0, 0)
         be.begin_capture(s)
         be.copy_h2d_async(self.desc, self.desc_h, stream=s)
@@ -107,8 +108,9 @@ class DeviceRing:
                 self.planner.plan_append(self.chunk_desc, self.bulk_pos, self.bulk_rows, self.slot_pos,
                                          n_rows=c, stream=self.stream)
                 self.gather(self.chunk_desc, self.ring, self.bulk_feat, n_rows=c, stream=self.stream)
-                chunks.append((be.to_numpy(self.bulk_pos)[:c], be.to_numpy(self.bulk_rows)[:c],
-                               be.to_numpy(self.bulk_feat)[:c], self.chunk_desc_h.copy()))
+                st = self.stream  # read in order after the chunk, on its stream
+                chunks.append((be.to_numpy(self.bulk_pos, st)[:c], be.to_numpy(self.bulk_rows, st)[:c],
+                               be.to_numpy(self.bulk_feat, st)[:c], self.chunk_desc_h.copy()))
         fill_step_descriptor(self.desc_h, f)
         self.graph.launch(self.stream)
         be.synchronize()   # the pinned descriptor is rewritten next step

@@ -283,6 +283,7 @@ class _OtherBackend(backends.Backend):
     name = "other"
     empty = zeros = asarray = to_numpy = pinned_empty = is_device_array = compile = None
     stream = event = copy_h2d_async = copy_d2h_async = copy_d2d_async = synchronize = None
+    current_stream = as_stream = None
     begin_capture = end_capture = is_capturing = None
 
 

@@ -171,6 +171,7 @@ def test_capture_replay(emu, rng):
     kc, vc = be.zeros((M, NKV * D), np.float16), be.zeros((M, NKV * D), np.float16)
     q_out = be.zeros((M, NH * D), np.float32)
     s = be.stream()
+    be.synchronize()  # the zeros are memset on the default stream; the graph runs on s
     be.begin_capture(s)
     op(qkv, kn, table, pos, rows, kc, vc, q_norm=qn, q_out=q_out, stream=s)
     g = be.end_capture(s)
@@ -180,6 +181,7 @@ def test_capture_replay(emu, rng):
         qkv[...] = x
         pos[...] = p
         g.launch(s)
+        s.synchronize()  # (the next iteration's host writes into qkv/pos must wait for the replay)
         q, k, v = qkv_norm_rope_reference(x, np.ones(D), np.ones(D), plain_table(D), p, head_dim=D,
                                           n_head=NH, n_head_kv=NKV, has_q=True)
         assert_close(be.to_numpy(q_out), q, "f32", f"replay {step} q_out")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from .base import (Backend, BackendError, CaptureError, Graph, Kernel,  # noqa: F401
-                   KernelLaunchError, Module)
+                   KernelLaunchError, Module, StreamOrderError)
 
 NAMES = ("cuda", "emulated")
 ENV_VAR = "DFLASH_CUPY_BACKEND"

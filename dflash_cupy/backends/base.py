@@ -6,8 +6,10 @@ Every class in dflash_cupy talks to a ``Backend``; there are two:
   compiled by NVRTC, CuPy streams/events, CUDA graph capture.
 * ``EmulatedBackend`` (``backends/emulated.py``): device arrays ARE NumPy
   arrays (allocated with guard pages), the same ``cuda_src/*.cu`` compiled by
-  g++ against ``cuda_src/emu/cuda_emu.h`` (threads as fibers), launches run
-  synchronously on the CPU, capture records launches/copies and replays them.
+  g++ against ``cuda_src/emu/cuda_emu.h`` (threads as fibers); stream work is
+  queued per stream and runs later (at synchronisation points), with every
+  cross-stream or host/device race reported as ``StreamOrderError``;
+  capture records launches/copies and replays them.
 
 Calling conventions (identical on both):
 
@@ -20,6 +22,15 @@ Calling conventions (identical on both):
   executes — during replay, for a captured copy.
 * Nothing allocates, synchronises or reads device data on the host while a
   stream is capturing: both backends raise ``CaptureError``.
+* Streams as CuPy has them: ``stream=None`` everywhere means the *current*
+  stream (``current_stream()``; the default stream unless a ``with stream:``
+  block made another current). Streams from ``stream()`` are non-blocking:
+  nothing orders them with the default stream or each other except events
+  (``stream.wait_event(event)``) and host synchronisation. ``zeros`` writes
+  on the current stream (as ``cupy.zeros`` does); ``asarray`` is complete for
+  every stream when it returns. ``to_numpy(arr, stream=None)`` reads on the
+  current (or given) stream and waits for that stream only, as
+  ``cupy.ndarray.get()`` does.
 """
 from __future__ import annotations
 
@@ -39,6 +50,13 @@ class CaptureError(BackendError):
 
 class KernelLaunchError(BackendError):
     """A kernel failed while running (emulated: deadlock, out-of-bounds)."""
+
+
+class StreamOrderError(BackendError):
+    """Two operations touch the same memory, at least one writes, and nothing
+    orders them (emulated backend): two streams with no event edge between
+    them, or the host and queued device work (a host read of device memory,
+    a host write into a pinned buffer that queued work still reads)."""
 
 
 class Graph(abc.ABC):
@@ -78,8 +96,10 @@ class Backend(abc.ABC):
         """A new device array holding a copy of ``host`` (synchronous)."""
 
     @abc.abstractmethod
-    def to_numpy(self, arr) -> np.ndarray:
-        """A host copy of a device array (synchronises the device)."""
+    def to_numpy(self, arr, stream: Any = None) -> np.ndarray:
+        """A host copy of a device array, read in order on ``stream`` (None: the
+        current stream) once that stream's earlier work is done; the host waits
+        for that stream only (``cupy.ndarray.get()``)."""
 
     @abc.abstractmethod
     def pinned_empty(self, shape, dtype) -> np.ndarray:
@@ -100,7 +120,31 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def stream(self) -> Any:
         """A new non-blocking stream with ``synchronize()``, ``is_capturing()``
-        and ``wait_event(event)`` (device-side ordering after an event)."""
+        and ``wait_event(event)`` (device-side ordering after an event); as a
+        context manager (``with s:``) it is the current stream inside."""
+
+    @abc.abstractmethod
+    def current_stream(self) -> Any:
+        """The stream ``stream=None`` means (CuPy's ``get_current_stream()``)."""
+
+    @abc.abstractmethod
+    def as_stream(self, stream) -> Any:
+        """``stream`` as this backend's stream object (None: the current stream;
+        on CUDA a raw ``cupy.cuda.Stream`` is wrapped), with ``wait_event``."""
+
+    # Declarations for the emulator's hazard tracking (no-ops on CUDA): the
+    # host is about to write / has read pinned host memory that stream work
+    # also touches, and a readable name for an array in hazard reports.
+    def host_write(self, arr, what: str = "host write") -> None:
+        """The host is about to rewrite ``arr`` (pinned memory): every queued
+        operation that reads or writes it must be known complete."""
+
+    def host_read(self, arr, what: str = "host read") -> None:
+        """The host is about to read ``arr`` (pinned memory a copy writes)."""
+
+    def label(self, arr, name: str):
+        """Name ``arr``'s allocation in hazard reports; returns ``arr``."""
+        return arr
 
     @abc.abstractmethod
     def event(self) -> Any:

@@ -19,6 +19,12 @@ here unchanged:
   ``CudaEvent``) whose ``synchronize()`` honours the capture rule; the raw
   CuPy objects are their ``.raw`` attributes. Raw ``cupy.cuda.Stream`` /
   ``ExternalStream`` objects are accepted wherever a stream is taken.
+* ``stream=None`` is CuPy's current stream (``current_stream()`` wraps
+  ``cupy.cuda.get_current_stream()``; ``with backend_stream:`` enters the raw
+  stream's own context). ``zeros`` is ``cupy.zeros`` (a memset on the current
+  stream, no device sync) and ``to_numpy(arr, stream=None)`` copies on the
+  current (or given) stream and waits for that stream only, like
+  ``cupy.ndarray.get()``: the emulator tracks both the same way.
 
 Not shared with the emulator: H2D copies require ``src`` to be a pinned
 buffer from ``pinned_empty`` (a pageable source cannot be replayed by a
@@ -216,6 +222,14 @@ def _check_dtype_supported(dtype) -> np.dtype:
 # ---------------------------------------------------------------------------
 # streams, events, graphs
 # ---------------------------------------------------------------------------
+class _NullContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 def _host_wait(backend, raw, what: str) -> None:
     """``raw.synchronize()`` (a CuPy stream or event), refused during capture;
     a device error surfaces as KernelLaunchError."""
@@ -228,11 +242,26 @@ def _host_wait(backend, raw, what: str) -> None:
 
 
 class CudaStream:
-    """A non-blocking CuPy stream (``.raw``) whose ``synchronize()`` refuses during capture."""
+    """A CuPy stream (``.raw``) whose ``synchronize()`` refuses during capture;
+    ``with s:`` makes it CuPy's current stream inside the block (``raw``'s
+    own context manager). Two wrappers of one CUDA stream compare equal."""
 
     def __init__(self, backend: "CudaBackend", raw):
         self._backend = backend
         self.raw = raw
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, CudaStream) and other.ptr == self.ptr
+
+    def __hash__(self) -> int:
+        return hash(self.ptr)
+
+    def __enter__(self) -> "CudaStream":
+        self.raw.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.raw.__exit__(*exc)
 
     @property
     def ptr(self) -> int:
@@ -246,7 +275,7 @@ class CudaStream:
 
     def wait_event(self, event: "CudaEvent") -> None:
         """Later work on this stream waits (on the device) for ``event``."""
-        self.raw.wait_event(event.raw)
+        self.raw.wait_event(event.raw if isinstance(event, CudaEvent) else event)
 
     def __repr__(self) -> str:
         return f"<CudaStream 0x{self.ptr:x}>"
@@ -419,10 +448,11 @@ class CudaBackend(Backend):
                         f"got {type(stream).__name__}")
 
     def _stream_for(self, stream, what: str):
-        """The raw CuPy stream to issue work on (None: CuPy's current stream)."""
+        """The raw CuPy stream to issue work on (None: CuPy's current stream,
+        which may be the capturing one inside ``with stream:``)."""
         raw = self._raw_stream(stream)
         cap = self._capture_raw
-        if cap is not None and (raw is None or raw.ptr != cap.ptr):
+        if cap is not None and (raw if raw is not None else cupy.cuda.get_current_stream()).ptr != cap.ptr:
             raise CaptureError(f"{what}: work was issued to another stream (or the default stream) while "
                                "a stream is capturing; issue it to the capturing stream")
         return raw
@@ -442,12 +472,10 @@ class CudaBackend(Backend):
         return cupy.empty(shape, _check_dtype_supported(dtype))
 
     def zeros(self, shape, dtype):
+        """``cupy.zeros``: the memset is work on the current stream (the emulator
+        tracks it the same way), so users on another stream must order after it."""
         self._no_capture("allocation (zeros)")
-        a = cupy.zeros(shape, _check_dtype_supported(dtype))
-        # cupy.zeros memsets on the current stream; finish it so work on any other (non-blocking)
-        # stream sees zeros, as on the emulator.
-        _runtime.deviceSynchronize()
-        return a
+        return cupy.zeros(shape, _check_dtype_supported(dtype))
 
     def asarray(self, host):
         self._no_capture("allocation (asarray)")
@@ -466,18 +494,23 @@ class CudaBackend(Backend):
             _runtime.deviceSynchronize()
         return a
 
-    def to_numpy(self, arr) -> np.ndarray:
+    def to_numpy(self, arr, stream=None) -> np.ndarray:
         self._no_capture("to_numpy (a device-to-host read)")
         if isinstance(arr, np.ndarray):
             return np.array(arr, copy=True)
         if not isinstance(arr, cupy.ndarray):
             raise TypeError(f"arr must be a CuPy device array, got {type(arr).__name__}")
-        src = arr if arr.flags.c_contiguous else cupy.ascontiguousarray(arr)
+        raw = self._stream_for(stream, "to_numpy")
+        ptr = self._stream_ptr(raw)
+        with (raw if raw is not None else _NullContext()):  # ascontiguousarray runs on it too
+            src = arr if arr.flags.c_contiguous else cupy.ascontiguousarray(arr)
         out = np.empty(arr.shape, arr.dtype)
         try:
-            _runtime.deviceSynchronize()
+            # In order on the stream, then a wait for that stream only (cupy.ndarray.get()).
             if out.nbytes:
-                _runtime.memcpy(_host_ptr(out), src.data.ptr, out.nbytes, _runtime.memcpyDeviceToHost)
+                _runtime.memcpyAsync(_host_ptr(out), src.data.ptr, out.nbytes,
+                                     _runtime.memcpyDeviceToHost, ptr)
+            _runtime.streamSynchronize(ptr)
         except _runtime.CUDARuntimeError as e:
             raise KernelLaunchError(f"device error while reading an array (an earlier kernel "
                                     f"failed?): {e}") from e
@@ -540,6 +573,15 @@ class CudaBackend(Backend):
     # ---- streams, events, copies -------------------------------------------
     def stream(self) -> CudaStream:
         return CudaStream(self, cupy.cuda.Stream(non_blocking=True))
+
+    def current_stream(self) -> CudaStream:
+        return CudaStream(self, cupy.cuda.get_current_stream())
+
+    def as_stream(self, stream) -> CudaStream:
+        if isinstance(stream, CudaStream):
+            return stream
+        raw = self._raw_stream(stream)
+        return CudaStream(self, raw if raw is not None else cupy.cuda.get_current_stream())
 
     def event(self) -> CudaEvent:
         return CudaEvent(self)

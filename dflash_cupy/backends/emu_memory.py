@@ -20,6 +20,8 @@ _PROT_NONE = 0
 _lock = threading.Lock()
 _starts: list[int] = []          # sorted mapping start addresses
 _regions: dict[int, tuple] = {}  # start -> (map_end, data_start, data_end, description)
+_serials: dict[int, int] = {}    # start -> allocation serial (never reused, unlike addresses)
+_next_serial = iter(range(1, 1 << 62))
 
 
 def _forget(start: int) -> None:
@@ -28,6 +30,7 @@ def _forget(start: int) -> None:
         if i < len(_starts) and _starts[i] == start:
             _starts.pop(i)
         _regions.pop(start, None)
+        _serials.pop(start, None)
 
 
 def guarded_empty(shape, dtype, what: str = "array") -> np.ndarray:
@@ -55,6 +58,7 @@ def guarded_empty(shape, dtype, what: str = "array") -> np.ndarray:
     with _lock:
         bisect.insort(_starts, base)
         _regions[base] = (base + total, base + off, base + off + nbytes, desc)
+        _serials[base] = next(_next_serial)
     weakref.finalize(mm, _forget, base)
     return arr
 
@@ -105,6 +109,27 @@ def is_inside(arr: np.ndarray, what: str) -> bool:
             return False
         _, d0, d1, desc = _regions[_starts[i]]
         return d0 <= a0 and a1 <= d1 and desc.startswith(what + " ")
+
+
+def region(arr: np.ndarray):
+    """``(serial, data_start, description)`` of the live allocation holding
+    ``arr``'s first byte, or None (not guarded memory). Serials are unique
+    for the life of the process, so state keyed by them dies with the array."""
+    a0 = arr.ctypes.data
+    with _lock:
+        i = bisect.bisect_right(_starts, a0) - 1
+        if i < 0:
+            return None
+        start = _starts[i]
+        _, d0, d1, desc = _regions[start]
+        if not d0 <= a0 < max(d1, d0 + 1):
+            return None
+        return _serials[start], d0, desc
+
+
+def live_serials() -> set[int]:
+    with _lock:
+        return set(_serials.values())
 
 
 def describe_address(addr: int | None) -> str:

@@ -1,11 +1,30 @@
 """The emulated backend: the same ``cuda_src/*.cu`` run on the CPU.
 
 Device arrays are NumPy arrays in guarded memory (``emu_memory``); kernels
-are compiled by g++ against ``cuda_src/emu/cuda_emu.h`` (``emu_build``) and
-run synchronously at launch. Streams order nothing (everything is already in
-order); capture records launches and copies on the capturing stream and
-``Graph.launch`` replays them, reading pinned host buffers at replay time as
-a CUDA graph does.
+are compiled by g++ against ``cuda_src/emu/cuda_emu.h`` (``emu_build``).
+
+Streams as a GPU runs them: work issued to a stream (launches, copies, the
+memset of ``zeros``, graph replays) is queued on it and runs later, in issue
+order, when the host waits for it (stream/event/device ``synchronize``,
+``to_numpy``, a successful ``event.query()``) or another stream that waits on
+one of its events is drained. Reading a device array directly (it is a NumPy
+array) sees whatever has run so far: go through ``to_numpy`` as on a GPU.
+
+Hazards are detected when an operation is issued, from issue order and event
+edges alone (so deterministically): every actor (the host, the default
+stream, each stream) keeps a vector clock; an operation's accesses (a
+kernel's ``const T*`` parameters are reads, other pointers reads and writes;
+copies read ``src`` and write ``dst``; ``to_numpy`` reads on its stream;
+``host_write``/``host_read`` declare host accesses to pinned memory) are
+checked against the queued accesses of the same bytes, and two that conflict
+without one being ordered before the other raise ``StreamOrderError`` naming
+the array, both operations and both actors. An H2D copy also checks at run
+time that the host did not rewrite its pinned source meanwhile. The default
+stream is modelled as CuPy's non-blocking streams see it: no implicit
+ordering with ``stream()`` streams. Capture records launches and copies on
+the capturing stream and ``Graph.launch(stream)`` queues them on ``stream``
+in capture order, reading pinned host buffers when they run, as a CUDA graph
+does.
 
 Debug aids (on by default, so tests always have them): fibers are scheduled
 in a seeded shuffled order between barriers, shared memory is poisoned with
@@ -16,76 +35,186 @@ run blocks of one launch; default min(4, cores)).
 """
 from __future__ import annotations
 
+import collections
 import ctypes
+import functools
 import os
 import signal
 import threading
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
 
 from . import emu_build, emu_memory
 from .base import (Backend, BackendError, CaptureError, Graph, Kernel, KernelLaunchError, Module,
-                   copy_nbytes)
+                   StreamOrderError, copy_nbytes)
 from .base import check_kernel_args
 from .base import dim3 as _dim3
 
 _ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}
 _ERRLEN = 1024
+_HOST, _NULL = 0, 1  # actor ids of the host and the default stream
+QUEUE_CAP = 20000    # queued ops per stream before the oldest half runs (bounds memory)
 _SIGNAMES = {signal.SIGSEGV: "invalid memory access (SIGSEGV)", signal.SIGBUS: "bus error (SIGBUS)",
              signal.SIGFPE: "arithmetic fault (SIGFPE, e.g. integer division by zero)"}
 
 
-class EmuStream:
-    """A stream of the emulated backend. Work runs at once unless capturing."""
+class _Op:
+    """One queued piece of stream work: runs when its stream is drained, after
+    the work of other streams it waits for (``waits``: (stream, clock))."""
+    __slots__ = ("clock", "run", "waits")
 
-    def __init__(self, backend: "EmulatedBackend"):
+    def __init__(self, clock: int, run, waits=()):
+        self.clock, self.run, self.waits = clock, run, waits
+
+
+class _Rec:
+    """A queued access to a byte range of one allocation, for hazard checks."""
+    __slots__ = ("start", "end", "write", "actor", "clock", "what", "where")
+
+    def __init__(self, start, end, write, actor, clock, what, where):
+        self.start, self.end, self.write = start, end, write
+        self.actor, self.clock, self.what, self.where = actor, clock, what, where
+
+
+class _Node:
+    """A captured launch, copy or event record (replayed in capture order)."""
+    __slots__ = ("kind", "what", "run", "accesses", "pinned", "event")
+
+    def __init__(self, kind, what, run=None, accesses=(), pinned=None, event=None):
+        self.kind, self.what, self.run, self.accesses = kind, what, run, accesses
+        self.pinned, self.event = pinned, event
+
+
+def _read_only(p) -> bool:
+    """A ``const T*`` parameter (const before the ``*``): the kernel only reads it."""
+    return "const" in p.ctype.split("*")[0].split()
+
+
+def _join(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        if out.get(k, 0) < v:
+            out[k] = v
+    return out
+
+
+class EmuStream:
+    """A stream of the emulated backend: work issued to it is queued and runs
+    later, in issue order, when something waits for it (``synchronize``, an
+    event, ``to_numpy``, a stream that waits on one of its events). As a
+    context manager it is the current stream inside the block (CuPy's
+    ``with stream:``)."""
+
+    def __init__(self, backend: "EmulatedBackend", name: str, actor: int):
         self._backend = backend
         self._record: list | None = None
-        self.ptr = id(self)
+        self.ptr = 0 if actor == _NULL else id(self)
+        self.name = name
+        self._actor = actor
+        self._clock = 0                 # operations issued (and event records)
+        self._vc: dict = {actor: 0}     # the latest clock of every actor this stream is ordered after
+        self._queue: collections.deque = collections.deque()
+
+    def __repr__(self) -> str:
+        return f"<EmuStream {self.name}>"
 
     def synchronize(self) -> None:
         self._backend._no_capture("stream.synchronize()")
+        self._backend._host_wait(self, self._clock, self._vc)
 
     def is_capturing(self) -> bool:
         return self._record is not None
 
-    def wait_event(self, event) -> None:
-        """Work runs in issue order here: nothing to wait for."""
+    def wait_event(self, event: "EmuEvent") -> None:
+        """Later work on this stream runs after the work ``event`` recorded."""
+        be = self._backend
+        if not isinstance(event, EmuEvent):
+            raise TypeError(f"wait_event needs an event from backend.event(), got {type(event).__name__}")
+        if self._record is not None:
+            # As CUDA: a capturing stream may only wait on events recorded in the same capture.
+            if event._capture != be._capture_id:
+                raise CaptureError("a capturing stream cannot wait on an event recorded outside the "
+                                   "capture; order it before begin_capture (or on the replay stream)")
+            return
+        if event._stream is None:
+            return  # never recorded: nothing to wait for (as cudaStreamWaitEvent)
+        with be._mutex:
+            self._clock += 1
+            self._vc = _join(_join(self._vc, event._vc), be._host_vc)
+            self._vc[self._actor] = self._clock
+            if not event._done():
+                self._queue.append(_Op(self._clock, None, ((event._stream, event._clock),)))
+                be._busy.add(self)
+
+    def __enter__(self) -> "EmuStream":
+        self._backend._stream_stack().append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stack = self._backend._stream_stack()
+        if not stack or stack[-1] is not self:
+            raise RuntimeError(f"{self.name} left a `with` block it is not the current stream of")
+        stack.pop()
 
 
 class EmuEvent:
     def __init__(self, backend: "EmulatedBackend"):
         self._backend = backend
+        self._stream: EmuStream | None = None  # where it was last recorded
+        self._clock = 0
+        self._vc: dict = {}
+        self._capture = None                   # the capture it was recorded in, if any
 
     def record(self, stream: EmuStream | None = None) -> None:
-        rec = self._backend._recording(stream)
+        be = self._backend
+        s = be._resolve(stream)
+        rec = be._recording(s)
         if rec is not None:
-            rec.append(("event", None))
+            rec.append(_Node("event", "event record", event=self))
+            self._capture = be._capture_id
+            return
+        be._record_event(self, s)
+
+    def _done(self) -> bool:
+        q = self._stream._queue if self._stream is not None else None
+        return not q or q[0].clock > self._clock
 
     def synchronize(self) -> None:
         self._backend._no_capture("event.synchronize()")
+        if self._stream is not None:
+            self._backend._host_wait(self._stream, self._clock, self._vc)
 
     def query(self) -> bool:
-        return True
+        """True once the recorded work is done (the host then knows it is). The
+        emulated device makes progress when asked: a False answer runs the
+        work, so a polling loop ends."""
+        s = self._stream
+        if s is None or self._backend._host_vc.get(s._actor, 0) >= self._clock:
+            return True  # the host already knows
+        if self._done():
+            if self._stream is not None:
+                self._backend._host_wait(self._stream, self._clock, self._vc)
+            return True
+        self._backend._drain(self._stream, self._clock)
+        return False
 
 
 class EmuGraph(Graph):
-    def __init__(self, backend: "EmulatedBackend", ops: list):
+    def __init__(self, backend: "EmulatedBackend", nodes: list):
         self._backend = backend
-        self._ops = ops
-        self.n_launches = sum(1 for op in ops if op[0] == "launch")
-        self.n_copies = sum(1 for op in ops if op[0] == "copy")
+        self._nodes = nodes
+        self.n_launches = sum(1 for n in nodes if n.kind == "launch")
+        self.n_copies = sum(1 for n in nodes if n.kind == "copy")
 
     def launch(self, stream: EmuStream | None = None) -> None:
-        self._backend._no_capture("graph.launch()")
-        for kind, payload in self._ops:
-            if kind == "launch":
-                kernel, launch_args = payload
-                kernel._run(*launch_args)
-            elif kind == "copy":
-                dst, src, n = payload
-                ctypes.memmove(dst.ctypes.data, src.ctypes.data, n)
+        """Queue the captured nodes on ``stream`` (None: the current stream) in
+        capture order, each checked for hazards as if issued there."""
+        be = self._backend
+        be._no_capture("graph.launch()")
+        s = be._resolve(stream)
+        be._submit(s, [(n.what, n.run, n.accesses, n.pinned, n.event) for n in self._nodes])
 
 
 class EmuKernel(Kernel):
@@ -120,11 +249,18 @@ class EmuKernel(Kernel):
             raise ValueError(f"kernel {self.name}: shared_mem={shared_mem} outside [0, {emu_build.SMEM_BYTES}]")
         ptrs, keep = self._pack(args)
         backend = self._module.backend
-        rec = backend._recording(stream)
+        # Deferred: the launch runs when its stream is drained. Access intent comes from the
+        # C signature: `const T*` is read, any other pointer read and written.
+        run = functools.partial(self._run, g, b, ptrs, keep, shared_mem)
+        what = f"kernel {self.name}"
+        accesses = [(a, not _read_only(p), f"{what} ({p.name})")
+                    for p, a in zip(self.sig.params, args) if p.is_pointer]
+        s = backend._resolve(stream)
+        rec = backend._recording(s)
         if rec is not None:
-            rec.append(("launch", (self, (g, b, ptrs, keep, shared_mem))))
+            rec.append(_Node("launch", what, run, accesses))
             return
-        self._run(g, b, ptrs, keep, shared_mem)
+        backend._submit(s, [(what, run, accesses, None, None)])
 
     def _run(self, g, b, ptrs, keep, shared_mem) -> None:
         backend = self._module.backend
@@ -196,8 +332,25 @@ class EmulatedBackend(Backend):
                                                  min(4, os.cpu_count() or 1))))
         self._launch_count = 0
         self._capturing: EmuStream | None = None
+        self._capture_id = None
+        self._captures = 0
         self._lock = threading.Lock()
         self._executor = None
+        # ---- stream ordering: vector clocks per actor (the host, each stream)
+        self._mutex = threading.RLock()
+        self._host_clock = 0
+        self._host_vc: dict = {_HOST: 0}
+        self._actors = 1
+        self.null_stream = EmuStream(self, "the default stream", _NULL)
+        self._actors = 2
+        self._streams = weakref.WeakSet([self.null_stream])
+        self._busy: set = set()                     # streams with queued work (kept alive by it)
+        self._mem: dict[int, list[_Rec]] = {}       # allocation serial -> queued accesses
+        self._labels: dict[int, str] = {}
+        self._ran: dict[int, int] = {}              # actor -> clock of its latest op that ran
+        self._host_res: dict = {}                   # (id, write, what) -> resolved host access
+        self._tls = threading.local()
+        self.host_waits = 0                         # host waits that had queued work to run
 
     def _pool(self):
         if self._executor is None:
@@ -221,16 +374,201 @@ class EmulatedBackend(Backend):
             raise CaptureError(f"{what} is not allowed while a stream is capturing "
                                f"(it would not be recorded into the graph)")
 
-    def _recording(self, stream):
+    def _resolve(self, stream) -> EmuStream:
+        if stream is None:
+            return self.current_stream()
+        if not isinstance(stream, EmuStream) or stream._backend is not self:
+            raise TypeError(f"stream must be a stream of this emulated backend or None, "
+                            f"got {type(stream).__name__}")
+        return stream
+
+    def _recording(self, stream: EmuStream):
         cap = self._capturing
         if cap is None:
-            if stream is not None and not isinstance(stream, EmuStream):
-                raise TypeError(f"stream must be an emulated stream or None, got {type(stream).__name__}")
             return None
         if stream is not cap:
             raise CaptureError("work was issued to another stream (or the default stream) while a stream "
                                "is capturing; issue it to the capturing stream")
         return cap._record
+
+    # ---- current stream
+    def _stream_stack(self) -> list:
+        st = getattr(self._tls, "stack", None)
+        if st is None:
+            st = self._tls.stack = []
+        return st
+
+    def current_stream(self) -> EmuStream:
+        st = self._stream_stack()
+        return st[-1] if st else self.null_stream
+
+    def as_stream(self, stream) -> EmuStream:
+        return self._resolve(stream)
+
+    # ---- hazard tracking and deferred execution
+    def label(self, arr, name: str):
+        r = emu_memory.region(arr) if isinstance(arr, np.ndarray) and arr.size else None
+        if r is not None:
+            self._labels[r[0]] = name
+        return arr
+
+    def _resolve_accesses(self, accesses):
+        """(serial, start, end, write, what, array description) of each tracked array."""
+        out = []
+        for arr, write, what in accesses:
+            if not isinstance(arr, np.ndarray) or arr.nbytes == 0:
+                continue
+            r = emu_memory.region(arr)
+            if r is None:
+                continue
+            serial, d0, desc = r
+            lo = hi = arr.ctypes.data
+            for n, st in zip(arr.shape, arr.strides):
+                (lo, hi) = (lo + (n - 1) * st, hi) if st < 0 else (lo, hi + (n - 1) * st)
+            hi += arr.itemsize
+            name = self._labels.get(serial)
+            desc = f"{name!r} ({desc})" if name else desc
+            out.append((serial, lo - d0, hi - d0, write, what, desc))
+        return out
+
+    def _check(self, actor_name: str, vc: dict, resolved) -> None:
+        """Raise StreamOrderError if an access in ``resolved`` made with knowledge
+        ``vc`` conflicts with a queued access it is not ordered after."""
+        hv = self._host_vc
+        for serial, lo, hi, write, what, desc in resolved:
+            recs = self._mem.get(serial)
+            if not recs:
+                continue
+            # the host knows these are done: every later operation is ordered after them
+            recs[:] = [r for r in recs if hv.get(r.actor, 0) < r.clock]
+            for r in recs:
+                if r.end <= lo or hi <= r.start or not (write or r.write) or vc.get(r.actor, 0) >= r.clock:
+                    continue
+                kind = ("write-after-write" if r.write else "write-after-read") if write else "read-after-write"
+                raise StreamOrderError(
+                    f"{kind} hazard on {desc}, bytes [{max(lo, r.start)}, {min(hi, r.end)}): "
+                    f"{what} on {actor_name} {'writes' if write else 'reads'} it while "
+                    f"{r.what} on {r.where} {'writes' if r.write else 'reads'} it, and nothing orders "
+                    f"the two (record an event after the first on its stream and make the other "
+                    f"stream wait on it, or synchronise the host)")
+
+    def _remember(self, vc: dict, actor: int, clock: int, where: str, resolved) -> None:
+        for serial, lo, hi, write, what, _ in resolved:
+            recs = self._mem.setdefault(serial, [])
+            recs[:] = [r for r in recs
+                       if not (lo <= r.start and r.end <= hi and (write or not r.write)
+                               and vc.get(r.actor, 0) >= r.clock)]
+            recs.append(_Rec(lo, hi, write, actor, clock, what, where))
+        if len(self._mem) > 4096:  # forget freed allocations
+            live = emu_memory.live_serials()
+            for k in [k for k in self._mem if k not in live]:
+                del self._mem[k]
+                self._labels.pop(k, None)
+
+    def _submit(self, s: EmuStream, items) -> None:
+        """Queue ``items`` ((what, run, accesses, pinned, event)) on stream ``s``
+        in order: all are checked first, so a hazard queues none of them."""
+        with self._mutex:
+            vc = _join(s._vc, self._host_vc)
+            vc[s._actor] = s._clock + 1
+            resolved = [self._resolve_accesses(acc) for _, _, acc, _, _ in items]
+            for r in resolved:
+                self._check(s.name, vc, r)
+            for (what, run, _, pinned, event), r in zip(items, resolved):
+                if event is not None:
+                    s._vc = vc
+                    self._record_event(event, s)
+                    vc = s._vc
+                    continue
+                s._clock += 1
+                vc[s._actor] = s._clock
+                self._remember(vc, s._actor, s._clock, s.name, r)
+                if pinned is not None:
+                    run = self._pinned_guard(run, pinned, what, s)
+                s._queue.append(_Op(s._clock, run))
+            s._vc = vc
+            if s._queue:
+                self._busy.add(s)
+                if len(s._queue) > QUEUE_CAP:  # a host that never waits: let the device catch up
+                    self._drain(s, s._queue[len(s._queue) // 2].clock)
+
+    def _pinned_guard(self, run, pinned, what: str, s: EmuStream):
+        """``run`` that first checks the pinned source still holds what it held
+        when the copy was issued (a host rewrite nobody declared)."""
+        src, n = pinned
+        snap = src.reshape(-1).view(np.uint8)[:n].tobytes()
+
+        def guarded():
+            if src.reshape(-1).view(np.uint8)[:n].tobytes() != snap:
+                raise StreamOrderError(
+                    f"{what} on {s.name}: its pinned source ({src.shape} {src.dtype}) was rewritten by "
+                    f"the host after the copy was issued and before it ran; wait for the copy (an "
+                    f"event recorded after it) before rewriting a staging buffer")
+            run()
+        return guarded
+
+    def _record_event(self, event: "EmuEvent", s: EmuStream) -> None:
+        with self._mutex:
+            s._clock += 1
+            s._vc = _join(s._vc, self._host_vc)
+            s._vc[s._actor] = s._clock
+            event._stream, event._clock, event._vc, event._capture = s, s._clock, dict(s._vc), None
+            self._streams.add(s)
+
+    def _drain(self, s: EmuStream, clock: int) -> bool:
+        """Run ``s``'s queued work up to ``clock`` (and what it waits for);
+        True if anything ran."""
+        ran = False
+        with self._mutex:
+            q = s._queue
+            while q and q[0].clock <= clock:
+                op = q[0]
+                for t, c in op.waits:
+                    ran |= self._drain(t, c)
+                q.popleft()
+                self._ran[s._actor] = op.clock
+                if not q:
+                    self._busy.discard(s)
+                if op.run is not None:
+                    ran = True
+                    op.run()  # a failing op is gone, as on a GPU; the error surfaces here
+        return ran
+
+    def _host_wait(self, s: EmuStream, clock: int, vc: dict) -> None:
+        if self._drain(s, clock):
+            self.host_waits += 1
+        with self._mutex:
+            self._host_vc = _join(self._host_vc, vc)
+
+    def _host_access(self, arr, write: bool, what: str) -> None:
+        # Staging buffers are declared every step: remember where they live (keeps begin_step's
+        # host cost on the emulator close to the product's own).
+        key = (id(arr), write, what)
+        hit = self._host_res.get(key)
+        if hit is not None and hit[0]() is arr:
+            resolved = hit[1]
+        else:
+            resolved = self._resolve_accesses([(arr, write, what)])
+            if len(self._host_res) > 1024:
+                self._host_res.clear()
+            try:
+                self._host_res[key] = (weakref.ref(arr), resolved)
+            except TypeError:
+                pass
+        if not resolved:
+            return
+        with self._mutex:
+            vc = dict(self._host_vc)
+            vc[_HOST] = self._host_clock + 1
+            self._check("the host", vc, resolved)
+            self._host_clock += 1
+            self._host_vc = vc
+
+    def host_write(self, arr, what: str = "host write") -> None:
+        self._host_access(arr, True, what)
+
+    def host_read(self, arr, what: str = "host read") -> None:
+        self._host_access(arr, False, what)
 
     # ---- arrays
     def empty(self, shape, dtype):
@@ -238,29 +576,37 @@ class EmulatedBackend(Backend):
         return emu_memory.guarded_empty(shape, dtype, "device array")
 
     def zeros(self, shape, dtype):
+        """As ``cupy.zeros``: the memset is work on the current stream."""
         a = self.empty(shape, dtype)
-        a.fill(0)
+        self._submit(self.current_stream(), [("zeros (memset)", functools.partial(a.fill, 0),
+                                              [(a, True, "zeros (memset)")], None, None)])
         return a
 
     def asarray(self, host):
         self._no_capture("allocation (asarray)")
         host = np.asarray(host)
         a = emu_memory.guarded_empty(host.shape, host.dtype, "device array")
-        a[...] = host
+        a[...] = host  # synchronous: complete for every stream (nothing can have queued work on it)
         return a
 
-    def to_numpy(self, arr) -> np.ndarray:
+    def to_numpy(self, arr, stream=None) -> np.ndarray:
         self._no_capture("to_numpy (a device-to-host read)")
         if not isinstance(arr, np.ndarray):
             raise TypeError(f"arr must be an emulated device array, got {type(arr).__name__}")
-        return np.array(arr, copy=True)
+        s = self._resolve(stream)
+        out = np.empty(arr.shape, arr.dtype)
+        self._submit(s, [("to_numpy", functools.partial(np.copyto, out, arr),
+                          [(arr, False, "to_numpy")], None, None)])
+        self._host_wait(s, s._clock, s._vc)
+        return out
 
     def pinned_empty(self, shape, dtype) -> np.ndarray:
         self._no_capture("allocation (pinned_empty)")
         return emu_memory.guarded_empty(shape, dtype, "pinned host array")
 
     def is_device_array(self, x) -> bool:
-        return isinstance(x, np.ndarray)
+        """True for arrays from ``empty``/``zeros``/``asarray`` (and views)."""
+        return isinstance(x, np.ndarray) and x.nbytes > 0 and emu_memory.is_inside(x, "device array")
 
     # ---- code
     def compile(self, source: str, options: Sequence[str] = (), filename: str | None = None) -> EmuModule:
@@ -273,28 +619,40 @@ class EmulatedBackend(Backend):
 
     # ---- streams, events, copies
     def stream(self) -> EmuStream:
-        return EmuStream(self)
+        with self._mutex:
+            actor = self._actors
+            self._actors += 1
+        s = EmuStream(self, f"stream {actor - 1}", actor)
+        self._streams.add(s)
+        return s
 
     def event(self) -> EmuEvent:
         return EmuEvent(self)
 
-    def _copy(self, dst, src, stream, nbytes, what):
+    def _copy(self, dst, src, stream, nbytes, what, pinned_src=False):
         for name, a in (("dst", dst), ("src", src)):
             if not isinstance(a, np.ndarray):
                 raise TypeError(f"{what}: {name} must be an array, got {type(a).__name__}")
         n = copy_nbytes(dst, src, nbytes, what)
-        rec = self._recording(stream)
-        if rec is not None:
-            rec.append(("copy", (dst, src, n)))
-        else:
+        s = self._resolve(stream)
+        d, sv = dst.reshape(-1).view(np.uint8)[:n], src.reshape(-1).view(np.uint8)[:n]
+
+        def run(dst=dst, src=src):  # holds both arrays: queued work keeps its memory alive
             ctypes.memmove(dst.ctypes.data, src.ctypes.data, n)
+        accesses = [(d, True, f"{what} (dst)"), (sv, False, f"{what} (src)")]
+        pinned = (src, n) if pinned_src and n else None
+        rec = self._recording(s)
+        if rec is not None:
+            rec.append(_Node("copy", what, run, accesses, pinned))
+        else:
+            self._submit(s, [(what, run, accesses, pinned, None)])
 
     def copy_h2d_async(self, dst, src, stream=None, nbytes=None):
         # As on CUDA: an asynchronous (and capturable) H2D copy reads pinned memory.
         if isinstance(src, np.ndarray) and not emu_memory.is_inside(src, "pinned host array"):
             raise ValueError("copy_h2d_async: src must be a pinned host array from "
                              "backend.pinned_empty() (or a view of one)")
-        self._copy(dst, src, stream, nbytes, "copy_h2d_async")
+        self._copy(dst, src, stream, nbytes, "copy_h2d_async", pinned_src=True)
 
     def copy_d2h_async(self, dst, src, stream=None, nbytes=None):
         self._copy(dst, src, stream, nbytes, "copy_d2h_async")
@@ -303,24 +661,36 @@ class EmulatedBackend(Backend):
         self._copy(dst, src, stream, nbytes, "copy_d2d_async")
 
     def synchronize(self) -> None:
+        """Wait for every stream (``cudaDeviceSynchronize``)."""
         self._no_capture("synchronize()")
+        with self._mutex:
+            busy = list(self._busy)
+            for s in busy:
+                self._host_wait(s, s._clock, s._vc)
+            # everything has run, including work of streams that are gone since
+            self._host_vc = _join(self._host_vc, self._ran)
+            for s in list(self._streams):
+                self._host_vc = _join(self._host_vc, s._vc)
 
     # ---- capture
     def begin_capture(self, stream) -> None:
-        if not isinstance(stream, EmuStream):
+        if not isinstance(stream, EmuStream) or stream is self.null_stream:
             raise CaptureError("capture needs a stream from backend.stream() (not the default stream)")
         if self._capturing is not None:
             raise CaptureError("a stream is already capturing")
         stream._record = []
+        self._captures += 1
+        self._capture_id = self._captures
         self._capturing = stream
 
     def end_capture(self, stream) -> EmuGraph:
         if self._capturing is None or stream is not self._capturing:
             raise CaptureError("end_capture on a stream that is not capturing")
-        ops = stream._record
+        nodes = stream._record
         stream._record = None
         self._capturing = None
-        return EmuGraph(self, ops)
+        self._capture_id = None
+        return EmuGraph(self, nodes)
 
     def is_capturing(self) -> bool:
         return self._capturing is not None
