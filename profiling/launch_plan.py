@@ -141,6 +141,7 @@ class RecordingBackend(Backend):
         self._capturing = None
         self._capture_nodes: list | None = None
         self.eager: list = []   # everything issued outside capture (prefill, resets)
+        self._current = _Stream(self)
 
     def _emit(self, node):
         (self._capture_nodes if self._capturing is not None else self.eager).append(node)
@@ -162,7 +163,7 @@ class RecordingBackend(Backend):
         self._no_capture("allocation")
         return np.array(host, copy=True, order="C")
 
-    def to_numpy(self, arr):
+    def to_numpy(self, arr, stream=None):
         return np.array(arr)
 
     def pinned_empty(self, shape, dtype):
@@ -186,6 +187,16 @@ class RecordingBackend(Backend):
 
     def stream(self):
         return _Stream(self)
+
+    def current_stream(self):
+        return self._current
+
+    def as_stream(self, stream):
+        if stream is None:
+            return self._current
+        if not isinstance(stream, _Stream):
+            raise TypeError(f"stream must be a recording stream or None, got {type(stream).__name__}")
+        return stream
 
     def event(self):
         return _Event(self)

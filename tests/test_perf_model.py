@@ -229,9 +229,7 @@ def test_recorded_graph_matches_the_emulated_capture():
         kv.set_noise_embed(np.zeros((c.block_size, c.hidden_size), np.float32))
         kv.run()
         graph = kv._graphs[kv._slot]
-        # a recorded launch: (kernel, (grid, block, arg pointers, kept arrays, shared bytes))
-        emu = [(op[1][0].name, tuple(op[1][1][0]), tuple(op[1][1][1]), op[1][1][4])
-               for op in graph._ops if op[0] == "launch"]
+        emu = graph.launches
         n_emu = graph.n_launches + graph.n_copies
     plan = step_plan(c, window)
     assert n_emu == plan.n_nodes

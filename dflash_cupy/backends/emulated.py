@@ -208,6 +208,16 @@ class EmuGraph(Graph):
         self.n_launches = sum(1 for n in nodes if n.kind == "launch")
         self.n_copies = sum(1 for n in nodes if n.kind == "copy")
 
+    @property
+    def launches(self) -> list[tuple]:
+        """(kernel name, grid, block, shared bytes) of each captured launch, in order."""
+        out = []
+        for n in self._nodes:
+            if n.kind == "launch":
+                g, b, _, _, smem = n.run.args[:5]
+                out.append((n.run.func.__self__.name, tuple(g), tuple(b), smem))
+        return out
+
     def launch(self, stream: EmuStream | None = None) -> None:
         """Queue the captured nodes on ``stream`` (None: the current stream) in
         capture order, each checked for hazards as if issued there."""
