@@ -25,6 +25,7 @@ import numpy as np
 
 from . import backends, dtypes
 from .checks import int_arg as _pos_int
+from .interop import device_view
 
 _STORAGE = dtypes.DEVICE
 _HOST_VIEW = dtypes.HOST
@@ -121,22 +122,24 @@ class FeatureRing:
         start = _pos_int(start_pos, "start_pos")
         be = self.backend
         stream = be.as_stream(stream)
-        on_device = be.is_device_array(rows)
-        if not hasattr(rows, "shape") or len(rows.shape) != 2 or rows.shape[1] != self.fc_in:
-            raise ValueError(f"rows must have shape [n, {self.fc_in}], got "
-                             f"{getattr(rows, 'shape', type(rows).__name__)}")
+        dev = device_view(be, rows, "rows", shape=(None, self.fc_in))  # foreign device arrays too
+        on_device = dev is not None
+        if on_device:
+            rows = dev
+        else:
+            rows = np.asarray(rows)
+            if rows.ndim != 2 or rows.shape[1] != self.fc_in:
+                raise ValueError(f"rows must have shape [n, {self.fc_in}], got {list(rows.shape)}")
         n = int(rows.shape[0])
         if n > self.capacity:
             raise ValueError(f"rows: {n} rows do not fit a ring of capacity {self.capacity}")
         if start + n > 2**31 - 1:
             raise ValueError(f"start_pos={start}: positions overflow int32")
         if on_device:
-            if rows.dtype != self.storage.dtype:
+            if dev.dtype != self.storage.dtype:
                 raise TypeError(f"rows: a device array must have the ring's storage dtype "
-                                f"{self.storage.dtype} ({self.kind}), got {rows.dtype}")
+                                f"{self.storage.dtype} ({self.kind}), got {dev.dtype}")
         else:
-            if not isinstance(rows, np.ndarray):
-                raise TypeError(f"rows must be a NumPy or {be.name} device array, got {type(rows).__name__}")
             host = rows
             if host.dtype.kind not in "fiu" and host.dtype != _HOST_VIEW["bf16"]:
                 raise TypeError(f"rows: expected a float array, got dtype {host.dtype}")

@@ -3,12 +3,13 @@
 backend that views the same memory.
 
 ``device_view(backend, obj, name, dtype=, shape=)`` returns that view, or
-``None`` when ``obj`` is host data (NumPy and friends on the CUDA backend):
+``None`` when ``obj`` is host data (NumPy arrays, array-interface objects):
 the caller then takes its host path (a copy through pinned staging). On the
-emulated backend device memory is host memory, so NumPy arrays and CPU
-DLPack objects play the device arrays. Anything else — a GPU array on another
-device, a non-contiguous view, the wrong dtype or shape — raises an exception
-that names ``name`` and says what is wrong; nothing is copied silently.
+emulated backend device memory is host memory: its own arrays and CPU
+DLPack objects (a PyTorch or JAX CPU tensor) play the device arrays, so the
+interop paths run on a CPU. Anything else — a GPU array on another device,
+a non-contiguous view, the wrong dtype or shape — raises an exception that
+names ``name`` and says what is wrong; nothing is copied silently.
 
 Outputs go the other way without help: CuPy and NumPy arrays both export
 ``__dlpack__``, so ``torch.from_dlpack(kv.hidden_states)`` is zero-copy.
@@ -53,13 +54,13 @@ def device_view(backend, obj, name: str, *, dtype=None, shape=None):
     """``obj`` as a device array of ``backend`` sharing its memory, or ``None``
     for host data. ``shape`` may hold ``None`` for any extent."""
     if backend.name == "emulated":
-        return _emulated_view(obj, name, dtype, shape)
+        return _emulated_view(backend, obj, name, dtype, shape)
     return _cuda_view(obj, name, dtype, shape)
 
 
-def _emulated_view(obj, name, dtype, shape):
+def _emulated_view(backend, obj, name, dtype, shape):
     if isinstance(obj, np.ndarray):
-        return _check(obj, name, dtype, shape)
+        return _check(obj, name, dtype, shape) if backend.is_device_array(obj) else None
     dev = _dlpack_device(obj) if hasattr(obj, "__dlpack__") else None
     if dev is not None:
         if dev[0] not in (_DL_CPU, _DL_CUDA_HOST):
@@ -71,7 +72,7 @@ def _emulated_view(obj, name, dtype, shape):
             raise TypeError(f"{name}: cannot view {_describe(obj)} through DLPack ({e})") from None
         return _check(arr, name, dtype, shape)
     if hasattr(obj, "__array_interface__"):
-        return _check(np.asarray(obj), name, dtype, shape)
+        return None
     raise TypeError(f"{name} must be an array (NumPy, DLPack or array-interface object), "
                     f"got {_describe(obj)}")
 

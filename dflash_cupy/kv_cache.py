@@ -41,6 +41,8 @@ Device buffers (row-major):
   noise_embed             [q_len, hidden] f32 (input)
   hidden_states           [q_len, hidden] f32 (output)
   logits                  [q_len, vocab]  f32 (output, iff lm_head)
+  draft_tokens            [q_len] int32 (output, iff lm_head): row i's token, greedy
+                          argmax or drawn per ``sampling`` (``ops/sample.py``)
 """
 from __future__ import annotations
 
@@ -48,11 +50,12 @@ import contextlib
 
 import numpy as np
 
-from . import backends
+from . import backends, dtypes
 from .checks import int_arg
 from .device_weights import device_dtype, to_device_matrix
 from .feature_ring import FeatureRing
 from .geometry import BULK_CHUNK, RingGeometry
+from .interop import device_view
 from .nvtx_ranges import nvtx_range
 from .ops.attention import RingAttention
 from .ops.gemm import Gemm
@@ -62,6 +65,7 @@ from .ops.plan import StepPlanner
 from .ops.step_descriptor import (DESC_LEN, bulk_chunks, fill_chunk_descriptor, fill_step_descriptor,
                                   plan_step)
 from .ops.rope import QkvNormRope
+from .ops.sample import SamplingParams, TokenSampler
 from .rope_params import rope_parameters
 from .weights import DraftWeights
 
@@ -69,26 +73,32 @@ MAX_M = 64  # rows per GEMM M-tile
 
 
 class DraftKvCache:
-    """``DraftKvCache(weights, capacity, *, lm_head=None, backend=None, bulk_chunk=256)``.
+    """``DraftKvCache(weights, capacity, *, lm_head=None, sampling=None, backend=None, bulk_chunk=256)``.
 
     ``weights``: ``DraftWeights`` (host) — placed on the backend once and
     cached on the weights object. ``capacity``: ring slots, the drafter's
     feature-window cap. ``lm_head``: the target's ``[vocab, hidden]`` matrix
-    (NumPy f32/f16/bf16 or a device array), optional.
+    (NumPy f32/f16/bf16, or a device array: CuPy, PyTorch, JAX, DLPack — used
+    in place), optional; with it each step also ends in ``draft_tokens``,
+    greedy by default or sampled per ``sampling`` (a ``SamplingParams``;
+    ``set_sampling`` changes it between steps, no recapture).
 
-    Every step rewrites ``hidden_states``, ``logits`` and ``noise_embed`` in
+    Every step rewrites ``hidden_states``, ``logits``, ``draft_tokens`` and ``noise_embed`` in
     place (the graphs are bound to them): a returned array is the next step's
     output too. Work is issued on the caller's current stream or ``stream=``
     (the module docstring has the contract).
     """
 
-    def __init__(self, weights: DraftWeights, capacity: int, *, lm_head=None, backend=None,
-                 bulk_chunk: int = 256):
+    def __init__(self, weights: DraftWeights, capacity: int, *, lm_head=None, sampling=None,
+                 backend=None, bulk_chunk: int = 256):
         if not isinstance(weights, DraftWeights):
             raise TypeError(f"weights must be a DraftWeights, got {type(weights).__name__}")
         capacity = int_arg(capacity, "capacity", 1)
         if not isinstance(bulk_chunk, int) or not 1 <= bulk_chunk <= BULK_CHUNK:
             raise ValueError(f"bulk_chunk must be an int in [1, {BULK_CHUNK}], got {bulk_chunk!r}")
+        sampling = SamplingParams() if sampling is None else sampling
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         be = self.backend = backends.get(backend)
         c = self.config = weights.config
         self.weights = weights
@@ -142,12 +152,23 @@ class DraftKvCache:
         self.hidden_states = be.zeros((B, H), np.float32)
         self.lm_head = None
         self.logits = None
+        self.draft_tokens = None
+        self.sampling = sampling
         if lm_head is not None:
             self.lm_head = self._place_lm_head(lm_head)
+            if not 1 <= self.lm_head.shape[0] < 2**31:
+                raise ValueError(f"lm_head must have between 1 and 2^31-1 rows (the vocabulary), "
+                                 f"got {self.lm_head.shape[0]}")
             self.logits = be.zeros((B, self.lm_head.shape[0]), np.float32)
+            self.draft_tokens = be.zeros((B,), np.int32)
+            self.sample_knobs = be.zeros((3,), np.float32)
+            self.sample_rng = be.zeros((2,), np.uint64)
 
         # ---- pinned staging (two of each: alternating steps)
         self._desc_host = [be.pinned_empty((DESC_LEN,), np.int32) for _ in range(2)]
+        # sampling knobs and RNG state travel with the descriptor (same slot, same replay)
+        self._knobs_host = [be.pinned_empty((3,), np.float32) for _ in range(2)]
+        self._rng_host = [be.pinned_empty((2,), np.uint64) for _ in range(2)]
         self._noise_host = [be.pinned_empty((B, H), np.float32) for _ in range(2)]
         self._noise_events = [be.event() for _ in range(2)]  # after the copy that read each
         self._noise_next = 0
@@ -157,6 +178,8 @@ class DraftKvCache:
         self._bulk_desc_host = be.pinned_empty((n_chunks, DESC_LEN), np.int32)
         for i in range(2):
             be.label(self._desc_host[i], f"DraftKvCache step descriptor staging [{i}]")
+            be.label(self._knobs_host[i], f"DraftKvCache sampling knobs staging [{i}]")
+            be.label(self._rng_host[i], f"DraftKvCache sampling rng staging [{i}]")
             be.label(self._noise_host[i], f"DraftKvCache noise staging [{i}]")
         be.label(self._bulk_desc_host, "DraftKvCache bulk descriptor staging")
         # Capture only: a CUDA graph cannot be captured on the legacy default stream, and
@@ -177,6 +200,7 @@ class DraftKvCache:
         self.g_attn_gate = (Gemm(be, gate_w, H, L0.w_attn_gate.dtype, max_m=MAX_M) if gate_w else None)
         self.g_lm = (Gemm(be, self.lm_head.shape[0], H, self.lm_head.dtype, max_m=MAX_M)
                      if self.lm_head is not None else None)
+        self.sampler = TokenSampler(be, self.lm_head.shape[0]) if self.lm_head is not None else None
         self.rope_ctx = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, False, c.rms_norm_eps,
                                     self.attn_scaling)
         self.rope_step = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, True, c.rms_norm_eps,
@@ -194,7 +218,7 @@ class DraftKvCache:
         self._planned = False
         self._closed = False
         self.host_waits = 0  # times the host had to wait for queued work to reuse a pinned buffer
-        for name in ("hidden_states", "logits", "noise_embed", "k_cache", "v_cache", "slot_pos",
+        for name in ("hidden_states", "logits", "draft_tokens", "noise_embed", "k_cache", "v_cache", "slot_pos",
                      "desc", "resid", "xin", "ap_feat"):
             v = getattr(self, name)
             for i, a in enumerate(v if isinstance(v, list) else [v]):
@@ -219,21 +243,23 @@ class DraftKvCache:
 
     def _place_lm_head(self, lm_head):
         be, H = self.backend, self.config.hidden_size
-        if isinstance(lm_head, np.ndarray) and not be.is_device_array(lm_head):
-            if lm_head.ndim != 2 or lm_head.shape[1] != H:
-                raise ValueError(f"lm_head must have shape [vocab, {H}], got {lm_head.shape}")
-            try:
-                device_dtype(lm_head.dtype)
-            except TypeError:
-                raise TypeError(f"lm_head dtype must be f32, f16 or bf16, got {lm_head.dtype}") from None
-            return to_device_matrix(be, lm_head)
-        if not be.is_device_array(lm_head):
-            raise TypeError(f"lm_head must be a NumPy or {be.name} device array, got {type(lm_head).__name__}")
-        if len(lm_head.shape) != 2 or lm_head.shape[1] != H:
-            raise ValueError(f"lm_head must have shape [vocab, {H}], got {tuple(lm_head.shape)}")
-        if np.dtype(lm_head.dtype) not in (np.float32, np.float16, np.uint16):
-            raise TypeError(f"lm_head dtype must be f32, f16 or bf16 (uint16 bits), got {lm_head.dtype}")
-        return lm_head
+        dev = device_view(be, lm_head, "lm_head", dtype=(np.float32, np.float16, np.uint16),
+                          shape=(None, H))
+        if dev is not None:  # the caller's device matrix, used in place
+            if not be.is_device_array(dev):  # emulated: foreign CPU memory has no guard pages
+                dev = be.asarray(dev)
+            return dev
+        if not isinstance(lm_head, np.ndarray):
+            lm_head = np.asarray(lm_head)
+        if lm_head.ndim != 2 or lm_head.shape[1] != H:
+            raise ValueError(f"lm_head must have shape [vocab, {H}], got {list(lm_head.shape)}")
+        try:
+            device_dtype(lm_head.dtype)
+        except TypeError:
+            raise TypeError(f"lm_head dtype must be f32, f16 or bf16, got {lm_head.dtype}") from None
+        if lm_head.shape[0] < 1:
+            raise ValueError("lm_head must have at least one row (the vocabulary), got 0")
+        return to_device_matrix(be, lm_head)
 
     def _check_open(self):
         if self._closed:
@@ -317,11 +343,16 @@ class DraftKvCache:
         self.rms(self.h, dw.norm, self.hidden_states, stream=stream)
         if self.g_lm is not None:
             self.g_lm(self.hidden_states, self.lm_head, self.logits, self.q_len, stream=stream)
+            self.sampler(self.logits, self.draft_tokens, self.sample_knobs, self.sample_rng, self.q_len,
+                         stream=stream)
 
     def _issue_step(self, slot: int, stream, eager: bool = False) -> None:
         """Every launch and copy of one step, in order (captured once per slot)."""
         be, A = self.backend, self.a_step
         be.copy_h2d_async(self.desc, self._desc_host[slot], stream=stream)
+        if self.sampler is not None:
+            be.copy_h2d_async(self.sample_knobs, self._knobs_host[slot], stream=stream)
+            be.copy_h2d_async(self.sample_rng, self._rng_host[slot], stream=stream)
         self.planner.reset_slots_if(self.desc, self.slot_pos, stream=stream)
         self.planner.plan_append(self.desc, self.pos_all[:A], self.rows_all[:A], self.slot_pos,
                                  pos_q=self.pos_q, n_rows=A, stream=stream)
@@ -400,6 +431,11 @@ class DraftKvCache:
                 self.next_pos = fields.committed
             self.backend.host_write(self._desc_host[slot], "DraftKvCache.begin_step (descriptor)")
             fill_step_descriptor(self._desc_host[slot], fields)
+            if self.sampler is not None:  # the draw's counter: this step's first noise position
+                self.backend.host_write(self._knobs_host[slot], "DraftKvCache.begin_step (sampling)")
+                self.backend.host_write(self._rng_host[slot], "DraftKvCache.begin_step (sampling)")
+                self._knobs_host[slot][:] = self.sampling.knobs()
+                self._rng_host[slot][:] = (self.sampling.seed, fields.committed)
             self._slot = slot
             self.last_plan = fields
             self._pending_next = fields.committed
@@ -414,8 +450,10 @@ class DraftKvCache:
         stream = be.as_stream(stream)
         if noise_embed is self.noise_embed:
             return  # filled in place by the caller
+        dev = device_view(be, noise_embed, "noise_embed", dtype=np.float32,
+                          shape=(self.q_len, self.config.hidden_size))
         s = self._order(stream)
-        if not be.is_device_array(noise_embed):  # host data, through pinned staging
+        if dev is None:  # host data, through pinned staging
             i = self._noise_next
             self._noise_next ^= 1
             self._reuse(self._noise_events[i])  # the copy that last read this staging buffer
@@ -425,34 +463,63 @@ class DraftKvCache:
             be.copy_h2d_async(self.noise_embed, stage, stream=s)
             self._noise_events[i].record(s)
         else:
-            be.copy_d2d_async(self.noise_embed, noise_embed, stream=s)
+            be.copy_d2d_async(self.noise_embed, dev, stream=s)
         self._issued(s)
+
+    def set_sampling(self, sampling) -> None:
+        """How the next planned steps turn logits into ``draft_tokens``: a
+        ``SamplingParams`` (temperature 0: greedy). It takes effect at the next
+        ``begin_step`` (the knobs travel with that step's descriptor: no
+        recapture, no host wait); each step draws with counter = its first
+        noise position, so a seed reproduces a whole run."""
+        self._check_open()
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if self.sampler is None:
+            raise ValueError("sampling needs an lm_head (this cache has none)")
+        self.sampling = sampling
 
     def _check_noise(self, noise_embed) -> None:
         shape = (self.q_len, self.config.hidden_size)
-        if tuple(getattr(noise_embed, "shape", ())) != shape:
-            raise ValueError(f"noise_embed must have shape {shape}, got "
-                             f"{getattr(noise_embed, 'shape', type(noise_embed).__name__)}")
-        be = self.backend
-        if be.is_device_array(noise_embed):
-            if np.dtype(noise_embed.dtype) != np.float32:
-                raise TypeError(f"noise_embed device array must be float32, got {noise_embed.dtype}")
-        elif isinstance(noise_embed, np.ndarray):
-            if noise_embed.dtype.kind != "f":
-                raise TypeError(f"noise_embed must be a float array, got dtype {noise_embed.dtype}")
-        else:
-            raise TypeError(f"noise_embed must be a NumPy or {be.name} device array, "
-                            f"got {type(noise_embed).__name__}")
+        dev = device_view(self.backend, noise_embed, "noise_embed", dtype=np.float32, shape=shape)
+        if dev is None:
+            host = np.asarray(noise_embed)
+            if host.shape != shape:
+                raise ValueError(f"noise_embed must have shape {list(shape)}, got {list(host.shape)}")
+            if host.dtype.kind != "f" and host.dtype != dtypes.HOST["bf16"]:
+                raise TypeError(f"noise_embed must be a float array, got dtype {host.dtype}")
 
-    def run(self, eager: bool = False, stream=None):
+    def _check_outputs(self, out, tokens_out):
+        """Device views of the caller's output buffers (validated before any change)."""
+        shape = (self.q_len, self.config.hidden_size)
+        o = t = None
+        if out is not None:
+            o = device_view(self.backend, out, "out", dtype=np.float32, shape=shape)
+            if o is None:
+                raise TypeError(f"out must be a device array (it is written in stream order), "
+                                f"got {type(out).__name__}")
+        if tokens_out is not None:
+            if self.draft_tokens is None:
+                raise ValueError("tokens_out needs an lm_head (this cache has none)")
+            t = device_view(self.backend, tokens_out, "tokens_out", dtype=np.int32, shape=(self.q_len,))
+            if t is None:
+                raise TypeError(f"tokens_out must be a device array, got {type(tokens_out).__name__}")
+        return o, t
+
+    def run(self, eager: bool = False, stream=None, *, out=None, tokens_out=None):
         """Replay the planned step on the current stream (or ``stream``;
         ``eager=True``: launch its kernels one by one instead, same order,
         same results) and consume the plan. Returns ``hidden_states``, which
-        the next step rewrites (so do ``logits``)."""
+        the next step rewrites (so do ``logits`` and ``draft_tokens``).
+        ``out`` (``[q_len, hidden]`` f32) and ``tokens_out`` (``[q_len]``
+        int32), device arrays of the caller's (any interop type), receive
+        copies in stream order: results that outlive the next step, for one
+        small device copy each (``out`` is ``q_len*hidden*4`` bytes)."""
         self._check_open()
         if not self._planned:
             raise RuntimeError("run() needs a planned step: call begin_step(ring, committed) first "
                                "(each begin_step plans exactly one run)")
+        o, t = self._check_outputs(out, tokens_out)
         slot, be = self._slot, self.backend
         s = self._order(stream)
         s.wait_event(self._ring.write_event)  # the rows this step gathers
@@ -471,6 +538,10 @@ class DraftKvCache:
                     self._graphs[slot] = graph
             with nvtx_range("dflash replay", "blue"):
                 self._graphs[slot].launch(s)
+        if o is not None:
+            be.copy_d2d_async(o, self.hidden_states, stream=s)
+        if t is not None:
+            be.copy_d2d_async(t, self.draft_tokens, stream=s)
         self._events[slot].record(s)
         self._ring.note_read(self, self._events[slot])  # the ring's next write waits for this step
         self._issued(s)
@@ -478,16 +549,19 @@ class DraftKvCache:
         self.next_pos = self._pending_next
         return self.hidden_states
 
-    def step(self, ring: FeatureRing, committed: int, noise_embed, stream=None):
+    def step(self, ring: FeatureRing, committed: int, noise_embed, stream=None, *, out=None,
+             tokens_out=None):
         """``begin_step`` + noise embeddings + ``run``, all on the current
         stream (or ``stream``); returns ``hidden_states`` (rewritten by the
-        next step: ``kv.step(...) is kv.step(...)``)."""
+        next step: ``kv.step(...) is kv.step(...)``; ``out``/``tokens_out``
+        as in ``run``)."""
         self._check_open()
         self._check_noise(noise_embed)  # before begin_step changes anything
+        self._check_outputs(out, tokens_out)
         stream = self.backend.as_stream(stream)
         self.begin_step(ring, committed, stream=stream)
         self.set_noise_embed(noise_embed, stream=stream)
-        return self.run(stream=stream)
+        return self.run(stream=stream, out=out, tokens_out=tokens_out)
 
     def synchronize(self) -> None:
         """Host wait for every piece of work this cache issued, on any stream."""
@@ -510,11 +584,13 @@ class DraftKvCache:
             self._tail.synchronize()
         except Exception:
             pass
-        self._graphs = [None, None]
-        for name in ("k_cache", "v_cache", "mask_full", "mask_swa", "noise_embed", "hidden_states",
-                     "logits", "ap_feat", "ctx", "ctx_kv", "qkv", "q_all", "resid", "xin", "h", "hn",
-                     "act", "_ring", "_gather"):
-            setattr(self, name, None)
+        # Release everything the cache holds (device arrays, pinned staging, graphs,
+        # compiled ops, the ring): only what repr and the closed checks read stays.
+        keep = {"backend", "config", "weights", "geom", "next_pos", "last_plan", "sampling", "host_waits",
+                "bulk_chunk", "_closed"}
+        for name in list(vars(self)):
+            if name not in keep:
+                setattr(self, name, None)
         self._closed = True
 
     def __enter__(self):

@@ -148,11 +148,13 @@ def test_errors_name_the_argument(emu):
         assert (r.lo, r.hi) == state[:2]
         assert np.array_equal(emu.to_numpy(r.storage), state[2])
 
-    for bad in (np.ones((2, 5), np.float32), np.ones((6,), np.float32), np.ones((1, 2, 6), np.float32),
-                [[1.0] * 6]):
+    for bad in (np.ones((2, 5), np.float32), np.ones((6,), np.float32), np.ones((1, 2, 6), np.float32)):
         with pytest.raises(ValueError, match="rows"):
             r.write(2, bad)
         unchanged()
+    with pytest.raises(TypeError, match="rows must be an array"):  # not an array at all
+        r.write(2, [[1.0] * 6])
+    unchanged()
     with pytest.raises(ValueError, match="rows"):           # more rows than the ring holds
         r.write(2, np.ones((5, 6), np.float32))
     unchanged()
