@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 from .config import DraftConfig  # noqa: E402,F401
 from .feature_ring import FeatureRing  # noqa: E402,F401
 from .kv_cache import DraftKvCache  # noqa: E402,F401
+from .ops.sample import SamplingParams  # noqa: E402,F401
 from .weights import DraftWeights  # noqa: E402,F401
 
-__all__ = ["DraftConfig", "DraftWeights", "FeatureRing", "DraftKvCache", "__version__"]
+__all__ = ["DraftConfig", "DraftWeights", "FeatureRing", "DraftKvCache", "SamplingParams", "__version__"]

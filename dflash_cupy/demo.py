@@ -46,6 +46,12 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
     d.add_argument("--dtype", default="bf16", choices=["f32", "f16", "bf16"],
                    help="random drafter: weight dtype (default bf16)")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--spec", action="store_true",
+                   help="run the whole speculative loop with a small random target model (spec_demo)")
+    d.add_argument("--tokens", type=int, default=200, help="--spec: tokens to generate (default 200)")
+    d.add_argument("--vocab", type=int, default=512, help="--spec: target vocabulary (default 512)")
+    d.add_argument("--no-check", dest="check", action="store_false",
+                   help="--spec: skip the per-step oracle check")
 
 
 def _schedule(rng, steps: int, prompt: int, q_len: int, a_step: int, capacity: int) -> list[int]:
@@ -64,6 +70,9 @@ def _schedule(rng, steps: int, prompt: int, q_len: int, a_step: int, capacity: i
 
 
 def run(args) -> int:
+    if getattr(args, "spec", False):
+        from .spec_demo import run as run_spec
+        return run_spec(args)
     from . import backends, reference
     from .config import DraftConfig
     from .feature_ring import FeatureRing

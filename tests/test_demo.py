@@ -32,3 +32,33 @@ def test_demo_from_checkpoint(tmp_path, capsys):
     assert main(["demo", "--checkpoint", str(tmp_path), "--steps", "10", "--capacity", "16"]) == 0
     out = capsys.readouterr().out
     assert "bf16 x" in out and "sliding_attention" in out and "OK:" in out
+
+
+def test_spec_demo_runs_the_loop(capsys):
+    assert main(["demo", "--spec", "--tokens", "24", "--capacity", "16", "--block-size", "4",
+                 "--vocab", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "every step within tolerance" in out
+    assert "24 tokens after a 20-token prompt" in out and "acceptance length mean" in out
+    for part in ("target", "ring write", "draft step", "accept"):
+        assert any(l.strip().startswith(part) and "ms/step" in l for l in out.splitlines())
+
+
+def test_spec_target_is_causal_and_incremental():
+    """The target over a sequence at once equals prefix + committed continuation
+    (what the loop relies on when it commits the accepted prefix)."""
+    from dflash_cupy.spec_demo import RandomTarget, accepted
+    toks = np.random.default_rng(0).integers(0, 50, 12).astype(np.int32)
+    full = RandomTarget(np, 50, 16, 4, (1, 3), seed=5)
+    f_all, n_all, _ = full.forward(toks)
+    inc = RandomTarget(np, 50, 16, 4, (1, 3), seed=5)
+    f1, n1, in1 = inc.forward(toks[:7])
+    inc.commit(in1, 6)
+    f2, n2, _ = inc.forward(toks[7:])
+    np.testing.assert_allclose(np.concatenate([f1, f2]), f_all, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.concatenate([n1, n2]), n_all)
+    # acceptance: the leading run of drafts the target confirms
+    nxt = np.array([5, 6, 7, 8], np.int32)
+    assert int(accepted(np, np.array([0, 5, 6, 9], np.int32), nxt)) == 2
+    assert int(accepted(np, np.array([0, 1, 6, 7], np.int32), nxt)) == 0
+    assert int(accepted(np, np.array([0, 5, 6, 7], np.int32), nxt)) == 3
