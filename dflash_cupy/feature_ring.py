@@ -33,6 +33,21 @@ STAGE_ROWS = 64   # rows per pinned staging chunk of a host write
 STAGE_CHUNKS = 4  # staging chunks, reused round robin once their copy has run
 
 
+F16_MAX = 65504.0
+
+
+def _check_finite_rows(host: np.ndarray, kind: str) -> None:
+    f = host.astype(np.float32, copy=False) if host.dtype.kind != "f" or host.dtype.itemsize < 4 else host
+    bad = ~np.isfinite(f)
+    if kind == "f16":
+        bad |= np.abs(f) > F16_MAX
+    if bad.any():
+        r, c = (int(i) for i in np.argwhere(bad)[0])
+        what = "overflows f16 (|x| > 65504)" if np.isfinite(f[r, c]) else "is not finite"
+        raise ValueError(f"rows: {int(bad.sum())} value(s) refused; rows[{r}, {c}] = {f[r, c]!r} {what} "
+                         f"(pass check_finite=False to store them anyway)")
+
+
 class FeatureRing:
     """``FeatureRing(capacity, n_captured_layers, hidden_size, dtype=np.float32, backend=None)``.
 
@@ -86,6 +101,10 @@ class FeatureRing:
         still has to gather)."""
         self._readers[id(reader)] = event
 
+    def forget_reader(self, reader) -> None:
+        """``reader`` will issue no more reads (its queued ones are complete)."""
+        self._readers.pop(id(reader), None)
+
     @property
     def write_event(self):
         """Recorded after the latest write of ``storage``: readers on any stream wait on it."""
@@ -114,10 +133,17 @@ class FeatureRing:
             yield done, slot, c
             done += c
 
-    def write(self, start_pos: int, rows, stream=None) -> None:
+    def write(self, start_pos: int, rows, stream=None, *, check_finite: bool = True) -> None:
         """Store feature rows ``[n, fc_in]`` (NumPy of any float dtype, or a
         device array of the storage dtype) for positions ``start_pos ..``,
-        on the current stream (or ``stream``), without a host wait."""
+        on the current stream (or ``stream``), without a host wait.
+
+        Non-finite data: host rows with NaN/Inf, or values an f16 ring cannot
+        hold (|x| > 65504 would become inf), are refused with ``ValueError``
+        (``check_finite=False`` stores them as they convert). Device rows are
+        not inspected (that would need a host wait); the cache isolates what
+        they leave behind: a slot outside a step's window never reaches its
+        output, whatever it holds."""
         self._check_open()
         start = _pos_int(start_pos, "start_pos")
         be = self.backend
@@ -143,10 +169,14 @@ class FeatureRing:
             host = rows
             if host.dtype.kind not in "fiu" and host.dtype != _HOST_VIEW["bf16"]:
                 raise TypeError(f"rows: expected a float array, got dtype {host.dtype}")
-            host = host.astype(_HOST_VIEW[self.kind], copy=False)
+            if check_finite:
+                _check_finite_rows(host, self.kind)
+            with np.errstate(over="ignore"):  # (refused above unless check_finite=False)
+                host = host.astype(_HOST_VIEW[self.kind], copy=False)
             if self.kind == "bf16":
                 host = host.view(np.uint16)
         # ---- validated: from here on the ring changes
+        self._readers = {k: ev for k, ev in self._readers.items() if not ev.query()}  # done reading
         s = self._order(stream)
         if on_device:
             for r0, slot, c in self._segments(start, n):

@@ -70,6 +70,8 @@ from .rope_params import rope_parameters
 from .weights import DraftWeights
 
 MAX_M = 64  # rows per GEMM M-tile
+MAX_CAPACITY = 1 << 24  # ring slots: positions and slots are int32, and 16M rows per layer is already ~32 GB
+RING_GRAPHS = 4         # rings whose step graphs stay captured (switching back does not recapture)
 
 
 class DraftKvCache:
@@ -94,6 +96,8 @@ class DraftKvCache:
         if not isinstance(weights, DraftWeights):
             raise TypeError(f"weights must be a DraftWeights, got {type(weights).__name__}")
         capacity = int_arg(capacity, "capacity", 1)
+        if capacity > MAX_CAPACITY:
+            raise ValueError(f"capacity={capacity} exceeds {MAX_CAPACITY} ring slots")
         if not isinstance(bulk_chunk, int) or not 1 <= bulk_chunk <= BULK_CHUNK:
             raise ValueError(f"bulk_chunk must be an int in [1, {BULK_CHUNK}], got {bulk_chunk!r}")
         sampling = SamplingParams() if sampling is None else sampling
@@ -214,6 +218,9 @@ class DraftKvCache:
         self.next_pos = 0
         self.last_plan = None  # StepFields of the latest begin_step (for reports)
         self._graphs = [None, None]
+        self._ring_graphs: dict = {}  # id(ring) -> (ring, gather, graphs) of recently used rings
+        self._need = (0, 0)           # positions the planned step gathers from the ring
+        self.captures = 0             # step graphs captured so far (2 per ring in steady state)
         self._slot = 0
         self._planned = False
         self._closed = False
@@ -398,8 +405,10 @@ class DraftKvCache:
             if ring._closed:
                 raise RuntimeError("ring is closed")
             if ring.backend is not self.backend:
-                raise ValueError(f"ring lives on backend {ring.backend.name!r}, the cache on "
-                                 f"{self.backend.name!r}")
+                same = "another instance of" if ring.backend.name == self.backend.name else ""
+                raise ValueError(f"ring lives on {same} backend {ring.backend.name!r} "
+                                 f"({type(ring.backend).__name__} at {id(ring.backend):#x}), the cache on "
+                                 f"{self.backend.name!r} ({id(self.backend):#x}): use one backend object")
             if ring.fc_in != self.config.fc_in:
                 raise ValueError(f"ring rows have fc_in={ring.fc_in}, the drafter needs {self.config.fc_in}")
             if not isinstance(committed, (int, np.integer)) or isinstance(committed, bool):
@@ -416,11 +425,7 @@ class DraftKvCache:
                                f"ring (it holds [{ring.lo}, {ring.hi})); committed={committed}")
             # ---- validated: from here on state changes
             if ring is not self._ring:
-                if self._gather is None or (self._gather.ring_capacity, self._gather.kind) != \
-                        (ring.capacity, ring.kind):
-                    self._gather = FeatureGather(self.backend, ring.fc_in, ring.capacity, ring.kind)
-                self._ring = ring
-                self._graphs = [None, None]  # the graphs read the ring by pointer
+                self._switch_ring(ring)
             slot = self._slot ^ 1
             self._reuse(self._events[slot])  # the replay that read this slot's descriptor
             if fields.bulk_count:
@@ -437,9 +442,27 @@ class DraftKvCache:
                 self._knobs_host[slot][:] = self.sampling.knobs()
                 self._rng_host[slot][:] = (self.sampling.seed, fields.committed)
             self._slot = slot
+            self._need = need if not fields.bulk_count else (fields.start, fields.start)
             self.last_plan = fields
             self._pending_next = fields.committed
             self._planned = True
+
+    def _switch_ring(self, ring) -> None:
+        """Bind ``ring`` (the graphs read it by pointer): its graphs and gather
+        are kept for the last few rings, so alternating rings does not recapture."""
+        if self._ring is not None:
+            self._ring_graphs[id(self._ring)] = (self._ring, self._gather, self._graphs)
+        hit = self._ring_graphs.pop(id(ring), None)
+        if hit is not None and hit[0] is ring:
+            _, self._gather, self._graphs = hit
+        else:
+            g = self._gather
+            if g is None or (g.ring_capacity, g.kind) != (ring.capacity, ring.kind):
+                g = FeatureGather(self.backend, ring.fc_in, ring.capacity, ring.kind)
+            self._gather, self._graphs = g, [None, None]
+        while len(self._ring_graphs) >= RING_GRAPHS:
+            self._ring_graphs.pop(next(iter(self._ring_graphs)))
+        self._ring = ring
 
     def set_noise_embed(self, noise_embed, stream=None) -> None:
         """Copy ``[q_len, hidden]`` noise embeddings (NumPy, or a device array
@@ -520,6 +543,13 @@ class DraftKvCache:
             raise RuntimeError("run() needs a planned step: call begin_step(ring, committed) first "
                                "(each begin_step plans exactly one run)")
         o, t = self._check_outputs(out, tokens_out)
+        ring = self._ring
+        if ring._closed:
+            raise RuntimeError("run(): the ring this step was planned on has been closed")
+        if not ring.holds(*self._need):
+            raise RuntimeError(f"run(): the ring no longer holds positions [{self._need[0]}, {self._need[1]}) "
+                               f"that this step was planned to append (it holds [{ring.lo}, {ring.hi}): a "
+                               f"write after begin_step replaced them); call begin_step again")
         slot, be = self._slot, self.backend
         s = self._order(stream)
         s.wait_event(self._ring.write_event)  # the rows this step gathers
@@ -536,6 +566,7 @@ class DraftKvCache:
                     finally:
                         graph = be.end_capture(cs)
                     self._graphs[slot] = graph
+                    self.captures += 1
             with nvtx_range("dflash replay", "blue"):
                 self._graphs[slot].launch(s)
         if o is not None:
@@ -584,6 +615,8 @@ class DraftKvCache:
             self._tail.synchronize()
         except Exception:
             pass
+        if self._ring is not None and not self._ring._closed:
+            self._ring.forget_reader(self)
         # Release everything the cache holds (device arrays, pinned staging, graphs,
         # compiled ops, the ring): only what repr and the closed checks read stays.
         keep = {"backend", "config", "weights", "geom", "next_pos", "last_plan", "sampling", "host_waits",
