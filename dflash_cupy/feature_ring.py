@@ -21,6 +21,8 @@ than that, or a device that has fallen that far behind).
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from . import backends, dtypes
@@ -34,6 +36,10 @@ STAGE_CHUNKS = 4  # staging chunks, reused round robin once their copy has run
 
 
 F16_MAX = 65504.0
+
+
+def _dead():
+    return None
 
 
 def _check_finite_rows(host: np.ndarray, kind: str) -> None:
@@ -77,7 +83,8 @@ class FeatureRing:
         self._write_event.record(be.current_stream())
         self.lo = 0  # positions [lo, hi) are present
         self.hi = 0
-        self._readers: dict = {}  # reader -> event after its latest queued read of storage
+        self._readers: dict = {}  # id(reader) -> event after its latest queued read of storage
+        self._alive: dict = {}    # id(reader) -> weakref to it
         self.host_waits = 0       # times write() had to wait for a staging chunk's copy
         self._closed = False
 
@@ -100,10 +107,14 @@ class FeatureRing:
         after them on the device (no write may replace a slot a queued step
         still has to gather)."""
         self._readers[id(reader)] = event
+        ref = self._alive.get(id(reader))
+        if ref is None or ref() is not reader:  # (an id can be reused by a new object)
+            self._alive[id(reader)] = weakref.ref(reader)
 
     def forget_reader(self, reader) -> None:
         """``reader`` will issue no more reads (its queued ones are complete)."""
         self._readers.pop(id(reader), None)
+        self._alive.pop(id(reader), None)
 
     @property
     def write_event(self):
@@ -176,7 +187,9 @@ class FeatureRing:
             if self.kind == "bf16":
                 host = host.view(np.uint16)
         # ---- validated: from here on the ring changes
-        self._readers = {k: ev for k, ev in self._readers.items() if not ev.query()}  # done reading
+        # readers garbage-collected without close(): dropped once their last read has run
+        self._readers = {k: ev for k, ev in self._readers.items()
+                         if self._alive.get(k, _dead)() is not None or not ev.query()}
         s = self._order(stream)
         if on_device:
             for r0, slot, c in self._segments(start, n):

@@ -60,17 +60,20 @@ def test_write_read_wraparound(backend, rng, dtype):
 
 
 def test_bf16_rounding_and_specials(backend):
-    """bf16 storage rounds to nearest even; inf/nan/-0 survive."""
+    """bf16 storage rounds to nearest even; inf/nan/-0 survive (stored on request:
+    non-finite host rows are refused by default)."""
     x = np.array([[1.0 + 2**-8, 1.0 + 3 * 2**-8, -2.0 - 2**-7 - 2**-9, np.inf, -np.inf, -0.0, 1e-40, 3.1415927]],
                  np.float32)
     with FeatureRing(2, 1, x.shape[1], "bf16", backend=backend) as r:
-        r.write(0, x)
+        with pytest.raises(ValueError, match="not finite"):
+            r.write(0, x)
+        r.write(0, x, check_finite=False)
         got = r.read(0, 1)
         assert got.dtype == BF16
         assert np.array_equal(got.view(np.uint16), x.astype(BF16).view(np.uint16))
         assert got.view(np.uint16)[0, 0] == np.float32(1.0).view(np.uint32) >> 16     # tie -> even
         assert got.view(np.uint16)[0, 5] == 0x8000                                     # -0 kept
-        r.write(1, np.full((1, x.shape[1]), np.nan, np.float32))
+        r.write(1, np.full((1, x.shape[1]), np.nan, np.float32), check_finite=False)
         assert np.isnan(r.read(1, 1).astype(np.float32)).all()
 
 
