@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 
 from .config import DraftConfig
@@ -136,9 +137,20 @@ def attention(Q, K, V, visible) -> np.ndarray:
     return np.einsum("hbs,shd->bhd", p, Vh)
 
 
-def decoder_layer(weights, layer: int, h, T, pos_ctx, pos_noise, visible) -> np.ndarray:
+_KV_ROUND = {None: None, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
+
+
+def _round_kv(x, kv_round):
+    """K/V as a cache storing them in ``kv_round`` holds them (round to nearest even)."""
+    dt = _KV_ROUND[kv_round]
+    return x if dt is None else x.astype(np.float32).astype(dt).astype(np.float64)
+
+
+def decoder_layer(weights, layer: int, h, T, pos_ctx, pos_noise, visible, kv_round=None) -> np.ndarray:
     """SPEC §2.2 for one layer: noise rows ``h [B, H]`` attend over the fused
-    context ``T [C, H]`` and themselves; returns the new ``h``."""
+    context ``T [C, H]`` and themselves; returns the new ``h``. ``kv_round``
+    ("f16", "bf16" or None) rounds K (after norm and RoPE) and V where a cache
+    stores them."""
     c = weights.config
     eps, nh, nkv, d = c.rms_norm_eps, c.n_head, c.n_head_kv, c.head_dim
     B, C = h.shape[0], T.shape[0]
@@ -156,6 +168,7 @@ def decoder_layer(weights, layer: int, h, T, pos_ctx, pos_noise, visible) -> np.
     K = (src @ w("self_attn.k_proj").T).reshape(C + B, nkv, d)
     K = apply_rope(rmsnorm(K, w("self_attn.k_norm"), eps), pos_kv, c)
     V = (src @ w("self_attn.v_proj").T).reshape(C + B, nkv, d)
+    K, V = _round_kv(K, kv_round), _round_kv(V, kv_round)
 
     attn = attention(Q, K, V, visible)                    # [B, nh, d]
     if c.attn_gate == "head":
@@ -190,7 +203,7 @@ def _logits(weights, hidden, lm_head):
 
 
 def draft_forward_positions(weights, feat_rows, noise_embed, pos_ctx, pos_noise, *,
-                            visible=None, lm_head=None):
+                            visible=None, lm_head=None, kv_round=None):
     """The drafter forward with explicit absolute positions.
 
     ``pos_ctx [C]`` and ``pos_noise [B]`` are the RoPE positions of the
@@ -223,14 +236,14 @@ def draft_forward_positions(weights, feat_rows, noise_embed, pos_ctx, pos_noise,
     T = fuse_features(weights, X)
     h = f64(E)
     for l in range(c.n_layer):
-        h = decoder_layer(weights, l, h, T, pos_ctx, pos_noise, masks[l])
+        h = decoder_layer(weights, l, h, T, pos_ctx, pos_noise, masks[l], kv_round)
     hidden = rmsnorm(h, weights["norm.weight"], c.rms_norm_eps)
     if lm_head is None:
         return hidden
     return hidden, _logits(weights, hidden, lm_head)
 
 
-def draft_forward(weights, feat_rows, noise_embed, *, lm_head=None, pos_offset: int = 0):
+def draft_forward(weights, feat_rows, noise_embed, *, lm_head=None, pos_offset: int = 0, kv_round=None):
     """The legacy one-shot forward (SPEC §2) over a rebased window.
 
     ``feat_rows [C, fc_in]`` (C >= 1) are the raw feature rows of the window,
@@ -240,12 +253,15 @@ def draft_forward(weights, feat_rows, noise_embed, *, lm_head=None, pos_offset: 
     does not depend on ``pos_offset`` (RoPE scores see differences only).
     Returns ``hidden [B, H]`` float64, or ``(hidden, logits [B, V])`` when
     ``lm_head [V, H]`` is given (``logits = hidden @ lm_head.T``).
+    ``kv_round="f16"`` with ``pos_offset`` = the window's first absolute
+    position is the ring cache's own arithmetic in float64: K rounded after
+    RoPE at the positions where the cache rounds it (the tight oracle).
     """
     X, E = _check_inputs(weights, feat_rows, noise_embed)
     C, B = X.shape[0], E.shape[0]
     base = int(pos_offset)
     return draft_forward_positions(weights, X, E, base + np.arange(C), base + C + np.arange(B),
-                                   lm_head=lm_head)
+                                   lm_head=lm_head, kv_round=kv_round)
 
 
 # --------------------------------------------------------------------------- ring masks

@@ -71,6 +71,7 @@ import functools
 import itertools
 import os
 import re
+import threading
 import weakref
 from pathlib import Path
 from typing import Any, Sequence
@@ -410,10 +411,29 @@ def _deny_device_alloc(size):
                        "before begin_capture (a captured graph must not depend on pool addresses)")
 
 
+_capture_tls = threading.local()   # .capturing: this thread is capturing (any CudaBackend)
+_pinned_guard_lock = threading.Lock()
+_pinned_guard_users = 0
+
+
 def _deny_pinned_alloc(size):
-    raise CaptureError(f"pinned host allocation during capture ({size} bytes): CuPy stages host "
-                       "transfers through pinned memory, which cannot be captured; allocate "
-                       "pinned buffers with pinned_empty() before begin_capture")
+    """The pinned allocator while some thread captures: refuses the capturing
+    thread only (set_pinned_memory_allocator is process-wide)."""
+    if getattr(_capture_tls, "capturing", False):
+        raise CaptureError(f"pinned host allocation during capture ({size} bytes): CuPy stages host "
+                           "transfers through pinned memory, which cannot be captured; allocate "
+                           "pinned buffers with pinned_empty() before begin_capture")
+    return cupy.get_default_pinned_memory_pool().malloc(size)
+
+
+def _pinned_guard(on: bool) -> None:
+    global _pinned_guard_users
+    with _pinned_guard_lock:
+        _pinned_guard_users += 1 if on else -1
+        if on and _pinned_guard_users == 1:
+            cupy.cuda.set_pinned_memory_allocator(_deny_pinned_alloc)
+        elif not on and _pinned_guard_users == 0:
+            cupy.cuda.set_pinned_memory_allocator(cupy.get_default_pinned_memory_pool().malloc)
 
 
 class CudaBackend(Backend):
@@ -422,15 +442,25 @@ class CudaBackend(Backend):
     def __init__(self):
         # Nothing here touches the device, so the class can be built (and its interface checked)
         # on a machine without a GPU.
-        self._capture_raw = None          # raw cupy stream being captured, or None
-        self._alloc_guard = None          # the entered using_allocator context during capture
-        self._captured_launches = 0
-        self._captured_copies = 0
+        self._tls = threading.local()     # capture state is per thread (relaxed-mode captures)
         self._pinned: dict[int, tuple[int, int]] = {}   # key -> [start, end) of a live pinned block
         self._pinned_keys = itertools.count()
         self._smem_limit: int | None = None
 
-    # ---- capture plumbing -------------------------------------------------
+    # ---- capture plumbing: per thread, so one thread capturing a graph does not stop
+    # another thread's unrelated work (the capture itself is relaxed mode) ----
+    def _tls_get(self, name, default=None):
+        return getattr(self._tls, name, default)
+
+    _capture_raw = property(lambda self: self._tls_get("capture_raw"),
+                            lambda self, v: setattr(self._tls, "capture_raw", v))
+    _alloc_guard = property(lambda self: self._tls_get("alloc_guard"),
+                            lambda self, v: setattr(self._tls, "alloc_guard", v))
+    _captured_launches = property(lambda self: self._tls_get("launches", 0),
+                                  lambda self, v: setattr(self._tls, "launches", v))
+    _captured_copies = property(lambda self: self._tls_get("copies", 0),
+                                lambda self, v: setattr(self._tls, "copies", v))
+
     def _no_capture(self, what: str) -> None:
         if self._capture_raw is not None:
             raise CaptureError(f"{what} is not allowed while a stream is capturing "
@@ -659,9 +689,10 @@ class CudaBackend(Backend):
             raw = None
         if raw is None or raw.ptr in _DEFAULT_STREAM_PTRS:
             raise CaptureError("capture needs a stream from backend.stream() (not the default stream)")
-        guard = cupy.cuda.using_allocator(_deny_device_alloc)
+        guard = cupy.cuda.using_allocator(_deny_device_alloc)  # thread-local in CuPy
         guard.__enter__()
-        cupy.cuda.set_pinned_memory_allocator(_deny_pinned_alloc)
+        _capture_tls.capturing = True
+        _pinned_guard(True)
         try:
             raw.begin_capture()
         except BaseException as e:
@@ -675,7 +706,8 @@ class CudaBackend(Backend):
         self._captured_copies = 0
 
     def _restore_allocators(self, guard) -> None:
-        cupy.cuda.set_pinned_memory_allocator(cupy.get_default_pinned_memory_pool().malloc)
+        _capture_tls.capturing = False
+        _pinned_guard(False)
         guard.__exit__(None, None, None)
 
     def end_capture(self, stream) -> CudaGraph:

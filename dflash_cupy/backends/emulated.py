@@ -341,8 +341,7 @@ class EmulatedBackend(Backend):
         self.threads = max(1, int(os.environ.get("DFLASH_CUPY_EMU_THREADS",
                                                  min(4, os.cpu_count() or 1))))
         self._launch_count = 0
-        self._capturing: EmuStream | None = None
-        self._capture_id = None
+        self._tls = threading.local()               # per thread: capture state, current streams
         self._captures = 0
         self._lock = threading.Lock()
         self._executor = None
@@ -359,7 +358,6 @@ class EmulatedBackend(Backend):
         self._labels: dict[int, str] = {}
         self._ran: dict[int, int] = {}              # actor -> clock of its latest op that ran
         self._host_res: dict = {}                   # (id, write, what) -> resolved host access
-        self._tls = threading.local()
         self.host_waits = 0                         # host waits that had queued work to run
 
     def _pool(self):
@@ -378,7 +376,24 @@ class EmulatedBackend(Backend):
             self._launch_count += 1
             return (self.seed * 0x100000001B3 + self._launch_count) & 0xFFFFFFFFFFFFFFFF
 
-    # ---- capture plumbing
+    # ---- capture plumbing: per thread, as CUDA's capture modes are (one thread capturing a
+    # graph does not stop another thread's unrelated work)
+    @property
+    def _capturing(self) -> "EmuStream | None":
+        return getattr(self._tls, "capturing", None)
+
+    @_capturing.setter
+    def _capturing(self, stream) -> None:
+        self._tls.capturing = stream
+
+    @property
+    def _capture_id(self):
+        return getattr(self._tls, "capture_id", None)
+
+    @_capture_id.setter
+    def _capture_id(self, v) -> None:
+        self._tls.capture_id = v
+
     def _no_capture(self, what: str) -> None:
         if self._capturing is not None:
             raise CaptureError(f"{what} is not allowed while a stream is capturing "
@@ -395,6 +410,8 @@ class EmulatedBackend(Backend):
     def _recording(self, stream: EmuStream):
         cap = self._capturing
         if cap is None:
+            if stream._record is not None:
+                raise CaptureError(f"work was issued to {stream.name}, which another thread is capturing")
             return None
         if stream is not cap:
             raise CaptureError("work was issued to another stream (or the default stream) while a stream "
@@ -688,9 +705,12 @@ class EmulatedBackend(Backend):
             raise CaptureError("capture needs a stream from backend.stream() (not the default stream)")
         if self._capturing is not None:
             raise CaptureError("a stream is already capturing")
+        if stream._record is not None:
+            raise CaptureError(f"{stream.name} is already capturing (in another thread)")
         stream._record = []
-        self._captures += 1
-        self._capture_id = self._captures
+        with self._lock:
+            self._captures += 1
+            self._capture_id = self._captures
         self._capturing = stream
 
     def end_capture(self, stream) -> EmuGraph:

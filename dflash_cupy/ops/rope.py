@@ -65,6 +65,9 @@ class QkvNormRope:
         self._module = kernels.load_module(backend, "rope.cu", D=self.D, NH=self.NH, NKV=self.NKV,
                                            HAS_Q=self.has_q, ROPE_THREADS=THREADS)
         self._kernel = self._module.get_function("qkv_norm_rope")
+        # without q the kernel's q_out is never written; it still needs an array of its own
+        # (a shared one, e.g. a weight, would look written to the stream-hazard checks)
+        self._no_q = None if self.has_q else backend.zeros((1, 1), np.float32)
 
     def __repr__(self):
         return (f"QkvNormRope(head_dim={self.D}, n_head={self.NH}, n_head_kv={self.NKV}, "
@@ -113,8 +116,9 @@ class QkvNormRope:
         else:
             if q_norm is not None or q_out is not None:
                 raise ValueError("q_norm / q_out given but has_q=False")
-            q_norm = k_norm  # never read
-            q_out = k_norm   # never written
+            q_norm = k_norm       # never read
+            q_out = self._no_q    # never written: the op's own placeholder, not a shared array
+
         if n_rows == 0:
             return
         self._kernel((n_rows, 1, 1), (THREADS, 1, 1),
