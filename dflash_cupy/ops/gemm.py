@@ -130,7 +130,7 @@ class Gemm:
             self._init_mma(k_split)
             return
         if k_split not in (None, 1):
-            raise ValueError(f"k_split={k_split}: only the 'mma' and 'stream' paths split K")
+            raise ValueError(f"k_split={k_split}: only the 'mma' path and the 'stream' path split K")
         self.k_split = 1
         # Columns per warp: as many as the accumulator budget allows, so that
         # one staged x tile serves more weight rows.
