@@ -59,9 +59,18 @@
 //   HBM). L2 re-reads of x: ceil(N/COLS) blocks each read m*kz*4 bytes per
 //   slice: 2m/(COLS*NW) of the weight bytes (12.5% at m = 16).
 //
-// ---- Registers (ptxas, NVRTC sm_90, tests/test_gemm_stream.py pins the
-//   bounds; __launch_bounds__(256, 1)): accumulators MT*WT*4, ring
-//   GS_DEPTH*WT*8, x fragments 16. See the launcher's PTXAS table.
+// ---- Registers (ptxas via NVRTC, sm_90, 0 spills; tests/test_gemm_stream.py
+//   recompiles and holds them to the launcher's PTXAS_REGS): accumulators
+//   MT*WT*4, ring GS_DEPTH*WT*8 = 64, x fragments 16.
+//     GS_MT 1: 122-125 (GS_MINB 2: 2 blocks of 256 threads per SM by registers)
+//     GS_MT 2: 154 (166 silu_mul), GS_MT 4: 190 (202 silu_mul): 1 block per SM
+//   Blocks per SM = min(registers, (228 KB) / (dynamic smem + 1 KB), 8); the
+//   launcher keeps the x chunk small enough that smem does not cut the
+//   register-limited count (MT 1: <= 113 KB per block).
+//   Before (gemm_mma.cu, max_m 64, m = 16): 4 warps x 32 columns, 4 M tiles
+//   computed whatever m, 16 B of shared-memory reads per weight byte with
+//   2-way conflicts, x re-read from L2 once per weight byte, 1-4 16-byte
+//   loads per lane in flight (~6-23 KB per SM).
 //
 // ---- Split K (gridDim.z > 1; one M tile, the launcher's rule): each slice
 //   writes its partial tile to ws [groups][ks][NW][ROWS][COLS] f32; the last block of a

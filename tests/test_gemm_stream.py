@@ -134,6 +134,11 @@ def test_figures_at_drafter_shapes(name, N, K, nw):
     assert old["x_l2_per_weight_byte"] == pytest.approx(1.0 / nw, rel=0.05)
 
 
+def test_figures_table_covers_every_shape():
+    lines = gs.figures_table(ms=(16,)).splitlines()
+    assert len(lines) == 2 + len(gs.FIGURE_SHAPES) and "132 SMs" in lines[0]
+
+
 def test_lone_tail_wave_is_gone():
     # hidden 5120, intermediate 17408: the old launch has 544 blocks for 528 slots
     old = gs.mma_figures(17408, 5120, 16, 2)

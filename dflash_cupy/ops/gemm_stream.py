@@ -10,6 +10,10 @@ bytes read per weight byte, L2 re-reads of x, wave efficiency);
 ``mma_figures`` computes the same for the old ``gemm_mma.cu`` launch, so
 tests pin both. ``StreamKernels`` compiles the variants and launches them;
 ``ops.gemm.Gemm(path="stream")`` is the public entry.
+
+    python -c "from dflash_cupy.ops.gemm_stream import figures_table; print(figures_table())"
+
+prints the before/after table at the drafter shapes.
 """
 from __future__ import annotations
 
@@ -265,4 +269,31 @@ class StreamKernels:
         self._kernels[p.mt](p.grid, (WARPS * 32, 1, 1),
                             (x, w, y, r, np.int32(m), np.int32(self.N), np.int32(p.kz), np.int32(p.kt),
                              self._ws, self._counters), shared_mem=p.smem, stream=stream)
+
+
+# (name, N, K, weight matrices per output column) of a qwen3-8b-like and a hidden-5120 drafter layer
+FIGURE_SHAPES = [("8b qkv", 6144, 4096, 1), ("8b o", 4096, 4096, 1), ("8b gate_up", 12288, 4096, 2),
+                 ("8b down", 4096, 12288, 1), ("5120 qkv", 7168, 5120, 1), ("5120 o", 5120, 5120, 1),
+                 ("5120 gate_up", 17408, 5120, 2), ("5120 down", 5120, 17408, 1),
+                 ("5120 gate_up", 25600, 5120, 2), ("5120 down", 5120, 25600, 1)]
+
+
+def figures_table(ms=(16, 32, 64), dev: Device = H200) -> str:
+    """Before (gemm_mma.cu) and after (gemm_stream.cu) figures, one line per shape and m."""
+    out = [f"device: {dev.sm_count} SMs, {dev.smem_optin} B smem opt-in",
+           "shape          m | grid         kz    kt   smem R inflight smemB/wB xL2/wB part/wB wave"
+           " | old: blocks inflight     smemB/wB xL2/wB wave"]
+    for m in ms:
+        for name, N, K, nw in FIGURE_SHAPES:
+            f, o, p = stream_figures(N, K, m, nw, dev=dev), mma_figures(N, K, m, nw, dev=dev), None
+            p = f["plan"]
+            lo, hi = o["inflight_per_sm"]
+            out.append(f"{name:13s} {m:3d} | {str(p.grid):12s} {p.kz:5d} {p.kt:5d} {p.smem // 1024:4d}K "
+                       f"{f['blocks_per_sm_resident']} {f['inflight_per_sm'] // 1024:5d}K "
+                       f"{f['smem_read_per_weight_byte']:8.2f} {f['x_l2_per_weight_byte']:6.3f} "
+                       f"{f['partial_per_weight_byte']:7.3f} {f['wave_efficiency']:4.2f} | "
+                       f"{o['blocks']:5d} {lo / 1024:5.1f}-{hi / 1024:4.1f}K "
+                       f"{o['smem_read_per_weight_byte']:5.0f}x{o['smem_conflict_ways']} "
+                       f"{o['x_l2_per_weight_byte']:6.2f} {o['wave_efficiency']:4.2f}")
+    return "\n".join(out)
 
