@@ -20,7 +20,8 @@
 //   the live 16-row tiles of the block (ceil(min(M - m0, ROWS) / 16)).
 //   M-tile variants: GS_MT 1, 2, 4 (16/32/64 rows) compiled per bucket; the
 //   launcher picks the smallest that covers m, and inside a block the tiles
-//   wholly past M are skipped (no staging, no smem reads, no MMAs).
+//   wholly past M are skipped (no staging, no smem reads, no MMAs), and so are
+//   tiles wholly inside the padding rows [*pad_lo, pad_hi) (pad_hi = 0: none).
 //   ks (split K) is picked by whole-wave arithmetic over the device's SM count
 //   (a launch parameter), only when it shortens the modelled time.
 //
@@ -62,8 +63,8 @@
 // ---- Registers (ptxas via NVRTC, sm_90, 0 spills; tests/test_gemm_stream.py
 //   recompiles and holds them to the launcher's PTXAS_REGS): accumulators
 //   MT*WT*4, ring GS_DEPTH*WT*8 = 64, x fragments 16.
-//     GS_MT 1: 122-125 (GS_MINB 2: 2 blocks of 256 threads per SM by registers)
-//     GS_MT 2: 154 (166 silu_mul), GS_MT 4: 190 (202 silu_mul): 1 block per SM
+//     GS_MT 1: 122-128 (GS_MINB 2 caps it at 128: 2 blocks of 256 threads per SM)
+//     GS_MT 2: 152-154 (166 silu_mul), GS_MT 4: 189-190 (198-202 silu_mul): 1 block per SM
 //   Blocks per SM = min(registers, (228 KB) / (dynamic smem + 1 KB), 8); the
 //   launcher keeps the x chunk small enough that smem does not cut the
 //   register-limited count (MT 1: <= 113 KB per block).
@@ -210,7 +211,7 @@ __device__ __forceinline__ void load_slot(Slot& s, const unsigned short* const w
 
 extern "C" __global__ void __launch_bounds__(GS_WARPS * 32, GS_MINB)
 gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, float* y, const float* r,
-            int M, int N, int kz, int kt, float* ws, int* counters) {
+            int M, int N, int kz, int kt, float* ws, int* counters, const int* pad_lo, int pad_hi) {
     using namespace gemm_stream_detail;
     extern __shared__ __align__(16) unsigned char smem[];
     unsigned short* xs = reinterpret_cast<unsigned short*>(smem);
@@ -219,10 +220,26 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
     const int g = lane >> 2, t = lane & 3;
     const int m0 = blockIdx.y * ROWS;
     const int live = (M - m0 < ROWS) ? (M - m0) : ROWS;     // rows of this block that exist
-    const int tiles = (live + 15) >> 4;                       // 16-row tiles with a live row
+    const int tiles = (live + 15) >> 4;                       // 16-row tiles holding a row < M
     const int xstride = kt + 8;                                // elements; 16 (mod 128) bytes
     const int plane = tiles * 16 * xstride;                    // hi plane, then lo plane
     const int n0 = blockIdx.x * COLS + warp * 8 * NT;          // this warp's first output column
+
+    // Padding rows [lo, pad_hi), lo read from device memory (inside a captured
+    // graph the live row count changes per step): they count as zero rows, never
+    // read from x, and a 16-row tile with no other row is not computed. Their
+    // outputs are the epilogue of acc = 0, as if x held zeros there.
+    int lo = pad_hi;
+    if (pad_hi > 0) {
+        lo = *pad_lo;
+        lo = (lo < 0) ? 0 : ((lo > pad_hi) ? pad_hi : lo);
+    }
+    unsigned int tmask = 0u;  // tiles with a row to compute (block-uniform)
+#pragma unroll
+    for (int i = 0; i < MT; i++) {
+        const int a = m0 + 16 * i, b = (a + 16 < M) ? a + 16 : M;
+        if (a < b && !(a >= lo && b <= pad_hi)) tmask |= 1u << i;
+    }
 
     const int k_begin = blockIdx.z * kz;
     const int k_end = (k_begin + kz < K) ? k_begin + kz : K;
@@ -267,8 +284,9 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
                     for (int i = threadIdx.x; i < tiles * 16 * q4; i += THREADS) {
                         const int row = i / q4, c4 = (i - row * q4) * 4, k = kc + c4;
                         float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                        if (row < live && k < k_end)
-                            v = *reinterpret_cast<const float4*>(x + (long long)(m0 + row) * K + k);
+                        const int grow = m0 + row;
+                        if (row < live && k < k_end && (grow < lo || grow >= pad_hi))
+                            v = *reinterpret_cast<const float4*>(x + (long long)grow * K + k);
                         const unsigned int h0 = to16(v.x), h1 = to16(v.y), h2 = to16(v.z), h3 = to16(v.w);
                         *reinterpret_cast<uint2*>(xs + row * xstride + c4) = make_uint2(h0 | (h1 << 16), h2 | (h3 << 16));
                         if (GS_SPLIT == 2) {
@@ -282,7 +300,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
                 }
 #pragma unroll
                 for (int i = 0; i < MT; i++) {
-                    if (i < tiles) {  // block-uniform: tiles past M cost nothing
+                    if ((tmask >> i) & 1u) {  // block-uniform: tiles past M or all padding cost nothing
 #pragma unroll
                         for (int sp = 0; sp < GS_SPLIT; sp++) {
                             const unsigned short* xr = xs + sp * plane + (i * 16 + g) * xstride + kb + 16 * t;

@@ -183,3 +183,72 @@ def test_ptxas_registers_within_the_table():
                                                     GS_WARPS=gs.WARPS, GS_SPLIT=2, GS_DEPTH=gs.DEPTH))[1:]
             info = nvrtc_check(src.read_text(), str(src), "sm_90", opts)["gemm_stream"]
             assert info["registers"] <= gs.PTXAS_REGS[mt] and info["spill_stores"] == 0, (mt, epi, info)
+
+
+# ---- padding rows read from device memory ------------------------------------
+
+def _pad_case(backend, rng, N, K, epilogue, m):
+    xh = rng.standard_normal((m, K)).astype(np.float32)
+    wh = host_weights(rng, 2 * N if epilogue == "silu_mul" else N, K, "bf16")
+    rh = rng.standard_normal((m, N)).astype(np.float32) if epilogue == "residual" else None
+    return xh, wh, rh
+
+
+@pytest.mark.parametrize("k_split", [None, 3])
+@pytest.mark.parametrize("epilogue", ["none", "residual", "silu_mul"])
+def test_padding_rows_count_as_zero_rows(backend, rng, epilogue, k_split):
+    # m = 50 on the 64-row variant, padding [lo, 34): lo = 3 leaves tile 1 (rows
+    # 16..31) all padding (skipped), lo = 20 a partial one, lo = 34 (and lo > hi,
+    # clamped) none, lo < 0 clamps to 0. The padding rows of x hold NaN: they must
+    # never be read, and their outputs are the epilogue of 0.
+    N, K, m, hi = 70, 200, 50, 34
+    op = Gemm(backend, N, K, "bf16", epilogue=epilogue, max_m=64, path="stream", k_split=k_split)
+    xh, wh, rh = _pad_case(backend, rng, N, K, epilogue, m)
+    w = backend.asarray(wh)
+    for lo in (3, 20, 0, 34, 40, -5):
+        c = min(max(lo, 0), hi)
+        xn = xh.copy()
+        xn[c:hi] = np.nan
+        xz = xh.copy()
+        xz[c:hi] = 0.0
+        y = backend.asarray(np.full((m, N), 7.5, np.float32))
+        op(backend.asarray(xn), w, y, m, residual=None if rh is None else backend.asarray(rh),
+           pad_rows=(backend.asarray(np.array([lo], np.int32)), hi))
+        ref = gemm_reference(xz, wh, epilogue, rh, x_round=op.x_round)
+        assert_close(backend.to_numpy(y), ref, "f32", f"{op!r} pad [{lo}, {hi})")
+
+
+def test_padding_rows_follow_device_memory_in_a_graph(backend, rng):
+    # captured once; the padding start changes between replays through a pinned copy
+    N, K, m, hi = 40, 128, 40, 32
+    op = Gemm(backend, N, K, "bf16", max_m=64, path="stream")
+    xh, wh, _ = _pad_case(backend, rng, N, K, "none", m)
+    x, w = backend.asarray(xh), backend.asarray(wh)
+    y = backend.zeros((m, N), np.float32)
+    lo_dev = backend.zeros((1,), np.int32)
+    lo_host = backend.pinned_empty((1,), np.int32)
+    s = backend.stream()
+    backend.begin_capture(s)
+    backend.copy_h2d_async(lo_dev, lo_host, stream=s)
+    op(x, w, y, m, stream=s, pad_rows=(lo_dev, hi))
+    g = backend.end_capture(s)
+    for lo in (32, 5, 17, 0):
+        lo_host[0] = lo
+        g.launch(s)
+        s.synchronize()
+        xz = xh.copy()
+        xz[lo:hi] = 0.0
+        assert_close(backend.to_numpy(y), gemm_reference(xz, wh, x_round=op.x_round), "f32", f"lo={lo}")
+
+
+def test_padding_rows_bad_input(backend):
+    op = Gemm(backend, 8, 64, "bf16", max_m=16, path="stream")
+    x, w = backend.zeros((4, 64), np.float32), backend.zeros((8, 64), np.uint16)
+    y = backend.zeros((4, 8), np.float32)
+    lo = backend.zeros((1,), np.int32)
+    with pytest.raises(ValueError, match=r"pad_rows\[1\]"):
+        op(x, w, y, 4, pad_rows=(lo, 5))
+    with pytest.raises(TypeError, match=r"pad_rows\[0\]"):
+        op(x, w, y, 4, pad_rows=(backend.zeros((1,), np.float32), 2))
+    with pytest.raises(ValueError, match="needs path 'stream'"):
+        Gemm(backend, 8, 64, "bf16", path="mma")(x, w, y, 4, pad_rows=(lo, 2))

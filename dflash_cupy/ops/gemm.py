@@ -231,7 +231,11 @@ class Gemm:
     def flops(self, m: int) -> int:
         return 2 * m * self.w_rows * self.K
 
-    def __call__(self, x, w, y, m, residual=None, stream=None):
+    def __call__(self, x, w, y, m, residual=None, stream=None, pad_rows=None):
+        """``pad_rows=(lo, hi)`` (``"stream"`` path): rows ``[lo[0], hi)`` of x
+        are padding and count as zeros (not read; 16-row tiles of padding only
+        are not computed); ``lo`` is a device int32 array read when the kernel
+        runs, so a captured graph follows it; ``hi`` a host int <= m."""
         be = self.backend
         if not isinstance(m, (int, np.integer)) or isinstance(m, bool):
             raise TypeError(f"m must be an int, got {type(m).__name__}")
@@ -273,8 +277,18 @@ class Gemm:
                 if _ptr(a) % 16:
                     raise ValueError(f"{name} must be 16-byte aligned for K % {LANE_K} == 0 "
                                      f"(vectorised loads), address {_ptr(a):#x}")
+        if pad_rows is not None:
+            if self.path != "stream":
+                raise ValueError(f"pad_rows needs path 'stream' (this Gemm runs {self.path!r})")
+            lo, hi = pad_rows
+            _check_array(be, "pad_rows[0]", lo, np.int32, ndim=1)
+            if lo.shape[0] < 1:
+                raise ValueError("pad_rows[0] must hold at least one element")
+            if not isinstance(hi, (int, np.integer)) or isinstance(hi, bool) or not 0 <= hi <= m:
+                raise ValueError(f"pad_rows[1] must be an int in [0, m={m}], got {hi!r}")
+            pad_rows = (lo, int(hi))
         if self.path == "stream":
-            self._stream(x, w, y, r, m, stream=stream)
+            self._stream(x, w, y, r, m, stream=stream, pad_rows=pad_rows)
             return
         grid, block, smem = self.launch_config(m)
         if self.path == "fma":

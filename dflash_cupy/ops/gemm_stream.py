@@ -39,7 +39,7 @@ INFLIGHT_TARGET = 24 * 1024
 # from the kernel (2 blocks for MT 1, else 1); tests/test_gemm_stream.py
 # recompiles and checks these are not exceeded. Rounded up to the allocation
 # granularity of 8 they set the register-limited residency.
-PTXAS_REGS = {1: 125, 2: 166, 4: 202}   # max over f16/bf16 and the three epilogues
+PTXAS_REGS = {1: 128, 2: 166, 4: 202}   # max over f16/bf16, the three epilogues, hi+lo or not
 REGS_PER_SM = 65536
 THREADS_PER_SM = 2048
 SMEM_RESERVED = 1024      # per block, by the driver
@@ -264,11 +264,14 @@ class StreamKernels:
         p = self.plan(m)
         return p.grid, (WARPS * 32, 1, 1), p.smem
 
-    def __call__(self, x, w, y, r, m: int, stream=None):
+    def __call__(self, x, w, y, r, m: int, stream=None, pad_rows=None):
+        """``pad_rows=(lo, hi)``: rows ``[lo[0], hi)`` are zero rows, ``lo`` a
+        device int32 array read at run time (``None``: no padding rows)."""
         p = self.plan(m)
+        lo, hi = (self._counters, 0) if pad_rows is None else pad_rows
         self._kernels[p.mt](p.grid, (WARPS * 32, 1, 1),
                             (x, w, y, r, np.int32(m), np.int32(self.N), np.int32(p.kz), np.int32(p.kt),
-                             self._ws, self._counters), shared_mem=p.smem, stream=stream)
+                             self._ws, self._counters, lo, np.int32(hi)), shared_mem=p.smem, stream=stream)
 
 
 # (name, N, K, weight matrices per output column) of a qwen3-8b-like and a hidden-5120 drafter layer
