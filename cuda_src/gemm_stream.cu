@@ -25,7 +25,7 @@
 //   ks (split K) is picked by whole-wave arithmetic over the device's SM count
 //   (a launch parameter), only when it shortens the modelled time.
 //
-// ---- Weights: a register ring, GS_DEPTH k-steps deep
+// ---- Weights: a register ring, GS_DEPTH k-steps deep (2 for GS_MT 1, 3 above)
 //   Warp w streams its 8*WT weight rows (WT = GS_NT * NW weight tiles of 8
 //   rows), 64 k per step: lane (g = lane/4, t = lane%4) loads 32 contiguous
 //   bytes W[row][k + 16t .. k + 16t + 15] of each of its WT rows (two 16-byte
@@ -33,8 +33,10 @@
 //   loads of step s + GS_DEPTH are issued right after the MMAs of step s
 //   consumed their slot, before any later wait, so while a warp computes one
 //   step the other GS_DEPTH - 1 steps are in flight:
-//     in flight per warp >= (GS_DEPTH - 1) * WT * 8 rows * 128 B = 4 KB (DEPTH 2, WT 4)
-//     per block (8 warps) >= 32 KB, up to 64 KB just after issue;
+//     in flight per warp >= (GS_DEPTH - 1) * WT * 8 rows * 128 B = 4 KB (DEPTH 2, WT 4),
+//     8 KB (DEPTH 3); per block (8 warps) >= 32 KB (MT 1, 2 blocks per SM) or
+//     64 KB (MT 2, 4: 1 block per SM), and GS_DEPTH/(GS_DEPTH-1) times that
+//     while the warp waits for its data (the usual state of a weight stream);
 //   1 block per SM already exceeds the ~24 KB an H200 needs in flight
 //   (4.8 TB/s * ~0.6 us loaded latency / 132 SMs ~ 22 KB). The ring's first
 //   GS_DEPTH steps are issued before x is staged, so the staging latency
@@ -62,9 +64,10 @@
 //
 // ---- Registers (ptxas via NVRTC, sm_90, 0 spills; tests/test_gemm_stream.py
 //   recompiles and holds them to the launcher's PTXAS_REGS): accumulators
-//   MT*WT*4, ring GS_DEPTH*WT*8 = 64, x fragments 16.
-//     GS_MT 1: 122-128 (GS_MINB 2 caps it at 128: 2 blocks of 256 threads per SM)
-//     GS_MT 2: 152-154 (166 silu_mul), GS_MT 4: 189-190 (198-202 silu_mul): 1 block per SM
+//   MT*WT*4, ring GS_DEPTH*WT*8 = 64 or 96, x fragments 16.
+//     GS_MT 1 (depth 2): 122-128 (GS_MINB 2 caps it at 128: 2 blocks of 256 threads per SM)
+//     GS_MT 2 (depth 3): 189-190 (198-202 silu_mul), GS_MT 4 (depth 3): 222-223
+//     (230-235 silu_mul): 1 block per SM
 //   Blocks per SM = min(registers, (228 KB) / (dynamic smem + 1 KB), 8); the
 //   launcher keeps the x chunk small enough that smem does not cut the
 //   register-limited count (MT 1: <= 113 KB per block).
@@ -114,7 +117,7 @@
 #define GS_SPLIT 2
 #endif
 #ifndef GS_DEPTH
-#define GS_DEPTH 2
+#define GS_DEPTH (GS_MT == 1 ? 2 : 3)  // MT 1 keeps 2 blocks per SM in 128 registers; MT 2, 4 have the room
 #endif
 #ifndef GS_MINB
 #define GS_MINB (GS_MT == 1 ? 2 : 1)  // blocks per SM ptxas must fit: MT 1 fits 2 in 128 registers

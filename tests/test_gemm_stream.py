@@ -180,7 +180,7 @@ def test_ptxas_registers_within_the_table():
     for mt in gs.MT_BUCKETS:
         for epi, nt in ((0, 4), (2, 2)):
             opts = tuple(gs.kernels.compile_options(GS_WTYPE=2, GS_EPI=epi, GS_K=4096, GS_MT=mt, GS_NT=nt,
-                                                    GS_WARPS=gs.WARPS, GS_SPLIT=2, GS_DEPTH=gs.DEPTH))[1:]
+                                                    GS_WARPS=gs.WARPS, GS_SPLIT=2, GS_DEPTH=gs.DEPTH[mt]))[1:]
             info = nvrtc_check(src.read_text(), str(src), "sm_90", opts)["gemm_stream"]
             assert info["registers"] <= gs.PTXAS_REGS[mt] and info["spill_stores"] == 0, (mt, epi, info)
 

@@ -24,7 +24,7 @@ import numpy as np
 from .. import kernels
 
 WARPS = 8                 # warps per block (GS_WARPS)
-DEPTH = 2                 # ring depth in 64-k steps (GS_DEPTH)
+DEPTH = {1: 2, 2: 3, 4: 3}  # ring depth in 64-k steps (GS_DEPTH) per M variant
 KSTEP = 64                # k per ring step
 WTILES = 4                # 8-row weight tiles per warp: GS_NT = 4 (or 2 per matrix for silu_mul)
 MT_BUCKETS = (1, 2, 4)    # 16-row M tiles per block: the compiled variants
@@ -39,7 +39,7 @@ INFLIGHT_TARGET = 24 * 1024
 # from the kernel (2 blocks for MT 1, else 1); tests/test_gemm_stream.py
 # recompiles and checks these are not exceeded. Rounded up to the allocation
 # granularity of 8 they set the register-limited residency.
-PTXAS_REGS = {1: 128, 2: 166, 4: 202}   # max over f16/bf16, the three epilogues, hi+lo or not
+PTXAS_REGS = {1: 128, 2: 202, 4: 235}   # max over f16/bf16, the three epilogues, hi+lo or not
 REGS_PER_SM = 65536
 THREADS_PER_SM = 2048
 SMEM_RESERVED = 1024      # per block, by the driver
@@ -161,7 +161,7 @@ def stream_figures(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Dev
     blocks = p.grid[0] * p.grid[1] * p.grid[2]
     resident = blocks_per_sm(p.mt, p.smem)
     per_sm = min(resident, -(-blocks // dev.sm_count))
-    warp_inflight = (DEPTH - 1) * WTILES * 8 * 128        # bytes, while a warp computes one step
+    warp_inflight = (DEPTH[p.mt] - 1) * WTILES * 8 * 128  # bytes, while a warp computes one step
     weight_bytes = N * nw * K * 2
     return {
         "plan": p,
@@ -245,7 +245,7 @@ class StreamKernels:
         for mt in self.buckets:
             mod = kernels.load_module(backend, "gemm_stream.cu", GS_WTYPE=wtype_code, GS_EPI=epi_code, GS_K=K,
                                       GS_MT=mt, GS_NT=WTILES // nw, GS_WARPS=WARPS, GS_SPLIT=split,
-                                      GS_DEPTH=DEPTH)
+                                      GS_DEPTH=DEPTH[mt])
             self._kernels[mt] = mod.get_function("gemm_stream")
         # Workspace for the largest split any m <= max_m plans (rows of its variant).
         groups = -(-N // cols_per_block(nw))
