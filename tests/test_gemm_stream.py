@@ -126,6 +126,8 @@ def test_figures_at_drafter_shapes(name, N, K, nw):
         assert f["wave_efficiency"] >= 0.84, (name, m, f)
         assert f["partial_per_weight_byte"] <= 0.25
         assert p.smem <= gs.H200.smem_optin and f["blocks_per_sm_resident"] >= 1
+        # hi + lo at m <= 32 asks the tensor cores for <= ~280 TFLOP/s at 90% of HBM
+        assert f["mma_tflops_at_90pct_hbm"] == pytest.approx(138.24 * p.tiles)
         assert -(-p.kz // p.kt) <= (2 if m <= 16 else 4)             # x staged in at most 2 chunks at m = 16
     # before: gemm_mma.cu with max_m=64 at m = 16 reads ~16 B of shared memory per weight
     # byte (2-way conflicts) and re-reads x from L2 once per weight byte (twice with nw 2)

@@ -34,6 +34,7 @@ PARTIAL_COST = 0.5        # L2 bytes (split-K partials) cost vs HBM weight bytes
 REDUCE_COST = 0.33        # the last block's serial read of the partials: one SM's L2 rate (~110 GB/s)
                           # vs its share of HBM (4.8 TB/s / 132 ~ 36 GB/s)
 INFLIGHT_TARGET = 24 * 1024
+HBM_BPS = 4.8e12          # H200 HBM3e, for the tensor-core pace figure only
 
 # ptxas (NVRTC, sm_90) registers per thread of each M variant, with GS_MINB
 # from the kernel (2 blocks for MT 1, else 1); tests/test_gemm_stream.py
@@ -174,6 +175,9 @@ def stream_figures(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Dev
         "x_l2_per_weight_byte": p.grid[0] * m * K * 4 / weight_bytes,
         "partial_per_weight_byte": (2 * p.ks * min(m, 16 * p.mt) * N * nw * 4 / weight_bytes) if p.ks > 1 else 0.0,
         "wave_efficiency": blocks / (-(-blocks // dev.sm_count) * dev.sm_count),
+        # tensor-core rate the MMAs need to keep pace with 90% of H200 HBM (4.8 TB/s):
+        # 16 rows per live tile, x GS_SPLIT for hi + lo, 2 flops per multiply-add
+        "mma_tflops_at_90pct_hbm": 2 * 16 * p.tiles * split / 2 * 0.9 * HBM_BPS / 1e12,
     }
 
 
