@@ -156,13 +156,17 @@ def test_m_tiles_beyond_max_m(backend, rng, wkind, epilogue, max_m, path):
             x_rows=103, path=path)
 
 
-def test_mma_path_is_the_default_for_half_weights(backend):
-    assert Gemm(backend, 8, 64, "bf16").path == "mma"
-    assert Gemm(backend, 8, 64, "f16").path == "mma"
+def test_stream_path_is_the_default_for_half_weights(backend):
+    # gemm_stream.cu is the default tensor-core kernel; gemm_mma.cu stays selectable
+    assert Gemm(backend, 8, 64, "bf16").path == "stream"
+    assert Gemm(backend, 8, 64, "f16").path == "stream"
+    assert Gemm(backend, 8, 64, "bf16", path="mma").path == "mma"
     assert Gemm(backend, 8, 64, "f32").path == "fma"
     assert Gemm(backend, 8, 36, "bf16").path == "fma"     # K % 8 != 0
     with pytest.raises(ValueError, match="path 'mma' needs"):
         Gemm(backend, 8, 64, "f32", path="mma")
+    with pytest.raises(ValueError, match="path 'stream' needs"):
+        Gemm(backend, 8, 36, "bf16", path="stream")
     with pytest.raises(ValueError, match="path 'gpu'"):
         Gemm(backend, 8, 64, "f16", path="gpu")
 

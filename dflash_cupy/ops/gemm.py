@@ -12,10 +12,15 @@
 Compile-time: weight dtype, epilogue, K, the M tile ``max_m``, and the tiling
 derived from them; N and m are launch arguments. One ``Gemm`` per shape.
 
-Two kernels (``path``):
+Three kernels (``path``):
 
-* ``"mma"`` (``cuda_src/gemm_mma.cu``, the default for f16/bf16 weights with
-  ``K % 8 == 0``): tensor cores, needed to stream bf16 weights at HBM speed
+* ``"stream"`` (``cuda_src/gemm_stream.cu``, planned by ``ops/gemm_stream.py``;
+  the default for f16/bf16 weights with ``K % 8 == 0``): tensor cores, M-tile
+  variants per M bucket, a register ring of weight loads, wide column groups
+  and split K by whole-wave arithmetic over the device's SM count. Same
+  numerics (``x_round``) as ``"mma"``.
+* ``"mma"`` (``cuda_src/gemm_mma.cu``, the previous default, kept selectable):
+  tensor cores, needed to stream bf16 weights at HBM speed
   for M = 16..64. The operands are 16-bit, so each f32 activation is split
   into ``hi + lo`` in the weight type (``x_split=True``, the default: about
   16 significant bits, twice the MMAs) or rounded once (``x_split=False``, as
@@ -32,6 +37,7 @@ import ml_dtypes
 import numpy as np
 
 from .. import checks, device_props, dtypes, kernels
+from . import gemm_stream
 
 EPILOGUES = {"none": 0, "residual": 1, "silu_mul": 2}
 
@@ -44,7 +50,7 @@ SMEM_LIMIT = device_props.DEFAULT_SMEM  # x tiles stay under it: no opt-in attri
 BLOCKS_PER_SM = 4         # split K until about this many blocks per SM are in flight
 MIN_K_PER_SLICE = 512     # below this a K slice is not worth its partial-sum traffic
 MAX_K_SPLIT = 8
-PATHS = ("auto", "mma", "fma")
+PATHS = ("auto", "stream", "mma", "fma")
 ACC_BUDGET = 64           # accumulators per lane the tiling aims for
 
 
@@ -85,17 +91,20 @@ class Gemm:
         if path not in PATHS:
             raise ValueError(f"path {path!r}: expected one of {PATHS}")
         mma_ok = self.wkind in ("f16", "bf16") and self.K % 8 == 0
-        if path == "mma" and not mma_ok:
-            raise ValueError(f"path 'mma' needs f16/bf16 weights and K % 8 == 0 (got {self.wkind}, K={self.K})")
-        self.path = "mma" if (path == "auto" and mma_ok) or path == "mma" else "fma"
+        if path in ("mma", "stream") and not mma_ok:
+            raise ValueError(f"path {path!r} needs f16/bf16 weights and K % 8 == 0 (got {self.wkind}, K={self.K})")
+        self.path = "stream" if path == "auto" and mma_ok else ("fma" if path == "auto" else path)
         self.x_split = bool(x_split)
-        self.x_round = (self.wkind + ("x2" if self.x_split else "")) if self.path == "mma" else None
+        self.x_round = (self.wkind + ("x2" if self.x_split else "")) if self.path != "fma" else None
         self.threads = WARPS * 32
+        if self.path == "stream":
+            self._init_stream(k_split)
+            return
         if self.path == "mma":
             self._init_mma(k_split)
             return
         if k_split not in (None, 1):
-            raise ValueError(f"k_split={k_split}: only the 'mma' path splits K")
+            raise ValueError(f"k_split={k_split}: only the 'mma' path and the 'stream' path split K")
         self.k_split = 1
         # Columns per warp: as many as the accumulator budget allows, so that
         # one staged x tile serves more weight rows.
@@ -114,6 +123,23 @@ class Gemm:
             GEMM_WARPS=WARPS, GEMM_KT=self.k_tile)
         self._kernel = self._module.get_function("gemm")
         self._nblk = -(-self.N // self.cols_per_block)
+
+    def _init_stream(self, k_split):
+        if k_split is not None and (not isinstance(k_split, (int, np.integer)) or isinstance(k_split, bool)
+                                    or k_split < 1):
+            raise ValueError(f"k_split must be a positive int, got {k_split!r}")
+        self.split = 2 if self.x_split else 1
+        self.vectorized = True
+        self.rows_per_warp = 1
+        self._stream = gemm_stream.StreamKernels(
+            self.backend, self.N, self.K, dtypes.CODE[self.wkind], EPILOGUES[self.epilogue],
+            2 if self.epilogue == "silu_mul" else 1, self.split, self.max_m,
+            k_split=None if k_split is None else int(k_split))
+        self.k_split = self._stream.plan(self.max_m).ks   # at m = max_m; each call plans its own m
+        self.k_tile = self._stream.plan(self.max_m).kt
+        self.cols_per_block = gemm_stream.cols_per_block(self._stream.nw)
+        self._nblk = -(-self.N // self.cols_per_block)
+        self._counters = self._stream._counters
 
     def _init_mma(self, k_split):
         # M tile: 16, 32 or 64 rows (gemm_mma.cu spills at 48); x tile in the
@@ -156,6 +182,8 @@ class Gemm:
 
     def launch_config(self, m: int):
         """``(grid, block, shared_mem)`` of a launch over ``m`` rows."""
+        if self.path == "stream":
+            return self._stream.launch_config(m)
         if self.path == "mma":
             rows = 16 * self.m_tiles
             kz = self.k_split if m <= rows else 1
@@ -174,7 +202,11 @@ class Gemm:
             b += m * self.N * 4
         return b
 
-    def __call__(self, x, w, y, m, residual=None, stream=None):
+    def __call__(self, x, w, y, m, residual=None, stream=None, pad_rows=None):
+        """``pad_rows=(lo, hi)`` (``"stream"`` path): rows ``[lo[0], hi)`` of x
+        are padding and count as zeros (not read; 16-row tiles of padding only
+        are not computed); ``lo`` is a device int32 array read when the kernel
+        runs, so a captured graph follows it; ``hi`` a host int <= m."""
         be = self.backend
         m = checks.int_arg(m, "m")
         checks.device_array(be, "x", x, np.float32)
@@ -209,6 +241,19 @@ class Gemm:
             r = y  # unused by the kernel; any valid pointer
         if self.vectorized:
             checks.aligned16(x=x, w=w, y=y, residual=r)
+        if pad_rows is not None:
+            if self.path != "stream":
+                raise ValueError(f"pad_rows needs path 'stream' (this Gemm runs {self.path!r})")
+            lo, hi = pad_rows
+            checks.device_array(be, "pad_rows[0]", lo, np.int32, ndim=1)
+            if lo.shape[0] < 1:
+                raise ValueError("pad_rows[0] must hold at least one element")
+            if not isinstance(hi, (int, np.integer)) or isinstance(hi, bool) or not 0 <= hi <= m:
+                raise ValueError(f"pad_rows[1] must be an int in [0, m={m}], got {hi!r}")
+            pad_rows = (lo, int(hi))
+        if self.path == "stream":
+            self._stream(x, w, y, r, m, stream=stream, pad_rows=pad_rows)
+            return
         grid, block, smem = self.launch_config(m)
         if self.path == "fma":
             self._kernel(grid, block, (x, w, y, r, np.int32(m), np.int32(self.N)),

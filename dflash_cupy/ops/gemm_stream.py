@@ -1,0 +1,297 @@
+"""Launch planning for ``cuda_src/gemm_stream.cu`` (the weight-streaming
+tensor-core GEMM) and the figures that justify it.
+
+``plan(N, K, m, ...)`` picks, for one call over ``m`` rows, the M-tile
+variant (16/32/64 rows), the split-K count, the slice and the staged x chunk,
+from the device's SM count and shared-memory opt-in limit (a ``Device``; the
+emulator uses the explicit H200 profile ``H200``). ``stream_figures`` adds the
+numbers the kernel header derives (bytes in flight per SM, shared-memory
+bytes read per weight byte, L2 re-reads of x, wave efficiency);
+``mma_figures`` computes the same for the old ``gemm_mma.cu`` launch, so
+tests pin both. ``StreamKernels`` compiles the variants and launches them;
+``ops.gemm.Gemm(path="stream")`` is the public entry.
+
+    python -c "from dflash_cupy.ops.gemm_stream import figures_table; print(figures_table())"
+
+prints the before/after table at the drafter shapes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import device_props, kernels
+
+WARPS = 8                 # warps per block (GS_WARPS)
+DEPTH = {1: 2, 2: 3, 4: 3}  # ring depth in 64-k steps (GS_DEPTH) per M variant
+KSTEP = 64                # k per ring step
+WTILES = 4                # 8-row weight tiles per warp: GS_NT = 4 (or 2 per matrix for silu_mul)
+MT_BUCKETS = (1, 2, 4)    # 16-row M tiles per block: the compiled variants
+MAX_K_SPLIT = 16
+MIN_K_SLICE = 256         # a thinner slice is not worth its partial-sum traffic
+PARTIAL_COST = 0.5        # L2 bytes (split-K partials) cost vs HBM weight bytes, spread over all SMs
+REDUCE_COST = 0.33        # the last block's serial read of the partials: one SM's L2 rate (~110 GB/s)
+                          # vs its share of HBM (4.8 TB/s / 132 ~ 36 GB/s)
+INFLIGHT_TARGET = 24 * 1024
+HBM_BPS = 4.8e12          # H200 HBM3e, for the tensor-core pace figure only
+
+# ptxas (NVRTC, sm_90) registers per thread of each M variant, with GS_MINB
+# from the kernel (2 blocks for MT 1, else 1); tests/test_gemm_stream.py
+# recompiles and checks these are not exceeded. Rounded up to the allocation
+# granularity of 8 they set the register-limited residency.
+PTXAS_REGS = {1: 128, 2: 202, 4: 235}   # max over f16/bf16, the three epilogues, hi+lo or not
+REGS_PER_SM = 65536
+THREADS_PER_SM = 2048
+SMEM_RESERVED = 1024      # per block, by the driver
+SMEM_PER_SM = 233472      # 228 KiB on Hopper
+
+
+@dataclass(frozen=True)
+class Device:
+    sm_count: int
+    smem_optin: int       # max dynamic shared memory per block
+
+
+H200 = Device(device_props.H200.sm_count, device_props.H200.smem_optin)  # the emulator's profile
+
+
+def device_of(backend) -> Device:
+    """The device's SM count and shared-memory opt-in limit (``device_props``:
+    queried on a GPU, the H200 profile on the emulator)."""
+    p = device_props.of(backend)
+    return Device(p.sm_count, p.smem_optin)
+
+
+def bucket(m: int) -> int:
+    """16-row tiles of the variant that serves ``m`` rows (the top one beyond 64)."""
+    for mt in MT_BUCKETS:
+        if m <= 16 * mt:
+            return mt
+    return MT_BUCKETS[-1]
+
+
+def cols_per_block(nw: int) -> int:
+    return WARPS * 8 * (WTILES // nw)
+
+
+def smem_bytes(tiles: int, kt: int, split: int) -> int:
+    return split * 16 * tiles * (kt + 8) * 2
+
+
+def blocks_per_sm(mt: int, smem: int) -> int:
+    regs = -(-PTXAS_REGS[mt] // 8) * 8
+    by_regs = REGS_PER_SM // (regs * WARPS * 32)
+    by_smem = SMEM_PER_SM // (smem + SMEM_RESERVED)
+    return max(0, min(by_regs, by_smem, THREADS_PER_SM // (WARPS * 32)))
+
+
+@dataclass(frozen=True)
+class Plan:
+    mt: int               # compiled variant (16-row tiles per block)
+    tiles: int            # live tiles of a full block
+    grid: tuple
+    ks: int               # K slices (grid z)
+    kz: int               # K per slice, multiple of 64
+    kt: int               # x chunk staged at once, multiple of 64
+    smem: int             # dynamic shared memory per block
+
+
+def _kt_for(kz: int, mt: int, tiles: int, split: int, dev: Device) -> int:
+    # The whole slice at once when it fits (x staged once per block, overlapped
+    # with the first weight loads); the chunk leaves room for the variant's
+    # register-limited residency.
+    resident = blocks_per_sm(mt, 0)
+    budget = min(dev.smem_optin, SMEM_PER_SM // resident - SMEM_RESERVED)
+    cap = (budget // (split * 16 * tiles * 2) - 8) // KSTEP * KSTEP
+    return max(KSTEP, min(kz, cap))
+
+
+def plan(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device = H200, mt: int | None = None,
+         ks: int | None = None) -> Plan:
+    """Launch of one call over ``m`` rows (``mt``: force a compiled variant;
+    ``ks``: force the K split where one M tile allows it, at most what K's
+    64-wide steps allow)."""
+    mt = bucket(m) if mt is None else mt
+    rows = 16 * mt
+    gy = -(-m // rows)
+    tiles = -(-min(m, rows) // 16)
+    cols = cols_per_block(nw)
+    nblk = -(-N // cols)
+    k64 = -(-K // KSTEP) * KSTEP
+    best = None
+    forced = ks
+    for ks in range(1, MAX_K_SPLIT + 1):
+        if forced is not None and ks not in (1, forced):
+            continue
+        if ks > 1 and gy > 1:
+            break  # split K takes one M tile (the partial workspace holds ROWS rows)
+        kz = -(-(-(-K // ks)) // KSTEP) * KSTEP
+        ks_eff = -(-K // kz)
+        if ks_eff != ks or (ks > 1 and kz < MIN_K_SLICE and forced is None):
+            continue
+        blocks = nblk * gy * ks
+        rounds = -(-blocks // dev.sm_count)
+        block_bytes = cols * nw * kz * 2
+        live = min(m, rows)
+        partial = 2 * ks * live * N * nw * 4 if ks > 1 else 0
+        tail = ks * live * cols * nw * 4 if ks > 1 else 0   # the reducing block's reads
+        cost = rounds * block_bytes + PARTIAL_COST * partial / dev.sm_count + REDUCE_COST * tail
+        if forced is not None and ks == forced:
+            cost = -1.0
+        if best is None or cost < best[0]:
+            best = (cost, ks, kz)
+    _, ks, kz = best
+    kt = _kt_for(kz, mt, tiles, split, dev)
+    return Plan(mt=mt, tiles=tiles, grid=(nblk, gy, ks), ks=ks, kz=kz, kt=kt,
+                smem=smem_bytes(tiles, kt, split))
+
+
+def stream_figures(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device = H200) -> dict:
+    """The header's derivation for one call: see ``cuda_src/gemm_stream.cu``."""
+    p = plan(N, K, m, nw, split, dev)
+    blocks = p.grid[0] * p.grid[1] * p.grid[2]
+    resident = blocks_per_sm(p.mt, p.smem)
+    per_sm = min(resident, -(-blocks // dev.sm_count))
+    warp_inflight = (DEPTH[p.mt] - 1) * WTILES * 8 * 128  # bytes, while a warp computes one step
+    weight_bytes = N * nw * K * 2
+    return {
+        "plan": p,
+        "blocks": blocks,
+        "blocks_per_sm_resident": resident,
+        "registers": PTXAS_REGS[p.mt],
+        "inflight_per_sm": per_sm * WARPS * warp_inflight,
+        "smem_read_per_weight_byte": p.tiles * split * 4 * 512 / (WTILES * 1024),
+        "smem_conflict_ways": max(xtile_conflict_ways(p.kt)),
+        "x_l2_per_weight_byte": p.grid[0] * m * K * 4 / weight_bytes,
+        "partial_per_weight_byte": (2 * p.ks * min(m, 16 * p.mt) * N * nw * 4 / weight_bytes) if p.ks > 1 else 0.0,
+        "wave_efficiency": blocks / (-(-blocks // dev.sm_count) * dev.sm_count),
+        # tensor-core rate the MMAs need to keep pace with 90% of H200 HBM (4.8 TB/s):
+        # 16 rows per live tile, x GS_SPLIT for hi + lo, 2 flops per multiply-add
+        "mma_tflops_at_90pct_hbm": 2 * 16 * p.tiles * split / 2 * 0.9 * HBM_BPS / 1e12,
+    }
+
+
+def mma_figures(N: int, K: int, m: int, nw: int = 1, max_m: int = 64, dev: Device = H200) -> dict:
+    """The same figures for the old ``gemm_mma.cu`` launch (``ops.gemm`` with
+    ``path="mma"``, hi + lo, the launcher's own tiling and split rule)."""
+    mt = 1 if max_m <= 16 else (2 if max_m <= 32 else 4)
+    rows, warps, split = 16 * mt, 4, 2
+    kt = min(-(-K // 32) * 32, (48 * 1024 // (2 * rows * split) - 8) // 32 * 32)
+    nblk = -(-N // (warps * 8))
+    ks = max(1, min(8, (4 * 132) // nblk, K // 512))
+    gy = -(-m // rows)
+    ks = ks if m <= rows else 1
+    blocks = nblk * gy * ks
+    smem = split * rows * (kt + 8) * 2
+    regs = {1: 62, 2: 104, 4: 124}[mt]   # ptxas sm_90, the file's nvrtc-check cases
+    resident = min(REGS_PER_SM // (-(-regs // 8) * 8 * warps * 32), SMEM_PER_SM // (smem + SMEM_RESERVED),
+                   THREADS_PER_SM // (warps * 32))
+    per_sm = min(resident, blocks / dev.sm_count)
+    # one 16-byte load per lane per 32-k step per weight matrix; the loop is
+    # unrolled 4 deep, so 1..4 steps of loads are outstanding per warp
+    warp_step = nw * 32 * 16
+    weight_bytes = N * nw * K * 2
+    return {
+        "blocks": blocks,
+        "blocks_per_sm_resident": resident,
+        "inflight_per_sm": (per_sm * warps * warp_step, per_sm * warps * warp_step * 4),
+        # x: MT tiles * split * 2 loads * 512 B per 32-k step, weights 512 B * nw
+        "smem_read_per_weight_byte": mt * split * 2 * 512 / (512 * nw),
+        "smem_conflict_ways": 2 if (2 * (kt + 8)) % 128 in (16, 48, 80, 112) else 1,
+        "x_l2_per_weight_byte": nblk * m * K * 4 / weight_bytes,
+        "wave_efficiency": blocks / (-(-blocks // dev.sm_count) * dev.sm_count),
+    }
+
+
+def xtile_conflict_ways(kt: int, pad: int = 8) -> list[int]:
+    """Shared-memory wavefronts per quarter warp of each 16-byte x-fragment load
+    of the kernel (row stride kt + pad halves, the kernel's pad is 8; lane (g, t)
+    reads row g (+8) at byte 32t (+16)): 1 = conflict-free. Computed from the
+    address formula, bank by bank (32 banks of 4 bytes)."""
+    stride = 2 * (kt + pad)
+    ways = []
+    for rowoff in (0, 8):
+        for half in (0, 16):
+            for phase in range(4):  # a 16-byte access is served a quarter warp at a time
+                banks: dict[int, set] = {}
+                for lane in range(8 * phase, 8 * phase + 8):
+                    g, t = lane >> 2, lane & 3
+                    addr = (g + rowoff) * stride + 32 * t + half
+                    for b in range(4):
+                        word = addr // 4 + b
+                        banks.setdefault(word % 32, set()).add(word)
+                ways.append(max(len(v) for v in banks.values()))
+    return ways
+
+
+class StreamKernels:
+    """The compiled variants of one ``Gemm`` (all buckets up to ``max_m``,
+    compiled now: nothing compiles during graph capture) and their launches."""
+
+    def __init__(self, backend, N: int, K: int, wtype_code: int, epi_code: int, nw: int, split: int,
+                 max_m: int, k_split: int | None = None):
+        self.backend = backend
+        self.N, self.K, self.nw, self.split, self.k_split = N, K, nw, split, k_split
+        self.dev = device_of(backend)
+        top = self.top = bucket(max_m)
+        self.buckets = tuple(b for b in MT_BUCKETS if b <= top)
+        self._kernels = {}
+        for mt in self.buckets:
+            mod = kernels.load_module(backend, "gemm_stream.cu", GS_WTYPE=wtype_code, GS_EPI=epi_code, GS_K=K,
+                                      GS_MT=mt, GS_NT=WTILES // nw, GS_WARPS=WARPS, GS_SPLIT=split,
+                                      GS_DEPTH=DEPTH[mt])
+            self._kernels[mt] = mod.get_function("gemm_stream")
+        # Workspace for the largest split any m <= max_m plans (rows of its variant).
+        groups = -(-N // cols_per_block(nw))
+        ws = 0
+        for m in range(1, 16 * top + 1):
+            p = self.plan(m)
+            if p.ks > 1:
+                ws = max(ws, groups * p.ks * nw * 16 * p.mt * cols_per_block(nw))
+        self._ws = backend.zeros((max(ws, 1),), np.float32)
+        self._counters = backend.zeros((-(-N // cols_per_block(nw)),), np.int32)
+
+    def plan(self, m: int) -> Plan:
+        return plan(self.N, self.K, m, self.nw, self.split, self.dev, mt=min(bucket(m), self.top), ks=self.k_split)
+
+    def launch_config(self, m: int):
+        p = self.plan(m)
+        return p.grid, (WARPS * 32, 1, 1), p.smem
+
+    def __call__(self, x, w, y, r, m: int, stream=None, pad_rows=None):
+        """``pad_rows=(lo, hi)``: rows ``[lo[0], hi)`` are zero rows, ``lo`` a
+        device int32 array read at run time (``None``: no padding rows)."""
+        p = self.plan(m)
+        lo, hi = (self._counters, 0) if pad_rows is None else pad_rows
+        self._kernels[p.mt](p.grid, (WARPS * 32, 1, 1),
+                            (x, w, y, r, np.int32(m), np.int32(self.N), np.int32(p.kz), np.int32(p.kt),
+                             self._ws, self._counters, lo, np.int32(hi)), shared_mem=p.smem, stream=stream)
+
+
+# (name, N, K, weight matrices per output column) of a qwen3-8b-like and a hidden-5120 drafter layer
+FIGURE_SHAPES = [("8b qkv", 6144, 4096, 1), ("8b o", 4096, 4096, 1), ("8b gate_up", 12288, 4096, 2),
+                 ("8b down", 4096, 12288, 1), ("5120 qkv", 7168, 5120, 1), ("5120 o", 5120, 5120, 1),
+                 ("5120 gate_up", 17408, 5120, 2), ("5120 down", 5120, 17408, 1),
+                 ("5120 gate_up", 25600, 5120, 2), ("5120 down", 5120, 25600, 1)]
+
+
+def figures_table(ms=(16, 32, 64), dev: Device = H200) -> str:
+    """Before (gemm_mma.cu) and after (gemm_stream.cu) figures, one line per shape and m."""
+    out = [f"device: {dev.sm_count} SMs, {dev.smem_optin} B smem opt-in",
+           "shape          m | grid         kz    kt   smem R inflight smemB/wB xL2/wB part/wB wave"
+           " | old: blocks inflight     smemB/wB xL2/wB wave"]
+    for m in ms:
+        for name, N, K, nw in FIGURE_SHAPES:
+            f, o, p = stream_figures(N, K, m, nw, dev=dev), mma_figures(N, K, m, nw, dev=dev), None
+            p = f["plan"]
+            lo, hi = o["inflight_per_sm"]
+            out.append(f"{name:13s} {m:3d} | {str(p.grid):12s} {p.kz:5d} {p.kt:5d} {p.smem // 1024:4d}K "
+                       f"{f['blocks_per_sm_resident']} {f['inflight_per_sm'] // 1024:5d}K "
+                       f"{f['smem_read_per_weight_byte']:8.2f} {f['x_l2_per_weight_byte']:6.3f} "
+                       f"{f['partial_per_weight_byte']:7.3f} {f['wave_efficiency']:4.2f} | "
+                       f"{o['blocks']:5d} {lo / 1024:5.1f}-{hi / 1024:4.1f}K "
+                       f"{o['smem_read_per_weight_byte']:5.0f}x{o['smem_conflict_ways']} "
+                       f"{o['x_l2_per_weight_byte']:6.2f} {o['wave_efficiency']:4.2f}")
+    return "\n".join(out)
+

@@ -1,0 +1,256 @@
+"""The weight-streaming GEMM (cuda_src/gemm_stream.cu, planned by
+dflash_cupy/ops/gemm_stream.py): every weight dtype, epilogue and compiled M
+variant against gemm_reference with the "f32" tolerance, awkward M/N/K, split
+K (uneven slices, bit-identical repeats, counters reset), and the figures the
+kernel header derives, pinned at the qwen3-8b-like and hidden-5120 shapes
+(before: gemm_mma.cu's launch; after: this kernel's)."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dflash_cupy.ops import gemm_stream as gs
+from dflash_cupy.ops.gemm import Gemm, gemm_reference
+from tests.test_gemm import host_weights, run
+from tests.tolerances import assert_close
+
+# (name, N, K, weight matrices per output column): q;k;v, o, gate;up, down
+QWEN3_8B = [("qkv", 4096 + 2 * 1024, 4096, 1), ("o", 4096, 4096, 1), ("gate_up", 12288, 4096, 2),
+            ("down", 4096, 12288, 1)]
+HIDDEN_5120 = [("qkv", 5120 + 2 * 1024, 5120, 1), ("o", 5120, 5120, 1), ("gate_up", 17408, 5120, 2),
+               ("down", 5120, 17408, 1), ("gate_up", 25600, 5120, 2), ("down", 5120, 25600, 1)]
+
+
+@pytest.mark.parametrize("epilogue", ["none", "residual", "silu_mul"])
+@pytest.mark.parametrize("wkind", ["f16", "bf16"])
+def test_dtypes_epilogues_every_variant(backend, rng, wkind, epilogue):
+    # N=300: a partial last column group (and warps with no valid column);
+    # K=520: a 64-wide step with only its first 8 elements inside K. m covers the
+    # 16-, 32- and 64-row variants (m=33: a variant with a dead tile skipped) and
+    # m=100: two 64-row tiles in grid y.
+    used = set()
+    for m in (1, 3, 19, 33, 64, 100):
+        op = run(backend, rng, N=300, K=520, wkind=wkind, epilogue=epilogue, m=m, x_rows=103, path="stream")
+        assert op.path == "stream" and op.x_round == wkind + "x2"
+        used.add(op._stream.plan(m).mt)
+    assert used == {1, 2, 4}
+
+
+@pytest.mark.parametrize("wkind,epilogue,K", [("bf16", "none", 40), ("f16", "silu_mul", 8),
+                                              ("bf16", "residual", 136)])
+def test_short_k_and_tails(backend, rng, wkind, epilogue, K):
+    # K shorter than one 64-wide step, and K = 2 steps + 8
+    for m in (1, 17):
+        run(backend, rng, N=37, K=K, wkind=wkind, epilogue=epilogue, m=m, x_rows=20, path="stream")
+
+
+@pytest.mark.parametrize("wkind", ["f16", "bf16"])
+def test_rounded_activations(backend, rng, wkind):
+    for m in (2, 30):
+        op = run(backend, rng, N=70, K=200, wkind=wkind, epilogue="silu_mul", m=m, path="stream",
+                 x_split=False)
+        assert op.x_round == wkind and op.split == 1
+
+
+@pytest.mark.parametrize("k_split", [2, 3, 7])
+@pytest.mark.parametrize("epilogue", ["none", "residual", "silu_mul"])
+def test_split_k(backend, rng, k_split, epilogue):
+    # Uneven slices (K=840: 7 slices of 128 leave 72 for the last), N=260: a
+    # partial column group; run twice (the counters reset themselves), in place for
+    # residual; m beyond one tile runs unsplit.
+    for m in (1, 19):
+        for in_place in (False, True):
+            op = run(backend, rng, N=260, K=840, wkind="bf16", epilogue=epilogue, m=m, max_m=32, x_rows=40,
+                     path="stream", k_split=k_split, in_place=in_place and epilogue == "residual")
+            assert op._stream.plan(m).ks == k_split
+    assert backend.to_numpy(op._counters).tolist() == [0] * op._nblk
+    run(backend, rng, N=260, K=840, wkind="bf16", epilogue=epilogue, m=40, max_m=32, x_rows=40,
+        path="stream", k_split=k_split)
+    assert op._stream.plan(40).ks == 1
+
+
+@pytest.mark.parametrize("epilogue", ["none", "silu_mul"])
+def test_split_k_repeats_bit_for_bit(backend, rng, epilogue):
+    N, K, m = 300, 2048, 16
+    op = Gemm(backend, N, K, "bf16", epilogue=epilogue, max_m=16, path="stream", k_split=6)
+    x = backend.asarray(rng.standard_normal((m, K)).astype(np.float32))
+    w = backend.asarray(host_weights(rng, 2 * N if epilogue == "silu_mul" else N, K, "bf16"))
+    outs = []
+    for _ in range(3):
+        y = backend.zeros((m, N), np.float32)
+        op(x, w, y, m)
+        outs.append(backend.to_numpy(y))
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+    assert not np.array_equal(outs[0], np.zeros_like(outs[0]))
+
+
+@pytest.mark.parametrize("k_split", [None, 4])
+def test_exact_small_integers(backend, rng, k_split):
+    # Integer data: every partial sum is exact in f32, so a wrong row, column,
+    # k permutation or dropped step is an exact mismatch.
+    N, K = 300, 712
+    op = Gemm(backend, N, K, "bf16", max_m=64, path="stream", k_split=k_split)
+    for m in (9, 40):
+        xh = rng.integers(-3, 4, (m, K)).astype(np.float32)
+        wf = rng.integers(-3, 4, (N, K)).astype(np.float32)
+        wh = wf.astype(ml_dtypes.bfloat16).view(np.uint16)
+        y = backend.zeros((m, N), np.float32)
+        op(backend.asarray(xh), backend.asarray(wh), y, m)
+        np.testing.assert_array_equal(backend.to_numpy(y), xh @ wf.T)
+
+
+def test_split_activations_are_f32_accurate(backend, rng):
+    N, K, m = 33, 512, 16
+    xh = rng.standard_normal((m, K)).astype(np.float32)
+    wh = host_weights(rng, N, K, "bf16")
+    y = backend.zeros((m, N), np.float32)
+    Gemm(backend, N, K, "bf16", max_m=16, path="stream")(backend.asarray(xh), backend.asarray(wh), y, m)
+    assert float(np.abs(backend.to_numpy(y) - gemm_reference(xh, wh)).max()) < 1e-4
+
+
+def test_bad_k_split(backend):
+    with pytest.raises(ValueError, match="k_split must be"):
+        Gemm(backend, 8, 64, "bf16", path="stream", k_split=0)
+
+
+# ---- the figures (no kernel runs) ------------------------------------------
+
+@pytest.mark.parametrize("name,N,K,nw", QWEN3_8B + HIDDEN_5120)
+def test_figures_at_drafter_shapes(name, N, K, nw):
+    for m in (16, 32):
+        f = gs.stream_figures(N, K, m, nw)
+        p = f["plan"]
+        assert f["inflight_per_sm"] >= gs.INFLIGHT_TARGET, (name, m, f)
+        assert f["smem_read_per_weight_byte"] <= (1.0 if m <= 16 else 2.0)
+        assert f["smem_conflict_ways"] == 1
+        assert f["x_l2_per_weight_byte"] <= 2 * m / 256 + 1e-9       # 12.5% at m = 16
+        assert f["wave_efficiency"] >= 0.84, (name, m, f)
+        assert f["partial_per_weight_byte"] <= 0.25
+        assert p.smem <= gs.H200.smem_optin and f["blocks_per_sm_resident"] >= 1
+        # hi + lo at m <= 32 asks the tensor cores for <= ~280 TFLOP/s at 90% of HBM
+        assert f["mma_tflops_at_90pct_hbm"] == pytest.approx(138.24 * p.tiles)
+        assert -(-p.kz // p.kt) <= (2 if m <= 16 else 4)             # x staged in at most 2 chunks at m = 16
+    # before: gemm_mma.cu with max_m=64 at m = 16 reads ~16 B of shared memory per weight
+    # byte (2-way conflicts) and re-reads x from L2 once per weight byte (twice with nw 2)
+    old = gs.mma_figures(N, K, 16, nw)
+    assert old["smem_read_per_weight_byte"] == 16 / nw and old["smem_conflict_ways"] == 2
+    assert old["x_l2_per_weight_byte"] == pytest.approx(1.0 / nw, rel=0.05)
+
+
+def test_figures_table_covers_every_shape():
+    lines = gs.figures_table(ms=(16,)).splitlines()
+    assert len(lines) == 2 + len(gs.FIGURE_SHAPES) and "132 SMs" in lines[0]
+
+
+def test_lone_tail_wave_is_gone():
+    # hidden 5120, intermediate 17408: the old launch has 544 blocks for 528 slots
+    old = gs.mma_figures(17408, 5120, 16, 2)
+    assert old["blocks"] == 544 and old["blocks_per_sm_resident"] == 4
+    assert gs.stream_figures(17408, 5120, 16, 2)["wave_efficiency"] >= 0.9
+
+
+def test_grid_follows_the_device_sm_count():
+    # the SM count is a launch parameter (queried on a GPU), never assumed
+    a = gs.plan(4096, 4096, 16, dev=gs.H200)
+    b = gs.plan(4096, 4096, 16, dev=gs.Device(sm_count=78, smem_optin=232448))
+    assert a.ks != b.ks
+    for dev in (gs.H200, gs.Device(78, 232448), gs.Device(108, 166912)):
+        f = gs.stream_figures(4096, 12288, 16, 1, dev=dev)
+        assert f["wave_efficiency"] >= 0.85 and f["plan"].smem <= dev.smem_optin
+
+
+def test_plans_fit_for_every_m():
+    for N, K, nw in [(6144, 4096, 1), (12288, 4096, 2), (300, 520, 1), (37, 40, 2)]:
+        for m in range(1, 130):
+            p = gs.plan(N, K, m, nw)
+            assert p.kz % 64 == 0 and p.kt % 64 == 0 and (p.ks - 1) * p.kz < K
+            assert p.ks == 1 or p.grid[1] == 1
+            assert p.smem <= gs.H200.smem_optin and gs.blocks_per_sm(p.mt, p.smem) >= 1
+            assert p.grid[0] * gs.cols_per_block(nw) >= N and p.grid[1] * 16 * p.mt >= m
+
+
+def test_xtile_layout_is_conflict_free_and_the_check_can_fail():
+    for kt in (64, 128, 512, 832, 1792):
+        assert gs.xtile_conflict_ways(kt) == [1] * 16
+    # without the 8-element pad rows 0 and 1 share banks: the counter sees it
+    assert max(gs.xtile_conflict_ways(512, pad=0)) == 2
+
+
+def test_ptxas_registers_within_the_table():
+    # The residency arithmetic uses PTXAS_REGS; a kernel edit that grows them fails here.
+    from tests.test_nvrtc import nvrtc_check
+    src = gs.kernels.source_path("gemm_stream.cu")
+    for mt in gs.MT_BUCKETS:
+        for epi, nt in ((0, 4), (2, 2)):
+            opts = tuple(gs.kernels.compile_options(GS_WTYPE=2, GS_EPI=epi, GS_K=4096, GS_MT=mt, GS_NT=nt,
+                                                    GS_WARPS=gs.WARPS, GS_SPLIT=2, GS_DEPTH=gs.DEPTH[mt]))[1:]
+            info = nvrtc_check(src.read_text(), str(src), "sm_90", opts)["gemm_stream"]
+            assert info["registers"] <= gs.PTXAS_REGS[mt] and info["spill_stores"] == 0, (mt, epi, info)
+
+
+# ---- padding rows read from device memory ------------------------------------
+
+def _pad_case(backend, rng, N, K, epilogue, m):
+    xh = rng.standard_normal((m, K)).astype(np.float32)
+    wh = host_weights(rng, 2 * N if epilogue == "silu_mul" else N, K, "bf16")
+    rh = rng.standard_normal((m, N)).astype(np.float32) if epilogue == "residual" else None
+    return xh, wh, rh
+
+
+@pytest.mark.parametrize("k_split", [None, 3])
+@pytest.mark.parametrize("epilogue", ["none", "residual", "silu_mul"])
+def test_padding_rows_count_as_zero_rows(backend, rng, epilogue, k_split):
+    # m = 50 on the 64-row variant, padding [lo, 34): lo = 3 leaves tile 1 (rows
+    # 16..31) all padding (skipped), lo = 20 a partial one, lo = 34 (and lo > hi,
+    # clamped) none, lo < 0 clamps to 0. The padding rows of x hold NaN: they must
+    # never be read, and their outputs are the epilogue of 0.
+    N, K, m, hi = 70, 200, 50, 34
+    op = Gemm(backend, N, K, "bf16", epilogue=epilogue, max_m=64, path="stream", k_split=k_split)
+    xh, wh, rh = _pad_case(backend, rng, N, K, epilogue, m)
+    w = backend.asarray(wh)
+    for lo in (3, 20, 0, 34, 40, -5):
+        c = min(max(lo, 0), hi)
+        xn = xh.copy()
+        xn[c:hi] = np.nan
+        xz = xh.copy()
+        xz[c:hi] = 0.0
+        y = backend.asarray(np.full((m, N), 7.5, np.float32))
+        op(backend.asarray(xn), w, y, m, residual=None if rh is None else backend.asarray(rh),
+           pad_rows=(backend.asarray(np.array([lo], np.int32)), hi))
+        ref = gemm_reference(xz, wh, epilogue, rh, x_round=op.x_round)
+        assert_close(backend.to_numpy(y), ref, "f32", f"{op!r} pad [{lo}, {hi})")
+
+
+def test_padding_rows_follow_device_memory_in_a_graph(backend, rng):
+    # captured once; the padding start changes between replays through a pinned copy
+    N, K, m, hi = 40, 128, 40, 32
+    op = Gemm(backend, N, K, "bf16", max_m=64, path="stream")
+    xh, wh, _ = _pad_case(backend, rng, N, K, "none", m)
+    x, w = backend.asarray(xh), backend.asarray(wh)
+    y = backend.zeros((m, N), np.float32)
+    lo_dev = backend.zeros((1,), np.int32)
+    lo_host = backend.pinned_empty((1,), np.int32)
+    s = backend.stream()
+    backend.begin_capture(s)
+    backend.copy_h2d_async(lo_dev, lo_host, stream=s)
+    op(x, w, y, m, stream=s, pad_rows=(lo_dev, hi))
+    g = backend.end_capture(s)
+    for lo in (32, 5, 17, 0):
+        lo_host[0] = lo
+        g.launch(s)
+        s.synchronize()
+        xz = xh.copy()
+        xz[lo:hi] = 0.0
+        assert_close(backend.to_numpy(y), gemm_reference(xz, wh, x_round=op.x_round), "f32", f"lo={lo}")
+
+
+def test_padding_rows_bad_input(backend):
+    op = Gemm(backend, 8, 64, "bf16", max_m=16, path="stream")
+    x, w = backend.zeros((4, 64), np.float32), backend.zeros((8, 64), np.uint16)
+    y = backend.zeros((4, 8), np.float32)
+    lo = backend.zeros((1,), np.int32)
+    with pytest.raises(ValueError, match=r"pad_rows\[1\]"):
+        op(x, w, y, 4, pad_rows=(lo, 5))
+    with pytest.raises(TypeError, match=r"pad_rows\[0\]"):
+        op(x, w, y, 4, pad_rows=(backend.zeros((1,), np.float32), 2))
+    with pytest.raises(ValueError, match="needs path 'stream'"):
+        Gemm(backend, 8, 64, "bf16", path="mma")(x, w, y, 4, pad_rows=(lo, 2))
