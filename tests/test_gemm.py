@@ -104,7 +104,7 @@ def test_k_split_defaults(backend):
     assert Gemm(backend, 8, 64, "f32").k_split == 1
     with pytest.raises(ValueError, match="only the 'mma' path"):
         Gemm(backend, 8, 64, "f32", k_split=2)
-    with pytest.raises(ValueError, match="k_split=0 must be >= 1"):
+    with pytest.raises(ValueError, match="k_split"):
         Gemm(backend, 8, 64, "bf16", k_split=0)
 
 
@@ -113,10 +113,14 @@ def test_k_split_follows_the_device_sm_count(emu, monkeypatch):
     H200 profile): 160 column groups on 132 SMs -> 3 slices, on 264 SMs -> 6."""
     from dflash_cupy import device_props
     assert device_props.of(emu) is device_props.H200
-    assert Gemm(emu, 5120, 17408, "bf16", max_m=16).k_split == 4 * 132 // 160
+    assert Gemm(emu, 5120, 17408, "bf16", max_m=16, path="mma").k_split == 4 * 132 // 160
+    h200 = Gemm(emu, 5120, 17408, "bf16", max_m=16).k_split   # the stream path follows it too
     big = dataclasses.replace(device_props.H200, sm_count=264)
     monkeypatch.setattr(device_props, "of", lambda be: big)
-    assert Gemm(emu, 5120, 17408, "bf16", max_m=16).k_split == 4 * 264 // 160
+    assert Gemm(emu, 5120, 17408, "bf16", max_m=16, path="mma").k_split == 4 * 264 // 160
+    small = dataclasses.replace(device_props.H200, sm_count=33)
+    monkeypatch.setattr(device_props, "of", lambda be: small)
+    assert Gemm(emu, 5120, 17408, "bf16", max_m=16).k_split < h200
 
 
 def test_split_activations_are_f32_accurate(backend, rng):

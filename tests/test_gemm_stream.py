@@ -230,11 +230,13 @@ def test_padding_rows_follow_device_memory_in_a_graph(backend, rng):
     lo_dev = backend.zeros((1,), np.int32)
     lo_host = backend.pinned_empty((1,), np.int32)
     s = backend.stream()
+    backend.synchronize()  # the zeros above were memset on the current stream
     backend.begin_capture(s)
     backend.copy_h2d_async(lo_dev, lo_host, stream=s)
     op(x, w, y, m, stream=s, pad_rows=(lo_dev, hi))
     g = backend.end_capture(s)
     for lo in (32, 5, 17, 0):
+        backend.host_write(lo_host)  # the previous replay's copy has run (synchronised below)
         lo_host[0] = lo
         g.launch(s)
         s.synchronize()
