@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import emu_build, emu_memory
+from . import emu_build, emu_memory, launch_limits, nvrtc_info
 from .base import (Backend, BackendError, CaptureError, Graph, Kernel, KernelLaunchError, Module,
                    copy_nbytes)
 from .base import check_kernel_args
@@ -112,6 +112,7 @@ class EmuKernel(Kernel):
     def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0,
                  stream: EmuStream | None = None) -> None:
         g, b = _dim3(grid, f"kernel {self.name}: grid"), _dim3(block, f"kernel {self.name}: block")
+        launch_limits.check_emulated_launch(self, g, b, shared_mem)  # the driver's checks (sm_90)
         nthreads = b[0] * b[1] * b[2]
         if nthreads > 1024:
             raise ValueError(f"kernel {self.name}: block {b} has {nthreads} threads (max 1024)")
@@ -269,7 +270,14 @@ class EmulatedBackend(Backend):
             so, kernels = emu_build.build(source, options, filename)
         except (emu_build.CompileError, ValueError) as e:
             raise BackendError(str(e)) from None
-        return EmuModule(self, so, kernels)
+        try:  # the same source must also build for the GPU; its resources bound each launch
+            resources = nvrtc_info.resources_for_emulator(source, filename, options)
+        except nvrtc_info.NvrtcCompileError as e:
+            raise BackendError(f"{e}\n(the emulated backend also compiles with NVRTC for "
+                               f"{nvrtc_info.ARCH}; a kernel the GPU build rejects is rejected here)") from None
+        mod = EmuModule(self, so, kernels)
+        mod.resources = resources
+        return mod
 
     # ---- streams, events, copies
     def stream(self) -> EmuStream:
