@@ -18,7 +18,6 @@ so a warm run costs a hash and a small JSON read per module.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -105,10 +104,10 @@ def _strip_comments(src: str) -> str:
     return re.sub(r"//[^\n]*|/\*.*?\*/", " ", src, flags=re.S)
 
 
-@functools.lru_cache(maxsize=512)
-def _file_digest(path: str, mtime_ns: int, size: int) -> tuple[str, str]:
-    """(sha256 of the file, its text) — memoised on (path, mtime, size)."""
-    data = Path(path).read_bytes()
+def _file_digest(path: Path) -> tuple[str, str]:
+    """(sha256 of the file, its text). Read every time: memoising on mtime would miss an
+    edit within one timestamp tick of the previous write (same size, same mtime)."""
+    data = path.read_bytes()
     return hashlib.sha256(data).hexdigest(), data.decode("utf-8", errors="replace")
 
 
@@ -117,8 +116,12 @@ def included_headers(source: str, filename: str | None, include_dirs: Iterable[s
     includes against the including file's directory first, then ``include_dirs``;
     angle includes against ``include_dirs``. Conservative: ``#include`` lines inside
     inactive ``#if`` branches count too (a spurious recompile, never a stale one)."""
+    return list(_scan_headers(source, filename, include_dirs))
+
+
+def _scan_headers(source: str, filename: str | None, include_dirs: Iterable[str]) -> dict[Path, str]:
     dirs = [Path(d) for d in include_dirs]
-    seen: dict[Path, None] = {}
+    seen: dict[Path, str] = {}   # header -> sha256, in discovery order
     todo = [(source, Path(filename).parent if filename else None)]
     while todo:
         text, here = todo.pop()
@@ -129,19 +132,18 @@ def included_headers(source: str, filename: str | None, include_dirs: Iterable[s
                 if p.is_file():
                     p = p.resolve()
                     if p not in seen:
-                        seen[p] = None
-                        st = p.stat()
-                        todo.append((_file_digest(str(p), st.st_mtime_ns, st.st_size)[1], p.parent))
+                        digest, body = _file_digest(p)
+                        seen[p] = digest
+                        todo.append((body, p.parent))
                     break
-    return list(seen)
+    return seen
 
 
 def include_digest(source: str, filename: str | None, include_dirs: Iterable[str]) -> str:
     """sha256 over the path and content of every header ``source`` includes."""
     h = hashlib.sha256()
-    for p in sorted(included_headers(source, filename, include_dirs)):
-        st = p.stat()
-        h.update(str(p).encode() + b"\0" + _file_digest(str(p), st.st_mtime_ns, st.st_size)[0].encode())
+    for p, digest in sorted(_scan_headers(source, filename, include_dirs).items()):
+        h.update(str(p).encode() + b"\0" + digest.encode())
     return h.hexdigest()
 
 
