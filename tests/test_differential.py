@@ -161,3 +161,16 @@ def test_emulator_agrees_with_the_gpu_on_rmsnorm(rng):
     RmsNorm(be, 256)(be.asarray(x), be.asarray(w), be.zeros((5, 256), np.float32))
     assert be.stats.mismatches == [] and be.stats.kernels
     print(be.stats.report())
+
+
+def test_parallel_runner_reports_each_file_and_its_table(capsys):
+    from profiling import differential
+    rc = differential.main(["--mode", "emulated", "tests/test_norm.py", "tests/test_plan.py", "--",
+                            "-k", "emulated and (test_per_head_rows or test_masks_exact)"])
+    out = capsys.readouterr().out
+    assert rc == 0, out[-3000:]
+    assert out.index("differential tests/test_norm.py: rc=0") < out.index("differential tests/test_plan.py: rc=0")
+    assert "CPU/GPU differential (emulated vs emulated)" in out and "rmsnorm" in out and "build_masks" in out
+    assert "0 mismatching launch(es)" in out and "2/2 files passed" in out
+    # A failing file fails the run (here: a selection that collects nothing, pytest rc 5).
+    assert differential.main(["--mode", "emulated", "tests/test_norm.py", "--", "-k", "no_such_test"]) == 1

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import tempfile
+import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -273,11 +274,13 @@ def cached_compile_info(source: str, filename: str | None, options: Sequence[str
     except (OSError, ValueError):
         rec = None
     if rec is None:
+        t0 = time.perf_counter()
         try:
             info = compile_info(source, fname, options, arch)
             rec = {"ok": True, "log": info.log, "kernels": [asdict(k) for k in info.kernels.values()]}
         except NvrtcCompileError as e:
             rec = {"ok": False, "message": str(e), "log": e.log}
+        rec["seconds"] = round(time.perf_counter() - t0, 4)  # what the cache saves (cold-cost audits)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(rec, f)
