@@ -266,12 +266,15 @@ class EmulatedBackend(Backend):
     # ---- code
     def compile(self, source: str, options: Sequence[str] = (), filename: str | None = None) -> EmuModule:
         self._no_capture("compile")
+        # The same source must also build for the GPU (NVRTC, sm_90, alongside g++); the
+        # resources of that build bound each launch.
+        gpu_build = nvrtc_info.resources_for_emulator_async(source, filename, options)
         try:
             so, kernels = emu_build.build(source, options, filename)
         except (emu_build.CompileError, ValueError) as e:
             raise BackendError(str(e)) from None
-        try:  # the same source must also build for the GPU; its resources bound each launch
-            resources = nvrtc_info.resources_for_emulator(source, filename, options)
+        try:
+            resources = gpu_build.result()
         except nvrtc_info.NvrtcCompileError as e:
             raise BackendError(f"{e}\n(the emulated backend also compiles with NVRTC for "
                                f"{nvrtc_info.ARCH}; a kernel the GPU build rejects is rejected here)") from None

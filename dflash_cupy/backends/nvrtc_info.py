@@ -18,11 +18,13 @@ so a warm run costs a hash and a small JSON read per module.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import re
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -105,11 +107,29 @@ def _strip_comments(src: str) -> str:
     return re.sub(r"//[^\n]*|/\*.*?\*/", " ", src, flags=re.S)
 
 
-def _file_digest(path: Path) -> tuple[str, str]:
-    """(sha256 of the file, its text). Read every time: memoising on mtime would miss an
-    edit within one timestamp tick of the previous write (same size, same mtime)."""
+_digests: dict[Path, tuple[int, int, str, list]] = {}
+
+
+def _includes_of(text: str) -> list[tuple[str, str]]:
+    return _INCLUDE_RE.findall(_strip_comments(text))
+
+
+def _file_digest(path: Path) -> tuple[str, list[tuple[str, str]]]:
+    """(sha256 of the file, its #include directives), memoised on (mtime, size) only for
+    files last modified over 2 s before they were read: an edit after that gets a different
+    mtime, while a file written within the same timestamp tick as its read could be edited
+    again without one (hence re-read every time while fresh). Saves re-reading and
+    re-scanning the CUDA headers (~1 MB) at every compile."""
+    st = path.stat()
+    hit = _digests.get(path)
+    if hit is not None and hit[:2] == (st.st_mtime_ns, st.st_size):
+        return hit[2], hit[3]
     data = path.read_bytes()
-    return hashlib.sha256(data).hexdigest(), data.decode("utf-8", errors="replace")
+    digest = hashlib.sha256(data).hexdigest()
+    incs = _includes_of(data.decode("utf-8", errors="replace"))
+    if time.time_ns() - st.st_mtime_ns > 2_000_000_000:
+        _digests[path] = (st.st_mtime_ns, st.st_size, digest, incs)
+    return digest, incs
 
 
 def included_headers(source: str, filename: str | None, include_dirs: Iterable[str]) -> list[Path]:
@@ -123,19 +143,19 @@ def included_headers(source: str, filename: str | None, include_dirs: Iterable[s
 def _scan_headers(source: str, filename: str | None, include_dirs: Iterable[str]) -> dict[Path, str]:
     dirs = [Path(d) for d in include_dirs]
     seen: dict[Path, str] = {}   # header -> sha256, in discovery order
-    todo = [(source, Path(filename).parent if filename else None)]
+    todo = [(_includes_of(source), Path(filename).parent if filename else None)]
     while todo:
-        text, here = todo.pop()
-        for kind, name in _INCLUDE_RE.findall(_strip_comments(text)):
+        incs, here = todo.pop()
+        for kind, name in incs:
             cands = ([here] if kind == '"' and here is not None else []) + dirs
             for d in cands:
                 p = d / name
                 if p.is_file():
                     p = p.resolve()
                     if p not in seen:
-                        digest, body = _file_digest(p)
+                        digest, sub = _file_digest(p)
                         seen[p] = digest
-                        todo.append((body, p.parent))
+                        todo.append((sub, p.parent))
                     break
     return seen
 
@@ -291,6 +311,40 @@ def cached_compile_info(source: str, filename: str | None, options: Sequence[str
 
 
 _warned = False
+_pool = None
+_pool_lock = threading.Lock()
+
+
+class _Done:
+    def __init__(self, fn):
+        try:
+            self._value, self._error = fn(), None
+        except BaseException as e:  # re-raised by result(), as a Future would
+            self._value, self._error = None, e
+
+    def result(self):
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def resources_for_emulator_async(source: str, filename: str | None, options: Sequence[str]):
+    """``resources_for_emulator`` as a future (``.result()``): on a cache miss NVRTC runs on
+    a worker thread (it releases the GIL) while the caller runs g++ for the emulator, so a
+    cold build costs max(g++, NVRTC) rather than the sum."""
+    global _pool
+    fn = functools.partial(resources_for_emulator, source, filename, options)
+    try:
+        hit = (cache_root() / (cache_key(source, filename or "<source>.cu", options) + ".json")).exists()
+    except NvrtcUnavailable:
+        hit = True  # resources_for_emulator warns and returns None at once
+    if hit or os.environ.get("DFLASH_CUPY_EMU_NVRTC", "1").strip() == "0":
+        return _Done(fn)
+    with _pool_lock:
+        if _pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            _pool = ThreadPoolExecutor(2, thread_name_prefix="dflash-nvrtc")
+    return _pool.submit(fn)
 
 
 def resources_for_emulator(source: str, filename: str | None, options: Sequence[str]
