@@ -174,3 +174,11 @@ def test_parallel_runner_reports_each_file_and_its_table(capsys):
     assert "0 mismatching launch(es)" in out and "2/2 files passed" in out
     # A failing file fails the run (here: a selection that collects nothing, pytest rc 5).
     assert differential.main(["--mode", "emulated", "tests/test_norm.py", "--", "-k", "no_such_test"]) == 1
+
+
+def test_exact_kernel_table_names_real_kernels():
+    from dflash_cupy import kernels
+    from dflash_cupy.backends import differential, emu_build
+    names = {k.name for f in kernels.CUDA_SRC.glob("*.cu") for k in emu_build.parse_kernels(f.read_text())}
+    assert differential.EXACT_KERNELS <= names, differential.EXACT_KERNELS - names
+    assert set(differential.KERNEL_TOLERANCE) <= names

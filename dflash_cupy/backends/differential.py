@@ -37,9 +37,12 @@ from ..tolerances import TOL
 from .base import Backend, KernelLaunchError
 from .emulated import EmulatedBackend
 
-# Kernels whose outputs do not depend on floating-point evaluation details
-# (pure data movement, integer planning): any difference is a bug.
-EXACT_KERNELS: frozenset[str] = frozenset()
+# Kernels whose outputs do not depend on floating-point evaluation details: any
+# difference is a bug. (plan.cu: integer planning, constant 0/-inf f16 masks, and a
+# feature gather that only copies or widens f16/bf16 to f32, which is exact.)
+EXACT_KERNELS: frozenset[str] = frozenset({
+    "reset_slots", "reset_slots_if", "plan_append", "gather_features",
+    "build_masks", "build_mask_full", "build_mask_swa"})
 # Kernels whose float outputs carry more than one rounding of their storage type;
 # by default a buffer's tolerance is that of its dtype.
 KERNEL_TOLERANCE: dict[str, str] = {}

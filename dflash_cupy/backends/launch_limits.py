@@ -15,7 +15,10 @@ source and options (``nvrtc_info``). The rules, in the order checked:
    spread over the SM's 4 sub-partitions and the hardware check counts the
    warps rounded up to a multiple of 4. The launch fits iff
    ``ceil(R*32/256)*256 * ceil(warps/4)*4 <= 65536``
-   -> ``too many resources requested for launch``.
+   -> ``too many resources requested for launch``. (The "hardware check" of
+   ``cudaOccMaxBlocksPerSMRegsLimit`` in CUDA's ``cuda_occupancy.h``; e.g.
+   130 registers x 480 threads = 62400 naively fits, but is charged
+   136*32 x 16 warps = 69632 and refused.)
 4. shared memory: static <= 48 KiB (ptxas already refuses more at compile
    time); dynamic <= the kernel's ``MaxDynamicSharedMemorySize`` attribute,
    which is 48 KiB until raised by the opt-in call (``cudaFuncSetAttribute``;
