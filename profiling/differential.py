@@ -1,6 +1,7 @@
 """Run the CPU/GPU differential over several test files at once.
 
-    python -m profiling.differential [--mode 1|exact|emulated] [--jobs N] FILE... [-- PYTEST_ARGS...]
+    python -m profiling.differential [--mode 1|exact|emulated] [--jobs N] [--timeout-s S] FILE...
+                                     [-- PYTEST_ARGS...]
 
 One ``pytest`` per file, in parallel (the emulator's cold g++ builds dominate
 a first run, and they are per process), each with
@@ -15,6 +16,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,26 +36,44 @@ def parse_args(argv=None):
                    help="DFLASH_CUPY_DIFFERENTIAL value (emulated: a second emulator as the reference)")
     p.add_argument("--jobs", type=int, default=0, help="parallel pytest processes (default: one per file, "
                                                        "at most cores/2)")
+    p.add_argument("--timeout-s", type=float, default=3600.0,
+                   help="stop every file still running after this long (its partial output is kept)")
     a = p.parse_args(argv)
     a.pytest_args = extra
     if a.jobs < 0:
         p.error(f"--jobs must be >= 0, got {a.jobs}")
+    if not a.timeout_s > 0:
+        p.error(f"--timeout-s must be > 0, got {a.timeout_s}")
     return a
 
 
-def run_one(path: str, mode: str, pytest_args: list[str]) -> tuple[int, str, float]:
+def run_one(path: str, mode: str, pytest_args: list[str], deadline: float) -> tuple[int, str, float]:
+    """pytest on one file; killed at ``deadline`` (time.monotonic()) with rc 124, keeping
+    the output it had written so far."""
     env = dict(os.environ, DFLASH_CUPY_DIFFERENTIAL=mode, DFLASH_CUPY_BACKEND="emulated")
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path, *pytest_args],
-                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return p.returncode, p.stdout, time.perf_counter() - t0
+    with tempfile.TemporaryFile("w+") as out:
+        p = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path,
+                              *pytest_args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        try:
+            rc = p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            rc = 124
+        out.seek(0)
+        text = out.read()
+    if rc == 124:
+        text += "\n(killed at the runner's --timeout-s)"
+    return rc, text, time.perf_counter() - t0
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
     jobs = a.jobs or max(1, min(len(a.files), (os.cpu_count() or 2) // 2))
+    deadline = time.monotonic() + a.timeout_s
     with ThreadPoolExecutor(jobs) as ex:
-        results = list(ex.map(lambda f: run_one(f, a.mode, a.pytest_args), a.files))
+        results = list(ex.map(lambda f: run_one(f, a.mode, a.pytest_args, deadline), a.files))
     bad = []
     for f, (rc, out, secs) in zip(a.files, results):
         print(f"----- differential {f}: rc={rc} in {secs:.0f} s")

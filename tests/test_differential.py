@@ -182,3 +182,10 @@ def test_exact_kernel_table_names_real_kernels():
     names = {k.name for f in kernels.CUDA_SRC.glob("*.cu") for k in emu_build.parse_kernels(f.read_text())}
     assert differential.EXACT_KERNELS <= names, differential.EXACT_KERNELS - names
     assert set(differential.KERNEL_TOLERANCE) <= names
+
+
+def test_parallel_runner_deadline_keeps_partial_output(capsys):
+    from profiling import differential
+    rc = differential.main(["--mode", "emulated", "--timeout-s", "0.5", "tests/test_norm.py"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "rc=124" in out and "killed at the runner's --timeout-s" in out

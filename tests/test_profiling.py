@@ -368,7 +368,7 @@ def test_gpu_check_real_commands_parse(tmp_path):
     pytest_args = cmds[1][2:]
     assert pytest_args[-3:] == ["--maxfail=25", "-k", "not emulated"] and "tests" in pytest_args
     diff = differential.parse_args(cmds[2][2:])  # the kernel tests' emulated cases, against the GPU
-    assert diff.mode == "1" and "tests/test_gemm.py" in diff.files
+    assert diff.mode == "1" and "tests/test_gemm.py" in diff.files and diff.timeout_s == 95
     assert diff.pytest_args == ["--maxfail=40", "-k", "emulated"]
     cmds = cmds[:2] + cmds[3:]
     parsers = {"profiling.bench_step": bench_step.parse_args, "profiling.bench_gemm": bench_gemm.parse_args,
