@@ -6,7 +6,9 @@
 #
 # Runs from the checkout with PYTHONPATH=<repo root>; needs only python3 with
 # numpy + cupy (+ pytest for the tests, matplotlib for the plot) and coreutils.
-# Order = value: the test log first, then the default drafter's step at a few
+# Order = value: the test log first, then the CPU/GPU differential (the kernel
+# tests' emulated launches re-run on the GPU and compared, appended to tests.log
+# with its per-kernel table), then the default drafter's step at a few
 # windows, then the GEMM and attention kernels, then the full sweep (reusing
 # the first step results), then the host-overhead check. Each step has its own
 # timeout, shortened so that the whole script ends within GPU_CHECK_BUDGET_S
@@ -16,7 +18,7 @@
 #
 # OUTDIR receives at most 8 files (what one device call brings back):
 #   gpu_check.log   this script's log: environment, nvidia-smi, step status, summary
-#   tests.log       pytest output
+#   tests.log       pytest output (the GPU half of the suite, then the differential run)
 #   bench.log       every benchmark's output
 #   step_quick.json bench_step, qwen3.5-27b, windows 256/4K/32K, graph/eager/legacy
 #   gemm.json       bench_gemm (dflash GEMM and cuBLAS)
@@ -65,6 +67,7 @@ if ((DRY)); then
     export DFLASH_CUPY_BACKEND=emulated
     SMOKE=(--smoke)
     PYTEST_ARGS=(--collect-only -q -x -k "not emulated")
+    DIFF_ARGS=(--collect-only -q -k emulated)
     HOST_BACKEND=emulated
     say "DRY RUN: emulated backend, tiny shapes (--smoke); pytest only collects"
 else
@@ -75,6 +78,7 @@ else
     else
         PYTEST_ARGS=(--maxfail=25 -k "not emulated")  # first contact: see many failures, not one
     fi
+    DIFF_ARGS=(--maxfail=40 -k emulated)
     HOST_BACKEND=cuda
 fi
 
@@ -166,6 +170,14 @@ run_step() {
 TLOG=$OUTDIR/tests.log
 : >"$TLOG"
 run_step tests 180 "$TLOG" "$PY" -m pytest -q -p no:cacheprovider tests "${PYTEST_ARGS[@]}"
+
+# Kernel-level tests only (the drafter-level ones add emulator minutes, not kernels), one
+# pytest per file in parallel: most of the time is the emulator's g++ builds (a cold cache on a
+# fresh machine, ~140 modules). A mismatch beyond the kernel's tolerance fails its test; each
+# file's table says which kernels differ at all.
+run_step differential 110 "$TLOG" "$PY" -m profiling.differential --timeout-s 95 \
+    tests/test_norm.py tests/test_rope.py tests/test_plan.py tests/test_mma.py \
+    tests/test_gemm.py tests/test_attention.py -- "${DIFF_ARGS[@]}"
 
 run_step step_quick 90 "$BLOG" "$PY" -m profiling.bench_step ${SMOKE[@]+"${SMOKE[@]}"} \
     --drafters "$( ((DRY)) && echo tiny || echo qwen3.5-27b)" \

@@ -5,6 +5,9 @@ import pytest
 
 from dflash_cupy import backends
 
+from .differential import (pytest_addoption, pytest_collection_modifyitems,  # noqa: F401
+                           pytest_configure, pytest_terminal_summary)
+
 BACKEND_NAMES = ["emulated"] + (["cuda"] if backends.gpu_available() else [])
 
 

@@ -2,7 +2,9 @@
 
 Run as a script (tests/test_cuda_backend_logic.py runs it in a subprocess, since it
 monkeypatches CuPy for the whole process); prints "harness OK" when every check passed."""
-import gc, ctypes
+import gc, ctypes, sys, pathlib
+# This checkout's package, not whichever dflash_cupy is installed (sys.path[0] is tests/).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import numpy as np, pytest, cupy
 from cupy.cuda import runtime as R, driver as D
 import dflash_cupy.backends.cuda as C
@@ -126,6 +128,19 @@ with pytest.raises(BackendError, match=r"(?s)NVRTC failed to compile /p/y.cu.*id
 FakeRawModule.fail = None
 with pytest.raises(BackendError, match="cannot parse|must be a pointer|has type"):
     be.compile('extern "C" __global__ void bad(float& r) {}', (), "bad.cu")
+
+# ---- CuPy's cache key (the code string) covers the content of every included header
+import tempfile, pathlib
+hdir = pathlib.Path(tempfile.mkdtemp())
+(hdir / "outer.cuh").write_text('#include "inner.cuh"\n')
+(hdir / "inner.cuh").write_text("#define SCALE 2.0f\n")
+HSRC = '#include "outer.cuh"\nextern "C" __global__ void k(float* y) { y[0] = SCALE; }\n'
+code1 = be.compile(HSRC, ("-I", str(hdir)), filename="/p/h.cu").raw.code
+assert code1.startswith('#line 1 "/p/h.cu"\n' + HSRC), code1[:80]  # line numbers unchanged
+assert be.compile(HSRC, ("-I", str(hdir)), filename="/p/h.cu").raw.code == code1  # stable
+(hdir / "inner.cuh").write_text("#define SCALE 3.0f\n")  # edit a header included by a header
+code2 = be.compile(HSRC, ("-I", str(hdir)), filename="/p/h.cu").raw.code
+assert code2 != code1 and code2.startswith('#line 1 "/p/h.cu"\n' + HSRC)
 
 # ---- arrays
 x = be.asarray(np.arange(6, dtype=np.float32).reshape(2, 3))

@@ -22,13 +22,10 @@ from pathlib import Path
 import pytest
 
 from dflash_cupy import kernels
-from dflash_cupy.backends.cuda import NVRTC_FLAGS, cuda_include_dirs, with_line_directive
-
-from cupy_backends.cuda.libs import nvrtc  # noqa: E402  (works without a driver)
+from dflash_cupy.backends import nvrtc_info
+from dflash_cupy.backends.nvrtc_info import CUPY_IMPLIED_FLAGS, parse_ptxas  # noqa: F401 (re-exported)
 
 ARCHS = ("sm_80", "sm_90")
-# CuPy's RawModule always adds this (cupy/cuda/compiler.py), so check with it too.
-CUPY_IMPLIED_FLAGS = ("--device-as-default-execution-space",)
 _CHECK_RE = re.compile(r"^\s*//\s*nvrtc-check:(.*)$", re.M)
 _WARNING_RE = re.compile(r"\bwarning\b", re.I)
 _SPILL_RE = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -48,49 +45,16 @@ def option_sets(source: str) -> list[tuple[str, ...]]:
     return sets
 
 
-def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
-    """Per entry function: registers, smem (static bytes), stack, spill_stores, spill_loads."""
-    out: dict[str, dict[str, int]] = {}
-    cur = None
-    for line in log.splitlines():
-        m = re.search(r"Compiling entry function '([^']+)'", line)
-        if m:
-            cur = out.setdefault(m.group(1), {"registers": 0, "smem": 0, "stack": 0,
-                                              "spill_stores": 0, "spill_loads": 0})
-            continue
-        if cur is None:
-            continue
-        m = re.search(r"(\d+) bytes stack frame", line)
-        if m:
-            cur["stack"] = max(cur["stack"], int(m.group(1)))
-        m = _SPILL_RE.search(line)
-        if m:
-            cur["spill_stores"] += int(m.group(1))
-            cur["spill_loads"] += int(m.group(2))
-        m = re.search(r"Used (\d+) registers", line)
-        if m:
-            cur["registers"] = int(m.group(1))
-            s = re.search(r"(\d+) bytes smem", line)
-            cur["smem"] = int(s.group(1)) if s else 0
-    return out
-
-
 def nvrtc_check(source: str, filename: str, arch: str, options=()) -> dict[str, dict[str, int]]:
-    """Compile with NVRTC; raise ``NvrtcCheckFailed`` (naming ``filename``) on an error,
-    a warning or a spill. Returns ``parse_ptxas`` of the log."""
-    opts = [f"--gpu-architecture={arch}", *NVRTC_FLAGS, *CUPY_IMPLIED_FLAGS, "--ptxas-options=-v",
-            *kernels.compile_options(), *("-I" + d for d in cuda_include_dirs()), *options]
-    prog = nvrtc.createProgram(with_line_directive(source, filename), filename, [], [])
-    try:
-        try:
-            nvrtc.compileProgram(prog, opts)
-        except nvrtc.NVRTCError as e:
-            raise NvrtcCheckFailed(f"{filename} [{arch} {' '.join(options)}]: NVRTC error {e}:\n"
-                                   f"{nvrtc.getProgramLog(prog)}") from None
-        log = nvrtc.getProgramLog(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
+    """Compile with NVRTC (``nvrtc_info.compile_info``: the CUDA backend's flags); raise
+    ``NvrtcCheckFailed`` (naming ``filename``) on an error, a warning or a spill.
+    Returns ``parse_ptxas`` of the log."""
     where = f"{filename} [{arch} {' '.join(options)}]"
+    try:
+        info = nvrtc_info.compile_info(source, filename, (*kernels.compile_options(), *options), arch)
+    except nvrtc_info.NvrtcCompileError as e:
+        raise NvrtcCheckFailed(f"{where}: {e}") from None
+    log = info.log
     if _WARNING_RE.search(log):
         raise NvrtcCheckFailed(f"{where}: compiler warnings:\n{log}")
     for m in _SPILL_RE.finditer(log):

@@ -20,7 +20,8 @@ import pytest
 
 from dflash_cupy import backends
 from dflash_cupy.weights import DraftWeights
-from profiling import bench_attention, bench_gemm, bench_host, bench_step, common, summarize, timer
+from profiling import (bench_attention, bench_gemm, bench_host, bench_step, common, differential,
+                       summarize, timer)
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = common.drafter_config("tiny")
@@ -367,10 +368,15 @@ def test_gpu_check_real_commands_parse(tmp_path):
     cmds = [json.loads(line) for line in record.read_text().splitlines()]
     assert cmds[0][:2] == ["-", "0"]  # preflight, real mode
     mods = [c[1] for c in cmds[1:]]
-    assert mods == ["pytest", "profiling.bench_step", "profiling.bench_gemm", "profiling.bench_attention",
-                    "profiling.bench_step", "profiling.bench_host", "profiling.summarize"]
+    assert mods == ["pytest", "profiling.differential", "profiling.bench_step", "profiling.bench_gemm",
+                    "profiling.bench_attention", "profiling.bench_step", "profiling.bench_host",
+                    "profiling.summarize"]
     pytest_args = cmds[1][2:]
     assert pytest_args[-3:] == ["--maxfail=25", "-k", "not emulated"] and "tests" in pytest_args
+    diff = differential.parse_args(cmds[2][2:])  # the kernel tests' emulated cases, against the GPU
+    assert diff.mode == "1" and "tests/test_gemm.py" in diff.files and diff.timeout_s == 95
+    assert diff.pytest_args == ["--maxfail=40", "-k", "emulated"]
+    cmds = cmds[:2] + cmds[3:]
     parsers = {"profiling.bench_step": bench_step.parse_args, "profiling.bench_gemm": bench_gemm.parse_args,
                "profiling.bench_attention": bench_attention.parse_args,
                "profiling.bench_host": bench_host.parse_args, "profiling.summarize": None}

@@ -83,13 +83,13 @@ from cupy.cuda import driver as _driver
 from cupy.cuda import runtime as _runtime
 
 from .. import device_props
-from . import emu_build
+from . import emu_build, nvrtc_info
 from .base import (Backend, BackendError, CaptureError, Graph, Kernel, KernelLaunchError, Module,
                    copy_nbytes)
 from .base import check_kernel_args
 from .base import dim3 as _dim3
 
-NVRTC_FLAGS = ("--std=c++17", "-ftz=true")
+NVRTC_FLAGS = nvrtc_info.NVRTC_FLAGS  # ("--std=c++17", "-ftz=true")
 
 _DEFAULT_SMEM = device_props.DEFAULT_SMEM  # dynamic shared memory allowed without the opt-in attribute
 _DEFAULT_STREAM_PTRS = (0, 1, 2)  # legacy NULL, cudaStreamLegacy, cudaStreamPerThread
@@ -181,28 +181,21 @@ def cuda_include_dirs() -> tuple[str, ...]:
     return ()
 
 
-def with_line_directive(source: str, filename: str) -> str:
-    """``source`` prefixed with ``#line 1 "filename"`` so compiler messages name
-    the original file (CuPy hands NVRTC a hashed temporary name)."""
-    escaped = filename.replace("\\", "\\\\").replace('"', '\\"')
-    return f'#line 1 "{escaped}"\n' + source
+# One implementation for this backend, the emulator's NVRTC check and tests/test_nvrtc.py.
+with_line_directive = nvrtc_info.with_line_directive
+_normalise_options = nvrtc_info.normalise_options
 
 
-def _normalise_options(options: Sequence[str]) -> tuple[str, ...]:
-    """Options as NVRTC wants them: one token each, ``-I dir`` joined to ``-Idir``."""
-    out: list[str] = []
-    opts = [str(o) for o in options]
-    i = 0
-    while i < len(opts):
-        o = opts[i].strip()
-        if o in ("-I", "-D") and i + 1 < len(opts):
-            o = o + opts[i + 1].strip()
-            i += 1
-        elif (o.startswith("-I ") or o.startswith("-D ")):
-            o = o[:2] + o[2:].strip()
-        out.append(o)
-        i += 1
-    return tuple(out)
+def cache_tag(source: str, filename: str, options: Sequence[str]) -> str:
+    """A trailing comment naming the digest of every header ``source`` includes.
+
+    CuPy's kernel cache key covers the code string, the options and the NVRTC version
+    but not the content of ``#include``d files, so after an edit of ``mma.cuh`` it
+    would reuse the stale cubin; with the digest in the code, it recompiles. Headers
+    are searched as NVRTC does (``-I`` dirs, including the CUDA runtime headers).
+    Appended, not prepended, so ``#line`` numbering is unchanged."""
+    dirs = nvrtc_info.include_dirs_of(options)
+    return f"\n// dflash_cupy include digest {nvrtc_info.include_digest(source, filename, dirs)}\n"
 
 
 # ---------------------------------------------------------------------------
@@ -589,7 +582,7 @@ class CudaBackend(Backend):
         except ValueError as e:
             raise BackendError(f"{fname}: {e}") from None
         opts = NVRTC_FLAGS + _normalise_options(options) + tuple("-I" + d for d in cuda_include_dirs())
-        code = with_line_directive(source, fname)
+        code = with_line_directive(source, fname) + cache_tag(source, fname, opts)
         try:
             raw = cupy.RawModule(code=code, options=opts, backend="nvrtc")
             raw.compile()  # eager: errors surface here, not at the first launch

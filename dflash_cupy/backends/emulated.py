@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import emu_build, emu_memory
+from . import emu_build, emu_memory, launch_limits, nvrtc_info
 from .base import (Backend, BackendError, CaptureError, Graph, Kernel, KernelLaunchError, Module,
                    StreamOrderError, copy_nbytes)
 from .base import check_kernel_args
@@ -251,6 +251,7 @@ class EmuKernel(Kernel):
     def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0,
                  stream: EmuStream | None = None) -> None:
         g, b = _dim3(grid, f"kernel {self.name}: grid"), _dim3(block, f"kernel {self.name}: block")
+        launch_limits.check_emulated_launch(self, g, b, shared_mem)  # the driver's checks (sm_90)
         nthreads = b[0] * b[1] * b[2]
         if nthreads > 1024:
             raise ValueError(f"kernel {self.name}: block {b} has {nthreads} threads (max 1024)")
@@ -638,11 +639,21 @@ class EmulatedBackend(Backend):
     # ---- code
     def compile(self, source: str, options: Sequence[str] = (), filename: str | None = None) -> EmuModule:
         self._no_capture("compile")
+        # The same source must also build for the GPU (NVRTC, sm_90, alongside g++); the
+        # resources of that build bound each launch.
+        gpu_build = nvrtc_info.resources_for_emulator_async(source, filename, options)
         try:
             so, kernels = emu_build.build(source, options, filename)
         except (emu_build.CompileError, ValueError) as e:
             raise BackendError(str(e)) from None
-        return EmuModule(self, so, kernels)
+        try:
+            resources = gpu_build.result()
+        except nvrtc_info.NvrtcCompileError as e:
+            raise BackendError(f"{e}\n(the emulated backend also compiles with NVRTC for "
+                               f"{nvrtc_info.ARCH}; a kernel the GPU build rejects is rejected here)") from None
+        mod = EmuModule(self, so, kernels)
+        mod.resources = resources
+        return mod
 
     # ---- streams, events, copies
     def stream(self) -> EmuStream:
