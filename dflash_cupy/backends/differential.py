@@ -121,6 +121,10 @@ class DiffKernel:
         if be.is_capturing():
             return self._emu(grid, block, args, shared_mem=shared_mem, stream=stream)
         ref_be = be.reference
+        # Emulated streams run deferred: let queued work produce the inputs first, and run
+        # this launch before comparing (this mode is synchronous; stream hazards are the
+        # plain emulated backend's business).
+        be.synchronize()
         # Snapshot the inputs on the reference before the emulator writes the outputs.
         roots: dict[int, tuple[np.ndarray, Any]] = {}
         views: list[tuple[int, Any]] = []   # (arg index, reference view) of pointer args
@@ -131,6 +135,7 @@ class DiffKernel:
                     roots[id(root)] = (root, ref_be.asarray(_bytes(root).copy()))
                 views.append((i, self._ref_view(roots[id(root)][1], root, a)))
         self._emu(grid, block, args, shared_mem=shared_mem, stream=stream)
+        be.synchronize()
         ref_args = list(args)
         for i, v in views:
             ref_args[i] = v
