@@ -179,6 +179,20 @@ run_step differential 110 "$TLOG" "$PY" -m profiling.differential --timeout-s 95
     tests/test_norm.py tests/test_rope.py tests/test_plan.py tests/test_mma.py \
     tests/test_gemm.py tests/test_attention.py -- "${DIFF_ARGS[@]}"
 
+# compute-sanitizer (memcheck, racecheck, synccheck, initcheck) over quick kernel tests, where the
+# tool works on this machine's driver; its reports go to tests.log.
+if ((DRY)); then
+    say "SKIP sanitizers: no GPU in a dry run"
+elif command -v compute-sanitizer >/dev/null; then
+    for tool in memcheck racecheck synccheck initcheck; do
+        run_step "sanitizer_$tool" 30 "$TLOG" compute-sanitizer --tool "$tool" --error-exitcode 3 \
+            "$PY" -m pytest -q -p no:cacheprovider tests/test_norm.py tests/test_plan.py tests/test_sample.py \
+            -k "not emulated"
+    done
+else
+    say "SKIP sanitizers: compute-sanitizer not on PATH"
+fi
+
 run_step step_quick 90 "$BLOG" "$PY" -m profiling.bench_step ${SMOKE[@]+"${SMOKE[@]}"} \
     --drafters "$( ((DRY)) && echo tiny || echo qwen3.5-27b)" \
     --windows "$( ((DRY)) && echo 32 || echo 256,4K,32K)" \
@@ -193,6 +207,12 @@ run_step step_full 100 "$BLOG" "$PY" -m profiling.bench_step ${SMOKE[@]+"${SMOKE
 
 run_step host 45 "$BLOG" "$PY" -m profiling.bench_host ${SMOKE[@]+"${SMOKE[@]}"} --backend "$HOST_BACKEND" --json \
     --out "$WORK/host.json"
+
+# Soak last: as many random steps (accept, jump, rewind, reset, planted bad input) as the budget
+# leaves, up to 10^5, oracle-checked every 500; max error, allocations and memory in bench.log.
+run_step soak 150 "$BLOG" "$PY" -m profiling.soak \
+    --steps "$( ((DRY)) && echo 30 || echo 100000)" --check-every "$( ((DRY)) && echo 10 || echo 500)" \
+    --sample-every 1000 --max-seconds "$( ((DRY)) && echo 60 || echo 130)" --json "$WORK/soak.json"
 
 # ---------------------------------------------------------------- summary
 say "summary:"

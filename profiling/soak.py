@@ -62,7 +62,7 @@ def _bad_inputs(kv, ring, committed, cfg):
 
 
 def run(steps: int = 1000, check_every: int = 50, sample_every: int = 100, seed: int = 0,
-        backend=None, capacity: int = 40, verbose: bool = True) -> dict:
+        backend=None, capacity: int = 40, verbose: bool = True, max_seconds: float | None = None) -> dict:
     be = backends.get(backend)
     cfg = DraftConfig(n_layer=2, hidden_size=64, n_head=4, n_head_kv=2, head_dim=32,
                       intermediate_size=96, block_size=4, target_layer_ids=(0, 2),
@@ -93,6 +93,9 @@ def run(steps: int = 1000, check_every: int = 50, sample_every: int = 100, seed:
     t0 = time.perf_counter()
     with kv:
         for i in range(steps):
+            if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+                stats["steps"] = steps = i  # out of time: report what ran
+                break
             ev = EVENTS[int(rng.choice(len(EVENTS), p=WEIGHTS))] if i else "accept"
             stats["events"][ev] += 1
             if ev == "bad":
@@ -147,7 +150,7 @@ def run(steps: int = 1000, check_every: int = 50, sample_every: int = 100, seed:
                 stats["rss"].append((i, rss_bytes()))
                 stats["device"].append((i, device_bytes(be)))
     stats["seconds"] = time.perf_counter() - t0
-    stats["steps_per_s"] = steps / stats["seconds"]
+    stats["steps_per_s"] = steps / max(stats["seconds"], 1e-9)
     dev = [b for _, b in stats["device"][1:]]  # after the first step's captures
     stats["device_growth"] = (max(dev) - min(dev)) if dev else 0
     rss = [b for _, b in stats["rss"]]
@@ -165,7 +168,7 @@ def run(steps: int = 1000, check_every: int = 50, sample_every: int = 100, seed:
     return stats
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m profiling.soak", description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--check-every", type=int, default=50)
@@ -173,9 +176,16 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--capacity", type=int, default=40)
     p.add_argument("--backend", default=None, choices=["cuda", "emulated"])
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop after this long (the steps run so far are reported)")
     p.add_argument("--json", default=None, help="write the figures here")
-    a = p.parse_args(argv)
-    stats = run(a.steps, a.check_every, a.sample_every, a.seed, a.backend, a.capacity)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    stats = run(a.steps, a.check_every, a.sample_every, a.seed, a.backend, a.capacity,
+                max_seconds=a.max_seconds)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(stats, backend=backends.get(a.backend).name), f, indent=1)

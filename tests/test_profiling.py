@@ -370,7 +370,7 @@ def test_gpu_check_real_commands_parse(tmp_path):
     mods = [c[1] for c in cmds[1:]]
     assert mods == ["pytest", "profiling.differential", "profiling.bench_step", "profiling.bench_gemm",
                     "profiling.bench_attention", "profiling.bench_step", "profiling.bench_host",
-                    "profiling.summarize"]
+                    "profiling.soak", "profiling.summarize"]
     pytest_args = cmds[1][2:]
     assert pytest_args[-3:] == ["--maxfail=25", "-k", "not emulated"] and "tests" in pytest_args
     diff = differential.parse_args(cmds[2][2:])  # the kernel tests' emulated cases, against the GPU
@@ -379,7 +379,8 @@ def test_gpu_check_real_commands_parse(tmp_path):
     cmds = cmds[:2] + cmds[3:]
     parsers = {"profiling.bench_step": bench_step.parse_args, "profiling.bench_gemm": bench_gemm.parse_args,
                "profiling.bench_attention": bench_attention.parse_args,
-               "profiling.bench_host": bench_host.parse_args, "profiling.summarize": None}
+               "profiling.bench_host": bench_host.parse_args, "profiling.summarize": None,
+               "profiling.soak": None}
     for c in cmds[2:]:
         if parsers[c[1]] is not None:
             a = parsers[c[1]](c[2:])
@@ -388,3 +389,6 @@ def test_gpu_check_real_commands_parse(tmp_path):
     assert quick.drafters == ["qwen3.5-27b"] and quick.windows == [256, 4096, 32768]
     assert full.drafters == ["qwen3.5-27b", "h4096"] and full.merge.endswith("step_quick.json")
     assert bench_host.parse_args(cmds[6][2:]).backend == "cuda"
+    from profiling import soak
+    sa = soak.parse_args(cmds[7][2:])
+    assert sa.steps == 100000 and sa.max_seconds and sa.check_every == 500
