@@ -122,9 +122,12 @@ def test_all_hidden_is_zero(backend, rng, n_splits, gate):
 
 
 def test_default_splits_and_sizes():
-    assert default_splits(8, 2080) == 8          # 65 tiles, >= 8 tiles per split
+    assert default_splits(8, 2080) == 16         # 65 tiles, >= 4 tiles per split: 128 blocks
+    assert default_splits(8, 8192 + 32) == 33    # 2 blocks per SM on 132 SMs
+    assert default_splits(8, 8192 + 32, sm_count=78) == 20
     assert default_splits(8, 64) == 1
     assert default_splits(1, 100000) == 264
+    assert default_splits(4, 100000, row_groups=2) == 33
 
 
 def test_bad_arguments_raise(emu):

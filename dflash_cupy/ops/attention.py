@@ -6,6 +6,8 @@ with ``kvh = h // (n_head/n_head_kv)`` (GQA), over all ``kv_total`` cache rows
 (f16, read exactly), additive f16 mask (0 / -inf), softmax in f32, and an
 optional fused gate ``out *= softplus(g)`` with ``g [B, n_head]`` (``"head"``)
 or ``[B, n_head*d]`` (``"element"``). A row with every key hidden gets 0.
+A slot hidden from a row never reaches that row's output, whatever its K/V
+hold (NaN, Inf): stale ring slots need no clearing on reset or rewind.
 
 Grid ``(n_head_kv, n_splits, row_groups)``: each block loads a 32-row K/V
 tile of one kv head once for all ``q_len * n_head/n_head_kv`` query rows that
@@ -13,7 +15,7 @@ read it; ``n_splits > 1`` adds a combine launch (log-sum-exp merge) over a
 workspace allocated once by the constructor.
 
 Two split kernels (``path``): ``"mma"`` (``cuda_src/attention_mma.cu``,
-tensor cores, q and p split into two f16 terms; the default where it applies:
+tensor cores, q and p split into two f16 terms, V read with ldmatrix.trans; the default where it applies:
 ``head_dim % 16 == 0``, ``head_dim <= 128``, at most 256 query rows per kv
 head) and ``"fma"`` (``attention.cu``, CUDA cores, any head_dim). At long
 windows the CUDA-core kernel is bound by its own arithmetic (B*G rows x D x
@@ -32,8 +34,14 @@ GATES = {None: 0, "head": 1, "element": 2}
 TILE = 32                  # keys per shared-memory tile (attention.cu TILE)
 SMEM_LIMIT = 48 * 1024     # static shared memory cap without the opt-in attribute
 MAX_WARPS = 8
-TARGET_BLOCKS = 264        # ~2 blocks per SM on a 132-SM H100/H200
-MIN_TILES_PER_SPLIT = 8    # keeps the partials' traffic small next to the K/V a split reads
+# The SM count of the GPU the splits are sized for (H100/H200 SXM). The one
+# place to swap for a queried device property once the launcher receives one.
+SM_COUNT = 132
+BLOCKS_PER_SM = 2          # what the split kernels' registers allow (~215 regs x 128 threads)
+# Fewer tiles per split fill the SMs at short windows; below 4 the partials'
+# round trip (and the combine) costs more than the extra blocks gain
+# (profiling.perf_model, qwen3-8b at 2K: 8 -> 32.4 us, 4 -> 21.6 us, 2 -> 30.4 us).
+MIN_TILES_PER_SPLIT = 4
 COMBINE_THREADS = 128
 
 
@@ -43,10 +51,11 @@ def _pos_int(v, name) -> int:
     return int(v)
 
 
-def default_splits(n_head_kv: int, kv_total: int, row_groups: int = 1) -> int:
-    """Enough blocks to fill the GPU, but at least MIN_TILES_PER_SPLIT tiles each."""
+def default_splits(n_head_kv: int, kv_total: int, sm_count: int = SM_COUNT, row_groups: int = 1) -> int:
+    """Enough blocks for ``BLOCKS_PER_SM`` per SM, but at least
+    ``MIN_TILES_PER_SPLIT`` key tiles each."""
     n_tiles = -(-kv_total // TILE)
-    want = -(-TARGET_BLOCKS // (n_head_kv * row_groups))
+    want = -(-(BLOCKS_PER_SM * sm_count) // (n_head_kv * row_groups))
     return max(1, min(want, n_tiles // MIN_TILES_PER_SPLIT))
 
 
@@ -102,7 +111,8 @@ class RingAttention:
         self.warps = min(MAX_WARPS, self.rows_per_block)
         n_tiles = -(-self.kv_total // TILE)
         if n_splits is None:
-            n_splits = default_splits(self.NKV, self.kv_total, 1 if self.path == "mma" else self.row_groups)
+            n_splits = default_splits(self.NKV, self.kv_total,
+                                      row_groups=1 if self.path == "mma" else self.row_groups)
         self.n_splits = _pos_int(n_splits, "n_splits")
         if self.n_splits > n_tiles:
             raise ValueError(f"n_splits={n_splits} exceeds the {n_tiles} key tiles of kv_total={kv_total}")
