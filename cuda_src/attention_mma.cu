@@ -5,8 +5,7 @@
 // see attention_common.cuh for the sizes. Needs D % 16 == 0, D <= 128 and at
 // most 256 query rows per kv head (R = B * NH/NKV).
 //
-// ring_attn_mma_split: grid (NKV, SPLITS), block (MW*32), MW = ceil(R / 16);
-//   counters [NKV] int, zero between launches (SPLITS > 1).
+// ring_attn_mma_split: grid (NKV, SPLITS), block (MW*32), MW = ceil(R / 16).
 //   A block takes one kv head and one contiguous slice of keys; warp w owns
 //   query rows 16w .. 16w+15 of that head (row r = b*G + g_head), so every
 //   K/V tile in shared memory serves all R rows. Per 32-key tile, as
@@ -32,9 +31,6 @@
 //   Q and P are f32 split into two f16 terms (hi + lo, ~22 significant bits
 //   for P in [0,1], ~16 for q) so the products keep f32-like accuracy; K and V
 //   are the f16 cache rows themselves.
-// Splits (SPLITS > 1): each block writes its partial (attention.cu's layout)
-//   and the last block of its kv head to arrive merges them into `out`: no
-//   combine launch (and no graph node) of its own.
 //
 // nvrtc-check: -DD=64 -DNH=8 -DNKV=2 -DB=16 -DKV_TOTAL=100 -DSPLITS=3 -DGATE=2
 // nvrtc-check: -DD=32 -DNH=4 -DNKV=4 -DB=1 -DKV_TOTAL=37 -DSPLITS=1 -DGATE=1
@@ -113,8 +109,7 @@ ring_attn_mma_split(const float* __restrict__ q,
                     float* __restrict__ part_ml,
                     float* __restrict__ out,
                     const float* __restrict__ gate,
-                    float scale,
-                    int* __restrict__ counters)
+                    float scale)
 {
     using namespace attn_mma;
     __shared__ __align__(16) __half k_s[TILE * KS];
@@ -330,68 +325,4 @@ ring_attn_mma_split(const float* __restrict__ q,
         }
 #endif
     }
-
-#if SPLITS > 1
-    // The last split of this kv head to finish merges all SPLITS partials of
-    // its R rows (log-sum-exp weights, in a fixed order: bit-identical whichever
-    // block is last) and resets the counter for the next launch or replay.
-    __shared__ int last_s;
-    __threadfence();  // the partials are visible device-wide before the count says so
-    __syncthreads();
-    if (threadIdx.x == 0) last_s = atomicAdd(&counters[kvh], 1) == SPLITS - 1;
-    __syncthreads();
-    if (!last_s) return;
-    __threadfence();
-    // A warp per row: lane j holds split j's weight (32 splits at a time, one
-    // coalesced part_ml load), lane c the row's float4 column c; the splits'
-    // float4 loads are independent, unrolled so that many are in flight.
-    const int nc = D / 4;
-    for (int r = warp; r < R; r += MW) {
-        const int qrow = (r / G) * NH + kvh * G + r % G;
-        const float* ml = part_ml + (long long)qrow * 2;
-        float m = NEG_INF;
-        for (int s0 = 0; s0 < SPLITS; s0 += 32)
-            if (s0 + lane < SPLITS) m = fmaxf(m, __ldcg(ml + (long long)(s0 + lane) * (B * NH) * 2));
-        m = warp_max(m);
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        float l = 0.f;
-        if (m != NEG_INF) {
-            for (int s0 = 0; s0 < SPLITS; s0 += 32) {
-                float w = 0.f;
-                if (s0 + lane < SPLITS) {
-                    const float* mls = ml + (long long)(s0 + lane) * (B * NH) * 2;
-                    w = exp2f(__ldcg(mls) - m);          // 0 for splits that saw nothing
-                    l += w * __ldcg(mls + 1);
-                }
-                const int n = min(32, SPLITS - s0);
-#pragma unroll 8
-                for (int k = 0; k < n; ++k) {
-                    const float wk = __shfl_sync(0xffffffffu, w, k);
-                    if (lane < nc) {
-                        const float4 po = __ldcg(reinterpret_cast<const float4*>(
-                            part_o + ((long long)(s0 + k) * (B * NH) + qrow) * D + 4 * lane));
-                        acc.x += wk * po.x;
-                        acc.y += wk * po.y;
-                        acc.z += wk * po.z;
-                        acc.w += wk * po.w;
-                    }
-                }
-            }
-        }
-        l = warp_sum(l);
-        if (lane < nc) {
-            const float inv = l > 0.f ? 1.f / l : 0.f;
-            const int d = 4 * lane;
-            float4 res;
-            res.x = acc.x * inv * gate_factor(gate, qrow, d);
-            res.y = acc.y * inv * gate_factor(gate, qrow, d + 1);
-            res.z = acc.z * inv * gate_factor(gate, qrow, d + 2);
-            res.w = acc.w * inv * gate_factor(gate, qrow, d + 3);
-            *reinterpret_cast<float4*>(out + (long long)qrow * D + d) = res;
-        }
-    }
-    if (threadIdx.x == 0) counters[kvh] = 0;
-#else
-    (void)counters;
-#endif
 }

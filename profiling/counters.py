@@ -320,7 +320,7 @@ def _gemm_mma(L) -> KernelCounters:
 def _attn_mma(L) -> KernelCounters:
     d = L.defines
     D, NH, NKV, B, KVT, SPLITS = d["D"], d["NH"], d["NKV"], d["B"], d["KV_TOTAL"], d["SPLITS"]
-    q, kc, vc, mask, po, pml, out, gate, _scale, _counters = L.args
+    q, kc, vc, mask, po, pml, out, gate, _scale = L.args
     TILE, G = 32, NH // NKV
     R = B * G
     MW = -(-R // 16)
@@ -374,32 +374,17 @@ def _attn_mma(L) -> KernelCounters:
     # q: each lane 2 x 4 B per (kk, e): small; counted as its bytes
     _contig(c, "ld", B * NH * D * 4)
     out_b = B * NH * D * 4
-    c.bytes_written[_name(out)] = out_b
-    _contig(c, "st", out_b)
-    merge_trips = 0
     if SPLITS > 1:
-        # partials out, then the last block of each kv head reads them back (a warp per row:
-        # one coalesced part_ml load per 32 splits, twice; one float4 per lane per split)
-        part_b = SPLITS * (out_b + B * NH * 8)
         c.bytes_written[_name(po)] = SPLITS * out_b
         c.bytes_written[_name(pml)] = SPLITS * B * NH * 8
-        c.bytes_read[_name(po)] = SPLITS * out_b
-        c.bytes_read[_name(pml)] = SPLITS * B * NH * 8
-        _contig(c, "st", part_b)
-        _contig(c, "ld", SPLITS * out_b, 16)
-        ml_req = B * NH * 2 * -(-SPLITS // 32)
-        c.add_global("ld", ml_req, 32 // 4, 32 * 4)     # 32 lanes x 4 B at a stride of 8 B
-        c.barriers += 2 * L.n_blocks
-        # the merging warp's latency path: per row, 2 ml loads + the split loads 8 at a time
-        rows_per_warp = -(-R // MW)
-        merge_trips = rows_per_warp * (2 * -(-SPLITS // 32) + -(-SPLITS // 8))
-        c.notes.append(f"splits merged by the last block of each kv head: {SPLITS} x {R} rows x {D} "
-                       f"f32 read back from L2, {merge_trips} L2 round trips in its longest warp")
-    # the partials cross HBM both ways (conservative: they may stay in L2)
-    c.dram_bytes = 2 * kv_bytes + B * KVT * 2 + B * NH * D * 4 + out_b + (2 * part_b if SPLITS > 1 else 0)
+        _contig(c, "st", SPLITS * (out_b + B * NH * 8))
+    else:
+        c.bytes_written[_name(out)] = out_b
+        _contig(c, "st", out_b)
+    c.dram_bytes = 2 * kv_bytes + B * KVT * 2 + B * NH * D * 4 + (
+        SPLITS * (out_b + B * NH * 8) if SPLITS > 1 else out_b)
     # the K/V loads of a tile are consumed at the barrier right after: one round trip per tile
     c.dram_round_trips_per_block = max_tiles
-    c.l2_round_trips_per_block = merge_trips
     c.inflight_peak_bytes_per_warp = -(-items // THR) * 2 * 16 * 32
     c.notes.append(f"{L.n_blocks} blocks ({NKV} kv heads x {SPLITS} splits), {max_tiles} key tiles each, "
                    f"one K/V round trip per tile")

@@ -137,8 +137,7 @@ def _attn_launch(D=128, NH=32, NKV=8, B=16, KVT=2080, SPLITS=16):
     args = [_arr("q", (B, NH, D), np.float32), _arr("k", (KVT, NKV * D), np.float16),
             _arr("v", (KVT, NKV * D), np.float16), _arr("mask", (B, KVT), np.float16),
             _arr("part_o", (SPLITS, B * NH, D), np.float32), _arr("part_ml", (SPLITS, B * NH, 2), np.float32),
-            _arr("out", (B, NH * D), np.float32), _arr("out", (B, NH * D), np.float32), 0.1,
-            _arr("counters", (NKV,), np.int32)]
+            _arr("out", (B, NH * D), np.float32), _arr("out", (B, NH * D), np.float32), 0.1]
     R = B * NH // NKV
     return Launch("ring_attn_mma_split", "attention_mma.cu", d, (NKV, SPLITS, 1), (-(-R // 16) * 32, 1, 1), 0, args)
 
@@ -156,9 +155,7 @@ def test_attention_v_ldmatrix_is_conflict_free():
     # 4 warps; per warp per tile: QK^T 4 x 8 x 2 and PV 2 x 16 x 2 MMAs
     tiles = 8 * 65
     assert c.mma == tiles * 4 * (4 * 8 * 2 + 2 * 16 * 2)
-    assert c.barriers == 2 * tiles + 3 * 8 * 16     # + 1 before the loop, 2 around the merge ticket
-    # the last block per kv head reads the 16 partials back: one float4 per lane per split and row
-    assert c.bytes_read["part_o"] == c.bytes_written["part_o"] == 16 * 16 * 32 * 128 * 4
+    assert c.barriers == 2 * tiles + 8 * 16
     assert c.bytes_read["k"] == c.bytes_read["v"] == 2080 * 8 * 128 * 2
 
 
@@ -221,14 +218,14 @@ def _cfg(**kw):
     ({"aux_hidden_norms": True, "attn_gate": "head"}, 64),
     ({"context_kv_layer_norm": True, "attn_gate": "element", "layer_sliding": (True, False),
       "sliding_window": 16}, 64),
-    ({}, 4096),                                   # split attention: merged in the split launch
+    ({}, 4096),                                   # split attention: a combine launch per layer
 ])
 def test_node_count_formula(kw, window):
     c = _cfg(**kw)
     plan = step_plan(c, window)
     att = plan.cache.attention
     n = sf.graph_node_count(c.n_layer, aux_norms=c.aux_hidden_norms, context_kv_norm=c.context_kv_layer_norm,
-                            attn_gate=c.attn_gate != "none", attn_combine=att._combine is not None,
+                            attn_gate=c.attn_gate != "none", attn_splits=att.n_splits,
                             both_masks=c.any_full and c.any_sliding)
     assert plan.n_nodes == n
     assert len(plan.copies) == 2                 # the descriptor and the noise embeddings
@@ -237,9 +234,7 @@ def test_node_count_formula(kw, window):
 def test_node_count_of_the_presets():
     for name in ("h4096", "qwen3.5-27b"):
         plan = step_plan(drafter_config(name), 2048)
-        # 49: the combine launch per layer (54 before) is folded into the split kernel
-        assert plan.cache.attention.n_splits > 1
-        assert plan.n_nodes == 49 == sf.graph_node_count(5)
+        assert plan.n_nodes == 54 == sf.graph_node_count(5, attn_splits=plan.cache.attention.n_splits)
 
 
 def test_recorded_graph_matches_the_emulated_capture():

@@ -11,9 +11,8 @@ hold (NaN, Inf): stale ring slots need no clearing on reset or rewind.
 
 Grid ``(n_head_kv, n_splits, row_groups)``: each block loads a 32-row K/V
 tile of one kv head once for all ``q_len * n_head/n_head_kv`` query rows that
-read it; with ``n_splits > 1`` the splits are merged (log-sum-exp) over a
-workspace allocated once by the constructor: by the last block of each kv
-head on the tensor-core path (one launch), by a combine launch on the other.
+read it; ``n_splits > 1`` adds a combine launch (log-sum-exp merge) over a
+workspace allocated once by the constructor.
 
 Two split kernels (``path``): ``"mma"`` (``cuda_src/attention_mma.cu``,
 tensor cores, q and p split into two f16 terms, V read with ldmatrix.trans; the default where it applies:
@@ -70,8 +69,8 @@ class RingAttention:
     ``k_cache``, ``v_cache [kv_total, n_head_kv*head_dim]`` f16 (16-byte aligned);
     ``mask [q_len, kv_total]`` f16; ``out [q_len, n_head*head_dim]`` f32;
     ``gate [q_len, n_head]`` / ``[q_len, n_head*head_dim]`` f32 per the mode.
-    No allocation, no host sync: capture-safe. The instance owns one partials
-    workspace and its arrival counters: calls must be ordered (one stream),
+    No allocation, no host sync: capture-safe. With ``n_splits > 1`` the
+    instance owns one partials workspace: calls must be ordered (one stream),
     never concurrent on two streams.
     """
 
@@ -128,16 +127,12 @@ class RingAttention:
                 backend, "attention_mma.cu", D=self.D, NH=self.NH, NKV=self.NKV, B=self.B,
                 KV_TOTAL=self.kv_total, SPLITS=self.n_splits, GATE=GATES[gate]).get_function(
                 "ring_attn_mma_split")
-        # the tensor-core kernel merges its own splits (last block per kv head)
-        self._combine = (self._module.get_function("ring_attn_combine")
-                         if self.n_splits > 1 and self.path == "fma" else None)
+        self._combine = self._module.get_function("ring_attn_combine") if self.n_splits > 1 else None
         if self.n_splits > 1:
             self.part_o = backend.zeros((self.n_splits, self.B * self.NH, self.D), np.float32)
             self.part_ml = backend.zeros((self.n_splits, self.B * self.NH, 2), np.float32)
         else:
             self.part_o = self.part_ml = None
-        # arrival counters of the folded merge: zero between launches (the last block resets its own)
-        self.counters = backend.zeros((self.NKV,), np.int32) if self.path == "mma" else None
         if self.path == "mma":
             self._grid = (self.NKV, self.n_splits, 1)
             self._block = (-(-R // 16) * 32, 1, 1)
@@ -199,8 +194,8 @@ class RingAttention:
                 raise ValueError("out must not overlap gate")
         po = self.part_o if self.part_o is not None else out      # unused when n_splits == 1
         pml = self.part_ml if self.part_ml is not None else out
-        args = (q, k_cache, v_cache, mask, po, pml, out, gate, np.float32(self.scale))
-        self._split(self._grid, self._block, args + ((self.counters,) if self.path == "mma" else ()),
+        self._split(self._grid, self._block,
+                    (q, k_cache, v_cache, mask, po, pml, out, gate, np.float32(self.scale)),
                     stream=stream)
         if self._combine is not None:
             self._combine(self._cgrid, (COMBINE_THREADS, 1, 1), (po, pml, gate, out), stream=stream)
