@@ -3,7 +3,8 @@
 // Same inputs, outputs, partial layout, masks, GQA and gate as
 // ring_attn_split (attention.cu, whose ring_attn_combine merges the splits);
 // see attention_common.cuh for the sizes. Needs D % 16 == 0, D <= 128 and at
-// most 256 query rows per kv head (R = B * NH/NKV).
+// most 128 query rows per kv head (R = B * NH/NKV): 8 warps (at 16, ptxas caps
+// a thread at 128 registers and the kernel spills).
 //
 // ring_attn_mma_split: grid (NKV, SPLITS), block (MW*32), MW = ceil(R / 16).
 //   A block takes one kv head and one contiguous slice of keys; warp w owns
@@ -35,6 +36,7 @@
 // nvrtc-check: -DD=64 -DNH=8 -DNKV=2 -DB=16 -DKV_TOTAL=100 -DSPLITS=3 -DGATE=2
 // nvrtc-check: -DD=32 -DNH=4 -DNKV=4 -DB=1 -DKV_TOTAL=37 -DSPLITS=1 -DGATE=1
 // nvrtc-check: -DD=128 -DNH=64 -DNKV=8 -DB=16 -DKV_TOTAL=4128 -DSPLITS=8 -DGATE=1
+// nvrtc-check: -DD=128 -DNH=8 -DNKV=8 -DB=128 -DKV_TOTAL=2080 -DSPLITS=4 -DGATE=0
 #include <cuda_fp16.h>
 #include "attention_common.cuh"
 #include "mma.cuh"
@@ -45,12 +47,13 @@
 #define KS (D + 8)                  // k_s / v_s row stride (halves): conflict-free fragment loads
 #define DK (D / 16)                 // k steps of Q K^T
 #define DN (D / 8)                  // n tiles of O
+#define MS (TILE + 8)               // m_s row stride (halves): a warp's query rows on distinct banks
 
 #if D % 16 != 0 || D > 128
 #error "attention_mma.cu: D must be a multiple of 16 and at most 128"
 #endif
-#if MW > 16
-#error "attention_mma.cu: at most 256 query rows per kv head"
+#if MW > 8
+#error "attention_mma.cu: at most 128 query rows per kv head"
 #endif
 #if TILE != 32
 #error "attention_mma.cu: the key visibility word holds one bit per key of a 32-key tile"
@@ -86,14 +89,17 @@ __device__ __forceinline__ unsigned int finite2(unsigned int w, bool& bad) {
 }
 
 // OR into *vis the keys k0 .. k0+31 that some query row sees: warp w takes
-// mask rows w, w + MW, ...; a ballot turns one mask row into a word.
+// mask rows w, w + MW, ...; a ballot turns one mask row into a word. The rows
+// are kept in m_tile [B][MS] (-inf past k_end) for the tile's scores: the mask
+// is read from global memory once per key column, not once per query row.
 __device__ __forceinline__ void gather_visibility(const __half* __restrict__ mask, int k0, int k_end,
-                                                  unsigned int* vis, int warp, int lane) {
+                                                  unsigned int* vis, __half* m_tile, int warp, int lane) {
     unsigned int v = 0u;
     const int key = k0 + lane;
     for (int b = warp; b < B; b += MW) {
-        const bool seen = key < k_end && __half_as_ushort(mask[(long long)b * KV_TOTAL + key]) != 0xfc00u;
-        v |= __ballot_sync(0xffffffffu, seen);
+        const __half mk = key < k_end ? mask[(long long)b * KV_TOTAL + key] : __ushort_as_half((unsigned short)0xfc00u);
+        v |= __ballot_sync(0xffffffffu, __half_as_ushort(mk) != 0xfc00u);
+        m_tile[b * MS + lane] = mk;
     }
     if (lane == 0 && v) atomicOr(vis, v);
 }
@@ -115,6 +121,7 @@ ring_attn_mma_split(const float* __restrict__ q,
     __shared__ __align__(16) __half k_s[TILE * KS];
     __shared__ __align__(16) __half v_s[TILE * KS];
     __shared__ unsigned int vis_s[2];   // per tile parity: bit j = key k0 + j seen by some row
+    __shared__ __align__(16) __half m_s[2][B * MS];   // per tile parity: the mask tile (B <= 128: <= 20 KB)
 
     const int kvh = blockIdx.x, split = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -124,7 +131,7 @@ ring_attn_mma_split(const float* __restrict__ q,
 
     if (threadIdx.x == 0) vis_s[0] = 0u;
     __syncthreads();
-    if (k_begin < k_end) gather_visibility(mask, k_begin, k_end, &vis_s[0], warp, lane);
+    if (k_begin < k_end) gather_visibility(mask, k_begin, k_end, &vis_s[0], m_s[0], warp, lane);
 
     // This lane's two query rows (fragment rows g and g+8 of the warp's 16).
     int rowr[2], bq[2];
@@ -187,7 +194,8 @@ ring_attn_mma_split(const float* __restrict__ q,
             *reinterpret_cast<uint4*>(&v_s[key * KS + c]) = vc;
         }
         const bool bad_tile = __syncthreads_or(bad);
-        if (k0 + TILE < k_end) gather_visibility(mask, k0 + TILE, k_end, &vis_s[par ^ 1], warp, lane);
+        if (k0 + TILE < k_end)
+            gather_visibility(mask, k0 + TILE, k_end, &vis_s[par ^ 1], m_s[par ^ 1], warp, lane);
 
         // S = Q K^T: 4 n tiles of 8 keys, fragments s[n][e] at row g(+8), key 8n + 2t (+1)
         float s[TILE / 8][4];
@@ -213,7 +221,7 @@ ring_attn_mma_split(const float* __restrict__ q,
                 const int u = e >> 1, key = k0 + 8 * n + 2 * t + (e & 1);
                 float v = NEG_INF;
                 if (rok[u] && key < k_end) {
-                    const float mk = __half2float(mask[(long long)bq[u] * KV_TOTAL + key]);
+                    const float mk = __half2float(m_s[par][bq[u] * MS + 8 * n + 2 * t + (e & 1)]);
                     if (mk != NEG_INF) v = s[n][e] + mk * LOG2E;
                 }
                 s[n][e] = v;
@@ -276,8 +284,7 @@ ring_attn_mma_split(const float* __restrict__ q,
 #pragma unroll
                     for (int u = 0; u < 2; ++u) {
                         const float p = __shfl_sync(0xffffffffu, (kb & 1) ? s[n][2 * u + 1] : s[n][2 * u], src);
-                        if (!rok[u] || key >= k_end ||
-                            __half_as_ushort(mask[(long long)bq[u] * KV_TOTAL + key]) == 0xfc00u)
+                        if (!rok[u] || key >= k_end || __half_as_ushort(m_s[par][bq[u] * MS + 8 * n + kb]) == 0xfc00u)
                             continue;
                         const __half* vr = v_cache + (long long)key * KV_W + kvh * D;
 #pragma unroll

@@ -350,18 +350,20 @@ def _attn_mma(L) -> KernelCounters:
             c.add_global("ld", 2 * tiles_total, sec, req)
             ka = [((i // (D // 8)) * KS + (i % (D // 8)) * 8) * 2 if i < items else None for i in lanes]
             c.add_smem(2 * tiles_total, ka, 16)
-    # key visibility one tile ahead: per tile, one warp-level 2-B load of 32 keys per mask row
+    # key visibility one tile ahead: per tile, one warp-level 2-B load of 32 keys per mask row,
+    # kept in m_s [B][MS] (2-B stores): the mask's only global read
+    MS = TILE + 8
     sec, req = global_sectors([k * 2 for k in range(32)], 2)
     c.add_global("ld", tiles_total * B, sec, req)
+    c.add_smem(tiles_total * B, [k * 2 for k in range(32)], 2)
     # S = Q K^T: per warp per tile 4 n-tiles x DK k-steps: 2 x ld32 of K, 2 MMAs (hi, lo)
     warp_tiles = tiles_total * MW
     ks = [((8 * 0 + g) * KS + 2 * t) * 2 for g in range(8) for t in range(4)]
     c.add_smem(warp_tiles * (TILE // 8) * DK * 2, ks, 4)
     c.mma += warp_tiles * (TILE // 8) * DK * 2
-    # mask: per warp per tile 16 loads of 2 B (rows g, g+8 -> query row b = row / G)
-    ma = [((g // G) * KVT + 2 * t) * 2 for g in range(8) for t in range(4)]
-    sec, req = global_sectors(ma, 2)
-    c.add_global("ld", warp_tiles * 16, sec, req)
+    # mask: per warp per tile 16 shared loads of 2 B (rows g, g+8 -> query row b = row / G)
+    ma = [((g // G) * MS + 2 * t) * 2 for g in range(8) for t in range(4)]
+    c.add_smem(warp_tiles * 16, ma, 2)
     # O += P V: per warp per tile 2 k-steps x DN/2 ldmatrix.x4.trans of V (lane l: row key
     # (l & 7) + 8 * (l >> 3 & 1), dims 8 * (l >> 4)), 2 n-tiles x 2 MMAs each
     vs = [(((ln & 7) + (8 if ln & 8 else 0)) * KS + (8 if ln & 16 else 0)) * 2 for ln in range(32)]

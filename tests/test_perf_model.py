@@ -151,6 +151,12 @@ def test_attention_v_ldmatrix_is_conflict_free():
     assert ctr.smem_wavefronts(rows, 16) == 4 == ctr.ideal_wavefronts(16)
     c = ctr.static_counters(_attn_launch())
     assert c.bank_conflict_factor == 1.0
+    # the mask is read from global memory once per (tile, mask row) per kv head: 64 B each
+    tiles_ = 8 * 65
+    mask_req = tiles_ * 16
+    kv_req = 2 * tiles_ * (32 * 16 // 32)         # 32 keys x 16 chunks of 16 B, 32 lanes per load
+    q_req = 16 * 32 * 128 * 4 // 128               # q read once, 4 B per lane
+    assert c.gld_requests == mask_req + kv_req + q_req
     # 65 key tiles in 16 splits of 5 (the last 5 splits short or empty) x 8 kv heads;
     # 4 warps; per warp per tile: QK^T 4 x 8 x 2 and PV 2 x 16 x 2 MMAs
     tiles = 8 * 65

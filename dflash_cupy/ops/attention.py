@@ -16,7 +16,7 @@ workspace allocated once by the constructor.
 
 Two split kernels (``path``): ``"mma"`` (``cuda_src/attention_mma.cu``,
 tensor cores, q and p split into two f16 terms, V read with ldmatrix.trans; the default where it applies:
-``head_dim % 16 == 0``, ``head_dim <= 128``, at most 256 query rows per kv
+``head_dim % 16 == 0``, ``head_dim <= 128``, at most 128 query rows per kv
 head) and ``"fma"`` (``attention.cu``, CUDA cores, any head_dim). At long
 windows the CUDA-core kernel is bound by its own arithmetic (B*G rows x D x
 2 FMAs per key), the tensor-core one by reading K and V.
@@ -34,6 +34,7 @@ GATES = {None: 0, "head": 1, "element": 2}
 TILE = 32                  # keys per shared-memory tile (attention.cu TILE)
 SMEM_LIMIT = 48 * 1024     # static shared memory cap without the opt-in attribute
 MAX_WARPS = 8
+MMA_MAX_ROWS = 128         # query rows per kv head (q_len * n_head/n_head_kv) of attention_mma.cu
 # The SM count of the GPU the splits are sized for (H100/H200 SXM). The one
 # place to swap for a queried device property once the launcher receives one.
 SM_COUNT = 132
@@ -96,11 +97,12 @@ class RingAttention:
 
         G = self.NH // self.NKV
         R = self.B * G
-        mma_ok = self.D % 16 == 0 and self.D <= 128 and R <= 256
+        # <= 8 warps: ptxas caps a 16-warp block at 128 registers and the kernel spills there
+        mma_ok = self.D % 16 == 0 and self.D <= 128 and R <= MMA_MAX_ROWS
         if path not in ("auto", "mma", "fma"):
             raise ValueError(f"path {path!r}: expected 'auto', 'mma' or 'fma'")
         if path == "mma" and not mma_ok:
-            raise ValueError(f"path 'mma' needs head_dim % 16 == 0, head_dim <= 128 and at most 256 "
+            raise ValueError(f"path 'mma' needs head_dim % 16 == 0, head_dim <= 128 and at most {MMA_MAX_ROWS} "
                              f"query rows per kv head (head_dim={self.D}, rows={R})")
         self.path = "mma" if (path == "auto" and mma_ok) or path == "mma" else "fma"
         # rows per block: all of them unless q_s [RB, D] f32 plus one K and one
