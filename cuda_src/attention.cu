@@ -27,7 +27,10 @@
 //   combine kernel is not launched).
 // ring_attn_combine: grid (ceil(B*NH*D / COMBINE_THREADS)), block (COMBINE_THREADS): merges the
 //   splits with log-sum-exp weights, applies the gate, writes `out`.
-// A row whose every key is masked gets output 0 (never NaN).
+// A row whose every key is masked gets output 0 (never NaN). A slot hidden
+// from a row never reaches that row's output, whatever it holds: hidden
+// scores are selected to -inf (not added), zero weights skip the P V update.
+// (attention_mma.cu does the same on tensor cores; see there.)
 //
 // Compile-time (-D, each with a default): D (multiple of 8, <= 256), NH, NKV,
 // B, KV_TOTAL (any value >= 1), SPLITS, RB (query rows per block), NWARPS,
@@ -159,8 +162,12 @@ ring_attn_split(const float* __restrict__ q,
             const int r = rr * NWARPS + warp;
             if (r >= rows_here) continue;  // warp-uniform
             const int b = (row0 + r) / G;
+            // a hidden key's score is selected, never added: its K row may hold NaN/Inf
             float sc = NEG_INF;
-            if (key_ok) sc = s[rr] + __half2float(mask[(long long)b * KV_TOTAL + key]) * LOG2E;
+            if (key_ok) {
+                const float mk = __half2float(mask[(long long)b * KV_TOTAL + key]);
+                if (mk != NEG_INF) sc = s[rr] + mk * LOG2E;
+            }
             const float m_new = fmaxf(m_run[rr], warp_max(sc));
             if (m_new == NEG_INF) continue;  // nothing visible yet: stay at zero
             const float alpha = exp2f(m_run[rr] - m_new);  // 0 when m_run was -inf
@@ -184,8 +191,12 @@ ring_attn_split(const float* __restrict__ q,
                 const int r = rr * NWARPS + warp;
                 if (r < rows_here) {
                     const float pt = __shfl_sync(0xffffffffu, p[rr], t);
+                    // p = 0 (hidden or underflowed) adds nothing, so skipping it is exact,
+                    // and a hidden V row holding NaN/Inf never meets 0 x NaN (warp-uniform)
+                    if (pt != 0.f) {
 #pragma unroll
-                    for (int j = 0; j < DPL; ++j) acc[rr][j] += pt * vt[j];
+                        for (int j = 0; j < DPL; ++j) acc[rr][j] += pt * vt[j];
+                    }
                 }
             }
         }

@@ -3,7 +3,8 @@
 // Same inputs, outputs, partial layout, masks, GQA and gate as
 // ring_attn_split (attention.cu, whose ring_attn_combine merges the splits);
 // see attention_common.cuh for the sizes. Needs D % 16 == 0, D <= 128 and at
-// most 256 query rows per kv head (R = B * NH/NKV).
+// most 128 query rows per kv head (R = B * NH/NKV): 8 warps (at 16, ptxas caps
+// a thread at 128 registers and the kernel spills).
 //
 // ring_attn_mma_split: grid (NKV, SPLITS), block (MW*32), MW = ceil(R / 16).
 //   A block takes one kv head and one contiguous slice of keys; warp w owns
@@ -15,8 +16,19 @@
 //     online softmax on the S fragments in the log2 domain (q pre-scaled by
 //                 scale*log2(e)), row max/sum over the 4 lanes of a row;
 //     O += P V    the S fragments of two 8-key groups are the A fragment of
-//                 P for one 16-key step; V is staged transposed ([d][key]) so
-//                 its fragments are single 32-bit loads.
+//                 P for one 16-key step; V is staged as it stands ([key][d],
+//                 16-byte rows like K) and its B fragments are read with
+//                 ldmatrix.trans (ldmatrix.cuh): no transposing stores, no
+//                 bank conflicts.
+// Isolation: a slot hidden from a query row never reaches that row's output,
+//   whatever it holds (NaN, +-Inf, 65504): its score is selected to -inf (a
+//   hidden mask entry is never added), a key hidden from every row of the
+//   launch is staged as zeros in K and V (a tensor core computes 0 x NaN =
+//   NaN), and a non-finite V entry of a key some rows see is staged as 0 and
+//   its exact contribution added only to the rows that see the key (rare: a
+//   __syncthreads_or per tile says whether any such entry is present).
+//   Visibility of a tile's keys (the OR over the q_len mask rows) is gathered
+//   one tile ahead with a ballot per mask row.
 //   Q and P are f32 split into two f16 terms (hi + lo, ~22 significant bits
 //   for P in [0,1], ~16 for q) so the products keep f32-like accuracy; K and V
 //   are the f16 cache rows themselves.
@@ -24,21 +36,27 @@
 // nvrtc-check: -DD=64 -DNH=8 -DNKV=2 -DB=16 -DKV_TOTAL=100 -DSPLITS=3 -DGATE=2
 // nvrtc-check: -DD=32 -DNH=4 -DNKV=4 -DB=1 -DKV_TOTAL=37 -DSPLITS=1 -DGATE=1
 // nvrtc-check: -DD=128 -DNH=64 -DNKV=8 -DB=16 -DKV_TOTAL=4128 -DSPLITS=8 -DGATE=1
+// nvrtc-check: -DD=128 -DNH=8 -DNKV=8 -DB=128 -DKV_TOTAL=2080 -DSPLITS=4 -DGATE=0
 #include <cuda_fp16.h>
 #include "attention_common.cuh"
 #include "mma.cuh"
+#include "ldmatrix.cuh"
 
 #define MW ((R + 15) / 16)          // warps: one per 16 query rows
-#define KS (D + 8)                  // k_s row stride (halves): conflict-free fragment loads
-#define VS (TILE + 8)               // vt_s row stride (halves)
+#define THR (MW * 32)
+#define KS (D + 8)                  // k_s / v_s row stride (halves): conflict-free fragment loads
 #define DK (D / 16)                 // k steps of Q K^T
 #define DN (D / 8)                  // n tiles of O
+#define MS (TILE + 8)               // m_s row stride (halves): a warp's query rows on distinct banks
 
 #if D % 16 != 0 || D > 128
 #error "attention_mma.cu: D must be a multiple of 16 and at most 128"
 #endif
-#if MW > 16
-#error "attention_mma.cu: at most 256 query rows per kv head"
+#if MW > 8
+#error "attention_mma.cu: at most 128 query rows per kv head"
+#endif
+#if TILE != 32
+#error "attention_mma.cu: the key visibility word holds one bit per key of a 32-key tile"
 #endif
 
 namespace attn_mma {
@@ -59,9 +77,36 @@ __device__ __forceinline__ unsigned int ld32(const __half* p) {
     return *reinterpret_cast<const unsigned int*>(p);
 }
 
+__device__ __forceinline__ bool half_nonfinite(unsigned short h) { return (h & 0x7c00u) == 0x7c00u; }
+
+// The two f16 of w with any NaN/Inf replaced by +0; bad |= one was.
+__device__ __forceinline__ unsigned int finite2(unsigned int w, bool& bad) {
+    unsigned int m = 0u;
+    if (half_nonfinite((unsigned short)(w & 0xffffu))) m |= 0xffffu;
+    if (half_nonfinite((unsigned short)(w >> 16))) m |= 0xffff0000u;
+    bad |= m != 0u;
+    return w & ~m;
+}
+
+// OR into *vis the keys k0 .. k0+31 that some query row sees: warp w takes
+// mask rows w, w + MW, ...; a ballot turns one mask row into a word. The rows
+// are kept in m_tile [B][MS] (-inf past k_end) for the tile's scores: the mask
+// is read from global memory once per key column, not once per query row.
+__device__ __forceinline__ void gather_visibility(const __half* __restrict__ mask, int k0, int k_end,
+                                                  unsigned int* vis, __half* m_tile, int warp, int lane) {
+    unsigned int v = 0u;
+    const int key = k0 + lane;
+    for (int b = warp; b < B; b += MW) {
+        const __half mk = key < k_end ? mask[(long long)b * KV_TOTAL + key] : __ushort_as_half((unsigned short)0xfc00u);
+        v |= __ballot_sync(0xffffffffu, __half_as_ushort(mk) != 0xfc00u);
+        m_tile[b * MS + lane] = mk;
+    }
+    if (lane == 0 && v) atomicOr(vis, v);
+}
+
 }  // namespace attn_mma
 
-extern "C" __global__ void __launch_bounds__(MW * 32, 1)
+extern "C" __global__ void __launch_bounds__(THR, 1)
 ring_attn_mma_split(const float* __restrict__ q,
                     const __half* __restrict__ k_cache,
                     const __half* __restrict__ v_cache,
@@ -74,13 +119,19 @@ ring_attn_mma_split(const float* __restrict__ q,
 {
     using namespace attn_mma;
     __shared__ __align__(16) __half k_s[TILE * KS];
-    __shared__ __align__(16) __half vt_s[D * VS];
+    __shared__ __align__(16) __half v_s[TILE * KS];
+    __shared__ unsigned int vis_s[2];   // per tile parity: bit j = key k0 + j seen by some row
+    __shared__ __align__(16) __half m_s[2][B * MS];   // per tile parity: the mask tile (B <= 128: <= 20 KB)
 
     const int kvh = blockIdx.x, split = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int k_begin = split * SPLIT_KEYS;
     const int k_end = min(KV_TOTAL, k_begin + SPLIT_KEYS);
+
+    if (threadIdx.x == 0) vis_s[0] = 0u;
+    __syncthreads();
+    if (k_begin < k_end) gather_visibility(mask, k_begin, k_end, &vis_s[0], m_s[0], warp, lane);
 
     // This lane's two query rows (fragment rows g and g+8 of the warp's 16).
     int rowr[2], bq[2];
@@ -119,22 +170,32 @@ ring_attn_mma_split(const float* __restrict__ q,
         for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
     float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};
 
-    for (int k0 = k_begin; k0 < k_end; k0 += TILE) {
-        __syncthreads();  // every warp is done with the previous tile
-        for (int i = threadIdx.x; i < TILE * (D / 8); i += MW * 32) {
+    // ldmatrix row of this lane in the P V step: matrix lane/8 = (keys +0 | +8) x (dims +0 | +8)
+    const int lm_key = (lane & 7) + ((lane & 8) ? 8 : 0), lm_dim = (lane & 16) ? 8 : 0;
+
+    for (int k0 = k_begin, par = 0; k0 < k_end; k0 += TILE, par ^= 1) {
+        __syncthreads();  // every warp is done with the previous tile; vis_s[par] complete
+        const unsigned int vis = vis_s[par];
+        if (threadIdx.x == 0) vis_s[par ^ 1] = 0u;
+        bool bad = false;
+        for (int i = threadIdx.x; i < TILE * (D / 8); i += THR) {
             const int key = i / (D / 8), c = (i % (D / 8)) * 8;
             uint4 kc = make_uint4(0u, 0u, 0u, 0u), vc = make_uint4(0u, 0u, 0u, 0u);
-            if (k0 + key < k_end) {
+            if ((vis >> key) & 1u) {   // hidden from every row (or past k_end): zeros, whatever the slot holds
                 const long long off = (long long)(k0 + key) * KV_W + kvh * D + c;
                 kc = *reinterpret_cast<const uint4*>(k_cache + off);
                 vc = *reinterpret_cast<const uint4*>(v_cache + off);
+                vc.x = finite2(vc.x, bad);
+                vc.y = finite2(vc.y, bad);
+                vc.z = finite2(vc.z, bad);
+                vc.w = finite2(vc.w, bad);
             }
             *reinterpret_cast<uint4*>(&k_s[key * KS + c]) = kc;
-            const __half* vh = reinterpret_cast<const __half*>(&vc);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) vt_s[(c + e) * VS + key] = vh[e];
+            *reinterpret_cast<uint4*>(&v_s[key * KS + c]) = vc;
         }
-        __syncthreads();
+        const bool bad_tile = __syncthreads_or(bad);
+        if (k0 + TILE < k_end)
+            gather_visibility(mask, k0 + TILE, k_end, &vis_s[par ^ 1], m_s[par ^ 1], warp, lane);
 
         // S = Q K^T: 4 n tiles of 8 keys, fragments s[n][e] at row g(+8), key 8n + 2t (+1)
         float s[TILE / 8][4];
@@ -151,7 +212,7 @@ ring_attn_mma_split(const float* __restrict__ q,
             }
         }
 
-        // mask, online softmax (per fragment row u: g and g+8)
+        // mask (hidden: selected to -inf, never added), online softmax (per fragment row u: g and g+8)
         float tile_max[2] = {NEG_INF, NEG_INF};
 #pragma unroll
         for (int n = 0; n < TILE / 8; ++n) {
@@ -159,7 +220,10 @@ ring_attn_mma_split(const float* __restrict__ q,
             for (int e = 0; e < 4; ++e) {
                 const int u = e >> 1, key = k0 + 8 * n + 2 * t + (e & 1);
                 float v = NEG_INF;
-                if (rok[u] && key < k_end) v = s[n][e] + __half2float(mask[(long long)bq[u] * KV_TOTAL + key]) * LOG2E;
+                if (rok[u] && key < k_end) {
+                    const float mk = __half2float(m_s[par][bq[u] * MS + 8 * n + 2 * t + (e & 1)]);
+                    if (mk != NEG_INF) v = s[n][e] + mk * LOG2E;
+                }
                 s[n][e] = v;
                 tile_max[u] = fmaxf(tile_max[u], v);
             }
@@ -190,7 +254,7 @@ ring_attn_mma_split(const float* __restrict__ q,
 #pragma unroll
             for (int e = 0; e < 4; ++e) o[j][e] *= alpha[e >> 1];
 
-        // O += P V over the tile's two 16-key steps
+        // O += P V over the tile's two 16-key steps; V fragments for n tiles j, j+1 in one ldmatrix
 #pragma unroll
         for (int kk = 0; kk < TILE / 16; ++kk) {
             unsigned int ph[4], pl[4];
@@ -199,11 +263,39 @@ ring_attn_mma_split(const float* __restrict__ q,
             split2(s[2 * kk + 1][0], s[2 * kk + 1][1], ph[2], pl[2]);  // row g,   keys 2t+8..
             split2(s[2 * kk + 1][2], s[2 * kk + 1][3], ph[3], pl[3]);  // row g+8
 #pragma unroll
-            for (int j = 0; j < DN; ++j) {
-                const __half* vr = &vt_s[(8 * j + g) * VS + 16 * kk + 2 * t];
-                const unsigned int bfr[2] = {ld32(vr), ld32(vr + 8)};
-                mma_m16n8k16_f16(o[j], ph, bfr, o[j]);
-                mma_m16n8k16_f16(o[j], pl, bfr, o[j]);
+            for (int j = 0; j < DN; j += 2) {
+                unsigned int vf[4];
+                ldmatrix_x4_trans(vf, &v_s[(16 * kk + lm_key) * KS + 8 * j + lm_dim]);
+                const unsigned int b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
+                mma_m16n8k16_f16(o[j], ph, b0, o[j]);
+                mma_m16n8k16_f16(o[j], pl, b0, o[j]);
+                mma_m16n8k16_f16(o[j + 1], ph, b1, o[j + 1]);
+                mma_m16n8k16_f16(o[j + 1], pl, b1, o[j + 1]);
+            }
+        }
+
+        // Non-finite V entries of keys some row sees were staged as 0: add them
+        // exactly (p * v) to the rows that see the key, and to no other row.
+        if (bad_tile) {
+#pragma unroll
+            for (int n = 0; n < TILE / 8; ++n) {
+                for (int kb = 0; kb < 8; ++kb) {
+                    const int key = k0 + 8 * n + kb, src = (lane & ~3) | (kb >> 1);
+#pragma unroll
+                    for (int u = 0; u < 2; ++u) {
+                        const float p = __shfl_sync(0xffffffffu, (kb & 1) ? s[n][2 * u + 1] : s[n][2 * u], src);
+                        if (!rok[u] || key >= k_end || __half_as_ushort(m_s[par][bq[u] * MS + 8 * n + kb]) == 0xfc00u)
+                            continue;
+                        const __half* vr = v_cache + (long long)key * KV_W + kvh * D;
+#pragma unroll
+                        for (int j = 0; j < DN; ++j)
+#pragma unroll
+                            for (int c = 0; c < 2; ++c) {
+                                const __half hv = vr[8 * j + 2 * t + c];
+                                if (half_nonfinite(__half_as_ushort(hv))) o[j][2 * u + c] += p * __half2float(hv);
+                            }
+                    }
+                }
             }
         }
     }

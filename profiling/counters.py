@@ -324,7 +324,7 @@ def _attn_mma(L) -> KernelCounters:
     TILE, G = 32, NH // NKV
     R = B * G
     MW = -(-R // 16)
-    KS, VS, DK, DN = D + 8, TILE + 8, D // 16, D // 8
+    KS, DK, DN = D + 8, D // 16, D // 8
     n_tiles = -(-KVT // TILE)
     tps = -(-n_tiles // SPLITS)
     c = KernelCounters("ring_attn_mma_split", "static estimate", L.n_blocks)
@@ -338,7 +338,8 @@ def _attn_mma(L) -> KernelCounters:
     tiles_total *= NKV
     THR = MW * 32
     items = TILE * (D // 8)
-    # staging: each item one 16-B K load and one 16-B V load (a key row's D halves are contiguous)
+    # staging: each item one 16-B K load and one 16-B V load (a key row's D halves are contiguous),
+    # stored as they stand into k_s and v_s (row stride KS): two 16-B shared stores
     for it in range(-(-items // THR)):
         for wp in range(MW):
             lanes = [it * THR + wp * 32 + ln for ln in range(32)]
@@ -348,25 +349,27 @@ def _attn_mma(L) -> KernelCounters:
             sec, req = global_sectors(ga, 16)
             c.add_global("ld", 2 * tiles_total, sec, req)
             ka = [((i // (D // 8)) * KS + (i % (D // 8)) * 8) * 2 if i < items else None for i in lanes]
-            c.add_smem(tiles_total, ka, 16)
-            for e in range(8):  # V transposed: vt_s[(c + e) * VS + key], 2-byte stores
-                va = [(((i % (D // 8)) * 8 + e) * VS + i // (D // 8)) * 2 if i < items else None
-                      for i in lanes]
-                c.add_smem(tiles_total, va, 2)
+            c.add_smem(2 * tiles_total, ka, 16)
+    # key visibility one tile ahead: per tile, one warp-level 2-B load of 32 keys per mask row,
+    # kept in m_s [B][MS] (2-B stores): the mask's only global read
+    MS = TILE + 8
+    sec, req = global_sectors([k * 2 for k in range(32)], 2)
+    c.add_global("ld", tiles_total * B, sec, req)
+    c.add_smem(tiles_total * B, [k * 2 for k in range(32)], 2)
     # S = Q K^T: per warp per tile 4 n-tiles x DK k-steps: 2 x ld32 of K, 2 MMAs (hi, lo)
     warp_tiles = tiles_total * MW
     ks = [((8 * 0 + g) * KS + 2 * t) * 2 for g in range(8) for t in range(4)]
     c.add_smem(warp_tiles * (TILE // 8) * DK * 2, ks, 4)
     c.mma += warp_tiles * (TILE // 8) * DK * 2
-    # mask: per warp per tile 16 loads of 2 B (rows g, g+8 -> query row b = row / G)
-    ma = [((g // G) * KVT + 2 * t) * 2 for g in range(8) for t in range(4)]
-    sec, req = global_sectors(ma, 2)
-    c.add_global("ld", warp_tiles * 16, sec, req)
-    # O += P V: per warp per tile 2 k-steps x DN n-tiles: 2 x ld32 of V^T, 2 MMAs
-    vs = [((8 * 0 + g) * VS + 2 * t) * 2 for g in range(8) for t in range(4)]
-    c.add_smem(warp_tiles * (TILE // 16) * DN * 2, vs, 4)
+    # mask: per warp per tile 16 shared loads of 2 B (rows g, g+8 -> query row b = row / G)
+    ma = [((g // G) * MS + 2 * t) * 2 for g in range(8) for t in range(4)]
+    c.add_smem(warp_tiles * 16, ma, 2)
+    # O += P V: per warp per tile 2 k-steps x DN/2 ldmatrix.x4.trans of V (lane l: row key
+    # (l & 7) + 8 * (l >> 3 & 1), dims 8 * (l >> 4)), 2 n-tiles x 2 MMAs each
+    vs = [(((ln & 7) + (8 if ln & 8 else 0)) * KS + (8 if ln & 16 else 0)) * 2 for ln in range(32)]
+    c.add_smem(warp_tiles * (TILE // 16) * (DN // 2), vs, 16)
     c.mma += warp_tiles * (TILE // 16) * DN * 2
-    c.barriers += 2 * tiles_total
+    c.barriers += 2 * tiles_total + L.n_blocks
     kv_bytes = KVT * NKV * D * 2
     c.bytes_read.update({_name(kc): kv_bytes, _name(vc): kv_bytes, _name(mask): B * KVT * 2,
                          _name(q): B * NH * D * 4})

@@ -1,6 +1,8 @@
 """ring_attn_split / ring_attn_combine (cuda_src/attention.cu) and
 ring_attn_mma_split (cuda_src/attention_mma.cu): masked split-KV GQA attention
-of the noise rows over the whole ring cache; both split kernels where they apply."""
+of the noise rows over the whole ring cache; both split kernels where they
+apply. Hidden slots of every kind, planted with NaN/Inf, leave the output
+bit-identical."""
 import numpy as np
 import pytest
 
@@ -120,9 +122,12 @@ def test_all_hidden_is_zero(backend, rng, n_splits, gate):
 
 
 def test_default_splits_and_sizes():
-    assert default_splits(8, 2080, 132) == 8          # 65 tiles, >= 8 tiles per split
+    assert default_splits(8, 2080, 132) == 16         # 65 tiles, >= 4 tiles per split: 128 blocks
+    assert default_splits(8, 8192 + 32, 132) == 33    # 2 blocks per SM on 132 SMs
+    assert default_splits(8, 8192 + 32, sm_count=78) == 20
     assert default_splits(8, 64, 132) == 1
     assert default_splits(1, 100000, 132) == 264
+    assert default_splits(4, 100000, 132, row_groups=2) == 33
 
 
 def test_bad_arguments_raise(emu):
@@ -150,3 +155,133 @@ def test_bad_arguments_raise(emu):
         RingAttention(be, 36, 4, 4, B, kvt)
     with pytest.raises(ValueError, match="n_splits"):
         RingAttention(be, D, NH, NKV, B, kvt, n_splits=3)   # only 2 tiles
+
+
+# ---------------------------------------------------------------------------- isolation
+# Every kind of slot a mask hides, planted with NaN, +-Inf and f16's largest
+# finite values, must leave the output exactly as if the slot held zeros.
+PLANTS = (np.nan, np.inf, -np.inf, 65504.0, -65504.0)
+
+# (D, NH, NKV, q_len, paths): GQA 1, 2, 4, 8; head_dim 64/128 on both kernels, 40 on the CUDA cores
+ISO_CONFIGS = [(64, 4, 4, 3, ("fma", "mma")), (128, 8, 4, 16, ("fma", "mma")),
+               (64, 8, 2, 4, ("fma", "mma")), (128, 16, 2, 3, ("fma", "mma")), (40, 4, 2, 5, ("fma",))]
+
+
+def _bits_equal(a, b):
+    return np.array_equal(np.ascontiguousarray(a).view(np.uint32), np.ascontiguousarray(b).view(np.uint32))
+
+
+def _stale_ring(capacity, q_len):
+    """A ring after a long run, a rewind and a partial reset: slots holding
+    positions past the rewound ``committed`` (stale), slots overwritten by
+    newer positions (evicted, past the window), slots never written (empty)."""
+    geom = RingGeometry(capacity, q_len)
+    before = capacity + capacity // 2 + 7          # wrapped once and a half
+    committed = before - capacity // 3             # rewound: the newest third is stale
+    slot_pos = contiguous_slot_pos(before, capacity)
+    slot_pos[[1, capacity // 2, capacity - 2]] = -1  # empty after a partial reset
+    return geom, committed, slot_pos
+
+
+def _plant(rng, a, rows, col_lo, col_hi):
+    """Fill ``a[rows, col_lo:col_hi]`` with the plants, every kind in every row."""
+    vals = np.array(PLANTS, np.float32)
+    for r in np.atleast_1d(rows):
+        a[r, col_lo:col_hi] = vals[rng.permutation(np.arange(col_hi - col_lo) % len(vals))].astype(np.float16)
+
+
+@pytest.mark.parametrize("D,NH,NKV,q_len,pths", ISO_CONFIGS)
+def test_hidden_slots_never_reach_the_output(backend, rng, D, NH, NKV, q_len, pths):
+    """Empty, stale (past a rewind), evicted and out-of-window ring slots, the
+    trash slot and the padding rows, all hidden from every row: planted with
+    NaN/Inf/65504 in K and V the output equals, bit for bit, the output with
+    those rows zeroed; for both masks (full, sliding window), both kernels,
+    one and three splits. The sliding mask's causal noise slots: slot j planted,
+    the rows before j are bit-identical, the rows that see it turn NaN."""
+    geom, committed, slot_pos = _stale_ring(97, q_len)
+    kvt = geom.kv_total
+    q, k, v = make_inputs(rng, q_len, NH, NKV, D, kvt)
+    masks = ring_masks(slot_pos, committed, geom, 20)
+    for path in pths:
+        for splits in (1, 3):
+            att = RingAttention(backend, D, NH, NKV, q_len, kvt, n_splits=splits, path=path)
+            for name, mask in zip(("full", "swa"), masks):
+                hidden = np.flatnonzero(np.isneginf(mask.astype(np.float32)).all(axis=0))
+                assert geom.trash_slot in hidden and (slot_pos[hidden[hidden < 97]] != -1).any()
+                kz, vz = k.copy(), v.copy()
+                kz[hidden] = 0
+                vz[hidden] = 0
+                kp, vp = kz.copy(), vz.copy()
+                for h in range(NKV):                       # every kv head, a different mix
+                    _plant(rng, kp, hidden, h * D, (h + 1) * D)
+                    _plant(rng, vp, hidden, h * D, (h + 1) * D)
+                clean = run(backend, att, q, kz, vz, mask)
+                dirty = run(backend, att, q, kp, vp, mask)
+                assert np.isfinite(clean).all()
+                assert _bits_equal(dirty, clean), f"{name} mask, {path}, {splits} splits: hidden slot leaked"
+                ref = ring_attention_reference(q, kz, vz, mask, n_head_kv=NKV)
+                assert_close(clean, ref, "f32", f"{name} mask, {path}")
+            if q_len < 2:
+                continue
+            # causal noise slots of the sliding mask: slot cap + j is hidden from rows < j only
+            mask = masks[1]
+            j = q_len // 2 + 1 if q_len > 2 else 1
+            slot = geom.capacity + j
+            kz, vz = k.copy(), v.copy()
+            kz[slot] = vz[slot] = 0
+            kp, vp = kz.copy(), v.copy()             # K zeroed too: every row that sees it weighs it > 0
+            vp[slot] = np.float16(np.nan)
+            dirty = run(backend, att, q, kp, vp, mask)
+            clean = run(backend, att, q, kz, vz, mask)
+            assert _bits_equal(dirty[:j], clean[:j]), f"{path}: causal-hidden noise slot leaked"
+            assert np.isnan(dirty[j:]).all(), f"{path}: a NaN the rows see must show"
+
+
+# (D, NH, NKV, q_len, capacity, n_splits, path): q_len 1/3/16, GQA 1/2/4/8, head_dim 64/128
+# on both kernels and 40/24 (not multiples of 16) on the CUDA cores; rings from 32 slots to
+# a few thousand, wrapped (positions past the capacity), default and forced split counts
+AWKWARD = [(64, 8, 8, 1, 32, 1, "mma"), (64, 8, 8, 1, 32, 2, "fma"),
+           (128, 16, 2, 3, 1000, None, "mma"), (128, 16, 2, 3, 1000, 5, "fma"),
+           (128, 32, 8, 16, 2048, None, "mma"), (64, 8, 4, 16, 300, 3, "fma"),
+           (64, 8, 4, 3, 2600, None, "mma"), (40, 8, 4, 3, 500, 3, "fma"), (24, 8, 1, 1, 77, None, "fma")]
+
+
+@pytest.mark.parametrize("D,NH,NKV,q_len,capacity,n_splits,path", AWKWARD)
+def test_awkward_sizes_against_the_reference(backend, rng, D, NH, NKV, q_len, capacity, n_splits, path):
+    geom = RingGeometry(capacity, q_len)
+    committed = capacity + capacity // 3 + 5                  # wrapped
+    slot_pos = contiguous_slot_pos(committed, capacity)
+    q, k, v = make_inputs(rng, q_len, NH, NKV, D, geom.kv_total)
+    att = RingAttention(backend, D, NH, NKV, q_len, geom.kv_total, n_splits=n_splits, path=path)
+    assert att.path == path
+    for name, mask in zip(("full", "swa"), ring_masks(slot_pos, committed, geom, capacity // 3)):
+        got = run(backend, att, q, k, v, mask)
+        ref = ring_attention_reference(q, k, v, mask, n_head_kv=NKV)
+        assert_close(got, ref, "f32", f"{name} mask, {att}")
+
+
+@pytest.mark.parametrize("path", ["fma", "mma"])
+def test_repeats_are_bit_identical(backend, rng, path):
+    """Same inputs, same bits: across repeats (the emulator shuffles the thread
+    order each run) and across a captured graph's replays."""
+    D, NH, NKV, B, kvt = 64, 8, 2, 4, 640
+    q, k, v = make_inputs(rng, B, NH, NKV, D, kvt)
+    mask = np.where(rng.random((B, kvt)) < 0.7, np.float16(0), NEG_INF).astype(np.float16)
+    att = RingAttention(backend, D, NH, NKV, B, kvt, n_splits=4, path=path)
+    first = run(backend, att, q, k, v, mask)
+    for _ in range(2):
+        assert _bits_equal(run(backend, att, q, k, v, mask), first)
+    qd, kd, vd, md = (backend.asarray(a) for a in (q, k, v, mask))
+    out = backend.asarray(np.full((B, NH * D), np.nan, np.float32))
+    stream = backend.stream()
+    backend.begin_capture(stream)
+    att(qd, kd, vd, md, out, stream=stream)
+    graph = backend.end_capture(stream)
+    nan = backend.pinned_empty((B, NH * D), np.float32)
+    nan[:] = np.nan
+    for _ in range(2):
+        backend.copy_h2d_async(out, nan, stream)          # a replay must write every element again
+        stream.synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        assert _bits_equal(backend.to_numpy(out), first)

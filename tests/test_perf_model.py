@@ -4,7 +4,8 @@
   swizzled shared accesses (what an emulator counter mode will also call);
 * static counters of gemm_mma: the MMA and barrier count of a small launch,
   the 2-way conflict of the x tile (row stride KT + 8 halves), the 4 M-tiles
-  compiled for M = 16; the attention's transposed V stores;
+  compiled for M = 16; the attention's transposed V stores (old) and
+  conflict-free ldmatrix.trans reads (now);
 * occupancy and waves: hand-worked register/shared/warp limits, the 544-block
   gate_up of the hidden-5120 drafter on 132 SMs x 4;
 * the recorded step graph: node count against the hand formula for several
@@ -123,10 +124,45 @@ def test_gemm_mma_x_tile_two_way_conflict():
 
 
 def test_attention_v_transpose_store_conflict():
+    """Why V is no longer staged transposed: the 2-byte transposed stores of the
+    old layout were 16-way conflicted (conflict factor 3.7 over the kernel)."""
     D, VS = 128, 32 + 8
     lanes = range(32)   # item i: key i // 16, column (i % 16) * 8; element e=0 of the 8-half vector
     va = [(((i % (D // 8)) * 8) * VS + i // (D // 8)) * 2 for i in lanes]
     assert ctr.smem_wavefronts(va, 2) == 16
+
+
+def _attn_launch(D=128, NH=32, NKV=8, B=16, KVT=2080, SPLITS=16):
+    d = dict(D=D, NH=NH, NKV=NKV, B=B, KV_TOTAL=KVT, SPLITS=SPLITS, GATE=0)
+    args = [_arr("q", (B, NH, D), np.float32), _arr("k", (KVT, NKV * D), np.float16),
+            _arr("v", (KVT, NKV * D), np.float16), _arr("mask", (B, KVT), np.float16),
+            _arr("part_o", (SPLITS, B * NH, D), np.float32), _arr("part_ml", (SPLITS, B * NH, 2), np.float32),
+            _arr("out", (B, NH * D), np.float32), _arr("out", (B, NH * D), np.float32), 0.1]
+    R = B * NH // NKV
+    return Launch("ring_attn_mma_split", "attention_mma.cu", d, (NKV, SPLITS, 1), (-(-R // 16) * 32, 1, 1), 0, args)
+
+
+def test_attention_v_ldmatrix_is_conflict_free():
+    """V staged as it stands (row stride D + 8 halves) and read with
+    ldmatrix.x4.trans: each 8-lane phase reads 8 key rows of 16 B that fall in
+    distinct banks, so the whole kernel's shared traffic is conflict-free."""
+    D, KS = 128, 128 + 8
+    rows = [(((ln & 7) + (8 if ln & 8 else 0)) * KS + (8 if ln & 16 else 0)) * 2 for ln in range(32)]
+    assert ctr.smem_wavefronts(rows, 16) == 4 == ctr.ideal_wavefronts(16)
+    c = ctr.static_counters(_attn_launch())
+    assert c.bank_conflict_factor == 1.0
+    # the mask is read from global memory once per (tile, mask row) per kv head: 64 B each
+    tiles_ = 8 * 65
+    mask_req = tiles_ * 16
+    kv_req = 2 * tiles_ * (32 * 16 // 32)         # 32 keys x 16 chunks of 16 B, 32 lanes per load
+    q_req = 16 * 32 * 128 * 4 // 128               # q read once, 4 B per lane
+    assert c.gld_requests == mask_req + kv_req + q_req
+    # 65 key tiles in 16 splits of 5 (the last 5 splits short or empty) x 8 kv heads;
+    # 4 warps; per warp per tile: QK^T 4 x 8 x 2 and PV 2 x 16 x 2 MMAs
+    tiles = 8 * 65
+    assert c.mma == tiles * 4 * (4 * 8 * 2 + 2 * 16 * 2)
+    assert c.barriers == 2 * tiles + 8 * 16
+    assert c.bytes_read["k"] == c.bytes_read["v"] == 2080 * 8 * 128 * 2
 
 
 def test_split_k_partials_round_trip_through_l2():

@@ -6,6 +6,8 @@ with ``kvh = h // (n_head/n_head_kv)`` (GQA), over all ``kv_total`` cache rows
 (f16, read exactly), additive f16 mask (0 / -inf), softmax in f32, and an
 optional fused gate ``out *= softplus(g)`` with ``g [B, n_head]`` (``"head"``)
 or ``[B, n_head*d]`` (``"element"``). A row with every key hidden gets 0.
+A slot hidden from a row never reaches that row's output, whatever its K/V
+hold (NaN, Inf): stale ring slots need no clearing on reset or rewind.
 
 Grid ``(n_head_kv, n_splits, row_groups)``: each block loads a 32-row K/V
 tile of one kv head once for all ``q_len * n_head/n_head_kv`` query rows that
@@ -13,8 +15,8 @@ read it; ``n_splits > 1`` adds a combine launch (log-sum-exp merge) over a
 workspace allocated once by the constructor.
 
 Two split kernels (``path``): ``"mma"`` (``cuda_src/attention_mma.cu``,
-tensor cores, q and p split into two f16 terms; the default where it applies:
-``head_dim % 16 == 0``, ``head_dim <= 128``, at most 256 query rows per kv
+tensor cores, q and p split into two f16 terms, V read with ldmatrix.trans; the default where it applies:
+``head_dim % 16 == 0``, ``head_dim <= 128``, at most 128 query rows per kv
 head) and ``"fma"`` (``attention.cu``, CUDA cores, any head_dim). At long
 windows the CUDA-core kernel is bound by its own arithmetic (B*G rows x D x
 2 FMAs per key), the tensor-core one by reading K and V.
@@ -33,8 +35,12 @@ TILE = _C["TILE"]                        # keys per shared-memory tile
 COMBINE_THREADS = _C["COMBINE_THREADS"]
 SMEM_LIMIT = device_props.DEFAULT_SMEM   # static shared memory cap (no opt-in for static)
 MAX_WARPS = 8
-BLOCKS_PER_SM = 2
-MIN_TILES_PER_SPLIT = 8    # keeps the partials' traffic small next to the K/V a split reads
+MMA_MAX_ROWS = 128         # query rows per kv head (q_len * n_head/n_head_kv) of attention_mma.cu
+BLOCKS_PER_SM = 2          # what the split kernels' registers allow (~215 regs x 128 threads)
+# Fewer tiles per split fill the SMs at short windows; below 4 the partials'
+# round trip (and the combine) costs more than the extra blocks gain
+# (profiling.perf_model, qwen3-8b at 2K: 8 -> 32.4 us, 4 -> 21.6 us, 2 -> 30.4 us).
+MIN_TILES_PER_SPLIT = 4
 
 
 def default_splits(n_head_kv: int, kv_total: int, sm_count: int, row_groups: int = 1) -> int:
@@ -82,11 +88,12 @@ class RingAttention:
 
         G = self.NH // self.NKV
         R = self.B * G
-        mma_ok = self.D % 16 == 0 and self.D <= 128 and R <= 256
+        # <= 8 warps: ptxas caps a 16-warp block at 128 registers and the kernel spills there
+        mma_ok = self.D % 16 == 0 and self.D <= 128 and R <= MMA_MAX_ROWS
         if path not in ("auto", "mma", "fma"):
             raise ValueError(f"path {path!r}: expected 'auto', 'mma' or 'fma'")
         if path == "mma" and not mma_ok:
-            raise ValueError(f"path 'mma' needs head_dim % 16 == 0, head_dim <= 128 and at most 256 "
+            raise ValueError(f"path 'mma' needs head_dim % 16 == 0, head_dim <= 128 and at most {MMA_MAX_ROWS} "
                              f"query rows per kv head (head_dim={self.D}, rows={R})")
         self.path = "mma" if (path == "auto" and mma_ok) or path == "mma" else "fma"
         # rows per block: all of them unless q_s [RB, D] f32 plus one K and one

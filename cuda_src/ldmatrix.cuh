@@ -1,0 +1,31 @@
+// ldmatrix.cuh — shared-memory matrix loads for mma.sync fragments: the only
+// inline PTX besides mma.cuh.
+//
+// ldmatrix_x4_trans(r, row): one warp loads four 8x8 b16 matrices from shared
+// memory, transposed. Lane l gives the address of one 16-byte matrix row:
+// matrix l / 8, row l % 8 (rows may be anywhere, 16-byte aligned). Lane l
+// (g = l >> 2, t = l & 3) receives, for matrix i,
+//   r[i] = { M_i[2t][g] (low half), M_i[2t+1][g] (high half) },
+// which is the "col" B fragment of mma.m16n8k16 (mma.cuh) when the matrix rows
+// are the k index: a [k][n] tile (V as [key][dim]) is read without staging it
+// transposed. Every lane of the warp must call it together (warp-uniform
+// code), sm_75+. Under the emulator the same result is gathered with shuffles
+// of the row addresses.
+#pragma once
+#include <cuda_fp16.h>
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int r[4], const __half* row) {
+#ifdef __CUDA_ARCH__
+    const unsigned int a = (unsigned int)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+#else
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    for (int i = 0; i < 4; ++i) {
+        const __half* r0 = __shfl_sync(0xffffffffu, row, 8 * i + 2 * t);
+        const __half* r1 = __shfl_sync(0xffffffffu, row, 8 * i + 2 * t + 1);
+        r[i] = (unsigned int)__half_as_ushort(r0[g]) | ((unsigned int)__half_as_ushort(r1[g]) << 16);
+    }
+#endif
+}
