@@ -6,6 +6,10 @@
 // weight type, ~16 significant bits) or xe = hi (GS_SPLIT 1).
 //   GS_EPI 0:  y = acc      GS_EPI 1:  y = r + acc (r may be y)
 //   GS_EPI 2:  y = silu(acc_gate) * acc_up (W has 2N rows: gate 0..N-1, up N..2N-1)
+//   GS_EPI 3:  the lm_head's greedy token, fused: y = acc only with GS_LOGITS 1 (logits on
+//              request; with 0, y is never touched), and per (row, column block) the best column by float_order.cuh's
+//              order (ties: the lowest column) into ws as u32 pairs [M][gridDim.x][2] =
+//              (order key, column); sample.cu's argmax_partials reduces them. No split K.
 // Layouts: x [M, K] f32, W [N or 2N, K] 16-bit bits, y, r [M, N] f32; all
 // row-major, 16-byte aligned, K % 8 == 0.
 //
@@ -90,9 +94,12 @@
 // nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=2 -DGS_K=5120 -DGS_MT=4 -DGS_NT=2 -DGS_SPLIT=2
 // nvrtc-check: -DGS_WTYPE=1 -DGS_EPI=2 -DGS_K=5120 -DGS_MT=4 -DGS_NT=2 -DGS_SPLIT=1
 // nvrtc-check: -DGS_WTYPE=1 -DGS_EPI=1 -DGS_K=40 -DGS_MT=2 -DGS_NT=4 -DGS_SPLIT=2
+// nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=3 -DGS_K=4096 -DGS_MT=1 -DGS_NT=4 -DGS_SPLIT=2
+// nvrtc-check: -DGS_WTYPE=1 -DGS_EPI=3 -DGS_LOGITS=1 -DGS_K=5120 -DGS_MT=2 -DGS_NT=4 -DGS_SPLIT=2
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include "float_order.cuh"
 #include "mma.cuh"
 
 #ifndef GS_WTYPE
@@ -100,6 +107,9 @@
 #endif
 #ifndef GS_EPI
 #define GS_EPI 0
+#endif
+#ifndef GS_LOGITS
+#define GS_LOGITS 0
 #endif
 #ifndef GS_K
 #define GS_K 256
@@ -181,6 +191,8 @@ __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
 __device__ __forceinline__ void store(float* y, const float* r, long long o, float a, float u) {
 #if GS_EPI == 0
     y[o] = a;
+#elif GS_EPI == 3
+    if (GS_LOGITS) y[o] = a;
 #elif GS_EPI == 1
     y[o] = r[o] + a;
 #else
@@ -335,6 +347,55 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
 
     // acc[i][j][e]: output row m0 + 16i + g (+8 for e >= 2), column n0 + 8(j % NT) + 2t + (e & 1);
     // j < NT gate (or only), j >= NT up.
+#if GS_EPI == 3
+    {
+        // Each lane's best of its columns per row it holds (rows g, g + 8 of each tile),
+        // then the 4 lanes of a row (xor 1, 2), then the warps in column order.
+        __shared__ unsigned int bkey[GS_WARPS][ROWS];
+        __shared__ int bcol[GS_WARPS][ROWS];
+#pragma unroll
+        for (int i = 0; i < MT; i++) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int row = m0 + i * 16 + g + 8 * h;
+                unsigned int bk = 0u;
+                int bc = 0x7fffffff;
+#pragma unroll
+                for (int jn = 0; jn < NT; jn++) {
+#pragma unroll
+                    for (int c = 0; c < 2; c++) {
+                        const int col = n0 + 8 * jn + 2 * t + c;
+                        const float v = acc[i][jn][2 * h + c];
+                        if (row < M && col < N) {
+                            store(y, r, (long long)row * N + col, v, v);
+                            const unsigned int k = order_key(v);
+                            if (key_wins(k, col, bk, bc)) { bk = k; bc = col; }
+                        }
+                    }
+                }
+#pragma unroll
+                for (int o = 1; o <= 2; o <<= 1) {
+                    const unsigned int ok = __shfl_xor_sync(0xffffffffu, bk, o);
+                    const int oc = __shfl_xor_sync(0xffffffffu, bc, o);
+                    if (key_wins(ok, oc, bk, bc)) { bk = ok; bc = oc; }
+                }
+                if (t == 0) { bkey[warp][i * 16 + g + 8 * h] = bk; bcol[warp][i * 16 + g + 8 * h] = bc; }
+            }
+        }
+        __syncthreads();
+        unsigned int* part = reinterpret_cast<unsigned int*>(ws);
+        for (int lr = threadIdx.x; lr < live; lr += THREADS) {
+            unsigned int bk = bkey[0][lr];
+            int bc = bcol[0][lr];
+            for (int wv = 1; wv < GS_WARPS; wv++)
+                if (key_wins(bkey[wv][lr], bcol[wv][lr], bk, bc)) { bk = bkey[wv][lr]; bc = bcol[wv][lr]; }
+            const long long o = ((long long)(m0 + lr) * gridDim.x + blockIdx.x) * 2;
+            part[o] = bk;
+            part[o + 1] = (unsigned int)bc;
+        }
+        return;
+    }
+#else
     if (gridDim.z == 1) {
 #pragma unroll
         for (int i = 0; i < MT; i++) {
@@ -403,4 +464,5 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
         if (col + 3 < N) store(y, r, o + 3, a[0].w, a[NW - 1].w);
     }
     if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch (or replay)
+#endif
 }

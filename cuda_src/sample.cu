@@ -42,24 +42,14 @@
 #error "SAMPLE_BLOCK must be a multiple of 32, at most 1024"
 #endif
 
+#include "float_order.cuh"
+
 namespace sample_detail {
 constexpr int V = SAMPLE_V;
 constexpr int NT = SAMPLE_BLOCK;
 constexpr int NW = NT / 32;
 constexpr int CHUNK = (V + NT - 1) / NT;  // contiguous columns per thread in the draw
 constexpr float MASS_SCALE = 1099511627776.0f;  // 2^40
-
-__device__ __forceinline__ unsigned int order_key(float z)
-{
-    const unsigned int u = __float_as_uint(z);
-    if (z != z) return 0u;
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-__device__ __forceinline__ float key_value(unsigned int k)
-{
-    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
 
 __device__ __forceinline__ unsigned long long mass_of(float z, float m)
 {
@@ -183,7 +173,7 @@ sample_rows(const float* logits, int ld, int n_rows, const float* knobs, const u
         for (int o = 16; o; o >>= 1) {
             const unsigned int ok = __shfl_xor_sync(0xffffffffu, best, o);
             const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
-            if (ok > best || (ok == best && oi < best_i)) { best = ok; best_i = oi; }
+            if (key_wins(ok, oi, best, best_i)) { best = ok; best_i = oi; }
         }
         if ((threadIdx.x & 31) == 0) { sh.redk[threadIdx.x >> 5] = best; sh.hist[threadIdx.x >> 5] = (unsigned long long)best_i; }
         __syncthreads();
@@ -193,7 +183,7 @@ sample_rows(const float* logits, int ld, int n_rows, const float* knobs, const u
             for (int w = 1; w < NW; ++w) {
                 const unsigned int k = sh.redk[w];
                 const int i = (int)sh.hist[w];
-                if (k > bk || (k == bk && i < bi)) { bk = k; bi = i; }
+                if (key_wins(k, i, bk, bi)) { bk = k; bi = i; }
             }
             tokens[row] = bi < V ? bi : 0;
         }
@@ -263,5 +253,41 @@ sample_rows(const float* logits, int ld, int n_rows, const float* knobs, const u
         if (order_key(z) < thr) continue;
         run += mass_of(z, m);
         if (run > target) { tokens[row] = i; return; }
+    }
+}
+
+// The greedy token of each row from the fused lm_head GEMM's partials
+// (gemm_stream.cu with GS_EPI 3): part [n_rows][nblk][2] u32 = (order key, column)
+// of each column block's best. Launch: grid = n_rows, block = SAMPLE_BLOCK.
+extern "C" __global__ void __launch_bounds__(SAMPLE_BLOCK)
+argmax_partials(const unsigned int* part, int nblk, int n_rows, int* tokens)
+{
+    using namespace sample_detail;
+    __shared__ unsigned int wk[NW];
+    __shared__ int wi[NW];
+    const int row = blockIdx.x;
+    if (row >= n_rows) return;
+    const unsigned int* p = part + (long long)row * nblk * 2;
+    unsigned int best = 0u;
+    int best_i = 0x7fffffff;
+    for (int b = threadIdx.x; b < nblk; b += NT) {
+        const unsigned int k = p[2 * b];
+        const int i = (int)p[2 * b + 1];
+        if (key_wins(k, i, best, best_i)) { best = k; best_i = i; }
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+        const unsigned int ok = __shfl_xor_sync(0xffffffffu, best, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+        if (key_wins(ok, oi, best, best_i)) { best = ok; best_i = oi; }
+    }
+    if ((threadIdx.x & 31) == 0) { wk[threadIdx.x >> 5] = best; wi[threadIdx.x >> 5] = best_i; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int bk = wk[0];
+        int bi = wi[0];
+        for (int w = 1; w < NW; ++w)
+            if (key_wins(wk[w], wi[w], bk, bi)) { bk = wk[w]; bi = wi[w]; }
+        tokens[row] = bi == 0x7fffffff ? 0 : bi;
     }
 }

@@ -92,7 +92,7 @@ class DraftKvCache:
     """
 
     def __init__(self, weights: DraftWeights, capacity: int, *, lm_head=None, sampling=None,
-                 backend=None, bulk_chunk: int = 256):
+                 logits: bool = True, backend=None, bulk_chunk: int = 256):
         if not isinstance(weights, DraftWeights):
             raise TypeError(f"weights must be a DraftWeights, got {type(weights).__name__}")
         capacity = int_arg(capacity, "capacity", 1)
@@ -103,6 +103,11 @@ class DraftKvCache:
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if not isinstance(logits, (bool, np.bool_)):
+            raise TypeError(f"logits must be a bool, got {type(logits).__name__}")
+        if not logits and sampling.temperature > 0:
+            raise ValueError("sampling with temperature > 0 needs logits=True (the fused argmax is greedy)")
+        self.write_logits = bool(logits)
         be = self.backend = backends.get(backend)
         c = self.config = weights.config
         self.weights = weights
@@ -163,7 +168,9 @@ class DraftKvCache:
             if not 1 <= self.lm_head.shape[0] < 2**31:
                 raise ValueError(f"lm_head must have between 1 and 2^31-1 rows (the vocabulary), "
                                  f"got {self.lm_head.shape[0]}")
-            self.logits = be.zeros((B, self.lm_head.shape[0]), np.float32)
+            # logits=False: the greedy token is fused into the lm_head GEMM (per column block
+            # partial maxima, one reduction) and the [q_len, vocab] logits are never written
+            self.logits = be.zeros((B, self.lm_head.shape[0]), np.float32) if logits else None
             self.draft_tokens = be.zeros((B,), np.int32)
             self.sample_knobs = be.zeros((3,), np.float32)
             self.sample_rng = be.zeros((2,), np.uint64)
@@ -202,8 +209,12 @@ class DraftKvCache:
         self.g_gate_up = Gemm(be, c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul", max_m=MAX_M)
         self.g_down = Gemm(be, H, c.intermediate_size, L0.w_down.dtype, "residual", max_m=MAX_M)
         self.g_attn_gate = (Gemm(be, gate_w, H, L0.w_attn_gate.dtype, max_m=MAX_M) if gate_w else None)
-        self.g_lm = (Gemm(be, self.lm_head.shape[0], H, self.lm_head.dtype, max_m=MAX_M)
-                     if self.lm_head is not None else None)
+        self.g_lm = None
+        if self.lm_head is not None:
+            self.g_lm = (Gemm(be, self.lm_head.shape[0], H, self.lm_head.dtype, max_m=MAX_M) if logits else
+                         Gemm(be, self.lm_head.shape[0], H, self.lm_head.dtype, "argmax", max_m=MAX_M,
+                              logits=False))
+            self._lm_part = None if logits else be.zeros(self.g_lm.partials_shape(B), np.uint32)
         self.sampler = TokenSampler(be, self.lm_head.shape[0]) if self.lm_head is not None else None
         self.rope_ctx = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, False, c.rms_norm_eps,
                                     self.attn_scaling)
@@ -349,9 +360,14 @@ class DraftKvCache:
                 self._step_layer(li, L, stream)
         self.rms(self.h, dw.norm, self.hidden_states, stream=stream)
         if self.g_lm is not None:
-            self.g_lm(self.hidden_states, self.lm_head, self.logits, self.q_len, stream=stream)
-            self.sampler(self.logits, self.draft_tokens, self.sample_knobs, self.sample_rng, self.q_len,
-                         stream=stream)
+            if self.logits is None:
+                self.g_lm(self.hidden_states, self.lm_head, None, self.q_len, partials=self._lm_part,
+                          stream=stream)
+                self.sampler.reduce_partials(self._lm_part, self.draft_tokens, self.q_len, stream=stream)
+            else:
+                self.g_lm(self.hidden_states, self.lm_head, self.logits, self.q_len, stream=stream)
+                self.sampler(self.logits, self.draft_tokens, self.sample_knobs, self.sample_rng, self.q_len,
+                             stream=stream)
 
     def _issue_step(self, slot: int, stream, eager: bool = False) -> None:
         """Every launch and copy of one step, in order (captured once per slot)."""
@@ -500,6 +516,9 @@ class DraftKvCache:
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         if self.sampler is None:
             raise ValueError("sampling needs an lm_head (this cache has none)")
+        if self.logits is None and sampling.temperature > 0:
+            raise ValueError("sampling with temperature > 0 needs logits=True (this cache fuses the greedy "
+                             "token into the lm_head GEMM and writes no logits)")
         self.sampling = sampling
 
     def _check_noise(self, noise_embed) -> None:
@@ -620,6 +639,7 @@ class DraftKvCache:
         # Release everything the cache holds (device arrays, pinned staging, graphs,
         # compiled ops, the ring): only what repr and the closed checks read stays.
         keep = {"backend", "config", "weights", "geom", "next_pos", "last_plan", "sampling", "host_waits",
+                "write_logits",
                 "bulk_chunk", "_closed"}
         for name in list(vars(self)):
             if name not in keep:

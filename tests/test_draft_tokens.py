@@ -156,3 +156,29 @@ def test_bad_sampling_input(emu, drafter):
         with pytest.raises(TypeError, match="sampling must be a SamplingParams"):
             kv.set_sampling(0.5)
         assert kv.sampling == SamplingParams()
+
+
+def test_fused_greedy_tokens_without_logits(emu, drafter):
+    """logits=False: the greedy token comes out of the lm_head GEMM itself (no
+    [q_len, vocab] logits written or read) and equals the logits path's token."""
+    import ml_dtypes
+    cfg, w, lm, feats = drafter
+    lm16 = lm.astype(ml_dtypes.bfloat16)   # the fused path streams f16/bf16 weights
+    ring = FeatureRing(64, cfg.n_captured, cfg.hidden_size, backend=emu)
+    with DraftKvCache(w, 24, lm_head=lm16, backend=emu) as full, \
+            DraftKvCache(w, 24, lm_head=lm16, logits=False, backend=emu) as fused:
+        assert fused.logits is None and fused.draft_tokens is not None
+        rng1, rng2 = np.random.default_rng(6), np.random.default_rng(6)
+        a = _steps(full, ring, feats, cfg, [7, 11, 30], rng1)
+        for c, _, logits, tokens in a:
+            noise = rng2.standard_normal((fused.q_len, cfg.hidden_size)).astype(np.float32)
+            fused.step(ring, c, noise)
+            got = emu.to_numpy(fused.draft_tokens)
+            np.testing.assert_array_equal(got, tokens)
+            np.testing.assert_array_equal(got, np.argmax(logits, axis=1))
+        with pytest.raises(ValueError, match="needs logits=True"):
+            fused.set_sampling(SamplingParams(temperature=1.0))
+    with pytest.raises(ValueError, match="needs logits=True"):
+        DraftKvCache(w, 24, lm_head=lm16, logits=False, sampling=SamplingParams(temperature=0.5), backend=emu)
+    with pytest.raises(ValueError, match="'stream' path"):
+        DraftKvCache(w, 24, lm_head=lm, logits=False, backend=emu)  # f32 lm_head: no fused path

@@ -39,7 +39,7 @@ import numpy as np
 from .. import checks, device_props, dtypes, kernels
 from . import gemm_stream
 
-EPILOGUES = {"none": 0, "residual": 1, "silu_mul": 2}
+EPILOGUES = {"none": 0, "residual": 1, "silu_mul": 2, "argmax": 3}
 
 MAX_M_LIMIT = 64          # acc registers per lane = R * rows * max_m; 64 keeps silu_mul spill-free
 WARPS = 4                 # warps per block
@@ -75,7 +75,7 @@ class Gemm:
     """
 
     def __init__(self, backend, N: int, K: int, w_dtype, epilogue: str = "none", max_m: int = 64,
-                 path: str = "auto", x_split: bool = True, k_split: int | None = None):
+                 path: str = "auto", x_split: bool = True, k_split: int | None = None, logits: bool = True):
         N, K, max_m = (checks.int_arg(v, name, 1) for v, name in ((N, "N"), (K, "K"), (max_m, "max_m")))
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue {epilogue!r}: expected one of {tuple(EPILOGUES)}")
@@ -94,6 +94,12 @@ class Gemm:
         if path in ("mma", "stream") and not mma_ok:
             raise ValueError(f"path {path!r} needs f16/bf16 weights and K % 8 == 0 (got {self.wkind}, K={self.K})")
         self.path = "stream" if path == "auto" and mma_ok else ("fma" if path == "auto" else path)
+        # "argmax": the lm_head GEMM with the greedy token fused (per column block the best
+        # column into ``partials``; ``logits=False``: y is never written)
+        self.logits = bool(logits) if epilogue == "argmax" else True
+        if epilogue == "argmax" and self.path != "stream":
+            raise ValueError(f"epilogue 'argmax' needs the 'stream' path: f16/bf16 weights and K % 8 == 0 "
+                             f"(got {self.wkind}, K={self.K}, path {path!r})")
         self.x_split = bool(x_split)
         self.x_round = (self.wkind + ("x2" if self.x_split else "")) if self.path != "fma" else None
         self.threads = WARPS * 32
@@ -134,7 +140,7 @@ class Gemm:
         self._stream = gemm_stream.StreamKernels(
             self.backend, self.N, self.K, dtypes.CODE[self.wkind], EPILOGUES[self.epilogue],
             2 if self.epilogue == "silu_mul" else 1, self.split, self.max_m,
-            k_split=None if k_split is None else int(k_split))
+            k_split=None if k_split is None else int(k_split), logits=self.logits)
         self.k_split = self._stream.plan(self.max_m).ks   # at m = max_m; each call plans its own m
         self.k_tile = self._stream.plan(self.max_m).kt
         self.cols_per_block = gemm_stream.cols_per_block(self._stream.nw)
@@ -202,13 +208,57 @@ class Gemm:
             b += m * self.N * 4
         return b
 
-    def __call__(self, x, w, y, m, residual=None, stream=None, pad_rows=None):
+    def _pad(self, pad_rows, m):
+        if pad_rows is None:
+            return None
+        if self.path != "stream":
+            raise ValueError(f"pad_rows needs path 'stream' (this Gemm runs {self.path!r})")
+        lo, hi = pad_rows
+        checks.device_array(self.backend, "pad_rows[0]", lo, np.int32, ndim=1)
+        if lo.shape[0] < 1:
+            raise ValueError("pad_rows[0] must hold at least one element")
+        if not isinstance(hi, (int, np.integer)) or isinstance(hi, bool) or not 0 <= hi <= m:
+            raise ValueError(f"pad_rows[1] must be an int in [0, m={m}], got {hi!r}")
+        return (lo, int(hi))
+
+    def partials_shape(self, m: int) -> tuple[int, int, int]:
+        """Shape of the u32 ``partials`` the "argmax" epilogue writes for ``m`` rows."""
+        return (int(m), self._nblk, 2)
+
+    def __call__(self, x, w, y, m, residual=None, stream=None, pad_rows=None, partials=None):
         """``pad_rows=(lo, hi)`` (``"stream"`` path): rows ``[lo[0], hi)`` of x
         are padding and count as zeros (not read; 16-row tiles of padding only
         are not computed); ``lo`` is a device int32 array read when the kernel
-        runs, so a captured graph follows it; ``hi`` a host int <= m."""
+        runs, so a captured graph follows it; ``hi`` a host int <= m.
+        ``partials`` (epilogue "argmax" only, u32 ``partials_shape(m)``): each
+        row's best column per column block; ``y`` is None unless ``logits``."""
         be = self.backend
         m = checks.int_arg(m, "m")
+        if self.epilogue == "argmax":
+            if partials is None:
+                raise ValueError("partials is required for epilogue 'argmax'")
+            checks.device_array(be, "partials", partials, np.uint32, ndim=3)
+            if partials.shape[0] < m or tuple(partials.shape[1:]) != self.partials_shape(m)[1:]:
+                raise ValueError(f"partials must have shape [>= {m}, {self._nblk}, 2], got "
+                                 f"{tuple(partials.shape)}")
+            if not self.logits:
+                if y is not None:
+                    raise ValueError("y must be None: this argmax Gemm writes no logits (logits=False)")
+        elif partials is not None:
+            raise ValueError(f"partials given but epilogue is {self.epilogue!r}")
+        if y is None and self.epilogue == "argmax" and not self.logits:
+            checks.device_array(be, "x", x, np.float32)
+            checks.device_array(be, "w", w, self.w_device_dtype)
+            if x.shape[1] != self.K or tuple(w.shape) != (self.w_rows, self.K):
+                raise ValueError(f"x must be [>= m, {self.K}] and w [{self.w_rows}, {self.K}], got "
+                                 f"{tuple(x.shape)} and {tuple(w.shape)}")
+            if not 1 <= m <= x.shape[0]:
+                raise ValueError(f"m={m} must be in [1, x rows={x.shape[0]}]")
+            checks.aligned16(x=x, w=w)
+            # y is never written without logits: the partials stand in for the pointer
+            self._stream(x, w, partials, partials, m, stream=stream, pad_rows=self._pad(pad_rows, m),
+                         partials=partials)
+            return
         checks.device_array(be, "x", x, np.float32)
         checks.device_array(be, "w", w, self.w_device_dtype)
         checks.device_array(be, "y", y, np.float32)
@@ -241,18 +291,9 @@ class Gemm:
             r = y  # unused by the kernel; any valid pointer
         if self.vectorized:
             checks.aligned16(x=x, w=w, y=y, residual=r)
-        if pad_rows is not None:
-            if self.path != "stream":
-                raise ValueError(f"pad_rows needs path 'stream' (this Gemm runs {self.path!r})")
-            lo, hi = pad_rows
-            checks.device_array(be, "pad_rows[0]", lo, np.int32, ndim=1)
-            if lo.shape[0] < 1:
-                raise ValueError("pad_rows[0] must hold at least one element")
-            if not isinstance(hi, (int, np.integer)) or isinstance(hi, bool) or not 0 <= hi <= m:
-                raise ValueError(f"pad_rows[1] must be an int in [0, m={m}], got {hi!r}")
-            pad_rows = (lo, int(hi))
+        pad_rows = self._pad(pad_rows, m)
         if self.path == "stream":
-            self._stream(x, w, y, r, m, stream=stream, pad_rows=pad_rows)
+            self._stream(x, w, y, r, m, stream=stream, pad_rows=pad_rows, partials=partials)
             return
         grid, block, smem = self.launch_config(m)
         if self.path == "fma":

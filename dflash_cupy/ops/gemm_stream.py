@@ -225,12 +225,17 @@ def xtile_conflict_ways(kt: int, pad: int = 8) -> list[int]:
     return ways
 
 
+ARGMAX_EPI = 3  # gemm_stream.cu GS_EPI 3: the lm_head GEMM with the greedy token fused
+
+
 class StreamKernels:
     """The compiled variants of one ``Gemm`` (all buckets up to ``max_m``,
     compiled now: nothing compiles during graph capture) and their launches."""
 
     def __init__(self, backend, N: int, K: int, wtype_code: int, epi_code: int, nw: int, split: int,
-                 max_m: int, k_split: int | None = None):
+                 max_m: int, k_split: int | None = None, logits: bool = True):
+        if epi_code == ARGMAX_EPI:  # the fused argmax reduces within a block: no split K
+            k_split = 1
         self.backend = backend
         self.N, self.K, self.nw, self.split, self.k_split = N, K, nw, split, k_split
         self.dev = device_of(backend)
@@ -240,7 +245,8 @@ class StreamKernels:
         for mt in self.buckets:
             mod = kernels.load_module(backend, "gemm_stream.cu", GS_WTYPE=wtype_code, GS_EPI=epi_code, GS_K=K,
                                       GS_MT=mt, GS_NT=WTILES // nw, GS_WARPS=WARPS, GS_SPLIT=split,
-                                      GS_DEPTH=DEPTH[mt])
+                                      GS_DEPTH=DEPTH[mt],
+                                      **({"GS_LOGITS": int(logits)} if epi_code == ARGMAX_EPI else {}))
             self._kernels[mt] = mod.get_function("gemm_stream")
         # Workspace for the largest split any m <= max_m plans (rows of its variant).
         groups = -(-N // cols_per_block(nw))
@@ -259,14 +265,17 @@ class StreamKernels:
         p = self.plan(m)
         return p.grid, (WARPS * 32, 1, 1), p.smem
 
-    def __call__(self, x, w, y, r, m: int, stream=None, pad_rows=None):
+    def __call__(self, x, w, y, r, m: int, stream=None, pad_rows=None, partials=None):
         """``pad_rows=(lo, hi)``: rows ``[lo[0], hi)`` are zero rows, ``lo`` a
-        device int32 array read at run time (``None``: no padding rows)."""
+        device int32 array read at run time (``None``: no padding rows).
+        ``partials`` (the argmax epilogue): u32 ``[>= m, blocks, 2]`` written
+        in place of the split-K workspace."""
         p = self.plan(m)
         lo, hi = (self._counters, 0) if pad_rows is None else pad_rows
         self._kernels[p.mt](p.grid, (WARPS * 32, 1, 1),
                             (x, w, y, r, np.int32(m), np.int32(self.N), np.int32(p.kz), np.int32(p.kt),
-                             self._ws, self._counters, lo, np.int32(hi)), shared_mem=p.smem, stream=stream)
+                             self._ws if partials is None else partials, self._counters, lo, np.int32(hi)),
+                            shared_mem=p.smem, stream=stream)
 
 
 # (name, N, K, weight matrices per output column) of a qwen3-8b-like and a hidden-5120 drafter layer

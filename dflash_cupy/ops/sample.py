@@ -72,8 +72,9 @@ class TokenSampler:
         self.backend = backend
         self.vocab = int(vocab)
         self.block = min(BLOCK, max(32, -(-self.vocab // 32) * 32))
-        self._kernel = kernels.load_module(backend, "sample.cu", SAMPLE_V=self.vocab,
-                                           SAMPLE_BLOCK=self.block).get_function("sample_rows")
+        mod = kernels.load_module(backend, "sample.cu", SAMPLE_V=self.vocab, SAMPLE_BLOCK=self.block)
+        self._kernel = mod.get_function("sample_rows")
+        self._reduce = mod.get_function("argmax_partials")
 
     def __repr__(self):
         return f"TokenSampler(vocab={self.vocab}, block={self.block})"
@@ -99,6 +100,25 @@ class TokenSampler:
         self._kernel((int(n_rows), 1, 1), (self.block, 1, 1),
                      (logits, np.int32(logits.shape[1]), np.int32(n_rows), knobs, rng, tokens),
                      stream=stream)
+
+
+    def reduce_partials(self, partials, tokens, n_rows: int, stream=None) -> None:
+        """Greedy tokens from the fused lm_head GEMM's ``partials`` (u32
+        ``[>= n_rows, blocks, 2]``: each column block's best (order key,
+        column), ``Gemm(..., "argmax")``): the same token as the argmax of
+        the full logits row, ties to the lowest id."""
+        be = self.backend
+        checks.device_array(be, "partials", partials, np.uint32, ndim=3)
+        checks.device_array(be, "tokens", tokens, np.int32, ndim=1)
+        if partials.shape[2] != 2:
+            raise ValueError(f"partials must have shape [rows, blocks, 2], got {tuple(partials.shape)}")
+        n_rows = checks.int_arg(n_rows, "n_rows")
+        if n_rows > min(partials.shape[0], tokens.shape[0]):
+            raise ValueError(f"n_rows={n_rows} must be in [0, {min(partials.shape[0], tokens.shape[0])}]")
+        if n_rows == 0:
+            return
+        self._reduce((n_rows, 1, 1), (self.block, 1, 1),
+                     (partials, np.int32(partials.shape[1]), np.int32(n_rows), tokens), stream=stream)
 
 
 # ---------------------------------------------------------------- NumPy reference
