@@ -95,10 +95,10 @@ def ptxas_info(file: str, defines: dict, arch: str = ARCH) -> dict:
         _mem[key] = disk[key]
         return disk[key]
     from cupy_backends.cuda.libs import nvrtc
-    from dflash_cupy.backends.cuda import NVRTC_FLAGS, cuda_include_dirs, with_line_directive
+    from dflash_cupy.backends.nvrtc_info import NVRTC_FLAGS, cuda_header_dirs, with_line_directive
     path = kernels.source_path(file)
     flags = [f"--gpu-architecture={arch}", *NVRTC_FLAGS, "--device-as-default-execution-space",
-             "--ptxas-options=-v", *opts, *("-I" + d for d in cuda_include_dirs())]
+             "--ptxas-options=-v", *opts, *("-I" + d for d in cuda_header_dirs())]
     prog = nvrtc.createProgram(with_line_directive(path.read_text(), str(path)), str(path), [], [])
     try:
         try:
