@@ -31,9 +31,14 @@ def host_ptr(a: np.ndarray) -> int:
     return int(a.__array_interface__["data"][0])
 
 
+# cudaMemoryTypeHost is 1 in CUDA's driver_types.h; the getattr covers a CuPy that
+# does not export the constant.
+_MEMORY_TYPE_HOST = getattr(_runtime, "memoryTypeHost", 1)
+
+
 def _is_page_locked(ptr: int) -> bool:
     try:
-        return _runtime.pointerGetAttributes(ptr).type == _runtime.memoryTypeHost
+        return _runtime.pointerGetAttributes(ptr).type == _MEMORY_TYPE_HOST
     except _runtime.CUDARuntimeError:  # pre-CUDA-11 drivers refuse pageable pointers
         return False
 
