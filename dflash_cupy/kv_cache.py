@@ -98,7 +98,7 @@ class DraftKvCache:
         capacity = int_arg(capacity, "capacity", 1)
         if capacity > MAX_CAPACITY:
             raise ValueError(f"capacity={capacity} exceeds {MAX_CAPACITY} ring slots")
-        if not isinstance(bulk_chunk, int) or not 1 <= bulk_chunk <= BULK_CHUNK:
+        if not isinstance(bulk_chunk, int) or isinstance(bulk_chunk, bool) or not 1 <= bulk_chunk <= BULK_CHUNK:
             raise ValueError(f"bulk_chunk must be an int in [1, {BULK_CHUNK}], got {bulk_chunk!r}")
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
@@ -115,8 +115,10 @@ class DraftKvCache:
         g = self.geom
         self.dw = weights.device(be)  # placed once per backend, cached on the weights
         H, B, A = c.hidden_size, g.q_len, g.a_step
-        self.bulk_chunk = max(int(bulk_chunk), A)
-        R = self.bulk_chunk  # rows of the append workspace (step: A, bulk chunk: <= R)
+        # Bulk appends run in chunks of exactly bulk_chunk rows (the last one shorter); the
+        # append workspace also holds a step's A rows, so it has max(bulk_chunk, A) rows.
+        self.bulk_chunk = int(bulk_chunk)
+        R = max(self.bulk_chunk, A)
 
         # ---- caches and step state
         kvw = c.kv_dim
@@ -392,13 +394,11 @@ class DraftKvCache:
         s.wait_event(self._ring.write_event)
         if fields.reset:
             self.planner.reset_slots(self.slot_pos, stream=s)
-        rows = self._bulk_desc_host.shape[0]
+        # One pinned descriptor row per chunk: bulk_count <= capacity, so there are at most
+        # ceil(capacity / bulk_chunk) chunks, fewer than the rows __init__ allocates.
         for i, (start, count) in enumerate(bulk_chunks(fields.bulk_start, fields.bulk_count,
                                                        self.bulk_chunk)):
-            host = self._bulk_desc_host[i % rows]
-            if i and i % rows == 0:  # wrapped around the chunk descriptors (only for tiny chunks)
-                self._bulk_event.record(s)
-                self._reuse(self._bulk_event)
+            host = self._bulk_desc_host[i]
             be.host_write(host, "DraftKvCache bulk chunk descriptor")
             fill_chunk_descriptor(host, fields, start, count)
             be.copy_h2d_async(self.bulk_desc, host, stream=s)

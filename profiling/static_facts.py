@@ -3,117 +3,32 @@ resident blocks per SM, and the waves of a launch's grid.
 
 ``ptxas_info(file, defines)`` compiles ``cuda_src/<file>`` with NVRTC exactly
 as the CUDA backend does (same flags, ``--ptxas-options=-v``) and returns the
-registers, static shared memory, stack and spill bytes of each kernel. Results
-are cached in memory and on disk (``~/.cache/dflash_cupy/ptxas.json``, keyed
-by a hash of the source tree, the options and the architecture), so a second
-run of the cost model compiles nothing.
-
-(The NVRTC reader duplicates a little of ``tests/test_nvrtc.py``; another
-branch is moving that into ``dflash_cupy/backends/``: this one should then
-call it.)
+registers, static shared memory, stack and spill bytes of each kernel, read
+through ``dflash_cupy.backends.nvrtc_info`` (the build the emulator's launch
+checks use, cached on disk by source, headers, options, architecture and NVRTC
+version), so a second run of the cost model compiles nothing.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from dflash_cupy import kernels
 
 ARCH = "sm_90"
-_CACHE_FILE = Path(os.environ.get("DFLASH_CUPY_PTXAS_CACHE",
-                                  Path.home() / ".cache" / "dflash_cupy" / "ptxas.json"))
-_SPILL_RE = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
-_mem: dict = {}
-
-
-def parse_ptxas(log: str) -> dict:
-    """Per entry function: registers, smem (static bytes), stack, spill_stores, spill_loads."""
-    out: dict = {}
-    cur = None
-    for line in log.splitlines():
-        m = re.search(r"Compiling entry function '([^']+)'", line)
-        if m:
-            cur = out.setdefault(m.group(1), {"registers": 0, "smem": 0, "stack": 0,
-                                              "spill_stores": 0, "spill_loads": 0})
-            continue
-        if cur is None:
-            continue
-        m = re.search(r"(\d+) bytes stack frame", line)
-        if m:
-            cur["stack"] = max(cur["stack"], int(m.group(1)))
-        m = _SPILL_RE.search(line)
-        if m:
-            cur["spill_stores"] += int(m.group(1))
-            cur["spill_loads"] += int(m.group(2))
-        m = re.search(r"Used (\d+) registers", line)
-        if m:
-            cur["registers"] = int(m.group(1))
-            s = re.search(r"(\d+) bytes smem", line)
-            cur["smem"] = int(s.group(1)) if s else 0
-    return out
-
-
-def _tree_hash() -> str:
-    h = hashlib.sha256()
-    for p in sorted(kernels.CUDA_SRC.glob("*.cu*")):
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
-    return h.hexdigest()[:16]
-
-
-def _load_disk() -> dict:
-    try:
-        return json.loads(_CACHE_FILE.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _save_disk(d: dict) -> None:
-    try:
-        _CACHE_FILE.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _CACHE_FILE.with_name(_CACHE_FILE.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(d, indent=0, sort_keys=True))
-        os.replace(tmp, _CACHE_FILE)
-    except OSError:
-        pass  # a cache, nothing more
 
 
 def ptxas_info(file: str, defines: dict, arch: str = ARCH) -> dict:
     """``{kernel: {registers, smem, stack, spill_stores, spill_loads}}`` of
-    ``cuda_src/<file>`` compiled with ``defines`` for ``arch``."""
-    opts = kernels.compile_options(**defines)
-    key = f"{_tree_hash()}|{arch}|{file}|{' '.join(opts)}"
-    if key in _mem:
-        return _mem[key]
-    disk = _load_disk()
-    if key in disk:
-        _mem[key] = disk[key]
-        return disk[key]
-    from cupy_backends.cuda.libs import nvrtc
-    from dflash_cupy.backends.cuda import NVRTC_FLAGS, cuda_include_dirs, with_line_directive
+    ``cuda_src/<file>`` compiled with ``defines`` for ``arch``: the backends' own
+    NVRTC build (``nvrtc_info.cached_compile_info``, cached on disk)."""
+    from dflash_cupy.backends import nvrtc_info
     path = kernels.source_path(file)
-    flags = [f"--gpu-architecture={arch}", *NVRTC_FLAGS, "--device-as-default-execution-space",
-             "--ptxas-options=-v", *opts, *("-I" + d for d in cuda_include_dirs())]
-    prog = nvrtc.createProgram(with_line_directive(path.read_text(), str(path)), str(path), [], [])
-    try:
-        try:
-            nvrtc.compileProgram(prog, flags)
-        except nvrtc.NVRTCError as e:
-            raise RuntimeError(f"{file} {' '.join(opts)}: NVRTC error {e}:\n"
-                               f"{nvrtc.getProgramLog(prog)}") from None
-        info = parse_ptxas(nvrtc.getProgramLog(prog))
-    finally:
-        nvrtc.destroyProgram(prog)
-    _mem[key] = info
-    disk = _load_disk()
-    disk[key] = info
-    _save_disk(disk)
-    return info
+    info = nvrtc_info.cached_compile_info(path.read_text(), str(path),
+                                          kernels.compile_options(**defines), arch)
+    return {name: {"registers": k.registers, "smem": k.static_smem, "stack": k.stack,
+                   "spill_stores": k.spill_stores, "spill_loads": k.spill_loads}
+            for name, k in info.kernels.items()}
 
 
 # ---------------------------------------------------------------------------- occupancy

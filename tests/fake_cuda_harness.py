@@ -53,11 +53,27 @@ class FakePinned:
 class PinBuf(np.ndarray):
     pass
 
+pinned_ranges = []   # [start, end) the fake driver reports as page-locked (pool blocks stay so)
+
 def fake_alloc_pinned(n):
     raw = (ctypes.c_char * (-(-n // 512) * 512))()  # buffer exporter, like PinnedMemoryPointer
     raw.ptr = ctypes.addressof(raw) if n else 0
     raw.mem = FakePinned()
+    if n:
+        pinned_ranges.append((raw.ptr, raw.ptr + len(raw)))
+    pinned_keep.append(raw)  # the pool keeps its blocks, so addresses are never reused here
+    calls.append(("alloc_pinned", n))
     return raw
+
+pinned_keep = []
+attr_fail = []
+
+def fake_pointer_attributes(ptr):
+    calls.append(("ptrattr", ptr))
+    if attr_fail:
+        raise RtErr(1)  # cudaErrorInvalidValue: what drivers before CUDA 11 say for pageable memory
+    host = any(s <= ptr < e for s, e in pinned_ranges)
+    return R.PointerAttributes(0, 0, ptr, R.memoryTypeHost if host else R.memoryTypeUnregistered)
 
 class FakeRawKernel:
     def __init__(self, name): self.name = name; self.max_dynamic_shared_size_bytes = 0
@@ -94,6 +110,7 @@ mp.setattr(R, "streamSynchronize", lambda st: calls.append(("ssync", st)))
 mp.setattr(R, "deviceGetAttribute", lambda a, d: 232448)
 mp.setattr(R, "getDevice", lambda: 0)
 mp.setattr(cupy.cuda, "alloc_pinned_memory", fake_alloc_pinned)
+mp.setattr(R, "pointerGetAttributes", fake_pointer_attributes)
 mp.setattr(cupy, "RawModule", FakeRawModule)
 keep = []
 def fake_empty(shape, dtype):
@@ -158,15 +175,26 @@ y = be.zeros((2, 3), np.float32)
 assert calls == [], "zeros is cupy.zeros: a memset on the current stream, no device sync"
 z = be.empty(4, np.float32); assert z.shape == (4,)
 
-# ---- pinned registry
+# ---- pinned buffers: cupyx.empty_pinned (CuPy's pinned pool), pinned-ness from the driver
+calls.clear()
 p = be.pinned_empty((2, 3), np.float32)
+assert calls[0] == ("alloc_pinned", 24), calls   # through cupy.cuda.alloc_pinned_memory
 assert p.shape == (2, 3) and p.dtype == np.float32 and p.flags.writeable and p.flags.c_contiguous
 assert be.is_pinned(p) and be.is_pinned(p[1]) and not be.is_pinned(np.empty((2, 3), np.float32))
+assert not be.is_pinned([1.0]) and not be.is_pinned(p[:0])
 p0 = be.pinned_empty((0, 3), np.int32); assert p0.shape == (0, 3)
-n_before = len(be._pinned)
+with pytest.raises(ValueError, match="negative dimension"): be.pinned_empty((2, -1), np.float32)
 q = be.pinned_empty(5, np.int64); v = q[2:]; del q; gc.collect()
-assert len(be._pinned) == n_before + 1 and be.is_pinned(v), "a view must keep the block registered"
-del v; gc.collect(); assert len(be._pinned) == n_before, be._pinned
+assert be.is_pinned(v) and v.ctypes.data == pinned_ranges[-1][0] + 16, "a view keeps the block alive"
+# both ends must be page-locked: a range that runs past a pinned block is not pinned
+host = np.zeros(4096, np.uint8)
+pinned_ranges.append((host.ctypes.data, host.ctypes.data + 1024))
+assert be.is_pinned(host[:1024]) and be.is_pinned(host[1000:1024])
+assert not be.is_pinned(host[:1025]) and not be.is_pinned(host[1024:2048]) and not be.is_pinned(host)
+calls.clear(); be.is_pinned(host[8:16])
+assert [c for c in calls if c[0] == "ptrattr"] == [("ptrattr", host.ctypes.data + 8), ("ptrattr", host.ctypes.data + 15)]
+attr_fail.append(1); assert not be.is_pinned(p); attr_fail.clear()   # a refusing driver: not pinned
+pinned_ranges.pop()
 
 # ---- kernel launch checks
 calls.clear()
@@ -179,6 +207,14 @@ with pytest.raises(TypeError, match="takes 5 arguments"): k(1, 32, (x, y))
 with pytest.raises(TypeError, match="must be a tuple"): k(1, 32, x)
 with pytest.raises(ValueError, match="grid dimensions must be >= 1"): k((0,), 32, (x, y, np.int32(6), np.float32(2), np.int64(1)))
 with pytest.raises(ValueError, match="max 1024"): k(1, (64, 32), (x, y, np.int32(6), np.float32(2), np.int64(1)))
+# the launch shape checks are launch_limits.launch_config, the emulator's too
+from dflash_cupy.backends.launch_limits import LaunchResourceError
+for grid, block, smem, msg in (((1, 65536), 32, 0, r"invalid configuration.*grid.y=65536"),
+                               (1, (1, 1, 65), 0, r"invalid configuration.*block.z=65 > 64"),
+                               (1, 32, -1, r"invalid argument.*negative dynamic shared memory")):
+    n_calls = len(calls)
+    with pytest.raises(LaunchResourceError, match=msg): k(grid, block, (x, y, np.int32(6), np.float32(2), np.int64(1)), shared_mem=smem)
+    assert len(calls) == n_calls, "a refused launch reaches no CUDA call"
 with pytest.raises(ValueError, match="shared_mem"): k(1, 32, (x, y, np.int32(6), np.float32(2), np.int64(1)), shared_mem=232449)
 k(1, 32, (x, y, np.int32(6), np.float32(2), np.int64(1)), shared_mem=100000)
 assert calls[-1][5] == 100000 and calls[-1][7] == 100000

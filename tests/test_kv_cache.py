@@ -705,3 +705,30 @@ def test_steady_state_no_device_allocation_cuda():
         d.committed = c
         d.check(c, noise)
     d.close()
+
+
+def test_bulk_chunk_below_a_step_is_honoured(emu):
+    # bulk_chunk is the rows per bulk launch exactly, also below a step's a_step rows (the
+    # append workspace grows to a_step instead of the chunk being raised): a prefill of
+    # capacity+2 rows in chunks of 3 matches the oracle and the default chunking bit for bit.
+    name = "a"
+    cap, a_step = SPECS[name].capacity, 2 * SPECS[name].config.q_len + 2
+    small, default = Driver(emu, name, seed=5), Driver(emu, name, seed=5)
+    try:
+        small.kv.close()
+        small.kv = DraftKvCache(small.w, cap, lm_head=small.lm, backend=emu, bulk_chunk=3)
+        assert 3 < a_step and small.kv.bulk_chunk == 3
+        launches = []
+        real = small.kv._append_stage
+        small.kv._append_stage = lambda n, s: (launches.append(n), real(n, s))[1]
+        for c in (cap + 2, cap + 2 + a_step + 1):   # a prefill, then a jump: both bulk appends
+            small.step(c)
+            default.step(c)
+            for x, y in zip(small.kv.k_cache + small.kv.v_cache + [small.kv.hidden_states],
+                            default.kv.k_cache + default.kv.v_cache + [default.kv.hidden_states]):
+                assert np.array_equal(bits(emu.to_numpy(x)), bits(emu.to_numpy(y))), f"committed={c}"
+        assert launches[:8] == [3] * 7 + [2], launches   # cap rows of the first window: 23 = 7*3 + 2
+        assert max(launches) <= 3
+    finally:
+        small.close()
+        default.close()

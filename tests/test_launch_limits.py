@@ -306,3 +306,16 @@ def test_product_kernels_fit_their_launch_bounds_and_registers():
                     need = LL.registers_per_block(r.registers, r.max_threads)
                     assert need <= LL.REGS_PER_BLOCK, (f.name, opts, name, r)
                 assert r.static_smem <= LL.STATIC_SMEM_MAX, (f.name, opts, name, r)
+
+
+def test_launch_config_is_both_backends_shape_check():
+    # CudaKernel and EmuKernel both start with launch_config: one parser, one message.
+    assert LL.launch_config("k", 3, (32, 2), np.int64(0)) == ((3, 1, 1), (32, 2, 1), 0)
+    with pytest.raises(ValueError, match="kernel k: grid dimensions must be >= 1"):
+        LL.launch_config("k", (2, 0), 32, 0)
+    with pytest.raises(ValueError, match="block must have 1 to 3 dimensions"):
+        LL.launch_config("k", 1, (1, 1, 1, 1), 0)
+    with pytest.raises(LL.LaunchResourceError, match=INVALID_CONFIG + r".*block.x=1025 > 1024"):
+        LL.launch_config("k", 1, 1025, 0)
+    with pytest.raises(LL.LaunchResourceError, match=INVALID_VALUE + ".*negative dynamic shared memory"):
+        LL.launch_config("k", 1, 32, -1)

@@ -67,11 +67,12 @@ def test_missing_sources_raise_a_clear_error(tmp_path, monkeypatch):
 
 
 # Declared distributions -> the top-level modules they provide; empty: needed
-# at run time without an import of ours (CuPy loads NVRTC from that wheel).
-_DIST_MODULES = {"numpy": {"numpy"}, "cupy-cuda12x": {"cupy", "cupy_backends"},
+# at run time without an import of ours (CuPy loads NVRTC from that wheel; the
+# runtime headers are found through cuda.pathfinder, backends/cuda_headers.py).
+_DIST_MODULES = {"numpy": {"numpy"}, "cupy-cuda12x": {"cupy", "cupy_backends", "cupyx"},
                  "safetensors": {"safetensors"}, "ml_dtypes": {"ml_dtypes"}, "nvtx": {"nvtx"},
                  "cuda-pathfinder": {"cuda"}, "nvidia-cuda-nvrtc-cu12": set(),
-                 "nvidia-cuda-runtime-cu12": {"nvidia"}}
+                 "nvidia-cuda-runtime-cu12": set()}
 
 
 def _third_party_imports() -> set[str]:

@@ -1,12 +1,18 @@
 """The CUDA backend: CuPy arrays, NVRTC-compiled ``cupy.RawModule`` kernels,
-CuPy streams/events and CUDA graph capture.
+CuPy streams/events and CUDA graph capture, with the capture rules policed.
+
+Its helpers live beside it: ``signatures`` (kernel entry points, shared with
+the emulator), ``launch_limits.launch_config`` (grid/block/shared-memory
+checks, shared with the emulator), ``nvrtc_info`` (options, ``#line``, the
+include digest, the CUDA header directory from ``cuda_headers``) and
+``cuda_pinned`` (page-locked buffers).
 
 Behaviour mirrors ``EmulatedBackend`` (``backends/emulated.py``) wherever
 the interface says what happens, so code that passes on the emulator runs
 here unchanged:
 
 * Kernel arguments are checked against the kernel's C signature (parsed from
-  the source with the emulator's own parser, ``emu_build.parse_kernels``):
+  the source by ``signatures.parse_kernels``, as the emulator does):
   pointer parameters take CuPy arrays, scalar parameters take NumPy scalars
   of exactly the parameter's dtype. CuPy itself would silently pass a Python
   ``int`` as a 64-bit value and launch with a wrong argument count; both are
@@ -55,11 +61,10 @@ API facts relied on (CuPy 13/14; confirmed against CuPy's sources/docs):
   and refuses the legacy default stream; ``Stream.end_capture()`` returns an
   instantiated ``cupy.cuda.Graph`` whose ``launch(stream=None)`` runs on the
   given (or current) stream (cupy/cuda/stream.pyx, cupy/cuda/graph.pyx).
-* ``cupy.cuda.alloc_pinned_memory(n)`` returns a ``PinnedMemoryPointer``
-  exporting the buffer protocol (``numpy.frombuffer`` keeps it alive); its
-  ``.mem`` is weak-referenceable and dies when the last view of the
-  allocation does. ``set_pinned_memory_allocator`` has no getter, so the
-  capture guard restores CuPy's default pinned pool allocator.
+* ``cupyx.empty_pinned`` allocates through ``cupy.cuda.alloc_pinned_memory``
+  (the pinned pool), so the capture guard below also refuses it;
+  ``set_pinned_memory_allocator`` has no getter, so the guard restores
+  CuPy's default pinned pool allocator.
 * ``cupy.cuda.set_allocator`` raises inside a ``using_allocator`` block and
   is process-global, so the capture guard uses the thread-local
   ``cupy.cuda.using_allocator`` context (entered at ``begin_capture``, left
@@ -67,13 +72,7 @@ API facts relied on (CuPy 13/14; confirmed against CuPy's sources/docs):
 """
 from __future__ import annotations
 
-import functools
-import itertools
-import os
-import re
 import threading
-import weakref
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -83,11 +82,10 @@ from cupy.cuda import driver as _driver
 from cupy.cuda import runtime as _runtime
 
 from .. import device_props
-from . import emu_build, nvrtc_info
+from . import cuda_pinned, launch_limits, nvrtc_info, signatures
 from .base import (Backend, BackendError, CaptureError, Graph, Kernel, KernelLaunchError, Module,
-                   copy_nbytes)
-from .base import check_kernel_args
-from .base import dim3 as _dim3
+                   check_kernel_args, copy_nbytes)
+from .cuda_pinned import host_ptr as _host_ptr
 
 NVRTC_FLAGS = nvrtc_info.NVRTC_FLAGS  # ("--std=c++17", "-ftz=true")
 
@@ -102,109 +100,8 @@ _RAW_STREAM_TYPES = tuple(t for t in (cupy.cuda.Stream, getattr(cupy.cuda, "Exte
 
 
 # ---------------------------------------------------------------------------
-# CUDA headers for NVRTC
-# ---------------------------------------------------------------------------
-def nvrtc_version() -> tuple[int, int] | None:
-    """(major, minor) of the NVRTC library CuPy loads, or None if it cannot be loaded."""
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-        major, minor = nvrtc.getVersion()
-        return int(major), int(minor)
-    except Exception:
-        return None
-
-
-def _header_major(d: Path) -> int | None:
-    try:
-        text = (d / "cuda_runtime_api.h").read_text(errors="replace")
-    except OSError:
-        return None
-    m = re.search(r"#define\s+CUDART_VERSION\s+(\d+)", text)
-    return int(m.group(1)) // 1000 if m else None
-
-
-@functools.lru_cache(maxsize=None)
-def cuda_include_dirs() -> tuple[str, ...]:
-    """The CUDA runtime header directory (``cuda_fp16.h``, ``cuda_bf16.h``) whose
-    version matches NVRTC's major version, as a 0- or 1-tuple.
-
-    Wheel layouts: CUDA 13 puts every toolkit header in ``nvidia/cu13/include``,
-    CUDA 12 in per-component ``nvidia/cuda_runtime/include`` (the same two
-    layouts ``cuda.pathfinder``'s ``cudart`` entry lists). Headers of another
-    major version are skipped: CuPy adds its own include directories after
-    ours, so a mismatched directory here would shadow a correct one there.
-    """
-    ver = nvrtc_version()
-    major = ver[0] if ver else None
-    cands: list[Path] = []
-    try:
-        from cuda.pathfinder import find_nvidia_header_directory
-        found = find_nvidia_header_directory("cudart")
-        if found:
-            cands.append(Path(found))
-    except Exception:
-        pass
-    try:
-        import nvidia
-        for base in list(getattr(nvidia, "__path__", [])):
-            base = Path(base)
-            if major is not None:
-                cands.append(base / f"cu{major}" / "include")
-            cands += [base / "cu13" / "include", base / "cu12" / "include",
-                      base / "cuda_runtime" / "include"]
-    except ImportError:
-        pass
-    for var in ("CUDA_PATH", "CUDA_HOME"):
-        if os.environ.get(var):
-            cands.append(Path(os.environ[var]) / "include")
-    try:
-        root = cupy.cuda.get_cuda_path()
-        if root:
-            cands.append(Path(root) / "include")
-    except Exception:
-        pass
-    cands.append(Path("/usr/local/cuda/include"))
-    seen = set()
-    for d in cands:
-        try:
-            key = d.resolve()
-        except OSError:
-            continue
-        if key in seen:
-            continue
-        seen.add(key)
-        if not (d / "cuda_fp16.h").is_file():
-            continue
-        hm = _header_major(d)
-        if major is None or hm is None or hm == major:
-            return (str(d),)
-    return ()
-
-
-# One implementation for this backend, the emulator's NVRTC check and tests/test_nvrtc.py.
-with_line_directive = nvrtc_info.with_line_directive
-_normalise_options = nvrtc_info.normalise_options
-
-
-def cache_tag(source: str, filename: str, options: Sequence[str]) -> str:
-    """A trailing comment naming the digest of every header ``source`` includes.
-
-    CuPy's kernel cache key covers the code string, the options and the NVRTC version
-    but not the content of ``#include``d files, so after an edit of ``mma.cuh`` it
-    would reuse the stale cubin; with the digest in the code, it recompiles. Headers
-    are searched as NVRTC does (``-I`` dirs, including the CUDA runtime headers).
-    Appended, not prepended, so ``#line`` numbering is unchanged."""
-    dirs = nvrtc_info.include_dirs_of(options)
-    return f"\n// dflash_cupy include digest {nvrtc_info.include_digest(source, filename, dirs)}\n"
-
-
-# ---------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------
-def _host_ptr(a: np.ndarray) -> int:
-    return int(a.__array_interface__["data"][0])
-
-
 def _check_dtype_supported(dtype) -> np.dtype:
     dt = np.dtype(dtype)
     if dt.kind == "V" or dt.name == "bfloat16":
@@ -320,7 +217,7 @@ class CudaGraph(Graph):
 # modules and kernels
 # ---------------------------------------------------------------------------
 class CudaKernel(Kernel):
-    def __init__(self, module: "CudaModule", raw, sig: emu_build.KernelSig):
+    def __init__(self, module: "CudaModule", raw, sig: signatures.KernelSig):
         self._module = module
         self._raw = raw
         self.sig = sig
@@ -340,13 +237,9 @@ class CudaKernel(Kernel):
 
     def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0, stream=None) -> None:
         be = self._module.backend
-        g, b = _dim3(grid, f"kernel {self.name}: grid"), _dim3(block, f"kernel {self.name}: block")
-        nthreads = b[0] * b[1] * b[2]
-        if nthreads > 1024:
-            raise ValueError(f"kernel {self.name}: block {b} has {nthreads} threads (max 1024)")
-        shared_mem = int(shared_mem)
-        limit = be._smem_optin()
-        if not 0 <= shared_mem <= limit:
+        g, b, shared_mem = launch_limits.launch_config(self.name, grid, block, shared_mem)
+        limit = be._smem_optin()  # this device's, not sm_90's: checked here, not in launch_limits
+        if shared_mem > limit:
             raise ValueError(f"kernel {self.name}: shared_mem={shared_mem} outside [0, {limit}]")
         args = self._check_args(args)
         raw_stream = be._stream_for(stream, f"kernel {self.name}")
@@ -371,7 +264,7 @@ class CudaKernel(Kernel):
 
 
 class CudaModule(Module):
-    def __init__(self, backend: "CudaBackend", raw_module, sigs: list[emu_build.KernelSig],
+    def __init__(self, backend: "CudaBackend", raw_module, sigs: list[signatures.KernelSig],
                  filename: str):
         self.backend = backend
         self.raw = raw_module
@@ -436,8 +329,6 @@ class CudaBackend(Backend):
         # Nothing here touches the device, so the class can be built (and its interface checked)
         # on a machine without a GPU.
         self._tls = threading.local()     # capture state is per thread (relaxed-mode captures)
-        self._pinned: dict[int, tuple[int, int]] = {}   # key -> [start, end) of a live pinned block
-        self._pinned_keys = itertools.count()
         self._smem_limit: int | None = None
 
     # ---- capture plumbing: per thread, so one thread capturing a graph does not stop
@@ -541,34 +432,11 @@ class CudaBackend(Backend):
 
     def pinned_empty(self, shape, dtype) -> np.ndarray:
         self._no_capture("allocation (pinned_empty)")
-        dtype = np.dtype(dtype)
-        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
-        if any(s < 0 for s in shape):
-            raise ValueError(f"shape {shape} has a negative dimension")
-        count = int(np.prod(shape, dtype=np.int64))
-        nbytes = count * dtype.itemsize
-        mem = cupy.cuda.alloc_pinned_memory(nbytes)
-        # frombuffer keeps `mem` alive through the array's base; the pool may round the block up.
-        arr = np.frombuffer(mem, dtype=dtype, count=count).reshape(shape)
-        if nbytes:
-            key = next(self._pinned_keys)
-            start = int(mem.ptr)
-            self._pinned[key] = (start, start + nbytes)
-            owner = getattr(mem, "mem", None)
-            try:
-                weakref.finalize(owner if owner is not None else mem, self._pinned.pop, key, None)
-            except TypeError:
-                # Not weak-referenceable (a custom pinned allocator): tie the entry to the array.
-                weakref.finalize(arr, self._pinned.pop, key, None)
-        return arr
+        return cuda_pinned.pinned_empty(shape, dtype)
 
     def is_pinned(self, a: np.ndarray) -> bool:
-        """True if ``a``'s bytes lie in a live buffer from ``pinned_empty``."""
-        if not isinstance(a, np.ndarray):
-            return False
-        start = _host_ptr(a)
-        end = start + a.nbytes
-        return any(s <= start and end <= e for s, e in list(self._pinned.values()))
+        """True if ``a``'s bytes are page-locked host memory (``cuda_pinned.is_pinned``)."""
+        return cuda_pinned.is_pinned(a)
 
     def is_device_array(self, x) -> bool:
         return isinstance(x, cupy.ndarray)
@@ -578,11 +446,12 @@ class CudaBackend(Backend):
         self._no_capture("compile")
         fname = filename or "<source>.cu"
         try:
-            sigs = emu_build.parse_kernels(source)
+            sigs = signatures.parse_kernels(source)
         except ValueError as e:
             raise BackendError(f"{fname}: {e}") from None
-        opts = NVRTC_FLAGS + _normalise_options(options) + tuple("-I" + d for d in cuda_include_dirs())
-        code = with_line_directive(source, fname) + cache_tag(source, fname, opts)
+        opts = (NVRTC_FLAGS + nvrtc_info.normalise_options(options)
+                + tuple("-I" + d for d in nvrtc_info.cuda_header_dirs()))
+        code = nvrtc_info.with_line_directive(source, fname) + nvrtc_info.cache_tag(source, fname, opts)
         try:
             raw = cupy.RawModule(code=code, options=opts, backend="nvrtc")
             raw.compile()  # eager: errors surface here, not at the first launch

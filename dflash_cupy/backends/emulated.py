@@ -46,11 +46,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import emu_build, emu_memory, launch_limits, nvrtc_info
+from . import emu_build, emu_memory, launch_limits, nvrtc_info, signatures
 from .base import (Backend, BackendError, CaptureError, Graph, Kernel, KernelLaunchError, Module,
                    StreamOrderError, copy_nbytes)
 from .base import check_kernel_args
-from .base import dim3 as _dim3
 
 _ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}
 _ERRLEN = 1024
@@ -228,7 +227,7 @@ class EmuGraph(Graph):
 
 
 class EmuKernel(Kernel):
-    def __init__(self, module: "EmuModule", index: int, sig: emu_build.KernelSig):
+    def __init__(self, module: "EmuModule", index: int, sig: signatures.KernelSig):
         self._module = module
         self._index = index
         self.sig = sig
@@ -250,14 +249,10 @@ class EmuKernel(Kernel):
 
     def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0,
                  stream: EmuStream | None = None) -> None:
-        g, b = _dim3(grid, f"kernel {self.name}: grid"), _dim3(block, f"kernel {self.name}: block")
-        launch_limits.check_emulated_launch(self, g, b, shared_mem)  # the driver's checks (sm_90)
-        nthreads = b[0] * b[1] * b[2]
-        if nthreads > 1024:
-            raise ValueError(f"kernel {self.name}: block {b} has {nthreads} threads (max 1024)")
-        shared_mem = int(shared_mem)
-        if not 0 <= shared_mem <= emu_build.SMEM_BYTES:
-            raise ValueError(f"kernel {self.name}: shared_mem={shared_mem} outside [0, {emu_build.SMEM_BYTES}]")
+        g, b, shared_mem = launch_limits.launch_config(self.name, grid, block, shared_mem)
+        # The driver's checks (sm_90); they also keep shared_mem within the emulator's
+        # SMEM_BYTES arena, which is the same opt-in limit.
+        launch_limits.check_emulated_launch(self, g, b, shared_mem)
         ptrs, keep = self._pack(args)
         backend = self._module.backend
         # Deferred: the launch runs when its stream is drained. Access intent comes from the

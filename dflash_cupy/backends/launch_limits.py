@@ -31,7 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import KernelLaunchError
+from ..device_props import DEFAULT_SMEM, H200
+from .base import KernelLaunchError, dim3
 from .nvrtc_info import KernelResources
 
 MAX_THREADS_PER_BLOCK = 1024
@@ -41,8 +42,8 @@ REGS_PER_BLOCK = 65536
 REG_ALLOC_UNIT = 256           # registers, per warp
 WARP_ALLOC_GRANULARITY = 4     # sub-partitions per SM
 STATIC_SMEM_MAX = 48 * 1024
-DEFAULT_DYNAMIC_SMEM = 48 * 1024
-SMEM_OPTIN_MAX = 227 * 1024    # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90
+DEFAULT_DYNAMIC_SMEM = DEFAULT_SMEM
+SMEM_OPTIN_MAX = H200.smem_optin  # 227 KiB: cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90
 
 INVALID_CONFIG = "invalid configuration argument (cudaErrorInvalidConfiguration)"
 OUT_OF_RESOURCES = "too many resources requested for launch (cudaErrorLaunchOutOfResources)"
@@ -70,6 +71,40 @@ def max_threads_for_registers(registers: int) -> int:
     return best
 
 
+def _fail(name: str, what: str, g, b, shared_mem: int, why: str):
+    raise LaunchResourceError(f"kernel {name}: launch grid={g} block={b} shared_mem={shared_mem} "
+                              f"failed: {what}: {why}")
+
+
+def check_configuration(name: str, g: tuple[int, int, int], b: tuple[int, int, int],
+                        shared_mem: int) -> None:
+    """Rule 1 and a non-negative dynamic shared memory size: the checks that need
+    nothing of the kernel, made by both backends before a launch."""
+    for axis, (v, cap) in enumerate(zip(b, MAX_BLOCK_DIM)):
+        if v > cap:
+            _fail(name, INVALID_CONFIG, g, b, shared_mem, f"block.{'xyz'[axis]}={v} > {cap}")
+    nthreads = b[0] * b[1] * b[2]
+    if nthreads > MAX_THREADS_PER_BLOCK:
+        _fail(name, INVALID_CONFIG, g, b, shared_mem,
+              f"{nthreads} threads per block > {MAX_THREADS_PER_BLOCK} (max 1024)")
+    for axis, (v, cap) in enumerate(zip(g, MAX_GRID_DIM)):
+        if v > cap:
+            _fail(name, INVALID_CONFIG, g, b, shared_mem, f"grid.{'xyz'[axis]}={v} > {cap}")
+    if int(shared_mem) < 0:
+        _fail(name, INVALID_VALUE, g, b, shared_mem, "negative dynamic shared memory")
+
+
+def launch_config(name: str, grid, block, shared_mem) -> tuple[tuple[int, int, int],
+                                                               tuple[int, int, int], int]:
+    """``(grid, block, shared_mem)`` of a launch as the backends pass them on (three
+    positive ints each, an int), after ``check_configuration``. Both backends' kernels
+    call this first, so a shape one refuses the other refuses with the same message."""
+    g, b = dim3(grid, f"kernel {name}: grid"), dim3(block, f"kernel {name}: block")
+    shared_mem = int(shared_mem)
+    check_configuration(name, g, b, shared_mem)
+    return g, b, shared_mem
+
+
 @dataclass
 class KernelLimits:
     """Launch checks for one kernel; holds its dynamic shared memory attribute."""
@@ -78,8 +113,7 @@ class KernelLimits:
     max_dynamic_smem: int = DEFAULT_DYNAMIC_SMEM
 
     def _fail(self, what: str, g, b, shared_mem: int, why: str):
-        raise LaunchResourceError(f"kernel {self.name}: launch grid={g} block={b} shared_mem={shared_mem} "
-                                  f"failed: {what}: {why}")
+        _fail(self.name, what, g, b, shared_mem, why)
 
     def set_max_dynamic_smem(self, nbytes: int) -> None:
         """``cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, nbytes)``."""
@@ -96,19 +130,9 @@ class KernelLimits:
         """Raise ``LaunchResourceError`` as the driver would refuse the launch.
         ``opt_in``: raise the dynamic shared memory attribute first when the launch asks
         for more, as the CuPy backend does (False models a launcher that never opts in)."""
-        nthreads = b[0] * b[1] * b[2]
-        for axis, (v, cap) in enumerate(zip(b, MAX_BLOCK_DIM)):
-            if v > cap:
-                self._fail(INVALID_CONFIG, g, b, shared_mem, f"block.{'xyz'[axis]}={v} > {cap}")
-        if nthreads > MAX_THREADS_PER_BLOCK:
-            self._fail(INVALID_CONFIG, g, b, shared_mem,
-                       f"{nthreads} threads per block > {MAX_THREADS_PER_BLOCK} (max 1024)")
-        for axis, (v, cap) in enumerate(zip(g, MAX_GRID_DIM)):
-            if v > cap:
-                self._fail(INVALID_CONFIG, g, b, shared_mem, f"grid.{'xyz'[axis]}={v} > {cap}")
+        check_configuration(self.name, g, b, shared_mem)
         shared_mem = int(shared_mem)
-        if shared_mem < 0:
-            self._fail(INVALID_VALUE, g, b, shared_mem, "negative dynamic shared memory")
+        nthreads = b[0] * b[1] * b[2]
         r = self.resources
         if r is not None:
             if r.max_threads is not None and nthreads > r.max_threads:

@@ -31,9 +31,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from . import cuda_headers
+from .signatures import strip_comments
+
 ARCH = "sm_90"  # the architecture whose resource usage the emulator enforces (Hopper)
-# Always added by the CuPy backend (NVRTC_FLAGS in cuda.py, repeated here so that importing
-# this module does not import CuPy) and by CuPy's RawModule itself (cupy/cuda/compiler.py).
+# Always added by the CuPy backend (which takes NVRTC_FLAGS from here; this module does not
+# import CuPy) and by CuPy's RawModule itself (cupy/cuda/compiler.py).
 NVRTC_FLAGS = ("--std=c++17", "-ftz=true")
 CUPY_IMPLIED_FLAGS = ("--device-as-default-execution-space",)
 _CACHE_VERSION = "1"
@@ -103,15 +106,11 @@ def include_dirs_of(options: Sequence[str]) -> list[str]:
     return dirs
 
 
-def _strip_comments(src: str) -> str:
-    return re.sub(r"//[^\n]*|/\*.*?\*/", " ", src, flags=re.S)
-
-
 _digests: dict[Path, tuple[int, int, str, list]] = {}
 
 
 def _includes_of(text: str) -> list[tuple[str, str]]:
-    return _INCLUDE_RE.findall(_strip_comments(text))
+    return _INCLUDE_RE.findall(strip_comments(text))
 
 
 def _file_digest(path: Path) -> tuple[str, list[tuple[str, str]]]:
@@ -168,6 +167,19 @@ def include_digest(source: str, filename: str | None, include_dirs: Iterable[str
     return h.hexdigest()
 
 
+def cache_tag(source: str, filename: str, options: Sequence[str]) -> str:
+    """A trailing comment naming the digest of every header ``source`` includes, for the
+    CuPy backend's code string.
+
+    CuPy's kernel cache key covers the code string, the options and the NVRTC version
+    but not the content of ``#include``d files, so after an edit of ``mma.cuh`` it
+    would reuse the stale cubin; with the digest in the code, it recompiles. Headers
+    are searched as NVRTC does (``-I`` dirs, including the CUDA runtime headers).
+    Appended, not prepended, so ``#line`` numbering is unchanged."""
+    digest = include_digest(source, filename, include_dirs_of(options))
+    return f"\n// dflash_cupy include digest {digest}\n"
+
+
 # ---------------------------------------------------------------------------
 # NVRTC
 # ---------------------------------------------------------------------------
@@ -186,9 +198,13 @@ def nvrtc_version() -> tuple[int, int]:
 
 
 def cuda_header_dirs() -> tuple[str, ...]:
-    """The runtime header directory the CuPy backend compiles with (cuda_fp16.h, ...)."""
-    from .cuda import cuda_include_dirs  # imports CuPy; only needed when NVRTC really runs
-    return cuda_include_dirs()
+    """The runtime header directory (cuda_fp16.h, ...) matching the NVRTC CuPy loads, as a
+    0- or 1-tuple: what the CuPy backend, this module and the profiling tools compile with."""
+    try:
+        major = nvrtc_version()[0]
+    except NvrtcUnavailable:
+        major = None
+    return cuda_headers.cuda_include_dirs(major)
 
 
 def nvrtc_options(arch: str, options: Sequence[str]) -> list[str]:
