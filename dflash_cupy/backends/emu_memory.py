@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import mmap
+import os
 import threading
 import weakref
 
@@ -105,6 +106,28 @@ def is_inside(arr: np.ndarray, what: str) -> bool:
             return False
         _, d0, d1, desc = _regions[_starts[i]]
         return d0 <= a0 and a1 <= d1 and desc.startswith(what + " ")
+
+
+def allocation_of(addr: int):
+    """(mapping start, mapping end, data start, data end, description) of the live
+    allocation whose mapping holds ``addr``, or None."""
+    with _lock:
+        i = bisect.bisect_right(_starts, addr) - 1
+        if i < 0:
+            return None
+        start = _starts[i]
+        map_end, d0, d1, desc = _regions[start]
+        return (start, map_end, d0, d1, desc) if addr < map_end else None
+
+
+def poison_enabled() -> bool:
+    """Whether ``empty`` fills new device arrays with 0xFF bytes (NaN for floats, -1 for
+    ints), so a kernel that reads what nobody wrote shows up: on unless
+    ``DFLASH_CUPY_EMU_POISON=0``."""
+    v = os.environ.get("DFLASH_CUPY_EMU_POISON", "1").strip().lower()
+    if v not in ("0", "1", "false", "true", "off", "on", "no", "yes"):
+        raise ValueError(f"DFLASH_CUPY_EMU_POISON={v!r}: expected 0 or 1")
+    return v in ("1", "true", "on", "yes")
 
 
 def describe_address(addr: int | None) -> str:

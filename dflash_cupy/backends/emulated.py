@@ -107,7 +107,17 @@ class EmuKernel(Kernel):
         ptrs = (ctypes.c_void_p * max(1, len(slots)))()
         for i, s in enumerate(slots):
             ptrs[i] = ctypes.addressof(s)
-        return ptrs, (keep, slots)
+        # The allocations the pointers point into: the kernel's accesses are checked
+        # against their exact bounds (cuda_emu.h, "memory checks").
+        ranges, names = [], []
+        for p, a in zip(self.sig.params, args):
+            alloc = emu_memory.allocation_of(a.ctypes.data) if p.is_pointer and a.nbytes else None
+            if alloc is not None:
+                ranges += alloc[:4]
+                names.append(f"`{p.name}` ({alloc[4]})".encode())
+        mem = ((ctypes.c_ulonglong * max(1, len(ranges)))(*ranges),
+               (ctypes.c_char_p * max(1, len(names)))(*names), len(names))
+        return ptrs, (keep, slots, mem)
 
     def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0,
                  stream: EmuStream | None = None) -> None:
@@ -142,7 +152,7 @@ class EmuKernel(Kernel):
             fault_addr, fault_sig = ctypes.c_void_p(), ctypes.c_int()
             arena = emu_memory.stack_arena(nthreads)  # this OS thread's fiber stacks
             rc = self._module._launch(self._index, ptrs, grid, block, shared_mem, seed, backend.order,
-                                      first, workers, arena.base, arena.count, arena.stride,
+                                      first, workers, arena.base, arena.count, arena.stride, *keep[2],
                                       err, _ERRLEN, ctypes.byref(fault_addr), ctypes.byref(fault_sig))
             return rc, err.value.decode(errors="replace"), fault_addr.value, fault_sig.value
 
@@ -171,8 +181,10 @@ class EmuModule(Module):
         f.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint,
                       ctypes.c_ulonglong, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ulonglong,
                       ctypes.c_void_p, ctypes.c_int, ctypes.c_ulonglong,
+                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # allocations of the pointer args
                       ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
         self._launch = f
+        emu_build.load_static_shared(self._lib, so_path)
         self._kernels = {k.name: EmuKernel(self, i, k) for i, k in enumerate(kernels)}
 
     def get_function(self, name: str) -> EmuKernel:
@@ -235,10 +247,14 @@ class EmulatedBackend(Backend):
     # ---- arrays
     def empty(self, shape, dtype):
         self._no_capture("allocation (empty)")
-        return emu_memory.guarded_empty(shape, dtype, "device array")
+        a = emu_memory.guarded_empty(shape, dtype, "device array")
+        if a.nbytes and emu_memory.poison_enabled():
+            a.reshape(-1).view(np.uint8).fill(0xFF)  # NaN / -1: reads of unwritten memory show
+        return a
 
     def zeros(self, shape, dtype):
-        a = self.empty(shape, dtype)
+        self._no_capture("allocation (zeros)")
+        a = emu_memory.guarded_empty(shape, dtype, "device array")
         a.fill(0)
         return a
 
