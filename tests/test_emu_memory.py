@@ -274,3 +274,34 @@ def test_intra_warp_exchange_needs_syncwarp(emu, monkeypatch, schedule):
         assert np.array_equal(y, expect) == should_pass, f"{schedule} {defines}: {y}"
         if not should_pass:
             assert np.isnan(y).any()  # the early readers saw poison, not stale data
+
+
+SCRATCH_SRC = r"""
+// Each lane stages a value in the slot it is given and reads back the slot it
+// is given: private slots (the twin) or one slot the whole warp overwrites
+// (the bug). Two index arrays, so neither compiler can forward the store.
+extern "C" __global__ void stage(const float* x, const int* wslot, const int* rslot, float* y) {
+    __shared__ float tmp[32];
+    tmp[wslot[threadIdx.x]] = 2.0f * x[threadIdx.x];
+    y[threadIdx.x] = tmp[rslot[threadIdx.x]] + 1.0f;
+}
+"""
+
+
+def test_lanes_interleave_between_warp_sync_points(emu, monkeypatch):
+    # Running each lane alone up to its next warp-level sync point would hide this
+    # bug (every lane reads back its own value); under the shuffled schedule lanes
+    # hand over to each other at shared-memory accesses, as a real warp may.
+    k = emu.compile(SCRATCH_SRC, filename="scratch.cu").get_function("stage")
+    xh = np.arange(32, dtype=np.float32)
+
+    def run(slots):
+        y = emu.zeros((32,), np.float32)
+        s = emu.asarray(slots.astype(np.int32))
+        k((1,), (32,), (emu.asarray(xh), s, emu.asarray(slots.astype(np.int32)), y))
+        return np.array_equal(y, 2 * xh + 1)
+
+    assert run(np.arange(32))
+    assert not run(np.zeros(32))
+    monkeypatch.setattr(emu, "schedule", "forward")  # the documented limit of the fixed orders
+    assert run(np.zeros(32))

@@ -479,7 +479,7 @@ static inline void switch_to_fiber(Block* b, Fiber* f) {
 #endif
 }
 
-static inline void init_fiber(Fiber* f) {
+EMU_INTERNAL static inline void init_fiber(Fiber* f) {
 #if defined(__x86_64__)
     // Frame popped by emu_ctx_switch: [mxcsr|fpucw][r15..rbp][ret=fiber_main].
     // After its `ret`, rsp % 16 == 8, as at the entry of a called function.
@@ -500,7 +500,7 @@ static inline void init_fiber(Fiber* f) {
 #endif
 }
 
-static inline void release_barrier(Block* b) {
+EMU_INTERNAL static inline void release_barrier(Block* b) {
     for (int i = 0; i < b->nthreads; i++) {
         Fiber* f = &b->fibers[i];
         if (f->state == AT_BARRIER) { f->state = RUNNABLE; f->bar_result = b->bar_count; }
@@ -510,7 +510,7 @@ static inline void release_barrier(Block* b) {
 }
 
 // A lane outside the group reads its own value, as for a source outside the segment.
-static inline unsigned long long lane_value(const Warp& w, unsigned group, int lane, int src) {
+EMU_INTERNAL static inline unsigned long long lane_value(const Warp& w, unsigned group, int lane, int src) {
     return (src >= 0 && src < 32 && ((group >> src) & 1u)) ? w.in[src] : w.in[lane];
 }
 
@@ -526,7 +526,7 @@ struct MmaLane {
 // D = A(16x16) * B(16x8) + C with every lane's fragment gathered, products and
 // sums in double and one rounding to f32 (the hardware's f32 accumulation
 // differs in the last bits; tests compare with tolerances).
-static inline void resolve_mma(Warp& w, bool bf16) {
+EMU_INTERNAL static inline void resolve_mma(Warp& w, bool bf16) {
     float mma_a[16][16], mma_b[16][8], mma_c[16][8];  // (names clear of kernels' -D macros)
     auto elem = [bf16](unsigned int reg, int hi) {
         unsigned short h = (unsigned short)(hi ? reg >> 16 : reg & 0xffffu);
@@ -676,7 +676,7 @@ EMU_INTERNAL static void lane_exited(Block* b, int tid) {
     }
 }
 
-static void fiber_main() {
+EMU_INTERNAL static void fiber_main() {
     Block* b = tl_block;
     b->body(b->args);
     Fiber* f = tl_fiber;
@@ -698,7 +698,7 @@ struct Rng {  // splitmix64: tiny, seedable, identical everywhere
     }
 };
 
-static void describe_deadlock(Block* b) {
+EMU_INTERNAL static void describe_deadlock(Block* b) {
     char msg[768];
     int n = snprintf(msg, sizeof msg,
                      "deadlock in block (%u,%u,%u): %d of %d threads still live and none can proceed;",
@@ -721,7 +721,7 @@ static void describe_deadlock(Block* b) {
 }
 
 // Runs one block; false on deadlock or misuse (message in b->err).
-static bool run_block(Block* b, int order, Rng& rng, const StackArena& stacks) {
+EMU_INTERNAL static bool run_block(Block* b, int order, Rng& rng, const StackArena& stacks) {
     const int nt = b->nthreads, nw = (nt + 31) / 32;
     for (int i = 0; i < nt; i++) {
         Fiber* f = &b->fibers[i];
@@ -804,6 +804,14 @@ enum : int { MEM_SLOTS = 1024, MEM_MAX_RANGES = 128, JUMP_FAULT = 1, JUMP_REPORT
 struct MemTable {
     MemRange r[MEM_MAX_RANGES];
     int n;
+    // This OS thread's shared memory (static and dynamic), noted before each block.
+    // Under the shuffled schedule a lane may hand over to another lane of its warp
+    // before any shared-memory access, so lanes interleave between warp-level
+    // synchronisation points as they may on Volta and later, not only there.
+    struct { unsigned long long lo, len; } sh[32];
+    int nsh;
+    bool yield;
+    unsigned long long yrng;
     unsigned long long key[MEM_SLOTS];  // page number + 1; 0 = empty slot
     int val[MEM_SLOTS];
 };
@@ -829,6 +837,9 @@ EMU_INTERNAL static void build_mem_table(MemTable* t, const unsigned long long* 
                                          int nranges) {
     std::memset(t->key, 0, sizeof t->key);
     t->n = 0;
+    t->nsh = 0;
+    t->yield = false;
+    t->yrng = 1;
     int used = 0;
     for (int i = 0; i < nranges && t->n < MEM_MAX_RANGES; i++) {
         MemRange& r = t->r[t->n];
@@ -894,11 +905,33 @@ EMU_INTERNAL static inline void check_page(const MemTable* t, unsigned long long
     }
 }
 
+EMU_INTERNAL static void shared_yield(MemTable* t) {
+    unsigned long long x = t->yrng;  // xorshift64
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    t->yrng = x;
+    if ((x & 3) == 0 && tl_fiber && tl_fiber->state == RUNNABLE) switch_to_scheduler();
+}
+
 EMU_INTERNAL static inline void check_access(unsigned long long a, unsigned long long n, bool store) {
-    const MemTable* t = tl_mem;
+    MemTable* t = tl_mem;
     if (!t || !n) return;
     check_page(t, a >> 12, a, n, store);
     if ((a & 4095) + n > 4096) check_page(t, (a + n - 1) >> 12, a, n, store);
+    if (t->yield)
+        for (int i = 0; i < t->nsh; i++)
+            if (a - t->sh[i].lo < t->sh[i].len) { shared_yield(t); break; }
+}
+
+// Called by the generated poison function for each shared-memory region of this OS thread.
+EMU_INTERNAL static void note_shared(const void* p, unsigned long long n) {
+    MemTable* t = tl_mem;
+    if (t && n && t->nsh < 32) {
+        t->sh[t->nsh].lo = (unsigned long long)p;
+        t->sh[t->nsh].len = n;
+        t->nsh++;
+    }
 }
 
 EMU_INTERNAL static inline void misaligned(const void* p, unsigned align, const char* type, bool store) {
@@ -936,7 +969,7 @@ static thread_local int tl_fault_sig;
 static struct sigaction old_actions[3];
 static const int fault_sigs[3] = {SIGSEGV, SIGBUS, SIGFPE};
 
-static void fault_handler(int sig, siginfo_t* si, void* ctx) {
+EMU_INTERNAL static void fault_handler(int sig, siginfo_t* si, void* ctx) {
     sigjmp_buf* j = tl_fault_jmp;
     if (j) {
         tl_fault_jmp = nullptr;
@@ -954,7 +987,7 @@ static void fault_handler(int sig, siginfo_t* si, void* ctx) {
     }
 }
 
-static void install_fault_handlers() {
+EMU_INTERNAL static void install_fault_handlers() {
     static std::atomic<bool> installed(false);
     bool expected = false;
     if (installed.compare_exchange_strong(expected, true)) {
@@ -1041,8 +1074,11 @@ EMU_INTERNAL static void run_blocks(void (*body)(void**), void** args, const uns
         b.bidx.x = (unsigned)(i % grid[0]);
         b.bidx.y = (unsigned)((i / grid[0]) % grid[1]);
         b.bidx.z = (unsigned)(i / ((unsigned long long)grid[0] * grid[1]));
-        if (poison) poison(shmem);
         Rng rng{seed ^ (0x9e3779b97f4a7c15ULL * (i + 1))};
+        mem.nsh = 0;
+        mem.yield = order == ORDER_SHUFFLE;
+        mem.yrng = rng.next() | 1;
+        if (poison) poison(shmem);
         if (!run_block(&b, order, rng, stacks)) { res->status = 1; break; }
     }
     tl_fault_jmp = nullptr;

@@ -32,7 +32,7 @@ CXXFLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-pthread", "-fno-strict-al
             "-fsanitize=kernel-address", "--param", "asan-instrumentation-with-call-threshold=0",
             "--param", "asan-stack=0", "--param", "asan-globals=0")
 # Bumped whenever the generated translation unit changes shape (part of the cache key).
-GEN_VERSION = "2"
+GEN_VERSION = "3"
 STATIC_SMEM_FILE = "static_shared.txt"  # beside module.so: TLS offset and size of each static __shared__
 
 # C scalar types a kernel may take by value -> (NumPy dtype name, ctypes name)
@@ -137,10 +137,13 @@ def generate_tu(src_path: Path, kernels: list[KernelSig], smem: dict[str, str]) 
     ]
     for name in smem:
         lines.append(f"    __builtin_memset((void*){name}, 0xff, n);")
+        lines.append(f"    emu::note_shared((const void*){name}, n);")
     lines += [
         "    char* tls = &emu_tls_anchor - emu_anchor_off;",
-        "    for (int i = 0; i < emu_n_static_smem; i++)",
+        "    for (int i = 0; i < emu_n_static_smem; i++) {",
         "        __builtin_memset(tls + emu_static_smem[2 * i], 0xff, emu_static_smem[2 * i + 1]);",
+        "        emu::note_shared(tls + emu_static_smem[2 * i], emu_static_smem[2 * i + 1]);",
+        "    }",
         "}",
     ]
     for i, k in enumerate(kernels):
