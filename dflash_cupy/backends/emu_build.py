@@ -26,11 +26,22 @@ STACK_BYTES = 64 * 1024  # per fiber (the generated code passes it to cuda_emu.h
 CXX = os.environ.get("DFLASH_CUPY_CXX", "g++")
 CXXFLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing",
             "-ffp-contract=off", "-fstack-clash-protection", "-Wno-unknown-pragmas",
-            "-fno-omit-frame-pointer", "-Wl,-z,defs",  # unresolved symbols fail the build, not the load
-            # Every load and store of kernel code calls __asan_{load,store}N_noabort, which
-            # cuda_emu.h defines (byte-exact bounds of the launch's arrays; no shadow memory).
-            "-fsanitize=kernel-address", "--param", "asan-instrumentation-with-call-threshold=0",
-            "--param", "asan-stack=0", "--param", "asan-globals=0")
+            "-fno-omit-frame-pointer", "-Wl,-z,defs")  # unresolved symbols fail the build, not the load
+# Every load and store of kernel code calls __asan_{load,store}N_noabort, which
+# cuda_emu.h defines (byte-exact bounds of the launch's arrays, shared-memory
+# interleaving; no shadow memory, no ASan runtime). DFLASH_CUPY_EMU_CHECKS=0
+# builds without them (faster kernels; only guard pages catch overruns).
+CHECK_FLAGS = ("-fsanitize=kernel-address", "--param", "asan-instrumentation-with-call-threshold=0",
+               "--param", "asan-stack=0", "--param", "asan-globals=0")
+
+
+def _flags() -> tuple[str, ...]:
+    v = os.environ.get("DFLASH_CUPY_EMU_CHECKS", "1").strip().lower()
+    if v not in ("0", "1"):
+        raise ValueError(f"DFLASH_CUPY_EMU_CHECKS={v!r}: expected 0 or 1")
+    return CXXFLAGS + (CHECK_FLAGS if v == "1" else ())
+
+
 # Bumped whenever the generated translation unit changes shape (part of the cache key).
 GEN_VERSION = "3"
 STATIC_SMEM_FILE = "static_shared.txt"  # beside module.so: TLS offset and size of each static __shared__
@@ -239,7 +250,8 @@ def build(source: str, options, filename: str | None):
     kernels = parse_kernels(source)
     smem = parse_extern_shared(source)
     fname = filename or "<source>.cu"
-    key = hashlib.sha256("\0".join([source, fname, *defines, *includes, CXX, *CXXFLAGS, GEN_VERSION,
+    flags = _flags()
+    key = hashlib.sha256("\0".join([source, fname, *defines, *includes, CXX, *flags, GEN_VERSION,
                                     _header_digest(includes)]).encode()).hexdigest()[:24]
     d = cache_dir() / key
     so = d / "module.so"
@@ -251,7 +263,7 @@ def build(source: str, options, filename: str | None):
     src_copy.write_text(f'#line 1 "{fname}"\n' + source)
     tu = tmp / "launch.cpp"
     tu.write_text(generate_tu(src_copy, kernels, smem))
-    cmd = [CXX, *CXXFLAGS, f"-I{EMU_DIR}", f"-I{EMU_DIR / 'include'}",
+    cmd = [CXX, *flags, f"-I{EMU_DIR}", f"-I{EMU_DIR / 'include'}",
            *[f"-I{p}" for p in includes], *defines, str(tu), "-o", str(tmp / "module.so")]
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
