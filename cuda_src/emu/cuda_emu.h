@@ -385,6 +385,8 @@ struct Fiber {
     int tid;
     int state;
     int bar_result;
+    int yield_in;  // shared-memory accesses before this lane hands over (-1: not again in this
+                   // interval; -2: not drawn yet)
     unsigned long long warp_result;
 #if !defined(__x86_64__)
     ucontext_t uc;
@@ -398,6 +400,11 @@ struct Fiber {
 struct Warp {
     unsigned exited;   // exited lanes, and lanes past the end of the block
     unsigned waiting;  // lanes at a collective
+    // While every waiting lane waits at one op with one mask (the common case)
+    // an arriving lane with the same op and mask needs no pairwise checks.
+    bool uniform;
+    int u_op;
+    unsigned u_mask;
     unsigned mask[32];
     int op[32];
     unsigned long long in[32];
@@ -500,10 +507,12 @@ EMU_INTERNAL static inline void init_fiber(Fiber* f) {
 #endif
 }
 
+EMU_INTERNAL static void arm_yield(Fiber* f);
+
 EMU_INTERNAL static inline void release_barrier(Block* b) {
     for (int i = 0; i < b->nthreads; i++) {
         Fiber* f = &b->fibers[i];
-        if (f->state == AT_BARRIER) { f->state = RUNNABLE; f->bar_result = b->bar_count; }
+        if (f->state == AT_BARRIER) { f->state = RUNNABLE; f->bar_result = b->bar_count; arm_yield(f); }
     }
     b->bar_arrived = 0;
     b->bar_count = 0;
@@ -593,6 +602,7 @@ EMU_INTERNAL static void resolve_group(Block* b, int wi, unsigned group) {
         }
         f->warp_result = r;
         f->state = RUNNABLE;
+        arm_yield(f);
     }
     w.waiting &= ~group;
 }
@@ -603,7 +613,7 @@ EMU_INTERNAL static void try_resolve(Block* b, int wi, unsigned mask) {
     const unsigned need = mask & ~w.exited;
     if (!need || (w.waiting & need) != need) return;
     const int l0 = __builtin_ctz(need);
-    for (unsigned m = need; m; m &= m - 1) {
+    for (unsigned m = w.uniform ? 0u : need; m; m &= m - 1) {
         const int l = __builtin_ctz(m);
         if (w.mask[l] != mask || w.op[l] != w.op[l0]) return;
     }
@@ -636,9 +646,12 @@ EMU_INTERNAL static unsigned long long warp_collective(int op, unsigned long lon
         fail(b, m);
         mask |= 1u << lane;
     }
+    const bool same = w.waiting == 0 || (w.uniform && w.u_op == op && w.u_mask == mask);
+    if (w.waiting == 0) { w.uniform = true; w.u_op = op; w.u_mask = mask; }
+    else if (!same) w.uniform = false;
     // Two lanes that each name the other but wait at different collectives or
     // with different masks wait for each other forever (undefined in PTX).
-    for (unsigned m = w.waiting & mask; m; m &= m - 1) {
+    for (unsigned m = same ? 0u : w.waiting & mask; m; m &= m - 1) {
         const int j = __builtin_ctz(m);
         if (!((w.mask[j] >> lane) & 1u)) continue;
         if (w.op[j] != op) {
@@ -690,7 +703,7 @@ EMU_INTERNAL static void fiber_main() {
 
 struct Rng {  // splitmix64: tiny, seedable, identical everywhere
     unsigned long long s;
-    unsigned long long next() {
+    EMU_INTERNAL unsigned long long next() {
         unsigned long long z = (s += 0x9e3779b97f4a7c15ULL);
         z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
         z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
@@ -720,6 +733,18 @@ EMU_INTERNAL static void describe_deadlock(Block* b) {
     fail(b, msg);
 }
 
+EMU_INTERNAL static void order_list(int* v, int n, int order, Rng& rng) {
+    if (order == ORDER_REVERSE) {
+        for (int i = 0, j = n - 1; i < j; i++, j--) { const int t = v[i]; v[i] = v[j]; v[j] = t; }
+    } else if (order == ORDER_SHUFFLE) {
+        for (int i = n; i > 1; i--) {
+            const int j = (int)(rng.next() % (unsigned)i), t = v[i - 1];
+            v[i - 1] = v[j];
+            v[j] = t;
+        }
+    }
+}
+
 // Runs one block; false on deadlock or misuse (message in b->err).
 EMU_INTERNAL static bool run_block(Block* b, int order, Rng& rng, const StackArena& stacks) {
     const int nt = b->nthreads, nw = (nt + 31) / 32;
@@ -730,15 +755,17 @@ EMU_INTERNAL static bool run_block(Block* b, int order, Rng& rng, const StackAre
         f->tidx.y = ((unsigned)i / b->bdim.x) % b->bdim.y;
         f->tidx.z = (unsigned)i / (b->bdim.x * b->bdim.y);
         f->state = RUNNABLE;
+        arm_yield(f);
         f->stack = stacks.get(i);
         if (!f->stack) { fail(b, "the fiber stack arena is smaller than the block"); return false; }
         init_fiber(f);
     }
     for (int wi = 0; wi < nw; wi++) {
         Warp& w = b->warps[wi];
-        const int nl = std::min(32, nt - wi * 32);
+        const int nl = nt - wi * 32 < 32 ? nt - wi * 32 : 32;
         w.exited = nl == 32 ? 0u : ~((1u << nl) - 1u);
         w.waiting = 0;
+        w.uniform = true;
     }
     b->live = nt;
     b->bar_arrived = b->bar_count = 0;
@@ -748,34 +775,31 @@ EMU_INTERNAL static bool run_block(Block* b, int order, Rng& rng, const StackAre
     // of the others by a whole barrier interval, the worst case for a missing
     // __syncthreads between warps. Lanes inside a warp resume in the same
     // kind of order, so a missing __syncwarp shows too.
-    std::vector<int> warp_order, lane_order;
-    warp_order.reserve((size_t)nw);
-    lane_order.reserve(32);
+    // (Plain arrays and loops: library templates would not inline into this
+    // uninstrumented code and would run instrumented, out of line.)
+    int warp_order[32], lane_order[32];  // a block has at most 1024 threads
     while (b->live > 0) {
-        warp_order.clear();
+        int nwo = 0;
         for (int wi = 0; wi < nw; wi++) {
-            const int l1 = std::min(nt, wi * 32 + 32);
+            const int l1 = nt < wi * 32 + 32 ? nt : wi * 32 + 32;
             for (int i = wi * 32; i < l1; i++)
-                if (b->fibers[i].state == RUNNABLE) { warp_order.push_back(wi); break; }
+                if (b->fibers[i].state == RUNNABLE) { warp_order[nwo++] = wi; break; }
         }
-        if (warp_order.empty()) { describe_deadlock(b); return false; }
-        if (order == ORDER_REVERSE) std::reverse(warp_order.begin(), warp_order.end());
-        else if (order == ORDER_SHUFFLE)
-            for (size_t i = warp_order.size(); i > 1; i--) std::swap(warp_order[i - 1], warp_order[rng.next() % i]);
-        for (int wi : warp_order) {
-            const int l0 = wi * 32, l1 = std::min(nt, wi * 32 + 32);
+        if (nwo == 0) { describe_deadlock(b); return false; }
+        order_list(warp_order, nwo, order, rng);
+        for (int k = 0; k < nwo; k++) {
+            const int wi = warp_order[k];
+            const int l0 = wi * 32, l1 = nt < wi * 32 + 32 ? nt : wi * 32 + 32;
             for (;;) {
-                lane_order.clear();
+                int nlo = 0;
                 for (int i = l0; i < l1; i++)
-                    if (b->fibers[i].state == RUNNABLE) lane_order.push_back(i);
-                if (lane_order.empty()) break;
-                if (order == ORDER_REVERSE) std::reverse(lane_order.begin(), lane_order.end());
-                else if (order == ORDER_SHUFFLE)
-                    for (size_t i = lane_order.size(); i > 1; i--)
-                        std::swap(lane_order[i - 1], lane_order[rng.next() % i]);
-                for (int i : lane_order) {
-                    if (b->fibers[i].state != RUNNABLE) continue;
-                    switch_to_fiber(b, &b->fibers[i]);
+                    if (b->fibers[i].state == RUNNABLE) lane_order[nlo++] = i;
+                if (nlo == 0) break;
+                order_list(lane_order, nlo, order, rng);
+                for (int j = 0; j < nlo; j++) {
+                    Fiber* f = &b->fibers[lane_order[j]];
+                    if (f->state != RUNNABLE) continue;
+                    switch_to_fiber(b, f);
                     if (b->failed) return false;
                 }
             }
@@ -817,7 +841,7 @@ struct MemTable {
 };
 static thread_local MemTable* tl_mem;
 
-static inline unsigned mem_slot(unsigned long long page) {
+EMU_INTERNAL static inline unsigned mem_slot(unsigned long long page) {
     return (unsigned)((page * 0x9e3779b97f4a7c15ULL) >> 54) & (MEM_SLOTS - 1);
 }
 
@@ -905,13 +929,25 @@ EMU_INTERNAL static inline void check_page(const MemTable* t, unsigned long long
     }
 }
 
+// Each lane hands over once per interval between synchronisation points, at
+// a random one of its first shared-memory accesses there (one of the first 8
+// or, half the time, of the first 64): one extra fiber switch per lane and
+// interval at most, which keeps the cost bounded in kernels that stage
+// whole tiles in shared memory.
+EMU_INTERNAL static void arm_yield(Fiber* f) { f->yield_in = -2; }  // drawn at the first shared access
+
 EMU_INTERNAL static void shared_yield(MemTable* t) {
-    unsigned long long x = t->yrng;  // xorshift64
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    t->yrng = x;
-    if ((x & 3) == 0 && tl_fiber && tl_fiber->state == RUNNABLE) switch_to_scheduler();
+    Fiber* f = tl_fiber;
+    if (!f || f->state != RUNNABLE) return;
+    if (f->yield_in == -2) {
+        unsigned long long x = t->yrng;  // xorshift64
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        t->yrng = x;
+        f->yield_in = (x & 1) ? (int)((x >> 1) & 7) : (int)((x >> 4) & 63);
+    }
+    if (f->yield_in >= 0 && f->yield_in-- == 0) switch_to_scheduler();
 }
 
 EMU_INTERNAL static inline void check_access(unsigned long long a, unsigned long long n, bool store) {
