@@ -120,6 +120,21 @@ def allocation_of(addr: int):
         return (start, map_end, d0, d1, desc) if addr < map_end else None
 
 
+def launch_ranges(params, args) -> tuple:
+    """The ``(ranges, names, count)`` arguments of ``emu_launch``: for each pointer
+    argument inside a guarded allocation, its mapping and data bounds
+    ``[lo, hi, d0, d1]`` and a name for messages (the parameter, shape, dtype).
+    A pointer may move anywhere inside its allocation, as on the GPU."""
+    ranges, names = [], []
+    for p, a in zip(params, args):
+        alloc = allocation_of(a.ctypes.data) if p.is_pointer and a.nbytes else None
+        if alloc is not None:
+            ranges += alloc[:4]
+            names.append(f"`{p.name}` ({alloc[4]})".encode())
+    return ((ctypes.c_ulonglong * max(1, len(ranges)))(*ranges),
+            (ctypes.c_char_p * max(1, len(names)))(*names), len(names))
+
+
 def poison_enabled() -> bool:
     """Whether ``empty`` fills new device arrays with 0xFF bytes (NaN for floats, -1 for
     ints), so a kernel that reads what nobody wrote shows up: on unless

@@ -107,17 +107,8 @@ class EmuKernel(Kernel):
         ptrs = (ctypes.c_void_p * max(1, len(slots)))()
         for i, s in enumerate(slots):
             ptrs[i] = ctypes.addressof(s)
-        # The allocations the pointers point into: the kernel's accesses are checked
-        # against their exact bounds (cuda_emu.h, "memory checks").
-        ranges, names = [], []
-        for p, a in zip(self.sig.params, args):
-            alloc = emu_memory.allocation_of(a.ctypes.data) if p.is_pointer and a.nbytes else None
-            if alloc is not None:
-                ranges += alloc[:4]
-                names.append(f"`{p.name}` ({alloc[4]})".encode())
-        mem = ((ctypes.c_ulonglong * max(1, len(ranges)))(*ranges),
-               (ctypes.c_char_p * max(1, len(names)))(*names), len(names))
-        return ptrs, (keep, slots, mem)
+        # keep[2]: the allocations the pointers point into (cuda_emu.h checks accesses against them)
+        return ptrs, (keep, slots, emu_memory.launch_ranges(self.sig.params, args))
 
     def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0,
                  stream: EmuStream | None = None) -> None:
