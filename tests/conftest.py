@@ -1,7 +1,15 @@
 """Shared fixtures: every kernel test runs on the emulated backend always, and
 on the CuPy backend as well when a GPU is visible."""
+import os
+
 import numpy as np
 import pytest
+
+# The emulator's strict settings are its defaults; tests pin them so that a
+# developer's environment (e.g. DFLASH_CUPY_EMU_CHECKS=0 for speed) cannot
+# quietly weaken them: memory checks compiled in, empty() poisoned.
+os.environ["DFLASH_CUPY_EMU_CHECKS"] = "1"
+os.environ["DFLASH_CUPY_EMU_POISON"] = "1"
 
 from dflash_cupy import backends
 

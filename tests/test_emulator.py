@@ -278,8 +278,9 @@ def test_out_of_bounds_access_names_kernel_and_array(emu, monkeypatch, threads):
     mod = emu.compile(OOB_SRC, filename="oob.cu")
     x = emu.zeros((8, 64, 33), np.float32)
     y = emu.zeros((8 * 64 * 33,), np.float32)
-    with pytest.raises(KernelLaunchError, match=r"kernel overrun: invalid memory access .* past the end of "
-                                                r"device array shape=\(8, 64, 33\) dtype=float32"):
+    with pytest.raises(KernelLaunchError, match=r"kernel overrun: out-of-bounds load of 4 bytes .* past the end "
+                                                r"of array `x` \(device array shape=\(8, 64, 33\) dtype=float32\)"
+                                                r".* in block \(\d+,0,0\) thread \(\d+,0,0\)"):
         mod.get_function("overrun")((66,), (256,), (x, y, np.int32(64)))
         emu.synchronize()
     with pytest.raises(KernelLaunchError, match=r"kernel div0: arithmetic fault"):

@@ -58,12 +58,32 @@ struct dim3 {
     constexpr dim3(unsigned int x_ = 1, unsigned int y_ = 1, unsigned int z_ = 1) : x(x_), y(y_), z(z_) {}
 };
 struct uint3 { unsigned int x, y, z; };
-#define EMU_VEC2(EmuT, EmuN, EmuA) struct __attribute__((aligned(EmuA))) EmuN { EmuT x, y; }; \
-    static inline EmuN make_##EmuN(EmuT x, EmuT y) { EmuN r; r.x = x; r.y = y; return r; }
+namespace emu {
+// Defined with the scheduler below: reports a vector load/store whose address
+// is not a multiple of the vector's size (the GPU faults on those).
+static inline void misaligned(const void* p, unsigned align, const char* type, bool store);
+}
+// Vector types that are loaded or stored as one piece on the GPU check the
+// alignment of the address they are copied from or to: a misaligned float4 /
+// uint2 / half2 access is an error there, however g++ splits the copy.
+#define EMU_VCHECK(EmuN, EmuA, p, st) \
+    do { if ((unsigned long long)(p) & ((EmuA) - 1)) ::emu::misaligned((p), (EmuA), #EmuN, (st)); } while (0)
+#define EMU_VEC2(EmuT, EmuN, EmuA) struct __attribute__((aligned(EmuA))) EmuN { EmuT x, y; \
+        EmuN() = default; \
+        constexpr EmuN(EmuT x_, EmuT y_) : x(x_), y(y_) {} \
+        EmuN(const EmuN& o) : x(o.x), y(o.y) { EMU_VCHECK(EmuN, EmuA, &o, false); } \
+        EmuN& operator=(const EmuN& o) { EMU_VCHECK(EmuN, EmuA, &o, false); EMU_VCHECK(EmuN, EmuA, this, true); \
+            x = o.x; y = o.y; return *this; } }; \
+    static inline EmuN make_##EmuN(EmuT x, EmuT y) { return EmuN(x, y); }
 #define EMU_VEC3(EmuT, EmuN) struct EmuN { EmuT x, y, z; }; \
     static inline EmuN make_##EmuN(EmuT x, EmuT y, EmuT z) { EmuN r; r.x = x; r.y = y; r.z = z; return r; }
-#define EMU_VEC4(EmuT, EmuN, EmuA) struct __attribute__((aligned(EmuA))) EmuN { EmuT x, y, z, w; }; \
-    static inline EmuN make_##EmuN(EmuT x, EmuT y, EmuT z, EmuT w) { EmuN r; r.x = x; r.y = y; r.z = z; r.w = w; return r; }
+#define EMU_VEC4(EmuT, EmuN, EmuA) struct __attribute__((aligned(EmuA))) EmuN { EmuT x, y, z, w; \
+        EmuN() = default; \
+        constexpr EmuN(EmuT x_, EmuT y_, EmuT z_, EmuT w_) : x(x_), y(y_), z(z_), w(w_) {} \
+        EmuN(const EmuN& o) : x(o.x), y(o.y), z(o.z), w(o.w) { EMU_VCHECK(EmuN, EmuA, &o, false); } \
+        EmuN& operator=(const EmuN& o) { EMU_VCHECK(EmuN, EmuA, &o, false); EMU_VCHECK(EmuN, EmuA, this, true); \
+            x = o.x; y = o.y; z = o.z; w = o.w; return *this; } }; \
+    static inline EmuN make_##EmuN(EmuT x, EmuT y, EmuT z, EmuT w) { return EmuN(x, y, z, w); }
 EMU_VEC2(char, char2, 2) EMU_VEC4(char, char4, 4)
 EMU_VEC2(unsigned char, uchar2, 2) EMU_VEC4(unsigned char, uchar4, 4)
 EMU_VEC2(short, short2, 4) EMU_VEC4(short, short4, 8)
@@ -236,7 +256,15 @@ struct __half {
     __half(int i) : __x(emu::f32_to_f16_bits((float)i)) {}
     operator float() const { return emu::f16_bits_to_f32(__x); }
 };
-struct __half2 { __half x, y; } __attribute__((aligned(4)));
+struct __attribute__((aligned(4))) __half2 {
+    __half x, y;
+    __half2() = default;
+    __half2(const __half2& o) : x(o.x), y(o.y) { EMU_VCHECK(__half2, 4, &o, false); }
+    __half2& operator=(const __half2& o) {
+        EMU_VCHECK(__half2, 4, &o, false); EMU_VCHECK(__half2, 4, this, true);
+        x = o.x; y = o.y; return *this;
+    }
+};
 struct __nv_bfloat16 {
     unsigned short __x;
     __nv_bfloat16() = default;
@@ -245,7 +273,15 @@ struct __nv_bfloat16 {
     __nv_bfloat16(int i) : __x(emu::f32_to_bf16_bits((float)i)) {}
     operator float() const { return emu::bf16_bits_to_f32(__x); }
 };
-struct __nv_bfloat162 { __nv_bfloat16 x, y; } __attribute__((aligned(4)));
+struct __attribute__((aligned(4))) __nv_bfloat162 {
+    __nv_bfloat16 x, y;
+    __nv_bfloat162() = default;
+    __nv_bfloat162(const __nv_bfloat162& o) : x(o.x), y(o.y) { EMU_VCHECK(__nv_bfloat162, 4, &o, false); }
+    __nv_bfloat162& operator=(const __nv_bfloat162& o) {
+        EMU_VCHECK(__nv_bfloat162, 4, &o, false); EMU_VCHECK(__nv_bfloat162, 4, this, true);
+        x = o.x; y = o.y; return *this;
+    }
+};
 typedef __half half;
 typedef __half2 half2;
 typedef __nv_bfloat16 nv_bfloat16;
@@ -327,6 +363,10 @@ static inline __nv_bfloat16 operator*(const __nv_bfloat16& a, const __nv_bfloat1
 #define CUDART_ONE_F 1.0f
 
 // ---------------------------------------------------------------- fibers
+// The emulator's own machinery is not instrumented by the memory checks
+// (g++ -fsanitize=kernel-address, see "memory checks" below): only kernel code is.
+#define EMU_INTERNAL __attribute__((no_sanitize_address))
+
 namespace emu {
 
 enum : int { RUNNABLE = 0, AT_BARRIER = 1, AT_WARP = 2, DONE = 3 };
@@ -345,17 +385,30 @@ struct Fiber {
     int tid;
     int state;
     int bar_result;
+    int yield_in;  // shared-memory accesses before this lane hands over (-1: not again in this
+                   // interval; -2: not drawn yet)
     unsigned long long warp_result;
 #if !defined(__x86_64__)
     ucontext_t uc;
 #endif
 };
 
+// A warp's lanes waiting at collectives. As on Volta and later, each lane
+// names the lanes it synchronises with (its mask); several disjoint groups of
+// one warp may wait at once, and a group completes when every non-exited
+// lane of its mask has arrived at the same collective with the same mask.
 struct Warp {
-    int live, arrived, op;
+    unsigned exited;   // exited lanes, and lanes past the end of the block
+    unsigned waiting;  // lanes at a collective
+    // While every waiting lane waits at one op with one mask (the common case)
+    // an arriving lane with the same op and mask needs no pairwise checks.
+    bool uniform;
+    int u_op;
+    unsigned u_mask;
+    unsigned mask[32];
+    int op[32];
     unsigned long long in[32];
     int arg[32], width[32];
-    bool present[32];
 };
 
 struct Block {
@@ -433,7 +486,7 @@ static inline void switch_to_fiber(Block* b, Fiber* f) {
 #endif
 }
 
-static inline void init_fiber(Fiber* f) {
+EMU_INTERNAL static inline void init_fiber(Fiber* f) {
 #if defined(__x86_64__)
     // Frame popped by emu_ctx_switch: [mxcsr|fpucw][r15..rbp][ret=fiber_main].
     // After its `ret`, rsp % 16 == 8, as at the entry of a called function.
@@ -454,17 +507,20 @@ static inline void init_fiber(Fiber* f) {
 #endif
 }
 
-static inline void release_barrier(Block* b) {
+EMU_INTERNAL static void arm_yield(Fiber* f);
+
+EMU_INTERNAL static inline void release_barrier(Block* b) {
     for (int i = 0; i < b->nthreads; i++) {
         Fiber* f = &b->fibers[i];
-        if (f->state == AT_BARRIER) { f->state = RUNNABLE; f->bar_result = b->bar_count; }
+        if (f->state == AT_BARRIER) { f->state = RUNNABLE; f->bar_result = b->bar_count; arm_yield(f); }
     }
     b->bar_arrived = 0;
     b->bar_count = 0;
 }
 
-static inline unsigned long long lane_value(const Warp& w, int lane, int src) {
-    return (src >= 0 && src < 32 && w.present[src]) ? w.in[src] : w.in[lane];
+// A lane outside the group reads its own value, as for a source outside the segment.
+EMU_INTERNAL static inline unsigned long long lane_value(const Warp& w, unsigned group, int lane, int src) {
+    return (src >= 0 && src < 32 && ((group >> src) & 1u)) ? w.in[src] : w.in[lane];
 }
 
 // One lane's operands of mma.sync.m16n8k16.row.col.f32.{f16,bf16}: registers as
@@ -479,7 +535,7 @@ struct MmaLane {
 // D = A(16x16) * B(16x8) + C with every lane's fragment gathered, products and
 // sums in double and one rounding to f32 (the hardware's f32 accumulation
 // differs in the last bits; tests compare with tolerances).
-static inline void resolve_mma(Warp& w, bool bf16) {
+EMU_INTERNAL static inline void resolve_mma(Warp& w, bool bf16) {
     float mma_a[16][16], mma_b[16][8], mma_c[16][8];  // (names clear of kernels' -D macros)
     auto elem = [bf16](unsigned int reg, int hi) {
         unsigned short h = (unsigned short)(hi ? reg >> 16 : reg & 0xffffu);
@@ -511,45 +567,57 @@ static inline void resolve_mma(Warp& w, bool bf16) {
 
 static inline void fail(Block* b, const char* msg);
 
-static inline void resolve_warp(Block* b, int wi) {
+// Completes the collective of the lanes in `group` (all waiting with the same op and mask).
+EMU_INTERNAL static void resolve_group(Block* b, int wi, unsigned group) {
     Warp& w = b->warps[wi];
-    if (w.op == OP_MMA_F16 || w.op == OP_MMA_BF16) {
-        if (w.arrived != 32) {
-            char m[128];
-            snprintf(m, sizeof m, "%s in warp %d with only %d lanes: it needs all 32", op_names[w.op], wi,
-                     w.arrived);
+    const int l0 = __builtin_ctz(group);
+    const int op = w.op[l0];
+    if (op == OP_MMA_F16 || op == OP_MMA_BF16) {
+        if (group != 0xffffffffu) {
+            char m[160];
+            snprintf(m, sizeof m, "%s in warp %d with lanes 0x%08x: it needs all 32", op_names[op], wi, group);
             fail(b, m);
         } else {
-            resolve_mma(w, w.op == OP_MMA_BF16);
+            resolve_mma(w, op == OP_MMA_BF16);
         }
     }
-    unsigned long long vote = 0;
+    unsigned vote = 0;
     for (int l = 0; l < 32; l++)
-        if (w.present[l] && w.in[l] != 0) vote |= 1ull << l;
-    unsigned long long present_mask = 0;
-    for (int l = 0; l < 32; l++)
-        if (w.present[l]) present_mask |= 1ull << l;
+        if (((group >> l) & 1u) && w.in[l] != 0) vote |= 1u << l;
     for (int l = 0; l < 32; l++) {
-        if (!w.present[l]) continue;
+        if (!((group >> l) & 1u)) continue;
         Fiber* f = &b->fibers[wi * 32 + l];
         int width = w.width[l], arg = w.arg[l];
         int seg = l & ~(width - 1), src;
         unsigned long long r = 0;
-        switch (w.op) {
-            case OP_SHFL_IDX: src = seg + (arg & (width - 1)); r = lane_value(w, l, src); break;
-            case OP_SHFL_UP: src = l - arg; r = (src < seg) ? w.in[l] : lane_value(w, l, src); break;
-            case OP_SHFL_DOWN: src = l + arg; r = (src >= seg + width) ? w.in[l] : lane_value(w, l, src); break;
-            case OP_SHFL_XOR: src = l ^ arg; r = (src >= seg + width) ? w.in[l] : lane_value(w, l, src); break;
+        switch (op) {
+            case OP_SHFL_IDX: src = seg + (arg & (width - 1)); r = lane_value(w, group, l, src); break;
+            case OP_SHFL_UP: src = l - arg; r = (src < seg) ? w.in[l] : lane_value(w, group, l, src); break;
+            case OP_SHFL_DOWN: src = l + arg; r = (src >= seg + width) ? w.in[l] : lane_value(w, group, l, src); break;
+            case OP_SHFL_XOR: src = l ^ arg; r = (src >= seg + width) ? w.in[l] : lane_value(w, group, l, src); break;
             case OP_BALLOT: r = vote; break;
             case OP_ANY: r = vote != 0; break;
-            case OP_ALL: r = vote == present_mask; break;
+            case OP_ALL: r = vote == group; break;
             default: r = 0; break;
         }
         f->warp_result = r;
         f->state = RUNNABLE;
+        arm_yield(f);
     }
-    for (int l = 0; l < 32; l++) w.present[l] = false;
-    w.arrived = 0;
+    w.waiting &= ~group;
+}
+
+// Resolves the group named by `mask` if all its non-exited lanes wait with that mask.
+EMU_INTERNAL static void try_resolve(Block* b, int wi, unsigned mask) {
+    Warp& w = b->warps[wi];
+    const unsigned need = mask & ~w.exited;
+    if (!need || (w.waiting & need) != need) return;
+    const int l0 = __builtin_ctz(need);
+    for (unsigned m = w.uniform ? 0u : need; m; m &= m - 1) {
+        const int l = __builtin_ctz(m);
+        if (w.mask[l] != mask || w.op[l] != w.op[l0]) return;
+    }
+    resolve_group(b, wi, need);
 }
 
 static inline void fail(Block* b, const char* msg) {
@@ -559,7 +627,8 @@ static inline void fail(Block* b, const char* msg) {
     }
 }
 
-static inline unsigned long long warp_collective(int op, unsigned long long v, int arg, int width) {
+EMU_INTERNAL static unsigned long long warp_collective(int op, unsigned long long v, int arg, int width,
+                                                      unsigned mask) {
     Block* b = tl_block;
     Fiber* f = tl_fiber;
     int wi = f->tid >> 5, lane = f->tid & 31;
@@ -570,32 +639,63 @@ static inline unsigned long long warp_collective(int op, unsigned long long v, i
         fail(b, m);
         width = 32;
     }
-    if (w.arrived == 0) w.op = op;
-    else if (w.op != op) {
+    if (!((mask >> lane) & 1u)) {
         char m[200];
-        snprintf(m, sizeof m, "divergent warp collectives in warp %d: lanes wait at %s while lane %d reached %s",
-                 wi, op_names[w.op], lane, op_names[op]);
+        snprintf(m, sizeof m, "%s in warp %d: lane %d (thread %d) passes mask 0x%08x, which leaves the lane itself out",
+                 op_names[op], wi, lane, f->tid, mask);
         fail(b, m);
+        mask |= 1u << lane;
+    }
+    const bool same = w.waiting == 0 || (w.uniform && w.u_op == op && w.u_mask == mask);
+    if (w.waiting == 0) { w.uniform = true; w.u_op = op; w.u_mask = mask; }
+    else if (!same) w.uniform = false;
+    // Two lanes that each name the other but wait at different collectives or
+    // with different masks wait for each other forever (undefined in PTX).
+    for (unsigned m = same ? 0u : w.waiting & mask; m; m &= m - 1) {
+        const int j = __builtin_ctz(m);
+        if (!((w.mask[j] >> lane) & 1u)) continue;
+        if (w.op[j] != op) {
+            char msg[240];
+            snprintf(msg, sizeof msg, "divergent warp collectives in warp %d: lane %d waits at %s while lane %d "
+                     "reached %s", wi, j, op_names[w.op[j]], lane, op_names[op]);
+            fail(b, msg);
+        } else if (w.mask[j] != mask) {
+            char msg[240];
+            snprintf(msg, sizeof msg, "%s in warp %d: lane %d passes mask 0x%08x but lane %d passes 0x%08x "
+                     "(the lanes of one collective must name the same mask)", op_names[op], wi, j, w.mask[j],
+                     lane, mask);
+            fail(b, msg);
+        }
     }
     w.in[lane] = v;
     w.arg[lane] = arg;
     w.width[lane] = width;
-    w.present[lane] = true;
+    w.op[lane] = op;
+    w.mask[lane] = mask;
+    w.waiting |= 1u << lane;
     f->state = AT_WARP;
-    if (++w.arrived == w.live) resolve_warp(b, wi);
+    try_resolve(b, wi, mask);
     switch_to_scheduler();
     return f->warp_result;
 }
 
-static void fiber_main() {
+// A lane's exit may complete groups that were waiting for it.
+EMU_INTERNAL static void lane_exited(Block* b, int tid) {
+    Warp& w = b->warps[tid >> 5];
+    w.exited |= 1u << (tid & 31);
+    for (unsigned m = w.waiting; m; m &= m - 1) {
+        const int l = __builtin_ctz(m);
+        if ((w.waiting >> l) & 1u) try_resolve(b, tid >> 5, w.mask[l]);
+    }
+}
+
+EMU_INTERNAL static void fiber_main() {
     Block* b = tl_block;
     b->body(b->args);
     Fiber* f = tl_fiber;
     f->state = DONE;
     b->live--;
-    Warp& w = b->warps[f->tid >> 5];
-    w.live--;
-    if (w.arrived > 0 && w.arrived == w.live) resolve_warp(b, f->tid >> 5);
+    lane_exited(b, f->tid);
     if (b->bar_arrived > 0 && b->bar_arrived == b->live) release_barrier(b);
     switch_to_scheduler();
     __builtin_unreachable();
@@ -603,7 +703,7 @@ static void fiber_main() {
 
 struct Rng {  // splitmix64: tiny, seedable, identical everywhere
     unsigned long long s;
-    unsigned long long next() {
+    EMU_INTERNAL unsigned long long next() {
         unsigned long long z = (s += 0x9e3779b97f4a7c15ULL);
         z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
         z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
@@ -611,7 +711,7 @@ struct Rng {  // splitmix64: tiny, seedable, identical everywhere
     }
 };
 
-static void describe_deadlock(Block* b) {
+EMU_INTERNAL static void describe_deadlock(Block* b) {
     char msg[768];
     int n = snprintf(msg, sizeof msg,
                      "deadlock in block (%u,%u,%u): %d of %d threads still live and none can proceed;",
@@ -623,16 +723,30 @@ static void describe_deadlock(Block* b) {
     int nw = (b->nthreads + 31) / 32;
     for (int wi = 0; wi < nw && n < (int)sizeof msg - 96; wi++) {
         Warp& w = b->warps[wi];
-        if (w.arrived)
-            n += snprintf(msg + n, sizeof msg - n, " warp %d: %d of %d live lanes wait at %s;", wi, w.arrived,
-                          w.live, op_names[w.op]);
+        if (w.waiting) {
+            const int l = __builtin_ctz(w.waiting);
+            n += snprintf(msg + n, sizeof msg - n, " warp %d: lanes 0x%08x wait (lane %d at %s, mask 0x%08x);", wi,
+                          w.waiting, l, op_names[w.op[l]], w.mask[l]);
+        }
     }
     snprintf(msg + n, sizeof msg - n, " (a barrier or warp collective in divergent code?)");
     fail(b, msg);
 }
 
+EMU_INTERNAL static void order_list(int* v, int n, int order, Rng& rng) {
+    if (order == ORDER_REVERSE) {
+        for (int i = 0, j = n - 1; i < j; i++, j--) { const int t = v[i]; v[i] = v[j]; v[j] = t; }
+    } else if (order == ORDER_SHUFFLE) {
+        for (int i = n; i > 1; i--) {
+            const int j = (int)(rng.next() % (unsigned)i), t = v[i - 1];
+            v[i - 1] = v[j];
+            v[j] = t;
+        }
+    }
+}
+
 // Runs one block; false on deadlock or misuse (message in b->err).
-static bool run_block(Block* b, int order, Rng& rng, const StackArena& stacks) {
+EMU_INTERNAL static bool run_block(Block* b, int order, Rng& rng, const StackArena& stacks) {
     const int nt = b->nthreads, nw = (nt + 31) / 32;
     for (int i = 0; i < nt; i++) {
         Fiber* f = &b->fibers[i];
@@ -641,15 +755,17 @@ static bool run_block(Block* b, int order, Rng& rng, const StackArena& stacks) {
         f->tidx.y = ((unsigned)i / b->bdim.x) % b->bdim.y;
         f->tidx.z = (unsigned)i / (b->bdim.x * b->bdim.y);
         f->state = RUNNABLE;
+        arm_yield(f);
         f->stack = stacks.get(i);
         if (!f->stack) { fail(b, "the fiber stack arena is smaller than the block"); return false; }
         init_fiber(f);
     }
     for (int wi = 0; wi < nw; wi++) {
         Warp& w = b->warps[wi];
-        w.live = std::min(32, nt - wi * 32);
-        w.arrived = 0;
-        for (int l = 0; l < 32; l++) w.present[l] = false;
+        const int nl = nt - wi * 32 < 32 ? nt - wi * 32 : 32;
+        w.exited = nl == 32 ? 0u : ~((1u << nl) - 1u);
+        w.waiting = 0;
+        w.uniform = true;
     }
     b->live = nt;
     b->bar_arrived = b->bar_count = 0;
@@ -659,34 +775,31 @@ static bool run_block(Block* b, int order, Rng& rng, const StackArena& stacks) {
     // of the others by a whole barrier interval, the worst case for a missing
     // __syncthreads between warps. Lanes inside a warp resume in the same
     // kind of order, so a missing __syncwarp shows too.
-    std::vector<int> warp_order, lane_order;
-    warp_order.reserve((size_t)nw);
-    lane_order.reserve(32);
+    // (Plain arrays and loops: library templates would not inline into this
+    // uninstrumented code and would run instrumented, out of line.)
+    int warp_order[32], lane_order[32];  // a block has at most 1024 threads
     while (b->live > 0) {
-        warp_order.clear();
+        int nwo = 0;
         for (int wi = 0; wi < nw; wi++) {
-            const int l1 = std::min(nt, wi * 32 + 32);
+            const int l1 = nt < wi * 32 + 32 ? nt : wi * 32 + 32;
             for (int i = wi * 32; i < l1; i++)
-                if (b->fibers[i].state == RUNNABLE) { warp_order.push_back(wi); break; }
+                if (b->fibers[i].state == RUNNABLE) { warp_order[nwo++] = wi; break; }
         }
-        if (warp_order.empty()) { describe_deadlock(b); return false; }
-        if (order == ORDER_REVERSE) std::reverse(warp_order.begin(), warp_order.end());
-        else if (order == ORDER_SHUFFLE)
-            for (size_t i = warp_order.size(); i > 1; i--) std::swap(warp_order[i - 1], warp_order[rng.next() % i]);
-        for (int wi : warp_order) {
-            const int l0 = wi * 32, l1 = std::min(nt, wi * 32 + 32);
+        if (nwo == 0) { describe_deadlock(b); return false; }
+        order_list(warp_order, nwo, order, rng);
+        for (int k = 0; k < nwo; k++) {
+            const int wi = warp_order[k];
+            const int l0 = wi * 32, l1 = nt < wi * 32 + 32 ? nt : wi * 32 + 32;
             for (;;) {
-                lane_order.clear();
+                int nlo = 0;
                 for (int i = l0; i < l1; i++)
-                    if (b->fibers[i].state == RUNNABLE) lane_order.push_back(i);
-                if (lane_order.empty()) break;
-                if (order == ORDER_REVERSE) std::reverse(lane_order.begin(), lane_order.end());
-                else if (order == ORDER_SHUFFLE)
-                    for (size_t i = lane_order.size(); i > 1; i--)
-                        std::swap(lane_order[i - 1], lane_order[rng.next() % i]);
-                for (int i : lane_order) {
-                    if (b->fibers[i].state != RUNNABLE) continue;
-                    switch_to_fiber(b, &b->fibers[i]);
+                    if (b->fibers[i].state == RUNNABLE) lane_order[nlo++] = i;
+                if (nlo == 0) break;
+                order_list(lane_order, nlo, order, rng);
+                for (int j = 0; j < nlo; j++) {
+                    Fiber* f = &b->fibers[lane_order[j]];
+                    if (f->state != RUNNABLE) continue;
+                    switch_to_fiber(b, f);
                     if (b->failed) return false;
                 }
             }
@@ -696,19 +809,209 @@ static bool run_block(Block* b, int order, Rng& rng, const StackArena& stacks) {
 }
 
 // ---------------------------------------------------------------- faults
+
+// ---------------------------------------------------------------- memory checks
+// Kernel code is compiled with g++ -fsanitize=kernel-address and every load
+// and store of it calls __asan_{load,store}N_noabort below (no shadow memory:
+// these are ours). Each launch gets a table of the allocations its pointer
+// arguments point into (from emu_memory: data [d0, d1) inside a mapping
+// [lo, hi) with guard pages at both ends). An access that touches a page of a
+// mapping other than its interior pages is compared with [d0, d1) exactly, so
+// a[-1] and a[n] are reported for any byte size; interior pages cost one hash
+// probe. Vector alignment is checked by the vector types themselves (g++
+// splits struct copies into scalar accesses before instrumenting them).
+struct MemRange {
+    unsigned long long lo, hi, d0, d1;
+    const char* name;  // "`param` (device array shape=... dtype=...)"
+};
+enum : int { MEM_SLOTS = 1024, MEM_MAX_RANGES = 128, JUMP_FAULT = 1, JUMP_REPORT = 2 };
+struct MemTable {
+    MemRange r[MEM_MAX_RANGES];
+    int n;
+    // This OS thread's shared memory (static and dynamic), noted before each block.
+    // Under the shuffled schedule a lane may hand over to another lane of its warp
+    // before any shared-memory access, so lanes interleave between warp-level
+    // synchronisation points as they may on Volta and later, not only there.
+    struct { unsigned long long lo, len; } sh[32];
+    int nsh;
+    bool yield;
+    unsigned long long yrng;
+    unsigned long long key[MEM_SLOTS];  // page number + 1; 0 = empty slot
+    int val[MEM_SLOTS];
+};
+static thread_local MemTable* tl_mem;
+
+EMU_INTERNAL static inline unsigned mem_slot(unsigned long long page) {
+    return (unsigned)((page * 0x9e3779b97f4a7c15ULL) >> 54) & (MEM_SLOTS - 1);
+}
+
+EMU_INTERNAL static void mem_add_page(MemTable* t, unsigned long long page, int idx, int* used) {
+    if (*used >= MEM_SLOTS / 2) return;  // keep probes short; an enormous table only loses coverage
+    unsigned h = mem_slot(page);
+    while (t->key[h]) {
+        if (t->key[h] == page + 1) return;  // an allocation passed twice: the first name wins
+        h = (h + 1) & (MEM_SLOTS - 1);
+    }
+    t->key[h] = page + 1;
+    t->val[h] = idx;
+    (*used)++;
+}
+
+EMU_INTERNAL static void build_mem_table(MemTable* t, const unsigned long long* ranges, const char* const* names,
+                                         int nranges) {
+    std::memset(t->key, 0, sizeof t->key);
+    t->n = 0;
+    t->nsh = 0;
+    t->yield = false;
+    t->yrng = 1;
+    int used = 0;
+    for (int i = 0; i < nranges && t->n < MEM_MAX_RANGES; i++) {
+        MemRange& r = t->r[t->n];
+        r.lo = ranges[4 * i];
+        r.hi = ranges[4 * i + 1];
+        r.d0 = ranges[4 * i + 2];
+        r.d1 = ranges[4 * i + 3];
+        r.name = names[i];
+        if (r.hi <= r.lo) continue;
+        const int idx = t->n++;
+        // Pages from the leading guard page to the first data page, and from
+        // the last data page to the trailing guard page.
+        for (unsigned long long p = r.lo >> 12; p <= (r.d0 >> 12) && p < (r.hi >> 12); p++) mem_add_page(t, p, idx, &used);
+        const unsigned long long last = r.d1 > r.d0 ? (r.d1 - 1) >> 12 : r.d0 >> 12;
+        for (unsigned long long p = last; p < (r.hi >> 12); p++) mem_add_page(t, p, idx, &used);
+    }
+}
+
 static thread_local sigjmp_buf* tl_fault_jmp;
+
+// Ends the launch at once (the fiber does not run on into memory it must not touch).
+EMU_INTERNAL [[noreturn]] static void abort_launch(const char* msg) {
+    fail(tl_block, msg);
+    sigjmp_buf* j = tl_fault_jmp;
+    tl_fault_jmp = nullptr;
+    siglongjmp(*j, JUMP_REPORT);
+}
+
+EMU_INTERNAL static int where_str(char* buf, size_t len) {
+    const Block* b = tl_block;
+    const Fiber* f = tl_fiber;
+    return snprintf(buf, len, "in block (%u,%u,%u) thread (%u,%u,%u)", b->bidx.x, b->bidx.y, b->bidx.z,
+                    f ? f->tidx.x : 0u, f ? f->tidx.y : 0u, f ? f->tidx.z : 0u);
+}
+
+EMU_INTERNAL [[noreturn]] static void report_oob(const MemRange& r, unsigned long long a, unsigned long long n,
+                                                 bool store) {
+    char m[768], w[96];
+    where_str(w, sizeof w);
+    const char* kind = store ? "store" : "load";
+    if (a < r.d0)
+        snprintf(m, sizeof m, "out-of-bounds %s of %llu bytes at 0x%llx, %llu bytes before the start of array %s "
+                 "(%llu bytes) %s", kind, n, a, r.d0 - a, r.name, r.d1 - r.d0, w);
+    else
+        snprintf(m, sizeof m, "out-of-bounds %s of %llu bytes at 0x%llx, %llu bytes past the end of array %s "
+                 "(%llu bytes, access at byte offset %llu) %s", kind, n, a, a >= r.d1 ? a - r.d1 : 0ULL, r.name,
+                 r.d1 - r.d0, a - r.d0, w);
+    abort_launch(m);
+}
+
+EMU_INTERNAL static inline void check_page(const MemTable* t, unsigned long long page, unsigned long long a,
+                                           unsigned long long n, bool store) {
+    unsigned h = mem_slot(page);
+    for (;;) {
+        const unsigned long long k = t->key[h];
+        if (!k) return;
+        if (k == page + 1) {
+            const MemRange& r = t->r[t->val[h]];
+            if (a < r.d0 || a + n > r.d1) report_oob(r, a, n, store);
+            return;
+        }
+        h = (h + 1) & (MEM_SLOTS - 1);
+    }
+}
+
+// Each lane hands over once per interval between synchronisation points, at
+// a random one of its first shared-memory accesses there (one of the first 8
+// or, half the time, of the first 64): one extra fiber switch per lane and
+// interval at most, which keeps the cost bounded in kernels that stage
+// whole tiles in shared memory.
+EMU_INTERNAL static void arm_yield(Fiber* f) { f->yield_in = -2; }  // drawn at the first shared access
+
+EMU_INTERNAL static void shared_yield(MemTable* t) {
+    Fiber* f = tl_fiber;
+    if (!f || f->state != RUNNABLE) return;
+    if (f->yield_in == -2) {
+        unsigned long long x = t->yrng;  // xorshift64
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        t->yrng = x;
+        f->yield_in = (x & 1) ? (int)((x >> 1) & 7) : (int)((x >> 4) & 63);
+    }
+    if (f->yield_in >= 0 && f->yield_in-- == 0) switch_to_scheduler();
+}
+
+EMU_INTERNAL static inline void check_access(unsigned long long a, unsigned long long n, bool store) {
+    MemTable* t = tl_mem;
+    if (!t || !n) return;
+    check_page(t, a >> 12, a, n, store);
+    if ((a & 4095) + n > 4096) check_page(t, (a + n - 1) >> 12, a, n, store);
+    if (t->yield)
+        for (int i = 0; i < t->nsh; i++)
+            if (a - t->sh[i].lo < t->sh[i].len) { shared_yield(t); break; }
+}
+
+// Called by the generated poison function for each shared-memory region of this OS thread.
+EMU_INTERNAL static void note_shared(const void* p, unsigned long long n) {
+    MemTable* t = tl_mem;
+    if (t && n && t->nsh < 32) {
+        t->sh[t->nsh].lo = (unsigned long long)p;
+        t->sh[t->nsh].len = n;
+        t->nsh++;
+    }
+}
+
+EMU_INTERNAL static inline void misaligned(const void* p, unsigned align, const char* type, bool store) {
+    if (!tl_block || !tl_mem) return;  // not inside a launch
+    const unsigned long long a = (unsigned long long)p;
+    const char* in = "shared or local memory";
+    for (int i = 0; i < tl_mem->n; i++)
+        if (a >= tl_mem->r[i].lo && a < tl_mem->r[i].hi) { in = tl_mem->r[i].name; break; }
+    char m[768], w[96];
+    where_str(w, sizeof w);
+    snprintf(m, sizeof m, "misaligned %u-byte %s %s at 0x%llx (address %% %u = %llu) in %s %s", align, type,
+             store ? "store" : "load", a, align, a % align, in, w);
+    abort_launch(m);
+}
+}  // namespace emu
+
+#define EMU_ASAN_CB(EmuN) \
+    extern "C" __attribute__((visibility("hidden"))) EMU_INTERNAL void __asan_load##EmuN##_noabort(void* p) { \
+        ::emu::check_access((unsigned long long)p, EmuN, false); } \
+    extern "C" __attribute__((visibility("hidden"))) EMU_INTERNAL void __asan_store##EmuN##_noabort(void* p) { \
+        ::emu::check_access((unsigned long long)p, EmuN, true); }
+EMU_ASAN_CB(1) EMU_ASAN_CB(2) EMU_ASAN_CB(4) EMU_ASAN_CB(8) EMU_ASAN_CB(16)
+#undef EMU_ASAN_CB
+extern "C" __attribute__((visibility("hidden"))) EMU_INTERNAL void __asan_loadN_noabort(void* p, long n) {
+    ::emu::check_access((unsigned long long)p, (unsigned long long)n, false);
+}
+extern "C" __attribute__((visibility("hidden"))) EMU_INTERNAL void __asan_storeN_noabort(void* p, long n) {
+    ::emu::check_access((unsigned long long)p, (unsigned long long)n, true);
+}
+extern "C" __attribute__((visibility("hidden"))) EMU_INTERNAL void __asan_handle_no_return() {}
+
+namespace emu {
 static thread_local void* tl_fault_addr;
 static thread_local int tl_fault_sig;
 static struct sigaction old_actions[3];
 static const int fault_sigs[3] = {SIGSEGV, SIGBUS, SIGFPE};
 
-static void fault_handler(int sig, siginfo_t* si, void* ctx) {
+EMU_INTERNAL static void fault_handler(int sig, siginfo_t* si, void* ctx) {
     sigjmp_buf* j = tl_fault_jmp;
     if (j) {
         tl_fault_jmp = nullptr;
         tl_fault_addr = si->si_addr;
         tl_fault_sig = sig;
-        siglongjmp(*j, 1);
+        siglongjmp(*j, JUMP_FAULT);
     }
     // Not ours: hand over to whoever was installed before (Python's faulthandler, default).
     for (int i = 0; i < 3; i++) {
@@ -720,7 +1023,7 @@ static void fault_handler(int sig, siginfo_t* si, void* ctx) {
     }
 }
 
-static void install_fault_handlers() {
+EMU_INTERNAL static void install_fault_handlers() {
     static std::atomic<bool> installed(false);
     bool expected = false;
     if (installed.compare_exchange_strong(expected, true)) {
@@ -754,9 +1057,10 @@ struct LaunchResult {
 };
 
 // Runs blocks [first, grid_total) with stride `stride` on the calling OS thread.
-static void run_blocks(void (*body)(void**), void** args, const unsigned* grid, const unsigned* block,
+EMU_INTERNAL static void run_blocks(void (*body)(void**), void** args, const unsigned* grid, const unsigned* block,
                        void (*poison)(unsigned), unsigned shmem, unsigned long long seed, int order,
                        unsigned long long first, unsigned long long stride, const StackArena& stacks,
+                       const unsigned long long* ranges, const char* const* names, int nranges,
                        char* err, int errlen, LaunchResult* res) {
     install_fault_handlers();
     const int nt = (int)(block[0] * block[1] * block[2]);
@@ -776,17 +1080,29 @@ static void run_blocks(void (*body)(void**), void** args, const unsigned* grid, 
     const unsigned long long total = (unsigned long long)grid[0] * grid[1] * grid[2];
     sigjmp_buf jb;
     volatile unsigned long long cur = first;
-    if (sigsetjmp(jb, 1)) {
-        res->status = 2;
-        res->fault_addr = tl_fault_addr;
-        res->fault_sig = tl_fault_sig;
-        unsigned long long c = cur;
-        snprintf(err, (size_t)errlen, "block (%llu,%llu,%llu)", c % grid[0], (c / grid[0]) % grid[1],
-                 c / ((unsigned long long)grid[0] * grid[1]));
+    MemTable mem;
+    build_mem_table(&mem, ranges, names, nranges);
+    const int jumped = sigsetjmp(jb, 1);
+    if (jumped) {
+        tl_mem = nullptr;
+        if (jumped == JUMP_REPORT) {  // a memory check failed; the message is in err
+            res->status = 1;
+        } else {
+            res->status = 2;
+            res->fault_addr = tl_fault_addr;
+            res->fault_sig = tl_fault_sig;
+            unsigned long long c = cur;
+            int n = snprintf(err, (size_t)errlen, "block (%llu,%llu,%llu)", c % grid[0], (c / grid[0]) % grid[1],
+                             c / ((unsigned long long)grid[0] * grid[1]));
+            if (tl_fiber && n < errlen)
+                snprintf(err + n, (size_t)(errlen - n), " thread (%u,%u,%u)", tl_fiber->tidx.x, tl_fiber->tidx.y,
+                         tl_fiber->tidx.z);
+        }
         tl_block = nullptr;
         tl_fiber = nullptr;
         return;
     }
+    tl_mem = &mem;
     tl_fault_jmp = &jb;
     tl_block = &b;
     for (unsigned long long i = first; i < total; i += stride) {
@@ -794,11 +1110,15 @@ static void run_blocks(void (*body)(void**), void** args, const unsigned* grid, 
         b.bidx.x = (unsigned)(i % grid[0]);
         b.bidx.y = (unsigned)((i / grid[0]) % grid[1]);
         b.bidx.z = (unsigned)(i / ((unsigned long long)grid[0] * grid[1]));
-        if (poison) poison(shmem);
         Rng rng{seed ^ (0x9e3779b97f4a7c15ULL * (i + 1))};
+        mem.nsh = 0;
+        mem.yield = order == ORDER_SHUFFLE;
+        mem.yrng = rng.next() | 1;
+        if (poison) poison(shmem);
         if (!run_block(&b, order, rng, stacks)) { res->status = 1; break; }
     }
     tl_fault_jmp = nullptr;
+    tl_mem = nullptr;
     tl_block = nullptr;
     tl_fiber = nullptr;
 }
@@ -806,13 +1126,15 @@ static void run_blocks(void (*body)(void**), void** args, const unsigned* grid, 
 // Runs blocks first, first+stride, ... of a launch on the calling OS thread;
 // the Python side spreads a launch over its persistent worker threads, each
 // with its own stack arena (shared memory is per OS thread too).
-static int launch(void (*body)(void**), void** args, const unsigned* grid, const unsigned* block,
+EMU_INTERNAL static int launch(void (*body)(void**), void** args, const unsigned* grid, const unsigned* block,
                   void (*poison)(unsigned), unsigned shmem, unsigned long long seed, int order,
                   unsigned long long first, unsigned long long stride, void* stack_base, int stack_count,
-                  unsigned long long stack_stride, char* err, int errlen, void** fault_addr, int* fault_sig) {
+                  unsigned long long stack_stride, const unsigned long long* ranges, const char* const* names,
+                  int nranges, char* err, int errlen, void** fault_addr, int* fault_sig) {
     LaunchResult res{0, nullptr, 0};
     const StackArena stacks{(char*)stack_base, stack_count, (size_t)stack_stride};
-    run_blocks(body, args, grid, block, poison, shmem, seed, order, first, stride, stacks, err, errlen, &res);
+    run_blocks(body, args, grid, block, poison, shmem, seed, order, first, stride, stacks, ranges, names, nranges,
+               err, errlen, &res);
     *fault_addr = res.fault_addr;
     *fault_sig = res.fault_sig;
     return res.status;
@@ -860,31 +1182,34 @@ static inline int __syncthreads_and(int pred) {
     return emu_sync_count(pred) == live;
 }
 static inline void __syncwarp(unsigned int mask = 0xffffffffu) {
-    (void)mask;
-    emu::warp_collective(emu::OP_SYNCWARP, 0, 0, 32);
+    emu::warp_collective(emu::OP_SYNCWARP, 0, 0, 32, mask);
 }
-template <typename EmuT> static inline EmuT __shfl_sync(unsigned int, EmuT v, int src, int width = 32) {
-    return emu::from_bits<EmuT>(emu::warp_collective(emu::OP_SHFL_IDX, emu::to_bits(v), src, width));
+template <typename EmuT> static inline EmuT __shfl_sync(unsigned int mask, EmuT v, int src, int width = 32) {
+    return emu::from_bits<EmuT>(emu::warp_collective(emu::OP_SHFL_IDX, emu::to_bits(v), src, width, mask));
 }
-template <typename EmuT> static inline EmuT __shfl_up_sync(unsigned int, EmuT v, unsigned int d, int width = 32) {
-    return emu::from_bits<EmuT>(emu::warp_collective(emu::OP_SHFL_UP, emu::to_bits(v), (int)d, width));
+template <typename EmuT> static inline EmuT __shfl_up_sync(unsigned int mask, EmuT v, unsigned int d, int width = 32) {
+    return emu::from_bits<EmuT>(emu::warp_collective(emu::OP_SHFL_UP, emu::to_bits(v), (int)d, width, mask));
 }
-template <typename EmuT> static inline EmuT __shfl_down_sync(unsigned int, EmuT v, unsigned int d, int width = 32) {
-    return emu::from_bits<EmuT>(emu::warp_collective(emu::OP_SHFL_DOWN, emu::to_bits(v), (int)d, width));
+template <typename EmuT> static inline EmuT __shfl_down_sync(unsigned int mask, EmuT v, unsigned int d, int width = 32) {
+    return emu::from_bits<EmuT>(emu::warp_collective(emu::OP_SHFL_DOWN, emu::to_bits(v), (int)d, width, mask));
 }
-template <typename EmuT> static inline EmuT __shfl_xor_sync(unsigned int, EmuT v, int m, int width = 32) {
-    return emu::from_bits<EmuT>(emu::warp_collective(emu::OP_SHFL_XOR, emu::to_bits(v), m, width));
+template <typename EmuT> static inline EmuT __shfl_xor_sync(unsigned int mask, EmuT v, int m, int width = 32) {
+    return emu::from_bits<EmuT>(emu::warp_collective(emu::OP_SHFL_XOR, emu::to_bits(v), m, width, mask));
 }
-static inline unsigned int __ballot_sync(unsigned int, int pred) {
-    return (unsigned int)emu::warp_collective(emu::OP_BALLOT, pred != 0, 0, 32);
+static inline unsigned int __ballot_sync(unsigned int mask, int pred) {
+    return (unsigned int)emu::warp_collective(emu::OP_BALLOT, pred != 0, 0, 32, mask);
 }
-static inline int __any_sync(unsigned int, int pred) { return (int)emu::warp_collective(emu::OP_ANY, pred != 0, 0, 32); }
-static inline int __all_sync(unsigned int, int pred) { return (int)emu::warp_collective(emu::OP_ALL, pred != 0, 0, 32); }
+static inline int __any_sync(unsigned int mask, int pred) {
+    return (int)emu::warp_collective(emu::OP_ANY, pred != 0, 0, 32, mask);
+}
+static inline int __all_sync(unsigned int mask, int pred) {
+    return (int)emu::warp_collective(emu::OP_ALL, pred != 0, 0, 32, mask);
+}
 // Tensor-core MMA for the wrappers in cuda_src/mma.cuh (never called by kernels directly).
 static inline void emu_mma_m16n8k16(int bf16, float* d, const unsigned int* a, const unsigned int* b,
                                     const float* c) {
     emu::MmaLane lane{d, a, b, c};
-    emu::warp_collective(bf16 ? emu::OP_MMA_BF16 : emu::OP_MMA_F16, (unsigned long long)&lane, 0, 32);
+    emu::warp_collective(bf16 ? emu::OP_MMA_BF16 : emu::OP_MMA_F16, (unsigned long long)&lane, 0, 32, 0xffffffffu);
 }
 static inline unsigned int __activemask() { return 0xffffffffu; }
 static inline unsigned int __lanemask_lt() { return (1u << (emu::tl_fiber->tid & 31)) - 1u; }

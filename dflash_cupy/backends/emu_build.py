@@ -8,6 +8,7 @@ into a shared library, cached by a hash of everything that goes into it.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import re
@@ -28,6 +29,24 @@ CXX = os.environ.get("DFLASH_CUPY_CXX", "g++")
 CXXFLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing",
             "-ffp-contract=off", "-fstack-clash-protection", "-Wno-unknown-pragmas",
             "-fno-omit-frame-pointer", "-Wl,-z,defs")  # unresolved symbols fail the build, not the load
+# Every load and store of kernel code calls __asan_{load,store}N_noabort, which
+# cuda_emu.h defines (byte-exact bounds of the launch's arrays, shared-memory
+# interleaving; no shadow memory, no ASan runtime). DFLASH_CUPY_EMU_CHECKS=0
+# builds without them (faster kernels; only guard pages catch overruns).
+CHECK_FLAGS = ("-fsanitize=kernel-address", "--param", "asan-instrumentation-with-call-threshold=0",
+               "--param", "asan-stack=0", "--param", "asan-globals=0")
+
+
+def _flags() -> tuple[str, ...]:
+    v = os.environ.get("DFLASH_CUPY_EMU_CHECKS", "1").strip().lower()
+    if v not in ("0", "1"):
+        raise ValueError(f"DFLASH_CUPY_EMU_CHECKS={v!r}: expected 0 or 1")
+    return CXXFLAGS + (CHECK_FLAGS if v == "1" else ())
+
+
+# Bumped whenever the generated translation unit changes shape (part of the cache key).
+GEN_VERSION = "3"
+STATIC_SMEM_FILE = "static_shared.txt"  # beside module.so: TLS offset and size of each static __shared__
 
 _SMEM_RE = re.compile(
     r'extern\s+__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s*)?([A-Za-z_][\w\s]*?)\s*'
@@ -50,11 +69,35 @@ def generate_tu(src_path: Path, kernels: list[KernelSig], smem: dict[str, str]) 
     for name, ctype in smem.items():
         lines.append(f"thread_local __attribute__((aligned(16))) {ctype} {name}"
                      f"[{SMEM_BYTES} / sizeof({ctype})];")
-    lines.append("static void emu_poison_smem(unsigned n) {")
-    lines.append("    if (n > %d) n = %d;" % (SMEM_BYTES, SMEM_BYTES))
+    # Static __shared__ arrays are block-scope thread_locals: the loader reads their
+    # offsets in this module's TLS block from the symbol table (see static_shared) and
+    # hands them over once; the anchor's address locates the block on each OS thread.
+    lines += [
+        'extern "C" __attribute__((visibility("hidden"))) thread_local char emu_tls_anchor;',
+        "thread_local char emu_tls_anchor;",
+        "static unsigned long long emu_static_smem[512];",
+        "static int emu_n_static_smem;",
+        "static unsigned long long emu_anchor_off;",
+        'extern "C" void emu_set_static_smem(const unsigned long long* t, int n, unsigned long long anchor) {',
+        "    if (n > 256) n = 256;",
+        "    for (int i = 0; i < 2 * n; i++) emu_static_smem[i] = t[i];",
+        "    emu_anchor_off = anchor;",
+        "    emu_n_static_smem = n;",
+        "}",
+        "EMU_INTERNAL static void emu_poison_smem(unsigned n) {",
+        "    if (n > %d) n = %d;" % (SMEM_BYTES, SMEM_BYTES),
+    ]
     for name in smem:
         lines.append(f"    __builtin_memset((void*){name}, 0xff, n);")
-    lines.append("}")
+        lines.append(f"    emu::note_shared((const void*){name}, n);")
+    lines += [
+        "    char* tls = &emu_tls_anchor - emu_anchor_off;",
+        "    for (int i = 0; i < emu_n_static_smem; i++) {",
+        "        __builtin_memset(tls + emu_static_smem[2 * i], 0xff, emu_static_smem[2 * i + 1]);",
+        "        emu::note_shared(tls + emu_static_smem[2 * i], emu_static_smem[2 * i + 1]);",
+        "    }",
+        "}",
+    ]
     for i, k in enumerate(kernels):
         args = ", ".join(f"*({p.ctype}*)a[{j}]" for j, p in enumerate(k.params))
         lines.append(f"static void emu_tramp_{i}(void** a) {{ (void)a; {k.name}({args}); }}")
@@ -63,12 +106,45 @@ def generate_tu(src_path: Path, kernels: list[KernelSig], smem: dict[str, str]) 
     lines.append('extern "C" int emu_launch(int k, void** args, const unsigned* grid, const unsigned* block,')
     lines.append("        unsigned shmem, unsigned long long seed, int order, unsigned long long first,")
     lines.append("        unsigned long long stride, void* stack_base, int stack_count, unsigned long long stack_stride,")
+    lines.append("        const unsigned long long* ranges, const char* const* names, int nranges,")
     lines.append("        char* err, int errlen, void** fault_addr, int* fault_sig) {")
     lines.append("    return emu::launch(emu_tramps[k], args, grid, block, emu_poison_smem, shmem, seed, order,")
-    lines.append("                       first, stride, stack_base, stack_count, stack_stride, err, errlen,")
-    lines.append("                       fault_addr, fault_sig);")
+    lines.append("                       first, stride, stack_base, stack_count, stack_stride, ranges, names,")
+    lines.append("                       nranges, err, errlen, fault_addr, fault_sig);")
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def static_shared(so_path: Path) -> tuple[int, list[tuple[int, int, str]]]:
+    """(anchor offset, [(offset, size, symbol)]) of the static ``__shared__`` arrays in
+    a built module: block-scope thread_locals (``_ZZ`` symbols of type TLS), except the
+    emulator's own (``_ZZN3emu``)."""
+    r = subprocess.run([os.environ.get("DFLASH_CUPY_READELF", "readelf"), "-sW", str(so_path)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise CompileError(f"readelf failed on {so_path}: {r.stderr.strip()}")
+    anchor, out = None, []
+    for line in r.stdout.splitlines():
+        f = line.split()
+        if len(f) < 8 or f[3] != "TLS" or f[6] == "UND":
+            continue
+        value, size, name = int(f[1], 16), int(f[2], 0), f[7]
+        if name == "emu_tls_anchor":
+            anchor = value
+        elif name.startswith("_ZZ") and not name.startswith("_ZZN3emu") and size > 0:
+            out.append((value, size, name))
+    if anchor is None:
+        raise CompileError(f"{so_path}: no emu_tls_anchor symbol (built by another emu_build?)")
+    return anchor, sorted(set(out))
+
+
+def load_static_shared(lib, so_path: Path) -> None:
+    """Hands the module its static ``__shared__`` table, so they are poisoned before each block."""
+    lines = (Path(so_path).parent / STATIC_SMEM_FILE).read_text().split()
+    anchor, vals = int(lines[0]), [int(v) for v in lines[1:]]
+    arr = (ctypes.c_ulonglong * max(1, len(vals)))(*vals)
+    lib.emu_set_static_smem.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_ulonglong)
+    lib.emu_set_static_smem(arr, len(vals) // 2, anchor)
 
 
 def cache_dir() -> Path:
@@ -115,7 +191,8 @@ def build(source: str, options, filename: str | None):
     kernels = parse_kernels(source)
     smem = parse_extern_shared(source)
     fname = filename or "<source>.cu"
-    key = hashlib.sha256("\0".join([source, fname, *defines, *includes, CXX, *CXXFLAGS,
+    flags = _flags()
+    key = hashlib.sha256("\0".join([source, fname, *defines, *includes, CXX, *flags, GEN_VERSION,
                                     _header_digest(includes)]).encode()).hexdigest()[:24]
     d = cache_dir() / key
     so = d / "module.so"
@@ -127,7 +204,7 @@ def build(source: str, options, filename: str | None):
     src_copy.write_text(f'#line 1 "{fname}"\n' + source)
     tu = tmp / "launch.cpp"
     tu.write_text(generate_tu(src_copy, kernels, smem))
-    cmd = [CXX, *CXXFLAGS, f"-I{EMU_DIR}", f"-I{EMU_DIR / 'include'}",
+    cmd = [CXX, *flags, f"-I{EMU_DIR}", f"-I{EMU_DIR / 'include'}",
            *[f"-I{p}" for p in includes], *defines, str(tu), "-o", str(tmp / "module.so")]
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -136,6 +213,13 @@ def build(source: str, options, filename: str | None):
         msg = r.stderr.strip()
         raise CompileError(f"g++ failed to compile {fname} for the emulator:\n{msg}\n"
                            f"(command: {' '.join(shlex.quote(c) for c in cmd)})")
+    try:
+        anchor, smem_vars = static_shared(tmp / "module.so")
+    except CompileError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    (tmp / STATIC_SMEM_FILE).write_text(" ".join(str(v) for v in
+                                                 [anchor, *(x for off, size, _ in smem_vars for x in (off, size))]))
     try:
         os.replace(tmp, d)
     except OSError:  # another process built the same module first

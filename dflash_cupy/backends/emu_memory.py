@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import mmap
+import os
 import threading
 import weakref
 
@@ -130,6 +131,43 @@ def region(arr: np.ndarray):
 def live_serials() -> set[int]:
     with _lock:
         return set(_serials.values())
+
+
+def allocation_of(addr: int):
+    """(mapping start, mapping end, data start, data end, description) of the live
+    allocation whose mapping holds ``addr``, or None."""
+    with _lock:
+        i = bisect.bisect_right(_starts, addr) - 1
+        if i < 0:
+            return None
+        start = _starts[i]
+        map_end, d0, d1, desc = _regions[start]
+        return (start, map_end, d0, d1, desc) if addr < map_end else None
+
+
+def launch_ranges(params, args) -> tuple:
+    """The ``(ranges, names, count)`` arguments of ``emu_launch``: for each pointer
+    argument inside a guarded allocation, its mapping and data bounds
+    ``[lo, hi, d0, d1]`` and a name for messages (the parameter, shape, dtype).
+    A pointer may move anywhere inside its allocation, as on the GPU."""
+    ranges, names = [], []
+    for p, a in zip(params, args):
+        alloc = allocation_of(a.ctypes.data) if p.is_pointer and a.nbytes else None
+        if alloc is not None:
+            ranges += alloc[:4]
+            names.append(f"`{p.name}` ({alloc[4]})".encode())
+    return ((ctypes.c_ulonglong * max(1, len(ranges)))(*ranges),
+            (ctypes.c_char_p * max(1, len(names)))(*names), len(names))
+
+
+def poison_enabled() -> bool:
+    """Whether ``empty`` fills new device arrays with 0xFF bytes (NaN for floats, -1 for
+    ints), so a kernel that reads what nobody wrote shows up: on unless
+    ``DFLASH_CUPY_EMU_POISON=0``."""
+    v = os.environ.get("DFLASH_CUPY_EMU_POISON", "1").strip().lower()
+    if v not in ("0", "1", "false", "true", "off", "on", "no", "yes"):
+        raise ValueError(f"DFLASH_CUPY_EMU_POISON={v!r}: expected 0 or 1")
+    return v in ("1", "true", "on", "yes")
 
 
 def describe_address(addr: int | None) -> str:

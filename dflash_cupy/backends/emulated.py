@@ -245,7 +245,8 @@ class EmuKernel(Kernel):
         ptrs = (ctypes.c_void_p * max(1, len(slots)))()
         for i, s in enumerate(slots):
             ptrs[i] = ctypes.addressof(s)
-        return ptrs, (keep, slots)
+        # keep[2]: the allocations the pointers point into (cuda_emu.h checks accesses against them)
+        return ptrs, (keep, slots, emu_memory.launch_ranges(self.sig.params, args))
 
     def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0,
                  stream: EmuStream | None = None) -> None:
@@ -284,7 +285,7 @@ class EmuKernel(Kernel):
             fault_addr, fault_sig = ctypes.c_void_p(), ctypes.c_int()
             arena = emu_memory.stack_arena(nthreads)  # this OS thread's fiber stacks
             rc = self._module._launch(self._index, ptrs, grid, block, shared_mem, seed, backend.order,
-                                      first, workers, arena.base, arena.count, arena.stride,
+                                      first, workers, arena.base, arena.count, arena.stride, *keep[2],
                                       err, _ERRLEN, ctypes.byref(fault_addr), ctypes.byref(fault_sig))
             return rc, err.value.decode(errors="replace"), fault_addr.value, fault_sig.value
 
@@ -313,8 +314,10 @@ class EmuModule(Module):
         f.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint,
                       ctypes.c_ulonglong, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ulonglong,
                       ctypes.c_void_p, ctypes.c_int, ctypes.c_ulonglong,
+                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # allocations of the pointer args
                       ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
         self._launch = f
+        emu_build.load_static_shared(self._lib, so_path)
         self._kernels = {k.name: EmuKernel(self, i, k) for i, k in enumerate(kernels)}
 
     def get_function(self, name: str) -> EmuKernel:
@@ -596,7 +599,10 @@ class EmulatedBackend(Backend):
     # ---- arrays
     def empty(self, shape, dtype):
         self._no_capture("allocation (empty)")
-        return emu_memory.guarded_empty(shape, dtype, "device array")
+        a = emu_memory.guarded_empty(shape, dtype, "device array")
+        if a.nbytes and emu_memory.poison_enabled():
+            a.reshape(-1).view(np.uint8).fill(0xFF)  # NaN / -1: reads of unwritten memory show
+        return a
 
     def zeros(self, shape, dtype):
         """As ``cupy.zeros``: the memset is work on the current stream."""
