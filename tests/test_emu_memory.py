@@ -6,17 +6,61 @@ and its corrected twin, which must pass with the right result."""
 import numpy as np
 import pytest
 
+from dflash_cupy import backends
 from dflash_cupy.backends import KernelLaunchError
+
+
+class _SyncEmu:
+    """The emulated backend with every launch and memset waited for: these tests
+    read arrays on the host right after a launch and expect its error at once
+    (stream ordering has its own tests, tests/test_streams.py)."""
+
+    def __init__(self, be):
+        self._be = be
+
+    def __getattr__(self, name):
+        return getattr(self._be, name)
+
+    def __setattr__(self, name, value):
+        if name == "_be":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._be, name, value)
+
+    def zeros(self, shape, dtype):
+        a = self._be.zeros(shape, dtype)
+        self._be.synchronize()
+        return a
+
+    def compile(self, *a, **kw):
+        mod, be = self._be.compile(*a, **kw), self._be
+
+        class _Mod:
+            def get_function(self, name):
+                k = mod.get_function(name)
+
+                def launch(*args, **kwargs):
+                    k(*args, **kwargs)
+                    be.synchronize()
+                return launch
+        return _Mod()
+
+
+@pytest.fixture
+def emu():
+    be = backends.get("emulated")
+    be.synchronize()
+    return _SyncEmu(be)
 
 # ---------------------------------------------------------------- bounds
 
 BOUNDS_SRC = r"""
 #include <cuda_fp16.h>
 // Only thread (tx, 0, 0) of block (bx, 0, 0) touches element i of a.
-extern "C" __global__ void read_at(const T* a, T* out, int i, int bx, int tx) {
+extern "C" __global__ void read_at(const ELEM* a, ELEM* out, int i, int bx, int tx) {
     if (blockIdx.x == bx && threadIdx.x == tx) out[0] = a[i];
 }
-extern "C" __global__ void write_at(T* a, const T* val, int i, int bx, int tx) {
+extern "C" __global__ void write_at(ELEM* a, const ELEM* val, int i, int bx, int tx) {
     if (blockIdx.x == bx && threadIdx.x == tx) a[i] = val[0];
 }
 """
@@ -25,7 +69,7 @@ _CTYPES = {np.int8: "signed char", np.int32: "int", np.float16: "__half", np.flo
 
 
 def _bounds_module(emu, dtype):
-    return emu.compile(BOUNDS_SRC, [f"-DT={_CTYPES[dtype]}"], filename=f"bounds_{np.dtype(dtype).name}.cu")
+    return emu.compile(BOUNDS_SRC, [f"-DELEM={_CTYPES[dtype]}"], filename=f"bounds_{np.dtype(dtype).name}.cu")
 
 
 @pytest.mark.parametrize("dtype", [np.int8, np.int32, np.float16, np.float64])
@@ -151,7 +195,7 @@ extern "C" __global__ void stale_tile(unsigned int* out, int all_write) {
 
 @pytest.mark.parametrize("threads", [1, 4])
 def test_static_shared_memory_is_poisoned_before_each_block(emu, monkeypatch, threads):
-    monkeypatch.setattr(emu, "threads", threads)
+    monkeypatch.setattr(emu._be, "threads", threads)
     k = emu.compile(STATIC_SMEM_SRC, filename="static_smem.cu").get_function("stale_tile")
     out = emu.zeros((8 * 64,), np.uint32)
     k((8,), (64,), (out, np.int32(0)))
@@ -264,7 +308,7 @@ extern "C" __global__ void rotate(const float* x, float* y) {
 
 @pytest.mark.parametrize("schedule", ["shuffle", "forward", "reverse"])
 def test_intra_warp_exchange_needs_syncwarp(emu, monkeypatch, schedule):
-    monkeypatch.setattr(emu, "schedule", schedule)
+    monkeypatch.setattr(emu._be, "schedule", schedule)
     xh = np.arange(64, dtype=np.float32)
     expect = np.concatenate([np.roll(xh[:32], -1), np.roll(xh[32:], -1)])
     for defines, should_pass in ((["-DWITH_SYNCWARP=1"], True), ([], False)):
@@ -303,5 +347,5 @@ def test_lanes_interleave_between_warp_sync_points(emu, monkeypatch):
 
     assert run(np.arange(32))
     assert not run(np.zeros(32))
-    monkeypatch.setattr(emu, "schedule", "forward")  # the documented limit of the fixed orders
+    monkeypatch.setattr(emu._be, "schedule", "forward")  # the documented limit of the fixed orders
     assert run(np.zeros(32))
