@@ -77,7 +77,7 @@ class NodeTime:
 def _label(n) -> str:
     if isinstance(n, Copy):
         return f"memcpy {n.kind}"
-    if n.kernel in ("gemm_mma", "gemm"):
+    if n.kernel in ("gemm_mma", "gemm", "gemm_stream"):
         wname = getattr(n.args[1], "name", "?")
         role = wname.rsplit(".", 1)[-1].replace("w_", "") if "." in wname else wname
         return f"{n.kernel}[{role}]"
