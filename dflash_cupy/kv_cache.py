@@ -62,7 +62,7 @@ from .ops.gemm import Gemm
 from .ops.norm import RmsNorm
 from .ops.gather import FeatureGather
 from .ops.plan import StepPlanner
-from .ops.step_descriptor import (DESC_LEN, bulk_chunks, fill_chunk_descriptor, fill_step_descriptor,
+from .ops.step_descriptor import (DESC_LEN, DESC_N_NEW, bulk_chunks, fill_chunk_descriptor, fill_step_descriptor,
                                   plan_step)
 from .ops.rope import QkvNormRope
 from .ops.sample import SamplingParams, TokenSampler
@@ -326,7 +326,11 @@ class DraftKvCache:
             self.rms(self.resid, L.input_layernorm, self.xin, stream=stream)
         else:
             self.rms(self.h, L.input_layernorm, self.hn, stream=stream)
-        self.g_qkv(self.xin, L.w_qkv, self.qkv, A + B, stream=stream)
+        # Append rows [n_new, A) are padding (zero features, their K/V go to the trash
+        # slot): the stream GEMM reads n_new from the descriptor and skips their
+        # 16-row tiles (same outputs: a zero row's result is zero either way).
+        pad = (self.desc[DESC_N_NEW:DESC_N_NEW + 1], A) if self.g_qkv.path == "stream" else None
+        self.g_qkv(self.xin, L.w_qkv, self.qkv, A + B, stream=stream, pad_rows=pad)
         self.rope_step(self.qkv, L.k_norm, self.inv_freq, self.pos_all, self.rows_all,
                        self.k_cache[li], self.v_cache[li], q_norm=L.q_norm, q_out=self.q_all,
                        stream=stream)
@@ -360,12 +364,10 @@ class DraftKvCache:
         if self.sampler is not None:
             be.copy_h2d_async(self.sample_knobs, self._knobs_host[slot], stream=stream)
             be.copy_h2d_async(self.sample_rng, self._rng_host[slot], stream=stream)
-        self.planner.reset_slots_if(self.desc, self.slot_pos, stream=stream)
-        self.planner.plan_append(self.desc, self.pos_all[:A], self.rows_all[:A], self.slot_pos,
-                                 pos_q=self.pos_q, n_rows=A, stream=stream)
-        self._gather(self.desc, self._ring.storage, self.ap_feat, n_rows=A, stream=stream)
-        self.planner.build_masks(self.desc, self.slot_pos, mask_full=self.mask_full,
-                                 mask_swa=self.mask_swa, stream=stream)
+        # reset_slots_if, plan_append, the gather and the masks as one launch (gather.cu)
+        self._gather.plan_step(self.desc, self._ring.storage, self.ap_feat, self.geom, self.slot_pos,
+                               self.pos_all[:A], self.rows_all[:A], self.pos_q, mask_full=self.mask_full,
+                               mask_swa=self.mask_swa, n_rows=A, stream=stream)
         self._fuse_features(self.ctx_step, A, stream)
         self._noise_stage(stream, eager)
 

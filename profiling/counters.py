@@ -400,10 +400,22 @@ def _gemm_stream(L) -> KernelCounters:
     per_block_trips = 0.0
     chunks_max = 0
     x_l2 = 0
+    # padding rows [lo, pad_hi): lo is read at run time; the launch plan may know it
+    lo = L.known.get("pad_lo", pad_hi) if pad_hi else 0
+    lo = min(max(lo, 0), pad_hi)
+    skipped = 0
     for by in range(gy):
         live = max(0, min(ROWS, M - by * ROWS))
         tiles = -(-live // 16)
-        tm = tiles   # computed tiles (pad_hi > 0: lo is data; counted as computed, an upper bound)
+        # computed tiles: a row < M and not wholly inside the padding (the kernel's tmask)
+        tm = 0
+        for i in range(tiles):
+            a, b = by * ROWS + 16 * i, min(by * ROWS + 16 * i + 16, M)
+            if not (pad_hi and a >= lo and b <= pad_hi):
+                tm += 1
+        skipped += tiles - tm
+        # rows the staging loads (padding rows are stored as zeros, never read)
+        pad_in = max(0, min(pad_hi, by * ROWS + live) - max(lo, by * ROWS)) if pad_hi else 0
         for span, nsteps in slices:
             chunks = -(-nsteps // spc) if nsteps else 0
             chunks_max = max(chunks_max, chunks)
@@ -411,6 +423,9 @@ def _gemm_stream(L) -> KernelCounters:
             for ch in range(chunks):
                 kvalid = min(kt, span - ch * kt)
                 reqs, secs, nb = _staging_loads(tiles * 16, kt, K, live, kvalid)
+                if pad_in:   # padding rows load nothing: scale by the rows that load
+                    f = (live - pad_in) / live
+                    reqs, secs, nb = round(reqs * f), round(secs * f), round(nb * f)
                 c.gld_requests += gx * reqs
                 c.gld_sectors += gx * secs
                 c.gld_bytes += gx * nb
@@ -488,7 +503,9 @@ def _gemm_stream(L) -> KernelCounters:
     if SPLIT == 2:
         c.notes.append("activations split hi + lo: 2x the MMAs and x-tile reads")
     if pad_hi:
-        c.notes.append(f"padding rows [lo, {pad_hi}): lo is read at run time; tiles counted as computed")
+        c.notes.append(f"padding rows [{lo}, {pad_hi}) "
+                       + ("(lo = the step's n_new)" if "pad_lo" in L.known else "(lo unknown: none assumed)")
+                       + f": {skipped} 16-row tile(s) skipped")
     if -(-M // 16) * 16 > M:
         c.notes.append(f"M={M}: {-(-M // 16) * 16 - M} zero rows in the last live 16-row tile "
                        f"(MMAs and x reads; tiles wholly past M are skipped)")
@@ -602,6 +619,15 @@ def _small(L) -> KernelCounters:
         item = {0: 4, 1: 2, 2: 2}[d["RING_DTYPE"]]
         return _bytes_only(L, [(_name(a[1]), rows * fc_in * item)], [(_name(a[2]), rows * fc_in * 4)],
                            "all rows counted as new (upper bound of the ring read)")
+    if k == "plan_step":   # gather.cu: reset_slots_if + plan_append + gather_features + build_masks
+        rows, fc_in, cap, q_len, kvt, flags = a[3], d["FC_IN"], a[10], a[11], a[12], a[13]
+        item = {0: 4, 1: 2, 2: 2}[d["RING_DTYPE"]]
+        masks = [(_name(a[8 + i]), q_len * kvt * 2) for i in range(2) if flags >> i & 1]
+        return _bytes_only(L, [(_name(a[0]), 16), (_name(a[1]), rows * fc_in * item), (_name(a[4]), cap * 4)],
+                           [(_name(a[2]), rows * fc_in * 4), (_name(a[5]), rows * 4), (_name(a[6]), rows * 4),
+                            (_name(a[7]), q_len * 4), *masks],
+                           "all rows counted as new (upper bound of the ring read); slot_pos writes "
+                           "(n_new of them) not counted: data-dependent")
     if k.startswith("build_mask"):
         nm = 2 if k == "build_masks" else 1
         writes = [(_name(a[2 + i]), d["Q_LEN"] * d["KV_TOTAL"] * 2) for i in range(nm)]

@@ -131,7 +131,7 @@ def _counter_key(n):
     if isinstance(n, Copy):
         return None
     return (n.variant(), n.grid, n.block, n.shared_mem,
-            tuple(a if not hasattr(a, "name") else a.name for a in n.args))
+            tuple(a if not hasattr(a, "name") else a.name for a in n.args), tuple(sorted(n.known.items())))
 
 
 def model_step(drafter: str, window: int, gpu, *, accept: int = 6, lm_head_vocab: int | None = None,

@@ -172,13 +172,14 @@ def graph_node_count(n_layer: int, *, aux_norms: bool = False, context_kv_norm: 
                      attn_gate: bool = False, attn_splits: int = 1, both_masks: bool = False,
                      lm_head: bool = False) -> int:
     """Nodes of one captured step (``DraftKvCache._issue_step``), counted by
-    hand from the code: descriptor copy, reset_slots_if, plan_append,
-    gather_features, build_masks (one launch for one or both masks), [aux
+    hand from the code: descriptor copy, plan_step (reset_slots_if,
+    plan_append, the feature gather and the masks in one launch), [aux
     rmsnorm], fc GEMM, rmsnorm; the noise copy; per layer rmsnorm, qkv GEMM,
     qkv_norm_rope, [gate GEMM], attention split (+ combine if split), o GEMM,
-    rmsnorm, gate_up GEMM, down GEMM; final rmsnorm, [LM head GEMM].
+    rmsnorm, gate_up GEMM, down GEMM; final rmsnorm, [with an LM head: the
+    sampling knobs and RNG copies, the LM head GEMM, the sampler].
     ``context_kv_norm`` changes what the per-layer rmsnorm covers, not the
-    count; ``both_masks`` neither (one build_masks launch writes both)."""
-    pre = 1 + 4 + int(aux_norms) + 2 + 1
+    count; ``both_masks`` neither (plan_step writes both)."""
+    pre = 1 + 1 + int(aux_norms) + 2 + 1
     per_layer = 1 + 2 + int(attn_gate) + 1 + int(attn_splits > 1) + 1 + 1 + 2
-    return pre + n_layer * per_layer + 1 + int(lm_head)
+    return pre + n_layer * per_layer + 1 + 4 * int(lm_head)

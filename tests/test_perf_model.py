@@ -212,7 +212,11 @@ def test_node_count_formula(kw, window):
 def test_node_count_of_the_presets():
     for name in ("h4096", "qwen3.5-27b"):
         plan = step_plan(drafter_config(name), 2048)
-        assert plan.n_nodes == 54 == sf.graph_node_count(5, attn_splits=plan.cache.attention.n_splits)
+        assert plan.n_nodes == 51 == sf.graph_node_count(5, attn_splits=plan.cache.attention.n_splits)
+        lm = step_plan(drafter_config(name), 2048, lm_head_vocab=1024)
+        assert lm.n_nodes == 55 == sf.graph_node_count(5, attn_splits=lm.cache.attention.n_splits, lm_head=True)
+        # outside the layers: descriptor copy, plan_step, fc GEMM, rmsnorm, noise copy, final rmsnorm
+        assert plan.n_nodes - 5 * 9 == 6
 
 
 def test_recorded_graph_matches_the_emulated_capture():
@@ -457,3 +461,26 @@ def test_step_plan_gemm_launches_match_the_launcher_plan():
     assert len(gl) == 1 + 4 * 5 + 1
     for n in gl:
         assert not any("differs" in s for s in ctr.static_counters(n).notes), n.args[1].name
+
+
+def test_gemm_stream_padding_tiles_skipped():
+    """qkv of a step: M = 34 append rows + 16 noise rows, rows [6, 34) padding (n_new = 6
+    from the descriptor): tile [16, 32) is all padding and skipped, 3 of 4 computed; with
+    the padding start unknown every tile counts."""
+    L, p = _gs_launch(50, 256, 256)
+    assert p.mt == 4 and p.grid[1] == 1
+    full = ctr.static_counters(L)
+    L.args[-1] = 34
+    unknown = ctr.static_counters(L)
+    L.known["pad_lo"] = 6
+    pad = ctr.static_counters(L)
+    assert unknown.mma == full.mma
+    assert pad.mma * 4 == full.mma * 3
+    assert pad.gld_bytes == full.gld_bytes - 28 * 256 * 4     # the 28 padding rows are not loaded
+    assert any("1 16-row tile(s) skipped" in n for n in pad.notes)
+
+
+def test_step_qkv_gemm_knows_the_step_padding():
+    plan = step_plan(drafter_config("h4096"), 2048)
+    qkv = [n for n in plan.launches if n.kernel == "gemm_stream" and n.args[1].name.endswith("w_qkv")]
+    assert len(qkv) == 5 and all(n.known == {"pad_lo": 6} and n.args[-1] == plan.a_step for n in qkv)
