@@ -4,6 +4,14 @@
 //     acc[m, n] = sum_k xe[m, k] * W[n, k]          (f32 accumulation)
 // xe = hi + lo (GS_SPLIT 2: each f32 activation as two rounded halves of the
 // weight type, ~16 significant bits) or xe = hi (GS_SPLIT 1).
+//   GS_NORM 1 folds an RMSNorm of x's rows >= norm_lo into the GEMM (no separate
+//   pass, no normalised copy of x): xe is staged from x[m, k] * ln[k] and the
+//   row's scale rsqrt(sum_k x[m, k]^2 / K + eps) multiplies acc before the
+//   epilogue (the GEMM is linear in each row). The sum of squares is taken while
+//   staging, each row by one warp (lanes along k, then a shuffle sum: a fixed
+//   order); with split K each slice publishes its rows' partial sums beside its
+//   partial tile and the reducing block adds them in z order, so replays stay
+//   bit-identical. Rows < norm_lo are used as they are.
 //   GS_EPI 0:  y = acc      GS_EPI 1:  y = r + acc (r may be y)
 //   GS_EPI 2:  y = silu(acc_gate) * acc_up (W has 2N rows: gate 0..N-1, up N..2N-1)
 // Layouts: x [M, K] f32, W [N or 2N, K] 16-bit bits, y, r [M, N] f32; all
@@ -90,10 +98,13 @@
 // nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=2 -DGS_K=5120 -DGS_MT=4 -DGS_NT=2 -DGS_SPLIT=2
 // nvrtc-check: -DGS_WTYPE=1 -DGS_EPI=2 -DGS_K=5120 -DGS_MT=4 -DGS_NT=2 -DGS_SPLIT=1
 // nvrtc-check: -DGS_WTYPE=1 -DGS_EPI=1 -DGS_K=40 -DGS_MT=2 -DGS_NT=4 -DGS_SPLIT=2
+// nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=0 -DGS_K=4096 -DGS_MT=4 -DGS_NT=4 -DGS_SPLIT=2 -DGS_NORM=1
+// nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=2 -DGS_K=4096 -DGS_MT=1 -DGS_NT=2 -DGS_SPLIT=2 -DGS_NORM=1
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "mma.cuh"
+#include "warp.cuh"
 
 #ifndef GS_WTYPE
 #define GS_WTYPE 2
@@ -116,6 +127,9 @@
 #ifndef GS_SPLIT
 #define GS_SPLIT 2
 #endif
+#ifndef GS_NORM
+#define GS_NORM 0
+#endif
 #ifndef GS_DEPTH
 #define GS_DEPTH (GS_MT == 1 ? 2 : 3)  // MT 1 keeps 2 blocks per SM in 128 registers; MT 2, 4 have the room
 #endif
@@ -131,6 +145,9 @@
 #endif
 #if GS_SPLIT != 1 && GS_SPLIT != 2
 #error "GS_SPLIT must be 1 (x rounded) or 2 (x as hi + lo)"
+#endif
+#if GS_NORM != 0 && GS_NORM != 1
+#error "GS_NORM must be 0 or 1 (RMSNorm of x's rows folded in)"
 #endif
 #if GS_WTYPE != 1 && GS_WTYPE != 2
 #error "GS_WTYPE must be 1 (f16) or 2 (bf16)"
@@ -214,7 +231,8 @@ __device__ __forceinline__ void load_slot(Slot& s, const unsigned short* const w
 
 extern "C" __global__ void __launch_bounds__(GS_WARPS * 32, GS_MINB)
 gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, float* y, const float* r,
-            int M, int N, int kz, int kt, float* ws, int* counters, const int* pad_lo, int pad_hi) {
+            int M, int N, int kz, int kt, float* ws, int* counters, const int* pad_lo, int pad_hi,
+            const float* __restrict__ ln, float eps, int norm_lo) {
     using namespace gemm_stream_detail;
     extern __shared__ __align__(16) unsigned char smem[];
     unsigned short* xs = reinterpret_cast<unsigned short*>(smem);
@@ -243,6 +261,15 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
         const int a = m0 + 16 * i, b = (a + 16 < M) ? a + 16 : M;
         if (a < b && !(a >= lo && b <= pad_hi)) tmask |= 1u << i;
     }
+
+#if GS_NORM
+    __shared__ float ss_s[ROWS];  // row sums of squares over this block's K range
+    if (threadIdx.x < ROWS) ss_s[threadIdx.x] = 0.0f;  // ordered before use by the staging barrier
+#else
+    (void)ln;
+    (void)eps;
+    (void)norm_lo;
+#endif
 
     const int k_begin = blockIdx.z * kz;
     const int k_end = (k_begin + kz < K) ? k_begin + kz : K;
@@ -283,6 +310,41 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
                     // past M and k past the slice as zeros (0 * NaN poison would leak).
                     const int kc = k_begin + s * KSTEP;
                     __syncthreads();  // every warp is done with the previous chunk
+#if GS_NORM
+                    // one warp per row, lanes along k: the row's sum of squares in a fixed order
+                    for (int row = warp; row < tiles * 16; row += GS_WARPS) {
+                        const int grow = m0 + row;
+                        const bool rd = row < live && (grow < lo || grow >= pad_hi);
+                        const bool nrm = grow >= norm_lo;
+                        float ss = 0.0f;
+                        for (int c4 = lane * 4; c4 < kt; c4 += 128) {
+                            const int k = kc + c4;
+                            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                            if (rd && k < k_end) v = *reinterpret_cast<const float4*>(x + (long long)grow * K + k);
+                            ss = fmaf(v.x, v.x, ss);
+                            ss = fmaf(v.y, v.y, ss);
+                            ss = fmaf(v.z, v.z, ss);
+                            ss = fmaf(v.w, v.w, ss);
+                            if (nrm && k < k_end) {
+                                const float4 g4 = *reinterpret_cast<const float4*>(ln + k);
+                                v.x *= g4.x;
+                                v.y *= g4.y;
+                                v.z *= g4.z;
+                                v.w *= g4.w;
+                            }
+                            const unsigned int h0 = to16(v.x), h1 = to16(v.y), h2 = to16(v.z), h3 = to16(v.w);
+                            *reinterpret_cast<uint2*>(xs + row * xstride + c4) = make_uint2(h0 | (h1 << 16), h2 | (h3 << 16));
+                            if (GS_SPLIT == 2) {
+                                const unsigned int l0 = to16(v.x - from16(h0)), l1 = to16(v.y - from16(h1));
+                                const unsigned int l2 = to16(v.z - from16(h2)), l3 = to16(v.w - from16(h3));
+                                *reinterpret_cast<uint2*>(xs + plane + row * xstride + c4) =
+                                    make_uint2(l0 | (l1 << 16), l2 | (l3 << 16));
+                            }
+                        }
+                        ss = warp_sum(ss);
+                        if (lane == 0) ss_s[row] += ss;  // this warp owns the row: chunk order
+                    }
+#else
                     const int q4 = kt / 4;
                     for (int i = threadIdx.x; i < tiles * 16 * q4; i += THREADS) {
                         const int row = i / q4, c4 = (i - row * q4) * 4, k = kc + c4;
@@ -299,6 +361,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
                                 make_uint2(l0 | (l1 << 16), l2 | (l3 << 16));
                         }
                     }
+#endif
                     __syncthreads();
                 }
 #pragma unroll
@@ -339,13 +402,22 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
 #pragma unroll
         for (int i = 0; i < MT; i++) {
 #pragma unroll
-            for (int jn = 0; jn < NT; jn++) {
+            for (int h = 0; h < 2; h++) {
+                const int row = m0 + i * 16 + g + 8 * h;
+                float sc = 1.0f;
+#if GS_NORM
+                if (row >= norm_lo && row - m0 < ROWS) sc = rsqrtf(ss_s[row - m0] * (1.0f / K) + eps);
+#endif
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int row = m0 + i * 16 + g + ((e & 2) ? 8 : 0);
-                    const int col = n0 + 8 * jn + 2 * t + (e & 1);
-                    if (row < M && col < N)
-                        store(y, r, (long long)row * N + col, acc[i][jn][e], acc[i][(NW - 1) * NT + jn][e]);
+                for (int jn = 0; jn < NT; jn++) {
+#pragma unroll
+                    for (int e1 = 0; e1 < 2; e1++) {
+                        const int e = 2 * h + e1;
+                        const int col = n0 + 8 * jn + 2 * t + e1;
+                        if (row < M && col < N)
+                            store(y, r, (long long)row * N + col, acc[i][jn][e] * sc,
+                                  acc[i][(NW - 1) * NT + jn][e] * sc);
+                    }
                 }
             }
         }
@@ -371,6 +443,11 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
             }
         }
     }
+#if GS_NORM
+    // the rows' partial sums of squares of this slice, after every group's partial tiles
+    float* ssw = ws + (long long)gridDim.x * ks * NW * ROWS * COLS + (long long)blockIdx.x * ks * ROWS;
+    if (threadIdx.x < live) ssw[blockIdx.z * ROWS + threadIdx.x] = ss_s[threadIdx.x];
+#endif
     __shared__ int ticket;
     __threadfence();  // the partial tile is visible device-wide before the count says so
     __syncthreads();
@@ -378,6 +455,15 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
     __syncthreads();
     if (ticket != ks - 1) return;
     __threadfence();
+#if GS_NORM
+    __shared__ float sc_s[ROWS];
+    if (threadIdx.x < live) {
+        float ss = 0.0f;
+        for (int z = 0; z < ks; z++) ss += __ldcg(ssw + z * ROWS + threadIdx.x);  // z order
+        sc_s[threadIdx.x] = (m0 + (int)threadIdx.x >= norm_lo) ? rsqrtf(ss * (1.0f / K) + eps) : 1.0f;
+    }
+    __syncthreads();
+#endif
     const int c0 = blockIdx.x * COLS;
     constexpr int C4 = COLS / 4;
     for (int idx = threadIdx.x; idx < live * C4; idx += THREADS) {
@@ -397,6 +483,16 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
             }
         }
         const long long o = (long long)(m0 + lrow) * N + col;
+#if GS_NORM
+        const float sc = sc_s[lrow];
+#pragma unroll
+        for (int jw = 0; jw < NW; jw++) {
+            a[jw].x *= sc;
+            a[jw].y *= sc;
+            a[jw].z *= sc;
+            a[jw].w *= sc;
+        }
+#endif
         store(y, r, o, a[0].x, a[NW - 1].x);
         if (col + 1 < N) store(y, r, o + 1, a[0].y, a[NW - 1].y);
         if (col + 2 < N) store(y, r, o + 2, a[0].z, a[NW - 1].z);

@@ -318,17 +318,23 @@ def _gemm_mma(L) -> KernelCounters:
 
 
 # ---------------------------------------------------------------------------- gemm_stream.cu
-def _gs_staging_smem(tiles, kt, _cache={}):
+def _gs_staging_smem(tiles, kt, norm=0, _cache={}):
     """(requests, wavefronts, ideal) of one x-chunk staging pass's shared stores
-    (per plane): item i -> row i / (kt/4), 8-byte store at (row*(kt+8) + c4)*2."""
-    key = (tiles, kt)
+    (per plane): item i -> row i / (kt/4), 8-byte store at (row*(kt+8) + c4)*2;
+    with GS_NORM a warp stores one row per request (lanes at c4 = 4*lane + 128j)."""
+    key = (tiles, kt, norm)
     if key not in _cache:
         q4, xs = kt // 4, kt + 8
         items = tiles * 16 * q4
         req = wf = ideal = 0
         seen: dict = {}
-        for i0 in range(0, items, 32):
-            addrs = [((i // q4) * xs + (i % q4) * 4) * 2 if i < items else None for i in range(i0, i0 + 32)]
+        if norm:
+            groups = [[(r * xs + c4) * 2 if c4 < kt else None for c4 in range(j, j + 128, 4)]
+                      for r in range(tiles * 16) for j in range(0, kt, 128)]
+        else:
+            groups = [[((i // q4) * xs + (i % q4) * 4) * 2 if i < items else None for i in range(i0, i0 + 32)]
+                      for i0 in range(0, items, 32)]
+        for addrs in groups:
             # the pattern only depends on the byte offsets mod 128 (banks)
             sig = tuple(None if a is None else (a % 128, a // 128 - addrs[0] // 128) for a in addrs)
             if sig not in seen:
@@ -350,7 +356,9 @@ def _gemm_stream(L) -> KernelCounters:
     K, MT, NT, SPLIT, EPI = d["GS_K"], d["GS_MT"], d["GS_NT"], d.get("GS_SPLIT", 2), d.get("GS_EPI", 0)
     WARPS = d.get("GS_WARPS", 8)
     D = d.get("GS_DEPTH", gs.DEPTH[MT])
-    x, w, y, r, M, N, kz, kt, ws, _cnt, _pad_lo, pad_hi = L.args
+    x, w, y, r, M, N, kz, kt, ws, _cnt, _pad_lo, pad_hi = L.args[:12]
+    NORM = d.get("GS_NORM", 0)
+    ln, norm_lo = (L.args[12], L.args[14]) if NORM else (None, M)
     NW = 2 if EPI == 2 else 1
     WT, ROWS, COLS, THREADS, KSTEP = NT * NW, 16 * MT, WARPS * 8 * NT, WARPS * 32, gs.KSTEP
     gx, gy, gz = L.grid
@@ -422,15 +430,24 @@ def _gemm_stream(L) -> KernelCounters:
             # x staging: tiles*16 rows x kt/4 float4 items per chunk, only rows < live and k < k_end load
             for ch in range(chunks):
                 kvalid = min(kt, span - ch * kt)
-                reqs, secs, nb = _staging_loads(tiles * 16, kt, K, live, kvalid)
-                if pad_in:   # padding rows load nothing: scale by the rows that load
-                    f = (live - pad_in) / live
-                    reqs, secs, nb = round(reqs * f), round(secs * f), round(nb * f)
+                if NORM:   # a warp per row, 32 lanes x 16 B along k per request
+                    rows_ld = live - pad_in
+                    n_nrm = max(0, min(by * ROWS + live, M) - max(norm_lo, by * ROWS))
+                    per_row = -(-kvalid // 128)
+                    reqs, secs, nb = rows_ld * per_row, rows_ld * -(-kvalid * 4 // SECTOR), rows_ld * kvalid * 4
+                    c.gld_requests += gx * n_nrm * per_row     # ln, re-read per normalised row (L1/L2)
+                    c.gld_sectors += gx * n_nrm * -(-kvalid * 4 // SECTOR)
+                    c.gld_bytes += gx * n_nrm * kvalid * 4
+                else:
+                    reqs, secs, nb = _staging_loads(tiles * 16, kt, K, live, kvalid)
+                    if pad_in:   # padding rows load nothing: scale by the rows that load
+                        f = (live - pad_in) / live
+                        reqs, secs, nb = round(reqs * f), round(secs * f), round(nb * f)
                 c.gld_requests += gx * reqs
                 c.gld_sectors += gx * secs
                 c.gld_bytes += gx * nb
                 x_l2 += gx * nb
-                sreq, swf, sid = _gs_staging_smem(tiles, kt)
+                sreq, swf, sid = _gs_staging_smem(tiles, kt, NORM)
                 c.smem_requests += gx * SPLIT * sreq
                 c.smem_wavefronts += gx * SPLIT * swf
                 c.smem_ideal_wavefronts += gx * SPLIT * sid
@@ -496,6 +513,14 @@ def _gemm_stream(L) -> KernelCounters:
     if EPI == 1:
         c.bytes_read[_name(r) + " (residual)"] = M * N * 4
     c.dram_bytes = N * NW * K * 2 + M * K * 4 + M * N * 4 * (2 if EPI == 1 else 1)
+    if NORM:
+        c.bytes_read[_name(ln)] = K * 4
+        c.dram_bytes += K * 4
+        if gz > 1:   # each slice's row sums of squares, and their reduction
+            _contig(c, "st", gx * gz * min(M, ROWS) * 4)
+            _contig(c, "ld", gx * gz * min(M, ROWS) * 4)
+        c.notes.append(f"RMSNorm of rows >= {norm_lo} folded in: x * ln staged, the row scale applied "
+                       "to the accumulators (no normalised copy of x)")
     c.dram_round_trips_per_block = per_block_trips
     c.l2_round_trips_per_block = chunks_max + red_l2_trips
     c.inflight_peak_bytes_per_warp = D * WT * 2 * 512

@@ -212,11 +212,13 @@ def test_node_count_formula(kw, window):
 def test_node_count_of_the_presets():
     for name in ("h4096", "qwen3.5-27b"):
         plan = step_plan(drafter_config(name), 2048)
-        assert plan.n_nodes == 51 == sf.graph_node_count(5, attn_splits=plan.cache.attention.n_splits)
+        assert plan.n_nodes == 41 == sf.graph_node_count(5, attn_splits=plan.cache.attention.n_splits)
         lm = step_plan(drafter_config(name), 2048, lm_head_vocab=1024)
-        assert lm.n_nodes == 55 == sf.graph_node_count(5, attn_splits=lm.cache.attention.n_splits, lm_head=True)
-        # outside the layers: descriptor copy, plan_step, fc GEMM, rmsnorm, noise copy, final rmsnorm
-        assert plan.n_nodes - 5 * 9 == 6
+        assert lm.n_nodes == 45 == sf.graph_node_count(5, attn_splits=lm.cache.attention.n_splits, lm_head=True)
+        # per layer: qkv GEMM (input norm folded), rope, attention + combine, o, gate_up (norm
+        # folded), down; outside: descriptor copy, plan_step, fc GEMM, rmsnorm, noise copy, final rmsnorm
+        assert plan.n_nodes - 5 * 7 == 6
+        assert sum(n.kernel == "rmsnorm" for n in plan.launches) == 2
 
 
 def test_recorded_graph_matches_the_emulated_capture():

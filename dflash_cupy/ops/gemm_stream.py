@@ -230,9 +230,10 @@ class StreamKernels:
     compiled now: nothing compiles during graph capture) and their launches."""
 
     def __init__(self, backend, N: int, K: int, wtype_code: int, epi_code: int, nw: int, split: int,
-                 max_m: int, k_split: int | None = None):
+                 max_m: int, k_split: int | None = None, norm: bool = False):
         self.backend = backend
         self.N, self.K, self.nw, self.split, self.k_split = N, K, nw, split, k_split
+        self.norm = bool(norm)
         self.dev = device_of(backend)
         top = self.top = bucket(max_m)
         self.buckets = tuple(b for b in MT_BUCKETS if b <= top)
@@ -240,15 +241,15 @@ class StreamKernels:
         for mt in self.buckets:
             mod = kernels.load_module(backend, "gemm_stream.cu", GS_WTYPE=wtype_code, GS_EPI=epi_code, GS_K=K,
                                       GS_MT=mt, GS_NT=WTILES // nw, GS_WARPS=WARPS, GS_SPLIT=split,
-                                      GS_DEPTH=DEPTH[mt])
+                                      GS_DEPTH=DEPTH[mt], **({"GS_NORM": 1} if self.norm else {}))
             self._kernels[mt] = mod.get_function("gemm_stream")
         # Workspace for the largest split any m <= max_m plans (rows of its variant).
         groups = -(-N // cols_per_block(nw))
         ws = 0
         for m in range(1, 16 * top + 1):
             p = self.plan(m)
-            if p.ks > 1:
-                ws = max(ws, groups * p.ks * nw * 16 * p.mt * cols_per_block(nw))
+            if p.ks > 1:   # partial tiles, then (GS_NORM) each slice's row sums of squares
+                ws = max(ws, groups * p.ks * 16 * p.mt * (nw * cols_per_block(nw) + int(self.norm)))
         self._ws = backend.zeros((max(ws, 1),), np.float32)
         self._counters = backend.zeros((-(-N // cols_per_block(nw)),), np.int32)
 
@@ -259,14 +260,18 @@ class StreamKernels:
         p = self.plan(m)
         return p.grid, (WARPS * 32, 1, 1), p.smem
 
-    def __call__(self, x, w, y, r, m: int, stream=None, pad_rows=None):
+    def __call__(self, x, w, y, r, m: int, stream=None, pad_rows=None, norm=None):
         """``pad_rows=(lo, hi)``: rows ``[lo[0], hi)`` are zero rows, ``lo`` a
-        device int32 array read at run time (``None``: no padding rows)."""
+        device int32 array read at run time (``None``: no padding rows).
+        ``norm=(ln, eps, norm_lo)`` (a ``norm=True`` kernel): rows ``>= norm_lo``
+        of x are RMS-normalised with scale ``ln`` [K] f32 inside the GEMM."""
         p = self.plan(m)
         lo, hi = (self._counters, 0) if pad_rows is None else pad_rows
+        ln, eps, norm_lo = (x, 0.0, m) if norm is None else norm
         self._kernels[p.mt](p.grid, (WARPS * 32, 1, 1),
                             (x, w, y, r, np.int32(m), np.int32(self.N), np.int32(p.kz), np.int32(p.kt),
-                             self._ws, self._counters, lo, np.int32(hi)), shared_mem=p.smem, stream=stream)
+                             self._ws, self._counters, lo, np.int32(hi), ln, np.float32(eps), np.int32(norm_lo)),
+                            shared_mem=p.smem, stream=stream)
 
 
 # (name, N, K, weight matrices per output column) of a qwen3-8b-like and a hidden-5120 drafter layer
