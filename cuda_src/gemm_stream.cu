@@ -24,7 +24,7 @@
 //   either way); grid = (ceil(N / COLS), ceil(M / ROWS), ks) with ROWS =
 //   16*GS_MT; blockIdx.z takes K slice [z*kz, min(K, z*kz + kz)).
 //   Arguments kz (slice) and kt (x chunk staged at once) are multiples of 64;
-//   dynamic shared memory = GS_SPLIT * 16*tiles * (kt + 8) * 2 bytes, tiles =
+//   dynamic shared memory = GS_SPLIT * 16*tiles * (kt + 32) * 2 bytes, tiles =
 //   the live 16-row tiles of the block (ceil(min(M - m0, ROWS) / 16)).
 //   M-tile variants: GS_MT 1, 2, 4 (16/32/64 rows) compiled per bucket; the
 //   launcher picks the smallest that covers m, and inside a block the tiles
@@ -35,9 +35,11 @@
 //
 // ---- Weights: a register ring, GS_DEPTH k-steps deep (2 for GS_MT 1, 3 above)
 //   Warp w streams its 8*WT weight rows (WT = GS_NT * NW weight tiles of 8
-//   rows), 64 k per step: lane (g = lane/4, t = lane%4) loads 32 contiguous
-//   bytes W[row][k + 16t .. k + 16t + 15] of each of its WT rows (two 16-byte
-//   ld.global.cs; the 4 lanes of a row cover one whole 128-byte line). The
+//   rows), 64 k per step: lane (g = lane/4, t = lane%4) loads W[row][k + 8t ..
+//   k + 8t + 7] and W[row][k + 32 + 8t .. + 7] of each of its WT rows (two
+//   16-byte ld.global.cs, h = 0, 1; the 4 lanes of a row cover 64 contiguous
+//   bytes per instruction: two whole 32-byte sectors, so no sector is requested
+//   twice, and the pair covers the row's 128-byte line). The
 //   loads of step s + GS_DEPTH are issued right after the MMAs of step s
 //   consumed their slot, before any later wait, so while a warp computes one
 //   step the other GS_DEPTH - 1 steps are in flight:
@@ -51,18 +53,18 @@
 //   overlaps the first weight loads. Weights never touch shared memory.
 //
 // ---- Activations: staged once per block per chunk, reused by all its columns
-//   xs [GS_SPLIT][16*tiles][XS] in the weight type, XS = kt + 8 elements: the
-//   row stride is 2*kt + 16 bytes = 16 (mod 128), so the MMA reads are
-//   conflict-free: lane (g, t) reads 16 bytes at row g (and g+8), byte 32t
-//   (+16); a quarter warp (8 lanes: rows 2p, 2p+1, t = 0..3) covers byte
-//   offsets {32p + 32t, 32p + 16 + 32t} (+16h) mod 128: 8 distinct 16-byte
-//   bank groups, one wavefront per quarter warp, 4 per instruction (minimum).
+//   xs [GS_SPLIT][16*tiles][XS] in the weight type, XS = kt + 32 elements: the
+//   row stride is 2*kt + 64 bytes = 64 (mod 128), so the MMA reads are
+//   conflict-free: lane (g, t) reads 16 bytes at row g (and g+8), byte 16t
+//   (+64); a quarter warp (8 lanes: rows 2p, 2p+1, t = 0..3) covers byte
+//   offsets {16t, 64 + 16t} (+64h) mod 128: 8 distinct 16-byte bank groups,
+//   one wavefront per quarter warp, 4 per instruction (minimum).
 //   Staging writes: 16 consecutive threads write 8 bytes each of one row
 //   (kt/4 is a multiple of 16): 128 contiguous bytes, one wavefront.
-//   The K order inside a dot product is free: lane t's 16 weights at k + 16t + 4q
-//   + {0,1,2,3} play fragment columns {2t, 2t+1, 2t+8, 2t+9} of MMA q (q = 0..3),
-//   and the x tile is read with the same permutation (two 16-byte loads per
-//   row pair per tile: no shuffles, no ldmatrix).
+//   The K order inside a dot product is free: lane t's weights at k + 8t +
+//   32(q / 2) + 4(q % 2) + {0,1,2,3} play fragment columns {2t, 2t+1, 2t+8, 2t+9}
+//   of MMA q (q = 0..3), and the x tile is read with the same permutation (two
+//   16-byte loads per row pair per tile: no shuffles, no ldmatrix).
 //   Shared-memory reads per weight byte, per step and warp: x = tiles *
 //   GS_SPLIT * 4 loads * 512 B, weights = WT * 1 KB, so tiles * GS_SPLIT / 2 *
 //   (4 / WT): M <= 16 with hi + lo: 1.0 B/B; M = 32: 2.0; M = 64: 4.0 (Hopper
@@ -76,6 +78,8 @@
 //     GS_MT 1 (depth 2): 122-128 (GS_MINB 2 caps it at 128: 2 blocks of 256 threads per SM)
 //     GS_MT 2 (depth 3): 189-190 (198-202 silu_mul), GS_MT 4 (depth 3): 222-223
 //     (230-235 silu_mul): 1 block per SM
+//     GS_NORM 1 (bf16, K 4096): MT 1 123, MT 2 190 (202 silu_mul), MT 4 219 (230 silu_mul),
+//     0 spills; static shared memory + 4 B per row (ss_s, and sc_s with split K)
 //   Blocks per SM = min(registers, (228 KB) / (dynamic smem + 1 KB), 8); the
 //   launcher keeps the x chunk small enough that smem does not cut the
 //   register-limited count (MT 1: <= 113 KB per block).
@@ -207,7 +211,7 @@ __device__ __forceinline__ void store(float* y, const float* r, long long o, flo
     (void)u;
 }
 
-// One ring slot: the lane's 16 weights at k + 16t of each of its WT rows, as two
+// One ring slot: the lane's 16 weights at k + 8t and k + 32 + 8t of each of its WT rows, as two
 // 16-byte halves. Rows past N and k past the slice read as zeros (no access):
 // the slice end is a multiple of 8, so each 16-byte half is wholly in or out.
 struct Slot {
@@ -220,7 +224,7 @@ __device__ __forceinline__ void load_slot(Slot& s, const unsigned short* const w
     for (int j = 0; j < WT; j++) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const int kk = k + 8 * h;  // k already includes the lane's 16t
+            const int kk = k + 32 * h;  // k already includes the lane's 8t
             s.v[j][h] = make_uint4(0u, 0u, 0u, 0u);
             if (((ok >> j) & 1u) && kk < k_end) s.v[j][h] = __ldcs(reinterpret_cast<const uint4*>(wrow[j] + kk));
         }
@@ -242,7 +246,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
     const int m0 = blockIdx.y * ROWS;
     const int live = (M - m0 < ROWS) ? (M - m0) : ROWS;     // rows of this block that exist
     const int tiles = (live + 15) >> 4;                       // 16-row tiles holding a row < M
-    const int xstride = kt + 8;                                // elements; 16 (mod 128) bytes
+    const int xstride = kt + 32;                               // elements; 64 (mod 128) bytes
     const int plane = tiles * 16 * xstride;                    // hi plane, then lo plane
     const int n0 = blockIdx.x * COLS + warp * 8 * NT;          // this warp's first output column
 
@@ -289,7 +293,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
 
     Slot ring[D];
 #pragma unroll
-    for (int d = 0; d < D; d++) load_slot(ring[d], wrow, ok, k_begin + d * KSTEP + 16 * t, k_end);
+    for (int d = 0; d < D; d++) load_slot(ring[d], wrow, ok, k_begin + d * KSTEP + 8 * t, k_end);
 
     float acc[MT][WT][4];
 #pragma unroll
@@ -369,12 +373,12 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
                     if ((tmask >> i) & 1u) {  // block-uniform: tiles past M or all padding cost nothing
 #pragma unroll
                         for (int sp = 0; sp < GS_SPLIT; sp++) {
-                            const unsigned short* xr = xs + sp * plane + (i * 16 + g) * xstride + kb + 16 * t;
+                            const unsigned short* xr = xs + sp * plane + (i * 16 + g) * xstride + kb + 8 * t;
                             const uint4 xa0 = *reinterpret_cast<const uint4*>(xr);
-                            const uint4 xa1 = *reinterpret_cast<const uint4*>(xr + 8);
+                            const uint4 xa1 = *reinterpret_cast<const uint4*>(xr + 32);
                             const uint4 xb0 = *reinterpret_cast<const uint4*>(xr + 8 * xstride);
-                            const uint4 xb1 = *reinterpret_cast<const uint4*>(xr + 8 * xstride + 8);
-                            // MMA q takes the lane's k + 16t + 4q + {0..3} (see the header)
+                            const uint4 xb1 = *reinterpret_cast<const uint4*>(xr + 8 * xstride + 32);
+                            // MMA q takes the lane's k + 8t + 32(q / 2) + 4(q % 2) + {0..3} (see the header)
                             const unsigned int a0[4] = {xa0.x, xb0.x, xa0.y, xb0.y};
                             const unsigned int a1[4] = {xa0.z, xb0.z, xa0.w, xb0.w};
                             const unsigned int a2[4] = {xa1.x, xb1.x, xa1.y, xb1.y};
@@ -391,7 +395,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
                     }
                 }
                 // Refill the slot just consumed: GS_DEPTH steps ahead (past the slice: no access).
-                load_slot(ring[d], wrow, ok, k_begin + (s + D) * KSTEP + 16 * t, k_end);
+                load_slot(ring[d], wrow, ok, k_begin + (s + D) * KSTEP + 8 * t, k_end);
             }
         }
     }

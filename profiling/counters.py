@@ -318,13 +318,18 @@ def _gemm_mma(L) -> KernelCounters:
 
 
 # ---------------------------------------------------------------------------- gemm_stream.cu
+def _gs_xpad() -> int:
+    from dflash_cupy.ops import gemm_stream as gs
+    return gs.XPAD
+
+
 def _gs_staging_smem(tiles, kt, norm=0, _cache={}):
     """(requests, wavefronts, ideal) of one x-chunk staging pass's shared stores
-    (per plane): item i -> row i / (kt/4), 8-byte store at (row*(kt+8) + c4)*2;
+    (per plane): item i -> row i / (kt/4), 8-byte store at (row*(kt+XPAD) + c4)*2;
     with GS_NORM a warp stores one row per request (lanes at c4 = 4*lane + 128j)."""
     key = (tiles, kt, norm)
     if key not in _cache:
-        q4, xs = kt // 4, kt + 8
+        q4, xs = kt // 4, kt + _gs_xpad()
         items = tiles * 16 * q4
         req = wf = ideal = 0
         seen: dict = {}
@@ -368,11 +373,10 @@ def _gemm_stream(L) -> KernelCounters:
         c.notes.append(f"launch differs from gemm_stream.plan: grid {L.grid} kz {kz} kt {kt} vs "
                        f"{p.grid} {p.kz} {p.kt}")
     spc = kt // KSTEP
-    xs_b = (kt + 8) * 2                                  # x tile row stride, bytes
 
     # Weights: warp w of column group bx, tile j holds rows n0 + 8(j % NT) + g (+N for up),
-    # lane (g, t) loads 16 B at k + 16t + 8h (h = 0, 1) of its row: two requests per
-    # (step, tile), each 8 rows x 4 lanes of 16 B. Lanes with n >= N or k >= k_end do
+    # lane (g, t) loads 16 B at k + 8t + 32h (h = 0, 1) of its row: two requests per
+    # (step, tile), each 8 rows x 4 lanes of 16 B (64 contiguous bytes per row). Lanes with n >= N or k >= k_end do
     # not access (their slot reads as zeros).
     rows_per_tile = Counter()
     for bx in range(gx):
@@ -382,7 +386,7 @@ def _gemm_stream(L) -> KernelCounters:
     rows_per_tile.pop(0, None)
 
     def wreq(vr, lanes_t):   # one request: vr rows, lanes (t, h) active
-        return global_sectors([g * K * 2 + 32 * t + 16 * h for g in range(vr) for (t, h) in lanes_t], 16)
+        return global_sectors([g * K * 2 + 16 * t + 64 * h for g in range(vr) for (t, h) in lanes_t], 16)
 
     slices = []
     for bz in range(gz):
@@ -397,7 +401,7 @@ def _gemm_stream(L) -> KernelCounters:
                 sec, req = wreq(vr, [(t, h) for t in range(4)])
                 c.add_global("ld", n * full, sec, req)
                 if rem:
-                    act = [(t, h) for t in range(4) if 16 * t + 8 * h < rem]
+                    act = [(t, h) for t in range(4) if 8 * t + 32 * h < rem]
                     if act:
                         sec, req = wreq(vr, act)
                         c.add_global("ld", n, sec, req)
@@ -455,8 +459,8 @@ def _gemm_stream(L) -> KernelCounters:
             # MMA loop: per warp, step, computed tile and plane: 4 x 16-B x loads, WT x 4 MMAs
             n = gx * WARPS * nsteps * tm * SPLIT
             for ro in (0, 8):
-                for half in (0, 8):
-                    addrs = [((ro + g) * (kt + 8) + 16 * t + half) * 2 for g in range(8) for t in range(4)]
+                for half in (0, 32):
+                    addrs = [((ro + g) * (kt + gs.XPAD) + 8 * t + half) * 2 for g in range(8) for t in range(4)]
                     c.add_smem(n, addrs, 16)
             c.mma += n * WT * 4
             # ring of D steps in flight: one HBM round trip per D steps; one L2 trip per x chunk
@@ -534,8 +538,6 @@ def _gemm_stream(L) -> KernelCounters:
     if -(-M // 16) * 16 > M:
         c.notes.append(f"M={M}: {-(-M // 16) * 16 - M} zero rows in the last live 16-row tile "
                        f"(MMAs and x reads; tiles wholly past M are skipped)")
-    c.notes.append("weights: a lane's two 16-B loads (h = 0, 1) share one 32-B sector, so each request "
-                   "moves 32 sectors for 512 B: L2 sectors 2x the weight bytes unless L1 merges the pair")
     return c
 
 

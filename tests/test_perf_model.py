@@ -380,10 +380,10 @@ def test_gemm_stream_counts_by_hand():
     c = ctr.static_counters(L)
     assert not any("differs" in n for n in c.notes)
     # weights: 8 warps x 4 tiles x 4 steps x 2 halves; each request 8 rows x 4 lanes x 16 B,
-    # lane t at byte 32t (+16h): 32 sectors for 512 B
+    # lane t at byte 16t (+64h): 64 contiguous bytes per row, 16 sectors for 512 B
     # x: 16 rows x 64 float4 = 1024 items, 32 per request, 512 contiguous B = 16 sectors
     assert c.gld_requests == 256 + 32
-    assert c.gld_sectors == 256 * 32 + 32 * 16
+    assert c.gld_sectors == 256 * 16 + 32 * 16
     assert c.gld_bytes == 256 * 256 * 2 + 16 * 256 * 4
     # epilogue: 32 tiles of 8 columns x 4 instructions (rows g / g+8, columns 2t / 2t+1), 8 sectors each
     assert (c.gst_requests, c.gst_sectors, c.gst_bytes) == (128, 1024, 16 * 256 * 4)
@@ -411,7 +411,11 @@ def test_gemm_stream_split_k_by_hand():
     # reduction: 16 rows x 64 float4 per slice = 32 requests of 16 sectors per slice, 4 slices;
     # its scalar stores: 16 x 256 floats in 4-B requests of 32 lanes
     assert b.gst_requests == 256 + 16 * 256 // 32
-    assert b.gld_requests - a.gld_requests == 4 * 32
+    # weights: 8 warps x 4 tiles x 64 steps x 2 halves either way; x: 16 rows x 1024 floats per
+    # slice in 512-B requests; unsplit, kt = 1728 stages chunks 1728, 1728, 640: the last one's
+    # rows of 160 float4 start at items 432r, half of them mid-warp (8 extra requests)
+    assert b.gld_requests == 4096 + 4 * 16 * 1024 // 128 + 4 * 32
+    assert a.gld_requests == 4096 + 4 * 16 * 1024 // 128 + 8
     assert b.bytes_written["ws"] == b.bytes_read["ws"] == 4 * 16 * 256 * 4
     assert b.dram_round_trips_per_block == 8      # 16 steps per slice, depth 2
     assert b.barriers == 4 * 2 + 4 * 2
@@ -427,8 +431,8 @@ def test_gemm_stream_silu_mul_partial_columns():
     reqs = 2 * 5 * 4 * 2                                 # (gate, up) x 5 tiles x 4 steps x 2 halves
     x_reqs = 32
     assert c.gld_requests == reqs + x_reqs
-    # a full tile's request: 8 rows x 4 sectors; the 4-row tile's: 16
-    assert c.gld_sectors == 2 * 4 * 2 * (4 * 32 + 16) + x_reqs * 16
+    # a full tile's request: 8 rows x 2 sectors; the 4-row tile's: 8
+    assert c.gld_sectors == 2 * 4 * 2 * (4 * 16 + 8) + x_reqs * 16
     assert c.bytes_read["w"] == 2 * 36 * 256 * 2
     # all 8 warps compute (warps past N stream zeros): 8 x 4 steps x 2 planes x 4 tiles x 4
     assert c.mma == 8 * 4 * 2 * 16

@@ -26,6 +26,7 @@ from .. import device_props, kernels
 WARPS = 8                 # warps per block (GS_WARPS)
 DEPTH = {1: 2, 2: 3, 4: 3}  # ring depth in 64-k steps (GS_DEPTH) per M variant
 KSTEP = 64                # k per ring step
+XPAD = 32                 # x tile row padding in elements: a row stride of 64 (mod 128) bytes
 WTILES = 4                # 8-row weight tiles per warp: GS_NT = 4 (or 2 per matrix for silu_mul)
 MT_BUCKETS = (1, 2, 4)    # 16-row M tiles per block: the compiled variants
 MAX_K_SPLIT = 16
@@ -76,7 +77,7 @@ def cols_per_block(nw: int) -> int:
 
 
 def smem_bytes(tiles: int, kt: int, split: int) -> int:
-    return split * 16 * tiles * (kt + 8) * 2
+    return split * 16 * tiles * (kt + XPAD) * 2
 
 
 def blocks_per_sm(mt: int, smem: int) -> int:
@@ -103,7 +104,7 @@ def _kt_for(kz: int, mt: int, tiles: int, split: int, dev: Device) -> int:
     # register-limited residency.
     resident = blocks_per_sm(mt, 0)
     budget = min(dev.smem_optin, SMEM_PER_SM // resident - SMEM_RESERVED)
-    cap = (budget // (split * 16 * tiles * 2) - 8) // KSTEP * KSTEP
+    cap = (budget // (split * 16 * tiles * 2) - XPAD) // KSTEP * KSTEP
     return max(KSTEP, min(kz, cap))
 
 
@@ -204,20 +205,20 @@ def mma_figures(N: int, K: int, m: int, nw: int = 1, max_m: int = 64, dev: Devic
     }
 
 
-def xtile_conflict_ways(kt: int, pad: int = 8) -> list[int]:
+def xtile_conflict_ways(kt: int, pad: int = XPAD) -> list[int]:
     """Shared-memory wavefronts per quarter warp of each 16-byte x-fragment load
-    of the kernel (row stride kt + pad halves, the kernel's pad is 8; lane (g, t)
-    reads row g (+8) at byte 32t (+16)): 1 = conflict-free. Computed from the
-    address formula, bank by bank (32 banks of 4 bytes)."""
+    of the kernel (row stride kt + pad halves; lane (g, t) reads row g (+8) at
+    byte 16t (+64)): 1 = conflict-free. Computed from the address formula,
+    bank by bank (32 banks of 4 bytes)."""
     stride = 2 * (kt + pad)
     ways = []
     for rowoff in (0, 8):
-        for half in (0, 16):
+        for half in (0, 64):
             for phase in range(4):  # a 16-byte access is served a quarter warp at a time
                 banks: dict[int, set] = {}
                 for lane in range(8 * phase, 8 * phase + 8):
                     g, t = lane >> 2, lane & 3
-                    addr = (g + rowoff) * stride + 32 * t + half
+                    addr = (g + rowoff) * stride + 16 * t + half
                     for b in range(4):
                         word = addr // 4 + b
                         banks.setdefault(word % 32, set()).add(word)
