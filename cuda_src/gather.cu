@@ -8,10 +8,30 @@
 //       short bit patterns); ap_feat [>= a_rows, FC_IN] f32; desc: the step
 //       descriptor (step_desc.cuh).
 //       grid (ceil(FC_IN / (GATHER_THREADS*4)), a_rows), block (GATHER_THREADS)
+//
+//   plan_step (desc, ring, ap_feat, a_rows, slot_pos, ap_pos, ap_rows, pos_q,
+//              mask_full, mask_swa, cap, q_len, kv_total, masks)
+//       The whole planning of one in-graph step in one launch: plan.cu's
+//       reset_slots_if, plan_append (with pos_q) and build_masks, and
+//       gather_features above. masks: bit 0 writes mask_full, bit 1 mask_swa
+//       (an absent mask's argument is any array, never touched).
+//       1-D grid, block (GATHER_THREADS): blocks [0, GX * a_rows) gather (row
+//       b / GX, column chunk b % GX, GX = ceil(FC_IN / (GATHER_THREADS*4)));
+//       the rest, ceil(max(kv_total, a_rows, q_len) / GATHER_THREADS) blocks,
+//       give thread c slot / column c (and append row c, noise row c):
+//         p = start + i  if i = (c - start) mod cap < min(n_new, a_rows)  (appended now)
+//             -1         else if desc[DESC_RESET]
+//             slot_pos[c] otherwise;
+//         slot_pos[c] = p (when it changed) and column c of the masks from p.
+//       No ordering between blocks is needed: slot c is read and written only
+//       by its own thread, which derives the post-append value itself instead
+//       of reading it back (the appended rows hit distinct slots because
+//       min(n_new, a_rows) <= cap, the host's invariant, as for plan_append).
 // nvrtc-check: -DRING_DTYPE=1 -DFC_IN=19
 // nvrtc-check: -DRING_DTYPE=2 -DFC_IN=20480
 #include <cuda_fp16.h>
 #include "step_desc.cuh"
+#include "plan_mask.cuh"
 
 #ifndef FC_IN
 #define FC_IN 4096
@@ -44,17 +64,15 @@ __device__ __forceinline__ float ring_to_f32(unsigned short x) {
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(GATHER_THREADS)
-gather_features(const int* __restrict__ desc,
-                 const ring_t* __restrict__ ring,
-                 float* __restrict__ ap_feat,
-                 int a_rows)
+#define GATHER_GX ((FC_IN + GATHER_THREADS * 4 - 1) / (GATHER_THREADS * 4))
+
+// Row i of ap_feat, the block's chunk of GATHER_THREADS*4 columns starting at cb.
+__device__ __forceinline__ void gather_chunk(const int* __restrict__ desc, const ring_t* __restrict__ ring,
+                                             float* __restrict__ ap_feat, int i, int cb)
 {
-    const int i = blockIdx.y;
-    if (i >= a_rows) return;
     const int n_new = desc[DESC_N_NEW];
     float* dst = ap_feat + (long long)i * FC_IN;
-    const int c0 = blockIdx.x * (GATHER_THREADS * 4) + threadIdx.x;
+    const int c0 = cb + threadIdx.x;
     if (i >= n_new) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -72,4 +90,60 @@ gather_features(const int* __restrict__ desc,
         const int c = c0 + e * GATHER_THREADS;
         if (c < FC_IN) dst[c] = ring_to_f32(src[c]);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(GATHER_THREADS)
+gather_features(const int* __restrict__ desc,
+                 const ring_t* __restrict__ ring,
+                 float* __restrict__ ap_feat,
+                 int a_rows)
+{
+    const int i = blockIdx.y;
+    if (i >= a_rows) return;
+    gather_chunk(desc, ring, ap_feat, i, blockIdx.x * (GATHER_THREADS * 4));
+}
+
+extern "C" __global__ void __launch_bounds__(GATHER_THREADS)
+plan_step(const int* __restrict__ desc,
+          const ring_t* __restrict__ ring,
+          float* __restrict__ ap_feat,
+          int a_rows,
+          int* __restrict__ slot_pos,
+          int* __restrict__ ap_pos,
+          int* __restrict__ ap_rows,
+          int* __restrict__ pos_q,
+          __half* __restrict__ mask_full,
+          __half* __restrict__ mask_swa,
+          int cap, int q_len, int kv_total, int masks)
+{
+    const int b = blockIdx.x;
+    if (b < GATHER_GX * a_rows) {
+        gather_chunk(desc, ring, ap_feat, b / GATHER_GX, (b % GATHER_GX) * (GATHER_THREADS * 4));
+        return;
+    }
+    const int c = (b - GATHER_GX * a_rows) * GATHER_THREADS + threadIdx.x;
+    const int start = desc[DESC_START];
+    const int n_new = desc[DESC_N_NEW];
+    const int n_app = n_new < a_rows ? n_new : a_rows;  // rows appended by this launch
+    if (c < a_rows) {
+        if (c < n_new) {
+            const int p = start + c;
+            ap_pos[c] = p;
+            ap_rows[c] = p % cap;
+        } else {
+            ap_pos[c] = 0;
+            ap_rows[c] = cap + q_len;  // the trash slot
+        }
+    }
+    if (c < q_len) pos_q[c] = desc[DESC_COMMITTED] + c;
+    if (c >= kv_total) return;
+    int p = 0;
+    if (c < cap) {
+        long long i = ((long long)c - start) % cap;
+        if (i < 0) i += cap;
+        const int old = slot_pos[c];
+        p = (i < n_app) ? start + (int)i : (desc[DESC_RESET] != 0 ? -1 : old);
+        if (p != old) slot_pos[c] = p;
+    }
+    plan_mask_column(desc, c, p, cap, q_len, kv_total, (masks & 1) != 0, (masks & 2) != 0, mask_full, mask_swa);
 }

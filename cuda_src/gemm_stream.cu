@@ -4,6 +4,14 @@
 //     acc[m, n] = sum_k xe[m, k] * W[n, k]          (f32 accumulation)
 // xe = hi + lo (GS_SPLIT 2: each f32 activation as two rounded halves of the
 // weight type, ~16 significant bits) or xe = hi (GS_SPLIT 1).
+//   GS_NORM 1 folds an RMSNorm of x's rows >= norm_lo into the GEMM (no separate
+//   pass, no normalised copy of x): xe is staged from x[m, k] * ln[k] and the
+//   row's scale rsqrt(sum_k x[m, k]^2 / K + eps) multiplies acc before the
+//   epilogue (the GEMM is linear in each row). The sum of squares is taken while
+//   staging, each row by one warp (lanes along k, then a shuffle sum: a fixed
+//   order); with split K each slice publishes its rows' partial sums beside its
+//   partial tile and the reducing block adds them in z order, so replays stay
+//   bit-identical. Rows < norm_lo are used as they are.
 //   GS_EPI 0:  y = acc      GS_EPI 1:  y = r + acc (r may be y)
 //   GS_EPI 2:  y = silu(acc_gate) * acc_up (W has 2N rows: gate 0..N-1, up N..2N-1)
 //   GS_EPI 3:  the lm_head's greedy token, fused: y = acc only with GS_LOGITS 1 (logits on
@@ -20,7 +28,7 @@
 //   either way); grid = (ceil(N / COLS), ceil(M / ROWS), ks) with ROWS =
 //   16*GS_MT; blockIdx.z takes K slice [z*kz, min(K, z*kz + kz)).
 //   Arguments kz (slice) and kt (x chunk staged at once) are multiples of 64;
-//   dynamic shared memory = GS_SPLIT * 16*tiles * (kt + 8) * 2 bytes, tiles =
+//   dynamic shared memory = GS_SPLIT * 16*tiles * (kt + 32) * 2 bytes, tiles =
 //   the live 16-row tiles of the block (ceil(min(M - m0, ROWS) / 16)).
 //   M-tile variants: GS_MT 1, 2, 4 (16/32/64 rows) compiled per bucket; the
 //   launcher picks the smallest that covers m, and inside a block the tiles
@@ -31,9 +39,11 @@
 //
 // ---- Weights: a register ring, GS_DEPTH k-steps deep (2 for GS_MT 1, 3 above)
 //   Warp w streams its 8*WT weight rows (WT = GS_NT * NW weight tiles of 8
-//   rows), 64 k per step: lane (g = lane/4, t = lane%4) loads 32 contiguous
-//   bytes W[row][k + 16t .. k + 16t + 15] of each of its WT rows (two 16-byte
-//   ld.global.cs; the 4 lanes of a row cover one whole 128-byte line). The
+//   rows), 64 k per step: lane (g = lane/4, t = lane%4) loads W[row][k + 8t ..
+//   k + 8t + 7] and W[row][k + 32 + 8t .. + 7] of each of its WT rows (two
+//   16-byte ld.global.cs, h = 0, 1; the 4 lanes of a row cover 64 contiguous
+//   bytes per instruction: two whole 32-byte sectors, so no sector is requested
+//   twice, and the pair covers the row's 128-byte line). The
 //   loads of step s + GS_DEPTH are issued right after the MMAs of step s
 //   consumed their slot, before any later wait, so while a warp computes one
 //   step the other GS_DEPTH - 1 steps are in flight:
@@ -47,18 +57,18 @@
 //   overlaps the first weight loads. Weights never touch shared memory.
 //
 // ---- Activations: staged once per block per chunk, reused by all its columns
-//   xs [GS_SPLIT][16*tiles][XS] in the weight type, XS = kt + 8 elements: the
-//   row stride is 2*kt + 16 bytes = 16 (mod 128), so the MMA reads are
-//   conflict-free: lane (g, t) reads 16 bytes at row g (and g+8), byte 32t
-//   (+16); a quarter warp (8 lanes: rows 2p, 2p+1, t = 0..3) covers byte
-//   offsets {32p + 32t, 32p + 16 + 32t} (+16h) mod 128: 8 distinct 16-byte
-//   bank groups, one wavefront per quarter warp, 4 per instruction (minimum).
+//   xs [GS_SPLIT][16*tiles][XS] in the weight type, XS = kt + 32 elements: the
+//   row stride is 2*kt + 64 bytes = 64 (mod 128), so the MMA reads are
+//   conflict-free: lane (g, t) reads 16 bytes at row g (and g+8), byte 16t
+//   (+64); a quarter warp (8 lanes: rows 2p, 2p+1, t = 0..3) covers byte
+//   offsets {16t, 64 + 16t} (+64h) mod 128: 8 distinct 16-byte bank groups,
+//   one wavefront per quarter warp, 4 per instruction (minimum).
 //   Staging writes: 16 consecutive threads write 8 bytes each of one row
 //   (kt/4 is a multiple of 16): 128 contiguous bytes, one wavefront.
-//   The K order inside a dot product is free: lane t's 16 weights at k + 16t + 4q
-//   + {0,1,2,3} play fragment columns {2t, 2t+1, 2t+8, 2t+9} of MMA q (q = 0..3),
-//   and the x tile is read with the same permutation (two 16-byte loads per
-//   row pair per tile: no shuffles, no ldmatrix).
+//   The K order inside a dot product is free: lane t's weights at k + 8t +
+//   32(q / 2) + 4(q % 2) + {0,1,2,3} play fragment columns {2t, 2t+1, 2t+8, 2t+9}
+//   of MMA q (q = 0..3), and the x tile is read with the same permutation (two
+//   16-byte loads per row pair per tile: no shuffles, no ldmatrix).
 //   Shared-memory reads per weight byte, per step and warp: x = tiles *
 //   GS_SPLIT * 4 loads * 512 B, weights = WT * 1 KB, so tiles * GS_SPLIT / 2 *
 //   (4 / WT): M <= 16 with hi + lo: 1.0 B/B; M = 32: 2.0; M = 64: 4.0 (Hopper
@@ -72,6 +82,8 @@
 //     GS_MT 1 (depth 2): 122-128 (GS_MINB 2 caps it at 128: 2 blocks of 256 threads per SM)
 //     GS_MT 2 (depth 3): 189-190 (198-202 silu_mul), GS_MT 4 (depth 3): 222-223
 //     (230-235 silu_mul): 1 block per SM
+//     GS_NORM 1 (bf16, K 4096): MT 1 123, MT 2 190 (202 silu_mul), MT 4 219 (230 silu_mul),
+//     0 spills; static shared memory + 4 B per row (ss_s, and sc_s with split K)
 //   Blocks per SM = min(registers, (228 KB) / (dynamic smem + 1 KB), 8); the
 //   launcher keeps the x chunk small enough that smem does not cut the
 //   register-limited count (MT 1: <= 113 KB per block).
@@ -96,11 +108,14 @@
 // nvrtc-check: -DGS_WTYPE=1 -DGS_EPI=1 -DGS_K=40 -DGS_MT=2 -DGS_NT=4 -DGS_SPLIT=2
 // nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=3 -DGS_K=4096 -DGS_MT=1 -DGS_NT=4 -DGS_SPLIT=2
 // nvrtc-check: -DGS_WTYPE=1 -DGS_EPI=3 -DGS_LOGITS=1 -DGS_K=5120 -DGS_MT=2 -DGS_NT=4 -DGS_SPLIT=2
+// nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=0 -DGS_K=4096 -DGS_MT=4 -DGS_NT=4 -DGS_SPLIT=2 -DGS_NORM=1
+// nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=2 -DGS_K=4096 -DGS_MT=1 -DGS_NT=2 -DGS_SPLIT=2 -DGS_NORM=1
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "float_order.cuh"
 #include "mma.cuh"
+#include "warp.cuh"
 
 #ifndef GS_WTYPE
 #define GS_WTYPE 2
@@ -126,6 +141,9 @@
 #ifndef GS_SPLIT
 #define GS_SPLIT 2
 #endif
+#ifndef GS_NORM
+#define GS_NORM 0
+#endif
 #ifndef GS_DEPTH
 #define GS_DEPTH (GS_MT == 1 ? 2 : 3)  // MT 1 keeps 2 blocks per SM in 128 registers; MT 2, 4 have the room
 #endif
@@ -133,6 +151,9 @@
 #define GS_MINB (GS_MT == 1 ? 2 : 1)  // blocks per SM ptxas must fit: MT 1 fits 2 in 128 registers
 #endif
 
+#if GS_EPI == 3 && defined(GS_NORM) && GS_NORM
+#error "the fused argmax (GS_EPI 3) does not apply a folded RMSNorm (GS_NORM)"
+#endif
 #if GS_MT != 1 && GS_MT != 2 && GS_MT != 4
 #error "GS_MT must be 1, 2 or 4 (16, 32 or 64 rows per block)"
 #endif
@@ -141,6 +162,9 @@
 #endif
 #if GS_SPLIT != 1 && GS_SPLIT != 2
 #error "GS_SPLIT must be 1 (x rounded) or 2 (x as hi + lo)"
+#endif
+#if GS_NORM != 0 && GS_NORM != 1
+#error "GS_NORM must be 0 or 1 (RMSNorm of x's rows folded in)"
 #endif
 #if GS_WTYPE != 1 && GS_WTYPE != 2
 #error "GS_WTYPE must be 1 (f16) or 2 (bf16)"
@@ -202,7 +226,7 @@ __device__ __forceinline__ void store(float* y, const float* r, long long o, flo
     (void)u;
 }
 
-// One ring slot: the lane's 16 weights at k + 16t of each of its WT rows, as two
+// One ring slot: the lane's 16 weights at k + 8t and k + 32 + 8t of each of its WT rows, as two
 // 16-byte halves. Rows past N and k past the slice read as zeros (no access):
 // the slice end is a multiple of 8, so each 16-byte half is wholly in or out.
 struct Slot {
@@ -215,7 +239,7 @@ __device__ __forceinline__ void load_slot(Slot& s, const unsigned short* const w
     for (int j = 0; j < WT; j++) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const int kk = k + 8 * h;  // k already includes the lane's 16t
+            const int kk = k + 32 * h;  // k already includes the lane's 8t
             s.v[j][h] = make_uint4(0u, 0u, 0u, 0u);
             if (((ok >> j) & 1u) && kk < k_end) s.v[j][h] = __ldcs(reinterpret_cast<const uint4*>(wrow[j] + kk));
         }
@@ -226,7 +250,8 @@ __device__ __forceinline__ void load_slot(Slot& s, const unsigned short* const w
 
 extern "C" __global__ void __launch_bounds__(GS_WARPS * 32, GS_MINB)
 gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, float* y, const float* r,
-            int M, int N, int kz, int kt, float* ws, int* counters, const int* pad_lo, int pad_hi) {
+            int M, int N, int kz, int kt, float* ws, int* counters, const int* pad_lo, int pad_hi,
+            const float* __restrict__ ln, float eps, int norm_lo) {
     using namespace gemm_stream_detail;
     extern __shared__ __align__(16) unsigned char smem[];
     unsigned short* xs = reinterpret_cast<unsigned short*>(smem);
@@ -236,7 +261,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
     const int m0 = blockIdx.y * ROWS;
     const int live = (M - m0 < ROWS) ? (M - m0) : ROWS;     // rows of this block that exist
     const int tiles = (live + 15) >> 4;                       // 16-row tiles holding a row < M
-    const int xstride = kt + 8;                                // elements; 16 (mod 128) bytes
+    const int xstride = kt + 32;                               // elements; 64 (mod 128) bytes
     const int plane = tiles * 16 * xstride;                    // hi plane, then lo plane
     const int n0 = blockIdx.x * COLS + warp * 8 * NT;          // this warp's first output column
 
@@ -256,6 +281,15 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
         if (a < b && !(a >= lo && b <= pad_hi)) tmask |= 1u << i;
     }
 
+#if GS_NORM
+    __shared__ float ss_s[ROWS];  // row sums of squares over this block's K range
+    if (threadIdx.x < ROWS) ss_s[threadIdx.x] = 0.0f;  // ordered before use by the staging barrier
+#else
+    (void)ln;
+    (void)eps;
+    (void)norm_lo;
+#endif
+
     const int k_begin = blockIdx.z * kz;
     const int k_end = (k_begin + kz < K) ? k_begin + kz : K;
     const int nsteps = (k_end > k_begin) ? (k_end - k_begin + KSTEP - 1) / KSTEP : 0;
@@ -274,7 +308,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
 
     Slot ring[D];
 #pragma unroll
-    for (int d = 0; d < D; d++) load_slot(ring[d], wrow, ok, k_begin + d * KSTEP + 16 * t, k_end);
+    for (int d = 0; d < D; d++) load_slot(ring[d], wrow, ok, k_begin + d * KSTEP + 8 * t, k_end);
 
     float acc[MT][WT][4];
 #pragma unroll
@@ -295,6 +329,41 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
                     // past M and k past the slice as zeros (0 * NaN poison would leak).
                     const int kc = k_begin + s * KSTEP;
                     __syncthreads();  // every warp is done with the previous chunk
+#if GS_NORM
+                    // one warp per row, lanes along k: the row's sum of squares in a fixed order
+                    for (int row = warp; row < tiles * 16; row += GS_WARPS) {
+                        const int grow = m0 + row;
+                        const bool rd = row < live && (grow < lo || grow >= pad_hi);
+                        const bool nrm = grow >= norm_lo;
+                        float ss = 0.0f;
+                        for (int c4 = lane * 4; c4 < kt; c4 += 128) {
+                            const int k = kc + c4;
+                            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                            if (rd && k < k_end) v = *reinterpret_cast<const float4*>(x + (long long)grow * K + k);
+                            ss = fmaf(v.x, v.x, ss);
+                            ss = fmaf(v.y, v.y, ss);
+                            ss = fmaf(v.z, v.z, ss);
+                            ss = fmaf(v.w, v.w, ss);
+                            if (nrm && k < k_end) {
+                                const float4 g4 = *reinterpret_cast<const float4*>(ln + k);
+                                v.x *= g4.x;
+                                v.y *= g4.y;
+                                v.z *= g4.z;
+                                v.w *= g4.w;
+                            }
+                            const unsigned int h0 = to16(v.x), h1 = to16(v.y), h2 = to16(v.z), h3 = to16(v.w);
+                            *reinterpret_cast<uint2*>(xs + row * xstride + c4) = make_uint2(h0 | (h1 << 16), h2 | (h3 << 16));
+                            if (GS_SPLIT == 2) {
+                                const unsigned int l0 = to16(v.x - from16(h0)), l1 = to16(v.y - from16(h1));
+                                const unsigned int l2 = to16(v.z - from16(h2)), l3 = to16(v.w - from16(h3));
+                                *reinterpret_cast<uint2*>(xs + plane + row * xstride + c4) =
+                                    make_uint2(l0 | (l1 << 16), l2 | (l3 << 16));
+                            }
+                        }
+                        ss = warp_sum(ss);
+                        if (lane == 0) ss_s[row] += ss;  // this warp owns the row: chunk order
+                    }
+#else
                     const int q4 = kt / 4;
                     for (int i = threadIdx.x; i < tiles * 16 * q4; i += THREADS) {
                         const int row = i / q4, c4 = (i - row * q4) * 4, k = kc + c4;
@@ -311,6 +380,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
                                 make_uint2(l0 | (l1 << 16), l2 | (l3 << 16));
                         }
                     }
+#endif
                     __syncthreads();
                 }
 #pragma unroll
@@ -318,12 +388,12 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
                     if ((tmask >> i) & 1u) {  // block-uniform: tiles past M or all padding cost nothing
 #pragma unroll
                         for (int sp = 0; sp < GS_SPLIT; sp++) {
-                            const unsigned short* xr = xs + sp * plane + (i * 16 + g) * xstride + kb + 16 * t;
+                            const unsigned short* xr = xs + sp * plane + (i * 16 + g) * xstride + kb + 8 * t;
                             const uint4 xa0 = *reinterpret_cast<const uint4*>(xr);
-                            const uint4 xa1 = *reinterpret_cast<const uint4*>(xr + 8);
+                            const uint4 xa1 = *reinterpret_cast<const uint4*>(xr + 32);
                             const uint4 xb0 = *reinterpret_cast<const uint4*>(xr + 8 * xstride);
-                            const uint4 xb1 = *reinterpret_cast<const uint4*>(xr + 8 * xstride + 8);
-                            // MMA q takes the lane's k + 16t + 4q + {0..3} (see the header)
+                            const uint4 xb1 = *reinterpret_cast<const uint4*>(xr + 8 * xstride + 32);
+                            // MMA q takes the lane's k + 8t + 32(q / 2) + 4(q % 2) + {0..3} (see the header)
                             const unsigned int a0[4] = {xa0.x, xb0.x, xa0.y, xb0.y};
                             const unsigned int a1[4] = {xa0.z, xb0.z, xa0.w, xb0.w};
                             const unsigned int a2[4] = {xa1.x, xb1.x, xa1.y, xb1.y};
@@ -340,7 +410,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
                     }
                 }
                 // Refill the slot just consumed: GS_DEPTH steps ahead (past the slice: no access).
-                load_slot(ring[d], wrow, ok, k_begin + (s + D) * KSTEP + 16 * t, k_end);
+                load_slot(ring[d], wrow, ok, k_begin + (s + D) * KSTEP + 8 * t, k_end);
             }
         }
     }
@@ -400,13 +470,22 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
 #pragma unroll
         for (int i = 0; i < MT; i++) {
 #pragma unroll
-            for (int jn = 0; jn < NT; jn++) {
+            for (int h = 0; h < 2; h++) {
+                const int row = m0 + i * 16 + g + 8 * h;
+                float sc = 1.0f;
+#if GS_NORM
+                if (row >= norm_lo && row - m0 < ROWS) sc = rsqrtf(ss_s[row - m0] * (1.0f / K) + eps);
+#endif
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int row = m0 + i * 16 + g + ((e & 2) ? 8 : 0);
-                    const int col = n0 + 8 * jn + 2 * t + (e & 1);
-                    if (row < M && col < N)
-                        store(y, r, (long long)row * N + col, acc[i][jn][e], acc[i][(NW - 1) * NT + jn][e]);
+                for (int jn = 0; jn < NT; jn++) {
+#pragma unroll
+                    for (int e1 = 0; e1 < 2; e1++) {
+                        const int e = 2 * h + e1;
+                        const int col = n0 + 8 * jn + 2 * t + e1;
+                        if (row < M && col < N)
+                            store(y, r, (long long)row * N + col, acc[i][jn][e] * sc,
+                                  acc[i][(NW - 1) * NT + jn][e] * sc);
+                    }
                 }
             }
         }
@@ -432,6 +511,11 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
             }
         }
     }
+#if GS_NORM
+    // the rows' partial sums of squares of this slice, after every group's partial tiles
+    float* ssw = ws + (long long)gridDim.x * ks * NW * ROWS * COLS + (long long)blockIdx.x * ks * ROWS;
+    if (threadIdx.x < live) ssw[blockIdx.z * ROWS + threadIdx.x] = ss_s[threadIdx.x];
+#endif
     __shared__ int ticket;
     __threadfence();  // the partial tile is visible device-wide before the count says so
     __syncthreads();
@@ -439,6 +523,15 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
     __syncthreads();
     if (ticket != ks - 1) return;
     __threadfence();
+#if GS_NORM
+    __shared__ float sc_s[ROWS];
+    if (threadIdx.x < live) {
+        float ss = 0.0f;
+        for (int z = 0; z < ks; z++) ss += __ldcg(ssw + z * ROWS + threadIdx.x);  // z order
+        sc_s[threadIdx.x] = (m0 + (int)threadIdx.x >= norm_lo) ? rsqrtf(ss * (1.0f / K) + eps) : 1.0f;
+    }
+    __syncthreads();
+#endif
     const int c0 = blockIdx.x * COLS;
     constexpr int C4 = COLS / 4;
     for (int idx = threadIdx.x; idx < live * C4; idx += THREADS) {
@@ -458,6 +551,16 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
             }
         }
         const long long o = (long long)(m0 + lrow) * N + col;
+#if GS_NORM
+        const float sc = sc_s[lrow];
+#pragma unroll
+        for (int jw = 0; jw < NW; jw++) {
+            a[jw].x *= sc;
+            a[jw].y *= sc;
+            a[jw].z *= sc;
+            a[jw].w *= sc;
+        }
+#endif
         store(y, r, o, a[0].x, a[NW - 1].x);
         if (col + 1 < N) store(y, r, o + 1, a[0].y, a[NW - 1].y);
         if (col + 2 < N) store(y, r, o + 2, a[0].z, a[NW - 1].z);

@@ -29,9 +29,12 @@
 //       grid (ceil(KV_TOTAL/PLAN_ROW_THREADS)), block (PLAN_ROW_THREADS): one thread per column writes
 //       that column of every row (coalesced across the warp). It must run
 //       after plan_append in stream order: it reads the updated slot_pos.
+//   The step graph runs none of these but reset_slots (bulk path) and plan_append
+//   (bulk chunks): its planning is gather.cu's plan_step, one launch.
 // nvrtc-check: -DCAP=3 -DQ_LEN=16 -DKV_TOTAL=32
 #include <cuda_fp16.h>
 #include "step_desc.cuh"
+#include "plan_mask.cuh"
 
 #ifndef CAP
 #define CAP 1024
@@ -48,9 +51,6 @@
 #if TRASH_SLOT >= KV_TOTAL
 #error "plan.cu: KV_TOTAL must exceed CAP + Q_LEN (the trash slot)"
 #endif
-
-#define F16_ZERO __ushort_as_half((unsigned short)0x0000)
-#define F16_NEG_INF __ushort_as_half((unsigned short)0xfc00)
 
 extern "C" __global__ void __launch_bounds__(PLAN_SLOT_THREADS)
 reset_slots(int* __restrict__ slot_pos)
@@ -92,7 +92,8 @@ plan_append(const int* __restrict__ desc,
     if (i < n_q) pos_q[i] = desc[DESC_COMMITTED] + i;
 }
 
-// Visibility of one column for both mask kinds; noise columns depend on the row.
+// Visibility of one column for both mask kinds (plan_mask.cuh); the sizes are
+// compile-time constants here, so the shared function folds them.
 template <bool FULL, bool SWA>
 __device__ __forceinline__ void build_masks_impl(const int* __restrict__ desc,
                                                  const int* __restrict__ slot_pos,
@@ -101,27 +102,8 @@ __device__ __forceinline__ void build_masks_impl(const int* __restrict__ desc,
 {
     const int c = blockIdx.x * PLAN_ROW_THREADS + threadIdx.x;
     if (c >= KV_TOTAL) return;
-    const int committed = desc[DESC_COMMITTED];
-    if (c < CAP) {
-        const int p = slot_pos[c];
-        const __half vf = (p >= desc[DESC_LO] && p < committed) ? F16_ZERO : F16_NEG_INF;
-        const __half vs = (p >= desc[DESC_SWA_LO] && p < committed) ? F16_ZERO : F16_NEG_INF;
-        for (int q = 0; q < Q_LEN; ++q) {
-            if (FULL) mask_full[q * KV_TOTAL + c] = vf;
-            if (SWA) mask_swa[q * KV_TOTAL + c] = vs;
-        }
-    } else if (c < CAP + Q_LEN) {
-        const int j = c - CAP;
-        for (int q = 0; q < Q_LEN; ++q) {
-            if (FULL) mask_full[q * KV_TOTAL + c] = F16_ZERO;
-            if (SWA) mask_swa[q * KV_TOTAL + c] = j <= q ? F16_ZERO : F16_NEG_INF;
-        }
-    } else {
-        for (int q = 0; q < Q_LEN; ++q) {
-            if (FULL) mask_full[q * KV_TOTAL + c] = F16_NEG_INF;
-            if (SWA) mask_swa[q * KV_TOTAL + c] = F16_NEG_INF;
-        }
-    }
+    const int p = (c < CAP) ? slot_pos[c] : 0;
+    plan_mask_column(desc, c, p, CAP, Q_LEN, KV_TOTAL, FULL, SWA, mask_full, mask_swa);
 }
 
 extern "C" __global__ void __launch_bounds__(PLAN_ROW_THREADS)

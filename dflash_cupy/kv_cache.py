@@ -58,11 +58,11 @@ from .geometry import BULK_CHUNK, RingGeometry
 from .interop import device_view
 from .nvtx_ranges import nvtx_range
 from .ops.attention import RingAttention
-from .ops.gemm import Gemm
+from .ops.gemm import Gemm, weight_kind
 from .ops.norm import RmsNorm
 from .ops.gather import FeatureGather
 from .ops.plan import StepPlanner
-from .ops.step_descriptor import (DESC_LEN, bulk_chunks, fill_chunk_descriptor, fill_step_descriptor,
+from .ops.step_descriptor import (DESC_LEN, DESC_N_NEW, bulk_chunks, fill_chunk_descriptor, fill_step_descriptor,
                                   plan_step)
 from .ops.rope import QkvNormRope
 from .ops.sample import SamplingParams, TokenSampler
@@ -152,7 +152,13 @@ class DraftKvCache:
         self.resid = be.zeros((A + B, H), np.float32)
         self.xin = be.zeros((A + B, H), np.float32)
         self.h, self.hn = self.resid[A:], self.xin[A:]
-        self.ctx_step = self.resid[:A] if c.context_kv_layer_norm else self.xin[:A]
+        # The per-layer input and post-attention RMSNorms fold into the qkv and
+        # gate_up GEMMs when they run on the stream path (16-bit weights, K % 8 == 0):
+        # those GEMMs then read resid / h directly, so the context rows live in resid.
+        L0 = self.dw.layers[0]
+        self._fold_norms = (H % 8 == 0 and all(weight_kind(a.dtype) in ("f16", "bf16")
+                                               for a in (L0.w_qkv, L0.w_gate_up)))
+        self.ctx_step = self.resid[:A] if c.context_kv_layer_norm or self._fold_norms else self.xin[:A]
         self.qkv = be.zeros((A + B, c.q_dim + 2 * kvw), np.float32)
         self.q_all = be.zeros((A + B, c.q_dim), np.float32)
         self.q = self.q_all[A:]
@@ -206,9 +212,11 @@ class DraftKvCache:
         self.rms = RmsNorm(be, H, c.rms_norm_eps)
         self.g_fc = Gemm(be, H, c.fc_in, self.dw.fc.dtype, max_m=MAX_M)
         self.g_kv = Gemm(be, 2 * kvw, H, L0.w_qkv.dtype, max_m=MAX_M)
-        self.g_qkv = Gemm(be, c.q_dim + 2 * kvw, H, L0.w_qkv.dtype, max_m=MAX_M)  # M = A + B
+        fold_eps = c.rms_norm_eps if self._fold_norms else None
+        self.g_qkv = Gemm(be, c.q_dim + 2 * kvw, H, L0.w_qkv.dtype, max_m=MAX_M, norm_eps=fold_eps)  # M = A + B
         self.g_o = Gemm(be, H, c.q_dim, L0.w_o.dtype, "residual", max_m=MAX_M)
-        self.g_gate_up = Gemm(be, c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul", max_m=MAX_M)
+        self.g_gate_up = Gemm(be, c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul", max_m=MAX_M,
+                              norm_eps=fold_eps)
         self.g_down = Gemm(be, H, c.intermediate_size, L0.w_down.dtype, "residual", max_m=MAX_M)
         self.g_attn_gate = (Gemm(be, gate_w, H, L0.w_attn_gate.dtype, max_m=MAX_M) if gate_w else None)
         self.g_lm = None
@@ -335,11 +343,22 @@ class DraftKvCache:
         context rows' q is computed and ignored: free next to streaming the
         weights once instead of twice)."""
         A, B = self.a_step, self.q_len
-        if self.config.context_kv_layer_norm:  # context rows: rmsnorm(T) * input_layernorm too
-            self.rms(self.resid, L.input_layernorm, self.xin, stream=stream)
+        # Append rows [n_new, A) are padding (zero features, their K/V go to the trash
+        # slot): the stream GEMM reads n_new from the descriptor and skips their
+        # 16-row tiles (same outputs: a zero row's result is zero either way).
+        pad = (self.desc[DESC_N_NEW:DESC_N_NEW + 1], A) if self.g_qkv.path == "stream" else None
+        ctx_norm = self.config.context_kv_layer_norm  # context rows: rmsnorm(T) * input_layernorm too
+        if self._fold_norms:   # rmsnorm(rows) * input_layernorm inside the GEMM, from resid
+            self.g_qkv(self.resid, L.w_qkv, self.qkv, A + B, stream=stream, pad_rows=pad,
+                       norm=(L.input_layernorm, 0 if ctx_norm else A))
+            if self.g_attn_gate is not None:   # the gate GEMM still reads hn
+                self.rms(self.h, L.input_layernorm, self.hn, stream=stream)
         else:
-            self.rms(self.h, L.input_layernorm, self.hn, stream=stream)
-        self.g_qkv(self.xin, L.w_qkv, self.qkv, A + B, stream=stream)
+            if ctx_norm:
+                self.rms(self.resid, L.input_layernorm, self.xin, stream=stream)
+            else:
+                self.rms(self.h, L.input_layernorm, self.hn, stream=stream)
+            self.g_qkv(self.xin, L.w_qkv, self.qkv, A + B, stream=stream, pad_rows=pad)
         self.rope_step(self.qkv, L.k_norm, self.inv_freq, self.pos_all, self.rows_all,
                        self.k_cache[li], self.v_cache[li], q_norm=L.q_norm, q_out=self.q_all,
                        stream=stream)
@@ -349,8 +368,11 @@ class DraftKvCache:
         self.attention(self.q, self.k_cache[li], self.v_cache[li], mask, self.attn, gate=self.gate,
                        stream=stream)
         self.g_o(self.attn, L.w_o, self.h, B, residual=self.h, stream=stream)
-        self.rms(self.h, L.post_attention_layernorm, self.hn, stream=stream)
-        self.g_gate_up(self.hn, L.w_gate_up, self.act, B, stream=stream)
+        if self._fold_norms:
+            self.g_gate_up(self.h, L.w_gate_up, self.act, B, stream=stream, norm=(L.post_attention_layernorm, 0))
+        else:
+            self.rms(self.h, L.post_attention_layernorm, self.hn, stream=stream)
+            self.g_gate_up(self.hn, L.w_gate_up, self.act, B, stream=stream)
         self.g_down(self.act, L.w_down, self.h, B, residual=self.h, stream=stream)
 
     def _noise_stage(self, stream, eager: bool) -> None:
@@ -378,12 +400,10 @@ class DraftKvCache:
         if self.sampler is not None:
             be.copy_h2d_async(self.sample_knobs, self._knobs_host[slot], stream=stream)
             be.copy_h2d_async(self.sample_rng, self._rng_host[slot], stream=stream)
-        self.planner.reset_slots_if(self.desc, self.slot_pos, stream=stream)
-        self.planner.plan_append(self.desc, self.pos_all[:A], self.rows_all[:A], self.slot_pos,
-                                 pos_q=self.pos_q, n_rows=A, stream=stream)
-        self._gather(self.desc, self._ring.storage, self.ap_feat, n_rows=A, stream=stream)
-        self.planner.build_masks(self.desc, self.slot_pos, mask_full=self.mask_full,
-                                 mask_swa=self.mask_swa, stream=stream)
+        # reset_slots_if, plan_append, the gather and the masks as one launch (gather.cu)
+        self._gather.plan_step(self.desc, self._ring.storage, self.ap_feat, self.geom, self.slot_pos,
+                               self.pos_all[:A], self.rows_all[:A], self.pos_q, mask_full=self.mask_full,
+                               mask_swa=self.mask_swa, n_rows=A, stream=stream)
         self._fuse_features(self.ctx_step, A, stream)
         self._noise_stage(stream, eager)
 

@@ -5,7 +5,8 @@ fill it:
 
 * **static estimates** (this module, ``static_counters(launch)``): derived by
   hand from each kernel's source (its loops and address expressions, written
-  out below per kernel) and the launch's real shapes, evaluated lane by lane
+  out below per kernel: ``gemm_mma``, ``gemm_stream``, the attention) and the
+  launch's real shapes, evaluated lane by lane
   for the warp-level accesses that matter (weight and activation loads, the x
   and K/V tiles in shared memory) with the same two functions an emulator
   counter mode would call: ``global_sectors`` and ``smem_wavefronts``. Kernels
@@ -316,6 +317,230 @@ def _gemm_mma(L) -> KernelCounters:
     return c
 
 
+# ---------------------------------------------------------------------------- gemm_stream.cu
+def _gs_xpad() -> int:
+    from dflash_cupy.ops import gemm_stream as gs
+    return gs.XPAD
+
+
+def _gs_staging_smem(tiles, kt, norm=0, _cache={}):
+    """(requests, wavefronts, ideal) of one x-chunk staging pass's shared stores
+    (per plane): item i -> row i / (kt/4), 8-byte store at (row*(kt+XPAD) + c4)*2;
+    with GS_NORM a warp stores one row per request (lanes at c4 = 4*lane + 128j)."""
+    key = (tiles, kt, norm)
+    if key not in _cache:
+        q4, xs = kt // 4, kt + _gs_xpad()
+        items = tiles * 16 * q4
+        req = wf = ideal = 0
+        seen: dict = {}
+        if norm:
+            groups = [[(r * xs + c4) * 2 if c4 < kt else None for c4 in range(j, j + 128, 4)]
+                      for r in range(tiles * 16) for j in range(0, kt, 128)]
+        else:
+            groups = [[((i // q4) * xs + (i % q4) * 4) * 2 if i < items else None for i in range(i0, i0 + 32)]
+                      for i0 in range(0, items, 32)]
+        for addrs in groups:
+            # the pattern only depends on the byte offsets mod 128 (banks)
+            sig = tuple(None if a is None else (a % 128, a // 128 - addrs[0] // 128) for a in addrs)
+            if sig not in seen:
+                seen[sig] = smem_wavefronts(addrs, 8)
+            req += 1
+            wf += seen[sig]
+            ideal += ideal_wavefronts(8, sum(a is not None for a in addrs))
+        _cache[key] = (req, wf, ideal)
+    return _cache[key]
+
+
+def _gemm_stream(L) -> KernelCounters:
+    """``cuda_src/gemm_stream.cu`` from its launch: grid (column groups, M
+    blocks, K slices), kz, kt and the variant's defines; the launcher's own
+    ``plan`` is the cross-check (a mismatch is named in ``notes``)."""
+    from dflash_cupy.ops import gemm_stream as gs
+
+    d = L.defines
+    K, MT, NT, SPLIT, EPI = d["GS_K"], d["GS_MT"], d["GS_NT"], d.get("GS_SPLIT", 2), d.get("GS_EPI", 0)
+    WARPS = d.get("GS_WARPS", 8)
+    D = d.get("GS_DEPTH", gs.DEPTH[MT])
+    x, w, y, r, M, N, kz, kt, ws, _cnt, _pad_lo, pad_hi = L.args[:12]
+    NORM = d.get("GS_NORM", 0)
+    ln, norm_lo = (L.args[12], L.args[14]) if NORM else (None, M)
+    NW = 2 if EPI == 2 else 1
+    WT, ROWS, COLS, THREADS, KSTEP = NT * NW, 16 * MT, WARPS * 8 * NT, WARPS * 32, gs.KSTEP
+    gx, gy, gz = L.grid
+    c = KernelCounters("gemm_stream", "static estimate", L.n_blocks)
+    p = gs.plan(N, K, M, NW, SPLIT, mt=MT)
+    if (p.grid, p.kz, p.kt) != ((gx, gy, gz), kz, kt):
+        c.notes.append(f"launch differs from gemm_stream.plan: grid {L.grid} kz {kz} kt {kt} vs "
+                       f"{p.grid} {p.kz} {p.kt}")
+    spc = kt // KSTEP
+
+    # Weights: warp w of column group bx, tile j holds rows n0 + 8(j % NT) + g (+N for up),
+    # lane (g, t) loads 16 B at k + 8t + 32h (h = 0, 1) of its row: two requests per
+    # (step, tile), each 8 rows x 4 lanes of 16 B (64 contiguous bytes per row). Lanes with n >= N or k >= k_end do
+    # not access (their slot reads as zeros).
+    rows_per_tile = Counter()
+    for bx in range(gx):
+        for wp in range(WARPS):
+            for j in range(WT):
+                rows_per_tile[max(0, min(8, N - (bx * COLS + wp * 8 * NT + 8 * (j % NT))))] += 1
+    rows_per_tile.pop(0, None)
+
+    def wreq(vr, lanes_t):   # one request: vr rows, lanes (t, h) active
+        return global_sectors([g * K * 2 + 16 * t + 64 * h for g in range(vr) for (t, h) in lanes_t], 16)
+
+    slices = []
+    for bz in range(gz):
+        k_begin, k_end = bz * kz, min(K, bz * kz + kz)
+        span = max(0, k_end - k_begin)
+        slices.append((span, -(-span // KSTEP)))
+    for span, nsteps in slices:
+        full, rem = span // KSTEP, span % KSTEP
+        for vr, n_tiles in rows_per_tile.items():
+            n = gy * n_tiles
+            for h in (0, 1):
+                sec, req = wreq(vr, [(t, h) for t in range(4)])
+                c.add_global("ld", n * full, sec, req)
+                if rem:
+                    act = [(t, h) for t in range(4) if 8 * t + 32 * h < rem]
+                    if act:
+                        sec, req = wreq(vr, act)
+                        c.add_global("ld", n, sec, req)
+    c.bytes_read[_name(w)] = N * NW * K * 2
+
+    # Blocks by M: live rows and tiles; tiles all-padding are skipped only when the
+    # padding start is known (pad_hi = 0: no padding rows).
+    per_block_trips = 0.0
+    chunks_max = 0
+    x_l2 = 0
+    # padding rows [lo, pad_hi): lo is read at run time; the launch plan may know it
+    lo = L.known.get("pad_lo", pad_hi) if pad_hi else 0
+    lo = min(max(lo, 0), pad_hi)
+    skipped = 0
+    for by in range(gy):
+        live = max(0, min(ROWS, M - by * ROWS))
+        tiles = -(-live // 16)
+        # computed tiles: a row < M and not wholly inside the padding (the kernel's tmask)
+        tm = 0
+        for i in range(tiles):
+            a, b = by * ROWS + 16 * i, min(by * ROWS + 16 * i + 16, M)
+            if not (pad_hi and a >= lo and b <= pad_hi):
+                tm += 1
+        skipped += tiles - tm
+        # rows the staging loads (padding rows are stored as zeros, never read)
+        pad_in = max(0, min(pad_hi, by * ROWS + live) - max(lo, by * ROWS)) if pad_hi else 0
+        for span, nsteps in slices:
+            chunks = -(-nsteps // spc) if nsteps else 0
+            chunks_max = max(chunks_max, chunks)
+            # x staging: tiles*16 rows x kt/4 float4 items per chunk, only rows < live and k < k_end load
+            for ch in range(chunks):
+                kvalid = min(kt, span - ch * kt)
+                if NORM:   # a warp per row, 32 lanes x 16 B along k per request
+                    rows_ld = live - pad_in
+                    n_nrm = max(0, min(by * ROWS + live, M) - max(norm_lo, by * ROWS))
+                    per_row = -(-kvalid // 128)
+                    reqs, secs, nb = rows_ld * per_row, rows_ld * -(-kvalid * 4 // SECTOR), rows_ld * kvalid * 4
+                    c.gld_requests += gx * n_nrm * per_row     # ln, re-read per normalised row (L1/L2)
+                    c.gld_sectors += gx * n_nrm * -(-kvalid * 4 // SECTOR)
+                    c.gld_bytes += gx * n_nrm * kvalid * 4
+                else:
+                    reqs, secs, nb = _staging_loads(tiles * 16, kt, K, live, kvalid)
+                    if pad_in:   # padding rows load nothing: scale by the rows that load
+                        f = (live - pad_in) / live
+                        reqs, secs, nb = round(reqs * f), round(secs * f), round(nb * f)
+                c.gld_requests += gx * reqs
+                c.gld_sectors += gx * secs
+                c.gld_bytes += gx * nb
+                x_l2 += gx * nb
+                sreq, swf, sid = _gs_staging_smem(tiles, kt, NORM)
+                c.smem_requests += gx * SPLIT * sreq
+                c.smem_wavefronts += gx * SPLIT * swf
+                c.smem_ideal_wavefronts += gx * SPLIT * sid
+            c.barriers += gx * 2 * chunks
+            # MMA loop: per warp, step, computed tile and plane: 4 x 16-B x loads, WT x 4 MMAs
+            n = gx * WARPS * nsteps * tm * SPLIT
+            for ro in (0, 8):
+                for half in (0, 32):
+                    addrs = [((ro + g) * (kt + gs.XPAD) + 8 * t + half) * 2 for g in range(8) for t in range(4)]
+                    c.add_smem(n, addrs, 16)
+            c.mma += n * WT * 4
+            # ring of D steps in flight: one HBM round trip per D steps; one L2 trip per x chunk
+            per_block_trips = max(per_block_trips, -(-nsteps // D))
+    c.bytes_read[_name(x)] = M * K * 4
+
+    # Epilogue
+    red_l2_trips = 0
+    if gz == 1:
+        # lane (g, t) stores row g (+8), columns 2t, 2t+1 of each 8-column tile below N:
+        # the 8-column tiles are numbered bx*WARPS*NT + warp*NT + jn, so ceil(N/8) of them store
+        n_ct = min(-(-N // 8), gx * WARPS * NT)
+        for by in range(gy):
+            for i in range(MT):
+                for e in range(4):
+                    row0 = by * ROWS + 16 * i + (8 if e & 2 else 0)
+                    if row0 < M:
+                        vr = min(8, M - row0)
+                        s_, q_ = global_sectors([(g * N + 2 * t) * 4 for g in range(vr) for t in range(4)], 4)
+                        c.add_global("st", n_ct, s_, q_)
+                        if EPI == 1:
+                            c.add_global("ld", n_ct, s_, q_)
+    else:
+        live = min(M, ROWS)
+        # partial tiles: per warp, tile i, weight tile j, half h: 8 rows x 4 lanes of float2
+        for i in range(MT):
+            for h in (0, 1):
+                lr0 = 16 * i + 8 * h
+                if lr0 < live:
+                    vr = min(8, live - lr0)
+                    s_, q_ = global_sectors([(g * COLS + 2 * t) * 4 for g in range(vr) for t in range(4)], 8)
+                    c.add_global("st", gx * gz * WARPS * WT, s_, q_)
+        # last block of each column group: float4 reads of ks x NW slices, scalar epilogue
+        C4 = COLS // 4
+        for bx in range(gx):
+            cols = max(0, min(COLS, N - bx * COLS))
+            items = live * C4
+            wreqs = -(-items // 32)
+            c4_valid = -(-cols // 4)
+            if c4_valid == C4:   # a warp's 32 items: 512 contiguous bytes of one slice row
+                c.add_global("ld", wreqs * gz * NW, 16, 512)
+            else:
+                _contig(c, "ld", live * c4_valid * 16 * gz * NW, 16)
+            _contig(c, "st", live * cols * 4, 4)
+            if EPI == 1:
+                _contig(c, "ld", live * cols * 4, 4)
+        red_l2_trips = -(-live * C4 // THREADS) * -(-gz * NW // 4)
+        c.barriers += L.n_blocks * 2
+        c.bytes_written[_name(ws)] = gz * NW * live * N * 4
+        c.bytes_read[_name(ws)] = gz * NW * live * N * 4
+        c.notes.append(f"split-K {gz}: partial tiles ({gz * NW * live * N * 4 / 1e6:.2f} MB) round-trip "
+                       f"through L2; the last block of each column group reduces them")
+    c.bytes_written[_name(y)] = M * N * 4
+    if EPI == 1:
+        c.bytes_read[_name(r) + " (residual)"] = M * N * 4
+    c.dram_bytes = N * NW * K * 2 + M * K * 4 + M * N * 4 * (2 if EPI == 1 else 1)
+    if NORM:
+        c.bytes_read[_name(ln)] = K * 4
+        c.dram_bytes += K * 4
+        if gz > 1:   # each slice's row sums of squares, and their reduction
+            _contig(c, "st", gx * gz * min(M, ROWS) * 4)
+            _contig(c, "ld", gx * gz * min(M, ROWS) * 4)
+        c.notes.append(f"RMSNorm of rows >= {norm_lo} folded in: x * ln staged, the row scale applied "
+                       "to the accumulators (no normalised copy of x)")
+    c.dram_round_trips_per_block = per_block_trips
+    c.l2_round_trips_per_block = chunks_max + red_l2_trips
+    c.inflight_peak_bytes_per_warp = D * WT * 2 * 512
+    c.notes.append(f"x staged by each of the {gx} column groups: {x_l2 / 1e6:.2f} MB from L2")
+    if SPLIT == 2:
+        c.notes.append("activations split hi + lo: 2x the MMAs and x-tile reads")
+    if pad_hi:
+        c.notes.append(f"padding rows [{lo}, {pad_hi}) "
+                       + ("(lo = the step's n_new)" if "pad_lo" in L.known else "(lo unknown: none assumed)")
+                       + f": {skipped} 16-row tile(s) skipped")
+    if -(-M // 16) * 16 > M:
+        c.notes.append(f"M={M}: {-(-M // 16) * 16 - M} zero rows in the last live 16-row tile "
+                       f"(MMAs and x reads; tiles wholly past M are skipped)")
+    return c
+
+
 # ---------------------------------------------------------------------------- attention_mma.cu
 def _attn_mma(L) -> KernelCounters:
     d = L.defines
@@ -424,6 +649,15 @@ def _small(L) -> KernelCounters:
         item = {0: 4, 1: 2, 2: 2}[d["RING_DTYPE"]]
         return _bytes_only(L, [(_name(a[1]), rows * fc_in * item)], [(_name(a[2]), rows * fc_in * 4)],
                            "all rows counted as new (upper bound of the ring read)")
+    if k == "plan_step":   # gather.cu: reset_slots_if + plan_append + gather_features + build_masks
+        rows, fc_in, cap, q_len, kvt, flags = a[3], d["FC_IN"], a[10], a[11], a[12], a[13]
+        item = {0: 4, 1: 2, 2: 2}[d["RING_DTYPE"]]
+        masks = [(_name(a[8 + i]), q_len * kvt * 2) for i in range(2) if flags >> i & 1]
+        return _bytes_only(L, [(_name(a[0]), 16), (_name(a[1]), rows * fc_in * item), (_name(a[4]), cap * 4)],
+                           [(_name(a[2]), rows * fc_in * 4), (_name(a[5]), rows * 4), (_name(a[6]), rows * 4),
+                            (_name(a[7]), q_len * 4), *masks],
+                           "all rows counted as new (upper bound of the ring read); slot_pos writes "
+                           "(n_new of them) not counted: data-dependent")
     if k.startswith("build_mask"):
         nm = 2 if k == "build_masks" else 1
         writes = [(_name(a[2 + i]), d["Q_LEN"] * d["KV_TOTAL"] * 2) for i in range(nm)]
@@ -453,6 +687,8 @@ def static_counters(launch) -> KernelCounters:
     """A ``KernelCounters`` estimated from the kernel's source and the launch's shapes."""
     if launch.kernel == "gemm_mma":
         return _gemm_mma(launch)
+    if launch.kernel == "gemm_stream":
+        return _gemm_stream(launch)
     if launch.kernel == "ring_attn_mma_split":
         return _attn_mma(launch)
     return _small(launch)

@@ -48,6 +48,7 @@ class Launch:
     block: tuple
     shared_mem: int
     args: list            # ArrayRef or a Python int/float (the scalar's value)
+    known: dict = field(default_factory=dict)   # device values the plan knows (e.g. "pad_lo": n_new)
 
     @property
     def n_blocks(self) -> int:
@@ -384,6 +385,14 @@ def step_plan(config: DraftConfig, window: int, *, ring_dtype=np.uint16, w_dtype
     kv.begin_step(ring, int(window) + accept)  # steady state: accept rows appended in-graph
     kv.run()                                  # captures slot 0's graph
     nodes = kv._graphs[kv._slot].nodes
+    # Values the kernels read from the descriptor at run time, as this step sets
+    # them: a stream GEMM's padding start is the step's n_new.
+    from dflash_cupy.ops.step_descriptor import DESC_N_NEW
+    n_new_ptr = int(kv.desc.ctypes.data) + 4 * DESC_N_NEW
+    for n in nodes:
+        if isinstance(n, Launch) and n.kernel == "gemm_stream" and isinstance(n.args[10], ArrayRef) \
+                and n.args[10].ptr == n_new_ptr:
+            n.known["pad_lo"] = kv.last_plan.n_new
     names = _name_arrays(kv)
     _rename(nodes, names)
     _rename(prefill, names)

@@ -77,7 +77,7 @@ class NodeTime:
 def _label(n) -> str:
     if isinstance(n, Copy):
         return f"memcpy {n.kind}"
-    if n.kernel in ("gemm_mma", "gemm"):
+    if n.kernel in ("gemm_mma", "gemm", "gemm_stream"):
         wname = getattr(n.args[1], "name", "?")
         role = wname.rsplit(".", 1)[-1].replace("w_", "") if "." in wname else wname
         return f"{n.kernel}[{role}]"
@@ -131,7 +131,7 @@ def _counter_key(n):
     if isinstance(n, Copy):
         return None
     return (n.variant(), n.grid, n.block, n.shared_mem,
-            tuple(a if not hasattr(a, "name") else a.name for a in n.args))
+            tuple(a if not hasattr(a, "name") else a.name for a in n.args), tuple(sorted(n.known.items())))
 
 
 def model_step(drafter: str, window: int, gpu, *, accept: int = 6, lm_head_vocab: int | None = None,

@@ -85,15 +85,20 @@ def waves(n_blocks: int, blocks_per_sm: int, sm_count: int) -> Waves:
 
 def graph_node_count(n_layer: int, *, aux_norms: bool = False, context_kv_norm: bool = False,
                      attn_gate: bool = False, attn_splits: int = 1, both_masks: bool = False,
-                     lm_head: bool = False) -> int:
+                     lm_head: bool = False, fold_norms: bool = True) -> int:
     """Nodes of one captured step (``DraftKvCache._issue_step``), counted by
-    hand from the code: descriptor copy, reset_slots_if, plan_append,
-    gather_features, build_masks (one launch for one or both masks), [aux
-    rmsnorm], fc GEMM, rmsnorm; the noise copy; per layer rmsnorm, qkv GEMM,
+    hand from the code: descriptor copy, plan_step (reset_slots_if,
+    plan_append, the feature gather and the masks in one launch), [aux
+    rmsnorm], fc GEMM, rmsnorm; the noise copy; per layer [rmsnorm: unless
+    folded into the qkv GEMM, or for the gate GEMM's input], qkv GEMM,
     qkv_norm_rope, [gate GEMM], attention split (+ combine if split), o GEMM,
-    rmsnorm, gate_up GEMM, down GEMM; final rmsnorm, [LM head GEMM].
-    ``context_kv_norm`` changes what the per-layer rmsnorm covers, not the
-    count; ``both_masks`` neither (one build_masks launch writes both)."""
-    pre = 1 + 4 + int(aux_norms) + 2 + 1
-    per_layer = 1 + 2 + int(attn_gate) + 1 + int(attn_splits > 1) + 1 + 1 + 2
-    return pre + n_layer * per_layer + 1 + int(lm_head)
+    [rmsnorm unless folded into gate_up], gate_up GEMM, down GEMM; final
+    rmsnorm, [with an LM head: the sampling knobs and RNG copies, the LM head
+    GEMM, the sampler]. ``fold_norms``: the stream GEMMs normalise their
+    input rows (16-bit weights, the default). ``context_kv_norm`` changes what
+    the per-layer rmsnorm covers, not the count; ``both_masks`` neither
+    (plan_step writes both)."""
+    pre = 1 + 1 + int(aux_norms) + 2 + 1
+    norms = (int(attn_gate), 0) if fold_norms else (1, 1)
+    per_layer = norms[0] + 2 + int(attn_gate) + 1 + int(attn_splits > 1) + 1 + norms[1] + 2
+    return pre + n_layer * per_layer + 1 + 4 * int(lm_head)

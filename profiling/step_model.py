@@ -35,7 +35,7 @@ DESC_BYTES = DESC_LEN * 4
 
 
 def _gemm(b: Counter, g, m: int, weight_key: str = "weights") -> None:
-    w = g.bytes_moved(0)
+    w = g.bytes_moved(0) - (g.K * 4 if getattr(g, "norm_eps", None) is not None else 0)  # the norm scale: activations
     b[weight_key] += w
     b["activations"] += g.bytes_moved(m) - w
 
@@ -91,8 +91,12 @@ def step_bytes(cache, n_new: int, ring_itemsize: int) -> dict:
     att = cache.attention
     kv_read = 2 * att.kv_total * att.NKV * att.D * 2
     mask_read = att.B * att.kv_total * 2
+    fold = getattr(cache, "_fold_norms", False)   # norms inside the qkv / gate_up GEMMs
     for _ in range(c.n_layer):
-        b["activations"] += cache.rms.bytes_moved(A + B if c.context_kv_layer_norm else B)
+        if not fold:
+            b["activations"] += cache.rms.bytes_moved(A + B if c.context_kv_layer_norm else B)
+        elif cache.g_attn_gate is not None:   # the gate GEMM's input
+            b["activations"] += cache.rms.bytes_moved(B)
         _gemm(b, cache.g_qkv, A + B)
         _rope(b, cache.rope_step, A + B)
         if cache.g_attn_gate is not None:
@@ -102,7 +106,8 @@ def step_bytes(cache, n_new: int, ring_itemsize: int) -> dict:
         b["masks"] += mask_read
         b["activations"] += total - kv_read - mask_read
         _gemm(b, cache.g_o, B)
-        b["activations"] += cache.rms.bytes_moved(B)
+        if not fold:
+            b["activations"] += cache.rms.bytes_moved(B)
         _gemm(b, cache.g_gate_up, B)
         _gemm(b, cache.g_down, B)
     b["activations"] += cache.rms.bytes_moved(B)

@@ -256,3 +256,77 @@ def test_padding_rows_bad_input(backend):
         op(x, w, y, 4, pad_rows=(backend.zeros((1,), np.float32), 2))
     with pytest.raises(ValueError, match="needs path 'stream'"):
         Gemm(backend, 8, 64, "bf16", path="mma")(x, w, y, 4, pad_rows=(lo, 2))
+
+
+# ---- RMSNorm folded into the GEMM (GS_NORM) ------------------------------------
+
+@pytest.mark.parametrize("k_split", [None, 3])
+@pytest.mark.parametrize("epilogue", ["none", "residual", "silu_mul"])
+def test_folded_rmsnorm_matches_norm_then_gemm(backend, rng, epilogue, k_split):
+    """Rows >= norm_lo normalised inside the GEMM: against rmsnorm_reference then
+    gemm_reference, for m in one tile and across tiles, norm_lo at 0, inside and
+    past a tile, unsplit and split K (K=840: uneven slices); x is not modified; the
+    split-K result repeats bit for bit."""
+    N, K = 260, 840
+    nw = 2 if epilogue == "silu_mul" else 1
+    op = Gemm(backend, N, K, "bf16", epilogue=epilogue, max_m=64, path="stream", k_split=k_split,
+              norm_eps=1e-6)
+    wh = host_weights(rng, nw * N, K, "bf16")
+    ln_h = (1.0 + 0.5 * rng.standard_normal(K)).astype(np.float32)
+    w, ln = backend.asarray(wh), backend.asarray(ln_h)
+    for m, norm_lo in ((16, 0), (19, 5), (40, 16), (3, 3)):
+        xh = rng.standard_normal((m, K)).astype(np.float32)
+        xh[norm_lo:] *= rng.uniform(0.01, 30, (m - norm_lo, 1)).astype(np.float32)  # the norm removes it
+        rh = rng.standard_normal((m, N)).astype(np.float32) if epilogue == "residual" else None
+        x = backend.asarray(xh)
+        outs = []
+        for _ in range(2):
+            y = backend.zeros((m, N), np.float32)
+            op(x, w, y, m, residual=None if rh is None else backend.asarray(rh), norm=(ln, norm_lo))
+            outs.append(backend.to_numpy(y))
+        ref = gemm_reference(xh, wh, epilogue, rh, x_round=op.x_round, norm=(ln_h, 1e-6, norm_lo))
+        assert_close(outs[0], ref, "f32", f"{op!r} m={m} norm_lo={norm_lo}")
+        np.testing.assert_array_equal(outs[0], outs[1])
+        np.testing.assert_array_equal(backend.to_numpy(x), xh)
+        # the unfused order (normalise, then round) differs by one rounding of x only
+        from dflash_cupy.ops.norm import rmsnorm_reference
+        xn = xh.copy()
+        xn[norm_lo:] = rmsnorm_reference(xh[norm_lo:], ln_h, eps=1e-6) if norm_lo < m else xn[norm_lo:]
+        unfused = gemm_reference(xn, wh, epilogue, rh, x_round=op.x_round)
+        assert np.allclose(unfused, ref, rtol=1e-4, atol=1e-4)
+        # negative control: the unnormalised product is far from it
+        if norm_lo < m:
+            plain = gemm_reference(xh, wh, epilogue, rh, x_round=op.x_round)
+            assert not np.allclose(plain[norm_lo:], ref[norm_lo:], rtol=1e-2, atol=1e-2)
+
+
+def test_folded_rmsnorm_with_padding_rows(backend, rng):
+    """The step's qkv: rows [lo, 34) padding, rows >= 34 normalised."""
+    N, K, m = 96, 256, 50
+    op = Gemm(backend, N, K, "bf16", max_m=64, path="stream", norm_eps=1e-6)
+    xh = rng.standard_normal((m, K)).astype(np.float32)
+    xh[6:34] = np.nan            # padding rows are never read
+    wh = host_weights(rng, N, K, "bf16")
+    ln_h = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    y = backend.zeros((m, N), np.float32)
+    op(backend.asarray(xh), backend.asarray(wh), y, m, pad_rows=(backend.asarray(np.array([6], np.int32)), 34),
+       norm=(backend.asarray(ln_h), 34))
+    xz = np.where(np.isnan(xh), 0, xh).astype(np.float32)
+    ref = gemm_reference(xz, wh, x_round=op.x_round, norm=(ln_h, 1e-6, 34))
+    assert_close(backend.to_numpy(y), ref, "f32", "padded + normalised")
+
+
+def test_folded_rmsnorm_bad_arguments(backend):
+    with pytest.raises(ValueError, match="norm_eps needs path 'stream'"):
+        Gemm(backend, 8, 64, "f32", norm_eps=1e-6)
+    with pytest.raises(ValueError, match="norm_eps must be"):
+        Gemm(backend, 8, 64, "bf16", path="stream", norm_eps=0.0)
+    op = Gemm(backend, 8, 64, "bf16", path="stream")
+    x, w, y = backend.zeros((4, 64), np.float32), backend.zeros((8, 64), np.uint16), backend.zeros((4, 8), np.float32)
+    with pytest.raises(ValueError, match="built without norm_eps"):
+        op(x, w, y, 4, norm=(backend.zeros((64,), np.float32), 0))
+    opn = Gemm(backend, 8, 64, "bf16", path="stream", norm_eps=1e-6)
+    with pytest.raises(ValueError, match=r"norm\[0\] must have shape"):
+        opn(x, w, y, 4, norm=(backend.zeros((63,), np.float32), 0))
+    with pytest.raises(ValueError, match=r"norm\[1\] must be an int"):
+        opn(x, w, y, 4, norm=(backend.zeros((64,), np.float32), 5))

@@ -6,6 +6,11 @@
   the 2-way conflict of the x tile (row stride KT + 8 halves), the 4 M-tiles
   compiled for M = 16; the attention's transposed V stores (old) and
   conflict-free ldmatrix.trans reads (now);
+* static counters of gemm_stream: requests, sectors, MMAs, wavefronts and
+  barriers of small launches by hand (plain, split K, silu_mul with a partial
+  weight tile), and agreement with the launcher's own header figures
+  (``stream_figures``: shared-memory reads and x re-reads per weight byte,
+  bytes in flight per SM) at the drafter shapes;
 * occupancy and waves: hand-worked register/shared/warp limits, the 544-block
   gate_up of the hidden-5120 drafter on 132 SMs x 4;
 * the recorded step graph: node count against the hand formula for several
@@ -201,14 +206,17 @@ def test_waves_of_the_hidden_5120_gate_up():
 
 
 def test_ptxas_facts_of_the_gate_up_gemm():
-    """The real gate_up launch of the hidden-5120 drafter: 544 blocks, 4 per SM."""
+    """The real gate_up launch of the hidden-5120 drafter (stream path, M = 16: the
+    16-row variant, 2 blocks of 256 threads per SM in 128 registers): 136 column
+    groups x 10 K slices = 1360 blocks, 5 waves of 264 and a tail of 40."""
     plan = step_plan(drafter_config("qwen3.5-27b"), 256)
-    gu = [n for n in plan.launches if n.kernel == "gemm_mma" and n.args[1].name.endswith("w_gate_up")]
-    assert len(gu) == 5 and gu[0].grid == (544, 1, 1)
-    info = sf.ptxas_info(gu[0].file, gu[0].defines)["gemm_mma"]
-    assert info["spill_stores"] == 0 and 0 < info["registers"] <= 255
+    gu = [n for n in plan.launches if n.kernel == "gemm_stream" and n.args[1].name.endswith("w_gate_up")]
+    assert len(gu) == 5 and gu[0].grid == (136, 1, 10)
+    info = sf.ptxas_info(gu[0].file, gu[0].defines)["gemm_stream"]
+    assert info["spill_stores"] == 0 and 0 < info["registers"] <= 128
     o = sf.occupancy(H200, gu[0].threads, info["registers"], info["smem"], gu[0].shared_mem)
-    assert sf.waves(544, o.blocks_per_sm, 132).tail_blocks == 544 - o.blocks_per_sm * 132
+    assert o.blocks_per_sm == 2
+    assert sf.waves(1360, o.blocks_per_sm, 132).tail_blocks == 1360 - 5 * 264 == 40
 
 
 # ---------------------------------------------------------------------------- the step graph
@@ -240,7 +248,13 @@ def test_node_count_formula(kw, window):
 def test_node_count_of_the_presets():
     for name in ("h4096", "qwen3.5-27b"):
         plan = step_plan(drafter_config(name), 2048)
-        assert plan.n_nodes == 54 == sf.graph_node_count(5, attn_splits=plan.cache.attention.n_splits)
+        assert plan.n_nodes == 41 == sf.graph_node_count(5, attn_splits=plan.cache.attention.n_splits)
+        lm = step_plan(drafter_config(name), 2048, lm_head_vocab=1024)
+        assert lm.n_nodes == 45 == sf.graph_node_count(5, attn_splits=lm.cache.attention.n_splits, lm_head=True)
+        # per layer: qkv GEMM (input norm folded), rope, attention + combine, o, gate_up (norm
+        # folded), down; outside: descriptor copy, plan_step, fc GEMM, rmsnorm, noise copy, final rmsnorm
+        assert plan.n_nodes - 5 * 7 == 6
+        assert sum(n.kernel == "rmsnorm" for n in plan.launches) == 2
 
 
 def test_recorded_graph_matches_the_emulated_capture():
@@ -299,9 +313,9 @@ def test_model_step_structure():
 
 def test_model_h5120_names_the_tail_wave():
     m = pm.model_step("h5120", 2048, H200)
-    gu = m["groups"]["gemm_mma[gate_up]"]["first"]
-    assert (gu.tail_blocks, gu.blocks_per_sm) == (16, 4)
-    assert any("tail wave of 16" in d["why"] for d in m["losses"])
+    gu = m["groups"]["gemm_stream[gate_up]"]["first"]
+    assert (gu.tail_blocks, gu.blocks_per_sm) == (40, 2)
+    assert any("tail wave of 40" in d["why"] for d in m["losses"])
     assert 1.15 < m["ratio"] < 20
 
 
@@ -335,7 +349,7 @@ def test_cli_json(capsys):
     assert pm.main(["--drafter", "tiny", "--windows", "64", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     (m,) = doc["models"]
-    assert m["window"] == 64 and m["ratio"] > 1 and "gemm_mma[gate_up]" in m["groups"]
+    assert m["window"] == 64 and m["ratio"] > 1 and "gemm_stream[gate_up]" in m["groups"]
     assert doc["gpu_sources"]["hbm_peak_Bps"].startswith("NVIDIA")
 
 
@@ -379,3 +393,136 @@ def test_measured_from_gpu_bench_step_results(tmp_path):
         {"bench": "step", "meta": {"device": {"backend": "emulated"}}, "rows": [dict(row, window=128)]}))
     got = pm.load_measured(tmp_path / "perf_measured.json")
     assert got == {"tiny": {"64": {"step_us": 50.0}}}    # emulated runs are not measurements
+
+
+# ---------------------------------------------------------------------------- gemm_stream counters
+def _gs_launch(M, N, K, epi=0, split=2, ks=None):
+    """A gemm_stream launch as ``StreamKernels`` makes it (the launcher's ``plan``)."""
+    from dflash_cupy.ops import gemm_stream as gs
+    nw = 2 if epi == 2 else 1
+    p = gs.plan(N, K, M, nw, split, ks=ks)
+    d = dict(GS_WTYPE=2, GS_EPI=epi, GS_K=K, GS_MT=p.mt, GS_NT=4 // nw, GS_WARPS=8, GS_SPLIT=split,
+             GS_DEPTH=gs.DEPTH[p.mt])
+    args = [_arr("x", (M, K), np.float32), _arr("w", (nw * N, K), np.uint16), _arr("y", (M, N), np.float32),
+            _arr("y", (M, N), np.float32), M, N, p.kz, p.kt, _arr("ws", (1,), np.float32),
+            _arr("cnt", (1,), np.int32), _arr("cnt", (1,), np.int32), 0]
+    return Launch("gemm_stream", "gemm_stream.cu", d, p.grid, (256, 1, 1), p.smem, args), p
+
+
+def test_gemm_stream_counts_by_hand():
+    """M = 16, N = 256, K = 256: one block (8 warps x 32 columns), 4 ring steps of 64 k."""
+    L, p = _gs_launch(16, 256, 256)
+    assert (p.grid, p.kz, p.kt, p.mt) == ((1, 1, 1), 256, 256, 1)
+    c = ctr.static_counters(L)
+    assert not any("differs" in n for n in c.notes)
+    # weights: 8 warps x 4 tiles x 4 steps x 2 halves; each request 8 rows x 4 lanes x 16 B,
+    # lane t at byte 16t (+64h): 64 contiguous bytes per row, 16 sectors for 512 B
+    # x: 16 rows x 64 float4 = 1024 items, 32 per request, 512 contiguous B = 16 sectors
+    assert c.gld_requests == 256 + 32
+    assert c.gld_sectors == 256 * 16 + 32 * 16
+    assert c.gld_bytes == 256 * 256 * 2 + 16 * 256 * 4
+    # epilogue: 32 tiles of 8 columns x 4 instructions (rows g / g+8, columns 2t / 2t+1), 8 sectors each
+    assert (c.gst_requests, c.gst_sectors, c.gst_bytes) == (128, 1024, 16 * 256 * 4)
+    # MMA loop: 8 warps x 4 steps x 1 tile x 2 planes x (4 loads, 4 tiles x 4 MMAs)
+    assert c.mma == 8 * 4 * 2 * 16
+    # shared: the loads (256, 4 wavefronts each, conflict-free) + staging (2 planes x 32 stores of
+    # 8 B, 256 contiguous B = 2 wavefronts each)
+    assert c.smem_requests == 256 + 64
+    assert c.smem_wavefronts == c.smem_ideal_wavefronts == 256 * 4 + 64 * 2
+    assert c.barriers == 2
+    assert c.dram_bytes == 256 * 256 * 2 + 16 * 256 * 4 * 2
+    assert c.dram_round_trips_per_block == 2     # 4 steps, ring depth 2
+    assert c.l2_round_trips_per_block == 1       # one x chunk
+    assert c.inflight_peak_bytes_per_warp == 2 * 4 * 1024
+
+
+def test_gemm_stream_split_k_by_hand():
+    """M = 16, N = 256, K = 4096, split 4 (kz 1024): same MMAs, partial tiles through L2."""
+    one, _ = _gs_launch(16, 256, 4096, ks=1)
+    L, p = _gs_launch(16, 256, 4096, ks=4)
+    assert (p.grid, p.kz) == ((1, 1, 4), 1024)
+    a, b = ctr.static_counters(one), ctr.static_counters(L)
+    assert b.mma == a.mma == 8 * 64 * 2 * 16
+    # partial stores: 4 blocks x 8 warps x 4 tiles x 2 row halves, float2 of 8 rows x 4 lanes: 8 sectors
+    # reduction: 16 rows x 64 float4 per slice = 32 requests of 16 sectors per slice, 4 slices;
+    # its scalar stores: 16 x 256 floats in 4-B requests of 32 lanes
+    assert b.gst_requests == 256 + 16 * 256 // 32
+    # weights: 8 warps x 4 tiles x 64 steps x 2 halves either way; x: 16 rows x 1024 floats per
+    # slice in 512-B requests; unsplit, kt = 1728 stages chunks 1728, 1728, 640: the last one's
+    # rows of 160 float4 start at items 432r, half of them mid-warp (8 extra requests)
+    assert b.gld_requests == 4096 + 4 * 16 * 1024 // 128 + 4 * 32
+    assert a.gld_requests == 4096 + 4 * 16 * 1024 // 128 + 8
+    assert b.bytes_written["ws"] == b.bytes_read["ws"] == 4 * 16 * 256 * 4
+    assert b.dram_round_trips_per_block == 8      # 16 steps per slice, depth 2
+    assert b.barriers == 4 * 2 + 4 * 2
+    assert b.dram_bytes == a.dram_bytes
+
+
+def test_gemm_stream_silu_mul_partial_columns():
+    """silu_mul, N = 36: 128 columns per block; weight tiles start at 0, 8, .., 32 (the last
+    holds 4 rows), each in the gate and the up half; 64 k steps of K = 256."""
+    L, p = _gs_launch(16, 36, 256, epi=2)
+    assert p.grid == (1, 1, 1)
+    c = ctr.static_counters(L)
+    reqs = 2 * 5 * 4 * 2                                 # (gate, up) x 5 tiles x 4 steps x 2 halves
+    x_reqs = 32
+    assert c.gld_requests == reqs + x_reqs
+    # a full tile's request: 8 rows x 2 sectors; the 4-row tile's: 8
+    assert c.gld_sectors == 2 * 4 * 2 * (4 * 16 + 8) + x_reqs * 16
+    assert c.bytes_read["w"] == 2 * 36 * 256 * 2
+    # all 8 warps compute (warps past N stream zeros): 8 x 4 steps x 2 planes x 4 tiles x 4
+    assert c.mma == 8 * 4 * 2 * 16
+    # epilogue: 5 tiles of 8 columns (lanes store where col < N) x 4 instructions
+    assert c.gst_requests == 5 * 4
+
+
+@pytest.mark.parametrize("m", [16, 32, 64])
+@pytest.mark.parametrize("name,N,K,nw", [("8b o", 4096, 4096, 1), ("8b gate_up", 12288, 4096, 2),
+                                         ("5120 down", 5120, 17408, 1)])
+def test_gemm_stream_counters_agree_with_the_launcher_figures(m, name, N, K, nw):
+    """The counters' shared-memory reads, x re-reads and in-flight bytes are the
+    figures ``ops.gemm_stream.stream_figures`` derives for the kernel header."""
+    from dflash_cupy.ops import gemm_stream as gs
+    f = gs.stream_figures(N, K, m, nw)
+    L, p = _gs_launch(m, N, K, epi=2 if nw == 2 else 0)
+    c = ctr.static_counters(L)
+    wbytes = N * nw * K * 2
+    loads = c.mma // 4                                  # 4 x-fragment loads per 4 tiles x 4 MMAs
+    assert loads * 512 / wbytes == pytest.approx(f["smem_read_per_weight_byte"], rel=1e-9)
+    x_bytes = c.gld_bytes - wbytes - (p.ks * nw * min(m, 16 * p.mt) * N * 4 if p.ks > 1 else 0)
+    assert x_bytes / wbytes == pytest.approx(f["x_l2_per_weight_byte"], rel=1e-9)
+    assert c.bank_conflict_factor == 1.0                # the header's conflict-free claim
+    per_warp_computing = c.inflight_peak_bytes_per_warp * (gs.DEPTH[p.mt] - 1) // gs.DEPTH[p.mt]
+    assert per_warp_computing * 8 * min(f["blocks_per_sm_resident"], -(-f["blocks"] // 132)) \
+        == f["inflight_per_sm"]
+
+
+def test_step_plan_gemm_launches_match_the_launcher_plan():
+    plan = step_plan(drafter_config("h4096"), 2048, lm_head_vocab=1024)
+    gl = [n for n in plan.launches if n.kernel == "gemm_stream"]
+    assert len(gl) == 1 + 4 * 5 + 1
+    for n in gl:
+        assert not any("differs" in s for s in ctr.static_counters(n).notes), n.args[1].name
+
+
+def test_gemm_stream_padding_tiles_skipped():
+    """qkv of a step: M = 34 append rows + 16 noise rows, rows [6, 34) padding (n_new = 6
+    from the descriptor): tile [16, 32) is all padding and skipped, 3 of 4 computed; with
+    the padding start unknown every tile counts."""
+    L, p = _gs_launch(50, 256, 256)
+    assert p.mt == 4 and p.grid[1] == 1
+    full = ctr.static_counters(L)
+    L.args[-1] = 34
+    unknown = ctr.static_counters(L)
+    L.known["pad_lo"] = 6
+    pad = ctr.static_counters(L)
+    assert unknown.mma == full.mma
+    assert pad.mma * 4 == full.mma * 3
+    assert pad.gld_bytes == full.gld_bytes - 28 * 256 * 4     # the 28 padding rows are not loaded
+    assert any("1 16-row tile(s) skipped" in n for n in pad.notes)
+
+
+def test_step_qkv_gemm_knows_the_step_padding():
+    plan = step_plan(drafter_config("h4096"), 2048)
+    qkv = [n for n in plan.launches if n.kernel == "gemm_stream" and n.args[1].name.endswith("w_qkv")]
+    assert len(qkv) == 5 and all(n.known == {"pad_lo": 6} and n.args[-1] == plan.a_step for n in qkv)

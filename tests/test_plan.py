@@ -60,9 +60,10 @@ def bits(a):
 class DeviceRing:
     """The planning part of a step, the way the cache drives it: bulk chunks
     outside the graph, then one captured graph (descriptor copy, reset_slots_if,
-    plan_append, gather_features, build_masks) replayed every step."""
+    plan_append, gather_features, build_masks; or with ``fused`` the one
+    plan_step launch that does all four) replayed every step."""
 
-    def __init__(self, be, geom, swa, ring_host, chunk):
+    def __init__(self, be, geom, swa, ring_host, chunk, fused=False):
         self.be, self.g, self.swa, self.chunk = be, geom, swa, chunk
         ring_cap, fc_in = ring_host.shape
         self.planner = StepPlanner(be, geom)
@@ -89,10 +90,14 @@ class DeviceRing:
         fill_descriptor(self.desc_h, 1, 0, 0, 0, 0)
         be.begin_capture(s)
         be.copy_h2d_async(self.desc, self.desc_h, stream=s)
-        self.planner.reset_slots_if(self.desc, self.slot_pos, stream=s)
-        self.planner.plan_append(self.desc, self.ap_pos, self.ap_rows, self.slot_pos, self.pos_q, stream=s)
-        self.gather(self.desc, self.ring, self.ap_feat, stream=s)
-        self.planner.build_masks(self.desc, self.slot_pos, self.mask_full, self.mask_swa, stream=s)
+        if fused:   # the cache's step graph: one launch
+            self.gather.plan_step(self.desc, self.ring, self.ap_feat, geom, self.slot_pos, self.ap_pos,
+                                  self.ap_rows, self.pos_q, self.mask_full, self.mask_swa, stream=s)
+        else:
+            self.planner.reset_slots_if(self.desc, self.slot_pos, stream=s)
+            self.planner.plan_append(self.desc, self.ap_pos, self.ap_rows, self.slot_pos, self.pos_q, stream=s)
+            self.gather(self.desc, self.ring, self.ap_feat, stream=s)
+            self.planner.build_masks(self.desc, self.slot_pos, self.mask_full, self.mask_swa, stream=s)
         self.graph = be.end_capture(s)
 
     def begin_step(self, committed):
@@ -139,12 +144,13 @@ def step_sequence(rng, geom, n):
 @pytest.mark.parametrize("capacity,q_len,swa,chunk", [(7, 4, 3, 1024), (3, 16, 1, 1024),
                                                       (33, 5, 0, 1024), (64, 16, 40, 1024),
                                                       (40, 2, 0, 9)])
-def test_step_sequence_matches_simulation(backend, rng, capacity, q_len, swa, chunk):
+@pytest.mark.parametrize("fused", [False, True])
+def test_step_sequence_matches_simulation(backend, rng, capacity, q_len, swa, chunk, fused):
     geom = RingGeometry(capacity, q_len)
     fc_in = 19
     ring_cap = capacity + 3 * geom.a_step + 5
     ring = rng.standard_normal((ring_cap, fc_in)).astype(np.float16)
-    dev = DeviceRing(backend, geom, swa, ring, chunk)
+    dev = DeviceRing(backend, geom, swa, ring, chunk, fused)
     sim = RingSim(geom, chunk)
     ring32 = ring.astype(np.float32)
     for step, committed in enumerate(step_sequence(rng, geom, 30)):
@@ -304,3 +310,77 @@ def test_bad_arguments_raise(emu):
         g(desc, be.zeros((4, 5), np.float16), be.zeros((2, 5), np.float32))
     with pytest.raises(ValueError, match="ap_feat"):
         g(desc, be.zeros((4, 5), np.uint16), be.zeros((2, 6), np.float32))
+
+
+@pytest.mark.parametrize("capacity,q_len,a_rows", [(10, 3, 8), (3, 16, 3), (37, 5, 12)])
+def test_plan_step_equals_the_four_launches(backend, rng, capacity, q_len, a_rows):
+    """gather.cu's plan_step against reset_slots_if + plan_append + gather_features +
+    build_masks on the same inputs: stale and empty slots, reset on and off, more new
+    rows than a_rows, starts that wrap the ring and sit near INT_MAX, one or both masks."""
+    be = backend
+    geom = RingGeometry(capacity, q_len)
+    planner = StepPlanner(be, geom)
+    fc_in, ring_cap = 19, 23
+    ring_h = rng.standard_normal((ring_cap, fc_in)).astype(np.float16)
+    g = FeatureGather(be, fc_in, ring_cap, ring_h.dtype)
+    ring = be.asarray(ring_h)
+    shape = (q_len, geom.kv_total)
+    desc_h = np.zeros(DESC_LEN, np.int32)
+    cases = [(5, 4, 0, False), (18, a_rows + 2, 2, True), (2**31 - 40, 3, 1, False), (0, 0, 0, True),
+             (capacity * 7 + 1, min(a_rows, capacity), capacity // 2, False)]
+    for (start, n_new, swa, reset), which in zip(cases, ("both", "full", "swa", "both", "both")):
+        n_new = min(n_new, capacity)          # the host's invariant: appended rows hit distinct slots
+        committed = start + n_new
+        lo = max(0, committed - capacity)
+        fill_descriptor(desc_h, committed, lo, start, n_new, max(lo, committed - swa), reset=reset)
+        sp0 = rng.integers(max(-1, committed - 2 * capacity), committed + 3, capacity).astype(np.int32)
+        sp0[rng.random(capacity) < 0.3] = -1
+        outs = []
+        for fused in (False, True):
+            d = be.asarray(desc_h)
+            sp = be.asarray(sp0)
+            ap_pos, ap_rows = be.zeros((a_rows + 1,), np.int32), be.zeros((a_rows + 1,), np.int32)
+            pos_q = be.zeros((q_len,), np.int32)
+            feat = be.asarray(np.full((a_rows + 1, fc_in), np.nan, np.float32))
+            mf = be.asarray(np.full(shape, 7, np.float16)) if which != "swa" else None
+            ms = be.asarray(np.full(shape, 7, np.float16)) if which != "full" else None
+            if fused:
+                g.plan_step(d, ring, feat, geom, sp, ap_pos, ap_rows, pos_q, mask_full=mf, mask_swa=ms,
+                            n_rows=a_rows)
+            else:
+                planner.reset_slots_if(d, sp)
+                planner.plan_append(d, ap_pos, ap_rows, sp, pos_q, n_rows=a_rows)
+                g(d, ring, feat, n_rows=a_rows)
+                planner.build_masks(d, sp, mask_full=mf, mask_swa=ms)
+            outs.append([be.to_numpy(a) for a in (sp, ap_pos, ap_rows, pos_q, feat)]
+                        + [bits(be.to_numpy(m)) for m in (mf, ms) if m is not None])
+        what = f"start={start} n_new={n_new} reset={reset} masks={which}"
+        for a, b_ in zip(*outs):
+            assert np.array_equal(a, b_, equal_nan=a.dtype.kind == "f"), what
+        e_pos, e_rows, e_sp, e_q = plan_append_reference(desc_h, np.full(capacity, -1, np.int32) if reset
+                                                         else sp0, a_rows, geom)
+        assert np.array_equal(outs[1][0], e_sp) and np.array_equal(outs[1][1][:a_rows], e_pos), what
+        assert outs[1][1][a_rows] == 0 and np.isnan(outs[1][4][a_rows]).all(), f"{what}: wrote past n_rows"
+
+
+def test_plan_step_bad_arguments_raise(emu):
+    be = emu
+    geom = RingGeometry(10, 3)
+    g = FeatureGather(be, 5, 4, "bf16")
+    ring = be.zeros((4, 5), np.uint16)
+    desc, sp = be.zeros((DESC_LEN,), np.int32), be.zeros((10,), np.int32)
+    ap = [be.zeros((6,), np.int32) for _ in range(2)]
+    feat, pq = be.zeros((6, 5), np.float32), be.zeros((3,), np.int32)
+    m = be.zeros((3, geom.kv_total), np.float16)
+    with pytest.raises(ValueError, match="mask_full and/or mask_swa"):
+        g.plan_step(desc, ring, feat, geom, sp, *ap, pq)
+    with pytest.raises(ValueError, match="slot_pos must have shape"):
+        g.plan_step(desc, ring, feat, geom, be.zeros((9,), np.int32), *ap, pq, mask_full=m)
+    with pytest.raises(ValueError, match="n_rows=7"):
+        g.plan_step(desc, ring, feat, geom, sp, *ap, pq, mask_full=m, n_rows=7)
+    with pytest.raises(ValueError, match="mask_swa must have shape"):
+        g.plan_step(desc, ring, feat, geom, sp, *ap, pq, mask_swa=be.zeros((3, 5), np.float16))
+    with pytest.raises(ValueError, match="must not overlap"):
+        g.plan_step(desc, ring, feat, geom, sp, *ap, pq, mask_full=m, mask_swa=m)
+    with pytest.raises(TypeError, match="geom"):
+        g.plan_step(desc, ring, feat, (10, 3), sp, *ap, pq, mask_full=m)

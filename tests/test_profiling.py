@@ -70,7 +70,7 @@ def hand_step(window, n_new):
     act += 2 * B * H * 4                               # h <- noise_embed
     kv_read = 0
     for _ in range(L):
-        act += (2 * B + 1) * H * 4                     # input_layernorm (noise rows)
+        act += H * 4                                   # input_layernorm scale (folded into the qkv GEMM)
         w += (QD + 2 * KVW) * H * 2
         act += M * H * 4 + M * (QD + 2 * KVW) * 4      # qkv gemm, appended + noise rows
         act += M * (QD + 2 * KVW) * 4 + 2 * M * 4 + 2 * D * 4 + (D // 2) * 8 + M * QD * 4  # rope + q out
@@ -80,7 +80,7 @@ def hand_step(window, n_new):
         act += 2 * B * NH * D * 4                      # attention q, out
         w += H * QD * 2
         act += B * QD * 4 + 2 * B * H * 4              # o gemm (+ residual)
-        act += (2 * B + 1) * H * 4                     # post_attention_layernorm
+        act += H * 4                                   # post_attention_layernorm scale (folded into gate_up)
         w += 2 * I * H * 2
         act += B * H * 4 + B * I * 4                   # gate_up (silu_mul)
         w += H * I * 2

@@ -1,11 +1,16 @@
 """The feature gather (``cuda_src/gather.cu``) and its NumPy reference: the
 new feature rows of a step or bulk chunk, read from the feature ring at the
-positions the step descriptor names, widened to f32."""
+positions the step descriptor names, widened to f32.
+
+``FeatureGather.plan_step`` is the step graph's whole planning in one launch:
+``StepPlanner.reset_slots_if`` + ``plan_append`` + this gather +
+``StepPlanner.build_masks`` (their NumPy references are the oracle)."""
 from __future__ import annotations
 
 import numpy as np
 
 from .. import checks, dtypes, kernels
+from ..geometry import RingGeometry
 from .plan import check_desc
 from .step_descriptor import DESC_N_NEW, DESC_START
 
@@ -31,6 +36,7 @@ class FeatureGather:
                                            RING_DTYPE=dtypes.CODE[self.kind],
                                            GATHER_THREADS=THREADS)
         self._kernel = self._module.get_function("gather_features")
+        self._plan_kernel = self._module.get_function("plan_step")
         self._gx = -(-self.fc_in // (THREADS * 4))
 
     def __repr__(self):
@@ -56,6 +62,56 @@ class FeatureGather:
         self._kernel((self._gx, n, 1), (THREADS, 1, 1),
                      (desc, ring, ap_feat, np.int32(n)), stream=stream)
 
+    def plan_step(self, desc, ring, ap_feat, geom, slot_pos, ap_pos, ap_rows, pos_q, mask_full=None, mask_swa=None,
+                  n_rows=None, stream=None):
+        """One launch (``gather.cu``'s ``plan_step``) doing, in effect and in this
+        order: ``slot_pos[:] = -1`` if the reset flag is set; the append plan of
+        rows ``i < n_rows`` (``ap_pos``, ``ap_rows``, ``slot_pos``) and
+        ``pos_q``; the gather into ``ap_feat[:n_rows]``; the masks from the
+        updated ``slot_pos`` (``mask_full`` and/or ``mask_swa``,
+        ``[q_len, kv_total]`` f16). Same results as the four separate launches."""
+        be = self.backend
+        if not isinstance(geom, RingGeometry):
+            raise TypeError(f"geom must be a RingGeometry, got {type(geom).__name__}")
+        check_desc(be, desc)
+        checks.device_array(be, "ring", ring, self.ring_device_dtype, ndim=2)
+        if tuple(ring.shape) != (self.ring_capacity, self.fc_in):
+            raise ValueError(f"ring must have shape {(self.ring_capacity, self.fc_in)}, got {tuple(ring.shape)}")
+        checks.device_array(be, "ap_feat", ap_feat, np.float32, ndim=2)
+        if ap_feat.shape[1] != self.fc_in:
+            raise ValueError(f"ap_feat must have {self.fc_in} columns, got shape {tuple(ap_feat.shape)}")
+        checks.device_array(be, "slot_pos", slot_pos, np.int32, ndim=1)
+        if slot_pos.shape[0] != geom.capacity:
+            raise ValueError(f"slot_pos must have shape ({geom.capacity},), got {tuple(slot_pos.shape)}")
+        checks.device_array(be, "ap_pos", ap_pos, np.int32, ndim=1)
+        checks.device_array(be, "ap_rows", ap_rows, np.int32, ndim=1)
+        checks.device_array(be, "pos_q", pos_q, np.int32, ndim=1)
+        if pos_q.shape[0] != geom.q_len:
+            raise ValueError(f"pos_q must have shape ({geom.q_len},), got {tuple(pos_q.shape)}")
+        n = ap_pos.shape[0] if n_rows is None else checks.int_arg(n_rows, "n_rows")
+        if min(ap_pos.shape[0], ap_rows.shape[0], ap_feat.shape[0]) < n:
+            raise ValueError(f"ap_pos ({ap_pos.shape[0]}), ap_rows ({ap_rows.shape[0]}) and ap_feat "
+                             f"({ap_feat.shape[0]} rows) must hold n_rows={n} entries")
+        shape = (geom.q_len, geom.kv_total)
+        given = [(nm, m) for nm, m in (("mask_full", mask_full), ("mask_swa", mask_swa)) if m is not None]
+        if not given:
+            raise ValueError("plan_step needs mask_full and/or mask_swa")
+        for nm, m in given:
+            checks.device_array(be, nm, m, np.float16, ndim=2)
+            if tuple(m.shape) != shape:
+                raise ValueError(f"{nm} must have shape {shape}, got {tuple(m.shape)}")
+        arrays = dict(desc=desc, ring=ring, ap_feat=ap_feat, slot_pos=slot_pos, ap_pos=ap_pos, ap_rows=ap_rows,
+                      pos_q=pos_q, **dict(given))
+        checks.check_no_overlap(**arrays)
+        flags = (1 if mask_full is not None else 0) | (2 if mask_swa is not None else 0)
+        mf = mask_full if mask_full is not None else mask_swa
+        ms = mask_swa if mask_swa is not None else mask_full
+        blocks = self._gx * n + -(-max(geom.kv_total, n, geom.q_len) // THREADS)
+        self._plan_kernel((blocks, 1, 1), (THREADS, 1, 1),
+                          (desc, ring, ap_feat, np.int32(n), slot_pos, ap_pos, ap_rows, pos_q, mf, ms,
+                           np.int32(geom.capacity), np.int32(geom.q_len), np.int32(geom.kv_total), np.int32(flags)),
+                          stream=stream)
+
 
 def gather_features_reference(desc, ring, n_rows: int) -> np.ndarray:
     """NumPy oracle of ``gather_features``: f32 ``[n_rows, fc_in]``; ``ring`` f32,
@@ -68,3 +124,4 @@ def gather_features_reference(desc, ring, n_rows: int) -> np.ndarray:
     if k:
         out[:k] = ring32[(start + np.arange(k)) % ring.shape[0]]
     return out
+

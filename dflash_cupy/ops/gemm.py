@@ -75,7 +75,8 @@ class Gemm:
     """
 
     def __init__(self, backend, N: int, K: int, w_dtype, epilogue: str = "none", max_m: int = 64,
-                 path: str = "auto", x_split: bool = True, k_split: int | None = None, logits: bool = True):
+                 path: str = "auto", x_split: bool = True, k_split: int | None = None,
+                 norm_eps: float | None = None, logits: bool = True):
         N, K, max_m = (checks.int_arg(v, name, 1) for v, name in ((N, "N"), (K, "K"), (max_m, "max_m")))
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue {epilogue!r}: expected one of {tuple(EPILOGUES)}")
@@ -103,6 +104,13 @@ class Gemm:
         self.x_split = bool(x_split)
         self.x_round = (self.wkind + ("x2" if self.x_split else "")) if self.path != "fma" else None
         self.threads = WARPS * 32
+        if norm_eps is not None:
+            if self.path != "stream":
+                raise ValueError(f"norm_eps needs path 'stream' (this Gemm runs {self.path!r})")
+            if not isinstance(norm_eps, (int, float, np.floating)) or isinstance(norm_eps, bool) \
+                    or not 0 < float(norm_eps) < 1:
+                raise ValueError(f"norm_eps must be a float in (0, 1), got {norm_eps!r}")
+        self.norm_eps = None if norm_eps is None else float(norm_eps)
         if self.path == "stream":
             self._init_stream(k_split)
             return
@@ -140,7 +148,8 @@ class Gemm:
         self._stream = gemm_stream.StreamKernels(
             self.backend, self.N, self.K, dtypes.CODE[self.wkind], EPILOGUES[self.epilogue],
             2 if self.epilogue == "silu_mul" else 1, self.split, self.max_m,
-            k_split=None if k_split is None else int(k_split), logits=self.logits)
+            k_split=None if k_split is None else int(k_split), norm=self.norm_eps is not None,
+            logits=self.logits)
         self.k_split = self._stream.plan(self.max_m).ks   # at m = max_m; each call plans its own m
         self.k_tile = self._stream.plan(self.max_m).kt
         self.cols_per_block = gemm_stream.cols_per_block(self._stream.nw)
@@ -201,11 +210,13 @@ class Gemm:
 
     def bytes_moved(self, m: int) -> int:
         """Compulsory traffic of one call: weights once, x read, y written,
-        residual read. (For ``m > max_m`` each extra M tile re-reads the
-        weights, mostly from L2; not counted.)"""
+        residual read, the folded norm's scale. (For ``m > max_m`` each extra
+        M tile re-reads the weights, mostly from L2; not counted.)"""
         b = self.w_rows * self.K * dtypes.ITEMSIZE[self.wkind] + m * self.K * 4 + m * self.N * 4
         if self.epilogue == "residual":
             b += m * self.N * 4
+        if self.norm_eps is not None:
+            b += self.K * 4
         return b
 
     def _pad(self, pad_rows, m):
@@ -225,11 +236,15 @@ class Gemm:
         """Shape of the u32 ``partials`` the "argmax" epilogue writes for ``m`` rows."""
         return (int(m), self._nblk, 2)
 
-    def __call__(self, x, w, y, m, residual=None, stream=None, pad_rows=None, partials=None):
+    def __call__(self, x, w, y, m, residual=None, stream=None, pad_rows=None, norm=None,
+                 partials=None):
         """``pad_rows=(lo, hi)`` (``"stream"`` path): rows ``[lo[0], hi)`` of x
         are padding and count as zeros (not read; 16-row tiles of padding only
         are not computed); ``lo`` is a device int32 array read when the kernel
         runs, so a captured graph follows it; ``hi`` a host int <= m.
+        ``norm=(ln, norm_lo)`` (a ``Gemm`` built with ``norm_eps``): rows
+        ``[norm_lo, m)`` of x enter as ``rmsnorm(x_row) * ln`` (``ln`` [K] f32),
+        folded into the GEMM: no separate pass, x unchanged.
         ``partials`` (epilogue "argmax" only, u32 ``partials_shape(m)``): each
         row's best column per column block; ``y`` is None unless ``logits``."""
         be = self.backend
@@ -292,8 +307,19 @@ class Gemm:
         if self.vectorized:
             checks.aligned16(x=x, w=w, y=y, residual=r)
         pad_rows = self._pad(pad_rows, m)
+        if norm is not None:
+            if self.norm_eps is None:
+                raise ValueError("norm given but this Gemm was built without norm_eps")
+            ln, norm_lo = norm
+            checks.device_array(be, "norm[0]", ln, np.float32, ndim=1)
+            if ln.shape[0] != self.K:
+                raise ValueError(f"norm[0] must have shape ({self.K},), got {tuple(ln.shape)}")
+            if not isinstance(norm_lo, (int, np.integer)) or isinstance(norm_lo, bool) or not 0 <= norm_lo <= m:
+                raise ValueError(f"norm[1] must be an int in [0, m={m}], got {norm_lo!r}")
+            checks.aligned16(norm=ln)
+            norm = (ln, self.norm_eps, int(norm_lo))
         if self.path == "stream":
-            self._stream(x, w, y, r, m, stream=stream, pad_rows=pad_rows, partials=partials)
+            self._stream(x, w, y, r, m, stream=stream, pad_rows=pad_rows, norm=norm, partials=partials)
             return
         grid, block, smem = self.launch_config(m)
         if self.path == "fma":
@@ -307,16 +333,31 @@ class Gemm:
                          shared_mem=smem, stream=stream)
 
 
-def gemm_reference(x, w, epilogue: str = "none", residual=None, x_round: str | None = None) -> np.ndarray:
+def gemm_reference(x, w, epilogue: str = "none", residual=None, x_round: str | None = None,
+                   norm=None) -> np.ndarray:
     """NumPy oracle for ``Gemm``: the weights are widened exactly from their
     stored dtype (uint16 = bf16 bits), the activations rounded (nearest even)
     as ``x_round`` says (``Gemm.x_round``: ``"f16"``/``"bf16"`` once,
     ``"f16x2"``/``"bf16x2"`` as hi + lo) or kept f32, everything computed in float64 and the result
     rounded once to float32. The kernel accumulates in f32 in a different
-    order; ``tolerances.TOL["f32"]`` absorbs that."""
+    order; ``tolerances.TOL["f32"]`` absorbs that. ``norm=(ln, eps, norm_lo)``:
+    rows ``>= norm_lo`` are ``rmsnorm(x_row) * ln`` in the folded kernel's
+    order: ``x * ln`` (f32 product) is what gets rounded, and the row's
+    ``1 / sqrt(mean(x^2) + eps)`` (float64) multiplies the accumulated sum
+    before the epilogue (normalising first and then rounding differs by one
+    rounding of the activations, ~2^-17 relative with hi + lo)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue {epilogue!r}: expected one of {tuple(EPILOGUES)}")
     x = np.asarray(x, dtype=np.float32)
+    scale = None
+    if norm is not None:
+        ln, eps, norm_lo = norm
+        x = x.copy()
+        scale = np.ones((x.shape[0], 1))
+        if norm_lo < x.shape[0]:
+            rows = x[norm_lo:].astype(np.float64)
+            scale[norm_lo:, 0] = 1.0 / np.sqrt(np.mean(rows * rows, axis=1) + eps)
+            x[norm_lo:] = x[norm_lo:] * np.asarray(ln, np.float32)[None, :]
     if x_round is not None:
         kinds = {"bf16": ml_dtypes.bfloat16, "f16": np.float16}
         if x_round.rstrip("x2") not in kinds or x_round not in ("bf16", "f16", "bf16x2", "f16x2"):
@@ -331,6 +372,8 @@ def gemm_reference(x, w, epilogue: str = "none", residual=None, x_round: str | N
     x = x.astype(np.float64)
     w = dtypes.to_float(w, np.float64)
     acc = x @ w.T
+    if scale is not None:
+        acc = acc * scale
     if epilogue == "none":
         out = acc
     elif epilogue == "residual":

@@ -26,6 +26,7 @@ from .. import device_props, kernels
 WARPS = 8                 # warps per block (GS_WARPS)
 DEPTH = {1: 2, 2: 3, 4: 3}  # ring depth in 64-k steps (GS_DEPTH) per M variant
 KSTEP = 64                # k per ring step
+XPAD = 32                 # x tile row padding in elements: a row stride of 64 (mod 128) bytes
 WTILES = 4                # 8-row weight tiles per warp: GS_NT = 4 (or 2 per matrix for silu_mul)
 MT_BUCKETS = (1, 2, 4)    # 16-row M tiles per block: the compiled variants
 MAX_K_SPLIT = 16
@@ -76,7 +77,7 @@ def cols_per_block(nw: int) -> int:
 
 
 def smem_bytes(tiles: int, kt: int, split: int) -> int:
-    return split * 16 * tiles * (kt + 8) * 2
+    return split * 16 * tiles * (kt + XPAD) * 2
 
 
 def blocks_per_sm(mt: int, smem: int) -> int:
@@ -103,7 +104,7 @@ def _kt_for(kz: int, mt: int, tiles: int, split: int, dev: Device) -> int:
     # register-limited residency.
     resident = blocks_per_sm(mt, 0)
     budget = min(dev.smem_optin, SMEM_PER_SM // resident - SMEM_RESERVED)
-    cap = (budget // (split * 16 * tiles * 2) - 8) // KSTEP * KSTEP
+    cap = (budget // (split * 16 * tiles * 2) - XPAD) // KSTEP * KSTEP
     return max(KSTEP, min(kz, cap))
 
 
@@ -204,20 +205,20 @@ def mma_figures(N: int, K: int, m: int, nw: int = 1, max_m: int = 64, dev: Devic
     }
 
 
-def xtile_conflict_ways(kt: int, pad: int = 8) -> list[int]:
+def xtile_conflict_ways(kt: int, pad: int = XPAD) -> list[int]:
     """Shared-memory wavefronts per quarter warp of each 16-byte x-fragment load
-    of the kernel (row stride kt + pad halves, the kernel's pad is 8; lane (g, t)
-    reads row g (+8) at byte 32t (+16)): 1 = conflict-free. Computed from the
-    address formula, bank by bank (32 banks of 4 bytes)."""
+    of the kernel (row stride kt + pad halves; lane (g, t) reads row g (+8) at
+    byte 16t (+64)): 1 = conflict-free. Computed from the address formula,
+    bank by bank (32 banks of 4 bytes)."""
     stride = 2 * (kt + pad)
     ways = []
     for rowoff in (0, 8):
-        for half in (0, 16):
+        for half in (0, 64):
             for phase in range(4):  # a 16-byte access is served a quarter warp at a time
                 banks: dict[int, set] = {}
                 for lane in range(8 * phase, 8 * phase + 8):
                     g, t = lane >> 2, lane & 3
-                    addr = (g + rowoff) * stride + 32 * t + half
+                    addr = (g + rowoff) * stride + 16 * t + half
                     for b in range(4):
                         word = addr // 4 + b
                         banks.setdefault(word % 32, set()).add(word)
@@ -233,11 +234,12 @@ class StreamKernels:
     compiled now: nothing compiles during graph capture) and their launches."""
 
     def __init__(self, backend, N: int, K: int, wtype_code: int, epi_code: int, nw: int, split: int,
-                 max_m: int, k_split: int | None = None, logits: bool = True):
+                 max_m: int, k_split: int | None = None, norm: bool = False, logits: bool = True):
         if epi_code == ARGMAX_EPI:  # the fused argmax reduces within a block: no split K
             k_split = 1
         self.backend = backend
         self.N, self.K, self.nw, self.split, self.k_split = N, K, nw, split, k_split
+        self.norm = bool(norm)
         self.dev = device_of(backend)
         top = self.top = bucket(max_m)
         self.buckets = tuple(b for b in MT_BUCKETS if b <= top)
@@ -245,7 +247,7 @@ class StreamKernels:
         for mt in self.buckets:
             mod = kernels.load_module(backend, "gemm_stream.cu", GS_WTYPE=wtype_code, GS_EPI=epi_code, GS_K=K,
                                       GS_MT=mt, GS_NT=WTILES // nw, GS_WARPS=WARPS, GS_SPLIT=split,
-                                      GS_DEPTH=DEPTH[mt],
+                                      GS_DEPTH=DEPTH[mt], **({"GS_NORM": 1} if self.norm else {}),
                                       **({"GS_LOGITS": int(logits)} if epi_code == ARGMAX_EPI else {}))
             self._kernels[mt] = mod.get_function("gemm_stream")
         # Workspace for the largest split any m <= max_m plans (rows of its variant).
@@ -253,8 +255,8 @@ class StreamKernels:
         ws = 0
         for m in range(1, 16 * top + 1):
             p = self.plan(m)
-            if p.ks > 1:
-                ws = max(ws, groups * p.ks * nw * 16 * p.mt * cols_per_block(nw))
+            if p.ks > 1:   # partial tiles, then (GS_NORM) each slice's row sums of squares
+                ws = max(ws, groups * p.ks * 16 * p.mt * (nw * cols_per_block(nw) + int(self.norm)))
         self._ws = backend.zeros((max(ws, 1),), np.float32)
         self._counters = backend.zeros((-(-N // cols_per_block(nw)),), np.int32)
 
@@ -265,16 +267,20 @@ class StreamKernels:
         p = self.plan(m)
         return p.grid, (WARPS * 32, 1, 1), p.smem
 
-    def __call__(self, x, w, y, r, m: int, stream=None, pad_rows=None, partials=None):
+    def __call__(self, x, w, y, r, m: int, stream=None, pad_rows=None, norm=None, partials=None):
         """``pad_rows=(lo, hi)``: rows ``[lo[0], hi)`` are zero rows, ``lo`` a
         device int32 array read at run time (``None``: no padding rows).
+        ``norm=(ln, eps, norm_lo)`` (a ``norm=True`` kernel): rows ``>= norm_lo``
+        of x are RMS-normalised with scale ``ln`` [K] f32 inside the GEMM.
         ``partials`` (the argmax epilogue): u32 ``[>= m, blocks, 2]`` written
         in place of the split-K workspace."""
         p = self.plan(m)
         lo, hi = (self._counters, 0) if pad_rows is None else pad_rows
+        ln, eps, norm_lo = (x, 0.0, m) if norm is None else norm
         self._kernels[p.mt](p.grid, (WARPS * 32, 1, 1),
                             (x, w, y, r, np.int32(m), np.int32(self.N), np.int32(p.kz), np.int32(p.kt),
-                             self._ws if partials is None else partials, self._counters, lo, np.int32(hi)),
+                             self._ws if partials is None else partials, self._counters, lo, np.int32(hi),
+                             ln, np.float32(eps), np.int32(norm_lo)),
                             shared_mem=p.smem, stream=stream)
 
 
