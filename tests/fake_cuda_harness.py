@@ -109,6 +109,9 @@ mp.setattr(R, "deviceSynchronize", lambda: calls.append(("dsync",)))
 mp.setattr(R, "streamSynchronize", lambda st: calls.append(("ssync", st)))
 mp.setattr(R, "deviceGetAttribute", lambda a, d: 232448)
 mp.setattr(R, "getDevice", lambda: 0)
+foreign_streams = set()   # stream handles the fake driver places in another device's context
+mp.setattr(D, "streamGetCtx", lambda ptr: 0xB00 if ptr in foreign_streams else 0xA00)
+mp.setattr(D, "ctxGetCurrent", lambda: 0xA00)
 mp.setattr(cupy.cuda, "alloc_pinned_memory", fake_alloc_pinned)
 mp.setattr(R, "pointerGetAttributes", fake_pointer_attributes)
 mp.setattr(cupy, "RawModule", FakeRawModule)
@@ -263,6 +266,10 @@ calls.clear()
 be.to_numpy(d, stream=s2); assert calls[-1] == ("ssync", s2.ptr), calls
 s2.wait_event(e); assert calls[-1] == ("swait", s2.ptr, e.raw), calls
 with pytest.raises(TypeError, match="stream must be"): be.as_stream(5)
+other = be.stream(); foreign_streams.add(other.ptr)   # a stream of another device: refused, by name
+with pytest.raises(ValueError, match="belongs to another device"): be.as_stream(other)
+with pytest.raises(ValueError, match="belongs to another device"): be.as_stream(other.raw)
+foreign_streams.clear()
 
 # ---- capture
 import cupy.cuda.memory as M

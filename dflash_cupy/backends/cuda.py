@@ -322,6 +322,19 @@ def _pinned_guard(on: bool) -> None:
             cupy.cuda.set_pinned_memory_allocator(cupy.get_default_pinned_memory_pool().malloc)
 
 
+def _check_stream_device(raw) -> None:
+    """ValueError for a stream of another device (its context is not the current one)."""
+    if raw.ptr in _DEFAULT_STREAM_PTRS:
+        return
+    try:
+        ctx, cur = _driver.streamGetCtx(raw.ptr), _driver.ctxGetCurrent()
+    except (_driver.CUDADriverError, AttributeError):
+        return  # cannot tell here: CUDA reports a foreign stream at the launch
+    if ctx != cur:
+        raise ValueError(f"stream {raw!r} belongs to another device (context {ctx:#x}; this module runs on "
+                         f"device {_runtime.getDevice()}, context {cur:#x})")
+
+
 class CudaBackend(Backend):
     name = "cuda"
 
@@ -471,8 +484,11 @@ class CudaBackend(Backend):
 
     def as_stream(self, stream) -> CudaStream:
         if isinstance(stream, CudaStream):
+            _check_stream_device(stream.raw)
             return stream
         raw = self._raw_stream(stream)
+        if raw is not None:
+            _check_stream_device(raw)
         return CudaStream(self, raw if raw is not None else cupy.cuda.get_current_stream())
 
     def event(self) -> CudaEvent:
