@@ -45,6 +45,7 @@
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include "bits16.cuh"
 #include "mma.cuh"
 
 #ifndef GM_WTYPE
@@ -102,20 +103,8 @@ constexpr int THREADS = GM_WARPS * 32;
 constexpr int KZ = ((K + GM_KSPLIT - 1) / GM_KSPLIT + 31) / 32 * 32;   // K per slice
 
 // f32 -> the weight type's bits (nearest even) and back.
-__device__ __forceinline__ unsigned int to16(float v) {
-#if GM_WTYPE == 2
-    return (unsigned int)__bfloat16_as_ushort(__float2bfloat16(v));
-#else
-    return (unsigned int)__half_as_ushort(__float2half(v));
-#endif
-}
-__device__ __forceinline__ float from16(unsigned int b) {
-#if GM_WTYPE == 2
-    return __bfloat162float(__ushort_as_bfloat16((unsigned short)b));
-#else
-    return __half2float(__ushort_as_half((unsigned short)b));
-#endif
-}
+__device__ __forceinline__ unsigned int to16(float v) { return to_bits16<GM_WTYPE>(v); }
+__device__ __forceinline__ float from16(unsigned int b) { return from_bits16<GM_WTYPE>(b); }
 
 // Four activations -> hi (and lo = rnd(x - hi)) as two registers each, lower k
 // in the low half.

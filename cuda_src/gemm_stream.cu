@@ -114,6 +114,7 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "float_order.cuh"
+#include "bits16.cuh"
 #include "mma.cuh"
 #include "warp.cuh"
 
@@ -186,20 +187,8 @@ constexpr int COLS = GS_WARPS * 8 * NT;         // output columns per block
 constexpr int D = GS_DEPTH;
 constexpr int KSTEP = 64;                       // k per ring step
 
-__device__ __forceinline__ unsigned int to16(float v) {
-#if GS_WTYPE == 2
-    return (unsigned int)__bfloat16_as_ushort(__float2bfloat16(v));
-#else
-    return (unsigned int)__half_as_ushort(__float2half(v));
-#endif
-}
-__device__ __forceinline__ float from16(unsigned int b) {
-#if GS_WTYPE == 2
-    return __bfloat162float(__ushort_as_bfloat16((unsigned short)b));
-#else
-    return __half2float(__ushort_as_half((unsigned short)b));
-#endif
-}
+__device__ __forceinline__ unsigned int to16(float v) { return to_bits16<GS_WTYPE>(v); }
+__device__ __forceinline__ float from16(unsigned int b) { return from_bits16<GS_WTYPE>(b); }
 
 __device__ __forceinline__ void mma(float d[4], const unsigned int a[4], unsigned int b0, unsigned int b1) {
     const unsigned int b[2] = {b0, b1};

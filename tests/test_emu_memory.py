@@ -345,7 +345,12 @@ def test_lanes_interleave_between_warp_sync_points(emu, monkeypatch):
         k((1,), (32,), (emu.asarray(xh), s, emu.asarray(slots.astype(np.int32)), y))
         return np.array_equal(y, 2 * xh + 1)
 
+    # The hand-over point is drawn from the launch's seed: fix the seed sequence (it
+    # otherwise depends on how many launches ran before in this process) and give
+    # the schedule a few launches to show it.
+    monkeypatch.setattr(emu._be, "seed", 12345)
+    monkeypatch.setattr(emu._be, "_launch_count", 0)
     assert run(np.arange(32))
-    assert not run(np.zeros(32))
+    assert not all(run(np.zeros(32)) for _ in range(6))
     monkeypatch.setattr(emu._be, "schedule", "forward")  # the documented limit of the fixed orders
     assert run(np.zeros(32))

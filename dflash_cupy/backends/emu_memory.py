@@ -117,15 +117,15 @@ def region(arr: np.ndarray):
     ``arr``'s first byte, or None (not guarded memory). Serials are unique
     for the life of the process, so state keyed by them dies with the array."""
     a0 = arr.ctypes.data
+    alloc = allocation_of(a0)
+    if alloc is None:
+        return None
+    start, _, d0, d1, desc = alloc
+    if not d0 <= a0 < max(d1, d0 + 1):
+        return None
     with _lock:
-        i = bisect.bisect_right(_starts, a0) - 1
-        if i < 0:
-            return None
-        start = _starts[i]
-        _, d0, d1, desc = _regions[start]
-        if not d0 <= a0 < max(d1, d0 + 1):
-            return None
-        return _serials[start], d0, desc
+        serial = _serials.get(start)
+    return None if serial is None else (serial, d0, desc)
 
 
 def live_serials() -> set[int]:
