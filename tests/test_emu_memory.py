@@ -354,3 +354,19 @@ def test_lanes_interleave_between_warp_sync_points(emu, monkeypatch):
     assert not all(run(np.zeros(32)) for _ in range(6))
     monkeypatch.setattr(emu._be, "schedule", "forward")  # the documented limit of the fixed orders
     assert run(np.zeros(32))
+
+
+def test_reused_addresses_keep_the_newer_registration():
+    """A mapping's address may be reused (by another thread) before the old
+    mapping's finalizer ran: the late finalizer must not drop the new entry."""
+    from dflash_cupy.backends import emu_memory as M
+    base = 0x7E0000000000  # a fake mapping: bookkeeping only
+    old = M._register(base, base + 3 * M.PAGE, base + M.PAGE, base + M.PAGE + 16, "device array old")
+    new = M._register(base, base + 3 * M.PAGE, base + M.PAGE, base + M.PAGE + 32, "device array new")
+    try:
+        M._forget(base, old)                      # the old mapping's late finalizer
+        assert M._starts.count(base) == 1
+        assert M.allocation_of(base + M.PAGE)[4] == "device array new"
+    finally:
+        M._forget(base, new)
+    assert base not in M._starts and M.allocation_of(base + M.PAGE) is None

@@ -25,13 +25,28 @@ _serials: dict[int, int] = {}    # start -> allocation serial (never reused, unl
 _next_serial = iter(range(1, 1 << 62))
 
 
-def _forget(start: int) -> None:
+def _forget(start: int, serial: int) -> None:
     with _lock:
+        # The mapping may be gone before this runs, and its address reused by a newer
+        # allocation (another thread's): that one's registration stays.
+        if _serials.get(start) != serial:
+            return
         i = bisect.bisect_left(_starts, start)
         if i < len(_starts) and _starts[i] == start:
             _starts.pop(i)
         _regions.pop(start, None)
         _serials.pop(start, None)
+
+
+def _register(start: int, map_end: int, d0: int, d1: int, desc: str) -> int:
+    """Record a live mapping; returns its serial (``_forget`` needs it)."""
+    with _lock:
+        i = bisect.bisect_left(_starts, start)
+        if not (i < len(_starts) and _starts[i] == start):  # (an address reused before its _forget ran)
+            _starts.insert(i, start)
+        _regions[start] = (map_end, d0, d1, desc)
+        serial = _serials[start] = next(_next_serial)
+    return serial
 
 
 def guarded_empty(shape, dtype, what: str = "array") -> np.ndarray:
@@ -56,11 +71,8 @@ def guarded_empty(shape, dtype, what: str = "array") -> np.ndarray:
     arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=off)
     arr = arr.view(dtype).reshape(shape) if nbytes else np.empty(shape, dtype)
     desc = f"{what} shape={shape} dtype={dtype.name}"
-    with _lock:
-        bisect.insort(_starts, base)
-        _regions[base] = (base + total, base + off, base + off + nbytes, desc)
-        _serials[base] = next(_next_serial)
-    weakref.finalize(mm, _forget, base)
+    serial = _register(base, base + total, base + off, base + off + nbytes, desc)
+    weakref.finalize(mm, _forget, base, serial)
     return arr
 
 
