@@ -41,6 +41,7 @@
 // nvrtc-check: -DGEMM_WTYPE=0 -DGEMM_EPI=1 -DGEMM_K=19 -DGEMM_MAX_M=1 -DGEMM_R=4 -DGEMM_KT=128
 
 #include <cuda_fp16.h>
+#include "gemm_epilogue.cuh"
 #include "warp.cuh"
 
 #ifndef GEMM_WTYPE
@@ -129,10 +130,6 @@ __device__ __forceinline__ float4 load_w4(const gemm_w_t* row, int k, bool valid
     return r;
 }
 
-__device__ __forceinline__ float silu(float g) {
-    // expf, not __expf: the epilogue is off the hot path and the reference is exact.
-    return g / (1.0f + expf(-g));
-}
 
 }  // namespace gemm_detail
 

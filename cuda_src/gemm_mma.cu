@@ -46,6 +46,7 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "bits16.cuh"
+#include "gemm_epilogue.cuh"
 #include "mma.cuh"
 
 #ifndef GM_WTYPE
@@ -124,19 +125,8 @@ __device__ __forceinline__ void mma(float d[4], const unsigned int a[4], const u
 #endif
 }
 
-__device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }  // expf: off the hot path, matches the reference
-
-// The epilogue for one output element (a: the dot product, u: the up dot product of GM_EPI 2).
 __device__ __forceinline__ void store(float* y, const float* r, long long o, float a, float u) {
-#if GM_EPI == 0
-    y[o] = a;
-#elif GM_EPI == 1
-    y[o] = r[o] + a;
-#else
-    y[o] = silu(a) * u;
-#endif
-    (void)r;
-    (void)u;
+    epilogue_store<GM_EPI>(y, r, o, a, u);
 }
 
 }  // namespace gemm_mma_detail

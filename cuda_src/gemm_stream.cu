@@ -115,6 +115,7 @@
 #include <cuda_bf16.h>
 #include "float_order.cuh"
 #include "bits16.cuh"
+#include "gemm_epilogue.cuh"
 #include "mma.cuh"
 #include "warp.cuh"
 
@@ -199,20 +200,14 @@ __device__ __forceinline__ void mma(float d[4], const unsigned int a[4], unsigne
 #endif
 }
 
-__device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }  // matches the reference
-
 __device__ __forceinline__ void store(float* y, const float* r, long long o, float a, float u) {
-#if GS_EPI == 0
-    y[o] = a;
-#elif GS_EPI == 3
-    if (GS_LOGITS) y[o] = a;
-#elif GS_EPI == 1
-    y[o] = r[o] + a;
-#else
-    y[o] = silu(a) * u;
-#endif
+#if GS_EPI == 3
+    if (GS_LOGITS) y[o] = a;  // the fused argmax: logits only on request
     (void)r;
     (void)u;
+#else
+    epilogue_store<GS_EPI>(y, r, o, a, u);
+#endif
 }
 
 // One ring slot: the lane's 16 weights at k + 8t and k + 32 + 8t of each of its WT rows, as two
