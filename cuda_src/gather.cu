@@ -27,6 +27,24 @@
 //       by its own thread, which derives the post-append value itself instead
 //       of reading it back (the appended rows hit distinct slots because
 //       min(n_new, a_rows) <= cap, the host's invariant, as for plan_append).
+//
+//   plan_lanes (desc, ring, ap_feat, a_rows, cs, slot_pos, pos_all, rows_all, tile_live,
+//               mask_full, mask_swa, cap, q_len, bs, kv_total, masks, lanes)
+//       plan_step for every lane of a DraftKvBatch in one launch; lane l = blockIdx.y.
+//       Per-lane arrays carry a lane axis: desc [lanes, DESC_LEN], ring [lanes,
+//       RING_CAP, FC_IN], slot_pos [lanes, cap], masks [lanes, q_len, kv_total].
+//       Step rows (pos_all, rows_all [lanes*(cs + bs)], ap_feat [lanes*cs, FC_IN]):
+//       ctx rows [0, lanes*cs), lane l's at l*cs (a_rows <= cs of them used), then
+//       noise rows, lane l's q_len (of bs) at lanes*cs + l*bs. rows_all holds absolute
+//       cache rows (lane l's K/V rows start at l*kv_total); the noise rows' entries are
+//       fixed (the host writes them once) and only the ctx rows' are written here.
+//       tile_live [lanes*(cs + bs)/16]: nonzero iff the 16-row tile holds a live row
+//       (an appended row of an active lane, or a noise row < q_len of an active lane);
+//       cs and bs are multiples of 16. An idle lane (desc[DESC_ACTIVE] == 0) gathers
+//       nothing, sends its ctx rows to its trash slot, clears its tiles and leaves
+//       its slot table and masks as they are.
+//       grid (GX * a_rows + ceil(max(kv_total, cs, bs) / GATHER_THREADS), lanes),
+//       block (GATHER_THREADS).
 // nvrtc-check: -DRING_DTYPE=1 -DFC_IN=19
 // nvrtc-check: -DRING_DTYPE=2 -DFC_IN=20480
 #include <cuda_fp16.h>
@@ -146,4 +164,64 @@ plan_step(const int* __restrict__ desc,
         if (p != old) slot_pos[c] = p;
     }
     plan_mask_column(desc, c, p, cap, q_len, kv_total, (masks & 1) != 0, (masks & 2) != 0, mask_full, mask_swa);
+}
+
+extern "C" __global__ void __launch_bounds__(GATHER_THREADS)
+plan_lanes(const int* __restrict__ desc_all,
+           const ring_t* __restrict__ ring_all,
+           float* __restrict__ ap_feat_all,
+           int a_rows, int cs,
+           int* __restrict__ slot_pos_all,
+           int* __restrict__ pos_all,
+           int* __restrict__ rows_all,
+           int* __restrict__ tile_live,
+           __half* __restrict__ mask_full_all,
+           __half* __restrict__ mask_swa_all,
+           int cap, int q_len, int bs, int kv_total, int masks, int lanes)
+{
+    const int lane = blockIdx.y;
+    const int* desc = desc_all + (long long)lane * DESC_LEN;
+    const bool active = desc[DESC_ACTIVE] != 0;
+    const int b = blockIdx.x;
+    if (b < GATHER_GX * a_rows) {
+        if (active)
+            gather_chunk(desc, ring_all + (long long)lane * RING_CAP * FC_IN, ap_feat_all + (long long)lane * cs * FC_IN,
+                         b / GATHER_GX, (b % GATHER_GX) * (GATHER_THREADS * 4));
+        return;
+    }
+    const int c = (b - GATHER_GX * a_rows) * GATHER_THREADS + threadIdx.x;
+    const int n_new = active ? desc[DESC_N_NEW] : 0;
+    const int n_app = n_new < a_rows ? n_new : a_rows;
+    const long long kv0 = (long long)lane * kv_total;
+    if (c < cs) {
+        const int r = lane * cs + c;
+        if (c < n_app) {
+            const int p = desc[DESC_START] + c;
+            pos_all[r] = p;
+            rows_all[r] = (int)(kv0 + p % cap);
+        } else {
+            pos_all[r] = 0;
+            rows_all[r] = (int)(kv0 + cap + q_len);  // the lane's trash slot
+        }
+        if (c % 16 == 0) tile_live[r / 16] = c < n_app;
+    }
+    const int noise0 = lanes * cs + lane * bs;
+    if (c < bs) {
+        if (active && c < q_len) pos_all[noise0 + c] = desc[DESC_COMMITTED] + c;
+        if (c % 16 == 0) tile_live[(noise0 + c) / 16] = active;
+    }
+    if (!active || c >= kv_total) return;
+    int* slot_pos = slot_pos_all + (long long)lane * cap;
+    const long long mo = (long long)lane * q_len * kv_total;
+    int p = 0;
+    if (c < cap) {
+        const int start = desc[DESC_START];
+        long long i = ((long long)c - start) % cap;
+        if (i < 0) i += cap;
+        const int old = slot_pos[c];
+        p = (i < n_app) ? start + (int)i : (desc[DESC_RESET] != 0 ? -1 : old);
+        if (p != old) slot_pos[c] = p;
+    }
+    plan_mask_column(desc, c, p, cap, q_len, kv_total, (masks & 1) != 0, (masks & 2) != 0,
+                     mask_full_all + mo, mask_swa_all + mo);
 }

@@ -8,6 +8,8 @@
 //   [DESC_N_NEW]      rows to append; the rest of the launch's rows are padding
 //   [DESC_SWA_LO]     committed - eff (sliding-window start)
 //   [DESC_RESET]      1: reset_slots_if empties the ring first (rewind)
+//   [DESC_ACTIVE]     1: the lane runs this step; 0: an idle lane of a DraftKvBatch
+//                     (its planning, GEMM tiles and attention blocks are skipped)
 //   the rest          reserved, 0
 #pragma once
 
@@ -17,6 +19,7 @@
 #define DESC_N_NEW 3
 #define DESC_SWA_LO 4
 #define DESC_RESET 5
+#define DESC_ACTIVE 6
 #define DESC_LEN 8
 
 // Block sizes of the planning kernels (plan.cu): one thread per ring slot,

@@ -12,7 +12,7 @@ import numpy as np
 from .. import checks, dtypes, kernels
 from ..geometry import RingGeometry
 from .plan import check_desc
-from .step_descriptor import DESC_N_NEW, DESC_START
+from .step_descriptor import DESC_LEN, DESC_N_NEW, DESC_START
 
 THREADS = 256  # columns per block pass (4 per thread)
 
@@ -37,6 +37,7 @@ class FeatureGather:
                                            GATHER_THREADS=THREADS)
         self._kernel = self._module.get_function("gather_features")
         self._plan_kernel = self._module.get_function("plan_step")
+        self._lanes_kernel = self._module.get_function("plan_lanes")
         self._gx = -(-self.fc_in // (THREADS * 4))
 
     def __repr__(self):
@@ -111,6 +112,55 @@ class FeatureGather:
                           (desc, ring, ap_feat, np.int32(n), slot_pos, ap_pos, ap_rows, pos_q, mf, ms,
                            np.int32(geom.capacity), np.int32(geom.q_len), np.int32(geom.kv_total), np.int32(flags)),
                           stream=stream)
+
+    def plan_lanes(self, desc, ring, ap_feat, geom, slot_pos, pos_all, rows_all, tile_live, *, cs: int, bs: int,
+                   mask_full=None, mask_swa=None, stream=None):
+        """``plan_step`` for every lane of a ``DraftKvBatch`` in one launch
+        (``gather.cu``'s ``plan_lanes``: layouts there). ``desc [lanes, DESC_LEN]``,
+        ``ring [lanes, ring_capacity, fc_in]``, ``ap_feat [lanes*cs, fc_in]``,
+        ``slot_pos [lanes, capacity]``, ``pos_all``/``rows_all [lanes*(cs+bs)]``,
+        ``tile_live [lanes*(cs+bs)/16]`` int32, masks ``[lanes, q_len, kv_total]``."""
+        be = self.backend
+        if not isinstance(geom, RingGeometry):
+            raise TypeError(f"geom must be a RingGeometry, got {type(geom).__name__}")
+        checks.device_array(be, "desc", desc, np.int32, ndim=2)
+        lanes = desc.shape[0]
+        if lanes < 1 or desc.shape[1] != DESC_LEN:
+            raise ValueError(f"desc must have shape [lanes, {DESC_LEN}], got {tuple(desc.shape)}")
+        cs, bs = checks.int_arg(cs, "cs", 16), checks.int_arg(bs, "bs", 16)
+        if cs % 16 or bs % 16 or cs < geom.a_step or bs < geom.q_len:
+            raise ValueError(f"cs={cs} and bs={bs} must be multiples of 16 holding a_step={geom.a_step} and "
+                             f"q_len={geom.q_len} rows")
+        if lanes * geom.kv_total >= 2**31:
+            raise ValueError(f"lanes={lanes} x kv_total={geom.kv_total} cache rows overflow int32")
+        rows = lanes * (cs + bs)
+        for name, a, dt, shape in (("ring", ring, self.ring_device_dtype, (lanes, self.ring_capacity, self.fc_in)),
+                                   ("ap_feat", ap_feat, np.float32, (lanes * cs, self.fc_in)),
+                                   ("slot_pos", slot_pos, np.int32, (lanes, geom.capacity)),
+                                   ("pos_all", pos_all, np.int32, (rows,)),
+                                   ("rows_all", rows_all, np.int32, (rows,)),
+                                   ("tile_live", tile_live, np.int32, (rows // 16,))):
+            checks.device_array(be, name, a, dt, ndim=len(shape))
+            if tuple(a.shape) != shape:
+                raise ValueError(f"{name} must have shape {shape}, got {tuple(a.shape)}")
+        given = [(nm, m) for nm, m in (("mask_full", mask_full), ("mask_swa", mask_swa)) if m is not None]
+        if not given:
+            raise ValueError("plan_lanes needs mask_full and/or mask_swa")
+        for nm, m in given:
+            checks.device_array(be, nm, m, np.float16, ndim=3)
+            if tuple(m.shape) != (lanes, geom.q_len, geom.kv_total):
+                raise ValueError(f"{nm} must have shape {(lanes, geom.q_len, geom.kv_total)}, got {tuple(m.shape)}")
+        checks.check_no_overlap(desc=desc, ring=ring, ap_feat=ap_feat, slot_pos=slot_pos, pos_all=pos_all,
+                                rows_all=rows_all, tile_live=tile_live, **dict(given))
+        flags = (1 if mask_full is not None else 0) | (2 if mask_swa is not None else 0)
+        mf = mask_full if mask_full is not None else mask_swa
+        ms = mask_swa if mask_swa is not None else mask_full
+        a = geom.a_step
+        blocks = self._gx * a + -(-max(geom.kv_total, cs, bs) // THREADS)
+        self._lanes_kernel((blocks, lanes, 1), (THREADS, 1, 1),
+                           (desc, ring, ap_feat, np.int32(a), np.int32(cs), slot_pos, pos_all, rows_all, tile_live,
+                            mf, ms, np.int32(geom.capacity), np.int32(geom.q_len), np.int32(bs),
+                            np.int32(geom.kv_total), np.int32(flags), np.int32(lanes)), stream=stream)
 
 
 def gather_features_reference(desc, ring, n_rows: int) -> np.ndarray:

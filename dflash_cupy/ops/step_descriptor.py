@@ -33,11 +33,12 @@ from ..geometry import RingGeometry
 _C = kernels.constants("step_desc.cuh")
 DESC_COMMITTED, DESC_LO, DESC_START = _C["DESC_COMMITTED"], _C["DESC_LO"], _C["DESC_START"]
 DESC_N_NEW, DESC_SWA_LO, DESC_RESET = _C["DESC_N_NEW"], _C["DESC_SWA_LO"], _C["DESC_RESET"]
+DESC_ACTIVE = _C["DESC_ACTIVE"]
 DESC_LEN = _C["DESC_LEN"]
 # the order fill_descriptor packs the fields in
-_FIELDS = ("committed", "lo", "start", "n_new", "swa_lo", "reset")
-assert [DESC_COMMITTED, DESC_LO, DESC_START, DESC_N_NEW, DESC_SWA_LO, DESC_RESET] == list(range(6)), \
-    "step_desc.cuh: fill_descriptor packs the fields in index order 0..5"
+_FIELDS = ("committed", "lo", "start", "n_new", "swa_lo", "reset", "active")
+assert [DESC_COMMITTED, DESC_LO, DESC_START, DESC_N_NEW, DESC_SWA_LO, DESC_RESET, DESC_ACTIVE] == list(range(7)), \
+    "step_desc.cuh: fill_descriptor packs the fields in index order 0..6"
 _DESC_STRUCT = struct.Struct(f"={DESC_LEN}i")
 INT32_MAX = 2**31 - 1
 
@@ -107,9 +108,10 @@ def bulk_chunks(bulk_start: int, bulk_count: int, chunk: int):
 
 
 def fill_descriptor(buf: np.ndarray, committed: int, lo: int, start: int, n_new: int,
-                    swa_lo: int, reset: bool = False) -> np.ndarray:
+                    swa_lo: int, reset: bool = False, active: bool = True) -> np.ndarray:
     """Write the step descriptor fields into ``buf`` (a host int32 array of at
-    least ``DESC_LEN`` elements, normally pinned) and return it."""
+    least ``DESC_LEN`` elements, normally pinned) and return it. ``active``
+    False marks an idle lane of a ``DraftKvBatch`` (single caches: always True)."""
     if not isinstance(buf, np.ndarray) or buf.dtype != np.int32 or buf.ndim != 1 or not buf.flags.c_contiguous \
             or buf.shape[0] < DESC_LEN:
         raise TypeError(f"buf must be a 1-D C-contiguous host int32 array of >= {DESC_LEN} elements")
@@ -119,7 +121,7 @@ def fill_descriptor(buf: np.ndarray, committed: int, lo: int, start: int, n_new:
             if not 0 <= v <= INT32_MAX:
                 raise ValueError(f"descriptor field {name}={v} must be in [0, 2^31)")
     # struct packs straight into the (pinned) buffer: far cheaper than NumPy item writes
-    _DESC_STRUCT.pack_into(buf, 0, *vals, 1 if reset else 0, *(0,) * (DESC_LEN - 6))
+    _DESC_STRUCT.pack_into(buf, 0, *vals, 1 if reset else 0, 1 if active else 0, *(0,) * (DESC_LEN - 7))
     return buf
 
 

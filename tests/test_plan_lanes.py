@@ -1,0 +1,113 @@
+"""gather.cu's plan_lanes (every lane of a DraftKvBatch planned in one launch)
+equals, bit for bit, the single-lane plan_step run on each active lane's
+slices, with cache rows offset by the lane; idle lanes are left untouched
+(slot table, masks) and their rows and tiles are dead."""
+import numpy as np
+import pytest
+
+from dflash_cupy import backends
+from dflash_cupy.geometry import RingGeometry, align_up
+from dflash_cupy.ops.gather import FeatureGather
+from dflash_cupy.ops.step_descriptor import DESC_ACTIVE, DESC_LEN, fill_descriptor
+
+
+def _descs(rng, lanes, geom, ring_cap, idle):
+    d = np.zeros((lanes, DESC_LEN), np.int32)
+    for l in range(lanes):
+        committed = int(rng.integers(1, 3 * geom.capacity)) + (2**31 - 4 * geom.capacity if l == 1 else 0)
+        win = min(committed, geom.capacity)
+        lo = committed - win
+        n_new = int(rng.integers(0, min(geom.a_step, win) + 1))
+        start = committed - n_new
+        swa_lo = committed - min(win, 5)
+        fill_descriptor(d[l], committed, lo, start, n_new, swa_lo, reset=bool(l == 2), active=l not in idle)
+    return d
+
+
+@pytest.mark.parametrize("lanes,cap,q_len,fc_in,kind,idle", [
+    (3, 19, 3, 19, "f16", {0}),
+    (4, 33, 5, 40, "bf16", {3}),
+    (1, 7, 1, 8, "f32", set()),
+])
+def test_plan_lanes_equals_single_lane_plan_step(lanes, cap, q_len, fc_in, kind, idle):
+    be = backends.get("emulated")
+    rng = np.random.default_rng(1000 + lanes)
+    g = RingGeometry(cap, q_len)
+    cs, bs = align_up(g.a_step, 16), align_up(q_len, 16)
+    ring_cap = cap + 3
+    dt = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[kind]
+    ring_h = (rng.standard_normal((lanes, ring_cap, fc_in)).astype(np.float32).astype(dt) if kind != "bf16" else
+              rng.integers(0, 0x7f00, (lanes, ring_cap, fc_in)).astype(np.uint16))
+    desc_h = _descs(rng, lanes, g, ring_cap, idle)
+    slot0 = rng.integers(-1, 4 * cap, (lanes, cap)).astype(np.int32)
+    mask0 = rng.standard_normal((lanes, q_len, g.kv_total)).astype(np.float16)
+    rows = lanes * (cs + bs)
+    sentinel_pos = np.full(rows, -7, np.int32)
+    gather = FeatureGather(be, fc_in, ring_cap, dt if kind != "bf16" else "bf16")
+
+    # ---- all lanes at once
+    desc, ring = be.asarray(desc_h), be.asarray(ring_h)
+    ap_feat = be.asarray(np.full((lanes * cs, fc_in), 5.0, np.float32))
+    slot_pos, mf, ms = be.asarray(slot0), be.asarray(mask0), be.asarray(mask0 + 1)
+    pos_all, rows_all = be.asarray(sentinel_pos), be.asarray(sentinel_pos)
+    tiles = be.asarray(np.full(rows // 16, -1, np.int32))
+    gather.plan_lanes(desc, ring, ap_feat, g, slot_pos, pos_all, rows_all, tiles, cs=cs, bs=bs,
+                      mask_full=mf, mask_swa=ms)
+    got = {k: be.to_numpy(v) for k, v in dict(ap_feat=ap_feat, slot_pos=slot_pos, mf=mf, ms=ms, pos=pos_all,
+                                              rows=rows_all, tiles=tiles).items()}
+
+    for l in range(lanes):
+        ctx = slice(l * cs, l * cs + g.a_step)
+        noise = lanes * cs + l * bs
+        if l in idle:
+            assert np.array_equal(got["slot_pos"][l], slot0[l])
+            assert np.array_equal(got["mf"][l], mask0[l]) and np.array_equal(got["ms"][l], mask0[l] + 1)
+            assert (got["rows"][ctx] == l * g.kv_total + g.trash_slot).all()
+            assert not got["tiles"][l * cs // 16:(l + 1) * cs // 16].any()
+            assert not got["tiles"][noise // 16:(noise + bs) // 16].any()
+            assert (got["ap_feat"][l * cs:(l + 1) * cs] == 5.0).all()  # nothing gathered
+            continue
+        # the single-lane kernel on this lane's slices
+        d1 = be.asarray(desc_h[l])
+        af1 = be.asarray(np.full((g.a_step, fc_in), 5.0, np.float32))
+        sp1 = be.asarray(slot0[l])
+        mf1, ms1 = be.asarray(mask0[l]), be.asarray(mask0[l] + 1)
+        ap_pos, ap_rows, pos_q = (be.zeros((g.a_step,), np.int32), be.zeros((g.a_step,), np.int32),
+                                  be.zeros((q_len,), np.int32))
+        gather.plan_step(d1, be.asarray(ring_h[l]), af1, g, sp1, ap_pos, ap_rows, pos_q, mask_full=mf1,
+                         mask_swa=ms1, n_rows=g.a_step)
+        assert np.array_equal(got["ap_feat"][ctx], be.to_numpy(af1))
+        assert np.array_equal(got["slot_pos"][l], be.to_numpy(sp1))
+        assert np.array_equal(got["mf"][l].view(np.uint16), be.to_numpy(mf1).view(np.uint16))
+        assert np.array_equal(got["ms"][l].view(np.uint16), be.to_numpy(ms1).view(np.uint16))
+        assert np.array_equal(got["pos"][ctx], be.to_numpy(ap_pos))
+        assert np.array_equal(got["rows"][ctx], be.to_numpy(ap_rows) + l * g.kv_total)
+        assert np.array_equal(got["pos"][noise:noise + q_len], be.to_numpy(pos_q))
+        n_app = min(int(desc_h[l, 3]), g.a_step)
+        want_ctx = [(16 * t) < n_app for t in range(cs // 16)]
+        assert list(got["tiles"][l * cs // 16:(l + 1) * cs // 16] != 0) == want_ctx
+        assert (got["tiles"][noise // 16:(noise + bs) // 16] != 0).all()
+    # padding rows past a_step / q_len: the noise padding is the host's (untouched here)
+    for l in range(lanes):
+        n0 = lanes * cs + l * bs
+        assert (got["rows"][n0:n0 + bs] == -7).all()
+        assert (got["pos"][n0 + q_len:n0 + bs] == -7).all()
+    assert desc_h[:, DESC_ACTIVE].sum() == lanes - len(idle)
+
+
+def test_plan_lanes_rejects_bad_layout():
+    be = backends.get("emulated")
+    g = RingGeometry(7, 2)
+    gather = FeatureGather(be, 8, 7, np.float32)
+    desc = be.zeros((2, DESC_LEN), np.int32)
+    ring = be.zeros((2, 7, 8), np.float32)
+    cs, bs = 16, 16
+    args = lambda **k: dict(dict(cs=cs, bs=bs, mask_full=be.zeros((2, 2, g.kv_total), np.float16)), **k)
+    ap, sp = be.zeros((2 * cs, 8), np.float32), be.zeros((2, 7), np.int32)
+    pa, ra, tl = be.zeros((64,), np.int32), be.zeros((64,), np.int32), be.zeros((4,), np.int32)
+    with pytest.raises(ValueError, match="cs=8"):
+        gather.plan_lanes(desc, ring, ap, g, sp, pa, ra, tl, **args(cs=8))
+    with pytest.raises(ValueError, match="tile_live"):
+        gather.plan_lanes(desc, ring, ap, g, sp, pa, ra, be.zeros((3,), np.int32), **args())
+    with pytest.raises(ValueError, match="ring"):
+        gather.plan_lanes(desc, be.zeros((3, 7, 8), np.float32), ap, g, sp, pa, ra, tl, **args())
