@@ -58,11 +58,13 @@ class FeatureRing:
     """``FeatureRing(capacity, n_captured_layers, hidden_size, dtype=np.float32, backend=None)``.
 
     ``storage``: device array ``[capacity, n_captured_layers*hidden_size]`` of
-    f32, f16 or bf16 (bf16 as uint16 bit patterns).
+    f32, f16 or bf16 (bf16 as uint16 bit patterns). ``storage=`` (keyword):
+    use that device array instead of allocating one (``DraftKvBatch`` gives
+    each lane's ring its slice of one lane-axis array).
     """
 
     def __init__(self, capacity: int, n_captured_layers: int, hidden_size: int, dtype=np.float32,
-                 backend=None):
+                 backend=None, *, storage=None):
         self.capacity = _pos_int(capacity, "capacity", 1)
         self.n_captured_layers = _pos_int(n_captured_layers, "n_captured_layers", 1)
         self.hidden_size = _pos_int(hidden_size, "hidden_size", 1)
@@ -70,8 +72,13 @@ class FeatureRing:
         self.kind = dtypes.kind_of(dtype, "dtype")
         self.backend = backends.get(backend)
         be = self.backend
-        self.storage = be.label(be.zeros((self.capacity, self.fc_in), _STORAGE[self.kind]),
-                                "FeatureRing.storage")
+        if storage is None:
+            storage = be.label(be.zeros((self.capacity, self.fc_in), _STORAGE[self.kind]), "FeatureRing.storage")
+        elif (not be.is_device_array(storage) or tuple(storage.shape) != (self.capacity, self.fc_in)
+              or storage.dtype != _STORAGE[self.kind] or not storage.flags.c_contiguous):
+            raise ValueError(f"storage must be a C-contiguous device array of shape {(self.capacity, self.fc_in)} "
+                             f"and dtype {np.dtype(_STORAGE[self.kind])}")
+        self.storage = storage
         rows = min(STAGE_ROWS, self.capacity)
         self._stage = [be.label(be.pinned_empty((rows, self.fc_in), _STORAGE[self.kind]),
                                 f"FeatureRing staging [{i}]") for i in range(STAGE_CHUNKS)]

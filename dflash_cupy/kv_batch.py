@@ -1,0 +1,630 @@
+"""``DraftKvBatch``: many requests ("lanes") drafted in one captured step, so
+each weight is streamed from memory once per step for all of them.
+
+Each lane is an independent request with the single-lane cache's semantics
+(SPEC §3-§4): its own feature ring (``batch.rings[lane]``, a ``FeatureRing``),
+positions, window, rewinds, jumps and resets. One ``begin_step(committed)``
+plans every lane (``committed[lane]``: the lane's committed tokens, or
+``None``: the lane is idle this step); one ``run()`` replays one graph for all
+of them. Lanes join and leave through the step descriptor, never by
+recapturing: the two step graphs (alternating descriptor buffers, as in
+``DraftKvCache``) are captured once for the batch's lifetime.
+
+Device layout (lanes ``L``; ``CS = align16(a_step)``, ``BS = align16(q_len)``):
+
+  desc                [L, DESC_LEN] int32: one step descriptor per lane
+                      (``DESC_ACTIVE`` 0 marks an idle lane)
+  k_cache[l], v_cache[l]
+                      [L*kv_total, n_head_kv*head_dim] f16: lane ``i``'s ring
+                      at rows ``[i*kv_total, (i+1)*kv_total)`` (SPEC §3 layout)
+  slot_pos            [L, capacity] int32;  masks [L, q_len, kv_total] f16
+  ring storage        [L, ring_capacity, fc_in]: lane ``i``'s ``FeatureRing``
+  step rows (the GEMMs' M axis): ctx rows ``[0, L*CS)`` (lane ``i``'s appended
+                      context rows at ``i*CS``), then noise rows (lane ``i``'s
+                      ``q_len`` rows at ``L*CS + i*BS``)
+  tile_live           [L*(CS+BS)/16] int32: nonzero iff the 16-row tile holds a
+                      live row (an appended row or a noise row of an active
+                      lane); written on the device by the planning kernel
+
+Per step on the device: one descriptor copy, one planning launch for all
+lanes (``gather.cu``'s ``plan_lanes``), one GEMM per weight over every live
+row of every lane (the stream GEMM skips dead tiles: idle lanes and the
+padding cost no rows), attention per (lane, kv head) over that lane's ring
+and masks. Bulk appends (a joining lane's prefill, jumps, the append after a
+rewind) run outside the graph, for that lane only, in chunks.
+
+Outputs: ``hidden_states [L, q_len, hidden]`` f32 and, with ``lm_head``,
+``draft_tokens [L, q_len]`` int32 (greedy) and ``logits [L, q_len, vocab]``
+(iff ``logits=True``): views of the batch's own buffers, rewritten by every
+step; an idle lane's rows are not meaningful.
+
+Streams: as ``DraftKvCache`` (work on the caller's current stream or
+``stream=``; event edges order it after this batch's earlier work and the
+rings' latest writes; the host never waits on the step it just launched).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import numpy as np
+
+from . import backends
+from .checks import int_arg
+from .device_weights import device_dtype, to_device_matrix
+from .feature_ring import FeatureRing
+from .geometry import RingGeometry, align_up
+from .interop import device_view
+from .nvtx_ranges import nvtx_range
+from .ops.attention import RingAttention
+from .ops.gather import FeatureGather
+from .ops.gemm import Gemm, weight_kind
+from .ops.norm import RmsNorm
+from .ops.plan import StepPlanner
+from .ops.rope import QkvNormRope
+from .ops.sample import SamplingParams, TokenSampler
+from .ops.step_descriptor import (DESC_LEN, bulk_chunks, fill_chunk_descriptor, fill_descriptor,
+                                  fill_step_descriptor, plan_step)
+from .rope_params import rope_parameters
+from .weights import DraftWeights
+
+MAX_LANES = 256
+GEMM_MAX_M = 64  # the GEMMs' largest M tile; more rows run as more row blocks of the same launch
+TILE_ROWS = 16   # the stream GEMM's row tile: lane regions are whole tiles, so a dead lane is whole dead tiles
+
+
+def _accepts(fn, name: str) -> bool:
+    return name in inspect.signature(fn).parameters
+
+
+class DraftKvBatch:
+    """``DraftKvBatch(weights, capacity, lanes, *, ring_capacity=None,
+    ring_dtype=np.float32, lm_head=None, logits=True, backend=None, bulk_chunk=256)``.
+
+    ``capacity``: each lane's context window cap (ring-cache slots, as
+    ``DraftKvCache``). ``ring_capacity`` (default ``capacity``) and
+    ``ring_dtype`` size the lanes' feature rings, ``batch.rings[i]``: write a
+    lane's target hidden states there (``rings[i].write(pos, rows)``) before
+    planning a step that needs them. ``lm_head``: ``[vocab, hidden]`` (NumPy or
+    a device array, as for ``DraftKvCache``); draft tokens are greedy.
+    """
+
+    def __init__(self, weights: DraftWeights, capacity: int, lanes: int, *, ring_capacity=None,
+                 ring_dtype=np.float32, lm_head=None, logits: bool = True, backend=None, bulk_chunk: int = 256):
+        if not isinstance(weights, DraftWeights):
+            raise TypeError(f"weights must be a DraftWeights, got {type(weights).__name__}")
+        from .kv_cache import MAX_CAPACITY
+        capacity = int_arg(capacity, "capacity", 1)
+        if capacity > MAX_CAPACITY:
+            raise ValueError(f"capacity={capacity} exceeds {MAX_CAPACITY} ring slots")
+        lanes = int_arg(lanes, "lanes", 1)
+        if lanes > MAX_LANES:
+            raise ValueError(f"lanes={lanes} exceeds {MAX_LANES}")
+        ring_capacity = capacity if ring_capacity is None else int_arg(ring_capacity, "ring_capacity", 1)
+        if ring_capacity < capacity:
+            raise ValueError(f"ring_capacity={ring_capacity} is smaller than capacity={capacity}: a lane's ring "
+                             f"must hold its whole window")
+        from .geometry import BULK_CHUNK
+        if not isinstance(bulk_chunk, int) or isinstance(bulk_chunk, bool) or not 1 <= bulk_chunk <= BULK_CHUNK:
+            raise ValueError(f"bulk_chunk must be an int in [1, {BULK_CHUNK}], got {bulk_chunk!r}")
+        if not isinstance(logits, (bool, np.bool_)):
+            raise TypeError(f"logits must be a bool, got {type(logits).__name__}")
+        be = self.backend = backends.get(backend)
+        c = self.config = weights.config
+        self.weights = weights
+        self.lanes = lanes
+        self.geom = g = RingGeometry(capacity, c.q_len)
+        if lanes * g.kv_total >= 2**31:
+            raise ValueError(f"lanes={lanes} x {g.kv_total} cache rows per lane overflow int32 row indices")
+        self.dw = weights.device(be)
+        self.bulk_chunk = int(bulk_chunk)
+        H, B, A, kvw = c.hidden_size, g.q_len, g.a_step, c.kv_dim
+        CS, BS = align_up(A, TILE_ROWS), align_up(B, TILE_ROWS)
+        self.ctx_rows, self.lane_rows = CS, BS
+        NC, NN = lanes * CS, lanes * BS          # ctx rows, noise rows
+        M = NC + NN
+        self.write_logits = bool(logits)
+
+        # ---- lanes' feature rings: one lane-axis storage, a FeatureRing view per lane
+        storage = be.zeros((lanes, ring_capacity, c.fc_in), _ring_device_dtype(ring_dtype))
+        be.label(storage, "DraftKvBatch ring storage")
+        self.ring_storage = storage
+        self.rings = [FeatureRing(ring_capacity, c.n_captured, H, ring_dtype, backend=be, storage=storage[i])
+                      for i in range(lanes)]
+
+        # ---- caches and step state
+        self.k_cache = [be.zeros((lanes * g.kv_total, kvw), np.float16) for _ in range(c.n_layer)]
+        self.v_cache = [be.zeros((lanes * g.kv_total, kvw), np.float16) for _ in range(c.n_layer)]
+        self.mask_full = be.zeros((lanes, B, g.kv_total), np.float16) if c.any_full else None
+        self.mask_swa = be.zeros((lanes, B, g.kv_total), np.float16) if c.any_sliding else None
+        self.slot_pos = be.asarray(np.full((lanes, capacity), -1, np.int32))
+        self.desc = be.zeros((lanes, DESC_LEN), np.int32)
+        self.tile_live = be.zeros((M // TILE_ROWS,), np.int32)
+        self.tiles_ctx, self.tiles_noise = self.tile_live[:NC // TILE_ROWS], self.tile_live[NC // TILE_ROWS:]
+        pos0 = np.zeros(M, np.int32)
+        rows0 = np.zeros(M, np.int32)
+        for i in range(lanes):   # noise rows: fixed cache rows (the lane's noise scratch, padding -> trash)
+            j = np.arange(BS)
+            rows0[NC + i * BS + j] = i * g.kv_total + np.where(j < B, g.capacity + j, g.trash_slot)
+            rows0[i * CS:(i + 1) * CS] = i * g.kv_total + g.trash_slot
+        self.pos_all, self.rows_all = be.asarray(pos0), be.asarray(rows0)
+        inv_freq, self.attn_scaling = rope_parameters(c)
+        self.inv_freq = be.asarray(np.asarray(inv_freq, np.float64))
+
+        # ---- step activations (rows as above)
+        self.ap_feat = be.zeros((NC, c.fc_in), np.float32)
+        self.resid = be.zeros((M, H), np.float32)
+        self.xin = be.zeros((M, H), np.float32)
+        self.h, self.hn = self.resid[NC:], self.xin[NC:]
+        L0 = self.dw.layers[0]
+        self._fold_norms = (H % 8 == 0 and all(weight_kind(a.dtype) in ("f16", "bf16")
+                                               for a in (L0.w_qkv, L0.w_gate_up)))
+        self.ctx_step = self.resid[:NC] if c.context_kv_layer_norm or self._fold_norms else self.xin[:NC]
+        self.qkv = be.zeros((M, c.q_dim + 2 * kvw), np.float32)
+        self.q_all = be.zeros((M, c.q_dim), np.float32)
+        self.q = self.q_all[NC:]
+        self.attn = be.zeros((NN, c.q_dim), np.float32)
+        gate_w = {"none": 0, "head": c.n_head, "element": c.q_dim}[c.attn_gate]
+        self.gate = be.zeros((NN, gate_w), np.float32) if gate_w else None
+        self.act = be.zeros((NN, c.intermediate_size), np.float32)
+        self.noise_embed = be.zeros((NN, H), np.float32)
+        self._hs = be.zeros((NN, H), np.float32)
+        self.hidden_states = self._hs.reshape(lanes, BS, H)[:, :B]
+
+        # ---- bulk append workspace (one lane at a time, outside the graph)
+        R = self.bulk_chunk
+        self.bulk_desc = be.zeros((DESC_LEN,), np.int32)
+        self.ap_pos = be.zeros((R,), np.int32)
+        self.ap_rows = be.zeros((R,), np.int32)
+        self.bulk_feat = be.zeros((R, c.fc_in), np.float32)
+        self.ctx = be.zeros((R, H), np.float32)
+        self.ctx_kv_in = be.zeros((R, H), np.float32) if c.context_kv_layer_norm else None
+        self.ctx_kv = be.zeros((R, 2 * kvw), np.float32)
+
+        # ---- lm head (greedy tokens)
+        self.lm_head = self.logits = self.draft_tokens = self._logits = self._tokens = None
+        if lm_head is not None:
+            self.lm_head = self._place_lm_head(lm_head)
+            V = self.lm_head.shape[0]
+            self._tokens = be.zeros((NN,), np.int32)
+            self.draft_tokens = self._tokens.reshape(lanes, BS)[:, :B]
+            if logits:
+                self._logits = be.zeros((NN, V), np.float32)
+                self.logits = self._logits.reshape(lanes, BS, V)[:, :B]
+                self.sample_knobs = be.asarray(np.asarray(SamplingParams().knobs(), np.float32))
+                self.sample_rng = be.zeros((2,), np.uint64)
+
+        # ---- pinned staging (two of each: alternating steps)
+        self._desc_host = [be.pinned_empty((lanes, DESC_LEN), np.int32) for _ in range(2)]
+        self._noise_host = [be.pinned_empty((NN, H), np.float32) for _ in range(2)]
+        for a in self._desc_host + self._noise_host:
+            a[...] = 0
+        self._noise_events = [be.event() for _ in range(2)]
+        self._noise_next = 0
+        n_chunks = -(-capacity // self.bulk_chunk) + 1
+        self._n_chunks = n_chunks
+        self._bulk_desc_host = be.pinned_empty((lanes * n_chunks, DESC_LEN), np.int32)
+        for i in range(2):
+            be.label(self._desc_host[i], f"DraftKvBatch step descriptor staging [{i}]")
+            be.label(self._noise_host[i], f"DraftKvBatch noise staging [{i}]")
+        be.label(self._bulk_desc_host, "DraftKvBatch bulk descriptor staging")
+        self.capture_stream = be.stream()
+        self._events = [be.event() for _ in range(2)]
+        self._bulk_event = be.event()
+
+        # ---- kernels (all compiled now: nothing compiles during capture)
+        self.rms = RmsNorm(be, H, c.rms_norm_eps)
+        fold_eps = c.rms_norm_eps if self._fold_norms else None
+        self.g_fc = Gemm(be, H, c.fc_in, self.dw.fc.dtype, max_m=GEMM_MAX_M)
+        self.g_kv = Gemm(be, 2 * kvw, H, L0.w_qkv.dtype, max_m=GEMM_MAX_M)
+        self.g_qkv = Gemm(be, c.q_dim + 2 * kvw, H, L0.w_qkv.dtype, max_m=GEMM_MAX_M, norm_eps=fold_eps)
+        self.g_o = Gemm(be, H, c.q_dim, L0.w_o.dtype, "residual", max_m=GEMM_MAX_M)
+        self.g_gate_up = Gemm(be, c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul", max_m=GEMM_MAX_M,
+                              norm_eps=fold_eps)
+        self.g_down = Gemm(be, H, c.intermediate_size, L0.w_down.dtype, "residual", max_m=GEMM_MAX_M)
+        self.g_attn_gate = Gemm(be, gate_w, H, L0.w_attn_gate.dtype, max_m=GEMM_MAX_M) if gate_w else None
+        self.g_lm = self._lm_part = None
+        if self.lm_head is not None:
+            V = self.lm_head.shape[0]
+            self.g_lm = (Gemm(be, V, H, self.lm_head.dtype, max_m=GEMM_MAX_M) if logits else
+                         Gemm(be, V, H, self.lm_head.dtype, "argmax", max_m=GEMM_MAX_M, logits=False))
+            if not logits:
+                self._lm_part = be.zeros(self.g_lm.partials_shape(NN), np.uint32)
+        self.sampler = TokenSampler(be, self.lm_head.shape[0]) if self.lm_head is not None else None
+        self.rope_ctx = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, False, c.rms_norm_eps,
+                                    self.attn_scaling)
+        self.rope_step = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, True, c.rms_norm_eps,
+                                     self.attn_scaling)
+        gate_mode = None if c.attn_gate == "none" else c.attn_gate
+        # one launch for every (lane, kv head) where the attention op takes a lane axis;
+        # else one launch per lane (same kernel, same results)
+        self._lane_attention = _accepts(RingAttention.__init__, "lanes")
+        if self._lane_attention:
+            self.attention = RingAttention(be, c.head_dim, c.n_head, c.n_head_kv, B, g.kv_total, gate=gate_mode,
+                                           lanes=lanes, lane_rows=BS)
+        else:
+            self.attention = RingAttention(be, c.head_dim, c.n_head, c.n_head_kv, B, g.kv_total, gate=gate_mode)
+        self._tile_skip = _accepts(Gemm.__call__, "tile_live")
+        self.planner = StepPlanner(be, g)
+        ring_kind = self.rings[0].kind
+        self.gather = FeatureGather(be, c.fc_in, ring_capacity, ring_kind)
+
+        self.next_pos = [0] * lanes
+        self.last_plan = [None] * lanes   # StepFields of each lane's latest planned step (None: idle)
+        self._graphs = [None, None]
+        self.captures = 0
+        self._slot = 0
+        self._planned = False
+        self._plan: list = []
+        self._closed = False
+        self.host_waits = 0
+        for name in ("_hs", "_logits", "_tokens", "noise_embed", "k_cache", "v_cache", "slot_pos", "desc",
+                     "resid", "xin", "ap_feat", "tile_live"):
+            v = getattr(self, name)
+            for i, a in enumerate(v if isinstance(v, list) else [v]):
+                if a is not None:
+                    be.label(a, f"DraftKvBatch.{name}" + (f"[{i}]" if isinstance(v, list) else ""))
+        self._tail = be.event()
+        self._tail.record(be.current_stream())
+        self._tail_stream = be.current_stream()
+
+    # ------------------------------------------------------------------ properties
+    capacity = property(lambda self: self.geom.capacity)
+    q_len = property(lambda self: self.geom.q_len)
+    kv_total = property(lambda self: self.geom.kv_total)
+    a_step = property(lambda self: self.geom.a_step)
+
+    def __repr__(self):
+        return (f"DraftKvBatch(lanes={self.lanes}, {self.geom}, layers={self.config.n_layer}, "
+                f"backend={self.backend.name})")
+
+    def _place_lm_head(self, lm_head):
+        be, H = self.backend, self.config.hidden_size
+        dev = device_view(be, lm_head, "lm_head", dtype=(np.float32, np.float16, np.uint16), shape=(None, H))
+        if dev is not None:
+            return dev if be.is_device_array(dev) else be.asarray(dev)
+        lm_head = np.asarray(lm_head)
+        if lm_head.ndim != 2 or lm_head.shape[1] != H or lm_head.shape[0] < 1:
+            raise ValueError(f"lm_head must have shape [vocab >= 1, {H}], got {list(lm_head.shape)}")
+        try:
+            device_dtype(lm_head.dtype)
+        except TypeError:
+            raise TypeError(f"lm_head dtype must be f32, f16 or bf16, got {lm_head.dtype}") from None
+        return to_device_matrix(be, lm_head)
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("DraftKvBatch is closed")
+
+    def _check_lane(self, lane) -> int:
+        if not isinstance(lane, (int, np.integer)) or isinstance(lane, bool):
+            raise TypeError(f"lane must be an int, got {type(lane).__name__}")
+        if not 0 <= lane < self.lanes:
+            raise ValueError(f"lane={lane} out of range [0, {self.lanes})")
+        return int(lane)
+
+    # ------------------------------------------------------------------ stream order
+    def _order(self, stream):
+        s = self.backend.as_stream(stream)
+        if s != self._tail_stream:
+            s.wait_event(self._tail)
+        return s
+
+    def _issued(self, s) -> None:
+        self._tail.record(s)
+        self._tail_stream = s
+
+    def _reuse(self, event) -> None:
+        if not event.query():
+            event.synchronize()
+            self.host_waits += 1
+
+    # ------------------------------------------------------------------ the step body
+    def _gemm(self, g, x, w, y, m, tiles=None, **kw):
+        if tiles is not None and self._tile_skip and g.path == "stream":
+            kw["tile_live"] = tiles
+        g(x, w, y, m, **kw)
+
+    def _lane_cache(self, cache, lane):
+        kv = self.geom.kv_total
+        return cache[lane * kv:(lane + 1) * kv]
+
+    def _append_chunk(self, lane: int, m: int, stream) -> None:
+        """Bulk append: rows [0, m) of ap_pos/ap_rows/bulk_feat -> lane's K/V rows of every layer."""
+        c, dw = self.config, self.dw
+        if dw.aux_norms is not None:
+            self.rms(self.bulk_feat, dw.aux_norms, self.bulk_feat, rows=m * c.n_captured, stream=stream)
+        self.g_fc(self.bulk_feat, dw.fc, self.ctx, m, stream=stream)
+        self.rms(self.ctx, dw.hidden_norm, self.ctx, rows=m, stream=stream)
+        for li, L in enumerate(dw.layers):
+            src = self.ctx
+            if self.ctx_kv_in is not None:
+                self.rms(self.ctx, L.input_layernorm, self.ctx_kv_in, rows=m, stream=stream)
+                src = self.ctx_kv_in
+            self.g_kv(src, L.w_kv, self.ctx_kv, m, stream=stream)
+            self.rope_ctx(self.ctx_kv, L.k_norm, self.inv_freq, self.ap_pos, self.ap_rows,
+                          self._lane_cache(self.k_cache[li], lane), self._lane_cache(self.v_cache[li], lane),
+                          n_rows=m, stream=stream)
+
+    def _bulk_append(self, lane: int, fields, s) -> None:
+        be, ring = self.backend, self.rings[lane]
+        s.wait_event(ring.write_event)
+        slot_pos = self.slot_pos[lane]
+        if fields.reset:
+            self.planner.reset_slots(slot_pos, stream=s)
+        for i, (start, count) in enumerate(bulk_chunks(fields.bulk_start, fields.bulk_count, self.bulk_chunk)):
+            host = self._bulk_desc_host[lane * self._n_chunks + i]
+            be.host_write(host, "DraftKvBatch bulk chunk descriptor")
+            fill_chunk_descriptor(host, fields, start, count)
+            be.copy_h2d_async(self.bulk_desc, host, stream=s)
+            self.planner.plan_append(self.bulk_desc, self.ap_pos, self.ap_rows, slot_pos, n_rows=count, stream=s)
+            self.gather(self.bulk_desc, self.ring_storage[lane], self.bulk_feat, n_rows=count, stream=s)
+            self._append_chunk(lane, count, s)
+
+    def _step_layer(self, li: int, L, stream) -> None:
+        c = self.config
+        NC, NN = self.lanes * self.ctx_rows, self.lanes * self.lane_rows
+        M = NC + NN
+        tiles_all, tiles_noise = self.tile_live, self.tiles_noise
+        if self._fold_norms:
+            self._gemm(self.g_qkv, self.resid, L.w_qkv, self.qkv, M, tiles_all, stream=stream,
+                       norm=(L.input_layernorm, 0 if c.context_kv_layer_norm else NC))
+            if self.g_attn_gate is not None:
+                self.rms(self.h, L.input_layernorm, self.hn, stream=stream)
+        else:
+            if c.context_kv_layer_norm:
+                self.rms(self.resid, L.input_layernorm, self.xin, stream=stream)
+            else:
+                self.rms(self.h, L.input_layernorm, self.hn, stream=stream)
+            self._gemm(self.g_qkv, self.xin, L.w_qkv, self.qkv, M, tiles_all, stream=stream)
+        self.rope_step(self.qkv, L.k_norm, self.inv_freq, self.pos_all, self.rows_all,
+                       self.k_cache[li], self.v_cache[li], q_norm=L.q_norm, q_out=self.q_all, stream=stream)
+        if self.g_attn_gate is not None:
+            self._gemm(self.g_attn_gate, self.hn, L.w_attn_gate, self.gate, NN, tiles_noise, stream=stream)
+        mask = self.mask_swa if L.sliding else self.mask_full
+        if self._lane_attention:
+            self.attention(self.q, self.k_cache[li], self.v_cache[li], mask, self.attn, gate=self.gate,
+                           stream=stream, live=self.desc)
+        else:
+            B, BS = self.q_len, self.lane_rows
+            for i in range(self.lanes):
+                r = slice(i * BS, i * BS + B)
+                self.attention(self.q[r], self._lane_cache(self.k_cache[li], i),
+                               self._lane_cache(self.v_cache[li], i), mask[i], self.attn[r],
+                               gate=None if self.gate is None else self.gate[r], stream=stream)
+        self._gemm(self.g_o, self.attn, L.w_o, self.h, NN, tiles_noise, residual=self.h, stream=stream)
+        if self._fold_norms:
+            self._gemm(self.g_gate_up, self.h, L.w_gate_up, self.act, NN, tiles_noise, stream=stream,
+                       norm=(L.post_attention_layernorm, 0))
+        else:
+            self.rms(self.h, L.post_attention_layernorm, self.hn, stream=stream)
+            self._gemm(self.g_gate_up, self.hn, L.w_gate_up, self.act, NN, tiles_noise, stream=stream)
+        self._gemm(self.g_down, self.act, L.w_down, self.h, NN, tiles_noise, residual=self.h, stream=stream)
+
+    def _issue_step(self, slot: int, stream, eager: bool = False) -> None:
+        """Every launch and copy of one step, in order (captured once per slot)."""
+        be, c, dw = self.backend, self.config, self.dw
+        NC, NN = self.lanes * self.ctx_rows, self.lanes * self.lane_rows
+        be.copy_h2d_async(self.desc, self._desc_host[slot], stream=stream)
+        self.gather.plan_lanes(self.desc, self.ring_storage, self.ap_feat, self.geom, self.slot_pos, self.pos_all,
+                               self.rows_all, self.tile_live, cs=self.ctx_rows, bs=self.lane_rows,
+                               mask_full=self.mask_full, mask_swa=self.mask_swa, stream=stream)
+        # T = rmsnorm(feat @ fc.T) * hidden_norm for every lane's appended rows
+        if dw.aux_norms is not None:
+            self.rms(self.ap_feat, dw.aux_norms, self.ap_feat, rows=NC * c.n_captured, stream=stream)
+        self._gemm(self.g_fc, self.ap_feat, dw.fc, self.ctx_step, NC, self.tiles_ctx, stream=stream)
+        self.rms(self.ctx_step, dw.hidden_norm, self.ctx_step, rows=NC, stream=stream)
+        be.copy_d2d_async(self.h, self.noise_embed, stream=stream)
+        for li, L in enumerate(dw.layers):
+            with nvtx_range(f"layer {li}") if eager else contextlib.nullcontext():
+                self._step_layer(li, L, stream)
+        self.rms(self.h, dw.norm, self._hs, stream=stream)
+        if self.g_lm is not None:
+            if self._logits is None:
+                self._gemm(self.g_lm, self._hs, self.lm_head, None, NN, self.tiles_noise, partials=self._lm_part,
+                           stream=stream)
+                self.sampler.reduce_partials(self._lm_part, self._tokens, NN, stream=stream)
+            else:
+                self._gemm(self.g_lm, self._hs, self.lm_head, self._logits, NN, self.tiles_noise, stream=stream)
+                self.sampler(self._logits, self._tokens, self.sample_knobs, self.sample_rng, NN, stream=stream)
+
+    # ------------------------------------------------------------------ public API
+    def _lane_plan(self, lane: int, committed):
+        """Validate one lane's step (raises naming the lane); ``None``: idle."""
+        if committed is None:
+            return None
+        if not isinstance(committed, (int, np.integer)) or isinstance(committed, bool):
+            raise TypeError(f"committed[{lane}] must be an int or None (idle), got {type(committed).__name__}")
+        ring = self.rings[lane]
+        if ring._closed:
+            raise RuntimeError(f"lane {lane}: its ring is closed")
+        try:
+            fields = plan_step(self.next_pos[lane], int(committed), self.geom, self.config.swa_window)
+        except ValueError as e:
+            raise ValueError(f"committed[{lane}]: {e}") from None
+        win = fields.committed - fields.lo
+        if ring.capacity < win:  # (ring_capacity >= capacity: cannot happen; kept for clarity)
+            raise ValueError(f"lane {lane}: ring capacity {ring.capacity} < window {win}")
+        need = (fields.bulk_start, fields.bulk_start + fields.bulk_count) if fields.bulk_count \
+            else (fields.start, fields.start + fields.n_new)
+        if not ring.holds(*need):
+            raise KeyError(f"lane {lane}: feature rows for positions [{need[0]}, {need[1]}) are not all in its "
+                           f"ring (it holds [{ring.lo}, {ring.hi})); committed={committed}")
+        return fields, need
+
+    def begin_step(self, committed, stream=None) -> None:
+        """Plan one step for every lane: ``committed[i]`` is lane ``i``'s
+        committed token count (an int > 0) or ``None`` (lane idle this step:
+        no rows, no attention, its state unchanged). Host O(lanes); bulk
+        appends, when a lane needs one, run on the current stream (or
+        ``stream``) for that lane only. Validates every lane before changing
+        anything."""
+        self._check_open()
+        with nvtx_range("dflash batch plan", "green"):
+            stream = self.backend.as_stream(stream)
+            try:
+                committed = list(committed)
+            except TypeError:
+                raise TypeError(f"committed must be a sequence of {self.lanes} ints or None, "
+                                f"got {type(committed).__name__}") from None
+            if len(committed) != self.lanes:
+                raise ValueError(f"committed has {len(committed)} entries, expected one per lane ({self.lanes})")
+            plans = [self._lane_plan(i, v) for i, v in enumerate(committed)]
+            # ---- validated: from here on state changes
+            be = self.backend
+            slot = self._slot ^ 1
+            self._reuse(self._events[slot])
+            bulk = [i for i, p in enumerate(plans) if p is not None and p[0].bulk_count]
+            if bulk:
+                self._reuse(self._bulk_event)
+                s = self._order(stream)
+                with nvtx_range("dflash batch bulk append", "red"):
+                    for i in bulk:
+                        self._bulk_append(i, plans[i][0], s)
+                        self.next_pos[i] = plans[i][0].committed
+                self._bulk_event.record(s)
+                for i in bulk:
+                    self.rings[i].note_read(self, self._bulk_event)
+                self._issued(s)
+            host = self._desc_host[slot]
+            be.host_write(host, "DraftKvBatch.begin_step (descriptors)")
+            for i, p in enumerate(plans):
+                if p is None:
+                    fill_descriptor(host[i], 0, 0, 0, 0, 0, active=False)
+                else:
+                    fill_step_descriptor(host[i], p[0])
+            self._slot = slot
+            self._plan = plans
+            self.last_plan = [None if p is None else p[0] for p in plans]
+            self._planned = True
+
+    def set_noise_embed(self, noise_embed, stream=None) -> None:
+        """Copy ``[lanes, q_len, hidden]`` noise embeddings (NumPy, or a device
+        f32 array read in order on the current stream or ``stream``) into the
+        batch (idle lanes' rows are ignored)."""
+        self._check_open()
+        be, c = self.backend, self.config
+        shape = (self.lanes, self.q_len, c.hidden_size)
+        dev = device_view(be, noise_embed, "noise_embed", dtype=np.float32, shape=shape)
+        if dev is None:
+            host = np.asarray(noise_embed)
+            if host.shape != shape:
+                raise ValueError(f"noise_embed must have shape {list(shape)}, got {list(host.shape)}")
+            if host.dtype.kind != "f":
+                raise TypeError(f"noise_embed must be a float array, got dtype {host.dtype}")
+        stream = be.as_stream(stream)
+        s = self._order(stream)
+        B, BS = self.q_len, self.lane_rows
+        if dev is None:
+            i = self._noise_next
+            self._noise_next ^= 1
+            self._reuse(self._noise_events[i])
+            stage = self._noise_host[i]
+            be.host_write(stage, "DraftKvBatch.set_noise_embed (staging)")
+            stage.reshape(self.lanes, BS, -1)[:, :B] = host
+            be.copy_h2d_async(self.noise_embed, stage, stream=s)
+            self._noise_events[i].record(s)
+        elif BS == B:
+            be.copy_d2d_async(self.noise_embed, dev.reshape(self.lanes * B, -1), stream=s)
+        else:
+            for i in range(self.lanes):
+                be.copy_d2d_async(self.noise_embed[i * BS:i * BS + B], dev[i], stream=s)
+        self._issued(s)
+
+    def run(self, eager: bool = False, stream=None):
+        """Replay the planned step for every lane (``eager``: launch the
+        kernels one by one, same results); returns ``hidden_states``
+        ``[lanes, q_len, hidden]`` (rewritten by the next step)."""
+        self._check_open()
+        if not self._planned:
+            raise RuntimeError("run() needs a planned step: call begin_step(committed) first")
+        for i, p in enumerate(self._plan):
+            if p is None:
+                continue
+            ring = self.rings[i]
+            if ring._closed:
+                raise RuntimeError(f"run(): lane {i}'s ring has been closed")
+            if not ring.holds(*p[1]):
+                raise RuntimeError(f"run(): lane {i}'s ring no longer holds positions [{p[1][0]}, {p[1][1]}) that "
+                                   f"this step was planned to append (it holds [{ring.lo}, {ring.hi})); call "
+                                   f"begin_step again")
+        slot, be = self._slot, self.backend
+        s = self._order(stream)
+        for ring in self.rings:   # the planning launch takes every lane's ring storage
+            s.wait_event(ring.write_event)
+        if eager:
+            with nvtx_range("dflash batch eager step", "yellow"):
+                self._issue_step(slot, s, eager=True)
+        else:
+            if self._graphs[slot] is None:
+                with nvtx_range("dflash batch capture", "purple"):
+                    cs = self.capture_stream
+                    be.begin_capture(cs)
+                    try:
+                        self._issue_step(slot, cs)
+                    finally:
+                        graph = be.end_capture(cs)
+                    self._graphs[slot] = graph
+                    self.captures += 1
+            with nvtx_range("dflash batch replay", "blue"):
+                self._graphs[slot].launch(s)
+        self._events[slot].record(s)
+        for ring in self.rings:
+            ring.note_read(self, self._events[slot])
+        self._issued(s)
+        self._planned = False
+        for i, p in enumerate(self._plan):
+            if p is not None:
+                self.next_pos[i] = p[0].committed
+        return self.hidden_states
+
+    def step(self, committed, noise_embed, stream=None):
+        """``begin_step`` + ``set_noise_embed`` + ``run`` on one stream."""
+        self._check_open()
+        stream = self.backend.as_stream(stream)
+        self.begin_step(committed, stream=stream)
+        self.set_noise_embed(noise_embed, stream=stream)
+        return self.run(stream=stream)
+
+    def synchronize(self) -> None:
+        self._tail.synchronize()
+
+    def reset(self, lane=None, stream=None) -> None:
+        """Forget lane ``lane``'s cached rows (``None``: every lane's), on the
+        current stream (or ``stream``); a planned, not yet run step is dropped."""
+        self._check_open()
+        lanes = range(self.lanes) if lane is None else [self._check_lane(lane)]
+        s = self._order(stream)
+        self._planned = False
+        for i in lanes:
+            self.next_pos[i] = 0
+            self.planner.reset_slots(self.slot_pos[i], stream=s)
+        self._issued(s)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self._tail.synchronize()
+        except Exception:
+            pass
+        for ring in self.rings or ():
+            ring.forget_reader(self)
+            ring.close()
+        keep = {"backend", "config", "weights", "geom", "lanes", "next_pos", "last_plan", "host_waits",
+                "captures", "_closed"}
+        for name in list(vars(self)):
+            if name not in keep:
+                setattr(self, name, None)
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _ring_device_dtype(dtype):
+    from . import dtypes
+    return dtypes.DEVICE[dtypes.kind_of(dtype, "ring_dtype")]
