@@ -28,7 +28,7 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
                    help="a DFlash drafter directory (config.json + model.safetensors); default: random")
     d.add_argument("--backend", default=None, choices=["cuda", "emulated"],
                    help="default: cuda when a GPU is visible, else emulated")
-    d.add_argument("--steps", type=int, default=200, help="drafter steps (default 200)")
+    d.add_argument("--steps", type=int, default=None, help="drafter steps (default 200; 40 with --lanes)")
     d.add_argument("--capacity", type=int, default=48, help="ring capacity (default 48)")
     d.add_argument("--prompt", type=int, default=20, help="prompt length before step 0 (default 20)")
     d.add_argument("--every", type=int, default=10, help="print every N-th step, plus bulk steps (default 10)")
@@ -46,6 +46,8 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
     d.add_argument("--dtype", default="bf16", choices=["f32", "f16", "bf16"],
                    help="random drafter: weight dtype (default bf16)")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--lanes", type=int, default=0,
+                   help="draft N requests together in one DraftKvBatch (lanes_demo; 0: one DraftKvCache)")
     d.add_argument("--spec", action="store_true",
                    help="run the whole speculative loop with a small random target model (spec_demo)")
     d.add_argument("--tokens", type=int, default=200, help="--spec: tokens to generate (default 200)")
@@ -73,6 +75,11 @@ def run(args) -> int:
     if getattr(args, "spec", False):
         from .spec_demo import run as run_spec
         return run_spec(args)
+    if args.steps is None:
+        args.steps = 40 if getattr(args, "lanes", 0) else 200
+    if getattr(args, "lanes", 0):
+        from .lanes_demo import run as run_lanes
+        return run_lanes(args)
     from . import backends, reference
     from .config import DraftConfig
     from .feature_ring import FeatureRing

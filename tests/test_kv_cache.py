@@ -168,8 +168,9 @@ class Driver:
         self.valid_hi = min(self.valid_hi, p)
 
     def reset(self):
-        """A new request with a different prefix."""
+        """A new request with a different prefix: its ring rows are the old request's."""
         self.kv.reset()
+        self.ring.reset()
         self.forget_from(self.origin)
         self.sp[:] = -1
         self.next_pos = 0

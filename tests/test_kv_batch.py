@@ -1,0 +1,245 @@
+"""DraftKvBatch (lanes): N lanes driven by independent schedules equal N
+independent single-lane DraftKvCaches on the same schedules, bit for bit, and
+each lane equals the float64 oracle (through its twin's checks).
+
+Bit for bit because every kernel computes a row from that row alone, in an
+order that does not depend on how many rows share the launch: the GEMMs'
+M-tile variants and row blocks change which block computes a row, not the
+order of its dot product (split K is decided by the column count and K, and
+its slices are summed in a fixed order); the attention of a lane reads only
+that lane's ring and masks. A change that breaks this shows here first.
+
+Each lane has a twin: a ``Driver`` of tests/test_kv_cache.py (its own
+DraftKvCache and FeatureRing, checked against the oracle every step); the
+twin's ring writes are mirrored into the lane's ring, its noise into the
+lane's noise rows."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from dflash_cupy import backends
+from dflash_cupy.kv_batch import DraftKvBatch
+from dflash_cupy.ops.step_descriptor import DESC_ACTIVE
+from tests.test_kv_cache import SPECS, Driver, built
+
+IDLE = None
+
+
+class Twin(Driver):
+    """A single-lane Driver whose ring writes and resets are mirrored into one lane of a batch."""
+
+    def __init__(self, be, name, batch, lane, seed):
+        super().__init__(be, name, seed=seed)
+        self.batch, self.lane = batch, lane
+
+    def feed(self, c):
+        lo = c - min(c, self.cap)
+        good = min(self.ring.hi, self.valid_hi)
+        s = good if self.ring.lo <= lo <= good else lo
+        if s < c:
+            self.batch.rings[self.lane].write(s, self.features(s, c))
+        super().feed(c)
+
+    def reset(self):
+        super().reset()
+        self.batch.reset(self.lane)
+        self.batch.rings[self.lane].reset()
+
+
+def make(name, lanes, be=None, **kw):
+    be = be or backends.get("emulated")
+    s = SPECS[name]
+    w, lm = built(name)
+    batch = DraftKvBatch(w, s.capacity, lanes, ring_capacity=s.ring_capacity, ring_dtype=s.ring_dtype,
+                         lm_head=lm, backend=be, bulk_chunk=s.bulk_chunk, **kw)
+    twins = [Twin(be, name, batch, i, seed=100 + i) for i in range(lanes)]
+    return be, batch, twins
+
+
+def play(be, batch, twins, ops, eager=False):
+    """``ops[i]``: lane i's op this step: an int (committed), IDLE, ("rewind", c)
+    (features from c on change, then step at c) or ("reset", c)."""
+    c_all = []
+    noise = np.zeros((batch.lanes, batch.q_len, batch.config.hidden_size), np.float32)
+    for i, op in enumerate(ops):
+        t = twins[i]
+        if op is IDLE:
+            c_all.append(None)
+            continue
+        if isinstance(op, tuple):
+            kind, c = op
+            if kind == "rewind":
+                t.forget_from(c)
+            else:
+                t.reset()
+        else:
+            c = op
+        noise[i] = t.step(c)   # the twin's own step, checked against the oracle
+        c_all.append(c)
+    if eager:
+        batch.begin_step(c_all)
+        batch.set_noise_embed(noise)
+        out = batch.run(eager=True)
+    else:
+        out = batch.step(c_all, noise)
+    assert out is batch.hidden_states
+    hs = be.to_numpy(batch.hidden_states)
+    toks = None if batch.draft_tokens is None else be.to_numpy(batch.draft_tokens)
+    logits = None if batch.logits is None else be.to_numpy(batch.logits)
+    desc = be.to_numpy(batch.desc)
+    for i, c in enumerate(c_all):
+        assert (desc[i, DESC_ACTIVE] != 0) == (c is not None)
+        if c is None:
+            continue
+        t = twins[i]
+        what = f"lane {i}, committed={c}"
+        assert batch.next_pos[i] == c, what
+        assert np.array_equal(hs[i], be.to_numpy(t.kv.hidden_states)), what + " hidden_states"
+        assert np.array_equal(be.to_numpy(batch.slot_pos)[i], be.to_numpy(t.kv.slot_pos)), what + " slot_pos"
+        for m_b, m_s in ((batch.mask_full, t.kv.mask_full), (batch.mask_swa, t.kv.mask_swa)):
+            if m_b is not None:
+                assert np.array_equal(be.to_numpy(m_b)[i].view(np.uint16),
+                                      be.to_numpy(m_s).view(np.uint16)), what + " mask"
+        if toks is not None:
+            assert np.array_equal(toks[i], be.to_numpy(t.kv.draft_tokens)), what + " draft_tokens"
+        if logits is not None:
+            assert np.array_equal(logits[i], be.to_numpy(t.kv.logits)), what + " logits"
+    return c_all
+
+
+@pytest.mark.parametrize("name", ["a", "b", "c"])
+def test_lanes_join_leave_rewind_reset(name):
+    """Growth, idle lanes, a lane joining late (bulk prefill), a rewind, a
+    jump, a reset: every active lane equals its twin bit for bit."""
+    be, batch, twins = make(name, 3)
+    schedule = [
+        [5, IDLE, 30],
+        [9, 3, 31],
+        [IDLE, 6, 33],
+        [12, ("rewind", 4), 20],      # lane 2 rewinds to 20 in one step (no rewind op needed: c < next_pos)
+        [14, IDLE, ("rewind", 18)],
+        [("reset", 7), 9, 60],        # lane 2 jumps far ahead (a bulk append past the window)
+        [IDLE, IDLE, IDLE],           # nothing to do: every lane idle
+        [8, 11, 61],
+    ]
+    for k, ops in enumerate(schedule):
+        play(be, batch, twins, ops, eager=(k == 2))
+    assert batch.captures == 2
+
+
+# no shrinking: a failing example is printed as drawn (shrinking steps this slow takes many minutes)
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck),
+          phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(data=st.data())
+def test_lanes_property_random_schedules(data):
+    """Independent random schedules per lane (growth by 1..q_len+ accepted,
+    idle steps, rewinds, jumps, resets) equal independent single caches."""
+    name = data.draw(st.sampled_from(["a", "b", "c"]))
+    lanes = data.draw(st.integers(1, 4))
+    be, batch, twins = make(name, lanes)
+    q = batch.q_len
+    cur = [0] * lanes
+    for _ in range(data.draw(st.integers(3, 6))):
+        ops = []
+        for i in range(lanes):
+            kind = data.draw(st.sampled_from(["grow", "grow", "grow", "idle", "rewind", "jump", "reset"]))
+            if kind == "idle" or (kind == "rewind" and cur[i] <= 1):
+                ops.append(IDLE)
+                continue
+            if kind == "grow" or cur[i] == 0:
+                c = cur[i] + data.draw(st.integers(1, q + 1))
+                ops.append(c)
+            elif kind == "rewind":
+                c = data.draw(st.integers(1, cur[i] - 1))
+                ops.append(("rewind", c))
+            elif kind == "jump":
+                c = cur[i] + data.draw(st.integers(batch.a_step + 1, batch.a_step + 1 + 2 * batch.capacity))
+                ops.append(c)
+            else:
+                c = data.draw(st.integers(1, 2 * batch.capacity))
+                ops.append(("reset", c))
+            cur[i] = c
+        play(be, batch, twins, ops)
+    assert batch.captures <= 2
+
+
+def test_graph_reuse_hundreds_of_steps():
+    """300 steps with lanes joining and leaving (idle, reset, rewind) capture
+    the step graph exactly twice (one per descriptor buffer)."""
+    be = backends.get("emulated")
+    s = SPECS["c"]
+    w, lm = built("c")
+    batch = DraftKvBatch(w, s.capacity, 4, ring_capacity=s.ring_capacity, ring_dtype=s.ring_dtype,
+                         backend=be, bulk_chunk=s.bulk_chunk)
+    rng = np.random.default_rng(3)
+    cur = [0] * 4
+    fc = batch.config.fc_in
+    for step in range(300):
+        c_all = []
+        for i in range(4):
+            r = rng.random()
+            if r < 0.3:
+                c_all.append(None)
+                continue
+            if r < 0.35:
+                batch.reset(i)
+                cur[i] = 0
+            c = cur[i] + int(rng.integers(1, batch.q_len + 2))
+            ring = batch.rings[i]
+            lo = max(0, c - batch.capacity)
+            start = ring.hi if ring.lo <= lo <= ring.hi else lo
+            if start < c:
+                ring.write(start, rng.standard_normal((c - start, fc)).astype(np.float32))
+            c_all.append(c)
+            cur[i] = c
+        batch.step(c_all, rng.standard_normal((4, batch.q_len, batch.config.hidden_size)).astype(np.float32))
+        live = [i for i, c in enumerate(c_all) if c is not None]
+        if step % 50 == 0 and live:
+            assert np.isfinite(be.to_numpy(batch.hidden_states)[live]).all()
+    assert batch.captures == 2
+
+
+def test_bad_input_names_the_lane_and_changes_nothing():
+    be, batch, twins = make("a", 3)
+    play(be, batch, twins, [5, 7, IDLE])
+    before = (list(batch.next_pos), be.to_numpy(batch.slot_pos).copy(), batch.captures)
+    with pytest.raises(ValueError, match=r"committed\[1\]"):
+        batch.begin_step([5, -3, None])
+    with pytest.raises(TypeError, match=r"committed\[2\]"):
+        batch.begin_step([5, 7, 2.5])
+    with pytest.raises(KeyError, match="lane 2"):
+        batch.begin_step([5, 7, 40])    # lane 2's ring holds nothing
+    with pytest.raises(ValueError, match="one per lane"):
+        batch.begin_step([5, 7])
+    with pytest.raises(ValueError, match="lane=3"):
+        batch.reset(3)
+    with pytest.raises(ValueError, match="noise_embed"):
+        batch.set_noise_embed(np.zeros((2, batch.q_len, batch.config.hidden_size), np.float32))
+    with pytest.raises(RuntimeError, match="begin_step"):
+        batch.run()
+    assert (list(batch.next_pos), batch.captures) == (before[0], before[2])
+    assert np.array_equal(be.to_numpy(batch.slot_pos), before[1])
+    play(be, batch, twins, [6, 8, IDLE])   # and it goes on as if nothing happened
+    # a ring write after planning that replaces planned rows is caught at run
+    batch.rings[1].write(8, np.zeros((1, batch.config.fc_in), np.float32))
+    batch.begin_step([None, 9, None])
+    batch.rings[1].write(0, np.zeros((1, batch.config.fc_in), np.float32))
+    with pytest.raises(RuntimeError, match="lane 1"):
+        batch.run()
+    batch.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        batch.begin_step([1, 1, 1])
+
+
+def test_constructor_rejects_bad_arguments():
+    be = backends.get("emulated")
+    w, _ = built("a")
+    with pytest.raises(ValueError, match="lanes"):
+        DraftKvBatch(w, 23, 0, backend=be)
+    with pytest.raises(TypeError, match="lanes"):
+        DraftKvBatch(w, 23, 2.0, backend=be)
+    with pytest.raises(ValueError, match="ring_capacity"):
+        DraftKvBatch(w, 23, 2, ring_capacity=5, backend=be)
