@@ -1,0 +1,179 @@
+"""Cost model of a lane-batched step (``DraftKvBatch``): step time and cost per
+request at 1, 4, 16, 64 active lanes, against the single-lane step.
+
+    python -m profiling.lanes_model --drafter qwen3-8b --window 2K --lanes 1,4,16,64
+    python -m profiling.lanes_model --json
+
+The batch's step graph is recorded at real shapes exactly as the product
+captures it (``launch_plan.RecordingBackend``: the batch's own launchers pick
+every grid), with ``active`` lanes each appending ``--accept`` rows and the
+rest idle; each launch is timed by ``perf_model.kernel_time`` from its
+counters (the GEMMs' dead row tiles, known from the plan, are skipped as the
+kernel skips them). ``per_lane_us = step_us / active`` is what one request
+pays; ``vs_single`` is that over the single-lane ``DraftKvCache`` step of the
+same drafter and window (``perf_model.model_step``): 1/16 would be perfect
+sharing at 16 lanes. The floor of a batch step: the weights once plus each
+active lane's own compulsory bytes (its K/V window, masks, features,
+activations), at the achievable HBM bandwidth.
+
+The model knows what ``perf_model`` knows (see profiling/README.md); at many
+lanes the GEMMs leave the weight stream and become bound by shared-memory
+reads of the activations and by MMA issue, which is where the per-lane cost
+stops falling.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import ml_dtypes
+import numpy as np
+
+from profiling import counters as ctr
+from profiling.common import drafter_config, int_list
+from profiling.hw_params import get_gpu
+from profiling.launch_plan import Copy, Launch, RecordingBackend, ShapeOnlyWeights, _rename
+from profiling.perf_model import _counter_key, kernel_time, model_step, resolve_drafter
+
+
+def batch_step_plan(config, window: int, lanes: int, active: int, *, accept: int = 6,
+                    lm_head_vocab: int | None = None):
+    """(batch, graph nodes) of a steady-state batch step: ``active`` lanes (the
+    first ones) each committing ``accept`` more rows at a full ``window``."""
+    from dflash_cupy.kv_batch import DraftKvBatch
+
+    if not 0 <= active <= lanes:
+        raise ValueError(f"active={active} must be in [0, lanes={lanes}]")
+    be = RecordingBackend()
+    w = ShapeOnlyWeights(config, be, np.uint16)
+    lm = be.empty((int(lm_head_vocab), config.hidden_size), np.uint16) if lm_head_vocab else None
+    b = DraftKvBatch(w, int(window), lanes, ring_dtype=ml_dtypes.bfloat16, backend=be, lm_head=lm,
+                     logits=False)
+    for r in b.rings:   # the rings "hold" every position the plans read; rows never looked at
+        r.lo, r.hi = 0, int(window) + 2 * accept
+    b.next_pos = [int(window)] * lanes
+    for c in (int(window) + accept // 2, int(window) + accept):   # both step graphs captured
+        b.begin_step([c] * active + [None] * (lanes - active))
+        b.run()
+    b.next_pos = [int(window)] * lanes
+    b.begin_step([int(window) + accept] * active + [None] * (lanes - active))
+    b.run()
+    nodes = b._graphs[b._slot].nodes
+    _mark_live_tiles(b, nodes, active, accept)
+    names = {}
+    for k, v in vars(b).items():
+        if isinstance(v, np.ndarray):
+            names.setdefault((int(v.ctypes.data), int(v.nbytes)), k)
+        elif isinstance(v, list):
+            for i, a in enumerate(v):
+                if isinstance(a, np.ndarray):
+                    names.setdefault((int(a.ctypes.data), int(a.nbytes)), f"{k}[{i}]")
+    _rename(nodes, names)
+    return b, nodes
+
+
+def _mark_live_tiles(b, nodes, active: int, accept: int) -> None:
+    """The step's live 16-row tiles (what ``plan_lanes`` writes at run time),
+    attached to each GEMM launch that reads ``tile_live`` (``known["tile_live"]``)."""
+    CS, BS, L = b.ctx_rows, b.lane_rows, b.lanes
+    live = np.zeros(L * (CS + BS) // 16, bool)
+    n_app = min(accept, b.a_step)
+    for i in range(active):
+        live[i * CS // 16:(i * CS + n_app + 15) // 16] = True
+        live[(L * CS + i * BS) // 16:(L * CS + (i + 1) * BS) // 16] = True
+    base = int(b.tile_live.ctypes.data)
+    for n in nodes:
+        if not isinstance(n, Launch):
+            continue
+        for a in n.args:
+            ptr = getattr(a, "ptr", None)
+            if ptr is not None and base <= ptr < base + b.tile_live.nbytes and getattr(a, "dtype", "") == "int32":
+                t0 = (ptr - base) // 4
+                n.known["tile_live"] = tuple(bool(x) for x in live[t0:t0 + a.nbytes // 4])
+
+
+def floor_bytes(single_bytes: dict, active: int) -> int:
+    """Weights (and lm_head) once, everything else once per active lane."""
+    shared = single_bytes["weights"] + single_bytes["lm_head"]
+    return shared + active * (single_bytes["total"] - shared)
+
+
+def model_batch(drafter: str, window: int, active: int, gpu, *, lanes: int | None = None, accept: int = 6,
+                lm_head_vocab: int | None = None, single: dict | None = None) -> dict:
+    name = resolve_drafter(drafter)
+    cfg = drafter_config(name)
+    lanes = active if lanes is None else lanes
+    b, nodes = batch_step_plan(cfg, window, lanes, active, accept=accept, lm_head_vocab=lm_head_vocab)
+    cache: dict = {}
+    times = []
+    for n in nodes:
+        if isinstance(n, Copy):
+            c = ctr.copy_counters(n)
+        else:
+            k = _counter_key(n)
+            c = cache.get(k)
+            if c is None:
+                c = cache[k] = ctr.static_counters(n)
+        times.append(kernel_time(n, c, gpu))
+    gap_us = gpu.node_gap_s * 1e6 * len(nodes)
+    step_us = sum(t.predicted_us for t in times) + gap_us
+    single = single or model_step(drafter, window, gpu, accept=accept, lm_head_vocab=lm_head_vocab)
+    fb = floor_bytes(single["bytes"], active)
+    floor_us = fb / gpu.hbm_Bps * 1e6
+    by_bound: dict = {}
+    for t in times:
+        by_bound[t.bound] = by_bound.get(t.bound, 0.0) + t.predicted_us
+    gemm_us = sum(t.predicted_us for t in times if t.kernel.startswith("gemm"))
+    attn_us = sum(t.predicted_us for t in times if "attn" in t.kernel)
+    return {"drafter": drafter, "preset": name, "window": window, "lanes": lanes, "active": active,
+            "gpu": gpu.name, "n_nodes": len(nodes), "step_us": step_us, "gaps_us": gap_us,
+            "gemm_us": gemm_us, "attention_us": attn_us,
+            "per_lane_us": step_us / max(active, 1), "single_step_us": single["step_us"],
+            "vs_single": step_us / max(active, 1) / single["step_us"],
+            "floor_us": floor_us, "ratio": step_us / floor_us, "time_by_bound_us": by_bound}
+
+
+def format_table(rows: list) -> str:
+    r0 = rows[0]
+    out = [f"{r0['preset']} window {r0['window']} on {r0['gpu']}: single-lane DraftKvCache step "
+           f"{r0['single_step_us']:.0f} us",
+           f"{'lanes':>5} {'nodes':>5} {'step us':>8} {'gemm us':>8} {'attn us':>8} {'floor us':>8} "
+           f"{'x floor':>7} {'us/lane':>8} {'vs single':>9}  bound (us)"]
+    for r in rows:
+        bounds = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["time_by_bound_us"].items(), key=lambda kv: -kv[1]))
+        out.append(f"{r['active']:>5} {r['n_nodes']:>5} {r['step_us']:>8.0f} {r['gemm_us']:>8.0f} "
+                   f"{r['attention_us']:>8.0f} {r['floor_us']:>8.0f} {r['ratio']:>7.2f} {r['per_lane_us']:>8.1f} "
+                   f"{r['vs_single']:>9.3f}  {bounds}")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m profiling.lanes_model", description=__doc__.split("\n\n")[0])
+    p.add_argument("--drafter", default="qwen3-8b")
+    p.add_argument("--window", default="2K", help="each lane's window (K suffix allowed)")
+    p.add_argument("--lanes", default="1,4,16,64", help="active lane counts, comma-separated")
+    p.add_argument("--gpu", default="H200")
+    p.add_argument("--accept", type=int, default=6)
+    p.add_argument("--lm-head", type=int, default=None, metavar="VOCAB")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    gpu = get_gpu(a.gpu)
+    window = int_list(a.window)[0]
+    single = model_step(a.drafter, window, gpu, accept=a.accept, lm_head_vocab=a.lm_head)
+    rows = [model_batch(a.drafter, window, n, gpu, accept=a.accept, lm_head_vocab=a.lm_head, single=single)
+            for n in int_list(a.lanes)]
+    if a.json:
+        json.dump({"rows": rows}, sys.stdout, indent=1, default=float)
+        print()
+    else:
+        print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
