@@ -69,6 +69,7 @@ from .rope_params import rope_parameters
 from .weights import DraftWeights
 
 MAX_LANES = 256
+FAST_PLAN_LANES = 8   # from this many lanes on, begin_step plans with NumPy (measured: README "Lanes")
 GEMM_MAX_M = 64  # the GEMMs' largest M tile; more rows run as more row blocks of the same launch
 TILE_ROWS = 16   # the stream GEMM's row tile: lane regions are whole tiles, so a dead lane is whole dead tiles
 
@@ -249,13 +250,13 @@ class DraftKvBatch:
         ring_kind = self.rings[0].kind
         self.gather = FeatureGather(be, c.fc_in, ring_capacity, ring_kind)
 
-        self.next_pos = [0] * lanes
-        self.last_plan = [None] * lanes   # StepFields of each lane's latest planned step (None: idle)
+        self._next = np.zeros(lanes, np.int64)   # per lane: next position to append (next_pos)
+        self._plan_act = self._plan_c = self._plan_need = self._plan_desc = None
+        self._plan_fields = [None] * lanes
         self._graphs = [None, None]
         self.captures = 0
         self._slot = 0
         self._planned = False
-        self._plan: list = []
         self._closed = False
         self.host_waits = 0
         for name in ("_hs", "_logits", "_tokens", "noise_embed", "k_cache", "v_cache", "slot_pos", "desc",
@@ -439,7 +440,7 @@ class DraftKvBatch:
         if ring._closed:
             raise RuntimeError(f"lane {lane}: its ring is closed")
         try:
-            fields = plan_step(self.next_pos[lane], int(committed), self.geom, self.config.swa_window)
+            fields = plan_step(int(self._next[lane]), int(committed), self.geom, self.config.swa_window)
         except ValueError as e:
             raise ValueError(f"committed[{lane}]: {e}") from None
         win = fields.committed - fields.lo
@@ -451,6 +452,37 @@ class DraftKvBatch:
             raise KeyError(f"lane {lane}: feature rows for positions [{need[0]}, {need[1]}) are not all in its "
                            f"ring (it holds [{ring.lo}, {ring.hi})); committed={committed}")
         return fields, need
+
+    def _fast_plan(self, committed):
+        """The common step, planned for all lanes at once with NumPy: every entry
+        an int or None, no bulk append, every ring holding its rows. ``None``
+        when anything else holds: the per-lane path decides (and names the lane
+        of a bad entry)."""
+        if not all(v is None or type(v) is int for v in committed):
+            return None
+        L, g = self.lanes, self.geom
+        act = np.fromiter((v is not None for v in committed), bool, L)
+        c = np.fromiter((0 if v is None else v for v in committed), np.int64, L)
+        if ((c <= 0) & act).any() or (c + g.q_len > 2**31 - 1).any():
+            return None
+        nxt = self._next
+        reset = act & (nxt > c)
+        win = np.minimum(c, g.capacity)
+        lo = c - win
+        start = np.maximum(np.where(reset, 0, nxt), lo)
+        n_new = c - start
+        if ((n_new > g.a_step) & act).any():
+            return None
+        rings = self.rings
+        if any(r._closed for r in rings):
+            return None
+        rlo = np.fromiter((r.lo for r in rings), np.int64, L)
+        rhi = np.fromiter((r.hi for r in rings), np.int64, L)
+        if not ((n_new <= 0) | ((rlo <= start) & (c <= rhi)) | ~act).all():
+            return None
+        w = int(self.config.swa_window or 0)
+        swa_lo = c - (np.where(win > w, w, win) if w > 0 else win)
+        return act, c, lo, start, n_new, swa_lo, reset
 
     def begin_step(self, committed, stream=None) -> None:
         """Plan one step for every lane: ``committed[i]`` is lane ``i``'s
@@ -469,34 +501,67 @@ class DraftKvBatch:
                                 f"got {type(committed).__name__}") from None
             if len(committed) != self.lanes:
                 raise ValueError(f"committed has {len(committed)} entries, expected one per lane ({self.lanes})")
-            plans = [self._lane_plan(i, v) for i, v in enumerate(committed)]
+            # NumPy costs ~20 us however few the lanes; a loop ~2-3 us per lane
+            fast = self._fast_plan(committed) if self.lanes >= FAST_PLAN_LANES else None
+            plans = None if fast is not None else [self._lane_plan(i, v) for i, v in enumerate(committed)]
             # ---- validated: from here on state changes
             be = self.backend
             slot = self._slot ^ 1
             self._reuse(self._events[slot])
-            bulk = [i for i, p in enumerate(plans) if p is not None and p[0].bulk_count]
-            if bulk:
-                self._reuse(self._bulk_event)
-                s = self._order(stream)
-                with nvtx_range("dflash batch bulk append", "red"):
-                    for i in bulk:
-                        self._bulk_append(i, plans[i][0], s)
-                        self.next_pos[i] = plans[i][0].committed
-                self._bulk_event.record(s)
-                for i in bulk:
-                    self.rings[i].note_read(self, self._bulk_event)
-                self._issued(s)
             host = self._desc_host[slot]
             be.host_write(host, "DraftKvBatch.begin_step (descriptors)")
-            for i, p in enumerate(plans):
-                if p is None:
-                    fill_descriptor(host[i], 0, 0, 0, 0, 0, active=False)
-                else:
-                    fill_step_descriptor(host[i], p[0])
+            if fast is not None:
+                act, c, lo, start, n_new, swa_lo, reset = fast
+                cols = np.stack([c, lo, start, n_new, swa_lo, reset, act], axis=1)
+                cols *= act[:, None]           # an idle lane's descriptor: all zeros
+                host[:, :7] = cols
+                self._plan_fields = None
+            else:
+                bulk = [i for i, p in enumerate(plans) if p is not None and p[0].bulk_count]
+                if bulk:
+                    self._reuse(self._bulk_event)
+                    s = self._order(stream)
+                    with nvtx_range("dflash batch bulk append", "red"):
+                        for i in bulk:
+                            self._bulk_append(i, plans[i][0], s)
+                            self._next[i] = plans[i][0].committed
+                    self._bulk_event.record(s)
+                    for i in bulk:
+                        self.rings[i].note_read(self, self._bulk_event)
+                    self._issued(s)
+                for i, p in enumerate(plans):
+                    if p is None:
+                        fill_descriptor(host[i], 0, 0, 0, 0, 0, active=False)
+                    else:
+                        fill_step_descriptor(host[i], p[0])
+                act = np.array([p is not None for p in plans])
+                c = np.array([0 if p is None else p[0].committed for p in plans], np.int64)
+                start = np.array([0 if p is None else p[1][0] for p in plans], np.int64)
+                self._plan_fields = [None if p is None else p[0] for p in plans]
             self._slot = slot
-            self._plan = plans
-            self.last_plan = [None if p is None else p[0] for p in plans]
+            self._plan_act, self._plan_c, self._plan_need = act, c, start   # need: [start, c) per active lane
+            self._plan_desc = host
             self._planned = True
+
+    @property
+    def next_pos(self) -> list:
+        """Per lane: the position after the last row its cache holds."""
+        return [int(x) for x in self._next]
+
+    @next_pos.setter
+    def next_pos(self, v) -> None:
+        self._next[:] = v
+
+    @property
+    def last_plan(self) -> list:
+        """Per lane: the ``StepFields`` of the latest planned step (``None``: idle)."""
+        if self._plan_fields is None and self._plan_act is not None:
+            from .ops.step_descriptor import StepFields
+            d = self._plan_desc
+            self._plan_fields = [
+                StepFields(int(r[0]), int(r[1]), int(r[2]), int(r[3]), int(r[4]), bool(r[5]), int(r[2]), 0)
+                if a else None for a, r in zip(self._plan_act, d)]
+        return self._plan_fields
 
     def set_noise_embed(self, noise_embed, stream=None) -> None:
         """Copy ``[lanes, q_len, hidden]`` noise embeddings (NumPy, or a device
@@ -538,16 +603,19 @@ class DraftKvBatch:
         self._check_open()
         if not self._planned:
             raise RuntimeError("run() needs a planned step: call begin_step(committed) first")
-        for i, p in enumerate(self._plan):
-            if p is None:
-                continue
-            ring = self.rings[i]
-            if ring._closed:
-                raise RuntimeError(f"run(): lane {i}'s ring has been closed")
-            if not ring.holds(*p[1]):
-                raise RuntimeError(f"run(): lane {i}'s ring no longer holds positions [{p[1][0]}, {p[1][1]}) that "
-                                   f"this step was planned to append (it holds [{ring.lo}, {ring.hi})); call "
-                                   f"begin_step again")
+        act, c, need = self._plan_act, self._plan_c, self._plan_need
+        rings = self.rings
+        rlo = np.fromiter((r.lo for r in rings), np.int64, self.lanes)
+        rhi = np.fromiter((r.hi for r in rings), np.int64, self.lanes)
+        bad = act & (need < c) & ~((rlo <= need) & (c <= rhi))
+        closed = [i for i, r in enumerate(rings) if r._closed and act[i]]
+        if closed:
+            raise RuntimeError(f"run(): lane {closed[0]}'s ring has been closed")
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise RuntimeError(f"run(): lane {i}'s ring no longer holds positions [{need[i]}, {c[i]}) that this "
+                               f"step was planned to append (it holds [{rings[i].lo}, {rings[i].hi})); call "
+                               f"begin_step again")
         slot, be = self._slot, self.backend
         s = self._order(stream)
         for ring in self.rings:   # the planning launch takes every lane's ring storage
@@ -573,9 +641,7 @@ class DraftKvBatch:
             ring.note_read(self, self._events[slot])
         self._issued(s)
         self._planned = False
-        for i, p in enumerate(self._plan):
-            if p is not None:
-                self.next_pos[i] = p[0].committed
+        self._next[act] = c[act]
         return self.hidden_states
 
     def step(self, committed, noise_embed, stream=None):
@@ -597,7 +663,7 @@ class DraftKvBatch:
         s = self._order(stream)
         self._planned = False
         for i in lanes:
-            self.next_pos[i] = 0
+            self._next[i] = 0
             self.planner.reset_slots(self.slot_pos[i], stream=s)
         self._issued(s)
 
@@ -611,8 +677,10 @@ class DraftKvBatch:
         for ring in self.rings or ():
             ring.forget_reader(self)
             ring.close()
-        keep = {"backend", "config", "weights", "geom", "lanes", "next_pos", "last_plan", "host_waits",
-                "captures", "_closed"}
+        keep = {"backend", "config", "weights", "geom", "lanes", "_next", "_plan_fields", "_plan_act", "_plan_desc",
+                "host_waits", "captures", "_closed"}
+        self.last_plan   # (computed while the descriptor buffer is still there)
+        self._plan_desc = None
         for name in list(vars(self)):
             if name not in keep:
                 setattr(self, name, None)
