@@ -110,10 +110,13 @@ def play(be, batch, twins, ops, eager=False):
     return c_all
 
 
-@pytest.mark.parametrize("name", ["a", "b", "c"])
-def test_lanes_join_leave_rewind_reset(name):
+@pytest.mark.parametrize("name,numpy_plan", [("a", False), ("b", False), ("c", False), ("a", True), ("b", True)])
+def test_lanes_join_leave_rewind_reset(name, numpy_plan, monkeypatch):
     """Growth, idle lanes, a lane joining late (bulk prefill), a rewind, a
-    jump, a reset: every active lane equals its twin bit for bit."""
+    jump, a reset: every active lane equals its twin bit for bit (with the
+    per-lane and the NumPy planning of begin_step)."""
+    import dflash_cupy.kv_batch as kvb
+    monkeypatch.setattr(kvb, "FAST_PLAN_LANES", 1 if numpy_plan else 10**6)
     be, batch, twins = make(name, 3)
     schedule = [
         [5, IDLE, 30],
@@ -243,3 +246,47 @@ def test_constructor_rejects_bad_arguments():
         DraftKvBatch(w, 23, 2.0, backend=be)
     with pytest.raises(ValueError, match="ring_capacity"):
         DraftKvBatch(w, 23, 2, ring_capacity=5, backend=be)
+
+
+def test_numpy_plan_equals_per_lane_plan(monkeypatch):
+    """The descriptors, next positions and plans of begin_step's NumPy path
+    equal the per-lane path's over random schedules (rewinds, idle lanes,
+    windows past capacity, sliding windows); the NumPy path declines (and the
+    per-lane path decides) whenever a lane needs a bulk append."""
+    import dflash_cupy.kv_batch as kvb
+    be = backends.get("emulated")
+    s = SPECS["a"]          # sliding layers: swa_lo differs from lo
+    w, _ = built("a")
+    lanes = 9
+    mk = lambda: DraftKvBatch(w, s.capacity, lanes, ring_capacity=s.ring_capacity, backend=be)
+    fast, slow = mk(), mk()
+    rng = np.random.default_rng(5)
+    for b in (fast, slow):
+        for r in b.rings:
+            r.lo, r.hi = 0, 10**6   # the host path only: claim every position
+    cur = [0] * lanes
+    used_fast = 0
+    for step in range(60):
+        c_all = []
+        for i in range(lanes):
+            r = rng.random()
+            if r < 0.2 or cur[i] == 0 and r < 0.5:
+                c_all.append(None)
+                continue
+            c = cur[i] + int(rng.integers(1, 8)) if r < 0.85 or cur[i] < 2 else int(rng.integers(1, cur[i]))
+            if cur[i] == 0:
+                c = int(rng.integers(1, fast.a_step + 1))
+            c_all.append(c)
+            cur[i] = c
+        monkeypatch.setattr(kvb, "FAST_PLAN_LANES", 1)
+        used_fast += fast._fast_plan(c_all) is not None
+        fast.begin_step(c_all)
+        monkeypatch.setattr(kvb, "FAST_PLAN_LANES", 10**6)
+        slow.begin_step(c_all)
+        assert np.array_equal(fast._plan_desc, slow._plan_desc), (step, c_all)
+        assert fast.last_plan == slow.last_plan
+        for b in (fast, slow):   # what run() does to the host state, without replaying
+            b._next[b._plan_act] = b._plan_c[b._plan_act]
+            b._planned = False
+        assert fast.next_pos == slow.next_pos
+    assert used_fast > 30
