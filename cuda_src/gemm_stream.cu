@@ -33,7 +33,12 @@
 //   M-tile variants: GS_MT 1, 2, 4 (16/32/64 rows) compiled per bucket; the
 //   launcher picks the smallest that covers m, and inside a block the tiles
 //   wholly past M are skipped (no staging, no smem reads, no MMAs), and so are
-//   tiles wholly inside the padding rows [*pad_lo, pad_hi) (pad_hi = 0: none).
+//   tiles wholly inside the padding rows [*pad_lo, pad_hi) (pad_hi = 0: none;
+//   their outputs are still stored: the epilogue of acc = 0). With use_live,
+//   tile_live[t] (device int32, one flag per 16-row tile of the launch, written
+//   on the device each step) == 0 makes tile t dead: skipped like a padding
+//   tile and not stored either (its y rows, residual included, untouched; no
+//   argmax partial); a block with only dead tiles exits before any load.
 //   ks (split K) is picked by whole-wave arithmetic over the device's SM count
 //   (a launch parameter), only when it shortens the modelled time.
 //
@@ -79,10 +84,10 @@
 // ---- Registers (ptxas via NVRTC, sm_90, 0 spills; tests/test_gemm_stream.py
 //   recompiles and holds them to the launcher's PTXAS_REGS): accumulators
 //   MT*WT*4, ring GS_DEPTH*WT*8 = 64 or 96, x fragments 16.
-//     GS_MT 1 (depth 2): 122-128 (GS_MINB 2 caps it at 128: 2 blocks of 256 threads per SM)
-//     GS_MT 2 (depth 3): 189-190 (198-202 silu_mul), GS_MT 4 (depth 3): 222-223
-//     (230-235 silu_mul): 1 block per SM
-//     GS_NORM 1 (bf16, K 4096): MT 1 123, MT 2 190 (202 silu_mul), MT 4 219 (230 silu_mul),
+//     GS_MT 1 (depth 2): 121-128 (GS_MINB 2 caps it at 128: 2 blocks of 256 threads per SM)
+//     GS_MT 2 (depth 3): 187-189 (202-204 silu_mul), GS_MT 4 (depth 3): 220-223
+//     (226-235 silu_mul): 1 block per SM (tile_live moved them by -5..+2)
+//     GS_NORM 1 (bf16, K 4096): MT 1 123, MT 2 188 (202 silu_mul), MT 4 220 (232 silu_mul),
 //     0 spills; static shared memory + 4 B per row (ss_s, and sc_s with split K)
 //   Blocks per SM = min(registers, (228 KB) / (dynamic smem + 1 KB), 8); the
 //   launcher keeps the x chunk small enough that smem does not cut the
@@ -235,7 +240,7 @@ __device__ __forceinline__ void load_slot(Slot& s, const unsigned short* const w
 extern "C" __global__ void __launch_bounds__(GS_WARPS * 32, GS_MINB)
 gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, float* y, const float* r,
             int M, int N, int kz, int kt, float* ws, int* counters, const int* pad_lo, int pad_hi,
-            const float* __restrict__ ln, float eps, int norm_lo) {
+            const float* __restrict__ ln, float eps, int norm_lo, const int* tile_live, int use_live) {
     using namespace gemm_stream_detail;
     extern __shared__ __align__(16) unsigned char smem[];
     unsigned short* xs = reinterpret_cast<unsigned short*>(smem);
@@ -258,12 +263,23 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
         lo = *pad_lo;
         lo = (lo < 0) ? 0 : ((lo > pad_hi) ? pad_hi : lo);
     }
-    unsigned int tmask = 0u;  // tiles with a row to compute (block-uniform)
+    // Dead tiles (use_live and tile_live[tile] == 0, one flag per 16 rows of the
+    // launch, written on the device: lanes that are idle this step) are neither
+    // computed nor stored: their y rows keep whatever they hold.
+    // Bits 0..MT-1: tiles with a row to compute; bits 8..8+MT-1: tiles whose rows
+    // are stored (one register for both; block-uniform).
+    unsigned int tmask = 0u;
 #pragma unroll
     for (int i = 0; i < MT; i++) {
         const int a = m0 + 16 * i, b = (a + 16 < M) ? a + 16 : M;
-        if (a < b && !(a >= lo && b <= pad_hi)) tmask |= 1u << i;
+        if (a < b && (!use_live || tile_live[(m0 >> 4) + i] != 0)) {
+            tmask |= 1u << (8 + i);
+            if (!(a >= lo && b <= pad_hi)) tmask |= 1u << i;
+        }
     }
+    // A block with nothing to store has nothing to do. Split K has one M block
+    // (grid y 1): its slices all leave here together and the counter stays 0.
+    if (tmask == 0u) return;
 
 #if GS_NORM
     __shared__ float ss_s[ROWS];  // row sums of squares over this block's K range
@@ -316,6 +332,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
 #if GS_NORM
                     // one warp per row, lanes along k: the row's sum of squares in a fixed order
                     for (int row = warp; row < tiles * 16; row += GS_WARPS) {
+                        if (!((tmask >> (row >> 4)) & 1u)) continue;  // tile not computed: not staged
                         const int grow = m0 + row;
                         const bool rd = row < live && (grow < lo || grow >= pad_hi);
                         const bool nrm = grow >= norm_lo;
@@ -351,6 +368,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
                     const int q4 = kt / 4;
                     for (int i = threadIdx.x; i < tiles * 16 * q4; i += THREADS) {
                         const int row = i / q4, c4 = (i - row * q4) * 4, k = kc + c4;
+                        if (!((tmask >> (row >> 4)) & 1u)) continue;  // tile not computed: not staged
                         float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                         const int grow = m0 + row;
                         if (row < live && k < k_end && (grow < lo || grow >= pad_hi))
@@ -420,7 +438,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
                     for (int c = 0; c < 2; c++) {
                         const int col = n0 + 8 * jn + 2 * t + c;
                         const float v = acc[i][jn][2 * h + c];
-                        if (row < M && col < N) {
+                        if (row < M && col < N && ((tmask >> (8 + i)) & 1u)) {
                             store(y, r, (long long)row * N + col, v, v);
                             const unsigned int k = order_key(v);
                             if (key_wins(k, col, bk, bc)) { bk = k; bc = col; }
@@ -439,6 +457,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
         __syncthreads();
         unsigned int* part = reinterpret_cast<unsigned int*>(ws);
         for (int lr = threadIdx.x; lr < live; lr += THREADS) {
+            if (!((tmask >> (8 + (lr >> 4))) & 1u)) continue;  // dead tile: no partial
             unsigned int bk = bkey[0][lr];
             int bc = bcol[0][lr];
             for (int wv = 1; wv < GS_WARPS; wv++)
@@ -453,6 +472,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
     if (gridDim.z == 1) {
 #pragma unroll
         for (int i = 0; i < MT; i++) {
+            if (!((tmask >> (8 + i)) & 1u)) continue;  // dead tile: y untouched
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int row = m0 + i * 16 + g + 8 * h;
@@ -489,7 +509,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
             for (int h = 0; h < 2; h++) {
                 const int lrow = i * 16 + g + 8 * h;
                 const int lc = warp * 8 * NT + 8 * (j % NT) + 2 * t;
-                if (lrow < live)
+                if (lrow < live && ((tmask >> (8 + i)) & 1u))
                     *reinterpret_cast<float2*>(wsb + ((long long)(blockIdx.z * NW + j / NT) * ROWS + lrow) * COLS + lc) =
                         make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
             }
@@ -520,7 +540,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
     constexpr int C4 = COLS / 4;
     for (int idx = threadIdx.x; idx < live * C4; idx += THREADS) {
         const int lrow = idx / C4, lc = (idx - lrow * C4) * 4, col = c0 + lc;
-        if (col >= N) continue;
+        if (col >= N || !((tmask >> (8 + (lrow >> 4))) & 1u)) continue;
         float4 a[NW];
 #pragma unroll
         for (int jw = 0; jw < NW; jw++) {

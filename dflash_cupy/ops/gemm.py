@@ -232,12 +232,21 @@ class Gemm:
             raise ValueError(f"pad_rows[1] must be an int in [0, m={m}], got {hi!r}")
         return (lo, int(hi))
 
+    def _tile_live(self, tile_live, m):
+        if tile_live is None:
+            return None
+        checks.device_array(self.backend, "tile_live", tile_live, np.int32, ndim=1)
+        if tile_live.shape[0] < -(-m // 16):
+            raise ValueError(f"tile_live must hold >= ceil(m/16) = {-(-m // 16)} entries (one per 16 rows), "
+                             f"got shape {tuple(tile_live.shape)}")
+        return tile_live if self.path == "stream" else None  # the fallbacks compute every row
+
     def partials_shape(self, m: int) -> tuple[int, int, int]:
         """Shape of the u32 ``partials`` the "argmax" epilogue writes for ``m`` rows."""
         return (int(m), self._nblk, 2)
 
     def __call__(self, x, w, y, m, residual=None, stream=None, pad_rows=None, norm=None,
-                 partials=None):
+                 partials=None, tile_live=None):
         """``pad_rows=(lo, hi)`` (``"stream"`` path): rows ``[lo[0], hi)`` of x
         are padding and count as zeros (not read; 16-row tiles of padding only
         are not computed); ``lo`` is a device int32 array read when the kernel
@@ -246,7 +255,14 @@ class Gemm:
         ``[norm_lo, m)`` of x enter as ``rmsnorm(x_row) * ln`` (``ln`` [K] f32),
         folded into the GEMM: no separate pass, x unchanged.
         ``partials`` (epilogue "argmax" only, u32 ``partials_shape(m)``): each
-        row's best column per column block; ``y`` is None unless ``logits``."""
+        row's best column per column block; ``y`` is None unless ``logits``.
+        ``tile_live`` (device int32 ``[>= ceil(m/16)]``, read when the kernel
+        runs, so a captured graph follows it): entry ``t`` covers rows
+        ``[16t, 16t + 16)``; on the ``"stream"`` path a tile whose entry is 0
+        is skipped (no x read, no MMA) and its rows of ``y`` (and of the argmax
+        ``partials``) are not written at all. The ``"mma"`` and ``"fma"`` paths
+        ignore it and compute every row (the dead rows' outputs are never
+        consumed by contract). ``None``: every tile is live."""
         be = self.backend
         m = checks.int_arg(m, "m")
         if self.epilogue == "argmax":
@@ -272,7 +288,7 @@ class Gemm:
             checks.aligned16(x=x, w=w)
             # y is never written without logits: the partials stand in for the pointer
             self._stream(x, w, partials, partials, m, stream=stream, pad_rows=self._pad(pad_rows, m),
-                         partials=partials)
+                         partials=partials, tile_live=self._tile_live(tile_live, m))
             return
         checks.device_array(be, "x", x, np.float32)
         checks.device_array(be, "w", w, self.w_device_dtype)
@@ -307,6 +323,7 @@ class Gemm:
         if self.vectorized:
             checks.aligned16(x=x, w=w, y=y, residual=r)
         pad_rows = self._pad(pad_rows, m)
+        tile_live = self._tile_live(tile_live, m)
         if norm is not None:
             if self.norm_eps is None:
                 raise ValueError("norm given but this Gemm was built without norm_eps")
@@ -319,7 +336,8 @@ class Gemm:
             checks.aligned16(norm=ln)
             norm = (ln, self.norm_eps, int(norm_lo))
         if self.path == "stream":
-            self._stream(x, w, y, r, m, stream=stream, pad_rows=pad_rows, norm=norm, partials=partials)
+            self._stream(x, w, y, r, m, stream=stream, pad_rows=pad_rows, norm=norm, partials=partials,
+                         tile_live=tile_live)
             return
         grid, block, smem = self.launch_config(m)
         if self.path == "fma":

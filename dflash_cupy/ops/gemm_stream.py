@@ -41,7 +41,8 @@ HBM_BPS = 4.8e12          # H200 HBM3e, for the tensor-core pace figure only
 # from the kernel (2 blocks for MT 1, else 1); tests/test_gemm_stream.py
 # recompiles and checks these are not exceeded. Rounded up to the allocation
 # granularity of 8 they set the register-limited residency.
-PTXAS_REGS = {1: 128, 2: 202, 4: 235}   # max over f16/bf16, the three epilogues, hi+lo or not
+PTXAS_REGS = {1: 128, 2: 204, 4: 235}   # max over f16/bf16, the three epilogues, hi+lo or not
+                                        # (MT 2 was 202 before tile_live: same 208 allocated)
 REGS_PER_SM = 65536
 THREADS_PER_SM = 2048
 SMEM_RESERVED = 1024      # per block, by the driver
@@ -267,9 +268,12 @@ class StreamKernels:
         p = self.plan(m)
         return p.grid, (WARPS * 32, 1, 1), p.smem
 
-    def __call__(self, x, w, y, r, m: int, stream=None, pad_rows=None, norm=None, partials=None):
+    def __call__(self, x, w, y, r, m: int, stream=None, pad_rows=None, norm=None, partials=None,
+                 tile_live=None):
         """``pad_rows=(lo, hi)``: rows ``[lo[0], hi)`` are zero rows, ``lo`` a
         device int32 array read at run time (``None``: no padding rows).
+        ``tile_live``: device int32, entry ``t`` for rows ``[16t, 16t + 16)``,
+        read at run time; 0 = the tile is neither computed nor stored.
         ``norm=(ln, eps, norm_lo)`` (a ``norm=True`` kernel): rows ``>= norm_lo``
         of x are RMS-normalised with scale ``ln`` [K] f32 inside the GEMM.
         ``partials`` (the argmax epilogue): u32 ``[>= m, blocks, 2]`` written
@@ -280,7 +284,8 @@ class StreamKernels:
         self._kernels[p.mt](p.grid, (WARPS * 32, 1, 1),
                             (x, w, y, r, np.int32(m), np.int32(self.N), np.int32(p.kz), np.int32(p.kt),
                              self._ws if partials is None else partials, self._counters, lo, np.int32(hi),
-                             ln, np.float32(eps), np.int32(norm_lo)),
+                             ln, np.float32(eps), np.int32(norm_lo),
+                             self._counters if tile_live is None else tile_live, np.int32(tile_live is not None)),
                             shared_mem=p.smem, stream=stream)
 
 
