@@ -16,7 +16,7 @@
 //   GS_EPI 2:  y = silu(acc_gate) * acc_up (W has 2N rows: gate 0..N-1, up N..2N-1)
 //   GS_EPI 3:  the lm_head's greedy token, fused: y = acc only with GS_LOGITS 1 (logits on
 //              request; with 0, y is never touched), and per (row, column block) the best column by float_order.cuh's
-//              order (ties: the lowest column) into ws as u32 pairs [M][gridDim.x][2] =
+//              order (ties: the lowest column) into ws as u32 pairs [M][groups][2] =
 //              (order key, column); sample.cu's argmax_partials reduces them. No split K.
 // Layouts: x [M, K] f32, W [N or 2N, K] 16-bit bits, y, r [M, N] f32; all
 // row-major, 16-byte aligned, K % 8 == 0.
@@ -25,8 +25,14 @@
 // stream_figures() recomputes every number below for a given N, K, m)
 //   block = GS_WARPS*32 threads; block x owns COLS = GS_WARPS*8*GS_NT output
 //   columns (256 for GS_NT 4, 128 for silu_mul's GS_NT 2: 256 weight rows
-//   either way); grid = (ceil(N / COLS), ceil(M / ROWS), ks) with ROWS =
-//   16*GS_MT; blockIdx.z takes K slice [z*kz, min(K, z*kz + kz)).
+//   either way); grid = (groups * mblocks, 1, ks) with groups = ceil(N / COLS),
+//   mblocks = ceil(M / ROWS), ROWS = 16*GS_MT: blockIdx.x = cg * mblocks + mb,
+//   M block mb fastest, so the mblocks blocks that read column group cg's
+//   weights are adjacent in launch order, run in the same wave and share one
+//   HBM read of them through L2 (with the M block in grid y, as before, they
+//   ran a whole wave apart once groups filled the device, and each re-streamed
+//   the weights from HBM: 4x the weight traffic at M = 256). blockIdx.z takes
+//   K slice [z*kz, min(K, z*kz + kz)). grid x < 2^31 for any M, y = 1.
 //   Arguments kz (slice) and kt (x chunk staged at once) are multiples of 64;
 //   dynamic shared memory = GS_SPLIT * 16*tiles * (kt + 32) * 2 bytes, tiles =
 //   the live 16-row tiles of the block (ceil(min(M - m0, ROWS) / 16)).
@@ -85,8 +91,8 @@
 //   recompiles and holds them to the launcher's PTXAS_REGS): accumulators
 //   MT*WT*4, ring GS_DEPTH*WT*8 = 64 or 96, x fragments 16.
 //     GS_MT 1 (depth 2): 121-128 (GS_MINB 2 caps it at 128: 2 blocks of 256 threads per SM)
-//     GS_MT 2 (depth 3): 187-189 (202-204 silu_mul), GS_MT 4 (depth 3): 220-223
-//     (226-235 silu_mul): 1 block per SM (tile_live moved them by -5..+2)
+//     GS_MT 2 (depth 3): 187-189 (202-206 silu_mul), GS_MT 4 (depth 3): 220-223
+//     (226-235 silu_mul): 1 block per SM (tile_live and the linear grid index moved them by -5..+4)
 //     GS_NORM 1 (bf16, K 4096): MT 1 123, MT 2 188 (202 silu_mul), MT 4 220 (232 silu_mul),
 //     0 spills; static shared memory + 4 B per row (ss_s, and sc_s with split K)
 //   Blocks per SM = min(registers, (228 KB) / (dynamic smem + 1 KB), 8); the
@@ -99,7 +105,7 @@
 //
 // ---- Split K (gridDim.z > 1; one M tile, the launcher's rule): each slice
 //   writes its partial tile to ws [groups][ks][NW][ROWS][COLS] f32; the last block of a
-//   column group (counters[blockIdx.x], zero between launches: that block
+//   column group (counters[cg], zero between launches: that block
 //   resets it) sums the slices in z order (bit-identical replays) and applies
 //   the epilogue.
 //
@@ -247,12 +253,16 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int m0 = blockIdx.y * ROWS;
+    // Linear block index: M block fastest, so the M blocks of one column group are
+    // adjacent in launch order and stream the same weights together (from L2).
+    const int mblocks = (M + ROWS - 1) / ROWS;
+    const int cg = (int)blockIdx.x / mblocks;                  // column group
+    const int m0 = ((int)blockIdx.x - cg * mblocks) * ROWS;
     const int live = (M - m0 < ROWS) ? (M - m0) : ROWS;     // rows of this block that exist
     const int tiles = (live + 15) >> 4;                       // 16-row tiles holding a row < M
     const int xstride = kt + 32;                               // elements; 64 (mod 128) bytes
     const int plane = tiles * 16 * xstride;                    // hi plane, then lo plane
-    const int n0 = blockIdx.x * COLS + warp * 8 * NT;          // this warp's first output column
+    const int n0 = cg * COLS + warp * 8 * NT;          // this warp's first output column
 
     // Padding rows [lo, pad_hi), lo read from device memory (inside a captured
     // graph the live row count changes per step): they count as zero rows, never
@@ -462,7 +472,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
             int bc = bcol[0][lr];
             for (int wv = 1; wv < GS_WARPS; wv++)
                 if (key_wins(bkey[wv][lr], bcol[wv][lr], bk, bc)) { bk = bkey[wv][lr]; bc = bcol[wv][lr]; }
-            const long long o = ((long long)(m0 + lr) * gridDim.x + blockIdx.x) * 2;
+            const long long o = ((long long)(m0 + lr) * ((int)gridDim.x / mblocks) + cg) * 2;  // [M][groups][2]
             part[o] = bk;
             part[o + 1] = (unsigned int)bc;
         }
@@ -500,7 +510,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
     // ws holds each column group's slices together, [ks][NW][ROWS][COLS] per group,
     // so the reduction reads 16-byte vectors whatever N is.
     const int ks = (int)gridDim.z;
-    float* wsb = ws + (long long)blockIdx.x * ks * NW * ROWS * COLS;
+    float* wsb = ws + (long long)cg * ks * NW * ROWS * COLS;
 #pragma unroll
     for (int i = 0; i < MT; i++) {
 #pragma unroll
@@ -517,13 +527,13 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
     }
 #if GS_NORM
     // the rows' partial sums of squares of this slice, after every group's partial tiles
-    float* ssw = ws + (long long)gridDim.x * ks * NW * ROWS * COLS + (long long)blockIdx.x * ks * ROWS;
+    float* ssw = ws + (long long)gridDim.x * ks * NW * ROWS * COLS + (long long)cg * ks * ROWS;  // one M block: x = groups
     if (threadIdx.x < live) ssw[blockIdx.z * ROWS + threadIdx.x] = ss_s[threadIdx.x];
 #endif
     __shared__ int ticket;
     __threadfence();  // the partial tile is visible device-wide before the count says so
     __syncthreads();
-    if (threadIdx.x == 0) ticket = atomicAdd(&counters[blockIdx.x], 1);
+    if (threadIdx.x == 0) ticket = atomicAdd(&counters[cg], 1);
     __syncthreads();
     if (ticket != ks - 1) return;
     __threadfence();
@@ -536,7 +546,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
     }
     __syncthreads();
 #endif
-    const int c0 = blockIdx.x * COLS;
+    const int c0 = cg * COLS;
     constexpr int C4 = COLS / 4;
     for (int idx = threadIdx.x; idx < live * C4; idx += THREADS) {
         const int lrow = idx / C4, lc = (idx - lrow * C4) * 4, col = c0 + lc;
@@ -570,6 +580,6 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
         if (col + 2 < N) store(y, r, o + 2, a[0].z, a[NW - 1].z);
         if (col + 3 < N) store(y, r, o + 3, a[0].w, a[NW - 1].w);
     }
-    if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch (or replay)
+    if (threadIdx.x == 0) counters[cg] = 0;  // ready for the next launch (or replay)
 #endif
 }

@@ -163,9 +163,10 @@ def test_plans_fit_for_every_m():
         for m in range(1, 130):
             p = gs.plan(N, K, m, nw)
             assert p.kz % 64 == 0 and p.kt % 64 == 0 and (p.ks - 1) * p.kz < K
-            assert p.ks == 1 or p.grid[1] == 1
+            assert p.ks == 1 or p.mblocks == 1
             assert p.smem <= gs.H200.smem_optin and gs.blocks_per_sm(p.mt, p.smem) >= 1
-            assert p.grid[0] * gs.cols_per_block(nw) >= N and p.grid[1] * 16 * p.mt >= m
+            assert p.groups * gs.cols_per_block(nw) >= N and p.mblocks * 16 * p.mt >= m
+            assert p.grid == (p.groups * p.mblocks, 1, p.ks)
 
 
 def test_xtile_layout_is_conflict_free_and_the_check_can_fail():
@@ -510,3 +511,75 @@ def test_tile_live_bad_input(backend):
     with pytest.raises(TypeError, match="tile_live must be a device array"):
         op(x, w, y, 40, tile_live=np.ones(3, np.int32))
     np.testing.assert_array_equal(backend.to_numpy(y), y0)
+
+
+# ---- M beyond one block: the M blocks of a column group adjacent in launch order ----
+
+def test_m_blocks_of_a_column_group_are_adjacent():
+    # grid x = column group * mblocks + M block; y = 1, so no grid limit binds at any m
+    p = gs.plan(12288, 4096, 256, 2)
+    assert (p.grid, p.groups, p.mblocks, p.ks) == ((96 * 4, 1, 1), 96, 4, 1)
+    f = gs.stream_figures(12288, 4096, 256, 2)
+    # the 4 M blocks of a group share one wave (one HBM read); with the M block in
+    # grid y (the old order) 96 groups x 4 blocks span 3 waves of 132: 3 HBM reads
+    assert f["weight_hbm_passes"] == 1.0 and f["weight_hbm_passes_old_order"] == 3.0
+    for name, N, K, nw in QWEN3_8B + HIDDEN_5120:
+        for m in (256, 1024, 4096):   # up to 64 lanes x 64 rows
+            f = gs.stream_figures(N, K, m, nw)
+            p = f["plan"]
+            assert p.grid[0] == p.groups * p.mblocks < gs.GRID_X_MAX and p.grid[1:] == (1, 1)
+            assert p.mblocks == -(-m // 64) and p.mt == 4
+            assert f["weight_hbm_passes"] <= 1.5 < f["weight_hbm_passes_old_order"] or m == 256, (name, m, f)
+    # 3 groups x 5 M blocks, waves of 4: blocks 0..4, 5..9, 10..14 touch 2 waves each; the
+    # old order puts group 0 at 0, 3, 6, 9, 12 (4 waves)
+    assert gs.weight_passes(3, 5, 4) == 2.0
+    assert gs.weight_passes(3, 5, 4, m_fastest=False) == 4.0
+
+
+@pytest.mark.parametrize("epilogue", ["none", "residual", "silu_mul"])
+def test_many_m_blocks_match_the_reference(backend, rng, epilogue):
+    # m = 256, 4 M blocks and (N = 300) 2 or 3 column groups: every (group, M block) of
+    # the linear index lands on its own rows and columns; rows >= m stay untouched.
+    # max_m = 4096 (64 lanes x 64 rows) is accepted and needs no larger workspace.
+    op = run(backend, rng, N=300, K=136, wkind="bf16", epilogue=epilogue, m=256, max_m=4096, x_rows=260,
+             path="stream")
+    p = op._stream.plan(256)
+    assert p.mblocks == 4 and p.groups == (3 if epilogue == "silu_mul" else 2) and p.grid == (p.groups * 4, 1, 1)
+    assert op._stream._ws.size == 1
+
+
+def test_many_m_blocks_exact_integers(backend, rng):
+    # integer data: a row or column landing in the wrong block is an exact mismatch
+    N, K, m = 300, 200, 200
+    op = Gemm(backend, N, K, "bf16", max_m=4096, path="stream")
+    xh = rng.integers(-3, 4, (m, K)).astype(np.float32)
+    wf = rng.integers(-3, 4, (N, K)).astype(np.float32)
+    y = backend.zeros((m, N), np.float32)
+    op(backend.asarray(xh), backend.asarray(wf.astype(ml_dtypes.bfloat16).view(np.uint16)), y, m)
+    np.testing.assert_array_equal(backend.to_numpy(y), xh @ wf.T)
+
+
+def test_many_m_blocks_fused_argmax(backend, rng):
+    # the partials index (row, column group) from the linear block index
+    from dflash_cupy.ops.sample import TokenSampler
+    N, K, m = 600, 64, 130
+    op = Gemm(backend, N, K, "bf16", "argmax", max_m=4096, logits=False)
+    assert op._stream.plan(m).mblocks == 3 and op.partials_shape(m) == (m, 3, 2)
+    xh = rng.standard_normal((m, K)).astype(np.float32)
+    wh = host_weights(rng, N, K, "bf16")
+    part = backend.zeros(op.partials_shape(m), np.uint32)
+    op(backend.asarray(xh), backend.asarray(wh), None, m, partials=part)
+    tok = backend.zeros((m,), np.int32)
+    TokenSampler(backend, N).reduce_partials(part, tok, m)
+    ref = gemm_reference(xh, wh, x_round=op.x_round)
+    top2 = np.sort(ref, axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 1e-3
+    assert clear.sum() > m // 2
+    np.testing.assert_array_equal(backend.to_numpy(tok)[clear], np.argmax(ref, axis=1)[clear])
+
+
+@pytest.mark.parametrize("path,wkind", [("mma", "bf16"), ("fma", "f32")])
+def test_large_max_m_on_the_fallback_paths(backend, rng, path, wkind):
+    # max_m beyond 64 keeps the 64-row tile there (larger m: more tiles)
+    op = run(backend, rng, N=37, K=96, wkind=wkind, epilogue="none", m=70, max_m=4096, x_rows=72, path=path)
+    assert op.tile_m == 64

@@ -9,8 +9,8 @@
 * ``"silu_mul"``: ``W`` is ``[2N, K]`` = gate rows then up rows (e.g.
   ``concat([gate_proj, up_proj])``), ``y = silu(x @ gate.T) * (x @ up.T)``.
 
-Compile-time: weight dtype, epilogue, K, the M tile ``max_m``, and the tiling
-derived from them; N and m are launch arguments. One ``Gemm`` per shape.
+Compile-time: weight dtype, epilogue, K, the M tile ``min(max_m, 64)``, and the
+tiling derived from them; N and m are launch arguments. One ``Gemm`` per shape.
 
 Three kernels (``path``):
 
@@ -41,7 +41,7 @@ from . import gemm_stream
 
 EPILOGUES = {"none": 0, "residual": 1, "silu_mul": 2, "argmax": 3}
 
-MAX_M_LIMIT = 64          # acc registers per lane = R * rows * max_m; 64 keeps silu_mul spill-free
+MAX_M_LIMIT = 64          # the M tile: acc registers per lane = R * rows * tile; 64 keeps silu_mul spill-free
 WARPS = 4                 # warps per block
 LANE_K = kernels.constants("gemm.cu")["GEMM_LANE_K"]        # K elements per lane per step
 WARP_K = 32 * LANE_K      # K elements per warp per step
@@ -66,8 +66,11 @@ class Gemm:
     ``__call__(x, w, y, m, residual=None, stream=None)`` computes rows
     ``[0, m)``: ``x [>=m, K] f32``, ``w [N, K]`` (``[2N, K]`` for
     ``"silu_mul"``) of ``w_dtype``, ``y [>=m, N] f32``. Any ``m >= 1`` works:
-    rows beyond ``max_m`` are further M tiles of the same launch (each tile
-    re-reads the weights, mostly from L2). ``k_split`` (MMA path, one M tile):
+    rows beyond the M tile (``min(max_m, 64)``; any ``max_m >= 1`` is accepted,
+    e.g. ``lanes * rows`` of a lane-batched step) are further M tiles of the
+    same launch; on the ``"stream"`` path the M tiles that read the same
+    weights are adjacent in launch order and share one HBM read of them
+    through L2. ``k_split`` (MMA path, one M tile):
     K slices per column group, by default enough to put ~4 blocks per SM in
     flight; the partial sums live in a workspace this object owns, so one
     ``Gemm`` serves one stream at a time. No allocation, no host sync: safe
@@ -80,10 +83,9 @@ class Gemm:
         N, K, max_m = (checks.int_arg(v, name, 1) for v, name in ((N, "N"), (K, "K"), (max_m, "max_m")))
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue {epilogue!r}: expected one of {tuple(EPILOGUES)}")
-        if max_m > MAX_M_LIMIT:
-            raise ValueError(f"max_m={max_m} exceeds {MAX_M_LIMIT} (larger m is tiled automatically)")
         self.backend = backend
         self.N, self.K, self.max_m = int(N), int(K), int(max_m)
+        self.tile_m = min(self.max_m, MAX_M_LIMIT)   # the fma/mma M tile; larger m is more tiles
         self.epilogue = epilogue
         self.wkind = weight_kind(w_dtype)
         self.w_device_dtype = dtypes.DEVICE[self.wkind]
@@ -122,18 +124,18 @@ class Gemm:
         self.k_split = 1
         # Columns per warp: as many as the accumulator budget allows, so that
         # one staged x tile serves more weight rows.
-        self.rows_per_warp = max(1, min(4, ACC_BUDGET // (self.max_m * nw)))
+        self.rows_per_warp = max(1, min(4, ACC_BUDGET // (self.tile_m * nw)))
         self.cols_per_block = WARPS * self.rows_per_warp
         # K tile: the largest multiple of WARP_K whose x tile fits the default
         # shared-memory cap, never longer than K needs.
         k_round = -(-self.K // WARP_K) * WARP_K
-        kt_fit = max(WARP_K, (SMEM_LIMIT // (4 * self.max_m)) // WARP_K * WARP_K)
+        kt_fit = max(WARP_K, (SMEM_LIMIT // (4 * self.tile_m)) // WARP_K * WARP_K)
         self.k_tile = min(k_round, kt_fit)
         self.vectorized = self.K % LANE_K == 0
         self.threads = WARPS * 32
         self._module = kernels.load_module(
             backend, "gemm.cu", GEMM_WTYPE=dtypes.CODE[self.wkind], GEMM_EPI=EPILOGUES[epilogue],
-            GEMM_K=self.K, GEMM_MAX_M=self.max_m, GEMM_R=self.rows_per_warp,
+            GEMM_K=self.K, GEMM_MAX_M=self.tile_m, GEMM_R=self.rows_per_warp,
             GEMM_WARPS=WARPS, GEMM_KT=self.k_tile)
         self._kernel = self._module.get_function("gemm")
         self._nblk = -(-self.N // self.cols_per_block)
@@ -159,7 +161,7 @@ class Gemm:
     def _init_mma(self, k_split):
         # M tile: 16, 32 or 64 rows (gemm_mma.cu spills at 48); x tile in the
         # weight type must fit the default shared-memory cap.
-        self.m_tiles = 1 if self.max_m <= 16 else (2 if self.max_m <= 32 else 4)
+        self.m_tiles = 1 if self.tile_m <= 16 else (2 if self.tile_m <= 32 else 4)
         rows = 16 * self.m_tiles
         k_round = -(-self.K // 32) * 32
         self.split = 2 if self.x_split else 1
@@ -204,8 +206,8 @@ class Gemm:
             kz = self.k_split if m <= rows else 1
             return ((self._nblk, -(-m // rows), kz), (self.threads, 1, 1),
                     self.split * rows * (self.k_tile + 8) * 2)
-        mtiles = -(-m // self.max_m)
-        smem = min(m, self.max_m) * self.k_tile * 4
+        mtiles = -(-m // self.tile_m)
+        smem = min(m, self.tile_m) * self.k_tile * 4
         return (self._nblk * mtiles, 1, 1), (self.threads, 1, 1), smem
 
     def bytes_moved(self, m: int) -> int:
