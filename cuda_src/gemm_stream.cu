@@ -16,7 +16,7 @@
 //   GS_EPI 2:  y = silu(acc_gate) * acc_up (W has 2N rows: gate 0..N-1, up N..2N-1)
 //   GS_EPI 3:  the lm_head's greedy token, fused: y = acc only with GS_LOGITS 1 (logits on
 //              request; with 0, y is never touched), and per (row, column block) the best column by float_order.cuh's
-//              order (ties: the lowest column) into ws as u32 pairs [M][gridDim.x][2] =
+//              order (ties: the lowest column) into ws as u32 pairs [M][groups][2] =
 //              (order key, column); sample.cu's argmax_partials reduces them. No split K.
 // Layouts: x [M, K] f32, W [N or 2N, K] 16-bit bits, y, r [M, N] f32; all
 // row-major, 16-byte aligned, K % 8 == 0.
@@ -25,15 +25,26 @@
 // stream_figures() recomputes every number below for a given N, K, m)
 //   block = GS_WARPS*32 threads; block x owns COLS = GS_WARPS*8*GS_NT output
 //   columns (256 for GS_NT 4, 128 for silu_mul's GS_NT 2: 256 weight rows
-//   either way); grid = (ceil(N / COLS), ceil(M / ROWS), ks) with ROWS =
-//   16*GS_MT; blockIdx.z takes K slice [z*kz, min(K, z*kz + kz)).
+//   either way); grid = (groups * mblocks, 1, ks) with groups = ceil(N / COLS),
+//   mblocks = ceil(M / ROWS), ROWS = 16*GS_MT: blockIdx.x = cg * mblocks + mb,
+//   M block mb fastest, so the mblocks blocks that read column group cg's
+//   weights are adjacent in launch order, run in the same wave and share one
+//   HBM read of them through L2 (with the M block in grid y, as before, they
+//   ran a whole wave apart once groups filled the device, and each re-streamed
+//   the weights from HBM: 4x the weight traffic at M = 256). blockIdx.z takes
+//   K slice [z*kz, min(K, z*kz + kz)). grid x < 2^31 for any M, y = 1.
 //   Arguments kz (slice) and kt (x chunk staged at once) are multiples of 64;
 //   dynamic shared memory = GS_SPLIT * 16*tiles * (kt + 32) * 2 bytes, tiles =
 //   the live 16-row tiles of the block (ceil(min(M - m0, ROWS) / 16)).
 //   M-tile variants: GS_MT 1, 2, 4 (16/32/64 rows) compiled per bucket; the
 //   launcher picks the smallest that covers m, and inside a block the tiles
 //   wholly past M are skipped (no staging, no smem reads, no MMAs), and so are
-//   tiles wholly inside the padding rows [*pad_lo, pad_hi) (pad_hi = 0: none).
+//   tiles wholly inside the padding rows [*pad_lo, pad_hi) (pad_hi = 0: none;
+//   their outputs are still stored: the epilogue of acc = 0). With use_live,
+//   tile_live[t] (device int32, one flag per 16-row tile of the launch, written
+//   on the device each step) == 0 makes tile t dead: skipped like a padding
+//   tile and not stored either (its y rows, residual included, untouched; no
+//   argmax partial); a block with only dead tiles exits before any load.
 //   ks (split K) is picked by whole-wave arithmetic over the device's SM count
 //   (a launch parameter), only when it shortens the modelled time.
 //
@@ -79,10 +90,10 @@
 // ---- Registers (ptxas via NVRTC, sm_90, 0 spills; tests/test_gemm_stream.py
 //   recompiles and holds them to the launcher's PTXAS_REGS): accumulators
 //   MT*WT*4, ring GS_DEPTH*WT*8 = 64 or 96, x fragments 16.
-//     GS_MT 1 (depth 2): 122-128 (GS_MINB 2 caps it at 128: 2 blocks of 256 threads per SM)
-//     GS_MT 2 (depth 3): 189-190 (198-202 silu_mul), GS_MT 4 (depth 3): 222-223
-//     (230-235 silu_mul): 1 block per SM
-//     GS_NORM 1 (bf16, K 4096): MT 1 123, MT 2 190 (202 silu_mul), MT 4 219 (230 silu_mul),
+//     GS_MT 1 (depth 2): 121-128 (GS_MINB 2 caps it at 128: 2 blocks of 256 threads per SM)
+//     GS_MT 2 (depth 3): 187-189 (202-206 silu_mul), GS_MT 4 (depth 3): 220-223
+//     (226-235 silu_mul): 1 block per SM (tile_live and the linear grid index moved them by -5..+4)
+//     GS_NORM 1 (bf16, K 4096): MT 1 123, MT 2 188 (202 silu_mul), MT 4 220 (232 silu_mul),
 //     0 spills; static shared memory + 4 B per row (ss_s, and sc_s with split K)
 //   Blocks per SM = min(registers, (228 KB) / (dynamic smem + 1 KB), 8); the
 //   launcher keeps the x chunk small enough that smem does not cut the
@@ -94,7 +105,7 @@
 //
 // ---- Split K (gridDim.z > 1; one M tile, the launcher's rule): each slice
 //   writes its partial tile to ws [groups][ks][NW][ROWS][COLS] f32; the last block of a
-//   column group (counters[blockIdx.x], zero between launches: that block
+//   column group (counters[cg], zero between launches: that block
 //   resets it) sums the slices in z order (bit-identical replays) and applies
 //   the epilogue.
 //
@@ -235,19 +246,23 @@ __device__ __forceinline__ void load_slot(Slot& s, const unsigned short* const w
 extern "C" __global__ void __launch_bounds__(GS_WARPS * 32, GS_MINB)
 gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, float* y, const float* r,
             int M, int N, int kz, int kt, float* ws, int* counters, const int* pad_lo, int pad_hi,
-            const float* __restrict__ ln, float eps, int norm_lo) {
+            const float* __restrict__ ln, float eps, int norm_lo, const int* tile_live, int use_live) {
     using namespace gemm_stream_detail;
     extern __shared__ __align__(16) unsigned char smem[];
     unsigned short* xs = reinterpret_cast<unsigned short*>(smem);
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int m0 = blockIdx.y * ROWS;
+    // Linear block index: M block fastest, so the M blocks of one column group are
+    // adjacent in launch order and stream the same weights together (from L2).
+    const int mblocks = (M + ROWS - 1) / ROWS;
+    const int cg = (int)blockIdx.x / mblocks;                  // column group
+    const int m0 = ((int)blockIdx.x - cg * mblocks) * ROWS;
     const int live = (M - m0 < ROWS) ? (M - m0) : ROWS;     // rows of this block that exist
     const int tiles = (live + 15) >> 4;                       // 16-row tiles holding a row < M
     const int xstride = kt + 32;                               // elements; 64 (mod 128) bytes
     const int plane = tiles * 16 * xstride;                    // hi plane, then lo plane
-    const int n0 = blockIdx.x * COLS + warp * 8 * NT;          // this warp's first output column
+    const int n0 = cg * COLS + warp * 8 * NT;          // this warp's first output column
 
     // Padding rows [lo, pad_hi), lo read from device memory (inside a captured
     // graph the live row count changes per step): they count as zero rows, never
@@ -258,12 +273,23 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
         lo = *pad_lo;
         lo = (lo < 0) ? 0 : ((lo > pad_hi) ? pad_hi : lo);
     }
-    unsigned int tmask = 0u;  // tiles with a row to compute (block-uniform)
+    // Dead tiles (use_live and tile_live[tile] == 0, one flag per 16 rows of the
+    // launch, written on the device: lanes that are idle this step) are neither
+    // computed nor stored: their y rows keep whatever they hold.
+    // Bits 0..MT-1: tiles with a row to compute; bits 8..8+MT-1: tiles whose rows
+    // are stored (one register for both; block-uniform).
+    unsigned int tmask = 0u;
 #pragma unroll
     for (int i = 0; i < MT; i++) {
         const int a = m0 + 16 * i, b = (a + 16 < M) ? a + 16 : M;
-        if (a < b && !(a >= lo && b <= pad_hi)) tmask |= 1u << i;
+        if (a < b && (!use_live || tile_live[(m0 >> 4) + i] != 0)) {
+            tmask |= 1u << (8 + i);
+            if (!(a >= lo && b <= pad_hi)) tmask |= 1u << i;
+        }
     }
+    // A block with nothing to store has nothing to do. Split K has one M block
+    // (grid y 1): its slices all leave here together and the counter stays 0.
+    if (tmask == 0u) return;
 
 #if GS_NORM
     __shared__ float ss_s[ROWS];  // row sums of squares over this block's K range
@@ -316,6 +342,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
 #if GS_NORM
                     // one warp per row, lanes along k: the row's sum of squares in a fixed order
                     for (int row = warp; row < tiles * 16; row += GS_WARPS) {
+                        if (!((tmask >> (row >> 4)) & 1u)) continue;  // tile not computed: not staged
                         const int grow = m0 + row;
                         const bool rd = row < live && (grow < lo || grow >= pad_hi);
                         const bool nrm = grow >= norm_lo;
@@ -351,6 +378,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
                     const int q4 = kt / 4;
                     for (int i = threadIdx.x; i < tiles * 16 * q4; i += THREADS) {
                         const int row = i / q4, c4 = (i - row * q4) * 4, k = kc + c4;
+                        if (!((tmask >> (row >> 4)) & 1u)) continue;  // tile not computed: not staged
                         float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                         const int grow = m0 + row;
                         if (row < live && k < k_end && (grow < lo || grow >= pad_hi))
@@ -420,7 +448,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
                     for (int c = 0; c < 2; c++) {
                         const int col = n0 + 8 * jn + 2 * t + c;
                         const float v = acc[i][jn][2 * h + c];
-                        if (row < M && col < N) {
+                        if (row < M && col < N && ((tmask >> (8 + i)) & 1u)) {
                             store(y, r, (long long)row * N + col, v, v);
                             const unsigned int k = order_key(v);
                             if (key_wins(k, col, bk, bc)) { bk = k; bc = col; }
@@ -439,11 +467,12 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
         __syncthreads();
         unsigned int* part = reinterpret_cast<unsigned int*>(ws);
         for (int lr = threadIdx.x; lr < live; lr += THREADS) {
+            if (!((tmask >> (8 + (lr >> 4))) & 1u)) continue;  // dead tile: no partial
             unsigned int bk = bkey[0][lr];
             int bc = bcol[0][lr];
             for (int wv = 1; wv < GS_WARPS; wv++)
                 if (key_wins(bkey[wv][lr], bcol[wv][lr], bk, bc)) { bk = bkey[wv][lr]; bc = bcol[wv][lr]; }
-            const long long o = ((long long)(m0 + lr) * gridDim.x + blockIdx.x) * 2;
+            const long long o = ((long long)(m0 + lr) * ((int)gridDim.x / mblocks) + cg) * 2;  // [M][groups][2]
             part[o] = bk;
             part[o + 1] = (unsigned int)bc;
         }
@@ -453,6 +482,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
     if (gridDim.z == 1) {
 #pragma unroll
         for (int i = 0; i < MT; i++) {
+            if (!((tmask >> (8 + i)) & 1u)) continue;  // dead tile: y untouched
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int row = m0 + i * 16 + g + 8 * h;
@@ -480,7 +510,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
     // ws holds each column group's slices together, [ks][NW][ROWS][COLS] per group,
     // so the reduction reads 16-byte vectors whatever N is.
     const int ks = (int)gridDim.z;
-    float* wsb = ws + (long long)blockIdx.x * ks * NW * ROWS * COLS;
+    float* wsb = ws + (long long)cg * ks * NW * ROWS * COLS;
 #pragma unroll
     for (int i = 0; i < MT; i++) {
 #pragma unroll
@@ -489,7 +519,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
             for (int h = 0; h < 2; h++) {
                 const int lrow = i * 16 + g + 8 * h;
                 const int lc = warp * 8 * NT + 8 * (j % NT) + 2 * t;
-                if (lrow < live)
+                if (lrow < live && ((tmask >> (8 + i)) & 1u))
                     *reinterpret_cast<float2*>(wsb + ((long long)(blockIdx.z * NW + j / NT) * ROWS + lrow) * COLS + lc) =
                         make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
             }
@@ -497,13 +527,13 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
     }
 #if GS_NORM
     // the rows' partial sums of squares of this slice, after every group's partial tiles
-    float* ssw = ws + (long long)gridDim.x * ks * NW * ROWS * COLS + (long long)blockIdx.x * ks * ROWS;
+    float* ssw = ws + (long long)gridDim.x * ks * NW * ROWS * COLS + (long long)cg * ks * ROWS;  // one M block: x = groups
     if (threadIdx.x < live) ssw[blockIdx.z * ROWS + threadIdx.x] = ss_s[threadIdx.x];
 #endif
     __shared__ int ticket;
     __threadfence();  // the partial tile is visible device-wide before the count says so
     __syncthreads();
-    if (threadIdx.x == 0) ticket = atomicAdd(&counters[blockIdx.x], 1);
+    if (threadIdx.x == 0) ticket = atomicAdd(&counters[cg], 1);
     __syncthreads();
     if (ticket != ks - 1) return;
     __threadfence();
@@ -516,11 +546,11 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
     }
     __syncthreads();
 #endif
-    const int c0 = blockIdx.x * COLS;
+    const int c0 = cg * COLS;
     constexpr int C4 = COLS / 4;
     for (int idx = threadIdx.x; idx < live * C4; idx += THREADS) {
         const int lrow = idx / C4, lc = (idx - lrow * C4) * 4, col = c0 + lc;
-        if (col >= N) continue;
+        if (col >= N || !((tmask >> (8 + (lrow >> 4))) & 1u)) continue;
         float4 a[NW];
 #pragma unroll
         for (int jw = 0; jw < NW; jw++) {
@@ -550,6 +580,6 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
         if (col + 2 < N) store(y, r, o + 2, a[0].z, a[NW - 1].z);
         if (col + 3 < N) store(y, r, o + 3, a[0].w, a[NW - 1].w);
     }
-    if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch (or replay)
+    if (threadIdx.x == 0) counters[cg] = 0;  // ready for the next launch (or replay)
 #endif
 }

@@ -283,8 +283,8 @@ def test_bad_input(backend):
         Gemm(backend, N, K, "f16", epilogue="gelu")
     with pytest.raises(TypeError, match="^w_dtype"):
         Gemm(backend, N, K, np.int8)
-    with pytest.raises(ValueError, match="^max_m"):
-        Gemm(backend, N, K, "f16", max_m=65)
+    with pytest.raises(ValueError, match="^max_m=0 must be >= 1"):
+        Gemm(backend, N, K, "f16", max_m=0)   # any max_m >= 1: beyond 64 the tile stays 64
     with pytest.raises(ValueError, match="^K=0 must be >= 1"):
         Gemm(backend, N, 0, "f16")
     with pytest.raises(TypeError, match="^N must be an int"):

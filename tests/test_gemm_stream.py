@@ -163,9 +163,10 @@ def test_plans_fit_for_every_m():
         for m in range(1, 130):
             p = gs.plan(N, K, m, nw)
             assert p.kz % 64 == 0 and p.kt % 64 == 0 and (p.ks - 1) * p.kz < K
-            assert p.ks == 1 or p.grid[1] == 1
+            assert p.ks == 1 or p.mblocks == 1
             assert p.smem <= gs.H200.smem_optin and gs.blocks_per_sm(p.mt, p.smem) >= 1
-            assert p.grid[0] * gs.cols_per_block(nw) >= N and p.grid[1] * 16 * p.mt >= m
+            assert p.groups * gs.cols_per_block(nw) >= N and p.mblocks * 16 * p.mt >= m
+            assert p.grid == (p.groups * p.mblocks, 1, p.ks)
 
 
 def test_xtile_layout_is_conflict_free_and_the_check_can_fail():
@@ -330,3 +331,255 @@ def test_folded_rmsnorm_bad_arguments(backend):
         opn(x, w, y, 4, norm=(backend.zeros((63,), np.float32), 0))
     with pytest.raises(ValueError, match=r"norm\[1\] must be an int"):
         opn(x, w, y, 4, norm=(backend.zeros((64,), np.float32), 5))
+
+
+# ---- tiles skipped by a device flag array (tile_live) ----------------------------
+
+def _flags(rng, m, force_dead_block=False):
+    """One flag per 16-row tile: random, with at least one live and one dead tile;
+    ``force_dead_block``: the first 64-row block all dead (the block exits early)."""
+    n = -(-m // 16)
+    f = rng.integers(0, 2, n).astype(np.int32) * rng.integers(1, 5, n).astype(np.int32)  # any nonzero is live
+    f[rng.integers(0, n)] = 0
+    f[rng.integers(0, n)] = 3
+    if force_dead_block and n > 4:
+        f[:4] = 0
+    return f
+
+
+def _live_rows(flags, m):
+    return np.repeat(flags != 0, 16)[:m]
+
+
+SENTINEL = np.float32(7.5)
+
+
+@pytest.mark.parametrize("k_split", [None, 3])
+@pytest.mark.parametrize("epilogue", ["none", "residual", "silu_mul"])
+def test_tile_live_skips_dead_tiles(backend, rng, epilogue, k_split):
+    """Live rows match gemm_reference; every row of a dead tile keeps the sentinel
+    bit for bit (no store, the residual epilogue included). m = 19, 33: one M
+    block (split K where asked); 100, 272: several 64-row blocks, one of them
+    wholly dead (it exits before loading anything)."""
+    N, K = 70, 392
+    nw = 2 if epilogue == "silu_mul" else 1
+    op = Gemm(backend, N, K, "bf16", epilogue=epilogue, max_m=64, path="stream", k_split=k_split)
+    wh = host_weights(rng, nw * N, K, "bf16")
+    w = backend.asarray(wh)
+    for m in (19, 33, 100, 272):
+        flags = _flags(rng, m, force_dead_block=m == 272)
+        live = _live_rows(flags, m)
+        xh = rng.standard_normal((m, K)).astype(np.float32)
+        xh[~live] = np.nan  # a dead tile's x is never read
+        rh = rng.standard_normal((m, N)).astype(np.float32) if epilogue == "residual" else None
+        y = backend.asarray(np.full((m, N), SENTINEL, np.float32))
+        op(backend.asarray(xh), w, y, m, residual=None if rh is None else backend.asarray(rh),
+           tile_live=backend.asarray(flags))
+        got = backend.to_numpy(y)
+        ref = gemm_reference(np.where(live[:, None], xh, 0).astype(np.float32), wh, epilogue, rh,
+                             x_round=op.x_round)
+        assert_close(got[live], ref[live], "f32", f"{op!r} m={m} flags={flags.tolist()}")
+        assert (got[~live].view(np.uint32) == SENTINEL.view(np.uint32)).all(), (m, flags.tolist())
+        if k_split is not None and m <= 64:
+            assert op._stream.plan(m).ks == k_split
+    assert backend.to_numpy(op._counters).tolist() == [0] * op._nblk
+
+
+def test_tile_live_in_place_residual_and_padding(backend, rng):
+    """y is the residual (h += ...): dead rows keep the residual; with pad_rows
+    too, padding rows of live tiles are the epilogue of 0 and dead tiles stay."""
+    N, K, m = 40, 128, 64
+    op = Gemm(backend, N, K, "bf16", epilogue="residual", max_m=64, path="stream")
+    xh = rng.standard_normal((m, K)).astype(np.float32)
+    wh = host_weights(rng, N, K, "bf16")
+    rh = rng.standard_normal((m, N)).astype(np.float32)
+    flags = np.array([1, 0, 1, 0], np.int32)  # rows 16..31 and 48..63 dead
+    lo, hi = 20, 40                            # padding [20, 40): tile 2 partly
+    y = backend.asarray(rh)
+    xn = xh.copy()
+    xn[lo:hi] = np.nan
+    op(backend.asarray(xn), backend.asarray(wh), y, m, residual=y, tile_live=backend.asarray(flags),
+       pad_rows=(backend.asarray(np.array([lo], np.int32)), hi))
+    got = backend.to_numpy(y)
+    xz = xh.copy()
+    xz[lo:hi] = 0
+    ref = gemm_reference(xz, wh, "residual", rh, x_round=op.x_round)
+    live = _live_rows(flags, m)
+    assert_close(got[live], ref[live], "f32", "in place, padded")
+    np.testing.assert_array_equal(got[~live], rh[~live])
+
+
+@pytest.mark.parametrize("k_split", [None, 3])
+def test_tile_live_with_folded_rmsnorm(backend, rng, k_split):
+    N, K = 96, 256
+    op = Gemm(backend, N, K, "bf16", max_m=64, path="stream", norm_eps=1e-6, k_split=k_split)
+    wh = host_weights(rng, N, K, "bf16")
+    ln_h = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    for m, norm_lo in ((33, 5), (100, 40)):
+        flags = _flags(rng, m)
+        live = _live_rows(flags, m)
+        xh = rng.standard_normal((m, K)).astype(np.float32)
+        xh[~live] = np.nan
+        y = backend.asarray(np.full((m, N), SENTINEL, np.float32))
+        op(backend.asarray(xh), backend.asarray(wh), y, m, norm=(backend.asarray(ln_h), norm_lo),
+           tile_live=backend.asarray(flags))
+        got = backend.to_numpy(y)
+        ref = gemm_reference(np.where(live[:, None], xh, 0).astype(np.float32), wh, x_round=op.x_round,
+                             norm=(ln_h, 1e-6, norm_lo))
+        assert_close(got[live], ref[live], "f32", f"norm m={m} flags={flags.tolist()}")
+        assert (got[~live] == SENTINEL).all()
+
+
+@pytest.mark.parametrize("logits", [False, True])
+def test_tile_live_fused_argmax(backend, rng, logits):
+    from dflash_cupy.ops.sample import TokenSampler
+    N, K, m = 600, 64, 100
+    op = Gemm(backend, N, K, "bf16", "argmax", max_m=64, logits=logits)
+    flags = np.array([1, 0, 0, 1, 0, 1, 1], np.int32)   # 7 tiles; rows 96..99 in the last
+    live = _live_rows(flags, m)
+    xh = rng.standard_normal((m, K)).astype(np.float32)
+    xh[~live] = np.nan
+    wh = host_weights(rng, N, K, "bf16")
+    part0 = np.full(op.partials_shape(m), 0xdeadbeef, np.uint32)
+    part = backend.asarray(part0)
+    y = backend.asarray(np.full((m, N), SENTINEL, np.float32)) if logits else None
+    op(backend.asarray(xh), backend.asarray(wh), y, m, partials=part, tile_live=backend.asarray(flags))
+    ph = backend.to_numpy(part)
+    np.testing.assert_array_equal(ph[~live], part0[~live])
+    assert not (ph[live] == 0xdeadbeef).any()
+    tok = backend.zeros((m,), np.int32)
+    TokenSampler(backend, N).reduce_partials(part, tok, m)
+    ref = gemm_reference(np.where(live[:, None], xh, 0).astype(np.float32), wh, x_round=op.x_round)
+    top2 = np.sort(ref, axis=1)[:, -2:]
+    clear = live & (top2[:, 1] - top2[:, 0] > 1e-3)
+    np.testing.assert_array_equal(backend.to_numpy(tok)[clear], np.argmax(ref, axis=1)[clear])
+    if logits:
+        got = backend.to_numpy(y)
+        assert_close(got[live], ref[live], "f32", "argmax logits")
+        assert (got[~live] == SENTINEL).all()
+
+
+def test_tile_live_follows_device_memory_in_a_graph(backend, rng):
+    # captured once; the flags change between replays through a pinned copy
+    N, K, m = 40, 128, 40
+    op = Gemm(backend, N, K, "bf16", max_m=64, path="stream")
+    xh = rng.standard_normal((m, K)).astype(np.float32)
+    wh = host_weights(rng, N, K, "bf16")
+    x, w = backend.asarray(xh), backend.asarray(wh)
+    y = backend.asarray(np.full((m, N), SENTINEL, np.float32))
+    f_dev = backend.zeros((3,), np.int32)
+    f_host = backend.pinned_empty((3,), np.int32)
+    s = backend.stream()
+    backend.synchronize()
+    backend.begin_capture(s)
+    backend.copy_h2d_async(f_dev, f_host, stream=s)
+    op(x, w, y, m, stream=s, tile_live=f_dev)
+    g = backend.end_capture(s)
+    ref = gemm_reference(xh, wh, x_round=op.x_round)
+    done = np.zeros(m, bool)   # rows some replay computed; the others still hold the sentinel
+    for flags in ([0, 1, 0], [0, 0, 0], [1, 0, 0], [1, 1, 1]):
+        backend.host_write(f_host)
+        f_host[:] = flags
+        g.launch(s)
+        s.synchronize()
+        done |= _live_rows(np.array(flags), m)
+        got = backend.to_numpy(y)
+        assert_close(got[done], ref[done], "f32", f"flags={flags}")
+        assert (got[~done] == SENTINEL).all(), flags
+
+
+@pytest.mark.parametrize("path,wkind", [("mma", "bf16"), ("fma", "f32")])
+def test_tile_live_fallback_paths_compute_every_row(backend, rng, path, wkind):
+    N, K, m = 37, 96, 33
+    op = Gemm(backend, N, K, wkind, max_m=64, path=path)
+    xh = rng.standard_normal((m, K)).astype(np.float32)
+    wh = host_weights(rng, N, K, wkind)
+    y = backend.zeros((m, N), np.float32)
+    op(backend.asarray(xh), backend.asarray(wh), y, m, tile_live=backend.asarray(np.array([0, 1, 0], np.int32)))
+    assert_close(backend.to_numpy(y), gemm_reference(xh, wh, x_round=op.x_round), "f32", path)
+
+
+def test_tile_live_bad_input(backend):
+    op = Gemm(backend, 8, 64, "bf16", max_m=64, path="stream")
+    x, w = backend.zeros((40, 64), np.float32), backend.zeros((8, 64), np.uint16)
+    y = backend.zeros((40, 8), np.float32)
+    y0 = backend.to_numpy(y).copy()
+    with pytest.raises(ValueError, match=r"tile_live must hold >= ceil\(m/16\) = 3"):
+        op(x, w, y, 40, tile_live=backend.zeros((2,), np.int32))
+    with pytest.raises(TypeError, match="tile_live must have dtype int32"):
+        op(x, w, y, 40, tile_live=backend.zeros((3,), np.float32))
+    with pytest.raises(TypeError, match="tile_live must be a device array"):
+        op(x, w, y, 40, tile_live=np.ones(3, np.int32))
+    np.testing.assert_array_equal(backend.to_numpy(y), y0)
+
+
+# ---- M beyond one block: the M blocks of a column group adjacent in launch order ----
+
+def test_m_blocks_of_a_column_group_are_adjacent():
+    # grid x = column group * mblocks + M block; y = 1, so no grid limit binds at any m
+    p = gs.plan(12288, 4096, 256, 2)
+    assert (p.grid, p.groups, p.mblocks, p.ks) == ((96 * 4, 1, 1), 96, 4, 1)
+    f = gs.stream_figures(12288, 4096, 256, 2)
+    # the 4 M blocks of a group share one wave (one HBM read); with the M block in
+    # grid y (the old order) 96 groups x 4 blocks span 3 waves of 132: 3 HBM reads
+    assert f["weight_hbm_passes"] == 1.0 and f["weight_hbm_passes_old_order"] == 3.0
+    for name, N, K, nw in QWEN3_8B + HIDDEN_5120:
+        for m in (256, 1024, 4096):   # up to 64 lanes x 64 rows
+            f = gs.stream_figures(N, K, m, nw)
+            p = f["plan"]
+            assert p.grid[0] == p.groups * p.mblocks < gs.GRID_X_MAX and p.grid[1:] == (1, 1)
+            assert p.mblocks == -(-m // 64) and p.mt == 4
+            assert f["weight_hbm_passes"] <= 1.5 < f["weight_hbm_passes_old_order"] or m == 256, (name, m, f)
+    # 3 groups x 5 M blocks, waves of 4: blocks 0..4, 5..9, 10..14 touch 2 waves each; the
+    # old order puts group 0 at 0, 3, 6, 9, 12 (4 waves)
+    assert gs.weight_passes(3, 5, 4) == 2.0
+    assert gs.weight_passes(3, 5, 4, m_fastest=False) == 4.0
+
+
+@pytest.mark.parametrize("epilogue", ["none", "residual", "silu_mul"])
+def test_many_m_blocks_match_the_reference(backend, rng, epilogue):
+    # m = 256, 4 M blocks and (N = 300) 2 or 3 column groups: every (group, M block) of
+    # the linear index lands on its own rows and columns; rows >= m stay untouched.
+    # max_m = 4096 (64 lanes x 64 rows) is accepted and needs no larger workspace.
+    op = run(backend, rng, N=300, K=136, wkind="bf16", epilogue=epilogue, m=256, max_m=4096, x_rows=260,
+             path="stream")
+    p = op._stream.plan(256)
+    assert p.mblocks == 4 and p.groups == (3 if epilogue == "silu_mul" else 2) and p.grid == (p.groups * 4, 1, 1)
+    assert op._stream._ws.size == 1
+
+
+def test_many_m_blocks_exact_integers(backend, rng):
+    # integer data: a row or column landing in the wrong block is an exact mismatch
+    N, K, m = 300, 200, 200
+    op = Gemm(backend, N, K, "bf16", max_m=4096, path="stream")
+    xh = rng.integers(-3, 4, (m, K)).astype(np.float32)
+    wf = rng.integers(-3, 4, (N, K)).astype(np.float32)
+    y = backend.zeros((m, N), np.float32)
+    op(backend.asarray(xh), backend.asarray(wf.astype(ml_dtypes.bfloat16).view(np.uint16)), y, m)
+    np.testing.assert_array_equal(backend.to_numpy(y), xh @ wf.T)
+
+
+def test_many_m_blocks_fused_argmax(backend, rng):
+    # the partials index (row, column group) from the linear block index
+    from dflash_cupy.ops.sample import TokenSampler
+    N, K, m = 600, 64, 130
+    op = Gemm(backend, N, K, "bf16", "argmax", max_m=4096, logits=False)
+    assert op._stream.plan(m).mblocks == 3 and op.partials_shape(m) == (m, 3, 2)
+    xh = rng.standard_normal((m, K)).astype(np.float32)
+    wh = host_weights(rng, N, K, "bf16")
+    part = backend.zeros(op.partials_shape(m), np.uint32)
+    op(backend.asarray(xh), backend.asarray(wh), None, m, partials=part)
+    tok = backend.zeros((m,), np.int32)
+    TokenSampler(backend, N).reduce_partials(part, tok, m)
+    ref = gemm_reference(xh, wh, x_round=op.x_round)
+    top2 = np.sort(ref, axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 1e-3
+    assert clear.sum() > m // 2
+    np.testing.assert_array_equal(backend.to_numpy(tok)[clear], np.argmax(ref, axis=1)[clear])
+
+
+@pytest.mark.parametrize("path,wkind", [("mma", "bf16"), ("fma", "f32")])
+def test_large_max_m_on_the_fallback_paths(backend, rng, path, wkind):
+    # max_m beyond 64 keeps the 64-row tile there (larger m: more tiles)
+    op = run(backend, rng, N=37, K=96, wkind=wkind, epilogue="none", m=70, max_m=4096, x_rows=72, path=path)
+    assert op.tile_m == 64

@@ -525,4 +525,4 @@ def test_gemm_stream_padding_tiles_skipped():
 def test_step_qkv_gemm_knows_the_step_padding():
     plan = step_plan(drafter_config("h4096"), 2048)
     qkv = [n for n in plan.launches if n.kernel == "gemm_stream" and n.args[1].name.endswith("w_qkv")]
-    assert len(qkv) == 5 and all(n.known == {"pad_lo": 6} and n.args[-1] == plan.a_step for n in qkv)
+    assert len(qkv) == 5 and all(n.known == {"pad_lo": 6} and n.args[14] == plan.a_step for n in qkv)

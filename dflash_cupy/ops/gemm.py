@@ -9,8 +9,8 @@
 * ``"silu_mul"``: ``W`` is ``[2N, K]`` = gate rows then up rows (e.g.
   ``concat([gate_proj, up_proj])``), ``y = silu(x @ gate.T) * (x @ up.T)``.
 
-Compile-time: weight dtype, epilogue, K, the M tile ``max_m``, and the tiling
-derived from them; N and m are launch arguments. One ``Gemm`` per shape.
+Compile-time: weight dtype, epilogue, K, the M tile ``min(max_m, 64)``, and the
+tiling derived from them; N and m are launch arguments. One ``Gemm`` per shape.
 
 Three kernels (``path``):
 
@@ -41,7 +41,7 @@ from . import gemm_stream
 
 EPILOGUES = {"none": 0, "residual": 1, "silu_mul": 2, "argmax": 3}
 
-MAX_M_LIMIT = 64          # acc registers per lane = R * rows * max_m; 64 keeps silu_mul spill-free
+MAX_M_LIMIT = 64          # the M tile: acc registers per lane = R * rows * tile; 64 keeps silu_mul spill-free
 WARPS = 4                 # warps per block
 LANE_K = kernels.constants("gemm.cu")["GEMM_LANE_K"]        # K elements per lane per step
 WARP_K = 32 * LANE_K      # K elements per warp per step
@@ -66,8 +66,11 @@ class Gemm:
     ``__call__(x, w, y, m, residual=None, stream=None)`` computes rows
     ``[0, m)``: ``x [>=m, K] f32``, ``w [N, K]`` (``[2N, K]`` for
     ``"silu_mul"``) of ``w_dtype``, ``y [>=m, N] f32``. Any ``m >= 1`` works:
-    rows beyond ``max_m`` are further M tiles of the same launch (each tile
-    re-reads the weights, mostly from L2). ``k_split`` (MMA path, one M tile):
+    rows beyond the M tile (``min(max_m, 64)``; any ``max_m >= 1`` is accepted,
+    e.g. ``lanes * rows`` of a lane-batched step) are further M tiles of the
+    same launch; on the ``"stream"`` path the M tiles that read the same
+    weights are adjacent in launch order and share one HBM read of them
+    through L2. ``k_split`` (MMA path, one M tile):
     K slices per column group, by default enough to put ~4 blocks per SM in
     flight; the partial sums live in a workspace this object owns, so one
     ``Gemm`` serves one stream at a time. No allocation, no host sync: safe
@@ -80,10 +83,9 @@ class Gemm:
         N, K, max_m = (checks.int_arg(v, name, 1) for v, name in ((N, "N"), (K, "K"), (max_m, "max_m")))
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue {epilogue!r}: expected one of {tuple(EPILOGUES)}")
-        if max_m > MAX_M_LIMIT:
-            raise ValueError(f"max_m={max_m} exceeds {MAX_M_LIMIT} (larger m is tiled automatically)")
         self.backend = backend
         self.N, self.K, self.max_m = int(N), int(K), int(max_m)
+        self.tile_m = min(self.max_m, MAX_M_LIMIT)   # the fma/mma M tile; larger m is more tiles
         self.epilogue = epilogue
         self.wkind = weight_kind(w_dtype)
         self.w_device_dtype = dtypes.DEVICE[self.wkind]
@@ -122,18 +124,18 @@ class Gemm:
         self.k_split = 1
         # Columns per warp: as many as the accumulator budget allows, so that
         # one staged x tile serves more weight rows.
-        self.rows_per_warp = max(1, min(4, ACC_BUDGET // (self.max_m * nw)))
+        self.rows_per_warp = max(1, min(4, ACC_BUDGET // (self.tile_m * nw)))
         self.cols_per_block = WARPS * self.rows_per_warp
         # K tile: the largest multiple of WARP_K whose x tile fits the default
         # shared-memory cap, never longer than K needs.
         k_round = -(-self.K // WARP_K) * WARP_K
-        kt_fit = max(WARP_K, (SMEM_LIMIT // (4 * self.max_m)) // WARP_K * WARP_K)
+        kt_fit = max(WARP_K, (SMEM_LIMIT // (4 * self.tile_m)) // WARP_K * WARP_K)
         self.k_tile = min(k_round, kt_fit)
         self.vectorized = self.K % LANE_K == 0
         self.threads = WARPS * 32
         self._module = kernels.load_module(
             backend, "gemm.cu", GEMM_WTYPE=dtypes.CODE[self.wkind], GEMM_EPI=EPILOGUES[epilogue],
-            GEMM_K=self.K, GEMM_MAX_M=self.max_m, GEMM_R=self.rows_per_warp,
+            GEMM_K=self.K, GEMM_MAX_M=self.tile_m, GEMM_R=self.rows_per_warp,
             GEMM_WARPS=WARPS, GEMM_KT=self.k_tile)
         self._kernel = self._module.get_function("gemm")
         self._nblk = -(-self.N // self.cols_per_block)
@@ -159,7 +161,7 @@ class Gemm:
     def _init_mma(self, k_split):
         # M tile: 16, 32 or 64 rows (gemm_mma.cu spills at 48); x tile in the
         # weight type must fit the default shared-memory cap.
-        self.m_tiles = 1 if self.max_m <= 16 else (2 if self.max_m <= 32 else 4)
+        self.m_tiles = 1 if self.tile_m <= 16 else (2 if self.tile_m <= 32 else 4)
         rows = 16 * self.m_tiles
         k_round = -(-self.K // 32) * 32
         self.split = 2 if self.x_split else 1
@@ -204,8 +206,8 @@ class Gemm:
             kz = self.k_split if m <= rows else 1
             return ((self._nblk, -(-m // rows), kz), (self.threads, 1, 1),
                     self.split * rows * (self.k_tile + 8) * 2)
-        mtiles = -(-m // self.max_m)
-        smem = min(m, self.max_m) * self.k_tile * 4
+        mtiles = -(-m // self.tile_m)
+        smem = min(m, self.tile_m) * self.k_tile * 4
         return (self._nblk * mtiles, 1, 1), (self.threads, 1, 1), smem
 
     def bytes_moved(self, m: int) -> int:
@@ -232,12 +234,21 @@ class Gemm:
             raise ValueError(f"pad_rows[1] must be an int in [0, m={m}], got {hi!r}")
         return (lo, int(hi))
 
+    def _tile_live(self, tile_live, m):
+        if tile_live is None:
+            return None
+        checks.device_array(self.backend, "tile_live", tile_live, np.int32, ndim=1)
+        if tile_live.shape[0] < -(-m // 16):
+            raise ValueError(f"tile_live must hold >= ceil(m/16) = {-(-m // 16)} entries (one per 16 rows), "
+                             f"got shape {tuple(tile_live.shape)}")
+        return tile_live if self.path == "stream" else None  # the fallbacks compute every row
+
     def partials_shape(self, m: int) -> tuple[int, int, int]:
         """Shape of the u32 ``partials`` the "argmax" epilogue writes for ``m`` rows."""
         return (int(m), self._nblk, 2)
 
     def __call__(self, x, w, y, m, residual=None, stream=None, pad_rows=None, norm=None,
-                 partials=None):
+                 partials=None, tile_live=None):
         """``pad_rows=(lo, hi)`` (``"stream"`` path): rows ``[lo[0], hi)`` of x
         are padding and count as zeros (not read; 16-row tiles of padding only
         are not computed); ``lo`` is a device int32 array read when the kernel
@@ -246,7 +257,14 @@ class Gemm:
         ``[norm_lo, m)`` of x enter as ``rmsnorm(x_row) * ln`` (``ln`` [K] f32),
         folded into the GEMM: no separate pass, x unchanged.
         ``partials`` (epilogue "argmax" only, u32 ``partials_shape(m)``): each
-        row's best column per column block; ``y`` is None unless ``logits``."""
+        row's best column per column block; ``y`` is None unless ``logits``.
+        ``tile_live`` (device int32 ``[>= ceil(m/16)]``, read when the kernel
+        runs, so a captured graph follows it): entry ``t`` covers rows
+        ``[16t, 16t + 16)``; on the ``"stream"`` path a tile whose entry is 0
+        is skipped (no x read, no MMA) and its rows of ``y`` (and of the argmax
+        ``partials``) are not written at all. The ``"mma"`` and ``"fma"`` paths
+        ignore it and compute every row (the dead rows' outputs are never
+        consumed by contract). ``None``: every tile is live."""
         be = self.backend
         m = checks.int_arg(m, "m")
         if self.epilogue == "argmax":
@@ -272,7 +290,7 @@ class Gemm:
             checks.aligned16(x=x, w=w)
             # y is never written without logits: the partials stand in for the pointer
             self._stream(x, w, partials, partials, m, stream=stream, pad_rows=self._pad(pad_rows, m),
-                         partials=partials)
+                         partials=partials, tile_live=self._tile_live(tile_live, m))
             return
         checks.device_array(be, "x", x, np.float32)
         checks.device_array(be, "w", w, self.w_device_dtype)
@@ -307,6 +325,7 @@ class Gemm:
         if self.vectorized:
             checks.aligned16(x=x, w=w, y=y, residual=r)
         pad_rows = self._pad(pad_rows, m)
+        tile_live = self._tile_live(tile_live, m)
         if norm is not None:
             if self.norm_eps is None:
                 raise ValueError("norm given but this Gemm was built without norm_eps")
@@ -319,7 +338,8 @@ class Gemm:
             checks.aligned16(norm=ln)
             norm = (ln, self.norm_eps, int(norm_lo))
         if self.path == "stream":
-            self._stream(x, w, y, r, m, stream=stream, pad_rows=pad_rows, norm=norm, partials=partials)
+            self._stream(x, w, y, r, m, stream=stream, pad_rows=pad_rows, norm=norm, partials=partials,
+                         tile_live=tile_live)
             return
         grid, block, smem = self.launch_config(m)
         if self.path == "fma":

@@ -41,7 +41,8 @@ HBM_BPS = 4.8e12          # H200 HBM3e, for the tensor-core pace figure only
 # from the kernel (2 blocks for MT 1, else 1); tests/test_gemm_stream.py
 # recompiles and checks these are not exceeded. Rounded up to the allocation
 # granularity of 8 they set the register-limited residency.
-PTXAS_REGS = {1: 128, 2: 202, 4: 235}   # max over f16/bf16, the three epilogues, hi+lo or not
+PTXAS_REGS = {1: 128, 2: 206, 4: 235}   # max over f16/bf16, the three epilogues, hi+lo or not
+                                        # (MT 2 was 202 before tile_live and the linear grid: same 208 allocated)
 REGS_PER_SM = 65536
 THREADS_PER_SM = 2048
 SMEM_RESERVED = 1024      # per block, by the driver
@@ -87,15 +88,20 @@ def blocks_per_sm(mt: int, smem: int) -> int:
     return max(0, min(by_regs, by_smem, THREADS_PER_SM // (WARPS * 32)))
 
 
+GRID_X_MAX = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class Plan:
     mt: int               # compiled variant (16-row tiles per block)
     tiles: int            # live tiles of a full block
-    grid: tuple
+    grid: tuple           # (groups * mblocks, 1, ks): block x = column group * mblocks + M block
     ks: int               # K slices (grid z)
     kz: int               # K per slice, multiple of 64
     kt: int               # x chunk staged at once, multiple of 64
     smem: int             # dynamic shared memory per block
+    groups: int = 1       # column groups (COLS output columns each)
+    mblocks: int = 1      # M blocks (16 * mt rows each)
 
 
 def _kt_for(kz: int, mt: int, tiles: int, split: int, dev: Device) -> int:
@@ -144,8 +150,23 @@ def plan(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device = H200
             best = (cost, ks, kz)
     _, ks, kz = best
     kt = _kt_for(kz, mt, tiles, split, dev)
-    return Plan(mt=mt, tiles=tiles, grid=(nblk, gy, ks), ks=ks, kz=kz, kt=kt,
-                smem=smem_bytes(tiles, kt, split))
+    if nblk * gy > GRID_X_MAX:
+        raise ValueError(f"m={m}, N={N}: {nblk} column groups x {gy} M blocks exceed the grid's x limit")
+    return Plan(mt=mt, tiles=tiles, grid=(nblk * gy, 1, ks), ks=ks, kz=kz, kt=kt,
+                smem=smem_bytes(tiles, kt, split), groups=nblk, mblocks=gy)
+
+
+def weight_passes(groups: int, mblocks: int, concurrent: int, m_fastest: bool = True) -> float:
+    """HBM reads of each weight byte (mean over column groups), modelling that the
+    blocks of one wave (``concurrent`` = SMs x resident blocks, in launch order)
+    share their weight reads through L2 and nothing survives to a later wave.
+    ``m_fastest``: this kernel's order (the M blocks of a column group adjacent);
+    False: the previous grid (column group fastest, M block in grid y)."""
+    total = 0
+    for cg in range(groups):
+        pos = [cg * mblocks + mb if m_fastest else mb * groups + cg for mb in range(mblocks)]
+        total += len({p // concurrent for p in pos})
+    return total / groups
 
 
 def stream_figures(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device = H200) -> dict:
@@ -153,6 +174,7 @@ def stream_figures(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Dev
     p = plan(N, K, m, nw, split, dev)
     blocks = p.grid[0] * p.grid[1] * p.grid[2]
     resident = blocks_per_sm(p.mt, p.smem)
+    concurrent = resident * dev.sm_count
     per_sm = min(resident, -(-blocks // dev.sm_count))
     warp_inflight = (DEPTH[p.mt] - 1) * WTILES * 8 * 128  # bytes, while a warp computes one step
     weight_bytes = N * nw * K * 2
@@ -164,7 +186,10 @@ def stream_figures(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Dev
         "inflight_per_sm": per_sm * WARPS * warp_inflight,
         "smem_read_per_weight_byte": p.tiles * split * 4 * 512 / (WTILES * 1024),
         "smem_conflict_ways": max(xtile_conflict_ways(p.kt)),
-        "x_l2_per_weight_byte": p.grid[0] * m * K * 4 / weight_bytes,
+        "x_l2_per_weight_byte": p.groups * m * K * 4 / weight_bytes,
+        # HBM reads of each weight byte over the M blocks (1 = once), and with the old grid order
+        "weight_hbm_passes": weight_passes(p.groups, p.mblocks, concurrent),
+        "weight_hbm_passes_old_order": weight_passes(p.groups, p.mblocks, concurrent, m_fastest=False),
         "partial_per_weight_byte": (2 * p.ks * min(m, 16 * p.mt) * N * nw * 4 / weight_bytes) if p.ks > 1 else 0.0,
         "wave_efficiency": blocks / (-(-blocks // dev.sm_count) * dev.sm_count),
         # tensor-core rate the MMAs need to keep pace with 90% of H200 HBM (4.8 TB/s):
@@ -264,12 +289,16 @@ class StreamKernels:
         return plan(self.N, self.K, m, self.nw, self.split, self.dev, mt=min(bucket(m), self.top), ks=self.k_split)
 
     def launch_config(self, m: int):
+        """``(grid, block, shared_mem)``; grid ``(groups * mblocks, 1, ks)``."""
         p = self.plan(m)
         return p.grid, (WARPS * 32, 1, 1), p.smem
 
-    def __call__(self, x, w, y, r, m: int, stream=None, pad_rows=None, norm=None, partials=None):
+    def __call__(self, x, w, y, r, m: int, stream=None, pad_rows=None, norm=None, partials=None,
+                 tile_live=None):
         """``pad_rows=(lo, hi)``: rows ``[lo[0], hi)`` are zero rows, ``lo`` a
         device int32 array read at run time (``None``: no padding rows).
+        ``tile_live``: device int32, entry ``t`` for rows ``[16t, 16t + 16)``,
+        read at run time; 0 = the tile is neither computed nor stored.
         ``norm=(ln, eps, norm_lo)`` (a ``norm=True`` kernel): rows ``>= norm_lo``
         of x are RMS-normalised with scale ``ln`` [K] f32 inside the GEMM.
         ``partials`` (the argmax epilogue): u32 ``[>= m, blocks, 2]`` written
@@ -280,7 +309,8 @@ class StreamKernels:
         self._kernels[p.mt](p.grid, (WARPS * 32, 1, 1),
                             (x, w, y, r, np.int32(m), np.int32(self.N), np.int32(p.kz), np.int32(p.kt),
                              self._ws if partials is None else partials, self._counters, lo, np.int32(hi),
-                             ln, np.float32(eps), np.int32(norm_lo)),
+                             ln, np.float32(eps), np.int32(norm_lo),
+                             self._counters if tile_live is None else tile_live, np.int32(tile_live is not None)),
                             shared_mem=p.smem, stream=stream)
 
 
