@@ -17,6 +17,7 @@
 #define DESC_N_NEW 3
 #define DESC_SWA_LO 4
 #define DESC_RESET 5
+#define DESC_ACTIVE 6
 #define DESC_LEN 8
 
 // Block sizes of the planning kernels (plan.cu): one thread per ring slot,
