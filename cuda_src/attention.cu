@@ -1,7 +1,7 @@
 // attention.cu — masked split-KV attention of the q_len noise rows of one
 // layer over the whole ring cache (SPEC §2 steps 5-6, §3 step 6).
 //
-// Layouts (row-major, contiguous):
+// Layouts (row-major, contiguous; per lane, attention_common.cuh says where each lane's slices are):
 //   q        [B, NH, D] f32 (after q_norm and RoPE)
 //   k_cache, v_cache [KV_TOTAL, NKV*D] f16 (row = one position, kv heads fused)
 //   mask     [B, KV_TOTAL] f16 additive (0 visible, -inf hidden)
@@ -11,7 +11,9 @@
 //   part_ml  [SPLITS, B*NH, 2] f32 (running max in log2 units, partial sum)
 // GQA: query head h reads kv head h / (NH/NKV).
 //
-// ring_attn_split: grid (NKV, SPLITS, ROW_GROUPS), block (NWARPS*32).
+// ring_attn_split: grid (NKV * LANES, SPLITS, ROW_GROUPS), block (NWARPS*32):
+//   blockIdx.x = lane * NKV + kv head (attention_common.cuh: lanes; the lane is
+//   not folded into z: a row offset the compiler can prove 0 made ptxas spill).
 //   A block takes one kv head, one contiguous slice of the kv rows and the
 //   B*(NH/NKV) query rows that read that head (in groups of at most RB rows,
 //   only when they do not fit shared memory at once), so each K/V tile is
@@ -25,7 +27,7 @@
 //   softmax denominator, reduced once at the end.
 //   With SPLITS == 1 the block normalises and writes `out` itself (and the
 //   combine kernel is not launched).
-// ring_attn_combine: grid (ceil(B*NH*D / COMBINE_THREADS)), block (COMBINE_THREADS): merges the
+// ring_attn_combine: grid (ceil(B*NH*D / COMBINE_THREADS), LANES), block (COMBINE_THREADS): merges the
 //   splits with log-sum-exp weights, applies the gate, writes `out`.
 // A row whose every key is masked gets output 0 (never NaN). A slot hidden
 // from a row never reaches that row's output, whatever it holds: hidden
@@ -39,6 +41,7 @@
 // nvrtc-check: -DD=64 -DNH=8 -DNKV=2 -DB=16 -DKV_TOTAL=100 -DSPLITS=3 -DGATE=2 -DRB=64 -DNWARPS=8
 // nvrtc-check: -DD=256 -DNH=16 -DNKV=4 -DB=16 -DKV_TOTAL=1000 -DSPLITS=2 -DRB=16 -DNWARPS=8
 // nvrtc-check: -DD=128 -DNH=64 -DNKV=8 -DB=16 -DKV_TOTAL=4128 -DSPLITS=8 -DGATE=1 -DRB=64 -DNWARPS=8
+// nvrtc-check: -DD=128 -DNH=64 -DNKV=8 -DB=16 -DKV_TOTAL=4128 -DSPLITS=8 -DGATE=2 -DRB=64 -DNWARPS=8 -DLANES=64 -DLANE_ROWS=32
 #include <cuda_fp16.h>
 #include "attention_common.cuh"
 
@@ -76,13 +79,28 @@ ring_attn_split(const float* __restrict__ q,
                 float* __restrict__ part_ml,
                 float* __restrict__ out,
                 const float* __restrict__ gate,
-                float scale)
+                float scale,
+                const int* __restrict__ live,
+                int use_live)
 {
     __shared__ __align__(16) float q_s[RB * D];
     __shared__ __align__(16) uint4 k_s[TILE * CPR];
     __shared__ __align__(16) uint4 v_s[TILE * CPR];
 
-    const int kvh = blockIdx.x;
+    const int lane_id = LANES == 1 ? 0 : (int)blockIdx.x / NKV;   // the request (attention_common.cuh: lanes)
+    if (lane_idle(live, use_live, lane_id)) return;
+    {
+        const LaneOffsets lo = lane_offsets(lane_id);
+        q += lo.q_o;
+        out += lo.q_o;
+        gate += lo.gate;
+        k_cache += lo.kv;
+        v_cache += lo.kv;
+        mask += lo.mask;
+        part_o += lo.part_o;
+        part_ml += lo.part_ml;
+    }
+    const int kvh = (int)blockIdx.x - lane_id * NKV;
     const int split = blockIdx.y;
     const int row0 = blockIdx.z * RB;           // first query row (b*G + g) of this block
     const int rows_here = min(RB, R - row0);
@@ -236,8 +254,19 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
 ring_attn_combine(const float* __restrict__ part_o,
                   const float* __restrict__ part_ml,
                   const float* __restrict__ gate,
-                  float* __restrict__ out)
+                  float* __restrict__ out,
+                  const int* __restrict__ live,
+                  int use_live)
 {
+    const int lane_id = LANES == 1 ? 0 : (int)blockIdx.y;
+    if (lane_idle(live, use_live, lane_id)) return;
+    {
+        const LaneOffsets lo = lane_offsets(lane_id);
+        part_o += lo.part_o;
+        part_ml += lo.part_ml;
+        gate += lo.gate;
+        out += lo.q_o;
+    }
     const int i = blockIdx.x * COMBINE_THREADS + threadIdx.x;
     if (i >= B * NH * D) return;
     const int qrow = i / D, d = i % D;

@@ -1,9 +1,22 @@
 // attention_common.cuh — what the two split-KV attention kernels share
 // (attention.cu: CUDA cores, any D; attention_mma.cu: tensor cores): the
 // compile-time sizes and their defaults, the key tiling of the splits, the
-// partial-result layout read by ring_attn_combine, the gate.
+// partial-result layout read by ring_attn_combine, the gate, the lanes.
+//
+// Lanes (LANES > 1): one launch serves LANES independent requests, lane l
+// (the grid's lane coordinate) reading and writing only its own slices:
+//   q, out   rows [l*LANE_ROWS, l*LANE_ROWS + B) of [LANES*LANE_ROWS, NH*D]
+//            (LANE_ROWS >= B: the lane's rows in the step's row space)
+//   gate     the same rows of [LANES*LANE_ROWS, NH] or [.., NH*D]
+//   k_cache, v_cache rows [l*KV_TOTAL, (l+1)*KV_TOTAL), mask [LANES, B, KV_TOTAL]
+//   part_o, part_ml [LANES, SPLITS, ...] (the workspace per lane)
+// With use_live, live = the step descriptors [LANES, DESC_LEN] int32 and a lane
+// with live[l*DESC_LEN + DESC_ACTIVE] == 0 is idle: its blocks return before
+// reading anything and its out rows are untouched. LANES 1 with LANE_ROWS B
+// is the single-request kernel (every lane offset 0).
 #pragma once
 #include <cuda_fp16.h>
+#include "step_desc.cuh"
 #include "warp.cuh"
 
 #ifndef D
@@ -27,6 +40,12 @@
 #ifndef GATE
 #define GATE 0
 #endif
+#ifndef LANES
+#define LANES 1
+#endif
+#ifndef LANE_ROWS
+#define LANE_ROWS B
+#endif
 
 #define G (NH / NKV)
 #define R (B * G)
@@ -47,6 +66,9 @@
 #if GATE < 0 || GATE > 2
 #error "attention: GATE must be 0, 1 or 2"
 #endif
+#if LANES < 1 || LANE_ROWS < B
+#error "attention: LANES must be >= 1 and LANE_ROWS >= B"
+#endif
 
 #define LOG2E 1.4426950408889634f
 #define NEG_INF __int_as_float(0xff800000)
@@ -66,3 +88,26 @@ __device__ __forceinline__ float gate_factor(const float* gate, int qrow, int d)
 #endif
 }
 
+
+// Lane l idle this step (its descriptor says so): every block of it returns at once.
+__device__ __forceinline__ bool lane_idle(const int* live, int use_live, int lane) {
+    return use_live && live[lane * DESC_LEN + DESC_ACTIVE] == 0;
+}
+
+// Element offsets of lane l's slices (see the top of this file): q and out
+// (q_o), gate, the K/V caches, the mask, part_o and part_ml.
+struct LaneOffsets {
+    long long q_o, gate, kv, mask, part_o, part_ml;
+};
+
+__device__ __forceinline__ LaneOffsets lane_offsets(int lane) {
+    const long long rows = (long long)lane * LANE_ROWS * NH;   // q/out head-rows before the lane's
+    LaneOffsets o;
+    o.q_o = rows * D;
+    o.gate = rows * (GATE == 2 ? D : 1);
+    o.kv = (long long)lane * KV_TOTAL * KV_W;
+    o.mask = (long long)lane * B * KV_TOTAL;
+    o.part_o = (long long)lane * SPLITS * B * NH * D;
+    o.part_ml = (long long)lane * SPLITS * B * NH * 2;
+    return o;
+}

@@ -6,7 +6,7 @@
 // most 128 query rows per kv head (R = B * NH/NKV): 8 warps (at 16, ptxas caps
 // a thread at 128 registers and the kernel spills).
 //
-// ring_attn_mma_split: grid (NKV, SPLITS), block (MW*32), MW = ceil(R / 16).
+// ring_attn_mma_split: grid (NKV, SPLITS, LANES), block (MW*32), MW = ceil(R / 16).
 //   A block takes one kv head and one contiguous slice of keys; warp w owns
 //   query rows 16w .. 16w+15 of that head (row r = b*G + g_head), so every
 //   K/V tile in shared memory serves all R rows. Per 32-key tile, as
@@ -37,6 +37,7 @@
 // nvrtc-check: -DD=32 -DNH=4 -DNKV=4 -DB=1 -DKV_TOTAL=37 -DSPLITS=1 -DGATE=1
 // nvrtc-check: -DD=128 -DNH=64 -DNKV=8 -DB=16 -DKV_TOTAL=4128 -DSPLITS=8 -DGATE=1
 // nvrtc-check: -DD=128 -DNH=8 -DNKV=8 -DB=128 -DKV_TOTAL=2080 -DSPLITS=4 -DGATE=0
+// nvrtc-check: -DD=128 -DNH=32 -DNKV=8 -DB=16 -DKV_TOTAL=2080 -DSPLITS=4 -DGATE=2 -DLANES=64 -DLANE_ROWS=16
 #include <cuda_fp16.h>
 #include "attention_common.cuh"
 #include "mma.cuh"
@@ -115,9 +116,24 @@ ring_attn_mma_split(const float* __restrict__ q,
                     float* __restrict__ part_ml,
                     float* __restrict__ out,
                     const float* __restrict__ gate,
-                    float scale)
+                    float scale,
+                    const int* __restrict__ live,
+                    int use_live)
 {
     using namespace attn_mma;
+    const int lane_id = LANES == 1 ? 0 : (int)blockIdx.z;   // the request (attention_common.cuh: lanes)
+    if (lane_idle(live, use_live, lane_id)) return;
+    {
+        const LaneOffsets lo = lane_offsets(lane_id);
+        q += lo.q_o;
+        out += lo.q_o;
+        gate += lo.gate;
+        k_cache += lo.kv;
+        v_cache += lo.kv;
+        mask += lo.mask;
+        part_o += lo.part_o;
+        part_ml += lo.part_ml;
+    }
     __shared__ __align__(16) __half k_s[TILE * KS];
     __shared__ __align__(16) __half v_s[TILE * KS];
     __shared__ unsigned int vis_s[2];   // per tile parity: bit j = key k0 + j seen by some row

@@ -545,7 +545,7 @@ def _gemm_stream(L) -> KernelCounters:
 def _attn_mma(L) -> KernelCounters:
     d = L.defines
     D, NH, NKV, B, KVT, SPLITS = d["D"], d["NH"], d["NKV"], d["B"], d["KV_TOTAL"], d["SPLITS"]
-    q, kc, vc, mask, po, pml, out, gate, _scale = L.args
+    q, kc, vc, mask, po, pml, out, gate, _scale = L.args[:9]   # then live, use_live (lanes)
     TILE, G = 32, NH // NKV
     R = B * G
     MW = -(-R // 16)

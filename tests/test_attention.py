@@ -285,3 +285,127 @@ def test_repeats_are_bit_identical(backend, rng, path):
         graph.launch(stream)
         stream.synchronize()
         assert _bits_equal(backend.to_numpy(out), first)
+
+
+# ---------------------------------------------------------------------------- lanes
+# (D, NH, NKV, q_len, lane_rows, kv_total, n_splits, gate, path): one launch over
+# lanes whose q/out rows sit lane_rows apart; D 256 on the CUDA cores has 2 row groups
+# per lane (blockIdx.z = lane * row_groups + group).
+LANE_CASES = [
+    (32, 4, 2, 3, 16, 100, 1, None, "mma"),
+    (32, 4, 2, 3, 16, 100, 3, "head", "mma"),
+    (32, 4, 2, 3, 16, 100, 1, "element", "fma"),
+    (32, 4, 2, 3, 16, 100, 3, None, "fma"),
+    (256, 4, 2, 9, 9, 40, 2, "element", "fma"),
+]
+
+
+def _lane_inputs(rng, L, D, NH, NKV, B, BS, kvt, gate):
+    q = np.full((L * BS, NH * D), np.nan, np.float32)       # rows past a lane's q_len: never read
+    k = rng.standard_normal((L * kvt, NKV * D)).astype(np.float16)
+    v = rng.standard_normal((L * kvt, NKV * D)).astype(np.float16)
+    mask = np.where(rng.random((L, B, kvt)) < 0.5, np.float16(0), NEG_INF).astype(np.float16)
+    gw = {None: 0, "head": NH, "element": NH * D}[gate]
+    g = np.full((L * BS, gw), np.nan, np.float32) if gate else None
+    for lane in range(L):
+        q[lane * BS:lane * BS + B] = rng.standard_normal((B, NH * D)) * 2
+        if gate:
+            g[lane * BS:lane * BS + B] = rng.standard_normal((B, gw)) * 3
+    mask[:, 0, :] = NEG_INF                                  # a row with nothing visible: 0
+    return q, k, v, mask, g
+
+
+@pytest.mark.parametrize("D,NH,NKV,B,BS,kvt,n_splits,gate,path", LANE_CASES)
+def test_lanes_equal_single_lane_calls(backend, rng, D, NH, NKV, B, BS, kvt, n_splits, gate, path):
+    """3 lanes in one launch, lane 1 idle by its descriptor: lanes 0 and 2 are bit for
+    bit the single-lane RingAttention on their slices; the idle lane's rows and every
+    row past a lane's q_len keep the sentinel. With live=None lane 1 runs too."""
+    from dflash_cupy.ops.attention import DESC_LEN
+    from dflash_cupy import kernels
+    active = kernels.constants("step_desc.cuh")["DESC_ACTIVE"]
+    L = 3
+    att = RingAttention(backend, D, NH, NKV, B, kvt, n_splits=n_splits, gate=gate, path=path, lanes=L,
+                        lane_rows=BS)
+    one = RingAttention(backend, D, NH, NKV, B, kvt, n_splits=n_splits, gate=gate, path=path)
+    assert att.path == one.path == path and att.n_splits == n_splits
+    q, k, v, mask, g = _lane_inputs(rng, L, D, NH, NKV, B, BS, kvt, gate)
+    desc = rng.integers(0, 1000, (L, DESC_LEN)).astype(np.int32)
+    desc[:, active] = [1, 0, 7]
+    sentinel = np.float32(7.5)
+    out = backend.asarray(np.full((L * BS, NH * D), sentinel, np.float32))
+    gd = None if g is None else backend.asarray(g)
+    qd, kd, vd, md = (backend.asarray(a) for a in (q, k, v, mask))
+    att(qd, kd, vd, md, out, gate=gd, live=backend.asarray(desc))
+    got = backend.to_numpy(out)
+    expect = np.full_like(got, sentinel)
+    singles = {}
+    for lane in range(L):
+        r = slice(lane * BS, lane * BS + B)
+        o1 = backend.asarray(np.full((B, NH * D), np.nan, np.float32))
+        one(backend.asarray(q[r]), backend.asarray(k[lane * kvt:(lane + 1) * kvt]),
+            backend.asarray(v[lane * kvt:(lane + 1) * kvt]), backend.asarray(mask[lane]), o1,
+            gate=None if g is None else backend.asarray(g[r]))
+        singles[lane] = backend.to_numpy(o1)
+        ref = ring_attention_reference(q[r], k[lane * kvt:(lane + 1) * kvt], v[lane * kvt:(lane + 1) * kvt],
+                                       mask[lane], n_head_kv=NKV, gate=None if g is None else g[r],
+                                       gate_mode=gate)
+        assert_close(singles[lane], ref, "f32", f"single lane {lane}")
+        if lane != 1:
+            expect[r] = singles[lane]
+    np.testing.assert_array_equal(got.view(np.uint32), expect.view(np.uint32))
+    assert (got[0:B] == 0).any() and (got[0] == 0).all()    # lane 0's row 0 sees nothing: exactly 0
+    # every lane live (live=None): the idle lane's rows now filled, the others unchanged
+    att(qd, kd, vd, md, out, gate=gd)
+    got = backend.to_numpy(out)
+    expect[BS:BS + B] = singles[1]
+    np.testing.assert_array_equal(got.view(np.uint32), expect.view(np.uint32))
+
+
+def test_one_lane_with_lane_rows_and_live(backend, rng):
+    # lanes=1: q/out rows lane_rows apart changes nothing but the shapes; an idle lane
+    # (live) leaves out untouched; 3-D mask [1, q_len, kv_total] accepted
+    from dflash_cupy.ops.attention import DESC_LEN
+    from dflash_cupy import kernels
+    active = kernels.constants("step_desc.cuh")["DESC_ACTIVE"]
+    D, NH, NKV, B, kvt = 32, 4, 2, 3, 64
+    att = RingAttention(backend, D, NH, NKV, B, kvt, n_splits=2, lane_rows=8)
+    one = RingAttention(backend, D, NH, NKV, B, kvt, n_splits=2)
+    q, k, v, mask, _ = _lane_inputs(rng, 1, D, NH, NKV, B, 8, kvt, None)
+    out = backend.asarray(np.full((8, NH * D), 7.5, np.float32))
+    desc = np.zeros((1, DESC_LEN), np.int32)
+    att(backend.asarray(q), backend.asarray(k), backend.asarray(v), backend.asarray(mask), out,
+        live=backend.asarray(desc))
+    assert (backend.to_numpy(out) == 7.5).all()
+    desc[0, active] = 1
+    att(backend.asarray(q), backend.asarray(k), backend.asarray(v), backend.asarray(mask), out,
+        live=backend.asarray(desc))
+    o1 = backend.zeros((B, NH * D), np.float32)
+    one(backend.asarray(q[:B]), backend.asarray(k), backend.asarray(v), backend.asarray(mask[0]), o1)
+    got = backend.to_numpy(out)
+    np.testing.assert_array_equal(got[:B], backend.to_numpy(o1))
+    assert (got[B:] == 7.5).all()
+
+
+def test_lanes_bad_arguments(emu):
+    be = emu
+    D, NH, NKV, B, kvt, L, BS = 32, 4, 2, 2, 40, 3, 4
+    with pytest.raises(ValueError, match="lanes=0"):
+        RingAttention(be, D, NH, NKV, B, kvt, lanes=0)
+    with pytest.raises(ValueError, match="lane_rows=1 must be >= q_len=2"):
+        RingAttention(be, D, NH, NKV, B, kvt, lanes=L, lane_rows=1)
+    att = RingAttention(be, D, NH, NKV, B, kvt, n_splits=1, lanes=L, lane_rows=BS, gate="head")
+    args = dict(q=be.zeros((L * BS, NH * D), np.float32), k_cache=be.zeros((L * kvt, NKV * D), np.float16),
+                v_cache=be.zeros((L * kvt, NKV * D), np.float16), mask=be.zeros((L, B, kvt), np.float16),
+                out=be.zeros((L * BS, NH * D), np.float32), gate=be.zeros((L * BS, NH), np.float32),
+                live=be.zeros((L, 8), np.int32))
+    att(**args)
+    bad = [("q", be.zeros((L * B, NH * D), np.float32), ValueError),
+           ("k_cache", be.zeros((kvt, NKV * D), np.float16), ValueError),
+           ("mask", be.zeros((B, kvt), np.float16), ValueError),
+           ("out", be.zeros((L * B, NH * D), np.float32), ValueError),
+           ("gate", be.zeros((L * B, NH), np.float32), ValueError),
+           ("live", be.zeros((L, 7), np.int32), ValueError),
+           ("live", be.zeros((L, 8), np.float32), TypeError)]
+    for name, val, exc in bad:
+        with pytest.raises(exc, match=name):
+            att(**{**args, name: val})

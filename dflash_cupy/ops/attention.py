@@ -14,6 +14,13 @@ tile of one kv head once for all ``q_len * n_head/n_head_kv`` query rows that
 read it; ``n_splits > 1`` adds a combine launch (log-sum-exp merge) over a
 workspace allocated once by the constructor.
 
+Lanes (``lanes > 1``): one launch per kernel serves ``lanes`` independent
+requests (their q/out rows ``lane_rows`` apart, their own K/V rows and masks,
+``attention_common.cuh``); the lane is the grid's z (tensor cores) or folded
+into x (``lane * n_head_kv + kv head``, CUDA cores), the combine's y. With
+``live`` (the lanes' step descriptors, on the device) the blocks of an idle
+lane return before reading anything, so idle lanes cost one block start each.
+
 Two split kernels (``path``): ``"mma"`` (``cuda_src/attention_mma.cu``,
 tensor cores, q and p split into two f16 terms, V read with ldmatrix.trans; the default where it applies:
 ``head_dim % 16 == 0``, ``head_dim <= 128``, at most 128 query rows per kv
@@ -30,6 +37,7 @@ import numpy as np
 from .. import checks, device_props, kernels
 
 GATES = {None: 0, "head": 1, "element": 2}
+DESC_LEN = kernels.constants("step_desc.cuh")["DESC_LEN"]   # the per-lane descriptor row of ``live``
 _C = kernels.constants("attention_common.cuh")
 TILE = _C["TILE"]                        # keys per shared-memory tile
 COMBINE_THREADS = _C["COMBINE_THREADS"]
@@ -53,28 +61,43 @@ def default_splits(n_head_kv: int, kv_total: int, sm_count: int, row_groups: int
 
 class RingAttention:
     """``RingAttention(backend, head_dim, n_head, n_head_kv, q_len, kv_total,
-    n_splits=None, gate=None, scale=None)``; ``gate`` is ``None``, ``"head"`` or
-    ``"element"``; ``scale`` defaults to ``1/sqrt(head_dim)``.
+    n_splits=None, gate=None, scale=None, path="auto", lanes=1, lane_rows=None)``;
+    ``gate`` is ``None``, ``"head"`` or ``"element"``; ``scale`` defaults to
+    ``1/sqrt(head_dim)``.
 
-    ``__call__(q, k_cache, v_cache, mask, out, gate=None, stream=None)``:
-    ``q [q_len, n_head, head_dim]`` or ``[q_len, n_head*head_dim]`` f32;
-    ``k_cache``, ``v_cache [kv_total, n_head_kv*head_dim]`` f16 (16-byte aligned);
-    ``mask [q_len, kv_total]`` f16; ``out [q_len, n_head*head_dim]`` f32;
-    ``gate [q_len, n_head]`` / ``[q_len, n_head*head_dim]`` f32 per the mode.
+    ``__call__(q, k_cache, v_cache, mask, out, gate=None, stream=None, live=None)``,
+    with ``BS = lane_rows`` (default ``q_len``; lane ``l``'s ``q_len`` rows
+    start at row ``l*BS`` of q, out and gate):
+    ``q [lanes*BS, n_head, head_dim]`` or ``[lanes*BS, n_head*head_dim]`` f32;
+    ``k_cache``, ``v_cache [lanes*kv_total, n_head_kv*head_dim]`` f16 (16-byte
+    aligned; lane ``l``'s rows at ``l*kv_total``); ``mask [lanes, q_len,
+    kv_total]`` f16 (``[q_len, kv_total]`` too when ``lanes == 1``); ``out
+    [lanes*BS, n_head*head_dim]`` f32; ``gate [lanes*BS, n_head]`` /
+    ``[lanes*BS, n_head*head_dim]`` f32 per the mode. Rows of q/out/gate past a
+    lane's ``q_len`` are neither read nor written. ``live``: the step
+    descriptors ``[lanes, DESC_LEN]`` device int32, read when the kernels run;
+    a lane whose ``DESC_ACTIVE`` entry is 0 is idle: its blocks (the combine's
+    too) exit before reading anything and its out rows are untouched.
+    ``None``: every lane runs. Every lane in one launch per kernel; each lane's
+    result is bit-identical to a single-lane call on its slices.
     No allocation, no host sync: capture-safe. With ``n_splits > 1`` the
-    instance owns one partials workspace: calls must be ordered (one stream),
-    never concurrent on two streams.
+    instance owns one partials workspace (``[lanes, n_splits, ...]``): calls
+    must be ordered (one stream), never concurrent on two streams.
     """
 
     def __init__(self, backend, head_dim: int, n_head: int, n_head_kv: int, q_len: int,
                  kv_total: int, n_splits: int | None = None, gate: str | None = None,
-                 scale: float | None = None, path: str = "auto"):
+                 scale: float | None = None, path: str = "auto", lanes: int = 1, lane_rows: int | None = None):
         self.backend = backend
         self.D = checks.int_arg(head_dim, "head_dim", 1)
         self.NH = checks.int_arg(n_head, "n_head", 1)
         self.NKV = checks.int_arg(n_head_kv, "n_head_kv", 1)
         self.B = checks.int_arg(q_len, "q_len", 1)
         self.kv_total = checks.int_arg(kv_total, "kv_total", 1)
+        self.lanes = checks.int_arg(lanes, "lanes", 1)
+        self.lane_rows = self.B if lane_rows is None else checks.int_arg(lane_rows, "lane_rows", 1)
+        if self.lane_rows < self.B:
+            raise ValueError(f"lane_rows={lane_rows} must be >= q_len={q_len}")
         if self.D % 8 or self.D > 256:
             raise ValueError(f"head_dim must be a multiple of 8 and at most 256, got {head_dim}")
         if self.NH % self.NKV:
@@ -110,62 +133,70 @@ class RingAttention:
         if self.n_splits > n_tiles:
             raise ValueError(f"n_splits={n_splits} exceeds the {n_tiles} key tiles of kv_total={kv_total}")
 
+        # one lane at lane_rows = q_len compiles exactly the single-request kernel
+        lane_opts = {} if (self.lanes, self.lane_rows) == (1, self.B) else dict(LANES=self.lanes,
+                                                                                 LANE_ROWS=self.lane_rows)
         self._module = kernels.load_module(
             backend, "attention.cu", D=self.D, NH=self.NH, NKV=self.NKV, B=self.B,
             KV_TOTAL=self.kv_total, SPLITS=self.n_splits, GATE=GATES[gate],
-            RB=self.rows_per_block, NWARPS=self.warps)
+            RB=self.rows_per_block, NWARPS=self.warps, **lane_opts)
         self._split = self._module.get_function("ring_attn_split")
         if self.path == "mma":  # all R rows in one block: one warp per 16 rows
             self._split = kernels.load_module(
                 backend, "attention_mma.cu", D=self.D, NH=self.NH, NKV=self.NKV, B=self.B,
-                KV_TOTAL=self.kv_total, SPLITS=self.n_splits, GATE=GATES[gate]).get_function(
+                KV_TOTAL=self.kv_total, SPLITS=self.n_splits, GATE=GATES[gate], **lane_opts).get_function(
                 "ring_attn_mma_split")
         self._combine = self._module.get_function("ring_attn_combine") if self.n_splits > 1 else None
         if self.n_splits > 1:
-            self.part_o = backend.zeros((self.n_splits, self.B * self.NH, self.D), np.float32)
-            self.part_ml = backend.zeros((self.n_splits, self.B * self.NH, 2), np.float32)
+            self.part_o = backend.zeros((self.lanes, self.n_splits, self.B * self.NH, self.D), np.float32)
+            self.part_ml = backend.zeros((self.lanes, self.n_splits, self.B * self.NH, 2), np.float32)
         else:
             self.part_o = self.part_ml = None
         if self.path == "mma":
-            self._grid = (self.NKV, self.n_splits, 1)
+            self._grid = (self.NKV, self.n_splits, self.lanes)                     # z = lane
             self._block = (-(-R // 16) * 32, 1, 1)
         else:
-            self._grid = (self.NKV, self.n_splits, self.row_groups)
+            self._grid = (self.NKV * self.lanes, self.n_splits, self.row_groups)   # x = lane * NKV + kv head
             self._block = (self.warps * 32, 1, 1)
-        self._cgrid = (-(-(self.B * self.NH * self.D) // COMBINE_THREADS), 1, 1)
+        self._cgrid = (-(-(self.B * self.NH * self.D) // COMBINE_THREADS), self.lanes, 1)
+        if max(self._grid[1:]) > 65535 or self.lanes > 65535:
+            raise ValueError(f"lanes={lanes}: grid {self._grid} exceeds the 65535 limit of grid y/z")
 
     def __repr__(self):
         return (f"RingAttention(head_dim={self.D}, n_head={self.NH}, n_head_kv={self.NKV}, "
                 f"q_len={self.B}, kv_total={self.kv_total}, n_splits={self.n_splits}, "
                 f"gate={self.gate!r}, path={self.path}, rows_per_block={self.rows_per_block}, "
-                f"warps={self.warps})")
+                f"warps={self.warps}" + (f", lanes={self.lanes}, lane_rows={self.lane_rows}" if self.lanes > 1 else "")
+                + ")")
 
     def bytes_moved(self) -> int:
-        """Compulsory traffic: K and V once, q, mask, out (+ partials twice)."""
+        """Compulsory traffic of one lane: K and V once, q, mask, out (+ partials twice)."""
         b = 2 * self.kv_total * self.NKV * self.D * 2 + 2 * self.B * self.NH * self.D * 4
         b += self.B * self.kv_total * 2
         if self.n_splits > 1:
             b += 2 * self.n_splits * self.B * self.NH * (self.D + 2) * 4
         return b
 
-    def __call__(self, q, k_cache, v_cache, mask, out, gate=None, stream=None):
+    def __call__(self, q, k_cache, v_cache, mask, out, gate=None, stream=None, live=None):
         be = self.backend
-        B, NH, D = self.B, self.NH, self.D
+        B, NH, D, L = self.B, self.NH, self.D, self.lanes
+        rows = L * self.lane_rows
         checks.device_array(be, "q", q, np.float32, ndim=None)
-        if tuple(q.shape) not in ((B, NH, D), (B, NH * D)):
-            raise ValueError(f"q must have shape {(B, NH, D)} or {(B, NH * D)}, got {tuple(q.shape)}")
+        if tuple(q.shape) not in ((rows, NH, D), (rows, NH * D)):
+            raise ValueError(f"q must have shape {(rows, NH, D)} or {(rows, NH * D)}, got {tuple(q.shape)}")
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
             checks.device_array(be, name, c, np.float16, ndim=2)
-            if tuple(c.shape) != (self.kv_total, self.NKV * D):
-                raise ValueError(f"{name} must have shape {(self.kv_total, self.NKV * D)}, "
+            if tuple(c.shape) != (L * self.kv_total, self.NKV * D):
+                raise ValueError(f"{name} must have shape {(L * self.kv_total, self.NKV * D)}, "
                                  f"got {tuple(c.shape)}")
             checks.aligned16(**{name: c})
-        checks.device_array(be, "mask", mask, np.float16, ndim=2)
-        if tuple(mask.shape) != (B, self.kv_total):
-            raise ValueError(f"mask must have shape {(B, self.kv_total)}, got {tuple(mask.shape)}")
+        checks.device_array(be, "mask", mask, np.float16, ndim=None)
+        if tuple(mask.shape) != (L, B, self.kv_total) and not (L == 1 and tuple(mask.shape) == (B, self.kv_total)):
+            want = (L, B, self.kv_total) if L > 1 else f"{(B, self.kv_total)} or {(1, B, self.kv_total)}"
+            raise ValueError(f"mask must have shape {want}, got {tuple(mask.shape)}")
         checks.device_array(be, "out", out, np.float32, ndim=2)
-        if tuple(out.shape) != (B, NH * D):
-            raise ValueError(f"out must have shape {(B, NH * D)}, got {tuple(out.shape)}")
+        if tuple(out.shape) != (rows, NH * D):
+            raise ValueError(f"out must have shape {(rows, NH * D)}, got {tuple(out.shape)}")
         for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("mask", mask)):
             checks.check_no_overlap(out=out, **{name: a})
         if self.gate is None:
@@ -176,18 +207,25 @@ class RingAttention:
             if gate is None:
                 raise ValueError(f"gate is required (built with gate={self.gate!r})")
             checks.device_array(be, "gate", gate, np.float32, ndim=2)
-            want = (B, NH) if self.gate == "head" else (B, NH * D)
+            want = (rows, NH) if self.gate == "head" else (rows, NH * D)
             if tuple(gate.shape) != want:
                 raise ValueError(f"gate must have shape {want} for gate={self.gate!r}, "
                                  f"got {tuple(gate.shape)}")
             checks.check_no_overlap(out=out, gate=gate)
+        if live is not None:
+            checks.device_array(be, "live", live, np.int32, ndim=2)
+            if tuple(live.shape) != (L, DESC_LEN):
+                raise ValueError(f"live must have shape {(L, DESC_LEN)} (the lanes' step descriptors), "
+                                 f"got {tuple(live.shape)}")
         po = self.part_o if self.part_o is not None else out      # unused when n_splits == 1
         pml = self.part_ml if self.part_ml is not None else out
+        lv, use = (out, 0) if live is None else (live, 1)         # out: a valid pointer, never read
         self._split(self._grid, self._block,
-                    (q, k_cache, v_cache, mask, po, pml, out, gate, np.float32(self.scale)),
+                    (q, k_cache, v_cache, mask, po, pml, out, gate, np.float32(self.scale), lv, np.int32(use)),
                     stream=stream)
         if self._combine is not None:
-            self._combine(self._cgrid, (COMBINE_THREADS, 1, 1), (po, pml, gate, out), stream=stream)
+            self._combine(self._cgrid, (COMBINE_THREADS, 1, 1), (po, pml, gate, out, lv, np.int32(use)),
+                          stream=stream)
 
 
 def ring_attention_reference(q, k_cache, v_cache, mask, *, n_head_kv: int, scale: float | None = None,
