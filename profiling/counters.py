@@ -366,12 +366,35 @@ def _gemm_stream(L) -> KernelCounters:
     ln, norm_lo = (L.args[12], L.args[14]) if NORM else (None, M)
     NW = 2 if EPI == 2 else 1
     WT, ROWS, COLS, THREADS, KSTEP = NT * NW, 16 * MT, WARPS * 8 * NT, WARPS * 32, gs.KSTEP
-    gx, gy, gz = L.grid
+    # linear grid: block x = column group * M blocks + M block (the M blocks of a
+    # column group adjacent: they share one HBM read of its weights through L2)
+    gx = -(-N // COLS)
+    gy = L.grid[0] // gx
+    gz = L.grid[2]
     c = KernelCounters("gemm_stream", "static estimate", L.n_blocks)
     p = gs.plan(N, K, M, NW, SPLIT, mt=MT)
-    if (p.grid, p.kz, p.kt) != ((gx, gy, gz), kz, kt):
+    if (p.grid, p.kz, p.kt) != (tuple(L.grid), kz, kt):
         c.notes.append(f"launch differs from gemm_stream.plan: grid {L.grid} kz {kz} kt {kt} vs "
                        f"{p.grid} {p.kz} {p.kt}")
+    # tile_live (device flags per 16-row tile, read at run time): the launch plan may know them;
+    # a dead tile is neither staged, computed nor stored, a block of dead tiles exits first
+    use_live = len(L.args) > 16 and int(L.args[16]) != 0
+    flags = L.known.get("tile_live") if use_live else None
+    lo_pad = min(max(L.known.get("pad_lo", pad_hi) if pad_hi else 0, 0), pad_hi)
+
+    def computed(by: int) -> list:
+        """Per tile of M block ``by``: rows it computes (0: skipped)."""
+        out = []
+        for i in range(MT):
+            a = by * ROWS + 16 * i
+            b = min(a + 16, M)
+            dead = a >= M or (pad_hi and a >= lo_pad and b <= pad_hi) or \
+                (flags is not None and not flags[a // 16])
+            out.append(0 if dead else b - a)
+        return out
+
+    block_rows = [computed(by) for by in range(gy)]
+    live_blocks = sum(1 for t in block_rows if any(t))
     spc = kt // KSTEP
 
     # Weights: warp w of column group bx, tile j holds rows n0 + 8(j % NT) + g (+N for up),
@@ -396,7 +419,7 @@ def _gemm_stream(L) -> KernelCounters:
     for span, nsteps in slices:
         full, rem = span // KSTEP, span % KSTEP
         for vr, n_tiles in rows_per_tile.items():
-            n = gy * n_tiles
+            n = live_blocks * n_tiles
             for h in (0, 1):
                 sec, req = wreq(vr, [(t, h) for t in range(4)])
                 c.add_global("ld", n * full, sec, req)
@@ -405,38 +428,36 @@ def _gemm_stream(L) -> KernelCounters:
                     if act:
                         sec, req = wreq(vr, act)
                         c.add_global("ld", n, sec, req)
-    c.bytes_read[_name(w)] = N * NW * K * 2
+    c.bytes_read[_name(w)] = N * NW * K * 2 if live_blocks else 0
 
-    # Blocks by M: live rows and tiles; tiles all-padding are skipped only when the
-    # padding start is known (pad_hi = 0: no padding rows).
+    # Blocks by M: the tiles each computes (rows < M, not wholly padding, live)
     per_block_trips = 0.0
     chunks_max = 0
     x_l2 = 0
-    # padding rows [lo, pad_hi): lo is read at run time; the launch plan may know it
-    lo = L.known.get("pad_lo", pad_hi) if pad_hi else 0
-    lo = min(max(lo, 0), pad_hi)
+    lo = lo_pad
     skipped = 0
     for by in range(gy):
+        rows_t = block_rows[by]
+        tm = sum(1 for v in rows_t if v)
         live = max(0, min(ROWS, M - by * ROWS))
-        tiles = -(-live // 16)
-        # computed tiles: a row < M and not wholly inside the padding (the kernel's tmask)
-        tm = 0
-        for i in range(tiles):
-            a, b = by * ROWS + 16 * i, min(by * ROWS + 16 * i + 16, M)
-            if not (pad_hi and a >= lo and b <= pad_hi):
-                tm += 1
-        skipped += tiles - tm
-        # rows the staging loads (padding rows are stored as zeros, never read)
-        pad_in = max(0, min(pad_hi, by * ROWS + live) - max(lo, by * ROWS)) if pad_hi else 0
+        skipped += -(-live // 16) - tm
+        if tm == 0:
+            continue      # the block exits before loading anything
+        tiles = max(i + 1 for i, v in enumerate(rows_t) if v)
+        rows_ld = 0                     # rows the staging loads: computed tiles' rows, padding rows excepted
+        for i, v in enumerate(rows_t):
+            if v:
+                a = by * ROWS + 16 * i
+                rows_ld += v - (max(0, min(pad_hi, a + v) - max(lo_pad, a)) if pad_hi else 0)
         for span, nsteps in slices:
             chunks = -(-nsteps // spc) if nsteps else 0
             chunks_max = max(chunks_max, chunks)
-            # x staging: tiles*16 rows x kt/4 float4 items per chunk, only rows < live and k < k_end load
+            # x staging: tiles*16 rows x kt/4 float4 items per chunk, only rows loaded and k < k_end
             for ch in range(chunks):
                 kvalid = min(kt, span - ch * kt)
                 if NORM:   # a warp per row, 32 lanes x 16 B along k per request
-                    rows_ld = live - pad_in
-                    n_nrm = max(0, min(by * ROWS + live, M) - max(norm_lo, by * ROWS))
+                    n_nrm = sum(max(0, min(by * ROWS + 16 * i + v, M) - max(norm_lo, by * ROWS + 16 * i))
+                                for i, v in enumerate(rows_t) if v)
                     per_row = -(-kvalid // 128)
                     reqs, secs, nb = rows_ld * per_row, rows_ld * -(-kvalid * 4 // SECTOR), rows_ld * kvalid * 4
                     c.gld_requests += gx * n_nrm * per_row     # ln, re-read per normalised row (L1/L2)
@@ -444,14 +465,14 @@ def _gemm_stream(L) -> KernelCounters:
                     c.gld_bytes += gx * n_nrm * kvalid * 4
                 else:
                     reqs, secs, nb = _staging_loads(tiles * 16, kt, K, live, kvalid)
-                    if pad_in:   # padding rows load nothing: scale by the rows that load
-                        f = (live - pad_in) / live
+                    if rows_ld < live:   # rows of skipped tiles load nothing
+                        f = rows_ld / live
                         reqs, secs, nb = round(reqs * f), round(secs * f), round(nb * f)
                 c.gld_requests += gx * reqs
                 c.gld_sectors += gx * secs
                 c.gld_bytes += gx * nb
                 x_l2 += gx * nb
-                sreq, swf, sid = _gs_staging_smem(tiles, kt, NORM)
+                sreq, swf, sid = _gs_staging_smem(tm, kt, NORM)
                 c.smem_requests += gx * SPLIT * sreq
                 c.smem_wavefronts += gx * SPLIT * swf
                 c.smem_ideal_wavefronts += gx * SPLIT * sid
@@ -465,7 +486,6 @@ def _gemm_stream(L) -> KernelCounters:
             c.mma += n * WT * 4
             # ring of D steps in flight: one HBM round trip per D steps; one L2 trip per x chunk
             per_block_trips = max(per_block_trips, -(-nsteps // D))
-    c.bytes_read[_name(x)] = M * K * 4
 
     # Epilogue
     red_l2_trips = 0
@@ -475,6 +495,8 @@ def _gemm_stream(L) -> KernelCounters:
         n_ct = min(-(-N // 8), gx * WARPS * NT)
         for by in range(gy):
             for i in range(MT):
+                if not block_rows[by][i]:
+                    continue
                 for e in range(4):
                     row0 = by * ROWS + 16 * i + (8 if e & 2 else 0)
                     if row0 < M:
@@ -513,10 +535,13 @@ def _gemm_stream(L) -> KernelCounters:
         c.bytes_read[_name(ws)] = gz * NW * live * N * 4
         c.notes.append(f"split-K {gz}: partial tiles ({gz * NW * live * N * 4 / 1e6:.2f} MB) round-trip "
                        f"through L2; the last block of each column group reduces them")
-    c.bytes_written[_name(y)] = M * N * 4
+    m_live = sum(sum(t) for t in block_rows)   # rows computed (live tiles, below M)
+    c.bytes_read[_name(x)] = m_live * K * 4
+    c.bytes_written[_name(y)] = m_live * N * 4
     if EPI == 1:
-        c.bytes_read[_name(r) + " (residual)"] = M * N * 4
-    c.dram_bytes = N * NW * K * 2 + M * K * 4 + M * N * 4 * (2 if EPI == 1 else 1)
+        c.bytes_read[_name(r) + " (residual)"] = m_live * N * 4
+    c.dram_bytes = ((N * NW * K * 2 if live_blocks else 0) + m_live * K * 4
+                    + m_live * N * 4 * (2 if EPI == 1 else 1))
     if NORM:
         c.bytes_read[_name(ln)] = K * 4
         c.dram_bytes += K * 4
@@ -531,6 +556,9 @@ def _gemm_stream(L) -> KernelCounters:
     c.notes.append(f"x staged by each of the {gx} column groups: {x_l2 / 1e6:.2f} MB from L2")
     if SPLIT == 2:
         c.notes.append("activations split hi + lo: 2x the MMAs and x-tile reads")
+    if use_live:
+        c.notes.append(f"tile_live: {skipped} dead 16-row tile(s) skipped" if flags is not None
+                       else "tile_live flags unknown to the launch plan: every tile assumed live")
     if pad_hi:
         c.notes.append(f"padding rows [{lo}, {pad_hi}) "
                        + ("(lo = the step's n_new)" if "pad_lo" in L.known else "(lo unknown: none assumed)")

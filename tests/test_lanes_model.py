@@ -28,3 +28,22 @@ def test_per_lane_cost_falls_with_lanes():
     assert r4["step_us"] > r1["step_us"] and r4["per_lane_us"] < r1["per_lane_us"]
     assert r4["floor_us"] > r1["floor_us"]
     assert "lanes" in lm.format_table(rows)
+
+
+def test_gemm_stream_counters_skip_dead_tiles():
+    """The static counters follow tile_live when the plan knows the flags: a dead
+    tile costs no MMAs, x loads or stores; a block of dead tiles loads no weights."""
+    from profiling import counters as ctr
+    from tests.test_perf_model import _gs_launch, _arr
+    L, p = _gs_launch(256, 256, 256)
+    assert p.mt == 4 and p.grid[0] == 4      # linear grid: 1 column group x 4 M blocks
+    L.args += [None, 0.0, 0, _arr("tl", (16,), np.int32), 1]
+    unknown = ctr.static_counters(L)
+    flags = [True] * 8 + [False] * 4 + [True, False, False, False]   # block 2 all dead, block 3 one tile
+    L.known["tile_live"] = tuple(flags)
+    c = ctr.static_counters(L)
+    assert c.mma * 16 == unknown.mma * 9
+    assert c.bytes_read[next(k for k in c.bytes_read if k.startswith("x"))] == 9 * 16 * 256 * 4
+    assert c.gld_sectors < unknown.gld_sectors
+    assert any("7 dead 16-row tile(s) skipped" in n for n in c.notes)
+    assert any("assumed live" in n for n in unknown.notes)
