@@ -290,3 +290,39 @@ def test_numpy_plan_equals_per_lane_plan(monkeypatch):
             b._planned = False
         assert fast.next_pos == slow.next_pos
     assert used_fast > 30
+
+
+def test_streams_rings_on_the_target_stream_steps_on_the_drafter_stream(monkeypatch):
+    """The stream contract per lane: ring writes on the target's stream, steps
+    on the drafter's, device noise produced on the drafter's stream: ordered by
+    the library on the device (the emulator raises StreamOrderError on any
+    unordered access); without the batch's ordering the same run raises."""
+    from dflash_cupy.backends import StreamOrderError
+    be, batch, twins = make("c", 3)
+    target, drafter = be.stream(), be.stream()
+    rng = np.random.default_rng(9)
+    fc, H, q = batch.config.fc_in, batch.config.hidden_size, batch.q_len
+    committed = [3, None, 5]
+    written = [0, 0, 0]
+    for k in range(6):
+        with target:
+            for i, c in enumerate(committed):
+                if c is not None and c > written[i]:
+                    batch.rings[i].write(written[i], rng.standard_normal((c - written[i], fc)).astype(np.float32))
+                    written[i] = c
+        with drafter:
+            noise = be.asarray(np.zeros((3, q, H), np.float32))
+            batch.step(committed, noise)
+            be.to_numpy(batch.hidden_states)        # read on the drafter's stream: in order
+        committed = [None if c is None and k < 2 else (c or 2) + 1 for c in committed]
+    be.synchronize()
+    private = be.stream()
+    monkeypatch.setattr(DraftKvBatch, "_order", lambda self, stream=None: private)
+    with drafter:
+        for i, c in enumerate(committed):
+            if c > written[i]:
+                batch.rings[i].write(written[i], rng.standard_normal((c - written[i], fc)).astype(np.float32))
+        with pytest.raises(StreamOrderError):
+            batch.step(committed, np.zeros((3, q, H), np.float32))
+            be.to_numpy(batch.hidden_states)
+    be.synchronize()
