@@ -118,6 +118,8 @@ def test_lanes_join_leave_rewind_reset(name, numpy_plan, monkeypatch):
     import dflash_cupy.kv_batch as kvb
     monkeypatch.setattr(kvb, "FAST_PLAN_LANES", 1 if numpy_plan else 10**6)
     be, batch, twins = make(name, 3)
+    if not numpy_plan and name == "c":      # the per-lane path end to end too
+        batch._loop_plan = lambda committed: None
     schedule = [
         [5, IDLE, 30],
         [9, 3, 31],
@@ -248,24 +250,25 @@ def test_constructor_rejects_bad_arguments():
         DraftKvBatch(w, 23, 2, ring_capacity=5, backend=be)
 
 
-def test_numpy_plan_equals_per_lane_plan(monkeypatch):
-    """The descriptors, next positions and plans of begin_step's NumPy path
-    equal the per-lane path's over random schedules (rewinds, idle lanes,
-    windows past capacity, sliding windows); the NumPy path declines (and the
-    per-lane path decides) whenever a lane needs a bulk append."""
+def test_numpy_and_loop_plans_equal_per_lane_plan(monkeypatch):
+    """The descriptors, next positions and plans of begin_step's NumPy path and
+    plain-loop path equal the per-lane path's over random schedules (rewinds,
+    idle lanes, windows past capacity, sliding windows); both decline (and
+    the per-lane path decides) whenever a lane needs a bulk append."""
     import dflash_cupy.kv_batch as kvb
     be = backends.get("emulated")
     s = SPECS["a"]          # sliding layers: swa_lo differs from lo
     w, _ = built("a")
     lanes = 9
     mk = lambda: DraftKvBatch(w, s.capacity, lanes, ring_capacity=s.ring_capacity, backend=be)
-    fast, slow = mk(), mk()
+    numpy_b, loop_b, slow = mk(), mk(), mk()
+    slow._loop_plan = lambda committed: None
     rng = np.random.default_rng(5)
-    for b in (fast, slow):
+    for b in (numpy_b, loop_b, slow):
         for r in b.rings:
             r.lo, r.hi = 0, 10**6   # the host path only: claim every position
     cur = [0] * lanes
-    used_fast = 0
+    used = {"numpy": 0, "loop": 0}
     for step in range(60):
         c_all = []
         for i in range(lanes):
@@ -275,21 +278,25 @@ def test_numpy_plan_equals_per_lane_plan(monkeypatch):
                 continue
             c = cur[i] + int(rng.integers(1, 8)) if r < 0.85 or cur[i] < 2 else int(rng.integers(1, cur[i]))
             if cur[i] == 0:
-                c = int(rng.integers(1, fast.a_step + 1))
+                c = int(rng.integers(1, numpy_b.a_step + 1))
             c_all.append(c)
             cur[i] = c
         monkeypatch.setattr(kvb, "FAST_PLAN_LANES", 1)
-        used_fast += fast._fast_plan(c_all) is not None
-        fast.begin_step(c_all)
+        used["numpy"] += numpy_b._fast_plan(c_all) is not None
+        numpy_b.begin_step(c_all)
         monkeypatch.setattr(kvb, "FAST_PLAN_LANES", 10**6)
+        used["loop"] += loop_b._loop_plan(c_all) is not None
+        loop_b.begin_step(c_all)
         slow.begin_step(c_all)
-        assert np.array_equal(fast._plan_desc, slow._plan_desc), (step, c_all)
-        assert fast.last_plan == slow.last_plan
-        for b in (fast, slow):   # what run() does to the host state, without replaying
-            b._next[b._plan_act] = b._plan_c[b._plan_act]
+        for b in (numpy_b, loop_b):
+            assert np.array_equal(b._plan_desc, slow._plan_desc), (step, c_all)
+            assert b.last_plan == slow.last_plan
+        for b in (numpy_b, loop_b, slow):   # what run() does to the host state, without replaying
+            act = np.asarray(b._plan_act)
+            b._next[act] = np.asarray(b._plan_c)[act]
             b._planned = False
-        assert fast.next_pos == slow.next_pos
-    assert used_fast > 30
+        assert numpy_b.next_pos == slow.next_pos == loop_b.next_pos
+    assert used["numpy"] > 30 and used["loop"] == used["numpy"]
 
 
 def test_streams_rings_on_the_target_stream_steps_on_the_drafter_stream(monkeypatch):
