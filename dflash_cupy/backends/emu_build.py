@@ -45,7 +45,7 @@ def _flags() -> tuple[str, ...]:
 
 
 # Bumped whenever the generated translation unit changes shape (part of the cache key).
-GEN_VERSION = "3"
+GEN_VERSION = "4"
 STATIC_SMEM_FILE = "static_shared.txt"  # beside module.so: TLS offset and size of each static __shared__
 
 _SMEM_RE = re.compile(
@@ -100,7 +100,8 @@ def generate_tu(src_path: Path, kernels: list[KernelSig], smem: dict[str, str]) 
     ]
     for i, k in enumerate(kernels):
         args = ", ".join(f"*({p.ctype}*)a[{j}]" for j, p in enumerate(k.params))
-        lines.append(f"static void emu_tramp_{i}(void** a) {{ (void)a; {k.name}({args}); }}")
+        # uninstrumented: reading the parameter slots is not a memory access of the kernel
+        lines.append(f"EMU_INTERNAL static void emu_tramp_{i}(void** a) {{ (void)a; {k.name}({args}); }}")
     lines.append("static void (*const emu_tramps[])(void**) = {"
                  + ", ".join(f"emu_tramp_{i}" for i in range(len(kernels))) + "};")
     lines.append('extern "C" int emu_launch(int k, void** args, const unsigned* grid, const unsigned* block,')
@@ -111,6 +112,16 @@ def generate_tu(src_path: Path, kernels: list[KernelSig], smem: dict[str, str]) 
     lines.append("    return emu::launch(emu_tramps[k], args, grid, block, emu_poison_smem, shmem, seed, order,")
     lines.append("                       first, stride, stack_base, stack_count, stack_stride, ranges, names,")
     lines.append("                       nranges, err, errlen, fault_addr, fault_sig);")
+    lines.append("}")
+    # Counter mode (emu_counters.py): a list of blocks, the counts added to `out`.
+    lines.append('extern "C" int emu_launch_counted(int k, void** args, const unsigned* grid, const unsigned* block,')
+    lines.append("        unsigned shmem, unsigned long long seed, int order, const unsigned long long* ids,")
+    lines.append("        unsigned long long n_ids, void* stack_base, int stack_count, unsigned long long stack_stride,")
+    lines.append("        const unsigned long long* ranges, const char* const* names, int nranges,")
+    lines.append("        char* err, int errlen, void** fault_addr, int* fault_sig, unsigned long long* out) {")
+    lines.append("    return emu::launch_counted(emu_tramps[k], args, grid, block, emu_poison_smem, shmem, seed, order,")
+    lines.append("                               ids, n_ids, stack_base, stack_count, stack_stride, ranges, names,")
+    lines.append("                               nranges, err, errlen, fault_addr, fault_sig, out);")
     lines.append("}")
     return "\n".join(lines) + "\n"
 

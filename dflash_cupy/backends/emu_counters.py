@@ -1,0 +1,171 @@
+"""Counter mode of the emulated backend: what one launch does to memory, counted.
+
+``count_launch(kernel, grid, block, args)`` runs a kernel of an ``EmuModule``
+(synchronously, on the calling thread, after the backend's queued work) with
+``cuda_emu.h``'s counters on and returns ``LaunchCounts``: global requests,
+32-byte sectors and requested bytes (loads, stores), shared-memory requests,
+wavefronts and the conflict-free wavefronts, ``mma.sync`` instructions,
+``__syncthreads`` (once per block), and per pointer argument the bytes
+requested and the distinct bytes read and written. The rules (what a request,
+a sector, a wavefront is, how the lanes of one warp-level instruction are
+grouped) are written beside the C++ in ``cuda_emu.h`` ("counters") and match
+``profiling/counters.py``.
+
+``blocks`` (linear block numbers, ``x + gx * (y + gy * z)``) runs only those
+blocks: the sample a cost model scales by the grid. The outputs of blocks not
+run are simply not written (whatever the arrays held stays). Counting off
+(every ordinary launch) costs one test per memory access and per vector copy.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import emu_memory, launch_limits
+from .base import BackendError, KernelLaunchError
+
+# Layout of the counts buffer (cuda_emu.h: CNT_* and CNT_TOTALS / CNT_PER_RANGE).
+_TOTALS = ("gld_requests", "gld_sectors", "gld_bytes", "gst_requests", "gst_sectors", "gst_bytes",
+           "sld_requests", "sld_wavefronts", "sld_ideal", "sst_requests", "sst_wavefronts", "sst_ideal",
+           "mma", "barriers", "blocks_run", "other_accesses", "other_bytes")
+_N_TOTALS, _PER_RANGE, _MAX_RANGES = 24, 4, 128
+_ERRLEN = 1024
+_ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}
+
+
+@dataclass
+class ArrayCounts:
+    read: int = 0               # bytes requested by loads (every access, re-reads included)
+    written: int = 0            # bytes requested by stores
+    read_distinct: int = 0      # distinct bytes loaded (over the blocks run)
+    written_distinct: int = 0   # distinct bytes stored
+
+
+@dataclass
+class LaunchCounts:
+    """Counts of one counted launch (over ``blocks_run`` of ``blocks_total`` blocks)."""
+    kernel: str
+    grid: tuple
+    block: tuple
+    blocks_total: int
+    blocks_run: int = 0
+    gld_requests: int = 0
+    gld_sectors: int = 0
+    gld_bytes: int = 0
+    gst_requests: int = 0
+    gst_sectors: int = 0
+    gst_bytes: int = 0
+    sld_requests: int = 0
+    sld_wavefronts: int = 0
+    sld_ideal: int = 0
+    sst_requests: int = 0
+    sst_wavefronts: int = 0
+    sst_ideal: int = 0
+    mma: int = 0
+    barriers: int = 0
+    other_accesses: int = 0     # neither an argument's array, shared memory nor the lane's stack
+    other_bytes: int = 0
+    arrays: dict = field(default_factory=dict)   # parameter name -> ArrayCounts
+
+    @property
+    def smem_requests(self) -> int:
+        return self.sld_requests + self.sst_requests
+
+    @property
+    def smem_wavefronts(self) -> int:
+        return self.sld_wavefronts + self.sst_wavefronts
+
+    @property
+    def smem_ideal(self) -> int:
+        return self.sld_ideal + self.sst_ideal
+
+
+def _linear_ids(blocks, grid) -> list:
+    gx, gy, gz = grid
+    total = gx * gy * gz
+    out = []
+    for b in blocks:
+        if isinstance(b, (tuple, list)):
+            x, y, z = (tuple(int(v) for v in b) + (0, 0))[:3]
+            if not (0 <= x < gx and 0 <= y < gy and 0 <= z < gz):
+                raise ValueError(f"blocks: {tuple(b)} is outside the grid {grid}")
+            i = x + gx * (y + gy * z)
+        else:
+            i = int(b)
+            if not 0 <= i < total:
+                raise ValueError(f"blocks: linear block {i} is outside the grid {grid} ({total} blocks)")
+        out.append(i)
+    if len(set(out)) != len(out):
+        raise ValueError(f"blocks: a block is listed twice in {list(blocks)}")
+    return out
+
+
+def count_launch(kernel, grid, block, args: Sequence[Any], shared_mem: int = 0, *, blocks=None,
+                 order: str = "forward", seed: int = 0) -> LaunchCounts:
+    """Run ``kernel`` (an ``EmuKernel``) with counting on; ``blocks``: the blocks
+    to run, as (x, y, z) or linear numbers (default: all). ``order``: the fiber
+    schedule (``forward`` by default: counts do not depend on it, time does)."""
+    from .emulated import EmuKernel
+
+    if not isinstance(kernel, EmuKernel):
+        raise TypeError(f"kernel must be a kernel of the emulated backend, got {type(kernel).__name__}")
+    if order not in _ORDERS:
+        raise ValueError(f"order must be one of {tuple(_ORDERS)}, got {order!r}")
+    g, b, shared_mem = launch_limits.launch_config(kernel.name, grid, block, shared_mem)
+    launch_limits.check_emulated_launch(kernel, g, b, shared_mem)
+    total = g[0] * g[1] * g[2]
+    ids = list(range(total)) if blocks is None else _linear_ids(blocks, g)
+    if not ids:
+        raise ValueError("blocks: an empty list runs nothing")
+    module = kernel._module
+    lib = module._lib
+    try:
+        f = lib.emu_launch_counted
+    except AttributeError:
+        raise BackendError(f"module of kernel {kernel.name} has no counter mode (built by an older "
+                           f"emu_build)") from None
+    backend = module.backend
+    backend._no_capture("count_launch")
+    backend.synchronize()   # the launch reads what queued work writes
+    ptrs, keep = kernel._pack(args)
+    ranges, names, nranges = keep[2]
+    if nranges > _MAX_RANGES:
+        raise ValueError(f"kernel {kernel.name}: {nranges} array arguments, counter mode handles {_MAX_RANGES}")
+    out = (ctypes.c_ulonglong * (_N_TOTALS + _PER_RANGE * _MAX_RANGES))()
+    id_arr = (ctypes.c_ulonglong * len(ids))(*ids)
+    nthreads = b[0] * b[1] * b[2]
+    arena = emu_memory.stack_arena(nthreads)
+    err = ctypes.create_string_buffer(_ERRLEN)
+    fault_addr, fault_sig = ctypes.c_void_p(), ctypes.c_int()
+    f.restype = ctypes.c_int
+    f.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint,
+                  ctypes.c_ulonglong, ctypes.c_int, ctypes.c_void_p, ctypes.c_ulonglong,
+                  ctypes.c_void_p, ctypes.c_int, ctypes.c_ulonglong,
+                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                  ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+    rc = f(kernel._index, ptrs, (ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b), shared_mem,
+           seed & 0xFFFFFFFFFFFFFFFF, _ORDERS[order], id_arr, len(ids), arena.base, arena.count, arena.stride,
+           ranges, names, nranges, err, _ERRLEN, ctypes.byref(fault_addr), ctypes.byref(fault_sig), out)
+    if rc == 2:
+        from .emulated import _SIGNAMES
+        what = _SIGNAMES.get(fault_sig.value, f"signal {fault_sig.value}")
+        raise KernelLaunchError(f"kernel {kernel.name} (counted): {what} "
+                                f"{emu_memory.describe_address(fault_addr.value)} in {err.value.decode(errors='replace')}")
+    if rc:
+        raise KernelLaunchError(f"kernel {kernel.name} (counted): {err.value.decode(errors='replace')}")
+    vals = list(out)
+    c = LaunchCounts(kernel.name, g, b, total, **{k: int(vals[i]) for i, k in enumerate(_TOTALS)})
+    # ranges are listed for the pointer arguments inside guarded allocations, in order
+    params = [p for p, a in zip(kernel.sig.params, args)
+              if p.is_pointer and a.nbytes and emu_memory.allocation_of(a.ctypes.data) is not None]
+    for r, p in enumerate(params[:nranges]):
+        v = vals[_N_TOTALS + _PER_RANGE * r:_N_TOTALS + _PER_RANGE * (r + 1)]
+        ac = c.arrays.setdefault(p.name, ArrayCounts())
+        ac.read += int(v[0])
+        ac.written += int(v[1])
+        ac.read_distinct += int(v[2])
+        ac.written_distinct += int(v[3])
+    return c
