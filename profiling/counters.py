@@ -116,6 +116,8 @@ class KernelCounters:
     l2_round_trips_per_block: float = 0.0
     inflight_peak_bytes_per_warp: int = 0   # loads a warp can have issued and not consumed
     notes: list = field(default_factory=list)
+    # emulator: the static estimate's figures beside the measured ones (profiling/emulated_counters.py)
+    compare: dict = field(default_factory=dict)
 
     @property
     def l2_bytes(self) -> int:

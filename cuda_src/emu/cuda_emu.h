@@ -1033,11 +1033,13 @@ EMU_INTERNAL static inline void misaligned(const void* p, unsigned align, const 
 enum : int { CNT_GLD_REQ, CNT_GLD_SEC, CNT_GLD_BYTES, CNT_GST_REQ, CNT_GST_SEC, CNT_GST_BYTES,
              CNT_SLD_REQ, CNT_SLD_WF, CNT_SLD_IDEAL, CNT_SST_REQ, CNT_SST_WF, CNT_SST_IDEAL,
              CNT_MMA, CNT_BARRIERS, CNT_BLOCKS, CNT_OTHER_ACC, CNT_OTHER_BYTES, CNT_SITES_MERGED,
-             CNT_TOTALS = 24, CNT_PER_RANGE = 4 };  // then per range: read, written, distinct read, distinct written
+             CNT_TOTALS = 24, CNT_PER_RANGE = 8 };
+// then per range: bytes read, written, distinct read, distinct written, load requests, load
+// sectors, store requests, store sectors (an instruction counts for its first lane's range)
 
 struct CntOcc { unsigned long long site; int tid; unsigned n; };
 struct CntSlot { unsigned long long site; int warp; unsigned occ; int store; int idx; };
-struct CntGroup { unsigned long long addr[32]; unsigned lanes, width; int space, store; };
+struct CntGroup { unsigned long long addr[32]; unsigned lanes, width; int space, store, range; };
 struct CntSec { unsigned long long key; unsigned rd, wr; };
 struct Count {
     unsigned long long* out;
@@ -1093,7 +1095,7 @@ EMU_INTERNAL static unsigned cnt_occurrence(Count* c, unsigned long long site, i
 }
 
 EMU_INTERNAL static CntGroup* cnt_group(Count* c, int warp, unsigned long long site, unsigned occ, int store,
-                                        int space) {
+                                        int space, int range) {
     if (2 * (c->gt_used + 1) > (1u << c->gt_bits)) {
         const unsigned ob = c->gt_bits;
         CntSlot* old = c->gt;
@@ -1127,6 +1129,7 @@ EMU_INTERNAL static CntGroup* cnt_group(Count* c, int warp, unsigned long long s
     g->width = 0;
     g->space = space;
     g->store = store;
+    g->range = range;
     CntSlot& e = c->gt[h];
     e.site = site; e.warp = warp; e.occ = occ; e.store = store; e.idx = (int)c->ng;
     c->gt_used++;
@@ -1182,6 +1185,11 @@ EMU_INTERNAL static void cnt_flush(Count* c) {
             o[g.store ? CNT_GST_REQ : CNT_GLD_REQ] += 1;
             o[g.store ? CNT_GST_SEC : CNT_GLD_SEC] += (unsigned long long)ns;
             o[g.store ? CNT_GST_BYTES : CNT_GLD_BYTES] += (unsigned long long)w * active;
+            if (g.range >= 0 && g.range < c->nranges) {
+                unsigned long long* pr = o + CNT_TOTALS + CNT_PER_RANGE * g.range + (g.store ? 6 : 4);
+                pr[0] += 1;
+                pr[1] += (unsigned long long)ns;
+            }
         } else {
             const int per_phase = w <= 4 ? 32 : (w <= 8 ? 16 : 8);
             unsigned long long wf = 0;
@@ -1251,7 +1259,7 @@ EMU_INTERNAL static void cnt_record(Count* c, Fiber* f, unsigned long long a, un
         cnt_bytes(c, range, a, n, store);
     }
     const unsigned occ = cnt_occurrence(c, site, f->tid);
-    CntGroup* g = cnt_group(c, f->tid >> 5, site, occ, store, space);
+    CntGroup* g = cnt_group(c, f->tid >> 5, site, occ, store, space, range);
     const int lane = f->tid & 31;
     g->addr[lane] = a;
     g->lanes |= 1u << lane;

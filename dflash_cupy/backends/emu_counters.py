@@ -31,7 +31,7 @@ from .base import BackendError, KernelLaunchError
 _TOTALS = ("gld_requests", "gld_sectors", "gld_bytes", "gst_requests", "gst_sectors", "gst_bytes",
            "sld_requests", "sld_wavefronts", "sld_ideal", "sst_requests", "sst_wavefronts", "sst_ideal",
            "mma", "barriers", "blocks_run", "other_accesses", "other_bytes")
-_N_TOTALS, _PER_RANGE, _MAX_RANGES = 24, 4, 128
+_N_TOTALS, _PER_RANGE, _MAX_RANGES = 24, 8, 128
 _ERRLEN = 1024
 _ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}
 
@@ -42,6 +42,10 @@ class ArrayCounts:
     written: int = 0            # bytes requested by stores
     read_distinct: int = 0      # distinct bytes loaded (over the blocks run)
     written_distinct: int = 0   # distinct bytes stored
+    ld_requests: int = 0        # warp-level loads (counted for the array of their first lane)
+    ld_sectors: int = 0
+    st_requests: int = 0
+    st_sectors: int = 0
 
 
 @dataclass
@@ -168,4 +172,8 @@ def count_launch(kernel, grid, block, args: Sequence[Any], shared_mem: int = 0, 
         ac.written += int(v[1])
         ac.read_distinct += int(v[2])
         ac.written_distinct += int(v[3])
+        ac.ld_requests += int(v[4])
+        ac.ld_sectors += int(v[5])
+        ac.st_requests += int(v[6])
+        ac.st_sectors += int(v[7])
     return c
