@@ -12,12 +12,14 @@ fill it:
   counter mode would call: ``global_sectors`` and ``smem_wavefronts``. Kernels
   without a written-out access model get their compulsory bytes only
   (``source`` says which);
-* **the emulator** (a later round: every kernel memory access goes through
-  hook functions in ``cuda_src/emu/cuda_emu.h``): a counter mode that runs a
-  sample of blocks of each launch at the real shapes, feeds each warp-level
-  access to ``global_sectors`` / ``smem_wavefronts`` (or the same rules in
-  C++) and fills the same fields, scaled by the grid; ``source`` then reads
-  ``"emulator"`` and ``blocks_counted`` says how many blocks ran.
+* **the emulator** (``profiling/emulated_counters.py`` over the counter mode of
+  ``cuda_src/emu/cuda_emu.h``, ``dflash_cupy/backends/emu_counters.py``): every
+  memory access of kernel code is seen by hooks, grouped into warp-level
+  instructions and counted by the rules below (the same arithmetic in C++);
+  a sample of blocks of each launch runs at the real shapes and is scaled by
+  the grid; ``source`` then reads ``"emulator"`` (all blocks) or
+  ``"emulator (n blocks scaled)"`` and ``compare`` holds this module's
+  estimate beside it.
 
 Rules (what a "request", a "sector" and a "wavefront" are here):
 

@@ -5,8 +5,9 @@
 
 For each drafter preset and window: the step graph is recorded at the real
 shapes (``launch_plan``: the product's own launchers decide every grid), each
-launch gets counters (``counters``: static estimates today, the emulator's
-counts once its counter mode lands), ptxas resources at sm_90 and occupancy
+launch gets counters (``--counters emulated``, the default: measured by the
+emulator's counter mode on sampled blocks, ``emulated_counters``; ``static``:
+the hand-written access models of ``counters``), ptxas resources at sm_90 and occupancy
 (``static_facts``), and a time that is the largest of its bounds:
 
 * ``dram``: compulsory bytes / achievable HBM bandwidth;
