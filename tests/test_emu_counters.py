@@ -244,6 +244,10 @@ def test_counting_off_leaves_results_and_speed_unchanged(be, mod):
     for r in before[1:] + after + [counted]:
         assert r.tobytes() == before[0].tobytes()   # bit-identical
     assert t_after < 1.5 * t_before + 0.01, (t_before, t_after)
+    # counting lives in a separate build: the ordinary module has none of it
+    assert not hasattr(mod._lib, "emu_launch_counted")
+    from dflash_cupy.backends.emu_counters import counting_module
+    assert hasattr(counting_module(mod)._lib, "emu_launch_counted")
 
 
 def test_bad_block_lists_raise(be, mod):

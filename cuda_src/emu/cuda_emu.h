@@ -59,12 +59,16 @@ struct dim3 {
     constexpr dim3(unsigned int x_ = 1, unsigned int y_ = 1, unsigned int z_ = 1) : x(x_), y(y_), z(z_) {}
 };
 struct uint3 { unsigned int x, y, z; };
+#ifndef EMU_COUNTERS
+#define EMU_COUNTERS 0  // 1: the counting variant (emu_build.build(..., counters=True))
+#endif
 namespace emu {
 // Defined with the scheduler below: reports a vector load/store whose address
 // is not a multiple of the vector's size (the GPU faults on those).
 static inline void misaligned(const void* p, unsigned align, const char* type, bool store);
 // Counter mode (see "counters" below): the counting state of the launch this OS
-// thread runs, null when counting is off (then the hooks cost one test each).
+// thread runs, null when counting is off. The hooks exist only in modules built
+// with -DEMU_COUNTERS=1 (emu_build's counting variant): ordinary builds pay nothing.
 static thread_local void* tl_cnt;
 static int g_counting;  // counted launches running in this module: tested before tl_cnt
 // One vector access of `n` bytes as the GPU issues it (a single instruction),
@@ -78,7 +82,8 @@ __attribute__((noinline)) static void count_vector(const void* p, unsigned n, bo
 // access before its pieces.)
 #define EMU_VCHECK(EmuN, EmuA, p, st) \
     do { if ((unsigned long long)(p) & ((EmuA) - 1)) ::emu::misaligned((p), (EmuA), #EmuN, (st)); \
-         if (::emu::g_counting && ::emu::tl_cnt) ::emu::count_vector((p), sizeof(EmuN), (st)); } while (0)
+         if (EMU_COUNTERS && ::emu::g_counting && ::emu::tl_cnt) ::emu::count_vector((p), sizeof(EmuN), (st)); \
+    } while (0)
 #define EMU_VEC2(EmuT, EmuN, EmuA) struct __attribute__((aligned(EmuA))) EmuN { EmuT x, y; \
         EmuN() = default; \
         constexpr EmuN(EmuT x_, EmuT y_) : x(x_), y(y_) {} \
@@ -528,7 +533,7 @@ EMU_INTERNAL static void count_barrier();
 EMU_INTERNAL static void count_mma();
 
 EMU_INTERNAL static inline void release_barrier(Block* b) {
-    if (g_counting && tl_cnt) count_barrier();
+    if (EMU_COUNTERS && g_counting && tl_cnt) count_barrier();
     for (int i = 0; i < b->nthreads; i++) {
         Fiber* f = &b->fibers[i];
         if (f->state == AT_BARRIER) { f->state = RUNNABLE; f->bar_result = b->bar_count; arm_yield(f); }
@@ -598,7 +603,7 @@ EMU_INTERNAL static void resolve_group(Block* b, int wi, unsigned group) {
             fail(b, m);
         } else {
             resolve_mma(w, op == OP_MMA_BF16);
-            if (g_counting && tl_cnt) count_mma();
+            if (EMU_COUNTERS && g_counting && tl_cnt) count_mma();
         }
     }
     unsigned vote = 0;
@@ -1332,23 +1337,23 @@ EMU_INTERNAL static void count_mma() { ((Count*)tl_cnt)->out[CNT_MMA]++; }
 #define EMU_ASAN_CB(EmuN) \
     extern "C" __attribute__((visibility("hidden"))) EMU_INTERNAL void __asan_load##EmuN##_noabort(void* p) { \
         ::emu::check_access((unsigned long long)p, EmuN, false); \
-        if (::emu::tl_mem && ::emu::tl_mem->count) \
+        if (EMU_COUNTERS && ::emu::tl_mem && ::emu::tl_mem->count) \
             ::emu::count_access((unsigned long long)p, EmuN, false, (unsigned long long)__builtin_return_address(0)); } \
     extern "C" __attribute__((visibility("hidden"))) EMU_INTERNAL void __asan_store##EmuN##_noabort(void* p) { \
         ::emu::check_access((unsigned long long)p, EmuN, true); \
-        if (::emu::tl_mem && ::emu::tl_mem->count) \
+        if (EMU_COUNTERS && ::emu::tl_mem && ::emu::tl_mem->count) \
             ::emu::count_access((unsigned long long)p, EmuN, true, (unsigned long long)__builtin_return_address(0)); }
 EMU_ASAN_CB(1) EMU_ASAN_CB(2) EMU_ASAN_CB(4) EMU_ASAN_CB(8) EMU_ASAN_CB(16)
 #undef EMU_ASAN_CB
 extern "C" __attribute__((visibility("hidden"))) EMU_INTERNAL void __asan_loadN_noabort(void* p, long n) {
     ::emu::check_access((unsigned long long)p, (unsigned long long)n, false);
-    if (::emu::tl_mem && ::emu::tl_mem->count)
+    if (EMU_COUNTERS && ::emu::tl_mem && ::emu::tl_mem->count)
         ::emu::count_access((unsigned long long)p, (unsigned long long)n, false,
                             (unsigned long long)__builtin_return_address(0));
 }
 extern "C" __attribute__((visibility("hidden"))) EMU_INTERNAL void __asan_storeN_noabort(void* p, long n) {
     ::emu::check_access((unsigned long long)p, (unsigned long long)n, true);
-    if (::emu::tl_mem && ::emu::tl_mem->count)
+    if (EMU_COUNTERS && ::emu::tl_mem && ::emu::tl_mem->count)
         ::emu::count_access((unsigned long long)p, (unsigned long long)n, true,
                             (unsigned long long)__builtin_return_address(0));
 }
@@ -1603,10 +1608,10 @@ static inline void emu_mma_m16n8k16(int bf16, float* d, const unsigned int* a, c
 // ldmatrix's emulation (cuda_src/ldmatrix.cuh) brackets its gathers with these:
 // counter mode counts the instruction's rows, not the gathers.
 static inline void emu_ldmatrix_begin(const void* row) {
-    if (emu::g_counting && emu::tl_cnt) emu::count_ldmatrix(row);
+    if (EMU_COUNTERS && emu::g_counting && emu::tl_cnt) emu::count_ldmatrix(row);
 }
 static inline void emu_ldmatrix_end() {
-    if (emu::g_counting && emu::tl_cnt) emu::tl_fiber->cnt_mute = 0;
+    if (EMU_COUNTERS && emu::g_counting && emu::tl_cnt) emu::tl_fiber->cnt_mute = 0;
 }
 static inline unsigned int __activemask() { return 0xffffffffu; }
 static inline unsigned int __lanemask_lt() { return (1u << (emu::tl_fiber->tid & 31)) - 1u; }

@@ -13,8 +13,9 @@ grouped) are written beside the C++ in ``cuda_emu.h`` ("counters") and match
 
 ``blocks`` (linear block numbers, ``x + gx * (y + gy * z)``) runs only those
 blocks: the sample a cost model scales by the grid. The outputs of blocks not
-run are simply not written (whatever the arrays held stays). Counting off
-(every ordinary launch) costs one test per memory access and per vector copy.
+run are simply not written (whatever the arrays held stays). The counted run
+uses the module's counting twin (``counting_module``: the same source built
+with ``-DEMU_COUNTERS=1``), so ordinary launches carry no counting code.
 """
 from __future__ import annotations
 
@@ -87,6 +88,29 @@ class LaunchCounts:
         return self.sld_ideal + self.sst_ideal
 
 
+def counting_module(module):
+    """The counter-mode twin of an ``EmuModule``: the same source and options built
+    with ``-DEMU_COUNTERS=1`` (``emu_build``; cached like every build)."""
+    from . import emu_build
+    from .emulated import EmuModule
+
+    twin = getattr(module, "_counting_twin", None)
+    if twin is None:
+        args = getattr(module, "build_args", None)
+        if args is None:
+            raise BackendError("this emulated module does not know its source (compiled before "
+                               "counter mode existed?)")
+        try:
+            so, kernels = emu_build.build(*args, counters=True)
+        except (emu_build.CompileError, ValueError) as e:
+            raise BackendError(str(e)) from None
+        twin = EmuModule(module.backend, so, kernels)
+        twin.resources = getattr(module, "resources", None)
+        twin.build_args = args
+        module._counting_twin = twin
+    return twin
+
+
 def _linear_ids(blocks, grid) -> list:
     gx, gy, gz = grid
     total = gx * gy * gz
@@ -124,13 +148,9 @@ def count_launch(kernel, grid, block, args: Sequence[Any], shared_mem: int = 0, 
     ids = list(range(total)) if blocks is None else _linear_ids(blocks, g)
     if not ids:
         raise ValueError("blocks: an empty list runs nothing")
-    module = kernel._module
-    lib = module._lib
-    try:
-        f = lib.emu_launch_counted
-    except AttributeError:
-        raise BackendError(f"module of kernel {kernel.name} has no counter mode (built by an older "
-                           f"emu_build)") from None
+    module = counting_module(kernel._module)
+    kernel = module.get_function(kernel.name)
+    f = module._lib.emu_launch_counted
     backend = module.backend
     backend._no_capture("count_launch")
     backend.synchronize()   # the launch reads what queued work writes
