@@ -709,8 +709,10 @@ def copy_counters(copy) -> KernelCounters:
 
 def sample_blocks(grid, n: int = 8, seed: int = 0) -> list:
     """The blocks a sampling counter mode runs: the first, the last and
-    ``n - 2`` others drawn with ``seed`` (all of them when the grid is small),
-    as (x, y, z) in launch order. Additive counters of the sample are scaled
+    ``n - 2`` others drawn with ``seed``, one from each of ``n - 2`` equal
+    stretches of the blocks between them (stratified: work that varies with a
+    slow grid index, e.g. an attention split, is sampled evenly), all of them
+    when the grid is small; as (x, y, z) in launch order. Additive counters of the sample are scaled
     by ``blocks / len(sample)``; per-array distinct bytes are not additive
     (blocks re-read shared inputs) and come from the static model or an
     address-only pass over the whole grid."""
@@ -722,7 +724,8 @@ def sample_blocks(grid, n: int = 8, seed: int = 0) -> list:
         ids = list(range(total))
     else:
         rng = np.random.default_rng(seed)
-        ids = sorted({0, total - 1, *rng.choice(np.arange(1, total - 1), size=n - 2, replace=False).tolist()})
+        edges = np.linspace(1, total - 1, n - 1).round().astype(np.int64)   # n - 2 stretches of [1, total - 1)
+        ids = sorted({0, total - 1, *(int(rng.integers(a, max(a + 1, b))) for a, b in zip(edges[:-1], edges[1:]))})
     return [(i % gx, (i // gx) % gy, i // (gx * gy)) for i in ids]
 
 
