@@ -103,14 +103,15 @@ def mod(be):
     return be.compile(SRC, kernels.compile_options(), filename="emu_counters_test.cu")
 
 
-def test_coalesced_float4_copy_uses_every_sector_once(be, mod):
-    n = 4096
+@pytest.mark.parametrize("n", [4096, 4080])
+def test_coalesced_float4_copy_uses_every_sector_once(be, mod, n):
     a = be.asarray(np.arange(4 * n, dtype=np.float32))
     b = be.zeros((4 * n,), np.float32)
-    c = count_launch(mod.get_function("copy4"), (n // 128,), (128,), [a, b, np.int32(n)])
+    c = count_launch(mod.get_function("copy4"), (-(-n // 128),), (128,), [a, b, np.int32(n)])
     nbytes = 16 * n
-    # one request per warp each way (the float4 counts once, not as its 4 floats), 16 sectors each
-    assert (c.gld_requests, c.gst_requests) == (n // 32, n // 32)
+    # one request per warp each way (the float4 counts once, not as its 4 floats), 16 sectors
+    # each; with n = 4080 the last warp has 16 active lanes: one request, 8 sectors
+    assert (c.gld_requests, c.gst_requests) == (-(-n // 32), -(-n // 32))
     assert c.gld_sectors == c.gst_sectors == nbytes // 32
     assert c.gld_bytes == c.gst_bytes == nbytes
     assert c.arrays["a"].read == c.arrays["a"].read_distinct == nbytes
@@ -282,6 +283,9 @@ def test_gemm_stream_weight_sectors_and_x_tile_wavefronts(be, N, K, M):
     args = (x, w, y, y, np.int32(M), np.int32(N), np.int32(p.kz), np.int32(p.kt), sk._ws, sk._counters,
             sk._counters, np.int32(0), x, np.float32(0), np.int32(M))
     c = count_launch(sk._kernels[p.mt], p.grid, (256, 1, 1), args, p.smem)
+    # the grouping of lanes into instructions does not depend on the fiber schedule
+    c2 = count_launch(sk._kernels[p.mt], p.grid, (256, 1, 1), args, p.smem, order="shuffle", seed=9)
+    assert c2 == c
     wc = c.arrays["w"]
     assert wc.ld_sectors == N * K * 2 // 32 == wc.read_distinct // 32
     assert wc.read == N * K * 2                        # no weight byte requested twice
