@@ -120,6 +120,8 @@ class KernelCounters:
     notes: list = field(default_factory=list)
     # emulator: the static estimate's figures beside the measured ones (profiling/emulated_counters.py)
     compare: dict = field(default_factory=dict)
+    # emulator: the instruction sites furthest above their minimum sectors / wavefronts
+    hot_sites: list = field(default_factory=list)
 
     @property
     def l2_bytes(self) -> int:

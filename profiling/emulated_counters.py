@@ -95,6 +95,15 @@ def _combine(edge, inner, f: float):
         e = edge.arrays.setdefault(name, type(ac)())
         for k in vars(ac):
             setattr(e, k, getattr(e, k) + int(round(f * getattr(ac, k))))
+    by = {(x.addr, x.kind): x for x in edge.sites}
+    for x in inner.sites:
+        e = by.get((x.addr, x.kind))
+        if e is None:
+            e = by[(x.addr, x.kind)] = type(x)(x.addr, x.kind, x.width, 0, 0, 0, 0)
+            edge.sites.append(e)
+        e.width = max(e.width, x.width)
+        for k in ("requests", "units", "ideal", "bytes"):
+            setattr(e, k, getattr(e, k) + int(round(f * getattr(x, k))))
     return edge
 
 
@@ -171,12 +180,37 @@ def to_counters(launch, lc, kernel, static: ctr.KernelCounters | None = None) ->
     c.l2_round_trips_per_block = static.l2_round_trips_per_block
     c.inflight_peak_bytes_per_warp = static.inflight_peak_bytes_per_warp
     c.notes += [n for n in static.notes]
+    c.hot_sites = hot_sites(lc)
+    for h in c.hot_sites:
+        c.notes.append(f"{h['kind']} of {h['width']} B at {h['where']}: {h['waste']:.2f}x the minimum "
+                       f"{'sectors' if h['kind'].startswith('global') else 'wavefronts'} "
+                       f"({100 * h['share']:.0f}% of the kernel's)")
     if lc.other_accesses:
         c.notes.append(f"{lc.other_accesses} accesses ({lc.other_bytes} B) outside the arguments, shared "
                        f"memory and the stack (__device__ globals?) not counted")
     c.compare = {k: getattr(static, k) for k in COMPARE}
     c.compare["source"] = static.source
     return c
+
+
+def hot_sites(lc, waste: float = 1.25, share: float = 0.05, top: int = 3) -> list:
+    """The instruction sites that cost the most above their minimum (uncoalesced
+    global accesses, bank-conflicted shared ones): ``waste`` = units / ideal at
+    least ``waste`` and at least ``share`` of the kernel's sectors (global) or
+    wavefronts (shared); the ``top`` largest excesses, resolved to file:line."""
+    from dflash_cupy.backends.emu_counters import resolve_sites
+
+    tot = {"global": sum(x.units for x in lc.sites if x.kind.startswith("global")),
+           "shared": sum(x.units for x in lc.sites if x.kind.startswith("shared"))}
+    bad = [x for x in lc.sites if x.waste >= waste and tot[x.kind.split()[0]]
+           and x.units >= share * tot[x.kind.split()[0]]]
+    bad.sort(key=lambda x: -(x.units - x.ideal))
+    bad = bad[:top]
+    if bad:
+        resolve_sites(type(lc)(lc.kernel, lc.grid, lc.block, lc.blocks_total, sites=bad,
+                               module_path=lc.module_path))
+    return [{"where": x.where, "kind": x.kind, "width": x.width, "requests": x.requests, "units": x.units,
+             "ideal": x.ideal, "waste": x.waste, "share": x.units / tot[x.kind.split()[0]]} for x in bad]
 
 
 def emulated_counters(launch, *, n: int = DEFAULT_SAMPLE, seed: int = 0, backend=None) -> ctr.KernelCounters:

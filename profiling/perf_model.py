@@ -292,7 +292,7 @@ def format_report(m: dict, measured: dict | None = None) -> str:
     for d in m["losses"][:5]:
         lines.append(f"  {d['loss_us']:8.1f} us  {d['label']}: {d['why']}")
         for note in d["notes"]:
-            if not note.startswith("in-flight"):
+            if not note.startswith("in-flight") and "x the minimum" not in note:   # sites: listed above
                 lines.append(f"{'':14s}- {note}")
     return "\n".join(lines)
 
@@ -322,6 +322,15 @@ def format_compare(m: dict) -> list:
             f"{c.mma * k:>9.4g} {_ratio(c.mma, s['mma'])} {c.barriers * k:>7d} {_ratio(c.barriers, s['barriers'])}")
     if not rows:
         return []
+    hot = []
+    for label, e in m["groups"].items():
+        for h in e["first"].counters.hot_sites:
+            hot.append(f"  {label[:24]:24s} {h['kind']} {h['width']:2d} B at {h['where']}: {h['waste']:.2f}x the "
+                       f"minimum {'sectors' if h['kind'].startswith('global') else 'wavefronts'} "
+                       f"({100 * h['share']:.0f}% of the kernel's)")
+    if hot:
+        rows.append("instruction sites furthest above their minimum (emulator; >= 1.25x and >= 5% of the kernel's):")
+        rows += hot
     hdr = (f"{'counters: emulator vs static':24s} {'blocks':>10s} {'gld req':>10s} {'static':>10s} {'ratio':>6s} "
            f"{'L2 MB':>8s} {'static':>8s} {'ratio':>6s} {'sect':>5s} {'stat':>5s} {'smem wf':>9s} {'static':>9s} "
            f"{'ratio':>6s} {'confl':>5s} {'stat':>5s} {'mma':>9s} {'ratio':>6s} {'barr':>7s} {'ratio':>6s}")

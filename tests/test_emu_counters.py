@@ -329,3 +329,25 @@ def test_perf_model_with_emulated_counters_matches_the_static_gemm_models(capsys
     assert "counters: emulator vs static" in out.out and "emulated counters:" in out.err
     with pytest.raises(SystemExit):
         pm.main(["--drafter", "tiny", "--windows", "64", "--sample", "1"])
+
+
+def test_sites_name_the_wasteful_instruction(be, mod):
+    """Per-site counts, resolved to the kernel source's file:line from the counting
+    twin's line tables: the strided load is 8x its minimum sectors, the store 1x."""
+    import shutil
+
+    from dflash_cupy.backends.emu_counters import resolve_sites
+
+    n = 512
+    a = be.asarray(np.arange(8 * n, dtype=np.float32))
+    b = be.zeros((n,), np.float32)
+    c = count_launch(mod.get_function("stride8"), (n // 128,), (128,), [a, b, np.int32(n)])
+    by = {s.kind: s for s in c.sites}
+    assert set(by) == {"global load", "global store"}
+    ld, st = by["global load"], by["global store"]
+    assert (ld.requests, ld.units, ld.ideal, ld.width) == (n // 32, n, n // 8, 4) and ld.waste == 8.0
+    assert st.waste == 1.0 and st.units == c.gst_sectors
+    if shutil.which("addr2line"):
+        resolve_sites(c)
+        line = 1 + SRC.split("\n").index("    if (i < n) b[i] = a[8 * i];")
+        assert ld.where == st.where == f"emu_counters_test.cu:{line} (stride8)"

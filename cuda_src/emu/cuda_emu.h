@@ -1044,8 +1044,11 @@ enum : int { CNT_GLD_REQ, CNT_GLD_SEC, CNT_GLD_BYTES, CNT_GST_REQ, CNT_GST_SEC, 
 
 struct CntOcc { unsigned long long site; int tid; unsigned n; };
 struct CntSlot { unsigned long long site; int warp; unsigned occ; int store; int idx; };
-struct CntGroup { unsigned long long addr[32]; unsigned lanes, width; int space, store, range; };
+struct CntGroup { unsigned long long addr[32], site; unsigned lanes, width; int space, store, range; };
 struct CntSec { unsigned long long key; unsigned rd, wr; };
+// Per site (instruction of the g++ build): what its warp-level executions cost.
+struct CntSite { unsigned long long site, kind, width, requests, units, ideal, bytes; };  // kind = store | space << 1
+enum : int { CNT_SITE_VALS = 7 };
 struct Count {
     unsigned long long* out;
     int nranges;
@@ -1053,6 +1056,7 @@ struct Count {
     CntSlot* gt; unsigned gt_bits, gt_used;
     CntGroup* g; unsigned ng, g_cap;
     CntSec* sec; unsigned sec_bits, sec_used;
+    CntSite* st; unsigned st_n, st_cap;   // a short list: kernels have few hundred sites
 };
 
 EMU_INTERNAL static inline unsigned cnt_hash(unsigned long long k, unsigned bits) {
@@ -1067,11 +1071,12 @@ EMU_INTERNAL static void cnt_init(Count* c, unsigned long long* out, int nranges
     c->gt_bits = 12; c->gt = (CntSlot*)calloc(1u << 12, sizeof(CntSlot));
     c->g_cap = 1024; c->g = (CntGroup*)malloc(c->g_cap * sizeof(CntGroup));
     c->sec_bits = 14; c->sec = (CntSec*)calloc(1u << 14, sizeof(CntSec));
+    c->st_cap = 256; c->st = (CntSite*)calloc(c->st_cap, sizeof(CntSite));
 }
 
 EMU_INTERNAL static void cnt_free(Count* c) {
-    free(c->occ); free(c->gt); free(c->g); free(c->sec);
-    c->occ = nullptr; c->gt = nullptr; c->g = nullptr; c->sec = nullptr;
+    free(c->occ); free(c->gt); free(c->g); free(c->sec); free(c->st);
+    c->occ = nullptr; c->gt = nullptr; c->g = nullptr; c->sec = nullptr; c->st = nullptr;
 }
 
 // The lane's occurrence number of `site` since the last barrier (0, 1, ...).
@@ -1130,6 +1135,7 @@ EMU_INTERNAL static CntGroup* cnt_group(Count* c, int warp, unsigned long long s
         c->g = (CntGroup*)realloc(c->g, c->g_cap * sizeof(CntGroup));
     }
     CntGroup* g = &c->g[c->ng++];
+    g->site = site;
     g->lanes = 0;
     g->width = 0;
     g->space = space;
@@ -1169,6 +1175,29 @@ EMU_INTERNAL static void cnt_bytes(Count* c, int range, unsigned long long a, un
     }
 }
 
+EMU_INTERNAL static void cnt_site(Count* c, const CntGroup& g, unsigned long long units, unsigned long long ideal,
+                                  unsigned long long bytes) {
+    const unsigned long long kind = (unsigned long long)g.store | ((unsigned long long)g.space << 1);
+    unsigned i = 0;
+    while (i < c->st_n && !(c->st[i].site == g.site && c->st[i].kind == kind)) i++;
+    if (i == c->st_n) {
+        if (c->st_n == c->st_cap) {
+            c->st_cap *= 2;
+            c->st = (CntSite*)realloc(c->st, c->st_cap * sizeof(CntSite));
+        }
+        CntSite& e = c->st[c->st_n++];
+        std::memset(&e, 0, sizeof e);
+        e.site = g.site;
+        e.kind = kind;
+    }
+    CntSite& e = c->st[i];
+    if (g.width > e.width) e.width = g.width;
+    e.requests++;
+    e.units += units;
+    e.ideal += ideal;
+    e.bytes += bytes;
+}
+
 // Counts the instructions gathered since the last barrier; starts a new interval.
 EMU_INTERNAL static void cnt_flush(Count* c) {
     unsigned long long* o = c->out;
@@ -1195,6 +1224,8 @@ EMU_INTERNAL static void cnt_flush(Count* c) {
                 pr[0] += 1;
                 pr[1] += (unsigned long long)ns;
             }
+            const unsigned long long nb = (unsigned long long)w * active;
+            cnt_site(c, g, (unsigned long long)ns, (nb + 31) / 32, nb);
         } else {
             const int per_phase = w <= 4 ? 32 : (w <= 8 ? 16 : 8);
             unsigned long long wf = 0;
@@ -1221,6 +1252,7 @@ EMU_INTERNAL static void cnt_flush(Count* c) {
             o[g.store ? CNT_SST_REQ : CNT_SLD_REQ] += 1;
             o[g.store ? CNT_SST_WF : CNT_SLD_WF] += wf;
             o[g.store ? CNT_SST_IDEAL : CNT_SLD_IDEAL] += ideal ? ideal : 1;
+            cnt_site(c, g, wf, ideal ? ideal : 1, (unsigned long long)w * active);
         }
     }
     c->ng = 0;
@@ -1228,8 +1260,18 @@ EMU_INTERNAL static void cnt_flush(Count* c) {
     if (c->occ_used) { std::memset(c->occ, 0, sizeof(CntOcc) << c->occ_bits); c->occ_used = 0; }
 }
 
-EMU_INTERNAL static void cnt_finish(Count* c) {
+EMU_INTERNAL static void cnt_finish(Count* c, unsigned long long* sites_out, int max_sites) {
     cnt_flush(c);
+    if (sites_out && max_sites > 0) {  // [0] = sites listed, then CNT_SITE_VALS per site
+        const unsigned n = c->st_n < (unsigned)max_sites ? c->st_n : (unsigned)max_sites;
+        sites_out[0] = c->st_n;
+        for (unsigned i = 0; i < n; i++) {
+            const CntSite& e = c->st[i];
+            unsigned long long* v = sites_out + 1 + (unsigned long long)CNT_SITE_VALS * i;
+            v[0] = e.site; v[1] = e.kind; v[2] = e.width; v[3] = e.requests; v[4] = e.units; v[5] = e.ideal;
+            v[6] = e.bytes;
+        }
+    }
     for (unsigned i = 0; i < (1u << c->sec_bits); i++) {
         const CntSec& e = c->sec[i];
         if (!e.key) continue;
@@ -1518,7 +1560,7 @@ EMU_INTERNAL static int launch_counted(void (*body)(void**), void** args, const 
                   int order, const unsigned long long* ids, unsigned long long n_ids, void* stack_base,
                   int stack_count, unsigned long long stack_stride, const unsigned long long* ranges,
                   const char* const* names, int nranges, char* err, int errlen, void** fault_addr,
-                  int* fault_sig, unsigned long long* out) {
+                  int* fault_sig, unsigned long long* out, unsigned long long* sites_out, int max_sites) {
     LaunchResult res{0, nullptr, 0};
     const StackArena stacks{(char*)stack_base, stack_count, (size_t)stack_stride};
     Count cnt;
@@ -1527,7 +1569,7 @@ EMU_INTERNAL static int launch_counted(void (*body)(void**), void** args, const 
     run_blocks(body, args, grid, block, poison, shmem, seed, order, 0, 1, stacks, ranges, names, nranges,
                err, errlen, &res, ids, n_ids, &cnt);
     __atomic_fetch_sub(&g_counting, 1, __ATOMIC_RELAXED);
-    if (res.status == 0) cnt_finish(&cnt);
+    if (res.status == 0) cnt_finish(&cnt, sites_out, max_sites);
     cnt_free(&cnt);
     *fault_addr = res.fault_addr;
     *fault_sig = res.fault_sig;

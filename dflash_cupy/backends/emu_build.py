@@ -120,10 +120,11 @@ def generate_tu(src_path: Path, kernels: list[KernelSig], smem: dict[str, str], 
     lines.append("        unsigned shmem, unsigned long long seed, int order, const unsigned long long* ids,")
     lines.append("        unsigned long long n_ids, void* stack_base, int stack_count, unsigned long long stack_stride,")
     lines.append("        const unsigned long long* ranges, const char* const* names, int nranges,")
-    lines.append("        char* err, int errlen, void** fault_addr, int* fault_sig, unsigned long long* out) {")
+    lines.append("        char* err, int errlen, void** fault_addr, int* fault_sig, unsigned long long* out,")
+    lines.append("        unsigned long long* sites_out, int max_sites) {")
     lines.append("    return emu::launch_counted(emu_tramps[k], args, grid, block, emu_poison_smem, shmem, seed, order,")
     lines.append("                               ids, n_ids, stack_base, stack_count, stack_stride, ranges, names,")
-    lines.append("                               nranges, err, errlen, fault_addr, fault_sig, out);")
+    lines.append("                               nranges, err, errlen, fault_addr, fault_sig, out, sites_out, max_sites);")
     lines.append("}")
     return "\n".join(lines) + "\n"
 
@@ -207,7 +208,8 @@ def build(source: str, options, filename: str | None, counters: bool = False):
     kernels = parse_kernels(source)
     smem = parse_extern_shared(source)
     fname = filename or "<source>.cu"
-    flags = _flags() + (("-DEMU_COUNTERS=1",) if counters else ())
+    # the counting twin carries line tables: counts per site are reported as file:line
+    flags = _flags() + (("-DEMU_COUNTERS=1", "-g1") if counters else ())
     if counters and CHECK_FLAGS[0] not in flags:
         raise CompileError("the counter mode needs the memory-check instrumentation "
                            "(DFLASH_CUPY_EMU_CHECKS=1, the default)")

@@ -33,6 +33,8 @@ _TOTALS = ("gld_requests", "gld_sectors", "gld_bytes", "gst_requests", "gst_sect
            "sld_requests", "sld_wavefronts", "sld_ideal", "sst_requests", "sst_wavefronts", "sst_ideal",
            "mma", "barriers", "blocks_run", "other_accesses", "other_bytes")
 _N_TOTALS, _PER_RANGE, _MAX_RANGES = 24, 8, 128
+_SITE_VALS, _MAX_SITES = 7, 2048
+_KINDS = {0: "global load", 1: "global store", 2: "shared load", 3: "shared store"}
 _ERRLEN = 1024
 _ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}
 
@@ -47,6 +49,24 @@ class ArrayCounts:
     ld_sectors: int = 0
     st_requests: int = 0
     st_sectors: int = 0
+
+
+@dataclass
+class SiteCounts:
+    """One instruction site of the g++ build (every warp-level execution of it)."""
+    addr: int                   # address in the counting module (see ``resolve_sites``)
+    kind: str                   # "global load" | "global store" | "shared load" | "shared store"
+    width: int                  # bytes per lane (the widest seen)
+    requests: int               # warp-level executions
+    units: int                  # sectors (global) or wavefronts (shared)
+    ideal: int                  # the minimum: ceil(bytes / 32) sectors, ceil(bytes / 128) wavefronts
+    bytes: int                  # requested by the lanes
+    where: str = ""             # "file:line (function)" once resolved
+
+    @property
+    def waste(self) -> float:
+        """units / ideal: 1.0 for a coalesced / conflict-free access."""
+        return self.units / self.ideal if self.ideal else 1.0
 
 
 @dataclass
@@ -74,6 +94,8 @@ class LaunchCounts:
     other_accesses: int = 0     # neither an argument's array, shared memory nor the lane's stack
     other_bytes: int = 0
     arrays: dict = field(default_factory=dict)   # parameter name -> ArrayCounts
+    sites: list = field(default_factory=list, compare=False)   # SiteCounts, unresolved (resolve_sites)
+    module_path: str = field(default="", compare=False)        # the counting twin's .so
 
     @property
     def smem_requests(self) -> int:
@@ -105,6 +127,7 @@ def counting_module(module):
         except (emu_build.CompileError, ValueError) as e:
             raise BackendError(str(e)) from None
         twin = EmuModule(module.backend, so, kernels)
+        twin.so_path = str(so)
         twin.resources = getattr(module, "resources", None)
         twin.build_args = args
         module._counting_twin = twin
@@ -169,10 +192,13 @@ def count_launch(kernel, grid, block, args: Sequence[Any], shared_mem: int = 0, 
                   ctypes.c_ulonglong, ctypes.c_int, ctypes.c_void_p, ctypes.c_ulonglong,
                   ctypes.c_void_p, ctypes.c_int, ctypes.c_ulonglong,
                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                  ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+                  ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                  ctypes.c_void_p, ctypes.c_int)
+    sites = (ctypes.c_ulonglong * (1 + _SITE_VALS * _MAX_SITES))()
     rc = f(kernel._index, ptrs, (ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b), shared_mem,
            seed & 0xFFFFFFFFFFFFFFFF, _ORDERS[order], id_arr, len(ids), arena.base, arena.count, arena.stride,
-           ranges, names, nranges, err, _ERRLEN, ctypes.byref(fault_addr), ctypes.byref(fault_sig), out)
+           ranges, names, nranges, err, _ERRLEN, ctypes.byref(fault_addr), ctypes.byref(fault_sig), out,
+           sites, _MAX_SITES)
     if rc == 2:
         from .emulated import _SIGNAMES
         what = _SIGNAMES.get(fault_sig.value, f"signal {fault_sig.value}")
@@ -182,6 +208,11 @@ def count_launch(kernel, grid, block, args: Sequence[Any], shared_mem: int = 0, 
         raise KernelLaunchError(f"kernel {kernel.name} (counted): {err.value.decode(errors='replace')}")
     vals = list(out)
     c = LaunchCounts(kernel.name, g, b, total, **{k: int(vals[i]) for i, k in enumerate(_TOTALS)})
+    c.module_path = getattr(module, "so_path", "")
+    sv = list(sites)
+    for i in range(min(int(sv[0]), _MAX_SITES)):
+        v = sv[1 + _SITE_VALS * i:1 + _SITE_VALS * (i + 1)]
+        c.sites.append(SiteCounts(int(v[0]), _KINDS.get(int(v[1]), "?"), *(int(x) for x in v[2:])))
     # ranges are listed for the pointer arguments inside guarded allocations, in order
     params = [p for p, a in zip(kernel.sig.params, args)
               if p.is_pointer and a.nbytes and emu_memory.allocation_of(a.ctypes.data) is not None]
@@ -197,3 +228,51 @@ def count_launch(kernel, grid, block, args: Sequence[Any], shared_mem: int = 0, 
         ac.st_requests += int(v[6])
         ac.st_sectors += int(v[7])
     return c
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def resolve_sites(c: LaunchCounts) -> list:
+    """Fill ``where`` of each site with the kernel source's ``file:line (function)``
+    (the first frame of its inline chain outside the emulator's headers), from the
+    counting twin's line tables (``addr2line``); returns ``c.sites``. Sites stay
+    unresolved (``where`` = "?") where addr2line is missing."""
+    import os
+    import shutil
+    import subprocess
+
+    from ..source_dir import EMU_DIR
+
+    todo = [s for s in c.sites if not s.where]
+    tool = shutil.which(os.environ.get("DFLASH_CUPY_ADDR2LINE", "addr2line"))
+    if not todo or not c.module_path or tool is None:
+        for s in todo:
+            s.where = "?"
+        return c.sites
+    info = _DlInfo()
+    dl = ctypes.CDLL(None)
+    offs = []
+    for s in todo:
+        ok = dl.dladdr(ctypes.c_void_p(s.addr), ctypes.byref(info))
+        offs.append(s.addr - 1 - (info.dli_fbase or 0) if ok else 0)   # the call, not the return address
+    # one marker address after each site separates the inline chains in the output
+    args = [tool, "-e", c.module_path, "-f", "-C", "-i", "-a"] + [hex(o) for o in offs]
+    r = subprocess.run(args, capture_output=True, text=True)
+    chains, cur = [], None
+    for line in r.stdout.splitlines():
+        if line.startswith("0x"):
+            cur = []
+            chains.append(cur)
+        elif cur is not None:
+            cur.append(line.strip())
+    emu = str(EMU_DIR)
+    for s, ch in zip(todo, chains + [[]] * (len(todo) - len(chains))):
+        frames = [(ch[i], ch[i + 1]) for i in range(0, len(ch) - 1, 2)]
+        pick = next(((fn, loc) for fn, loc in frames if not loc.startswith(emu) and "??" not in loc), None)
+        if pick is None and frames:
+            pick = frames[-1]
+        s.where = f"{os.path.basename(pick[1].split(' ')[0])} ({pick[0].split('(')[0]})" if pick else "?"
+    return c.sites
