@@ -230,6 +230,7 @@ class EmulatedSource:
         self._cache: dict = {}
         self.seconds = 0.0
         self.runs = 0
+        self.failures: list = []   # (kernel, message) of launches that kept their static estimate
 
     @staticmethod
     def key(launch) -> tuple:
@@ -241,8 +242,17 @@ class EmulatedSource:
         k = self.key(launch)
         c = self._cache.get(k)
         if c is None:
+            from dflash_cupy.backends.base import BackendError, KernelLaunchError
+
             t = time.perf_counter()
-            c = self._cache[k] = emulated_counters(launch, n=self.n, seed=self.seed, backend=self.backend)
+            try:
+                c = emulated_counters(launch, n=self.n, seed=self.seed, backend=self.backend)
+            except (BackendError, KernelLaunchError) as e:
+                # a launch the emulator cannot run as recorded keeps its static estimate, said so
+                c = ctr.static_counters(launch)
+                c.notes.append(f"emulator counter run failed, static estimate kept: {str(e)[:300]}")
+                self.failures.append((launch.kernel, str(e)))
+            self._cache[k] = c
             dt = time.perf_counter() - t
             self.seconds += dt
             self.runs += 1

@@ -429,6 +429,8 @@ def main(argv=None) -> int:
     if source is not None:
         print(f"emulated counters: {source.runs} distinct launches counted in {source.seconds:.1f} s "
               f"(compiles included); model {time.perf_counter() - t0:.1f} s in all", file=sys.stderr)
+        for kernel, msg in source.failures:
+            print(f"emulated counters: {kernel} kept its static estimate: {msg}", file=sys.stderr)
     if a.json:
         json.dump({"gpu": gpu.name, "gpu_params": {k: v for k, v in vars(gpu).items() if k != "sources"},
                    "gpu_sources": gpu.sources, "models": [to_json(m) for m in models]},

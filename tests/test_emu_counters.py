@@ -351,3 +351,17 @@ def test_sites_name_the_wasteful_instruction(be, mod):
         resolve_sites(c)
         line = 1 + SRC.split("\n").index("    if (i < n) b[i] = a[8 * i];")
         assert ld.where == st.where == f"emu_counters_test.cu:{line} (stride8)"
+
+
+def test_a_launch_the_emulator_cannot_run_keeps_its_static_estimate():
+    from profiling.emulated_counters import EmulatedSource
+    from profiling.launch_plan import step_plan
+    from profiling.common import drafter_config
+
+    plan = step_plan(drafter_config("tiny"), 64)
+    L = next(x for x in plan.launches if x.kernel == "rmsnorm")
+    L.defines = dict(L.defines, NORM_D=-1)     # does not compile
+    src = EmulatedSource()
+    c = src(L)
+    assert c.source.startswith("static estimate") and "failed" in c.notes[-1]
+    assert src.failures and src.failures[0][0] == "rmsnorm"
