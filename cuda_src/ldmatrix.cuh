@@ -22,10 +22,12 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned int r[4], const __hal
                  : "r"(a));
 #else
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    emu_ldmatrix_begin(row);  // counter mode: one instruction reading each lane's 16-byte row
     for (int i = 0; i < 4; ++i) {
         const __half* r0 = __shfl_sync(0xffffffffu, row, 8 * i + 2 * t);
         const __half* r1 = __shfl_sync(0xffffffffu, row, 8 * i + 2 * t + 1);
         r[i] = (unsigned int)__half_as_ushort(r0[g]) | ((unsigned int)__half_as_ushort(r1[g]) << 16);
     }
+    emu_ldmatrix_end();
 #endif
 }

@@ -12,12 +12,14 @@ fill it:
   counter mode would call: ``global_sectors`` and ``smem_wavefronts``. Kernels
   without a written-out access model get their compulsory bytes only
   (``source`` says which);
-* **the emulator** (a later round: every kernel memory access goes through
-  hook functions in ``cuda_src/emu/cuda_emu.h``): a counter mode that runs a
-  sample of blocks of each launch at the real shapes, feeds each warp-level
-  access to ``global_sectors`` / ``smem_wavefronts`` (or the same rules in
-  C++) and fills the same fields, scaled by the grid; ``source`` then reads
-  ``"emulator"`` and ``blocks_counted`` says how many blocks ran.
+* **the emulator** (``profiling/emulated_counters.py`` over the counter mode of
+  ``cuda_src/emu/cuda_emu.h``, ``dflash_cupy/backends/emu_counters.py``): every
+  memory access of kernel code is seen by hooks, grouped into warp-level
+  instructions and counted by the rules below (the same arithmetic in C++);
+  a sample of blocks of each launch runs at the real shapes and is scaled by
+  the grid; ``source`` then reads ``"emulator"`` (all blocks) or
+  ``"emulator (n blocks scaled)"`` and ``compare`` holds this module's
+  estimate beside it.
 
 Rules (what a "request", a "sector" and a "wavefront" are here):
 
@@ -116,6 +118,10 @@ class KernelCounters:
     l2_round_trips_per_block: float = 0.0
     inflight_peak_bytes_per_warp: int = 0   # loads a warp can have issued and not consumed
     notes: list = field(default_factory=list)
+    # emulator: the static estimate's figures beside the measured ones (profiling/emulated_counters.py)
+    compare: dict = field(default_factory=dict)
+    # emulator: the instruction sites furthest above their minimum sectors / wavefronts
+    hot_sites: list = field(default_factory=list)
 
     @property
     def l2_bytes(self) -> int:
@@ -733,8 +739,10 @@ def copy_counters(copy) -> KernelCounters:
 
 def sample_blocks(grid, n: int = 8, seed: int = 0) -> list:
     """The blocks a sampling counter mode runs: the first, the last and
-    ``n - 2`` others drawn with ``seed`` (all of them when the grid is small),
-    as (x, y, z) in launch order. Additive counters of the sample are scaled
+    ``n - 2`` others drawn with ``seed``, one from each of ``n - 2`` equal
+    stretches of the blocks between them (stratified: work that varies with a
+    slow grid index, e.g. an attention split, is sampled evenly), all of them
+    when the grid is small; as (x, y, z) in launch order. Additive counters of the sample are scaled
     by ``blocks / len(sample)``; per-array distinct bytes are not additive
     (blocks re-read shared inputs) and come from the static model or an
     address-only pass over the whole grid."""
@@ -746,7 +754,8 @@ def sample_blocks(grid, n: int = 8, seed: int = 0) -> list:
         ids = list(range(total))
     else:
         rng = np.random.default_rng(seed)
-        ids = sorted({0, total - 1, *rng.choice(np.arange(1, total - 1), size=n - 2, replace=False).tolist()})
+        edges = np.linspace(1, total - 1, n - 1).round().astype(np.int64)   # n - 2 stretches of [1, total - 1)
+        ids = sorted({0, total - 1, *(int(rng.integers(a, max(a + 1, b))) for a, b in zip(edges[:-1], edges[1:]))})
     return [(i % gx, (i // gx) % gy, i // (gx * gy)) for i in ids]
 
 

@@ -16,6 +16,7 @@ each launch's arrays named after the cache attribute they are (``k_cache[2]``,
 """
 from __future__ import annotations
 
+import ctypes
 import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -49,6 +50,10 @@ class Launch:
     shared_mem: int
     args: list            # ArrayRef or a Python int/float (the scalar's value)
     known: dict = field(default_factory=dict)   # device values the plan knows (e.g. "pad_lo": n_new)
+    # The recording's arrays themselves (None for scalars): what the host wrote into them
+    # by the time of the step (descriptor, positions) is there; an emulated counter run
+    # (profiling/emulated_counters.py) starts from it.
+    arrays: list = field(default_factory=list, repr=False, compare=False)
 
     @property
     def n_blocks(self) -> int:
@@ -122,7 +127,8 @@ class _Kernel(Kernel):
     def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0, stream=None):
         g, b = dim3(grid, f"kernel {self.name}: grid"), dim3(block, f"kernel {self.name}: block")
         vals = [_ref(a) if isinstance(a, np.ndarray) else a.item() for a in args]
-        self._be._emit(Launch(self.name, self.file, dict(self.defines), g, b, int(shared_mem), vals))
+        self._be._emit(Launch(self.name, self.file, dict(self.defines), g, b, int(shared_mem), vals,
+                              arrays=[a if isinstance(a, np.ndarray) else None for a in args]))
 
 
 class _Module(Module):
@@ -151,10 +157,11 @@ class RecordingBackend(Backend):
         if self._capturing is not None:
             raise CaptureError(f"{what} during capture")
 
-    # arrays: untouched pages are never committed
+    # arrays: untouched pages are never committed (zeros, not garbage: a counter run
+    # copies the small ones, and the integers in them must be valid)
     def empty(self, shape, dtype):
         self._no_capture("allocation")
-        return np.empty(shape, dtype)
+        return np.zeros(shape, dtype)
 
     def zeros(self, shape, dtype):
         self._no_capture("allocation")
@@ -205,6 +212,10 @@ class RecordingBackend(Backend):
     def _copy(self, kind, dst, src, nbytes):
         n = src.nbytes if nbytes is None else int(nbytes)
         self._emit(Copy(kind, n, _ref(dst), _ref(src)))
+        # Done at issue time, so the device arrays hold what the host sent them (the
+        # step's descriptor); nothing else ever writes them here.
+        if 0 < n <= min(dst.nbytes, src.nbytes) and dst.flags.c_contiguous and src.flags.c_contiguous:
+            ctypes.memmove(dst.ctypes.data, src.ctypes.data, n)
 
     def copy_h2d_async(self, dst, src, stream=None, nbytes=None):
         self._copy("h2d", dst, src, nbytes)

@@ -32,6 +32,7 @@
 #include <csignal>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 #include <sys/mman.h>
@@ -58,20 +59,35 @@ struct dim3 {
     constexpr dim3(unsigned int x_ = 1, unsigned int y_ = 1, unsigned int z_ = 1) : x(x_), y(y_), z(z_) {}
 };
 struct uint3 { unsigned int x, y, z; };
+#ifndef EMU_COUNTERS
+#define EMU_COUNTERS 0  // 1: the counting variant (emu_build.build(..., counters=True))
+#endif
 namespace emu {
 // Defined with the scheduler below: reports a vector load/store whose address
 // is not a multiple of the vector's size (the GPU faults on those).
 static inline void misaligned(const void* p, unsigned align, const char* type, bool store);
+// Counter mode (see "counters" below): the counting state of the launch this OS
+// thread runs, null when counting is off. The hooks exist only in modules built
+// with -DEMU_COUNTERS=1 (emu_build's counting variant): ordinary builds pay nothing.
+static thread_local void* tl_cnt;
+static int g_counting;  // counted launches running in this module: tested before tl_cnt
+// One vector access of `n` bytes as the GPU issues it (a single instruction),
+// however g++ splits the copy: counted as one, its pieces are not.
+__attribute__((noinline)) static void count_vector(const void* p, unsigned n, bool store);
 }
 // Vector types that are loaded or stored as one piece on the GPU check the
 // alignment of the address they are copied from or to: a misaligned float4 /
 // uint2 / half2 access is an error there, however g++ splits the copy.
+// (Copy constructors check before they copy, so counter mode sees the vector
+// access before its pieces.)
 #define EMU_VCHECK(EmuN, EmuA, p, st) \
-    do { if ((unsigned long long)(p) & ((EmuA) - 1)) ::emu::misaligned((p), (EmuA), #EmuN, (st)); } while (0)
+    do { if ((unsigned long long)(p) & ((EmuA) - 1)) ::emu::misaligned((p), (EmuA), #EmuN, (st)); \
+         if (EMU_COUNTERS && ::emu::g_counting && ::emu::tl_cnt) ::emu::count_vector((p), sizeof(EmuN), (st)); \
+    } while (0)
 #define EMU_VEC2(EmuT, EmuN, EmuA) struct __attribute__((aligned(EmuA))) EmuN { EmuT x, y; \
         EmuN() = default; \
         constexpr EmuN(EmuT x_, EmuT y_) : x(x_), y(y_) {} \
-        EmuN(const EmuN& o) : x(o.x), y(o.y) { EMU_VCHECK(EmuN, EmuA, &o, false); } \
+        EmuN(const EmuN& o) { EMU_VCHECK(EmuN, EmuA, &o, false); x = o.x; y = o.y; } \
         EmuN& operator=(const EmuN& o) { EMU_VCHECK(EmuN, EmuA, &o, false); EMU_VCHECK(EmuN, EmuA, this, true); \
             x = o.x; y = o.y; return *this; } }; \
     static inline EmuN make_##EmuN(EmuT x, EmuT y) { return EmuN(x, y); }
@@ -80,7 +96,7 @@ static inline void misaligned(const void* p, unsigned align, const char* type, b
 #define EMU_VEC4(EmuT, EmuN, EmuA) struct __attribute__((aligned(EmuA))) EmuN { EmuT x, y, z, w; \
         EmuN() = default; \
         constexpr EmuN(EmuT x_, EmuT y_, EmuT z_, EmuT w_) : x(x_), y(y_), z(z_), w(w_) {} \
-        EmuN(const EmuN& o) : x(o.x), y(o.y), z(o.z), w(o.w) { EMU_VCHECK(EmuN, EmuA, &o, false); } \
+        EmuN(const EmuN& o) { EMU_VCHECK(EmuN, EmuA, &o, false); x = o.x; y = o.y; z = o.z; w = o.w; } \
         EmuN& operator=(const EmuN& o) { EMU_VCHECK(EmuN, EmuA, &o, false); EMU_VCHECK(EmuN, EmuA, this, true); \
             x = o.x; y = o.y; z = o.z; w = o.w; return *this; } }; \
     static inline EmuN make_##EmuN(EmuT x, EmuT y, EmuT z, EmuT w) { return EmuN(x, y, z, w); }
@@ -259,7 +275,7 @@ struct __half {
 struct __attribute__((aligned(4))) __half2 {
     __half x, y;
     __half2() = default;
-    __half2(const __half2& o) : x(o.x), y(o.y) { EMU_VCHECK(__half2, 4, &o, false); }
+    __half2(const __half2& o) { EMU_VCHECK(__half2, 4, &o, false); x = o.x; y = o.y; }
     __half2& operator=(const __half2& o) {
         EMU_VCHECK(__half2, 4, &o, false); EMU_VCHECK(__half2, 4, this, true);
         x = o.x; y = o.y; return *this;
@@ -276,7 +292,7 @@ struct __nv_bfloat16 {
 struct __attribute__((aligned(4))) __nv_bfloat162 {
     __nv_bfloat16 x, y;
     __nv_bfloat162() = default;
-    __nv_bfloat162(const __nv_bfloat162& o) : x(o.x), y(o.y) { EMU_VCHECK(__nv_bfloat162, 4, &o, false); }
+    __nv_bfloat162(const __nv_bfloat162& o) { EMU_VCHECK(__nv_bfloat162, 4, &o, false); x = o.x; y = o.y; }
     __nv_bfloat162& operator=(const __nv_bfloat162& o) {
         EMU_VCHECK(__nv_bfloat162, 4, &o, false); EMU_VCHECK(__nv_bfloat162, 4, this, true);
         x = o.x; y = o.y; return *this;
@@ -388,6 +404,11 @@ struct Fiber {
     int yield_in;  // shared-memory accesses before this lane hands over (-1: not again in this
                    // interval; -2: not drawn yet)
     unsigned long long warp_result;
+    // Counter mode: the bytes of this lane's latest vector load [0] / store [1]
+    // whose pieces (g++'s split copy) are still to come and are not counted
+    // again, and ldmatrix's gathers (counted as the one instruction they are).
+    unsigned long long cv_lo[2], cv_hi[2], cv_left[2];
+    int cnt_mute;
 #if !defined(__x86_64__)
     ucontext_t uc;
 #endif
@@ -464,7 +485,7 @@ struct StackArena {
     char* base;
     int count;
     size_t stride;  // guard page + STACK_BYTES
-    char* get(int i) const { return i < count ? base + (size_t)i * stride + (stride - STACK_BYTES) : nullptr; }
+    EMU_INTERNAL char* get(int i) const { return i < count ? base + (size_t)i * stride + (stride - STACK_BYTES) : nullptr; }
 };
 
 static inline void switch_to_scheduler() {
@@ -508,8 +529,11 @@ EMU_INTERNAL static inline void init_fiber(Fiber* f) {
 }
 
 EMU_INTERNAL static void arm_yield(Fiber* f);
+EMU_INTERNAL static void count_barrier();
+EMU_INTERNAL static void count_mma();
 
 EMU_INTERNAL static inline void release_barrier(Block* b) {
+    if (EMU_COUNTERS && g_counting && tl_cnt) count_barrier();
     for (int i = 0; i < b->nthreads; i++) {
         Fiber* f = &b->fibers[i];
         if (f->state == AT_BARRIER) { f->state = RUNNABLE; f->bar_result = b->bar_count; arm_yield(f); }
@@ -579,6 +603,7 @@ EMU_INTERNAL static void resolve_group(Block* b, int wi, unsigned group) {
             fail(b, m);
         } else {
             resolve_mma(w, op == OP_MMA_BF16);
+            if (EMU_COUNTERS && g_counting && tl_cnt) count_mma();
         }
     }
     unsigned vote = 0;
@@ -756,6 +781,8 @@ EMU_INTERNAL static bool run_block(Block* b, int order, Rng& rng, const StackAre
         f->tidx.z = (unsigned)i / (b->bdim.x * b->bdim.y);
         f->state = RUNNABLE;
         arm_yield(f);
+        f->cv_left[0] = f->cv_left[1] = 0;
+        f->cnt_mute = 0;
         f->stack = stacks.get(i);
         if (!f->stack) { fail(b, "the fiber stack arena is smaller than the block"); return false; }
         init_fiber(f);
@@ -823,6 +850,7 @@ EMU_INTERNAL static bool run_block(Block* b, int order, Rng& rng, const StackAre
 struct MemRange {
     unsigned long long lo, hi, d0, d1;
     const char* name;  // "`param` (device array shape=... dtype=...)"
+    int arg;           // index in the launch's list of ranges (counter mode reports per range)
 };
 enum : int { MEM_SLOTS = 1024, MEM_MAX_RANGES = 128, JUMP_FAULT = 1, JUMP_REPORT = 2 };
 struct MemTable {
@@ -835,6 +863,7 @@ struct MemTable {
     struct { unsigned long long lo, len; } sh[32];
     int nsh;
     bool yield;
+    bool count;  // counter mode: tl_cnt is this launch's counting state
     unsigned long long yrng;
     unsigned long long key[MEM_SLOTS];  // page number + 1; 0 = empty slot
     int val[MEM_SLOTS];
@@ -863,6 +892,7 @@ EMU_INTERNAL static void build_mem_table(MemTable* t, const unsigned long long* 
     t->n = 0;
     t->nsh = 0;
     t->yield = false;
+    t->count = false;
     t->yrng = 1;
     int used = 0;
     for (int i = 0; i < nranges && t->n < MEM_MAX_RANGES; i++) {
@@ -872,6 +902,7 @@ EMU_INTERNAL static void build_mem_table(MemTable* t, const unsigned long long* 
         r.d0 = ranges[4 * i + 2];
         r.d1 = ranges[4 * i + 3];
         r.name = names[i];
+        r.arg = i;
         if (r.hi <= r.lo) continue;
         const int idx = t->n++;
         // Pages from the leading guard page to the first data page, and from
@@ -982,20 +1013,391 @@ EMU_INTERNAL static inline void misaligned(const void* p, unsigned align, const 
              store ? "store" : "load", a, align, a % align, in, w);
     abort_launch(m);
 }
+
+// ---------------------------------------------------------------- counters
+// Counter mode (emu_launch_counted): every access of kernel code that the memory
+// checks see is also counted, per warp-level instruction as the GPU would issue
+// it. Lanes run one after another as fibers, so an instruction is rebuilt from
+// its lanes' accesses: same warp, same site (the return address of the hook, in
+// the kernel's code) and the same occurrence of that site in each lane since the
+// block's last barrier; groups are complete at a barrier and at the block's end.
+// Rules (the same arithmetic as profiling/counters.py):
+//  - global: one request per instruction with an active lane; sectors = distinct
+//    32-byte sectors its lanes touch; bytes = width x active lanes;
+//  - shared: phases of 32 / max(1, w / 4) lanes (w = width: all 32 lanes up to 4 B,
+//    16 for 8 B, 8 for 16 B); per phase the most distinct 4-byte words any one of
+//    the 32 banks must deliver (lanes reading one word share it); ideal =
+//    ceil(active lanes x w / 128);
+//  - a vector type (float4, uint2, half2, ...) counts as the one access it is on
+//    the GPU (count_vector) and the pieces g++ splits its copy into do not;
+//    ldmatrix counts its lanes' 16-byte rows (phases of 8 rows: one per matrix),
+//    not its emulated gathers; mma.sync once per warp, __syncthreads once per block;
+//  - fiber-stack (local) accesses are not counted: on the GPU they are registers.
+// Per range (pointer argument): bytes requested (read, written) and distinct bytes
+// (a byte mask per 32-byte sector over the whole launch).
+enum : int { CNT_GLD_REQ, CNT_GLD_SEC, CNT_GLD_BYTES, CNT_GST_REQ, CNT_GST_SEC, CNT_GST_BYTES,
+             CNT_SLD_REQ, CNT_SLD_WF, CNT_SLD_IDEAL, CNT_SST_REQ, CNT_SST_WF, CNT_SST_IDEAL,
+             CNT_MMA, CNT_BARRIERS, CNT_BLOCKS, CNT_OTHER_ACC, CNT_OTHER_BYTES, CNT_SITES_MERGED,
+             CNT_TOTALS = 24, CNT_PER_RANGE = 8 };
+// then per range: bytes read, written, distinct read, distinct written, load requests, load
+// sectors, store requests, store sectors (an instruction counts for its first lane's range)
+
+struct CntOcc { unsigned long long site; int tid; unsigned n; };
+struct CntSlot { unsigned long long site; int warp; unsigned occ; int store; int idx; };
+struct CntGroup { unsigned long long addr[32], site; unsigned lanes, width; int space, store, range; };
+struct CntSec { unsigned long long key; unsigned rd, wr; };
+// Per site (instruction of the g++ build): what its warp-level executions cost.
+struct CntSite { unsigned long long site, kind, width, requests, units, ideal, bytes; };  // kind = store | space << 1
+enum : int { CNT_SITE_VALS = 7 };
+struct Count {
+    unsigned long long* out;
+    int nranges;
+    CntOcc* occ; unsigned occ_bits, occ_used;
+    CntSlot* gt; unsigned gt_bits, gt_used;
+    CntGroup* g; unsigned ng, g_cap;
+    CntSec* sec; unsigned sec_bits, sec_used;
+    CntSite* st; unsigned st_n, st_cap;   // a short list: kernels have few hundred sites
+};
+
+EMU_INTERNAL static inline unsigned cnt_hash(unsigned long long k, unsigned bits) {
+    return (unsigned)((k * 0x9e3779b97f4a7c15ULL) >> (64 - bits));
+}
+
+EMU_INTERNAL static void cnt_init(Count* c, unsigned long long* out, int nranges) {
+    std::memset(c, 0, sizeof *c);
+    c->out = out;
+    c->nranges = nranges;
+    c->occ_bits = 12; c->occ = (CntOcc*)calloc(1u << 12, sizeof(CntOcc));
+    c->gt_bits = 12; c->gt = (CntSlot*)calloc(1u << 12, sizeof(CntSlot));
+    c->g_cap = 1024; c->g = (CntGroup*)malloc(c->g_cap * sizeof(CntGroup));
+    c->sec_bits = 14; c->sec = (CntSec*)calloc(1u << 14, sizeof(CntSec));
+    c->st_cap = 256; c->st = (CntSite*)calloc(c->st_cap, sizeof(CntSite));
+}
+
+EMU_INTERNAL static void cnt_free(Count* c) {
+    free(c->occ); free(c->gt); free(c->g); free(c->sec); free(c->st);
+    c->occ = nullptr; c->gt = nullptr; c->g = nullptr; c->sec = nullptr; c->st = nullptr;
+}
+
+// The lane's occurrence number of `site` since the last barrier (0, 1, ...).
+EMU_INTERNAL static unsigned cnt_occurrence(Count* c, unsigned long long site, int tid) {
+    if (2 * (c->occ_used + 1) > (1u << c->occ_bits)) {  // grow: rehash into twice the slots
+        const unsigned ob = c->occ_bits;
+        CntOcc* old = c->occ;
+        c->occ_bits = ob + 1;
+        c->occ = (CntOcc*)calloc(1u << c->occ_bits, sizeof(CntOcc));
+        for (unsigned i = 0; i < (1u << ob); i++) {
+            if (!old[i].site) continue;
+            unsigned h = cnt_hash(old[i].site ^ ((unsigned long long)old[i].tid << 48), c->occ_bits);
+            while (c->occ[h].site) h = (h + 1) & ((1u << c->occ_bits) - 1);
+            c->occ[h] = old[i];
+        }
+        free(old);
+    }
+    const unsigned mask = (1u << c->occ_bits) - 1;
+    unsigned h = cnt_hash(site ^ ((unsigned long long)tid << 48), c->occ_bits);
+    for (;;) {
+        CntOcc& e = c->occ[h];
+        if (!e.site) { e.site = site; e.tid = tid; e.n = 1; c->occ_used++; return 0; }
+        if (e.site == site && e.tid == tid) return e.n++;
+        h = (h + 1) & mask;
+    }
+}
+
+EMU_INTERNAL static CntGroup* cnt_group(Count* c, int warp, unsigned long long site, unsigned occ, int store,
+                                        int space, int range) {
+    if (2 * (c->gt_used + 1) > (1u << c->gt_bits)) {
+        const unsigned ob = c->gt_bits;
+        CntSlot* old = c->gt;
+        c->gt_bits = ob + 1;
+        c->gt = (CntSlot*)calloc(1u << c->gt_bits, sizeof(CntSlot));
+        for (unsigned i = 0; i < (1u << ob); i++) {
+            if (!old[i].idx) continue;
+            unsigned h = cnt_hash(old[i].site ^ ((unsigned long long)old[i].occ << 32) ^
+                                  ((unsigned long long)old[i].warp << 56) ^ (unsigned long long)old[i].store,
+                                  c->gt_bits);
+            while (c->gt[h].idx) h = (h + 1) & ((1u << c->gt_bits) - 1);
+            c->gt[h] = old[i];
+        }
+        free(old);
+    }
+    const unsigned mask = (1u << c->gt_bits) - 1;
+    unsigned h = cnt_hash(site ^ ((unsigned long long)occ << 32) ^ ((unsigned long long)warp << 56) ^
+                          (unsigned long long)store, c->gt_bits);
+    for (;;) {
+        CntSlot& e = c->gt[h];
+        if (!e.idx) break;
+        if (e.site == site && e.warp == warp && e.occ == occ && e.store == store) return &c->g[e.idx - 1];
+        h = (h + 1) & mask;
+    }
+    if (c->ng == c->g_cap) {
+        c->g_cap *= 2;
+        c->g = (CntGroup*)realloc(c->g, c->g_cap * sizeof(CntGroup));
+    }
+    CntGroup* g = &c->g[c->ng++];
+    g->site = site;
+    g->lanes = 0;
+    g->width = 0;
+    g->space = space;
+    g->store = store;
+    g->range = range;
+    CntSlot& e = c->gt[h];
+    e.site = site; e.warp = warp; e.occ = occ; e.store = store; e.idx = (int)c->ng;
+    c->gt_used++;
+    return g;
+}
+
+// Distinct bytes per range: a byte mask per (range, 32-byte sector).
+EMU_INTERNAL static void cnt_bytes(Count* c, int range, unsigned long long a, unsigned long long n, bool store) {
+    for (unsigned long long s = a >> 5; s <= (a + n - 1) >> 5; s++) {
+        const unsigned long long b0 = s << 5 > a ? s << 5 : a, b1 = (s << 5) + 32 < a + n ? (s << 5) + 32 : a + n;
+        const unsigned bits = (unsigned)((b1 - b0 >= 32 ? 0xffffffffULL : ((1ULL << (b1 - b0)) - 1)) << (b0 & 31));
+        if (2 * (c->sec_used + 1) > (1u << c->sec_bits)) {
+            const unsigned ob = c->sec_bits;
+            CntSec* old = c->sec;
+            c->sec_bits = ob + 1;
+            c->sec = (CntSec*)calloc(1u << c->sec_bits, sizeof(CntSec));
+            for (unsigned i = 0; i < (1u << ob); i++) {
+                if (!old[i].key) continue;
+                unsigned h = cnt_hash(old[i].key, c->sec_bits);
+                while (c->sec[h].key) h = (h + 1) & ((1u << c->sec_bits) - 1);
+                c->sec[h] = old[i];
+            }
+            free(old);
+        }
+        const unsigned long long key = ((s << 7) | (unsigned long long)range) + 1;
+        unsigned h = cnt_hash(key, c->sec_bits);
+        const unsigned mask = (1u << c->sec_bits) - 1;
+        while (c->sec[h].key && c->sec[h].key != key) h = (h + 1) & mask;
+        CntSec& e = c->sec[h];
+        if (!e.key) { e.key = key; c->sec_used++; }
+        if (store) e.wr |= bits; else e.rd |= bits;
+    }
+}
+
+EMU_INTERNAL static void cnt_site(Count* c, const CntGroup& g, unsigned long long units, unsigned long long ideal,
+                                  unsigned long long bytes) {
+    const unsigned long long kind = (unsigned long long)g.store | ((unsigned long long)g.space << 1);
+    unsigned i = 0;
+    while (i < c->st_n && !(c->st[i].site == g.site && c->st[i].kind == kind)) i++;
+    if (i == c->st_n) {
+        if (c->st_n == c->st_cap) {
+            c->st_cap *= 2;
+            c->st = (CntSite*)realloc(c->st, c->st_cap * sizeof(CntSite));
+        }
+        CntSite& e = c->st[c->st_n++];
+        std::memset(&e, 0, sizeof e);
+        e.site = g.site;
+        e.kind = kind;
+    }
+    CntSite& e = c->st[i];
+    if (g.width > e.width) e.width = g.width;
+    e.requests++;
+    e.units += units;
+    e.ideal += ideal;
+    e.bytes += bytes;
+}
+
+// Counts the instructions gathered since the last barrier; starts a new interval.
+EMU_INTERNAL static void cnt_flush(Count* c) {
+    unsigned long long* o = c->out;
+    for (unsigned i = 0; i < c->ng; i++) {
+        const CntGroup& g = c->g[i];
+        const unsigned w = g.width ? g.width : 1;
+        const int active = __builtin_popcount(g.lanes);
+        if (g.space == 0) {
+            unsigned long long secs[96];
+            int ns = 0;
+            for (int l = 0; l < 32; l++) {
+                if (!((g.lanes >> l) & 1u)) continue;
+                for (unsigned long long s = g.addr[l] >> 5; s <= (g.addr[l] + w - 1) >> 5; s++) {
+                    int j = 0;
+                    while (j < ns && secs[j] != s) j++;
+                    if (j == ns && ns < 96) secs[ns++] = s;
+                }
+            }
+            o[g.store ? CNT_GST_REQ : CNT_GLD_REQ] += 1;
+            o[g.store ? CNT_GST_SEC : CNT_GLD_SEC] += (unsigned long long)ns;
+            o[g.store ? CNT_GST_BYTES : CNT_GLD_BYTES] += (unsigned long long)w * active;
+            if (g.range >= 0 && g.range < c->nranges) {
+                unsigned long long* pr = o + CNT_TOTALS + CNT_PER_RANGE * g.range + (g.store ? 6 : 4);
+                pr[0] += 1;
+                pr[1] += (unsigned long long)ns;
+            }
+            const unsigned long long nb = (unsigned long long)w * active;
+            cnt_site(c, g, (unsigned long long)ns, (nb + 31) / 32, nb);
+        } else {
+            const int per_phase = w <= 4 ? 32 : (w <= 8 ? 16 : 8);
+            unsigned long long wf = 0;
+            for (int p0 = 0; p0 < 32; p0 += per_phase) {
+                unsigned long long words[64];
+                int nw = 0;
+                for (int l = p0; l < p0 + per_phase; l++) {
+                    if (!((g.lanes >> l) & 1u)) continue;
+                    for (unsigned long long wd = g.addr[l] >> 2; wd <= (g.addr[l] + w - 1) >> 2; wd++) {
+                        int j = 0;
+                        while (j < nw && words[j] != wd) j++;
+                        if (j == nw && nw < 64) words[nw++] = wd;
+                    }
+                }
+                int per_bank[32] = {0};
+                int most = 0;
+                for (int j = 0; j < nw; j++) {
+                    const int b = (int)(words[j] & 31);
+                    if (++per_bank[b] > most) most = per_bank[b];
+                }
+                wf += (unsigned long long)most;
+            }
+            const unsigned long long ideal = ((unsigned long long)active * w + 127) / 128;
+            o[g.store ? CNT_SST_REQ : CNT_SLD_REQ] += 1;
+            o[g.store ? CNT_SST_WF : CNT_SLD_WF] += wf;
+            o[g.store ? CNT_SST_IDEAL : CNT_SLD_IDEAL] += ideal ? ideal : 1;
+            cnt_site(c, g, wf, ideal ? ideal : 1, (unsigned long long)w * active);
+        }
+    }
+    c->ng = 0;
+    if (c->gt_used) { std::memset(c->gt, 0, sizeof(CntSlot) << c->gt_bits); c->gt_used = 0; }
+    if (c->occ_used) { std::memset(c->occ, 0, sizeof(CntOcc) << c->occ_bits); c->occ_used = 0; }
+}
+
+EMU_INTERNAL static void cnt_finish(Count* c, unsigned long long* sites_out, int max_sites) {
+    cnt_flush(c);
+    if (sites_out && max_sites > 0) {  // [0] = sites listed, then CNT_SITE_VALS per site
+        const unsigned n = c->st_n < (unsigned)max_sites ? c->st_n : (unsigned)max_sites;
+        sites_out[0] = c->st_n;
+        for (unsigned i = 0; i < n; i++) {
+            const CntSite& e = c->st[i];
+            unsigned long long* v = sites_out + 1 + (unsigned long long)CNT_SITE_VALS * i;
+            v[0] = e.site; v[1] = e.kind; v[2] = e.width; v[3] = e.requests; v[4] = e.units; v[5] = e.ideal;
+            v[6] = e.bytes;
+        }
+    }
+    for (unsigned i = 0; i < (1u << c->sec_bits); i++) {
+        const CntSec& e = c->sec[i];
+        if (!e.key) continue;
+        const int r = (int)((e.key - 1) & 127);
+        if (r >= c->nranges) continue;
+        unsigned long long* pr = c->out + CNT_TOTALS + CNT_PER_RANGE * r;
+        pr[2] += (unsigned long long)__builtin_popcount(e.rd);
+        pr[3] += (unsigned long long)__builtin_popcount(e.wr);
+    }
+}
+
+// 0 global (range in *range), 1 shared, 2 the lane's own stack, 3 anything else.
+EMU_INTERNAL static inline int cnt_space(const MemTable* t, const Fiber* f, unsigned long long a, int* range) {
+    for (int i = 0; i < t->n; i++)
+        if (a >= t->r[i].d0 && a < t->r[i].d1) { *range = t->r[i].arg; return 0; }
+    for (int i = 0; i < t->nsh; i++)
+        if (a - t->sh[i].lo < t->sh[i].len) return 1;
+    if (f->stack && a - (unsigned long long)f->stack < STACK_BYTES) return 2;
+    // threadIdx, blockIdx, blockDim, gridDim: special registers on the GPU
+    if (a == (unsigned long long)&tl_fiber || a == (unsigned long long)&tl_block) return 2;
+    const Block* b = tl_block;
+    if (b && (a - (unsigned long long)b->fibers < (unsigned long long)b->nthreads * sizeof(Fiber) ||
+              a - (unsigned long long)b < sizeof(Block)))
+        return 2;
+    return 3;
+}
+
+EMU_INTERNAL static void cnt_record(Count* c, Fiber* f, unsigned long long a, unsigned long long n, bool store,
+                                    int space, int range, unsigned long long site) {
+    if (space == 0 && range < c->nranges) {
+        c->out[CNT_TOTALS + CNT_PER_RANGE * range + (store ? 1 : 0)] += n;
+        cnt_bytes(c, range, a, n, store);
+    }
+    const unsigned occ = cnt_occurrence(c, site, f->tid);
+    CntGroup* g = cnt_group(c, f->tid >> 5, site, occ, store, space, range);
+    const int lane = f->tid & 31;
+    g->addr[lane] = a;
+    g->lanes |= 1u << lane;
+    if (n > g->width) g->width = (unsigned)n;
+}
+
+// An access seen by the memory checks (counter mode on).
+EMU_INTERNAL __attribute__((noinline)) static void count_access(unsigned long long a, unsigned long long n,
+                                                                bool store, unsigned long long site) {
+    MemTable* t = tl_mem;
+    Fiber* f = tl_fiber;
+    Count* c = (Count*)tl_cnt;
+    if (!t || !f || !c || f->cnt_mute || !n) return;
+    int range = -1;
+    const int space = cnt_space(t, f, a, &range);
+    if (space == 2) return;
+    if (space == 3) { c->out[CNT_OTHER_ACC]++; c->out[CNT_OTHER_BYTES] += n; return; }
+    const int k = store ? 1 : 0;
+    if (f->cv_left[k]) {  // a piece of the vector access just counted
+        if (a >= f->cv_lo[k] && a + n <= f->cv_hi[k]) {
+            f->cv_left[k] = f->cv_left[k] > n ? f->cv_left[k] - n : 0;
+            return;
+        }
+        f->cv_left[k] = 0;
+    }
+    cnt_record(c, f, a, n, store, space, range, site);
+}
+
+__attribute__((noinline)) EMU_INTERNAL static void count_vector(const void* p, unsigned n, bool store) {
+    MemTable* t = tl_mem;
+    Fiber* f = tl_fiber;
+    Count* c = (Count*)tl_cnt;
+    if (!t || !f || !c || f->cnt_mute) return;
+    const unsigned long long a = (unsigned long long)p;
+    int range = -1;
+    const int space = cnt_space(t, f, a, &range);
+    if (space == 2) return;
+    if (space == 3) { c->out[CNT_OTHER_ACC]++; c->out[CNT_OTHER_BYTES] += n; return; }
+    const int k = store ? 1 : 0;
+    f->cv_lo[k] = a;
+    f->cv_hi[k] = a + n;
+    f->cv_left[k] = n;
+    cnt_record(c, f, a, n, store, space, range, (unsigned long long)__builtin_return_address(0));
+}
+
+// ldmatrix.x4: each lane's 16-byte row, one shared-memory instruction; the
+// emulation's gathers that follow (until emu_ldmatrix_end) are not counted.
+__attribute__((noinline)) EMU_INTERNAL static void count_ldmatrix(const void* row) {
+    MemTable* t = tl_mem;
+    Fiber* f = tl_fiber;
+    Count* c = (Count*)tl_cnt;
+    if (!t || !f || !c) return;
+    int range = -1;
+    const unsigned long long a = (unsigned long long)row;
+    const int space = cnt_space(t, f, a, &range);
+    if (space == 0 || space == 1)
+        cnt_record(c, f, a, 16, false, space, range, (unsigned long long)__builtin_return_address(0));
+    f->cnt_mute = 1;
+}
+
+EMU_INTERNAL static void count_barrier() {
+    Count* c = (Count*)tl_cnt;
+    c->out[CNT_BARRIERS]++;
+    cnt_flush(c);
+}
+
+EMU_INTERNAL static void count_mma() { ((Count*)tl_cnt)->out[CNT_MMA]++; }
 }  // namespace emu
 
 #define EMU_ASAN_CB(EmuN) \
     extern "C" __attribute__((visibility("hidden"))) EMU_INTERNAL void __asan_load##EmuN##_noabort(void* p) { \
-        ::emu::check_access((unsigned long long)p, EmuN, false); } \
+        ::emu::check_access((unsigned long long)p, EmuN, false); \
+        if (EMU_COUNTERS && ::emu::tl_mem && ::emu::tl_mem->count) \
+            ::emu::count_access((unsigned long long)p, EmuN, false, (unsigned long long)__builtin_return_address(0)); } \
     extern "C" __attribute__((visibility("hidden"))) EMU_INTERNAL void __asan_store##EmuN##_noabort(void* p) { \
-        ::emu::check_access((unsigned long long)p, EmuN, true); }
+        ::emu::check_access((unsigned long long)p, EmuN, true); \
+        if (EMU_COUNTERS && ::emu::tl_mem && ::emu::tl_mem->count) \
+            ::emu::count_access((unsigned long long)p, EmuN, true, (unsigned long long)__builtin_return_address(0)); }
 EMU_ASAN_CB(1) EMU_ASAN_CB(2) EMU_ASAN_CB(4) EMU_ASAN_CB(8) EMU_ASAN_CB(16)
 #undef EMU_ASAN_CB
 extern "C" __attribute__((visibility("hidden"))) EMU_INTERNAL void __asan_loadN_noabort(void* p, long n) {
     ::emu::check_access((unsigned long long)p, (unsigned long long)n, false);
+    if (EMU_COUNTERS && ::emu::tl_mem && ::emu::tl_mem->count)
+        ::emu::count_access((unsigned long long)p, (unsigned long long)n, false,
+                            (unsigned long long)__builtin_return_address(0));
 }
 extern "C" __attribute__((visibility("hidden"))) EMU_INTERNAL void __asan_storeN_noabort(void* p, long n) {
     ::emu::check_access((unsigned long long)p, (unsigned long long)n, true);
+    if (EMU_COUNTERS && ::emu::tl_mem && ::emu::tl_mem->count)
+        ::emu::count_access((unsigned long long)p, (unsigned long long)n, true,
+                            (unsigned long long)__builtin_return_address(0));
 }
 extern "C" __attribute__((visibility("hidden"))) EMU_INTERNAL void __asan_handle_no_return() {}
 
@@ -1061,7 +1463,9 @@ EMU_INTERNAL static void run_blocks(void (*body)(void**), void** args, const uns
                        void (*poison)(unsigned), unsigned shmem, unsigned long long seed, int order,
                        unsigned long long first, unsigned long long stride, const StackArena& stacks,
                        const unsigned long long* ranges, const char* const* names, int nranges,
-                       char* err, int errlen, LaunchResult* res) {
+                       char* err, int errlen, LaunchResult* res,
+                       const unsigned long long* ids = nullptr, unsigned long long n_ids = 0,
+                       Count* cnt = nullptr) {
     install_fault_handlers();
     const int nt = (int)(block[0] * block[1] * block[2]);
     std::vector<Fiber> fibers((size_t)nt);
@@ -1085,6 +1489,7 @@ EMU_INTERNAL static void run_blocks(void (*body)(void**), void** args, const uns
     const int jumped = sigsetjmp(jb, 1);
     if (jumped) {
         tl_mem = nullptr;
+        tl_cnt = nullptr;
         if (jumped == JUMP_REPORT) {  // a memory check failed; the message is in err
             res->status = 1;
         } else {
@@ -1105,7 +1510,12 @@ EMU_INTERNAL static void run_blocks(void (*body)(void**), void** args, const uns
     tl_mem = &mem;
     tl_fault_jmp = &jb;
     tl_block = &b;
-    for (unsigned long long i = first; i < total; i += stride) {
+    mem.count = cnt != nullptr;
+    tl_cnt = cnt;
+    // A list of blocks (counter mode's sample) or first, first + stride, ...
+    const unsigned long long end = ids ? n_ids : total, step = ids ? 1 : stride;
+    for (unsigned long long j = ids ? 0 : first; j < end; j += step) {
+        const unsigned long long i = ids ? ids[j] : j;
         cur = i;
         b.bidx.x = (unsigned)(i % grid[0]);
         b.bidx.y = (unsigned)((i / grid[0]) % grid[1]);
@@ -1116,8 +1526,10 @@ EMU_INTERNAL static void run_blocks(void (*body)(void**), void** args, const uns
         mem.yrng = rng.next() | 1;
         if (poison) poison(shmem);
         if (!run_block(&b, order, rng, stacks)) { res->status = 1; break; }
+        if (cnt) { cnt_flush(cnt); cnt->out[CNT_BLOCKS]++; }
     }
     tl_fault_jmp = nullptr;
+    tl_cnt = nullptr;
     tl_mem = nullptr;
     tl_block = nullptr;
     tl_fiber = nullptr;
@@ -1135,6 +1547,30 @@ EMU_INTERNAL static int launch(void (*body)(void**), void** args, const unsigned
     const StackArena stacks{(char*)stack_base, stack_count, (size_t)stack_stride};
     run_blocks(body, args, grid, block, poison, shmem, seed, order, first, stride, stacks, ranges, names, nranges,
                err, errlen, &res);
+    *fault_addr = res.fault_addr;
+    *fault_sig = res.fault_sig;
+    return res.status;
+}
+
+// Counter mode: runs blocks ids[0..n_ids) (linear block numbers) of a launch on the
+// calling OS thread and adds its counts to `out` (CNT_TOTALS values, then
+// CNT_PER_RANGE per range). Results of the blocks not run are not written.
+EMU_INTERNAL static int launch_counted(void (*body)(void**), void** args, const unsigned* grid,
+                  const unsigned* block, void (*poison)(unsigned), unsigned shmem, unsigned long long seed,
+                  int order, const unsigned long long* ids, unsigned long long n_ids, void* stack_base,
+                  int stack_count, unsigned long long stack_stride, const unsigned long long* ranges,
+                  const char* const* names, int nranges, char* err, int errlen, void** fault_addr,
+                  int* fault_sig, unsigned long long* out, unsigned long long* sites_out, int max_sites) {
+    LaunchResult res{0, nullptr, 0};
+    const StackArena stacks{(char*)stack_base, stack_count, (size_t)stack_stride};
+    Count cnt;
+    cnt_init(&cnt, out, nranges);
+    __atomic_fetch_add(&g_counting, 1, __ATOMIC_RELAXED);
+    run_blocks(body, args, grid, block, poison, shmem, seed, order, 0, 1, stacks, ranges, names, nranges,
+               err, errlen, &res, ids, n_ids, &cnt);
+    __atomic_fetch_sub(&g_counting, 1, __ATOMIC_RELAXED);
+    if (res.status == 0) cnt_finish(&cnt, sites_out, max_sites);
+    cnt_free(&cnt);
     *fault_addr = res.fault_addr;
     *fault_sig = res.fault_sig;
     return res.status;
@@ -1210,6 +1646,14 @@ static inline void emu_mma_m16n8k16(int bf16, float* d, const unsigned int* a, c
                                     const float* c) {
     emu::MmaLane lane{d, a, b, c};
     emu::warp_collective(bf16 ? emu::OP_MMA_BF16 : emu::OP_MMA_F16, (unsigned long long)&lane, 0, 32, 0xffffffffu);
+}
+// ldmatrix's emulation (cuda_src/ldmatrix.cuh) brackets its gathers with these:
+// counter mode counts the instruction's rows, not the gathers.
+static inline void emu_ldmatrix_begin(const void* row) {
+    if (EMU_COUNTERS && emu::g_counting && emu::tl_cnt) emu::count_ldmatrix(row);
+}
+static inline void emu_ldmatrix_end() {
+    if (EMU_COUNTERS && emu::g_counting && emu::tl_cnt) emu::tl_fiber->cnt_mute = 0;
 }
 static inline unsigned int __activemask() { return 0xffffffffu; }
 static inline unsigned int __lanemask_lt() { return (1u << (emu::tl_fiber->tid & 31)) - 1u; }

@@ -654,6 +654,7 @@ class EmulatedBackend(Backend):
                                f"{nvrtc_info.ARCH}; a kernel the GPU build rejects is rejected here)") from None
         mod = EmuModule(self, so, kernels)
         mod.resources = resources
+        mod.build_args = (source, tuple(options), filename)   # emu_counters builds its counting twin
         return mod
 
     # ---- streams, events, copies
