@@ -31,7 +31,8 @@
 //   weights are adjacent in launch order, run in the same wave and share one
 //   HBM read of them through L2 (with the M block in grid y, as before, they
 //   ran a whole wave apart once groups filled the device, and each re-streamed
-//   the weights from HBM: 4x the weight traffic at M = 256). blockIdx.z takes
+//   the weights from HBM: up to mblocks x the weight traffic, 3x for the 8b
+//   gate_up at M = 256; stream_figures' weight_hbm_passes). blockIdx.z takes
 //   K slice [z*kz, min(K, z*kz + kz)). grid x < 2^31 for any M, y = 1.
 //   Arguments kz (slice) and kt (x chunk staged at once) are multiples of 64;
 //   dynamic shared memory = GS_SPLIT * 16*tiles * (kt + 32) * 2 bytes, tiles =
