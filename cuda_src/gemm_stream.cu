@@ -528,7 +528,8 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
     }
 #if GS_NORM
     // the rows' partial sums of squares of this slice, after every group's partial tiles
-    float* ssw = ws + (long long)gridDim.x * ks * NW * ROWS * COLS + (long long)cg * ks * ROWS;  // one M block: x = groups
+    // (split K has one M block: grid x = groups)
+    float* ssw = ws + (long long)gridDim.x * ks * NW * ROWS * COLS + (long long)cg * ks * ROWS;
     if (threadIdx.x < live) ssw[blockIdx.z * ROWS + threadIdx.x] = ss_s[threadIdx.x];
 #endif
     __shared__ int ticket;
