@@ -31,7 +31,8 @@
 //   weights are adjacent in launch order, run in the same wave and share one
 //   HBM read of them through L2 (with the M block in grid y, as before, they
 //   ran a whole wave apart once groups filled the device, and each re-streamed
-//   the weights from HBM: 4x the weight traffic at M = 256). blockIdx.z takes
+//   the weights from HBM: up to mblocks x the weight traffic, 3x for the 8b
+//   gate_up at M = 256; stream_figures' weight_hbm_passes). blockIdx.z takes
 //   K slice [z*kz, min(K, z*kz + kz)). grid x < 2^31 for any M, y = 1.
 //   Arguments kz (slice) and kt (x chunk staged at once) are multiples of 64;
 //   dynamic shared memory = GS_SPLIT * 16*tiles * (kt + 32) * 2 bytes, tiles =
@@ -527,7 +528,8 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
     }
 #if GS_NORM
     // the rows' partial sums of squares of this slice, after every group's partial tiles
-    float* ssw = ws + (long long)gridDim.x * ks * NW * ROWS * COLS + (long long)cg * ks * ROWS;  // one M block: x = groups
+    // (split K has one M block: grid x = groups)
+    float* ssw = ws + (long long)gridDim.x * ks * NW * ROWS * COLS + (long long)cg * ks * ROWS;
     if (threadIdx.x < live) ssw[blockIdx.z * ROWS + threadIdx.x] = ss_s[threadIdx.x];
 #endif
     __shared__ int ticket;

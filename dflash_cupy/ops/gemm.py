@@ -212,8 +212,8 @@ class Gemm:
 
     def bytes_moved(self, m: int) -> int:
         """Compulsory traffic of one call: weights once, x read, y written,
-        residual read, the folded norm's scale. (For ``m > max_m`` each extra
-        M tile re-reads the weights, mostly from L2; not counted.)"""
+        residual read, the folded norm's scale. (Beyond one M tile each extra
+        M tile re-reads the weights from L2, on the "stream" path in the same wave; not counted.)"""
         b = self.w_rows * self.K * dtypes.ITEMSIZE[self.wkind] + m * self.K * 4 + m * self.N * 4
         if self.epilogue == "residual":
             b += m * self.N * 4
