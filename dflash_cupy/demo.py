@@ -71,6 +71,21 @@ def _schedule(rng, steps: int, prompt: int, q_len: int, a_step: int, capacity: i
     return out
 
 
+def drafter_weights(args, be):
+    """The drafter the options describe: ``--checkpoint`` or a random one."""
+    from .config import DraftConfig
+    from .weights import DraftWeights
+    if args.checkpoint:
+        return DraftWeights.from_pretrained(args.checkpoint, backend=be)
+    sliding = tuple(i in set(args.sliding) for i in range(args.layers))
+    cfg = DraftConfig(n_layer=args.layers, hidden_size=args.hidden, n_head=args.heads,
+                      n_head_kv=args.kv_heads, head_dim=args.head_dim,
+                      intermediate_size=args.intermediate, block_size=args.block_size,
+                      target_layer_ids=tuple(range(args.captured)), layer_sliding=sliding,
+                      sliding_window=args.window or None)
+    return DraftWeights.random(cfg, seed=args.seed, dtype=args.dtype)
+
+
 def run(args) -> int:
     if getattr(args, "spec", False):
         from .spec_demo import run as run_spec
@@ -78,8 +93,10 @@ def run(args) -> int:
     if args.steps is None:
         args.steps = 40 if getattr(args, "lanes", 0) else 200
     if getattr(args, "lanes", 0):
+        from . import backends
         from .lanes_demo import run as run_lanes
-        return run_lanes(args)
+        be = backends.get(args.backend)
+        return run_lanes(args, be, drafter_weights(args, be))
     from . import backends, reference
     from .config import DraftConfig
     from .feature_ring import FeatureRing
@@ -88,16 +105,7 @@ def run(args) -> int:
     from .weights import DraftWeights
 
     be = backends.get(args.backend)
-    if args.checkpoint:
-        w = DraftWeights.from_pretrained(args.checkpoint, backend=be)
-    else:
-        sliding = tuple(i in set(args.sliding) for i in range(args.layers))
-        cfg = DraftConfig(n_layer=args.layers, hidden_size=args.hidden, n_head=args.heads,
-                          n_head_kv=args.kv_heads, head_dim=args.head_dim,
-                          intermediate_size=args.intermediate, block_size=args.block_size,
-                          target_layer_ids=tuple(range(args.captured)), layer_sliding=sliding,
-                          sliding_window=args.window or None)
-        w = DraftWeights.random(cfg, seed=args.seed, dtype=args.dtype)
+    w = drafter_weights(args, be)
     cfg = w.config
     rng = np.random.default_rng(args.seed + 1)
     t0 = time.perf_counter()

@@ -57,6 +57,7 @@ from .feature_ring import FeatureRing
 from .geometry import RingGeometry, align_up
 from .interop import device_view
 from .nvtx_ranges import nvtx_range
+from .step_issuer import StepIssuer
 from .ops.attention import RingAttention
 from .ops.gather import FeatureGather
 from .ops.gemm import Gemm, weight_kind
@@ -79,7 +80,7 @@ def _accepts(fn, name: str) -> bool:
     return name in inspect.signature(fn).parameters
 
 
-class DraftKvBatch:
+class DraftKvBatch(StepIssuer):
     """``DraftKvBatch(weights, capacity, lanes, *, ring_capacity=None,
     ring_dtype=np.float32, lm_head=None, logits=True, backend=None, bulk_chunk=256)``.
 
@@ -90,6 +91,8 @@ class DraftKvBatch:
     planning a step that needs them. ``lm_head``: ``[vocab, hidden]`` (NumPy or
     a device array, as for ``DraftKvCache``); draft tokens are greedy.
     """
+
+    _nvtx = "dflash batch"
 
     def __init__(self, weights: DraftWeights, capacity: int, lanes: int, *, ring_capacity=None,
                  ring_dtype=np.float32, lm_head=None, logits: bool = True, backend=None, bulk_chunk: int = 256):
@@ -267,9 +270,7 @@ class DraftKvBatch:
             for i, a in enumerate(v if isinstance(v, list) else [v]):
                 if a is not None:
                     be.label(a, f"DraftKvBatch.{name}" + (f"[{i}]" if isinstance(v, list) else ""))
-        self._tail = be.event()
-        self._tail.record(be.current_stream())
-        self._tail_stream = be.current_stream()
+        self._init_order()
 
     # ------------------------------------------------------------------ properties
     capacity = property(lambda self: self.geom.capacity)
@@ -295,9 +296,6 @@ class DraftKvBatch:
             raise TypeError(f"lm_head dtype must be f32, f16 or bf16, got {lm_head.dtype}") from None
         return to_device_matrix(be, lm_head)
 
-    def _check_open(self):
-        if self._closed:
-            raise RuntimeError("DraftKvBatch is closed")
 
     def _check_lane(self, lane) -> int:
         if not isinstance(lane, (int, np.integer)) or isinstance(lane, bool):
@@ -305,22 +303,6 @@ class DraftKvBatch:
         if not 0 <= lane < self.lanes:
             raise ValueError(f"lane={lane} out of range [0, {self.lanes})")
         return int(lane)
-
-    # ------------------------------------------------------------------ stream order
-    def _order(self, stream):
-        s = self.backend.as_stream(stream)
-        if s != self._tail_stream:
-            s.wait_event(self._tail)
-        return s
-
-    def _issued(self, s) -> None:
-        self._tail.record(s)
-        self._tail_stream = s
-
-    def _reuse(self, event) -> None:
-        if not event.query():
-            event.synchronize()
-            self.host_waits += 1
 
     # ------------------------------------------------------------------ the step body
     def _gemm(self, g, x, w, y, m, tiles=None, **kw):
@@ -665,22 +647,7 @@ class DraftKvBatch:
         s = self._order(stream)
         for ring in self.rings:   # the planning launch takes every lane's ring storage
             s.wait_event(ring.write_event)
-        if eager:
-            with nvtx_range("dflash batch eager step", "yellow"):
-                self._issue_step(slot, s, eager=True)
-        else:
-            if self._graphs[slot] is None:
-                with nvtx_range("dflash batch capture", "purple"):
-                    cs = self.capture_stream
-                    be.begin_capture(cs)
-                    try:
-                        self._issue_step(slot, cs)
-                    finally:
-                        graph = be.end_capture(cs)
-                    self._graphs[slot] = graph
-                    self.captures += 1
-            with nvtx_range("dflash batch replay", "blue"):
-                self._graphs[slot].launch(s)
+        self._launch_step(slot, s, eager)
         self._events[slot].record(s)
         for ring in self.rings:
             ring.note_read(self, self._events[slot])
@@ -697,9 +664,6 @@ class DraftKvBatch:
         self.set_noise_embed(noise_embed, stream=stream)
         return self.run(stream=stream)
 
-    def synchronize(self) -> None:
-        self._tail.synchronize()
-
     def reset(self, lane=None, stream=None) -> None:
         """Forget lane ``lane``'s cached rows (``None``: every lane's), on the
         current stream (or ``stream``); a planned, not yet run step is dropped."""
@@ -715,10 +679,7 @@ class DraftKvBatch:
     def close(self) -> None:
         if self._closed:
             return
-        try:
-            self._tail.synchronize()
-        except Exception:
-            pass
+        self._close_wait()
         for ring in self.rings or ():
             ring.forget_reader(self)
             ring.close()
@@ -731,11 +692,6 @@ class DraftKvBatch:
                 setattr(self, name, None)
         self._closed = True
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def _ring_device_dtype(dtype):

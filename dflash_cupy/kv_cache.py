@@ -57,6 +57,7 @@ from .feature_ring import FeatureRing
 from .geometry import BULK_CHUNK, RingGeometry
 from .interop import device_view
 from .nvtx_ranges import nvtx_range
+from .step_issuer import StepIssuer
 from .ops.attention import RingAttention
 from .ops.gemm import Gemm, weight_kind
 from .ops.norm import RmsNorm
@@ -74,7 +75,7 @@ MAX_CAPACITY = 1 << 24  # ring slots: positions and slots are int32, and 16M row
 RING_GRAPHS = 4         # rings whose step graphs stay captured (switching back does not recapture)
 
 
-class DraftKvCache:
+class DraftKvCache(StepIssuer):
     """``DraftKvCache(weights, capacity, *, lm_head=None, sampling=None, backend=None, bulk_chunk=256)``.
 
     ``weights``: ``DraftWeights`` (host) — placed on the backend once and
@@ -254,9 +255,7 @@ class DraftKvCache:
                     be.label(a, f"DraftKvCache.{name}" + (f"[{i}]" if isinstance(v, list) else ""))
         # Everything above (zeros, kernel workspaces) was memset on the current stream: the
         # first call on any other stream waits for it on the device.
-        self._tail = be.event()       # after the latest work this cache issued
-        self._tail.record(be.current_stream())
-        self._tail_stream = be.current_stream()
+        self._init_order()
 
     # ------------------------------------------------------------------ properties
     capacity = property(lambda self: self.geom.capacity)
@@ -289,30 +288,6 @@ class DraftKvCache:
             raise ValueError("lm_head must have at least one row (the vocabulary), got 0")
         return to_device_matrix(be, lm_head)
 
-    def _check_open(self):
-        if self._closed:
-            raise RuntimeError("DraftKvCache is closed")
-
-    # ------------------------------------------------------------------ stream order
-    def _order(self, stream):
-        """The stream a call issues on: ``stream`` or the caller's current one,
-        ordered (on the device) after the work this cache issued elsewhere."""
-        s = self.backend.as_stream(stream)
-        if s != self._tail_stream:
-            s.wait_event(self._tail)
-        return s
-
-    def _issued(self, s) -> None:
-        """Work was issued on ``s``: the next call on another stream waits for it."""
-        self._tail.record(s)
-        self._tail_stream = s
-
-    def _reuse(self, event) -> None:
-        """Before rewriting a pinned buffer: wait for the work ``event`` follows
-        only if it has not run yet (on a device that keeps up: never)."""
-        if not event.query():
-            event.synchronize()
-            self.host_waits += 1
 
     # ------------------------------------------------------------------ the step body
     def _fuse_features(self, out, m: int, stream) -> None:
@@ -592,22 +567,7 @@ class DraftKvCache:
         slot, be = self._slot, self.backend
         s = self._order(stream)
         s.wait_event(self._ring.write_event)  # the rows this step gathers
-        if eager:
-            with nvtx_range("dflash eager step", "yellow"):
-                self._issue_step(slot, s, eager=True)
-        else:
-            if self._graphs[slot] is None:
-                with nvtx_range("dflash capture", "purple"):
-                    cs = self.capture_stream
-                    be.begin_capture(cs)
-                    try:
-                        self._issue_step(slot, cs)
-                    finally:
-                        graph = be.end_capture(cs)
-                    self._graphs[slot] = graph
-                    self.captures += 1
-            with nvtx_range("dflash replay", "blue"):
-                self._graphs[slot].launch(s)
+        self._launch_step(slot, s, eager)
         if o is not None:
             be.copy_d2d_async(o, self.hidden_states, stream=s)
         if t is not None:
@@ -633,10 +593,6 @@ class DraftKvCache:
         self.set_noise_embed(noise_embed, stream=stream)
         return self.run(stream=stream, out=out, tokens_out=tokens_out)
 
-    def synchronize(self) -> None:
-        """Host wait for every piece of work this cache issued, on any stream."""
-        self._tail.synchronize()
-
     def reset(self, stream=None) -> None:
         """Forget every cached row (a new request whose prefix differs); the
         slot table is cleared on the current stream (or ``stream``)."""
@@ -650,10 +606,7 @@ class DraftKvCache:
     def close(self) -> None:
         if self._closed:
             return
-        try:
-            self._tail.synchronize()
-        except Exception:
-            pass
+        self._close_wait()
         if self._ring is not None and not self._ring._closed:
             self._ring.forget_reader(self)
         # Release everything the cache holds (device arrays, pinned staging, graphs,
@@ -666,8 +619,3 @@ class DraftKvCache:
                 setattr(self, name, None)
         self._closed = True
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

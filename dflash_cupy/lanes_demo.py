@@ -35,25 +35,13 @@ def _lane_schedules(rng, lanes: int, steps: int, prompt: int, q_len: int, capaci
     return out
 
 
-def run(args) -> int:
-    from . import backends, reference
-    from .config import DraftConfig
+def run(args, be, w) -> int:
+    """The demo's options ``args`` on backend ``be`` with drafter weights ``w``."""
+    from . import reference
     from .kv_batch import DraftKvBatch
     from .tolerances import TOL, within
-    from .weights import DraftWeights
 
-    be = backends.get(args.backend)
     lanes = int(args.lanes)
-    if args.checkpoint:
-        w = DraftWeights.from_pretrained(args.checkpoint, backend=be)
-    else:
-        sliding = tuple(i in set(args.sliding) for i in range(args.layers))
-        cfg = DraftConfig(n_layer=args.layers, hidden_size=args.hidden, n_head=args.heads,
-                          n_head_kv=args.kv_heads, head_dim=args.head_dim,
-                          intermediate_size=args.intermediate, block_size=args.block_size,
-                          target_layer_ids=tuple(range(args.captured)), layer_sliding=sliding,
-                          sliding_window=args.window or None)
-        w = DraftWeights.random(cfg, seed=args.seed, dtype=args.dtype)
     cfg = w.config
     rng = np.random.default_rng(args.seed + 1)
     vocab = 97

@@ -37,8 +37,8 @@ import numpy as np
 from profiling import counters as ctr
 from profiling.common import drafter_config, int_list
 from profiling.hw_params import get_gpu
-from profiling.launch_plan import Copy, Launch, RecordingBackend, ShapeOnlyWeights, _rename
-from profiling.perf_model import _counter_key, kernel_time, model_step, resolve_drafter
+from profiling.launch_plan import Launch, RecordingBackend, ShapeOnlyWeights, _rename
+from profiling.perf_model import model_step, resolve_drafter, time_nodes
 
 
 def batch_step_plan(config, window: int, lanes: int, active: int, *, accept: int = 6,
@@ -109,17 +109,7 @@ def model_batch(drafter: str, window: int, active: int, gpu, *, lanes: int | Non
     cfg = drafter_config(name)
     lanes = active if lanes is None else lanes
     b, nodes = batch_step_plan(cfg, window, lanes, active, accept=accept, lm_head_vocab=lm_head_vocab)
-    cache: dict = {}
-    times = []
-    for n in nodes:
-        if isinstance(n, Copy):
-            c = ctr.copy_counters(n)
-        else:
-            k = _counter_key(n)
-            c = cache.get(k)
-            if c is None:
-                c = cache[k] = ctr.static_counters(n)
-        times.append(kernel_time(n, c, gpu))
+    times = time_nodes(nodes, gpu, ctr.static_counters)
     gap_us = gpu.node_gap_s * 1e6 * len(nodes)
     step_us = sum(t.predicted_us for t in times) + gap_us
     single = single or model_step(drafter, window, gpu, accept=accept, lm_head_vocab=lm_head_vocab)

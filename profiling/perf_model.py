@@ -136,17 +136,12 @@ def _counter_key(n):
             tuple(a if not hasattr(a, "name") else a.name for a in n.args), tuple(sorted(n.known.items())))
 
 
-def model_step(drafter: str, window: int, gpu, *, accept: int = 6, lm_head_vocab: int | None = None,
-               counter_source=None) -> dict:
-    """The model of one step: per node times, totals, floor, ratio, losses.
-    ``counter_source(launch) -> KernelCounters`` defaults to the static estimates."""
-    name = resolve_drafter(drafter)
-    cfg = drafter_config(name)
-    plan = step_plan(cfg, window, accept=accept, lm_head_vocab=lm_head_vocab)
-    source = counter_source or ctr.static_counters
+def time_nodes(graph_nodes, gpu, source) -> list:
+    """``kernel_time`` of each node, counters from ``source(launch)`` (once per
+    distinct launch: the layers repeat) or, for copies, their bytes."""
     cache: dict = {}
-    nodes = []
-    for n in plan.nodes:
+    out = []
+    for n in graph_nodes:
         if isinstance(n, Copy):
             c = ctr.copy_counters(n)
         else:
@@ -154,7 +149,18 @@ def model_step(drafter: str, window: int, gpu, *, accept: int = 6, lm_head_vocab
             c = cache.get(k)
             if c is None:
                 c = cache[k] = source(n)
-        nodes.append(kernel_time(n, c, gpu))
+        out.append(kernel_time(n, c, gpu))
+    return out
+
+
+def model_step(drafter: str, window: int, gpu, *, accept: int = 6, lm_head_vocab: int | None = None,
+               counter_source=None) -> dict:
+    """The model of one step: per node times, totals, floor, ratio, losses.
+    ``counter_source(launch) -> KernelCounters`` defaults to the static estimates."""
+    name = resolve_drafter(drafter)
+    cfg = drafter_config(name)
+    plan = step_plan(cfg, window, accept=accept, lm_head_vocab=lm_head_vocab)
+    nodes = time_nodes(plan.nodes, gpu, counter_source or ctr.static_counters)
     gap_us = gpu.node_gap_s * 1e6 * plan.n_nodes
     kern_us = sum(t.predicted_us for t in nodes)
     sb = step_bytes(plan.cache, accept, 2)
