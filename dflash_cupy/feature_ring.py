@@ -93,6 +93,7 @@ class FeatureRing:
         self._readers: dict = {}  # id(reader) -> event after its latest queued read of storage
         self._alive: dict = {}    # id(reader) -> weakref to it
         self.host_waits = 0       # times write() had to wait for a staging chunk's copy
+        self.writes = 0           # write() calls so far: a reader that has waited for write N skips the next wait
         self._closed = False
 
     @property
@@ -218,6 +219,7 @@ class FeatureRing:
                     be.copy_h2d_async(self.storage[slot + k:slot + k + m], stage[:m], stream=s)
                     ev.record(s)
         self._write_event.record(s)
+        self.writes += 1
         new_hi = start + n
         new_lo = self.lo if self.lo <= start <= self.hi else start
         self.lo, self.hi = max(new_lo, new_hi - self.capacity), new_hi

@@ -259,6 +259,7 @@ class DraftKvBatch(StepIssuer):
         self._plan_act = self._plan_c = self._plan_need = self._plan_desc = None
         self._plan_fields = [None] * lanes
         self._graphs = [None, None]
+        self._ring_writes = [-1] * lanes   # each ring's write count when a step last waited for it
         self.captures = 0
         self._slot = 0
         self._planned = False
@@ -645,8 +646,14 @@ class DraftKvBatch(StepIssuer):
                                f"begin_step again")
         slot, be = self._slot, self.backend
         s = self._order(stream)
-        for ring in self.rings:   # the planning launch takes every lane's ring storage
-            s.wait_event(ring.write_event)
+        # The planning launch takes every lane's ring storage: wait for the rings written
+        # since the last step (the older writes are ordered before it already: by that
+        # step's waits, then stream order or the edge to _tail).
+        seen = self._ring_writes
+        for i, ring in enumerate(self.rings):
+            if ring.writes != seen[i]:
+                s.wait_event(ring.write_event)
+                seen[i] = ring.writes
         self._launch_step(slot, s, eager)
         self._events[slot].record(s)
         for ring in self.rings:

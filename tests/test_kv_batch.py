@@ -333,3 +333,30 @@ def test_streams_rings_on_the_target_stream_steps_on_the_drafter_stream(monkeypa
             batch.step(committed, np.zeros((3, q, H), np.float32))
             be.to_numpy(batch.hidden_states)
     be.synchronize()
+
+
+def test_run_waits_only_for_rings_written_since_the_last_step(monkeypatch):
+    """Per step the host adds one device wait per ring written since the last
+    step, not one per lane (lanes whose rings did not change cost nothing)."""
+    be, batch, twins = make("c", 4)
+    fc = batch.config.fc_in
+    rng = np.random.default_rng(4)
+    for i in range(4):
+        batch.rings[i].write(0, rng.standard_normal((6, fc)).astype(np.float32))
+    s = be.stream()
+    noise = np.zeros((4, batch.q_len, batch.config.hidden_size), np.float32)
+    waits = []
+    cls = type(s)
+    orig = cls.wait_event
+    monkeypatch.setattr(cls, "wait_event", lambda self, ev: (waits.append(ev), orig(self, ev))[1])
+    with s:
+        batch.step([5, 5, 5, 5], noise)
+        first = len(waits)
+        waits.clear()
+        batch.rings[2].write(6, rng.standard_normal((1, fc)).astype(np.float32))
+        waits.clear()                        # (the ring's own ordering)
+        batch.step([5, 5, 6, 5], noise)
+        assert [w for w in waits if w is batch.rings[2].write_event] and \
+            not [w for i in (0, 1, 3) for w in waits if w is batch.rings[i].write_event]
+    assert first >= 4
+    be.synchronize()
