@@ -45,7 +45,6 @@ rings' latest writes; the host never waits on the step it just launched).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import struct
 
 import numpy as np
@@ -75,9 +74,6 @@ FAST_PLAN_LANES = 128  # from this many lanes on begin_step plans with NumPy (~0
 GEMM_MAX_M = 64  # the GEMMs' largest M tile; more rows run as more row blocks of the same launch
 TILE_ROWS = 16   # the stream GEMM's row tile: lane regions are whole tiles, so a dead lane is whole dead tiles
 
-
-def _accepts(fn, name: str) -> bool:
-    return name in inspect.signature(fn).parameters
 
 
 class DraftKvBatch(StepIssuer):
@@ -242,15 +238,9 @@ class DraftKvBatch(StepIssuer):
         self.rope_step = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, True, c.rms_norm_eps,
                                      self.attn_scaling)
         gate_mode = None if c.attn_gate == "none" else c.attn_gate
-        # one launch for every (lane, kv head) where the attention op takes a lane axis;
-        # else one launch per lane (same kernel, same results)
-        self._lane_attention = _accepts(RingAttention.__init__, "lanes")
-        if self._lane_attention:
-            self.attention = RingAttention(be, c.head_dim, c.n_head, c.n_head_kv, B, g.kv_total, gate=gate_mode,
-                                           lanes=lanes, lane_rows=BS)
-        else:
-            self.attention = RingAttention(be, c.head_dim, c.n_head, c.n_head_kv, B, g.kv_total, gate=gate_mode)
-        self._tile_skip = _accepts(Gemm.__call__, "tile_live")
+        # one launch for every (lane, kv head); an idle lane's blocks exit at once
+        self.attention = RingAttention(be, c.head_dim, c.n_head, c.n_head_kv, B, g.kv_total, gate=gate_mode,
+                                       lanes=lanes, lane_rows=BS)
         self.planner = StepPlanner(be, g)
         ring_kind = self.rings[0].kind
         self.gather = FeatureGather(be, c.fc_in, ring_capacity, ring_kind)
@@ -306,11 +296,6 @@ class DraftKvBatch(StepIssuer):
         return int(lane)
 
     # ------------------------------------------------------------------ the step body
-    def _gemm(self, g, x, w, y, m, tiles=None, **kw):
-        if tiles is not None and self._tile_skip and g.path == "stream":
-            kw["tile_live"] = tiles
-        g(x, w, y, m, **kw)
-
     def _lane_cache(self, cache, lane):
         kv = self.geom.kv_total
         return cache[lane * kv:(lane + 1) * kv]
@@ -353,7 +338,7 @@ class DraftKvBatch(StepIssuer):
         M = NC + NN
         tiles_all, tiles_noise = self.tile_live, self.tiles_noise
         if self._fold_norms:
-            self._gemm(self.g_qkv, self.resid, L.w_qkv, self.qkv, M, tiles_all, stream=stream,
+            self.g_qkv(self.resid, L.w_qkv, self.qkv, M, tile_live=tiles_all, stream=stream,
                        norm=(L.input_layernorm, 0 if c.context_kv_layer_norm else NC))
             if self.g_attn_gate is not None:
                 self.rms(self.h, L.input_layernorm, self.hn, stream=stream)
@@ -362,30 +347,22 @@ class DraftKvBatch(StepIssuer):
                 self.rms(self.resid, L.input_layernorm, self.xin, stream=stream)
             else:
                 self.rms(self.h, L.input_layernorm, self.hn, stream=stream)
-            self._gemm(self.g_qkv, self.xin, L.w_qkv, self.qkv, M, tiles_all, stream=stream)
+            self.g_qkv(self.xin, L.w_qkv, self.qkv, M, tile_live=tiles_all, stream=stream)
         self.rope_step(self.qkv, L.k_norm, self.inv_freq, self.pos_all, self.rows_all,
                        self.k_cache[li], self.v_cache[li], q_norm=L.q_norm, q_out=self.q_all, stream=stream)
         if self.g_attn_gate is not None:
-            self._gemm(self.g_attn_gate, self.hn, L.w_attn_gate, self.gate, NN, tiles_noise, stream=stream)
+            self.g_attn_gate(self.hn, L.w_attn_gate, self.gate, NN, tile_live=tiles_noise, stream=stream)
         mask = self.mask_swa if L.sliding else self.mask_full
-        if self._lane_attention:
-            self.attention(self.q, self.k_cache[li], self.v_cache[li], mask, self.attn, gate=self.gate,
-                           stream=stream, live=self.desc)
-        else:
-            B, BS = self.q_len, self.lane_rows
-            for i in range(self.lanes):
-                r = slice(i * BS, i * BS + B)
-                self.attention(self.q[r], self._lane_cache(self.k_cache[li], i),
-                               self._lane_cache(self.v_cache[li], i), mask[i], self.attn[r],
-                               gate=None if self.gate is None else self.gate[r], stream=stream)
-        self._gemm(self.g_o, self.attn, L.w_o, self.h, NN, tiles_noise, residual=self.h, stream=stream)
+        self.attention(self.q, self.k_cache[li], self.v_cache[li], mask, self.attn, gate=self.gate,
+                       stream=stream, live=self.desc)
+        self.g_o(self.attn, L.w_o, self.h, NN, tile_live=tiles_noise, residual=self.h, stream=stream)
         if self._fold_norms:
-            self._gemm(self.g_gate_up, self.h, L.w_gate_up, self.act, NN, tiles_noise, stream=stream,
+            self.g_gate_up(self.h, L.w_gate_up, self.act, NN, tile_live=tiles_noise, stream=stream,
                        norm=(L.post_attention_layernorm, 0))
         else:
             self.rms(self.h, L.post_attention_layernorm, self.hn, stream=stream)
-            self._gemm(self.g_gate_up, self.hn, L.w_gate_up, self.act, NN, tiles_noise, stream=stream)
-        self._gemm(self.g_down, self.act, L.w_down, self.h, NN, tiles_noise, residual=self.h, stream=stream)
+            self.g_gate_up(self.hn, L.w_gate_up, self.act, NN, tile_live=tiles_noise, stream=stream)
+        self.g_down(self.act, L.w_down, self.h, NN, tile_live=tiles_noise, residual=self.h, stream=stream)
 
     def _issue_step(self, slot: int, stream, eager: bool = False) -> None:
         """Every launch and copy of one step, in order (captured once per slot)."""
@@ -398,7 +375,7 @@ class DraftKvBatch(StepIssuer):
         # T = rmsnorm(feat @ fc.T) * hidden_norm for every lane's appended rows
         if dw.aux_norms is not None:
             self.rms(self.ap_feat, dw.aux_norms, self.ap_feat, rows=NC * c.n_captured, stream=stream)
-        self._gemm(self.g_fc, self.ap_feat, dw.fc, self.ctx_step, NC, self.tiles_ctx, stream=stream)
+        self.g_fc(self.ap_feat, dw.fc, self.ctx_step, NC, tile_live=self.tiles_ctx, stream=stream)
         self.rms(self.ctx_step, dw.hidden_norm, self.ctx_step, rows=NC, stream=stream)
         be.copy_d2d_async(self.h, self.noise_embed, stream=stream)
         for li, L in enumerate(dw.layers):
@@ -407,11 +384,11 @@ class DraftKvBatch(StepIssuer):
         self.rms(self.h, dw.norm, self._hs, stream=stream)
         if self.g_lm is not None:
             if self._logits is None:
-                self._gemm(self.g_lm, self._hs, self.lm_head, None, NN, self.tiles_noise, partials=self._lm_part,
+                self.g_lm(self._hs, self.lm_head, None, NN, tile_live=self.tiles_noise, partials=self._lm_part,
                            stream=stream)
                 self.sampler.reduce_partials(self._lm_part, self._tokens, NN, stream=stream)
             else:
-                self._gemm(self.g_lm, self._hs, self.lm_head, self._logits, NN, self.tiles_noise, stream=stream)
+                self.g_lm(self._hs, self.lm_head, self._logits, NN, tile_live=self.tiles_noise, stream=stream)
                 self.sampler(self._logits, self._tokens, self.sample_knobs, self.sample_rng, NN, stream=stream)
 
     # ------------------------------------------------------------------ public API

@@ -14,8 +14,7 @@ def test_batch_plan_marks_live_tiles_and_floor_shares_weights():
     kinds = [n.kernel for n in nodes if isinstance(n, Launch)]
     assert kinds.count("plan_lanes") == 1                 # one planning launch for every lane
     marked = [n.known["tile_live"] for n in nodes if isinstance(n, Launch) and "tile_live" in n.known]
-    if b._tile_skip:                                      # the GEMMs read the live flags
-        assert marked and all(sum(t) < len(t) for t in marked)   # lane 3 idle: dead tiles
+    assert marked and all(sum(t) < len(t) for t in marked)   # the GEMMs read the flags; lane 3 idle: dead tiles
     single = {"weights": 100, "lm_head": 10, "total": 150}
     assert lm.floor_bytes(single, 1) == 150 and lm.floor_bytes(single, 4) == 110 + 4 * 40
 
