@@ -405,9 +405,6 @@ class DraftKvBatch(StepIssuer):
             fields = plan_step(int(self._next[lane]), int(committed), self.geom, self.config.swa_window)
         except ValueError as e:
             raise ValueError(f"committed[{lane}]: {e}") from None
-        win = fields.committed - fields.lo
-        if ring.capacity < win:  # (ring_capacity >= capacity: cannot happen; kept for clarity)
-            raise ValueError(f"lane {lane}: ring capacity {ring.capacity} < window {win}")
         need = (fields.bulk_start, fields.bulk_start + fields.bulk_count) if fields.bulk_count \
             else (fields.start, fields.start + fields.n_new)
         if not ring.holds(*need):
