@@ -729,3 +729,21 @@ def test_split_k_workspace_covers_every_m(backend):
     assert sk.plan(sk.m_split_max).ks == 3 and sk.plan(sk.m_split_max).mblocks > 1
     # bounded by one wave of 64-row partial tiles (plus the row sums of squares)
     assert sk._ws.size <= gs.H200.sm_count * 64 * per_row
+
+
+def test_split_k_static_counters_per_m_block():
+    # profiling.counters counts split K per (column group, M block): partial tiles of the
+    # stored rows only, a wholly dead M block leaves before the count (no partials)
+    from profiling import counters as ctr
+    from tests.test_perf_model import _arr, _gs_launch
+    L, p = _gs_launch(256, 256, 1024, ks=2)
+    assert p.grid == (4, 1, 2) and p.mblocks == 4
+    L.args += [None, 0.0, 0, _arr("tl", (16,), np.int32), 1]
+    every = ctr.static_counters(L)   # (a forced split: its notes name the difference from plan's)
+    ws = next(k for k in every.bytes_written if k.startswith("ws"))
+    assert every.bytes_written[ws] == every.bytes_read[ws] == 2 * 256 * 256 * 4
+    L.known["tile_live"] = tuple([True] * 8 + [False] * 4 + [True, False, False, False])
+    c = ctr.static_counters(L)
+    assert c.bytes_written[ws] == 2 * 9 * 16 * 256 * 4          # 9 live tiles of 16 rows
+    assert c.mma * 16 == every.mma * 9 and c.gst_bytes < every.gst_bytes
+    assert c.barriers < every.barriers                            # block 2 never reaches the count
