@@ -92,9 +92,10 @@
 //   recompiles and holds them to the launcher's PTXAS_REGS): accumulators
 //   MT*WT*4, ring GS_DEPTH*WT*8 = 64 or 96, x fragments 16.
 //     GS_MT 1 (depth 2): 121-128 (GS_MINB 2 caps it at 128: 2 blocks of 256 threads per SM)
-//     GS_MT 2 (depth 3): 187-189 (202-206 silu_mul), GS_MT 4 (depth 3): 220-223
-//     (226-235 silu_mul): 1 block per SM (tile_live and the linear grid index moved them by -5..+4)
-//     GS_NORM 1 (bf16, K 4096): MT 1 123, MT 2 188 (202 silu_mul), MT 4 220 (232 silu_mul),
+//     GS_MT 2 (depth 3): 190 (206 silu_mul), GS_MT 4 (depth 3): 225 (237 silu_mul):
+//     1 block per SM (tile_live and the linear grid index moved them by -5..+4; split K
+//     per (column group, M block) by 0..+2, the same allocation in units of 8)
+//     GS_NORM 1 (bf16, K 4096): MT 1 124, MT 2 192 (203 silu_mul), MT 4 222 (234 silu_mul),
 //     0 spills; static shared memory + 4 B per row (ss_s, and sc_s with split K)
 //   Blocks per SM = min(registers, (228 KB) / (dynamic smem + 1 KB), 8); the
 //   launcher keeps the x chunk small enough that smem does not cut the
@@ -104,11 +105,16 @@
 //   2-way conflicts, x re-read from L2 once per weight byte, 1-4 16-byte
 //   loads per lane in flight (~6-23 KB per SM).
 //
-// ---- Split K (gridDim.z > 1; one M tile, the launcher's rule): each slice
-//   writes its partial tile to ws [groups][ks][NW][ROWS][COLS] f32; the last block of a
-//   column group (counters[cg], zero between launches: that block
-//   resets it) sums the slices in z order (bit-identical replays) and applies
-//   the epilogue.
+// ---- Split K (gridDim.z > 1): each slice of block (cg, mb) writes its partial
+//   tile to ws [groups][mblocks][ks][NW][ROWS][COLS] f32 (indexed by the linear
+//   block x = cg * mblocks + mb; with GS_NORM each slice's row sums of squares
+//   follow all partial tiles, [groups][mblocks][ks][ROWS]); the last slice of a
+//   (column group, M block) to arrive (counters[blockIdx.x], zero between
+//   launches: that block resets it) sums the slices in z order (bit-identical
+//   replays) and applies the epilogue. The tile flags are the same for every
+//   slice of a block, so a block with nothing to store leaves in all its slices
+//   before the count and its counter stays 0. The launcher splits K only while
+//   the split grid fits one wave, which bounds the workspace (see plan()).
 //
 // nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=0 -DGS_K=4096 -DGS_MT=1 -DGS_NT=4 -DGS_SPLIT=2
 // nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=0 -DGS_K=4096 -DGS_MT=2 -DGS_NT=4 -DGS_SPLIT=2
@@ -288,8 +294,9 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
             if (!(a >= lo && b <= pad_hi)) tmask |= 1u << i;
         }
     }
-    // A block with nothing to store has nothing to do. Split K has one M block
-    // (grid y 1): its slices all leave here together and the counter stays 0.
+    // A block with nothing to store has nothing to do. With split K every slice of
+    // this (column group, M block) sees the same flags: all leave here, before the
+    // arrival count, and its counter stays 0.
     if (tmask == 0u) return;
 
 #if GS_NORM
@@ -508,10 +515,11 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
     }
 
     // ---- split K: publish this slice's partial tile; the last slice to arrive reduces.
-    // ws holds each column group's slices together, [ks][NW][ROWS][COLS] per group,
-    // so the reduction reads 16-byte vectors whatever N is.
+    // ws holds each (column group, M block)'s slices together, [ks][NW][ROWS][COLS] per
+    // block x, so the reduction reads 16-byte vectors whatever N is.
     const int ks = (int)gridDim.z;
-    float* wsb = ws + (long long)cg * ks * NW * ROWS * COLS;
+    const int bx = cg * mblocks + m0 / ROWS;                   // = blockIdx.x
+    float* wsb = ws + ((long long)cg * mblocks * ks + (long long)(m0 / ROWS) * ks) * (NW * ROWS * COLS);
 #pragma unroll
     for (int i = 0; i < MT; i++) {
 #pragma unroll
@@ -527,15 +535,14 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
         }
     }
 #if GS_NORM
-    // the rows' partial sums of squares of this slice, after every group's partial tiles
-    // (split K has one M block: grid x = groups)
-    float* ssw = ws + (long long)gridDim.x * ks * NW * ROWS * COLS + (long long)cg * ks * ROWS;
+    // the rows' partial sums of squares of this slice, after every block's partial tiles
+    float* ssw = ws + (long long)gridDim.x * ks * NW * ROWS * COLS + (long long)bx * ks * ROWS;
     if (threadIdx.x < live) ssw[blockIdx.z * ROWS + threadIdx.x] = ss_s[threadIdx.x];
 #endif
     __shared__ int ticket;
     __threadfence();  // the partial tile is visible device-wide before the count says so
     __syncthreads();
-    if (threadIdx.x == 0) ticket = atomicAdd(&counters[cg], 1);
+    if (threadIdx.x == 0) ticket = atomicAdd(&counters[bx], 1);
     __syncthreads();
     if (ticket != ks - 1) return;
     __threadfence();
@@ -582,6 +589,6 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
         if (col + 2 < N) store(y, r, o + 2, a[0].z, a[NW - 1].z);
         if (col + 3 < N) store(y, r, o + 3, a[0].w, a[NW - 1].w);
     }
-    if (threadIdx.x == 0) counters[cg] = 0;  // ready for the next launch (or replay)
+    if (threadIdx.x == 0) counters[bx] = 0;  // ready for the next launch (or replay)
 #endif
 }

@@ -512,35 +512,55 @@ def _gemm_stream(L) -> KernelCounters:
                         if EPI == 1:
                             c.add_global("ld", n_ct, s_, q_)
     else:
-        live = min(M, ROWS)
-        # partial tiles: per warp, tile i, weight tile j, half h: 8 rows x 4 lanes of float2
-        for i in range(MT):
-            for h in (0, 1):
-                lr0 = 16 * i + 8 * h
-                if lr0 < live:
-                    vr = min(8, live - lr0)
-                    s_, q_ = global_sectors([(g * COLS + 2 * t) * 4 for g in range(vr) for t in range(4)], 8)
-                    c.add_global("st", gx * gz * WARPS * WT, s_, q_)
-        # last block of each column group: float4 reads of ks x NW slices, scalar epilogue
+        # per (column group, M block): a block whose tiles are all dead leaves in every slice
+        # before the count; the others store the partial rows of their stored tiles (live
+        # tiles below M, padding ones included), and the last slice to arrive reduces them
+        def stored(by: int) -> list:
+            """Per tile of M block ``by``: its rows below M if the tile is stored, else 0."""
+            out = []
+            for i in range(MT):
+                a = by * ROWS + 16 * i
+                b = min(a + 16, M)
+                out.append(b - a if a < M and (flags is None or flags[a // 16]) else 0)
+            return out
+
+        st_rows = [stored(by) for by in range(gy)]
+        act = [by for by in range(gy) if any(st_rows[by])]   # blocks past the early exit (tmask != 0)
         C4 = COLS // 4
-        for bx in range(gx):
-            cols = max(0, min(COLS, N - bx * COLS))
-            items = live * C4
-            wreqs = -(-items // 32)
-            c4_valid = -(-cols // 4)
-            if c4_valid == C4:   # a warp's 32 items: 512 contiguous bytes of one slice row
-                c.add_global("ld", wreqs * gz * NW, 16, 512)
-            else:
-                _contig(c, "ld", live * c4_valid * 16 * gz * NW, 16)
-            _contig(c, "st", live * cols * 4, 4)
-            if EPI == 1:
-                _contig(c, "ld", live * cols * 4, 4)
-        red_l2_trips = -(-live * C4 // THREADS) * -(-gz * NW // 4)
-        c.barriers += L.n_blocks * 2
-        c.bytes_written[_name(ws)] = gz * NW * live * N * 4
-        c.bytes_read[_name(ws)] = gz * NW * live * N * 4
-        c.notes.append(f"split-K {gz}: partial tiles ({gz * NW * live * N * 4 / 1e6:.2f} MB) round-trip "
-                       f"through L2; the last block of each column group reduces them")
+        part_rows = 0
+        for by in act:
+            rows_t = st_rows[by]
+            # partial tiles: per warp, tile i, weight tile j, half h: 8 rows x 4 lanes of float2
+            for i in range(MT):
+                for h in (0, 1):
+                    vr = max(0, min(8, rows_t[i] - 8 * h))
+                    if vr:
+                        s_, q_ = global_sectors([(g * COLS + 2 * t) * 4 for g in range(vr) for t in range(4)], 8)
+                        c.add_global("st", gx * gz * WARPS * WT, s_, q_)
+            srows = sum(rows_t)
+            part_rows += srows
+            # the last slice of each column group: float4 reads of ks x NW slices of its stored
+            # rows (a warp's 32 items: 512 contiguous bytes of one slice row), scalar epilogue
+            for bx in range(gx):
+                cols = max(0, min(COLS, N - bx * COLS))
+                c4_valid = -(-cols // 4)
+                if c4_valid == C4:
+                    c.add_global("ld", -(-srows * C4 // 32) * gz * NW, 16, 512)
+                else:
+                    _contig(c, "ld", srows * c4_valid * 16 * gz * NW, 16)
+                _contig(c, "st", srows * cols * 4, 4)
+                if EPI == 1:
+                    _contig(c, "ld", srows * cols * 4, 4)
+            live = max(0, min(ROWS, M - by * ROWS))
+            red_l2_trips = max(red_l2_trips, -(-live * C4 // THREADS) * -(-gz * NW // 4))
+            if NORM:   # each slice's row sums of squares (every row below M), and their reduction
+                _contig(c, "st", gx * gz * live * 4)
+                _contig(c, "ld", gx * gz * live * 4)
+        c.barriers += gx * len(act) * gz * 2
+        c.bytes_written[_name(ws)] = gz * NW * part_rows * N * 4
+        c.bytes_read[_name(ws)] = gz * NW * part_rows * N * 4
+        c.notes.append(f"split-K {gz}: partial tiles ({gz * NW * part_rows * N * 4 / 1e6:.2f} MB) round-trip "
+                       f"through L2; the last slice of each (column group, M block) reduces them")
     m_live = sum(sum(t) for t in block_rows)   # rows computed (live tiles, below M)
     c.bytes_read[_name(x)] = m_live * K * 4
     c.bytes_written[_name(y)] = m_live * N * 4
@@ -551,9 +571,6 @@ def _gemm_stream(L) -> KernelCounters:
     if NORM:
         c.bytes_read[_name(ln)] = K * 4
         c.dram_bytes += K * 4
-        if gz > 1:   # each slice's row sums of squares, and their reduction
-            _contig(c, "st", gx * gz * min(M, ROWS) * 4)
-            _contig(c, "ld", gx * gz * min(M, ROWS) * 4)
         c.notes.append(f"RMSNorm of rows >= {norm_lo} folded in: x * ln staged, the row scale applied "
                        "to the accumulators (no normalised copy of x)")
     c.dram_round_trips_per_block = per_block_trips

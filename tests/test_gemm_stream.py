@@ -1,7 +1,8 @@
 """The weight-streaming GEMM (cuda_src/gemm_stream.cu, planned by
 dflash_cupy/ops/gemm_stream.py): every weight dtype, epilogue and compiled M
 variant against gemm_reference with the "f32" tolerance, awkward M/N/K, split
-K (uneven slices, bit-identical repeats, counters reset), and the figures the
+K (uneven slices, bit-identical repeats, counters reset; with one M block or
+several, with tile_live and the folded RMSNorm), and the figures the
 kernel header derives, pinned at the qwen3-8b-like and hidden-5120 shapes
 (before: gemm_mma.cu's launch; after: this kernel's)."""
 import ml_dtypes
@@ -56,16 +57,17 @@ def test_rounded_activations(backend, rng, wkind):
 def test_split_k(backend, rng, k_split, epilogue):
     # Uneven slices (K=840: 7 slices of 128 leave 72 for the last), N=260: a
     # partial column group; run twice (the counters reset themselves), in place for
-    # residual; m beyond one tile runs unsplit.
+    # residual; m beyond one tile (and beyond max_m) splits too: 2 M blocks.
     for m in (1, 19):
         for in_place in (False, True):
             op = run(backend, rng, N=260, K=840, wkind="bf16", epilogue=epilogue, m=m, max_m=32, x_rows=40,
                      path="stream", k_split=k_split, in_place=in_place and epilogue == "residual")
             assert op._stream.plan(m).ks == k_split
-    assert backend.to_numpy(op._counters).tolist() == [0] * op._nblk
-    run(backend, rng, N=260, K=840, wkind="bf16", epilogue=epilogue, m=40, max_m=32, x_rows=40,
-        path="stream", k_split=k_split)
-    assert op._stream.plan(40).ks == 1
+    _counters_zero(backend, op)
+    op = run(backend, rng, N=260, K=840, wkind="bf16", epilogue=epilogue, m=40, max_m=32, x_rows=40,
+             path="stream", k_split=k_split)
+    assert op._stream.plan(40).ks == k_split and op._stream.plan(40).mblocks == 2
+    _counters_zero(backend, op)
 
 
 @pytest.mark.parametrize("epilogue", ["none", "silu_mul"])
@@ -163,7 +165,8 @@ def test_plans_fit_for_every_m():
         for m in range(1, 130):
             p = gs.plan(N, K, m, nw)
             assert p.kz % 64 == 0 and p.kt % 64 == 0 and (p.ks - 1) * p.kz < K
-            assert p.ks == 1 or p.mblocks == 1
+            # several M blocks split only inside one wave of resident blocks
+            assert p.ks == 1 or p.mblocks == 1 or p.grid[0] * p.ks <= gs.H200.sm_count * gs.blocks_per_sm(p.mt, 0)
             assert p.smem <= gs.H200.smem_optin and gs.blocks_per_sm(p.mt, p.smem) >= 1
             assert p.groups * gs.cols_per_block(nw) >= N and p.mblocks * 16 * p.mt >= m
             assert p.grid == (p.groups * p.mblocks, 1, p.ks)
@@ -381,9 +384,9 @@ def test_tile_live_skips_dead_tiles(backend, rng, epilogue, k_split):
                              x_round=op.x_round)
         assert_close(got[live], ref[live], "f32", f"{op!r} m={m} flags={flags.tolist()}")
         assert (got[~live].view(np.uint32) == SENTINEL.view(np.uint32)).all(), (m, flags.tolist())
-        if k_split is not None and m <= 64:
+        if k_split is not None:   # several M blocks split too (m = 272: 5 blocks x 3 slices)
             assert op._stream.plan(m).ks == k_split
-    assert backend.to_numpy(op._counters).tolist() == [0] * op._nblk
+    _counters_zero(backend, op)
 
 
 def test_tile_live_in_place_residual_and_padding(backend, rng):
@@ -528,7 +531,7 @@ def test_m_blocks_of_a_column_group_are_adjacent():
         for m in (256, 1024, 4096):   # up to 64 lanes x 64 rows
             f = gs.stream_figures(N, K, m, nw)
             p = f["plan"]
-            assert p.grid[0] == p.groups * p.mblocks < gs.GRID_X_MAX and p.grid[1:] == (1, 1)
+            assert p.grid[0] == p.groups * p.mblocks < gs.GRID_X_MAX and p.grid[1:] == (1, p.ks)
             assert p.mblocks == -(-m // 64) and p.mt == 4
             assert f["weight_hbm_passes"] <= 1.5 < f["weight_hbm_passes_old_order"] or m == 256, (name, m, f)
     # 3 groups x 5 M blocks, waves of 4: blocks 0..4, 5..9, 10..14 touch 2 waves each; the
@@ -584,3 +587,163 @@ def test_large_max_m_on_the_fallback_paths(backend, rng, path, wkind):
     # max_m beyond 64 keeps the 64-row tile there (larger m: more tiles)
     op = run(backend, rng, N=37, K=96, wkind=wkind, epilogue="none", m=70, max_m=4096, x_rows=72, path=path)
     assert op.tile_m == 64
+
+
+# ---- split K with several M blocks: workspace and counters per (column group, M block) ----
+
+def _counters_zero(backend, op):
+    cnt = backend.to_numpy(op._counters)
+    assert cnt.size >= max(op._stream.plan(m).grid[0] for m in (1, op.max_m)) and not cnt.any(), cnt.tolist()
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("epilogue", ["none", "residual", "silu_mul"])
+def test_split_k_several_m_blocks(backend, rng, epilogue, norm):
+    """K split 3 ways (K=840: uneven slices) with 2..5 M blocks of 64 rows at awkward
+    m, N=300 (2 or 3 column groups, the last partial), each (group, M block) reducing
+    its own slices: against gemm_reference (folded RMSNorm too), first without flags,
+    then with random tile_live flags (m=272: the first M block wholly dead, it leaves
+    in every slice before the count); dead rows keep the sentinel bit for bit; a
+    second launch repeats bit for bit (the counters reset themselves to 0)."""
+    N, K, ks = 300, 840, 3
+    nw = 2 if epilogue == "silu_mul" else 1
+    op = Gemm(backend, N, K, "bf16", epilogue=epilogue, max_m=512, path="stream", k_split=ks,
+              norm_eps=1e-6 if norm else None)
+    wh = host_weights(rng, nw * N, K, "bf16")
+    w = backend.asarray(wh)
+    ln_h = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    for m, use_flags in ((100, False), (130, False), (272, False), (100, True), (130, True), (272, True)):
+        p = op._stream.plan(m)
+        assert p.ks == ks and p.mblocks == -(-m // 64) >= 2 and p.grid == (p.groups * p.mblocks, 1, ks)
+        flags = _flags(rng, m, force_dead_block=m == 272) if use_flags else np.ones(-(-m // 16), np.int32)
+        live = _live_rows(flags, m)
+        xh = rng.standard_normal((m, K)).astype(np.float32)
+        norm_lo = m // 3
+        if norm:
+            xh[norm_lo:] *= rng.uniform(0.01, 30, (m - norm_lo, 1)).astype(np.float32)
+        xh[~live] = np.nan
+        rh = rng.standard_normal((m, N)).astype(np.float32) if epilogue == "residual" else None
+        kw = dict(residual=None if rh is None else backend.asarray(rh),
+                  tile_live=backend.asarray(flags) if use_flags else None,
+                  norm=(backend.asarray(ln_h), norm_lo) if norm else None)
+        outs = []
+        for _ in range(2):
+            y = backend.asarray(np.full((m, N), SENTINEL, np.float32))
+            op(backend.asarray(xh), w, y, m, **kw)
+            outs.append(backend.to_numpy(y))
+            _counters_zero(backend, op)
+        ref = gemm_reference(np.where(live[:, None], xh, 0).astype(np.float32), wh, epilogue, rh,
+                             x_round=op.x_round, norm=(ln_h, 1e-6, norm_lo) if norm else None)
+        what = f"{op!r} m={m} flags={flags.tolist()}"
+        assert_close(outs[0][live], ref[live], "f32", what)
+        assert (outs[0][~live].view(np.uint32) == SENTINEL.view(np.uint32)).all(), what
+        assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), what
+
+
+def test_split_k_several_m_blocks_exact_integers(backend, rng):
+    # integer data: every partial sum is exact, so a slice reduced into the wrong (group,
+    # M block) or a missing slice is an exact mismatch; 4 M blocks x 2 groups x 4 slices
+    N, K, m = 300, 712, 200
+    op = Gemm(backend, N, K, "bf16", max_m=256, path="stream", k_split=4)
+    assert op._stream.plan(m).grid == (2 * 4, 1, 4)
+    xh = rng.integers(-3, 4, (m, K)).astype(np.float32)
+    wf = rng.integers(-3, 4, (N, K)).astype(np.float32)
+    y = backend.zeros((m, N), np.float32)
+    op(backend.asarray(xh), backend.asarray(wf.astype(ml_dtypes.bfloat16).view(np.uint16)), y, m)
+    np.testing.assert_array_equal(backend.to_numpy(y), xh @ wf.T)
+    _counters_zero(backend, op)
+
+
+def test_split_k_several_m_blocks_in_a_graph(backend, rng):
+    # captured once, replayed with other flags: each replay matches the reference and
+    # a replay with the same flags repeats bit for bit
+    N, K, m = 70, 392, 130
+    op = Gemm(backend, N, K, "bf16", epilogue="residual", max_m=256, path="stream", k_split=3)
+    assert op._stream.plan(m).mblocks == 3 and op._stream.plan(m).ks == 3
+    xh = rng.standard_normal((m, K)).astype(np.float32)
+    wh = host_weights(rng, N, K, "bf16")
+    rh = rng.standard_normal((m, N)).astype(np.float32)
+    x, w, r = backend.asarray(xh), backend.asarray(wh), backend.asarray(rh)
+    y = backend.asarray(np.full((m, N), SENTINEL, np.float32))
+    f_dev = backend.zeros((9,), np.int32)
+    f_host = backend.pinned_empty((9,), np.int32)
+    s = backend.stream()
+    backend.synchronize()
+    backend.begin_capture(s)
+    backend.copy_h2d_async(f_dev, f_host, stream=s)
+    op(x, w, y, m, residual=r, stream=s, tile_live=f_dev)
+    g = backend.end_capture(s)
+    ref = gemm_reference(xh, wh, "residual", rh, x_round=op.x_round)
+    done = np.zeros(m, bool)   # rows some replay computed; the others still hold the sentinel
+    seen = {}
+    for flags in ([0, 0, 0, 0, 1, 0, 1, 1, 0], [1] * 9, [0, 0, 0, 0, 1, 0, 1, 1, 0], [1] * 9):
+        backend.host_write(f_host)
+        f_host[:] = flags
+        g.launch(s)
+        s.synchronize()
+        live = _live_rows(np.array(flags), m)
+        done |= live
+        got = backend.to_numpy(y)
+        assert_close(got[live], ref[live], "f32", f"replay flags={flags}")
+        assert (got[~done] == SENTINEL).all(), flags
+        key = tuple(flags)
+        if key in seen:   # the same flags: bit for bit
+            assert np.array_equal(seen[key][live].view(np.uint32), got[live].view(np.uint32)), flags
+        seen[key] = got
+        _counters_zero(backend, op)
+
+
+def test_split_k_plans_for_several_m_blocks():
+    # the qwen3-8b-like (h4096) o and down at 256 rows: 16 groups x 4 M blocks fill half the
+    # SMs; 2 slices fill 128 of 132. qkv (96 blocks) and gate_up (384) gain nothing.
+    expect = {("o", 256): 2, ("down", 256): 2, ("qkv", 256): 1, ("gate_up", 256): 1}
+    for name, N, K, nw in QWEN3_8B:
+        for m in (64, 256, 1024):
+            p = gs.plan(N, K, m, nw)
+            if (name, m) in expect:
+                assert p.ks == expect[name, m], (name, m, p)
+            if m == 1024:
+                assert p.ks == 1, (name, m, p)
+    # the cap: several M blocks split only while the split grid fits one wave (bounded
+    # workspace); a forced split beyond it runs unsplit
+    for name, N, K, nw in QWEN3_8B + HIDDEN_5120:
+        for m in range(65, 4097, 37):
+            p = gs.plan(N, K, m, nw)
+            assert p.ks == 1 or p.grid[0] * p.ks <= gs.H200.sm_count * gs.blocks_per_sm(p.mt, 0), (name, m, p)
+    assert gs.plan(4096, 4096, 256, 1, ks=3).ks == 1          # 64 x 3 > 132
+    assert gs.plan(4096, 4096, 128, 1, ks=4).ks == 4          # 32 x 4 = 128
+
+
+def test_split_k_workspace_covers_every_m(backend):
+    # the workspace and counters are sized for the largest split any m plans (m beyond
+    # max_m included): each planned split fits, and past m_split_max nothing splits
+    op = Gemm(backend, 300, 840, "bf16", "silu_mul", max_m=64, path="stream", norm_eps=1e-6, k_split=3)
+    sk = op._stream
+    per_row = 2 * gs.cols_per_block(2) + 1
+    assert sk.m_split_max > 64
+    for m in range(1, 2 * sk.m_split_max + 2):
+        p = sk.plan(m)
+        if p.ks > 1:
+            assert m <= sk.m_split_max
+            assert p.grid[0] * p.ks * 16 * p.mt * per_row <= sk._ws.size and p.grid[0] <= sk._counters.size
+    assert sk.plan(sk.m_split_max).ks == 3 and sk.plan(sk.m_split_max).mblocks > 1
+    # bounded by one wave of 64-row partial tiles (plus the row sums of squares)
+    assert sk._ws.size <= gs.H200.sm_count * 64 * per_row
+
+
+def test_split_k_static_counters_per_m_block():
+    # profiling.counters counts split K per (column group, M block): partial tiles of the
+    # stored rows only, a wholly dead M block leaves before the count (no partials)
+    from profiling import counters as ctr
+    from tests.test_perf_model import _arr, _gs_launch
+    L, p = _gs_launch(256, 256, 1024, ks=2)
+    assert p.grid == (4, 1, 2) and p.mblocks == 4
+    L.args += [None, 0.0, 0, _arr("tl", (16,), np.int32), 1]
+    every = ctr.static_counters(L)   # (a forced split: its notes name the difference from plan's)
+    ws = next(k for k in every.bytes_written if k.startswith("ws"))
+    assert every.bytes_written[ws] == every.bytes_read[ws] == 2 * 256 * 256 * 4
+    L.known["tile_live"] = tuple([True] * 8 + [False] * 4 + [True, False, False, False])
+    c = ctr.static_counters(L)
+    assert c.bytes_written[ws] == 2 * 9 * 16 * 256 * 4          # 9 live tiles of 16 rows
+    assert c.mma * 16 == every.mma * 9 and c.gst_bytes < every.gst_bytes
+    assert c.barriers < every.barriers                            # block 2 never reaches the count

@@ -41,8 +41,9 @@ HBM_BPS = 4.8e12          # H200 HBM3e, for the tensor-core pace figure only
 # from the kernel (2 blocks for MT 1, else 1); tests/test_gemm_stream.py
 # recompiles and checks these are not exceeded. Rounded up to the allocation
 # granularity of 8 they set the register-limited residency.
-PTXAS_REGS = {1: 128, 2: 206, 4: 235}   # max over f16/bf16, the three epilogues, hi+lo or not
-                                        # (MT 2 was 202 before tile_live and the linear grid: same 208 allocated)
+PTXAS_REGS = {1: 128, 2: 206, 4: 237}   # max over f16/bf16, the three epilogues, hi+lo or not
+                                        # (MT 2 was 202 before tile_live and the linear grid: same 208 allocated;
+                                        # MT 4 was 235 before split K per M block: same 240 allocated)
 REGS_PER_SM = 65536
 THREADS_PER_SM = 2048
 SMEM_RESERVED = 1024      # per block, by the driver
@@ -117,8 +118,16 @@ def _kt_for(kz: int, mt: int, tiles: int, split: int, dev: Device) -> int:
 def plan(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device = H200, mt: int | None = None,
          ks: int | None = None) -> Plan:
     """Launch of one call over ``m`` rows (``mt``: force a compiled variant;
-    ``ks``: force the K split where one M tile allows it, at most what K's
-    64-wide steps allow)."""
+    ``ks``: force the K split, at most what K's 64-wide steps allow and, with
+    several M blocks, what one wave holds).
+
+    Split K with several M blocks is planned only while the split grid fits
+    one wave of resident blocks (``groups * mblocks * ks <= SMs x blocks per
+    SM``): its purpose is filling an under-filled device, and the cap bounds
+    the partial-tile workspace of such splits by one wave's tiles whatever
+    ``m`` is (at most 132 x 64 rows x 256 columns x 2 matrices x 4 B = 17 MB,
+    silu_mul at GS_MT 4 on an H200; 8.7 MB for one matrix). One M block keeps
+    the rule it had (its split grid may exceed a wave)."""
     mt = bucket(m) if mt is None else mt
     rows = 16 * mt
     gy = -(-m // rows)
@@ -131,8 +140,8 @@ def plan(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device = H200
     for ks in range(1, MAX_K_SPLIT + 1):
         if forced is not None and ks not in (1, forced):
             continue
-        if ks > 1 and gy > 1:
-            break  # split K takes one M tile (the partial workspace holds ROWS rows)
+        if ks > 1 and gy > 1 and nblk * gy * ks > dev.sm_count * blocks_per_sm(mt, 0):
+            break  # several M blocks: split K only inside one wave (see above)
         kz = -(-(-(-K // ks)) // KSTEP) * KSTEP
         ks_eff = -(-K // kz)
         if ks_eff != ks or (ks > 1 and kz < MIN_K_SLICE and forced is None):
@@ -141,8 +150,8 @@ def plan(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device = H200
         rounds = -(-blocks // dev.sm_count)
         block_bytes = cols * nw * kz * 2
         live = min(m, rows)
-        partial = 2 * ks * live * N * nw * 4 if ks > 1 else 0
-        tail = ks * live * cols * nw * 4 if ks > 1 else 0   # the reducing block's reads
+        partial = 2 * ks * m * N * nw * 4 if ks > 1 else 0    # every M block's partial tiles, written and read
+        tail = ks * live * cols * nw * 4 if ks > 1 else 0   # a reducing block's reads
         cost = rounds * block_bytes + PARTIAL_COST * partial / dev.sm_count + REDUCE_COST * tail
         if forced is not None and ks == forced:
             cost = -1.0
@@ -275,15 +284,27 @@ class StreamKernels:
                                       GS_DEPTH=DEPTH[mt], **({"GS_NORM": 1} if self.norm else {}),
                                       **({"GS_LOGITS": int(logits)} if epi_code == ARGMAX_EPI else {}))
             self._kernels[mt] = mod.get_function("gemm_stream")
-        # Workspace for the largest split any m <= max_m plans (rows of its variant).
-        groups = -(-N // cols_per_block(nw))
+        # Workspace for the largest split any m plans (m beyond max_m is accepted: more M
+        # blocks): per block x (column group, M block) and slice a partial tile (rows of
+        # its variant), then (GS_NORM) each slice's row sums of squares. plan() splits
+        # several M blocks only while groups * mblocks * ks fits one wave, so no m past
+        # m_hi (2 slices of its M blocks would not fit) splits, and the workspace stays
+        # one wave's tiles at most. Counters: one per block x of a split launch.
         ws = 0
-        for m in range(1, 16 * top + 1):
+        groups = -(-N // cols_per_block(nw))
+        nbx = groups
+        self.max_m = int(max_m)
+        wave = self.dev.sm_count * blocks_per_sm(top, 0)
+        m_hi = 16 * top * max(1, wave // (2 * groups))
+        self.m_split_max = 0     # the largest m that splits K
+        for m in range(1, m_hi + 1):
             p = self.plan(m)
-            if p.ks > 1:   # partial tiles, then (GS_NORM) each slice's row sums of squares
-                ws = max(ws, groups * p.ks * 16 * p.mt * (nw * cols_per_block(nw) + int(self.norm)))
+            if p.ks > 1:
+                nbx = max(nbx, p.grid[0])
+                ws = max(ws, p.grid[0] * p.ks * 16 * p.mt * (nw * cols_per_block(nw) + int(self.norm)))
+                self.m_split_max = m
         self._ws = backend.zeros((max(ws, 1),), np.float32)
-        self._counters = backend.zeros((-(-N // cols_per_block(nw)),), np.int32)
+        self._counters = backend.zeros((nbx,), np.int32)
 
     def plan(self, m: int) -> Plan:
         return plan(self.N, self.K, m, self.nw, self.split, self.dev, mt=min(bucket(m), self.top), ks=self.k_split)
