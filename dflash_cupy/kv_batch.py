@@ -51,7 +51,6 @@ import numpy as np
 
 from . import backends
 from .checks import int_arg
-from .device_weights import device_dtype, to_device_matrix
 from .feature_ring import FeatureRing
 from .geometry import RingGeometry, align_up
 from .interop import device_view
@@ -255,38 +254,15 @@ class DraftKvBatch(StepIssuer):
         self._planned = False
         self._closed = False
         self.host_waits = 0
-        for name in ("_hs", "_logits", "_tokens", "noise_embed", "k_cache", "v_cache", "slot_pos", "desc",
-                     "resid", "xin", "ap_feat", "tile_live"):
-            v = getattr(self, name)
-            for i, a in enumerate(v if isinstance(v, list) else [v]):
-                if a is not None:
-                    be.label(a, f"DraftKvBatch.{name}" + (f"[{i}]" if isinstance(v, list) else ""))
+        self._label_arrays(("_hs", "_logits", "_tokens", "noise_embed", "k_cache", "v_cache", "slot_pos", "desc",
+                     "resid", "xin", "ap_feat", "tile_live"))
         self._init_order()
 
     # ------------------------------------------------------------------ properties
-    capacity = property(lambda self: self.geom.capacity)
-    q_len = property(lambda self: self.geom.q_len)
-    kv_total = property(lambda self: self.geom.kv_total)
-    a_step = property(lambda self: self.geom.a_step)
 
     def __repr__(self):
         return (f"DraftKvBatch(lanes={self.lanes}, {self.geom}, layers={self.config.n_layer}, "
                 f"backend={self.backend.name})")
-
-    def _place_lm_head(self, lm_head):
-        be, H = self.backend, self.config.hidden_size
-        dev = device_view(be, lm_head, "lm_head", dtype=(np.float32, np.float16, np.uint16), shape=(None, H))
-        if dev is not None:
-            return dev if be.is_device_array(dev) else be.asarray(dev)
-        lm_head = np.asarray(lm_head)
-        if lm_head.ndim != 2 or lm_head.shape[1] != H or lm_head.shape[0] < 1:
-            raise ValueError(f"lm_head must have shape [vocab >= 1, {H}], got {list(lm_head.shape)}")
-        try:
-            device_dtype(lm_head.dtype)
-        except TypeError:
-            raise TypeError(f"lm_head dtype must be f32, f16 or bf16, got {lm_head.dtype}") from None
-        return to_device_matrix(be, lm_head)
-
 
     def _check_lane(self, lane) -> int:
         if not isinstance(lane, (int, np.integer)) or isinstance(lane, bool):

@@ -52,7 +52,6 @@ import numpy as np
 
 from . import backends, dtypes
 from .checks import int_arg
-from .device_weights import device_dtype, to_device_matrix
 from .feature_ring import FeatureRing
 from .geometry import BULK_CHUNK, RingGeometry
 from .interop import device_view
@@ -247,47 +246,18 @@ class DraftKvCache(StepIssuer):
         self._planned = False
         self._closed = False
         self.host_waits = 0  # times the host had to wait for queued work to reuse a pinned buffer
-        for name in ("hidden_states", "logits", "draft_tokens", "noise_embed", "k_cache", "v_cache", "slot_pos",
-                     "desc", "resid", "xin", "ap_feat"):
-            v = getattr(self, name)
-            for i, a in enumerate(v if isinstance(v, list) else [v]):
-                if a is not None:
-                    be.label(a, f"DraftKvCache.{name}" + (f"[{i}]" if isinstance(v, list) else ""))
+        self._label_arrays(("hidden_states", "logits", "draft_tokens", "noise_embed", "k_cache", "v_cache", "slot_pos",
+                     "desc", "resid", "xin", "ap_feat"))
         # Everything above (zeros, kernel workspaces) was memset on the current stream: the
         # first call on any other stream waits for it on the device.
         self._init_order()
 
     # ------------------------------------------------------------------ properties
-    capacity = property(lambda self: self.geom.capacity)
-    q_len = property(lambda self: self.geom.q_len)
-    kv_total = property(lambda self: self.geom.kv_total)
-    a_step = property(lambda self: self.geom.a_step)
     trash_slot = property(lambda self: self.geom.trash_slot)
 
     def __repr__(self):
         return (f"DraftKvCache({self.geom}, layers={self.config.n_layer}, backend={self.backend.name}, "
                 f"next_pos={self.next_pos})")
-
-    def _place_lm_head(self, lm_head):
-        be, H = self.backend, self.config.hidden_size
-        dev = device_view(be, lm_head, "lm_head", dtype=(np.float32, np.float16, np.uint16),
-                          shape=(None, H))
-        if dev is not None:  # the caller's device matrix, used in place
-            if not be.is_device_array(dev):  # emulated: foreign CPU memory has no guard pages
-                dev = be.asarray(dev)
-            return dev
-        if not isinstance(lm_head, np.ndarray):
-            lm_head = np.asarray(lm_head)
-        if lm_head.ndim != 2 or lm_head.shape[1] != H:
-            raise ValueError(f"lm_head must have shape [vocab, {H}], got {list(lm_head.shape)}")
-        try:
-            device_dtype(lm_head.dtype)
-        except TypeError:
-            raise TypeError(f"lm_head dtype must be f32, f16 or bf16, got {lm_head.dtype}") from None
-        if lm_head.shape[0] < 1:
-            raise ValueError("lm_head must have at least one row (the vocabulary), got 0")
-        return to_device_matrix(be, lm_head)
-
 
     # ------------------------------------------------------------------ the step body
     def _fuse_features(self, out, m: int, stream) -> None:

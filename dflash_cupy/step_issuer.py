@@ -1,20 +1,62 @@
-"""What ``DraftKvCache`` and ``DraftKvBatch`` share: issuing work on the
+"""What ``DraftKvCache`` and ``DraftKvBatch`` share: placing the LM head,
+the geometry properties, and issuing work on the
 caller's stream after this object's earlier work (event edges on the device,
 never a host wait), reusing pinned staging only once the work that read it
 has run, and running a step either eagerly or as one of its step graphs,
 captured on first use and replayed after."""
 from __future__ import annotations
 
+import numpy as np
+
+from .device_weights import device_dtype, to_device_matrix
+from .interop import device_view
 from .nvtx_ranges import nvtx_range
 
 
 class StepIssuer:
-    """Mixin. The subclass sets ``backend``, ``capture_stream``, ``_graphs``
+    """Mixin. The subclass sets ``backend``, ``config``, ``geom``, ``capture_stream``, ``_graphs``
     (one slot per descriptor buffer), ``captures``, ``host_waits``,
     ``_closed`` and calls ``_init_order()`` last in its constructor;
     ``_issue_step(slot, stream, eager)`` issues one step."""
 
     _nvtx = "dflash"   # NVTX range prefix
+
+    capacity = property(lambda self: self.geom.capacity)
+    q_len = property(lambda self: self.geom.q_len)
+    kv_total = property(lambda self: self.geom.kv_total)
+    a_step = property(lambda self: self.geom.a_step)
+
+    def _label_arrays(self, names) -> None:
+        """Name the device arrays held in these attributes (lists: each item) for the
+        emulator's reports."""
+        for name in names:
+            v = getattr(self, name)
+            for i, a in enumerate(v if isinstance(v, list) else [v]):
+                if a is not None:
+                    suffix = f"[{i}]" if isinstance(v, list) else ""
+                    self.backend.label(a, f"{type(self).__name__}.{name}{suffix}")
+
+    def _place_lm_head(self, lm_head):
+        """The target's ``[vocab, hidden]`` LM head on the device: a device array of any
+        framework used in place, else NumPy copied once."""
+        be, H = self.backend, self.config.hidden_size
+        dev = device_view(be, lm_head, "lm_head", dtype=(np.float32, np.float16, np.uint16),
+                          shape=(None, H))
+        if dev is not None:  # the caller's device matrix, used in place
+            if not be.is_device_array(dev):  # emulated: foreign CPU memory has no guard pages
+                dev = be.asarray(dev)
+            return dev
+        if not isinstance(lm_head, np.ndarray):
+            lm_head = np.asarray(lm_head)
+        if lm_head.ndim != 2 or lm_head.shape[1] != H:
+            raise ValueError(f"lm_head must have shape [vocab, {H}], got {list(lm_head.shape)}")
+        try:
+            device_dtype(lm_head.dtype)
+        except TypeError:
+            raise TypeError(f"lm_head dtype must be f32, f16 or bf16, got {lm_head.dtype}") from None
+        if lm_head.shape[0] < 1:
+            raise ValueError("lm_head must have at least one row (the vocabulary), got 0")
+        return to_device_matrix(be, lm_head)
 
     def _init_order(self) -> None:
         # Construction memsets on the current stream: the first call on any other
