@@ -276,23 +276,6 @@ class DraftKvBatch(StepIssuer):
         kv = self.geom.kv_total
         return cache[lane * kv:(lane + 1) * kv]
 
-    def _append_chunk(self, lane: int, m: int, stream) -> None:
-        """Bulk append: rows [0, m) of ap_pos/ap_rows/bulk_feat -> lane's K/V rows of every layer."""
-        c, dw = self.config, self.dw
-        if dw.aux_norms is not None:
-            self.rms(self.bulk_feat, dw.aux_norms, self.bulk_feat, rows=m * c.n_captured, stream=stream)
-        self.g_fc(self.bulk_feat, dw.fc, self.ctx, m, stream=stream)
-        self.rms(self.ctx, dw.hidden_norm, self.ctx, rows=m, stream=stream)
-        for li, L in enumerate(dw.layers):
-            src = self.ctx
-            if self.ctx_kv_in is not None:
-                self.rms(self.ctx, L.input_layernorm, self.ctx_kv_in, rows=m, stream=stream)
-                src = self.ctx_kv_in
-            self.g_kv(src, L.w_kv, self.ctx_kv, m, stream=stream)
-            self.rope_ctx(self.ctx_kv, L.k_norm, self.inv_freq, self.ap_pos, self.ap_rows,
-                          self._lane_cache(self.k_cache[li], lane), self._lane_cache(self.v_cache[li], lane),
-                          n_rows=m, stream=stream)
-
     def _bulk_append(self, lane: int, fields, s) -> None:
         be, ring = self.backend, self.rings[lane]
         s.wait_event(ring.write_event)
@@ -306,7 +289,8 @@ class DraftKvBatch(StepIssuer):
             be.copy_h2d_async(self.bulk_desc, host, stream=s)
             self.planner.plan_append(self.bulk_desc, self.ap_pos, self.ap_rows, slot_pos, n_rows=count, stream=s)
             self.gather(self.bulk_desc, self.ring_storage[lane], self.bulk_feat, n_rows=count, stream=s)
-            self._append_chunk(lane, count, s)
+            self._append_rows(self.bulk_feat, count, [self._lane_cache(k, lane) for k in self.k_cache],
+                              [self._lane_cache(v, lane) for v in self.v_cache], s)
 
     def _step_layer(self, li: int, L, stream) -> None:
         c = self.config
@@ -349,10 +333,7 @@ class DraftKvBatch(StepIssuer):
                                self.rows_all, self.tile_live, cs=self.ctx_rows, bs=self.lane_rows,
                                mask_full=self.mask_full, mask_swa=self.mask_swa, stream=stream)
         # T = rmsnorm(feat @ fc.T) * hidden_norm for every lane's appended rows
-        if dw.aux_norms is not None:
-            self.rms(self.ap_feat, dw.aux_norms, self.ap_feat, rows=NC * c.n_captured, stream=stream)
-        self.g_fc(self.ap_feat, dw.fc, self.ctx_step, NC, tile_live=self.tiles_ctx, stream=stream)
-        self.rms(self.ctx_step, dw.hidden_norm, self.ctx_step, rows=NC, stream=stream)
+        self._fuse_rows(self.ap_feat, self.ctx_step, NC, stream, tile_live=self.tiles_ctx)
         be.copy_d2d_async(self.h, self.noise_embed, stream=stream)
         for li, L in enumerate(dw.layers):
             with nvtx_range(f"layer {li}") if eager else contextlib.nullcontext():

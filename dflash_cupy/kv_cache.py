@@ -260,26 +260,9 @@ class DraftKvCache(StepIssuer):
                 f"next_pos={self.next_pos})")
 
     # ------------------------------------------------------------------ the step body
-    def _fuse_features(self, out, m: int, stream) -> None:
-        """Rows [0, m) of ap_feat -> T = rmsnorm(feat @ fc.T) * hidden_norm into ``out``."""
-        c, dw = self.config, self.dw
-        if dw.aux_norms is not None:  # each captured layer's slice normalised with its own scale
-            self.rms(self.ap_feat, dw.aux_norms, self.ap_feat, rows=m * c.n_captured, stream=stream)
-        self.g_fc(self.ap_feat, dw.fc, out, m, stream=stream)
-        self.rms(out, dw.hidden_norm, out, rows=m, stream=stream)
-
     def _append_stage(self, m: int, stream) -> None:
         """Bulk append: rows [0, m) of ap_pos/ap_rows/ap_feat -> K/V cache rows of every layer."""
-        dw = self.dw
-        self._fuse_features(self.ctx, m, stream)
-        for li, L in enumerate(dw.layers):
-            src = self.ctx
-            if self.ctx_kv_in is not None:
-                self.rms(self.ctx, L.input_layernorm, self.ctx_kv_in, rows=m, stream=stream)
-                src = self.ctx_kv_in
-            self.g_kv(src, L.w_kv, self.ctx_kv, m, stream=stream)
-            self.rope_ctx(self.ctx_kv, L.k_norm, self.inv_freq, self.ap_pos, self.ap_rows,
-                          self.k_cache[li], self.v_cache[li], n_rows=m, stream=stream)
+        self._append_rows(self.ap_feat, m, self.k_cache, self.v_cache, stream)
 
     def _step_layer(self, li: int, L, stream) -> None:
         """One decoder layer (SPEC §2 step 2) over the noise rows, with the
@@ -349,7 +332,7 @@ class DraftKvCache(StepIssuer):
         self._gather.plan_step(self.desc, self._ring.storage, self.ap_feat, self.geom, self.slot_pos,
                                self.pos_all[:A], self.rows_all[:A], self.pos_q, mask_full=self.mask_full,
                                mask_swa=self.mask_swa, n_rows=A, stream=stream)
-        self._fuse_features(self.ctx_step, A, stream)
+        self._fuse_rows(self.ap_feat, self.ctx_step, A, stream)
         self._noise_stage(stream, eager)
 
     def _bulk_append(self, fields, s) -> None:

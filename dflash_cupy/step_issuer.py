@@ -58,6 +58,29 @@ class StepIssuer:
             raise ValueError("lm_head must have at least one row (the vocabulary), got 0")
         return to_device_matrix(be, lm_head)
 
+    # ------------------------------------------------------------ shared step pieces
+    def _fuse_rows(self, feat, out, m: int, stream, **gemm_kw) -> None:
+        """Rows [0, m) of ``feat`` -> T = rmsnorm(feat @ fc.T) * hidden_norm into ``out``
+        (``gemm_kw``: e.g. the GEMM's ``tile_live``)."""
+        c, dw = self.config, self.dw
+        if dw.aux_norms is not None:  # each captured layer's slice normalised with its own scale
+            self.rms(feat, dw.aux_norms, feat, rows=m * c.n_captured, stream=stream)
+        self.g_fc(feat, dw.fc, out, m, stream=stream, **gemm_kw)
+        self.rms(out, dw.hidden_norm, out, rows=m, stream=stream)
+
+    def _append_rows(self, feat, m: int, k_caches, v_caches, stream) -> None:
+        """Bulk append: rows [0, m) of ``feat`` at ``ap_pos``/``ap_rows`` -> the K/V
+        rows of every layer (``k_caches[l]``, ``v_caches[l]``)."""
+        self._fuse_rows(feat, self.ctx, m, stream)
+        for li, L in enumerate(self.dw.layers):
+            src = self.ctx
+            if self.ctx_kv_in is not None:
+                self.rms(self.ctx, L.input_layernorm, self.ctx_kv_in, rows=m, stream=stream)
+                src = self.ctx_kv_in
+            self.g_kv(src, L.w_kv, self.ctx_kv, m, stream=stream)
+            self.rope_ctx(self.ctx_kv, L.k_norm, self.inv_freq, self.ap_pos, self.ap_rows,
+                          k_caches[li], v_caches[li], n_rows=m, stream=stream)
+
     def _init_order(self) -> None:
         # Construction memsets on the current stream: the first call on any other
         # stream waits for it on the device.
