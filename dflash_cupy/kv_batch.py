@@ -326,7 +326,7 @@ class DraftKvBatch(StepIssuer):
 
     def _issue_step(self, slot: int, stream, eager: bool = False) -> None:
         """Every launch and copy of one step, in order (captured once per slot)."""
-        be, c, dw = self.backend, self.config, self.dw
+        be, dw = self.backend, self.dw
         NC, NN = self.lanes * self.ctx_rows, self.lanes * self.lane_rows
         be.copy_h2d_async(self.desc, self._desc_host[slot], stream=stream)
         self.gather.plan_lanes(self.desc, self.ring_storage, self.ap_feat, self.geom, self.slot_pos, self.pos_all,
