@@ -110,6 +110,24 @@ __device__ __forceinline__ void gather_chunk(const int* __restrict__ desc, const
     }
 }
 
+// Slot c after this launch's append (p = start + i for the i-th appended row, -1 after a
+// reset, else unchanged; written only when it changes) and column c of the masks from it.
+__device__ __forceinline__ void plan_slot_column(const int* __restrict__ desc, int c, int n_app, int cap,
+                                                 int q_len, int kv_total, int masks, int* __restrict__ slot_pos,
+                                                 __half* __restrict__ mask_full, __half* __restrict__ mask_swa)
+{
+    int p = 0;
+    if (c < cap) {
+        const int start = desc[DESC_START];
+        long long i = ((long long)c - start) % cap;
+        if (i < 0) i += cap;
+        const int old = slot_pos[c];
+        p = (i < n_app) ? start + (int)i : (desc[DESC_RESET] != 0 ? -1 : old);
+        if (p != old) slot_pos[c] = p;
+    }
+    plan_mask_column(desc, c, p, cap, q_len, kv_total, (masks & 1) != 0, (masks & 2) != 0, mask_full, mask_swa);
+}
+
 extern "C" __global__ void __launch_bounds__(GATHER_THREADS)
 gather_features(const int* __restrict__ desc,
                  const ring_t* __restrict__ ring,
@@ -155,15 +173,7 @@ plan_step(const int* __restrict__ desc,
     }
     if (c < q_len) pos_q[c] = desc[DESC_COMMITTED] + c;
     if (c >= kv_total) return;
-    int p = 0;
-    if (c < cap) {
-        long long i = ((long long)c - start) % cap;
-        if (i < 0) i += cap;
-        const int old = slot_pos[c];
-        p = (i < n_app) ? start + (int)i : (desc[DESC_RESET] != 0 ? -1 : old);
-        if (p != old) slot_pos[c] = p;
-    }
-    plan_mask_column(desc, c, p, cap, q_len, kv_total, (masks & 1) != 0, (masks & 2) != 0, mask_full, mask_swa);
+    plan_slot_column(desc, c, n_app, cap, q_len, kv_total, masks, slot_pos, mask_full, mask_swa);
 }
 
 extern "C" __global__ void __launch_bounds__(GATHER_THREADS)
@@ -211,17 +221,7 @@ plan_lanes(const int* __restrict__ desc_all,
         if (c % 16 == 0) tile_live[(noise0 + c) / 16] = active;
     }
     if (!active || c >= kv_total) return;
-    int* slot_pos = slot_pos_all + (long long)lane * cap;
     const long long mo = (long long)lane * q_len * kv_total;
-    int p = 0;
-    if (c < cap) {
-        const int start = desc[DESC_START];
-        long long i = ((long long)c - start) % cap;
-        if (i < 0) i += cap;
-        const int old = slot_pos[c];
-        p = (i < n_app) ? start + (int)i : (desc[DESC_RESET] != 0 ? -1 : old);
-        if (p != old) slot_pos[c] = p;
-    }
-    plan_mask_column(desc, c, p, cap, q_len, kv_total, (masks & 1) != 0, (masks & 2) != 0,
+    plan_slot_column(desc, c, n_app, cap, q_len, kv_total, masks, slot_pos_all + (long long)lane * cap,
                      mask_full_all + mo, mask_swa_all + mo);
 }
