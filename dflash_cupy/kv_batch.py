@@ -50,7 +50,7 @@ import struct
 import numpy as np
 
 from . import backends
-from .checks import int_arg
+from .checks import bool_arg, int_arg
 from .feature_ring import FeatureRing
 from .geometry import RingGeometry, align_up
 from .interop import device_view
@@ -77,7 +77,7 @@ TILE_ROWS = 16   # the stream GEMM's row tile: lane regions are whole tiles, so 
 
 class DraftKvBatch(StepIssuer):
     """``DraftKvBatch(weights, capacity, lanes, *, ring_capacity=None,
-    ring_dtype=np.float32, lm_head=None, logits=True, backend=None, bulk_chunk=256)``.
+    ring_dtype=np.float32, lm_head=None, logits=True, backend=None, bulk_chunk=256, x_split=True)``.
 
     ``capacity``: each lane's context window cap (ring-cache slots, as
     ``DraftKvCache``). ``ring_capacity`` (default ``capacity``) and
@@ -85,12 +85,17 @@ class DraftKvBatch(StepIssuer):
     lane's target hidden states there (``rings[i].write(pos, rows)``) before
     planning a step that needs them. ``lm_head``: ``[vocab, hidden]`` (NumPy or
     a device array, as for ``DraftKvCache``); draft tokens are greedy.
+    ``x_split``: as ``DraftKvCache`` (a lane equals a single cache built with
+    the same ``x_split`` bit for bit). With many active lanes the GEMMs are
+    bound by MMA issue, not by the weight stream, and ``x_split=False`` halves
+    that work (``python -m profiling.lanes_model --x-split both``).
     """
 
     _nvtx = "dflash batch"
 
     def __init__(self, weights: DraftWeights, capacity: int, lanes: int, *, ring_capacity=None,
-                 ring_dtype=np.float32, lm_head=None, logits: bool = True, backend=None, bulk_chunk: int = 256):
+                 ring_dtype=np.float32, lm_head=None, logits: bool = True, backend=None, bulk_chunk: int = 256,
+                 x_split: bool = True):
         if not isinstance(weights, DraftWeights):
             raise TypeError(f"weights must be a DraftWeights, got {type(weights).__name__}")
         from .kv_cache import MAX_CAPACITY
@@ -109,6 +114,7 @@ class DraftKvBatch(StepIssuer):
             raise ValueError(f"bulk_chunk must be an int in [1, {BULK_CHUNK}], got {bulk_chunk!r}")
         if not isinstance(logits, (bool, np.bool_)):
             raise TypeError(f"logits must be a bool, got {type(logits).__name__}")
+        self.x_split = bool_arg(x_split, "x_split")
         be = self.backend = backends.get(backend)
         c = self.config = weights.config
         self.weights = weights
@@ -216,19 +222,22 @@ class DraftKvBatch(StepIssuer):
         # ---- kernels (all compiled now: nothing compiles during capture)
         self.rms = RmsNorm(be, H, c.rms_norm_eps)
         fold_eps = c.rms_norm_eps if self._fold_norms else None
-        self.g_fc = Gemm(be, H, c.fc_in, self.dw.fc.dtype, max_m=GEMM_MAX_M)
-        self.g_kv = Gemm(be, 2 * kvw, H, L0.w_qkv.dtype, max_m=GEMM_MAX_M)
-        self.g_qkv = Gemm(be, c.q_dim + 2 * kvw, H, L0.w_qkv.dtype, max_m=GEMM_MAX_M, norm_eps=fold_eps)
-        self.g_o = Gemm(be, H, c.q_dim, L0.w_o.dtype, "residual", max_m=GEMM_MAX_M)
-        self.g_gate_up = Gemm(be, c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul", max_m=GEMM_MAX_M,
+        def gemm(*a, **kw):  # every GEMM of the step rounds activations the same way (x_split)
+            return Gemm(be, *a, max_m=GEMM_MAX_M, x_split=self.x_split, **kw)
+
+        self.g_fc = gemm(H, c.fc_in, self.dw.fc.dtype)
+        self.g_kv = gemm(2 * kvw, H, L0.w_qkv.dtype)
+        self.g_qkv = gemm(c.q_dim + 2 * kvw, H, L0.w_qkv.dtype, norm_eps=fold_eps)
+        self.g_o = gemm(H, c.q_dim, L0.w_o.dtype, "residual")
+        self.g_gate_up = gemm(c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul",
                               norm_eps=fold_eps)
-        self.g_down = Gemm(be, H, c.intermediate_size, L0.w_down.dtype, "residual", max_m=GEMM_MAX_M)
-        self.g_attn_gate = Gemm(be, gate_w, H, L0.w_attn_gate.dtype, max_m=GEMM_MAX_M) if gate_w else None
+        self.g_down = gemm(H, c.intermediate_size, L0.w_down.dtype, "residual")
+        self.g_attn_gate = gemm(gate_w, H, L0.w_attn_gate.dtype) if gate_w else None
         self.g_lm = self._lm_part = None
         if self.lm_head is not None:
             V = self.lm_head.shape[0]
-            self.g_lm = (Gemm(be, V, H, self.lm_head.dtype, max_m=GEMM_MAX_M) if logits else
-                         Gemm(be, V, H, self.lm_head.dtype, "argmax", max_m=GEMM_MAX_M, logits=False))
+            self.g_lm = (gemm(V, H, self.lm_head.dtype) if logits else
+                         gemm(V, H, self.lm_head.dtype, "argmax", logits=False))
             if not logits:
                 self._lm_part = be.zeros(self.g_lm.partials_shape(NN), np.uint32)
         self.sampler = TokenSampler(be, self.lm_head.shape[0]) if self.lm_head is not None else None
