@@ -19,11 +19,14 @@ Device layout (lanes ``L``; ``CS = align16(a_step)``, ``BS = align16(q_len)``):
                       at rows ``[i*kv_total, (i+1)*kv_total)`` (SPEC §3 layout)
   slot_pos            [L, capacity] int32;  masks [L, q_len, kv_total] f16
   ring storage        [L, ring_capacity, fc_in]: lane ``i``'s ``FeatureRing``
-  step rows (the GEMMs' M axis): ctx rows ``[0, L*CS)`` (lane ``i``'s appended
-                      context rows at ``i*CS``), then noise rows (lane ``i``'s
-                      ``q_len`` rows at ``L*CS + i*BS``)
+  step rows (the GEMMs' M axis): ctx rows ``[0, L*CS)``: the active lanes'
+                      appended context rows packed back to back in lane order
+                      (lane ``i``'s at ``desc[i, DESC_CTX_ROW0]``, so 16 lanes
+                      appending 6 rows each are 96 GEMM rows, not 16 tiles), the
+                      rest padding; then noise rows (lane ``i``'s ``q_len`` rows at
+                      ``L*CS + i*BS``)
   tile_live           [L*(CS+BS)/16] int32: nonzero iff the 16-row tile holds a
-                      live row (an appended row or a noise row of an active
+                      live row (a packed context row or a noise row of an active
                       lane); written on the device by the planning kernel
 
 Per step on the device: one descriptor copy, one planning launch for all
@@ -63,8 +66,8 @@ from .ops.norm import RmsNorm
 from .ops.plan import StepPlanner
 from .ops.rope import QkvNormRope
 from .ops.sample import SamplingParams, TokenSampler
-from .ops.step_descriptor import (DESC_LEN, bulk_chunks, fill_chunk_descriptor, fill_descriptor,
-                                  fill_step_descriptor, plan_step)
+from .ops.step_descriptor import (DESC_CTX_ROW0, DESC_CTX_ROWS, DESC_LEN, bulk_chunks, fill_chunk_descriptor,
+                                  fill_descriptor, fill_step_descriptor, pack_context_rows, plan_step)
 from .rope_params import rope_parameters
 from .weights import DraftWeights
 
@@ -387,10 +390,14 @@ class DraftKvBatch(StepIssuer):
         cap, A, q = g.capacity, g.a_step, g.q_len
         w = int(self.config.swa_window or 0)
         vals, act, cs, need = [], [], [], []
-        zero = (0,) * DESC_LEN
+        pad = (0,) * (DESC_LEN - DESC_CTX_ROWS)   # DESC_CTX_ROWS (set below) and the reserved rest
+        idle = (0,) * DESC_CTX_ROW0
+        row0 = 0                                  # packed context rows so far (pack_context_rows)
         for v, n, r in zip(committed, self._next.tolist(), self.rings):
             if v is None:
-                vals += zero
+                vals += idle
+                vals.append(row0)
+                vals += pad
                 act.append(False)
                 cs.append(0)
                 need.append(0)
@@ -406,10 +413,13 @@ class DraftKvBatch(StepIssuer):
             nn = v - start
             if nn > A or (nn > 0 and not (r.lo <= start and v <= r.hi)):
                 return None
-            vals += (v, lo, start, nn, v - (w if 0 < w < win else win), 1 if reset else 0, 1, 0)
+            vals += (v, lo, start, nn, v - (w if 0 < w < win else win), 1 if reset else 0, 1, row0)
+            vals += pad
+            row0 += nn
             act.append(True)
             cs.append(v)
             need.append(start)
+        vals[DESC_CTX_ROWS::DESC_LEN] = [row0] * len(act)
         return vals, act, cs, need
 
     def _fast_plan(self, committed):
@@ -481,8 +491,9 @@ class DraftKvBatch(StepIssuer):
             elif fast is not None:
                 act, c, lo, start, n_new, swa_lo, reset = fast
                 cols = np.stack([c, lo, start, n_new, swa_lo, reset, act], axis=1)
-                cols *= act[:, None]           # an idle lane's descriptor: all zeros
+                cols *= act[:, None]           # an idle lane's step fields: all zeros
                 host[:, :7] = cols
+                pack_context_rows(host, self.geom.a_step)
                 self._plan_fields = None
             else:
                 bulk = [i for i, p in enumerate(plans) if p is not None and p[0].bulk_count]
@@ -502,6 +513,7 @@ class DraftKvBatch(StepIssuer):
                         fill_descriptor(host[i], 0, 0, 0, 0, 0, active=False)
                     else:
                         fill_step_descriptor(host[i], p[0])
+                pack_context_rows(host, self.geom.a_step)
                 act = np.array([p is not None for p in plans])
                 c = np.array([0 if p is None else p[0].committed for p in plans], np.int64)
                 start = np.array([0 if p is None else p[1][0] for p in plans], np.int64)

@@ -83,8 +83,8 @@ def _mark_live_tiles(b, nodes, active: int, accept: int) -> None:
     CS, BS, L = b.ctx_rows, b.lane_rows, b.lanes
     live = np.zeros(L * (CS + BS) // 16, bool)
     n_app = min(accept, b.a_step)
+    live[:(active * n_app + 15) // 16] = True        # the appended rows, packed back to back
     for i in range(active):
-        live[i * CS // 16:(i * CS + n_app + 15) // 16] = True
         live[(L * CS + i * BS) // 16:(L * CS + (i + 1) * BS) // 16] = True
     base = int(b.tile_live.ctypes.data)
     for n in nodes:
