@@ -52,7 +52,7 @@ import struct
 
 import numpy as np
 
-from . import backends
+from . import backends, tuning
 from .checks import bool_arg, int_arg
 from .feature_ring import FeatureRing
 from .geometry import RingGeometry, align_up
@@ -80,7 +80,8 @@ TILE_ROWS = 16   # the stream GEMM's row tile: lane regions are whole tiles, so 
 
 class DraftKvBatch(StepIssuer):
     """``DraftKvBatch(weights, capacity, lanes, *, ring_capacity=None,
-    ring_dtype=np.float32, lm_head=None, logits=True, backend=None, bulk_chunk=256, x_split=True)``.
+    ring_dtype=np.float32, lm_head=None, logits=True, backend=None, bulk_chunk=256, x_split=True,
+    tune=None)``.
 
     ``capacity``: each lane's context window cap (ring-cache slots, as
     ``DraftKvCache``). ``ring_capacity`` (default ``capacity``) and
@@ -91,14 +92,15 @@ class DraftKvBatch(StepIssuer):
     ``x_split``: as ``DraftKvCache`` (a lane equals a single cache built with
     the same ``x_split`` bit for bit). With many active lanes the GEMMs are
     bound by MMA issue, not by the weight stream, and ``x_split=False`` halves
-    that work (``python -m profiling.lanes_model --x-split both``).
+    that work (``python -m profiling.lanes_model --x-split both``). ``tune``:
+    as ``DraftKvCache`` (the GEMMs tuned at the batch's full row count).
     """
 
     _nvtx = "dflash batch"
 
     def __init__(self, weights: DraftWeights, capacity: int, lanes: int, *, ring_capacity=None,
                  ring_dtype=np.float32, lm_head=None, logits: bool = True, backend=None, bulk_chunk: int = 256,
-                 x_split: bool = True):
+                 x_split: bool = True, tune: bool | None = None):
         if not isinstance(weights, DraftWeights):
             raise TypeError(f"weights must be a DraftWeights, got {type(weights).__name__}")
         from .kv_cache import MAX_CAPACITY
@@ -118,6 +120,8 @@ class DraftKvBatch(StepIssuer):
         if not isinstance(logits, (bool, np.bool_)):
             raise TypeError(f"logits must be a bool, got {type(logits).__name__}")
         self.x_split = bool_arg(x_split, "x_split")
+        if tune is not None:
+            bool_arg(tune, "tune")
         be = self.backend = backends.get(backend)
         c = self.config = weights.config
         self.weights = weights
@@ -268,7 +272,16 @@ class DraftKvBatch(StepIssuer):
         self.host_waits = 0
         self._label_arrays(("_hs", "_logits", "_tokens", "noise_embed", "k_cache", "v_cache", "slot_pos", "desc",
                      "resid", "xin", "ap_feat", "tile_live"))
+        # launch configurations measured on the device (dflash_cupy/tuning.py), before any capture
+        self.tuned = tuning.tune_sites(self._gemm_sites(), backend=be, tune=tune)
         self._init_order()
+
+    def _gemm_sites(self) -> list:
+        """``(label, gemm, m)`` of every GEMM call a step or a bulk chunk makes."""
+        NC, NN, R = self.lanes * self.ctx_rows, self.lanes * self.lane_rows, self.bulk_chunk
+        return [("fc", self.g_fc, NC), ("fc", self.g_fc, R), ("kv", self.g_kv, R), ("qkv", self.g_qkv, NC + NN),
+                ("attn_gate", self.g_attn_gate, NN), ("o", self.g_o, NN), ("gate_up", self.g_gate_up, NN),
+                ("down", self.g_down, NN), ("lm_head", self.g_lm, NN)]
 
     # ------------------------------------------------------------------ properties
 

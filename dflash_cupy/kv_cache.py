@@ -50,7 +50,7 @@ import contextlib
 
 import numpy as np
 
-from . import backends, dtypes
+from . import backends, dtypes, tuning
 from .checks import bool_arg, int_arg
 from .feature_ring import FeatureRing
 from .geometry import BULK_CHUNK, RingGeometry
@@ -76,7 +76,7 @@ RING_GRAPHS = 4         # rings whose step graphs stay captured (switching back 
 
 class DraftKvCache(StepIssuer):
     """``DraftKvCache(weights, capacity, *, lm_head=None, sampling=None, backend=None, bulk_chunk=256,
-    x_split=True)``.
+    x_split=True, tune=None)``.
 
     ``weights``: ``DraftWeights`` (host) — placed on the backend once and
     cached on the weights object. ``capacity``: ring slots, the drafter's
@@ -93,6 +93,11 @@ class DraftKvCache(StepIssuer):
     where the GEMMs are MMA-bound (many rows: ``DraftKvBatch`` with several
     lanes), at ~11x the error (``step_x1``: 1.5e-2 measured with bf16 weights).
 
+    ``tune`` (default None: on a GPU unless ``DFLASH_CUPY_TUNE=0``): time each
+    GEMM call site's launch configurations once per device and shape and keep
+    the fastest (``dflash_cupy.tuning``: cached on disk, so later caches read
+    it); ``self.tuned`` lists what was chosen. False: the cost rule decides.
+
     Every step rewrites ``hidden_states``, ``logits``, ``draft_tokens`` and ``noise_embed`` in
     place (the graphs are bound to them): a returned array is the next step's
     output too. Work is issued on the caller's current stream or ``stream=``
@@ -100,7 +105,8 @@ class DraftKvCache(StepIssuer):
     """
 
     def __init__(self, weights: DraftWeights, capacity: int, *, lm_head=None, sampling=None,
-                 logits: bool = True, backend=None, bulk_chunk: int = 256, x_split: bool = True):
+                 logits: bool = True, backend=None, bulk_chunk: int = 256, x_split: bool = True,
+                 tune: bool | None = None):
         if not isinstance(weights, DraftWeights):
             raise TypeError(f"weights must be a DraftWeights, got {type(weights).__name__}")
         capacity = int_arg(capacity, "capacity", 1)
@@ -117,6 +123,8 @@ class DraftKvCache(StepIssuer):
             raise ValueError("sampling with temperature > 0 needs logits=True (the fused argmax is greedy)")
         self.write_logits = bool(logits)
         self.x_split = bool_arg(x_split, "x_split")
+        if tune is not None:
+            bool_arg(tune, "tune")
         be = self.backend = backends.get(backend)
         c = self.config = weights.config
         self.weights = weights
@@ -262,7 +270,16 @@ class DraftKvCache(StepIssuer):
                      "desc", "resid", "xin", "ap_feat"))
         # Everything above (zeros, kernel workspaces) was memset on the current stream: the
         # first call on any other stream waits for it on the device.
+        # launch configurations measured on the device (dflash_cupy/tuning.py), before any capture
+        self.tuned = tuning.tune_sites(self._gemm_sites(), backend=be, tune=tune)
         self._init_order()
+
+    def _gemm_sites(self) -> list:
+        """``(label, gemm, m)`` of every GEMM call a step or a bulk chunk makes."""
+        A, B, R = self.a_step, self.q_len, self.bulk_chunk
+        return [("fc", self.g_fc, A), ("fc", self.g_fc, R), ("kv", self.g_kv, R), ("qkv", self.g_qkv, A + B),
+                ("attn_gate", self.g_attn_gate, B), ("o", self.g_o, B), ("gate_up", self.g_gate_up, B),
+                ("down", self.g_down, B), ("lm_head", self.g_lm, B)]
 
     # ------------------------------------------------------------------ properties
     trash_slot = property(lambda self: self.geom.trash_slot)
