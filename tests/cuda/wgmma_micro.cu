@@ -1,5 +1,8 @@
 // nvrtc-arch: sm_90a
 // nvrtc-check: -DWG_N=8
+// nvrtc-check: -DWG_N=16
+// nvrtc-check: -DWG_N=32
+// nvrtc-check: -DWG_N=128
 // nvrtc-check: -DWG_N=256
 // wgmma_micro.cu — tests/test_wgmma.py's micro-kernel for cuda_src/wgmma.cuh: each warpgroup
 // of the block computes D[64][WG_N] = (scale_d ? C : 0) + A[64][16 K] * B[WG_N][16 K]^T with
