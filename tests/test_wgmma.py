@@ -151,6 +151,8 @@ def test_b_overwritten_before_the_wait_changes_the_result(emu):
     (6, r"must be multiples of 16"),
     (7, r"without a wgmma_fence\(\)"),
     (8, r"reads bytes \[\d+, \d+\) of a \d+-byte shared array"),
+    (10, r"accumulators of a wgmma in flight \(n=16\) were written before the wait"),
+    (11, r"a\[3\] of a wgmma in flight changed from 0x[0-9a-f]{8} to 0x[0-9a-f]{8} before the wait"),
 ])
 def test_emulator_rejects(emu, mode, message):
     with pytest.raises(KernelLaunchError, match=message):

@@ -1411,7 +1411,9 @@ EMU_INTERNAL static void count_mma() { ((Count*)tl_cnt)->out[CNT_MMA]++; }
 //    first, reading B from shared memory then: d read before the wait is the old value, and
 //    B overwritten before the wait changes the result (as it may on the GPU);
 //  - a thread that exits with wgmmas in flight (not waited for, or never committed) fails
-//    the launch.
+//    the launch, and so does a wait that finds the thread's A registers or accumulators of a
+//    wgmma it retires changed since the issue (written too early; reads cannot be seen, but
+//    they see the old values).
 // Arithmetic: per element and k16 step, D = (scale_d ? D : 0) + sum of 16 products, in double
 // with one rounding to f32 (resolve_mma's rule; the hardware's f32 accumulation differs in the
 // last bits). Descriptor addresses are offsets in a shared-memory window the emulator lays out
@@ -1432,10 +1434,16 @@ struct WgRec {  // one warp's share of one wgmma, referenced by its 32 lanes unt
     unsigned long long desc;
     int n, bf16, scale_d, refs, next_free;
 };
+struct WgPend {  // one wgmma in flight, as one thread sees it
+    int rec;
+    unsigned grp;
+    float* d;
+    const unsigned int* a;
+    unsigned int a_copy[4];       // a's registers at issue: they must not change before the wait
+    unsigned long long d_hash;    // d's bits as the wgmma will read them (see wg_hash)
+};
 struct WgThread {
-    int rec[WG_MAX_PENDING];
-    float* d[WG_MAX_PENDING];
-    unsigned grp[WG_MAX_PENDING];
+    WgPend p[WG_MAX_PENDING];
     int np;
     unsigned cur;  // the open group's number; groups below it are committed
     int fenced;
@@ -1535,6 +1543,18 @@ EMU_INTERNAL static const unsigned char* wg_decode(unsigned long long desc, int 
     return nullptr;
 }
 
+// The accumulators' bits, hashed (FNV-1a): a write to d between a wgmma and its wait shows as
+// a changed hash at the wait without keeping a copy of up to 128 registers per wgmma.
+EMU_INTERNAL static unsigned long long wg_hash(const float* d, int n) {
+    unsigned long long h = 0xcbf29ce484222325ULL;
+    for (int i = 0; i < n; i++) {
+        unsigned u;
+        std::memcpy(&u, d + i, 4);
+        h = (h ^ u) * 0x100000001b3ULL;
+    }
+    return h;
+}
+
 EMU_INTERNAL static WgState* wg_state(int nthreads) {
     WgState* s = tl_wg;
     if (!s) {
@@ -1627,10 +1647,14 @@ EMU_INTERNAL static void resolve_wgmma(Block* b, int wi, Warp& w) {
     rec.refs = 32;
     for (int l = 0; l < 32; l++) {
         WgThread& th = s->th[wi * 32 + l];
-        th.rec[th.np] = r;
-        th.d[th.np] = ((const WgLaneArgs*)(unsigned long long)w.in[l])->d;
-        th.grp[th.np] = th.cur;
-        th.np++;
+        const WgLaneArgs* x = (const WgLaneArgs*)(unsigned long long)w.in[l];
+        WgPend& e = th.p[th.np++];
+        e.rec = r;
+        e.grp = th.cur;
+        e.d = x->d;
+        e.a = x->a;
+        for (int i = 0; i < 4; i++) e.a_copy[i] = x->a[i];
+        e.d_hash = wg_hash(x->d, l0->n / 2);
     }
     if (EMU_COUNTERS && g_counting && tl_cnt) {
         unsigned long long* o = ((Count*)tl_cnt)->out;
@@ -1643,24 +1667,36 @@ EMU_INTERNAL static void resolve_wgmma(Block* b, int wi, Warp& w) {
 }
 
 // Computes thread `tid`'s accumulators of its wgmmas in groups below `limit`, oldest first.
+// Its A registers and accumulators must be as the wgmma left them (on the GPU the MMA reads
+// and writes them until the wait: changing them before is undefined).
 EMU_INTERNAL static void wg_retire(WgState* s, int tid, unsigned limit) {
     WgThread& th = s->th[tid];
     const int g = (tid & 31) >> 2, t = tid & 3;
     int kept = 0;
+    char m[400];
     for (int p = 0; p < th.np; p++) {
-        if (th.grp[p] >= limit) {
-            th.rec[kept] = th.rec[p]; th.d[kept] = th.d[p]; th.grp[kept] = th.grp[p];
-            kept++;
-            continue;
+        WgPend& e = th.p[p];
+        if (e.grp >= limit) { th.p[kept++] = e; continue; }
+        WgRec& rec = s->recs[e.rec];
+        for (int i = 0; i < 4; i++)
+            if (e.a[i] != e.a_copy[i]) {
+                snprintf(m, sizeof m, "wgmma_wait_group: a[%d] of a wgmma in flight changed from 0x%08x to 0x%08x "
+                         "before the wait that retires it (the MMA reads A's registers until then)", i,
+                         e.a_copy[i], e.a[i]);
+                wg_abort(m);
+            }
+        if (wg_hash(e.d, rec.n / 2) != e.d_hash) {
+            snprintf(m, sizeof m, "wgmma_wait_group: the accumulators of a wgmma in flight (n=%d) were written "
+                     "before the wait that retires it (the MMA owns them until then)", rec.n);
+            wg_abort(m);
         }
-        WgRec& rec = s->recs[th.rec[p]];
         unsigned lbo, sbo;
-        char m[400];
         const unsigned char* bp = wg_decode(rec.desc, rec.n, &lbo, &sbo, m, sizeof m);
         if (!bp) wg_abort(m);  // the shared arrays cannot change within a block: not reached
         const int bf = rec.bf16;
         auto elem = [bf](unsigned short h) { return bf ? bf16_bits_to_f32(h) : f16_bits_to_f32(h); };
-        float* d = th.d[p];
+        float* d = e.d;
+        const unsigned long long before = e.d_hash;
         for (int j = 0; j < rec.n / 8; j++)
             for (int i = 0; i < 4; i++) {
                 const int row = g + ((i & 2) ? 8 : 0), col = 8 * j + 2 * t + (i & 1);
@@ -1672,7 +1708,12 @@ EMU_INTERNAL static void wg_retire(WgState* s, int tid, unsigned limit) {
                 }
                 d[4 * j + i] = (float)acc;
             }
-        if (--rec.refs == 0) { rec.next_free = s->free_head; s->free_head = th.rec[p]; }
+        // Later wgmmas into the same registers, issued while this one was in flight, read them
+        // as this one leaves them.
+        const unsigned long long after = wg_hash(d, rec.n / 2);
+        for (int q = p + 1; q < th.np; q++)
+            if (th.p[q].d == d && th.p[q].d_hash == before) th.p[q].d_hash = after;
+        if (--rec.refs == 0) { rec.next_free = s->free_head; s->free_head = e.rec; }
     }
     th.np = kept;
     if (kept == 0) th.fenced = 0;
@@ -1683,7 +1724,7 @@ EMU_INTERNAL static void wg_thread_exit(Block* b, Fiber* f) {
     if (!s || f->tid >= s->nth || !s->th[f->tid].np) return;
     const WgThread& th = s->th[f->tid];
     int open = 0;
-    for (int p = 0; p < th.np; p++) open += th.grp[p] == th.cur;
+    for (int p = 0; p < th.np; p++) open += th.p[p].grp == th.cur;
     char m[400];
     snprintf(m, sizeof m, "thread (%u,%u,%u) of block (%u,%u,%u) exits with %d wgmma(s) in flight (%d never "
              "committed): wgmma_commit_group() and wgmma_wait_group<0>() must retire every wgmma before the "

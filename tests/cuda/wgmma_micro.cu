@@ -11,7 +11,8 @@
 // step. `mode` bends one rule at a time so the emulator's checks can be tested:
 //   0 the rules; 1 d copied out before the wait; 2 B overwritten (with B2) before the wait;
 //   3 no wait; 4 swizzle bits set; 5 a descriptor of global memory; 6 a misaligned start;
-//   7 no wgmma_fence; 8 B read past the end of the shared buffer; 9 wait<1> inside the loop.
+//   7 no wgmma_fence; 8 B read past the end of the shared buffer; 9 wait<1> inside the loop;
+//   10 an accumulator written before the wait; 11 an A register changed before the wait.
 #include "wgmma.cuh"
 #ifndef WG_N
 #define WG_N 64
@@ -68,6 +69,8 @@ extern "C" __global__ void wgmma_tile(const unsigned short* A, const uint4* b_im
         fence_proxy_async_shared();
         __syncthreads();
     }
+    if (mode == 10) d[WG_N / 2 - 1] = 0.0f;
+    if (mode == 11) a[0][3] ^= 1u;
     if (mode != 3) wgmma_wait_group<0>();
     wgmma_fence_operands<WG_N>(d);
     if (mode != 1)
