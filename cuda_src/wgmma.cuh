@@ -60,16 +60,18 @@
 //   accepts every instruction here for sm_90a (tests/test_wgmma.py) and rejects them for sm_90.
 // Uncertain until a GPU runs tests/test_wgmma.py on an H100/H200 (the emulator implements the
 // reading above, so it cannot confirm it):
-//   - LBO = K-direction and SBO = N-direction stride for K-major no-swizzle (sources agree, but
-//     the roles swap for MN-major and swizzled layouts, a classic source of silent garbage);
+//   - LBO = K-direction and SBO = N-direction stride for K-major no-swizzle (the sources above
+//     agree; with swizzle LBO is unused and for MN-major both name other strides, so write-ups
+//     disagree: a classic source of silent garbage);
 //   - the fragment layouts of A and D (from CUTLASS's layouts and the PTX figures' captions);
 //   - that plain generic-proxy smem stores + fence.proxy.async.shared::cta + __syncthreads are
-//     enough before the wgmma reads B (CUTLASS uses exactly this for non-TMA smem fills).
+//     enough before the wgmma reads B (the PTX memory model's proxy rule; CUTLASS's SM90
+//     epilogues fence the same way before TMA reads smem that ordinary stores wrote).
 //
 // Under the emulator (cuda_emu.h, "wgmma") each wgmma is recorded at issue and executed only at
 // the wgmma_wait_group that retires its group, per thread, so reading d or overwriting B too
-// early gives wrong results there too; a bad descriptor, a missing fence or wait, or a block
-// that is not whole warpgroups is reported.
+// early gives wrong results there too; a bad descriptor, a missing fence or wait, d or a
+// written while the wgmma is in flight, or a block that is not whole warpgroups is reported.
 #pragma once
 #include <cuda_fp16.h>
 

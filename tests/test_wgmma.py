@@ -239,3 +239,22 @@ def test_arch_options():
         kernels.arch_options("90", "hopper")
     with pytest.raises(TypeError, match="device must be"):
         kernels.arch_options(3.5)
+
+
+def test_cupy_compile_path_builds_sm90a(monkeypatch):
+    """CuPy's own NVRTC path (cupy.cuda.compiler, as RawModule uses it) with the device query
+    replaced by what it answers on an H100/H200 (it appends ``-arch=sm_90``): the micro-kernel
+    fails in ptxas without ``arch_options`` and builds a cubin with them."""
+    from cupy.cuda import compiler
+    from dflash_cupy.backends import nvrtc_info
+    compile_ = getattr(compiler, "_compile_using_nvrtc_no_warning", None)
+    if compile_ is None or not hasattr(compiler, "_get_arch_for_options_for_nvrtc"):
+        pytest.skip("this CuPy's compiler internals differ (private API)")
+    monkeypatch.setattr(compiler, "_get_arch_for_options_for_nvrtc", lambda arch=None: (f"-arch=sm_{arch}", "cubin"))
+    base = (*nvrtc_info.NVRTC_FLAGS, "-I" + str(CUDA_SRC), *("-I" + d for d in nvrtc_info.cuda_header_dirs()))
+    src = MICRO.read_text()
+    with pytest.raises(compiler.CompileException, match="not supported on .target 'sm_90'"):
+        compile_(src, base, arch="90", filename="wgmma_micro.cu")
+    out = compile_(src, base + kernels.arch_options("90", "sm_90a"), arch="90", filename="wgmma_micro.cu")
+    cubin = out[0] if isinstance(out, tuple) else out
+    assert bytes(cubin[:4]) == b"\x7fELF"
