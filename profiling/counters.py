@@ -645,7 +645,7 @@ def _attn_mma(L) -> KernelCounters:
     vs = [(((ln & 7) + (8 if ln & 8 else 0)) * KS + (8 if ln & 16 else 0)) * 2 for ln in range(32)]
     c.add_smem(warp_tiles * (TILE // 16) * (DN // 2), vs, 16)
     c.mma += warp_tiles * (TILE // 16) * DN * 2
-    c.barriers += 2 * tiles_total + L.n_blocks
+    c.barriers += 2 * tiles_total
     kv_bytes = KVT * NKV * D * 2
     c.bytes_read.update({_name(kc): kv_bytes, _name(vc): kv_bytes, _name(mask): B * KVT * 2,
                          _name(q): B * NH * D * 4})
@@ -666,6 +666,18 @@ def _attn_mma(L) -> KernelCounters:
     c.inflight_peak_bytes_per_warp = -(-items // THR) * 2 * 16 * 32
     c.notes.append(f"{L.n_blocks} blocks ({NKV} kv heads x {SPLITS} splits), {max_tiles} key tiles each, "
                    f"one K/V round trip per tile")
+    # everything above is one lane's; every lane of a LANES launch assumed live (the
+    # descriptors are read at run time)
+    lanes = d.get("LANES", 1)
+    if lanes > 1:
+        for k in ("gld_requests", "gld_sectors", "gld_bytes", "gst_requests", "gst_sectors", "gst_bytes",
+                  "smem_requests", "smem_wavefronts", "smem_ideal_wavefronts", "mma", "barriers", "dram_bytes"):
+            setattr(c, k, getattr(c, k) * lanes)
+        for dct in (c.bytes_read, c.bytes_written):
+            for k in dct:
+                dct[k] *= lanes
+        c.notes.append(f"{lanes} lanes, all assumed live")
+    c.barriers += L.n_blocks   # each block's first (n_blocks counts every lane already)
     return c
 
 
