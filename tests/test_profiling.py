@@ -372,15 +372,19 @@ def test_gpu_check_real_commands_parse(tmp_path):
     cmds = [json.loads(line) for line in record.read_text().splitlines()]
     assert cmds[0][:2] == ["-", "0"]  # preflight, real mode
     mods = [c[1] for c in cmds[1:]]
-    assert mods == ["pytest", "profiling.differential", "profiling.bench_step", "profiling.bench_gemm",
-                    "profiling.bench_attention", "profiling.bench_step", "profiling.bench_host",
-                    "profiling.soak", "profiling.summarize"]
+    assert mods == ["pytest", "profiling.differential", "profiling.bench_step", "profiling.bench_lanes",
+                    "profiling.bench_gemm", "profiling.bench_attention", "profiling.bench_step",
+                    "profiling.bench_host", "profiling.soak", "profiling.summarize"]
     pytest_args = cmds[1][2:]
     assert pytest_args[-3:] == ["--maxfail=25", "-k", "not emulated"] and "tests" in pytest_args
     diff = differential.parse_args(cmds[2][2:])  # the kernel tests' emulated cases, against the GPU
     assert diff.mode == "1" and "tests/test_gemm.py" in diff.files and diff.timeout_s == 95
     assert diff.pytest_args == ["--maxfail=40", "-k", "emulated"]
     cmds = cmds[:2] + cmds[3:]
+    from profiling import bench_lanes
+    lanes = bench_lanes.parse_args(cmds[3][2:])   # the batch at 1/4/16 lanes, qwen3-8b, both roundings
+    assert lanes.lanes == [1, 4, 16] and lanes.drafter == "qwen3-8b" and lanes.splits == (True, False)
+    cmds = cmds[:3] + cmds[4:]
     parsers = {"profiling.bench_step": bench_step.parse_args, "profiling.bench_gemm": bench_gemm.parse_args,
                "profiling.bench_attention": bench_attention.parse_args,
                "profiling.bench_host": bench_host.parse_args, "profiling.summarize": None,
