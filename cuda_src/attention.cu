@@ -7,8 +7,9 @@
 //   mask     [B, KV_TOTAL] f16 additive (0 visible, -inf hidden)
 //   gate     GATE=1: [B, NH] f32 logits, GATE=2: [B, NH*D] f32; unused if 0
 //   out      [B, NH*D] f32 = softmax(q k^T * scale + mask) v  (* softplus(gate))
-//   part_o   [SPLITS, B*NH, D] f32 un-normalised partial outputs
+//   part_o   [SPLITS, B*NH, D] f32 un-normalised partial outputs   (SPLITS > 1)
 //   part_ml  [SPLITS, B*NH, 2] f32 (running max in log2 units, partial sum)
+//   counters [LANES * NKV * ROW_GROUPS] int32 arrival counts, zero between launches
 // GQA: query head h reads kv head h / (NH/NKV).
 //
 // ring_attn_split: grid (NKV * LANES, SPLITS, ROW_GROUPS), block (NWARPS*32):
@@ -25,10 +26,11 @@
 //   pre-scaled by scale*log2(e)); the P·V product broadcasts p_t with a
 //   shuffle while lane owns output dims lane + 32*j. The lane keeps a partial
 //   softmax denominator, reduced once at the end.
-//   With SPLITS == 1 the block normalises and writes `out` itself (and the
-//   combine kernel is not launched).
-// ring_attn_combine: grid (ceil(B*NH*D / COMBINE_THREADS), LANES), block (COMBINE_THREADS): merges the
-//   splits with log-sum-exp weights, applies the gate, writes `out`.
+//   With SPLITS == 1 the block normalises and writes `out` itself. With
+//   SPLITS > 1 it writes its partial, and the last of the SPLITS blocks of its
+//   (lane, kv head, row group) — counters[blockIdx.x * ROW_GROUPS + blockIdx.z]
+//   — merges them with log-sum-exp weights, applies the gate and writes `out`
+//   (attention_common.cuh: the folded combine).
 // A row whose every key is masked gets output 0 (never NaN). A slot hidden
 // from a row never reaches that row's output, whatever it holds: hidden
 // scores are selected to -inf (not added), zero weights skip the P V update.
@@ -77,6 +79,7 @@ ring_attn_split(const float* __restrict__ q,
                 const __half* __restrict__ mask,
                 float* __restrict__ part_o,
                 float* __restrict__ part_ml,
+                int* __restrict__ counters,
                 float* __restrict__ out,
                 const float* __restrict__ gate,
                 float scale,
@@ -248,39 +251,10 @@ ring_attn_split(const float* __restrict__ q,
         }
 #endif
     }
-}
-
-extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
-ring_attn_combine(const float* __restrict__ part_o,
-                  const float* __restrict__ part_ml,
-                  const float* __restrict__ gate,
-                  float* __restrict__ out,
-                  const int* __restrict__ live,
-                  int use_live)
-{
-    const int lane_id = LANES == 1 ? 0 : (int)blockIdx.y;
-    if (lane_idle(live, use_live, lane_id)) return;
-    {
-        const LaneOffsets lo = lane_offsets(lane_id);
-        part_o += lo.part_o;
-        part_ml += lo.part_ml;
-        gate += lo.gate;
-        out += lo.q_o;
-    }
-    const int i = blockIdx.x * COMBINE_THREADS + threadIdx.x;
-    if (i >= B * NH * D) return;
-    const int qrow = i / D, d = i % D;
-    float m = NEG_INF;
-    for (int s = 0; s < SPLITS; ++s)
-        m = fmaxf(m, part_ml[((long long)s * (B * NH) + qrow) * 2]);
-    float o = 0.f, l = 0.f;
-    if (m != NEG_INF) {
-        for (int s = 0; s < SPLITS; ++s) {
-            const long long r = (long long)s * (B * NH) + qrow;
-            const float w = exp2f(part_ml[r * 2] - m);  // 0 for empty / fully hidden splits
-            l += w * part_ml[r * 2 + 1];
-            o += w * part_o[r * D + d];
-        }
-    }
-    out[i] = (l > 0.f ? o / l : 0.f) * gate_factor(gate, qrow, d);
+#if SPLITS > 1
+    __shared__ int ticket;
+    const int unit = (int)(blockIdx.x * gridDim.z + blockIdx.z);   // (lane, kv head, row group)
+    if (last_split_to_arrive(counters, unit, &ticket))
+        merge_splits(part_o, part_ml, gate, out, kvh, row0, row0 + rows_here, NT, counters, unit);
+#endif
 }

@@ -1,7 +1,23 @@
 // attention_common.cuh — what the two split-KV attention kernels share
 // (attention.cu: CUDA cores, any D; attention_mma.cu: tensor cores): the
 // compile-time sizes and their defaults, the key tiling of the splits, the
-// partial-result layout read by ring_attn_combine, the gate, the lanes.
+// partial-result layout, the folded combine (below), the gate, the lanes.
+//
+// Folded combine (SPLITS > 1): one launch. A "unit" is the set of SPLITS
+// blocks that hold the same query rows over the SPLITS key slices (one lane,
+// one kv head, one row group on the CUDA cores). Every block of a unit
+// writes its un-normalised partial (part_o, part_ml), then takes a ticket
+// from counters[unit] (an int32 per unit, owned by ops/attention.py, zero
+// between launches); the block that draws the last ticket merges the unit's
+// splits into `out` and puts the counter back to 0, so the next launch (or a
+// graph replay) starts from zero. The merge sums the splits in order 0 ..
+// SPLITS-1 with exactly the arithmetic of the former two-launch combine:
+// bit-identical run to run and to it. Memory order as in gemm_stream.cu's
+// split K: each thread fences its partial stores before the block counts
+// itself; the last block fences again and reads the partials from L2
+// (__ldcg: other SMs wrote them, this SM's L1 may hold nothing newer but must
+// not be trusted). An idle lane's blocks return before counting: its
+// counters stay 0.
 //
 // Lanes (LANES > 1): one launch serves LANES independent requests, lane l
 // (the grid's lane coordinate) reading and writing only its own slices:
@@ -51,7 +67,6 @@
 #define R (B * G)
 
 #define TILE 32               // keys per shared-memory tile (read by ops/attention.py)
-#define COMBINE_THREADS 128    // block of ring_attn_combine (read by ops/attention.py)
 #define KV_W (NKV * D)
 #define N_TILES ((KV_TOTAL + TILE - 1) / TILE)
 #define TILES_PER_SPLIT ((N_TILES + SPLITS - 1) / SPLITS)
@@ -110,4 +125,54 @@ __device__ __forceinline__ LaneOffsets lane_offsets(int lane) {
     o.part_o = (long long)lane * SPLITS * B * NH * D;
     o.part_ml = (long long)lane * SPLITS * B * NH * 2;
     return o;
+}
+
+// Called by every thread of a block after it wrote its partial: true in every
+// thread of the block that arrived last for `unit` (see the top of this file).
+// ticket: a __shared__ int of the kernel.
+__device__ __forceinline__ bool last_split_to_arrive(int* counters, int unit, int* ticket) {
+    __threadfence();   // this thread's partial stores are visible device-wide before the count says so
+    __syncthreads();
+    if (threadIdx.x == 0) *ticket = atomicAdd(&counters[unit], 1);
+    __syncthreads();
+    if (*ticket != SPLITS - 1) return false;
+    __threadfence();   // the other blocks' partials are read after their counts
+    return true;
+}
+
+// The last block's merge of query rows [r_lo, r_hi) (row r = b*G + g: query
+// head kvh*G + g of noise row b) of kv head kvh: out = sum_s w_s o_s /
+// sum_s w_s l_s (x the gate), w_s = 2^(m_s - max_s m_s), splits in order 0 ..
+// SPLITS-1. Four output dims per thread and step (16-byte partial loads);
+// then counters[unit] = 0. `nthreads`: the block's threads.
+__device__ __forceinline__ void merge_splits(const float* part_o, const float* part_ml, const float* gate,
+                                             float* out, int kvh, int r_lo, int r_hi, int nthreads,
+                                             int* counters, int unit) {
+    constexpr int V4 = D / 4;
+    for (int i = threadIdx.x; i < (r_hi - r_lo) * V4; i += nthreads) {
+        const int r = r_lo + i / V4, d = (i % V4) * 4;
+        const int qrow = (r / G) * NH + kvh * G + r % G;
+        float m = NEG_INF;
+        for (int s = 0; s < SPLITS; ++s)
+            m = fmaxf(m, __ldcg(part_ml + ((long long)s * (B * NH) + qrow) * 2));
+        float o[4] = {0.f, 0.f, 0.f, 0.f};
+        float l = 0.f;
+        if (m != NEG_INF) {
+            for (int s = 0; s < SPLITS; ++s) {
+                const long long rs = (long long)s * (B * NH) + qrow;
+                const float2 ml = __ldcg(reinterpret_cast<const float2*>(part_ml + rs * 2));
+                const float4 p = __ldcg(reinterpret_cast<const float4*>(part_o + rs * D + d));
+                const float w = exp2f(ml.x - m);  // 0 for empty / fully hidden splits
+                l += w * ml.y;
+                o[0] += w * p.x;
+                o[1] += w * p.y;
+                o[2] += w * p.z;
+                o[3] += w * p.w;
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            out[(long long)qrow * D + d + e] = (l > 0.f ? o[e] / l : 0.f) * gate_factor(gate, qrow, d + e);
+    }
+    if (threadIdx.x == 0) counters[unit] = 0;   // ready for the next launch (or replay)
 }

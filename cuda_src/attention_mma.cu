@@ -1,8 +1,8 @@
 // attention_mma.cu — the split-KV ring attention of attention.cu on tensor cores.
 //
 // Same inputs, outputs, partial layout, masks, GQA and gate as
-// ring_attn_split (attention.cu, whose ring_attn_combine merges the splits);
-// see attention_common.cuh for the sizes. Needs D % 16 == 0, D <= 128 and at
+// ring_attn_split (attention.cu; counters here [LANES * NKV]), and the same
+// folded combine (attention_common.cuh); see attention_common.cuh for the sizes. Needs D % 16 == 0, D <= 128 and at
 // most 128 query rows per kv head (R = B * NH/NKV): 8 warps (at 16, ptxas caps
 // a thread at 128 registers and the kernel spills).
 //
@@ -20,6 +20,10 @@
 //                 16-byte rows like K) and its B fragments are read with
 //                 ldmatrix.trans (ldmatrix.cuh): no transposing stores, no
 //                 bank conflicts.
+//   SPLITS == 1: the block normalises and writes `out`. SPLITS > 1: it writes
+//   its partial; the last of the SPLITS blocks of its (lane, kv head),
+//   counters[blockIdx.z * NKV + blockIdx.x], merges the splits of all R rows
+//   into `out` (attention_common.cuh: the folded combine).
 // Isolation: a slot hidden from a query row never reaches that row's output,
 //   whatever it holds (NaN, +-Inf, 65504): its score is selected to -inf (a
 //   hidden mask entry is never added), a key hidden from every row of the
@@ -114,6 +118,7 @@ ring_attn_mma_split(const float* __restrict__ q,
                     const __half* __restrict__ mask,
                     float* __restrict__ part_o,
                     float* __restrict__ part_ml,
+                    int* __restrict__ counters,
                     float* __restrict__ out,
                     const float* __restrict__ gate,
                     float scale,
@@ -348,4 +353,10 @@ ring_attn_mma_split(const float* __restrict__ q,
         }
 #endif
     }
+#if SPLITS > 1
+    __shared__ int ticket;
+    const int unit = (int)(blockIdx.z * NKV + blockIdx.x);   // (lane, kv head)
+    if (last_split_to_arrive(counters, unit, &ticket))
+        merge_splits(part_o, part_ml, gate, out, kvh, 0, R, THR, counters, unit);
+#endif
 }

@@ -11,15 +11,21 @@ hold (NaN, Inf): stale ring slots need no clearing on reset or rewind.
 
 Grid ``(n_head_kv, n_splits, row_groups)``: each block loads a 32-row K/V
 tile of one kv head once for all ``q_len * n_head/n_head_kv`` query rows that
-read it; ``n_splits > 1`` adds a combine launch (log-sum-exp merge) over a
-workspace allocated once by the constructor.
+read it. With ``n_splits > 1`` each block writes its partial (un-normalised
+output, max, sum) into a workspace allocated once by the constructor, and the
+last of the ``n_splits`` blocks of a (lane, kv head[, row group]) to finish
+merges them (log-sum-exp, splits in a fixed order: bit-identical every
+launch) and writes ``out``: one launch per call whatever ``n_splits``
+(``attention_common.cuh``: the folded combine; per-unit int32 arrival
+counters, owned here, zero between launches).
 
 Lanes (``lanes > 1``): one launch per kernel serves ``lanes`` independent
 requests (their q/out rows ``lane_rows`` apart, their own K/V rows and masks,
 ``attention_common.cuh``); the lane is the grid's z (tensor cores) or folded
-into x (``lane * n_head_kv + kv head``, CUDA cores), the combine's y. With
+into x (``lane * n_head_kv + kv head``, CUDA cores). With
 ``live`` (the lanes' step descriptors, on the device) the blocks of an idle
-lane return before reading anything, so idle lanes cost one block start each.
+lane return before reading anything (or counting), so idle lanes cost one
+block start each.
 
 Two split kernels (``path``): ``"mma"`` (``cuda_src/attention_mma.cu``,
 tensor cores, q and p split into two f16 terms, V read with ldmatrix.trans; the default where it applies:
@@ -40,14 +46,14 @@ GATES = {None: 0, "head": 1, "element": 2}
 DESC_LEN = kernels.constants("step_desc.cuh")["DESC_LEN"]   # the per-lane descriptor row of ``live``
 _C = kernels.constants("attention_common.cuh")
 TILE = _C["TILE"]                        # keys per shared-memory tile
-COMBINE_THREADS = _C["COMBINE_THREADS"]
 SMEM_LIMIT = device_props.DEFAULT_SMEM   # static shared memory cap (no opt-in for static)
 MAX_WARPS = 8
 MMA_MAX_ROWS = 128         # query rows per kv head (q_len * n_head/n_head_kv) of attention_mma.cu
 BLOCKS_PER_SM = 2          # what the split kernels' registers allow (~215 regs x 128 threads)
 # Fewer tiles per split fill the SMs at short windows; below 4 the partials'
-# round trip (and the combine) costs more than the extra blocks gain
-# (profiling.perf_model, qwen3-8b at 2K: 8 -> 32.4 us, 4 -> 21.6 us, 2 -> 30.4 us).
+# round trip (and the merge) costs more than the extra blocks gain
+# (profiling.perf_model with the former separate combine launch, qwen3-8b at
+# 2K: 8 -> 32.4 us, 4 -> 21.6 us, 2 -> 30.4 us).
 MIN_TILES_PER_SPLIT = 4
 
 
@@ -76,13 +82,16 @@ class RingAttention:
     ``[lanes*BS, n_head*head_dim]`` f32 per the mode. Rows of q/out/gate past a
     lane's ``q_len`` are neither read nor written. ``live``: the step
     descriptors ``[lanes, DESC_LEN]`` device int32, read when the kernels run;
-    a lane whose ``DESC_ACTIVE`` entry is 0 is idle: its blocks (the combine's
-    too) exit before reading anything and its out rows are untouched.
-    ``None``: every lane runs. Every lane in one launch per kernel; each lane's
+    a lane whose ``DESC_ACTIVE`` entry is 0 is idle: its blocks exit before
+    reading anything and its out rows are untouched.
+    ``None``: every lane runs. Every lane in one launch; each lane's
     result is bit-identical to a single-lane call on its slices.
     No allocation, no host sync: capture-safe. With ``n_splits > 1`` the
-    instance owns one partials workspace (``[lanes, n_splits, ...]``): calls
-    must be ordered (one stream), never concurrent on two streams.
+    instance owns one partials workspace (``part_o``, ``part_ml``: ``[lanes,
+    n_splits, ...]``) and the arrival ``counters`` (int32, one per (lane, kv
+    head, row group), zero between launches: the merging block resets its
+    own): calls must be ordered (one stream), never concurrent on two
+    streams, and a launch must not be abandoned half way.
     """
 
     def __init__(self, backend, head_dim: int, n_head: int, n_head_kv: int, q_len: int,
@@ -146,19 +155,19 @@ class RingAttention:
                 backend, "attention_mma.cu", D=self.D, NH=self.NH, NKV=self.NKV, B=self.B,
                 KV_TOTAL=self.kv_total, SPLITS=self.n_splits, GATE=GATES[gate], **lane_opts).get_function(
                 "ring_attn_mma_split")
-        self._combine = self._module.get_function("ring_attn_combine") if self.n_splits > 1 else None
-        if self.n_splits > 1:
-            self.part_o = backend.zeros((self.lanes, self.n_splits, self.B * self.NH, self.D), np.float32)
-            self.part_ml = backend.zeros((self.lanes, self.n_splits, self.B * self.NH, 2), np.float32)
-        else:
-            self.part_o = self.part_ml = None
         if self.path == "mma":
             self._grid = (self.NKV, self.n_splits, self.lanes)                     # z = lane
             self._block = (-(-R // 16) * 32, 1, 1)
         else:
             self._grid = (self.NKV * self.lanes, self.n_splits, self.row_groups)   # x = lane * NKV + kv head
             self._block = (self.warps * 32, 1, 1)
-        self._cgrid = (-(-(self.B * self.NH * self.D) // COMBINE_THREADS), self.lanes, 1)
+        if self.n_splits > 1:
+            self.part_o = backend.zeros((self.lanes, self.n_splits, self.B * self.NH, self.D), np.float32)
+            self.part_ml = backend.zeros((self.lanes, self.n_splits, self.B * self.NH, 2), np.float32)
+            # one per unit of SPLITS blocks (grid x times z: (lane, kv head[, row group]))
+            self.counters = backend.zeros((self._grid[0] * self._grid[2],), np.int32)
+        else:
+            self.part_o = self.part_ml = self.counters = None
         if max(self._grid[1:]) > 65535 or self.lanes > 65535:
             raise ValueError(f"lanes={lanes}: grid {self._grid} exceeds the 65535 limit of grid y/z")
 
@@ -170,7 +179,8 @@ class RingAttention:
                 + ")")
 
     def bytes_moved(self) -> int:
-        """Compulsory traffic of one lane: K and V once, q, mask, out (+ partials twice)."""
+        """Compulsory traffic of one lane: K and V once, q, mask, out (+ partials
+        written and read back by the merging block)."""
         b = 2 * self.kv_total * self.NKV * self.D * 2 + 2 * self.B * self.NH * self.D * 4
         b += self.B * self.kv_total * 2
         if self.n_splits > 1:
@@ -219,13 +229,12 @@ class RingAttention:
                                  f"got {tuple(live.shape)}")
         po = self.part_o if self.part_o is not None else out      # unused when n_splits == 1
         pml = self.part_ml if self.part_ml is not None else out
+        cnt = self.counters if self.counters is not None else out
         lv, use = (out, 0) if live is None else (live, 1)         # out: a valid pointer, never read
         self._split(self._grid, self._block,
-                    (q, k_cache, v_cache, mask, po, pml, out, gate, np.float32(self.scale), lv, np.int32(use)),
+                    (q, k_cache, v_cache, mask, po, pml, cnt, out, gate, np.float32(self.scale), lv,
+                     np.int32(use)),
                     stream=stream)
-        if self._combine is not None:
-            self._combine(self._cgrid, (COMBINE_THREADS, 1, 1), (po, pml, gate, out, lv, np.int32(use)),
-                          stream=stream)
 
 
 def ring_attention_reference(q, k_cache, v_cache, mask, *, n_head_kv: int, scale: float | None = None,
