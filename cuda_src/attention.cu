@@ -252,9 +252,10 @@ ring_attn_split(const float* __restrict__ q,
 #endif
     }
 #if SPLITS > 1
-    __shared__ int ticket;
+    // the ticket reuses q_s (written only after the barrier that ends every thread's
+    // use of it): RB is sized so that q_s and the tiles fill the static shared memory
     const int unit = (int)(blockIdx.x * gridDim.z + blockIdx.z);   // (lane, kv head, row group)
-    if (last_split_to_arrive(counters, unit, &ticket))
+    if (last_split_to_arrive(counters, unit, reinterpret_cast<int*>(q_s)))
         merge_splits(part_o, part_ml, gate, out, kvh, row0, row0 + rows_here, NT, counters, unit);
 #endif
 }

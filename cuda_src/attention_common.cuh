@@ -129,7 +129,7 @@ __device__ __forceinline__ LaneOffsets lane_offsets(int lane) {
 
 // Called by every thread of a block after it wrote its partial: true in every
 // thread of the block that arrived last for `unit` (see the top of this file).
-// ticket: a __shared__ int of the kernel.
+// ticket: an int of the block's shared memory that no thread uses any more.
 __device__ __forceinline__ bool last_split_to_arrive(int* counters, int unit, int* ticket) {
     __threadfence();   // this thread's partial stores are visible device-wide before the count says so
     __syncthreads();
