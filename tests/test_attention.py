@@ -1,8 +1,8 @@
-"""ring_attn_split / ring_attn_combine (cuda_src/attention.cu) and
-ring_attn_mma_split (cuda_src/attention_mma.cu): masked split-KV GQA attention
-of the noise rows over the whole ring cache; both split kernels where they
-apply. Hidden slots of every kind, planted with NaN/Inf, leave the output
-bit-identical."""
+"""ring_attn_split (cuda_src/attention.cu) and ring_attn_mma_split
+(cuda_src/attention_mma.cu): masked split-KV GQA attention of the noise rows
+over the whole ring cache, the splits merged in the same launch by the last
+block of each unit to finish; both split kernels where they apply. Hidden slots
+of every kind, planted with NaN/Inf, leave the output bit-identical."""
 import numpy as np
 import pytest
 
@@ -409,3 +409,116 @@ def test_lanes_bad_arguments(emu):
     for name, val, exc in bad:
         with pytest.raises(exc, match=name):
             att(**{**args, name: val})
+
+
+# ---------------------------------------------------------------------------- the folded combine
+# (D, NH, NKV, q_len, lane_rows, capacity, n_splits, gate, path): 3 lanes (lane 1 idle), each
+# on its own wrapped ring with its own mask; rows_per_block 16 at D 256 on the CUDA cores
+# gives 2 row groups (units per lane: kv heads x row groups); n_splits 1 has no merge at all.
+FOLD_CASES = [
+    (64, 8, 2, 3, 5, 150, 3, None, "mma"),
+    (64, 8, 2, 3, 5, 150, 4, "element", "mma"),
+    (64, 8, 2, 3, 5, 150, 3, "head", "fma"),
+    (256, 4, 2, 9, 9, 70, 2, "element", "fma"),
+    (32, 4, 4, 1, 1, 190, 5, "head", "mma"),          # 6 key tiles in 5 splits: the last 2 empty
+    (64, 8, 2, 3, 5, 150, 1, "element", "mma"),
+    (64, 8, 2, 3, 5, 150, 1, None, "fma"),
+]
+
+
+@pytest.mark.parametrize("D,NH,NKV,B,BS,capacity,n_splits,gate,path", FOLD_CASES)
+def test_folded_combine(backend, rng, D, NH, NKV, B, BS, capacity, n_splits, gate, path):
+    """One launch per call whatever n_splits: the live lanes equal the NumPy
+    reference, the idle lane's rows (and rows past q_len) keep the sentinel,
+    the arrival counters are all zero after every launch (idle lane included),
+    and graph replays give the same bits as the eager call."""
+    from dflash_cupy import kernels
+    from dflash_cupy.ops.attention import DESC_LEN
+    active = kernels.constants("step_desc.cuh")["DESC_ACTIVE"]
+    L = 3
+    geom = RingGeometry(capacity, B)
+    kvt = geom.kv_total
+    att = RingAttention(backend, D, NH, NKV, B, kvt, n_splits=n_splits, gate=gate, path=path, lanes=L,
+                        lane_rows=BS)
+    assert att.path == path and att.n_splits == n_splits
+    if n_splits == 1:
+        assert att.counters is None and att.part_o is None
+    else:
+        groups = 1 if path == "mma" else att.row_groups
+        assert (D == 256) == (groups == 2)
+        assert tuple(att.counters.shape) == (L * NKV * groups,)
+        assert (backend.to_numpy(att.counters) == 0).all()
+    q, k, v, _, g = _lane_inputs(rng, L, D, NH, NKV, B, BS, kvt, gate)
+    mask = np.empty((L, B, kvt), np.float16)
+    for lane in range(L):                                    # wrapped rings, full / sliding masks
+        committed = capacity + 7 + 13 * lane
+        slot_pos = contiguous_slot_pos(committed, capacity)
+        mask[lane] = ring_masks(slot_pos, committed, geom, capacity // 3)[lane % 2]
+    if B > 1:
+        mask[0, 1] = NEG_INF                                 # a row with nothing visible: 0
+    desc = rng.integers(0, 1000, (L, DESC_LEN)).astype(np.int32)
+    desc[:, active] = [1, 0, 3]
+    sentinel = np.float32(7.5)
+    out = backend.asarray(np.full((L * BS, NH * D), sentinel, np.float32))
+    qd, kd, vd, md, dd = (backend.asarray(a) for a in (q, k, v, mask, desc))
+    gd = None if g is None else backend.asarray(g)
+    att(qd, kd, vd, md, out, gate=gd, live=dd)
+    got = backend.to_numpy(out)
+    if n_splits > 1:
+        assert (backend.to_numpy(att.counters) == 0).all(), "the merging block must reset its counter"
+    for lane in range(L):
+        r = slice(lane * BS, lane * BS + B)
+        assert (got[lane * BS + B:(lane + 1) * BS] == sentinel).all(), "rows past q_len are never written"
+        if lane == 1:
+            assert (got[r] == sentinel).all(), "an idle lane's rows must stay untouched"
+            continue
+        ref = ring_attention_reference(q[r], k[lane * kvt:(lane + 1) * kvt], v[lane * kvt:(lane + 1) * kvt],
+                                       mask[lane], n_head_kv=NKV, gate=None if g is None else g[r],
+                                       gate_mode=gate)
+        assert np.isfinite(got[r]).all()
+        assert_close(got[r], ref, "f32", f"lane {lane}, {att}")
+    if B > 1:
+        assert (got[1] == 0).all()
+    # captured: one kernel node, replays bit-identical to the eager call, counters back at zero
+    stream = backend.stream()
+    backend.begin_capture(stream)
+    att(qd, kd, vd, md, out, gate=gd, live=dd, stream=stream)
+    graph = backend.end_capture(stream)
+    assert graph.n_launches == 1
+    fill = backend.pinned_empty((L * BS, NH * D), np.float32)
+    fill[:] = sentinel
+    for _ in range(2):
+        backend.copy_h2d_async(out, fill, stream)
+        graph.launch(stream)
+        stream.synchronize()
+        assert _bits_equal(backend.to_numpy(out), got)
+        if n_splits > 1:
+            assert (backend.to_numpy(att.counters) == 0).all()
+    # every lane idle: nothing written, nothing counted
+    desc[:, active] = 0
+    att(qd, kd, vd, md, out, gate=gd, live=backend.asarray(desc))
+    assert _bits_equal(backend.to_numpy(out), got)
+    if n_splits > 1:
+        assert (backend.to_numpy(att.counters) == 0).all()
+
+
+def test_folded_combine_uses_the_counters(emu, rng):
+    """The merge is gated by the counts alone: counters that do not start at
+    zero (here at n_splits: every ticket drawn is past the last one) mean no
+    block merges and out is not written, and the counts keep growing. With
+    them at zero (every launch leaves them so) the result is the reference."""
+    be = emu
+    D, NH, NKV, B, kvt, S = 32, 4, 2, 2, 192, 3
+    q, k, v = make_inputs(rng, B, NH, NKV, D, kvt)
+    mask = np.zeros((B, kvt), np.float16)
+    att = RingAttention(be, D, NH, NKV, B, kvt, n_splits=S, path="fma")
+    ref = ring_attention_reference(q, k, v, mask, n_head_kv=NKV)
+    good = run(be, att, q, k, v, mask)
+    assert_close(good, ref, "f32", "counters at zero")
+    start = be.pinned_empty(att.counters.shape, np.int32)
+    start[:] = S                                         # every ticket drawn is past the last one
+    be.copy_h2d_async(att.counters, start)
+    be.synchronize()
+    stale = run(be, att, q, k, v, mask)
+    assert np.isnan(stale).all(), "with every ticket past the last, nobody merges: out keeps run()'s NaN"
+    assert (be.to_numpy(att.counters) == 2 * S).all()
