@@ -143,14 +143,15 @@ __device__ __forceinline__ bool last_split_to_arrive(int* counters, int unit, in
 // The last block's merge of query rows [r_lo, r_hi) (row r = b*G + g: query
 // head kvh*G + g of noise row b) of kv head kvh: out = sum_s w_s o_s /
 // sum_s w_s l_s (x the gate), w_s = 2^(m_s - max_s m_s), splits in order 0 ..
-// SPLITS-1. Four output dims per thread and step (16-byte partial loads);
+// SPLITS-1. A thread takes four dims of a row, D/4 apart, so each of its four
+// loads (and stores) is coalesced across the warp and the four are independent;
 // then counters[unit] = 0. `nthreads`: the block's threads.
 __device__ __forceinline__ void merge_splits(const float* part_o, const float* part_ml, const float* gate,
                                              float* out, int kvh, int r_lo, int r_hi, int nthreads,
                                              int* counters, int unit) {
     constexpr int V4 = D / 4;
     for (int i = threadIdx.x; i < (r_hi - r_lo) * V4; i += nthreads) {
-        const int r = r_lo + i / V4, d = (i % V4) * 4;
+        const int r = r_lo + i / V4, c = i % V4;
         const int qrow = (r / G) * NH + kvh * G + r % G;
         float m = NEG_INF;
         for (int s = 0; s < SPLITS; ++s)
@@ -161,18 +162,15 @@ __device__ __forceinline__ void merge_splits(const float* part_o, const float* p
             for (int s = 0; s < SPLITS; ++s) {
                 const long long rs = (long long)s * (B * NH) + qrow;
                 const float2 ml = __ldcg(reinterpret_cast<const float2*>(part_ml + rs * 2));
-                const float4 p = __ldcg(reinterpret_cast<const float4*>(part_o + rs * D + d));
                 const float w = exp2f(ml.x - m);  // 0 for empty / fully hidden splits
                 l += w * ml.y;
-                o[0] += w * p.x;
-                o[1] += w * p.y;
-                o[2] += w * p.z;
-                o[3] += w * p.w;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[e] += w * __ldcg(part_o + rs * D + c + e * V4);
             }
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-            out[(long long)qrow * D + d + e] = (l > 0.f ? o[e] / l : 0.f) * gate_factor(gate, qrow, d + e);
+            out[(long long)qrow * D + c + e * V4] = (l > 0.f ? o[e] / l : 0.f) * gate_factor(gate, qrow, c + e * V4);
     }
     if (threadIdx.x == 0) counters[unit] = 0;   // ready for the next launch (or replay)
 }
