@@ -252,10 +252,11 @@ ring_attn_split(const float* __restrict__ q,
 #endif
     }
 #if SPLITS > 1
-    // the ticket reuses q_s (written only after the barrier that ends every thread's
-    // use of it): RB is sized so that q_s and the tiles fill the static shared memory
+    // the ticket (q_s[0]) and the merge's row scratch (q_s[4 ..]) reuse q_s, written only
+    // after the barrier that ends every thread's use of it: RB is sized so that q_s and
+    // the tiles fill the static shared memory (RB * D >= 4 + 2 * RB: D >= 8)
     const int unit = (int)(blockIdx.x * gridDim.z + blockIdx.z);   // (lane, kv head, row group)
     if (last_split_to_arrive(counters, unit, reinterpret_cast<int*>(q_s)))
-        merge_splits(part_o, part_ml, gate, out, kvh, row0, row0 + rows_here, NT, counters, unit);
+        merge_splits(part_o, part_ml, gate, out, kvh, row0, row0 + rows_here, NT, q_s + 4, counters, unit);
 #endif
 }

@@ -143,27 +143,41 @@ __device__ __forceinline__ bool last_split_to_arrive(int* counters, int unit, in
 // The last block's merge of query rows [r_lo, r_hi) (row r = b*G + g: query
 // head kvh*G + g of noise row b) of kv head kvh: out = sum_s w_s o_s /
 // sum_s w_s l_s (x the gate), w_s = 2^(m_s - max_s m_s), splits in order 0 ..
-// SPLITS-1. A thread takes four dims of a row, D/4 apart, so each of its four
-// loads (and stores) is coalesced across the warp and the four are independent;
-// then counters[unit] = 0. `nthreads`: the block's threads.
+// SPLITS-1. First a thread per row: its max and weighted sum into ml_s
+// (shared scratch of 2 * (r_hi - r_lo) floats no thread uses any more), so the
+// output pass has no dependent load before its partials. Then a thread takes
+// four dims of a row, D/4 apart: each of its four loads (and stores) is
+// coalesced across the warp, and all are independent. Last, counters[unit] = 0.
+// `nthreads`: the block's threads.
 __device__ __forceinline__ void merge_splits(const float* part_o, const float* part_ml, const float* gate,
                                              float* out, int kvh, int r_lo, int r_hi, int nthreads,
-                                             int* counters, int unit) {
+                                             float* ml_s, int* counters, int unit) {
     constexpr int V4 = D / 4;
+    for (int r = r_lo + (int)threadIdx.x; r < r_hi; r += nthreads) {
+        const int qrow = (r / G) * NH + kvh * G + r % G;
+        float m = NEG_INF, l = 0.f;
+        for (int s = 0; s < SPLITS; ++s)
+            m = fmaxf(m, __ldcg(part_ml + ((long long)s * (B * NH) + qrow) * 2));
+        if (m != NEG_INF) {
+            for (int s = 0; s < SPLITS; ++s) {
+                const float2 ml = __ldcg(reinterpret_cast<const float2*>(part_ml + ((long long)s * (B * NH) + qrow) * 2));
+                l += exp2f(ml.x - m) * ml.y;   // w_s: 0 for empty / fully hidden splits
+            }
+        }
+        ml_s[2 * (r - r_lo)] = m;
+        ml_s[2 * (r - r_lo) + 1] = l;
+    }
+    __syncthreads();
     for (int i = threadIdx.x; i < (r_hi - r_lo) * V4; i += nthreads) {
         const int r = r_lo + i / V4, c = i % V4;
         const int qrow = (r / G) * NH + kvh * G + r % G;
-        float m = NEG_INF;
-        for (int s = 0; s < SPLITS; ++s)
-            m = fmaxf(m, __ldcg(part_ml + ((long long)s * (B * NH) + qrow) * 2));
+        const float m = ml_s[2 * (r - r_lo)], l = ml_s[2 * (r - r_lo) + 1];
         float o[4] = {0.f, 0.f, 0.f, 0.f};
-        float l = 0.f;
         if (m != NEG_INF) {
+#pragma unroll 4
             for (int s = 0; s < SPLITS; ++s) {
                 const long long rs = (long long)s * (B * NH) + qrow;
-                const float2 ml = __ldcg(reinterpret_cast<const float2*>(part_ml + rs * 2));
-                const float w = exp2f(ml.x - m);  // 0 for empty / fully hidden splits
-                l += w * ml.y;
+                const float w = exp2f(__ldcg(part_ml + rs * 2) - m);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) o[e] += w * __ldcg(part_o + rs * D + c + e * V4);
             }

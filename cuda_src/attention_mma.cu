@@ -357,6 +357,7 @@ ring_attn_mma_split(const float* __restrict__ q,
     __shared__ int ticket;
     const int unit = (int)(blockIdx.z * NKV + blockIdx.x);   // (lane, kv head)
     if (last_split_to_arrive(counters, unit, &ticket))
-        merge_splits(part_o, part_ml, gate, out, kvh, 0, R, THR, counters, unit);
+        merge_splits(part_o, part_ml, gate, out, kvh, 0, R, THR,
+                     reinterpret_cast<float*>(k_s), counters, unit);   // k_s: done with; 2R floats fit
 #endif
 }
