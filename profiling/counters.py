@@ -596,7 +596,7 @@ def _gemm_stream(L) -> KernelCounters:
 def _attn_mma(L) -> KernelCounters:
     d = L.defines
     D, NH, NKV, B, KVT, SPLITS = d["D"], d["NH"], d["NKV"], d["B"], d["KV_TOTAL"], d["SPLITS"]
-    q, kc, vc, mask, po, pml, out, gate, _scale = L.args[:9]   # then live, use_live (lanes)
+    q, kc, vc, mask, po, pml, _cnt, out, gate, _scale = L.args[:10]   # then live, use_live (lanes)
     TILE, G = 32, NH // NKV
     R = B * G
     MW = -(-R // 16)
@@ -652,20 +652,43 @@ def _attn_mma(L) -> KernelCounters:
     # q: each lane 2 x 4 B per (kk, e): small; counted as its bytes
     _contig(c, "ld", B * NH * D * 4)
     out_b = B * NH * D * 4
+    c.bytes_written[_name(out)] = out_b
+    _contig(c, "st", out_b)
+    part_b = SPLITS * (out_b + B * NH * 8)
     if SPLITS > 1:
         c.bytes_written[_name(po)] = SPLITS * out_b
         c.bytes_written[_name(pml)] = SPLITS * B * NH * 8
-        _contig(c, "st", SPLITS * (out_b + B * NH * 8))
-    else:
-        c.bytes_written[_name(out)] = out_b
-        _contig(c, "st", out_b)
-    c.dram_bytes = 2 * kv_bytes + B * KVT * 2 + B * NH * D * 4 + (
-        SPLITS * (out_b + B * NH * 8) if SPLITS > 1 else out_b)
+        _contig(c, "st", part_b)
+        # the folded combine: the last of each kv head's SPLITS blocks reads them all back
+        # (__ldcg, from L2): per row the maxima and the weighted sums (a thread per row, 4 + 8 B
+        # loads), then per 32 four-dim items of a warp (one row at D 128) per split one
+        # broadcast 4-B max and four coalesced 128-B part_o loads
+        c.bytes_read[_name(po)] = SPLITS * out_b
+        c.bytes_read[_name(pml)] = SPLITS * B * NH * 8
+        _contig(c, "ld", SPLITS * out_b)
+        for w0 in range(0, R, 32):             # the row pass: lane = row r -> qrow (r / G) * NH + r % G
+            rows = [((r // G) * NH + r % G) * 8 if r < R else None for r in range(w0, w0 + 32)]
+            for width in (4, 8):
+                sec, req = global_sectors(rows, width)
+                c.add_global("ld", NKV * SPLITS, sec, req)
+        item_req = NKV * -(-R * D // 4 // 32) * SPLITS
+        c.add_global("ld", item_req, 1, 32 * 4)
+        c.barriers += 2 * L.n_blocks + NKV
+    c.dram_bytes = 2 * kv_bytes + B * KVT * 2 + B * NH * D * 4 + out_b + (2 * part_b if SPLITS > 1 else 0)
     # the K/V loads of a tile are consumed at the barrier right after: one round trip per tile
     c.dram_round_trips_per_block = max_tiles
     c.inflight_peak_bytes_per_warp = -(-items // THR) * 2 * 16 * 32
     c.notes.append(f"{L.n_blocks} blocks ({NKV} kv heads x {SPLITS} splits), {max_tiles} key tiles each, "
                    f"one K/V round trip per tile")
+    if SPLITS > 1:
+        # the merging block's path after its own tiles: the row pass (two dependent rounds),
+        # then each thread's items, 4 splits (unrolled) x 5 loads in flight per round
+        per_thread = -(-R * D // 4 // THR)
+        merge_trips = 2 + per_thread * -(-SPLITS // 4)
+        c.l2_round_trips_per_block = merge_trips
+        c.notes.append(f"splits merged in the same launch: the last block of each kv head reads "
+                       f"{SPLITS * (out_b + B * NH * 8) / NKV / 1e3:.0f} KB of partials back from L2 "
+                       f"({merge_trips} dependent L2 round trips after its tiles)")
     return c
 
 
@@ -726,11 +749,6 @@ def _small(L) -> KernelCounters:
         if has_q:
             writes.append((_name(a[6]), M * NH * D * 4))
         return _bytes_only(L, reads, writes)
-    if k == "ring_attn_combine":
-        S, B, NH, D = d["SPLITS"], d["B"], d["NH"], d["D"]
-        return _bytes_only(L, [(_name(a[0]), S * B * NH * D * 4), (_name(a[1]), S * B * NH * 8)],
-                           [(_name(a[3]), B * NH * D * 4)],
-                           "part_ml is re-read by every thread of a row: L1/L2 hits, not counted")
     return _bytes_only(L, [], [], f"no access model for kernel {k!r}: counters are empty")
 
 

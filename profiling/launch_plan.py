@@ -334,6 +334,7 @@ def _name_arrays(kv) -> dict:
     att = kv.attention
     put("attention.part_o", att.part_o)
     put("attention.part_ml", att.part_ml)
+    put("attention.counters", att.counters)
     dw = kv.dw
     for k in ("fc", "hidden_norm", "norm", "aux_norms"):
         put(f"w.{k}", getattr(dw, k))

@@ -142,7 +142,8 @@ def _attn_launch(D=128, NH=32, NKV=8, B=16, KVT=2080, SPLITS=16):
     args = [_arr("q", (B, NH, D), np.float32), _arr("k", (KVT, NKV * D), np.float16),
             _arr("v", (KVT, NKV * D), np.float16), _arr("mask", (B, KVT), np.float16),
             _arr("part_o", (SPLITS, B * NH, D), np.float32), _arr("part_ml", (SPLITS, B * NH, 2), np.float32),
-            _arr("out", (B, NH * D), np.float32), _arr("out", (B, NH * D), np.float32), 0.1]
+            _arr("counters", (NKV,), np.int32), _arr("out", (B, NH * D), np.float32),
+            _arr("out", (B, NH * D), np.float32), 0.1]
     R = B * NH // NKV
     return Launch("ring_attn_mma_split", "attention_mma.cu", d, (NKV, SPLITS, 1), (-(-R // 16) * 32, 1, 1), 0, args)
 
@@ -161,12 +162,15 @@ def test_attention_v_ldmatrix_is_conflict_free():
     mask_req = tiles_ * 16
     kv_req = 2 * tiles_ * (32 * 16 // 32)         # 32 keys x 16 chunks of 16 B, 32 lanes per load
     q_req = 16 * 32 * 128 * 4 // 128               # q read once, 4 B per lane
-    assert c.gld_requests == mask_req + kv_req + q_req
+    # the folded merge, per kv head x split: 2 warps of rows x (max, (max, sum)), then 64 warp
+    # items (one 128-dim row each) x (one max + 4 part_o loads)
+    merge_req = 8 * 16 * (2 * 2 + 64 * 5)
+    assert c.gld_requests == mask_req + kv_req + q_req + merge_req
     # 65 key tiles in 16 splits of 5 (the last 5 splits short or empty) x 8 kv heads;
     # 4 warps; per warp per tile: QK^T 4 x 8 x 2 and PV 2 x 16 x 2 MMAs
     tiles = 8 * 65
     assert c.mma == tiles * 4 * (4 * 8 * 2 + 2 * 16 * 2)
-    assert c.barriers == 2 * tiles + 8 * 16
+    assert c.barriers == 2 * tiles + 8 * 16 + 2 * 8 * 16 + 8    # + the arrival's two, the merge's one
     assert c.bytes_read["k"] == c.bytes_read["v"] == 2080 * 8 * 128 * 2
 
 
