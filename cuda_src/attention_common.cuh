@@ -67,6 +67,7 @@
 #define R (B * G)
 
 #define TILE 32               // keys per shared-memory tile (read by ops/attention.py)
+#define MERGE_UNROLL 16       // splits per step of the folded merge (read by profiling/counters.py)
 #define KV_W (NKV * D)
 #define N_TILES ((KV_TOTAL + TILE - 1) / TILE)
 #define TILES_PER_SPLIT ((N_TILES + SPLITS - 1) / SPLITS)
@@ -147,7 +148,10 @@ __device__ __forceinline__ bool last_split_to_arrive(int* counters, int unit, in
 // (shared scratch of 2 * (r_hi - r_lo) floats no thread uses any more), so the
 // output pass has no dependent load before its partials. Then a thread takes
 // four dims of a row, D/4 apart: each of its four loads (and stores) is
-// coalesced across the warp, and all are independent. Last, counters[unit] = 0.
+// coalesced across the warp, and all are independent. One block alone reads
+// SPLITS x rows x D x 4 bytes here, bound by its SM's share of L2 bandwidth:
+// MERGE_UNROLL splits per step keep 5 x MERGE_UNROLL loads per thread in
+// flight (80 at 16: ~40 KB per 128-thread block). Last, counters[unit] = 0.
 // `nthreads`: the block's threads.
 __device__ __forceinline__ void merge_splits(const float* part_o, const float* part_ml, const float* gate,
                                              float* out, int kvh, int r_lo, int r_hi, int nthreads,
@@ -156,9 +160,11 @@ __device__ __forceinline__ void merge_splits(const float* part_o, const float* p
     for (int r = r_lo + (int)threadIdx.x; r < r_hi; r += nthreads) {
         const int qrow = (r / G) * NH + kvh * G + r % G;
         float m = NEG_INF, l = 0.f;
+#pragma unroll MERGE_UNROLL
         for (int s = 0; s < SPLITS; ++s)
             m = fmaxf(m, __ldcg(part_ml + ((long long)s * (B * NH) + qrow) * 2));
         if (m != NEG_INF) {
+#pragma unroll MERGE_UNROLL
             for (int s = 0; s < SPLITS; ++s) {
                 const float2 ml = __ldcg(reinterpret_cast<const float2*>(part_ml + ((long long)s * (B * NH) + qrow) * 2));
                 l += exp2f(ml.x - m) * ml.y;   // w_s: 0 for empty / fully hidden splits
@@ -174,7 +180,7 @@ __device__ __forceinline__ void merge_splits(const float* part_o, const float* p
         const float m = ml_s[2 * (r - r_lo)], l = ml_s[2 * (r - r_lo) + 1];
         float o[4] = {0.f, 0.f, 0.f, 0.f};
         if (m != NEG_INF) {
-#pragma unroll 4
+#pragma unroll MERGE_UNROLL
             for (int s = 0; s < SPLITS; ++s) {
                 const long long rs = (long long)s * (B * NH) + qrow;
                 const float w = exp2f(__ldcg(part_ml + rs * 2) - m);
