@@ -67,7 +67,7 @@
 #define R (B * G)
 
 #define TILE 32               // keys per shared-memory tile (read by ops/attention.py)
-#define MERGE_UNROLL 16       // splits per step of the folded merge (read by profiling/counters.py)
+#define MERGE_UNROLL 16        // splits per step of the folded merge (read by profiling/counters.py)
 #define KV_W (NKV * D)
 #define N_TILES ((KV_TOTAL + TILE - 1) / TILE)
 #define TILES_PER_SPLIT ((N_TILES + SPLITS - 1) / SPLITS)

@@ -41,6 +41,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from dflash_cupy import kernels
+
 SECTOR = 32
 BANKS = 32
 
@@ -116,6 +118,11 @@ class KernelCounters:
     # warps' global loads. A static estimate from the loop structure.
     dram_round_trips_per_block: float = 0.0
     l2_round_trips_per_block: float = 0.0
+    # A tail one block adds after its own work, paid once (not per round of
+    # blocks): its dependent L2 round trips, and the bytes it alone reads from
+    # L2 (bound by one SM's share of the L2 bandwidth). The attention's merge.
+    tail_l2_round_trips: float = 0.0
+    tail_l2_bytes: int = 0
     inflight_peak_bytes_per_warp: int = 0   # loads a warp can have issued and not consumed
     notes: list = field(default_factory=list)
     # emulator: the static estimate's figures beside the measured ones (profiling/emulated_counters.py)
@@ -681,14 +688,17 @@ def _attn_mma(L) -> KernelCounters:
     c.notes.append(f"{L.n_blocks} blocks ({NKV} kv heads x {SPLITS} splits), {max_tiles} key tiles each, "
                    f"one K/V round trip per tile")
     if SPLITS > 1:
-        # the merging block's path after its own tiles: the row pass (two dependent rounds),
-        # then each thread's items, 4 splits (unrolled) x 5 loads in flight per round
+        # the merging block's path after its own tiles, once per launch (the merges of units
+        # finished earlier overlap the later blocks' tiles): the row pass (two dependent
+        # rounds per MERGE_UNROLL splits), then each thread's items, MERGE_UNROLL splits x 5
+        # loads in flight per round; bound too by its SM's share of the L2 bandwidth
         per_thread = -(-R * D // 4 // THR)
-        merge_trips = 2 + per_thread * -(-SPLITS // 4)
-        c.l2_round_trips_per_block = merge_trips
+        steps = -(-SPLITS // kernels.constants("attention_common.cuh")["MERGE_UNROLL"])
+        c.tail_l2_round_trips = 2 * steps + per_thread * steps
+        c.tail_l2_bytes = part_b // NKV
         c.notes.append(f"splits merged in the same launch: the last block of each kv head reads "
-                       f"{SPLITS * (out_b + B * NH * 8) / NKV / 1e3:.0f} KB of partials back from L2 "
-                       f"({merge_trips} dependent L2 round trips after its tiles)")
+                       f"{c.tail_l2_bytes / 1e3:.0f} KB of partials back from L2 "
+                       f"({c.tail_l2_round_trips:.0f} dependent L2 round trips after its tiles)")
     return c
 
 

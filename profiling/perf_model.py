@@ -15,7 +15,9 @@ the hand-written access models of ``counters``), ptxas resources at sm_90 and oc
 * ``smem``: shared-memory wavefronts of the busiest SM / one per clock;
 * ``mma``: mma.sync instructions of the busiest SM / the mma.sync rate;
 * ``latency``: Little's law per block: its dependent global-load round trips
-  x latency, once per round of resident blocks (``ceil(blocks / slots)``);
+  x latency, once per round of resident blocks (``ceil(blocks / slots)``),
+  plus a tail one block adds once (the attention's split merge: its L2 round
+  trips, or its bytes at one SM's share of the L2 bandwidth, the larger);
 * ``wave``: when the grid ends in a partial wave: the full waves at the
   whole GPU's rates, plus the tail's blocks alone (their own latency path and
   their SMs' shared memory and tensor cores).
@@ -109,6 +111,8 @@ def kernel_time(n, c: ctr.KernelCounters, gpu) -> NodeTime:
         rounds = math.ceil(blocks / wv.slots)
         lat = rounds * (c.dram_round_trips_per_block * gpu.hbm_latency_s
                         + c.l2_round_trips_per_block * gpu.l2_latency_s)
+        # one block's tail after the grid's work (the attention's merge): once, not per round
+        lat += max(c.tail_l2_round_trips * gpu.l2_latency_s, c.tail_l2_bytes / (gpu.l2_Bps / gpu.sm_count))
         dram = c.dram_bytes / gpu.hbm_Bps
         l2 = c.l2_bytes / gpu.l2_Bps
         wave = 0.0
