@@ -652,7 +652,7 @@ def _attn_mma(L) -> KernelCounters:
     vs = [(((ln & 7) + (8 if ln & 8 else 0)) * KS + (8 if ln & 16 else 0)) * 2 for ln in range(32)]
     c.add_smem(warp_tiles * (TILE // 16) * (DN // 2), vs, 16)
     c.mma += warp_tiles * (TILE // 16) * DN * 2
-    c.barriers += 2 * tiles_total + L.n_blocks
+    c.barriers += 2 * tiles_total
     kv_bytes = KVT * NKV * D * 2
     c.bytes_read.update({_name(kc): kv_bytes, _name(vc): kv_bytes, _name(mask): B * KVT * 2,
                          _name(q): B * NH * D * 4})
@@ -680,7 +680,7 @@ def _attn_mma(L) -> KernelCounters:
                 c.add_global("ld", NKV * SPLITS, sec, req)
         item_req = NKV * -(-R * D // 4 // 32) * SPLITS
         c.add_global("ld", item_req, 1, 32 * 4)
-        c.barriers += 2 * L.n_blocks + NKV
+        c.barriers += NKV   # the merge's row pass (the arrival's two: below, per block)
     c.dram_bytes = 2 * kv_bytes + B * KVT * 2 + B * NH * D * 4 + out_b + (2 * part_b if SPLITS > 1 else 0)
     # the K/V loads of a tile are consumed at the barrier right after: one round trip per tile
     c.dram_round_trips_per_block = max_tiles
@@ -699,6 +699,18 @@ def _attn_mma(L) -> KernelCounters:
         c.notes.append(f"splits merged in the same launch: the last block of each kv head reads "
                        f"{c.tail_l2_bytes / 1e3:.0f} KB of partials back from L2 "
                        f"({c.tail_l2_round_trips:.0f} dependent L2 round trips after its tiles)")
+    # everything above is one lane's; every lane of a LANES launch assumed live (the
+    # descriptors are read at run time)
+    lanes = d.get("LANES", 1)
+    if lanes > 1:
+        for k in ("gld_requests", "gld_sectors", "gld_bytes", "gst_requests", "gst_sectors", "gst_bytes",
+                  "smem_requests", "smem_wavefronts", "smem_ideal_wavefronts", "mma", "barriers", "dram_bytes"):
+            setattr(c, k, getattr(c, k) * lanes)
+        for dct in (c.bytes_read, c.bytes_written):
+            for k in dct:
+                dct[k] *= lanes
+        c.notes.append(f"{lanes} lanes, all assumed live")
+    c.barriers += L.n_blocks * (3 if SPLITS > 1 else 1)   # the first one; the arrival's two
     return c
 
 
