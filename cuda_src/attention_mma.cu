@@ -2,9 +2,10 @@
 //
 // Same inputs, outputs, partial layout, masks, GQA and gate as
 // ring_attn_split (attention.cu; counters here [LANES * NKV]), and the same
-// folded combine (attention_common.cuh); see attention_common.cuh for the sizes. Needs D % 16 == 0, D <= 128 and at
-// most 128 query rows per kv head (R = B * NH/NKV): 8 warps (at 16, ptxas caps
-// a thread at 128 registers and the kernel spills).
+// folded combine (attention_common.cuh, which also has the sizes). Needs
+// D % 16 == 0, D <= 128 and at most 128 query rows per kv head
+// (R = B * NH/NKV): 8 warps (at 16, ptxas caps a thread at 128 registers and
+// the kernel spills).
 //
 // ring_attn_mma_split: grid (NKV, SPLITS, LANES), block (MW*32), MW = ceil(R / 16).
 //   A block takes one kv head and one contiguous slice of keys; warp w owns
