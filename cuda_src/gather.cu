@@ -34,15 +34,21 @@
 //       Per-lane arrays carry a lane axis: desc [lanes, DESC_LEN], ring [lanes,
 //       RING_CAP, FC_IN], slot_pos [lanes, cap], masks [lanes, q_len, kv_total].
 //       Step rows (pos_all, rows_all [lanes*(cs + bs)], ap_feat [lanes*cs, FC_IN]):
-//       ctx rows [0, lanes*cs), lane l's at l*cs (a_rows <= cs of them used), then
-//       noise rows, lane l's q_len (of bs) at lanes*cs + l*bs. rows_all holds absolute
-//       cache rows (lane l's K/V rows start at l*kv_total); the noise rows' entries are
-//       fixed (the host writes them once) and only the ctx rows' are written here.
+//       ctx rows [0, lanes*cs): the active lanes' appended rows packed back to back,
+//       lane l's n_app = min(n_new, a_rows) rows at desc[DESC_CTX_ROW0], T =
+//       desc[DESC_CTX_ROWS] of them in all (the host's prefix sums,
+//       step_descriptor.pack_context_rows); rows [T, lanes*cs) are padding: position 0,
+//       cache row = the trash slot of lane r / cs (lane l rewrites the padding rows of
+//       [l*cs, (l+1)*cs) every step, since a row live last step may be padding now).
+//       Then the noise rows, lane l's q_len (of bs) at lanes*cs + l*bs. rows_all holds
+//       absolute cache rows (lane l's K/V rows start at l*kv_total); the noise rows'
+//       entries are fixed (the host writes them once) and only the ctx rows' are
+//       written here. ap_feat rows past T are not written (stale but finite: they only
+//       reach padding rows, whose K/V go to a trash slot).
 //       tile_live [lanes*(cs + bs)/16]: nonzero iff the 16-row tile holds a live row
-//       (an appended row of an active lane, or a noise row < q_len of an active lane);
-//       cs and bs are multiples of 16. An idle lane (desc[DESC_ACTIVE] == 0) gathers
-//       nothing, sends its ctx rows to its trash slot, clears its tiles and leaves
-//       its slot table and masks as they are.
+//       (one of the T packed rows, or a noise row < q_len of an active lane); cs and
+//       bs are multiples of 16. An idle lane (desc[DESC_ACTIVE] == 0) gathers nothing,
+//       clears its noise tiles and leaves its slot table and masks as they are.
 //       grid (GX * a_rows + ceil(max(kv_total, cs, bs) / GATHER_THREADS), lanes),
 //       block (GATHER_THREADS).
 // nvrtc-check: -DRING_DTYPE=1 -DFC_IN=19
@@ -192,28 +198,31 @@ plan_lanes(const int* __restrict__ desc_all,
     const int lane = blockIdx.y;
     const int* desc = desc_all + (long long)lane * DESC_LEN;
     const bool active = desc[DESC_ACTIVE] != 0;
+    const int n_new = active ? desc[DESC_N_NEW] : 0;
+    const int n_app = n_new < a_rows ? n_new : a_rows;
+    const int row0 = desc[DESC_CTX_ROW0];
     const int b = blockIdx.x;
     if (b < GATHER_GX * a_rows) {
-        if (active)
-            gather_chunk(desc, ring_all + (long long)lane * RING_CAP * FC_IN, ap_feat_all + (long long)lane * cs * FC_IN,
-                         b / GATHER_GX, (b % GATHER_GX) * (GATHER_THREADS * 4));
+        const int i = b / GATHER_GX;
+        if (i < n_app)
+            gather_chunk(desc, ring_all + (long long)lane * RING_CAP * FC_IN, ap_feat_all + (long long)row0 * FC_IN,
+                         i, (b % GATHER_GX) * (GATHER_THREADS * 4));
         return;
     }
     const int c = (b - GATHER_GX * a_rows) * GATHER_THREADS + threadIdx.x;
-    const int n_new = active ? desc[DESC_N_NEW] : 0;
-    const int n_app = n_new < a_rows ? n_new : a_rows;
     const long long kv0 = (long long)lane * kv_total;
-    if (c < cs) {
-        const int r = lane * cs + c;
-        if (c < n_app) {
-            const int p = desc[DESC_START] + c;
-            pos_all[r] = p;
-            rows_all[r] = (int)(kv0 + p % cap);
-        } else {
+    if (c < n_app) {   // this lane's packed rows
+        const int p = desc[DESC_START] + c;
+        pos_all[row0 + c] = p;
+        rows_all[row0 + c] = (int)(kv0 + p % cap);
+    }
+    if (c < cs) {      // padding duty for rows [lane*cs, (lane+1)*cs) past the packed ones
+        const int r = lane * cs + c, total = desc[DESC_CTX_ROWS];
+        if (r >= total) {
             pos_all[r] = 0;
             rows_all[r] = (int)(kv0 + cap + q_len);  // the lane's trash slot
         }
-        if (c % 16 == 0) tile_live[r / 16] = c < n_app;
+        if (c % 16 == 0) tile_live[r / 16] = r < total;
     }
     const int noise0 = lanes * cs + lane * bs;
     if (c < bs) {

@@ -10,6 +10,11 @@
 //   [DESC_RESET]      1: reset_slots_if empties the ring first (rewind)
 //   [DESC_ACTIVE]     1: the lane runs this step; 0: an idle lane of a DraftKvBatch
 //                     (its planning, GEMM tiles and attention blocks are skipped)
+//   [DESC_CTX_ROW0]   DraftKvBatch: the lane's first step row of its appended context
+//                     rows; the active lanes' rows are packed back to back in lane order
+//                     (so a lane appending 6 rows costs 6 GEMM rows, not a 16-row tile)
+//   [DESC_CTX_ROWS]   DraftKvBatch: the packed context rows of all lanes this step (the
+//                     same in every lane's descriptor, idle lanes' too); 0 in single caches
 //   the rest          reserved, 0
 #pragma once
 
@@ -20,7 +25,9 @@
 #define DESC_SWA_LO 4
 #define DESC_RESET 5
 #define DESC_ACTIVE 6
-#define DESC_LEN 8
+#define DESC_CTX_ROW0 7
+#define DESC_CTX_ROWS 8
+#define DESC_LEN 10
 
 // Block sizes of the planning kernels (plan.cu): one thread per ring slot,
 // per appended row, or per cache column.

@@ -59,3 +59,10 @@ def aligned16(**arrays) -> None:
     for name, a in arrays.items():
         if ptr(a) % 16:
             raise ValueError(f"{name} must be 16-byte aligned (vectorised loads), address {ptr(a):#x}")
+
+
+def bool_arg(v, name: str) -> bool:
+    """``v`` as a bool (Python or NumPy bool only: 0/1 and strings are refused)."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(v).__name__} {v!r}")
+    return bool(v)

@@ -14,6 +14,7 @@ import functools
 import re
 from pathlib import Path
 
+from .backends import nvrtc_info
 from .source_dir import CUDA_SRC
 
 _cache: dict = {}
@@ -30,6 +31,54 @@ def compile_options(**defines) -> tuple[str, ...]:
             raise TypeError(f"compile-time size {k}={v!r} must be an int, float or bool")
         opts.append(f"-D{k}={v}")
     return ("-I" + str(CUDA_SRC),) + tuple(opts)
+
+
+_NEEDS = re.compile(r"sm_(\d{2,3})(a?)")
+
+
+def _compute_capability(device) -> str:
+    """``device`` as a compute-capability string ("90"): a backend (the emulator models an
+    H200), a ``cupy.cuda.Device``, "90"/"sm_90"/90/(9, 0), or None (CuPy's current device)."""
+    if device is None or getattr(device, "name", None) == "cuda":
+        import cupy
+        return str(cupy.cuda.Device().compute_capability)
+    if getattr(device, "name", None) == "emulated":
+        return "90"
+    cc = getattr(device, "compute_capability", device)
+    if isinstance(cc, tuple) and len(cc) == 2:
+        return f"{int(cc[0])}{int(cc[1])}"
+    if isinstance(cc, int) and not isinstance(cc, bool):
+        return str(cc)
+    if isinstance(cc, str) and re.fullmatch(r"(sm_)?\d{2,3}", cc):
+        return cc.removeprefix("sm_")
+    raise TypeError(f"device must be a backend, a cupy.cuda.Device, a compute capability "
+                    f"('90', 90, (9, 0)) or None, got {device!r}")
+
+
+def arch_options(device=None, needs: str = "sm_90a") -> tuple[str, ...]:
+    """NVRTC options that build a kernel needing ``needs`` for ``device`` (see
+    ``_compute_capability``), for ``backend.compile`` / ``cupy.RawModule(options=...)``.
+
+    CuPy always appends its own ``-arch=sm_<cc>`` for the device (cupy/cuda/compiler.py,
+    ``_get_arch_for_options_for_nvrtc``; it cannot name an ``a`` target itself). NVRTC
+    (12.9 measured, tests/test_wgmma.py) keeps the arch-specific ``a`` of an earlier
+    ``-arch=sm_90a`` when a later ``-arch`` names the same compute capability, so
+    ``("-arch=sm_90a",)`` plus CuPy's ``-arch=sm_90`` yields an sm_90a cubin. Arch-specific
+    (``a``) code runs only on that exact compute capability, so any other device raises
+    ``RuntimeError`` here rather than failing later in ptxas or at load. A plain ``sm_XY``
+    need only checks the device is at least XY (CuPy's own flag suffices)."""
+    m = _NEEDS.fullmatch(needs) if isinstance(needs, str) else None
+    if m is None:
+        raise ValueError(f"needs must name a target like 'sm_90a' or 'sm_80', got {needs!r}")
+    cc = _compute_capability(device)
+    want, specific = m.group(1), bool(m.group(2))
+    if specific and cc != want:
+        raise RuntimeError(f"kernel needs {needs} (arch-specific instructions such as wgmma), which runs "
+                           f"only on compute capability {want[:-1]}.{want[-1]}; the device has "
+                           f"{cc[:-1]}.{cc[-1]}")
+    if not specific and int(cc) < int(want):
+        raise RuntimeError(f"kernel needs {needs}; the device has compute capability {cc[:-1]}.{cc[-1]}")
+    return (f"-arch={needs}",) if specific else ()
 
 
 def source_path(filename: str) -> Path:
@@ -62,11 +111,15 @@ def constants(filename: str) -> dict[str, int]:
 
 def load_module(backend, filename: str, **defines):
     """Compile (or fetch from cache) ``cuda_src/<filename>`` for ``backend``."""
+    path = source_path(filename)
+    source = path.read_text()
     opts = compile_options(**defines)
+    needs = nvrtc_info.declared_arch(source)  # "// nvrtc-arch: sm_90a" (wgmma kernels)
+    if needs:
+        opts += arch_options(backend, needs)
     key = (id(backend), filename, opts)
     mod = _cache.get(key)
     if mod is None:
-        path = source_path(filename)
-        mod = backend.compile(path.read_text(), opts, filename=str(path))
+        mod = backend.compile(source, opts, filename=str(path))
         _cache[key] = mod
     return mod

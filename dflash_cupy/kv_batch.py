@@ -19,11 +19,14 @@ Device layout (lanes ``L``; ``CS = align16(a_step)``, ``BS = align16(q_len)``):
                       at rows ``[i*kv_total, (i+1)*kv_total)`` (SPEC §3 layout)
   slot_pos            [L, capacity] int32;  masks [L, q_len, kv_total] f16
   ring storage        [L, ring_capacity, fc_in]: lane ``i``'s ``FeatureRing``
-  step rows (the GEMMs' M axis): ctx rows ``[0, L*CS)`` (lane ``i``'s appended
-                      context rows at ``i*CS``), then noise rows (lane ``i``'s
-                      ``q_len`` rows at ``L*CS + i*BS``)
+  step rows (the GEMMs' M axis): ctx rows ``[0, L*CS)``: the active lanes'
+                      appended context rows packed back to back in lane order
+                      (lane ``i``'s at ``desc[i, DESC_CTX_ROW0]``, so 16 lanes
+                      appending 6 rows each are 96 GEMM rows, not 16 tiles), the
+                      rest padding; then noise rows (lane ``i``'s ``q_len`` rows at
+                      ``L*CS + i*BS``)
   tile_live           [L*(CS+BS)/16] int32: nonzero iff the 16-row tile holds a
-                      live row (an appended row or a noise row of an active
+                      live row (a packed context row or a noise row of an active
                       lane); written on the device by the planning kernel
 
 Per step on the device: one descriptor copy, one planning launch for all
@@ -49,8 +52,8 @@ import struct
 
 import numpy as np
 
-from . import backends
-from .checks import int_arg
+from . import backends, tuning
+from .checks import bool_arg, int_arg
 from .feature_ring import FeatureRing
 from .geometry import RingGeometry, align_up
 from .interop import device_view
@@ -63,8 +66,8 @@ from .ops.norm import RmsNorm
 from .ops.plan import StepPlanner
 from .ops.rope import QkvNormRope
 from .ops.sample import SamplingParams, TokenSampler
-from .ops.step_descriptor import (DESC_LEN, bulk_chunks, fill_chunk_descriptor, fill_descriptor,
-                                  fill_step_descriptor, plan_step)
+from .ops.step_descriptor import (DESC_CTX_ROW0, DESC_CTX_ROWS, DESC_LEN, bulk_chunks, fill_chunk_descriptor,
+                                  fill_descriptor, fill_step_descriptor, pack_context_rows, plan_step)
 from .rope_params import rope_parameters
 from .weights import DraftWeights
 
@@ -77,7 +80,8 @@ TILE_ROWS = 16   # the stream GEMM's row tile: lane regions are whole tiles, so 
 
 class DraftKvBatch(StepIssuer):
     """``DraftKvBatch(weights, capacity, lanes, *, ring_capacity=None,
-    ring_dtype=np.float32, lm_head=None, logits=True, backend=None, bulk_chunk=256)``.
+    ring_dtype=np.float32, lm_head=None, logits=True, backend=None, bulk_chunk=256, x_split=True,
+    tune=None)``.
 
     ``capacity``: each lane's context window cap (ring-cache slots, as
     ``DraftKvCache``). ``ring_capacity`` (default ``capacity``) and
@@ -85,12 +89,18 @@ class DraftKvBatch(StepIssuer):
     lane's target hidden states there (``rings[i].write(pos, rows)``) before
     planning a step that needs them. ``lm_head``: ``[vocab, hidden]`` (NumPy or
     a device array, as for ``DraftKvCache``); draft tokens are greedy.
+    ``x_split``: as ``DraftKvCache`` (a lane equals a single cache built with
+    the same ``x_split`` bit for bit). With many active lanes the GEMMs are
+    bound by MMA issue, not by the weight stream, and ``x_split=False`` halves
+    that work (``python -m profiling.lanes_model --x-split both``). ``tune``:
+    as ``DraftKvCache`` (the GEMMs tuned at the batch's full row count).
     """
 
     _nvtx = "dflash batch"
 
     def __init__(self, weights: DraftWeights, capacity: int, lanes: int, *, ring_capacity=None,
-                 ring_dtype=np.float32, lm_head=None, logits: bool = True, backend=None, bulk_chunk: int = 256):
+                 ring_dtype=np.float32, lm_head=None, logits: bool = True, backend=None, bulk_chunk: int = 256,
+                 x_split: bool = True, tune: bool | None = None):
         if not isinstance(weights, DraftWeights):
             raise TypeError(f"weights must be a DraftWeights, got {type(weights).__name__}")
         from .kv_cache import MAX_CAPACITY
@@ -109,6 +119,9 @@ class DraftKvBatch(StepIssuer):
             raise ValueError(f"bulk_chunk must be an int in [1, {BULK_CHUNK}], got {bulk_chunk!r}")
         if not isinstance(logits, (bool, np.bool_)):
             raise TypeError(f"logits must be a bool, got {type(logits).__name__}")
+        self.x_split = bool_arg(x_split, "x_split")
+        if tune is not None:
+            bool_arg(tune, "tune")
         be = self.backend = backends.get(backend)
         c = self.config = weights.config
         self.weights = weights
@@ -216,19 +229,22 @@ class DraftKvBatch(StepIssuer):
         # ---- kernels (all compiled now: nothing compiles during capture)
         self.rms = RmsNorm(be, H, c.rms_norm_eps)
         fold_eps = c.rms_norm_eps if self._fold_norms else None
-        self.g_fc = Gemm(be, H, c.fc_in, self.dw.fc.dtype, max_m=GEMM_MAX_M)
-        self.g_kv = Gemm(be, 2 * kvw, H, L0.w_qkv.dtype, max_m=GEMM_MAX_M)
-        self.g_qkv = Gemm(be, c.q_dim + 2 * kvw, H, L0.w_qkv.dtype, max_m=GEMM_MAX_M, norm_eps=fold_eps)
-        self.g_o = Gemm(be, H, c.q_dim, L0.w_o.dtype, "residual", max_m=GEMM_MAX_M)
-        self.g_gate_up = Gemm(be, c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul", max_m=GEMM_MAX_M,
+        def gemm(*a, **kw):  # every GEMM of the step rounds activations the same way (x_split)
+            return Gemm(be, *a, max_m=GEMM_MAX_M, x_split=self.x_split, **kw)
+
+        self.g_fc = gemm(H, c.fc_in, self.dw.fc.dtype)
+        self.g_kv = gemm(2 * kvw, H, L0.w_qkv.dtype)
+        self.g_qkv = gemm(c.q_dim + 2 * kvw, H, L0.w_qkv.dtype, norm_eps=fold_eps)
+        self.g_o = gemm(H, c.q_dim, L0.w_o.dtype, "residual")
+        self.g_gate_up = gemm(c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul",
                               norm_eps=fold_eps)
-        self.g_down = Gemm(be, H, c.intermediate_size, L0.w_down.dtype, "residual", max_m=GEMM_MAX_M)
-        self.g_attn_gate = Gemm(be, gate_w, H, L0.w_attn_gate.dtype, max_m=GEMM_MAX_M) if gate_w else None
+        self.g_down = gemm(H, c.intermediate_size, L0.w_down.dtype, "residual")
+        self.g_attn_gate = gemm(gate_w, H, L0.w_attn_gate.dtype) if gate_w else None
         self.g_lm = self._lm_part = None
         if self.lm_head is not None:
             V = self.lm_head.shape[0]
-            self.g_lm = (Gemm(be, V, H, self.lm_head.dtype, max_m=GEMM_MAX_M) if logits else
-                         Gemm(be, V, H, self.lm_head.dtype, "argmax", max_m=GEMM_MAX_M, logits=False))
+            self.g_lm = (gemm(V, H, self.lm_head.dtype) if logits else
+                         gemm(V, H, self.lm_head.dtype, "argmax", logits=False))
             if not logits:
                 self._lm_part = be.zeros(self.g_lm.partials_shape(NN), np.uint32)
         self.sampler = TokenSampler(be, self.lm_head.shape[0]) if self.lm_head is not None else None
@@ -256,7 +272,16 @@ class DraftKvBatch(StepIssuer):
         self.host_waits = 0
         self._label_arrays(("_hs", "_logits", "_tokens", "noise_embed", "k_cache", "v_cache", "slot_pos", "desc",
                      "resid", "xin", "ap_feat", "tile_live"))
+        # launch configurations measured on the device (dflash_cupy/tuning.py), before any capture
+        self.tuned = tuning.tune_sites(self._gemm_sites(), backend=be, tune=tune)
         self._init_order()
+
+    def _gemm_sites(self) -> list:
+        """``(label, gemm, m)`` of every GEMM call a step or a bulk chunk makes."""
+        NC, NN, R = self.lanes * self.ctx_rows, self.lanes * self.lane_rows, self.bulk_chunk
+        return [("fc", self.g_fc, NC), ("fc", self.g_fc, R), ("kv", self.g_kv, R), ("qkv", self.g_qkv, NC + NN),
+                ("attn_gate", self.g_attn_gate, NN), ("o", self.g_o, NN), ("gate_up", self.g_gate_up, NN),
+                ("down", self.g_down, NN), ("lm_head", self.g_lm, NN)]
 
     # ------------------------------------------------------------------ properties
 
@@ -378,10 +403,14 @@ class DraftKvBatch(StepIssuer):
         cap, A, q = g.capacity, g.a_step, g.q_len
         w = int(self.config.swa_window or 0)
         vals, act, cs, need = [], [], [], []
-        zero = (0,) * DESC_LEN
+        pad = (0,) * (DESC_LEN - DESC_CTX_ROWS)   # DESC_CTX_ROWS (set below) and the reserved rest
+        idle = (0,) * DESC_CTX_ROW0
+        row0 = 0                                  # packed context rows so far (pack_context_rows)
         for v, n, r in zip(committed, self._next.tolist(), self.rings):
             if v is None:
-                vals += zero
+                vals += idle
+                vals.append(row0)
+                vals += pad
                 act.append(False)
                 cs.append(0)
                 need.append(0)
@@ -397,10 +426,13 @@ class DraftKvBatch(StepIssuer):
             nn = v - start
             if nn > A or (nn > 0 and not (r.lo <= start and v <= r.hi)):
                 return None
-            vals += (v, lo, start, nn, v - (w if 0 < w < win else win), 1 if reset else 0, 1, 0)
+            vals += (v, lo, start, nn, v - (w if 0 < w < win else win), 1 if reset else 0, 1, row0)
+            vals += pad
+            row0 += nn
             act.append(True)
             cs.append(v)
             need.append(start)
+        vals[DESC_CTX_ROWS::DESC_LEN] = [row0] * len(act)
         return vals, act, cs, need
 
     def _fast_plan(self, committed):
@@ -472,8 +504,9 @@ class DraftKvBatch(StepIssuer):
             elif fast is not None:
                 act, c, lo, start, n_new, swa_lo, reset = fast
                 cols = np.stack([c, lo, start, n_new, swa_lo, reset, act], axis=1)
-                cols *= act[:, None]           # an idle lane's descriptor: all zeros
+                cols *= act[:, None]           # an idle lane's step fields: all zeros
                 host[:, :7] = cols
+                pack_context_rows(host, self.geom.a_step)
                 self._plan_fields = None
             else:
                 bulk = [i for i, p in enumerate(plans) if p is not None and p[0].bulk_count]
@@ -493,6 +526,7 @@ class DraftKvBatch(StepIssuer):
                         fill_descriptor(host[i], 0, 0, 0, 0, 0, active=False)
                     else:
                         fill_step_descriptor(host[i], p[0])
+                pack_context_rows(host, self.geom.a_step)
                 act = np.array([p is not None for p in plans])
                 c = np.array([0 if p is None else p[0].committed for p in plans], np.int64)
                 start = np.array([0 if p is None else p[1][0] for p in plans], np.int64)

@@ -50,8 +50,8 @@ import contextlib
 
 import numpy as np
 
-from . import backends, dtypes
-from .checks import int_arg
+from . import backends, dtypes, tuning
+from .checks import bool_arg, int_arg
 from .feature_ring import FeatureRing
 from .geometry import BULK_CHUNK, RingGeometry
 from .interop import device_view
@@ -75,7 +75,8 @@ RING_GRAPHS = 4         # rings whose step graphs stay captured (switching back 
 
 
 class DraftKvCache(StepIssuer):
-    """``DraftKvCache(weights, capacity, *, lm_head=None, sampling=None, backend=None, bulk_chunk=256)``.
+    """``DraftKvCache(weights, capacity, *, lm_head=None, sampling=None, backend=None, bulk_chunk=256,
+    x_split=True, tune=None)``.
 
     ``weights``: ``DraftWeights`` (host) — placed on the backend once and
     cached on the weights object. ``capacity``: ring slots, the drafter's
@@ -85,6 +86,18 @@ class DraftKvCache(StepIssuer):
     greedy by default or sampled per ``sampling`` (a ``SamplingParams``;
     ``set_sampling`` changes it between steps, no recapture).
 
+    ``x_split`` (default True): each f32 activation enters the tensor-core GEMMs
+    as two 16-bit terms, hi + lo (about 16 significant bits; the tolerance
+    table's ``step`` and ``step_kv16`` rows). ``False`` rounds it once to the
+    weight type, as bf16 inference stacks do: half the MMAs, which only pays
+    where the GEMMs are MMA-bound (many rows: ``DraftKvBatch`` with several
+    lanes), at ~11x the error (``step_x1``: 1.5e-2 measured with bf16 weights).
+
+    ``tune`` (default None: on a GPU unless ``DFLASH_CUPY_TUNE=0``): time each
+    GEMM call site's launch configurations once per device and shape and keep
+    the fastest (``dflash_cupy.tuning``: cached on disk, so later caches read
+    it); ``self.tuned`` lists what was chosen. False: the cost rule decides.
+
     Every step rewrites ``hidden_states``, ``logits``, ``draft_tokens`` and ``noise_embed`` in
     place (the graphs are bound to them): a returned array is the next step's
     output too. Work is issued on the caller's current stream or ``stream=``
@@ -92,7 +105,8 @@ class DraftKvCache(StepIssuer):
     """
 
     def __init__(self, weights: DraftWeights, capacity: int, *, lm_head=None, sampling=None,
-                 logits: bool = True, backend=None, bulk_chunk: int = 256):
+                 logits: bool = True, backend=None, bulk_chunk: int = 256, x_split: bool = True,
+                 tune: bool | None = None):
         if not isinstance(weights, DraftWeights):
             raise TypeError(f"weights must be a DraftWeights, got {type(weights).__name__}")
         capacity = int_arg(capacity, "capacity", 1)
@@ -108,6 +122,9 @@ class DraftKvCache(StepIssuer):
         if not logits and sampling.temperature > 0:
             raise ValueError("sampling with temperature > 0 needs logits=True (the fused argmax is greedy)")
         self.write_logits = bool(logits)
+        self.x_split = bool_arg(x_split, "x_split")
+        if tune is not None:
+            bool_arg(tune, "tune")
         be = self.backend = backends.get(backend)
         c = self.config = weights.config
         self.weights = weights
@@ -210,19 +227,22 @@ class DraftKvCache(StepIssuer):
         # ---- kernels (all compiled now: nothing compiles during capture)
         L0 = self.dw.layers[0]
         self.rms = RmsNorm(be, H, c.rms_norm_eps)
-        self.g_fc = Gemm(be, H, c.fc_in, self.dw.fc.dtype, max_m=MAX_M)
-        self.g_kv = Gemm(be, 2 * kvw, H, L0.w_qkv.dtype, max_m=MAX_M)
+        def gemm(*a, **kw):  # every GEMM of the step rounds activations the same way (x_split)
+            return Gemm(be, *a, max_m=MAX_M, x_split=self.x_split, **kw)
+
+        self.g_fc = gemm(H, c.fc_in, self.dw.fc.dtype)
+        self.g_kv = gemm(2 * kvw, H, L0.w_qkv.dtype)
         fold_eps = c.rms_norm_eps if self._fold_norms else None
-        self.g_qkv = Gemm(be, c.q_dim + 2 * kvw, H, L0.w_qkv.dtype, max_m=MAX_M, norm_eps=fold_eps)  # M = A + B
-        self.g_o = Gemm(be, H, c.q_dim, L0.w_o.dtype, "residual", max_m=MAX_M)
-        self.g_gate_up = Gemm(be, c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul", max_m=MAX_M,
+        self.g_qkv = gemm(c.q_dim + 2 * kvw, H, L0.w_qkv.dtype, norm_eps=fold_eps)  # M = A + B
+        self.g_o = gemm(H, c.q_dim, L0.w_o.dtype, "residual")
+        self.g_gate_up = gemm(c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul",
                               norm_eps=fold_eps)
-        self.g_down = Gemm(be, H, c.intermediate_size, L0.w_down.dtype, "residual", max_m=MAX_M)
-        self.g_attn_gate = (Gemm(be, gate_w, H, L0.w_attn_gate.dtype, max_m=MAX_M) if gate_w else None)
+        self.g_down = gemm(H, c.intermediate_size, L0.w_down.dtype, "residual")
+        self.g_attn_gate = (gemm(gate_w, H, L0.w_attn_gate.dtype) if gate_w else None)
         self.g_lm = None
         if self.lm_head is not None:
-            self.g_lm = (Gemm(be, self.lm_head.shape[0], H, self.lm_head.dtype, max_m=MAX_M) if logits else
-                         Gemm(be, self.lm_head.shape[0], H, self.lm_head.dtype, "argmax", max_m=MAX_M,
+            self.g_lm = (gemm(self.lm_head.shape[0], H, self.lm_head.dtype) if logits else
+                         gemm(self.lm_head.shape[0], H, self.lm_head.dtype, "argmax",
                               logits=False))
             self._lm_part = None if logits else be.zeros(self.g_lm.partials_shape(B), np.uint32)
         self.sampler = TokenSampler(be, self.lm_head.shape[0]) if self.lm_head is not None else None
@@ -250,7 +270,16 @@ class DraftKvCache(StepIssuer):
                      "desc", "resid", "xin", "ap_feat"))
         # Everything above (zeros, kernel workspaces) was memset on the current stream: the
         # first call on any other stream waits for it on the device.
+        # launch configurations measured on the device (dflash_cupy/tuning.py), before any capture
+        self.tuned = tuning.tune_sites(self._gemm_sites(), backend=be, tune=tune)
         self._init_order()
+
+    def _gemm_sites(self) -> list:
+        """``(label, gemm, m)`` of every GEMM call a step or a bulk chunk makes."""
+        A, B, R = self.a_step, self.q_len, self.bulk_chunk
+        return [("fc", self.g_fc, A), ("fc", self.g_fc, R), ("kv", self.g_kv, R), ("qkv", self.g_qkv, A + B),
+                ("attn_gate", self.g_attn_gate, B), ("o", self.g_o, B), ("gate_up", self.g_gate_up, B),
+                ("down", self.g_down, B), ("lm_head", self.g_lm, B)]
 
     # ------------------------------------------------------------------ properties
     trash_slot = property(lambda self: self.geom.trash_slot)

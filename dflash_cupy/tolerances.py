@@ -20,6 +20,12 @@ TOL = {
     # >= 3.7e-3, one RoPE position off by one by >= 4e-2, one mask slot off by
     # one by >= 0.5: each fails this bound (the negative controls).
     "step_kv16": dict(atol=1.5e-3, rtol=0.0),
+    # whole drafter step with ``x_split=False`` vs the plain float64 oracle: every GEMM
+    # input rounded once to the 16-bit weight type (bf16: 2^-9 relative per element)
+    # instead of hi + lo. Measured over tests/test_kv_cache.py: 1.46e-2 (bf16 weights),
+    # 9.2e-4 (f16), 6.5e-3 (f16 logits), ~11x the split's error. Absolute only, so
+    # a RoPE position off by one (>= 4e-2) or a mask slot off by one (>= 0.5) still fails.
+    "step_x1": dict(atol=2.5e-2, rtol=0.0),
 }
 
 

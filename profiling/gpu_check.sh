@@ -17,7 +17,8 @@
 # the script at once (exit 2) before any long step.
 #
 # OUTDIR receives at most 8 files (what one device call brings back):
-#   gpu_check.log   this script's log: environment, nvidia-smi, step status, summary
+#   gpu_check.log   this script's log: environment, nvidia-smi, step status, summary (with the
+#                   GEMM autotuning report: default vs chosen launch and each candidate's time)
 #   tests.log       pytest output (the GPU half of the suite, then the differential run)
 #   bench.log       every benchmark's output
 #   step_quick.json bench_step, qwen3.5-27b, windows 256/4K/32K, graph/eager/legacy
@@ -53,6 +54,9 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export PYTHONDONTWRITEBYTECODE=1
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
+# the caches built by the benchmarks tune their GEMM launches on the GPU (dflash_cupy/tuning.py):
+# a fresh cache file, reported in the summary (every candidate's measured time)
+export DFLASH_CUPY_TUNE_CACHE=$WORK/tuning.json
 LOG=$OUTDIR/gpu_check.log
 BLOG=$OUTDIR/bench.log
 : >"$LOG"
@@ -216,6 +220,7 @@ run_step soak 150 "$BLOG" "$PY" -m profiling.soak \
 
 # ---------------------------------------------------------------- summary
 say "summary:"
+"$PY" -c 'import sys; from dflash_cupy import tuning; print(tuning.report(sys.argv[1]))' "$WORK/tuning.json" 2>&1 | tee -a "$LOG"
 "$PY" -m profiling.summarize --dir "$OUTDIR" --host "$WORK/host.json" 2>&1 | tee -a "$LOG"
 n_files=$(find "$OUTDIR" -maxdepth 1 -type f | wc -l)
 say "files in $OUTDIR: $n_files ($(cd "$OUTDIR" && ls | tr '\n' ' '))"

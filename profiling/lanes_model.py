@@ -42,7 +42,7 @@ from profiling.perf_model import model_step, resolve_drafter, time_nodes
 
 
 def batch_step_plan(config, window: int, lanes: int, active: int, *, accept: int = 6,
-                    lm_head_vocab: int | None = None):
+                    lm_head_vocab: int | None = None, x_split: bool = True):
     """(batch, graph nodes) of a steady-state batch step: ``active`` lanes (the
     first ones) each committing ``accept`` more rows at a full ``window``."""
     from dflash_cupy.kv_batch import DraftKvBatch
@@ -53,7 +53,7 @@ def batch_step_plan(config, window: int, lanes: int, active: int, *, accept: int
     w = ShapeOnlyWeights(config, be, np.uint16)
     lm = be.empty((int(lm_head_vocab), config.hidden_size), np.uint16) if lm_head_vocab else None
     b = DraftKvBatch(w, int(window), lanes, ring_dtype=ml_dtypes.bfloat16, backend=be, lm_head=lm,
-                     logits=False)
+                     logits=False, x_split=x_split)
     for r in b.rings:   # the rings "hold" every position the plans read; rows never looked at
         r.lo, r.hi = 0, int(window) + 2 * accept
     b.next_pos = [int(window)] * lanes
@@ -83,8 +83,8 @@ def _mark_live_tiles(b, nodes, active: int, accept: int) -> None:
     CS, BS, L = b.ctx_rows, b.lane_rows, b.lanes
     live = np.zeros(L * (CS + BS) // 16, bool)
     n_app = min(accept, b.a_step)
+    live[:(active * n_app + 15) // 16] = True        # the appended rows, packed back to back
     for i in range(active):
-        live[i * CS // 16:(i * CS + n_app + 15) // 16] = True
         live[(L * CS + i * BS) // 16:(L * CS + (i + 1) * BS) // 16] = True
     base = int(b.tile_live.ctypes.data)
     for n in nodes:
@@ -104,11 +104,12 @@ def floor_bytes(single_bytes: dict, active: int) -> int:
 
 
 def model_batch(drafter: str, window: int, active: int, gpu, *, lanes: int | None = None, accept: int = 6,
-                lm_head_vocab: int | None = None, single: dict | None = None) -> dict:
+                lm_head_vocab: int | None = None, single: dict | None = None, x_split: bool = True) -> dict:
     name = resolve_drafter(drafter)
     cfg = drafter_config(name)
     lanes = active if lanes is None else lanes
-    b, nodes = batch_step_plan(cfg, window, lanes, active, accept=accept, lm_head_vocab=lm_head_vocab)
+    b, nodes = batch_step_plan(cfg, window, lanes, active, accept=accept, lm_head_vocab=lm_head_vocab,
+                               x_split=x_split)
     times = time_nodes(nodes, gpu, ctr.static_counters)
     gap_us = gpu.node_gap_s * 1e6 * len(nodes)
     step_us = sum(t.predicted_us for t in times) + gap_us
@@ -121,6 +122,7 @@ def model_batch(drafter: str, window: int, active: int, gpu, *, lanes: int | Non
     gemm_us = sum(t.predicted_us for t in times if t.kernel.startswith("gemm"))
     attn_us = sum(t.predicted_us for t in times if "attn" in t.kernel)
     return {"drafter": drafter, "preset": name, "window": window, "lanes": lanes, "active": active,
+            "x_split": bool(x_split),
             "gpu": gpu.name, "n_nodes": len(nodes), "step_us": step_us, "gaps_us": gap_us,
             "gemm_us": gemm_us, "attention_us": attn_us,
             "per_lane_us": step_us / max(active, 1), "single_step_us": single["step_us"],
@@ -132,11 +134,11 @@ def format_table(rows: list) -> str:
     r0 = rows[0]
     out = [f"{r0['preset']} window {r0['window']} on {r0['gpu']}: single-lane DraftKvCache step "
            f"{r0['single_step_us']:.0f} us",
-           f"{'lanes':>5} {'nodes':>5} {'step us':>8} {'gemm us':>8} {'attn us':>8} {'floor us':>8} "
+           f"{'x':>6} {'lanes':>5} {'nodes':>5} {'step us':>8} {'gemm us':>8} {'attn us':>8} {'floor us':>8} "
            f"{'x floor':>7} {'us/lane':>8} {'vs single':>9}  bound (us)"]
     for r in rows:
         bounds = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["time_by_bound_us"].items(), key=lambda kv: -kv[1]))
-        out.append(f"{r['active']:>5} {r['n_nodes']:>5} {r['step_us']:>8.0f} {r['gemm_us']:>8.0f} "
+        out.append(f"{'split' if r['x_split'] else 'single':>6} {r['active']:>5} {r['n_nodes']:>5} {r['step_us']:>8.0f} {r['gemm_us']:>8.0f} "
                    f"{r['attention_us']:>8.0f} {r['floor_us']:>8.0f} {r['ratio']:>7.2f} {r['per_lane_us']:>8.1f} "
                    f"{r['vs_single']:>9.3f}  {bounds}")
     return "\n".join(out)
@@ -150,13 +152,18 @@ def main(argv=None) -> int:
     p.add_argument("--gpu", default="H200")
     p.add_argument("--accept", type=int, default=6)
     p.add_argument("--lm-head", type=int, default=None, metavar="VOCAB")
+    p.add_argument("--x-split", default="split", choices=("split", "single", "both"),
+                   help="the batch's activation rounding (DraftKvBatch x_split): hi + lo (default), one "
+                        "rounding, or both side by side; the single-lane reference step is always the default")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     gpu = get_gpu(a.gpu)
     window = int_list(a.window)[0]
     single = model_step(a.drafter, window, gpu, accept=a.accept, lm_head_vocab=a.lm_head)
-    rows = [model_batch(a.drafter, window, n, gpu, accept=a.accept, lm_head_vocab=a.lm_head, single=single)
-            for n in int_list(a.lanes)]
+    splits = {"split": (True,), "single": (False,), "both": (True, False)}[a.x_split]
+    rows = [model_batch(a.drafter, window, n, gpu, accept=a.accept, lm_head_vocab=a.lm_head, single=single,
+                        x_split=xs)
+            for xs in splits for n in int_list(a.lanes)]
     if a.json:
         json.dump({"rows": rows}, sys.stdout, indent=1, default=float)
         print()

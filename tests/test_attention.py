@@ -387,6 +387,7 @@ def test_one_lane_with_lane_rows_and_live(backend, rng):
 
 
 def test_lanes_bad_arguments(emu):
+    from dflash_cupy.ops.attention import DESC_LEN
     be = emu
     D, NH, NKV, B, kvt, L, BS = 32, 4, 2, 2, 40, 3, 4
     with pytest.raises(ValueError, match="lanes=0"):
@@ -397,7 +398,7 @@ def test_lanes_bad_arguments(emu):
     args = dict(q=be.zeros((L * BS, NH * D), np.float32), k_cache=be.zeros((L * kvt, NKV * D), np.float16),
                 v_cache=be.zeros((L * kvt, NKV * D), np.float16), mask=be.zeros((L, B, kvt), np.float16),
                 out=be.zeros((L * BS, NH * D), np.float32), gate=be.zeros((L * BS, NH), np.float32),
-                live=be.zeros((L, 8), np.int32))
+                live=be.zeros((L, DESC_LEN), np.int32))
     att(**args)
     bad = [("q", be.zeros((L * B, NH * D), np.float32), ValueError),
            ("k_cache", be.zeros((kvt, NKV * D), np.float16), ValueError),
@@ -405,7 +406,7 @@ def test_lanes_bad_arguments(emu):
            ("out", be.zeros((L * B, NH * D), np.float32), ValueError),
            ("gate", be.zeros((L * B, NH), np.float32), ValueError),
            ("live", be.zeros((L, 7), np.int32), ValueError),
-           ("live", be.zeros((L, 8), np.float32), TypeError)]
+           ("live", be.zeros((L, DESC_LEN), np.float32), TypeError)]
     for name, val, exc in bad:
         with pytest.raises(exc, match=name):
             att(**{**args, name: val})

@@ -32,7 +32,7 @@ class Twin(Driver):
     """A single-lane Driver whose ring writes and resets are mirrored into one lane of a batch."""
 
     def __init__(self, be, name, batch, lane, seed):
-        super().__init__(be, name, seed=seed)
+        super().__init__(be, name, seed=seed, x_split=batch.x_split)
         self.batch, self.lane = batch, lane
 
     def feed(self, c):
@@ -110,14 +110,18 @@ def play(be, batch, twins, ops, eager=False):
     return c_all
 
 
-@pytest.mark.parametrize("name,numpy_plan", [("a", False), ("b", False), ("c", False), ("a", True), ("b", True)])
-def test_lanes_join_leave_rewind_reset(name, numpy_plan, monkeypatch):
+@pytest.mark.parametrize("name,numpy_plan,x_split", [
+    ("a", False, True), ("b", False, True), ("c", False, True), ("a", True, True), ("b", True, True),
+    ("b", False, False), ("c", True, False)])
+def test_lanes_join_leave_rewind_reset(name, numpy_plan, x_split, monkeypatch):
     """Growth, idle lanes, a lane joining late (bulk prefill), a rewind, a
     jump, a reset: every active lane equals its twin bit for bit (with the
-    per-lane and the NumPy planning of begin_step)."""
+    per-lane and the NumPy planning of begin_step; with one rounding of the
+    GEMM inputs, x_split=False, on both sides too)."""
     import dflash_cupy.kv_batch as kvb
     monkeypatch.setattr(kvb, "FAST_PLAN_LANES", 1 if numpy_plan else 10**6)
-    be, batch, twins = make(name, 3)
+    be, batch, twins = make(name, 3, x_split=x_split)
+    assert batch.x_split is x_split and batch.g_gate_up.x_split is x_split
     if not numpy_plan and name == "c":      # the per-lane path end to end too
         batch._loop_plan = lambda committed: None
     schedule = [
@@ -248,6 +252,9 @@ def test_constructor_rejects_bad_arguments():
         DraftKvBatch(w, 23, 2.0, backend=be)
     with pytest.raises(ValueError, match="ring_capacity"):
         DraftKvBatch(w, 23, 2, ring_capacity=5, backend=be)
+    for bad in (1, "no", None):
+        with pytest.raises(TypeError, match="x_split"):
+            DraftKvBatch(w, 23, 2, backend=be, x_split=bad)
 
 
 def test_numpy_and_loop_plans_equal_per_lane_plan(monkeypatch):

@@ -46,3 +46,24 @@ def test_gemm_stream_counters_skip_dead_tiles():
     assert c.gld_sectors < unknown.gld_sectors
     assert any("7 dead 16-row tile(s) skipped" in n for n in c.notes)
     assert any("assumed live" in n for n in unknown.notes)
+
+
+def test_single_term_activations_halve_the_mmas_where_they_bind():
+    """x_split=False: one rounding of each GEMM input halves the modelled MMAs;
+    at one lane (a weight stream) the step is unchanged, at 16 lanes (MMA-bound
+    with hi + lo) it is shorter."""
+    from profiling import counters as ctr
+    gpu = get_gpu("H200")
+    cfg = drafter_config("h4096")
+    mma = {}
+    for xs in (True, False):
+        _, nodes = lm.batch_step_plan(cfg, 256, 4, 4, accept=6, x_split=xs)
+        gemms = [n for n in nodes if isinstance(n, Launch) and n.kernel == "gemm_stream"]
+        assert gemms and all(n.defines["GS_SPLIT"] == (2 if xs else 1) for n in gemms)
+        mma[xs] = sum(ctr.static_counters(n).mma for n in gemms)
+    assert mma[True] == 2 * mma[False]
+    one = {xs: lm.model_batch("qwen3-8b", 2048, 1, gpu, x_split=xs) for xs in (True, False)}
+    assert abs(one[True]["step_us"] - one[False]["step_us"]) < 0.02 * one[True]["step_us"]
+    many = {xs: lm.model_batch("qwen3-8b", 2048, 16, gpu, x_split=xs) for xs in (True, False)}
+    assert many[False]["step_us"] < 0.9 * many[True]["step_us"]
+    assert many[False]["x_split"] is False and "single" in lm.format_table([many[False]])

@@ -10,8 +10,10 @@ registers, shared memory and spills.
 A case fails on a compile error, on any warning (NVRTC front end or ptxas),
 or on a nonzero spill store/load. Each file compiles with its ``#ifndef``
 size defaults, and once more per comment line
-``// nvrtc-check: -DNAME=VALUE ...`` in it. ``pytest -s`` prints the
-per-kernel resource table.
+``// nvrtc-check: -DNAME=VALUE ...`` in it, for sm_80 and sm_90 or, when it
+declares the target it needs (``// nvrtc-arch: sm_90a``, as a wgmma kernel
+must: ptxas rejects wgmma for plain sm_90), for that target only.
+``pytest -s`` prints the per-kernel resource table.
 """
 from __future__ import annotations
 
@@ -33,6 +35,12 @@ _SPILL_RE = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 class NvrtcCheckFailed(AssertionError):
     pass
+
+
+def archs_for(source: str) -> tuple[str, ...]:
+    """The targets a source is checked for: its ``// nvrtc-arch:`` line, else ``ARCHS``."""
+    arch = nvrtc_info.declared_arch(source)
+    return (arch,) if arch else ARCHS
 
 
 def option_sets(source: str) -> list[tuple[str, ...]]:
@@ -67,8 +75,9 @@ def _cases():
     files = sorted(kernels.CUDA_SRC.glob("*.cu"))  # top level only: cuda_src/emu/ is not kernels
     out = []
     for f in files:
-        for i, opts in enumerate(option_sets(f.read_text())):
-            for arch in ARCHS:
+        text = f.read_text()
+        for i, opts in enumerate(option_sets(text)):
+            for arch in archs_for(text):
                 out.append(pytest.param(f, arch, opts, id=f"{f.stem}-{arch}-{'default' if i == 0 else i}"))
     # No kernels yet (other files land later): one case that only checks the directory exists,
     # so the test is collected and passes rather than being skipped.
@@ -141,3 +150,22 @@ def test_option_sets_parse_check_lines():
     src = ("// header\n// nvrtc-check: -DA=1 -DB=2\n//nvrtc-check:   -DA=3\n"
            "int x; // nvrtc-check: -DNOT=1 (not at line start)\n// nvrtc-check: -DA=1 -DB=2\n")
     assert option_sets(src) == [(), ("-DA=1", "-DB=2"), ("-DA=3",)]
+
+
+def test_arch_line_selects_targets():
+    assert archs_for("// a kernel\nint x;\n") == ARCHS
+    assert archs_for("// header\n// nvrtc-arch: sm_90a\n") == ("sm_90a",)
+    assert archs_for("//nvrtc-arch:   sm_90a   \n") == ("sm_90a",)
+    assert archs_for("int x; // nvrtc-arch: sm_90a (not on a line of its own)\n") == ARCHS
+
+
+_WGMMA_FENCE = 'extern "C" __global__ void k(float* x) { asm volatile("wgmma.fence.sync.aligned;"); x[0] = 1.0f; }\n'
+
+
+def test_sm90a_is_accepted_and_needed():
+    """NVRTC from the installed wheels builds sm_90a; the same wgmma instruction for plain
+    sm_90 is a ptxas error (why a wgmma file must declare its target)."""
+    info = nvrtc_check(_WGMMA_FENCE, "probe_sm90a.cu", "sm_90a")
+    assert set(info) == {"k"}
+    with pytest.raises(NvrtcCheckFailed, match="not supported on .target 'sm_90'"):
+        nvrtc_check(_WGMMA_FENCE, "probe_sm90a.cu", "sm_90")

@@ -1,14 +1,16 @@
 """gather.cu's plan_lanes (every lane of a DraftKvBatch planned in one launch)
 equals, bit for bit, the single-lane plan_step run on each active lane's
-slices, with cache rows offset by the lane; idle lanes are left untouched
-(slot table, masks) and their rows and tiles are dead."""
+slices, with cache rows offset by the lane and the appended context rows
+packed back to back (DESC_CTX_ROW0 / DESC_CTX_ROWS); idle lanes are left
+untouched (slot table, masks), and the padding rows and tiles are dead."""
 import numpy as np
 import pytest
 
 from dflash_cupy import backends
 from dflash_cupy.geometry import RingGeometry, align_up
 from dflash_cupy.ops.gather import FeatureGather
-from dflash_cupy.ops.step_descriptor import DESC_ACTIVE, DESC_LEN, fill_descriptor
+from dflash_cupy.ops.step_descriptor import (DESC_ACTIVE, DESC_CTX_ROW0, DESC_CTX_ROWS, DESC_LEN, DESC_N_NEW,
+                                             fill_descriptor, pack_context_rows)
 
 
 def _descs(rng, lanes, geom, ring_cap, idle):
@@ -21,6 +23,7 @@ def _descs(rng, lanes, geom, ring_cap, idle):
         start = committed - n_new
         swa_lo = committed - min(win, 5)
         fill_descriptor(d[l], committed, lo, start, n_new, swa_lo, reset=bool(l == 2), active=l not in idle)
+    pack_context_rows(d, geom.a_step)
     return d
 
 
@@ -56,17 +59,17 @@ def test_plan_lanes_equals_single_lane_plan_step(lanes, cap, q_len, fc_in, kind,
     got = {k: be.to_numpy(v) for k, v in dict(ap_feat=ap_feat, slot_pos=slot_pos, mf=mf, ms=ms, pos=pos_all,
                                               rows=rows_all, tiles=tiles).items()}
 
+    total = int(desc_h[0, DESC_CTX_ROWS])
+    assert total == sum(min(int(desc_h[l, DESC_N_NEW]), g.a_step) for l in range(lanes) if l not in idle)
     for l in range(lanes):
-        ctx = slice(l * cs, l * cs + g.a_step)
         noise = lanes * cs + l * bs
         if l in idle:
             assert np.array_equal(got["slot_pos"][l], slot0[l])
             assert np.array_equal(got["mf"][l], mask0[l]) and np.array_equal(got["ms"][l], mask0[l] + 1)
-            assert (got["rows"][ctx] == l * g.kv_total + g.trash_slot).all()
-            assert not got["tiles"][l * cs // 16:(l + 1) * cs // 16].any()
             assert not got["tiles"][noise // 16:(noise + bs) // 16].any()
-            assert (got["ap_feat"][l * cs:(l + 1) * cs] == 5.0).all()  # nothing gathered
             continue
+        n_app = min(int(desc_h[l, DESC_N_NEW]), g.a_step)
+        ctx = slice(int(desc_h[l, DESC_CTX_ROW0]), int(desc_h[l, DESC_CTX_ROW0]) + n_app)
         # the single-lane kernel on this lane's slices
         d1 = be.asarray(desc_h[l])
         af1 = be.asarray(np.full((g.a_step, fc_in), 5.0, np.float32))
@@ -76,17 +79,21 @@ def test_plan_lanes_equals_single_lane_plan_step(lanes, cap, q_len, fc_in, kind,
                                   be.zeros((q_len,), np.int32))
         gather.plan_step(d1, be.asarray(ring_h[l]), af1, g, sp1, ap_pos, ap_rows, pos_q, mask_full=mf1,
                          mask_swa=ms1, n_rows=g.a_step)
-        assert np.array_equal(got["ap_feat"][ctx], be.to_numpy(af1))
+        assert np.array_equal(got["ap_feat"][ctx], be.to_numpy(af1)[:n_app])
         assert np.array_equal(got["slot_pos"][l], be.to_numpy(sp1))
         assert np.array_equal(got["mf"][l].view(np.uint16), be.to_numpy(mf1).view(np.uint16))
         assert np.array_equal(got["ms"][l].view(np.uint16), be.to_numpy(ms1).view(np.uint16))
-        assert np.array_equal(got["pos"][ctx], be.to_numpy(ap_pos))
-        assert np.array_equal(got["rows"][ctx], be.to_numpy(ap_rows) + l * g.kv_total)
+        assert np.array_equal(got["pos"][ctx], be.to_numpy(ap_pos)[:n_app])
+        assert np.array_equal(got["rows"][ctx], be.to_numpy(ap_rows)[:n_app] + l * g.kv_total)
         assert np.array_equal(got["pos"][noise:noise + q_len], be.to_numpy(pos_q))
-        n_app = min(int(desc_h[l, 3]), g.a_step)
-        want_ctx = [(16 * t) < n_app for t in range(cs // 16)]
-        assert list(got["tiles"][l * cs // 16:(l + 1) * cs // 16] != 0) == want_ctx
         assert (got["tiles"][noise // 16:(noise + bs) // 16] != 0).all()
+    # the packed context rows: live tiles exactly those holding one of them; the
+    # rest is padding (position 0, the trash slot of the lane whose region it is in)
+    assert list(got["tiles"][:lanes * cs // 16] != 0) == [16 * t < total for t in range(lanes * cs // 16)]
+    r = np.arange(total, lanes * cs)
+    assert (got["pos"][r] == 0).all()
+    assert (got["rows"][r] == (r // cs) * g.kv_total + g.trash_slot).all()
+    assert (got["ap_feat"][total:] == 5.0).all()   # nothing gathered past the packed rows
     # padding rows past a_step / q_len: the noise padding is the host's (untouched here)
     for l in range(lanes):
         n0 = lanes * cs + l * bs

@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from dflash_cupy.ops.step_descriptor import DESC_LEN
 from dflash_cupy import backends
 from dflash_cupy.weights import DraftWeights
 from profiling import (bench_attention, bench_gemm, bench_host, bench_step, common, differential,
@@ -25,6 +26,9 @@ from profiling import (bench_attention, bench_gemm, bench_host, bench_step, comm
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = common.drafter_config("tiny")
+
+
+DESC = 4 * DESC_LEN   # one step descriptor, bytes
 
 
 def _align32(x):
@@ -44,7 +48,7 @@ def hand_append(m, n_new, noise_positions, layers=True):
     with ``layers`` the bulk append's per-layer [k; v] GEMM + RoPE."""
     d = _tiny_dims()
     L, H, D, FC, KVW = d["L"], d["H"], d["D"], d["FC"], d["KVW"]
-    act = 32 + 2 * m * 4 + n_new * 4 + (d["B"] * 4 if noise_positions else 0)
+    act = DESC + 2 * m * 4 + n_new * 4 + (d["B"] * 4 if noise_positions else 0)
     feat = n_new * FC * 2 + m * FC * 4
     w = H * FC * 2                                     # fc
     act += m * FC * 4 + m * H * 4                      # fc x, y
@@ -65,8 +69,8 @@ def hand_step(window, n_new):
     S = _align32(window + B + 1)
     ap = hand_append(A, n_new, True, layers=False)     # the layers do the appended rows
     M = A + B                                          # rows of the per-layer qkv GEMM and RoPE
-    w, act, kvw_ = ap["weights"], ap["activations"] + 2 * 32, ap["kv_cache_write"]
-    masks = 32 + window * 4 + B * S * 2
+    w, act, kvw_ = ap["weights"], ap["activations"] + 2 * DESC, ap["kv_cache_write"]
+    masks = DESC + window * 4 + B * S * 2
     act += 2 * B * H * 4                               # h <- noise_embed
     kv_read = 0
     for _ in range(L):

@@ -5,7 +5,8 @@
 ``cuda_emu.h``'s counters on and returns ``LaunchCounts``: global requests,
 32-byte sectors and requested bytes (loads, stores), shared-memory requests,
 wavefronts and the conflict-free wavefronts, ``mma.sync`` instructions,
-``__syncthreads`` (once per block), and per pointer argument the bytes
+``wgmma.mma_async`` instructions (per warpgroup), their m16n8k16 equivalents and
+the bytes of B they read from shared memory, ``__syncthreads`` (once per block), and per pointer argument the bytes
 requested and the distinct bytes read and written. The rules (what a request,
 a sector, a wavefront is, how the lanes of one warp-level instruction are
 grouped) are written beside the C++ in ``cuda_emu.h`` ("counters") and match
@@ -32,6 +33,8 @@ from .base import BackendError, KernelLaunchError
 _TOTALS = ("gld_requests", "gld_sectors", "gld_bytes", "gst_requests", "gst_sectors", "gst_bytes",
            "sld_requests", "sld_wavefronts", "sld_ideal", "sst_requests", "sst_wavefronts", "sst_ideal",
            "mma", "barriers", "blocks_run", "other_accesses", "other_bytes")
+# after CNT_SITES_MERGED (17, internal): the wgmma counts
+_TOTALS_AT = {18: "wgmma", 19: "wgmma_mma", 20: "wgmma_smem_bytes"}
 _N_TOTALS, _PER_RANGE, _MAX_RANGES = 24, 8, 128
 _SITE_VALS, _MAX_SITES = 7, 2048
 _KINDS = {0: "global load", 1: "global store", 2: "shared load", 3: "shared store"}
@@ -90,6 +93,9 @@ class LaunchCounts:
     sst_wavefronts: int = 0
     sst_ideal: int = 0
     mma: int = 0
+    wgmma: int = 0              # wgmma.mma_async, once per warpgroup instruction
+    wgmma_mma: int = 0          # their m16n8k16 equivalents (4 warps x N / 8 each)
+    wgmma_smem_bytes: int = 0   # B read from shared memory: N x 16 x 2 bytes per wgmma
     barriers: int = 0
     other_accesses: int = 0     # neither an argument's array, shared memory nor the lane's stack
     other_bytes: int = 0
@@ -207,7 +213,8 @@ def count_launch(kernel, grid, block, args: Sequence[Any], shared_mem: int = 0, 
     if rc:
         raise KernelLaunchError(f"kernel {kernel.name} (counted): {err.value.decode(errors='replace')}")
     vals = list(out)
-    c = LaunchCounts(kernel.name, g, b, total, **{k: int(vals[i]) for i, k in enumerate(_TOTALS)})
+    c = LaunchCounts(kernel.name, g, b, total, **{k: int(vals[i]) for i, k in enumerate(_TOTALS)},
+                     **{k: int(vals[i]) for i, k in _TOTALS_AT.items()})
     c.module_path = getattr(module, "so_path", "")
     sv = list(sites)
     for i in range(min(int(sv[0]), _MAX_SITES)):

@@ -207,6 +207,28 @@ def cuda_header_dirs() -> tuple[str, ...]:
     return cuda_headers.cuda_include_dirs(major)
 
 
+_ARCH_LINE = re.compile(r"^[ \t]*//[ \t]*nvrtc-arch:[ \t]*(\S+)[ \t]*$", re.M)
+
+
+def declared_arch(source: str) -> str | None:
+    """The target a source says it needs on a line of its own, ``// nvrtc-arch: sm_90a``
+    (wgmma and other arch-specific instructions exist only for ``sm_90a``), or None."""
+    m = _ARCH_LINE.search(source)
+    return m.group(1) if m else None
+
+
+def emulator_arch(source: str) -> str:
+    """The target whose build bounds the emulator's launches: ``ARCH``, or the source's
+    declared ``sm_90`` variant (``sm_90a``: the same resources, more instructions)."""
+    arch = declared_arch(source)
+    if arch is None:
+        return ARCH
+    if not arch.startswith(ARCH):
+        raise NvrtcCompileError(f"the source declares nvrtc-arch {arch}; the emulator models {ARCH} "
+                                f"(an H200) and runs {ARCH} or {ARCH}a code only", "")
+    return arch
+
+
 def nvrtc_options(arch: str, options: Sequence[str]) -> list[str]:
     """The CuPy backend's NVRTC options for ``options``, plus ``ptxas -v``."""
     return [f"--gpu-architecture={arch}", *NVRTC_FLAGS, *CUPY_IMPLIED_FLAGS, "--ptxas-options=-v",
@@ -351,8 +373,9 @@ def resources_for_emulator_async(source: str, filename: str | None, options: Seq
     global _pool
     fn = functools.partial(resources_for_emulator, source, filename, options)
     try:
-        hit = (cache_root() / (cache_key(source, filename or "<source>.cu", options) + ".json")).exists()
-    except NvrtcUnavailable:
+        hit = (cache_root() / (cache_key(source, filename or "<source>.cu", options, emulator_arch(source))
+                               + ".json")).exists()
+    except (NvrtcUnavailable, NvrtcCompileError):
         hit = True  # resources_for_emulator warns and returns None at once
     if hit or os.environ.get("DFLASH_CUPY_EMU_NVRTC", "1").strip() == "0":
         return _Done(fn)
@@ -373,7 +396,7 @@ def resources_for_emulator(source: str, filename: str | None, options: Sequence[
     if os.environ.get("DFLASH_CUPY_EMU_NVRTC", "1").strip() == "0":
         return None
     try:
-        return cached_compile_info(source, filename, options).kernels
+        return cached_compile_info(source, filename, options, emulator_arch(source)).kernels
     except NvrtcUnavailable as e:
         if not _warned:
             _warned = True

@@ -192,6 +192,35 @@ class Gemm:
             self._ws = None
             self._counters = self.backend.zeros((1,), np.int32)  # a valid pointer, never used
 
+    # ---- launch configurations (autotuning: dflash_cupy/tuning.py)
+    def launch_candidates(self, m: int) -> list:
+        """``(mt, ks)`` configurations the ``"stream"`` path can run ``m`` rows
+        with (``[]`` on the other paths: they have one)."""
+        return self._stream.candidates(checks.int_arg(m, "m", 1)) if self.path == "stream" else []
+
+    def default_config(self, m: int):
+        """The cost rule's ``(mt, ks)`` for ``m`` rows (``None`` off the stream path)."""
+        if self.path != "stream":
+            return None
+        p = self._stream.default_plan(checks.int_arg(m, "m", 1))
+        return (p.mt, p.ks)
+
+    def config(self, m: int):
+        """The ``(mt, ks)`` a call over ``m`` rows launches now (``None`` off the stream path)."""
+        if self.path != "stream":
+            return None
+        p = self._stream.plan(checks.int_arg(m, "m", 1))
+        return (p.mt, p.ks)
+
+    def use_config(self, m: int, config) -> None:
+        """Launch ``m`` rows with ``config`` (one of ``launch_candidates(m)``)
+        from now on; before the first graph capture only."""
+        if self.path != "stream":
+            raise ValueError(f"use_config needs the 'stream' path (this Gemm runs {self.path!r})")
+        mt, ks = config
+        self._stream.use(checks.int_arg(m, "m", 1), mt, ks)
+        self._counters = self._stream._counters
+
     def __repr__(self):
         return (f"Gemm(N={self.N}, K={self.K}, w={self.wkind}, epilogue={self.epilogue!r}, "
                 f"max_m={self.max_m}, path={self.path}, R={self.rows_per_warp}, KT={self.k_tile}, "

@@ -269,12 +269,15 @@ class StreamKernels:
 
     def __init__(self, backend, N: int, K: int, wtype_code: int, epi_code: int, nw: int, split: int,
                  max_m: int, k_split: int | None = None, norm: bool = False, logits: bool = True):
-        if epi_code == ARGMAX_EPI:  # the fused argmax reduces within a block: no split K
+        self._argmax = epi_code == ARGMAX_EPI
+        if self._argmax:  # the fused argmax reduces within a block: no split K
             k_split = 1
         self.backend = backend
         self.N, self.K, self.nw, self.split, self.k_split = N, K, nw, split, k_split
         self.norm = bool(norm)
         self.dev = device_of(backend)
+        self._choice: dict = {}        # m -> (mt, ks) set by use() (autotuning: dflash_cupy/tuning.py)
+        self._captured = False         # a graph holds this object's workspace pointers: no regrowth
         top = self.top = bucket(max_m)
         self.buckets = tuple(b for b in MT_BUCKETS if b <= top)
         self._kernels = {}
@@ -307,7 +310,55 @@ class StreamKernels:
         self._counters = backend.zeros((nbx,), np.int32)
 
     def plan(self, m: int) -> Plan:
+        c = self._choice.get(m)
+        if c is not None:
+            return plan(self.N, self.K, m, self.nw, self.split, self.dev, mt=c[0], ks=c[1])
         return plan(self.N, self.K, m, self.nw, self.split, self.dev, mt=min(bucket(m), self.top), ks=self.k_split)
+
+    def default_plan(self, m: int) -> Plan:
+        """What ``plan(m)`` returns without a tuned choice (the cost rule above)."""
+        return plan(self.N, self.K, m, self.nw, self.split, self.dev, mt=min(bucket(m), self.top), ks=self.k_split)
+
+    def candidates(self, m: int) -> list:
+        """Every launch configuration ``(mt, ks)`` this object can run ``m`` rows
+        with: each compiled M variant (a smaller one runs more M blocks) and
+        each K split the 64-wide K steps allow (slices of >= 64, not only the
+        >= MIN_K_SLICE the cost rule keeps; with several M blocks, only splits
+        whose grid fits one wave, as plan() requires). The cost rule's choice
+        is among them. All of them compute the same numbers (the K slices are
+        summed in a fixed order, but where they split differs, so results may
+        differ from the default's in the last bits)."""
+        m = int(m)
+        out = []
+        splits = (1,) if self.k_split is not None or self._argmax else tuple(range(1, MAX_K_SPLIT + 1))
+        for mt in self.buckets:
+            for ks in splits:
+                p = plan(self.N, self.K, m, self.nw, self.split, self.dev, mt=mt, ks=ks)
+                if p.ks == ks and (mt, ks) not in out:
+                    out.append((mt, ks))
+        d = self.default_plan(m)
+        if (d.mt, d.ks) not in out:
+            out.append((d.mt, d.ks))
+        return out
+
+    def use(self, m: int, mt: int, ks: int) -> None:
+        """Run ``m`` rows with configuration ``(mt, ks)`` (one of
+        ``candidates(m)``) from now on, growing the split-K workspace if it
+        needs more. Before any graph captures this GEMM only: a captured graph
+        holds the workspace's address."""
+        if (int(mt), int(ks)) not in self.candidates(m):
+            raise ValueError(f"(mt={mt}, ks={ks}) is not a launch configuration for m={m}: "
+                             f"candidates {self.candidates(m)}")
+        if self._captured:
+            raise RuntimeError("use() after a graph captured this GEMM: tune before the first capture")
+        p = plan(self.N, self.K, m, self.nw, self.split, self.dev, mt=int(mt), ks=int(ks))
+        if p.ks > 1:
+            need = p.grid[0] * p.ks * 16 * p.mt * (self.nw * cols_per_block(self.nw) + int(self.norm))
+            if need > self._ws.size:
+                self._ws = self.backend.zeros((need,), np.float32)
+            if p.grid[0] > self._counters.size:
+                self._counters = self.backend.zeros((p.grid[0],), np.int32)
+        self._choice[int(m)] = (int(mt), int(ks))
 
     def launch_config(self, m: int):
         """``(grid, block, shared_mem)``; grid ``(groups * mblocks, 1, ks)``."""
@@ -325,6 +376,8 @@ class StreamKernels:
         ``partials`` (the argmax epilogue): u32 ``[>= m, blocks, 2]`` written
         in place of the split-K workspace."""
         p = self.plan(m)
+        if self.backend.is_capturing():
+            self._captured = True
         lo, hi = (self._counters, 0) if pad_rows is None else pad_rows
         ln, eps, norm_lo = (x, 0.0, m) if norm is None else norm
         self._kernels[p.mt](p.grid, (WARPS * 32, 1, 1),

@@ -34,11 +34,13 @@ _C = kernels.constants("step_desc.cuh")
 DESC_COMMITTED, DESC_LO, DESC_START = _C["DESC_COMMITTED"], _C["DESC_LO"], _C["DESC_START"]
 DESC_N_NEW, DESC_SWA_LO, DESC_RESET = _C["DESC_N_NEW"], _C["DESC_SWA_LO"], _C["DESC_RESET"]
 DESC_ACTIVE = _C["DESC_ACTIVE"]
+DESC_CTX_ROW0, DESC_CTX_ROWS = _C["DESC_CTX_ROW0"], _C["DESC_CTX_ROWS"]
 DESC_LEN = _C["DESC_LEN"]
 # the order fill_descriptor packs the fields in
 _FIELDS = ("committed", "lo", "start", "n_new", "swa_lo", "reset", "active")
 assert [DESC_COMMITTED, DESC_LO, DESC_START, DESC_N_NEW, DESC_SWA_LO, DESC_RESET, DESC_ACTIVE] == list(range(7)), \
     "step_desc.cuh: fill_descriptor packs the fields in index order 0..6"
+assert DESC_LEN > DESC_CTX_ROWS == DESC_CTX_ROW0 + 1 == DESC_ACTIVE + 2
 _DESC_STRUCT = struct.Struct(f"={DESC_LEN}i")
 INT32_MAX = 2**31 - 1
 
@@ -139,3 +141,16 @@ def fill_chunk_descriptor(buf: np.ndarray, fields: StepFields, start: int, count
     """Descriptor of one bulk-append chunk ``[start, start+count)`` (reset clear:
     the bulk path resets the ring with ``reset_slots`` before its first chunk)."""
     return fill_descriptor(buf, fields.committed, fields.lo, start, count, fields.swa_lo, False)
+
+
+def pack_context_rows(desc: np.ndarray, a_step: int) -> int:
+    """``DraftKvBatch``: the lanes' appended context rows packed back to back in
+    lane order: writes ``DESC_CTX_ROW0`` (exclusive prefix sum of each active
+    lane's ``min(n_new, a_step)``) and ``DESC_CTX_ROWS`` (their total, in every
+    lane's row) of ``desc [lanes, DESC_LEN]`` (host int32) and returns the total.
+    ``gather.cu``'s ``plan_lanes`` reads them."""
+    n_app = np.minimum(desc[:, DESC_N_NEW], a_step) * (desc[:, DESC_ACTIVE] != 0)
+    total = int(n_app.sum())
+    desc[:, DESC_CTX_ROW0] = np.cumsum(n_app) - n_app
+    desc[:, DESC_CTX_ROWS] = total
+    return total
