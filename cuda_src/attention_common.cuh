@@ -1,23 +1,33 @@
 // attention_common.cuh — what the two split-KV attention kernels share
 // (attention.cu: CUDA cores, any D; attention_mma.cu: tensor cores): the
 // compile-time sizes and their defaults, the key tiling of the splits, the
-// partial-result layout, the folded combine (below), the gate, the lanes.
+// partial-result layout, the two ways of merging the splits (below), the
+// gate, the lanes.
 //
-// Folded combine (SPLITS > 1): one launch. A "unit" is the set of SPLITS
-// blocks that hold the same query rows over the SPLITS key slices (one lane,
-// one kv head, one row group on the CUDA cores). Every block of a unit
-// writes its un-normalised partial (part_o, part_ml), then takes a ticket
-// from counters[unit] (an int32 per unit, owned by ops/attention.py, zero
-// between launches); the block that draws the last ticket merges the unit's
-// splits into `out` and puts the counter back to 0, so the next launch (or a
-// graph replay) starts from zero. The merge sums the splits in order 0 ..
-// SPLITS-1 with exactly the arithmetic of the former two-launch combine:
-// bit-identical run to run and to it. Memory order as in gemm_stream.cu's
-// split K: each thread fences its partial stores before the block counts
-// itself; the last block fences again and reads the partials from L2
-// (__ldcg: other SMs wrote them, this SM's L1 may hold nothing newer but must
-// not be trusted). An idle lane's blocks return before counting: its
-// counters stay 0.
+// Merging the splits (SPLITS > 1). Every split block writes its
+// un-normalised partial (part_o, part_ml); the splits are then summed in
+// order 0 .. SPLITS-1 with log-sum-exp weights, by one of two compile-time
+// choices (FOLD_MERGE) with exactly the same arithmetic, so their outputs
+// are bit-identical to each other and run to run:
+//  * FOLD_MERGE 0, two launches: ring_attn_combine (attention.cu), launched
+//    after the split kernel, merges every row (a thread per output element).
+//  * FOLD_MERGE 1, one launch (the folded combine): a "unit" is the set of
+//    SPLITS blocks that hold the same query rows over the SPLITS key slices
+//    (one lane, one kv head, one row group on the CUDA cores). Each block of
+//    a unit takes a ticket from counters[unit] (an int32 per unit, owned by
+//    ops/attention.py, zero between launches) after its partial; the block
+//    that draws the last ticket merges the unit's splits into `out` and puts
+//    the counter back to 0, so the next launch (or a graph replay) starts
+//    from zero. Memory order as in gemm_stream.cu's split K: each thread
+//    fences its partial stores before the block counts itself; the last
+//    block fences again and reads the partials from L2 (__ldcg: other SMs
+//    wrote them, this SM's L1 may hold nothing newer but must not be
+//    trusted). An idle lane's blocks return before counting: its counters
+//    stay 0. It saves a launch (a graph node) and the combine's read of the
+//    whole workspace by a full grid, but the lone merging block of a unit
+//    reads its unit's partials at one SM's share of the L2 bandwidth: which
+//    is faster depends on the shape (ops/attention.py: default_merge, and
+//    the autotuner on a GPU).
 //
 // Lanes (LANES > 1): one launch serves LANES independent requests, lane l
 // (the grid's lane coordinate) reading and writing only its own slices:
@@ -62,12 +72,16 @@
 #ifndef LANE_ROWS
 #define LANE_ROWS B
 #endif
+#ifndef FOLD_MERGE
+#define FOLD_MERGE 1          // SPLITS > 1: 1 the last split block merges, 0 ring_attn_combine does
+#endif
 
 #define G (NH / NKV)
 #define R (B * G)
 
 #define TILE 32               // keys per shared-memory tile (read by ops/attention.py)
 #define MERGE_UNROLL 16        // splits per step of the folded merge (read by profiling/counters.py)
+#define COMBINE_THREADS 128    // block of ring_attn_combine (read by ops/attention.py)
 #define KV_W (NKV * D)
 #define N_TILES ((KV_TOTAL + TILE - 1) / TILE)
 #define TILES_PER_SPLIT ((N_TILES + SPLITS - 1) / SPLITS)
@@ -84,6 +98,9 @@
 #endif
 #if LANES < 1 || LANE_ROWS < B
 #error "attention: LANES must be >= 1 and LANE_ROWS >= B"
+#endif
+#if FOLD_MERGE != 0 && FOLD_MERGE != 1
+#error "attention: FOLD_MERGE must be 0 or 1"
 #endif
 
 #define LOG2E 1.4426950408889634f

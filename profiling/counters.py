@@ -659,13 +659,17 @@ def _attn_mma(L) -> KernelCounters:
     # q: each lane 2 x 4 B per (kk, e): small; counted as its bytes
     _contig(c, "ld", B * NH * D * 4)
     out_b = B * NH * D * 4
-    c.bytes_written[_name(out)] = out_b
-    _contig(c, "st", out_b)
     part_b = SPLITS * (out_b + B * NH * 8)
+    # FOLD_MERGE 0: the partials are merged by ring_attn_combine, a launch of its own (_small)
+    fold = SPLITS > 1 and d.get("FOLD_MERGE", 1) == 1
+    if SPLITS == 1 or fold:
+        c.bytes_written[_name(out)] = out_b
+        _contig(c, "st", out_b)
     if SPLITS > 1:
         c.bytes_written[_name(po)] = SPLITS * out_b
         c.bytes_written[_name(pml)] = SPLITS * B * NH * 8
         _contig(c, "st", part_b)
+    if fold:
         # the folded combine: the last of each kv head's SPLITS blocks reads them all back
         # (__ldcg, from L2): per row the maxima and the weighted sums (a thread per row, 4 + 8 B
         # loads), then per 32 four-dim items of a warp (one row at D 128) per split one
@@ -681,13 +685,14 @@ def _attn_mma(L) -> KernelCounters:
         item_req = NKV * -(-R * D // 4 // 32) * SPLITS
         c.add_global("ld", item_req, 1, 32 * 4)
         c.barriers += NKV   # the merge's row pass (the arrival's two: below, per block)
-    c.dram_bytes = 2 * kv_bytes + B * KVT * 2 + B * NH * D * 4 + out_b + (2 * part_b if SPLITS > 1 else 0)
+    c.dram_bytes = 2 * kv_bytes + B * KVT * 2 + B * NH * D * 4 + (
+        out_b + 2 * part_b if fold else part_b if SPLITS > 1 else out_b)
     # the K/V loads of a tile are consumed at the barrier right after: one round trip per tile
     c.dram_round_trips_per_block = max_tiles
     c.inflight_peak_bytes_per_warp = -(-items // THR) * 2 * 16 * 32
     c.notes.append(f"{L.n_blocks} blocks ({NKV} kv heads x {SPLITS} splits), {max_tiles} key tiles each, "
                    f"one K/V round trip per tile")
-    if SPLITS > 1:
+    if fold:
         # the merging block's path after its own tiles, once per launch (the merges of units
         # finished earlier overlap the later blocks' tiles): the row pass (two dependent
         # rounds per MERGE_UNROLL splits), then each thread's items, MERGE_UNROLL splits x 5
@@ -710,7 +715,7 @@ def _attn_mma(L) -> KernelCounters:
             for k in dct:
                 dct[k] *= lanes
         c.notes.append(f"{lanes} lanes, all assumed live")
-    c.barriers += L.n_blocks * (3 if SPLITS > 1 else 1)   # the first one; the arrival's two
+    c.barriers += L.n_blocks * (3 if fold else 1)   # the first one; the arrival's two
     return c
 
 
@@ -762,6 +767,12 @@ def _small(L) -> KernelCounters:
         rows, D = a[3], d["NORM_D"]
         return _bytes_only(L, [(_name(a[0]), rows * D * 4), (_name(a[1]), a[4] * D * 4)],
                            [(_name(a[2]), rows * D * 4)])
+    if k == "ring_attn_combine":   # merge="launch": every lane of a LANES launch assumed live
+        S, B, NH, D, lanes = d["SPLITS"], d["B"], d["NH"], d["D"], d.get("LANES", 1)
+        return _bytes_only(L, [(_name(a[0]), lanes * S * B * NH * D * 4), (_name(a[1]), lanes * S * B * NH * 8)],
+                           [(_name(a[3]), lanes * B * NH * D * 4)],
+                           "part_ml is re-read by every thread of a row: L1/L2 hits, not counted"
+                           + (f"; {lanes} lanes, all assumed live" if lanes > 1 else ""))
     if k == "qkv_norm_rope":
         M, D, NH, NKV, has_q = a[9], d["D"], d["NH"], d["NKV"], d.get("HAS_Q", 0)
         width = (NH if has_q else 0) * D + 2 * NKV * D
