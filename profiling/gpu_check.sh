@@ -20,7 +20,7 @@
 #   gpu_check.log   this script's log: environment, nvidia-smi, step status, summary (with the
 #                   GEMM autotuning report: default vs chosen launch and each candidate's time)
 #   tests.log       pytest output (the GPU half of the suite, then the differential run)
-#   bench.log       every benchmark's output
+#   bench.log       every benchmark's output (bench_lanes' table among them: its JSON stays outside OUTDIR)
 #   step_quick.json bench_step, qwen3.5-27b, windows 256/4K/32K, graph/eager/legacy
 #   gemm.json       bench_gemm (dflash GEMM and cuBLAS)
 #   attention.json  bench_attention
@@ -201,6 +201,11 @@ run_step step_quick 90 "$BLOG" "$PY" -m profiling.bench_step ${SMOKE[@]+"${SMOKE
     --drafters "$( ((DRY)) && echo tiny || echo qwen3.5-27b)" \
     --windows "$( ((DRY)) && echo 32 || echo 256,4K,32K)" \
     --budget-s 5 --no-plot --out "$OUTDIR/step_quick.json"
+
+# lanes: the batch step at 1/4/16 active lanes against the single-lane step, measured side by side
+# (issue 13's per-request cost), each row beside the cost model's prediction; the table is in bench.log
+run_step lanes 60 "$BLOG" "$PY" -m profiling.bench_lanes ${SMOKE[@]+"${SMOKE[@]}"} \
+    --lanes "$( ((DRY)) && echo 1,3 || echo 1,4,16)" --x-split both --budget-s 3 --out "$WORK/lanes.json"
 
 run_step gemm 50 "$BLOG" "$PY" -m profiling.bench_gemm ${SMOKE[@]+"${SMOKE[@]}"} --out "$OUTDIR/gemm.json"
 

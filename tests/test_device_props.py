@@ -41,7 +41,7 @@ def test_cupy_query_reads_the_device_attributes(monkeypatch):
 
 def test_constants_come_from_the_cuda_sources(tmp_path, monkeypatch):
     c = kernels.constants("step_desc.cuh")
-    assert c["DESC_LEN"] == 8 and c["DESC_RESET"] == 5
+    assert c["DESC_LEN"] == 10 and c["DESC_RESET"] == 5 and c["DESC_CTX_ROWS"] == 8
     assert kernels.constants("attention_common.cuh")["TILE"] == 32
     # -D-settable defaults (#ifndef NAME / #define NAME) are not constants
     assert "D" not in kernels.constants("attention_common.cuh")

@@ -396,3 +396,25 @@ def test_gpu_check_real_commands_parse(tmp_path):
     from profiling import soak
     sa = soak.parse_args(cmds[7][2:])
     assert sa.steps == 100000 and sa.max_seconds and sa.check_every == 500
+
+
+def test_bench_lanes_smoke(tmp_path):
+    """bench_lanes on the emulator: every row, the per-lane arithmetic, one
+    batch for every lane count (its step graphs captured twice in all), and
+    the model's prediction for a named preset."""
+    from profiling import bench_lanes, lanes_model
+    from profiling.hw_params import get_gpu
+    out = tmp_path / "lanes.json"
+    res = bench_lanes.main(["--smoke", "--backend", "emulated", "--out", str(out), "--x-split", "both",
+                            "--lanes", "1,2"])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["x_split"], r["active"]) for r in rows] == [("split", 1), ("split", 2), ("single", 1), ("single", 2)]
+    for r in rows:
+        assert r["hidden_finite"] and r["captures"] == 2
+        assert r["us_per_lane"] == pytest.approx(r["us_per_step"] / r["active"])
+        assert r["vs_single"] == pytest.approx(r["us_per_lane"] / r["single_us"])
+        assert r["predicted_us"] is None          # no model for the tiny preset
+    assert res["rows"] == rows
+    a = bench_lanes.parse_args(["--drafter", "qwen3-8b", "--window", "2K", "--lanes", "4"])
+    want = lanes_model.model_batch("qwen3-8b", 2048, 4, get_gpu("H200"), accept=6)["step_us"]
+    assert bench_lanes._predict(a, 4, True) == pytest.approx(want)
