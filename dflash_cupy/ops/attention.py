@@ -66,14 +66,15 @@ BLOCKS_PER_SM = 2          # what the split kernels' registers allow (~215 regs 
 # 2K: 8 -> 32.4 us, 4 -> 21.6 us, 2 -> 30.4 us).
 MIN_TILES_PER_SPLIT = 4
 MERGES = ("launch", "fold")
-# default_merge's crossover. The fold saves a launch and a graph node per
-# layer, but its lone merging block per unit reads the partials after its own
-# tiles at one SM's share of the L2 bandwidth (~0.5-1 MB, 10-30 us), while
-# ring_attn_combine reads them with a full grid (10.5 us); at long windows the
-# combine's fixed cost and the node gap outweigh the fold's tail, which shrinks
-# relative to the tiles. `python -m profiling.perf_model --counters static
-# --attn-merge launch|fold` (H200; qwen3-8b = h4096 and qwen3.5-27b have the
-# same attention, so the same difference), step us launch -> fold:
+# default_merge's crossover. The fold saves a graph node per layer (a 1.5 us
+# gap) and ring_attn_combine (~2.1 us), but the last block of each kv head
+# reads its head's partials alone after its own tiles (532 KB at 16 splits,
+# 1.1 MB at 33), which the model bounds by one SM's share of the L2 bandwidth
+# (~7 / ~14 us per layer); at long windows the split kernel's own bound (its
+# mma.sync issue) grows past its latency path plus that tail and hides it.
+# `python -m profiling.perf_model --counters static --attn-merge launch|fold`
+# (H200; h4096 = qwen3-8b and qwen3.5-27b have the same attention, so the
+# same difference), step us launch -> fold:
 #   window  2K (kv_total  2080, 16 splits): h4096 583.6 -> 606.0, 27b  918.6 ->  941.0
 #   window  8K (kv_total  8224, 33 splits): h4096 622.7 -> 656.3, 27b  957.6 ->  991.2
 #   window 16K (kv_total 16416, 33 splits): h4096 663.5 -> 682.4, 27b  998.4 -> 1017.3
