@@ -7,8 +7,10 @@
 //   mask     [B, KV_TOTAL] f16 additive (0 visible, -inf hidden)
 //   gate     GATE=1: [B, NH] f32 logits, GATE=2: [B, NH*D] f32; unused if 0
 //   out      [B, NH*D] f32 = softmax(q k^T * scale + mask) v  (* softplus(gate))
-//   part_o   [SPLITS, B*NH, D] f32 un-normalised partial outputs
+//   part_o   [SPLITS, B*NH, D] f32 un-normalised partial outputs   (SPLITS > 1)
 //   part_ml  [SPLITS, B*NH, 2] f32 (running max in log2 units, partial sum)
+//   counters [LANES * NKV * ROW_GROUPS] int32 arrival counts, zero between launches
+//            (FOLD_MERGE 1 only)
 // GQA: query head h reads kv head h / (NH/NKV).
 //
 // ring_attn_split: grid (NKV * LANES, SPLITS, ROW_GROUPS), block (NWARPS*32):
@@ -25,10 +27,15 @@
 //   pre-scaled by scale*log2(e)); the P·V product broadcasts p_t with a
 //   shuffle while lane owns output dims lane + 32*j. The lane keeps a partial
 //   softmax denominator, reduced once at the end.
-//   With SPLITS == 1 the block normalises and writes `out` itself (and the
-//   combine kernel is not launched).
-// ring_attn_combine: grid (ceil(B*NH*D / COMBINE_THREADS), LANES), block (COMBINE_THREADS): merges the
-//   splits with log-sum-exp weights, applies the gate, writes `out`.
+//   With SPLITS == 1 the block normalises and writes `out` itself. With
+//   SPLITS > 1 it writes its partial; then with FOLD_MERGE 1 the last of the
+//   SPLITS blocks of its (lane, kv head, row group) — counters[blockIdx.x *
+//   ROW_GROUPS + blockIdx.z] — merges them with log-sum-exp weights, applies
+//   the gate and writes `out` (attention_common.cuh: the folded combine);
+//   with FOLD_MERGE 0 ring_attn_combine does, in a second launch.
+// ring_attn_combine (FOLD_MERGE 0, either split kernel): grid (ceil(B*NH*D /
+//   COMBINE_THREADS), LANES), block (COMBINE_THREADS): merges the splits with
+//   log-sum-exp weights, applies the gate, writes `out`.
 // A row whose every key is masked gets output 0 (never NaN). A slot hidden
 // from a row never reaches that row's output, whatever it holds: hidden
 // scores are selected to -inf (not added), zero weights skip the P V update.
@@ -36,10 +43,11 @@
 //
 // Compile-time (-D, each with a default): D (multiple of 8, <= 256), NH, NKV,
 // B, KV_TOTAL (any value >= 1), SPLITS, RB (query rows per block), NWARPS,
-// GATE (0 none, 1 per head, 2 per element).
+// GATE (0 none, 1 per head, 2 per element), FOLD_MERGE.
 // nvrtc-check: -DD=32 -DNH=4 -DNKV=4 -DB=1 -DKV_TOTAL=37 -DSPLITS=1 -DGATE=1 -DRB=4 -DNWARPS=4
 // nvrtc-check: -DD=64 -DNH=8 -DNKV=2 -DB=16 -DKV_TOTAL=100 -DSPLITS=3 -DGATE=2 -DRB=64 -DNWARPS=8
 // nvrtc-check: -DD=256 -DNH=16 -DNKV=4 -DB=16 -DKV_TOTAL=1000 -DSPLITS=2 -DRB=16 -DNWARPS=8
+// nvrtc-check: -DD=64 -DNH=8 -DNKV=2 -DB=16 -DKV_TOTAL=100 -DSPLITS=3 -DGATE=2 -DRB=64 -DNWARPS=8 -DFOLD_MERGE=0
 // nvrtc-check: -DD=128 -DNH=64 -DNKV=8 -DB=16 -DKV_TOTAL=4128 -DSPLITS=8 -DGATE=1 -DRB=64 -DNWARPS=8
 // nvrtc-check: -DD=128 -DNH=64 -DNKV=8 -DB=16 -DKV_TOTAL=4128 -DSPLITS=8 -DGATE=2 -DRB=64 -DNWARPS=8 -DLANES=64 -DLANE_ROWS=32
 #include <cuda_fp16.h>
@@ -77,6 +85,7 @@ ring_attn_split(const float* __restrict__ q,
                 const __half* __restrict__ mask,
                 float* __restrict__ part_o,
                 float* __restrict__ part_ml,
+                int* __restrict__ counters,
                 float* __restrict__ out,
                 const float* __restrict__ gate,
                 float scale,
@@ -248,6 +257,14 @@ ring_attn_split(const float* __restrict__ q,
         }
 #endif
     }
+#if SPLITS > 1 && FOLD_MERGE
+    // the ticket (q_s[0]) and the merge's row scratch (q_s[4 ..]) reuse q_s, written only
+    // after the barrier that ends every thread's use of it: RB is sized so that q_s and
+    // the tiles fill the static shared memory (RB * D >= 4 + 2 * RB: D >= 8)
+    const int unit = (int)(blockIdx.x * gridDim.z + blockIdx.z);   // (lane, kv head, row group)
+    if (last_split_to_arrive(counters, unit, reinterpret_cast<int*>(q_s)))
+        merge_splits(part_o, part_ml, gate, out, kvh, row0, row0 + rows_here, NT, q_s + 4, counters, unit);
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)

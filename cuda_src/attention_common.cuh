@@ -1,7 +1,33 @@
 // attention_common.cuh — what the two split-KV attention kernels share
 // (attention.cu: CUDA cores, any D; attention_mma.cu: tensor cores): the
 // compile-time sizes and their defaults, the key tiling of the splits, the
-// partial-result layout read by ring_attn_combine, the gate, the lanes.
+// partial-result layout, the two ways of merging the splits (below), the
+// gate, the lanes.
+//
+// Merging the splits (SPLITS > 1). Every split block writes its
+// un-normalised partial (part_o, part_ml); the splits are then summed in
+// order 0 .. SPLITS-1 with log-sum-exp weights, by one of two compile-time
+// choices (FOLD_MERGE) with exactly the same arithmetic, so their outputs
+// are bit-identical to each other and run to run:
+//  * FOLD_MERGE 0, two launches: ring_attn_combine (attention.cu), launched
+//    after the split kernel, merges every row (a thread per output element).
+//  * FOLD_MERGE 1, one launch (the folded combine): a "unit" is the set of
+//    SPLITS blocks that hold the same query rows over the SPLITS key slices
+//    (one lane, one kv head, one row group on the CUDA cores). Each block of
+//    a unit takes a ticket from counters[unit] (an int32 per unit, owned by
+//    ops/attention.py, zero between launches) after its partial; the block
+//    that draws the last ticket merges the unit's splits into `out` and puts
+//    the counter back to 0, so the next launch (or a graph replay) starts
+//    from zero. Memory order as in gemm_stream.cu's split K: each thread
+//    fences its partial stores before the block counts itself; the last
+//    block fences again and reads the partials from L2 (__ldcg: other SMs
+//    wrote them, this SM's L1 may hold nothing newer but must not be
+//    trusted). An idle lane's blocks return before counting: its counters
+//    stay 0. It saves a launch (a graph node) and the combine's read of the
+//    whole workspace by a full grid, but the lone merging block of a unit
+//    reads its unit's partials at one SM's share of the L2 bandwidth: which
+//    is faster depends on the shape (ops/attention.py: default_merge, and
+//    the autotuner on a GPU).
 //
 // Lanes (LANES > 1): one launch serves LANES independent requests, lane l
 // (the grid's lane coordinate) reading and writing only its own slices:
@@ -46,11 +72,15 @@
 #ifndef LANE_ROWS
 #define LANE_ROWS B
 #endif
+#ifndef FOLD_MERGE
+#define FOLD_MERGE 1          // SPLITS > 1: 1 the last split block merges, 0 ring_attn_combine does
+#endif
 
 #define G (NH / NKV)
 #define R (B * G)
 
 #define TILE 32               // keys per shared-memory tile (read by ops/attention.py)
+#define MERGE_UNROLL 16        // splits per step of the folded merge (read by profiling/counters.py)
 #define COMBINE_THREADS 128    // block of ring_attn_combine (read by ops/attention.py)
 #define KV_W (NKV * D)
 #define N_TILES ((KV_TOTAL + TILE - 1) / TILE)
@@ -68,6 +98,9 @@
 #endif
 #if LANES < 1 || LANE_ROWS < B
 #error "attention: LANES must be >= 1 and LANE_ROWS >= B"
+#endif
+#if FOLD_MERGE != 0 && FOLD_MERGE != 1
+#error "attention: FOLD_MERGE must be 0 or 1"
 #endif
 
 #define LOG2E 1.4426950408889634f
@@ -110,4 +143,71 @@ __device__ __forceinline__ LaneOffsets lane_offsets(int lane) {
     o.part_o = (long long)lane * SPLITS * B * NH * D;
     o.part_ml = (long long)lane * SPLITS * B * NH * 2;
     return o;
+}
+
+// Called by every thread of a block after it wrote its partial: true in every
+// thread of the block that arrived last for `unit` (see the top of this file).
+// ticket: an int of the block's shared memory that no thread uses any more.
+__device__ __forceinline__ bool last_split_to_arrive(int* counters, int unit, int* ticket) {
+    __threadfence();   // this thread's partial stores are visible device-wide before the count says so
+    __syncthreads();
+    if (threadIdx.x == 0) *ticket = atomicAdd(&counters[unit], 1);
+    __syncthreads();
+    if (*ticket != SPLITS - 1) return false;
+    __threadfence();   // the other blocks' partials are read after their counts
+    return true;
+}
+
+// The last block's merge of query rows [r_lo, r_hi) (row r = b*G + g: query
+// head kvh*G + g of noise row b) of kv head kvh: out = sum_s w_s o_s /
+// sum_s w_s l_s (x the gate), w_s = 2^(m_s - max_s m_s), splits in order 0 ..
+// SPLITS-1. First a thread per row: its max and weighted sum into ml_s
+// (shared scratch of 2 * (r_hi - r_lo) floats no thread uses any more), so the
+// output pass has no dependent load before its partials. Then a thread takes
+// four dims of a row, D/4 apart: each of its four loads (and stores) is
+// coalesced across the warp, and all are independent. One block alone reads
+// SPLITS x rows x D x 4 bytes here, bound by its SM's share of L2 bandwidth:
+// MERGE_UNROLL splits per step keep 5 x MERGE_UNROLL loads per thread in
+// flight (80 at 16: ~40 KB per 128-thread block). Last, counters[unit] = 0.
+// `nthreads`: the block's threads.
+__device__ __forceinline__ void merge_splits(const float* part_o, const float* part_ml, const float* gate,
+                                             float* out, int kvh, int r_lo, int r_hi, int nthreads,
+                                             float* ml_s, int* counters, int unit) {
+    constexpr int V4 = D / 4;
+    for (int r = r_lo + (int)threadIdx.x; r < r_hi; r += nthreads) {
+        const int qrow = (r / G) * NH + kvh * G + r % G;
+        float m = NEG_INF, l = 0.f;
+#pragma unroll MERGE_UNROLL
+        for (int s = 0; s < SPLITS; ++s)
+            m = fmaxf(m, __ldcg(part_ml + ((long long)s * (B * NH) + qrow) * 2));
+        if (m != NEG_INF) {
+#pragma unroll MERGE_UNROLL
+            for (int s = 0; s < SPLITS; ++s) {
+                const float2 ml = __ldcg(reinterpret_cast<const float2*>(part_ml + ((long long)s * (B * NH) + qrow) * 2));
+                l += exp2f(ml.x - m) * ml.y;   // w_s: 0 for empty / fully hidden splits
+            }
+        }
+        ml_s[2 * (r - r_lo)] = m;
+        ml_s[2 * (r - r_lo) + 1] = l;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < (r_hi - r_lo) * V4; i += nthreads) {
+        const int r = r_lo + i / V4, c = i % V4;
+        const int qrow = (r / G) * NH + kvh * G + r % G;
+        const float m = ml_s[2 * (r - r_lo)], l = ml_s[2 * (r - r_lo) + 1];
+        float o[4] = {0.f, 0.f, 0.f, 0.f};
+        if (m != NEG_INF) {
+#pragma unroll MERGE_UNROLL
+            for (int s = 0; s < SPLITS; ++s) {
+                const long long rs = (long long)s * (B * NH) + qrow;
+                const float w = exp2f(__ldcg(part_ml + rs * 2) - m);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[e] += w * __ldcg(part_o + rs * D + c + e * V4);
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            out[(long long)qrow * D + c + e * V4] = (l > 0.f ? o[e] / l : 0.f) * gate_factor(gate, qrow, c + e * V4);
+    }
+    if (threadIdx.x == 0) counters[unit] = 0;   // ready for the next launch (or replay)
 }

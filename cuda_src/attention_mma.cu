@@ -1,10 +1,12 @@
 // attention_mma.cu — the split-KV ring attention of attention.cu on tensor cores.
 //
 // Same inputs, outputs, partial layout, masks, GQA and gate as
-// ring_attn_split (attention.cu, whose ring_attn_combine merges the splits);
-// see attention_common.cuh for the sizes. Needs D % 16 == 0, D <= 128 and at
-// most 128 query rows per kv head (R = B * NH/NKV): 8 warps (at 16, ptxas caps
-// a thread at 128 registers and the kernel spills).
+// ring_attn_split (attention.cu; counters here [LANES * NKV]), and the same
+// two merges of the splits (attention_common.cuh, which also has the sizes:
+// FOLD_MERGE 0 leaves it to attention.cu's ring_attn_combine). Needs
+// D % 16 == 0, D <= 128 and at most 128 query rows per kv head
+// (R = B * NH/NKV): 8 warps (at 16, ptxas caps a thread at 128 registers and
+// the kernel spills).
 //
 // ring_attn_mma_split: grid (NKV, SPLITS, LANES), block (MW*32), MW = ceil(R / 16).
 //   A block takes one kv head and one contiguous slice of keys; warp w owns
@@ -20,6 +22,11 @@
 //                 16-byte rows like K) and its B fragments are read with
 //                 ldmatrix.trans (ldmatrix.cuh): no transposing stores, no
 //                 bank conflicts.
+//   SPLITS == 1: the block normalises and writes `out`. SPLITS > 1: it writes
+//   its partial; with FOLD_MERGE 1 the last of the SPLITS blocks of its
+//   (lane, kv head), counters[blockIdx.z * NKV + blockIdx.x], merges the
+//   splits of all R rows into `out` (attention_common.cuh: the folded
+//   combine); with FOLD_MERGE 0 ring_attn_combine does, in a second launch.
 // Isolation: a slot hidden from a query row never reaches that row's output,
 //   whatever it holds (NaN, +-Inf, 65504): its score is selected to -inf (a
 //   hidden mask entry is never added), a key hidden from every row of the
@@ -37,6 +44,7 @@
 // nvrtc-check: -DD=32 -DNH=4 -DNKV=4 -DB=1 -DKV_TOTAL=37 -DSPLITS=1 -DGATE=1
 // nvrtc-check: -DD=128 -DNH=64 -DNKV=8 -DB=16 -DKV_TOTAL=4128 -DSPLITS=8 -DGATE=1
 // nvrtc-check: -DD=128 -DNH=8 -DNKV=8 -DB=128 -DKV_TOTAL=2080 -DSPLITS=4 -DGATE=0
+// nvrtc-check: -DD=64 -DNH=8 -DNKV=2 -DB=16 -DKV_TOTAL=100 -DSPLITS=3 -DGATE=2 -DFOLD_MERGE=0
 // nvrtc-check: -DD=128 -DNH=32 -DNKV=8 -DB=16 -DKV_TOTAL=2080 -DSPLITS=4 -DGATE=2 -DLANES=64 -DLANE_ROWS=16
 #include <cuda_fp16.h>
 #include "attention_common.cuh"
@@ -114,6 +122,7 @@ ring_attn_mma_split(const float* __restrict__ q,
                     const __half* __restrict__ mask,
                     float* __restrict__ part_o,
                     float* __restrict__ part_ml,
+                    int* __restrict__ counters,
                     float* __restrict__ out,
                     const float* __restrict__ gate,
                     float scale,
@@ -348,4 +357,11 @@ ring_attn_mma_split(const float* __restrict__ q,
         }
 #endif
     }
+#if SPLITS > 1 && FOLD_MERGE
+    __shared__ int ticket;
+    const int unit = (int)(blockIdx.z * NKV + blockIdx.x);   // (lane, kv head)
+    if (last_split_to_arrive(counters, unit, &ticket))
+        merge_splits(part_o, part_ml, gate, out, kvh, 0, R, THR,
+                     reinterpret_cast<float*>(k_s), counters, unit);   // k_s: done with; 2R floats fit
+#endif
 }

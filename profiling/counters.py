@@ -41,6 +41,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from dflash_cupy import kernels
+
 SECTOR = 32
 BANKS = 32
 
@@ -116,6 +118,11 @@ class KernelCounters:
     # warps' global loads. A static estimate from the loop structure.
     dram_round_trips_per_block: float = 0.0
     l2_round_trips_per_block: float = 0.0
+    # A tail one block adds after its own work, paid once (not per round of
+    # blocks): its dependent L2 round trips, and the bytes it alone reads from
+    # L2 (bound by one SM's share of the L2 bandwidth). The attention's merge.
+    tail_l2_round_trips: float = 0.0
+    tail_l2_bytes: int = 0
     inflight_peak_bytes_per_warp: int = 0   # loads a warp can have issued and not consumed
     notes: list = field(default_factory=list)
     # emulator: the static estimate's figures beside the measured ones (profiling/emulated_counters.py)
@@ -596,7 +603,7 @@ def _gemm_stream(L) -> KernelCounters:
 def _attn_mma(L) -> KernelCounters:
     d = L.defines
     D, NH, NKV, B, KVT, SPLITS = d["D"], d["NH"], d["NKV"], d["B"], d["KV_TOTAL"], d["SPLITS"]
-    q, kc, vc, mask, po, pml, out, gate, _scale = L.args[:9]   # then live, use_live (lanes)
+    q, kc, vc, mask, po, pml, _cnt, out, gate, _scale = L.args[:10]   # then live, use_live (lanes)
     TILE, G = 32, NH // NKV
     R = B * G
     MW = -(-R // 16)
@@ -652,20 +659,51 @@ def _attn_mma(L) -> KernelCounters:
     # q: each lane 2 x 4 B per (kk, e): small; counted as its bytes
     _contig(c, "ld", B * NH * D * 4)
     out_b = B * NH * D * 4
+    part_b = SPLITS * (out_b + B * NH * 8)
+    # FOLD_MERGE 0: the partials are merged by ring_attn_combine, a launch of its own (_small)
+    fold = SPLITS > 1 and d.get("FOLD_MERGE", 1) == 1
+    if SPLITS == 1 or fold:
+        c.bytes_written[_name(out)] = out_b
+        _contig(c, "st", out_b)
     if SPLITS > 1:
         c.bytes_written[_name(po)] = SPLITS * out_b
         c.bytes_written[_name(pml)] = SPLITS * B * NH * 8
-        _contig(c, "st", SPLITS * (out_b + B * NH * 8))
-    else:
-        c.bytes_written[_name(out)] = out_b
-        _contig(c, "st", out_b)
+        _contig(c, "st", part_b)
+    if fold:
+        # the folded combine: the last of each kv head's SPLITS blocks reads them all back
+        # (__ldcg, from L2): per row the maxima and the weighted sums (a thread per row, 4 + 8 B
+        # loads), then per 32 four-dim items of a warp (one row at D 128) per split one
+        # broadcast 4-B max and four coalesced 128-B part_o loads
+        c.bytes_read[_name(po)] = SPLITS * out_b
+        c.bytes_read[_name(pml)] = SPLITS * B * NH * 8
+        _contig(c, "ld", SPLITS * out_b)
+        for w0 in range(0, R, 32):             # the row pass: lane = row r -> qrow (r / G) * NH + r % G
+            rows = [((r // G) * NH + r % G) * 8 if r < R else None for r in range(w0, w0 + 32)]
+            for width in (4, 8):
+                sec, req = global_sectors(rows, width)
+                c.add_global("ld", NKV * SPLITS, sec, req)
+        item_req = NKV * -(-R * D // 4 // 32) * SPLITS
+        c.add_global("ld", item_req, 1, 32 * 4)
+        c.barriers += NKV   # the merge's row pass (the arrival's two: below, per block)
     c.dram_bytes = 2 * kv_bytes + B * KVT * 2 + B * NH * D * 4 + (
-        SPLITS * (out_b + B * NH * 8) if SPLITS > 1 else out_b)
+        out_b + 2 * part_b if fold else part_b if SPLITS > 1 else out_b)
     # the K/V loads of a tile are consumed at the barrier right after: one round trip per tile
     c.dram_round_trips_per_block = max_tiles
     c.inflight_peak_bytes_per_warp = -(-items // THR) * 2 * 16 * 32
     c.notes.append(f"{L.n_blocks} blocks ({NKV} kv heads x {SPLITS} splits), {max_tiles} key tiles each, "
                    f"one K/V round trip per tile")
+    if fold:
+        # the merging block's path after its own tiles, once per launch (the merges of units
+        # finished earlier overlap the later blocks' tiles): the row pass (two dependent
+        # rounds per MERGE_UNROLL splits), then each thread's items, MERGE_UNROLL splits x 5
+        # loads in flight per round; bound too by its SM's share of the L2 bandwidth
+        per_thread = -(-R * D // 4 // THR)
+        steps = -(-SPLITS // kernels.constants("attention_common.cuh")["MERGE_UNROLL"])
+        c.tail_l2_round_trips = 2 * steps + per_thread * steps
+        c.tail_l2_bytes = part_b // NKV
+        c.notes.append(f"splits merged in the same launch: the last block of each kv head reads "
+                       f"{c.tail_l2_bytes / 1e3:.0f} KB of partials back from L2 "
+                       f"({c.tail_l2_round_trips:.0f} dependent L2 round trips after its tiles)")
     # everything above is one lane's; every lane of a LANES launch assumed live (the
     # descriptors are read at run time)
     lanes = d.get("LANES", 1)
@@ -677,7 +715,7 @@ def _attn_mma(L) -> KernelCounters:
             for k in dct:
                 dct[k] *= lanes
         c.notes.append(f"{lanes} lanes, all assumed live")
-    c.barriers += L.n_blocks   # each block's first (n_blocks counts every lane already)
+    c.barriers += L.n_blocks * (3 if fold else 1)   # the first one; the arrival's two
     return c
 
 
@@ -729,6 +767,12 @@ def _small(L) -> KernelCounters:
         rows, D = a[3], d["NORM_D"]
         return _bytes_only(L, [(_name(a[0]), rows * D * 4), (_name(a[1]), a[4] * D * 4)],
                            [(_name(a[2]), rows * D * 4)])
+    if k == "ring_attn_combine":   # merge="launch": every lane of a LANES launch assumed live
+        S, B, NH, D, lanes = d["SPLITS"], d["B"], d["NH"], d["D"], d.get("LANES", 1)
+        return _bytes_only(L, [(_name(a[0]), lanes * S * B * NH * D * 4), (_name(a[1]), lanes * S * B * NH * 8)],
+                           [(_name(a[3]), lanes * B * NH * D * 4)],
+                           "part_ml is re-read by every thread of a row: L1/L2 hits, not counted"
+                           + (f"; {lanes} lanes, all assumed live" if lanes > 1 else ""))
     if k == "qkv_norm_rope":
         M, D, NH, NKV, has_q = a[9], d["D"], d["NH"], d["NKV"], d.get("HAS_Q", 0)
         width = (NH if has_q else 0) * D + 2 * NKV * D
@@ -738,11 +782,6 @@ def _small(L) -> KernelCounters:
         if has_q:
             writes.append((_name(a[6]), M * NH * D * 4))
         return _bytes_only(L, reads, writes)
-    if k == "ring_attn_combine":
-        S, B, NH, D = d["SPLITS"], d["B"], d["NH"], d["D"]
-        return _bytes_only(L, [(_name(a[0]), S * B * NH * D * 4), (_name(a[1]), S * B * NH * 8)],
-                           [(_name(a[3]), B * NH * D * 4)],
-                           "part_ml is re-read by every thread of a row: L1/L2 hits, not counted")
     return _bytes_only(L, [], [], f"no access model for kernel {k!r}: counters are empty")
 
 

@@ -178,6 +178,8 @@ def to_counters(launch, lc, kernel, static: ctr.KernelCounters | None = None) ->
                    f"{measured / 1e6:.2f} MB (static compulsory: {static.dram_bytes / 1e6:.2f} MB)")
     c.dram_round_trips_per_block = static.dram_round_trips_per_block
     c.l2_round_trips_per_block = static.l2_round_trips_per_block
+    c.tail_l2_round_trips = static.tail_l2_round_trips
+    c.tail_l2_bytes = static.tail_l2_bytes
     c.inflight_peak_bytes_per_warp = static.inflight_peak_bytes_per_warp
     c.notes += [n for n in static.notes]
     c.hot_sites = hot_sites(lc)

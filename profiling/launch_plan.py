@@ -334,6 +334,7 @@ def _name_arrays(kv) -> dict:
     att = kv.attention
     put("attention.part_o", att.part_o)
     put("attention.part_ml", att.part_ml)
+    put("attention.counters", att.counters)
     dw = kv.dw
     for k in ("fc", "hidden_norm", "norm", "aux_norms"):
         put(f"w.{k}", getattr(dw, k))
@@ -369,10 +370,13 @@ def _containing(names, r) -> str:
 
 
 def step_plan(config: DraftConfig, window: int, *, ring_dtype=np.uint16, w_dtype=np.uint16,
-              accept: int = 6, lm_head_vocab: int | None = None) -> StepPlan:
+              accept: int = 6, lm_head_vocab: int | None = None, attn_config=None) -> StepPlan:
     """The step graph of a steady-state step at ``window`` (``capacity = window``,
     the ring full, ``accept`` rows appended in the graph). Weights and ring
-    default to bf16 (``np.uint16`` bits)."""
+    default to bf16 (``np.uint16`` bits). ``attn_config``: the attention's
+    ``(n_splits, merge)`` (``RingAttention.use_config``; ``None`` in either
+    place: its default), as the autotuner would set it before the capture;
+    ``None``: the cost rule's."""
     from dflash_cupy.feature_ring import FeatureRing
     from dflash_cupy.kv_cache import DraftKvCache
 
@@ -382,6 +386,10 @@ def step_plan(config: DraftConfig, window: int, *, ring_dtype=np.uint16, w_dtype
     w = ShapeOnlyWeights(config, be, w_dtype)
     lm = be.empty((int(lm_head_vocab), config.hidden_size), w_dtype) if lm_head_vocab else None
     kv = DraftKvCache(w, capacity=int(window), backend=be, lm_head=lm)
+    if attn_config is not None:
+        n, merge = attn_config
+        d_n, d_merge = kv.attention.default_config()
+        kv.attention.use_config(None, (d_n if n is None else n, merge))
     ring_kind = {np.dtype(np.uint16): "bf16", np.dtype(np.float16): np.float16,
                  np.dtype(np.float32): np.float32}[np.dtype(ring_dtype)]
     import ml_dtypes

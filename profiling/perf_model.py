@@ -15,7 +15,9 @@ the hand-written access models of ``counters``), ptxas resources at sm_90 and oc
 * ``smem``: shared-memory wavefronts of the busiest SM / one per clock;
 * ``mma``: mma.sync instructions of the busiest SM / the mma.sync rate;
 * ``latency``: Little's law per block: its dependent global-load round trips
-  x latency, once per round of resident blocks (``ceil(blocks / slots)``);
+  x latency, once per round of resident blocks (``ceil(blocks / slots)``),
+  plus a tail one block adds once (the attention's split merge: its L2 round
+  trips, or its bytes at one SM's share of the L2 bandwidth, the larger);
 * ``wave``: when the grid ends in a partial wave: the full waves at the
   whole GPU's rates, plus the tail's blocks alone (their own latency path and
   their SMs' shared memory and tensor cores).
@@ -109,6 +111,8 @@ def kernel_time(n, c: ctr.KernelCounters, gpu) -> NodeTime:
         rounds = math.ceil(blocks / wv.slots)
         lat = rounds * (c.dram_round_trips_per_block * gpu.hbm_latency_s
                         + c.l2_round_trips_per_block * gpu.l2_latency_s)
+        # one block's tail after the grid's work (the attention's merge): once, not per round
+        lat += max(c.tail_l2_round_trips * gpu.l2_latency_s, c.tail_l2_bytes / (gpu.l2_Bps / gpu.sm_count))
         dram = c.dram_bytes / gpu.hbm_Bps
         l2 = c.l2_bytes / gpu.l2_Bps
         wave = 0.0
@@ -154,12 +158,14 @@ def time_nodes(graph_nodes, gpu, source) -> list:
 
 
 def model_step(drafter: str, window: int, gpu, *, accept: int = 6, lm_head_vocab: int | None = None,
-               counter_source=None) -> dict:
+               counter_source=None, attn_config=None) -> dict:
     """The model of one step: per node times, totals, floor, ratio, losses.
-    ``counter_source(launch) -> KernelCounters`` defaults to the static estimates."""
+    ``counter_source(launch) -> KernelCounters`` defaults to the static estimates.
+    ``attn_config``: the attention's ``(n_splits, merge)`` (``step_plan``;
+    ``None``: the cost rule's)."""
     name = resolve_drafter(drafter)
     cfg = drafter_config(name)
-    plan = step_plan(cfg, window, accept=accept, lm_head_vocab=lm_head_vocab)
+    plan = step_plan(cfg, window, accept=accept, lm_head_vocab=lm_head_vocab, attn_config=attn_config)
     nodes = time_nodes(plan.nodes, gpu, counter_source or ctr.static_counters)
     gap_us = gpu.node_gap_s * 1e6 * plan.n_nodes
     kern_us = sum(t.predicted_us for t in nodes)
@@ -169,6 +175,7 @@ def model_step(drafter: str, window: int, gpu, *, accept: int = 6, lm_head_vocab
     groups = _groups(nodes)
     return {"drafter": drafter, "preset": name, "window": window, "gpu": gpu.name,
             "n_nodes": plan.n_nodes, "n_launches": len(plan.launches), "n_copies": len(plan.copies),
+            "attn_config": plan.cache.attention.config(),
             "kv_total": plan.kv_total, "q_len": plan.q_len, "a_step": plan.a_step,
             "bytes": sb, "floor_us": floor_us, "kernels_us": kern_us, "gaps_us": gap_us,
             "step_us": step_us, "ratio": step_us / floor_us,
@@ -418,7 +425,14 @@ def main(argv=None) -> int:
     p.add_argument("--sample", type=int, default=None,
                    help="blocks counted per launch with --counters emulated (first, last, seeded others; "
                         "default 8)")
+    p.add_argument("--attn-merge", default="default", choices=("default", "launch", "fold"),
+                   help="the attention's split merge (default: ops/attention.py's default_merge rule)")
+    p.add_argument("--attn-splits", type=int, default=None, metavar="N",
+                   help="the attention's split count (default: default_splits)")
     a = p.parse_args(argv)
+    attn = None
+    if a.attn_merge != "default" or a.attn_splits is not None:
+        attn = (a.attn_splits, None if a.attn_merge == "default" else a.attn_merge)
     gpu = get_gpu(a.gpu, a.calibration)
     windows = int_list(a.windows)
     measured = load_measured(Path(a.measured)) if a.measured else load_measured()
@@ -430,7 +444,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"--sample must be >= 2 (the first and the last block), got {n}")
         source = EmulatedSource(n=n)
     t0 = time.perf_counter()
-    models = [model_step(d, w, gpu, accept=a.accept, lm_head_vocab=a.lm_head, counter_source=source)
+    models = [model_step(d, w, gpu, accept=a.accept, lm_head_vocab=a.lm_head, counter_source=source,
+                         attn_config=attn)
               for d in str_list(a.drafter) for w in windows]
     if source is not None:
         print(f"emulated counters: {source.runs} distinct launches counted in {source.seconds:.1f} s "
@@ -447,7 +462,8 @@ def main(argv=None) -> int:
             print(format_report(m, measured))
             print()
         print("summary: " + "; ".join(f"{m['preset']} {m['window']}: {m['step_us']:.0f} us, "
-                                      f"{m['ratio']:.2f}x floor" for m in models))
+                                      f"{m['ratio']:.2f}x floor, attention {m['attn_config']}, "
+                                      f"{m['n_nodes']} nodes" for m in models))
     if a.plot:
         path = RESULTS / "cpu" / "perf_model.png" if a.plot == "auto" else Path(a.plot)
         if plot(models, path):

@@ -1,13 +1,16 @@
-"""ring_attn_split / ring_attn_combine (cuda_src/attention.cu) and
-ring_attn_mma_split (cuda_src/attention_mma.cu): masked split-KV GQA attention
-of the noise rows over the whole ring cache; both split kernels where they
-apply. Hidden slots of every kind, planted with NaN/Inf, leave the output
-bit-identical."""
+"""ring_attn_split (cuda_src/attention.cu) and ring_attn_mma_split
+(cuda_src/attention_mma.cu): masked split-KV GQA attention of the noise rows
+over the whole ring cache, the splits merged by ring_attn_combine (merge
+"launch") or in the same launch by the last block of each unit to finish
+(merge "fold"), bit-identical to each other; both split kernels where they
+apply; the tuning interface (every candidate configuration correct). Hidden
+slots of every kind, planted with NaN/Inf, leave the output bit-identical."""
 import numpy as np
 import pytest
 
 from dflash_cupy.geometry import RingGeometry
-from dflash_cupy.ops.attention import RingAttention, default_splits, ring_attention_reference
+from dflash_cupy.ops.attention import (RingAttention, default_merge, default_splits, ring_attention_reference,
+                                       split_candidates)
 from dflash_cupy.reference import contiguous_slot_pos, ring_masks
 from tests.tolerances import assert_close
 
@@ -254,20 +257,25 @@ def test_awkward_sizes_against_the_reference(backend, rng, D, NH, NKV, q_len, ca
     q, k, v = make_inputs(rng, q_len, NH, NKV, D, geom.kv_total)
     att = RingAttention(backend, D, NH, NKV, q_len, geom.kv_total, n_splits=n_splits, path=path)
     assert att.path == path
+    assert att.merge == (None if att.n_splits == 1 else "launch")     # the default rule at these sizes
+    other = (RingAttention(backend, D, NH, NKV, q_len, geom.kv_total, n_splits=att.n_splits, path=path,
+                           merge="fold") if att.n_splits > 1 else None)
     for name, mask in zip(("full", "swa"), ring_masks(slot_pos, committed, geom, capacity // 3)):
         got = run(backend, att, q, k, v, mask)
         ref = ring_attention_reference(q, k, v, mask, n_head_kv=NKV)
         assert_close(got, ref, "f32", f"{name} mask, {att}")
+        if other is not None:
+            assert _bits_equal(run(backend, other, q, k, v, mask), got), f"{name} mask: fold != launch"
 
 
-@pytest.mark.parametrize("path", ["fma", "mma"])
-def test_repeats_are_bit_identical(backend, rng, path):
+@pytest.mark.parametrize("path,merge", [("fma", "launch"), ("mma", "launch"), ("fma", "fold"), ("mma", "fold")])
+def test_repeats_are_bit_identical(backend, rng, path, merge):
     """Same inputs, same bits: across repeats (the emulator shuffles the thread
     order each run) and across a captured graph's replays."""
     D, NH, NKV, B, kvt = 64, 8, 2, 4, 640
     q, k, v = make_inputs(rng, B, NH, NKV, D, kvt)
     mask = np.where(rng.random((B, kvt)) < 0.7, np.float16(0), NEG_INF).astype(np.float16)
-    att = RingAttention(backend, D, NH, NKV, B, kvt, n_splits=4, path=path)
+    att = RingAttention(backend, D, NH, NKV, B, kvt, n_splits=4, path=path, merge=merge)
     first = run(backend, att, q, k, v, mask)
     for _ in range(2):
         assert _bits_equal(run(backend, att, q, k, v, mask), first)
@@ -410,3 +418,237 @@ def test_lanes_bad_arguments(emu):
     for name, val, exc in bad:
         with pytest.raises(exc, match=name):
             att(**{**args, name: val})
+
+
+# ---------------------------------------------------------------------------- the two merges
+# (D, NH, NKV, q_len, lane_rows, capacity, n_splits, gate, path): 3 lanes (lane 1 idle), each
+# on its own wrapped ring with its own mask; rows_per_block 16 at D 256 on the CUDA cores
+# gives 2 row groups (units per lane: kv heads x row groups); n_splits 1 has no merge at all.
+MERGE_CASES = [
+    (64, 8, 2, 3, 5, 150, 3, None, "mma"),
+    (64, 8, 2, 3, 5, 150, 4, "element", "mma"),
+    (64, 8, 2, 3, 5, 150, 3, "head", "fma"),
+    (256, 4, 2, 9, 9, 70, 2, "element", "fma"),
+    (32, 4, 4, 1, 1, 190, 5, "head", "mma"),          # 6 key tiles in 5 splits: the last 2 empty
+    (64, 8, 2, 3, 5, 150, 1, "element", "mma"),
+    (64, 8, 2, 3, 5, 150, 1, None, "fma"),
+]
+
+
+@pytest.mark.parametrize("D,NH,NKV,B,BS,capacity,n_splits,gate,path", MERGE_CASES)
+def test_split_merges(backend, rng, D, NH, NKV, B, BS, capacity, n_splits, gate, path):
+    """merge "launch" (two launches) and "fold" (one, whatever n_splits): the
+    live lanes equal the NumPy reference and each other bit for bit, the idle
+    lane's rows (and rows past q_len) keep the sentinel, the fold's arrival
+    counters are all zero after every launch (idle lane included), and graph
+    replays give the same bits as the eager call."""
+    from dflash_cupy import kernels
+    from dflash_cupy.ops.attention import DESC_LEN
+    active = kernels.constants("step_desc.cuh")["DESC_ACTIVE"]
+    L = 3
+    geom = RingGeometry(capacity, B)
+    kvt = geom.kv_total
+    q, k, v, _, g = _lane_inputs(rng, L, D, NH, NKV, B, BS, kvt, gate)
+    mask = np.empty((L, B, kvt), np.float16)
+    for lane in range(L):                                    # wrapped rings, full / sliding masks
+        committed = capacity + 7 + 13 * lane
+        slot_pos = contiguous_slot_pos(committed, capacity)
+        mask[lane] = ring_masks(slot_pos, committed, geom, capacity // 3)[lane % 2]
+    if B > 1:
+        mask[0, 1] = NEG_INF                                 # a row with nothing visible: 0
+    desc = rng.integers(0, 1000, (L, DESC_LEN)).astype(np.int32)
+    desc[:, active] = [1, 0, 3]
+    sentinel = np.float32(7.5)
+    qd, kd, vd, md = (backend.asarray(a) for a in (q, k, v, mask))
+    gd = None if g is None else backend.asarray(g)
+    results = {}
+    for merge in ("launch", "fold"):
+        att = RingAttention(backend, D, NH, NKV, B, kvt, n_splits=n_splits, gate=gate, path=path, lanes=L,
+                            lane_rows=BS, merge=merge)
+        assert att.path == path and att.n_splits == n_splits
+        folded = n_splits > 1 and merge == "fold"
+        if n_splits == 1:
+            assert att.merge is None and att.counters is None and att.part_o is None
+        else:
+            assert att.merge == merge and tuple(att.part_o.shape) == (L, n_splits, B * NH, D)
+        if folded:
+            groups = 1 if path == "mma" else att.row_groups
+            assert (D == 256) == (groups == 2)
+            assert tuple(att.counters.shape) == (L * NKV * groups,)
+            assert (backend.to_numpy(att.counters) == 0).all()
+        else:
+            assert att.counters is None
+        dd = backend.asarray(desc)
+        out = backend.asarray(np.full((L * BS, NH * D), sentinel, np.float32))
+        att(qd, kd, vd, md, out, gate=gd, live=dd)
+        got = results[merge] = backend.to_numpy(out)
+        if folded:
+            assert (backend.to_numpy(att.counters) == 0).all(), "the merging block must reset its counter"
+        for lane in range(L):
+            r = slice(lane * BS, lane * BS + B)
+            assert (got[lane * BS + B:(lane + 1) * BS] == sentinel).all(), "rows past q_len are never written"
+            if lane == 1:
+                assert (got[r] == sentinel).all(), "an idle lane's rows must stay untouched"
+                continue
+            ref = ring_attention_reference(q[r], k[lane * kvt:(lane + 1) * kvt], v[lane * kvt:(lane + 1) * kvt],
+                                           mask[lane], n_head_kv=NKV, gate=None if g is None else g[r],
+                                           gate_mode=gate)
+            assert np.isfinite(got[r]).all()
+            assert_close(got[r], ref, "f32", f"lane {lane}, {att}")
+        if B > 1:
+            assert (got[1] == 0).all()
+        # captured: one kernel node (two with the combine), replays bit-identical to the eager call
+        stream = backend.stream()
+        backend.begin_capture(stream)
+        att(qd, kd, vd, md, out, gate=gd, live=dd, stream=stream)
+        graph = backend.end_capture(stream)
+        assert graph.n_launches == (2 if n_splits > 1 and merge == "launch" else 1)
+        fill = backend.pinned_empty((L * BS, NH * D), np.float32)
+        fill[:] = sentinel
+        for _ in range(2):
+            backend.copy_h2d_async(out, fill, stream)
+            graph.launch(stream)
+            stream.synchronize()
+            assert _bits_equal(backend.to_numpy(out), got)
+            if folded:
+                assert (backend.to_numpy(att.counters) == 0).all()
+        # every lane idle: nothing written, nothing counted
+        idle = desc.copy()
+        idle[:, active] = 0
+        att(qd, kd, vd, md, out, gate=gd, live=backend.asarray(idle))
+        assert _bits_equal(backend.to_numpy(out), got)
+        if folded:
+            assert (backend.to_numpy(att.counters) == 0).all()
+    assert _bits_equal(results["fold"], results["launch"]), "the two merges must agree bit for bit"
+
+
+def test_fold_merge_uses_the_counters(emu, rng):
+    """The merge is gated by the counts alone: counters that do not start at
+    zero (here at n_splits: every ticket drawn is past the last one) mean no
+    block merges and out is not written, and the counts keep growing. With
+    them at zero (every launch leaves them so) the result is the reference."""
+    be = emu
+    D, NH, NKV, B, kvt, S = 32, 4, 2, 2, 192, 3
+    q, k, v = make_inputs(rng, B, NH, NKV, D, kvt)
+    mask = np.zeros((B, kvt), np.float16)
+    att = RingAttention(be, D, NH, NKV, B, kvt, n_splits=S, path="fma", merge="fold")
+    ref = ring_attention_reference(q, k, v, mask, n_head_kv=NKV)
+    good = run(be, att, q, k, v, mask)
+    assert_close(good, ref, "f32", "counters at zero")
+    start = be.pinned_empty(att.counters.shape, np.int32)
+    start[:] = S                                         # every ticket drawn is past the last one
+    be.copy_h2d_async(att.counters, start)
+    be.synchronize()
+    stale = run(be, att, q, k, v, mask)
+    assert np.isnan(stale).all(), "with every ticket past the last, nobody merges: out keeps run()'s NaN"
+    assert (be.to_numpy(att.counters) == 2 * S).all()
+
+
+# ---------------------------------------------------------------------------- tuning
+def _recording():
+    from profiling.launch_plan import RecordingBackend
+    return RecordingBackend()        # constructors compile nothing and run nothing on it
+
+
+def test_default_merge_rule():
+    """The cost model's crossover (ops/attention.py: FOLD_FROM_KV_TOTAL): the
+    combine launch at a short window, the folded merge at a long one, nothing
+    to merge with one split; what the constructor picks from it."""
+    from dflash_cupy.ops.attention import FOLD_FROM_KV_TOTAL
+    assert default_merge(2080, 16) == "launch"            # qwen3-8b at 2K
+    assert default_merge(32800, 33) == "fold"             # ... at 32K
+    assert default_merge(FOLD_FROM_KV_TOTAL - 1, 33) == "launch"
+    assert default_merge(FOLD_FROM_KV_TOTAL, 33) == "fold"
+    assert default_merge(100_000, 1) is None
+    be = _recording()
+    small = RingAttention(be, 128, 32, 8, 16, 2080)
+    assert small.config() == small.default_config() == (16, "launch")
+    assert RingAttention(be, 128, 32, 8, 16, 32800).config() == (33, "fold")
+    assert RingAttention(be, 128, 32, 8, 16, 32800, n_splits=4).config() == (4, "fold")
+    assert RingAttention(be, 128, 32, 8, 16, 2080, merge="fold").config() == (16, "fold")
+    assert RingAttention(be, 128, 32, 8, 16, 2080, n_splits=1, merge="launch").config() == (1, None)
+    with pytest.raises(ValueError, match="merge"):
+        RingAttention(be, 128, 32, 8, 16, 2080, merge="both")
+
+
+@pytest.mark.parametrize("kvt,default", [(2080, (16, "launch")), (32800, (33, "fold")), (200, (1, None))])
+def test_launch_candidates_of_the_presets(kvt, default):
+    """Few (<= 12), each split count > 1 with both merges, one split once, the
+    default among them, none with more splits than key tiles."""
+    att = RingAttention(_recording(), 128, 32, 8, 16, kvt)
+    cands = att.launch_candidates()
+    assert att.default_config() == default and default in cands
+    assert len(cands) <= 12 and len(set(cands)) == len(cands)
+    assert cands[0] == (1, None) and all(n > 1 for n, _ in cands[1:])
+    splits = split_candidates(8, kvt, 132)
+    assert splits == sorted(splits) and splits[-1] <= -(-kvt // 32)
+    assert cands == [(1, None)] + [(n, m) for n in splits[1:] for m in ("launch", "fold")]
+    assert att.launch_candidates(16) == cands and att.config(16) == att.config()   # m: ignored
+
+
+@pytest.mark.parametrize("path", ["mma", "fma"])
+def test_every_tuning_candidate_is_correct(backend, rng, path):
+    """use_config to each candidate: what it allocates matches the
+    configuration, every one equals the reference, and at each split count
+    the two merges agree bit for bit."""
+    D, NH, NKV, B, kvt = 64, 8, 2, 3, 300               # 10 key tiles: 1 .. 4 splits
+    att = RingAttention(backend, D, NH, NKV, B, kvt, gate="head", path=path)
+    cands = att.launch_candidates()
+    assert cands == [(1, None)] + [(n, m) for n in (2, 3, 4) for m in ("launch", "fold")]
+    assert att.config() == att.default_config() == (2, "launch")
+    q, k, v = make_inputs(rng, B, NH, NKV, D, kvt)
+    mask = np.where(rng.random((B, kvt)) < 0.5, np.float16(0), NEG_INF).astype(np.float16)
+    g = rng.standard_normal((B, NH)).astype(np.float32)
+    ref = ring_attention_reference(q, k, v, mask, n_head_kv=NKV, gate=g, gate_mode="head")
+    got = {}
+    for c in cands:
+        att.use_config(None, c)
+        n, merge = c
+        assert att.config() == c and att.n_splits == n and att.merge == merge
+        assert (att.part_o is None) == (n == 1)
+        if n > 1:
+            assert tuple(att.part_o.shape) == (1, n, B * NH, D) and tuple(att.part_ml.shape) == (1, n, B * NH, 2)
+        assert (att.counters is not None) == (merge == "fold")
+        got[c] = run(backend, att, q, k, v, mask, g)
+        assert_close(got[c], ref, "f32", f"{c}, {path}")
+    for n in (2, 3, 4):
+        assert _bits_equal(got[(n, "fold")], got[(n, "launch")]), f"{n} splits, {path}"
+
+
+def test_use_config_checks_and_refuses_after_capture(emu, rng):
+    """A bad configuration raises naming what is wrong and changes nothing;
+    after a graph captured the object, use_config raises (the graph holds the
+    workspace's address) and the captured graph still computes the same."""
+    be = emu
+    D, NH, NKV, B, kvt = 32, 4, 2, 2, 192
+    att = RingAttention(be, D, NH, NKV, B, kvt, n_splits=3, merge="fold", path="fma")
+    before = (att.config(), att.part_o, att.counters)
+    for bad, exc, what in [((3, "both"), ValueError, "merge"), ((7, "fold"), ValueError, "n_splits"),
+                           ((0, "launch"), ValueError, "n_splits"), ((3,), ValueError, "config"),
+                           ("fold", ValueError, "config")]:
+        with pytest.raises(exc, match=what):
+            att.use_config(None, bad)
+        assert (att.config(), att.part_o, att.counters) == before
+    with pytest.raises(TypeError, match="config"):
+        att.use_config()
+    att.use_config(None, (2, "launch"))                   # before any capture: allowed
+    att.use_config(config=(3, "fold"))
+    assert att.config() == (3, "fold")
+    q, k, v = make_inputs(rng, B, NH, NKV, D, kvt)
+    mask = np.zeros((B, kvt), np.float16)
+    eager = run(be, att, q, k, v, mask)                   # an eager call is no capture
+    att.use_config(None, (3, "launch"))
+    assert _bits_equal(run(be, att, q, k, v, mask), eager)
+    qd, kd, vd, md = (be.asarray(a) for a in (q, k, v, mask))
+    out = be.asarray(np.full((B, NH * D), np.nan, np.float32))
+    stream = be.stream()
+    be.begin_capture(stream)
+    att(qd, kd, vd, md, out, stream=stream)
+    graph = be.end_capture(stream)
+    for c in [(2, "fold"), (3, "fold"), (1, None)]:
+        with pytest.raises(RuntimeError, match="capture"):
+            att.use_config(None, c)
+        assert att.config() == (3, "launch")
+    graph.launch(stream)
+    stream.synchronize()
+    assert _bits_equal(be.to_numpy(out), eager)

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 from dflash_cupy.config import DraftConfig
+from dflash_cupy.ops.attention import default_merge
 from profiling import counters as ctr
 from profiling import perf_model as pm
 from profiling import static_facts as sf
@@ -137,12 +138,13 @@ def test_attention_v_transpose_store_conflict():
     assert ctr.smem_wavefronts(va, 2) == 16
 
 
-def _attn_launch(D=128, NH=32, NKV=8, B=16, KVT=2080, SPLITS=16):
-    d = dict(D=D, NH=NH, NKV=NKV, B=B, KV_TOTAL=KVT, SPLITS=SPLITS, GATE=0)
+def _attn_launch(D=128, NH=32, NKV=8, B=16, KVT=2080, SPLITS=16, FOLD=1):
+    d = dict(D=D, NH=NH, NKV=NKV, B=B, KV_TOTAL=KVT, SPLITS=SPLITS, GATE=0, FOLD_MERGE=FOLD)
     args = [_arr("q", (B, NH, D), np.float32), _arr("k", (KVT, NKV * D), np.float16),
             _arr("v", (KVT, NKV * D), np.float16), _arr("mask", (B, KVT), np.float16),
             _arr("part_o", (SPLITS, B * NH, D), np.float32), _arr("part_ml", (SPLITS, B * NH, 2), np.float32),
-            _arr("out", (B, NH * D), np.float32), _arr("out", (B, NH * D), np.float32), 0.1]
+            _arr("counters", (NKV,), np.int32), _arr("out", (B, NH * D), np.float32),
+            _arr("out", (B, NH * D), np.float32), 0.1]
     R = B * NH // NKV
     return Launch("ring_attn_mma_split", "attention_mma.cu", d, (NKV, SPLITS, 1), (-(-R // 16) * 32, 1, 1), 0, args)
 
@@ -161,13 +163,32 @@ def test_attention_v_ldmatrix_is_conflict_free():
     mask_req = tiles_ * 16
     kv_req = 2 * tiles_ * (32 * 16 // 32)         # 32 keys x 16 chunks of 16 B, 32 lanes per load
     q_req = 16 * 32 * 128 * 4 // 128               # q read once, 4 B per lane
-    assert c.gld_requests == mask_req + kv_req + q_req
+    # the folded merge, per kv head x split: 2 warps of rows x (max, (max, sum)), then 64 warp
+    # items (one 128-dim row each) x (one max + 4 part_o loads)
+    merge_req = 8 * 16 * (2 * 2 + 64 * 5)
+    assert c.gld_requests == mask_req + kv_req + q_req + merge_req
     # 65 key tiles in 16 splits of 5 (the last 5 splits short or empty) x 8 kv heads;
     # 4 warps; per warp per tile: QK^T 4 x 8 x 2 and PV 2 x 16 x 2 MMAs
     tiles = 8 * 65
     assert c.mma == tiles * 4 * (4 * 8 * 2 + 2 * 16 * 2)
-    assert c.barriers == 2 * tiles + 8 * 16
+    assert c.barriers == 2 * tiles + 8 * 16 + 2 * 8 * 16 + 8    # + the arrival's two, the merge's one
     assert c.bytes_read["k"] == c.bytes_read["v"] == 2080 * 8 * 128 * 2
+    assert c.tail_l2_bytes == 16 * 16 * 32 * (128 + 2) * 4 // 8   # a kv head's partials
+    # merge="launch" (FOLD_MERGE 0): no merge in the split kernel, out not written, partials
+    # written once; ring_attn_combine (its own launch) reads them and writes out
+    two = ctr.static_counters(_attn_launch(FOLD=0))
+    assert two.gld_requests == mask_req + kv_req + q_req
+    assert two.barriers == 2 * tiles + 8 * 16
+    assert two.tail_l2_bytes == two.tail_l2_round_trips == 0
+    assert "out" not in two.bytes_written and two.bytes_written["part_o"] == 16 * 16 * 32 * 128 * 4
+    part_b = 16 * 16 * 32 * (128 + 2) * 4
+    assert c.dram_bytes - two.dram_bytes == part_b + 16 * 32 * 128 * 4   # the read back, and out
+    L = _attn_launch(FOLD=0)
+    comb = ctr.static_counters(Launch("ring_attn_combine", "attention.cu", L.defines,
+                                      (-(-16 * 32 * 128 // 128), 1, 1), (128, 1, 1), 0,
+                                      [L.args[4], L.args[5], L.args[8], L.args[7], L.args[7], 0]))
+    assert comb.dram_bytes == part_b + 16 * 32 * 128 * 4
+    assert two.dram_bytes + comb.dram_bytes == c.dram_bytes   # the same bytes either way
 
 
 def test_split_k_partials_round_trip_through_l2():
@@ -232,28 +253,44 @@ def _cfg(**kw):
     ({"aux_hidden_norms": True, "attn_gate": "head"}, 64),
     ({"context_kv_layer_norm": True, "attn_gate": "element", "layer_sliding": (True, False),
       "sliding_window": 16}, 64),
-    ({}, 4096),                                   # split attention: a combine launch per layer
+    ({}, 4096),                                   # split attention: the default merge's launches
 ])
-def test_node_count_formula(kw, window):
+@pytest.mark.parametrize("merge", [None, "launch", "fold"])
+def test_node_count_formula(kw, window, merge):
     c = _cfg(**kw)
-    plan = step_plan(c, window)
+    plan = step_plan(c, window, attn_config=None if merge is None else (None, merge))
     att = plan.cache.attention
+    assert (att.n_splits > 1) == (window == 4096)
+    if att.n_splits > 1:
+        assert att.merge == (merge or default_merge(att.kv_total, att.n_splits))
+    combine = att.merge == "launch"
+    assert sum(n.kernel == "ring_attn_combine" for n in plan.launches) == c.n_layer * combine
     n = sf.graph_node_count(c.n_layer, aux_norms=c.aux_hidden_norms, context_kv_norm=c.context_kv_layer_norm,
-                            attn_gate=c.attn_gate != "none", attn_splits=att.n_splits,
+                            attn_gate=c.attn_gate != "none", attn_combine=combine,
                             both_masks=c.any_full and c.any_sliding)
     assert plan.n_nodes == n
     assert len(plan.copies) == 2                 # the descriptor and the noise embeddings
 
 
-def test_node_count_of_the_presets():
+@pytest.mark.parametrize("window", [2048, 32768])
+def test_node_count_of_the_presets(window):
+    """41 nodes with the combine launch (the default rule's merge below 24K keys),
+    36 with the merge folded into the split kernel (from there on), 45 / 40 with an LM head."""
     for name in ("h4096", "qwen3.5-27b"):
-        plan = step_plan(drafter_config(name), 2048)
-        assert plan.n_nodes == 41 == sf.graph_node_count(5, attn_splits=plan.cache.attention.n_splits)
-        lm = step_plan(drafter_config(name), 2048, lm_head_vocab=1024)
-        assert lm.n_nodes == 45 == sf.graph_node_count(5, attn_splits=lm.cache.attention.n_splits, lm_head=True)
-        # per layer: qkv GEMM (input norm folded), rope, attention + combine, o, gate_up (norm
-        # folded), down; outside: descriptor copy, plan_step, fc GEMM, rmsnorm, noise copy, final rmsnorm
-        assert plan.n_nodes - 5 * 7 == 6
+        plan = step_plan(drafter_config(name), window)
+        att = plan.cache.attention
+        assert att.n_splits > 1 and att.merge == ("launch" if window == 2048 else "fold")
+        combine = att.merge == "launch"
+        assert plan.n_nodes == (41 if combine else 36) == sf.graph_node_count(5, attn_combine=combine)
+        if window == 2048:
+            lm = step_plan(drafter_config(name), window, lm_head_vocab=1024)
+            assert lm.n_nodes == 45 == sf.graph_node_count(5, attn_combine=True, lm_head=True)
+            fold = step_plan(drafter_config(name), window, attn_config=(None, "fold"))
+            assert fold.n_nodes == 36 == sf.graph_node_count(5)
+        # per layer: qkv GEMM (input norm folded), rope, attention [+ combine], o, gate_up
+        # (norm folded), down; outside: descriptor copy, plan_step, fc GEMM, rmsnorm, noise
+        # copy, final rmsnorm
+        assert plan.n_nodes - 5 * (6 + combine) == 6
         assert sum(n.kernel == "rmsnorm" for n in plan.launches) == 2
 
 

@@ -11,15 +11,30 @@ hold (NaN, Inf): stale ring slots need no clearing on reset or rewind.
 
 Grid ``(n_head_kv, n_splits, row_groups)``: each block loads a 32-row K/V
 tile of one kv head once for all ``q_len * n_head/n_head_kv`` query rows that
-read it; ``n_splits > 1`` adds a combine launch (log-sum-exp merge) over a
-workspace allocated once by the constructor.
+read it. With ``n_splits > 1`` each block writes its partial (un-normalised
+output, max, sum) into a workspace allocated by the constructor, and the
+splits are merged (log-sum-exp, splits in a fixed order: bit-identical every
+launch) by one of two ``merge`` modes, bit-identical to each other
+(``attention_common.cuh``):
+
+* ``"launch"``: a second kernel, ``ring_attn_combine``, merges every row
+  (two launches per call; the combine's full grid reads the partials);
+* ``"fold"``: the last of the ``n_splits`` blocks of a (lane, kv head[, row
+  group]) to finish merges them, in the same launch (per-unit int32 arrival
+  counters, owned here, zero between launches): one launch, but that lone
+  block reads its unit's partials at one SM's share of the L2 bandwidth.
+
+Which is faster depends on the shape: ``default_merge`` is the cost model's
+rule, and ``launch_candidates`` / ``use_config`` let the autotuner
+(``dflash_cupy/tuning.py``) time ``(n_splits, merge)`` configurations on a GPU.
 
 Lanes (``lanes > 1``): one launch per kernel serves ``lanes`` independent
 requests (their q/out rows ``lane_rows`` apart, their own K/V rows and masks,
 ``attention_common.cuh``); the lane is the grid's z (tensor cores) or folded
 into x (``lane * n_head_kv + kv head``, CUDA cores), the combine's y. With
 ``live`` (the lanes' step descriptors, on the device) the blocks of an idle
-lane return before reading anything, so idle lanes cost one block start each.
+lane return before reading anything (or counting), so idle lanes cost one
+block start each.
 
 Two split kernels (``path``): ``"mma"`` (``cuda_src/attention_mma.cu``,
 tensor cores, q and p split into two f16 terms, V read with ldmatrix.trans; the default where it applies:
@@ -40,15 +55,35 @@ GATES = {None: 0, "head": 1, "element": 2}
 DESC_LEN = kernels.constants("step_desc.cuh")["DESC_LEN"]   # the per-lane descriptor row of ``live``
 _C = kernels.constants("attention_common.cuh")
 TILE = _C["TILE"]                        # keys per shared-memory tile
-COMBINE_THREADS = _C["COMBINE_THREADS"]
+COMBINE_THREADS = _C["COMBINE_THREADS"]  # block of ring_attn_combine (merge="launch")
 SMEM_LIMIT = device_props.DEFAULT_SMEM   # static shared memory cap (no opt-in for static)
 MAX_WARPS = 8
 MMA_MAX_ROWS = 128         # query rows per kv head (q_len * n_head/n_head_kv) of attention_mma.cu
 BLOCKS_PER_SM = 2          # what the split kernels' registers allow (~215 regs x 128 threads)
 # Fewer tiles per split fill the SMs at short windows; below 4 the partials'
-# round trip (and the combine) costs more than the extra blocks gain
-# (profiling.perf_model, qwen3-8b at 2K: 8 -> 32.4 us, 4 -> 21.6 us, 2 -> 30.4 us).
+# round trip (and the merge) costs more than the extra blocks gain
+# (profiling.perf_model with the separate combine launch, qwen3-8b at
+# 2K: 8 -> 32.4 us, 4 -> 21.6 us, 2 -> 30.4 us).
 MIN_TILES_PER_SPLIT = 4
+MERGES = ("launch", "fold")
+# default_merge's crossover. The fold saves a graph node per layer (a 1.5 us
+# gap) and ring_attn_combine (~2.1 us), but the last block of each kv head
+# reads its head's partials alone after its own tiles (532 KB at 16 splits,
+# 1.1 MB at 33), which the model bounds by one SM's share of the L2 bandwidth
+# (~7 / ~14 us per layer); at long windows the split kernel's own bound (its
+# mma.sync issue) grows past its latency path plus that tail and hides it.
+# `python -m profiling.perf_model --counters static --attn-merge launch|fold`
+# (H200; h4096 = qwen3-8b and qwen3.5-27b have the same attention, so the
+# same difference), step us launch -> fold:
+#   window  2K (kv_total  2080, 16 splits): h4096 583.6 -> 606.0, 27b  918.6 ->  941.0
+#   window  8K (kv_total  8224, 33 splits): h4096 622.7 -> 656.3, 27b  957.6 ->  991.2
+#   window 16K (kv_total 16416, 33 splits): h4096 663.5 -> 682.4, 27b  998.4 -> 1017.3
+#   window 24K (kv_total 24608, 33 splits): h4096 708.8 -> 708.4, 27b 1043.7 -> 1043.4
+#   window 32K (kv_total 32800, 33 splits): h4096 754.2 -> 736.1, 27b 1089.1 -> 1071.1
+# so "fold" from 24K keys on. The model's per-SM L2 share is a guess: the
+# autotuner's timings on a GPU (launch_candidates) overrule this rule.
+FOLD_FROM_KV_TOTAL = 24 * 1024
+MAX_SPLIT_CANDIDATES = 5   # split counts > 1 the tuner tries (x 2 merges, + n_splits 1)
 
 
 def default_splits(n_head_kv: int, kv_total: int, sm_count: int, row_groups: int = 1) -> int:
@@ -59,11 +94,40 @@ def default_splits(n_head_kv: int, kv_total: int, sm_count: int, row_groups: int
     return max(1, min(want, n_tiles // MIN_TILES_PER_SPLIT))
 
 
+def default_merge(kv_total: int, n_splits: int) -> str | None:
+    """The cost model's merge for ``n_splits`` splits over ``kv_total`` keys:
+    ``None`` for one split (nothing to merge), else ``"launch"`` below
+    ``FOLD_FROM_KV_TOTAL`` keys and ``"fold"`` from there on."""
+    if n_splits <= 1:
+        return None
+    return "fold" if kv_total >= FOLD_FROM_KV_TOTAL else "launch"
+
+
+def split_candidates(n_head_kv: int, kv_total: int, sm_count: int, row_groups: int = 1) -> list[int]:
+    """The split counts worth timing on a device, ascending: 1 (no merge) and
+    up to ``MAX_SPLIT_CANDIDATES`` more, the nearest to the cost rule's count
+    ``d`` first, from d/2, 3d/4, d, 3d/2, 2d, the counts that fill one and two
+    blocks per SM without the ``MIN_TILES_PER_SPLIT`` floor, and two key tiles
+    per split; none above the key tiles, none within a factor 1.25 of one
+    already kept (a near-duplicate times the same thing)."""
+    n_tiles = -(-kv_total // TILE)
+    d = default_splits(n_head_kv, kv_total, sm_count, row_groups)
+    units = n_head_kv * row_groups
+    pool = {d // 2, 3 * d // 4, d, 3 * d // 2, 2 * d, -(-sm_count // units),
+            -(-(BLOCKS_PER_SM * sm_count) // units), n_tiles // 2}
+    kept: list[int] = []
+    for x in sorted((x for x in pool if 1 < x <= n_tiles), key=lambda x: (abs(math.log(x / d)), x)):
+        if len(kept) < MAX_SPLIT_CANDIDATES and all(max(x, k) > 1.25 * min(x, k) for k in kept):
+            kept.append(x)
+    return [1] + sorted(kept)
+
+
 class RingAttention:
     """``RingAttention(backend, head_dim, n_head, n_head_kv, q_len, kv_total,
-    n_splits=None, gate=None, scale=None, path="auto", lanes=1, lane_rows=None)``;
-    ``gate`` is ``None``, ``"head"`` or ``"element"``; ``scale`` defaults to
-    ``1/sqrt(head_dim)``.
+    n_splits=None, gate=None, scale=None, path="auto", lanes=1, lane_rows=None,
+    merge=None)``; ``gate`` is ``None``, ``"head"`` or ``"element"``; ``scale``
+    defaults to ``1/sqrt(head_dim)``; ``merge`` is ``"launch"``, ``"fold"`` or
+    ``None`` (``default_merge``), and nothing with one split.
 
     ``__call__(q, k_cache, v_cache, mask, out, gate=None, stream=None, live=None)``,
     with ``BS = lane_rows`` (default ``q_len``; lane ``l``'s ``q_len`` rows
@@ -76,18 +140,29 @@ class RingAttention:
     ``[lanes*BS, n_head*head_dim]`` f32 per the mode. Rows of q/out/gate past a
     lane's ``q_len`` are neither read nor written. ``live``: the step
     descriptors ``[lanes, DESC_LEN]`` device int32, read when the kernels run;
-    a lane whose ``DESC_ACTIVE`` entry is 0 is idle: its blocks (the combine's
-    too) exit before reading anything and its out rows are untouched.
+    a lane whose ``DESC_ACTIVE`` entry is 0 is idle: its blocks (the
+    combine's too) exit before reading anything and its out rows are untouched.
     ``None``: every lane runs. Every lane in one launch per kernel; each lane's
     result is bit-identical to a single-lane call on its slices.
     No allocation, no host sync: capture-safe. With ``n_splits > 1`` the
-    instance owns one partials workspace (``[lanes, n_splits, ...]``): calls
-    must be ordered (one stream), never concurrent on two streams.
+    instance owns one partials workspace (``part_o``, ``part_ml``: ``[lanes,
+    n_splits, ...]``), and with ``merge="fold"`` the arrival ``counters``
+    (int32, one per (lane, kv head, row group), zero between launches: the
+    merging block resets its own): calls must be ordered (one stream), never
+    concurrent on two streams, and a launch must not be abandoned half way.
+
+    Tuning (the interface of ``Gemm``, ``dflash_cupy/tuning.py``): a
+    configuration is ``(n_splits, merge)``; ``launch_candidates()``,
+    ``default_config()``, ``config()``, ``use_config(m, config)``. The shape
+    is fixed at construction, so their ``m`` (the GEMMs' row count) is
+    accepted and ignored. ``use_config`` recompiles and reallocates the
+    workspace: before the first graph capture of this object only.
     """
 
     def __init__(self, backend, head_dim: int, n_head: int, n_head_kv: int, q_len: int,
                  kv_total: int, n_splits: int | None = None, gate: str | None = None,
-                 scale: float | None = None, path: str = "auto", lanes: int = 1, lane_rows: int | None = None):
+                 scale: float | None = None, path: str = "auto", lanes: int = 1, lane_rows: int | None = None,
+                 merge: str | None = None):
         self.backend = backend
         self.D = checks.int_arg(head_dim, "head_dim", 1)
         self.NH = checks.int_arg(n_head, "n_head", 1)
@@ -125,52 +200,113 @@ class RingAttention:
         self.rows_per_block = min(R, rb_fit)
         self.row_groups = -(-R // self.rows_per_block)
         self.warps = min(MAX_WARPS, self.rows_per_block)
+        if self.path == "mma":
+            self._block = (-(-R // 16) * 32, 1, 1)
+        else:
+            self._block = (self.warps * 32, 1, 1)
+        self._sm_count = device_props.of(backend).sm_count
+        self._unit_rows = 1 if self.path == "mma" else self.row_groups   # row groups per unit of splits
+        if self.lanes > 65535:   # grid z (tensor cores) and the combine's y
+            raise ValueError(f"lanes={lanes} exceeds the 65535 limit of grid y/z")
+        self._captured = False     # a graph holds the workspace's address: no reconfiguring
+        self.part_o = self.part_ml = self.counters = None
+        self._configure(*self._resolve(n_splits, merge))
+
+    # ------------------------------------------------------------------ configuration
+    def _resolve(self, n_splits, merge) -> tuple[int, str | None]:
+        """Validated ``(n_splits, merge)``, defaults filled in (merge ``None`` at one split)."""
+        if merge is not None and merge not in MERGES:
+            raise ValueError(f"merge {merge!r}: expected one of {MERGES} or None (the default rule)")
         n_tiles = -(-self.kv_total // TILE)
         if n_splits is None:
-            n_splits = default_splits(self.NKV, self.kv_total, device_props.of(backend).sm_count,
-                                      1 if self.path == "mma" else self.row_groups)
-        self.n_splits = checks.int_arg(n_splits, "n_splits", 1)
-        if self.n_splits > n_tiles:
-            raise ValueError(f"n_splits={n_splits} exceeds the {n_tiles} key tiles of kv_total={kv_total}")
+            n_splits = default_splits(self.NKV, self.kv_total, self._sm_count, self._unit_rows)
+        n_splits = checks.int_arg(n_splits, "n_splits", 1)
+        if n_splits > n_tiles:
+            raise ValueError(f"n_splits={n_splits} exceeds the {n_tiles} key tiles of kv_total={self.kv_total}")
+        if n_splits == 1:
+            return 1, None
+        return n_splits, merge if merge is not None else default_merge(self.kv_total, n_splits)
 
+    def _configure(self, n_splits: int, merge: str | None) -> None:
+        """Compile the kernels of ``(n_splits, merge)`` and allocate what they need."""
+        grid = ((self.NKV, n_splits, self.lanes) if self.path == "mma"                    # z = lane
+                else (self.NKV * self.lanes, n_splits, self.row_groups))   # x = lane * NKV + kv head
+        if max(grid[1:]) > 65535:
+            raise ValueError(f"n_splits={n_splits}, lanes={self.lanes}: grid {grid} exceeds the 65535 "
+                             f"limit of grid y/z")
         # one lane at lane_rows = q_len compiles exactly the single-request kernel
         lane_opts = {} if (self.lanes, self.lane_rows) == (1, self.B) else dict(LANES=self.lanes,
                                                                                  LANE_ROWS=self.lane_rows)
-        self._module = kernels.load_module(
-            backend, "attention.cu", D=self.D, NH=self.NH, NKV=self.NKV, B=self.B,
-            KV_TOTAL=self.kv_total, SPLITS=self.n_splits, GATE=GATES[gate],
-            RB=self.rows_per_block, NWARPS=self.warps, **lane_opts)
-        self._split = self._module.get_function("ring_attn_split")
-        if self.path == "mma":  # all R rows in one block: one warp per 16 rows
-            self._split = kernels.load_module(
-                backend, "attention_mma.cu", D=self.D, NH=self.NH, NKV=self.NKV, B=self.B,
-                KV_TOTAL=self.kv_total, SPLITS=self.n_splits, GATE=GATES[gate], **lane_opts).get_function(
+        fold = {} if n_splits == 1 else dict(FOLD_MERGE=int(merge == "fold"))
+        sizes = dict(D=self.D, NH=self.NH, NKV=self.NKV, B=self.B, KV_TOTAL=self.kv_total, SPLITS=n_splits,
+                     GATE=GATES[self.gate], **lane_opts, **fold)
+        # attention.cu: the CUDA-core split kernel and ring_attn_combine
+        module = None
+        if self.path == "fma" or merge == "launch":
+            module = kernels.load_module(self.backend, "attention.cu", RB=self.rows_per_block,
+                                         NWARPS=self.warps, **sizes)
+        if self.path == "mma":   # all R rows in one block: one warp per 16 rows
+            split = kernels.load_module(self.backend, "attention_mma.cu", **sizes).get_function(
                 "ring_attn_mma_split")
-        self._combine = self._module.get_function("ring_attn_combine") if self.n_splits > 1 else None
-        if self.n_splits > 1:
-            self.part_o = backend.zeros((self.lanes, self.n_splits, self.B * self.NH, self.D), np.float32)
-            self.part_ml = backend.zeros((self.lanes, self.n_splits, self.B * self.NH, 2), np.float32)
+        else:
+            split = module.get_function("ring_attn_split")
+        combine = module.get_function("ring_attn_combine") if merge == "launch" else None
+        if n_splits > 1:
+            self.part_o = self.backend.zeros((self.lanes, n_splits, self.B * self.NH, self.D), np.float32)
+            self.part_ml = self.backend.zeros((self.lanes, n_splits, self.B * self.NH, 2), np.float32)
         else:
             self.part_o = self.part_ml = None
-        if self.path == "mma":
-            self._grid = (self.NKV, self.n_splits, self.lanes)                     # z = lane
-            self._block = (-(-R // 16) * 32, 1, 1)
-        else:
-            self._grid = (self.NKV * self.lanes, self.n_splits, self.row_groups)   # x = lane * NKV + kv head
-            self._block = (self.warps * 32, 1, 1)
+        # one per unit of n_splits blocks (grid x times z: (lane, kv head[, row group]))
+        self.counters = self.backend.zeros((grid[0] * grid[2],), np.int32) if merge == "fold" else None
+        self.n_splits, self.merge = n_splits, merge
+        self._grid, self._split, self._combine = grid, split, combine
         self._cgrid = (-(-(self.B * self.NH * self.D) // COMBINE_THREADS), self.lanes, 1)
-        if max(self._grid[1:]) > 65535 or self.lanes > 65535:
-            raise ValueError(f"lanes={lanes}: grid {self._grid} exceeds the 65535 limit of grid y/z")
+
+    def launch_candidates(self, m=None) -> list:
+        """The ``(n_splits, merge)`` configurations worth timing (``split_candidates``
+        x both merges; ``(1, None)`` once); the default's among them."""
+        out = []
+        for n in split_candidates(self.NKV, self.kv_total, self._sm_count, self._unit_rows):
+            out += [(1, None)] if n == 1 else [(n, mg) for mg in MERGES]
+        d = self.default_config()
+        if d not in out:
+            out.append(d)
+        return out
+
+    def default_config(self, m=None) -> tuple:
+        """The cost rule's ``(n_splits, merge)`` (``default_splits``, ``default_merge``)."""
+        return self._resolve(None, None)
+
+    def config(self, m=None) -> tuple:
+        """The ``(n_splits, merge)`` a call launches now."""
+        return (self.n_splits, self.merge)
+
+    def use_config(self, m=None, config=None) -> None:
+        """Launch with ``config = (n_splits, merge)`` from now on (any valid
+        pair; ``launch_candidates()`` lists those worth timing): compiles its
+        kernels and replaces the workspace. Before any graph captured this
+        object only (a captured graph holds the workspace's address)."""
+        if config is None:
+            raise TypeError("use_config needs config=(n_splits, merge)")
+        if not isinstance(config, (tuple, list)) or len(config) != 2:
+            raise ValueError(f"config must be (n_splits, merge), got {config!r}")
+        resolved = self._resolve(config[0], config[1])
+        if self._captured:
+            raise RuntimeError("use_config() after a graph captured this RingAttention: "
+                               "tune before the first capture")
+        if resolved != self.config():
+            self._configure(*resolved)
 
     def __repr__(self):
         return (f"RingAttention(head_dim={self.D}, n_head={self.NH}, n_head_kv={self.NKV}, "
-                f"q_len={self.B}, kv_total={self.kv_total}, n_splits={self.n_splits}, "
+                f"q_len={self.B}, kv_total={self.kv_total}, n_splits={self.n_splits}, merge={self.merge!r}, "
                 f"gate={self.gate!r}, path={self.path}, rows_per_block={self.rows_per_block}, "
                 f"warps={self.warps}" + (f", lanes={self.lanes}, lane_rows={self.lane_rows}" if self.lanes > 1 else "")
                 + ")")
 
     def bytes_moved(self) -> int:
-        """Compulsory traffic of one lane: K and V once, q, mask, out (+ partials twice)."""
+        """Compulsory traffic of one lane: K and V once, q, mask, out (+ partials
+        written and read back by the merge, either merge)."""
         b = 2 * self.kv_total * self.NKV * self.D * 2 + 2 * self.B * self.NH * self.D * 4
         b += self.B * self.kv_total * 2
         if self.n_splits > 1:
@@ -219,9 +355,13 @@ class RingAttention:
                                  f"got {tuple(live.shape)}")
         po = self.part_o if self.part_o is not None else out      # unused when n_splits == 1
         pml = self.part_ml if self.part_ml is not None else out
+        cnt = self.counters if self.counters is not None else out  # unused unless merge == "fold"
         lv, use = (out, 0) if live is None else (live, 1)         # out: a valid pointer, never read
+        if be.is_capturing():
+            self._captured = True
         self._split(self._grid, self._block,
-                    (q, k_cache, v_cache, mask, po, pml, out, gate, np.float32(self.scale), lv, np.int32(use)),
+                    (q, k_cache, v_cache, mask, po, pml, cnt, out, gate, np.float32(self.scale), lv,
+                     np.int32(use)),
                     stream=stream)
         if self._combine is not None:
             self._combine(self._cgrid, (COMBINE_THREADS, 1, 1), (po, pml, gate, out, lv, np.int32(use)),
