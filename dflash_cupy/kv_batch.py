@@ -273,15 +273,15 @@ class DraftKvBatch(StepIssuer):
         self._label_arrays(("_hs", "_logits", "_tokens", "noise_embed", "k_cache", "v_cache", "slot_pos", "desc",
                      "resid", "xin", "ap_feat", "tile_live"))
         # launch configurations measured on the device (dflash_cupy/tuning.py), before any capture
-        self.tuned = tuning.tune_sites(self._gemm_sites(), backend=be, tune=tune)
+        self.tuned = tuning.tune_sites(self._tune_sites(), backend=be, tune=tune)
         self._init_order()
 
-    def _gemm_sites(self) -> list:
-        """``(label, gemm, m)`` of every GEMM call a step or a bulk chunk makes."""
+    def _tune_sites(self) -> list:
+        """``(label, op, m)`` of every GEMM call a step or a bulk chunk makes, and the attention."""
         NC, NN, R = self.lanes * self.ctx_rows, self.lanes * self.lane_rows, self.bulk_chunk
         return [("fc", self.g_fc, NC), ("fc", self.g_fc, R), ("kv", self.g_kv, R), ("qkv", self.g_qkv, NC + NN),
                 ("attn_gate", self.g_attn_gate, NN), ("o", self.g_o, NN), ("gate_up", self.g_gate_up, NN),
-                ("down", self.g_down, NN), ("lm_head", self.g_lm, NN)]
+                ("down", self.g_down, NN), ("lm_head", self.g_lm, NN), ("attention", self.attention, 0)]
 
     # ------------------------------------------------------------------ properties
 

@@ -271,15 +271,15 @@ class DraftKvCache(StepIssuer):
         # Everything above (zeros, kernel workspaces) was memset on the current stream: the
         # first call on any other stream waits for it on the device.
         # launch configurations measured on the device (dflash_cupy/tuning.py), before any capture
-        self.tuned = tuning.tune_sites(self._gemm_sites(), backend=be, tune=tune)
+        self.tuned = tuning.tune_sites(self._tune_sites(), backend=be, tune=tune)
         self._init_order()
 
-    def _gemm_sites(self) -> list:
-        """``(label, gemm, m)`` of every GEMM call a step or a bulk chunk makes."""
+    def _tune_sites(self) -> list:
+        """``(label, op, m)`` of every GEMM call a step or a bulk chunk makes, and the attention."""
         A, B, R = self.a_step, self.q_len, self.bulk_chunk
         return [("fc", self.g_fc, A), ("fc", self.g_fc, R), ("kv", self.g_kv, R), ("qkv", self.g_qkv, A + B),
                 ("attn_gate", self.g_attn_gate, B), ("o", self.g_o, B), ("gate_up", self.g_gate_up, B),
-                ("down", self.g_down, B), ("lm_head", self.g_lm, B)]
+                ("down", self.g_down, B), ("lm_head", self.g_lm, B), ("attention", self.attention, 0)]
 
     # ------------------------------------------------------------------ properties
     trash_slot = property(lambda self: self.geom.trash_slot)

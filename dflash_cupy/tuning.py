@@ -1,11 +1,13 @@
-"""Autotuning: the stream GEMM's launch configuration chosen by measurement
-on the device, per device and shape, and remembered on disk.
+"""Autotuning: the stream GEMM's and the ring attention's launch
+configurations chosen by measurement on the device, per device and shape,
+and remembered on disk.
 
 Every launcher plans its launch by a cost rule (``ops/gemm_stream.py``), which
-is a model until a GPU confirms it. On a GPU, ``tune_gemm(gemm, m)`` times each
+is a model until a GPU confirms it. On a GPU, ``tune_op(gemm, m)`` times each
 launch configuration the GEMM can run ``m`` rows with (``Gemm.launch_candidates``:
 M-tile variant x K split; about 10-40 of them, a few ms in all) on scratch
-buffers, keeps the fastest (``Gemm.use_config``) and records the choice with
+buffers (``tune_op`` does the same for a ``RingAttention``: split count x
+merge, the folded last-block merge or the separate combine launch), keeps the fastest (``Gemm.use_config``) and records the choice with
 every candidate's time (measurements the cost model can be checked against) in
 a JSON cache keyed by device and shape; the next process on that device reads
 the choice instead of timing. Tuning happens when a cache is built, before its
@@ -130,6 +132,12 @@ def event_timer(backend, warmup: int = 3, repeats: int = 9) -> Callable | None:
     return timer
 
 
+def attention_key(att) -> str:
+    """Everything that changes a ring attention launch's speed."""
+    return (f"{device_key(att.backend)}|ring_attention|D{att.D}|NH{att.NH}|NKV{att.NKV}|B{att.B}"
+            f"|kv{att.kv_total}|lanes{att.lanes}x{att.lane_rows}|gate{att.gate}|{att.path}")
+
+
 def _scratch_call(gemm, m: int):
     """A call of ``gemm`` over ``m`` rows on zero-filled scratch buffers of its
     shapes (speed does not depend on the values; the product's buffers are
@@ -150,49 +158,92 @@ def _scratch_call(gemm, m: int):
     return lambda: gemm(x, w, y, m, **kw)
 
 
-def tune_gemm(gemm, m: int, *, cache: TuneCache | None = None, timer: Callable | None = None,
-              retime: bool = False) -> dict | None:
-    """Choose ``gemm``'s launch configuration for ``m`` rows: the cached choice
-    for this device and shape if there is one (unless ``retime``), else, when a
-    ``timer`` is available (default: CUDA events on a GPU), the fastest of its
-    candidates, recorded in ``cache``. Returns the entry used, or ``None`` when
-    the cost rule's plan stays (not the stream path, one candidate only, or no
-    cache entry and no timer)."""
-    if gemm.path != "stream":
+def _scratch_attention(att, m=None):
+    """A call of ``att`` on scratch buffers: every key visible (mask 0), every
+    lane active (an idle lane's blocks would exit at once and time nothing)."""
+    from .ops.step_descriptor import DESC_ACTIVE, DESC_LEN
+    be, L, D = att.backend, att.lanes, att.D
+    rows = L * att.lane_rows
+    q = be.zeros((rows, att.NH * D), np.float32)
+    k = be.zeros((L * att.kv_total, att.NKV * D), np.float16)
+    v = be.zeros((L * att.kv_total, att.NKV * D), np.float16)
+    mask = be.zeros((L, att.B, att.kv_total), np.float16)
+    out = be.zeros((rows, att.NH * D), np.float32)
+    gate = None if att.gate is None else be.zeros((rows, att.NH if att.gate == "head" else att.NH * D),
+                                                 np.float32)
+    live = None
+    if L > 1:
+        d = np.zeros((L, DESC_LEN), np.int32)
+        d[:, DESC_ACTIVE] = 1
+        live = be.asarray(d)
+    return lambda: att(q, k, v, mask, out, gate=gate, live=live)
+
+
+def _kind(op):
+    """(key, scratch call) makers for an object the tuner knows, else None."""
+    from .ops.attention import RingAttention
+    from .ops.gemm import Gemm
+    if isinstance(op, Gemm):
+        return (gemm_key, _scratch_call) if op.path == "stream" else None
+    if isinstance(op, RingAttention):
+        return (lambda a, m: attention_key(a)), _scratch_attention
+    return None
+
+
+def _label(c) -> str:
+    return ",".join(str(v) for v in c)
+
+
+def tune_op(op, m: int = 0, *, cache: TuneCache | None = None, timer: Callable | None = None,
+            retime: bool = False) -> dict | None:
+    """Choose ``op``'s launch configuration (a stream ``Gemm`` for ``m`` rows,
+    or a ``RingAttention``): the cached choice for this device and shape if
+    there is one (unless ``retime``), else, when a ``timer`` is available
+    (default: CUDA events on a GPU), the fastest of its candidates, recorded
+    in ``cache``. Returns the entry used, or ``None`` when the cost rule's
+    plan stays (nothing to choose, or no cache entry and no timer)."""
+    kind = _kind(op)
+    if kind is None:
         return None
+    make_key, make_call = kind
     m = int(m)
-    cands = gemm.launch_candidates(m)
+    cands = [tuple(c) for c in op.launch_candidates(m)]
     if len(cands) < 2:
         return None
-    key = gemm_key(gemm, m)
+    key = make_key(op, m)
     entry = cache.get(key) if cache is not None else None
     if entry is not None and not retime:
         choice = tuple(entry.get("choice", ()))
         if choice in cands:
-            gemm.use_config(m, choice)
+            op.use_config(m, choice)
             return entry
-    timer = timer if timer is not None else event_timer(gemm.backend)
+    timer = timer if timer is not None else event_timer(op.backend)
     if timer is None:
         return None
-    call = _scratch_call(gemm, m)
+    call = make_call(op, m)
     times = {}
     for c in cands:
-        gemm.use_config(m, c)
+        op.use_config(m, c)
         times[c] = float(timer(call))
-    best = min(cands, key=lambda c: (times[c], c))
-    gemm.use_config(m, best)
-    entry = {"choice": list(best), "default": list(gemm.default_config(m)),
-             "times_us": {f"{c[0]},{c[1]}": round(t * 1e6, 3) for c, t in times.items()},
-             "device": device_props.of(gemm.backend).name}
+    best = min(cands, key=lambda c: (times[c], _label(c)))
+    op.use_config(m, best)
+    entry = {"choice": list(best), "default": list(op.default_config(m)),
+             "times_us": {_label(c): round(t * 1e6, 3) for c, t in times.items()},
+             "device": device_props.of(op.backend).name}
     if cache is not None:
         cache.put(key, entry)
     return entry
 
 
+def tune_gemm(gemm, m: int, **kw) -> dict | None:
+    """``tune_op`` for a ``Gemm`` (``None`` off the stream path)."""
+    return tune_op(gemm, m, **kw)
+
+
 def tune_sites(sites, *, backend, tune: bool | None, cache: TuneCache | None = None,
                timer: Callable | None = None) -> dict:
-    """Tune every ``(gemm, m)`` of ``sites`` (the calls a cache's step and bulk
-    appends make) as the product classes' ``tune=`` asks: ``None`` tunes on a
+    """Tune every ``(label, op, m)`` of ``sites`` (the GEMM calls a cache's step
+    and bulk appends make, and its attention) as the product classes' ``tune=`` asks: ``None`` tunes on a
     GPU when ``DFLASH_CUPY_TUNE`` allows, ``True`` always (the emulator only
     reads the cache, or times with a given ``timer``), ``False`` never.
     Returns ``{(label, m): entry}`` for the sites tuned."""
@@ -203,11 +254,11 @@ def tune_sites(sites, *, backend, tune: bool | None, cache: TuneCache | None = N
     cache = cache if cache is not None else TuneCache()
     out = {}
     seen = set()
-    for label, gemm, m in sites:
-        if gemm is None or (id(gemm), int(m)) in seen:
+    for label, op, m in sites:
+        if op is None or (id(op), int(m)) in seen:
             continue
-        seen.add((id(gemm), int(m)))
-        e = tune_gemm(gemm, m, cache=cache, timer=timer)
+        seen.add((id(op), int(m)))
+        e = tune_op(op, m, cache=cache, timer=timer)
         if e is not None:
             out[(label, int(m))] = e
     return out
@@ -223,11 +274,11 @@ def report(path: str | Path) -> str:
     for key, e in sorted(cache.entries.items()):
         times = e.get("times_us") or {}
         d, c = e.get("default"), e.get("choice")
-        td = times.get(f"{d[0]},{d[1]}") if d else None
-        tc = times.get(f"{c[0]},{c[1]}") if c else None
+        td = times.get(_label(d)) if d else None
+        tc = times.get(_label(c)) if c else None
         gain = f"{td / tc:.2f}x" if td and tc else "?"
         shape = key.split("|", 2)[-1]
-        lines.append(f"  {shape}: default (mt, ks) {tuple(d) if d else '?'} {td if td is not None else '?'} us"
+        lines.append(f"  {shape}: default {tuple(d) if d else '?'} {td if td is not None else '?'} us"
                      f" -> chosen {tuple(c) if c else '?'} {tc if tc is not None else '?'} us ({gain}; "
                      f"{len(times)} candidates)")
     return "\n".join(lines)

@@ -186,7 +186,7 @@ def test_cache_tunes_its_call_sites_and_still_matches(emu, monkeypatch):
         assert kv.tuned, "no call site was tuned"
         assert any(e["choice"] != e["default"] for e in kv.tuned.values()), kv.tuned
         gemms = {"fc": kv.g_fc, "kv": kv.g_kv, "qkv": kv.g_qkv, "o": kv.g_o, "gate_up": kv.g_gate_up,
-                 "down": kv.g_down, "attn_gate": kv.g_attn_gate}
+                 "down": kv.g_down, "attn_gate": kv.g_attn_gate, "attention": kv.attention}
         for (label, m), e in kv.tuned.items():
             assert list(gemms[label].config(m)) == e["choice"]
         d.run_ops([1, 2, 9, 12, 40, ("rewind", 38), 39, "reset", 3])
@@ -214,3 +214,41 @@ def test_report_lists_default_and_choice(emu, tmp_path):
     d = op.default_config(19)
     gain = "1.00x" if d == cands[-1] else "2.00x"
     assert f"chosen {cands[-1]}" in text and gain in text and f"{len(cands)} candidates" in text
+
+
+def test_attention_is_tuned_and_cached(emu):
+    """The ring attention's (n_splits, merge) configurations through the same
+    tuner: the timer's fastest is applied and cached, a new object reads it
+    back, and the tuned object still matches the reference (every lane active
+    in the scratch call: live descriptors of 2 lanes)."""
+    from dflash_cupy.ops.attention import RingAttention, ring_attention_reference
+    D, NH, NKV, B, kvt = 32, 4, 2, 3, 600
+    att = RingAttention(emu, D, NH, NKV, B, kvt, lanes=2)
+    cands = att.launch_candidates()
+    merges = {c[1] for c in cands}
+    assert len(cands) >= 3 and {"fold", "launch"} <= merges and att.default_config() in cands
+    want = next(c for c in reversed(cands) if c != att.default_config())
+    seen = []
+
+    def timer(fn):
+        fn()
+        seen.append(att.config())
+        return 1e-6 if att.config() == want else 3e-6
+    e = tuning.tune_op(att, cache=tuning.TuneCache(), timer=timer)
+    assert sorted(seen, key=str) == sorted(cands, key=str) and att.config() == want
+    assert tuple(e["choice"]) == want and "ring_attention|D32|NH4|NKV2|B3|kv600|lanes2x3" in tuning.attention_key(att)
+    att2 = RingAttention(emu, D, NH, NKV, B, kvt, lanes=2)
+    assert tuning.tune_op(att2, cache=tuning.TuneCache()) is not None and att2.config() == want
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2 * B, NH * D)).astype(np.float32)
+    k = rng.standard_normal((2 * kvt, NKV * D)).astype(np.float16)
+    v = rng.standard_normal((2 * kvt, NKV * D)).astype(np.float16)
+    mask = np.where(rng.random((2, B, kvt)) < 0.3, -np.inf, 0).astype(np.float16)
+    out = emu.zeros((2 * B, NH * D), np.float32)
+    att2(emu.asarray(q), emu.asarray(k), emu.asarray(v), emu.asarray(mask), out)
+    got = emu.to_numpy(out)
+    for lane in range(2):
+        ref = ring_attention_reference(q[lane * B:(lane + 1) * B], k[lane * kvt:(lane + 1) * kvt],
+                                       v[lane * kvt:(lane + 1) * kvt], mask[lane], n_head_kv=NKV)
+        assert_close(got[lane * B:(lane + 1) * B], np.asarray(ref).reshape(B, NH * D), "f16",
+                     f"tuned {att2.config()} lane {lane}")
