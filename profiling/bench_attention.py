@@ -7,6 +7,11 @@ GB/s and the fraction of the copy bandwidth measured in the same run.
 Graph-amortised: one captured graph runs the attention over ``copies``
 different K/V caches (together > 4x the L2), replay time / ``copies``.
 
+``--merges both`` adds, per window, the same split count with the other merge
+(the folded last-block merge against the separate combine launch: which one
+the default rule picks changes at 24K keys, a crossover only the model has
+seen so far).
+
 On a GPU an unfused CuPy version of the same math (cuBLAS batched matmuls in
 f16 + softmax; allocates, so timed eagerly) runs side by side for scale.
 
@@ -44,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--budget-s", type=float, default=3.0, help="per-window sampling budget")
     p.add_argument("--no-cupy", action="store_true", help="skip the unfused CuPy comparison")
+    p.add_argument("--merges", default="default", choices=("default", "both"),
+                   help="both: also time the other merge (fold / launch) at the default split count")
     a = p.parse_args(argv)
     a.drafter = a.drafter or ("tiny" if a.smoke else common.DEFAULT_DRAFTER)
     common.drafter_config(a.drafter)
@@ -60,10 +67,13 @@ def n_copies(be, nbytes: int) -> int:
     return int(max(1, min(MAX_COPIES, -(-4 * l2 // max(nbytes, 1)))))
 
 
-def bench_ours(be, cfg, window, args, bw_Bps, seed) -> dict:
+def bench_ours(be, cfg, window, args, bw_Bps, seed, merge=None) -> dict:
+    """``merge``: force that merge at the default split count (None: the default config)."""
     geom = RingGeometry(window, cfg.q_len)
     S, B, NKV, D, NH = geom.kv_total, cfg.q_len, cfg.n_head_kv, cfg.head_dim, cfg.n_head
     att = RingAttention(be, D, NH, NKV, B, S, gate=None)
+    if merge is not None:
+        att.use_config(None, (att.n_splits, merge))
     kv_bytes = 2 * S * NKV * D * 2
     copies = n_copies(be, kv_bytes)
     ks = [common.random_f16(be, (S, NKV * D), seed=seed + 2 * i) for i in range(copies)]
@@ -83,7 +93,8 @@ def bench_ours(be, cfg, window, args, bw_Bps, seed) -> dict:
     per = t.median_s / copies
     by = att.bytes_moved()
     o = be.to_numpy(out)
-    return {"impl": "dflash", "window": window, "kv_total": S, "n_splits": att.n_splits,
+    return {"impl": "dflash" if merge is None else f"dflash {merge}", "merge": att.merge,
+            "window": window, "kv_total": S, "n_splits": att.n_splits,
             "copies": copies, "us": per * 1e6, "bytes": by, "kv_bytes": kv_bytes,
             "GBps": by / per / 1e9, "frac_of_copy_bw": by / per / bw_Bps, "timing": t.as_dict(),
             "out_finite": bool(np.isfinite(o).all()), "config": repr(att)}
@@ -124,7 +135,7 @@ def bench_cupy(be, cfg, window, args, bw_Bps, seed) -> dict:
 
 
 TABLE = [("window", "window", "d"), ("impl", "impl", ""), ("kv_total", "kv_total", "d"),
-         ("n_splits", "splits", "d"), ("us", "us", ".2f"), ("GBps", "GB/s", ".0f"),
+         ("n_splits", "splits", "d"), ("merge", "merge", ""), ("us", "us", ".2f"), ("GBps", "GB/s", ".0f"),
          ("frac_of_copy_bw", "of copy bw", ".2f"), ("copies", "copies", "d")]
 
 
@@ -139,6 +150,9 @@ def main(argv=None) -> dict:
     result.update({"drafter": args.drafter, "config": common.config_summary(cfg), "rows": []})
     for window in args.windows:
         rows = [bench_ours(be, cfg, window, args, bw, args.seed + window)]
+        if args.merges == "both" and rows[0]["merge"] is not None:
+            other = "fold" if rows[0]["merge"] == "launch" else "launch"
+            rows.append(bench_ours(be, cfg, window, args, bw, args.seed + window, merge=other))
         if be.name == "cuda" and not args.no_cupy:
             try:
                 rows.append(bench_cupy(be, cfg, window, args, bw, args.seed + window))

@@ -209,7 +209,8 @@ run_step lanes 60 "$BLOG" "$PY" -m profiling.bench_lanes ${SMOKE[@]+"${SMOKE[@]}
 
 run_step gemm 50 "$BLOG" "$PY" -m profiling.bench_gemm ${SMOKE[@]+"${SMOKE[@]}"} --out "$OUTDIR/gemm.json"
 
-run_step attention 40 "$BLOG" "$PY" -m profiling.bench_attention ${SMOKE[@]+"${SMOKE[@]}"} --out "$OUTDIR/attention.json"
+run_step attention 40 "$BLOG" "$PY" -m profiling.bench_attention ${SMOKE[@]+"${SMOKE[@]}"} --merges both \
+    --out "$OUTDIR/attention.json"
 
 run_step step_full 100 "$BLOG" "$PY" -m profiling.bench_step ${SMOKE[@]+"${SMOKE[@]}"} --budget-s 4 \
     --merge "$OUTDIR/step_quick.json" --out "$OUTDIR/step.json" --plot "$OUTDIR/step.png"

@@ -422,3 +422,16 @@ def test_bench_lanes_smoke(tmp_path):
     a = bench_lanes.parse_args(["--drafter", "qwen3-8b", "--window", "2K", "--lanes", "4"])
     want = lanes_model.model_batch("qwen3-8b", 2048, 4, get_gpu("H200"), accept=6)["step_us"]
     assert bench_lanes._predict(a, 4, True) == pytest.approx(want)
+
+
+def test_bench_attention_both_merges(tmp_path):
+    """--merges both: the default configuration and the other merge at the same
+    split count, side by side (the fold/launch crossover is the model's guess)."""
+    res = bench_attention.main(["--smoke", "--backend", "emulated", "--out", str(tmp_path / "a.json"),
+                                "--warmup", "1", "--repeats", "2", "--windows", "2K", "--merges", "both"])
+    rows = [r for r in res["rows"] if r["impl"].startswith("dflash")]
+    assert len(rows) == 2
+    d, o = rows
+    assert d["impl"] == "dflash" and d["n_splits"] > 1 and d["merge"] in ("fold", "launch")
+    assert o["impl"] == f"dflash {o['merge']}" and {d["merge"], o["merge"]} == {"fold", "launch"}
+    assert o["n_splits"] == d["n_splits"] and o["bytes"] == d["bytes"] and d["out_finite"] and o["out_finite"]
