@@ -563,3 +563,21 @@ def test_step_qkv_gemm_knows_the_step_padding():
     plan = step_plan(drafter_config("h4096"), 2048)
     qkv = [n for n in plan.launches if n.kernel == "gemm_stream" and n.args[1].name.endswith("w_qkv")]
     assert len(qkv) == 5 and all(n.known == {"pad_lo": 6} and n.args[14] == plan.a_step for n in qkv)
+
+
+def test_gemm_model_table():
+    """profiling.gemm_model: every drafter GEMM at M = 16, 32, 64 with both
+    activation roundings, planned as the product plans it. At M = 16 each
+    streams at >= 85% of HBM (the weight stream); at M = 64 with hi + lo the
+    big ones are bound by mma.sync and one rounding lifts them back."""
+    from profiling import gemm_model
+    rows = gemm_model.model("qwen3-8b")
+    assert len(rows) == 2 * 3 * 5
+    for r in rows:
+        assert r["meets_goal"] == (r["frac_hbm"] >= gemm_model.GOAL) and 0 < r["frac_hbm"] < 1.05
+    by = {(r["gemm"], r["m"], r["x_split"]): r for r in rows}
+    assert all(by[(g, 16, xs)]["meets_goal"] for g in ("qkv", "o", "gate_up", "down", "fc") for xs in (True, False))
+    assert by[("gate_up", 64, True)]["bound"] == "mma" and not by[("gate_up", 64, True)]["meets_goal"]
+    assert by[("gate_up", 64, False)]["meets_goal"]
+    assert by[("gate_up", 64, False)]["us"] < by[("gate_up", 64, True)]["us"]
+    assert "gate_up" in gemm_model.format_table(rows[:15])
