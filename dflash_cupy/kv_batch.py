@@ -61,7 +61,7 @@ from .nvtx_ranges import nvtx_range
 from .step_issuer import StepIssuer
 from .ops.attention import RingAttention
 from .ops.gather import FeatureGather
-from .ops.gemm import Gemm, weight_kind
+from .ops.gemm import weight_kind
 from .ops.norm import RmsNorm
 from .ops.plan import StepPlanner
 from .ops.rope import QkvNormRope
@@ -228,25 +228,7 @@ class DraftKvBatch(StepIssuer):
 
         # ---- kernels (all compiled now: nothing compiles during capture)
         self.rms = RmsNorm(be, H, c.rms_norm_eps)
-        fold_eps = c.rms_norm_eps if self._fold_norms else None
-        def gemm(*a, **kw):  # every GEMM of the step rounds activations the same way (x_split)
-            return Gemm(be, *a, max_m=GEMM_MAX_M, x_split=self.x_split, **kw)
-
-        self.g_fc = gemm(H, c.fc_in, self.dw.fc.dtype)
-        self.g_kv = gemm(2 * kvw, H, L0.w_qkv.dtype)
-        self.g_qkv = gemm(c.q_dim + 2 * kvw, H, L0.w_qkv.dtype, norm_eps=fold_eps)
-        self.g_o = gemm(H, c.q_dim, L0.w_o.dtype, "residual")
-        self.g_gate_up = gemm(c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul",
-                              norm_eps=fold_eps)
-        self.g_down = gemm(H, c.intermediate_size, L0.w_down.dtype, "residual")
-        self.g_attn_gate = gemm(gate_w, H, L0.w_attn_gate.dtype) if gate_w else None
-        self.g_lm = self._lm_part = None
-        if self.lm_head is not None:
-            V = self.lm_head.shape[0]
-            self.g_lm = (gemm(V, H, self.lm_head.dtype) if logits else
-                         gemm(V, H, self.lm_head.dtype, "argmax", logits=False))
-            if not logits:
-                self._lm_part = be.zeros(self.g_lm.partials_shape(NN), np.uint32)
+        self._build_gemms(GEMM_MAX_M, gate_w, logits, NN)  # g_fc .. g_lm (x_split), _lm_part
         self.sampler = TokenSampler(be, self.lm_head.shape[0]) if self.lm_head is not None else None
         self.rope_ctx = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, False, c.rms_norm_eps,
                                     self.attn_scaling)

@@ -1,4 +1,4 @@
-"""What ``DraftKvCache`` and ``DraftKvBatch`` share: placing the LM head,
+"""What ``DraftKvCache`` and ``DraftKvBatch`` share: placing the LM head, building the step's GEMMs,
 the geometry properties, and issuing work on the
 caller's stream after this object's earlier work (event edges on the device,
 never a host wait), reusing pinned staging only once the work that read it
@@ -57,6 +57,32 @@ class StepIssuer:
         if lm_head.shape[0] < 1:
             raise ValueError("lm_head must have at least one row (the vocabulary), got 0")
         return to_device_matrix(be, lm_head)
+
+    def _build_gemms(self, max_m: int, gate_w: int, logits: bool, lm_rows: int) -> None:
+        """The step's GEMMs (``g_fc`` .. ``g_lm``), compiled now, every one
+        rounding its activations as ``self.x_split`` says; ``_lm_part``: the
+        fused argmax's partials for ``lm_rows`` rows (``logits=False``)."""
+        from .ops.gemm import Gemm
+        be, c, H = self.backend, self.config, self.config.hidden_size
+        L0, kvw = self.dw.layers[0], c.kv_dim
+        fold_eps = c.rms_norm_eps if self._fold_norms else None
+
+        def gemm(*a, **kw):
+            return Gemm(be, *a, max_m=max_m, x_split=self.x_split, **kw)
+        self.g_fc = gemm(H, c.fc_in, self.dw.fc.dtype)
+        self.g_kv = gemm(2 * kvw, H, L0.w_qkv.dtype)
+        self.g_qkv = gemm(c.q_dim + 2 * kvw, H, L0.w_qkv.dtype, norm_eps=fold_eps)
+        self.g_o = gemm(H, c.q_dim, L0.w_o.dtype, "residual")
+        self.g_gate_up = gemm(c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul", norm_eps=fold_eps)
+        self.g_down = gemm(H, c.intermediate_size, L0.w_down.dtype, "residual")
+        self.g_attn_gate = gemm(gate_w, H, L0.w_attn_gate.dtype) if gate_w else None
+        self.g_lm = self._lm_part = None
+        if self.lm_head is not None:
+            V = self.lm_head.shape[0]
+            self.g_lm = (gemm(V, H, self.lm_head.dtype) if logits else
+                         gemm(V, H, self.lm_head.dtype, "argmax", logits=False))
+            if not logits:
+                self._lm_part = be.zeros(self.g_lm.partials_shape(lm_rows), np.uint32)
 
     # ------------------------------------------------------------ shared step pieces
     def _fuse_rows(self, feat, out, m: int, stream, **gemm_kw) -> None:
