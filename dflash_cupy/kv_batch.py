@@ -488,7 +488,6 @@ class DraftKvBatch(StepIssuer):
                 cols = np.stack([c, lo, start, n_new, swa_lo, reset, act], axis=1)
                 cols *= act[:, None]           # an idle lane's step fields: all zeros
                 host[:, :7] = cols
-                pack_context_rows(host, self.geom.a_step)
                 self._plan_fields = None
             else:
                 bulk = [i for i, p in enumerate(plans) if p is not None and p[0].bulk_count]
@@ -508,11 +507,12 @@ class DraftKvBatch(StepIssuer):
                         fill_descriptor(host[i], 0, 0, 0, 0, 0, active=False)
                     else:
                         fill_step_descriptor(host[i], p[0])
-                pack_context_rows(host, self.geom.a_step)
                 act = np.array([p is not None for p in plans])
                 c = np.array([0 if p is None else p[0].committed for p in plans], np.int64)
                 start = np.array([0 if p is None else p[1][0] for p in plans], np.int64)
                 self._plan_fields = [None if p is None else p[0] for p in plans]
+            if loop is None:   # the loop packed the context rows as it went
+                pack_context_rows(host, self.geom.a_step)
             self._slot = slot
             self._plan_act, self._plan_c, self._plan_need = act, c, start   # need: [start, c) per active lane
             self._plan_desc = host

@@ -138,7 +138,7 @@ def attention_key(att) -> str:
             f"|kv{att.kv_total}|lanes{att.lanes}x{att.lane_rows}|gate{att.gate}|{att.path}")
 
 
-def _scratch_call(gemm, m: int):
+def _scratch_gemm(gemm, m: int):
     """A call of ``gemm`` over ``m`` rows on zero-filled scratch buffers of its
     shapes (speed does not depend on the values; the product's buffers are
     never touched)."""
@@ -184,7 +184,7 @@ def _kind(op):
     from .ops.attention import RingAttention
     from .ops.gemm import Gemm
     if isinstance(op, Gemm):
-        return (gemm_key, _scratch_call) if op.path == "stream" else None
+        return (gemm_key, _scratch_gemm) if op.path == "stream" else None
     if isinstance(op, RingAttention):
         return (lambda a, m: attention_key(a)), _scratch_attention
     return None

@@ -200,16 +200,17 @@ class Gemm:
 
     def default_config(self, m: int):
         """The cost rule's ``(mt, ks)`` for ``m`` rows (``None`` off the stream path)."""
-        if self.path != "stream":
-            return None
-        p = self._stream.default_plan(checks.int_arg(m, "m", 1))
-        return (p.mt, p.ks)
+        return self._stream_config(m, default=True)
 
     def config(self, m: int):
         """The ``(mt, ks)`` a call over ``m`` rows launches now (``None`` off the stream path)."""
+        return self._stream_config(m, default=False)
+
+    def _stream_config(self, m: int, default: bool):
         if self.path != "stream":
             return None
-        p = self._stream.plan(checks.int_arg(m, "m", 1))
+        m = checks.int_arg(m, "m", 1)
+        p = self._stream.default_plan(m) if default else self._stream.plan(m)
         return (p.mt, p.ks)
 
     def use_config(self, m: int, config) -> None:

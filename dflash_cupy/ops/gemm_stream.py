@@ -304,16 +304,21 @@ class StreamKernels:
             p = self.plan(m)
             if p.ks > 1:
                 nbx = max(nbx, p.grid[0])
-                ws = max(ws, p.grid[0] * p.ks * 16 * p.mt * (nw * cols_per_block(nw) + int(self.norm)))
+                ws = max(ws, self._ws_len(p))
                 self.m_split_max = m
         self._ws = backend.zeros((max(ws, 1),), np.float32)
         self._counters = backend.zeros((nbx,), np.int32)
+
+    def _ws_len(self, p: Plan) -> int:
+        """f32 workspace a split launch ``p`` needs: per block x and slice a partial
+        tile, then (GS_NORM) each slice's row sums of squares."""
+        return p.grid[0] * p.ks * 16 * p.mt * (self.nw * cols_per_block(self.nw) + int(self.norm))
 
     def plan(self, m: int) -> Plan:
         c = self._choice.get(m)
         if c is not None:
             return plan(self.N, self.K, m, self.nw, self.split, self.dev, mt=c[0], ks=c[1])
-        return plan(self.N, self.K, m, self.nw, self.split, self.dev, mt=min(bucket(m), self.top), ks=self.k_split)
+        return self.default_plan(m)
 
     def default_plan(self, m: int) -> Plan:
         """What ``plan(m)`` returns without a tuned choice (the cost rule above)."""
@@ -353,7 +358,7 @@ class StreamKernels:
             raise RuntimeError("use() after a graph captured this GEMM: tune before the first capture")
         p = plan(self.N, self.K, m, self.nw, self.split, self.dev, mt=int(mt), ks=int(ks))
         if p.ks > 1:
-            need = p.grid[0] * p.ks * 16 * p.mt * (self.nw * cols_per_block(self.nw) + int(self.norm))
+            need = self._ws_len(p)
             if need > self._ws.size:
                 self._ws = self.backend.zeros((need,), np.float32)
             if p.grid[0] > self._counters.size:
