@@ -134,6 +134,7 @@
 #include "float_order.cuh"
 #include "bits16.cuh"
 #include "gemm_epilogue.cuh"
+#include "gemm_splitk.cuh"
 #include "mma.cuh"
 #include "warp.cuh"
 
@@ -539,56 +540,8 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
     float* ssw = ws + (long long)gridDim.x * ks * NW * ROWS * COLS + (long long)bx * ks * ROWS;
     if (threadIdx.x < live) ssw[blockIdx.z * ROWS + threadIdx.x] = ss_s[threadIdx.x];
 #endif
-    __shared__ int ticket;
-    __threadfence();  // the partial tile is visible device-wide before the count says so
-    __syncthreads();
-    if (threadIdx.x == 0) ticket = atomicAdd(&counters[bx], 1);
-    __syncthreads();
-    if (ticket != ks - 1) return;
-    __threadfence();
-#if GS_NORM
-    __shared__ float sc_s[ROWS];
-    if (threadIdx.x < live) {
-        float ss = 0.0f;
-        for (int z = 0; z < ks; z++) ss += __ldcg(ssw + z * ROWS + threadIdx.x);  // z order
-        sc_s[threadIdx.x] = (m0 + (int)threadIdx.x >= norm_lo) ? rsqrtf(ss * (1.0f / K) + eps) : 1.0f;
-    }
-    __syncthreads();
-#endif
-    const int c0 = cg * COLS;
-    constexpr int C4 = COLS / 4;
-    for (int idx = threadIdx.x; idx < live * C4; idx += THREADS) {
-        const int lrow = idx / C4, lc = (idx - lrow * C4) * 4, col = c0 + lc;
-        if (col >= N || !((tmask >> (8 + (lrow >> 4))) & 1u)) continue;
-        float4 a[NW];
-#pragma unroll
-        for (int jw = 0; jw < NW; jw++) {
-            a[jw] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 4
-            for (int z = 0; z < ks; z++) {  // fixed order: bit-identical every launch
-                const float4 v = __ldcg(reinterpret_cast<const float4*>(wsb + ((long long)(z * NW + jw) * ROWS + lrow) * COLS + lc));
-                a[jw].x += v.x;
-                a[jw].y += v.y;
-                a[jw].z += v.z;
-                a[jw].w += v.w;
-            }
-        }
-        const long long o = (long long)(m0 + lrow) * N + col;
-#if GS_NORM
-        const float sc = sc_s[lrow];
-#pragma unroll
-        for (int jw = 0; jw < NW; jw++) {
-            a[jw].x *= sc;
-            a[jw].y *= sc;
-            a[jw].z *= sc;
-            a[jw].w *= sc;
-        }
-#endif
-        store(y, r, o, a[0].x, a[NW - 1].x);
-        if (col + 1 < N) store(y, r, o + 1, a[0].y, a[NW - 1].y);
-        if (col + 2 < N) store(y, r, o + 2, a[0].z, a[NW - 1].z);
-        if (col + 3 < N) store(y, r, o + 3, a[0].w, a[NW - 1].w);
-    }
-    if (threadIdx.x == 0) counters[bx] = 0;  // ready for the next launch (or replay)
+    splitk_reduce<NW, ROWS, COLS, THREADS, GS_EPI, GS_NORM, K>(
+        ws, counters, y, r, bx, m0, live, cg * COLS, N, eps, norm_lo,
+        [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; });
 #endif
 }

@@ -228,7 +228,9 @@ class DraftKvBatch(StepIssuer):
 
         # ---- kernels (all compiled now: nothing compiles during capture)
         self.rms = RmsNorm(be, H, c.rms_norm_eps)
-        self._build_gemms(GEMM_MAX_M, gate_w, logits, NN)  # g_fc .. g_lm (x_split), _lm_part
+        # max_m: the most rows one call sees (all lanes' rows, or a bulk chunk); past one 64-row
+        # block the stream GEMMs compile their wgmma variants too (an sm_90a device or the emulator)
+        self._build_gemms(max(GEMM_MAX_M, NC + NN, R), gate_w, logits, NN)  # g_fc .. g_lm (x_split), _lm_part
         self.sampler = TokenSampler(be, self.lm_head.shape[0]) if self.lm_head is not None else None
         self.rope_ctx = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, False, c.rms_norm_eps,
                                     self.attn_scaling)

@@ -100,6 +100,7 @@ class KernelCounters:
     source: str                      # "static estimate" | "static estimate (bytes only)" | "emulator"
     blocks: int
     blocks_counted: int = 0          # emulator: blocks run (sampled), scaled to ``blocks``
+    live_blocks: int = 0             # blocks that do the work (0: all); the rest exit at their start
     gld_requests: int = 0
     gld_sectors: int = 0
     gld_bytes: int = 0               # requested by the lanes
@@ -113,6 +114,8 @@ class KernelCounters:
     smem_wavefronts: int = 0
     smem_ideal_wavefronts: int = 0
     mma: int = 0                     # mma.sync m16n8k16 instructions (warp-level)
+    wgmma_mma: int = 0               # wgmma.mma_async work in m16n8k16 equivalents (4 warps x N/8 each)
+    wgmma_smem_bytes: int = 0        # B operands wgmma reads from shared memory (N x 16 x 2 B each)
     barriers: int = 0                # __syncthreads executed, summed over blocks
     # Latency path of one block (the longest): dependent round trips of its
     # warps' global loads. A static estimate from the loop structure.
@@ -408,6 +411,7 @@ def _gemm_stream(L) -> KernelCounters:
 
     block_rows = [computed(by) for by in range(gy)]
     live_blocks = sum(1 for t in block_rows if any(t))
+    c.live_blocks = gx * live_blocks * gz
     spc = kt // KSTEP
 
     # Weights: warp w of column group bx, tile j holds rows n0 + 8(j % NT) + g (+N for up),
@@ -596,6 +600,151 @@ def _gemm_stream(L) -> KernelCounters:
     if -(-M // 16) * 16 > M:
         c.notes.append(f"M={M}: {-(-M // 16) * 16 - M} zero rows in the last live 16-row tile "
                        f"(MMAs and x reads; tiles wholly past M are skipped)")
+    return c
+
+
+# ---------------------------------------------------------------------------- gemm_wgmma.cu
+def _gemm_wgmma(L) -> KernelCounters:
+    """``cuda_src/gemm_wgmma.cu`` from its launch: grid (column groups x row blocks of BT,
+    1, K slices); ``gemm_stream.plan_wgmma`` is the cross-check. Per 64-k step a block
+    loads its 256 weight rows (8 16-byte requests per warp: 2 sets x rows g, g + 8 x two
+    halves; each request 8 rows x 64 contiguous bytes), stages BT rows x 64 of x (32 bytes
+    per token and instruction, stored as 4-byte pairs into conflict-free core matrices) and issues
+    2 warpgroups x 2 sets x 4 k16 x GW_SPLIT wgmmas of N = BT."""
+    from dflash_cupy.ops import gemm_stream as gs
+
+    d = L.defines
+    K, BT, SPLIT, EPI = d["GW_K"], d["GW_BT"], d.get("GW_SPLIT", 2), d.get("GW_EPI", 0)
+    NORM = d.get("GW_NORM", 0)
+    D = d.get("GW_DEPTH", gs.WG_DEPTH[BT])
+    x, w, y, r, M, N, kz, _kt, ws, _cnt, _pad_lo, pad_hi = L.args[:12]
+    ln, norm_lo = (L.args[12], L.args[14]) if NORM else (None, M)
+    NW = 2 if EPI == 2 else 1
+    COLS, THREADS, KSTEP, WARPS = gs.wg_cols(NW), gs.WG_THREADS, gs.KSTEP, gs.WG_THREADS // 32
+    gx = -(-N // COLS)
+    gy = L.grid[0] // gx
+    gz = L.grid[2]
+    c = KernelCounters("gemm_wgmma", "static estimate", L.n_blocks)
+    p = gs.plan_wgmma(N, K, M, NW, SPLIT, variant=f"wg{BT}", ks=gz)
+    if (p.grid, p.kz) != (tuple(L.grid), kz):
+        c.notes.append(f"launch differs from gemm_stream.plan_wgmma: grid {L.grid} kz {kz} vs {p.grid} {p.kz}")
+    use_live = len(L.args) > 16 and int(L.args[16]) != 0
+    flags = L.known.get("tile_live") if use_live else None
+    lo_pad = min(max(L.known.get("pad_lo", pad_hi) if pad_hi else 0, 0), pad_hi)
+
+    def tiles_of(by: int):
+        """(stored, computed) rows per 16-row tile of row block ``by``."""
+        st, cp = [], []
+        for i in range(BT // 16):
+            a = by * BT + 16 * i
+            b = min(a + 16, M)
+            alive = a < M and (flags is None or flags[a // 16])
+            st.append(b - a if alive else 0)
+            pad = alive and pad_hi and a >= lo_pad and b <= pad_hi
+            cp.append(0 if (not alive or pad) else b - a - (max(0, min(pad_hi, b) - max(lo_pad, a)) if pad_hi else 0))
+        return st, cp
+
+    blocks = [tiles_of(by) for by in range(gy)]
+    act = [by for by in range(gy) if any(blocks[by][0])]
+    spans = [max(0, min(K, z * kz + kz) - z * kz) for z in range(gz)]
+    steps = [-(-sp // KSTEP) for sp in spans]
+
+    # weights: per live block, slice and step, each warp 8 requests of 8 rows (those below N)
+    valid_rows = Counter()
+    for bx in range(gx):
+        for wg in range(2):
+            for a in range(2):
+                for wq in range(4):
+                    for rr in range(2):
+                        n0 = bx * COLS + wg * (128 // NW) + (64 * a if NW == 1 else 0) + 16 * wq + 8 * rr
+                        valid_rows[max(0, min(8, N - n0))] += 1
+    valid_rows.pop(0, None)
+    for sp, ns in zip(spans, steps):
+        full, rem = sp // KSTEP, sp % KSTEP
+        for vr, n in valid_rows.items():
+            for h in (0, 1):
+                sec, req = global_sectors([g * K * 2 + 16 * t + 64 * h for g in range(vr) for t in range(4)], 16)
+                c.add_global("ld", len(act) * n * full, sec, req)
+                lanes = [t for t in range(4) if 8 * t + 32 * h < rem]
+                if rem and lanes:
+                    sec, req = global_sectors([g * K * 2 + 16 * t + 64 * h for g in range(vr) for t in lanes], 16)
+                    c.add_global("ld", len(act) * n, sec, req)
+    c.bytes_read[_name(w)] = N * NW * K * 2 if act else 0
+
+    x_l2 = 0
+    m_st = 0
+    for by in act:
+        st, cp = blocks[by]
+        rows_ld = sum(cp)
+        m_st += sum(st)
+        n_nrm = sum(max(0, min(by * BT + 16 * i + v, M) - max(norm_lo, by * BT + 16 * i))
+                    for i, v in enumerate(cp) if v) if NORM else 0
+        for sp, ns in zip(spans, steps):
+            nb = gx * rows_ld * sp * 4
+            _contig(c, "ld", nb, 16)
+            x_l2 += nb
+            if NORM and n_nrm:
+                _contig(c, "ld", gx * sp * 4, 16)     # ln: once per block and step (its rows hit L1)
+            # staging stores: per step BT x 16 items / 32 per warp, 2 pair stores per plane, one
+            # wavefront each (dead and padding rows store zeros too); NORM: the items' sums, read + write
+            n_st = gx * ns * (BT * 16 // 32) * 2 * SPLIT
+            c.smem_requests += n_st
+            c.smem_wavefronts += n_st
+            c.smem_ideal_wavefronts += n_st
+            if NORM:
+                n_ss = gx * ns * (BT * 16 // 32) * 2
+                c.smem_requests += n_ss
+                c.smem_wavefronts += n_ss
+                c.smem_ideal_wavefronts += n_ss
+            n_wg = gx * ns * 2 * 2 * 4 * SPLIT          # wgmmas per (block, step): 2 WG x 2 sets x 4 k16 x planes
+            c.wgmma_mma += n_wg * 4 * (BT // 8)
+            c.wgmma_smem_bytes += n_wg * BT * 16 * 2
+            c.barriers += gx * (2 * ns + 1)
+    nsteps_max = max(steps) if steps else 0
+    # a step's weights (HBM) and x (L2) are issued together, DEPTH - 1 steps of weights ahead:
+    # one HBM round trip per DEPTH - 1 steps; the prologue's x and the epilogue: L2 trips
+    c.dram_round_trips_per_block = nsteps_max / max(1, D - 1)
+    c.l2_round_trips_per_block = 2
+    c.inflight_peak_bytes_per_warp = (D - 1) * 8 * 512
+
+    # epilogue: one 4-byte store per (set, token, weight row) kept; 8 consecutive columns (g)
+    # of one token per 8 lanes: one sector per 8 lanes
+    if gz == 1:
+        _contig(c, "st", m_st * N * 4, 4)
+        c.gst_requests += 0
+        if EPI == 1:
+            _contig(c, "ld", m_st * N * 4, 4)
+    else:
+        part = gz * NW * m_st * N * 4
+        _contig(c, "st", part, 4)
+        _contig(c, "ld", part, 16)
+        _contig(c, "st", m_st * N * 4, 4)
+        if EPI == 1:
+            _contig(c, "ld", m_st * N * 4, 4)
+        if NORM:
+            _contig(c, "st", gx * gz * m_st * 4)
+            _contig(c, "ld", gx * gz * m_st * 4)
+        c.barriers += gx * len(act) * gz * 2
+        c.bytes_written[_name(ws)] = part
+        c.bytes_read[_name(ws)] = part
+        c.l2_round_trips_per_block += -(-BT * (COLS // 4) // THREADS) * -(-gz * NW // 4)
+        c.notes.append(f"split-K {gz}: partial tiles ({part / 1e6:.2f} MB) round-trip through L2")
+    m_live = sum(sum(blocks[by][1]) for by in act)
+    c.bytes_read[_name(x)] = m_live * K * 4
+    c.bytes_written[_name(y)] = m_st * N * 4
+    if EPI == 1:
+        c.bytes_read[_name(r) + " (residual)"] = m_st * N * 4
+    c.dram_bytes = (N * NW * K * 2 if act else 0) + m_live * K * 4 + m_st * N * 4 * (2 if EPI == 1 else 1)
+    c.live_blocks = gx * len(act) * gz
+    if len(act) < gy:
+        c.notes.append(f"{gy - len(act)} of {gy} row blocks dead (tile_live): their blocks exit at once")
+    if NORM:
+        c.bytes_read[_name(ln)] = K * 4
+        c.dram_bytes += K * 4
+    c.notes.append(f"wgmma N={BT}: x staged by each of the {gx} column groups: {x_l2 / 1e6:.2f} MB from L2; "
+                   f"weights re-read by {len(act)} row block(s)")
+    if SPLIT == 2:
+        c.notes.append("activations split hi + lo: 2x the wgmmas")
     return c
 
 
@@ -791,6 +940,8 @@ def static_counters(launch) -> KernelCounters:
         return _gemm_mma(launch)
     if launch.kernel == "gemm_stream":
         return _gemm_stream(launch)
+    if launch.kernel == "gemm_wgmma":
+        return _gemm_wgmma(launch)
     if launch.kernel == "ring_attn_mma_split":
         return _attn_mma(launch)
     return _small(launch)
@@ -833,7 +984,8 @@ def scale_sample(c: KernelCounters, blocks_counted: int) -> KernelCounters:
         raise ValueError(f"blocks_counted must be in [1, {c.blocks}], got {blocks_counted}")
     f = c.blocks / blocks_counted
     for k in ("gld_requests", "gld_sectors", "gld_bytes", "gst_requests", "gst_sectors", "gst_bytes",
-              "smem_requests", "smem_wavefronts", "smem_ideal_wavefronts", "mma", "barriers"):
+              "smem_requests", "smem_wavefronts", "smem_ideal_wavefronts", "mma", "barriers", "wgmma_mma",
+              "wgmma_smem_bytes"):
         setattr(c, k, int(round(getattr(c, k) * f)))
     c.blocks_counted = blocks_counted
     return c

@@ -39,7 +39,7 @@ from . import counters as ctr
 COPY_LIMIT = 1 << 20       # allocations up to this size carry the recording's bytes
 DEFAULT_SAMPLE = 8         # blocks per launch (first, last and 6 seeded; z columns: see run_counted)
 COMPARE = ("gld_requests", "gld_sectors", "gst_requests", "gst_sectors", "l2_bytes", "sector_efficiency",
-           "smem_requests", "smem_wavefronts", "bank_conflict_factor", "mma", "barriers", "dram_bytes")
+           "smem_requests", "smem_wavefronts", "bank_conflict_factor", "mma", "wgmma_mma", "barriers", "dram_bytes")
 
 
 def _root(a: np.ndarray) -> np.ndarray:
@@ -82,7 +82,7 @@ def _scalar(kernel, args) -> list:
 
 _ADDITIVE = ("gld_requests", "gld_sectors", "gld_bytes", "gst_requests", "gst_sectors", "gst_bytes",
              "sld_requests", "sld_wavefronts", "sld_ideal", "sst_requests", "sst_wavefronts", "sst_ideal",
-             "mma", "barriers", "other_accesses", "other_bytes")
+             "mma", "barriers", "other_accesses", "other_bytes", "wgmma", "wgmma_mma", "wgmma_smem_bytes")
 
 
 def _combine(edge, inner, f: float):
@@ -154,7 +154,7 @@ def to_counters(launch, lc, kernel, static: ctr.KernelCounters | None = None) ->
     c = ctr.KernelCounters(launch.kernel, "emulator" if full else f"emulator ({lc.blocks_run} blocks scaled)",
                            launch.n_blocks)
     for k in ("gld_requests", "gld_sectors", "gld_bytes", "gst_requests", "gst_sectors", "gst_bytes",
-              "mma", "barriers"):
+              "mma", "barriers", "wgmma_mma", "wgmma_smem_bytes"):
         setattr(c, k, getattr(lc, k))
     c.smem_requests, c.smem_wavefronts, c.smem_ideal_wavefronts = lc.smem_requests, lc.smem_wavefronts, lc.smem_ideal
     if getattr(lc, "scaled", False) or full:

@@ -35,6 +35,7 @@ class GPU:
     l2_bytes: int
     smem_wavefronts_per_clk_sm: float   # shared memory: one 128-byte wavefront per clock per SM
     mma_per_clk_sm: float         # mma.sync m16n8k16 (f16/bf16 in, f32 acc) instructions per clock per SM
+    wgmma_per_clk_sm: float       # wgmma work in m16n8k16 equivalents per clock per SM
     node_gap_s: float             # idle time between two dependent kernel nodes of a graph
     # occupancy limits (compute capability 9.0)
     regs_per_sm: int = 65536
@@ -79,6 +80,10 @@ _COMMON_SOURCES = {
                       "989 TFLOPS at 132 SMs), but mma.sync (not wgmma) reaches about half of it "
                       "(Luo et al. 2024, 'Benchmarking and Dissecting the Nvidia Hopper GPU "
                       "Architecture', arXiv:2402.13499): 1024 FMA/clk/SM = 0.5 m16n8k16 per clock",
+    "wgmma_per_clk_sm": "approx.: the dense peak is 1.0 m16n8k16 equivalent per clock per SM (2048 FMA); "
+                        "large CUTLASS/cuBLAS bf16 GEMMs on H100 SXM reach ~750-800 of its 989 TFLOPS, so "
+                        "0.8; wgmma with N = 64-128 from a register A operand assumed to keep that pace; "
+                        "calibrate (tests/test_gemm_wgmma.py timings on a GPU)",
     "node_gap_s": "approx.: the issue's review estimate of 1.5-3 us per kernel boundary in a graph "
                   "(low end taken); calibrate from a measured eager vs graph step",
     "hbm_latency_s": "approx.: ~480 ns unloaded DRAM latency on H100 (chipsandcheese.com, 'Nvidia's "
@@ -93,7 +98,7 @@ H200 = GPU(
     name="H200", sm_count=132, clock_hz=1.755e9,
     hbm_peak_Bps=4.8e12, hbm_Bps=4.3e12, hbm_latency_s=650e-9,
     l2_Bps=10.0e12, l2_latency_s=280e-9, l2_bytes=50 * 2**20,
-    smem_wavefronts_per_clk_sm=1.0, mma_per_clk_sm=0.5, node_gap_s=1.5e-6,
+    smem_wavefronts_per_clk_sm=1.0, mma_per_clk_sm=0.5, wgmma_per_clk_sm=0.8, node_gap_s=1.5e-6,
     sources=dict(_COMMON_SOURCES, **{
         "sm_count": "H200 SXM = GH100 with 132 SMs (NVIDIA H200 datasheet, same die as H100 SXM)",
         "clock_hz": "approx.: H100/H200 SXM max boost 1.98 GHz, ~1.755 GHz sustained under load "

@@ -81,7 +81,7 @@ class NodeTime:
 def _label(n) -> str:
     if isinstance(n, Copy):
         return f"memcpy {n.kind}"
-    if n.kernel in ("gemm_mma", "gemm", "gemm_stream"):
+    if n.kernel in ("gemm_mma", "gemm", "gemm_stream", "gemm_wgmma"):
         wname = getattr(n.args[1], "name", "?")
         role = wname.rsplit(".", 1)[-1].replace("w_", "") if "." in wname else wname
         return f"{n.kernel}[{role}]"
@@ -97,17 +97,23 @@ def kernel_time(n, c: ctr.KernelCounters, gpu) -> NodeTime:
     else:
         info = sf.ptxas_info(n.file, n.defines)[n.kernel]
         occ = sf.occupancy(gpu, n.threads, info["registers"], info["smem"], n.shared_mem)
-        wv = sf.waves(n.n_blocks, occ.blocks_per_sm, gpu.sm_count)
+        # blocks that exit at their start (dead row blocks of a lane-batched GEMM) free their
+        # slot at once: the waves are those of the live blocks
+        blocks = c.live_blocks if 0 < c.live_blocks < n.n_blocks else n.n_blocks
+        wv = sf.waves(blocks, occ.blocks_per_sm, gpu.sm_count)
         t = NodeTime(_label(n), n.kernel, n.grid, n.threads, info["registers"], info["smem"] + n.shared_mem,
                      occ.blocks_per_sm, occ.limited_by, wv.waves, wv.tail_blocks, wv.efficiency,
                      counters=c)
-        blocks = n.n_blocks
         per_sm_max = math.ceil(blocks / gpu.sm_count)     # blocks the busiest SM runs
         t.inflight_kb_per_sm = (c.inflight_peak_bytes_per_warp * (n.threads // 32)
                                 * min(occ.blocks_per_sm, per_sm_max) / 1024)
         clk = gpu.clock_hz
-        smem = c.smem_wavefronts / blocks * per_sm_max / (gpu.smem_wavefronts_per_clk_sm * clk)
-        mma = c.mma / blocks * per_sm_max / (gpu.mma_per_clk_sm * clk)
+        # wgmma reads its B operand from shared memory: 128-byte wavefronts too
+        smem_wf = c.smem_wavefronts + c.wgmma_smem_bytes / 128
+        # tensor-core clocks: mma.sync and wgmma at their own rates
+        mma_clk = c.mma / gpu.mma_per_clk_sm + c.wgmma_mma / gpu.wgmma_per_clk_sm
+        smem = smem_wf / blocks * per_sm_max / (gpu.smem_wavefronts_per_clk_sm * clk)
+        mma = mma_clk / blocks * per_sm_max / clk
         rounds = math.ceil(blocks / wv.slots)
         lat = rounds * (c.dram_round_trips_per_block * gpu.hbm_latency_s
                         + c.l2_round_trips_per_block * gpu.l2_latency_s)
@@ -119,12 +125,12 @@ def kernel_time(n, c: ctr.KernelCounters, gpu) -> NodeTime:
         if wv.full_waves and wv.tail_blocks:
             # full waves at the whole GPU's rates, then the tail's blocks alone:
             # their SMs' shared memory and tensor cores, their latency path
-            even = max(dram, l2, c.smem_wavefronts / (gpu.sm_count * gpu.smem_wavefronts_per_clk_sm * clk),
-                       c.mma / (gpu.sm_count * gpu.mma_per_clk_sm * clk))
+            even = max(dram, l2, smem_wf / (gpu.sm_count * gpu.smem_wavefronts_per_clk_sm * clk),
+                       mma_clk / (gpu.sm_count * clk))
             per_sm_tail = math.ceil(wv.tail_blocks / gpu.sm_count)
             tail = max(lat / rounds, dram * wv.tail_blocks / blocks,
-                       c.smem_wavefronts / blocks * per_sm_tail / (gpu.smem_wavefronts_per_clk_sm * clk),
-                       c.mma / blocks * per_sm_tail / (gpu.mma_per_clk_sm * clk))
+                       smem_wf / blocks * per_sm_tail / (gpu.smem_wavefronts_per_clk_sm * clk),
+                       mma_clk / blocks * per_sm_tail / clk)
             wave = even * (blocks - wv.tail_blocks) / blocks + tail
         t.bounds_us = {"dram": dram * us, "l2": l2 * us, "smem": smem * us, "mma": mma * us,
                        "latency": lat * us, "wave": wave * us}
@@ -201,7 +207,7 @@ def _groups(nodes) -> "OrderedDict[str, dict]":
 
 _WHY = {
     "smem": "shared-memory wavefronts",
-    "mma": "mma.sync issue rate",
+    "mma": "mma.sync issue rate / wgmma rate",
     "latency": "too few loads in flight (latency x round trips)",
     "wave": "wave quantisation (a partial tail wave)",
     "l2": "L2 traffic",

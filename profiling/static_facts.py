@@ -18,12 +18,15 @@ from dflash_cupy import kernels
 ARCH = "sm_90"
 
 
-def ptxas_info(file: str, defines: dict, arch: str = ARCH) -> dict:
+def ptxas_info(file: str, defines: dict, arch: str | None = None) -> dict:
     """``{kernel: {registers, smem, stack, spill_stores, spill_loads}}`` of
-    ``cuda_src/<file>`` compiled with ``defines`` for ``arch``: the backends' own
-    NVRTC build (``nvrtc_info.cached_compile_info``, cached on disk)."""
+    ``cuda_src/<file>`` compiled with ``defines`` for ``arch`` (default: the target the
+    file declares, ``// nvrtc-arch: sm_90a`` for the wgmma kernels, else ``ARCH``): the
+    backends' own NVRTC build (``nvrtc_info.cached_compile_info``, cached on disk)."""
     from dflash_cupy.backends import nvrtc_info
     path = kernels.source_path(file)
+    if arch is None:
+        arch = nvrtc_info.declared_arch(path.read_text()) or ARCH
     info = nvrtc_info.cached_compile_info(path.read_text(), str(path),
                                           kernels.compile_options(**defines), arch)
     return {name: {"registers": k.registers, "smem": k.static_smem, "stack": k.stack,

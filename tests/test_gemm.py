@@ -25,9 +25,11 @@ def host_weights(rng, rows, K, wkind):
 
 
 def run(backend, rng, *, N, K, wkind, epilogue, m, max_m=64, x_rows=None, in_place=False, path="auto",
-        x_split=True, k_split=None):
+        x_split=True, k_split=None, config=None, wgmma=None):
     op = Gemm(backend, N, K, wkind, epilogue=epilogue, max_m=max_m, path=path, x_split=x_split,
-              k_split=k_split)
+              k_split=k_split, wgmma=wgmma)
+    if config is not None:   # a launch configuration of the stream path (e.g. a wgmma variant)
+        op.use_config(m, config)
     x_rows = m if x_rows is None else x_rows
     xh = rng.standard_normal((x_rows, K)).astype(np.float32)
     wh = host_weights(rng, 2 * N if epilogue == "silu_mul" else N, K, wkind)

@@ -546,7 +546,7 @@ def test_many_m_blocks_match_the_reference(backend, rng, epilogue):
     # the linear index lands on its own rows and columns; rows >= m stay untouched.
     # max_m = 4096 (64 lanes x 64 rows) is accepted and needs no larger workspace.
     op = run(backend, rng, N=300, K=136, wkind="bf16", epilogue=epilogue, m=256, max_m=4096, x_rows=260,
-             path="stream")
+             path="stream", wgmma=False)
     p = op._stream.plan(256)
     assert p.mblocks == 4 and p.groups == (3 if epilogue == "silu_mul" else 2) and p.grid == (p.groups * 4, 1, 1)
     assert op._stream._ws.size == 1
@@ -555,7 +555,7 @@ def test_many_m_blocks_match_the_reference(backend, rng, epilogue):
 def test_many_m_blocks_exact_integers(backend, rng):
     # integer data: a row or column landing in the wrong block is an exact mismatch
     N, K, m = 300, 200, 200
-    op = Gemm(backend, N, K, "bf16", max_m=4096, path="stream")
+    op = Gemm(backend, N, K, "bf16", max_m=4096, path="stream", wgmma=False)
     xh = rng.integers(-3, 4, (m, K)).astype(np.float32)
     wf = rng.integers(-3, 4, (N, K)).astype(np.float32)
     y = backend.zeros((m, N), np.float32)
@@ -585,7 +585,8 @@ def test_many_m_blocks_fused_argmax(backend, rng):
 @pytest.mark.parametrize("path,wkind", [("mma", "bf16"), ("fma", "f32")])
 def test_large_max_m_on_the_fallback_paths(backend, rng, path, wkind):
     # max_m beyond 64 keeps the 64-row tile there (larger m: more tiles)
-    op = run(backend, rng, N=37, K=96, wkind=wkind, epilogue="none", m=70, max_m=4096, x_rows=72, path=path)
+    op = run(backend, rng, N=37, K=96, wkind=wkind, epilogue="none", m=70, max_m=4096, x_rows=72, path=path,
+             wgmma=False if path == "stream" else None)
     assert op.tile_m == 64
 
 
@@ -607,7 +608,7 @@ def test_split_k_several_m_blocks(backend, rng, epilogue, norm):
     second launch repeats bit for bit (the counters reset themselves to 0)."""
     N, K, ks = 300, 840, 3
     nw = 2 if epilogue == "silu_mul" else 1
-    op = Gemm(backend, N, K, "bf16", epilogue=epilogue, max_m=512, path="stream", k_split=ks,
+    op = Gemm(backend, N, K, "bf16", epilogue=epilogue, max_m=512, path="stream", k_split=ks, wgmma=False,
               norm_eps=1e-6 if norm else None)
     wh = host_weights(rng, nw * N, K, "bf16")
     w = backend.asarray(wh)
@@ -644,7 +645,7 @@ def test_split_k_several_m_blocks_exact_integers(backend, rng):
     # integer data: every partial sum is exact, so a slice reduced into the wrong (group,
     # M block) or a missing slice is an exact mismatch; 4 M blocks x 2 groups x 4 slices
     N, K, m = 300, 712, 200
-    op = Gemm(backend, N, K, "bf16", max_m=256, path="stream", k_split=4)
+    op = Gemm(backend, N, K, "bf16", max_m=256, path="stream", k_split=4, wgmma=False)
     assert op._stream.plan(m).grid == (2 * 4, 1, 4)
     xh = rng.integers(-3, 4, (m, K)).astype(np.float32)
     wf = rng.integers(-3, 4, (N, K)).astype(np.float32)
@@ -658,7 +659,7 @@ def test_split_k_several_m_blocks_in_a_graph(backend, rng):
     # captured once, replayed with other flags: each replay matches the reference and
     # a replay with the same flags repeats bit for bit
     N, K, m = 70, 392, 130
-    op = Gemm(backend, N, K, "bf16", epilogue="residual", max_m=256, path="stream", k_split=3)
+    op = Gemm(backend, N, K, "bf16", epilogue="residual", max_m=256, path="stream", k_split=3, wgmma=False)
     assert op._stream.plan(m).mblocks == 3 and op._stream.plan(m).ks == 3
     xh = rng.standard_normal((m, K)).astype(np.float32)
     wh = host_weights(rng, N, K, "bf16")

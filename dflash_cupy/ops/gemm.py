@@ -79,7 +79,7 @@ class Gemm:
 
     def __init__(self, backend, N: int, K: int, w_dtype, epilogue: str = "none", max_m: int = 64,
                  path: str = "auto", x_split: bool = True, k_split: int | None = None,
-                 norm_eps: float | None = None, logits: bool = True):
+                 norm_eps: float | None = None, logits: bool = True, wgmma: bool | None = None):
         N, K, max_m = (checks.int_arg(v, name, 1) for v, name in ((N, "N"), (K, "K"), (max_m, "max_m")))
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue {epilogue!r}: expected one of {tuple(EPILOGUES)}")
@@ -113,6 +113,11 @@ class Gemm:
                     or not 0 < float(norm_eps) < 1:
                 raise ValueError(f"norm_eps must be a float in (0, 1), got {norm_eps!r}")
         self.norm_eps = None if norm_eps is None else float(norm_eps)
+        if wgmma is not None and not isinstance(wgmma, bool):
+            raise TypeError(f"wgmma must be None (auto), True or False, got {wgmma!r}")
+        if wgmma and self.path != "stream":
+            raise ValueError(f"wgmma=True needs path 'stream' (this Gemm runs {self.path!r})")
+        self._wgmma = wgmma
         if self.path == "stream":
             self._init_stream(k_split)
             return
@@ -151,7 +156,7 @@ class Gemm:
             self.backend, self.N, self.K, dtypes.CODE[self.wkind], EPILOGUES[self.epilogue],
             2 if self.epilogue == "silu_mul" else 1, self.split, self.max_m,
             k_split=None if k_split is None else int(k_split), norm=self.norm_eps is not None,
-            logits=self.logits)
+            logits=self.logits, wgmma=self._wgmma)
         self.k_split = self._stream.plan(self.max_m).ks   # at m = max_m; each call plans its own m
         self.k_tile = self._stream.plan(self.max_m).kt
         self.cols_per_block = gemm_stream.cols_per_block(self._stream.nw)

@@ -94,7 +94,7 @@ GRID_X_MAX = 2**31 - 1
 
 @dataclass(frozen=True)
 class Plan:
-    mt: int               # compiled variant (16-row tiles per block)
+    mt: int | str         # compiled variant: 16-row tiles per block (mma.sync), or "wg64"/"wg128" (wgmma)
     tiles: int            # live tiles of a full block
     grid: tuple           # (groups * mblocks, 1, ks): block x = column group * mblocks + M block
     ks: int               # K slices (grid z)
@@ -102,7 +102,16 @@ class Plan:
     kt: int               # x chunk staged at once, multiple of 64
     smem: int             # dynamic shared memory per block
     groups: int = 1       # column groups (COLS output columns each)
-    mblocks: int = 1      # M blocks (16 * mt rows each)
+    mblocks: int = 1      # M blocks (rows each)
+
+    @property
+    def rows(self) -> int:
+        """Rows of x per block: 16 * mt, or the wgmma variant's tokens."""
+        return wg_tokens(self.mt) if isinstance(self.mt, str) else 16 * self.mt
+
+    @property
+    def threads(self) -> int:
+        return WG_THREADS if isinstance(self.mt, str) else WARPS * 32
 
 
 def _kt_for(kz: int, mt: int, tiles: int, split: int, dev: Device) -> int:
@@ -163,6 +172,78 @@ def plan(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device = H200
         raise ValueError(f"m={m}, N={N}: {nblk} column groups x {gy} M blocks exceed the grid's x limit")
     return Plan(mt=mt, tiles=tiles, grid=(nblk * gy, 1, ks), ks=ks, kz=kz, kt=kt,
                 smem=smem_bytes(tiles, kt, split), groups=nblk, mblocks=gy)
+
+
+# ---- the wgmma variants (cuda_src/gemm_wgmma.cu): "wg<BT>", BT rows of x per block
+WG_VARIANTS = ("wg64", "wg128")
+WG_THREADS = 256          # two warpgroups (GW_WG 2)
+WG_WEIGHT_ROWS = 256      # weight rows per block: 2 warpgroups x 2 sets of 64
+WG_DEPTH = {64: 3, 128: 2}
+WG_MIN_M = 65             # the default rule takes wgmma from here (above one 64-row mma.sync block)
+# ptxas (NVRTC, sm_90a) registers per thread, max over dtypes, epilogues, hi + lo and the folded
+# norm (tests/test_gemm_wgmma.py holds the kernel to them); one block of 256 threads per SM.
+WG_PTXAS_REGS = {64: 232, 128: 248}
+WG_BLOCK_STEPS = 2        # a block's fixed cost in 64-k steps: its first loads, the epilogue
+WG_SPLIT_STEPS = 3        # a split block's partial tile and the last slice's reduction, in steps
+
+
+def wg_tokens(variant: str) -> int:
+    if variant not in WG_VARIANTS:
+        raise ValueError(f"wgmma variant {variant!r}: expected one of {WG_VARIANTS}")
+    return int(variant[2:])
+
+
+def wg_cols(nw: int) -> int:
+    """Output columns per block of the wgmma kernel (128 for silu_mul: gate and up rows)."""
+    return WG_WEIGHT_ROWS // nw
+
+
+def wg_smem(bt: int, split: int) -> int:
+    """Dynamic shared memory: two buffers of one 64-k step of x per plane, each of its four
+    k16 instructions padded by 64 bytes (gemm_wgmma.cu's Q_B)."""
+    return 2 * split * 4 * (bt * 32 + 64)
+
+
+def plan_wgmma(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device = H200, variant: str = "wg128",
+               ks: int | None = None) -> Plan:
+    """Launch of ``gemm_wgmma.cu`` for ``m`` rows: column groups x row blocks of BT,
+    one block per SM (its registers), and the K split (slices of >= ``MIN_K_SLICE``
+    unless forced) that minimises whole waves x (steps per block + its fixed part), i.e.
+    fills the SMs when the groups alone do not, without slicing so thin that the fixed
+    parts dominate."""
+    bt = wg_tokens(variant)
+    groups = -(-N // wg_cols(nw))
+    tb = -(-m // bt)
+    base = groups * tb
+    if base > GRID_X_MAX:
+        raise ValueError(f"m={m}, N={N}: {groups} column groups x {tb} row blocks exceed the grid's x limit")
+    steps = -(-K // KSTEP)
+    best = None
+    for k in range(1, MAX_K_SPLIT + 1):
+        if ks is not None and k != ks:
+            continue
+        kz = -(-steps // k) * KSTEP
+        if -(-K // kz) != k or (k > 1 and kz < MIN_K_SLICE and ks is None):
+            continue
+        # whole waves x each block's steps, plus a block's fixed part (its first loads, the
+        # epilogue; a split's partial tile and reduction)
+        cost = -(-base * k // dev.sm_count) * (kz // KSTEP + WG_BLOCK_STEPS + (WG_SPLIT_STEPS if k > 1 else 0))
+        if best is None or cost < best[0]:
+            best = (cost, k, kz)
+    if best is None:
+        raise ValueError(f"ks={ks} does not split K={K} into slices of whole 64-wide steps")
+    _, k, kz = best
+    return Plan(mt=variant, tiles=bt // 16, grid=(base, 1, k), ks=k, kz=kz, kt=KSTEP,
+                smem=wg_smem(bt, split), groups=groups, mblocks=tb)
+
+
+def wgmma_available(backend) -> bool:
+    """Whether ``backend``'s device runs sm_90a code (wgmma): Hopper, or the emulator."""
+    try:
+        kernels.arch_options(backend, "sm_90a")
+    except RuntimeError:
+        return False
+    return True
 
 
 def weight_passes(groups: int, mblocks: int, concurrent: int, m_fastest: bool = True) -> float:
@@ -268,7 +349,8 @@ class StreamKernels:
     compiled now: nothing compiles during graph capture) and their launches."""
 
     def __init__(self, backend, N: int, K: int, wtype_code: int, epi_code: int, nw: int, split: int,
-                 max_m: int, k_split: int | None = None, norm: bool = False, logits: bool = True):
+                 max_m: int, k_split: int | None = None, norm: bool = False, logits: bool = True,
+                 wgmma: bool | None = None):
         self._argmax = epi_code == ARGMAX_EPI
         if self._argmax:  # the fused argmax reduces within a block: no split K
             k_split = 1
@@ -276,53 +358,79 @@ class StreamKernels:
         self.N, self.K, self.nw, self.split, self.k_split = N, K, nw, split, k_split
         self.norm = bool(norm)
         self.dev = device_of(backend)
-        self._choice: dict = {}        # m -> (mt, ks) set by use() (autotuning: dflash_cupy/tuning.py)
+        self._choice: dict = {}        # m -> (variant, ks) set by use() (autotuning: dflash_cupy/tuning.py)
         self._captured = False         # a graph holds this object's workspace pointers: no regrowth
         top = self.top = bucket(max_m)
         self.buckets = tuple(b for b in MT_BUCKETS if b <= top)
         self._kernels = {}
+        defs = dict(WTYPE=wtype_code, EPI=epi_code, K=K, SPLIT=split, **({"NORM": 1} if self.norm else {}))
         for mt in self.buckets:
-            mod = kernels.load_module(backend, "gemm_stream.cu", GS_WTYPE=wtype_code, GS_EPI=epi_code, GS_K=K,
-                                      GS_MT=mt, GS_NT=WTILES // nw, GS_WARPS=WARPS, GS_SPLIT=split,
-                                      GS_DEPTH=DEPTH[mt], **({"GS_NORM": 1} if self.norm else {}),
+            mod = kernels.load_module(backend, "gemm_stream.cu", **{"GS_" + k: v for k, v in defs.items()},
+                                      GS_MT=mt, GS_NT=WTILES // nw, GS_WARPS=WARPS, GS_DEPTH=DEPTH[mt],
                                       **({"GS_LOGITS": int(logits)} if epi_code == ARGMAX_EPI else {}))
             self._kernels[mt] = mod.get_function("gemm_stream")
+        # wgmma variants (gemm_wgmma.cu) where rows beyond one 64-row block are expected, the
+        # device runs sm_90a and the epilogue is not the fused argmax; wgmma=True insists.
+        self.max_m = int(max_m)
+        auto = self.max_m >= WG_MIN_M and not self._argmax and wgmma_available(backend)
+        if wgmma and (self._argmax or not wgmma_available(backend)):
+            raise ValueError("wgmma=True needs an sm_90a device (or the emulator) and an epilogue other than argmax")
+        self.wg_variants = WG_VARIANTS if (auto if wgmma is None else bool(wgmma)) else ()
+        for v in self.wg_variants:
+            bt = wg_tokens(v)
+            mod = kernels.load_module(backend, "gemm_wgmma.cu", **{"GW_" + k: val for k, val in defs.items()},
+                                      GW_BT=bt, GW_DEPTH=WG_DEPTH[bt])
+            self._kernels[v] = mod.get_function("gemm_wgmma")
         # Workspace for the largest split any m plans (m beyond max_m is accepted: more M
         # blocks): per block x (column group, M block) and slice a partial tile (rows of
         # its variant), then (GS_NORM) each slice's row sums of squares. plan() splits
         # several M blocks only while groups * mblocks * ks fits one wave, so no m past
         # m_hi (2 slices of its M blocks would not fit) splits, and the workspace stays
-        # one wave's tiles at most. Counters: one per block x of a split launch.
+        # one wave's tiles at most. The wgmma default splits only while the groups alone
+        # leave SMs idle (whole waves), so its row blocks up to max_m bound it too.
+        # Counters: one per block x of a split launch.
         ws = 0
         groups = -(-N // cols_per_block(nw))
         nbx = groups
-        self.max_m = int(max_m)
         wave = self.dev.sm_count * blocks_per_sm(top, 0)
         m_hi = 16 * top * max(1, wave // (2 * groups))
-        self.m_split_max = 0     # the largest m that splits K
-        for m in range(1, m_hi + 1):
-            p = self.plan(m)
+        self.m_split_max = 0     # the largest m that splits K (mma.sync variants)
+        sizes = [m for m in range(1, m_hi + 1)]
+        if self.wg_variants:
+            sizes += [max(WG_MIN_M, min(self.max_m, 128 * tb)) for tb in range(1, -(-self.max_m // 128) + 1)]
+        for m in sizes:
+            p = self.default_plan(m)
             if p.ks > 1:
                 nbx = max(nbx, p.grid[0])
                 ws = max(ws, self._ws_len(p))
-                self.m_split_max = m
+                if not isinstance(p.mt, str):
+                    self.m_split_max = max(self.m_split_max, m)
         self._ws = backend.zeros((max(ws, 1),), np.float32)
         self._counters = backend.zeros((nbx,), np.int32)
 
     def _ws_len(self, p: Plan) -> int:
         """f32 workspace a split launch ``p`` needs: per block x and slice a partial
         tile, then (GS_NORM) each slice's row sums of squares."""
-        return p.grid[0] * p.ks * 16 * p.mt * (self.nw * cols_per_block(self.nw) + int(self.norm))
+        cols = wg_cols(self.nw) if isinstance(p.mt, str) else cols_per_block(self.nw)
+        return p.grid[0] * p.ks * p.rows * (self.nw * cols + int(self.norm))
+
+    def _plan(self, m: int, mt, ks) -> Plan:
+        if isinstance(mt, str):
+            return plan_wgmma(self.N, self.K, m, self.nw, self.split, self.dev, variant=mt, ks=ks)
+        return plan(self.N, self.K, m, self.nw, self.split, self.dev, mt=mt, ks=ks)
 
     def plan(self, m: int) -> Plan:
         c = self._choice.get(m)
         if c is not None:
-            return plan(self.N, self.K, m, self.nw, self.split, self.dev, mt=c[0], ks=c[1])
+            return self._plan(m, c[0], c[1])
         return self.default_plan(m)
 
     def default_plan(self, m: int) -> Plan:
-        """What ``plan(m)`` returns without a tuned choice (the cost rule above)."""
-        return plan(self.N, self.K, m, self.nw, self.split, self.dev, mt=min(bucket(m), self.top), ks=self.k_split)
+        """What ``plan(m)`` returns without a tuned choice: the wgmma kernel with 128-row
+        blocks from ``WG_MIN_M`` rows where it is compiled, else the cost rule above."""
+        if self.wg_variants and m >= WG_MIN_M:
+            return self._plan(m, "wg128", self.k_split)
+        return self._plan(m, min(bucket(m), self.top), self.k_split)
 
     def candidates(self, m: int) -> list:
         """Every launch configuration ``(mt, ks)`` this object can run ``m`` rows
@@ -336,9 +444,14 @@ class StreamKernels:
         m = int(m)
         out = []
         splits = (1,) if self.k_split is not None or self._argmax else tuple(range(1, MAX_K_SPLIT + 1))
-        for mt in self.buckets:
+        for mt in self.buckets + self.wg_variants:
             for ks in splits:
-                p = plan(self.N, self.K, m, self.nw, self.split, self.dev, mt=mt, ks=ks)
+                try:
+                    p = self._plan(m, mt, ks)
+                except ValueError:   # a split the K steps do not allow
+                    continue
+                if isinstance(mt, str) and ks > 1 and p.kz < MIN_K_SLICE:
+                    continue   # wgmma: one block per SM already; thinner slices only add partials
                 if p.ks == ks and (mt, ks) not in out:
                     out.append((mt, ks))
         d = self.default_plan(m)
@@ -351,24 +464,25 @@ class StreamKernels:
         ``candidates(m)``) from now on, growing the split-K workspace if it
         needs more. Before any graph captures this GEMM only: a captured graph
         holds the workspace's address."""
-        if (int(mt), int(ks)) not in self.candidates(m):
-            raise ValueError(f"(mt={mt}, ks={ks}) is not a launch configuration for m={m}: "
+        mt = mt if isinstance(mt, str) else int(mt)
+        if (mt, int(ks)) not in self.candidates(m):
+            raise ValueError(f"(mt={mt!r}, ks={ks}) is not a launch configuration for m={m}: "
                              f"candidates {self.candidates(m)}")
         if self._captured:
             raise RuntimeError("use() after a graph captured this GEMM: tune before the first capture")
-        p = plan(self.N, self.K, m, self.nw, self.split, self.dev, mt=int(mt), ks=int(ks))
+        p = self._plan(m, mt, int(ks))
         if p.ks > 1:
             need = self._ws_len(p)
             if need > self._ws.size:
                 self._ws = self.backend.zeros((need,), np.float32)
             if p.grid[0] > self._counters.size:
                 self._counters = self.backend.zeros((p.grid[0],), np.int32)
-        self._choice[int(m)] = (int(mt), int(ks))
+        self._choice[int(m)] = (mt, int(ks))
 
     def launch_config(self, m: int):
         """``(grid, block, shared_mem)``; grid ``(groups * mblocks, 1, ks)``."""
         p = self.plan(m)
-        return p.grid, (WARPS * 32, 1, 1), p.smem
+        return p.grid, (p.threads, 1, 1), p.smem
 
     def __call__(self, x, w, y, r, m: int, stream=None, pad_rows=None, norm=None, partials=None,
                  tile_live=None):
@@ -385,7 +499,7 @@ class StreamKernels:
             self._captured = True
         lo, hi = (self._counters, 0) if pad_rows is None else pad_rows
         ln, eps, norm_lo = (x, 0.0, m) if norm is None else norm
-        self._kernels[p.mt](p.grid, (WARPS * 32, 1, 1),
+        self._kernels[p.mt](p.grid, (p.threads, 1, 1),
                             (x, w, y, r, np.int32(m), np.int32(self.N), np.int32(p.kz), np.int32(p.kt),
                              self._ws if partials is None else partials, self._counters, lo, np.int32(hi),
                              ln, np.float32(eps), np.int32(norm_lo),

@@ -1,0 +1,417 @@
+// nvrtc-arch: sm_90a
+// gemm_wgmma.cu — weight-streaming GEMM on Hopper's warpgroup MMA (wgmma), for many rows
+// (lane-batched steps: 64 .. 512+ rows), f16 / bf16 weights.
+//
+// Same contract, arguments and launch semantics as gemm_stream.cu (which it stands beside as
+// one more launch configuration of ops/gemm_stream.StreamKernels; see that header for the
+// padding rows, tile_live, the folded RMSNorm and the split-K workspace):
+//     acc[m, n] = sum_k xe[m, k] * W[n, k]          (f32 accumulation)
+//   xe = hi + lo (GW_SPLIT 2) or hi (GW_SPLIT 1) of x rounded to the weight type;
+//   GW_EPI 0: y = acc, 1: y = r + acc, 2: y = silu(acc_gate) * acc_up (W [2N, K]);
+//   GW_NORM 1: rows >= norm_lo of x enter as rmsnorm(x_row) * ln (staged x * ln, the row's
+//   scale rsqrt(sum x^2 / K + eps) applied to acc). No argmax epilogue (gemm_stream's GS_EPI 3).
+// Layouts: x [M, K] f32, W [N or 2N, K] 16-bit, y, r [M, N] f32, row-major, 16-byte aligned,
+// K % 8 == 0.
+//
+// ---- Why wgmma, and "swap AB"
+//   With many rows the mma.sync kernel (gemm_stream.cu) is bound by mma.sync issue (about half
+//   of Hopper's tensor peak) and by L2 re-reads of its 64-row blocks' weights. Here the weights
+//   are wgmma's A operand (64 weight rows per instruction, from registers) and the activations
+//   its B operand (GW_BT rows of x, "tokens", as the instruction's N, from shared memory):
+//       D[64 weight rows][BT tokens] += W[64][16] * xe^T[16][BT]
+//   so one instruction covers BT tokens, and one block's BT tokens share each weight byte.
+//
+// ---- Launch (planned by ops/gemm_stream.wgmma_plan)
+//   block = GW_WG warpgroups (GW_WG * 128 threads); block x owns COLS = GW_WG * 128 / NW output
+//   columns (256 weight rows either way: each warpgroup holds two 64-row sets, the two halves
+//   of its 128 columns, or its 64 gate rows and the 64 up rows N further) and BT consecutive
+//   rows of x; grid = (groups * tblocks, 1, ks), blockIdx.x = cg * tblocks + tb (row block
+//   fastest: the blocks that read one column group's weights run together and share one HBM
+//   read through L2), z = K slice of kz (a multiple of 64). Dynamic shared memory =
+//   2 (double buffer) * GW_SPLIT * 4 * Q_B bytes (kt is ignored: x is staged 64 k at a time).
+//
+// ---- Per 64-k step s (one commit group)
+//   A (weights), register ring GW_DEPTH steps deep: lane (g, t) of warp q (0..3) of a warpgroup
+//   loads W[row][k + 8t .. +7] and W[row][k + 32 + 8t .. +7] for rows 16q + g and 16q + g + 8 of
+//   each set (8 16-byte ld.global.cs per step; the 4 lanes of a row cover 64 contiguous bytes
+//   per instruction, both halves its 128-byte line), straight into the A fragments: with the
+//   K order inside a step permuted as in gemm_stream.cu, lane t's weights at
+//   k + 8t + 32(q'/2) + 4(q'%2) + {0,1,2,3} play fragment columns {2t, 2t+1, 2t+8, 2t+9} of the
+//   step's k16 instruction q' (so no shuffles), and x is staged with the same permutation.
+//   B (x), double-buffered: buffer s % 2 holds step s's BT x 64 values per plane as K-major
+//   core matrices (wgmma.cuh): instruction q' at q' * Q_B bytes (Q_B = BT * 32 + 64: 64 bytes
+//   of padding per instruction), token n, fragment column c at (n / 8) * 256 + (c / 8) * 128 +
+//   (n % 8) * 16 + (c % 8) * 2 (LBO 128, SBO 256).
+//   Staging: a warp instruction loads 4 tokens x 128 contiguous bytes (8 lanes per token, a
+//   float4 each: 4 whole sectors per token); lane l8's 4 values (real offset 32h + 4 l8 of the
+//   step) are fragment columns 2tt, 2tt + 1 and 2tt + 8, 2tt + 9 of instruction 2h + (l8 & 1)
+//   (tt = l8 / 2), stored as two 4-byte pairs per plane: banks tt + 4 (n % 8) + 16 (l8 & 1)
+//   (the padding's doing), 32 distinct per instruction: one wavefront each.
+//   Order: fence -> 2 sets x 4 k16 x GW_SPLIT wgmmas (step s) -> commit -> wait until only
+//   step s is in flight (step s - 1 retired: its ring slot and x buffer are free) ->
+//   __syncthreads -> load step s + DEPTH - 1's weights into the freed slot -> stage step
+//   s + 1's x into the other buffer (its L2 latency overlaps the weights' HBM latency) ->
+//   fence.proxy.async -> __syncthreads. Step s's MMAs run while the block loads and stages;
+//   DEPTH - 1 steps of weights are in flight (DEPTH 2 at BT 128: 256 rows x 128 B = 32 KB per
+//   block, one block per SM; DEPTH 3 at BT 64: 64 KB). Critical path per step: the longer of
+//   step s's MMAs (BT 128: 2 x 2 x 4 x GW_SPLIT wgmmas of N 128 per SM) and one HBM round trip.
+//
+// ---- Registers: accumulators 2 * BT / 2 = BT, ring DEPTH * 32, staging 8 + 8 per item.
+//   ptxas (NVRTC, sm_90a): see ops/gemm_stream.WG_PTXAS_REGS (tests/test_gemm_wgmma.py).
+//
+// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=0 -DGW_K=4096 -DGW_BT=128 -DGW_SPLIT=1
+// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=2 -DGW_K=4096 -DGW_BT=128 -DGW_SPLIT=1 -DGW_NORM=1
+// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=1 -DGW_K=12288 -DGW_BT=128 -DGW_SPLIT=2
+// nvrtc-check: -DGW_WTYPE=1 -DGW_EPI=0 -DGW_K=4096 -DGW_BT=64 -DGW_SPLIT=2 -DGW_NORM=1
+// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=2 -DGW_K=5120 -DGW_BT=64 -DGW_SPLIT=2
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include "bits16.cuh"
+#include "gemm_epilogue.cuh"
+#include "gemm_splitk.cuh"
+#include "warp.cuh"
+#include "wgmma.cuh"
+
+#ifndef GW_WTYPE
+#define GW_WTYPE 2
+#endif
+#ifndef GW_EPI
+#define GW_EPI 0
+#endif
+#ifndef GW_K
+#define GW_K 256
+#endif
+#ifndef GW_BT
+#define GW_BT 64
+#endif
+#ifndef GW_WG
+#define GW_WG 2
+#endif
+#ifndef GW_SPLIT
+#define GW_SPLIT 2
+#endif
+#ifndef GW_NORM
+#define GW_NORM 0
+#endif
+#ifndef GW_DEPTH
+#define GW_DEPTH (GW_BT >= 128 ? 2 : 3)
+#endif
+
+#if GW_EPI != 0 && GW_EPI != 1 && GW_EPI != 2
+#error "GW_EPI must be 0, 1 or 2 (no fused argmax here)"
+#endif
+#if GW_BT != 64 && GW_BT != 128
+#error "GW_BT must be 64 or 128 tokens per block"
+#endif
+#if GW_K % 8 != 0
+#error "GW_K must be a multiple of 8 (16-byte weight loads)"
+#endif
+#if GW_SPLIT != 1 && GW_SPLIT != 2
+#error "GW_SPLIT must be 1 (x rounded) or 2 (x as hi + lo)"
+#endif
+#if GW_WTYPE != 1 && GW_WTYPE != 2
+#error "GW_WTYPE must be 1 (f16) or 2 (bf16)"
+#endif
+#if GW_DEPTH < 2 || GW_DEPTH > 3
+#error "GW_DEPTH must be 2 or 3"
+#endif
+#if GW_NORM != 0 && GW_NORM != 1
+#error "GW_NORM must be 0 or 1"
+#endif
+
+namespace gemm_wgmma_detail {
+
+constexpr int K = GW_K;
+constexpr int BT = GW_BT;
+constexpr int NW = (GW_EPI == 2) ? 2 : 1;
+constexpr int THREADS = GW_WG * 128;
+constexpr int COLS = GW_WG * 128 / NW;
+constexpr int TILES = BT / 16;                       // 16-row tiles per block (tile_live granularity)
+constexpr int KSTEP = 64;
+constexpr int D = GW_DEPTH;
+// One k16 instruction's B: BT / 8 core-matrix rows x 2 K-halves x 128 bytes, then 64 bytes
+// of padding so that a staging store's two instructions (l8 even / odd) fall 16 banks apart.
+constexpr int Q_B = BT * 32 + 64;
+constexpr int PLANE_B = 4 * Q_B;                     // one plane (hi or lo) of one 64-k step
+constexpr int BUF_B = GW_SPLIT * PLANE_B;            // one buffer
+constexpr int ITEMS = BT * 16;                       // staging items per step: (token, h, l8)
+constexpr int IPT = ITEMS / THREADS;                 // per thread
+static_assert(ITEMS % THREADS == 0, "staging items divide over the block");
+
+__device__ __forceinline__ unsigned int to16(float v) { return to_bits16<GW_WTYPE>(v); }
+__device__ __forceinline__ float from16(unsigned int b) { return from_bits16<GW_WTYPE>(b); }
+
+// One ring slot: per set, the A fragments of the step's 4 k16 instructions.
+struct Slot {
+    unsigned int a[2][4][4];
+};
+
+// Rows past N and k past the slice read as zeros (no access): the slice end is a multiple of
+// 8, so each 16-byte half is wholly in or out.
+__device__ __forceinline__ void load_slot(Slot& s, const unsigned short* const wrow[2][2], unsigned int ok, int k,
+                                          int k_end) {
+#pragma unroll
+    for (int a = 0; a < 2; a++) {
+#pragma unroll
+        for (int rr = 0; rr < 2; rr++) {  // row 16q + g, then + 8
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int kk = k + 32 * h;  // k includes the lane's 8t
+                uint4 v = make_uint4(0u, 0u, 0u, 0u);
+                if (((ok >> (2 * a + rr)) & 1u) && kk < k_end) v = __ldcs(reinterpret_cast<const uint4*>(wrow[a][rr] + kk));
+                // instruction 2h takes elements 0..3, 2h + 1 elements 4..7; regs 0/2: row g, 1/3: row g + 8
+                s.a[a][2 * h][rr] = v.x;
+                s.a[a][2 * h][rr + 2] = v.y;
+                s.a[a][2 * h + 1][rr] = v.z;
+                s.a[a][2 * h + 1][rr + 2] = v.w;
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ void wgmma(float* d, const unsigned int a[4], unsigned long long desc) {
+#if GW_WTYPE == 2
+    wgmma_m64nNk16_rs_bf16<BT>(d, a, desc, 1);
+#else
+    wgmma_m64nNk16_rs_f16<BT>(d, a, desc, 1);
+#endif
+}
+
+}  // namespace gemm_wgmma_detail
+
+extern "C" __global__ void __launch_bounds__(GW_WG * 128, 1)
+gemm_wgmma(const float* __restrict__ x, const unsigned short* __restrict__ w, float* y, const float* r,
+           int M, int N, int kz, int kt, float* ws, int* counters, const int* pad_lo, int pad_hi,
+           const float* __restrict__ ln, float eps, int norm_lo, const int* tile_live, int use_live) {
+    using namespace gemm_wgmma_detail;
+    extern __shared__ __align__(128) unsigned char smem[];
+    (void)kt;
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int wg = warp >> 2, wq = warp & 3;
+    const int tblocks = (M + BT - 1) / BT;
+    const int cg = (int)blockIdx.x / tblocks;
+    const int m0 = ((int)blockIdx.x - cg * tblocks) * BT;
+    const int live = (M - m0 < BT) ? (M - m0) : BT;
+
+    int lo = pad_hi;
+    if (pad_hi > 0) {
+        lo = *pad_lo;
+        lo = (lo < 0) ? 0 : ((lo > pad_hi) ? pad_hi : lo);
+    }
+    // cmask: 16-row tiles with a row to compute (staged from x); smask: tiles whose rows are
+    // stored. Dead tiles are neither; padding-only tiles are stored (acc 0) but not staged.
+    unsigned int cmask = 0u, smask = 0u;
+#pragma unroll
+    for (int i = 0; i < TILES; i++) {
+        const int a = m0 + 16 * i, b = (a + 16 < M) ? a + 16 : M;
+        if (a < b && (!use_live || tile_live[(m0 >> 4) + i] != 0)) {
+            smask |= 1u << i;
+            if (!(a >= lo && b <= pad_hi)) cmask |= 1u << i;
+        }
+    }
+    if (smask == 0u) return;  // every slice of this block leaves here: its counter stays 0
+
+    const int k_begin = blockIdx.z * kz;
+    const int k_end = (k_begin + kz < K) ? k_begin + kz : K;
+    const int nsteps = (k_end > k_begin) ? (k_end - k_begin + KSTEP - 1) / KSTEP : 0;
+
+    // Weight rows of this lane: set a, row 16 wq + g (+8).
+    const int nb = cg * COLS + wg * (128 / NW);  // the warpgroup's first output column
+    const unsigned short* wrow[2][2];
+    unsigned int ok = 0u;
+#pragma unroll
+    for (int a = 0; a < 2; a++) {
+#pragma unroll
+        for (int rr = 0; rr < 2; rr++) {
+            const int n = nb + (NW == 1 ? 64 * a : 0) + 16 * wq + g + 8 * rr;
+            const bool v = n < N;
+            ok |= (v ? 1u : 0u) << (2 * a + rr);
+            wrow[a][rr] = w + ((long long)(v ? n : 0) + ((NW == 2 && a == 1 && v) ? (long long)N : 0ll)) * K;
+        }
+    }
+
+    // Staging item j of this thread (i = threadIdx.x + j * THREADS, warp item wi = i / 32):
+    // token n = 4 * (wi % (BT / 4)) + (i % 32) / 8, half h = wi / (BT / 4), lane-in-token
+    // l8 = i % 8: x[n][k + 32h + 4 l8 .. +3], i.e. real offset r = 32h + 4 l8 of the step, which
+    // plays fragment columns of instruction q' = 2h + (l8 & 1), lane group tt = l8 / 2.
+#if GW_NORM
+    // Each staging item's sum of squares over the steps, in shared memory (its owner thread
+    // alone adds to it; registers here make ptxas serialize every wgmma, C7515), summed in a
+    // fixed order at the end: l8 = 0..7 of h = 0, then of h = 1.
+    __shared__ float ss_p[16][BT];  // [8h + l8][token]
+#pragma unroll
+    for (int j = 0; j < IPT; j++) {
+        const int i = (int)threadIdx.x + j * THREADS;
+        const int wi = i >> 5;
+        ss_p[8 * (wi / (BT / 4)) + (i & 7)][4 * (wi % (BT / 4)) + ((i & 31) >> 3)] = 0.0f;
+    }
+#endif
+    auto stage = [&](int s, int buf) {
+        const int kc = k_begin + s * KSTEP;
+        unsigned char* base = smem + buf * BUF_B;
+#pragma unroll 4  // 4 loads in flight per thread: all 8 of BT 128 at once spill (255 registers)
+        for (int j = 0; j < IPT; j++) {
+            const int i = (int)threadIdx.x + j * THREADS;
+            const int wi = i >> 5;
+            const int n = 4 * (wi % (BT / 4)) + ((i & 31) >> 3), l8 = i & 7, h = wi / (BT / 4);
+            const int k = kc + 32 * h + 4 * l8;
+            const int grow = m0 + n;
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (((cmask >> (n >> 4)) & 1u) && n < live && k < k_end && (grow < lo || grow >= pad_hi)) {
+                v = *reinterpret_cast<const float4*>(x + (long long)grow * K + k);
+#if GW_NORM
+                float ss = ss_p[8 * h + l8][n];
+                ss = fmaf(v.x, v.x, ss);
+                ss = fmaf(v.y, v.y, ss);
+                ss = fmaf(v.z, v.z, ss);
+                ss = fmaf(v.w, v.w, ss);
+                ss_p[8 * h + l8][n] = ss;
+                if (grow >= norm_lo) {
+                    const float4 g4 = *reinterpret_cast<const float4*>(ln + k);
+                    v.x *= g4.x;
+                    v.y *= g4.y;
+                    v.z *= g4.z;
+                    v.w *= g4.w;
+                }
+#endif
+            }
+            // elements 0, 1 are fragment columns 2tt, 2tt + 1 (core matrix 0), 2, 3 are 2tt + 8,
+            // 2tt + 9 (core matrix 1, 128 bytes on)
+            const float f[4] = {v.x, v.y, v.z, v.w};
+            unsigned char* p = base + (2 * h + (l8 & 1)) * Q_B + (n >> 3) * 256 + (n & 7) * 16 + 4 * (l8 >> 1);
+#pragma unroll
+            for (int sp = 0; sp < GW_SPLIT; sp++) {
+                unsigned int b[4];
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const unsigned int hi = to16(f[e]);
+                    b[e] = (sp == 0) ? hi : to16(f[e] - from16(hi));
+                }
+                *reinterpret_cast<unsigned int*>(p + sp * PLANE_B) = b[0] | (b[1] << 16);
+                *reinterpret_cast<unsigned int*>(p + sp * PLANE_B + 128) = b[2] | (b[3] << 16);
+            }
+        }
+    };
+
+    Slot ring[D];
+#pragma unroll
+    for (int d = 0; d < D - 1; d++) load_slot(ring[d], wrow, ok, k_begin + d * KSTEP + 8 * t, k_end);
+
+    float acc[2][BT / 2];
+#pragma unroll
+    for (int a = 0; a < 2; a++)
+#pragma unroll
+        for (int e = 0; e < BT / 2; e++) acc[a][e] = 0.0f;
+
+    if (nsteps > 0) stage(0, 0);
+    fence_proxy_async_shared();
+    __syncthreads();
+
+    for (int s0 = 0; s0 < nsteps; s0 += D) {
+#pragma unroll
+        for (int d = 0; d < D; d++) {
+            const int s = s0 + d;
+            if (s < nsteps) {  // block-uniform
+                const unsigned char* bbase = smem + (s & 1) * BUF_B;
+                wgmma_fence();
+#pragma unroll
+                for (int sp = 0; sp < GW_SPLIT; sp++) {
+#pragma unroll
+                    for (int q = 0; q < 4; q++) {
+                        const unsigned long long desc =
+                            wgmma_desc_kmajor_noswizzle(bbase + sp * PLANE_B + q * Q_B, 128, 256);
+#pragma unroll
+                        for (int a = 0; a < 2; a++) gemm_wgmma_detail::wgmma(acc[a], ring[d].a[a][q], desc);
+                    }
+                }
+                wgmma_commit_group();
+                wgmma_wait_group<1>();  // step s - 1 retired: its slot and x buffer are free
+                __syncthreads();        // ... in every warpgroup
+                // the slot step s - 1 used: DEPTH - 1 steps ahead of step s. Issued before the
+                // staging waits for x, so the two loads' latencies overlap.
+                load_slot(ring[(d + D - 1) % D], wrow, ok, k_begin + (s + D - 1) * KSTEP + 8 * t, k_end);
+                if (s + 1 < nsteps) stage(s + 1, (s + 1) & 1);
+                fence_proxy_async_shared();
+                __syncthreads();
+            }
+        }
+    }
+#if GW_NORM
+    __syncthreads();  // every item's last sum (nsteps may be 0)
+    auto row_ss = [&](int lt) {
+        float v = 0.0f;
+#pragma unroll
+        for (int q = 0; q < 16; q++) v += ss_p[q][lt];
+        return v;
+    };
+#else
+    (void)ln;
+    (void)eps;
+    (void)norm_lo;
+#endif
+    wgmma_wait_group<0>();
+    wgmma_fence_operands<BT>(acc[0]);
+    wgmma_fence_operands<BT>(acc[1]);
+
+
+    // acc[a][4 jn + e]: weight row 16 wq + g + 8 (e >= 2) of set a, token 8 jn + 2t + (e & 1).
+    if (gridDim.z == 1) {
+#pragma unroll
+        for (int jn = 0; jn < BT / 8; jn++) {
+#pragma unroll
+            for (int e1 = 0; e1 < 2; e1++) {
+                const int lt = 8 * jn + 2 * t + e1, row = m0 + lt;
+                if (lt >= live || !((smask >> (lt >> 4)) & 1u)) continue;
+                float sc = 1.0f;
+#if GW_NORM
+                if (row >= norm_lo) sc = rsqrtf(row_ss(lt) * (1.0f / K) + eps);
+#endif
+#pragma unroll
+                for (int e2 = 0; e2 < 2; e2++) {
+                    const int e = 2 * e2 + e1;
+                    if (NW == 1) {
+#pragma unroll
+                        for (int a = 0; a < 2; a++) {
+                            const int col = nb + 64 * a + 16 * wq + g + 8 * e2;
+                            if (col < N) epilogue_store<GW_EPI>(y, r, (long long)row * N + col, acc[a][4 * jn + e] * sc, 0.0f);
+                        }
+                    } else {
+                        const int col = nb + 16 * wq + g + 8 * e2;
+                        if (col < N)
+                            epilogue_store<GW_EPI>(y, r, (long long)row * N + col, acc[0][4 * jn + e] * sc,
+                                                   acc[1][4 * jn + e] * sc);
+                    }
+                }
+            }
+        }
+        return;
+    }
+
+    // ---- split K: this slice's partial tile [NW][BT][COLS] (and row sums), then the reduction
+    const int ks = (int)gridDim.z;
+    float* wsb = ws + ((long long)blockIdx.x * ks + blockIdx.z) * (NW * BT * COLS);
+#pragma unroll
+    for (int jn = 0; jn < BT / 8; jn++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int lt = 8 * jn + 2 * t + (e & 1);
+            if (lt >= live || !((smask >> (lt >> 4)) & 1u)) continue;
+#pragma unroll
+            for (int a = 0; a < 2; a++) {
+                const int jw = (NW == 2) ? a : 0;
+                const int lc = wg * (128 / NW) + (NW == 1 ? 64 * a : 0) + 16 * wq + g + 8 * (e >> 1);
+                wsb[((long long)jw * BT + lt) * COLS + lc] = acc[a][4 * jn + e];
+            }
+        }
+    }
+#if GW_NORM
+    float* ssw = ws + (long long)gridDim.x * ks * NW * BT * COLS + (long long)blockIdx.x * ks * BT;
+    if ((int)threadIdx.x < live) ssw[blockIdx.z * BT + threadIdx.x] = row_ss((int)threadIdx.x);
+#endif
+    splitk_reduce<NW, BT, COLS, THREADS, GW_EPI, GW_NORM, K>(
+        ws, counters, y, r, (int)blockIdx.x, m0, live, cg * COLS, N, eps, norm_lo,
+        [&](int lrow) { return ((smask >> (lrow >> 4)) & 1u) != 0u; });
+}

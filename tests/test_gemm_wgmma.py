@@ -1,0 +1,268 @@
+"""The wgmma GEMM (cuda_src/gemm_wgmma.cu): one more launch configuration of the stream path
+("wg64" / "wg128", planned by ops/gemm_stream.plan_wgmma), for many rows.
+
+Against gemm_reference with the "f32" tolerance: every weight dtype, epilogue, variant and
+activation rounding at awkward M / N / K, split K (uneven slices, in place, repeats bit for
+bit, counters reset), padding rows, tile_live and the folded RMSNorm. On the emulator each
+wgmma k16 instruction covers the same K values as gemm_stream.cu's mma.sync of the same
+step (the same permutation) and both round once per instruction, so the two kernels agree
+bit for bit there: a layout or permutation slip shows as an exact mismatch even where it
+would hide inside the tolerance. (On a GPU the tensor cores' internal order is theirs: the
+tolerance holds, the bits need not.)"""
+import numpy as np
+import pytest
+
+from dflash_cupy.ops import gemm_stream as gs
+from dflash_cupy.ops.gemm import Gemm, gemm_reference
+from tests.test_gemm import host_weights, run
+from tests.test_gemm_stream import SENTINEL, _counters_zero, _flags, _live_rows
+from tests.tolerances import assert_close
+
+MAX_M = 200
+
+
+def _gemm(backend, N, K, epilogue="none", wkind="bf16", **kw):
+    return Gemm(backend, N, K, wkind, epilogue=epilogue, max_m=MAX_M, path="stream", **kw)
+
+
+@pytest.mark.parametrize("epilogue", ["none", "residual", "silu_mul"])
+@pytest.mark.parametrize("wkind", ["f16", "bf16"])
+def test_dtypes_epilogues_variants(backend, rng, wkind, epilogue):
+    # N=300: a partial last column group (warpgroups and sets with no valid row); K=520: a
+    # 64-wide step with 8 values inside K. m: one row, a partial block, two and three blocks.
+    for m, variant, x_split in ((1, "wg64", True), (19, "wg128", False), (65, "wg64", False),
+                                (130, "wg128", True), (150, "wg64", True)):
+        op = run(backend, rng, N=300, K=520, wkind=wkind, epilogue=epilogue, m=m, max_m=MAX_M, x_rows=m + 3,
+                 path="stream", x_split=x_split, config=(variant, 1))
+        p = op._stream.plan(m)
+        assert p.mt == variant and p.mblocks == -(-m // gs.wg_tokens(variant)) and p.threads == 256
+
+
+@pytest.mark.parametrize("wkind,epilogue,K", [("bf16", "none", 40), ("f16", "silu_mul", 8),
+                                              ("bf16", "residual", 136)])
+def test_short_k_and_tails(backend, rng, wkind, epilogue, K):
+    for m in (3, 70):
+        run(backend, rng, N=37, K=K, wkind=wkind, epilogue=epilogue, m=m, max_m=MAX_M, path="stream",
+            config=("wg64", 1))
+
+
+@pytest.mark.parametrize("epilogue", ["none", "residual", "silu_mul"])
+def test_bit_identical_to_the_mma_sync_kernel_on_the_emulator(emu, rng, epilogue):
+    """Same K grouping per instruction, one rounding each: the emulated wgmma kernel equals
+    gemm_stream.cu's 64-row variant exactly (both roundings, split K too)."""
+    N, K, m = 200, 456, 100
+    nw = 2 if epilogue == "silu_mul" else 1
+    xh = rng.standard_normal((m, K)).astype(np.float32)
+    wh = host_weights(rng, nw * N, K, "bf16")
+    rh = rng.standard_normal((m, N)).astype(np.float32) if epilogue == "residual" else None
+    x, w = emu.asarray(xh), emu.asarray(wh)
+    for x_split in (True, False):
+        outs = {}
+        for cfg in ((4, 1), ("wg128", 1), ("wg64", 1)):
+            op = _gemm(emu, N, K, epilogue, x_split=x_split)
+            op.use_config(m, cfg)
+            y = emu.zeros((m, N), np.float32)
+            op(x, w, y, m, residual=None if rh is None else emu.asarray(rh))
+            outs[cfg] = emu.to_numpy(y)
+        ref = gemm_reference(xh, wh, epilogue, rh, x_round=op.x_round)
+        assert_close(outs[(4, 1)], ref, "f32", "mma.sync")
+        for cfg in (("wg128", 1), ("wg64", 1)):
+            np.testing.assert_array_equal(outs[cfg], outs[(4, 1)], err_msg=f"{cfg} x_split={x_split}")
+
+
+@pytest.mark.parametrize("epilogue", ["none", "residual", "silu_mul"])
+def test_split_k(backend, rng, epilogue):
+    # K=840: 3 slices of 320, 320, 200 (uneven); in place for residual; repeats bit for bit
+    N, K = 260, 840
+    for m, variant in ((70, "wg128"), (150, "wg64")):
+        for in_place in (False, True):
+            op = run(backend, rng, N=N, K=K, wkind="bf16", epilogue=epilogue, m=m, max_m=MAX_M, x_rows=m + 1,
+                     path="stream", config=(variant, 3), in_place=in_place and epilogue == "residual")
+            assert op._stream.plan(m).ks == 3
+        _counters_zero(backend, op)
+    op = _gemm(backend, N, K, epilogue)
+    op.use_config(130, ("wg128", 4))
+    xh = rng.standard_normal((130, K)).astype(np.float32)
+    w = backend.asarray(host_weights(rng, (2 if epilogue == "silu_mul" else 1) * N, K, "bf16"))
+    r = backend.asarray(rng.standard_normal((130, N)).astype(np.float32)) if epilogue == "residual" else None
+    outs = []
+    for _ in range(3):
+        y = backend.zeros((130, N), np.float32)
+        op(backend.asarray(xh), w, y, 130, residual=r)
+        outs.append(backend.to_numpy(y))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("k_split", [None, 3])
+@pytest.mark.parametrize("epilogue", ["none", "residual", "silu_mul"])
+def test_tile_live_and_padding(backend, rng, epilogue, k_split):
+    """Dead 16-row tiles keep the sentinel bit for bit (a wholly dead 128-row block exits);
+    padding rows (NaN in x: never read) are the epilogue of 0."""
+    N, K, m = 70, 840, 290
+    nw = 2 if epilogue == "silu_mul" else 1
+    op = _gemm(backend, N, K, epilogue)
+    op.use_config(m, ("wg128", k_split or 1))
+    wh = host_weights(rng, nw * N, K, "bf16")
+    flags = _flags(rng, m)
+    flags[:8] = 0                   # block 0 (rows 0..127) all dead
+    flags[8] = 1                    # block 1 live, with padding rows [lo, hi) inside it
+    live = _live_rows(flags, m)
+    lo, hi = 133, 160
+    xh = rng.standard_normal((m, K)).astype(np.float32)
+    xh[~live] = np.nan
+    xh[lo:hi] = np.nan
+    rh = rng.standard_normal((m, N)).astype(np.float32) if epilogue == "residual" else None
+    y = backend.asarray(np.full((m, N), SENTINEL, np.float32))
+    op(backend.asarray(xh), backend.asarray(wh), y, m, residual=None if rh is None else backend.asarray(rh),
+       tile_live=backend.asarray(flags), pad_rows=(backend.asarray(np.array([lo], np.int32)), hi))
+    got = backend.to_numpy(y)
+    xz = np.where(live[:, None], xh, 0).astype(np.float32)
+    xz[lo:hi] = 0
+    ref = gemm_reference(xz, wh, epilogue, rh, x_round=op.x_round)
+    assert_close(got[live], ref[live], "f32", f"{op!r} flags={flags.tolist()}")
+    assert (got[~live].view(np.uint32) == SENTINEL.view(np.uint32)).all()
+    _counters_zero(backend, op)
+
+
+@pytest.mark.parametrize("k_split", [None, 3])
+@pytest.mark.parametrize("epilogue", ["none", "silu_mul"])
+def test_folded_rmsnorm(backend, rng, epilogue, k_split):
+    """Rows >= norm_lo normalised inside the GEMM (the row sums of squares in a fixed order:
+    bit-identical repeats), x unchanged; a negative control without the norm."""
+    N, K = 260, 840
+    nw = 2 if epilogue == "silu_mul" else 1
+    op = _gemm(backend, N, K, epilogue, norm_eps=1e-6)
+    wh = host_weights(rng, nw * N, K, "bf16")
+    ln_h = (1.0 + 0.5 * rng.standard_normal(K)).astype(np.float32)
+    w, ln = backend.asarray(wh), backend.asarray(ln_h)
+    for m, norm_lo, variant in ((70, 5, "wg128"), (150, 64, "wg64"), (3, 3, "wg64")):
+        op.use_config(m, (variant, k_split or 1))
+        xh = rng.standard_normal((m, K)).astype(np.float32)
+        xh[norm_lo:] *= rng.uniform(0.01, 30, (m - norm_lo, 1)).astype(np.float32)
+        x = backend.asarray(xh)
+        outs = []
+        for _ in range(2):
+            y = backend.zeros((m, N), np.float32)
+            op(x, w, y, m, norm=(ln, norm_lo))
+            outs.append(backend.to_numpy(y))
+        ref = gemm_reference(xh, wh, epilogue, x_round=op.x_round, norm=(ln_h, 1e-6, norm_lo))
+        assert_close(outs[0], ref, "f32", f"{op!r} m={m} norm_lo={norm_lo}")
+        np.testing.assert_array_equal(outs[0], outs[1])
+        np.testing.assert_array_equal(backend.to_numpy(x), xh)
+        if norm_lo < m:
+            plain = gemm_reference(xh, wh, epilogue, x_round=op.x_round)
+            assert not np.allclose(plain[norm_lo:], ref[norm_lo:], rtol=1e-2, atol=1e-2)
+
+
+def test_padding_follows_device_memory_in_a_graph(backend, rng):
+    N, K, m, hi = 40, 128, 140, 132
+    op = _gemm(backend, N, K)
+    assert op.config(m)[0] == "wg128"   # the default from WG_MIN_M rows
+    xh = rng.standard_normal((m, K)).astype(np.float32)
+    wh = host_weights(rng, N, K, "bf16")
+    x, w = backend.asarray(xh), backend.asarray(wh)
+    y = backend.zeros((m, N), np.float32)
+    lo_dev = backend.zeros((1,), np.int32)
+    lo_host = backend.pinned_empty((1,), np.int32)
+    s = backend.stream()
+    backend.synchronize()
+    backend.begin_capture(s)
+    backend.copy_h2d_async(lo_dev, lo_host, stream=s)
+    op(x, w, y, m, stream=s, pad_rows=(lo_dev, hi))
+    g = backend.end_capture(s)
+    for lo in (132, 5, 120, 0):
+        backend.host_write(lo_host)
+        lo_host[0] = lo
+        g.launch(s)
+        s.synchronize()
+        xz = xh.copy()
+        xz[lo:hi] = 0.0
+        assert_close(backend.to_numpy(y), gemm_reference(xz, wh, x_round=op.x_round), "f32", f"lo={lo}")
+
+
+# ---- planning and selection (host only) ------------------------------------------
+
+def test_default_rule_and_where_wgmma_is_compiled(emu):
+    op = _gemm(emu, 4096, 4096)
+    assert op._stream.wg_variants == gs.WG_VARIANTS
+    assert op.config(64)[0] == 4 and op.config(gs.WG_MIN_M)[0] == "wg128" and op.config(352)[0] == "wg128"
+    cands = op.launch_candidates(256)
+    assert ("wg128", 1) in cands and ("wg64", 1) in cands and (4, 1) in cands
+    assert all(gs.plan_wgmma(4096, 4096, 256, ks=k, variant=v).kz >= gs.MIN_K_SLICE
+               for v, k in cands if isinstance(v, str) and k > 1)
+    # not compiled below WG_MIN_M rows, nor for the fused argmax (it reduces within a block)
+    assert Gemm(emu, 64, 64, "bf16", max_m=64, path="stream")._stream.wg_variants == ()
+    assert Gemm(emu, 64, 64, "bf16", "argmax", max_m=256, path="stream")._stream.wg_variants == ()
+    assert Gemm(emu, 64, 64, "bf16", max_m=16, path="stream", wgmma=True)._stream.wg_variants == gs.WG_VARIANTS
+    assert Gemm(emu, 64, 64, "bf16", max_m=256, path="stream", wgmma=False)._stream.wg_variants == ()
+    with pytest.raises(ValueError, match="argmax"):
+        Gemm(emu, 64, 64, "bf16", "argmax", max_m=256, path="stream", wgmma=True)
+    with pytest.raises(TypeError, match="wgmma must be"):
+        Gemm(emu, 64, 64, "bf16", path="stream", wgmma=1)
+    with pytest.raises(ValueError, match="wgmma=True needs path 'stream'"):
+        Gemm(emu, 64, 64, "bf16", path="mma", wgmma=True)
+    with pytest.raises(ValueError, match="not a launch configuration"):
+        op.use_config(256, ("wg96", 1))
+
+
+def test_plan_fills_the_sms_in_whole_waves():
+    # the split fills the device when the column groups and row blocks alone leave SMs idle;
+    # the SM count is a parameter, never assumed
+    for dev in (gs.H200, gs.Device(78, 232448), gs.Device(114, 232448)):
+        for N, K, nw, m in ((4096, 4096, 1, 256), (4096, 12288, 1, 352), (12288, 4096, 2, 256),
+                            (6144, 4096, 1, 64)):
+            p = gs.plan_wgmma(N, K, m, nw, dev=dev)
+            blocks = p.grid[0] * p.ks
+            eff = blocks / (-(-blocks // dev.sm_count) * dev.sm_count)
+            assert p.kz >= gs.MIN_K_SLICE and eff >= 0.6, (dev, N, K, m, p, eff)
+            assert p.kz * p.ks >= K > p.kz * (p.ks - 1)
+    a = gs.plan_wgmma(4096, 4096, 256, dev=gs.H200)
+    assert a.grid[0] == 16 * 2 and a.ks == 4            # 32 blocks -> 128 with 4 slices
+    assert gs.plan_wgmma(4096, 4096, 256, dev=gs.Device(78, 232448)).ks != a.ks
+
+
+def test_ptxas_registers_within_the_table():
+    from tests.test_nvrtc import nvrtc_check
+    src = gs.kernels.source_path("gemm_wgmma.cu")
+    for bt in (64, 128):
+        for epi, norm, split in ((0, 0, 2), (2, 1, 1), (1, 0, 1), (2, 0, 2)):
+            opts = tuple(gs.kernels.compile_options(GW_WTYPE=2, GW_EPI=epi, GW_K=4096, GW_BT=bt, GW_SPLIT=split,
+                                                    GW_DEPTH=gs.WG_DEPTH[bt], **({"GW_NORM": 1} if norm else {})))[1:]
+            info = nvrtc_check(src.read_text(), str(src), "sm_90a", opts)["gemm_wgmma"]
+            assert info["registers"] <= gs.WG_PTXAS_REGS[bt] and info["spill_stores"] == 0, (bt, epi, info)
+
+
+def test_emulator_counts_match_the_static_model(emu, rng):
+    """One launch counted by the emulator (every block) against profiling/counters.py's
+    static estimate of the same launch: wgmma work and B bytes, barriers and the shared
+    stores exactly; every weight byte requested once per row block; the staging stores
+    conflict-free; global sectors within 2%."""
+    from dflash_cupy.backends.emu_counters import count_launch
+    from profiling import counters as ctr
+    from profiling.launch_plan import RecordingBackend
+
+    N, K, m = 300, 520, 150
+    rec = RecordingBackend()
+    g = Gemm(rec, N, K, "bf16", max_m=MAX_M, path="stream", x_split=False)
+    g.use_config(m, ("wg128", 2))
+    xr, yr, wr = rec.empty((m, K), np.float32), rec.empty((m, N), np.float32), rec.empty((N, K), np.uint16)
+    g(xr, wr, yr, m)
+    st = ctr.static_counters(rec.eager[-1])
+
+    op = _gemm(emu, N, K, x_split=False)
+    op.use_config(m, ("wg128", 2))
+    sk = op._stream
+    p = sk.plan(m)
+    x = emu.asarray(rng.standard_normal((m, K)).astype(np.float32))
+    w = emu.asarray(host_weights(rng, N, K, "bf16"))
+    y = emu.zeros((m, N), np.float32)
+    args = (x, w, y, y, np.int32(m), np.int32(N), np.int32(p.kz), np.int32(p.kt), sk._ws, sk._counters,
+            sk._counters, np.int32(0), x, np.float32(0), np.int32(m), sk._counters, np.int32(0))
+    c = count_launch(sk._kernels[p.mt], p.grid, (p.threads, 1, 1), args, p.smem)
+    assert c.wgmma_mma == st.wgmma_mma > 0 and c.wgmma_smem_bytes == st.wgmma_smem_bytes
+    assert c.barriers == st.barriers
+    assert c.sst_requests == st.smem_requests and c.sst_wavefronts == c.sst_ideal == st.smem_wavefronts
+    wc = c.arrays["w"]
+    assert wc.read == p.mblocks * N * K * 2 and wc.read_distinct == N * K * 2   # once per row block
+    assert abs(c.gld_sectors - st.gld_sectors) <= 0.02 * st.gld_sectors, (c.gld_sectors, st.gld_sectors)
