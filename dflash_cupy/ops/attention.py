@@ -34,7 +34,10 @@ requests (their q/out rows ``lane_rows`` apart, their own K/V rows and masks,
 into x (``lane * n_head_kv + kv head``, CUDA cores), the combine's y. With
 ``live`` (the lanes' step descriptors, on the device) the blocks of an idle
 lane return before reading anything (or counting), so idle lanes cost one
-block start each.
+block start each. Every lane's units count toward filling the SMs, so the
+default split count per lane falls as lanes grow (``default_splits``, with a
+floor that keeps a batch with few live lanes fast; the merge folds from
+``FOLD_FROM_LANES`` lanes on).
 
 Two split kernels (``path``): ``"mma"`` (``cuda_src/attention_mma.cu``,
 tensor cores, q and p split into two f16 terms, V read with ldmatrix.trans; the default where it applies:
@@ -87,31 +90,36 @@ MAX_SPLIT_CANDIDATES = 5   # split counts > 1 the tuner tries (x 2 merges, + n_s
 # Lanes (issue 13). Every lane's (kv head[, row group]) is a unit of n_splits
 # blocks, so a batch of L lanes fills the SMs with L times fewer splits per
 # lane; splitting a lane's keys further only adds the partials' round trip
-# (270 KB per split per lane at qwen3-8b's B 16 x 32 heads, against 131 KB of
+# (270 KB per split per lane at qwen3-8b's q 16 x 32 heads, against 131 KB of
 # K/V per key tile) and the merge. But the count is frozen at capture for the
 # batch's lane capacity, and a batch with few live lanes then runs each live
 # lane's window in n_splits serial pieces: one split over 2K keys is a 65-tile
 # latency path, 43.8 us per layer where a lone lane's default (16 splits) takes
 # 7.3. So a batch keeps at least n_tiles // BATCH_TILES_PER_SPLIT splits
 # (pieces of 16 to 31 tiles), never more than one lane alone would get.
-# static counters, H200, h4096 (D 128, 32/8 heads, q 16), attention us per
-# layer (split kernel + combine + node gaps; f = fold, l = launch),
-# full batch of L lanes / one live lane in it (as a 1-lane launch of that count):
-#   window 2K (65 tiles)        L=4       L=16       L=64        1 live
-#     old rule (16 l)           19.4      68.6      268.5         7.3
-#     fill only (8/2/1)         13.9 f    39.4 f    153.2     12.4 / 28.0 / 43.8
-#     this rule (8/4/4, fold)   13.9      43.3      171.4     12.4 / 17.6 / 17.6
+# Model (static counters, H200, h4096: D 128, 32/8 heads, q 16): attention us
+# per layer, split kernel + combine + node gaps (f fold, l launch), for a full
+# batch of L lanes and for one live lane in a batch of that capacity (a 1-lane
+# launch at the batch's split count: idle lanes' blocks exit at once):
+#   window 2K (65 tiles)        L=4       L=16      L=64      one live lane (L=4/16/64)
+#     old rule (16 l)           19.4      68.6     268.5       7.3
+#     fill only (8/2/1)         13.9 f    39.4 f   153.2      12.4 / 28.0 / 43.8
+#     this rule (8/4/4 f)       13.9      43.3     171.4      12.4 / 17.6 / 17.6
 #   window 8K (257 tiles)
-#     old rule (33 l)           51.4     196.7                 15.1
-#     this rule (16 f)          41.5     164.6                 19.6 (fill only: 48.8 at 4 splits, 16 lanes)
-#   window 32K (1025 tiles): 33 splits, fold, either way (581.4 at L=16, the best
-#     the model finds; fill only would give 4: 599.6, and 173.6 for one live lane)
-# (/tmp exploration over RecordingBackend launches; whole step at 2K, 16 lanes:
-# `python -m profiling.lanes_model`, attn column.) The 2K floor costs 3.9 us per
-# layer at 16 lanes (under 1% of the step) and saves 26 us per layer for a lone
-# live lane in a big batch; at long windows the kernel is bound by mma.sync
-# issue and the splits cost nothing, so the floor only keeps idle-heavy batches
-# fast. The tuner's timings on a GPU overrule all of this.
+#     old rule (33 l)           51.4     196.7                15.1
+#     fill only (8/2 f)         39.0     151.5                28.0 / 90.4
+#     this rule (16 f)          41.5     164.6                19.6
+#   window 32K (1025 tiles, mma.sync-bound: the splits cost next to nothing):
+#     this rule = old = 33 splits, fold: 581.4 at L=16, the best count the model
+#     finds; fill only (2 f) 599.6, and 340.0 for one live lane (37.7 at 33).
+# The 2K floor costs 3.9 us per layer at 16 lanes and 18 at 64 (under 1% of
+# their steps) and saves 10 / 26 us per layer for one live lane in a 16 / 64
+# lane batch (a step of ~600 us). Reproduce: build RingAttention(..., lanes=L,
+# n_splits=n, merge=m) on profiling.launch_plan.RecordingBackend, call it, and
+# time be.eager with perf_model.time_nodes(..., counters.static_counters); the
+# whole batch step: `python -m profiling.lanes_model` (attn us at 2K, 1/4/16/64
+# lanes: 22/82/328/1327 before, 22/62/209/850 with this rule). The tuner's
+# timings on a GPU overrule all of this.
 BATCH_TILES_PER_SPLIT = 16
 # The folded merge's cost is one unit's partials read by one block after its
 # tiles: fixed however many lanes share the launch, while ring_attn_combine
