@@ -16,6 +16,13 @@ sharing at 16 lanes. The floor of a batch step: the weights once plus each
 active lane's own compulsory bytes (its K/V window, masks, features,
 activations), at the achievable HBM bandwidth.
 
+The attention's split count follows the batch's lane capacity
+(``ops/attention.py``: ``default_splits`` counts every lane's kv heads, down
+to a floor of ``n_tiles // BATCH_TILES_PER_SPLIT``), and its counters assume
+every lane live: with ``active < lanes`` the attention row is the full
+batch's, not what the idle lanes' early exit leaves (see the table above
+``BATCH_TILES_PER_SPLIT`` for one live lane at each capacity).
+
 The model knows what ``perf_model`` knows (see profiling/README.md); at many
 lanes the GEMMs leave the weight stream and become bound by shared-memory
 reads of the activations and by MMA issue, which is where the per-lane cost

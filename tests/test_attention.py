@@ -133,6 +133,60 @@ def test_default_splits_and_sizes():
     assert default_splits(4, 100000, 132, row_groups=2) == 33
 
 
+
+def test_default_splits_count_the_lanes():
+    """Every lane's kv heads (and row groups) are units of n_splits blocks: a
+    batch fills the SMs with fewer splits per lane as its lanes grow, never
+    more than one lane gets, never fewer than n_tiles // BATCH_TILES_PER_SPLIT
+    (a batch with few live lanes keeps short latency paths); lanes=1 is the
+    single-request rule (test_default_splits_and_sizes)."""
+    from dflash_cupy.ops.attention import BATCH_TILES_PER_SPLIT
+    assert BATCH_TILES_PER_SPLIT == 16
+    # qwen3-8b's attention (8 kv heads) at 2K (65 tiles), H200's 132 SMs
+    got = {L: default_splits(8, 2080, 132, lanes=L) for L in (1, 2, 3, 4, 8, 16, 64, 256)}
+    assert got == {1: 16, 2: 16, 3: 11, 4: 8, 8: 4, 16: 4, 64: 4, 256: 4}
+    assert got[16] < got[1] and got[4] * 4 * 8 <= 2 * 132    # 4 lanes: one wave of 2 blocks per SM
+    # 8K (257 tiles): the floor keeps 16; 32K (1025): the one-lane count, 33, whatever the lanes
+    assert [default_splits(8, 8224, 132, lanes=L) for L in (1, 2, 4, 16, 64)] == [33, 17, 16, 16, 16]
+    assert {default_splits(8, 32800, 132, lanes=L) for L in (1, 4, 16, 256)} == {33}
+    # a short window (10 tiles, floor 0): the fill alone, down to one split (nothing to merge)
+    assert [default_splits(8, 300, 132, lanes=L) for L in (1, 16, 22, 23, 64)] == [2, 2, 2, 1, 1]
+    # row groups count like kv heads (the CUDA-core kernel's grid z)
+    assert default_splits(4, 100000, 132, row_groups=2, lanes=4) == 33    # floor 3125 // 16: capped at one lane's
+    assert default_splits(4, 4000, 132, row_groups=2, lanes=4) == 8       # 264 / 32 = 8.25
+    assert default_splits(4, 4000, 132, row_groups=1, lanes=4) == 17      # 264 / 16 = 16.5: halves up
+    for kvt in (100, 2080, 8224, 50_000):
+        seq = [default_splits(8, kvt, 132, lanes=L) for L in range(1, 80)]
+        assert all(a >= b >= 1 for a, b in zip(seq, seq[1:])), kvt       # never more as lanes grow
+
+
+def test_batch_default_config_and_candidates():
+    """What a batch's RingAttention picks by default (the merge folds from
+    FOLD_FROM_LANES lanes on, nothing to merge at one split), and the tuner's
+    candidates around it: the fill counts of every lane's units among them."""
+    from dflash_cupy.ops.attention import FOLD_FROM_LANES
+    assert FOLD_FROM_LANES == 4
+    assert default_merge(2080, 8, lanes=4) == "fold" and default_merge(2080, 16, lanes=3) == "launch"
+    assert default_merge(2080, 16) == "launch" and default_merge(2080, 1, lanes=64) is None
+    be = _recording()
+    cfg = {L: RingAttention(be, 128, 32, 8, 16, 2080, lanes=L, lane_rows=16).config() for L in (1, 2, 4, 16, 64)}
+    assert cfg == {1: (16, "launch"), 2: (16, "launch"), 4: (8, "fold"), 16: (4, "fold"), 64: (4, "fold")}
+    one = RingAttention(be, 128, 32, 8, 16, 300, lanes=32)
+    assert one.config() == (1, None) and one.part_o is None and one.counters is None
+    fma = RingAttention(be, 256, 4, 2, 9, 4000, lanes=4, path="fma")
+    assert fma.row_groups == 2 and fma.config() == (17, "fold") and fma._grid == (8, 17, 2)   # 264 / 16 units
+    assert tuple(fma.counters.shape) == (4 * 2 * 2,)
+    for L, kvt in ((16, 2080), (64, 2080), (4, 8224), (32, 300)):
+        att = RingAttention(be, 128, 32, 8, 16, kvt, lanes=L)
+        cands = att.launch_candidates()
+        splits = split_candidates(8, kvt, 132, lanes=L)
+        assert att.default_config() in cands and cands[0] == (1, None) and len(cands) <= 12
+        assert splits == sorted(splits) and splits[-1] <= -(-kvt // 32)
+        fill = -(-264 // (8 * L))                             # two blocks per SM over every lane's units
+        assert fill == 1 or fill in splits, (L, kvt, splits)
+    assert split_candidates(8, 2080, 132, lanes=16) == [1, 2, 3, 4, 6, 8]
+    assert split_candidates(8, 2080, 132, lanes=1) == split_candidates(8, 2080, 132)
+
 def test_bad_arguments_raise(emu):
     be = emu
     D, NH, NKV, B, kvt = 32, 4, 2, 2, 40
@@ -521,6 +575,65 @@ def test_split_merges(backend, rng, D, NH, NKV, B, BS, capacity, n_splits, gate,
             assert (backend.to_numpy(att.counters) == 0).all()
     assert _bits_equal(results["fold"], results["launch"]), "the two merges must agree bit for bit"
 
+
+
+# (D, NH, NKV, q_len, lane_rows, capacity, lanes, path, want): batches at their default
+# configuration: lanes enough to bring the split count to 1 (22 lanes x 8 kv heads on
+# 132 SMs; one lane alone would split in 2), a fold at 7 splits of 5 tiles over 33 tiles
+# (the last split holds 3), the CUDA cores' two row groups folded in 3 splits; awkward
+# q_len / lane_rows / head counts; lanes 1, 3 and the last one idle.
+DEFAULT_BATCHES = [
+    (32, 16, 8, 3, 5, 280, 23, "mma", (1, None)),
+    (32, 8, 8, 2, 3, 1030, 5, "mma", (7, "fold")),
+    (256, 4, 2, 9, 11, 390, 6, "fma", (3, "fold")),
+]
+
+
+@pytest.mark.parametrize("D,NH,NKV,B,BS,capacity,L,path,want", DEFAULT_BATCHES)
+def test_batches_at_their_default_split_counts(backend, rng, D, NH, NKV, B, BS, capacity, L, path, want):
+    """A batch at the split count and merge its lanes give it: every live lane
+    equals the NumPy reference and, bit for bit, a single-lane call with the
+    same (n_splits, merge); idle lanes and rows past q_len keep the sentinel;
+    the fold's counters end at zero."""
+    from dflash_cupy import kernels
+    from dflash_cupy.ops.attention import DESC_LEN
+    active = kernels.constants("step_desc.cuh")["DESC_ACTIVE"]
+    geom = RingGeometry(capacity, B)
+    kvt = geom.kv_total
+    att = RingAttention(backend, D, NH, NKV, B, kvt, lanes=L, lane_rows=BS, path=path)
+    alone = default_splits(NKV, kvt, 132, att._unit_rows)
+    assert att.path == path and att.config() == want and att.n_splits <= alone
+    if want[0] == 1:
+        assert alone > 1, "the lanes, not the window, bring this batch to one split"
+    q, k, v, _, _ = _lane_inputs(rng, L, D, NH, NKV, B, BS, kvt, None)
+    mask = np.empty((L, B, kvt), np.float16)
+    for lane in range(L):
+        committed = capacity + 3 + 11 * lane
+        mask[lane] = ring_masks(contiguous_slot_pos(committed, capacity), committed, geom, capacity // 4)[lane % 2]
+    desc = rng.integers(0, 1000, (L, DESC_LEN)).astype(np.int32)
+    idle = {1, 3, L - 1}
+    desc[:, active] = [0 if lane in idle else 1 + lane for lane in range(L)]
+    sentinel = np.float32(-3.25)
+    out = backend.asarray(np.full((L * BS, NH * D), sentinel, np.float32))
+    att(backend.asarray(q), backend.asarray(k), backend.asarray(v), backend.asarray(mask), out,
+        live=backend.asarray(desc))
+    got = backend.to_numpy(out)
+    if att.counters is not None:
+        assert (backend.to_numpy(att.counters) == 0).all()
+    one = RingAttention(backend, D, NH, NKV, B, kvt, n_splits=want[0], merge=want[1], path=path)
+    for lane in range(L):
+        r = slice(lane * BS, lane * BS + B)
+        assert (got[lane * BS + B:(lane + 1) * BS] == sentinel).all(), "rows past q_len are never written"
+        if lane in idle:
+            assert (got[r] == sentinel).all(), f"idle lane {lane} written"
+            continue
+        kl, vl = k[lane * kvt:(lane + 1) * kvt], v[lane * kvt:(lane + 1) * kvt]
+        ref = ring_attention_reference(q[r], kl, vl, mask[lane], n_head_kv=NKV)
+        assert_close(got[r], ref, "f32", f"lane {lane}, {att}")
+        if lane in (0, L - 2):
+            o1 = backend.asarray(np.full((B, NH * D), np.nan, np.float32))
+            one(backend.asarray(q[r]), backend.asarray(kl), backend.asarray(vl), backend.asarray(mask[lane]), o1)
+            assert _bits_equal(got[r], backend.to_numpy(o1)), f"lane {lane} != its single-lane call"
 
 def test_fold_merge_uses_the_counters(emu, rng):
     """The merge is gated by the counts alone: counters that do not start at

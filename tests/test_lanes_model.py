@@ -67,3 +67,27 @@ def test_single_term_activations_halve_the_mmas_where_they_bind():
     many = {xs: lm.model_batch("qwen3-8b", 2048, 16, gpu, x_split=xs) for xs in (True, False)}
     assert many[False]["step_us"] < 0.9 * many[True]["step_us"]
     assert many[False]["x_split"] is False and "single" in lm.format_table([many[False]])
+
+
+def test_batch_attention_splits_fall_with_lanes(monkeypatch):
+    """ops/attention.py counts the lanes in the units that fill the SMs: at 16
+    lanes (2K window) the batch's attention splits each lane's keys 4 ways
+    (folded) instead of 16 (plus a combine launch), and the model's attention
+    time per step falls from 328 us (the one-lane rule, forced back here) to
+    209 us; one lane is untouched."""
+    from dflash_cupy.ops import attention
+    gpu = get_gpu("H200")
+    new = {n: lm.model_batch("qwen3-8b", 2048, n, gpu) for n in (1, 16)}
+    b16, _ = lm.batch_step_plan(drafter_config("h4096"), 2048, 16, 16)
+    assert b16.attention.config() == (4, "fold")
+    splits, merge = attention.default_splits, attention.default_merge
+    monkeypatch.setattr(attention, "default_splits", lambda nkv, kvt, sms, rg=1, lanes=1: splits(nkv, kvt, sms, rg))
+    monkeypatch.setattr(attention, "default_merge", lambda kvt, n, lanes=1: merge(kvt, n))
+    old = {n: lm.model_batch("qwen3-8b", 2048, n, gpu) for n in (1, 16)}
+    b16, _ = lm.batch_step_plan(drafter_config("h4096"), 2048, 16, 16)
+    assert b16.attention.config() == (16, "launch")
+    assert new[1]["attention_us"] == old[1]["attention_us"] and new[1]["step_us"] == old[1]["step_us"]
+    assert old[16]["attention_us"] > 300
+    assert new[16]["attention_us"] < 220 and new[16]["attention_us"] < 0.7 * old[16]["attention_us"]
+    assert new[16]["n_nodes"] == old[16]["n_nodes"] - 5        # no combine launch in the 5 layers
+    assert new[16]["step_us"] < old[16]["step_us"] - 100

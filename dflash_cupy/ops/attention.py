@@ -34,7 +34,10 @@ requests (their q/out rows ``lane_rows`` apart, their own K/V rows and masks,
 into x (``lane * n_head_kv + kv head``, CUDA cores), the combine's y. With
 ``live`` (the lanes' step descriptors, on the device) the blocks of an idle
 lane return before reading anything (or counting), so idle lanes cost one
-block start each.
+block start each. Every lane's units count toward filling the SMs, so the
+default split count per lane falls as lanes grow (``default_splits``, with a
+floor that keeps a batch with few live lanes fast; the merge folds from
+``FOLD_FROM_LANES`` lanes on).
 
 Two split kernels (``path``): ``"mma"`` (``cuda_src/attention_mma.cu``,
 tensor cores, q and p split into two f16 terms, V read with ldmatrix.trans; the default where it applies:
@@ -84,35 +87,92 @@ MERGES = ("launch", "fold")
 # autotuner's timings on a GPU (launch_candidates) overrule this rule.
 FOLD_FROM_KV_TOTAL = 24 * 1024
 MAX_SPLIT_CANDIDATES = 5   # split counts > 1 the tuner tries (x 2 merges, + n_splits 1)
+# Lanes (issue 13). Every lane's (kv head[, row group]) is a unit of n_splits
+# blocks, so a batch of L lanes fills the SMs with L times fewer splits per
+# lane; splitting a lane's keys further only adds the partials' round trip
+# (270 KB per split per lane at qwen3-8b's q 16 x 32 heads, against 131 KB of
+# K/V per key tile) and the merge. But the count is frozen at capture for the
+# batch's lane capacity, and a batch with few live lanes then runs each live
+# lane's window in n_splits serial pieces: one split over 2K keys is a 65-tile
+# latency path, 43.8 us per layer where a lone lane's default (16 splits) takes
+# 7.3. So a batch keeps at least n_tiles // BATCH_TILES_PER_SPLIT splits
+# (pieces of 16 to 31 tiles), never more than one lane alone would get.
+# Model (static counters, H200, h4096: D 128, 32/8 heads, q 16): attention us
+# per layer, split kernel + combine + node gaps (f fold, l launch), for a full
+# batch of L lanes and for one live lane in a batch of that capacity (a 1-lane
+# launch at the batch's split count: idle lanes' blocks exit at once):
+#   window 2K (65 tiles)        L=4       L=16      L=64      one live lane (L=4/16/64)
+#     old rule (16 l)           19.4      68.6     268.5       7.3
+#     fill only (8/2/1)         13.9 f    39.4 f   153.2      12.4 / 28.0 / 43.8
+#     this rule (8/4/4 f)       13.9      43.3     171.4      12.4 / 17.6 / 17.6
+#   window 8K (257 tiles)
+#     old rule (33 l)           51.4     196.7                15.1
+#     fill only (8/2 f)         39.0     151.5                28.0 / 90.4
+#     this rule (16 f)          41.5     164.6                19.6
+#   window 32K (1025 tiles, mma.sync-bound: the splits cost next to nothing):
+#     this rule = old = 33 splits, fold: 581.4 at L=16, the best count the model
+#     finds; fill only (2 f) 599.6, and 340.0 for one live lane (37.7 at 33).
+# The 2K floor costs 3.9 us per layer at 16 lanes and 18 at 64 (under 1% of
+# their steps) and saves 10 / 26 us per layer for one live lane in a 16 / 64
+# lane batch (a step of ~600 us). Reproduce: build RingAttention(..., lanes=L,
+# n_splits=n, merge=m) on profiling.launch_plan.RecordingBackend, call it, and
+# time be.eager with perf_model.time_nodes(..., counters.static_counters); the
+# whole batch step: `python -m profiling.lanes_model` (attn us at 2K, 1/4/16/64
+# lanes: 22/82/328/1327 before, 22/62/209/850 with this rule). The tuner's
+# timings on a GPU overrule all of this.
+BATCH_TILES_PER_SPLIT = 16
+# The folded merge's cost is one unit's partials read by one block after its
+# tiles: fixed however many lanes share the launch, while ring_attn_combine
+# reads every lane's partials (a node of its own too). Model at 2K (the
+# splits above): L=2 (16 splits) launch 11.2 / fold 11.8 us, L=4 (8) 15.4 /
+# 13.9, L=16 (4) 45.9 / 43.3, L=64 (4) 174.9 / 171.4; at 8K L=4 (16) 44.7 /
+# 41.5, L=16 169.8 / 164.6. So "fold" from 4 lanes on, at any window.
+FOLD_FROM_LANES = 4
 
 
-def default_splits(n_head_kv: int, kv_total: int, sm_count: int, row_groups: int = 1) -> int:
-    """Enough blocks for ``BLOCKS_PER_SM`` per SM, but at least
-    ``MIN_TILES_PER_SPLIT`` key tiles each."""
+def _fill_splits(units: int, sm_count: int) -> int:
+    """The split count nearest ``BLOCKS_PER_SM`` blocks per SM over ``units``
+    units (halves up): the grid fits one wave instead of spilling a partial one."""
+    slots = BLOCKS_PER_SM * sm_count
+    return max(1, (2 * slots + units) // (2 * units))
+
+
+def default_splits(n_head_kv: int, kv_total: int, sm_count: int, row_groups: int = 1, lanes: int = 1) -> int:
+    """One lane: enough blocks for ``BLOCKS_PER_SM`` per SM, but at least
+    ``MIN_TILES_PER_SPLIT`` key tiles each. ``lanes > 1``: the count that
+    fills the SMs counting every lane's units, at least ``n_tiles //
+    BATCH_TILES_PER_SPLIT`` (a batch with few live lanes stays fast), at most
+    the one-lane count."""
     n_tiles = -(-kv_total // TILE)
-    want = -(-(BLOCKS_PER_SM * sm_count) // (n_head_kv * row_groups))
-    return max(1, min(want, n_tiles // MIN_TILES_PER_SPLIT))
+    units = n_head_kv * row_groups
+    one = max(1, min(-(-(BLOCKS_PER_SM * sm_count) // units), n_tiles // MIN_TILES_PER_SPLIT))
+    if lanes <= 1:
+        return one
+    return max(1, min(one, max(_fill_splits(units * lanes, sm_count), n_tiles // BATCH_TILES_PER_SPLIT)))
 
 
-def default_merge(kv_total: int, n_splits: int) -> str | None:
-    """The cost model's merge for ``n_splits`` splits over ``kv_total`` keys:
-    ``None`` for one split (nothing to merge), else ``"launch"`` below
-    ``FOLD_FROM_KV_TOTAL`` keys and ``"fold"`` from there on."""
+def default_merge(kv_total: int, n_splits: int, lanes: int = 1) -> str | None:
+    """The cost model's merge for ``n_splits`` splits over ``kv_total`` keys
+    per lane: ``None`` for one split (nothing to merge), else ``"fold"`` from
+    ``FOLD_FROM_KV_TOTAL`` keys or ``FOLD_FROM_LANES`` lanes on, ``"launch"``
+    below both."""
     if n_splits <= 1:
         return None
-    return "fold" if kv_total >= FOLD_FROM_KV_TOTAL else "launch"
+    return "fold" if kv_total >= FOLD_FROM_KV_TOTAL or lanes >= FOLD_FROM_LANES else "launch"
 
 
-def split_candidates(n_head_kv: int, kv_total: int, sm_count: int, row_groups: int = 1) -> list[int]:
+def split_candidates(n_head_kv: int, kv_total: int, sm_count: int, row_groups: int = 1,
+                     lanes: int = 1) -> list[int]:
     """The split counts worth timing on a device, ascending: 1 (no merge) and
     up to ``MAX_SPLIT_CANDIDATES`` more, the nearest to the cost rule's count
     ``d`` first, from d/2, 3d/4, d, 3d/2, 2d, the counts that fill one and two
-    blocks per SM without the ``MIN_TILES_PER_SPLIT`` floor, and two key tiles
-    per split; none above the key tiles, none within a factor 1.25 of one
-    already kept (a near-duplicate times the same thing)."""
+    blocks per SM (every lane's units counted) without the
+    ``MIN_TILES_PER_SPLIT`` floor, and two key tiles per split; none above the
+    key tiles, none within a factor 1.25 of one already kept (a
+    near-duplicate times the same thing)."""
     n_tiles = -(-kv_total // TILE)
-    d = default_splits(n_head_kv, kv_total, sm_count, row_groups)
-    units = n_head_kv * row_groups
+    d = default_splits(n_head_kv, kv_total, sm_count, row_groups, lanes)
+    units = n_head_kv * row_groups * lanes
     pool = {d // 2, 3 * d // 4, d, 3 * d // 2, 2 * d, -(-sm_count // units),
             -(-(BLOCKS_PER_SM * sm_count) // units), n_tiles // 2}
     kept: list[int] = []
@@ -219,13 +279,13 @@ class RingAttention:
             raise ValueError(f"merge {merge!r}: expected one of {MERGES} or None (the default rule)")
         n_tiles = -(-self.kv_total // TILE)
         if n_splits is None:
-            n_splits = default_splits(self.NKV, self.kv_total, self._sm_count, self._unit_rows)
+            n_splits = default_splits(self.NKV, self.kv_total, self._sm_count, self._unit_rows, self.lanes)
         n_splits = checks.int_arg(n_splits, "n_splits", 1)
         if n_splits > n_tiles:
             raise ValueError(f"n_splits={n_splits} exceeds the {n_tiles} key tiles of kv_total={self.kv_total}")
         if n_splits == 1:
             return 1, None
-        return n_splits, merge if merge is not None else default_merge(self.kv_total, n_splits)
+        return n_splits, merge if merge is not None else default_merge(self.kv_total, n_splits, self.lanes)
 
     def _configure(self, n_splits: int, merge: str | None) -> None:
         """Compile the kernels of ``(n_splits, merge)`` and allocate what they need."""
@@ -266,7 +326,7 @@ class RingAttention:
         """The ``(n_splits, merge)`` configurations worth timing (``split_candidates``
         x both merges; ``(1, None)`` once); the default's among them."""
         out = []
-        for n in split_candidates(self.NKV, self.kv_total, self._sm_count, self._unit_rows):
+        for n in split_candidates(self.NKV, self.kv_total, self._sm_count, self._unit_rows, self.lanes):
             out += [(1, None)] if n == 1 else [(n, mg) for mg in MERGES]
         d = self.default_config()
         if d not in out:
