@@ -11,6 +11,10 @@
 #pragma once
 #include "gemm_epilogue.cuh"
 
+// float4 items a reducing thread sums at once (over NW matrices): their loads are in flight
+// together (64 registers of accumulators).
+#define SPLITK_CHUNK 16
+
 // The calling block wrote its partial tile (and row sums) for slice blockIdx.z. Returns after
 // the reduction (the last slice) or at once (the others). `stored(lrow)`: whether local row
 // lrow < live is stored (its 16-row tile is live). All threads of the block call this.
@@ -36,38 +40,59 @@ __device__ __forceinline__ void splitk_reduce(float* ws, int* counters, float* y
         }
         __syncthreads();
     }
+    // Each thread owns items idx = threadIdx.x + j * THREADS (a float4 of one row); they are
+    // reduced SPLITK_CHUNK / NW at a time, every slice's loads of a chunk independent of the
+    // others' sums, so a chunk costs about one L2 round trip per slice rather than one per
+    // item and slice (z order per element: bit-identical to summing item by item).
     constexpr int C4 = COLS / 4;
-    for (int idx = threadIdx.x; idx < live * C4; idx += THREADS) {
-        const int lrow = idx / C4, lc = (idx - lrow * C4) * 4, col = c0 + lc;
-        if (col >= N || !stored(lrow)) continue;
-        float4 a[NW];
+    constexpr int JMAX = (ROWS * C4 + THREADS - 1) / THREADS;   // items per thread of a full tile
+    constexpr int JC = (SPLITK_CHUNK / NW < JMAX) ? SPLITK_CHUNK / NW : JMAX;
+    const int items = live * C4;
+    for (int j0 = threadIdx.x; j0 < items; j0 += JC * THREADS) {
+        float4 a[JC][NW];
 #pragma unroll
-        for (int jw = 0; jw < NW; jw++) {
-            a[jw] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 4
-            for (int z = 0; z < ks; z++) {  // fixed order: bit-identical every launch
-                const float4 v = __ldcg(reinterpret_cast<const float4*>(wsb + ((long long)(z * NW + jw) * ROWS + lrow) * COLS + lc));
-                a[jw].x += v.x;
-                a[jw].y += v.y;
-                a[jw].z += v.z;
-                a[jw].w += v.w;
+        for (int j = 0; j < JC; j++)
+#pragma unroll
+            for (int jw = 0; jw < NW; jw++) a[j][jw] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int z = 0; z < ks; z++) {  // fixed order: bit-identical every launch
+#pragma unroll
+            for (int j = 0; j < JC; j++) {
+                const int idx = j0 + j * THREADS;
+                if (idx < items) {
+                    const int lrow = idx / C4, lc = (idx - lrow * C4) * 4;
+#pragma unroll
+                    for (int jw = 0; jw < NW; jw++) {
+                        const float4 v = __ldcg(reinterpret_cast<const float4*>(wsb + ((long long)(z * NW + jw) * ROWS + lrow) * COLS + lc));
+                        a[j][jw].x += v.x;
+                        a[j][jw].y += v.y;
+                        a[j][jw].z += v.z;
+                        a[j][jw].w += v.w;
+                    }
+                }
             }
         }
-        const long long o = (long long)(m0 + lrow) * N + col;
-        if (NORM) {
-            const float sc = sc_s[lrow];
 #pragma unroll
-            for (int jw = 0; jw < NW; jw++) {
-                a[jw].x *= sc;
-                a[jw].y *= sc;
-                a[jw].z *= sc;
-                a[jw].w *= sc;
+        for (int j = 0; j < JC; j++) {
+            const int idx = j0 + j * THREADS;
+            if (idx >= items) continue;
+            const int lrow = idx / C4, lc = (idx - lrow * C4) * 4, col = c0 + lc;
+            if (col >= N || !stored(lrow)) continue;
+            const long long o = (long long)(m0 + lrow) * N + col;
+            float sc = 1.0f;
+            if (NORM) sc = sc_s[lrow];
+            const float4 g = a[j][0], u = a[j][NW - 1];
+            if (NORM) {
+                epilogue_store<EPI>(y, r, o, g.x * sc, u.x * sc);
+                if (col + 1 < N) epilogue_store<EPI>(y, r, o + 1, g.y * sc, u.y * sc);
+                if (col + 2 < N) epilogue_store<EPI>(y, r, o + 2, g.z * sc, u.z * sc);
+                if (col + 3 < N) epilogue_store<EPI>(y, r, o + 3, g.w * sc, u.w * sc);
+            } else {
+                epilogue_store<EPI>(y, r, o, g.x, u.x);
+                if (col + 1 < N) epilogue_store<EPI>(y, r, o + 1, g.y, u.y);
+                if (col + 2 < N) epilogue_store<EPI>(y, r, o + 2, g.z, u.z);
+                if (col + 3 < N) epilogue_store<EPI>(y, r, o + 3, g.w, u.w);
             }
         }
-        epilogue_store<EPI>(y, r, o, a[0].x, a[NW - 1].x);
-        if (col + 1 < N) epilogue_store<EPI>(y, r, o + 1, a[0].y, a[NW - 1].y);
-        if (col + 2 < N) epilogue_store<EPI>(y, r, o + 2, a[0].z, a[NW - 1].z);
-        if (col + 3 < N) epilogue_store<EPI>(y, r, o + 3, a[0].w, a[NW - 1].w);
     }
     if (threadIdx.x == 0) counters[bx] = 0;  // ready for the next launch (or replay)
 }

@@ -238,15 +238,18 @@ gemm_wgmma(const float* __restrict__ x, const unsigned short* __restrict__ w, fl
     // l8 = i % 8: x[n][k + 32h + 4 l8 .. +3], i.e. real offset r = 32h + 4 l8 of the step, which
     // plays fragment columns of instruction q' = 2h + (l8 & 1), lane group tt = l8 / 2.
 #if GW_NORM
-    // Each staging item's sum of squares over the steps, in shared memory (its owner thread
-    // alone adds to it; registers here make ptxas serialize every wgmma, C7515), summed in a
-    // fixed order at the end: l8 = 0..7 of h = 0, then of h = 1.
-    __shared__ float ss_p[16][BT];  // [8h + l8][token]
+    // Each row's sum of squares in gemm_stream.cu's order, so the two kernels agree bit for bit
+    // where their GEMMs do (the emulator): there lane L of a warp sums x[k]^2 for k = slice
+    // start + 128j + 4L .. +3 over j, then the warp's xor butterfly. Here "lane" L = 16 (s % 2)
+    // + 8h + l8 of step s is this thread's item: its partial lives in shared memory (registers
+    // here make ptxas serialize every wgmma, C7515) and only its owner thread adds to it.
+    __shared__ float ss_p[32][BT];  // [L][token]
 #pragma unroll
     for (int j = 0; j < IPT; j++) {
         const int i = (int)threadIdx.x + j * THREADS;
-        const int wi = i >> 5;
-        ss_p[8 * (wi / (BT / 4)) + (i & 7)][4 * (wi % (BT / 4)) + ((i & 31) >> 3)] = 0.0f;
+        const int wi = i >> 5, n = 4 * (wi % (BT / 4)) + ((i & 31) >> 3), L = 8 * (wi / (BT / 4)) + (i & 7);
+        ss_p[L][n] = 0.0f;
+        ss_p[16 + L][n] = 0.0f;
     }
 #endif
     auto stage = [&](int s, int buf) {
@@ -263,12 +266,13 @@ gemm_wgmma(const float* __restrict__ x, const unsigned short* __restrict__ w, fl
             if (((cmask >> (n >> 4)) & 1u) && n < live && k < k_end && (grow < lo || grow >= pad_hi)) {
                 v = *reinterpret_cast<const float4*>(x + (long long)grow * K + k);
 #if GW_NORM
-                float ss = ss_p[8 * h + l8][n];
+                float* sp_ = &ss_p[16 * (s & 1) + 8 * h + l8][n];
+                float ss = *sp_;
                 ss = fmaf(v.x, v.x, ss);
                 ss = fmaf(v.y, v.y, ss);
                 ss = fmaf(v.z, v.z, ss);
                 ss = fmaf(v.w, v.w, ss);
-                ss_p[8 * h + l8][n] = ss;
+                *sp_ = ss;
                 if (grow >= norm_lo) {
                     const float4 g4 = *reinterpret_cast<const float4*>(ln + k);
                     v.x *= g4.x;
@@ -341,11 +345,19 @@ gemm_wgmma(const float* __restrict__ x, const unsigned short* __restrict__ w, fl
     }
 #if GW_NORM
     __syncthreads();  // every item's last sum (nsteps may be 0)
-    auto row_ss = [&](int lt) {
-        float v = 0.0f;
+    auto row_ss = [&](int lt) {  // warp_sum's xor butterfly over the 32 partials, lane 0's result
+        float v[32];
 #pragma unroll
-        for (int q = 0; q < 16; q++) v += ss_p[q][lt];
-        return v;
+        for (int L = 0; L < 32; L++) v[L] = ss_p[L][lt];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float w2[32];
+#pragma unroll
+            for (int L = 0; L < 32; L++) w2[L] = v[L] + v[L ^ o];
+#pragma unroll
+            for (int L = 0; L < 32; L++) v[L] = w2[L];
+        }
+        return v[0];
     };
 #else
     (void)ln;

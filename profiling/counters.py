@@ -214,6 +214,22 @@ def _staging_loads(ROWS, KT, K, m_valid, kvalid, _cache={}):
     return _cache[key]
 
 
+def splitk_reduce_trips(live: int, rows: int, cols: int, threads: int, ks: int, nw: int) -> int:
+    """Dependent L2 round trips of gemm_splitk.cuh's reduction of ``live`` rows: a thread's
+    float4 items in chunks of ``SPLITK_CHUNK / nw`` (at most a full tile's share), each
+    chunk one round trip per slice (the slices' loads wait on the previous slice's adds)."""
+    c4 = cols // 4
+    jmax = -(-rows * c4 // threads)
+    jc = min(_splitk_chunk() // nw, jmax)
+    items = -(-live * c4 // threads)
+    return -(-items // jc) * ks
+
+
+def _splitk_chunk() -> int:
+    from dflash_cupy import kernels
+    return kernels.constants("gemm_splitk.cuh")["SPLITK_CHUNK"]
+
+
 # ---------------------------------------------------------------------------- gemm_mma.cu
 def _gemm_mma(L) -> KernelCounters:
     d = L.defines
@@ -563,7 +579,7 @@ def _gemm_stream(L) -> KernelCounters:
                 if EPI == 1:
                     _contig(c, "ld", srows * cols * 4, 4)
             live = max(0, min(ROWS, M - by * ROWS))
-            red_l2_trips = max(red_l2_trips, -(-live * C4 // THREADS) * -(-gz * NW // 4))
+            red_l2_trips = max(red_l2_trips, splitk_reduce_trips(live, ROWS, COLS, THREADS, gz, NW))
             if NORM:   # each slice's row sums of squares (every row below M), and their reduction
                 _contig(c, "st", gx * gz * live * 4)
                 _contig(c, "ld", gx * gz * live * 4)
@@ -727,7 +743,7 @@ def _gemm_wgmma(L) -> KernelCounters:
         c.barriers += gx * len(act) * gz * 2
         c.bytes_written[_name(ws)] = part
         c.bytes_read[_name(ws)] = part
-        c.l2_round_trips_per_block += -(-BT * (COLS // 4) // THREADS) * -(-gz * NW // 4)
+        c.l2_round_trips_per_block += splitk_reduce_trips(min(BT, M), BT, COLS, THREADS, gz, NW)
         c.notes.append(f"split-K {gz}: partial tiles ({part / 1e6:.2f} MB) round-trip through L2")
     m_live = sum(sum(blocks[by][1]) for by in act)
     c.bytes_read[_name(x)] = m_live * K * 4

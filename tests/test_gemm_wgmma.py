@@ -46,28 +46,32 @@ def test_short_k_and_tails(backend, rng, wkind, epilogue, K):
             config=("wg64", 1))
 
 
+@pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("epilogue", ["none", "residual", "silu_mul"])
-def test_bit_identical_to_the_mma_sync_kernel_on_the_emulator(emu, rng, epilogue):
-    """Same K grouping per instruction, one rounding each: the emulated wgmma kernel equals
-    gemm_stream.cu's 64-row variant exactly (both roundings, split K too)."""
+def test_bit_identical_to_the_mma_sync_kernel_on_the_emulator(emu, rng, epilogue, norm):
+    """Same K grouping per instruction, one rounding each, and (folded RMSNorm) the row sums
+    of squares in gemm_stream.cu's order: the emulated wgmma kernel equals gemm_stream.cu's
+    64-row variant exactly (both roundings, split K too)."""
     N, K, m = 200, 456, 100
     nw = 2 if epilogue == "silu_mul" else 1
     xh = rng.standard_normal((m, K)).astype(np.float32)
     wh = host_weights(rng, nw * N, K, "bf16")
     rh = rng.standard_normal((m, N)).astype(np.float32) if epilogue == "residual" else None
-    x, w = emu.asarray(xh), emu.asarray(wh)
+    ln_h = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    x, w, ln = emu.asarray(xh), emu.asarray(wh), emu.asarray(ln_h)
     for x_split in (True, False):
-        outs = {}
-        for cfg in ((4, 1), ("wg128", 1), ("wg64", 1)):
-            op = _gemm(emu, N, K, epilogue, x_split=x_split)
-            op.use_config(m, cfg)
-            y = emu.zeros((m, N), np.float32)
-            op(x, w, y, m, residual=None if rh is None else emu.asarray(rh))
-            outs[cfg] = emu.to_numpy(y)
-        ref = gemm_reference(xh, wh, epilogue, rh, x_round=op.x_round)
-        assert_close(outs[(4, 1)], ref, "f32", "mma.sync")
-        for cfg in (("wg128", 1), ("wg64", 1)):
-            np.testing.assert_array_equal(outs[cfg], outs[(4, 1)], err_msg=f"{cfg} x_split={x_split}")
+        for ks in (1, 2):
+            outs = {}
+            for cfg in ((4, ks), ("wg128", ks), ("wg64", ks)):
+                op = _gemm(emu, N, K, epilogue, x_split=x_split, norm_eps=1e-6 if norm else None)
+                op.use_config(m, cfg)
+                y = emu.zeros((m, N), np.float32)
+                op(x, w, y, m, residual=None if rh is None else emu.asarray(rh), norm=(ln, 7) if norm else None)
+                outs[cfg] = emu.to_numpy(y)
+            ref = gemm_reference(xh, wh, epilogue, rh, x_round=op.x_round, norm=(ln_h, 1e-6, 7) if norm else None)
+            assert_close(outs[(4, ks)], ref, "f32", "mma.sync")
+            for cfg in (("wg128", ks), ("wg64", ks)):
+                np.testing.assert_array_equal(outs[cfg], outs[(4, ks)], err_msg=f"{cfg} x_split={x_split}")
 
 
 @pytest.mark.parametrize("epilogue", ["none", "residual", "silu_mul"])
