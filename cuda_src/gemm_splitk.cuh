@@ -58,8 +58,8 @@ __device__ __forceinline__ void splitk_reduce(float* ws, int* counters, float* y
 #pragma unroll
             for (int j = 0; j < JC; j++) {
                 const int idx = j0 + j * THREADS;
-                if (idx < items) {
-                    const int lrow = idx / C4, lc = (idx - lrow * C4) * 4;
+                const int lrow = idx / C4, lc = (idx - lrow * C4) * 4;
+                if (idx < items && c0 + lc < N && stored(lrow)) {  // what is stored: no load for the rest
 #pragma unroll
                     for (int jw = 0; jw < NW; jw++) {
                         const float4 v = __ldcg(reinterpret_cast<const float4*>(wsb + ((long long)(z * NW + jw) * ROWS + lrow) * COLS + lc));

@@ -42,9 +42,13 @@ def drafter_gemms(cfg) -> list:
             ("fc", H, cfg.fc_in, "none")]
 
 
-def gemm_row(name, N, K, epilogue, m, x_split, gpu) -> dict:
+def gemm_row(name, N, K, epilogue, m, x_split, gpu, config=None) -> dict:
+    """One GEMM's predicted time and share of HBM bandwidth, as the product plans it
+    (``config``: a launch configuration of ``Gemm.launch_candidates`` instead)."""
     be = RecordingBackend()
     g = Gemm(be, N, K, ml_dtypes.bfloat16, epilogue, max_m=max(64, m), x_split=x_split)
+    if config is not None:
+        g.use_config(m, config)
     x, y = be.empty((m, K), np.float32), be.empty((m, N), np.float32)
     w = be.empty((g.w_rows, K), np.uint16)
     n0 = len(be.eager)

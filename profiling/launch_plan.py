@@ -28,6 +28,8 @@ from dflash_cupy.config import DraftConfig
 from dflash_cupy.weights import DraftWeights
 
 _DEFINE_RE = re.compile(r"^-D(\w+)=(.*)$")
+# the stream path's kernels (same arguments: ops/gemm_stream.StreamKernels launches either)
+STREAM_GEMMS = ("gemm_stream", "gemm_wgmma")
 
 
 @dataclass(frozen=True)
@@ -409,7 +411,7 @@ def step_plan(config: DraftConfig, window: int, *, ring_dtype=np.uint16, w_dtype
     from dflash_cupy.ops.step_descriptor import DESC_N_NEW
     n_new_ptr = int(kv.desc.ctypes.data) + 4 * DESC_N_NEW
     for n in nodes:
-        if isinstance(n, Launch) and n.kernel == "gemm_stream" and isinstance(n.args[10], ArrayRef) \
+        if isinstance(n, Launch) and n.kernel in STREAM_GEMMS and isinstance(n.args[10], ArrayRef) \
                 and n.args[10].ptr == n_new_ptr:
             n.known["pad_lo"] = kv.last_plan.n_new
     names = _name_arrays(kv)

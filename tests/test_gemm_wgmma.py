@@ -162,7 +162,7 @@ def test_folded_rmsnorm(backend, rng, epilogue, k_split):
 def test_padding_follows_device_memory_in_a_graph(backend, rng):
     N, K, m, hi = 40, 128, 140, 132
     op = _gemm(backend, N, K)
-    assert op.config(m)[0] == "wg128"   # the default from WG_MIN_M rows
+    assert op.config(m)[0] == "wg128"   # the default beyond 64 rows
     xh = rng.standard_normal((m, K)).astype(np.float32)
     wh = host_weights(rng, N, K, "bf16")
     x, w = backend.asarray(xh), backend.asarray(wh)
@@ -190,13 +190,17 @@ def test_padding_follows_device_memory_in_a_graph(backend, rng):
 def test_default_rule_and_where_wgmma_is_compiled(emu):
     op = _gemm(emu, 4096, 4096)
     assert op._stream.wg_variants == gs.WG_VARIANTS
-    assert op.config(64)[0] == 4 and op.config(gs.WG_MIN_M)[0] == "wg128" and op.config(352)[0] == "wg128"
+    assert op.config(48)[0] == 4 and op.config(gs.WG_MIN_M)[0] == "wg64" and op.config(64)[0] == "wg64"
+    assert op.config(65)[0] == "wg128" and op.config(352)[0] == "wg128"
     cands = op.launch_candidates(256)
     assert ("wg128", 1) in cands and ("wg64", 1) in cands and (4, 1) in cands
     assert all(gs.plan_wgmma(4096, 4096, 256, ks=k, variant=v).kz >= gs.MIN_K_SLICE
                for v, k in cands if isinstance(v, str) and k > 1)
-    # not compiled below WG_MIN_M rows, nor for the fused argmax (it reduces within a block)
-    assert Gemm(emu, 64, 64, "bf16", max_m=64, path="stream")._stream.wg_variants == ()
+    # compiled where the default rule uses them: none below WG_MIN_M rows, "wg64" alone up to
+    # 64, both beyond; never for the fused argmax (it reduces within a block)
+    assert Gemm(emu, 64, 64, "bf16", max_m=48, path="stream")._stream.wg_variants == ()
+    g64 = Gemm(emu, 64, 64, "bf16", max_m=64, path="stream")
+    assert g64._stream.wg_variants == ("wg64",) and g64.config(64)[0] == "wg64" and g64.config(100)[0] == "wg64"
     assert Gemm(emu, 64, 64, "bf16", "argmax", max_m=256, path="stream")._stream.wg_variants == ()
     assert Gemm(emu, 64, 64, "bf16", max_m=16, path="stream", wgmma=True)._stream.wg_variants == gs.WG_VARIANTS
     assert Gemm(emu, 64, 64, "bf16", max_m=256, path="stream", wgmma=False)._stream.wg_variants == ()
@@ -208,6 +212,25 @@ def test_default_rule_and_where_wgmma_is_compiled(emu):
         Gemm(emu, 64, 64, "bf16", path="mma", wgmma=True)
     with pytest.raises(ValueError, match="not a launch configuration"):
         op.use_config(256, ("wg96", 1))
+
+
+def test_gpu_self_check_runs_and_its_failure_falls_back(emu, monkeypatch):
+    """The one-time check a GPU runs before any default uses wgmma: here on the emulator
+    (it agrees), and a disagreeing device (faked) keeps every default on mma.sync with a
+    RuntimeWarning, once per device."""
+    ok, detail = gs._selftest(emu)
+    assert ok and "max relative difference" in detail
+
+    class FakeCuda:
+        name = "cuda"
+    calls = []
+    monkeypatch.setattr(gs, "wgmma_available", lambda be: True)
+    monkeypatch.setattr(gs, "_device_id", lambda be: 77)
+    monkeypatch.setattr(gs, "_selftest", lambda be: calls.append(be) or (False, "max relative difference 3"))
+    monkeypatch.setattr(gs, "_WGMMA_VERIFIED", {})
+    with pytest.warns(RuntimeWarning, match="disagrees with the mma.sync GEMM"):
+        assert gs.wgmma_verified(FakeCuda()) is False
+    assert gs.wgmma_verified(FakeCuda()) is False and len(calls) == 1   # checked once per device
 
 
 def test_plan_fills_the_sms_in_whole_waves():

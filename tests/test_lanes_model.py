@@ -58,9 +58,9 @@ def test_single_term_activations_halve_the_mmas_where_they_bind():
     mma = {}
     for xs in (True, False):
         _, nodes = lm.batch_step_plan(cfg, 256, 4, 4, accept=6, x_split=xs)
-        gemms = [n for n in nodes if isinstance(n, Launch) and n.kernel == "gemm_stream"]
-        assert gemms and all(n.defines["GS_SPLIT"] == (2 if xs else 1) for n in gemms)
-        mma[xs] = sum(ctr.static_counters(n).mma for n in gemms)
+        gemms = [n for n in nodes if isinstance(n, Launch) and n.kernel in ("gemm_stream", "gemm_wgmma")]
+        assert gemms and all(n.defines.get("GS_SPLIT", n.defines.get("GW_SPLIT")) == (2 if xs else 1) for n in gemms)
+        mma[xs] = sum(ctr.static_counters(n).mma + ctr.static_counters(n).wgmma_mma for n in gemms)
     assert mma[True] == 2 * mma[False]
     one = {xs: lm.model_batch("qwen3-8b", 2048, 1, gpu, x_split=xs) for xs in (True, False)}
     assert abs(one[True]["step_us"] - one[False]["step_us"]) < 0.02 * one[True]["step_us"]

@@ -300,7 +300,8 @@ def test_product_kernels_fit_their_launch_bounds_and_registers():
     for f in sorted(kernels.CUDA_SRC.glob("*.cu")):
         src = f.read_text()
         for opts in option_sets(src):
-            info = nvrtc_info.cached_compile_info(src, str(f), (*kernels.compile_options(), *opts))
+            info = nvrtc_info.cached_compile_info(src, str(f), (*kernels.compile_options(), *opts),
+                                                  nvrtc_info.declared_arch(src) or nvrtc_info.ARCH)
             for name, r in info.kernels.items():
                 if r.max_threads is not None:
                     need = LL.registers_per_block(r.registers, r.max_threads)

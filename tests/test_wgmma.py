@@ -211,7 +211,8 @@ def test_micro_kernel_declares_sm90a_and_builds_without_spills():
     src = MICRO.read_text()
     assert archs_for(src) == ("sm_90a",)
     for opts in option_sets(src):
-        info = nvrtc_check(src, str(MICRO), "sm_90a", opts)   # no warnings, no spills
+        # no warnings, no spills; its modes read accumulators early on purpose: serialized
+        info = nvrtc_check(src, str(MICRO), "sm_90a", opts, serialized_ok=True)
         assert set(info) == {"wgmma_tile"}
         assert info["wgmma_tile"]["stack"] == 0, f"{opts}: accumulators or fragments in local memory"
     assert len(option_sets(src)) == 6                           # N = 64 (default), 8, 16, 32, 128, 256

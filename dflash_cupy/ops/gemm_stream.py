@@ -181,7 +181,10 @@ WG_VARIANTS = ("wg64", "wg128")
 WG_THREADS = 256          # two warpgroups (GW_WG 2)
 WG_WEIGHT_ROWS = 256      # weight rows per block: 2 warpgroups x 2 sets of 64
 WG_DEPTH = {64: 3, 128: 2}
-WG_MIN_M = 65             # the default rule takes wgmma from here (above one 64-row mma.sync block)
+# The default rule takes wgmma from WG_MIN_M rows ("wg64" up to 64, "wg128" beyond): the
+# 64-row mma.sync variant is mma-issue bound there with hi + lo (profiling/gemm_model.py,
+# H200: 74-84% of HBM at m = 64 vs 86-98% with wgmma), and at m <= 48 both stream at the floor.
+WG_MIN_M = 49
 # ptxas (NVRTC, sm_90a) registers per thread, max over dtypes, epilogues, hi + lo and the folded
 # norm (tests/test_gemm_wgmma.py holds the kernel to them); one block of 256 threads per SM.
 WG_PTXAS_REGS = {64: 232, 128: 248}
@@ -246,6 +249,58 @@ def wgmma_available(backend) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+_WGMMA_VERIFIED: dict = {}   # GPU (backend name, device id) -> the self-check's verdict
+
+
+def wgmma_verified(backend) -> bool:
+    """``wgmma_available`` and, on a GPU, a one-time check (per device and process) that the
+    wgmma kernel agrees with the mma.sync kernel on a small GEMM. The operand layouts of
+    gemm_wgmma.cu were read from the PTX ISA and checked only against the emulator, which
+    implements that same reading; if the hardware disagrees, every default stays on
+    gemm_stream.cu and a RuntimeWarning says so, rather than drafts silently going wrong.
+    (tests/test_wgmma.py and tests/test_gemm_wgmma.py, run on the GPU, are the full check.)"""
+    if not wgmma_available(backend):
+        return False
+    if backend.name != "cuda":
+        return True      # the emulator: the kernel's definition, checked by the tests
+    key = (backend.name, _device_id(backend))
+    if key not in _WGMMA_VERIFIED:
+        ok, detail = _selftest(backend)
+        _WGMMA_VERIFIED[key] = ok
+        if not ok:
+            import warnings
+            warnings.warn(f"dflash_cupy: the wgmma GEMM (gemm_wgmma.cu) disagrees with the mma.sync GEMM on "
+                          f"this device ({detail}); using gemm_stream.cu only. Please report this with the output "
+                          f"of profiling/gpu_check.sh.", RuntimeWarning, stacklevel=3)
+    return _WGMMA_VERIFIED[key]
+
+
+def _device_id(backend) -> int:
+    import cupy
+    return int(cupy.cuda.Device().id)
+
+
+def _selftest(backend) -> tuple:
+    """(agree, detail): one 100-row GEMM (N 200, K 456: partial column group and K step)
+    through "wg128" and the 64-row mma.sync variant, both hi + lo, to 1e-4 of each other
+    (they round the same products; only the tensor cores' summation order differs)."""
+    rng = np.random.default_rng(20261201)
+    N, K, m = 200, 456, 100
+    x = rng.standard_normal((m, K)).astype(np.float32)
+    w = (rng.standard_normal((N, K)).astype(np.float32) * 0.05).view(np.uint32) >> 16   # bf16 bits
+    sk = StreamKernels(backend, N, K, 2, 0, 1, 2, max_m=m, wgmma=True)
+    xd, wd = backend.asarray(x), backend.asarray(w.astype(np.uint16))
+    out = []
+    for mt in (4, "wg128"):
+        sk.use(m, mt, 1)
+        y = backend.zeros((m, N), np.float32)
+        sk(xd, wd, y, y, m)
+        out.append(backend.to_numpy(y))
+    err = float(np.max(np.abs(out[1] - out[0]) / (1e-3 + np.abs(out[0]))))
+    ok = bool(np.isfinite(out[1]).all() and err <= 1e-4)
+    return ok, f"max relative difference {err:.3g} over a {m} x {N} x {K} GEMM"
 
 
 def weight_passes(groups: int, mblocks: int, concurrent: int, m_fastest: bool = True) -> float:
@@ -374,10 +429,13 @@ class StreamKernels:
         # wgmma variants (gemm_wgmma.cu) where rows beyond one 64-row block are expected, the
         # device runs sm_90a and the epilogue is not the fused argmax; wgmma=True insists.
         self.max_m = int(max_m)
-        auto = self.max_m >= WG_MIN_M and not self._argmax and wgmma_available(backend)
         if wgmma and (self._argmax or not wgmma_available(backend)):
             raise ValueError("wgmma=True needs an sm_90a device (or the emulator) and an epilogue other than argmax")
-        self.wg_variants = WG_VARIANTS if (auto if wgmma is None else bool(wgmma)) else ()
+        if wgmma is None:   # the variants the default rule uses up to max_m
+            auto = self.max_m >= WG_MIN_M and not self._argmax and wgmma_verified(backend)
+            self.wg_variants = tuple(v for v in WG_VARIANTS if auto and (v == "wg64" or self.max_m > 64))
+        else:
+            self.wg_variants = WG_VARIANTS if wgmma else ()
         for v in self.wg_variants:
             bt = wg_tokens(v)
             mod = kernels.load_module(backend, "gemm_wgmma.cu", **{"GW_" + k: val for k, val in defs.items()},
@@ -399,7 +457,7 @@ class StreamKernels:
         self.m_split_max = 0     # the largest m that splits K (mma.sync variants)
         sizes = [m for m in range(1, m_hi + 1)]
         if self.wg_variants:
-            sizes += [max(WG_MIN_M, min(self.max_m, 128 * tb)) for tb in range(1, -(-self.max_m // 128) + 1)]
+            sizes += [WG_MIN_M, 64] + [max(65, min(self.max_m, 128 * tb)) for tb in range(1, -(-self.max_m // 128) + 1)]
         for m in sizes:
             p = self.default_plan(m)
             if p.ks > 1:
@@ -428,10 +486,12 @@ class StreamKernels:
         return self.default_plan(m)
 
     def default_plan(self, m: int) -> Plan:
-        """What ``plan(m)`` returns without a tuned choice: the wgmma kernel with 128-row
-        blocks from ``WG_MIN_M`` rows where it is compiled, else the cost rule above."""
-        if self.wg_variants and m >= WG_MIN_M:
-            return self._plan(m, "wg128", self.k_split)
+        """What ``plan(m)`` returns without a tuned choice: the wgmma kernel from ``WG_MIN_M``
+        rows where it is compiled (64-row blocks up to 64 rows, 128 beyond) and no
+        ``k_split`` was forced, else the cost rule above."""
+        if self.wg_variants and m >= WG_MIN_M and self.k_split is None:   # a forced k_split: gemm_stream.cu
+            v = "wg64" if m <= 64 or "wg128" not in self.wg_variants else "wg128"
+            return self._plan(m, v, self.k_split)
         return self._plan(m, min(bucket(m), self.top), self.k_split)
 
     def candidates(self, m: int) -> list:
