@@ -47,7 +47,11 @@
 //   step) are fragment columns 2tt, 2tt + 1 and 2tt + 8, 2tt + 9 of instruction 2h + (l8 & 1)
 //   (tt = l8 / 2), stored as two 4-byte pairs per plane: banks tt + 4 (n % 8) + 16 (l8 & 1)
 //   (the padding's doing), 32 distinct per instruction: one wavefront each.
-//   Order: fence -> 2 sets x 4 k16 x GW_SPLIT wgmmas (step s) -> commit -> wait until only
+//   The MMAs run in chunks of GW_NCH rows of x (32: wgmma N = 32, chunk c's accumulators the
+//   c-th NCH / 2 of each set's, its B the core-matrix rows from c * NCH * 32 bytes): a chunk
+//   whose 16-row tiles are all dead or padding (tile_live, pad_rows: the lane-batched step's
+//   idle lanes and unused append rows) issues none, as gemm_stream.cu skips such tiles.
+//   Order: fence -> 2 sets x 4 k16 x GW_SPLIT x live chunks wgmmas (step s) -> commit -> wait until only
 //   step s is in flight (step s - 1 retired: its ring slot and x buffer are free) ->
 //   __syncthreads -> load step s + DEPTH - 1's weights into the freed slot -> stage step
 //   s + 1's x into the other buffer (its L2 latency overlaps the weights' HBM latency) ->
@@ -97,6 +101,9 @@
 #ifndef GW_DEPTH
 #define GW_DEPTH (GW_BT >= 128 ? 2 : 3)
 #endif
+#ifndef GW_NCH
+#define GW_NCH 32
+#endif
 
 #if GW_EPI != 0 && GW_EPI != 1 && GW_EPI != 2
 #error "GW_EPI must be 0, 1 or 2 (no fused argmax here)"
@@ -128,6 +135,10 @@ constexpr int NW = (GW_EPI == 2) ? 2 : 1;
 constexpr int THREADS = GW_WG * 128;
 constexpr int COLS = GW_WG * 128 / NW;
 constexpr int TILES = BT / 16;                       // 16-row tiles per block (tile_live granularity)
+constexpr int NCH = GW_NCH;                          // rows of x per wgmma (its N)
+constexpr int NCHUNK = BT / NCH;
+constexpr int TPC = NCH / 16;                        // 16-row tiles per chunk
+static_assert(BT % NCH == 0 && NCH % 16 == 0, "GW_NCH divides GW_BT in whole 16-row tiles");
 constexpr int KSTEP = 64;
 constexpr int D = GW_DEPTH;
 // One k16 instruction's B: BT / 8 core-matrix rows x 2 K-halves x 128 bytes, then 64 bytes
@@ -172,9 +183,9 @@ __device__ __forceinline__ void load_slot(Slot& s, const unsigned short* const w
 
 __device__ __forceinline__ void wgmma(float* d, const unsigned int a[4], unsigned long long desc) {
 #if GW_WTYPE == 2
-    wgmma_m64nNk16_rs_bf16<BT>(d, a, desc, 1);
+    wgmma_m64nNk16_rs_bf16<NCH>(d, a, desc, 1);
 #else
-    wgmma_m64nNk16_rs_f16<BT>(d, a, desc, 1);
+    wgmma_m64nNk16_rs_f16<NCH>(d, a, desc, 1);
 #endif
 }
 
@@ -328,7 +339,13 @@ gemm_wgmma(const float* __restrict__ x, const unsigned short* __restrict__ w, fl
                         const unsigned long long desc =
                             wgmma_desc_kmajor_noswizzle(bbase + sp * PLANE_B + q * Q_B, 128, 256);
 #pragma unroll
-                        for (int a = 0; a < 2; a++) gemm_wgmma_detail::wgmma(acc[a], ring[d].a[a][q], desc);
+                        for (int c = 0; c < NCHUNK; c++) {
+                            if (!((cmask >> (c * TPC)) & ((1u << TPC) - 1u))) continue;  // block-uniform
+#pragma unroll
+                            for (int a = 0; a < 2; a++)
+                                gemm_wgmma_detail::wgmma(acc[a] + c * (NCH / 2), ring[d].a[a][q],
+                                                         desc + (unsigned long long)((c * NCH * 32) >> 4));
+                        }
                     }
                 }
                 wgmma_commit_group();

@@ -626,13 +626,15 @@ def _gemm_wgmma(L) -> KernelCounters:
     loads its 256 weight rows (8 16-byte requests per warp: 2 sets x rows g, g + 8 x two
     halves; each request 8 rows x 64 contiguous bytes), stages BT rows x 64 of x (32 bytes
     per token and instruction, stored as 4-byte pairs into conflict-free core matrices) and issues
-    2 warpgroups x 2 sets x 4 k16 x GW_SPLIT wgmmas of N = BT."""
+    2 warpgroups x 2 sets x 4 k16 x GW_SPLIT wgmmas of N = GW_NCH per chunk of rows with a
+    computed 16-row tile."""
     from dflash_cupy.ops import gemm_stream as gs
 
     d = L.defines
     K, BT, SPLIT, EPI = d["GW_K"], d["GW_BT"], d.get("GW_SPLIT", 2), d.get("GW_EPI", 0)
     NORM = d.get("GW_NORM", 0)
     D = d.get("GW_DEPTH", gs.WG_DEPTH[BT])
+    NCH = d.get("GW_NCH", 32)
     x, w, y, r, M, N, kz, _kt, ws, _cnt, _pad_lo, pad_hi = L.args[:12]
     ln, norm_lo = (L.args[12], L.args[14]) if NORM else (None, M)
     NW = 2 if EPI == 2 else 1
@@ -692,6 +694,8 @@ def _gemm_wgmma(L) -> KernelCounters:
     for by in act:
         st, cp = blocks[by]
         rows_ld = sum(cp)
+        tpc = NCH // 16
+        chunks_live = sum(1 for ch in range(BT // NCH) if any(cp[ch * tpc:(ch + 1) * tpc]))
         m_st += sum(st)
         n_nrm = sum(max(0, min(by * BT + 16 * i + v, M) - max(norm_lo, by * BT + 16 * i))
                     for i, v in enumerate(cp) if v) if NORM else 0
@@ -712,9 +716,11 @@ def _gemm_wgmma(L) -> KernelCounters:
                 c.smem_requests += n_ss
                 c.smem_wavefronts += n_ss
                 c.smem_ideal_wavefronts += n_ss
-            n_wg = gx * ns * 2 * 2 * 4 * SPLIT          # wgmmas per (block, step): 2 WG x 2 sets x 4 k16 x planes
-            c.wgmma_mma += n_wg * 4 * (BT // 8)
-            c.wgmma_smem_bytes += n_wg * BT * 16 * 2
+            # wgmmas per (block, step): 2 WG x 2 sets x 4 k16 x planes x the chunks of NCH rows
+            # with a computed tile (the others issue none)
+            n_wg = gx * ns * 2 * 2 * 4 * SPLIT * chunks_live
+            c.wgmma_mma += n_wg * 4 * (NCH // 8)
+            c.wgmma_smem_bytes += n_wg * NCH * 16 * 2
             c.barriers += gx * (2 * ns + 1)
     nsteps_max = max(steps) if steps else 0
     # a step's weights (HBM) and x (L2) are issued together, DEPTH - 1 steps of weights ahead:

@@ -293,3 +293,43 @@ def test_emulator_counts_match_the_static_model(emu, rng):
     wc = c.arrays["w"]
     assert wc.read == p.mblocks * N * K * 2 and wc.read_distinct == N * K * 2   # once per row block
     assert abs(c.gld_sectors - st.gld_sectors) <= 0.02 * st.gld_sectors, (c.gld_sectors, st.gld_sectors)
+
+
+def test_chunks_without_a_computed_tile_issue_no_wgmma(emu, rng):
+    """The wgmmas run per 32 rows of x: a chunk whose 16-row tiles are dead (tile_live) or
+    padding issues none. Emulator counts against the static model's, with the flags known,
+    and the outputs still right (dead rows untouched)."""
+    from dflash_cupy.backends.emu_counters import count_launch
+    from profiling import counters as ctr
+    from profiling.launch_plan import RecordingBackend
+
+    N, K, m = 256, 256, 150
+    flags = np.array([1, 0, 0, 0, 0, 0, 1, 1, 0, 1], np.int32)   # chunks: 0 and 3 of block 0, 0 of block 1
+    live = _live_rows(flags, m)
+    rec = RecordingBackend()
+    g = Gemm(rec, N, K, "bf16", max_m=MAX_M, path="stream")
+    g(rec.empty((m, K), np.float32), rec.empty((N, K), np.uint16), rec.empty((m, N), np.float32), m,
+      tile_live=rec.asarray(flags))
+    L = rec.eager[-1]
+    assert L.kernel == "gemm_wgmma"
+    every = ctr.static_counters(L)
+    L.known["tile_live"] = tuple(bool(f) for f in flags)
+    st = ctr.static_counters(L)
+    assert st.wgmma_mma * 5 == every.wgmma_mma * 3   # 3 of the 5 chunks holding a row < m (4 + 1)
+
+    op = _gemm(emu, N, K)
+    sk = op._stream
+    p = sk.plan(m)
+    xh = rng.standard_normal((m, K)).astype(np.float32)
+    xh[~live] = np.nan
+    wh = host_weights(rng, N, K, "bf16")
+    y = emu.asarray(np.full((m, N), SENTINEL, np.float32))
+    x, w, fl = emu.asarray(xh), emu.asarray(wh), emu.asarray(flags)
+    args = (x, w, y, y, np.int32(m), np.int32(N), np.int32(p.kz), np.int32(p.kt), sk._ws, sk._counters,
+            sk._counters, np.int32(0), x, np.float32(0), np.int32(m), fl, np.int32(1))
+    c = count_launch(sk._kernels[p.mt], p.grid, (p.threads, 1, 1), args, p.smem)
+    assert c.wgmma_mma == st.wgmma_mma
+    got = emu.to_numpy(y)
+    ref = gemm_reference(np.where(live[:, None], xh, 0).astype(np.float32), wh, x_round=op.x_round)
+    assert_close(got[live], ref[live], "f32", "chunks")
+    assert (got[~live].view(np.uint32) == SENTINEL.view(np.uint32)).all()

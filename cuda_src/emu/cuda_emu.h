@@ -1422,7 +1422,8 @@ EMU_INTERNAL static void count_mma() { ((Count*)tl_cnt)->out[CNT_MMA]++; }
 // Not checked: fence.proxy.async between generic smem writes and the wgmma (a no-op here),
 // that the 4 warps of a warpgroup issue the same sequence, register reuse between a wgmma and
 // the wgmma_fence that should precede it once the thread has wgmmas in flight.
-enum : int { WG_MAX_PENDING = 64 };
+// Per thread: 2 commit groups of gemm_wgmma.cu with hi + lo, 2 sets and 4 chunks are 128.
+enum : int { WG_MAX_PENDING = 256 };
 struct WgLaneArgs {  // one lane's operands at issue
     float* d;
     const unsigned int* a;
