@@ -232,6 +232,13 @@ def test_gpu_self_check_runs_and_its_failure_falls_back(emu, monkeypatch):
         assert gs.wgmma_verified(FakeCuda()) is False
     assert gs.wgmma_verified(FakeCuda()) is False and len(calls) == 1   # checked once per device
 
+    def broken(be):
+        raise RuntimeError("ptxas: out of resources")
+    monkeypatch.setattr(gs, "_selftest", broken)
+    monkeypatch.setattr(gs, "_device_id", lambda be: 78)
+    with pytest.warns(RuntimeWarning, match="RuntimeError: ptxas: out of resources"):
+        assert gs.wgmma_verified(FakeCuda()) is False   # a failure to build or run is a failed check
+
 
 def test_plan_fills_the_sms_in_whole_waves():
     # the split fills the device when the column groups and row blocks alone leave SMs idle;
