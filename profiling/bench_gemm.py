@@ -9,6 +9,10 @@ graph launches the GEMM over ``copies`` different weight copies (enough to
 exceed 4x the L2, so weights stream from HBM as they do in the real step),
 and the graph replay time is divided by ``copies``.
 
+Each row names the launch configuration it ran (``Gemm.config``: an mma.sync M
+variant or a wgmma one, and the K split); ``--mma-sync`` adds the same shapes
+with the mma.sync kernel forced (``wgmma=False``) beside the default.
+
 On a GPU, cuBLAS through ``cupy.matmul`` is timed side by side on the same
 shapes with f16 operands (same weight bytes as bf16; CuPy has no bf16): x
 ``[M, K]`` @ W ``[K, N]`` -> ``[M, N]``, the ``[gate;up]`` shape as one
@@ -60,6 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--budget-s", type=float, default=3.0, help="per (shape, M) sampling budget")
     p.add_argument("--no-cublas", action="store_true", help="skip the cupy.matmul comparison")
+    p.add_argument("--mma-sync", action="store_true",
+                   help="also time gemm_stream.cu alone (wgmma=False) beside the default, which takes the "
+                        "wgmma kernel from 49 rows on an sm_90a device (impl 'dflash_mma_sync')")
     a = p.parse_args(argv)
     a.drafter = a.drafter or ("tiny" if a.smoke else common.DEFAULT_DRAFTER)
     common.drafter_config(a.drafter)
@@ -77,8 +84,8 @@ def n_copies(be, weight_bytes: int) -> int:
     return int(max(1, min(MAX_COPIES, -(-4 * l2 // max(weight_bytes, 1)))))
 
 
-def bench_ours(be, name, N, K, epi, ms, args, bw_Bps, seed) -> list[dict]:
-    g = Gemm(be, N, K, "bf16", epi, max_m=MAX_M)
+def bench_ours(be, name, N, K, epi, ms, args, bw_Bps, seed, wgmma=None) -> list[dict]:
+    g = Gemm(be, N, K, "bf16", epi, max_m=max(MAX_M, max(ms)), wgmma=wgmma)
     copies = n_copies(be, g.bytes_moved(0))
     ws = [common.random_bf16(be, (g.w_rows, K), scale=K ** -0.5, seed=seed + i) for i in range(copies)]
     mmax = max(ms)
@@ -99,7 +106,8 @@ def bench_ours(be, name, N, K, epi, ms, args, bw_Bps, seed) -> list[dict]:
         per = t.median_s / copies
         by = g.bytes_moved(m)
         out = be.to_numpy(y)[:m]
-        rows.append({"impl": "dflash", "shape": name, "N": N, "K": K, "epilogue": epi, "M": m,
+        rows.append({"impl": "dflash" if wgmma is None else "dflash_mma_sync", "shape": name, "N": N, "K": K,
+                     "epilogue": epi, "M": m, "config": list(g.config(m)),
                      "w_rows": g.w_rows, "copies": copies, "us": per * 1e6, "bytes": by,
                      "weight_bytes": g.bytes_moved(0), "GBps": by / per / 1e9,
                      "frac_of_copy_bw": by / per / bw_Bps, "timing": t.as_dict(),
@@ -177,6 +185,8 @@ def main(argv=None) -> dict:
     cublas = be.name == "cuda" and not args.no_cublas
     for i, (name, N, K, epi) in enumerate(shapes):
         rows = bench_ours(be, name, N, K, epi, args.ms, args, bw, args.seed + 97 * i)
+        if args.mma_sync:
+            rows += bench_ours(be, name, N, K, epi, args.ms, args, bw, args.seed + 97 * i, wgmma=False)
         if cublas:
             try:
                 rows += bench_cublas(be, name, N, K, epi, args.ms, args, bw, args.seed + 97 * i)

@@ -151,7 +151,7 @@ def test_bench_step_legacy_window_cap_and_merge(backend, tmp_path):
 
 def test_bench_gemm_smoke_bytes(backend, tmp_path):
     res = bench_gemm.main(["--smoke", "--backend", backend.name, "--out", str(tmp_path / "g.json"),
-                           "--ms", "16,34", "--warmup", "1", "--repeats", "2"])
+                           "--ms", "16,34,64", "--warmup", "1", "--repeats", "2", "--mma-sync"])
     cublas = [r for r in res["rows"] if r["impl"] == "cublas_f16"]
     if backend.name == "cuda":  # the comparison may fail (it records why), but it must have run
         assert {r["shape"] for r in cublas} == {"fc", "kv", "qkv", "o", "gate_up", "down"}
@@ -164,7 +164,15 @@ def test_bench_gemm_smoke_bytes(backend, tmp_path):
         "qkv": (QD + 2 * KVW, H, QD + 2 * KVW, False), "o": (H, QD, H, True),
         "gate_up": (2 * I, H, I, False), "down": (H, I, H, True)}
     rows = [r for r in res["rows"] if r["impl"] == "dflash"]
-    assert {(r["shape"], r["M"]) for r in rows} == {(s, m) for s in shapes for m in (16, 34)}
+    assert {(r["shape"], r["M"]) for r in rows} == {(s, m) for s in shapes for m in (16, 34, 64)}
+    # M = 64 takes the wgmma kernel (sm_90a: the emulator; a Hopper GPU that passes its self-check)
+    wg = {r["shape"]: r["config"][0] for r in rows if r["M"] == 64}
+    if backend.name != "cuda":
+        assert set(wg.values()) == {"wg64"}
+    forced = [r for r in res["rows"] if r["impl"] == "dflash_mma_sync"]
+    assert {(r["shape"], r["M"]) for r in forced} == {(s, m) for s in shapes for m in (16, 34, 64)}
+    assert all(isinstance(r["config"][0], int) for r in forced)
+    rows += forced
     for r in rows:
         wr, K, N, resid = shapes[r["shape"]]
         want = wr * K * 2 + r["M"] * K * 4 + r["M"] * N * 4 * (2 if resid else 1)
