@@ -225,10 +225,15 @@ def test_padding_rows_count_as_zero_rows(backend, rng, epilogue, k_split):
         assert_close(backend.to_numpy(y), ref, "f32", f"{op!r} pad [{lo}, {hi})")
 
 
-def test_padding_rows_follow_device_memory_in_a_graph(backend, rng):
-    # captured once; the padding start changes between replays through a pinned copy
-    N, K, m, hi = 40, 128, 40, 32
-    op = Gemm(backend, N, K, "bf16", max_m=64, path="stream")
+@pytest.mark.parametrize("m,hi,kernel", [(40, 32, 4), (140, 132, "wg128")])
+def test_padding_rows_follow_device_memory_in_a_graph(backend, rng, m, hi, kernel):
+    # captured once; the padding start changes between replays through a pinned copy; on the
+    # mma.sync kernel and (140 rows, by default on sm_90a) the wgmma one
+    N, K = 40, 128
+    op = Gemm(backend, N, K, "bf16", max_m=max(64, m), path="stream")
+    if kernel == "wg128" and not op._stream.wg_variants:
+        pytest.skip("no sm_90a: the wgmma kernel is not built here")
+    assert op.config(m)[0] == kernel
     xh, wh, _ = _pad_case(backend, rng, N, K, "none", m)
     x, w = backend.asarray(xh), backend.asarray(wh)
     y = backend.zeros((m, N), np.float32)
@@ -240,7 +245,7 @@ def test_padding_rows_follow_device_memory_in_a_graph(backend, rng):
     backend.copy_h2d_async(lo_dev, lo_host, stream=s)
     op(x, w, y, m, stream=s, pad_rows=(lo_dev, hi))
     g = backend.end_capture(s)
-    for lo in (32, 5, 17, 0):
+    for lo in (hi, 5, hi - 15, 0):
         backend.host_write(lo_host)  # the previous replay's copy has run (synchronised below)
         lo_host[0] = lo
         g.launch(s)

@@ -159,32 +159,6 @@ def test_folded_rmsnorm(backend, rng, epilogue, k_split):
             assert not np.allclose(plain[norm_lo:], ref[norm_lo:], rtol=1e-2, atol=1e-2)
 
 
-def test_padding_follows_device_memory_in_a_graph(backend, rng):
-    N, K, m, hi = 40, 128, 140, 132
-    op = _gemm(backend, N, K)
-    assert op.config(m)[0] == "wg128"   # the default beyond 64 rows
-    xh = rng.standard_normal((m, K)).astype(np.float32)
-    wh = host_weights(rng, N, K, "bf16")
-    x, w = backend.asarray(xh), backend.asarray(wh)
-    y = backend.zeros((m, N), np.float32)
-    lo_dev = backend.zeros((1,), np.int32)
-    lo_host = backend.pinned_empty((1,), np.int32)
-    s = backend.stream()
-    backend.synchronize()
-    backend.begin_capture(s)
-    backend.copy_h2d_async(lo_dev, lo_host, stream=s)
-    op(x, w, y, m, stream=s, pad_rows=(lo_dev, hi))
-    g = backend.end_capture(s)
-    for lo in (132, 5, 120, 0):
-        backend.host_write(lo_host)
-        lo_host[0] = lo
-        g.launch(s)
-        s.synchronize()
-        xz = xh.copy()
-        xz[lo:hi] = 0.0
-        assert_close(backend.to_numpy(y), gemm_reference(xz, wh, x_round=op.x_round), "f32", f"lo={lo}")
-
-
 # ---- planning and selection (host only) ------------------------------------------
 
 def test_default_rule_and_where_wgmma_is_compiled(emu):
