@@ -733,7 +733,6 @@ def _gemm_wgmma(L) -> KernelCounters:
     # of one token per 8 lanes: one sector per 8 lanes
     if gz == 1:
         _contig(c, "st", m_st * N * 4, 4)
-        c.gst_requests += 0
         if EPI == 1:
             _contig(c, "ld", m_st * N * 4, 4)
     else:
