@@ -46,8 +46,9 @@
 //       written here. ap_feat rows past T are not written (stale but finite: they only
 //       reach padding rows, whose K/V go to a trash slot).
 //       tile_live [lanes*(cs + bs)/16]: nonzero iff the 16-row tile holds a live row
-//       (one of the T packed rows, or a noise row < q_len of an active lane); cs and
-//       bs are multiples of 16. An idle lane (desc[DESC_ACTIVE] == 0) gathers nothing,
+//       (one of the T packed rows, or a noise row < q_len of an active lane): 2 for the
+//       context tiles (their rows feed K and V only: the qkv GEMM skips their Q columns,
+//       gemm_wgmma.cu GW_SKIP_COLS), 1 for the noise tiles; cs and bs are multiples of 16. An idle lane (desc[DESC_ACTIVE] == 0) gathers nothing,
 //       clears its noise tiles and leaves its slot table and masks as they are.
 //       grid (GX * a_rows + ceil(max(kv_total, cs, bs) / GATHER_THREADS), lanes),
 //       block (GATHER_THREADS).
@@ -222,7 +223,7 @@ plan_lanes(const int* __restrict__ desc_all,
             pos_all[r] = 0;
             rows_all[r] = (int)(kv0 + cap + q_len);  // the lane's trash slot
         }
-        if (c % 16 == 0) tile_live[r / 16] = r < total;
+        if (c % 16 == 0) tile_live[r / 16] = (r < total) ? 2 : 0;
     }
     const int noise0 = lanes * cs + lane * bs;
     if (c < bs) {

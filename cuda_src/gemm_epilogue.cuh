@@ -3,8 +3,18 @@
 //   EPI 0: y = acc    EPI 1: y = r + acc (r may be y)    EPI 2: y = silu(gate) * up
 #pragma once
 
-// expf, not __expf: the epilogue is off the hot path and the reference is exact.
-__device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
+// expf, not __expf: the epilogue is off the hot path and the reference is exact. The
+// division is the approximate reciprocal refined by one Newton step (within an ulp of
+// v / d), not IEEE division: that one has a divergent slow path, and divergent code
+// before the next tile's wgmmas in gemm_wgmma.cu's tile loop makes ptxas serialise them
+// (C7520). d = 1 + e^-v >= 1; past 2^126 (v < -87.3) the reciprocal is 0: silu is -0
+// (exactly: a value below 1e-36).
+__device__ __forceinline__ float silu(float v) {
+    const float d = 1.0f + expf(-v);
+    float r = __fdividef(1.0f, d);       // 0 for d > 2^126 (d = inf included)
+    r = fmaf(r, fmaf(-d, r, 1.0f), r);   // Newton: NaN-free since r = 0 only where d is huge
+    return (d < 0x1p126f) ? v * r : v * 0.0f;
+}
 
 // One output element: a is the dot product, u the up dot product (EPI 2 only).
 template <int EPI>

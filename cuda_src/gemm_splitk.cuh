@@ -3,11 +3,10 @@
 // arrive sums every slice's partial tile in z order (bit-identical replays) and applies
 // the epilogue.
 //
-// Workspace of one launch (f32), indexed by the linear block x = column group * row
-// blocks + row block:
-//   partial tiles [grid x][ks][NW][ROWS][COLS]   (NW = 2 for silu_mul: gate, then up)
-//   then, with NORM, each slice's row sums of squares [grid x][ks][ROWS]
-// counters[block x]: zero between launches (the reducing block resets it).
+// Workspace: the caller's layout. A (column group, row block) tile's slices are at wsb:
+//   partial tiles [ks][NW][ROWS][COLS]   (NW = 2 for silu_mul: gate, then up)
+// and, with NORM, each slice's row sums of squares at ssw: [ks][ROWS].
+// *counter (one per block x): zero between launches (the reducing block resets it).
 #pragma once
 #include "gemm_epilogue.cuh"
 
@@ -15,24 +14,23 @@
 // together (64 registers of accumulators).
 #define SPLITK_CHUNK 16
 
-// The calling block wrote its partial tile (and row sums) for slice blockIdx.z. Returns after
-// the reduction (the last slice) or at once (the others). `stored(lrow)`: whether local row
-// lrow < live is stored (its 16-row tile is live). All threads of the block call this.
+// The calling block wrote its partial tile (and row sums) for its slice of the ks slices.
+// Returns after the reduction (the last slice to arrive) or at once (the others).
+// `stored(lrow)`: whether local row lrow < live is stored (its 16-row tile is live). All
+// threads of the block call this.
 template <int NW, int ROWS, int COLS, int THREADS, int EPI, int NORM, int K, typename Stored>
-__device__ __forceinline__ void splitk_reduce(float* ws, int* counters, float* y, const float* r, int bx, int m0,
-                                              int live, int c0, int N, float eps, int norm_lo, Stored stored) {
+__device__ __forceinline__ void splitk_reduce(const float* wsb, const float* ssw, int ks, int* counter, float* y,
+                                              const float* r, int m0, int live, int c0, int N, float eps,
+                                              int norm_lo, Stored stored) {
     __shared__ int ticket;
-    const int ks = (int)gridDim.z;
-    const float* wsb = ws + (long long)bx * ks * (NW * ROWS * COLS);
     __threadfence();  // the partial tile is visible device-wide before the count says so
     __syncthreads();
-    if (threadIdx.x == 0) ticket = atomicAdd(&counters[bx], 1);
+    if (threadIdx.x == 0) ticket = atomicAdd(counter, 1);
     __syncthreads();
     if (ticket != ks - 1) return;
     __threadfence();
     __shared__ float sc_s[NORM ? ROWS : 1];
     if (NORM) {
-        const float* ssw = ws + (long long)gridDim.x * ks * NW * ROWS * COLS + (long long)bx * ks * ROWS;
         if ((int)threadIdx.x < live) {
             float ss = 0.0f;
             for (int z = 0; z < ks; z++) ss += __ldcg(ssw + z * ROWS + threadIdx.x);  // z order
@@ -94,5 +92,5 @@ __device__ __forceinline__ void splitk_reduce(float* ws, int* counters, float* y
             }
         }
     }
-    if (threadIdx.x == 0) counters[bx] = 0;  // ready for the next launch (or replay)
+    if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (or replay)
 }

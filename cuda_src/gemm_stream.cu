@@ -539,9 +539,11 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
     // the rows' partial sums of squares of this slice, after every block's partial tiles
     float* ssw = ws + (long long)gridDim.x * ks * NW * ROWS * COLS + (long long)bx * ks * ROWS;
     if (threadIdx.x < live) ssw[blockIdx.z * ROWS + threadIdx.x] = ss_s[threadIdx.x];
+#else
+    const float* ssw = ws;  // unused
 #endif
     splitk_reduce<NW, ROWS, COLS, THREADS, GS_EPI, GS_NORM, K>(
-        ws, counters, y, r, bx, m0, live, cg * COLS, N, eps, norm_lo,
+        wsb, ssw, ks, counters + bx, y, r, m0, live, cg * COLS, N, eps, norm_lo,
         [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; });
 #endif
 }

@@ -28,7 +28,14 @@
 //   rows of x; grid = (groups * tblocks, 1, ks), blockIdx.x = cg * tblocks + tb (row block
 //   fastest: the blocks that read one column group's weights run together and share one HBM
 //   read through L2), z = K slice of kz (a multiple of 64). Dynamic shared memory =
-//   2 (double buffer) * GW_SPLIT * 4 * Q_B bytes (kt is ignored: x is staged 64 k at a time).
+//   2 (double buffer) * GW_SPLIT * 4 * Q_B bytes (kt is not a chunk here: x is staged 64 k
+//   at a time).
+//   Lane batches (GW_SMS = the device's SM count, launched with tile_live): the working
+//   (column group, row block) tiles are found from tile_live at run time, the K split (at
+//   most kt slices) chosen from their count as plan_wgmma would (gemm_stream.wg_live_split),
+//   grid = (the most working tiles x slices any tile_live gives, 1, 1): block x = z * n_live
+//   + tile, the rest exit at once. GW_SKIP_COLS: tiles marked 2 (context rows, K and V
+//   only) are dead in the column groups wholly below it (the Q columns).
 //
 // ---- Per 64-k step s (one commit group)
 //   A (weights), register ring GW_DEPTH steps deep: lane (g, t) of warp q (0..3) of a warpgroup
@@ -68,6 +75,8 @@
 // nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=1 -DGW_K=12288 -DGW_BT=128 -DGW_SPLIT=2
 // nvrtc-check: -DGW_WTYPE=1 -DGW_EPI=0 -DGW_K=4096 -DGW_BT=64 -DGW_SPLIT=2 -DGW_NORM=1
 // nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=2 -DGW_K=5120 -DGW_BT=64 -DGW_SPLIT=2
+// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=0 -DGW_K=4096 -DGW_BT=128 -DGW_SPLIT=2 -DGW_NORM=1 -DGW_SMS=132 -DGW_SKIP_COLS=4096
+// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=2 -DGW_K=4096 -DGW_BT=64 -DGW_SPLIT=1 -DGW_NORM=1 -DGW_SMS=132
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -104,6 +113,12 @@
 #ifndef GW_NCH
 #define GW_NCH 32
 #endif
+#ifndef GW_SMS
+#define GW_SMS 0  // > 0 (the device's SM count): launches with tile_live choose their K split
+#endif
+#ifndef GW_SKIP_COLS
+#define GW_SKIP_COLS 0  // tiles whose tile_live entry is 2 need only the columns >= this
+#endif
 
 #if GW_EPI != 0 && GW_EPI != 1 && GW_EPI != 2
 #error "GW_EPI must be 0, 1 or 2 (no fused argmax here)"
@@ -126,6 +141,9 @@
 #if GW_NORM != 0 && GW_NORM != 1
 #error "GW_NORM must be 0 or 1"
 #endif
+#if GW_SMS < 0 || GW_SKIP_COLS < 0
+#error "GW_SMS and GW_SKIP_COLS must be >= 0"
+#endif
 
 namespace gemm_wgmma_detail {
 
@@ -140,6 +158,13 @@ constexpr int NCHUNK = BT / NCH;
 constexpr int TPC = NCH / 16;                        // 16-row tiles per chunk
 static_assert(BT % NCH == 0 && NCH % 16 == 0, "GW_NCH divides GW_BT in whole 16-row tiles");
 constexpr int KSTEP = 64;
+static_assert(GW_SKIP_COLS % COLS == 0, "GW_SKIP_COLS is a whole number of column groups");
+constexpr int QG = GW_SKIP_COLS / COLS;              // column groups that rows marked 2 skip
+// The per-launch K split (GW_SMS > 0 with tile_live): ops/gemm_stream.wg_live_split mirrors
+// this rule and its constants (MIN_K_SLICE, WG_BLOCK_STEPS, WG_SPLIT_STEPS).
+constexpr int MIN_K_SLICE = 256;
+constexpr int BLOCK_STEPS = 2;
+constexpr int SPLIT_STEPS = 3;
 constexpr int D = GW_DEPTH;
 // One k16 instruction's B: BT / 8 core-matrix rows x 2 K-halves x 128 bytes, then 64 bytes
 // of padding so that a staging store's two instructions (l8 even / odd) fall 16 banks apart.
@@ -181,6 +206,25 @@ __device__ __forceinline__ void load_slot(Slot& s, const unsigned short* const w
     }
 }
 
+// The K split for n_live working blocks, at most cap: whole waves of GW_SMS SMs x (a block's
+// steps + its fixed part), the least k on ties; each slice non-empty and, split, >= MIN_K_SLICE.
+__device__ __forceinline__ int live_split(int n_live, int cap) {
+    constexpr int steps = (K + KSTEP - 1) / KSTEP;
+    int best_k = 1;
+    long long best = -1;
+    for (int k = 1; k <= cap; k++) {
+        const int kzk = ((steps + k - 1) / k) * KSTEP;
+        if ((K + kzk - 1) / kzk != k || (k > 1 && kzk < MIN_K_SLICE)) continue;
+        const long long waves = ((long long)n_live * k + GW_SMS - 1) / (GW_SMS > 0 ? GW_SMS : 1);
+        const long long cost = waves * (kzk / KSTEP + BLOCK_STEPS + (k > 1 ? SPLIT_STEPS : 0));
+        if (best < 0 || cost < best) {
+            best = cost;
+            best_k = k;
+        }
+    }
+    return best_k;
+}
+
 __device__ __forceinline__ void wgmma(float* d, const unsigned int a[4], unsigned long long desc) {
 #if GW_WTYPE == 2
     wgmma_m64nNk16_rs_bf16<NCH>(d, a, desc, 1);
@@ -197,250 +241,324 @@ gemm_wgmma(const float* __restrict__ x, const unsigned short* __restrict__ w, fl
            const float* __restrict__ ln, float eps, int norm_lo, const int* tile_live, int use_live) {
     using namespace gemm_wgmma_detail;
     extern __shared__ __align__(128) unsigned char smem[];
-    (void)kt;
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int wg = warp >> 2, wq = warp & 3;
     const int tblocks = (M + BT - 1) / BT;
-    const int cg = (int)blockIdx.x / tblocks;
-    const int m0 = ((int)blockIdx.x - cg * tblocks) * BT;
-    const int live = (M - m0 < BT) ? (M - m0) : BT;
 
-    int lo = pad_hi;
-    if (pad_hi > 0) {
-        lo = *pad_lo;
-        lo = (lo < 0) ? 0 : ((lo > pad_hi) ? pad_hi : lo);
-    }
-    // cmask: 16-row tiles with a row to compute (staged from x); smask: tiles whose rows are
-    // stored. Dead tiles are neither; padding-only tiles are stored (acc 0) but not staged.
-    unsigned int cmask = 0u, smask = 0u;
-#pragma unroll
-    for (int i = 0; i < TILES; i++) {
-        const int a = m0 + 16 * i, b = (a + 16 < M) ? a + 16 : M;
-        if (a < b && (!use_live || tile_live[(m0 >> 4) + i] != 0)) {
-            smask |= 1u << i;
-            if (!(a >= lo && b <= pad_hi)) cmask |= 1u << i;
+    // What this block computes. Static: one tile, blockIdx.x = cg * tblocks + tb, z its K
+    // slice of kz. Live split (GW_SMS > 0 with tile_live): the launch's working tiles are
+    // found here from tile_live (row block tb works in column group cg if it holds a tile
+    // != 0 that is not a 2 skipped there), numbered cg-major (slot: their workspace and
+    // counter index) and the K split ks chosen from their count (live_split, at most kt
+    // slices); item = z * n_live + slot, and the grid (at most one block per SM) strides over
+    // the items. A step with few live rows splits K further and still fills the SMs, and
+    // idle lanes cost no blocks, with no recapture.
+    int ks = (int)gridDim.z, kzl = kz, n_live = 1, n_items = 1, first = 0, stride = 1;
+    int n_any = 0, n_full = 0, qg = 0;
+    // the working row blocks in order: [0] those with a tile != 0, [1] with a tile != 0, 2
+    __shared__ short sel_s[2][THREADS];
+    const bool dyn = GW_SMS > 0 && use_live;
+    if (dyn) {  // tblocks <= THREADS (the launcher's check): one row block per thread
+        __shared__ int wc_s[2][THREADS / 32];
+        const int groups = (N + COLS - 1) / COLS;
+        const int b = (int)threadIdx.x;
+        bool any = false, full = false;
+        if (b < tblocks) {
+            for (int i = 0; i < TILES && b * BT + 16 * i < M; i++) {
+                const int v = tile_live[((b * BT) >> 4) + i];
+                any = any || v != 0;
+                full = full || (v != 0 && v != 2);
+            }
         }
-    }
-    if (smask == 0u) return;  // every slice of this block leaves here: its counter stays 0
-
-    const int k_begin = blockIdx.z * kz;
-    const int k_end = (k_begin + kz < K) ? k_begin + kz : K;
-    const int nsteps = (k_end > k_begin) ? (k_end - k_begin + KSTEP - 1) / KSTEP : 0;
-
-    // Weight rows of this lane: set a, row 16 wq + g (+8).
-    const int nb = cg * COLS + wg * (128 / NW);  // the warpgroup's first output column
-    const unsigned short* wrow[2][2];
-    unsigned int ok = 0u;
-#pragma unroll
-    for (int a = 0; a < 2; a++) {
-#pragma unroll
-        for (int rr = 0; rr < 2; rr++) {
-            const int n = nb + (NW == 1 ? 64 * a : 0) + 16 * wq + g + 8 * rr;
-            const bool v = n < N;
-            ok |= (v ? 1u : 0u) << (2 * a + rr);
-            wrow[a][rr] = w + ((long long)(v ? n : 0) + ((NW == 2 && a == 1 && v) ? (long long)N : 0ll)) * K;
+        const unsigned int ba = __ballot_sync(0xffffffffu, any), bf = __ballot_sync(0xffffffffu, full);
+        if (lane == 0) {
+            wc_s[0][warp] = __popc(ba);
+            wc_s[1][warp] = __popc(bf);
         }
+        __syncthreads();
+        const unsigned int below = (1u << lane) - 1u;
+        int p_any = __popc(ba & below), p_full = __popc(bf & below);
+#pragma unroll
+        for (int w2 = 0; w2 < THREADS / 32; w2++) {
+            n_any += wc_s[0][w2];
+            n_full += wc_s[1][w2];
+            if (w2 < warp) {
+                p_any += wc_s[0][w2];
+                p_full += wc_s[1][w2];
+            }
+        }
+        if (any) sel_s[0][p_any] = (short)b;
+        if (full) sel_s[1][p_full] = (short)b;
+        __syncthreads();
+        qg = (QG < groups) ? QG : groups;
+        n_live = qg * n_full + (groups - qg) * n_any;
+        ks = live_split(n_live, kt);
+        kzl = ((K + KSTEP - 1) / KSTEP + ks - 1) / ks * KSTEP;
+        n_items = n_live * ks;
+        first = (int)blockIdx.x;
+        stride = (int)gridDim.x;
     }
+    for (int item = first; item < n_items; item += stride) {
+        int cg = (int)blockIdx.x / tblocks, tb = (int)blockIdx.x - cg * tblocks;
+        int slot = (int)blockIdx.x, zi = (int)blockIdx.z;
+        __syncthreads();   // the previous item's shared memory is read (and the warps converge)
+        if (dyn) {
+            zi = item / n_live;
+            slot = item - zi * n_live;
+            if (slot < qg * n_full) {   // a column group below GW_SKIP_COLS: rows with a tile != 2
+                cg = slot / n_full;
+                tb = sel_s[1][slot - cg * n_full];
+            } else {
+                const int r2 = slot - qg * n_full;
+                cg = qg + r2 / n_any;
+                tb = sel_s[0][r2 - (cg - qg) * n_any];
+            }
+        }
+        const int m0 = tb * BT;
+        const int live = (M - m0 < BT) ? (M - m0) : BT;
 
-    // Staging item j of this thread (i = threadIdx.x + j * THREADS, warp item wi = i / 32):
-    // token n = 4 * (wi % (BT / 4)) + (i % 32) / 8, half h = wi / (BT / 4), lane-in-token
-    // l8 = i % 8: x[n][k + 32h + 4 l8 .. +3], i.e. real offset r = 32h + 4 l8 of the step, which
-    // plays fragment columns of instruction q' = 2h + (l8 & 1), lane group tt = l8 / 2.
+        int lo = pad_hi;
+        if (pad_hi > 0) {
+            lo = *pad_lo;
+            lo = (lo < 0) ? 0 : ((lo > pad_hi) ? pad_hi : lo);
+        }
+        // cmask: 16-row tiles with a row to compute (staged from x); smask: tiles whose rows are
+        // stored. Dead tiles are neither; padding-only tiles are stored (acc 0) but not staged.
+        // A tile marked 2 (rows that need only columns >= GW_SKIP_COLS: a lane-batched qkv's
+        // context rows, which feed K and V only) is dead in the column groups below.
+        unsigned int cmask = 0u, smask = 0u;
+#pragma unroll
+        for (int i = 0; i < TILES; i++) {
+            const int a = m0 + 16 * i, b = (a + 16 < M) ? a + 16 : M;
+            int v = 1;
+            if (use_live && a < b) v = tile_live[(m0 >> 4) + i];
+            if (a < b && v != 0 && !(v == 2 && cg < QG)) {
+                smask |= 1u << i;
+                if (!(a >= lo && b <= pad_hi)) cmask |= 1u << i;
+            }
+        }
+        if (smask == 0u) continue;  // every slice of this tile leaves here: its counter stays 0
+
+        const int k_begin = zi * kzl;
+        const int k_end = (k_begin + kzl < K) ? k_begin + kzl : K;
+        const int nsteps = (k_end > k_begin) ? (k_end - k_begin + KSTEP - 1) / KSTEP : 0;
+
+        // Weight rows of this lane: set a, row 16 wq + g (+8).
+        const int nb = cg * COLS + wg * (128 / NW);  // the warpgroup's first output column
+        const unsigned short* wrow[2][2];
+        unsigned int ok = 0u;
+#pragma unroll
+        for (int a = 0; a < 2; a++) {
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                const int n = nb + (NW == 1 ? 64 * a : 0) + 16 * wq + g + 8 * rr;
+                const bool v = n < N;
+                ok |= (v ? 1u : 0u) << (2 * a + rr);
+                wrow[a][rr] = w + ((long long)(v ? n : 0) + ((NW == 2 && a == 1 && v) ? (long long)N : 0ll)) * K;
+            }
+        }
+
+        // Staging item j of this thread (i = threadIdx.x + j * THREADS, warp item wi = i / 32):
+        // token n = 4 * (wi % (BT / 4)) + (i % 32) / 8, half h = wi / (BT / 4), lane-in-token
+        // l8 = i % 8: x[n][k + 32h + 4 l8 .. +3], i.e. real offset r = 32h + 4 l8 of the step, which
+        // plays fragment columns of instruction q' = 2h + (l8 & 1), lane group tt = l8 / 2.
 #if GW_NORM
-    // Each row's sum of squares in gemm_stream.cu's order, so the two kernels agree bit for bit
-    // where their GEMMs do (the emulator): there lane L of a warp sums x[k]^2 for k = slice
-    // start + 128j + 4L .. +3 over j, then the warp's xor butterfly. Here "lane" L = 16 (s % 2)
-    // + 8h + l8 of step s is this thread's item: its partial lives in shared memory (registers
-    // here make ptxas serialize every wgmma, C7515) and only its owner thread adds to it.
-    __shared__ float ss_p[32][BT];  // [L][token]
+        // Each row's sum of squares in gemm_stream.cu's order, so the two kernels agree bit for bit
+        // where their GEMMs do (the emulator): there lane L of a warp sums x[k]^2 for k = slice
+        // start + 128j + 4L .. +3 over j, then the warp's xor butterfly. Here "lane" L = 16 (s % 2)
+        // + 8h + l8 of step s is this thread's item: its partial lives in shared memory (registers
+        // here make ptxas serialize every wgmma, C7515) and only its owner thread adds to it.
+        __shared__ float ss_p[32][BT];  // [L][token]
 #pragma unroll
-    for (int j = 0; j < IPT; j++) {
-        const int i = (int)threadIdx.x + j * THREADS;
-        const int wi = i >> 5, n = 4 * (wi % (BT / 4)) + ((i & 31) >> 3), L = 8 * (wi / (BT / 4)) + (i & 7);
-        ss_p[L][n] = 0.0f;
-        ss_p[16 + L][n] = 0.0f;
-    }
-#endif
-    auto stage = [&](int s, int buf) {
-        const int kc = k_begin + s * KSTEP;
-        unsigned char* base = smem + buf * BUF_B;
-#pragma unroll 4  // 4 loads in flight per thread: all 8 of BT 128 at once spill (255 registers)
         for (int j = 0; j < IPT; j++) {
             const int i = (int)threadIdx.x + j * THREADS;
-            const int wi = i >> 5;
-            const int n = 4 * (wi % (BT / 4)) + ((i & 31) >> 3), l8 = i & 7, h = wi / (BT / 4);
-            const int k = kc + 32 * h + 4 * l8;
-            const int grow = m0 + n;
-            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (((cmask >> (n >> 4)) & 1u) && n < live && k < k_end && (grow < lo || grow >= pad_hi)) {
-                v = *reinterpret_cast<const float4*>(x + (long long)grow * K + k);
-#if GW_NORM
-                float* sp_ = &ss_p[16 * (s & 1) + 8 * h + l8][n];
-                float ss = *sp_;
-                ss = fmaf(v.x, v.x, ss);
-                ss = fmaf(v.y, v.y, ss);
-                ss = fmaf(v.z, v.z, ss);
-                ss = fmaf(v.w, v.w, ss);
-                *sp_ = ss;
-                if (grow >= norm_lo) {
-                    const float4 g4 = *reinterpret_cast<const float4*>(ln + k);
-                    v.x *= g4.x;
-                    v.y *= g4.y;
-                    v.z *= g4.z;
-                    v.w *= g4.w;
-                }
-#endif
-            }
-            // elements 0, 1 are fragment columns 2tt, 2tt + 1 (core matrix 0), 2, 3 are 2tt + 8,
-            // 2tt + 9 (core matrix 1, 128 bytes on)
-            const float f[4] = {v.x, v.y, v.z, v.w};
-            unsigned char* p = base + (2 * h + (l8 & 1)) * Q_B + (n >> 3) * 256 + (n & 7) * 16 + 4 * (l8 >> 1);
-#pragma unroll
-            for (int sp = 0; sp < GW_SPLIT; sp++) {
-                unsigned int b[4];
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const unsigned int hi = to16(f[e]);
-                    b[e] = (sp == 0) ? hi : to16(f[e] - from16(hi));
-                }
-                *reinterpret_cast<unsigned int*>(p + sp * PLANE_B) = b[0] | (b[1] << 16);
-                *reinterpret_cast<unsigned int*>(p + sp * PLANE_B + 128) = b[2] | (b[3] << 16);
-            }
+            const int wi = i >> 5, n = 4 * (wi % (BT / 4)) + ((i & 31) >> 3), L = 8 * (wi / (BT / 4)) + (i & 7);
+            ss_p[L][n] = 0.0f;
+            ss_p[16 + L][n] = 0.0f;
         }
-    };
-
-    Slot ring[D];
-#pragma unroll
-    for (int d = 0; d < D - 1; d++) load_slot(ring[d], wrow, ok, k_begin + d * KSTEP + 8 * t, k_end);
-
-    float acc[2][BT / 2];
-#pragma unroll
-    for (int a = 0; a < 2; a++)
-#pragma unroll
-        for (int e = 0; e < BT / 2; e++) acc[a][e] = 0.0f;
-
-    if (nsteps > 0) stage(0, 0);
-    fence_proxy_async_shared();
-    __syncthreads();
-
-    for (int s0 = 0; s0 < nsteps; s0 += D) {
-#pragma unroll
-        for (int d = 0; d < D; d++) {
-            const int s = s0 + d;
-            if (s < nsteps) {  // block-uniform
-                const unsigned char* bbase = smem + (s & 1) * BUF_B;
-                wgmma_fence();
+#endif
+        auto stage = [&](int s, int buf) {
+            const int kc = k_begin + s * KSTEP;
+            unsigned char* base = smem + buf * BUF_B;
+#pragma unroll 4  // 4 loads in flight per thread: all 8 of BT 128 at once spill (255 registers)
+            for (int j = 0; j < IPT; j++) {
+                const int i = (int)threadIdx.x + j * THREADS;
+                const int wi = i >> 5;
+                const int n = 4 * (wi % (BT / 4)) + ((i & 31) >> 3), l8 = i & 7, h = wi / (BT / 4);
+                const int k = kc + 32 * h + 4 * l8;
+                const int grow = m0 + n;
+                float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (((cmask >> (n >> 4)) & 1u) && n < live && k < k_end && (grow < lo || grow >= pad_hi)) {
+                    v = *reinterpret_cast<const float4*>(x + (long long)grow * K + k);
+#if GW_NORM
+                    float* sp_ = &ss_p[16 * (s & 1) + 8 * h + l8][n];
+                    float ss = *sp_;
+                    ss = fmaf(v.x, v.x, ss);
+                    ss = fmaf(v.y, v.y, ss);
+                    ss = fmaf(v.z, v.z, ss);
+                    ss = fmaf(v.w, v.w, ss);
+                    *sp_ = ss;
+                    if (grow >= norm_lo) {
+                        const float4 g4 = *reinterpret_cast<const float4*>(ln + k);
+                        v.x *= g4.x;
+                        v.y *= g4.y;
+                        v.z *= g4.z;
+                        v.w *= g4.w;
+                    }
+#endif
+                }
+                // elements 0, 1 are fragment columns 2tt, 2tt + 1 (core matrix 0), 2, 3 are 2tt + 8,
+                // 2tt + 9 (core matrix 1, 128 bytes on)
+                const float f[4] = {v.x, v.y, v.z, v.w};
+                unsigned char* p = base + (2 * h + (l8 & 1)) * Q_B + (n >> 3) * 256 + (n & 7) * 16 + 4 * (l8 >> 1);
 #pragma unroll
                 for (int sp = 0; sp < GW_SPLIT; sp++) {
+                    unsigned int b[4];
 #pragma unroll
-                    for (int q = 0; q < 4; q++) {
-                        const unsigned long long desc =
-                            wgmma_desc_kmajor_noswizzle(bbase + sp * PLANE_B + q * Q_B, 128, 256);
+                    for (int e = 0; e < 4; e++) {
+                        const unsigned int hi = to16(f[e]);
+                        b[e] = (sp == 0) ? hi : to16(f[e] - from16(hi));
+                    }
+                    *reinterpret_cast<unsigned int*>(p + sp * PLANE_B) = b[0] | (b[1] << 16);
+                    *reinterpret_cast<unsigned int*>(p + sp * PLANE_B + 128) = b[2] | (b[3] << 16);
+                }
+            }
+        };
+
+        Slot ring[D];
 #pragma unroll
-                        for (int c = 0; c < NCHUNK; c++) {
-                            if (!((cmask >> (c * TPC)) & ((1u << TPC) - 1u))) continue;  // block-uniform
+        for (int d = 0; d < D - 1; d++) load_slot(ring[d], wrow, ok, k_begin + d * KSTEP + 8 * t, k_end);
+
+        float acc[2][BT / 2];
 #pragma unroll
-                            for (int a = 0; a < 2; a++)
-                                gemm_wgmma_detail::wgmma(acc[a] + c * (NCH / 2), ring[d].a[a][q],
-                                                         desc + (unsigned long long)((c * NCH * 32) >> 4));
+        for (int a = 0; a < 2; a++)
+#pragma unroll
+            for (int e = 0; e < BT / 2; e++) acc[a][e] = 0.0f;
+
+        if (nsteps > 0) stage(0, 0);
+        fence_proxy_async_shared();
+        __syncthreads();
+
+        for (int s0 = 0; s0 < nsteps; s0 += D) {
+#pragma unroll
+            for (int d = 0; d < D; d++) {
+                const int s = s0 + d;
+                if (s < nsteps) {  // block-uniform
+                    const unsigned char* bbase = smem + (s & 1) * BUF_B;
+                    wgmma_fence();
+#pragma unroll
+                    for (int sp = 0; sp < GW_SPLIT; sp++) {
+#pragma unroll
+                        for (int q = 0; q < 4; q++) {
+                            const unsigned long long desc =
+                                wgmma_desc_kmajor_noswizzle(bbase + sp * PLANE_B + q * Q_B, 128, 256);
+#pragma unroll
+                            for (int c = 0; c < NCHUNK; c++) {
+                                if (!((cmask >> (c * TPC)) & ((1u << TPC) - 1u))) continue;  // block-uniform
+#pragma unroll
+                                for (int a = 0; a < 2; a++)
+                                    gemm_wgmma_detail::wgmma(acc[a] + c * (NCH / 2), ring[d].a[a][q],
+                                                             desc + (unsigned long long)((c * NCH * 32) >> 4));
+                            }
+                        }
+                    }
+                    wgmma_commit_group();
+                    wgmma_wait_group<1>();  // step s - 1 retired: its slot and x buffer are free
+                    __syncthreads();        // ... in every warpgroup
+                    // the slot step s - 1 used: DEPTH - 1 steps ahead of step s. Issued before the
+                    // staging waits for x, so the two loads' latencies overlap.
+                    load_slot(ring[(d + D - 1) % D], wrow, ok, k_begin + (s + D - 1) * KSTEP + 8 * t, k_end);
+                    if (s + 1 < nsteps) stage(s + 1, (s + 1) & 1);
+                    fence_proxy_async_shared();
+                    __syncthreads();
+                }
+            }
+        }
+#if GW_NORM
+        __syncthreads();  // every item's last sum (nsteps may be 0)
+        auto row_ss = [&](int lt) {  // warp_sum's xor butterfly over the 32 partials, lane 0's result
+            float v[32];
+#pragma unroll
+            for (int L = 0; L < 32; L++) v[L] = ss_p[L][lt];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                float w2[32];
+#pragma unroll
+                for (int L = 0; L < 32; L++) w2[L] = v[L] + v[L ^ o];
+#pragma unroll
+                for (int L = 0; L < 32; L++) v[L] = w2[L];
+            }
+            return v[0];
+        };
+#else
+        (void)ln;
+        (void)eps;
+        (void)norm_lo;
+#endif
+        wgmma_wait_group<0>();
+        wgmma_fence_operands<BT>(acc[0]);
+        wgmma_fence_operands<BT>(acc[1]);
+
+
+        // acc[a][4 jn + e]: weight row 16 wq + g + 8 (e >= 2) of set a, token 8 jn + 2t + (e & 1).
+        if (ks == 1) {
+#pragma unroll
+            for (int jn = 0; jn < BT / 8; jn++) {
+#pragma unroll
+                for (int e1 = 0; e1 < 2; e1++) {
+                    const int lt = 8 * jn + 2 * t + e1, row = m0 + lt;
+                    if (lt >= live || !((smask >> (lt >> 4)) & 1u)) continue;
+                    float sc = 1.0f;
+#if GW_NORM
+                    if (row >= norm_lo) sc = rsqrtf(row_ss(lt) * (1.0f / K) + eps);
+#endif
+#pragma unroll
+                    for (int e2 = 0; e2 < 2; e2++) {
+                        const int e = 2 * e2 + e1;
+                        if (NW == 1) {
+#pragma unroll
+                            for (int a = 0; a < 2; a++) {
+                                const int col = nb + 64 * a + 16 * wq + g + 8 * e2;
+                                if (col < N) epilogue_store<GW_EPI>(y, r, (long long)row * N + col, acc[a][4 * jn + e] * sc, 0.0f);
+                            }
+                        } else {
+                            const int col = nb + 16 * wq + g + 8 * e2;
+                            if (col < N)
+                                epilogue_store<GW_EPI>(y, r, (long long)row * N + col, acc[0][4 * jn + e] * sc,
+                                                       acc[1][4 * jn + e] * sc);
                         }
                     }
                 }
-                wgmma_commit_group();
-                wgmma_wait_group<1>();  // step s - 1 retired: its slot and x buffer are free
-                __syncthreads();        // ... in every warpgroup
-                // the slot step s - 1 used: DEPTH - 1 steps ahead of step s. Issued before the
-                // staging waits for x, so the two loads' latencies overlap.
-                load_slot(ring[(d + D - 1) % D], wrow, ok, k_begin + (s + D - 1) * KSTEP + 8 * t, k_end);
-                if (s + 1 < nsteps) stage(s + 1, (s + 1) & 1);
-                fence_proxy_async_shared();
-                __syncthreads();
             }
+            continue;
         }
-    }
-#if GW_NORM
-    __syncthreads();  // every item's last sum (nsteps may be 0)
-    auto row_ss = [&](int lt) {  // warp_sum's xor butterfly over the 32 partials, lane 0's result
-        float v[32];
-#pragma unroll
-        for (int L = 0; L < 32; L++) v[L] = ss_p[L][lt];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            float w2[32];
-#pragma unroll
-            for (int L = 0; L < 32; L++) w2[L] = v[L] + v[L ^ o];
-#pragma unroll
-            for (int L = 0; L < 32; L++) v[L] = w2[L];
-        }
-        return v[0];
-    };
-#else
-    (void)ln;
-    (void)eps;
-    (void)norm_lo;
-#endif
-    wgmma_wait_group<0>();
-    wgmma_fence_operands<BT>(acc[0]);
-    wgmma_fence_operands<BT>(acc[1]);
 
-
-    // acc[a][4 jn + e]: weight row 16 wq + g + 8 (e >= 2) of set a, token 8 jn + 2t + (e & 1).
-    if (gridDim.z == 1) {
+        // ---- split K: this slice's partial tile [NW][BT][COLS] (and row sums), then the reduction.
+        // Workspace per slot: the ks partial tiles, then (GW_NORM) the ks slices' row sums.
+        float* wss = ws + (long long)slot * ks * (NW * BT * COLS + GW_NORM * BT);
+        float* wsb = wss + (long long)zi * (NW * BT * COLS);
 #pragma unroll
         for (int jn = 0; jn < BT / 8; jn++) {
 #pragma unroll
-            for (int e1 = 0; e1 < 2; e1++) {
-                const int lt = 8 * jn + 2 * t + e1, row = m0 + lt;
+            for (int e = 0; e < 4; e++) {
+                const int lt = 8 * jn + 2 * t + (e & 1);
                 if (lt >= live || !((smask >> (lt >> 4)) & 1u)) continue;
-                float sc = 1.0f;
-#if GW_NORM
-                if (row >= norm_lo) sc = rsqrtf(row_ss(lt) * (1.0f / K) + eps);
-#endif
 #pragma unroll
-                for (int e2 = 0; e2 < 2; e2++) {
-                    const int e = 2 * e2 + e1;
-                    if (NW == 1) {
-#pragma unroll
-                        for (int a = 0; a < 2; a++) {
-                            const int col = nb + 64 * a + 16 * wq + g + 8 * e2;
-                            if (col < N) epilogue_store<GW_EPI>(y, r, (long long)row * N + col, acc[a][4 * jn + e] * sc, 0.0f);
-                        }
-                    } else {
-                        const int col = nb + 16 * wq + g + 8 * e2;
-                        if (col < N)
-                            epilogue_store<GW_EPI>(y, r, (long long)row * N + col, acc[0][4 * jn + e] * sc,
-                                                   acc[1][4 * jn + e] * sc);
-                    }
+                for (int a = 0; a < 2; a++) {
+                    const int jw = (NW == 2) ? a : 0;
+                    const int lc = wg * (128 / NW) + (NW == 1 ? 64 * a : 0) + 16 * wq + g + 8 * (e >> 1);
+                    wsb[((long long)jw * BT + lt) * COLS + lc] = acc[a][4 * jn + e];
                 }
             }
         }
-        return;
-    }
-
-    // ---- split K: this slice's partial tile [NW][BT][COLS] (and row sums), then the reduction
-    const int ks = (int)gridDim.z;
-    float* wsb = ws + ((long long)blockIdx.x * ks + blockIdx.z) * (NW * BT * COLS);
-#pragma unroll
-    for (int jn = 0; jn < BT / 8; jn++) {
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int lt = 8 * jn + 2 * t + (e & 1);
-            if (lt >= live || !((smask >> (lt >> 4)) & 1u)) continue;
-#pragma unroll
-            for (int a = 0; a < 2; a++) {
-                const int jw = (NW == 2) ? a : 0;
-                const int lc = wg * (128 / NW) + (NW == 1 ? 64 * a : 0) + 16 * wq + g + 8 * (e >> 1);
-                wsb[((long long)jw * BT + lt) * COLS + lc] = acc[a][4 * jn + e];
-            }
-        }
-    }
+        float* ssw = wss + (long long)ks * NW * BT * COLS;
 #if GW_NORM
-    float* ssw = ws + (long long)gridDim.x * ks * NW * BT * COLS + (long long)blockIdx.x * ks * BT;
-    if ((int)threadIdx.x < live) ssw[blockIdx.z * BT + threadIdx.x] = row_ss((int)threadIdx.x);
+        if ((int)threadIdx.x < live) ssw[zi * BT + threadIdx.x] = row_ss((int)threadIdx.x);
 #endif
-    splitk_reduce<NW, BT, COLS, THREADS, GW_EPI, GW_NORM, K>(
-        ws, counters, y, r, (int)blockIdx.x, m0, live, cg * COLS, N, eps, norm_lo,
-        [&](int lrow) { return ((smask >> (lrow >> 4)) & 1u) != 0u; });
+        splitk_reduce<NW, BT, COLS, THREADS, GW_EPI, GW_NORM, K>(
+            wss, ssw, ks, counters + slot, y, r, m0, live, cg * COLS, N, eps, norm_lo,
+            [&](int lrow) { return ((smask >> (lrow >> 4)) & 1u) != 0u; });
+    }
 }

@@ -96,6 +96,8 @@ class DraftKvBatch(StepIssuer):
     as ``DraftKvCache`` (the GEMMs tuned at the batch's full row count).
     """
 
+    lane_batched = True
+
     _nvtx = "dflash batch"
 
     def __init__(self, weights: DraftWeights, capacity: int, lanes: int, *, ring_capacity=None,

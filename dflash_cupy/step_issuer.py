@@ -20,6 +20,8 @@ class StepIssuer:
     ``_issue_step(slot, stream, eager)`` issues one step."""
 
     _nvtx = "dflash"   # NVTX range prefix
+    # lane batches pass tile_live to their GEMMs (per launch K split; qkv skips context rows' Q)
+    lane_batched = False
 
     capacity = property(lambda self: self.geom.capacity)
     q_len = property(lambda self: self.geom.q_len)
@@ -67,11 +69,16 @@ class StepIssuer:
         L0, kvw = self.dw.layers[0], c.kv_dim
         fold_eps = c.rms_norm_eps if self._fold_norms else None
 
+        # lane batches (tile_live): K split per launch from the live tiles, and the qkv GEMM
+        # skips the Q columns of the context rows (tile_live 2)
+        lanes = self.lane_batched
+
         def gemm(*a, **kw):
-            return Gemm(be, *a, max_m=max_m, x_split=self.x_split, **kw)
+            return Gemm(be, *a, max_m=max_m, x_split=self.x_split, live_split=lanes, **kw)
         self.g_fc = gemm(H, c.fc_in, self.dw.fc.dtype)
         self.g_kv = gemm(2 * kvw, H, L0.w_qkv.dtype)
-        self.g_qkv = gemm(c.q_dim + 2 * kvw, H, L0.w_qkv.dtype, norm_eps=fold_eps)
+        self.g_qkv = gemm(c.q_dim + 2 * kvw, H, L0.w_qkv.dtype, norm_eps=fold_eps,
+                          skip_cols=c.q_dim if lanes else 0)
         self.g_o = gemm(H, c.q_dim, L0.w_o.dtype, "residual")
         self.g_gate_up = gemm(c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul", norm_eps=fold_eps)
         self.g_down = gemm(H, c.intermediate_size, L0.w_down.dtype, "residual")

@@ -627,7 +627,9 @@ def _gemm_wgmma(L) -> KernelCounters:
     halves; each request 8 rows x 64 contiguous bytes), stages BT rows x 64 of x (32 bytes
     per token and instruction, stored as 4-byte pairs into conflict-free core matrices) and issues
     2 warpgroups x 2 sets x 4 k16 x GW_SPLIT wgmmas of N = GW_NCH per chunk of rows with a
-    computed 16-row tile."""
+    computed 16-row tile. Tiles marked 2 (GW_SKIP_COLS) are dead in the column groups below
+    it; with GW_SMS and tile_live the K split is the kernel's per-launch choice
+    (``gemm_stream.wg_live_split``; tile_live unknown: every tile live)."""
     from dflash_cupy.ops import gemm_stream as gs
 
     d = L.defines
@@ -635,135 +637,165 @@ def _gemm_wgmma(L) -> KernelCounters:
     NORM = d.get("GW_NORM", 0)
     D = d.get("GW_DEPTH", gs.WG_DEPTH[BT])
     NCH = d.get("GW_NCH", 32)
+    SMS = d.get("GW_SMS", 0)
     x, w, y, r, M, N, kz, _kt, ws, _cnt, _pad_lo, pad_hi = L.args[:12]
     ln, norm_lo = (L.args[12], L.args[14]) if NORM else (None, M)
     NW = 2 if EPI == 2 else 1
     COLS, THREADS, KSTEP, WARPS = gs.wg_cols(NW), gs.WG_THREADS, gs.KSTEP, gs.WG_THREADS // 32
     gx = -(-N // COLS)
-    gy = L.grid[0] // gx
-    gz = L.grid[2]
+    qg = min(d.get("GW_SKIP_COLS", 0) // COLS, gx)
     c = KernelCounters("gemm_wgmma", "static estimate", L.n_blocks)
-    p = gs.plan_wgmma(N, K, M, NW, SPLIT, variant=f"wg{BT}", ks=gz)
-    if (p.grid, p.kz) != (tuple(L.grid), kz):
-        c.notes.append(f"launch differs from gemm_stream.plan_wgmma: grid {L.grid} kz {kz} vs {p.grid} {p.kz}")
     use_live = len(L.args) > 16 and int(L.args[16]) != 0
+    dynamic = bool(SMS) and use_live
+    # live split: the grid strides over the working items, kt the most K slices; else (tiles, 1, ks)
+    gy = -(-M // BT) if dynamic else L.grid[0] // gx
+    gz = L.grid[2]
+    if not dynamic:
+        p = gs.plan_wgmma(N, K, M, NW, SPLIT, variant=f"wg{BT}", ks=gz)
+        if (p.grid, p.kz) != (tuple(L.grid), kz):
+            c.notes.append(f"launch differs from gemm_stream.plan_wgmma: grid {L.grid} kz {kz} vs {p.grid} {p.kz}")
     flags = L.known.get("tile_live") if use_live else None
     lo_pad = min(max(L.known.get("pad_lo", pad_hi) if pad_hi else 0, 0), pad_hi)
 
-    def tiles_of(by: int):
-        """(stored, computed) rows per 16-row tile of row block ``by``."""
+    def tiles_of(by: int, q: bool):
+        """(stored, computed) rows per 16-row tile of row block ``by`` in a column group
+        below GW_SKIP_COLS (``q``) or not."""
         st, cp = [], []
         for i in range(BT // 16):
             a = by * BT + 16 * i
             b = min(a + 16, M)
-            alive = a < M and (flags is None or flags[a // 16])
+            v = 1 if flags is None or a >= M else int(flags[a // 16])
+            alive = a < M and v != 0 and not (q and v == 2)
             st.append(b - a if alive else 0)
             pad = alive and pad_hi and a >= lo_pad and b <= pad_hi
             cp.append(0 if (not alive or pad) else b - a - (max(0, min(pad_hi, b) - max(lo_pad, a)) if pad_hi else 0))
         return st, cp
 
-    blocks = [tiles_of(by) for by in range(gy)]
-    act = [by for by in range(gy) if any(blocks[by][0])]
+    # column-group classes: (groups, their first column, columns, the row blocks' tiles)
+    classes = []
+    for q, ng in ((True, qg), (False, gx - qg)):
+        if ng:
+            blocks = [tiles_of(by, q) for by in range(gy)]
+            classes.append((ng, 0 if q else qg, min(N, ng * COLS) if q else N - qg * COLS, blocks,
+                            [by for by in range(gy) if any(blocks[by][0])]))
+    n_live = sum(ng * len(act) for ng, _, _, _, act in classes)
+    if dynamic:
+        cap = int(L.args[7])
+        c.barriers += 2 * L.n_blocks          # the tile_live scan
+        gz = gs.wg_live_split(n_live, K, cap, SMS)
+        kz = -(-(-(-K // KSTEP)) // gz) * KSTEP
+        c.notes.append(f"K split {gz} chosen on the device for {n_live} working tile(s) (at most {cap}): "
+                       f"{n_live * gz} items over {L.n_blocks} resident blocks")
     spans = [max(0, min(K, z * kz + kz) - z * kz) for z in range(gz)]
     steps = [-(-sp // KSTEP) for sp in spans]
 
-    # weights: per live block, slice and step, each warp 8 requests of 8 rows (those below N)
+    # weights: per working block, slice and step, each warp 8 requests of 8 rows (those below N)
     valid_rows = Counter()
-    for bx in range(gx):
-        for wg in range(2):
-            for a in range(2):
-                for wq in range(4):
-                    for rr in range(2):
-                        n0 = bx * COLS + wg * (128 // NW) + (64 * a if NW == 1 else 0) + 16 * wq + 8 * rr
-                        valid_rows[max(0, min(8, N - n0))] += 1
+    for ng, g0, _, _, act in classes:
+        for bx in range(g0, g0 + ng):
+            for wg in range(2):
+                for a in range(2):
+                    for wq in range(4):
+                        for rr in range(2):
+                            n0 = bx * COLS + wg * (128 // NW) + (64 * a if NW == 1 else 0) + 16 * wq + 8 * rr
+                            valid_rows[max(0, min(8, N - n0))] += len(act)
     valid_rows.pop(0, None)
     for sp, ns in zip(spans, steps):
         full, rem = sp // KSTEP, sp % KSTEP
         for vr, n in valid_rows.items():
             for h in (0, 1):
                 sec, req = global_sectors([g * K * 2 + 16 * t + 64 * h for g in range(vr) for t in range(4)], 16)
-                c.add_global("ld", len(act) * n * full, sec, req)
+                c.add_global("ld", n * full, sec, req)
                 lanes = [t for t in range(4) if 8 * t + 32 * h < rem]
                 if rem and lanes:
                     sec, req = global_sectors([g * K * 2 + 16 * t + 64 * h for g in range(vr) for t in lanes], 16)
-                    c.add_global("ld", len(act) * n, sec, req)
-    c.bytes_read[_name(w)] = N * NW * K * 2 if act else 0
+                    c.add_global("ld", n, sec, req)
+    any_act = any(act for *_, act in classes)
+    c.bytes_read[_name(w)] = N * NW * K * 2 if any_act else 0
 
     x_l2 = 0
-    m_st = 0
-    for by in act:
-        st, cp = blocks[by]
-        rows_ld = sum(cp)
-        tpc = NCH // 16
-        chunks_live = sum(1 for ch in range(BT // NCH) if any(cp[ch * tpc:(ch + 1) * tpc]))
-        m_st += sum(st)
-        n_nrm = sum(max(0, min(by * BT + 16 * i + v, M) - max(norm_lo, by * BT + 16 * i))
-                    for i, v in enumerate(cp) if v) if NORM else 0
-        for sp, ns in zip(spans, steps):
-            nb = gx * rows_ld * sp * 4
-            _contig(c, "ld", nb, 16)
-            x_l2 += nb
-            if NORM and n_nrm:
-                _contig(c, "ld", gx * sp * 4, 16)     # ln: once per block and step (its rows hit L1)
-            # staging stores: per step BT x 16 items / 32 per warp, 2 pair stores per plane, one
-            # wavefront each (dead and padding rows store zeros too); NORM: the items' sums, read + write
-            n_st = gx * ns * (BT * 16 // 32) * 2 * SPLIT
-            c.smem_requests += n_st
-            c.smem_wavefronts += n_st
-            c.smem_ideal_wavefronts += n_st
-            if NORM:
-                n_ss = gx * ns * (BT * 16 // 32) * 2
-                c.smem_requests += n_ss
-                c.smem_wavefronts += n_ss
-                c.smem_ideal_wavefronts += n_ss
-            # wgmmas per (block, step): 2 WG x 2 sets x 4 k16 x planes x the chunks of NCH rows
-            # with a computed tile (the others issue none)
-            n_wg = gx * ns * 2 * 2 * 4 * SPLIT * chunks_live
-            c.wgmma_mma += n_wg * 4 * (NCH // 8)
-            c.wgmma_smem_bytes += n_wg * NCH * 16 * 2
-            c.barriers += gx * (2 * ns + 1)
+    st_elems = 0        # stored outputs (rows x columns)
+    st_rows = 0         # stored rows x working blocks (the norm's row sums)
+    rows_union = [0] * gy
+    for ng, _, ncols, blocks, act in classes:
+        for by in act:
+            st, cp = blocks[by]
+            rows_ld = sum(cp)
+            rows_union[by] = max(rows_union[by], rows_ld)
+            tpc = NCH // 16
+            chunks_live = sum(1 for ch in range(BT // NCH) if any(cp[ch * tpc:(ch + 1) * tpc]))
+            st_elems += sum(st) * ncols
+            st_rows += ng * sum(st)
+            n_nrm = sum(max(0, min(by * BT + 16 * i + v, M) - max(norm_lo, by * BT + 16 * i))
+                        for i, v in enumerate(cp) if v) if NORM else 0
+            for sp, ns in zip(spans, steps):
+                nb = ng * rows_ld * sp * 4
+                _contig(c, "ld", nb, 16)
+                x_l2 += nb
+                if NORM and n_nrm:
+                    _contig(c, "ld", ng * sp * 4, 16)     # ln: once per block and step (its rows hit L1)
+                # staging stores: per step BT x 16 items / 32 per warp, 2 pair stores per plane, one
+                # wavefront each (dead and padding rows store zeros too); NORM: the items' sums, read + write
+                n_st = ng * ns * (BT * 16 // 32) * 2 * SPLIT
+                c.smem_requests += n_st
+                c.smem_wavefronts += n_st
+                c.smem_ideal_wavefronts += n_st
+                if NORM:
+                    n_ss = ng * ns * (BT * 16 // 32) * 2
+                    c.smem_requests += n_ss
+                    c.smem_wavefronts += n_ss
+                    c.smem_ideal_wavefronts += n_ss
+                # wgmmas per (block, step): 2 WG x 2 sets x 4 k16 x planes x the chunks of NCH rows
+                # with a computed tile (the others issue none)
+                n_wg = ng * ns * 2 * 2 * 4 * SPLIT * chunks_live
+                c.wgmma_mma += n_wg * 4 * (NCH // 8)
+                c.wgmma_smem_bytes += n_wg * NCH * 16 * 2
+                c.barriers += ng * (2 * ns + 2)      # + the tile loop's barrier
     nsteps_max = max(steps) if steps else 0
     # a step's weights (HBM) and x (L2) are issued together, DEPTH - 1 steps of weights ahead:
     # one HBM round trip per DEPTH - 1 steps; the prologue's x and the epilogue: L2 trips
     c.dram_round_trips_per_block = nsteps_max / max(1, D - 1)
-    c.l2_round_trips_per_block = 2
+    c.l2_round_trips_per_block = 2 + (1 if dynamic else 0)   # live split: the tile_live scan
     c.inflight_peak_bytes_per_warp = (D - 1) * 8 * 512
 
     # epilogue: one 4-byte store per (set, token, weight row) kept; 8 consecutive columns (g)
     # of one token per 8 lanes: one sector per 8 lanes
     if gz == 1:
-        _contig(c, "st", m_st * N * 4, 4)
+        _contig(c, "st", st_elems * 4, 4)
         if EPI == 1:
-            _contig(c, "ld", m_st * N * 4, 4)
+            _contig(c, "ld", st_elems * 4, 4)
     else:
-        part = gz * NW * m_st * N * 4
+        part = gz * NW * st_elems * 4
         _contig(c, "st", part, 4)
         _contig(c, "ld", part, 16)
-        _contig(c, "st", m_st * N * 4, 4)
+        _contig(c, "st", st_elems * 4, 4)
         if EPI == 1:
-            _contig(c, "ld", m_st * N * 4, 4)
+            _contig(c, "ld", st_elems * 4, 4)
         if NORM:
-            _contig(c, "st", gx * gz * m_st * 4)
-            _contig(c, "ld", gx * gz * m_st * 4)
-        c.barriers += gx * len(act) * gz * 2
+            _contig(c, "st", gz * st_rows * 4)
+            _contig(c, "ld", gz * st_rows * 4)
+        c.barriers += n_live * gz * 2
         c.bytes_written[_name(ws)] = part
         c.bytes_read[_name(ws)] = part
         c.l2_round_trips_per_block += splitk_reduce_trips(min(BT, M), BT, COLS, THREADS, gz, NW)
         c.notes.append(f"split-K {gz}: partial tiles ({part / 1e6:.2f} MB) round-trip through L2")
-    m_live = sum(sum(blocks[by][1]) for by in act)
+    m_live = sum(rows_union)
     c.bytes_read[_name(x)] = m_live * K * 4
-    c.bytes_written[_name(y)] = m_st * N * 4
+    c.bytes_written[_name(y)] = st_elems * 4
     if EPI == 1:
-        c.bytes_read[_name(r) + " (residual)"] = m_st * N * 4
-    c.dram_bytes = (N * NW * K * 2 if act else 0) + m_live * K * 4 + m_st * N * 4 * (2 if EPI == 1 else 1)
-    c.live_blocks = gx * len(act) * gz
-    if len(act) < gy:
-        c.notes.append(f"{gy - len(act)} of {gy} row blocks dead (tile_live): their blocks exit at once")
+        c.bytes_read[_name(r) + " (residual)"] = st_elems * 4
+    c.dram_bytes = (N * NW * K * 2 if any_act else 0) + m_live * K * 4 + st_elems * 4 * (2 if EPI == 1 else 1)
+    c.live_blocks = n_live * gz
+    n_act = max((len(act) for *_, act in classes), default=0)
+    if n_act < gy:
+        c.notes.append(f"{gy - n_act} of {gy} row blocks dead (tile_live): their blocks exit at once")
+    if qg and flags is not None:
+        c.notes.append(f"{qg} column group(s) below GW_SKIP_COLS skip the tiles marked 2")
     if NORM:
         c.bytes_read[_name(ln)] = K * 4
         c.dram_bytes += K * 4
-    c.notes.append(f"wgmma N={BT}: x staged by each of the {gx} column groups: {x_l2 / 1e6:.2f} MB from L2; "
-                   f"weights re-read by {len(act)} row block(s)")
+    c.notes.append(f"wgmma N={BT}: x staged by the working blocks of {gx} column groups: {x_l2 / 1e6:.2f} MB "
+                   f"from L2; weights re-read by {n_act} row block(s)")
     if SPLIT == 2:
         c.notes.append("activations split hi + lo: 2x the wgmmas")
     return c

@@ -85,14 +85,15 @@ def batch_step_plan(config, window: int, lanes: int, active: int, *, accept: int
 
 
 def _mark_live_tiles(b, nodes, active: int, accept: int) -> None:
-    """The step's live 16-row tiles (what ``plan_lanes`` writes at run time),
+    """The step's live 16-row tiles (what ``plan_lanes`` writes at run time: 2 for the
+    packed context rows, 1 for the active lanes' noise rows),
     attached to each GEMM launch that reads ``tile_live`` (``known["tile_live"]``)."""
     CS, BS, L = b.ctx_rows, b.lane_rows, b.lanes
-    live = np.zeros(L * (CS + BS) // 16, bool)
+    live = np.zeros(L * (CS + BS) // 16, np.int32)
     n_app = min(accept, b.a_step)
-    live[:(active * n_app + 15) // 16] = True        # the appended rows, packed back to back
+    live[:(active * n_app + 15) // 16] = 2           # the appended rows, packed back to back (K/V only)
     for i in range(active):
-        live[(L * CS + i * BS) // 16:(L * CS + (i + 1) * BS) // 16] = True
+        live[(L * CS + i * BS) // 16:(L * CS + (i + 1) * BS) // 16] = 1
     base = int(b.tile_live.ctypes.data)
     for n in nodes:
         if not isinstance(n, Launch):
@@ -101,7 +102,7 @@ def _mark_live_tiles(b, nodes, active: int, accept: int) -> None:
             ptr = getattr(a, "ptr", None)
             if ptr is not None and base <= ptr < base + b.tile_live.nbytes and getattr(a, "dtype", "") == "int32":
                 t0 = (ptr - base) // 4
-                n.known["tile_live"] = tuple(bool(x) for x in live[t0:t0 + a.nbytes // 4])
+                n.known["tile_live"] = tuple(int(x) for x in live[t0:t0 + a.nbytes // 4])
 
 
 def floor_bytes(single_bytes: dict, active: int) -> int:

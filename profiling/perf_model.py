@@ -98,8 +98,9 @@ def kernel_time(n, c: ctr.KernelCounters, gpu) -> NodeTime:
         info = sf.ptxas_info(n.file, n.defines)[n.kernel]
         occ = sf.occupancy(gpu, n.threads, info["registers"], info["smem"], n.shared_mem)
         # blocks that exit at their start (dead row blocks of a lane-batched GEMM) free their
-        # slot at once: the waves are those of the live blocks
-        blocks = c.live_blocks if 0 < c.live_blocks < n.n_blocks else n.n_blocks
+        # slot at once: the waves are those of the live blocks; a live-split wgmma GEMM's
+        # resident blocks stride over its work items: the waves are those of the items
+        blocks = c.live_blocks if 0 < c.live_blocks else n.n_blocks
         wv = sf.waves(blocks, occ.blocks_per_sm, gpu.sm_count)
         t = NodeTime(_label(n), n.kernel, n.grid, n.threads, info["registers"], info["smem"] + n.shared_mem,
                      occ.blocks_per_sm, occ.limited_by, wv.waves, wv.tail_blocks, wv.efficiency,

@@ -234,11 +234,13 @@ def test_ptxas_registers_within_the_table():
     from tests.test_nvrtc import nvrtc_check
     src = gs.kernels.source_path("gemm_wgmma.cu")
     for bt in (64, 128):
-        for epi, norm, split in ((0, 0, 2), (2, 1, 1), (1, 0, 1), (2, 0, 2)):
-            opts = tuple(gs.kernels.compile_options(GW_WTYPE=2, GW_EPI=epi, GW_K=4096, GW_BT=bt, GW_SPLIT=split,
-                                                    GW_DEPTH=gs.WG_DEPTH[bt], **({"GW_NORM": 1} if norm else {})))[1:]
-            info = nvrtc_check(src.read_text(), str(src), "sm_90a", opts)["gemm_wgmma"]
-            assert info["registers"] <= gs.WG_PTXAS_REGS[bt] and info["spill_stores"] == 0, (bt, epi, info)
+        for epi, norm, split in ((0, 0, 2), (2, 1, 1), (1, 0, 1), (2, 0, 2), (0, 1, 2)):
+            for lanes in ({}, {"GW_SMS": 132, "GW_SKIP_COLS": 4096 if epi == 0 else 0}):   # live split
+                opts = tuple(gs.kernels.compile_options(GW_WTYPE=2, GW_EPI=epi, GW_K=4096, GW_BT=bt, GW_SPLIT=split,
+                                                        GW_DEPTH=gs.WG_DEPTH[bt], **({"GW_NORM": 1} if norm else {}),
+                                                        **lanes))[1:]
+                info = nvrtc_check(src.read_text(), str(src), "sm_90a", opts)["gemm_wgmma"]
+                assert info["registers"] <= gs.WG_PTXAS_REGS[bt] and info["spill_stores"] == 0, (bt, epi, lanes, info)
 
 
 def test_emulator_counts_match_the_static_model(emu, rng):
@@ -314,3 +316,140 @@ def test_chunks_without_a_computed_tile_issue_no_wgmma(emu, rng):
     ref = gemm_reference(np.where(live[:, None], xh, 0).astype(np.float32), wh, x_round=op.x_round)
     assert_close(got[live], ref[live], "f32", "chunks")
     assert (got[~live].view(np.uint32) == SENTINEL.view(np.uint32)).all()
+
+
+# ---- lane batches: the K split chosen per launch from tile_live, and tiles marked 2 ---------
+
+SMS_SMALL = 8   # a small device, so that a few live tiles already pick different K splits
+
+
+def _small_device(monkeypatch):
+    monkeypatch.setattr(gs, "device_of", lambda backend: gs.Device(SMS_SMALL, 232448))
+
+
+def _flag_sets(rng, n_tiles):
+    """tile_live patterns: every tile live, one live tile, context tiles (2) only, and random
+    mixes of 0 / 1 / 2 (the lane batch's dead, noise and context tiles)."""
+    sets = [np.ones(n_tiles, np.int32), np.eye(1, n_tiles, n_tiles - 1, dtype=np.int32)[0],
+            np.full(n_tiles, 2, np.int32)]
+    for _ in range(3):
+        sets.append(rng.choice([0, 1, 2], n_tiles, p=[0.4, 0.3, 0.3]).astype(np.int32))
+    return sets
+
+
+@pytest.mark.parametrize("variant", ["wg64", "wg128"])
+@pytest.mark.parametrize("epilogue,norm", [("none", True), ("residual", False), ("silu_mul", False)])
+def test_live_split_equals_the_static_launch_of_its_split(backend, rng, monkeypatch, variant, epilogue, norm):
+    """With ``live_split`` the kernel finds the working tiles in tile_live and picks its K
+    split as ``gemm_stream.wg_live_split`` says: every output equals, bit for bit, the static
+    launch forced to that split (same slices, same z order), rows marked 2 skip the column
+    groups below skip_cols (sentinel kept), dead tiles keep the sentinel, the counters end at
+    0 and a repeat gives the same bits. The patterns pick at least two different splits."""
+    _small_device(monkeypatch)
+    nw = 2 if epilogue == "silu_mul" else 1
+    cols = gs.wg_cols(nw)
+    N, K, m = 600 // nw, 840, 150    # 3 column groups (the first below skip_cols), K split <= 4
+    skip = 300 // nw                 # whole groups below it: the first (cols [0, cols))
+    eps = 1e-6 if norm else None
+    live_op = _gemm(backend, N, K, epilogue, x_split=False, norm_eps=eps, skip_cols=skip, live_split=True)
+    stat_op = _gemm(backend, N, K, epilogue, x_split=False, norm_eps=eps)
+    live_op.use_config(m, (variant, gs.wg_split_cap(K)))
+    bt = gs.wg_tokens(variant)
+    xh = rng.standard_normal((m, K)).astype(np.float32)
+    wh = host_weights(rng, nw * N, K, "bf16")
+    rh = rng.standard_normal((m, N)).astype(np.float32) if epilogue == "residual" else None
+    ln_h = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    x, w, ln = backend.asarray(xh), backend.asarray(wh), backend.asarray(ln_h)
+    r = None if rh is None else backend.asarray(rh)
+    norm_arg = (ln, 5) if norm else None
+    groups, qg = gs.groups_wg(N, nw), skip // cols
+    seen = set()
+    for flags in _flag_sets(rng, -(-m // 16)):
+        n_live = len(gs.wg_live_blocks(flags.tolist(), bt, groups, qg))
+        ks = gs.wg_live_split(n_live, K, gs.wg_split_cap(K), SMS_SMALL)
+        seen.add(ks)
+        fl = backend.asarray(flags)
+        outs = []
+        for _ in range(2):
+            y = backend.asarray(np.full((m, N), SENTINEL, np.float32))
+            live_op(x, w, y, m, residual=r, norm=norm_arg, tile_live=fl)
+            outs.append(backend.to_numpy(y))
+            _counters_zero(backend, live_op)
+        np.testing.assert_array_equal(outs[0], outs[1], err_msg="repeat")
+        stat_op.use_config(m, (variant, ks))
+        ys = backend.asarray(np.full((m, N), SENTINEL, np.float32))
+        stat_op(x, w, ys, m, residual=r, norm=norm_arg, tile_live=fl)
+        want = backend.to_numpy(ys)
+        ctx = np.repeat(flags == 2, 16)[:m]
+        want[np.ix_(ctx, np.arange(N) < qg * cols)] = SENTINEL      # the skipped Q columns
+        np.testing.assert_array_equal(outs[0], want, err_msg=f"flags={flags.tolist()} ks={ks}")
+        live = _live_rows(flags, m)
+        ref = gemm_reference(xh, wh, epilogue, rh, x_round=live_op.x_round,
+                             norm=(ln_h, 1e-6, 5) if norm else None)
+        assert_close(outs[0][live][:, qg * cols:], ref[live][:, qg * cols:], "f32", f"flags={flags.tolist()}")
+    assert len(seen) >= 2, seen
+
+
+def test_live_split_rule_matches_the_static_plan():
+    """All tiles live, the per-launch rule picks what plan_wgmma plans for the same blocks;
+    the workspace bound covers every pattern's working blocks x their split."""
+    for N, K, m, nw in ((6144, 4096, 1024, 1), (4096, 12288, 256, 1), (12288, 4096, 256, 2), (300, 840, 150, 1)):
+        for v in gs.WG_VARIANTS:
+            p = gs.plan_wgmma(N, K, m, nw, 1, variant=v)
+            n = p.grid[0]
+            assert gs.wg_live_split(n, K, gs.MAX_K_SPLIT, gs.H200.sm_count) == p.ks, (N, K, m, v)
+            tb = -(-m // gs.wg_tokens(v))
+            slots = gs.wg_live_slots(gs.groups_wg(N, nw), tb, 0, K, gs.wg_split_cap(K), gs.H200.sm_count)
+            assert slots >= n * p.ks or p.ks > gs.wg_split_cap(K)
+
+
+def test_live_split_counts_match_the_static_model(emu, rng, monkeypatch):
+    """A live-split launch (the tile loop over fewer resident blocks than items) counted by the
+    emulator against profiling/counters.py with the flags known: wgmma work and barriers."""
+    from dflash_cupy.backends.emu_counters import count_launch
+    from profiling import counters as ctr
+    from profiling.launch_plan import RecordingBackend
+
+    monkeypatch.setattr(gs, "device_of", lambda backend: gs.Device(4, 232448))
+    N, K, m = 600, 840, 150
+    # row block 0 (wg128): context tiles only -> column groups 1, 2; row block 1: all 3 groups
+    flags = np.array([2, 2, 0, 0, 0, 0, 0, 0, 1, 1], np.int32)
+    rec = RecordingBackend()
+    g = Gemm(rec, N, K, "bf16", max_m=MAX_M, path="stream", x_split=False, skip_cols=256, live_split=True)
+    g(rec.empty((m, K), np.float32), rec.empty((N, K), np.uint16), rec.empty((m, N), np.float32), m,
+      tile_live=rec.asarray(flags))
+    L = rec.eager[-1]
+    L.known["tile_live"] = tuple(int(f) for f in flags)
+    st = ctr.static_counters(L)
+
+    op = _gemm(emu, N, K, x_split=False, skip_cols=256, live_split=True)
+    y = emu.zeros((m, N), np.float32)
+    x = emu.asarray(rng.standard_normal((m, K)).astype(np.float32))
+    w = emu.asarray(host_weights(rng, N, K, "bf16"))
+    sk = op._stream
+    op(x, w, y, m, tile_live=emu.asarray(flags))    # warm: compiled, same launch as recorded
+    assert tuple(L.grid) == (4, 1, 1)               # one block per SM of the 4
+    args = (x, w, y, y, np.int32(m), np.int32(N), np.int32(L.args[6]), np.int32(L.args[7]), sk._ws,
+            sk._counters, sk._counters, np.int32(0), x, np.float32(0), np.int32(m), emu.asarray(flags), np.int32(1))
+    c = count_launch(sk._kernels["wg128"], L.grid, (256, 1, 1), args, L.shared_mem)
+    assert c.wgmma_mma == st.wgmma_mma > 0 and c.barriers == st.barriers
+    assert st.live_blocks == 5          # 5 working tiles, unsplit: 2 waves of 4 beat 3 waves of 4 split
+    assert any("K split 1" in n and "5 items over 4" in n for n in st.notes), st.notes
+    got = emu.to_numpy(y)
+    assert (got[:32, :256] == 0).all() and (got[:32, 256:] != 0).all() and (got[128:] != 0).all()
+
+
+def test_live_split_bad_input(backend):
+    with pytest.raises(ValueError, match="skip_cols"):
+        _gemm(backend, 300, 840, skip_cols=301)
+    with pytest.raises(ValueError, match="skip_cols"):
+        _gemm(backend, 300, 840, skip_cols=-1)
+    with pytest.raises(TypeError, match="live_split"):
+        _gemm(backend, 300, 840, live_split=1)
+    op = _gemm(backend, 300, 840, live_split=True)
+    m = MAX_M
+    op._stream._ws = backend.zeros((1,), np.float32)   # as if sized for fewer working tiles
+    x, y = backend.zeros((m, 840), np.float32), backend.zeros((m, 300), np.float32)
+    w = backend.zeros((300, 840), np.uint16)
+    with pytest.raises(ValueError, match="live-split launch"):
+        op(x, w, y, m, tile_live=backend.asarray(np.ones(-(-m // 16), np.int32)))

@@ -86,10 +86,11 @@ def test_plan_lanes_equals_single_lane_plan_step(lanes, cap, q_len, fc_in, kind,
         assert np.array_equal(got["pos"][ctx], be.to_numpy(ap_pos)[:n_app])
         assert np.array_equal(got["rows"][ctx], be.to_numpy(ap_rows)[:n_app] + l * g.kv_total)
         assert np.array_equal(got["pos"][noise:noise + q_len], be.to_numpy(pos_q))
-        assert (got["tiles"][noise // 16:(noise + bs) // 16] != 0).all()
+        assert (got["tiles"][noise // 16:(noise + bs) // 16] == 1).all()   # noise rows: every column
     # the packed context rows: live tiles exactly those holding one of them; the
     # rest is padding (position 0, the trash slot of the lane whose region it is in)
-    assert list(got["tiles"][:lanes * cs // 16] != 0) == [16 * t < total for t in range(lanes * cs // 16)]
+    # (2: context rows, which need only the K and V columns of the qkv GEMM)
+    assert list(got["tiles"][:lanes * cs // 16]) == [2 if 16 * t < total else 0 for t in range(lanes * cs // 16)]
     r = np.arange(total, lanes * cs)
     assert (got["pos"][r] == 0).all()
     assert (got["rows"][r] == (r // cs) * g.kv_total + g.trash_slot).all()

@@ -137,7 +137,11 @@ static inline long long __double_as_longlong(double d) { long long i; std::memcp
 #define __tanf(x) tanf(x)
 #define __powf(x, y) powf(x, y)
 #define __sincosf(x, s, c) sincosf(x, s, c)
-static inline float __fdividef(float x, float y) { return x / y; }
+// The device's x * rcp.approx(y): 0 (times x's sign and y's) for 2^126 < |y|; otherwise the
+// exact quotient (the device's is within 2 ulp).
+static inline float __fdividef(float x, float y) {
+    return std::fabs(y) > 0x1p126f ? x * std::copysign(0.0f, y) : x / y;
+}
 static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 static inline double rsqrt(double x) { return 1.0 / sqrt(x); }
 static inline float __frsqrt_rn(float x) { return 1.0f / sqrtf(x); }

@@ -79,7 +79,8 @@ class Gemm:
 
     def __init__(self, backend, N: int, K: int, w_dtype, epilogue: str = "none", max_m: int = 64,
                  path: str = "auto", x_split: bool = True, k_split: int | None = None,
-                 norm_eps: float | None = None, logits: bool = True, wgmma: bool | None = None):
+                 norm_eps: float | None = None, logits: bool = True, wgmma: bool | None = None,
+                 skip_cols: int = 0, live_split: bool = False):
         N, K, max_m = (checks.int_arg(v, name, 1) for v, name in ((N, "N"), (K, "K"), (max_m, "max_m")))
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue {epilogue!r}: expected one of {tuple(EPILOGUES)}")
@@ -118,6 +119,12 @@ class Gemm:
         if wgmma and self.path != "stream":
             raise ValueError(f"wgmma=True needs path 'stream' (this Gemm runs {self.path!r})")
         self._wgmma = wgmma
+        self.skip_cols = checks.int_arg(skip_cols, "skip_cols", 0)
+        if self.skip_cols > self.N:
+            raise ValueError(f"skip_cols={skip_cols} must be in [0, N={self.N}]")
+        if not isinstance(live_split, (bool, np.bool_)):
+            raise TypeError(f"live_split must be a bool, got {type(live_split).__name__}")
+        self.live_split = bool(live_split)
         if self.path == "stream":
             self._init_stream(k_split)
             return
@@ -156,7 +163,7 @@ class Gemm:
             self.backend, self.N, self.K, dtypes.CODE[self.wkind], EPILOGUES[self.epilogue],
             2 if self.epilogue == "silu_mul" else 1, self.split, self.max_m,
             k_split=None if k_split is None else int(k_split), norm=self.norm_eps is not None,
-            logits=self.logits, wgmma=self._wgmma)
+            logits=self.logits, wgmma=self._wgmma, skip_cols=self.skip_cols, live_split=self.live_split)
         self.k_split = self._stream.plan(self.max_m).ks   # at m = max_m; each call plans its own m
         self.k_tile = self._stream.plan(self.max_m).kt
         self.cols_per_block = gemm_stream.cols_per_block(self._stream.nw)
@@ -299,7 +306,13 @@ class Gemm:
         is skipped (no x read, no MMA) and its rows of ``y`` (and of the argmax
         ``partials``) are not written at all. The ``"mma"`` and ``"fma"`` paths
         ignore it and compute every row (the dead rows' outputs are never
-        consumed by contract). ``None``: every tile is live."""
+        consumed by contract). ``None``: every tile is live. An entry of 2 is a
+        live tile whose rows need only the columns ``>= skip_cols`` (this
+        Gemm's): the wgmma kernel leaves the column groups wholly below
+        unwritten for them (a lane-batched qkv's context rows, which feed K and
+        V only); the others compute them. With ``live_split`` the wgmma kernel
+        chooses its K split per launch from the live tiles (``gemm_stream.
+        wg_live_split``), so a step with few live rows still fills the SMs."""
         be = self.backend
         m = checks.int_arg(m, "m")
         if self.epilogue == "argmax":

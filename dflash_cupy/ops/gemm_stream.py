@@ -17,6 +17,8 @@ prints the before/after table at the drafter shapes.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -187,7 +189,7 @@ WG_DEPTH = {64: 3, 128: 2}
 WG_MIN_M = 49
 # ptxas (NVRTC, sm_90a) registers per thread, max over dtypes, epilogues, hi + lo and the folded
 # norm (tests/test_gemm_wgmma.py holds the kernel to them); one block of 256 threads per SM.
-WG_PTXAS_REGS = {64: 232, 128: 248}
+WG_PTXAS_REGS = {64: 241, 128: 251}
 WG_BLOCK_STEPS = 2        # a block's fixed cost in 64-k steps: its first loads, the epilogue
 WG_SPLIT_STEPS = 3        # a split block's partial tile and the last slice's reduction, in steps
 
@@ -222,24 +224,90 @@ def plan_wgmma(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device 
     base = groups * tb
     if base > GRID_X_MAX:
         raise ValueError(f"m={m}, N={N}: {groups} column groups x {tb} row blocks exceed the grid's x limit")
-    steps = -(-K // KSTEP)
     best = None
     for k in range(1, MAX_K_SPLIT + 1):
         if ks is not None and k != ks:
             continue
-        kz = -(-steps // k) * KSTEP
-        if -(-K // kz) != k or (k > 1 and kz < MIN_K_SLICE and ks is None):
+        c = _wg_split_cost(base, K, k, dev.sm_count)
+        if c is None or (k > 1 and c[1] < MIN_K_SLICE and ks is None):
             continue
-        # whole waves x each block's steps, plus a block's fixed part (its first loads, the
-        # epilogue; a split's partial tile and reduction)
-        cost = -(-base * k // dev.sm_count) * (kz // KSTEP + WG_BLOCK_STEPS + (WG_SPLIT_STEPS if k > 1 else 0))
-        if best is None or cost < best[0]:
-            best = (cost, k, kz)
+        if best is None or c[0] < best[0]:
+            best = (c[0], k, c[1])
     if best is None:
         raise ValueError(f"ks={ks} does not split K={K} into slices of whole 64-wide steps")
     _, k, kz = best
     return Plan(mt=variant, tiles=bt // 16, grid=(base, 1, k), ks=k, kz=kz, kt=KSTEP,
                 smem=wg_smem(bt, split), groups=groups, mblocks=tb)
+
+
+def _wg_split_cost(n_blocks: int, K: int, k: int, sms: int):
+    """``(cost, kz)`` of ``k`` K slices over ``n_blocks`` (column group, row block) tiles, or
+    ``None`` where ``k`` does not cut K's 64-wide steps into ``k`` non-empty slices: whole waves
+    x each block's steps plus its fixed part (first loads, epilogue; a split's partial tile and
+    reduction)."""
+    kz = -(-(-(-K // KSTEP)) // k) * KSTEP
+    if -(-K // kz) != k:
+        return None
+    return -(-n_blocks * k // sms) * (kz // KSTEP + WG_BLOCK_STEPS + (WG_SPLIT_STEPS if k > 1 else 0)), kz
+
+
+def groups_wg(N: int, nw: int) -> int:
+    """Column groups of the wgmma kernel."""
+    return -(-N // wg_cols(nw))
+
+
+@functools.lru_cache(maxsize=256)
+def wg_split_cap(K: int) -> int:
+    """The most K slices a live-split launch offers its blocks (its grid z): slices of at
+    least ``MIN_K_SLICE``, at most ``MAX_K_SPLIT``."""
+    best = 1
+    for k in range(2, MAX_K_SPLIT + 1):
+        c = _wg_split_cost(1, K, k, 1)
+        if c is not None and c[1] >= MIN_K_SLICE:
+            best = k
+    return best
+
+
+def wg_live_split(n_live: int, K: int, cap: int, sms: int) -> int:
+    """The K split gemm_wgmma.cu's ``live_split`` chooses on the device (GW_SMS = ``sms``) for
+    ``n_live`` working blocks, at most ``cap`` (the grid's z): the cost rule of ``plan_wgmma``
+    over slices of >= ``MIN_K_SLICE``, the least k on ties."""
+    best = None
+    for k in range(1, cap + 1):
+        c = _wg_split_cost(n_live, K, k, sms)
+        if c is None or (k > 1 and c[1] < MIN_K_SLICE):
+            continue
+        if best is None or c[0] < best[0]:
+            best = (c[0], k)
+    return 1 if best is None else best[1]
+
+
+def wg_live_blocks(flags, BT: int, groups: int, qg: int) -> list:
+    """Working (column group, row block) pairs of a live-split launch, in block order (their
+    workspace slots): ``flags`` the tile_live entries of its ``ceil(m/16)`` tiles (0 dead,
+    2 needs only the column groups >= ``qg``, else live)."""
+    tb = -(-len(flags) // (BT // 16))
+    out = []
+    for cg in range(groups):
+        for b in range(tb):
+            t = flags[b * BT // 16:(b + 1) * BT // 16]
+            if any(v != 0 and (v != 2 or cg >= qg) for v in t):
+                out.append((cg, b))
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def wg_live_slots(groups: int, tblocks: int, qg: int, K: int, cap: int, sms: int) -> int:
+    """The most workspace slots (working blocks x their K split) any tile_live of up to
+    ``tblocks`` row blocks makes a live-split launch use."""
+    qg = min(qg, groups)
+    best = 0
+    for b in range(1, tblocks + 1):          # row blocks with a live tile
+        for a in range(0, b + 1):            # ... of which hold a tile that needs every column
+            n = qg * a + (groups - qg) * b
+            if n:
+                best = max(best, n * wg_live_split(n, K, cap, sms))
+    return best
 
 
 def wgmma_available(backend) -> bool:
@@ -410,7 +478,7 @@ class StreamKernels:
 
     def __init__(self, backend, N: int, K: int, wtype_code: int, epi_code: int, nw: int, split: int,
                  max_m: int, k_split: int | None = None, norm: bool = False, logits: bool = True,
-                 wgmma: bool | None = None):
+                 wgmma: bool | None = None, skip_cols: int = 0, live_split: bool = False):
         self._argmax = epi_code == ARGMAX_EPI
         if self._argmax:  # the fused argmax reduces within a block: no split K
             k_split = 1
@@ -439,10 +507,18 @@ class StreamKernels:
             self.wg_variants = tuple(v for v in WG_VARIANTS if auto and (v == "wg64" or self.max_m > 64))
         else:
             self.wg_variants = WG_VARIANTS if wgmma else ()
+        # Lane-batched launches (tile_live given) of the wgmma variants: with live_split the
+        # kernel picks its K split from the live row blocks (up to split_cap slices, the
+        # grid's z); tiles marked 2 skip the column groups wholly below skip_cols.
+        self.live_split = bool(live_split) and bool(self.wg_variants)
+        self.split_cap = wg_split_cap(K)
+        self.skip_groups = int(skip_cols) // wg_cols(nw) if self.wg_variants else 0
+        wg_defs = dict(({"GW_SMS": self.dev.sm_count} if self.live_split else {}),
+                       **({"GW_SKIP_COLS": self.skip_groups * wg_cols(nw)} if self.skip_groups else {}))
         for v in self.wg_variants:
             bt = wg_tokens(v)
             mod = kernels.load_module(backend, "gemm_wgmma.cu", **{"GW_" + k: val for k, val in defs.items()},
-                                      GW_BT=bt, GW_DEPTH=WG_DEPTH[bt])
+                                      GW_BT=bt, GW_DEPTH=WG_DEPTH[bt], **wg_defs)
             self._kernels[v] = mod.get_function("gemm_wgmma")
         # Workspace for the largest split any m plans (m beyond max_m is accepted: more M
         # blocks): per block x (column group, M block) and slice a partial tile (rows of
@@ -468,8 +544,18 @@ class StreamKernels:
                 ws = max(ws, self._ws_len(p))
                 if not isinstance(p.mt, str):
                     self.m_split_max = max(self.m_split_max, m)
+        if self.live_split:   # every tile_live of up to max_m rows: its working blocks' slots
+            for v in self.wg_variants:
+                bt = wg_tokens(v)
+                tb = -(-self.max_m // bt)
+                nbx = max(nbx, groups_wg(N, nw) * tb)
+                ws = max(ws, self._live_slots(bt, tb, self.split_cap) * bt * (nw * wg_cols(nw) + int(self.norm)))
         self._ws = backend.zeros((max(ws, 1),), np.float32)
         self._counters = backend.zeros((nbx,), np.int32)
+
+    def _live_slots(self, bt: int, tblocks: int, cap: int) -> int:
+        return wg_live_slots(groups_wg(self.N, self.nw), tblocks, self.skip_groups, self.K, cap,
+                             self.dev.sm_count)
 
     def _ws_len(self, p: Plan) -> int:
         """f32 workspace a split launch ``p`` needs: per block x and slice a partial
@@ -560,6 +646,22 @@ class StreamKernels:
         ``partials`` (the argmax epilogue): u32 ``[>= m, blocks, 2]`` written
         in place of the split-K workspace."""
         p = self.plan(m)
+        if tile_live is not None and self.live_split and isinstance(p.mt, str):
+            # the kernel splits K per launch, up to the tuned split or split_cap
+            c = self._choice.get(m)
+            cap = c[1] if c is not None else self.split_cap
+            bt = wg_tokens(p.mt)
+            tb = -(-m // bt)
+            if tb > WG_THREADS:
+                raise ValueError(f"m={m}: a live-split launch scans at most {WG_THREADS} row blocks of {bt}")
+            slots = self._live_slots(bt, tb, cap)
+            need = slots * bt * (self.nw * wg_cols(self.nw) + int(self.norm))
+            if need > self._ws.size or p.grid[0] > self._counters.size:
+                raise ValueError(f"m={m}: a live-split launch of {p.mt} needs {need} workspace floats, "
+                                 f"this GEMM holds {self._ws.size} (sized for max_m={self.max_m})")
+            # the kernel finds the working tiles and their split and strides over them: one
+            # block per SM (their registers) or fewer; kt carries the most K slices
+            p = dataclasses.replace(p, grid=(min(slots, self.dev.sm_count), 1, 1), kt=cap)
         if self.backend.is_capturing():
             self._captured = True
         lo, hi = (self._counters, 0) if pad_rows is None else pad_rows
