@@ -36,7 +36,10 @@
 //           rotation needs no cross-lane traffic and the norm one warp sum.
 //
 // Compile-time: D (even), NH, NKV, HAS_Q, ROPE_THREADS.
-// Runtime: M, kv_rows, eps, attn_scale_factor (YaRN mscale; 1.0 otherwise).
+// Runtime: M, kv_rows, eps, attn_scale_factor (YaRN mscale; 1.0 otherwise);
+//   tile_live [ceil(M/16)] int32, read when use_live (the lane batch's flags, as the GEMMs
+//   read them): a row of a tile marked 0 is skipped (nothing written), of a tile marked 2
+//   (context rows: K and V only; the qkv GEMM left their Q columns unwritten) its Q heads.
 // nvrtc-check: -DD=64 -DNH=4 -DNKV=2 -DHAS_Q=0
 // nvrtc-check: -DD=80 -DNH=3 -DNKV=1 -DHAS_Q=1
 // nvrtc-check: -DD=256 -DNH=16 -DNKV=4 -DHAS_Q=1
@@ -111,13 +114,16 @@ qkv_norm_rope(const float* __restrict__ qkv,
               float* __restrict__ q_out,
               __half* __restrict__ k_cache,
               __half* __restrict__ v_cache,
-              int M, int kv_rows, float eps, float attn_scale_factor)
+              int M, int kv_rows, float eps, float attn_scale_factor,
+              const int* __restrict__ tile_live, int use_live)
 {
     __shared__ float cs_cos[HALF_D];
     __shared__ float cs_sin[HALF_D];
 
     const int m = blockIdx.x;
     if (m >= M) return;  // block-uniform: no barrier is skipped by part of a block
+    const int tl = use_live ? tile_live[m >> 4] : 1;
+    if (tl == 0) return;  // a dead tile's row (an idle lane's): block-uniform too
     const int p = pos[m];
     const int row = rows[m];
     const bool row_ok = row >= 0 && row < kv_rows;
@@ -137,9 +143,10 @@ qkv_norm_rope(const float* __restrict__ qkv,
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const float* xrow = qkv + (long long)m * QKV_W;
+    const int q_units = (HAS_Q && tl != 2) ? NH : 0;  // a context row's Q is never read
     const int n_units = (HAS_Q ? NH : 0) + 2 * NKV;
 
-    for (int u = warp; u < n_units; u += ROPE_WARPS) {
+    for (int u = (HAS_Q ? NH : 0) - q_units + warp; u < n_units; u += ROPE_WARPS) {
         // unit -> (kind, head): Q heads first, then K heads, then V heads
         int kind, h;
         if (HAS_Q && u < NH) { kind = 0; h = u; }

@@ -320,7 +320,8 @@ class DraftKvBatch(StepIssuer):
                 self.rms(self.h, L.input_layernorm, self.hn, stream=stream)
             self.g_qkv(self.xin, L.w_qkv, self.qkv, M, tile_live=tiles_all, stream=stream)
         self.rope_step(self.qkv, L.k_norm, self.inv_freq, self.pos_all, self.rows_all,
-                       self.k_cache[li], self.v_cache[li], q_norm=L.q_norm, q_out=self.q_all, stream=stream)
+                       self.k_cache[li], self.v_cache[li], q_norm=L.q_norm, q_out=self.q_all, stream=stream,
+                       tile_live=tiles_all)
         if self.g_attn_gate is not None:
             self.g_attn_gate(self.hn, L.w_attn_gate, self.gate, NN, tile_live=tiles_noise, stream=stream)
         mask = self.mask_swa if L.sliding else self.mask_full

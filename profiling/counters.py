@@ -977,13 +977,19 @@ def _small(L) -> KernelCounters:
                            + (f"; {lanes} lanes, all assumed live" if lanes > 1 else ""))
     if k == "qkv_norm_rope":
         M, D, NH, NKV, has_q = a[9], d["D"], d["NH"], d["NKV"], d.get("HAS_Q", 0)
-        width = (NH if has_q else 0) * D + 2 * NKV * D
-        reads = [(_name(a[0]), M * width * 4), (_name(a[4]), M * 4), (_name(a[5]), M * 4),
-                 (_name(a[3]), D // 2 * 8)]
-        writes = [(_name(a[7]), M * NKV * D * 2), (_name(a[8]), M * NKV * D * 2)]
+        # tile_live (lane batches), when the plan knows it: dead tiles' rows skipped, the
+        # context tiles' (2) Q heads skipped
+        flags = L.known.get("tile_live") if len(a) > 14 and int(a[14]) else None
+        tl = [1 if flags is None else int(flags[m // 16]) for m in range(M)]
+        rows = sum(1 for v in tl if v)
+        q_rows = sum(1 for v in tl if v and v != 2) if has_q else 0
+        reads = [(_name(a[0]), (q_rows * NH * D + rows * 2 * NKV * D) * 4), (_name(a[4]), rows * 4),
+                 (_name(a[5]), rows * 4), (_name(a[3]), D // 2 * 8)]
+        writes = [(_name(a[7]), rows * NKV * D * 2), (_name(a[8]), rows * NKV * D * 2)]
         if has_q:
-            writes.append((_name(a[6]), M * NH * D * 4))
-        return _bytes_only(L, reads, writes)
+            writes.append((_name(a[6]), q_rows * NH * D * 4))
+        return _bytes_only(L, reads, writes, f"tile_live: {M - rows} dead row(s), {rows - q_rows} without Q"
+                           if flags is not None else "")
     return _bytes_only(L, [], [], f"no access model for kernel {k!r}: counters are empty")
 
 

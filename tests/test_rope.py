@@ -211,3 +211,41 @@ def test_bad_arguments_raise(emu):
         op(**{**args, "q_out": None})
     with pytest.raises(ValueError, match="even"):
         QkvNormRope(be, 33, 1, 1, True)
+
+
+@pytest.mark.parametrize("has_q", [True, False])
+def test_tile_live_skips_dead_rows_and_context_q(backend, rng, has_q):
+    """tile_live (a lane batch's flags): rows of a 0 tile write nothing (cache rows and q_out
+    keep their bits), rows of a 2 tile (context rows) write K and V but no Q, rows of a 1 tile
+    all three, bit-identical to the launch without flags."""
+    D, NH, NKV, M, kv_rows = 64, 4, 2, 53, 70
+    op = QkvNormRope(backend, D, NH, NKV, has_q)
+    qkv = backend.asarray((rng.standard_normal((M, op.qkv_width)) * 2).astype(np.float32))
+    qn, kn = (backend.asarray(rng.uniform(0.5, 1.5, D).astype(np.float32)) for _ in range(2))
+    tab = backend.asarray(plain_table(D))
+    pos = backend.asarray(rng.integers(0, 2**20, M).astype(np.int32))
+    rows_h = rng.permutation(kv_rows)[:M].astype(np.int32)
+    rows = backend.asarray(rows_h)
+    flags = np.array([2, 0, 1, 2], np.int32)              # 4 tiles for 53 rows
+    k0 = rng.standard_normal((kv_rows, NKV * D)).astype(np.float16)
+    outs = []
+    for fl in (None, backend.asarray(flags)):
+        kc, vc = backend.asarray(k0), backend.asarray(k0)
+        kw = {}
+        if has_q:
+            kw = dict(q_norm=qn, q_out=backend.asarray(np.full((M, NH * D), np.nan, np.float32)))
+        op(qkv, kn, tab, pos, rows, kc, vc, stream=None, tile_live=fl, **kw)
+        outs.append((backend.to_numpy(kc), backend.to_numpy(vc), backend.to_numpy(kw["q_out"]) if has_q else None))
+    (k_all, v_all, q_all), (k_fl, v_fl, q_fl) = outs
+    tl = np.repeat(flags, 16)[:M]
+    live_rows, dead_rows = rows_h[tl != 0], rows_h[tl == 0]
+    np.testing.assert_array_equal(k_fl[live_rows].view(np.uint16), k_all[live_rows].view(np.uint16))
+    np.testing.assert_array_equal(v_fl[live_rows].view(np.uint16), v_all[live_rows].view(np.uint16))
+    np.testing.assert_array_equal(k_fl[dead_rows].view(np.uint16), k0[dead_rows].view(np.uint16))
+    np.testing.assert_array_equal(v_fl[dead_rows].view(np.uint16), k0[dead_rows].view(np.uint16))
+    if has_q:
+        np.testing.assert_array_equal(q_fl[tl == 1].view(np.uint32), q_all[tl == 1].view(np.uint32))
+        assert np.isnan(q_fl[tl != 1]).all()
+    with pytest.raises(ValueError, match="tile_live must hold"):
+        op(qkv, kn, tab, pos, rows, backend.asarray(k0), backend.asarray(k0),
+           tile_live=backend.asarray(flags[:3]), **({"q_norm": qn, "q_out": backend.asarray(np.zeros((M, NH * D), np.float32))} if has_q else {}))

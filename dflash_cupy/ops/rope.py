@@ -74,7 +74,10 @@ class QkvNormRope:
                 f"has_q={self.has_q}, eps={self.eps}, attn_scale_factor={self.attn_scale_factor})")
 
     def __call__(self, qkv, k_norm, inv_freq, pos, rows, k_cache, v_cache, q_norm=None,
-                 q_out=None, n_rows=None, stream=None):
+                 q_out=None, n_rows=None, stream=None, tile_live=None):
+        """``tile_live`` (device int32 ``[>= ceil(n_rows/16)]``, read when the kernel runs):
+        the rows of a tile marked 0 are skipped (nothing written), those of a tile marked 2
+        (a lane batch's context rows) skip their Q heads; ``None``: every row, every head."""
         be = self.backend
         checks.device_array(be, "qkv", qkv, np.float32, ndim=2)
         checks.device_array(be, "k_norm", k_norm, np.float32, ndim=1)
@@ -119,12 +122,18 @@ class QkvNormRope:
             q_norm = k_norm       # never read
             q_out = self._no_q    # never written: the op's own placeholder, not a shared array
 
+        if tile_live is not None:
+            checks.device_array(be, "tile_live", tile_live, np.int32, ndim=1)
+            if tile_live.shape[0] < -(-n_rows // 16):
+                raise ValueError(f"tile_live must hold >= ceil(n_rows/16) = {-(-n_rows // 16)} entries, "
+                                 f"got shape {tuple(tile_live.shape)}")
         if n_rows == 0:
             return
         self._kernel((n_rows, 1, 1), (THREADS, 1, 1),
                      (qkv, q_norm, k_norm, inv_freq, pos, rows, q_out, k_cache, v_cache,
                       np.int32(n_rows), np.int32(k_cache.shape[0]), np.float32(self.eps),
-                      np.float32(self.attn_scale_factor)), stream=stream)
+                      np.float32(self.attn_scale_factor), pos if tile_live is None else tile_live,
+                      np.int32(tile_live is not None)), stream=stream)
 
 
 def qkv_norm_rope_reference(qkv, q_norm, k_norm, inv_freq, pos, *, head_dim: int, n_head: int,
