@@ -17,9 +17,10 @@
 // The calling block wrote its partial tile (and row sums) for its slice of the ks slices.
 // Returns after the reduction (the last slice to arrive) or at once (the others).
 // `stored(lrow)`: whether local row lrow < live is stored (its 16-row tile is live). All
-// threads of the block call this.
-template <int NW, int ROWS, int COLS, int THREADS, int EPI, int NORM, int K, typename Stored>
-__device__ __forceinline__ void splitk_reduce(const float* wsb, const float* ssw, int ks, int* counter, float* y,
+// threads of the block call this. y: f32, or 16-bit bits of the weight type WT
+// (gemm_epilogue.cuh).
+template <int NW, int ROWS, int COLS, int THREADS, int EPI, int NORM, int K, int WT, typename Y, typename Stored>
+__device__ __forceinline__ void splitk_reduce(const float* wsb, const float* ssw, int ks, int* counter, Y* y,
                                               const float* r, int m0, int live, int c0, int N, float eps,
                                               int norm_lo, Stored stored) {
     __shared__ int ticket;
@@ -80,15 +81,15 @@ __device__ __forceinline__ void splitk_reduce(const float* wsb, const float* ssw
             if (NORM) sc = sc_s[lrow];
             const float4 g = a[j][0], u = a[j][NW - 1];
             if (NORM) {
-                epilogue_store<EPI>(y, r, o, g.x * sc, u.x * sc);
-                if (col + 1 < N) epilogue_store<EPI>(y, r, o + 1, g.y * sc, u.y * sc);
-                if (col + 2 < N) epilogue_store<EPI>(y, r, o + 2, g.z * sc, u.z * sc);
-                if (col + 3 < N) epilogue_store<EPI>(y, r, o + 3, g.w * sc, u.w * sc);
+                epilogue_store<EPI, WT>(y, r, o, g.x * sc, u.x * sc);
+                if (col + 1 < N) epilogue_store<EPI, WT>(y, r, o + 1, g.y * sc, u.y * sc);
+                if (col + 2 < N) epilogue_store<EPI, WT>(y, r, o + 2, g.z * sc, u.z * sc);
+                if (col + 3 < N) epilogue_store<EPI, WT>(y, r, o + 3, g.w * sc, u.w * sc);
             } else {
-                epilogue_store<EPI>(y, r, o, g.x, u.x);
-                if (col + 1 < N) epilogue_store<EPI>(y, r, o + 1, g.y, u.y);
-                if (col + 2 < N) epilogue_store<EPI>(y, r, o + 2, g.z, u.z);
-                if (col + 3 < N) epilogue_store<EPI>(y, r, o + 3, g.w, u.w);
+                epilogue_store<EPI, WT>(y, r, o, g.x, u.x);
+                if (col + 1 < N) epilogue_store<EPI, WT>(y, r, o + 1, g.y, u.y);
+                if (col + 2 < N) epilogue_store<EPI, WT>(y, r, o + 2, g.z, u.z);
+                if (col + 3 < N) epilogue_store<EPI, WT>(y, r, o + 3, g.w, u.w);
             }
         }
     }

@@ -20,6 +20,16 @@
 //              (order key, column); sample.cu's argmax_partials reduces them. No split K.
 // Layouts: x [M, K] f32, W [N or 2N, K] 16-bit bits, y, r [M, N] f32; all
 // row-major, 16-byte aligned, K % 8 == 0.
+//   GS_X16 1 (GS_SPLIT 1 only): x is [M, K] 16-bit bits of the weight type, the values the
+//   f32 kernel would round x to (its producer stored them rounded): half the x bytes from L2,
+//   staged by 16-byte copies (8 values per lane). Results are bit-identical to the f32 kernel
+//   fed the same values as f32 (rounding a 16-bit value to 16 bits is the identity), the
+//   folded RMSNorm's row sums of squares included: they are taken from the 16-bit values in
+//   the f32 kernel's per-lane order (see the staging). The only numeric difference from
+//   feeding x f32 is that those sums see x rounded (none when x is representable).
+//   GS_Y16 1: y [M, N] is written as the weight type's bits (the epilogue's f32 value rounded
+//   to nearest even, as a single-rounding GEMM reading it would round it), e.g. the silu * up
+//   activations the down projection reads with GS_X16. Not with GS_EPI 3.
 //
 // ---- Launch (the launcher, dflash_cupy/ops/gemm_stream.py, plans it; its
 // stream_figures() recomputes every number below for a given N, K, m)
@@ -128,6 +138,12 @@
 // nvrtc-check: -DGS_WTYPE=1 -DGS_EPI=3 -DGS_LOGITS=1 -DGS_K=5120 -DGS_MT=2 -DGS_NT=4 -DGS_SPLIT=2
 // nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=0 -DGS_K=4096 -DGS_MT=4 -DGS_NT=4 -DGS_SPLIT=2 -DGS_NORM=1
 // nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=2 -DGS_K=4096 -DGS_MT=1 -DGS_NT=2 -DGS_SPLIT=2 -DGS_NORM=1
+// nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=2 -DGS_K=12288 -DGS_MT=4 -DGS_NT=2 -DGS_SPLIT=1 -DGS_X16=1
+// nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=1 -DGS_K=4096 -DGS_MT=2 -DGS_NT=4 -DGS_SPLIT=1 -DGS_X16=1
+// nvrtc-check: -DGS_WTYPE=1 -DGS_EPI=2 -DGS_K=4096 -DGS_MT=4 -DGS_NT=2 -DGS_SPLIT=1 -DGS_X16=1 -DGS_NORM=1
+// nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=0 -DGS_K=4096 -DGS_MT=1 -DGS_NT=4 -DGS_SPLIT=1 -DGS_X16=1 -DGS_NORM=1
+// nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=2 -DGS_K=4096 -DGS_MT=4 -DGS_NT=2 -DGS_SPLIT=1 -DGS_Y16=1 -DGS_NORM=1
+// nvrtc-check: -DGS_WTYPE=1 -DGS_EPI=2 -DGS_K=4096 -DGS_MT=1 -DGS_NT=2 -DGS_SPLIT=2 -DGS_Y16=1
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -165,6 +181,22 @@
 #ifndef GS_NORM
 #define GS_NORM 0
 #endif
+#ifndef GS_X16
+#define GS_X16 0
+#endif
+#if GS_X16
+#define GS_XT unsigned short  // x holds the weight type's bits
+#else
+#define GS_XT float
+#endif
+#ifndef GS_Y16
+#define GS_Y16 0
+#endif
+#if GS_Y16
+#define GS_YT unsigned short  // y written rounded to the weight type
+#else
+#define GS_YT float
+#endif
 #ifndef GS_DEPTH
 #define GS_DEPTH (GS_MT == 1 ? 2 : 3)  // MT 1 keeps 2 blocks per SM in 128 registers; MT 2, 4 have the room
 #endif
@@ -186,6 +218,18 @@
 #endif
 #if GS_NORM != 0 && GS_NORM != 1
 #error "GS_NORM must be 0 or 1 (RMSNorm of x's rows folded in)"
+#endif
+#if GS_X16 != 0 && GS_X16 != 1
+#error "GS_X16 must be 0 (x f32) or 1 (x in the weight type)"
+#endif
+#if GS_X16 && GS_SPLIT != 1
+#error "GS_X16 needs GS_SPLIT 1: a 16-bit x has no lo half"
+#endif
+#if GS_Y16 != 0 && GS_Y16 != 1
+#error "GS_Y16 must be 0 (y f32) or 1 (y in the weight type)"
+#endif
+#if GS_Y16 && GS_EPI == 3
+#error "GS_Y16 does not apply to the fused argmax (its logits stay f32)"
 #endif
 #if GS_WTYPE != 1 && GS_WTYPE != 2
 #error "GS_WTYPE must be 1 (f16) or 2 (bf16)"
@@ -219,13 +263,13 @@ __device__ __forceinline__ void mma(float d[4], const unsigned int a[4], unsigne
 #endif
 }
 
-__device__ __forceinline__ void store(float* y, const float* r, long long o, float a, float u) {
+__device__ __forceinline__ void store(GS_YT* y, const float* r, long long o, float a, float u) {
 #if GS_EPI == 3
     if (GS_LOGITS) y[o] = a;  // the fused argmax: logits only on request
     (void)r;
     (void)u;
 #else
-    epilogue_store<GS_EPI>(y, r, o, a, u);
+    epilogue_store<GS_EPI, GS_WTYPE>(y, r, o, a, u);
 #endif
 }
 
@@ -252,7 +296,7 @@ __device__ __forceinline__ void load_slot(Slot& s, const unsigned short* const w
 }  // namespace gemm_stream_detail
 
 extern "C" __global__ void __launch_bounds__(GS_WARPS * 32, GS_MINB)
-gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, float* y, const float* r,
+gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, GS_YT* y, const float* r,
             int M, int N, int kz, int kt, float* ws, int* counters, const int* pad_lo, int pad_hi,
             const float* __restrict__ ln, float eps, int norm_lo, const int* tile_live, int use_live) {
     using namespace gemm_stream_detail;
@@ -348,7 +392,75 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
                     // past M and k past the slice as zeros (0 * NaN poison would leak).
                     const int kc = k_begin + s * KSTEP;
                     __syncthreads();  // every warp is done with the previous chunk
-#if GS_NORM
+#if GS_NORM && GS_X16
+                    // One warp per row, 8 values (16 bytes) per lane: lane l holds k = 256j + 8l
+                    // + 0..7. The sum of squares keeps the f32 path's order (below), where
+                    // "lane" L sums k = 128jj + 4L + 0..3 over jj: lane l < 16 carries L = 2l
+                    // (its values 0..3, jj = 2j) and 2l + 1 (values 4..7), then takes lane
+                    // l + 16's values (jj = 2j + 1) by shuffle; before the butterfly lane L
+                    // fetches its chain from lane L / 2.
+                    for (int row = warp; row < tiles * 16; row += GS_WARPS) {
+                        if (!((tmask >> (row >> 4)) & 1u)) continue;  // tile not computed: not staged
+                        const int grow = m0 + row;
+                        const bool rd = row < live && (grow < lo || grow >= pad_hi);
+                        const bool nrm = grow >= norm_lo;
+                        float sa = 0.0f, sb = 0.0f;
+                        for (int c0 = 0; c0 < kt; c0 += 256) {  // warp-uniform (shuffles)
+                            const int c8 = c0 + 8 * lane, k = kc + c8;
+                            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+                            if (rd && c8 < kt && k < k_end) v = *reinterpret_cast<const uint4*>(x + (long long)grow * K + k);
+                            const unsigned int q[4] = {v.x, v.y, v.z, v.w};
+                            unsigned int u[4];
+#pragma unroll
+                            for (int e = 0; e < 4; e++) u[e] = __shfl_down_sync(0xffffffffu, q[e], 16);
+                            if (lane < 16) {
+#pragma unroll
+                                for (int e = 0; e < 4; e++) {
+                                    const float f0 = from16(q[e] & 0xffffu), f1 = from16(q[e] >> 16);
+                                    if (e < 2) { sa = fmaf(f0, f0, sa); sa = fmaf(f1, f1, sa); }
+                                    else { sb = fmaf(f0, f0, sb); sb = fmaf(f1, f1, sb); }
+                                }
+#pragma unroll
+                                for (int e = 0; e < 4; e++) {
+                                    const float f0 = from16(u[e] & 0xffffu), f1 = from16(u[e] >> 16);
+                                    if (e < 2) { sa = fmaf(f0, f0, sa); sa = fmaf(f1, f1, sa); }
+                                    else { sb = fmaf(f0, f0, sb); sb = fmaf(f1, f1, sb); }
+                                }
+                            }
+                            unsigned int o[4] = {q[0], q[1], q[2], q[3]};
+                            if (rd && nrm) {  // warp-uniform (rows not read stay zeros)
+                                // ln[c0 + 8l .. + 7] for lane l, loaded coalesced (lane s: A = ln[c0 + 4s
+                                // .. + 3], B = 128 further: 16 whole sectors per request) and handed
+                                // over in 8 shuffles: lane l < 16 takes A of lanes 2l, 2l + 1, lane
+                                // l >= 16 B of lanes 2l - 32, 2l - 31; each source sends A to one of
+                                // its two readers and B to the other per round.
+                                const int ca = c0 + 4 * lane;
+                                float4 A = make_float4(0.0f, 0.0f, 0.0f, 0.0f), B = A;
+                                if (ca < kt && kc + ca < k_end) A = *reinterpret_cast<const float4*>(ln + kc + ca);
+                                if (ca + 128 < kt && kc + ca + 128 < k_end) B = *reinterpret_cast<const float4*>(ln + kc + ca + 128);
+                                const float a4[4] = {A.x, A.y, A.z, A.w}, b4[4] = {B.x, B.y, B.z, B.w};
+                                const bool odd = (lane & 1) != 0, low = lane < 16;
+                                float gl[8];
+#pragma unroll
+                                for (int j = 0; j < 4; j++) {
+                                    const float v0 = __shfl_sync(0xffffffffu, odd ? b4[j] : a4[j], (2 * lane + (low ? 0 : 1)) & 31);
+                                    const float v1 = __shfl_sync(0xffffffffu, odd ? a4[j] : b4[j], (2 * lane + (low ? 1 : 0)) & 31);
+                                    gl[j] = low ? v0 : v1;
+                                    gl[4 + j] = low ? v1 : v0;
+                                }
+#pragma unroll
+                                for (int e = 0; e < 4; e++)
+                                    o[e] = to16(from16(q[e] & 0xffffu) * gl[2 * e]) |
+                                           (to16(from16(q[e] >> 16) * gl[2 * e + 1]) << 16);
+                            }
+                            if (c8 < kt) *reinterpret_cast<uint4*>(xs + row * xstride + c8) = make_uint4(o[0], o[1], o[2], o[3]);
+                        }
+                        const float ca = __shfl_sync(0xffffffffu, sa, lane >> 1);
+                        const float cb = __shfl_sync(0xffffffffu, sb, lane >> 1);
+                        const float ss = warp_sum((lane & 1) ? cb : ca);
+                        if (lane == 0) ss_s[row] += ss;  // this warp owns the row: chunk order
+                    }
+#elif GS_NORM
                     // one warp per row, lanes along k: the row's sum of squares in a fixed order
                     for (int row = warp; row < tiles * 16; row += GS_WARPS) {
                         if (!((tmask >> (row >> 4)) & 1u)) continue;  // tile not computed: not staged
@@ -382,6 +494,20 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
                         }
                         ss = warp_sum(ss);
                         if (lane == 0) ss_s[row] += ss;  // this warp owns the row: chunk order
+                    }
+#elif GS_X16
+                    // x already holds the rounded values: 16-byte copies, 8 consecutive threads
+                    // per 128 contiguous bytes of a row (kt / 8 is a multiple of 8), one wavefront
+                    // per quarter warp
+                    const int q8 = kt / 8;
+                    for (int i = threadIdx.x; i < tiles * 16 * q8; i += THREADS) {
+                        const int row = i / q8, c8 = (i - row * q8) * 8, k = kc + c8;
+                        if (!((tmask >> (row >> 4)) & 1u)) continue;  // tile not computed: not staged
+                        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+                        const int grow = m0 + row;
+                        if (row < live && k < k_end && (grow < lo || grow >= pad_hi))
+                            v = *reinterpret_cast<const uint4*>(x + (long long)grow * K + k);
+                        *reinterpret_cast<uint4*>(xs + row * xstride + c8) = v;
                     }
 #else
                     const int q4 = kt / 4;
@@ -542,7 +668,7 @@ gemm_stream(const float* __restrict__ x, const unsigned short* __restrict__ w, f
 #else
     const float* ssw = ws;  // unused
 #endif
-    splitk_reduce<NW, ROWS, COLS, THREADS, GS_EPI, GS_NORM, K>(
+    splitk_reduce<NW, ROWS, COLS, THREADS, GS_EPI, GS_NORM, K, GS_WTYPE>(
         wsb, ssw, ks, counters + bx, y, r, m0, live, cg * COLS, N, eps, norm_lo,
         [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; });
 #endif

@@ -12,6 +12,10 @@
 //   scale rsqrt(sum x^2 / K + eps) applied to acc). No argmax epilogue (gemm_stream's GS_EPI 3).
 // Layouts: x [M, K] f32, W [N or 2N, K] 16-bit, y, r [M, N] f32, row-major, 16-byte aligned,
 // K % 8 == 0.
+//   GW_X16 1 (GW_SPLIT 1 only): x [M, K] holds the weight type's bits (already rounded by its
+//   producer), as gemm_stream.cu's GS_X16: half the x bytes, results bit-identical to the f32
+//   kernel fed the same values (the folded norm's sums of squares too, in the same order).
+//   GW_Y16 1: y written as the weight type's bits, as gemm_stream.cu's GS_Y16.
 //
 // ---- Why wgmma, and "swap AB"
 //   With many rows the mma.sync kernel (gemm_stream.cu) is bound by mma.sync issue (about half
@@ -76,7 +80,12 @@
 // nvrtc-check: -DGW_WTYPE=1 -DGW_EPI=0 -DGW_K=4096 -DGW_BT=64 -DGW_SPLIT=2 -DGW_NORM=1
 // nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=2 -DGW_K=5120 -DGW_BT=64 -DGW_SPLIT=2
 // nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=0 -DGW_K=4096 -DGW_BT=128 -DGW_SPLIT=2 -DGW_NORM=1 -DGW_SMS=132 -DGW_SKIP_COLS=4096
-// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=2 -DGW_K=4096 -DGW_BT=64 -DGW_SPLIT=1 -DGW_NORM=1 -DGW_SMS=132
+// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=2 -DGW_K=4096 -DGW_BT=64 -DGW_SPLIT=1 -DGW_NORM=1 -DGW_SMS=132 -DGW_X16=1 -DGW_Y16=1
+// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=2 -DGW_K=4096 -DGW_BT=128 -DGW_SPLIT=1 -DGW_X16=1
+// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=1 -DGW_K=12288 -DGW_BT=64 -DGW_SPLIT=1 -DGW_X16=1
+// nvrtc-check: -DGW_WTYPE=1 -DGW_EPI=2 -DGW_K=4096 -DGW_BT=128 -DGW_SPLIT=1 -DGW_X16=1 -DGW_NORM=1
+// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=2 -DGW_K=4096 -DGW_BT=128 -DGW_SPLIT=1 -DGW_Y16=1 -DGW_NORM=1
+// nvrtc-check: -DGW_WTYPE=1 -DGW_EPI=2 -DGW_K=4096 -DGW_BT=64 -DGW_SPLIT=2 -DGW_Y16=1
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -119,6 +128,22 @@
 #ifndef GW_SKIP_COLS
 #define GW_SKIP_COLS 0  // tiles whose tile_live entry is 2 need only the columns >= this
 #endif
+#ifndef GW_X16
+#define GW_X16 0
+#endif
+#if GW_X16
+#define GW_XT unsigned short  // x holds the weight type's bits
+#else
+#define GW_XT float
+#endif
+#ifndef GW_Y16
+#define GW_Y16 0
+#endif
+#if GW_Y16
+#define GW_YT unsigned short  // y written rounded to the weight type
+#else
+#define GW_YT float
+#endif
 
 #if GW_EPI != 0 && GW_EPI != 1 && GW_EPI != 2
 #error "GW_EPI must be 0, 1 or 2 (no fused argmax here)"
@@ -143,6 +168,15 @@
 #endif
 #if GW_SMS < 0 || GW_SKIP_COLS < 0
 #error "GW_SMS and GW_SKIP_COLS must be >= 0"
+#endif
+#if GW_X16 != 0 && GW_X16 != 1
+#error "GW_X16 must be 0 (x f32) or 1 (x in the weight type)"
+#endif
+#if GW_X16 && GW_SPLIT != 1
+#error "GW_X16 needs GW_SPLIT 1: a 16-bit x has no lo half"
+#endif
+#if GW_Y16 != 0 && GW_Y16 != 1
+#error "GW_Y16 must be 0 (y f32) or 1 (y in the weight type)"
 #endif
 
 namespace gemm_wgmma_detail {
@@ -171,7 +205,9 @@ constexpr int D = GW_DEPTH;
 constexpr int Q_B = BT * 32 + 64;
 constexpr int PLANE_B = 4 * Q_B;                     // one plane (hi or lo) of one 64-k step
 constexpr int BUF_B = GW_SPLIT * PLANE_B;            // one buffer
-constexpr int ITEMS = BT * 16;                       // staging items per step: (token, h, l8)
+// staging items per step: (token, h, l8) of 4 f32 values, or with GW_X16 (token, h, tt) of 8
+// 16-bit values
+constexpr int ITEMS = GW_X16 ? BT * 8 : BT * 16;
 constexpr int IPT = ITEMS / THREADS;                 // per thread
 static_assert(ITEMS % THREADS == 0, "staging items divide over the block");
 
@@ -236,7 +272,7 @@ __device__ __forceinline__ void wgmma(float* d, const unsigned int a[4], unsigne
 }  // namespace gemm_wgmma_detail
 
 extern "C" __global__ void __launch_bounds__(GW_WG * 128, 1)
-gemm_wgmma(const float* __restrict__ x, const unsigned short* __restrict__ w, float* y, const float* r,
+gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW_YT* y, const float* r,
            int M, int N, int kz, int kt, float* ws, int* counters, const int* pad_lo, int pad_hi,
            const float* __restrict__ ln, float eps, int norm_lo, const int* tile_live, int use_live) {
     using namespace gemm_wgmma_detail;
@@ -374,7 +410,14 @@ gemm_wgmma(const float* __restrict__ x, const unsigned short* __restrict__ w, fl
 #pragma unroll
         for (int j = 0; j < IPT; j++) {
             const int i = (int)threadIdx.x + j * THREADS;
+#if GW_X16
+            // item (n, h, tt) carries "lanes" L = 8h + 2tt and L + 1 (values 0..3 and 4..7)
+            const int wi = i >> 5, n = 8 * (wi % (BT / 8)) + ((i & 31) >> 2), L = 8 * (wi / (BT / 8)) + 2 * (i & 3);
+            ss_p[L + 1][n] = 0.0f;
+            ss_p[17 + L][n] = 0.0f;
+#else
             const int wi = i >> 5, n = 4 * (wi % (BT / 4)) + ((i & 31) >> 3), L = 8 * (wi / (BT / 4)) + (i & 7);
+#endif
             ss_p[L][n] = 0.0f;
             ss_p[16 + L][n] = 0.0f;
         }
@@ -382,6 +425,57 @@ gemm_wgmma(const float* __restrict__ x, const unsigned short* __restrict__ w, fl
         auto stage = [&](int s, int buf) {
             const int kc = k_begin + s * KSTEP;
             unsigned char* base = smem + buf * BUF_B;
+#if GW_X16
+            // Item j (i = threadIdx.x + j * THREADS, warp item wi = i / 32): token n = 8 * (wi % (BT /
+            // 8)) + (i % 32) / 4, half h = wi / (BT / 8), tt = i % 4 loads x[n][k + 32h + 8tt .. +7]
+            // (16 bytes; a warp: 8 tokens x 64 contiguous bytes). Values 0..3 are the f32 path's item
+            // l8 = 2tt (instruction 2h), 4..7 its l8 = 2tt + 1 (instruction 2h + 1); each pair is
+            // stored as there: banks 4 (n % 8) + tt (+16 for instruction 2h + 1), 32 distinct per
+            // store, one wavefront each. 2 loads in flight per thread (a step's items in IPT / 2
+            // round trips, as the f32 path's 4 of its 2 * IPT; all 4 of BT 128 at once spill).
+#pragma unroll 2
+            for (int j = 0; j < IPT; j++) {
+                const int i = (int)threadIdx.x + j * THREADS;
+                const int wi = i >> 5;
+                const int n = 8 * (wi % (BT / 8)) + ((i & 31) >> 2), tt = i & 3, h = wi / (BT / 8);
+                const int k = kc + 32 * h + 8 * tt;
+                const int grow = m0 + n;
+                uint4 v = make_uint4(0u, 0u, 0u, 0u);
+                if (((cmask >> (n >> 4)) & 1u) && n < live && k < k_end && (grow < lo || grow >= pad_hi)) {
+                    v = *reinterpret_cast<const uint4*>(x + (long long)grow * K + k);
+#if GW_NORM
+                    const unsigned int q[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                    for (int hh = 0; hh < 2; hh++) {  // "lane" L + hh: values 4hh .. 4hh + 3
+                        float* sp_ = &ss_p[16 * (s & 1) + 8 * h + 2 * tt + hh][n];
+                        float ss = *sp_;
+#pragma unroll
+                        for (int e = 2 * hh; e < 2 * hh + 2; e++) {
+                            const float f0 = from16(q[e] & 0xffffu), f1 = from16(q[e] >> 16);
+                            ss = fmaf(f0, f0, ss);
+                            ss = fmaf(f1, f1, ss);
+                        }
+                        *sp_ = ss;
+                    }
+                    if (grow >= norm_lo) {
+                        const float4 ga = *reinterpret_cast<const float4*>(ln + k);
+                        const float4 gb = *reinterpret_cast<const float4*>(ln + k + 4);
+                        const float gl[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
+                        unsigned int o[4];
+#pragma unroll
+                        for (int e = 0; e < 4; e++)
+                            o[e] = to16(from16(q[e] & 0xffffu) * gl[2 * e]) | (to16(from16(q[e] >> 16) * gl[2 * e + 1]) << 16);
+                        v = make_uint4(o[0], o[1], o[2], o[3]);
+                    }
+#endif
+                }
+                unsigned char* p = base + 2 * h * Q_B + (n >> 3) * 256 + (n & 7) * 16 + 4 * tt;
+                *reinterpret_cast<unsigned int*>(p) = v.x;
+                *reinterpret_cast<unsigned int*>(p + 128) = v.y;
+                *reinterpret_cast<unsigned int*>(p + Q_B) = v.z;
+                *reinterpret_cast<unsigned int*>(p + Q_B + 128) = v.w;
+            }
+#else
 #pragma unroll 4  // 4 loads in flight per thread: all 8 of BT 128 at once spill (255 registers)
             for (int j = 0; j < IPT; j++) {
                 const int i = (int)threadIdx.x + j * THREADS;
@@ -425,6 +519,7 @@ gemm_wgmma(const float* __restrict__ x, const unsigned short* __restrict__ w, fl
                     *reinterpret_cast<unsigned int*>(p + sp * PLANE_B + 128) = b[2] | (b[3] << 16);
                 }
             }
+#endif
         };
 
         Slot ring[D];
@@ -521,12 +616,12 @@ gemm_wgmma(const float* __restrict__ x, const unsigned short* __restrict__ w, fl
 #pragma unroll
                             for (int a = 0; a < 2; a++) {
                                 const int col = nb + 64 * a + 16 * wq + g + 8 * e2;
-                                if (col < N) epilogue_store<GW_EPI>(y, r, (long long)row * N + col, acc[a][4 * jn + e] * sc, 0.0f);
+                                if (col < N) epilogue_store<GW_EPI, GW_WTYPE>(y, r, (long long)row * N + col, acc[a][4 * jn + e] * sc, 0.0f);
                             }
                         } else {
                             const int col = nb + 16 * wq + g + 8 * e2;
                             if (col < N)
-                                epilogue_store<GW_EPI>(y, r, (long long)row * N + col, acc[0][4 * jn + e] * sc,
+                                epilogue_store<GW_EPI, GW_WTYPE>(y, r, (long long)row * N + col, acc[0][4 * jn + e] * sc,
                                                        acc[1][4 * jn + e] * sc);
                         }
                     }
@@ -557,7 +652,7 @@ gemm_wgmma(const float* __restrict__ x, const unsigned short* __restrict__ w, fl
 #if GW_NORM
         if ((int)threadIdx.x < live) ssw[zi * BT + threadIdx.x] = row_ss((int)threadIdx.x);
 #endif
-        splitk_reduce<NW, BT, COLS, THREADS, GW_EPI, GW_NORM, K>(
+        splitk_reduce<NW, BT, COLS, THREADS, GW_EPI, GW_NORM, K, GW_WTYPE>(
             wss, ssw, ks, counters + slot, y, r, m0, live, cg * COLS, N, eps, norm_lo,
             [&](int lrow) { return ((smask >> (lrow >> 4)) & 1u) != 0u; });
     }

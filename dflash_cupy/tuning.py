@@ -143,7 +143,7 @@ def _scratch_gemm(gemm, m: int):
     shapes (speed does not depend on the values; the product's buffers are
     never touched)."""
     be, N, K = gemm.backend, gemm.N, gemm.K
-    x = be.zeros((m, K), np.float32)
+    x = be.zeros((m, K), gemm.x_dtype)
     w = be.zeros((gemm.w_rows, K), gemm.w_device_dtype)
     kw = {}
     if gemm.norm_eps is not None:
@@ -152,7 +152,7 @@ def _scratch_gemm(gemm, m: int):
         kw["partials"] = be.zeros(gemm.partials_shape(m), np.uint32)
         y = be.zeros((m, N), np.float32) if gemm.logits else None
     else:
-        y = be.zeros((m, N), np.float32)
+        y = be.zeros((m, N), gemm.y_dtype)
     if gemm.epilogue == "residual":
         kw["residual"] = y
     return lambda: gemm(x, w, y, m, **kw)

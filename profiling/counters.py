@@ -198,17 +198,19 @@ def _contig(c: KernelCounters, kind: str, nbytes: int, width: int = 4) -> None:
         c.gst_bytes += nbytes
 
 
-def _staging_loads(ROWS, KT, K, m_valid, kvalid, _cache={}):
+def _staging_loads(ROWS, KT, K, m_valid, kvalid, elem=4, _cache={}):
     """(requests, sectors, bytes) of one x-tile staging pass of gemm_mma:
     ROWS x KT/4 float4 items, 32 consecutive items per warp-level load, only
-    rows < m_valid and columns < kvalid load."""
-    key = (ROWS, KT, K, m_valid, kvalid)
+    rows < m_valid and columns < kvalid load. ``elem`` = 2: x in 16 bits
+    (gemm_stream's GS_X16), KT/8 items of 8 values (16 bytes each)."""
+    key = (ROWS, KT, K, m_valid, kvalid, elem)
     if key not in _cache:
-        i = np.arange(ROWS * (KT // 4))
-        row, c4 = i // (KT // 4), (i % (KT // 4)) * 4
+        vec = 16 // elem
+        i = np.arange(ROWS * (KT // vec))
+        row, c4 = i // (KT // vec), (i % (KT // vec)) * vec
         ok = (row < m_valid) & (c4 < kvalid)
         grp = (i // 32)[ok]
-        sec = (row[ok] * K + c4[ok]) * 4 // SECTOR
+        sec = (row[ok] * K + c4[ok]) * elem // SECTOR
         pairs = np.unique(grp.astype(np.int64) * (1 << 40) + sec)
         _cache[key] = (len(np.unique(grp)), len(pairs), int(ok.sum()) * 16)
     return _cache[key]
@@ -355,30 +357,33 @@ def _gs_xpad() -> int:
     return gs.XPAD
 
 
-def _gs_staging_smem(tiles, kt, norm=0, _cache={}):
+def _gs_staging_smem(tiles, kt, norm=0, x16=0, _cache={}):
     """(requests, wavefronts, ideal) of one x-chunk staging pass's shared stores
     (per plane): item i -> row i / (kt/4), 8-byte store at (row*(kt+XPAD) + c4)*2;
-    with GS_NORM a warp stores one row per request (lanes at c4 = 4*lane + 128j)."""
-    key = (tiles, kt, norm)
+    with GS_NORM a warp stores one row per request (lanes at c4 = 4*lane + 128j).
+    ``x16`` (GS_X16): items of 8 values, 16-byte stores (c8 = 8*lane + 256j with GS_NORM)."""
+    key = (tiles, kt, norm, x16)
     if key not in _cache:
-        q4, xs = kt // 4, kt + _gs_xpad()
+        vec = 8 if x16 else 4
+        width = 2 * vec
+        q4, xs = kt // vec, kt + _gs_xpad()
         items = tiles * 16 * q4
         req = wf = ideal = 0
         seen: dict = {}
         if norm:
-            groups = [[(r * xs + c4) * 2 if c4 < kt else None for c4 in range(j, j + 128, 4)]
-                      for r in range(tiles * 16) for j in range(0, kt, 128)]
+            groups = [[(r * xs + c4) * 2 if c4 < kt else None for c4 in range(j, j + 32 * vec, vec)]
+                      for r in range(tiles * 16) for j in range(0, kt, 32 * vec)]
         else:
-            groups = [[((i // q4) * xs + (i % q4) * 4) * 2 if i < items else None for i in range(i0, i0 + 32)]
+            groups = [[((i // q4) * xs + (i % q4) * vec) * 2 if i < items else None for i in range(i0, i0 + 32)]
                       for i0 in range(0, items, 32)]
         for addrs in groups:
             # the pattern only depends on the byte offsets mod 128 (banks)
             sig = tuple(None if a is None else (a % 128, a // 128 - addrs[0] // 128) for a in addrs)
             if sig not in seen:
-                seen[sig] = smem_wavefronts(addrs, 8)
+                seen[sig] = smem_wavefronts(addrs, width)
             req += 1
             wf += seen[sig]
-            ideal += ideal_wavefronts(8, sum(a is not None for a in addrs))
+            ideal += ideal_wavefronts(width, sum(a is not None for a in addrs))
         _cache[key] = (req, wf, ideal)
     return _cache[key]
 
@@ -395,6 +400,9 @@ def _gemm_stream(L) -> KernelCounters:
     D = d.get("GS_DEPTH", gs.DEPTH[MT])
     x, w, y, r, M, N, kz, kt, ws, _cnt, _pad_lo, pad_hi = L.args[:12]
     NORM = d.get("GS_NORM", 0)
+    X16 = d.get("GS_X16", 0)
+    XB = 2 if X16 else 4      # bytes per x element
+    YB = 2 if d.get("GS_Y16", 0) else 4   # bytes per y element
     ln, norm_lo = (L.args[12], L.args[14]) if NORM else (None, M)
     NW = 2 if EPI == 2 else 1
     WT, ROWS, COLS, THREADS, KSTEP = NT * NW, 16 * MT, WARPS * 8 * NT, WARPS * 32, gs.KSTEP
@@ -491,13 +499,23 @@ def _gemm_stream(L) -> KernelCounters:
                 if NORM:   # a warp per row, 32 lanes x 16 B along k per request
                     n_nrm = sum(max(0, min(by * ROWS + 16 * i + v, M) - max(norm_lo, by * ROWS + 16 * i))
                                 for i, v in enumerate(rows_t) if v)
-                    per_row = -(-kvalid // 128)
-                    reqs, secs, nb = rows_ld * per_row, rows_ld * -(-kvalid * 4 // SECTOR), rows_ld * kvalid * 4
-                    c.gld_requests += gx * n_nrm * per_row     # ln, re-read per normalised row (L1/L2)
+                    per_row = -(-kvalid * XB // 512)
+                    reqs, secs, nb = (rows_ld * per_row, rows_ld * -(-kvalid * XB // SECTOR),
+                                      rows_ld * kvalid * XB)
+                    if X16:
+                        # ln, re-read per normalised row that is read (L1/L2): two coalesced float4
+                        # requests per 256 values (then shuffled to the lanes holding x)
+                        n_nrm = sum(max(0, min(by * ROWS + 16 * i + v, M) - max(norm_lo, by * ROWS + 16 * i))
+                                    - (max(0, min(pad_hi, by * ROWS + 16 * i + v) - max(lo_pad, norm_lo,
+                                                                                       by * ROWS + 16 * i))
+                                       if pad_hi else 0)
+                                    for i, v in enumerate(rows_t) if v)
+                    # else ln, re-read per normalised row (L1/L2): one float4 per 4 values of x
+                    c.gld_requests += gx * n_nrm * -(-kvalid // 128)
                     c.gld_sectors += gx * n_nrm * -(-kvalid * 4 // SECTOR)
                     c.gld_bytes += gx * n_nrm * kvalid * 4
                 else:
-                    reqs, secs, nb = _staging_loads(tiles * 16, kt, K, live, kvalid)
+                    reqs, secs, nb = _staging_loads(tiles * 16, kt, K, live, kvalid, XB)
                     if rows_ld < live:   # rows of skipped tiles load nothing
                         f = rows_ld / live
                         reqs, secs, nb = round(reqs * f), round(secs * f), round(nb * f)
@@ -505,7 +523,7 @@ def _gemm_stream(L) -> KernelCounters:
                 c.gld_sectors += gx * secs
                 c.gld_bytes += gx * nb
                 x_l2 += gx * nb
-                sreq, swf, sid = _gs_staging_smem(tm, kt, NORM)
+                sreq, swf, sid = _gs_staging_smem(tm, kt, NORM, X16)
                 c.smem_requests += gx * SPLIT * sreq
                 c.smem_wavefronts += gx * SPLIT * swf
                 c.smem_ideal_wavefronts += gx * SPLIT * sid
@@ -534,7 +552,7 @@ def _gemm_stream(L) -> KernelCounters:
                     row0 = by * ROWS + 16 * i + (8 if e & 2 else 0)
                     if row0 < M:
                         vr = min(8, M - row0)
-                        s_, q_ = global_sectors([(g * N + 2 * t) * 4 for g in range(vr) for t in range(4)], 4)
+                        s_, q_ = global_sectors([(g * N + 2 * t) * YB for g in range(vr) for t in range(4)], YB)
                         c.add_global("st", n_ct, s_, q_)
                         if EPI == 1:
                             c.add_global("ld", n_ct, s_, q_)
@@ -575,7 +593,7 @@ def _gemm_stream(L) -> KernelCounters:
                     c.add_global("ld", -(-srows * C4 // 32) * gz * NW, 16, 512)
                 else:
                     _contig(c, "ld", srows * c4_valid * 16 * gz * NW, 16)
-                _contig(c, "st", srows * cols * 4, 4)
+                _contig(c, "st", srows * cols * YB, YB)
                 if EPI == 1:
                     _contig(c, "ld", srows * cols * 4, 4)
             live = max(0, min(ROWS, M - by * ROWS))
@@ -589,12 +607,12 @@ def _gemm_stream(L) -> KernelCounters:
         c.notes.append(f"split-K {gz}: partial tiles ({gz * NW * part_rows * N * 4 / 1e6:.2f} MB) round-trip "
                        f"through L2; the last slice of each (column group, M block) reduces them")
     m_live = sum(sum(t) for t in block_rows)   # rows computed (live tiles, below M)
-    c.bytes_read[_name(x)] = m_live * K * 4
-    c.bytes_written[_name(y)] = m_live * N * 4
+    c.bytes_read[_name(x)] = m_live * K * XB
+    c.bytes_written[_name(y)] = m_live * N * YB
     if EPI == 1:
         c.bytes_read[_name(r) + " (residual)"] = m_live * N * 4
-    c.dram_bytes = ((N * NW * K * 2 if live_blocks else 0) + m_live * K * 4
-                    + m_live * N * 4 * (2 if EPI == 1 else 1))
+    c.dram_bytes = ((N * NW * K * 2 if live_blocks else 0) + m_live * K * XB
+                    + m_live * N * (8 if EPI == 1 else YB))
     if NORM:
         c.bytes_read[_name(ln)] = K * 4
         c.dram_bytes += K * 4
@@ -606,6 +624,8 @@ def _gemm_stream(L) -> KernelCounters:
     c.notes.append(f"x staged by each of the {gx} column groups: {x_l2 / 1e6:.2f} MB from L2")
     if SPLIT == 2:
         c.notes.append("activations split hi + lo: 2x the MMAs and x-tile reads")
+    if X16:
+        c.notes.append("x read in the weight type (GS_X16): half the f32 bytes")
     if use_live:
         c.notes.append(f"tile_live: {skipped} dead 16-row tile(s) skipped" if flags is not None
                        else "tile_live flags unknown to the launch plan: every tile assumed live")
@@ -635,6 +655,9 @@ def _gemm_wgmma(L) -> KernelCounters:
     d = L.defines
     K, BT, SPLIT, EPI = d["GW_K"], d["GW_BT"], d.get("GW_SPLIT", 2), d.get("GW_EPI", 0)
     NORM = d.get("GW_NORM", 0)
+    X16 = d.get("GW_X16", 0)
+    XB = 2 if X16 else 4      # bytes per x element
+    YB = 2 if d.get("GW_Y16", 0) else 4   # bytes per y element
     D = d.get("GW_DEPTH", gs.WG_DEPTH[BT])
     NCH = d.get("GW_NCH", 32)
     SMS = d.get("GW_SMS", 0)
@@ -728,20 +751,33 @@ def _gemm_wgmma(L) -> KernelCounters:
             st_rows += ng * sum(st)
             n_nrm = sum(max(0, min(by * BT + 16 * i + v, M) - max(norm_lo, by * BT + 16 * i))
                         for i, v in enumerate(cp) if v) if NORM else 0
+            if X16 and K % 16:
+                # 16-bit rows of K % 16 != 0 elements: odd rows start half way into a sector, so each
+                # token's 64-byte piece touches 3 sectors there (rows of K % 16 == 0 stay aligned)
+                odd = 0
+                for i, v in enumerate(cp):
+                    if v:
+                        a = by * BT + 16 * i
+                        odd += sum(1 for rr in range(a, min(a + 16, M)) if rr % 2 and not (pad_hi and lo_pad <= rr < pad_hi))
             for sp, ns in zip(spans, steps):
-                nb = ng * rows_ld * sp * 4
+                nb = ng * rows_ld * sp * XB
                 _contig(c, "ld", nb, 16)
+                if X16 and K % 16:
+                    pieces, rem = sp // 32, sp % 32
+                    c.gld_sectors += ng * odd * (pieces + (1 if rem else 0))   # one more sector per piece
                 x_l2 += nb
                 if NORM and n_nrm:
                     _contig(c, "ld", ng * sp * 4, 16)     # ln: once per block and step (its rows hit L1)
                 # staging stores: per step BT x 16 items / 32 per warp, 2 pair stores per plane, one
-                # wavefront each (dead and padding rows store zeros too); NORM: the items' sums, read + write
-                n_st = ng * ns * (BT * 16 // 32) * 2 * SPLIT
+                # wavefront each (dead and padding rows store zeros too); NORM: the items' sums, read + write.
+                # GW_X16: BT x 8 items of 8 values, 4 pair stores each: the same count
+                ipw, per_item = (BT * 8 // 32, 4) if X16 else (BT * 16 // 32, 2)
+                n_st = ng * ns * ipw * per_item * SPLIT
                 c.smem_requests += n_st
                 c.smem_wavefronts += n_st
                 c.smem_ideal_wavefronts += n_st
                 if NORM:
-                    n_ss = ng * ns * (BT * 16 // 32) * 2
+                    n_ss = ng * ns * ipw * per_item
                     c.smem_requests += n_ss
                     c.smem_wavefronts += n_ss
                     c.smem_ideal_wavefronts += n_ss
@@ -761,14 +797,17 @@ def _gemm_wgmma(L) -> KernelCounters:
     # epilogue: one 4-byte store per (set, token, weight row) kept; 8 consecutive columns (g)
     # of one token per 8 lanes: one sector per 8 lanes
     if gz == 1:
-        _contig(c, "st", st_elems * 4, 4)
+        if YB == 2:   # 2-byte stores: 8 lanes' columns of a token fill half a sector
+            c.add_global("st", -(-st_elems // 32), 4, 64)
+        else:
+            _contig(c, "st", st_elems * YB, YB)
         if EPI == 1:
             _contig(c, "ld", st_elems * 4, 4)
     else:
         part = gz * NW * st_elems * 4
         _contig(c, "st", part, 4)
         _contig(c, "ld", part, 16)
-        _contig(c, "st", st_elems * 4, 4)
+        _contig(c, "st", st_elems * YB, YB)
         if EPI == 1:
             _contig(c, "ld", st_elems * 4, 4)
         if NORM:
@@ -780,11 +819,11 @@ def _gemm_wgmma(L) -> KernelCounters:
         c.l2_round_trips_per_block += splitk_reduce_trips(min(BT, M), BT, COLS, THREADS, gz, NW)
         c.notes.append(f"split-K {gz}: partial tiles ({part / 1e6:.2f} MB) round-trip through L2")
     m_live = sum(rows_union)
-    c.bytes_read[_name(x)] = m_live * K * 4
-    c.bytes_written[_name(y)] = st_elems * 4
+    c.bytes_read[_name(x)] = m_live * K * XB
+    c.bytes_written[_name(y)] = st_elems * YB
     if EPI == 1:
         c.bytes_read[_name(r) + " (residual)"] = st_elems * 4
-    c.dram_bytes = (N * NW * K * 2 if any_act else 0) + m_live * K * 4 + st_elems * 4 * (2 if EPI == 1 else 1)
+    c.dram_bytes = (N * NW * K * 2 if any_act else 0) + m_live * K * XB + st_elems * (8 if EPI == 1 else YB)
     c.live_blocks = n_live * gz
     n_act = max((len(act) for *_, act in classes), default=0)
     if n_act < gy:
@@ -861,12 +900,13 @@ def _attn_mma(L) -> KernelCounters:
     # q: each lane 2 x 4 B per (kk, e): small; counted as its bytes
     _contig(c, "ld", B * NH * D * 4)
     out_b = B * NH * D * 4
+    out_w = B * NH * D * (2 if d.get("OUT16", 0) else 4)   # out as written: f32 or 16-bit (OUT16)
     part_b = SPLITS * (out_b + B * NH * 8)
     # FOLD_MERGE 0: the partials are merged by ring_attn_combine, a launch of its own (_small)
     fold = SPLITS > 1 and d.get("FOLD_MERGE", 1) == 1
     if SPLITS == 1 or fold:
-        c.bytes_written[_name(out)] = out_b
-        _contig(c, "st", out_b)
+        c.bytes_written[_name(out)] = out_w
+        _contig(c, "st", out_w)
     if SPLITS > 1:
         c.bytes_written[_name(po)] = SPLITS * out_b
         c.bytes_written[_name(pml)] = SPLITS * B * NH * 8
@@ -888,7 +928,7 @@ def _attn_mma(L) -> KernelCounters:
         c.add_global("ld", item_req, 1, 32 * 4)
         c.barriers += NKV   # the merge's row pass (the arrival's two: below, per block)
     c.dram_bytes = 2 * kv_bytes + B * KVT * 2 + B * NH * D * 4 + (
-        out_b + 2 * part_b if fold else part_b if SPLITS > 1 else out_b)
+        out_w + 2 * part_b if fold else part_b if SPLITS > 1 else out_w)
     # the K/V loads of a tile are consumed at the barrier right after: one round trip per tile
     c.dram_round_trips_per_block = max_tiles
     c.inflight_peak_bytes_per_warp = -(-items // THR) * 2 * 16 * 32
@@ -972,7 +1012,7 @@ def _small(L) -> KernelCounters:
     if k == "ring_attn_combine":   # merge="launch": every lane of a LANES launch assumed live
         S, B, NH, D, lanes = d["SPLITS"], d["B"], d["NH"], d["D"], d.get("LANES", 1)
         return _bytes_only(L, [(_name(a[0]), lanes * S * B * NH * D * 4), (_name(a[1]), lanes * S * B * NH * 8)],
-                           [(_name(a[3]), lanes * B * NH * D * 4)],
+                           [(_name(a[3]), lanes * B * NH * D * (2 if d.get("OUT16", 0) else 4))],
                            "part_ml is re-read by every thread of a row: L1/L2 hits, not counted"
                            + (f"; {lanes} lanes, all assumed live" if lanes > 1 else ""))
     if k == "qkv_norm_rope":

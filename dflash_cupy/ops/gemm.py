@@ -18,7 +18,13 @@ Three kernels (``path``):
   the default for f16/bf16 weights with ``K % 8 == 0``): tensor cores, M-tile
   variants per M bucket, a register ring of weight loads, wide column groups
   and split K by whole-wave arithmetic over the device's SM count. Same
-  numerics (``x_round``) as ``"mma"``.
+  numerics (``x_round``) as ``"mma"``. With ``x_split=False`` and
+  ``x16=True`` it reads x already rounded to the weight type (``x`` of
+  ``w_dtype``: half the activation bytes, results bit-identical to passing
+  the same values as f32; the folded norm's sums of squares are then taken
+  from those rounded values). ``y16=True`` (``"none"``/``"silu_mul"``)
+  writes y rounded to the weight type (``y`` of ``w_dtype``): what a
+  single-rounding GEMM reading it with ``x16=True`` expects.
 * ``"mma"`` (``cuda_src/gemm_mma.cu``, the previous default, kept selectable):
   tensor cores, needed to stream bf16 weights at HBM speed
   for M = 16..64. The operands are 16-bit, so each f32 activation is split
@@ -80,7 +86,7 @@ class Gemm:
     def __init__(self, backend, N: int, K: int, w_dtype, epilogue: str = "none", max_m: int = 64,
                  path: str = "auto", x_split: bool = True, k_split: int | None = None,
                  norm_eps: float | None = None, logits: bool = True, wgmma: bool | None = None,
-                 skip_cols: int = 0, live_split: bool = False):
+                 x16: bool = False, y16: bool = False, skip_cols: int = 0, live_split: bool = False):
         N, K, max_m = (checks.int_arg(v, name, 1) for v, name in ((N, "N"), (K, "K"), (max_m, "max_m")))
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue {epilogue!r}: expected one of {tuple(EPILOGUES)}")
@@ -125,6 +131,17 @@ class Gemm:
         if not isinstance(live_split, (bool, np.bool_)):
             raise TypeError(f"live_split must be a bool, got {type(live_split).__name__}")
         self.live_split = bool(live_split)
+        self.x16 = checks.bool_arg(x16, "x16")
+        if self.x16 and (self.path != "stream" or self.x_split):
+            raise ValueError(f"x16=True (x stored in the weight type) needs path 'stream' and x_split=False "
+                             f"(this Gemm runs {self.path!r} with x_split={self.x_split})")
+        self.y16 = checks.bool_arg(y16, "y16")
+        if self.y16 and (self.path != "stream" or epilogue not in ("none", "silu_mul")):
+            raise ValueError(f"y16=True (y written in the weight type) needs path 'stream' and epilogue 'none' or "
+                             f"'silu_mul' (this Gemm runs {self.path!r} with {epilogue!r})")
+        # the dtypes the kernel reads x and writes y as: f32, or the weight type's device dtype
+        self.x_dtype = self.w_device_dtype if self.x16 else np.dtype(np.float32)
+        self.y_dtype = self.w_device_dtype if self.y16 else np.dtype(np.float32)
         if self.path == "stream":
             self._init_stream(k_split)
             return
@@ -163,7 +180,8 @@ class Gemm:
             self.backend, self.N, self.K, dtypes.CODE[self.wkind], EPILOGUES[self.epilogue],
             2 if self.epilogue == "silu_mul" else 1, self.split, self.max_m,
             k_split=None if k_split is None else int(k_split), norm=self.norm_eps is not None,
-            logits=self.logits, wgmma=self._wgmma, skip_cols=self.skip_cols, live_split=self.live_split)
+            logits=self.logits, wgmma=self._wgmma, x16=self.x16, y16=self.y16, skip_cols=self.skip_cols,
+            live_split=self.live_split)
         self.k_split = self._stream.plan(self.max_m).ks   # at m = max_m; each call plans its own m
         self.k_tile = self._stream.plan(self.max_m).kt
         self.cols_per_block = gemm_stream.cols_per_block(self._stream.nw)
@@ -256,7 +274,8 @@ class Gemm:
         """Compulsory traffic of one call: weights once, x read, y written,
         residual read, the folded norm's scale. (Beyond one M tile each extra
         M tile re-reads the weights from L2, on the "stream" path in the same wave; not counted.)"""
-        b = self.w_rows * self.K * dtypes.ITEMSIZE[self.wkind] + m * self.K * 4 + m * self.N * 4
+        b = (self.w_rows * self.K * dtypes.ITEMSIZE[self.wkind] + m * self.K * self.x_dtype.itemsize
+             + m * self.N * self.y_dtype.itemsize)
         if self.epilogue == "residual":
             b += m * self.N * 4
         if self.norm_eps is not None:
@@ -328,7 +347,7 @@ class Gemm:
         elif partials is not None:
             raise ValueError(f"partials given but epilogue is {self.epilogue!r}")
         if y is None and self.epilogue == "argmax" and not self.logits:
-            checks.device_array(be, "x", x, np.float32)
+            checks.device_array(be, "x", x, self.x_dtype)
             checks.device_array(be, "w", w, self.w_device_dtype)
             if x.shape[1] != self.K or tuple(w.shape) != (self.w_rows, self.K):
                 raise ValueError(f"x must be [>= m, {self.K}] and w [{self.w_rows}, {self.K}], got "
@@ -340,9 +359,9 @@ class Gemm:
             self._stream(x, w, partials, partials, m, stream=stream, pad_rows=self._pad(pad_rows, m),
                          partials=partials, tile_live=self._tile_live(tile_live, m))
             return
-        checks.device_array(be, "x", x, np.float32)
+        checks.device_array(be, "x", x, self.x_dtype)
         checks.device_array(be, "w", w, self.w_device_dtype)
-        checks.device_array(be, "y", y, np.float32)
+        checks.device_array(be, "y", y, self.y_dtype)
         if x.shape[1] != self.K:
             raise ValueError(f"x must have K={self.K} columns, got shape {tuple(x.shape)}")
         if tuple(w.shape) != (self.w_rows, self.K):

@@ -478,7 +478,13 @@ class StreamKernels:
 
     def __init__(self, backend, N: int, K: int, wtype_code: int, epi_code: int, nw: int, split: int,
                  max_m: int, k_split: int | None = None, norm: bool = False, logits: bool = True,
-                 wgmma: bool | None = None, skip_cols: int = 0, live_split: bool = False):
+                 wgmma: bool | None = None, x16: bool = False, y16: bool = False, skip_cols: int = 0,
+                 live_split: bool = False):
+        if x16 and split != 1:
+            raise ValueError("x16=True (x stored in the weight type) needs split=1: a 16-bit x has no lo half")
+        if y16 and epi_code == ARGMAX_EPI:
+            raise ValueError("y16=True does not apply to the fused argmax (its logits stay f32)")
+        self.x16, self.y16 = bool(x16), bool(y16)
         self._argmax = epi_code == ARGMAX_EPI
         if self._argmax:  # the fused argmax reduces within a block: no split K
             k_split = 1
@@ -491,7 +497,8 @@ class StreamKernels:
         top = self.top = bucket(max_m)
         self.buckets = tuple(b for b in MT_BUCKETS if b <= top)
         self._kernels = {}
-        defs = dict(WTYPE=wtype_code, EPI=epi_code, K=K, SPLIT=split, **({"NORM": 1} if self.norm else {}))
+        defs = dict(WTYPE=wtype_code, EPI=epi_code, K=K, SPLIT=split, **({"NORM": 1} if self.norm else {}),
+                    **({"X16": 1} if self.x16 else {}), **({"Y16": 1} if self.y16 else {}))
         for mt in self.buckets:
             mod = kernels.load_module(backend, "gemm_stream.cu", **{"GS_" + k: v for k, v in defs.items()},
                                       GS_MT=mt, GS_NT=WTILES // nw, GS_WARPS=WARPS, GS_DEPTH=DEPTH[mt],
