@@ -50,6 +50,8 @@
 // nvrtc-check: -DD=64 -DNH=8 -DNKV=2 -DB=16 -DKV_TOTAL=100 -DSPLITS=3 -DGATE=2 -DRB=64 -DNWARPS=8 -DFOLD_MERGE=0
 // nvrtc-check: -DD=128 -DNH=64 -DNKV=8 -DB=16 -DKV_TOTAL=4128 -DSPLITS=8 -DGATE=1 -DRB=64 -DNWARPS=8
 // nvrtc-check: -DD=128 -DNH=64 -DNKV=8 -DB=16 -DKV_TOTAL=4128 -DSPLITS=8 -DGATE=2 -DRB=64 -DNWARPS=8 -DLANES=64 -DLANE_ROWS=32
+// nvrtc-check: -DD=64 -DNH=8 -DNKV=2 -DB=16 -DKV_TOTAL=100 -DSPLITS=3 -DGATE=2 -DRB=64 -DNWARPS=8 -DFOLD_MERGE=0 -DOUT16=2
+// nvrtc-check: -DD=32 -DNH=4 -DNKV=4 -DB=1 -DKV_TOTAL=37 -DSPLITS=3 -DGATE=1 -DRB=4 -DNWARPS=4 -DOUT16=1
 #include <cuda_fp16.h>
 #include "attention_common.cuh"
 
@@ -86,7 +88,7 @@ ring_attn_split(const float* __restrict__ q,
                 float* __restrict__ part_o,
                 float* __restrict__ part_ml,
                 int* __restrict__ counters,
-                float* __restrict__ out,
+                OUT_T* __restrict__ out,
                 const float* __restrict__ gate,
                 float scale,
                 const int* __restrict__ live,
@@ -242,7 +244,7 @@ ring_attn_split(const float* __restrict__ q,
 #pragma unroll
         for (int j = 0; j < DPL; ++j) {
             const int d = lane + 32 * j;
-            if (d < D) out[(long long)qrow * D + d] = acc[rr][j] * inv * gate_factor(gate, qrow, d);
+            if (d < D) store_out(out, (long long)qrow * D + d, acc[rr][j] * inv * gate_factor(gate, qrow, d));
         }
 #else
         float* po = part_o + ((long long)split * (B * NH) + qrow) * D;
@@ -271,7 +273,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
 ring_attn_combine(const float* __restrict__ part_o,
                   const float* __restrict__ part_ml,
                   const float* __restrict__ gate,
-                  float* __restrict__ out,
+                  OUT_T* __restrict__ out,
                   const int* __restrict__ live,
                   int use_live)
 {
@@ -299,5 +301,5 @@ ring_attn_combine(const float* __restrict__ part_o,
             o += w * part_o[r * D + d];
         }
     }
-    out[i] = (l > 0.f ? o / l : 0.f) * gate_factor(gate, qrow, d);
+    store_out(out, i, (l > 0.f ? o / l : 0.f) * gate_factor(gate, qrow, d));
 }

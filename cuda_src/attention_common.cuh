@@ -40,8 +40,14 @@
 // with live[l*DESC_LEN + DESC_ACTIVE] == 0 is idle: its blocks return before
 // reading anything and its out rows are untouched. LANES 1 with LANE_ROWS B
 // is the single-request kernel (every lane offset 0).
+//
+// out is f32, or with OUT16 1 / 2 the bits of f16 / bf16: each value rounded to
+// nearest even once, as the o projection reading it (a single-rounding GEMM of
+// that weight type, gemm_stream.cu's GS_X16) would round it: bit-identical
+// downstream, half the bytes. Partials stay f32.
 #pragma once
 #include <cuda_fp16.h>
+#include "bits16.cuh"
 #include "step_desc.cuh"
 #include "warp.cuh"
 
@@ -75,6 +81,14 @@
 #ifndef FOLD_MERGE
 #define FOLD_MERGE 1          // SPLITS > 1: 1 the last split block merges, 0 ring_attn_combine does
 #endif
+#ifndef OUT16
+#define OUT16 0               // out: 0 f32, 1 f16 bits, 2 bf16 bits
+#endif
+#if OUT16
+#define OUT_T unsigned short
+#else
+#define OUT_T float
+#endif
 
 #define G (NH / NKV)
 #define R (B * G)
@@ -102,6 +116,9 @@
 #if FOLD_MERGE != 0 && FOLD_MERGE != 1
 #error "attention: FOLD_MERGE must be 0 or 1"
 #endif
+#if OUT16 < 0 || OUT16 > 2
+#error "attention: OUT16 must be 0 (f32), 1 (f16) or 2 (bf16)"
+#endif
 
 #define LOG2E 1.4426950408889634f
 #define NEG_INF __int_as_float(0xff800000)
@@ -121,6 +138,15 @@ __device__ __forceinline__ float gate_factor(const float* gate, int qrow, int d)
 #endif
 }
 
+
+// One output element, rounded to out's type (OUT16).
+__device__ __forceinline__ void store_out(OUT_T* out, long long i, float v) {
+#if OUT16
+    out[i] = (unsigned short)to_bits16<OUT16>(v);
+#else
+    out[i] = v;
+#endif
+}
 
 // Lane l idle this step (its descriptor says so): every block of it returns at once.
 __device__ __forceinline__ bool lane_idle(const int* live, int use_live, int lane) {
@@ -171,7 +197,7 @@ __device__ __forceinline__ bool last_split_to_arrive(int* counters, int unit, in
 // flight (80 at 16: ~40 KB per 128-thread block). Last, counters[unit] = 0.
 // `nthreads`: the block's threads.
 __device__ __forceinline__ void merge_splits(const float* part_o, const float* part_ml, const float* gate,
-                                             float* out, int kvh, int r_lo, int r_hi, int nthreads,
+                                             OUT_T* out, int kvh, int r_lo, int r_hi, int nthreads,
                                              float* ml_s, int* counters, int unit) {
     constexpr int V4 = D / 4;
     for (int r = r_lo + (int)threadIdx.x; r < r_hi; r += nthreads) {
@@ -207,7 +233,7 @@ __device__ __forceinline__ void merge_splits(const float* part_o, const float* p
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-            out[(long long)qrow * D + c + e * V4] = (l > 0.f ? o[e] / l : 0.f) * gate_factor(gate, qrow, c + e * V4);
+            store_out(out, (long long)qrow * D + c + e * V4, (l > 0.f ? o[e] / l : 0.f) * gate_factor(gate, qrow, c + e * V4));
     }
     if (threadIdx.x == 0) counters[unit] = 0;   // ready for the next launch (or replay)
 }

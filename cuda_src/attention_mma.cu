@@ -44,6 +44,8 @@
 // nvrtc-check: -DD=32 -DNH=4 -DNKV=4 -DB=1 -DKV_TOTAL=37 -DSPLITS=1 -DGATE=1
 // nvrtc-check: -DD=128 -DNH=64 -DNKV=8 -DB=16 -DKV_TOTAL=4128 -DSPLITS=8 -DGATE=1
 // nvrtc-check: -DD=128 -DNH=8 -DNKV=8 -DB=128 -DKV_TOTAL=2080 -DSPLITS=4 -DGATE=0
+// nvrtc-check: -DD=128 -DNH=64 -DNKV=8 -DB=16 -DKV_TOTAL=4128 -DSPLITS=8 -DGATE=1 -DOUT16=2
+// nvrtc-check: -DD=32 -DNH=4 -DNKV=4 -DB=1 -DKV_TOTAL=37 -DSPLITS=1 -DGATE=1 -DOUT16=1
 // nvrtc-check: -DD=64 -DNH=8 -DNKV=2 -DB=16 -DKV_TOTAL=100 -DSPLITS=3 -DGATE=2 -DFOLD_MERGE=0
 // nvrtc-check: -DD=128 -DNH=32 -DNKV=8 -DB=16 -DKV_TOTAL=2080 -DSPLITS=4 -DGATE=2 -DLANES=64 -DLANE_ROWS=16
 #include <cuda_fp16.h>
@@ -123,7 +125,7 @@ ring_attn_mma_split(const float* __restrict__ q,
                     float* __restrict__ part_o,
                     float* __restrict__ part_ml,
                     int* __restrict__ counters,
-                    float* __restrict__ out,
+                    OUT_T* __restrict__ out,
                     const float* __restrict__ gate,
                     float scale,
                     const int* __restrict__ live,
@@ -343,7 +345,7 @@ ring_attn_mma_split(const float* __restrict__ q,
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 const int d = 8 * j + 2 * t + c;
-                out[(long long)qrow * D + d] = o[j][2 * u + c] * inv * gate_factor(gate, qrow, d);
+                store_out(out, (long long)qrow * D + d, o[j][2 * u + c] * inv * gate_factor(gate, qrow, d));
             }
 #else
         float* po = part_o + ((long long)split * (B * NH) + qrow) * D;

@@ -178,10 +178,11 @@ class DraftKvBatch(StepIssuer):
         self.qkv = be.zeros((M, c.q_dim + 2 * kvw), np.float32)
         self.q_all = be.zeros((M, c.q_dim), np.float32)
         self.q = self.q_all[NC:]
-        self.attn = be.zeros((NN, c.q_dim), np.float32)
+        attn_dt, act_dt = self._act_dtypes()   # f32, or 16-bit where x_split=False allows (_act16_kinds)
+        self.attn = be.zeros((NN, c.q_dim), attn_dt)
         gate_w = {"none": 0, "head": c.n_head, "element": c.q_dim}[c.attn_gate]
         self.gate = be.zeros((NN, gate_w), np.float32) if gate_w else None
-        self.act = be.zeros((NN, c.intermediate_size), np.float32)
+        self.act = be.zeros((NN, c.intermediate_size), act_dt)
         self.noise_embed = be.zeros((NN, H), np.float32)
         self._hs = be.zeros((NN, H), np.float32)
         self.hidden_states = self._hs.reshape(lanes, BS, H)[:, :B]
@@ -241,7 +242,7 @@ class DraftKvBatch(StepIssuer):
         gate_mode = None if c.attn_gate == "none" else c.attn_gate
         # one launch for every (lane, kv head); an idle lane's blocks exit at once
         self.attention = RingAttention(be, c.head_dim, c.n_head, c.n_head_kv, B, g.kv_total, gate=gate_mode,
-                                       lanes=lanes, lane_rows=BS)
+                                       lanes=lanes, lane_rows=BS, out_kind=self._act16_kinds()[0])
         self.planner = StepPlanner(be, g)
         ring_kind = self.rings[0].kind
         self.gather = FeatureGather(be, c.fc_in, ring_capacity, ring_kind)

@@ -179,10 +179,11 @@ class DraftKvCache(StepIssuer):
         self.qkv = be.zeros((A + B, c.q_dim + 2 * kvw), np.float32)
         self.q_all = be.zeros((A + B, c.q_dim), np.float32)
         self.q = self.q_all[A:]
-        self.attn = be.zeros((B, c.q_dim), np.float32)
+        attn_dt, act_dt = self._act_dtypes()   # f32, or 16-bit where x_split=False allows (_act16_kinds)
+        self.attn = be.zeros((B, c.q_dim), attn_dt)
         gate_w = {"none": 0, "head": c.n_head, "element": c.q_dim}[c.attn_gate]
         self.gate = be.zeros((B, gate_w), np.float32) if gate_w else None
-        self.act = be.zeros((B, c.intermediate_size), np.float32)
+        self.act = be.zeros((B, c.intermediate_size), act_dt)
         self.hidden_states = be.zeros((B, H), np.float32)
         self.lm_head = None
         self.logits = None
@@ -233,7 +234,8 @@ class DraftKvCache(StepIssuer):
         self.rope_step = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, True, c.rms_norm_eps,
                                      self.attn_scaling)
         self.attention = RingAttention(be, c.head_dim, c.n_head, c.n_head_kv, B, g.kv_total,
-                                       gate=None if c.attn_gate == "none" else c.attn_gate)
+                                       gate=None if c.attn_gate == "none" else c.attn_gate,
+                                       out_kind=self._act16_kinds()[0])
         self.planner = StepPlanner(be, g)
         self._gather: FeatureGather | None = None
         self._ring: FeatureRing | None = None

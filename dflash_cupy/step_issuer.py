@@ -60,6 +60,29 @@ class StepIssuer:
             raise ValueError("lm_head must have at least one row (the vocabulary), got 0")
         return to_device_matrix(be, lm_head)
 
+    def _act16_kinds(self) -> tuple:
+        """``(attn, act)``: the 16-bit weight kind ("f16" / "bf16") the attention output and
+        the silu * up activations are stored in, or None for f32. With ``x_split=False`` their
+        only readers (the o and down projections) round them to their weight type once anyway,
+        so storing them rounded by their producers (the attention, the gate_up epilogue) is
+        bit-identical and halves the bytes those GEMMs re-read per column group; only where the
+        reading GEMM runs the stream path (f16/bf16 weights, K % 8 == 0) and, for ``act``, the
+        gate_up and down weights share the type."""
+        from .ops.gemm import weight_kind
+        if self.x_split:
+            return None, None
+        c, L0 = self.config, self.dw.layers[0]
+        o, gu, dn = (weight_kind(a.dtype) for a in (L0.w_o, L0.w_gate_up, L0.w_down))
+        attn = o if o in ("f16", "bf16") and c.q_dim % 8 == 0 else None
+        act = dn if dn in ("f16", "bf16") and gu == dn and c.intermediate_size % 8 == 0 \
+            and c.hidden_size % 8 == 0 else None
+        return attn, act
+
+    def _act_dtypes(self) -> tuple:
+        """Device dtypes of ``attn`` and ``act`` (see ``_act16_kinds``)."""
+        from . import dtypes
+        return tuple(np.dtype(np.float32) if k is None else dtypes.DEVICE[k] for k in self._act16_kinds())
+
     def _build_gemms(self, max_m: int, gate_w: int, logits: bool, lm_rows: int) -> None:
         """The step's GEMMs (``g_fc`` .. ``g_lm``), compiled now, every one
         rounding its activations as ``self.x_split`` says; ``_lm_part``: the
@@ -68,6 +91,7 @@ class StepIssuer:
         be, c, H = self.backend, self.config, self.config.hidden_size
         L0, kvw = self.dw.layers[0], c.kv_dim
         fold_eps = c.rms_norm_eps if self._fold_norms else None
+        attn16, act16 = self._act16_kinds()
 
         # lane batches (tile_live): K split per launch from the live tiles, and the qkv GEMM
         # skips the Q columns of the context rows (tile_live 2)
@@ -79,9 +103,10 @@ class StepIssuer:
         self.g_kv = gemm(2 * kvw, H, L0.w_qkv.dtype)
         self.g_qkv = gemm(c.q_dim + 2 * kvw, H, L0.w_qkv.dtype, norm_eps=fold_eps,
                           skip_cols=c.q_dim if lanes else 0)
-        self.g_o = gemm(H, c.q_dim, L0.w_o.dtype, "residual")
-        self.g_gate_up = gemm(c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul", norm_eps=fold_eps)
-        self.g_down = gemm(H, c.intermediate_size, L0.w_down.dtype, "residual")
+        self.g_o = gemm(H, c.q_dim, L0.w_o.dtype, "residual", x16=attn16 is not None)
+        self.g_gate_up = gemm(c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul", norm_eps=fold_eps,
+                              y16=act16 is not None)
+        self.g_down = gemm(H, c.intermediate_size, L0.w_down.dtype, "residual", x16=act16 is not None)
         self.g_attn_gate = gemm(gate_w, H, L0.w_attn_gate.dtype) if gate_w else None
         self.g_lm = self._lm_part = None
         if self.lm_head is not None:

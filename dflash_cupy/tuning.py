@@ -168,7 +168,7 @@ def _scratch_attention(att, m=None):
     k = be.zeros((L * att.kv_total, att.NKV * D), np.float16)
     v = be.zeros((L * att.kv_total, att.NKV * D), np.float16)
     mask = be.zeros((L, att.B, att.kv_total), np.float16)
-    out = be.zeros((rows, att.NH * D), np.float32)
+    out = be.zeros((rows, att.NH * D), att.out_dtype)
     gate = None if att.gate is None else be.zeros((rows, att.NH if att.gate == "head" else att.NH * D),
                                                  np.float32)
     live = None

@@ -52,7 +52,7 @@ import math
 
 import numpy as np
 
-from .. import checks, device_props, kernels
+from .. import checks, device_props, dtypes, kernels
 
 GATES = {None: 0, "head": 1, "element": 2}
 DESC_LEN = kernels.constants("step_desc.cuh")["DESC_LEN"]   # the per-lane descriptor row of ``live``
@@ -222,8 +222,14 @@ class RingAttention:
     def __init__(self, backend, head_dim: int, n_head: int, n_head_kv: int, q_len: int,
                  kv_total: int, n_splits: int | None = None, gate: str | None = None,
                  scale: float | None = None, path: str = "auto", lanes: int = 1, lane_rows: int | None = None,
-                 merge: str | None = None):
+                 merge: str | None = None, out_kind: str | None = None):
         self.backend = backend
+        # out: f32, or rounded once to "f16" / "bf16" (the o projection's weight type, read by a
+        # single-rounding GEMM with x16: the same bits it would round f32 to, half the bytes)
+        if out_kind not in (None, "f16", "bf16"):
+            raise ValueError(f"out_kind {out_kind!r}: expected None (f32), 'f16' or 'bf16'")
+        self.out_kind = out_kind
+        self.out_dtype = np.dtype(np.float32) if out_kind is None else dtypes.DEVICE[out_kind]
         self.D = checks.int_arg(head_dim, "head_dim", 1)
         self.NH = checks.int_arg(n_head, "n_head", 1)
         self.NKV = checks.int_arg(n_head_kv, "n_head_kv", 1)
@@ -299,7 +305,8 @@ class RingAttention:
                                                                                  LANE_ROWS=self.lane_rows)
         fold = {} if n_splits == 1 else dict(FOLD_MERGE=int(merge == "fold"))
         sizes = dict(D=self.D, NH=self.NH, NKV=self.NKV, B=self.B, KV_TOTAL=self.kv_total, SPLITS=n_splits,
-                     GATE=GATES[self.gate], **lane_opts, **fold)
+                     GATE=GATES[self.gate], **lane_opts, **fold,
+                     **({} if self.out_kind is None else {"OUT16": dtypes.CODE[self.out_kind]}))
         # attention.cu: the CUDA-core split kernel and ring_attn_combine
         module = None
         if self.path == "fma" or merge == "launch":
@@ -367,7 +374,7 @@ class RingAttention:
     def bytes_moved(self) -> int:
         """Compulsory traffic of one lane: K and V once, q, mask, out (+ partials
         written and read back by the merge, either merge)."""
-        b = 2 * self.kv_total * self.NKV * self.D * 2 + 2 * self.B * self.NH * self.D * 4
+        b = 2 * self.kv_total * self.NKV * self.D * 2 + self.B * self.NH * self.D * (4 + self.out_dtype.itemsize)
         b += self.B * self.kv_total * 2
         if self.n_splits > 1:
             b += 2 * self.n_splits * self.B * self.NH * (self.D + 2) * 4
@@ -390,7 +397,7 @@ class RingAttention:
         if tuple(mask.shape) != (L, B, self.kv_total) and not (L == 1 and tuple(mask.shape) == (B, self.kv_total)):
             want = (L, B, self.kv_total) if L > 1 else f"{(B, self.kv_total)} or {(1, B, self.kv_total)}"
             raise ValueError(f"mask must have shape {want}, got {tuple(mask.shape)}")
-        checks.device_array(be, "out", out, np.float32, ndim=2)
+        checks.device_array(be, "out", out, self.out_dtype, ndim=2)
         if tuple(out.shape) != (rows, NH * D):
             raise ValueError(f"out must have shape {(rows, NH * D)}, got {tuple(out.shape)}")
         for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("mask", mask)):
