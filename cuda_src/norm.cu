@@ -9,6 +9,9 @@
 // hidden norms view x [M, n_cap*H] as [M*n_cap, H] rows with a weight table [n_cap, H].
 // (Per-head q/k norms are fused into rope.cu.)
 //
+// tile_live [ceil(rows/16)] int32, read when use_live (a lane batch's flags, as its GEMMs
+// read them): rows of a tile marked 0 are skipped (y untouched there).
+//
 // Launch: block = NORM_BLOCK threads; NORM_TPR threads (a multiple of 32 dividing
 // NORM_BLOCK) share one row, so a block covers NORM_BLOCK / NORM_TPR rows;
 // grid = ceil(rows / (NORM_BLOCK / NORM_TPR)). No dynamic shared memory.
@@ -49,7 +52,8 @@ constexpr int WARPS_PER_ROW = NORM_TPR / 32;
 }  // namespace norm_detail
 
 extern "C" __global__ void __launch_bounds__(NORM_BLOCK)
-rmsnorm(const float* x, const float* w, float* y, int rows, int w_rows, float eps)
+rmsnorm(const float* x, const float* w, float* y, int rows, int w_rows, float eps, const int* tile_live,
+        int use_live)
 {
     using namespace norm_detail;
     __shared__ float partial[NORM_BLOCK / 32];
@@ -58,7 +62,7 @@ rmsnorm(const float* x, const float* w, float* y, int rows, int w_rows, float ep
     const int t = threadIdx.x - local_row * NORM_TPR;
     const int row = blockIdx.x * ROWS_PER_BLOCK + local_row;
     // Threads of a missing row still take part in the barrier below.
-    const bool valid = row < rows;
+    const bool valid = row < rows && (!use_live || tile_live[row >> 4] != 0);
     const float* xr = x + (long long)row * D;
 
     float v[PER_THREAD][VEC];

@@ -124,7 +124,7 @@ class StepIssuer:
         if dw.aux_norms is not None:  # each captured layer's slice normalised with its own scale
             self.rms(feat, dw.aux_norms, feat, rows=m * c.n_captured, stream=stream)
         self.g_fc(feat, dw.fc, out, m, stream=stream, **gemm_kw)
-        self.rms(out, dw.hidden_norm, out, rows=m, stream=stream)
+        self.rms(out, dw.hidden_norm, out, rows=m, stream=stream, tile_live=gemm_kw.get("tile_live"))
 
     def _append_rows(self, feat, m: int, k_caches, v_caches, stream) -> None:
         """Bulk append: rows [0, m) of ``feat`` at ``ap_pos``/``ap_rows`` -> the K/V

@@ -1001,14 +1001,40 @@ def _small(L) -> KernelCounters:
                             (_name(a[7]), q_len * 4), *masks],
                            "all rows counted as new (upper bound of the ring read); slot_pos writes "
                            "(n_new of them) not counted: data-dependent")
+    if k == "plan_lanes":   # gather.cu: every lane's plan_step in one launch (grid x, lanes)
+        a_rows, cs, cap, q_len, bs, kvt, mflags, lanes = a[3], a[4], a[11], a[12], a[13], a[14], a[15], a[16]
+        item = {0: 4, 1: 2, 2: 2}[d["RING_DTYPE"]]
+        gx = -(-d["FC_IN"] // (256 * 4))
+        plan_blocks = L.grid[0] - gx * a_rows
+        # each lane's appended rows (the plan may know them; else every lane appends a_rows):
+        # the gather blocks of rows past a lane's count, and an idle lane's plan blocks, exit
+        # at their start
+        app = L.known.get("lanes_app") or (a_rows,) * lanes
+        act = [n for n in app if n is not None]
+        n_rows = sum(min(n, a_rows) for n in act)
+        nm = (mflags & 1) + (mflags >> 1 & 1)
+        reads = [(_name(a[0]), lanes * 4 * 16), (_name(a[1]), n_rows * d["FC_IN"] * item),
+                 (_name(a[5]), len(act) * cap * 4)]
+        writes = [(_name(a[2]), n_rows * d["FC_IN"] * 4), (_name(a[6]), lanes * (cs + bs) * 4),
+                  (_name(a[7]), lanes * cs * 4), (_name(a[8]), lanes * (cs + bs) // 16 * 4)]
+        writes += [(_name(a[9 + i]), len(act) * q_len * kvt * 2) for i in range(2) if mflags >> i & 1]
+        c = _bytes_only(L, reads, writes, f"{len(act)} of {lanes} lanes active, {n_rows} rows gathered; "
+                        f"{nm} mask(s) rebuilt per active lane" + ("" if L.known.get("lanes_app") else
+                                                                    " (every lane assumed active, a_rows each)"))
+        c.live_blocks = n_rows * gx + len(act) * plan_blocks
+        c.dram_round_trips_per_block = 2.0   # the descriptor, then the ring rows / slot table
+        return c
     if k.startswith("build_mask"):
         nm = 2 if k == "build_masks" else 1
         writes = [(_name(a[2 + i]), d["Q_LEN"] * d["KV_TOTAL"] * 2) for i in range(nm)]
         return _bytes_only(L, [(_name(a[1]), d["CAP"] * 4)], writes)
     if k == "rmsnorm":
         rows, D = a[3], d["NORM_D"]
-        return _bytes_only(L, [(_name(a[0]), rows * D * 4), (_name(a[1]), a[4] * D * 4)],
-                           [(_name(a[2]), rows * D * 4)])
+        flags = L.known.get("tile_live") if len(a) > 7 and int(a[7]) else None
+        live = rows if flags is None else sum(1 for r in range(rows) if flags[r // 16])
+        return _bytes_only(L, [(_name(a[0]), live * D * 4), (_name(a[1]), a[4] * D * 4)],
+                           [(_name(a[2]), live * D * 4)],
+                           f"tile_live: {rows - live} dead row(s) skipped" if flags is not None else "")
     if k == "ring_attn_combine":   # merge="launch": every lane of a LANES launch assumed live
         S, B, NH, D, lanes = d["SPLITS"], d["B"], d["NH"], d["D"], d.get("LANES", 1)
         return _bytes_only(L, [(_name(a[0]), lanes * S * B * NH * D * 4), (_name(a[1]), lanes * S * B * NH * 8)],

@@ -91,3 +91,21 @@ def test_batch_attention_splits_fall_with_lanes(monkeypatch):
     assert new[16]["attention_us"] < 220 and new[16]["attention_us"] < 0.7 * old[16]["attention_us"]
     assert new[16]["n_nodes"] == old[16]["n_nodes"] - 5        # no combine launch in the 5 layers
     assert new[16]["step_us"] < old[16]["step_us"] - 100
+
+
+def test_plan_lanes_counters_follow_the_active_lanes():
+    """plan_lanes: an idle lane's blocks and the gather blocks past a lane's appended rows
+    exit at their start; the model counts the rows gathered and the working blocks."""
+    from profiling import counters as ctr
+    cfg = drafter_config("h4096")
+    b, nodes = lm.batch_step_plan(cfg, 256, 4, 2, accept=6)
+    L = next(n for n in nodes if isinstance(n, Launch) and n.kernel == "plan_lanes")
+    assert L.known["lanes_app"] == (6, 6, None, None)
+    known = ctr.static_counters(L)
+    del L.known["lanes_app"]
+    every = ctr.static_counters(L)
+    gx = -(-cfg.fc_in // 1024)
+    plan_blocks = L.grid[0] - gx * b.a_step
+    assert known.live_blocks == 2 * (6 * gx + plan_blocks)
+    assert every.live_blocks == 4 * (b.a_step * gx + plan_blocks) > known.live_blocks
+    assert known.dram_bytes < every.dram_bytes

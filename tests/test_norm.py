@@ -122,3 +122,27 @@ def test_bad_input(backend):
         RmsNorm(backend, 0)
     with pytest.raises(ValueError, match="^eps "):
         RmsNorm(backend, D, eps=-1.0)
+
+
+@pytest.mark.parametrize("D", [19, 4096])
+def test_tile_live_skips_dead_rows(backend, rng, D):
+    """tile_live (a lane batch's flags): rows of a 0 tile keep y's bits, the others equal
+    the launch without flags bit for bit; a short flag array is refused."""
+    rows = 53
+    op = RmsNorm(backend, D)
+    xh = rng.standard_normal((rows, D)).astype(np.float32)
+    wh = rng.uniform(0.5, 1.5, D).astype(np.float32)
+    x, w = backend.asarray(xh), backend.asarray(wh)
+    flags = np.array([2, 0, 1, 0], np.int32)
+    sentinel = np.full((rows, D), -3.25, np.float32)
+    y_all, y_fl = backend.asarray(sentinel), backend.asarray(sentinel)
+    op(x, w, y_all)
+    op(x, w, y_fl, tile_live=backend.asarray(flags))
+    live = np.repeat(flags != 0, 16)[:rows]
+    got, want = backend.to_numpy(y_fl), backend.to_numpy(y_all)
+    np.testing.assert_array_equal(got[live].view(np.uint32), want[live].view(np.uint32))
+    np.testing.assert_array_equal(got[~live], sentinel[~live])
+    with pytest.raises(ValueError, match="tile_live must hold"):
+        op(x, w, y_fl, tile_live=backend.asarray(flags[:3]))
+    with pytest.raises(TypeError, match="tile_live"):
+        op(x, w, y_fl, tile_live=backend.asarray(flags.astype(np.float32)))

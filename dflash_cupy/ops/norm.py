@@ -41,6 +41,7 @@ class RmsNorm:
         self._module = kernels.load_module(backend, "norm.cu", NORM_D=self.D,
                                            NORM_TPR=self.tpr, NORM_BLOCK=self.block)
         self._kernel = self._module.get_function("rmsnorm")
+        self._no_live = backend.zeros((1,), np.int32)   # tile_live's placeholder (never read)
 
     def __repr__(self):
         return f"RmsNorm(D={self.D}, eps={self.eps}, tpr={self.tpr}, block={self.block})"
@@ -48,7 +49,9 @@ class RmsNorm:
     def bytes_moved(self, rows: int, w_rows: int = 1) -> int:
         return (2 * rows + w_rows) * self.D * 4
 
-    def __call__(self, x, w, y, rows=None, stream=None):
+    def __call__(self, x, w, y, rows=None, stream=None, tile_live=None):
+        """``tile_live`` (device int32 ``[>= ceil(rows/16)]``, read when the kernel runs): rows
+        of a tile marked 0 are skipped, ``y`` untouched there (a lane batch's dead rows)."""
         be = self.backend
         D = self.D
         for name, a in (("x", x), ("w", w), ("y", y)):
@@ -72,11 +75,17 @@ class RmsNorm:
         checks.check_no_overlap(y=y, w=w)
         if self.vec == 4:
             checks.aligned16(x=x, w=w, y=y)
+        if tile_live is not None:
+            checks.device_array(be, "tile_live", tile_live, np.int32, ndim=1)
+            if tile_live.shape[0] < -(-rows // 16):
+                raise ValueError(f"tile_live must hold >= ceil(rows/16) = {-(-rows // 16)} entries, "
+                                 f"got shape {tuple(tile_live.shape)}")
         if rows == 0:
             return
         grid = (-(-rows // self.rows_per_block), 1, 1)
         self._kernel(grid, (self.block, 1, 1),
-                     (x, w, y, np.int32(rows), np.int32(w_rows), np.float32(self.eps)),
+                     (x, w, y, np.int32(rows), np.int32(w_rows), np.float32(self.eps),
+                      self._no_live if tile_live is None else tile_live, np.int32(tile_live is not None)),
                      stream=stream)
 
 
