@@ -219,7 +219,7 @@ def plan_wgmma(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device 
     fills the SMs when the groups alone do not, without slicing so thin that the fixed
     parts dominate."""
     bt = wg_tokens(variant)
-    groups = -(-N // wg_cols(nw))
+    groups = groups_wg(N, nw)
     tb = -(-m // bt)
     base = groups * tb
     if base > GRID_X_MAX:
@@ -280,20 +280,6 @@ def wg_live_split(n_live: int, K: int, cap: int, sms: int) -> int:
         if best is None or c[0] < best[0]:
             best = (c[0], k)
     return 1 if best is None else best[1]
-
-
-def wg_live_blocks(flags, BT: int, groups: int, qg: int) -> list:
-    """Working (column group, row block) pairs of a live-split launch, in block order (their
-    workspace slots): ``flags`` the tile_live entries of its ``ceil(m/16)`` tiles (0 dead,
-    2 needs only the column groups >= ``qg``, else live)."""
-    tb = -(-len(flags) // (BT // 16))
-    out = []
-    for cg in range(groups):
-        for b in range(tb):
-            t = flags[b * BT // 16:(b + 1) * BT // 16]
-            if any(v != 0 and (v != 2 or cg >= qg) for v in t):
-                out.append((cg, b))
-    return out
 
 
 @functools.lru_cache(maxsize=1024)
