@@ -175,6 +175,7 @@ class DraftKvBatch(StepIssuer):
         self._fold_norms = (H % 8 == 0 and all(weight_kind(a.dtype) in ("f16", "bf16")
                                                for a in (L0.w_qkv, L0.w_gate_up)))
         self.ctx_step = self.resid[:NC] if c.context_kv_layer_norm or self._fold_norms else self.xin[:NC]
+        self._resid0, self.noise_embed = self._first_layer_rows(NC, NN)
         self.qkv = be.zeros((M, c.q_dim + 2 * kvw), np.float32)
         self.q_all = be.zeros((M, c.q_dim), np.float32)
         self.q = self.q_all[NC:]
@@ -183,7 +184,6 @@ class DraftKvBatch(StepIssuer):
         gate_w = {"none": 0, "head": c.n_head, "element": c.q_dim}[c.attn_gate]
         self.gate = be.zeros((NN, gate_w), np.float32) if gate_w else None
         self.act = be.zeros((NN, c.intermediate_size), act_dt)
-        self.noise_embed = be.zeros((NN, H), np.float32)
         self._hs = be.zeros((NN, H), np.float32)
         self.hidden_states = self._hs.reshape(lanes, BS, H)[:, :B]
 
@@ -309,16 +309,17 @@ class DraftKvBatch(StepIssuer):
         NC, NN = self.lanes * self.ctx_rows, self.lanes * self.lane_rows
         M = NC + NN
         tiles_all, tiles_noise = self.tile_live, self.tiles_noise
+        h_in, resid_in = self._layer_input(li)
         if self._fold_norms:
-            self.g_qkv(self.resid, L.w_qkv, self.qkv, M, tile_live=tiles_all, stream=stream,
+            self.g_qkv(resid_in, L.w_qkv, self.qkv, M, tile_live=tiles_all, stream=stream,
                        norm=(L.input_layernorm, 0 if c.context_kv_layer_norm else NC))
             if self.g_attn_gate is not None:
-                self.rms(self.h, L.input_layernorm, self.hn, stream=stream)
+                self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
         else:
             if c.context_kv_layer_norm:
-                self.rms(self.resid, L.input_layernorm, self.xin, stream=stream)
+                self.rms(resid_in, L.input_layernorm, self.xin, stream=stream)
             else:
-                self.rms(self.h, L.input_layernorm, self.hn, stream=stream)
+                self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
             self.g_qkv(self.xin, L.w_qkv, self.qkv, M, tile_live=tiles_all, stream=stream)
         self.rope_step(self.qkv, L.k_norm, self.inv_freq, self.pos_all, self.rows_all,
                        self.k_cache[li], self.v_cache[li], q_norm=L.q_norm, q_out=self.q_all, stream=stream,
@@ -328,7 +329,7 @@ class DraftKvBatch(StepIssuer):
         mask = self.mask_swa if L.sliding else self.mask_full
         self.attention(self.q, self.k_cache[li], self.v_cache[li], mask, self.attn, gate=self.gate,
                        stream=stream, live=self.desc)
-        self.g_o(self.attn, L.w_o, self.h, NN, tile_live=tiles_noise, residual=self.h, stream=stream)
+        self.g_o(self.attn, L.w_o, self.h, NN, tile_live=tiles_noise, residual=h_in, stream=stream)
         if self._fold_norms:
             self.g_gate_up(self.h, L.w_gate_up, self.act, NN, tile_live=tiles_noise, stream=stream,
                        norm=(L.post_attention_layernorm, 0))
@@ -346,8 +347,7 @@ class DraftKvBatch(StepIssuer):
                                self.rows_all, self.tile_live, cs=self.ctx_rows, bs=self.lane_rows,
                                mask_full=self.mask_full, mask_swa=self.mask_swa, stream=stream)
         # T = rmsnorm(feat @ fc.T) * hidden_norm for every lane's appended rows
-        self._fuse_rows(self.ap_feat, self.ctx_step, NC, stream, tile_live=self.tiles_ctx)
-        be.copy_d2d_async(self.h, self.noise_embed, stream=stream)
+        self._fuse_rows(self.ap_feat, self.ctx_step, NC, stream, out2=self._ctx_step0(), tile_live=self.tiles_ctx)
         for li, L in enumerate(dw.layers):
             with nvtx_range(f"layer {li}") if eager else contextlib.nullcontext():
                 self._step_layer(li, L, stream)

@@ -162,7 +162,6 @@ class DraftKvCache(StepIssuer):
         self.ctx = be.zeros((R, H), np.float32)
         self.ctx_kv_in = be.zeros((R, H), np.float32) if c.context_kv_layer_norm else None
         self.ctx_kv = be.zeros((R, 2 * kvw), np.float32)
-        self.noise_embed = be.zeros((B, H), np.float32)
         # Step rows [0, A): the appended context rows, [A, A+B): the noise rows.
         # resid: [T (context-KV-norm variant) | h, the residual stream];
         # xin: each layer's GEMM input [T or rmsnorm(T)*ln | rmsnorm(h)*ln].
@@ -176,6 +175,7 @@ class DraftKvCache(StepIssuer):
         self._fold_norms = (H % 8 == 0 and all(weight_kind(a.dtype) in ("f16", "bf16")
                                                for a in (L0.w_qkv, L0.w_gate_up)))
         self.ctx_step = self.resid[:A] if c.context_kv_layer_norm or self._fold_norms else self.xin[:A]
+        self._resid0, self.noise_embed = self._first_layer_rows(A, B)
         self.qkv = be.zeros((A + B, c.q_dim + 2 * kvw), np.float32)
         self.q_all = be.zeros((A + B, c.q_dim), np.float32)
         self.q = self.q_all[A:]
@@ -284,21 +284,22 @@ class DraftKvCache(StepIssuer):
         context rows' q is computed and ignored: free next to streaming the
         weights once instead of twice)."""
         A, B = self.a_step, self.q_len
+        h_in, resid_in = self._layer_input(li)
         # Append rows [n_new, A) are padding (zero features, their K/V go to the trash
         # slot): the stream GEMM reads n_new from the descriptor and skips their
         # 16-row tiles (same outputs: a zero row's result is zero either way).
         pad = (self.desc[DESC_N_NEW:DESC_N_NEW + 1], A) if self.g_qkv.path == "stream" else None
         ctx_norm = self.config.context_kv_layer_norm  # context rows: rmsnorm(T) * input_layernorm too
         if self._fold_norms:   # rmsnorm(rows) * input_layernorm inside the GEMM, from resid
-            self.g_qkv(self.resid, L.w_qkv, self.qkv, A + B, stream=stream, pad_rows=pad,
+            self.g_qkv(resid_in, L.w_qkv, self.qkv, A + B, stream=stream, pad_rows=pad,
                        norm=(L.input_layernorm, 0 if ctx_norm else A))
             if self.g_attn_gate is not None:   # the gate GEMM still reads hn
-                self.rms(self.h, L.input_layernorm, self.hn, stream=stream)
+                self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
         else:
             if ctx_norm:
-                self.rms(self.resid, L.input_layernorm, self.xin, stream=stream)
+                self.rms(resid_in, L.input_layernorm, self.xin, stream=stream)
             else:
-                self.rms(self.h, L.input_layernorm, self.hn, stream=stream)
+                self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
             self.g_qkv(self.xin, L.w_qkv, self.qkv, A + B, stream=stream, pad_rows=pad)
         self.rope_step(self.qkv, L.k_norm, self.inv_freq, self.pos_all, self.rows_all,
                        self.k_cache[li], self.v_cache[li], q_norm=L.q_norm, q_out=self.q_all,
@@ -308,7 +309,7 @@ class DraftKvCache(StepIssuer):
         mask = self.mask_swa if L.sliding else self.mask_full
         self.attention(self.q, self.k_cache[li], self.v_cache[li], mask, self.attn, gate=self.gate,
                        stream=stream)
-        self.g_o(self.attn, L.w_o, self.h, B, residual=self.h, stream=stream)
+        self.g_o(self.attn, L.w_o, self.h, B, residual=h_in, stream=stream)
         if self._fold_norms:
             self.g_gate_up(self.h, L.w_gate_up, self.act, B, stream=stream, norm=(L.post_attention_layernorm, 0))
         else:
@@ -318,7 +319,6 @@ class DraftKvCache(StepIssuer):
 
     def _noise_stage(self, stream, eager: bool) -> None:
         dw = self.dw
-        self.backend.copy_d2d_async(self.h, self.noise_embed, stream=stream)
         for li, L in enumerate(dw.layers):
             # per-layer ranges only when eager: inside a graph they would mark capture time
             with nvtx_range(f"layer {li}") if eager else contextlib.nullcontext():
@@ -345,7 +345,7 @@ class DraftKvCache(StepIssuer):
         self._gather.plan_step(self.desc, self._ring.storage, self.ap_feat, self.geom, self.slot_pos,
                                self.pos_all[:A], self.rows_all[:A], self.pos_q, mask_full=self.mask_full,
                                mask_swa=self.mask_swa, n_rows=A, stream=stream)
-        self._fuse_rows(self.ap_feat, self.ctx_step, A, stream)
+        self._fuse_rows(self.ap_feat, self.ctx_step, A, stream, out2=self._ctx_step0())
         self._noise_stage(stream, eager)
 
     def _bulk_append(self, fields, s) -> None:

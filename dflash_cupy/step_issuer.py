@@ -117,14 +117,40 @@ class StepIssuer:
                 self._lm_part = be.zeros(self.g_lm.partials_shape(lm_rows), np.uint32)
 
     # ------------------------------------------------------------ shared step pieces
-    def _fuse_rows(self, feat, out, m: int, stream, **gemm_kw) -> None:
+    def _first_layer_rows(self, n_ctx: int, n_noise: int) -> tuple:
+        """``(resid0, noise_embed)`` for a step of ``n_ctx`` context and ``n_noise`` noise rows.
+        The first layer reads ``noise_embed`` in place as its residual stream (its o GEMM
+        writes ``h = noise_embed + attn @ Wo``), so no step copies it into ``h`` (a graph node
+        saved). Where the qkv GEMM reads the context and noise rows as one matrix (``resid``:
+        the folded norms, the context-KV-norm variant), the first layer's such matrix is
+        ``resid0``, whose context rows the hidden norm writes beside ``resid``'s and whose
+        noise rows are ``noise_embed``; otherwise ``resid0`` is None."""
+        be, H = self.backend, self.config.hidden_size
+        if self._fold_norms or self.config.context_kv_layer_norm:
+            resid0 = be.zeros((n_ctx + n_noise, H), np.float32)
+            return resid0, resid0[n_ctx:]
+        return None, be.zeros((n_noise, H), np.float32)
+
+    def _layer_input(self, li: int) -> tuple:
+        """``(h, resid)`` layer ``li`` reads: the residual stream's noise rows and the qkv
+        GEMM's [context; noise] rows (see ``_first_layer_rows``)."""
+        if li:
+            return self.h, self.resid
+        return self.noise_embed, self.resid if self._resid0 is None else self._resid0
+
+    def _ctx_step0(self):
+        """The first layer's copy of the step's context rows (``resid0``'s), or None."""
+        return None if self._resid0 is None else self._resid0[:self.ctx_step.shape[0]]
+
+    def _fuse_rows(self, feat, out, m: int, stream, out2=None, **gemm_kw) -> None:
         """Rows [0, m) of ``feat`` -> T = rmsnorm(feat @ fc.T) * hidden_norm into ``out``
-        (``gemm_kw``: e.g. the GEMM's ``tile_live``)."""
+        (and ``out2``, if given: the same values; ``gemm_kw``: e.g. the GEMM's ``tile_live``)."""
         c, dw = self.config, self.dw
         if dw.aux_norms is not None:  # each captured layer's slice normalised with its own scale
             self.rms(feat, dw.aux_norms, feat, rows=m * c.n_captured, stream=stream)
         self.g_fc(feat, dw.fc, out, m, stream=stream, **gemm_kw)
-        self.rms(out, dw.hidden_norm, out, rows=m, stream=stream, tile_live=gemm_kw.get("tile_live"))
+        self.rms(out, dw.hidden_norm, out, rows=m, stream=stream, tile_live=gemm_kw.get("tile_live"),
+                 y2=out2)
 
     def _append_rows(self, feat, m: int, k_caches, v_caches, stream) -> None:
         """Bulk append: rows [0, m) of ``feat`` at ``ap_pos``/``ap_rows`` -> the K/V

@@ -1028,12 +1028,12 @@ def _small(L) -> KernelCounters:
         nm = 2 if k == "build_masks" else 1
         writes = [(_name(a[2 + i]), d["Q_LEN"] * d["KV_TOTAL"] * 2) for i in range(nm)]
         return _bytes_only(L, [(_name(a[1]), d["CAP"] * 4)], writes)
-    if k == "rmsnorm":
-        rows, D = a[3], d["NORM_D"]
-        flags = L.known.get("tile_live") if len(a) > 7 and int(a[7]) else None
+    if k == "rmsnorm":   # (x, w, y, y2, dual, rows, w_rows, eps, tile_live, use_live)
+        rows, D = a[5], d["NORM_D"]
+        flags = L.known.get("tile_live") if len(a) > 9 and int(a[9]) else None
         live = rows if flags is None else sum(1 for r in range(rows) if flags[r // 16])
-        return _bytes_only(L, [(_name(a[0]), live * D * 4), (_name(a[1]), a[4] * D * 4)],
-                           [(_name(a[2]), live * D * 4)],
+        writes = [(_name(a[2]), live * D * 4)] + ([(_name(a[3]), live * D * 4)] if int(a[4]) else [])
+        return _bytes_only(L, [(_name(a[0]), live * D * 4), (_name(a[1]), a[6] * D * 4)], writes,
                            f"tile_live: {rows - live} dead row(s) skipped" if flags is not None else "")
     if k == "ring_attn_combine":   # merge="launch": every lane of a LANES launch assumed live
         S, B, NH, D, lanes = d["SPLITS"], d["B"], d["NH"], d["D"], d.get("LANES", 1)
