@@ -92,7 +92,8 @@ def graph_node_count(n_layer: int, *, aux_norms: bool = False, context_kv_norm: 
     """Nodes of one captured step (``DraftKvCache._issue_step``), counted by
     hand from the code: descriptor copy, plan_step (reset_slots_if,
     plan_append, the feature gather and the masks in one launch), [aux
-    rmsnorm], fc GEMM, rmsnorm; the noise copy; per layer [rmsnorm: unless
+    rmsnorm], fc GEMM, rmsnorm (no noise copy: the first layer reads
+    noise_embed in place); per layer [rmsnorm: unless
     folded into the qkv GEMM, or for the gate GEMM's input], qkv GEMM,
     qkv_norm_rope, [gate GEMM], attention [+ ring_attn_combine:
     ``attn_combine``, split with merge "launch"; one launch with one split or
@@ -103,7 +104,7 @@ def graph_node_count(n_layer: int, *, aux_norms: bool = False, context_kv_norm: 
     input rows (16-bit weights, the default). ``context_kv_norm`` changes what
     the per-layer rmsnorm covers, not the count; ``both_masks`` neither
     (plan_step writes both)."""
-    pre = 1 + 1 + int(aux_norms) + 2 + 1
+    pre = 1 + 1 + int(aux_norms) + 2
     norms = (int(attn_gate), 0) if fold_norms else (1, 1)
     per_layer = norms[0] + 2 + int(attn_gate) + 1 + int(attn_combine) + 1 + norms[1] + 2
     return pre + n_layer * per_layer + 1 + 4 * int(lm_head)
