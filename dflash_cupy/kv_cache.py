@@ -74,6 +74,18 @@ MAX_CAPACITY = 1 << 24  # ring slots: positions and slots are int32, and 16M row
 RING_GRAPHS = 4         # rings whose step graphs stay captured (switching back does not recapture)
 
 
+
+# The step-inputs block (bytes): descriptor int32 [DESC_LEN], sampling knobs f32 [3], the
+# RNG state u64 [2] at the next multiple of 8.
+_KNOBS_AT = DESC_LEN * 4
+_RNG_AT = -(-(_KNOBS_AT + 12) // 8) * 8
+_STEP_IN_BYTES = _RNG_AT + 16
+
+
+def _step_in_sampling(block) -> tuple:
+    """The knobs and RNG views of a step-inputs block (device or pinned)."""
+    return block[_KNOBS_AT:_KNOBS_AT + 12].view(np.float32), block[_RNG_AT:_RNG_AT + 16].view(np.uint64)
+
 class DraftKvCache(StepIssuer):
     """``DraftKvCache(weights, capacity, *, lm_head=None, sampling=None, backend=None, bulk_chunk=256,
     x_split=True, tune=None)``.
@@ -144,7 +156,11 @@ class DraftKvCache(StepIssuer):
         self.mask_full = be.zeros((B, g.kv_total), np.float16) if c.any_full else None
         self.mask_swa = be.zeros((B, g.kv_total), np.float16) if c.any_sliding else None
         self.slot_pos = be.asarray(np.full(g.capacity, -1, np.int32))
-        self.desc = be.zeros((DESC_LEN,), np.int32)
+        # The step's inputs from the host, one block so that one H2D copy node brings them:
+        # the descriptor, then (with an LM head) the sampling knobs and the RNG state.
+        sampled = lm_head is not None
+        self._step_in = be.zeros((_STEP_IN_BYTES if sampled else DESC_LEN * 4,), np.uint8)
+        self.desc = self._step_in[:DESC_LEN * 4].view(np.int32)
         self.bulk_desc = be.zeros((DESC_LEN,), np.int32)
         self.ap_pos = be.zeros((R,), np.int32)    # bulk append rows
         self.ap_rows = be.zeros((R,), np.int32)
@@ -198,25 +214,24 @@ class DraftKvCache(StepIssuer):
             # partial maxima, one reduction) and the [q_len, vocab] logits are never written
             self.logits = be.zeros((B, self.lm_head.shape[0]), np.float32) if logits else None
             self.draft_tokens = be.zeros((B,), np.int32)
-            self.sample_knobs = be.zeros((3,), np.float32)
-            self.sample_rng = be.zeros((2,), np.uint64)
+            self.sample_knobs, self.sample_rng = _step_in_sampling(self._step_in)
 
         # ---- pinned staging (two of each: alternating steps)
-        self._desc_host = [be.pinned_empty((DESC_LEN,), np.int32) for _ in range(2)]
         # sampling knobs and RNG state travel with the descriptor (same slot, same replay)
-        self._knobs_host = [be.pinned_empty((3,), np.float32) for _ in range(2)]
-        self._rng_host = [be.pinned_empty((2,), np.uint64) for _ in range(2)]
+        self._step_in_host = [be.pinned_empty(self._step_in.shape, np.uint8) for _ in range(2)]
+        self._desc_host = [h[:DESC_LEN * 4].view(np.int32) for h in self._step_in_host]
+        if sampled:
+            self._knobs_host, self._rng_host = zip(*(_step_in_sampling(h) for h in self._step_in_host))
         self._noise_host = [be.pinned_empty((B, H), np.float32) for _ in range(2)]
         self._noise_events = [be.event() for _ in range(2)]  # after the copy that read each
         self._noise_next = 0
-        for d in self._desc_host:
-            d[:] = 0
+        for h in self._step_in_host:
+            h[:] = 0
         n_chunks = -(-g.capacity // self.bulk_chunk) + 1
         self._bulk_desc_host = be.pinned_empty((n_chunks, DESC_LEN), np.int32)
         for i in range(2):
-            be.label(self._desc_host[i], f"DraftKvCache step descriptor staging [{i}]")
-            be.label(self._knobs_host[i], f"DraftKvCache sampling knobs staging [{i}]")
-            be.label(self._rng_host[i], f"DraftKvCache sampling rng staging [{i}]")
+            be.label(self._step_in_host[i], f"DraftKvCache step inputs staging [{i}] (descriptor"
+                     + (", sampling knobs, rng)" if sampled else ")"))
             be.label(self._noise_host[i], f"DraftKvCache noise staging [{i}]")
         be.label(self._bulk_desc_host, "DraftKvCache bulk descriptor staging")
         # Capture only: a CUDA graph cannot be captured on the legacy default stream, and
@@ -337,10 +352,7 @@ class DraftKvCache(StepIssuer):
     def _issue_step(self, slot: int, stream, eager: bool = False) -> None:
         """Every launch and copy of one step, in order (captured once per slot)."""
         be, A = self.backend, self.a_step
-        be.copy_h2d_async(self.desc, self._desc_host[slot], stream=stream)
-        if self.sampler is not None:
-            be.copy_h2d_async(self.sample_knobs, self._knobs_host[slot], stream=stream)
-            be.copy_h2d_async(self.sample_rng, self._rng_host[slot], stream=stream)
+        be.copy_h2d_async(self._step_in, self._step_in_host[slot], stream=stream)
         # reset_slots_if, plan_append, the gather and the masks as one launch (gather.cu)
         self._gather.plan_step(self.desc, self._ring.storage, self.ap_feat, self.geom, self.slot_pos,
                                self.pos_all[:A], self.rows_all[:A], self.pos_q, mask_full=self.mask_full,
@@ -411,11 +423,9 @@ class DraftKvCache(StepIssuer):
                     self._bulk_append(fields, s)
                 self._issued(s)
                 self.next_pos = fields.committed
-            self.backend.host_write(self._desc_host[slot], "DraftKvCache.begin_step (descriptor)")
+            self.backend.host_write(self._step_in_host[slot], "DraftKvCache.begin_step (step inputs)")
             fill_step_descriptor(self._desc_host[slot], fields)
             if self.sampler is not None:  # the draw's counter: this step's first noise position
-                self.backend.host_write(self._knobs_host[slot], "DraftKvCache.begin_step (sampling)")
-                self.backend.host_write(self._rng_host[slot], "DraftKvCache.begin_step (sampling)")
                 self._knobs_host[slot][:] = self.sampling.knobs()
                 self._rng_host[slot][:] = (self.sampling.seed, fields.committed)
             self._slot = slot

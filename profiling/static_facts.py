@@ -99,12 +99,12 @@ def graph_node_count(n_layer: int, *, aux_norms: bool = False, context_kv_norm: 
     ``attn_combine``, split with merge "launch"; one launch with one split or
     merge "fold"], o GEMM,
     [rmsnorm unless folded into gate_up], gate_up GEMM, down GEMM; final
-    rmsnorm, [with an LM head: the sampling knobs and RNG copies, the LM head
-    GEMM, the sampler]. ``fold_norms``: the stream GEMMs normalise their
+    rmsnorm, [with an LM head: the LM head GEMM, the sampler (the sampling
+    knobs and RNG state travel in the descriptor's copy)]. ``fold_norms``: the stream GEMMs normalise their
     input rows (16-bit weights, the default). ``context_kv_norm`` changes what
     the per-layer rmsnorm covers, not the count; ``both_masks`` neither
     (plan_step writes both)."""
     pre = 1 + 1 + int(aux_norms) + 2
     norms = (int(attn_gate), 0) if fold_norms else (1, 1)
     per_layer = norms[0] + 2 + int(attn_gate) + 1 + int(attn_combine) + 1 + norms[1] + 2
-    return pre + n_layer * per_layer + 1 + 4 * int(lm_head)
+    return pre + n_layer * per_layer + 1 + 2 * int(lm_head)
