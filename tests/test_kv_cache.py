@@ -778,3 +778,34 @@ def test_bulk_chunk_below_a_step_is_honoured(emu):
     finally:
         small.close()
         default.close()
+
+
+@pytest.mark.parametrize("name", ["a", "b", "c"])
+def test_noise_embed_is_read_in_place(backend, name):
+    """The first layer reads ``noise_embed`` where it lies (no copy node per step): a step
+    leaves it bit for bit as it was, a plan + run without ``set_noise_embed`` reuses it, and
+    noise written into ``kv.noise_embed`` on the device is what the next step reads. (a: f32
+    weights, noise_embed alone; b: the folded norms with the gate GEMM's rmsnorm; c: the
+    context-KV-norm variant, noise_embed inside the first layer's rows.)"""
+    d = Driver(backend, name, seed=5)
+    kv, cap = d.kv, d.spec.capacity
+    c1 = cap + 2
+    n1 = d.step(c1)
+    assert np.array_equal(bits(backend.to_numpy(kv.noise_embed)), bits(n1)), "a step wrote noise_embed"
+    c2 = c1 + 3
+    d.feed(c2)
+    d.model(c2)
+    kv.begin_step(d.ring, c2)
+    kv.run()
+    d.committed = c2
+    d.check(c2, n1)
+    n3 = d.noise()
+    c3 = c2 + 1
+    d.feed(c3)
+    d.model(c3)
+    backend.copy_d2d_async(kv.noise_embed, backend.asarray(n3))
+    kv.begin_step(d.ring, c3)
+    kv.set_noise_embed(kv.noise_embed)   # filled in place: nothing to copy
+    kv.run()
+    d.committed = c3
+    d.check(c3, n3)
