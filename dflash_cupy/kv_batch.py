@@ -310,8 +310,8 @@ class DraftKvBatch(StepIssuer):
         M = NC + NN
         tiles_all, tiles_noise = self.tile_live, self.tiles_noise
         if self._fold_norms:
-            self.g_qkv(self.resid, L.w_qkv, self.qkv, M, tile_live=tiles_all, stream=stream,
-                       norm=(L.input_layernorm, 0 if c.context_kv_layer_norm else NC))
+            self._qkv_rope(li, L, self.resid, M, stream, tile_live=tiles_all,
+                           norm=(L.input_layernorm, 0 if c.context_kv_layer_norm else NC))
             if self.g_attn_gate is not None:
                 self.rms(self.h, L.input_layernorm, self.hn, stream=stream)
         else:
@@ -319,10 +319,7 @@ class DraftKvBatch(StepIssuer):
                 self.rms(self.resid, L.input_layernorm, self.xin, stream=stream)
             else:
                 self.rms(self.h, L.input_layernorm, self.hn, stream=stream)
-            self.g_qkv(self.xin, L.w_qkv, self.qkv, M, tile_live=tiles_all, stream=stream)
-        self.rope_step(self.qkv, L.k_norm, self.inv_freq, self.pos_all, self.rows_all,
-                       self.k_cache[li], self.v_cache[li], q_norm=L.q_norm, q_out=self.q_all, stream=stream,
-                       tile_live=tiles_all)
+            self._qkv_rope(li, L, self.xin, M, stream, tile_live=tiles_all)
         if self.g_attn_gate is not None:
             self.g_attn_gate(self.hn, L.w_attn_gate, self.gate, NN, tile_live=tiles_noise, stream=stream)
         mask = self.mask_swa if L.sliding else self.mask_full
