@@ -83,13 +83,16 @@ __device__ __forceinline__ bool splitk_reduce(const float* wsb, const float* ssw
             float sc = 1.0f;
             if (NORM) sc = sc_s[lrow];
             const float4 g = a[j][0], u = a[j][NW - 1];
-            if (EPI == 3) {
+            if (EPI == 3) {   // (tile_stride and lc multiples of 4: 16-byte aligned)
                 float* tp = tile + lrow * tile_stride + lc;
                 const float sc4 = NORM ? sc : 1.0f;
-                tp[0] = g.x * sc4;
-                if (col + 1 < N) tp[1] = g.y * sc4;
-                if (col + 2 < N) tp[2] = g.z * sc4;
-                if (col + 3 < N) tp[3] = g.w * sc4;
+                if (col + 3 < N) {
+                    *reinterpret_cast<float4*>(tp) = make_float4(g.x * sc4, g.y * sc4, g.z * sc4, g.w * sc4);
+                } else {
+                    tp[0] = g.x * sc4;
+                    if (col + 1 < N) tp[1] = g.y * sc4;
+                    if (col + 2 < N) tp[2] = g.z * sc4;
+                }
             } else if (NORM) {
                 epilogue_store<EPI, WT>(y, r, o, g.x * sc, u.x * sc);
                 if (col + 1 < N) epilogue_store<EPI, WT>(y, r, o + 1, g.y * sc, u.y * sc);
