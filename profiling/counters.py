@@ -795,13 +795,17 @@ def _gemm_wgmma(L) -> KernelCounters:
     c.inflight_peak_bytes_per_warp = (D - 1) * 8 * 512
 
     qkv = _wgmma_qkv_epilogue(c, L, classes, flags, BT, COLS, N, M, gz) if EPI == 3 else None
+    n_tiles = sum(len(act) * ng for ng, _, _, _, act in classes)
     # epilogue: one 4-byte store per (set, token, weight row) kept; 8 consecutive columns (g)
     # of one token per 8 lanes: one sector per 8 lanes
     if qkv is not None:   # GW_EPI 3: the tile goes to shared memory, not to y (its stores counted above)
         if gz > 1:
-            part = gz * st_elems * 4
+            # every slice stores its stored rows' whole COLS (past N: zeros); the reduction reads
+            # the columns below N; a ticket (atomic) per slice and the counter's reset per tile
+            part = gz * st_rows * COLS * 4
             _contig(c, "st", part, 4)
-            _contig(c, "ld", part, 16)
+            _contig(c, "ld", gz * st_elems * 4, 16)
+            c.add_global("st", n_tiles * (gz + 1), 1, 4)
             if NORM:
                 _contig(c, "st", gz * st_rows * 4)
                 _contig(c, "ld", gz * st_rows * 4)
@@ -885,13 +889,13 @@ def _wgmma_qkv_epilogue(c: KernelCounters, L, classes, flags, BT: int, COLS: int
                 st, _cp = blocks[by]
                 rows_st = [by * BT + 16 * i + r for i, v in enumerate(st) for r in range(v)]
                 live = min(BT, M - by * BT)
-                rounds += -(-live * len(heads) // WARPS)
+                rounds += -(-live * (COLS // HD) // WARPS)   # a partial group's missing heads too
                 if gz == 1:
                     stored = set(r - by * BT for r in rows_st)
                     st_instr += WARPS * 4 * sum(1 for jn in range(BT // 8) for e1 in range(2)
                                                 if any(8 * jn + 2 * t + e1 in stored for t in range(4)))
-                else:   # the reducer's float4 stores, 32 items per instruction
-                    st_instr += -(-len(rows_st) * (COLS // 4) // 32)
+                else:   # the reducer's float4 stores of the columns below N, 32 items per instruction
+                    st_instr += -(-len(rows_st) * -(-min(COLS, N - bx * COLS) // 4) // 32)
                 for col in heads:
                     for r in rows_st:
                         tl = 1 if flags is None else int(flags[r // 16])
