@@ -215,3 +215,22 @@ def test_emulator_counts_match_the_static_model(ks, flags):
         assert lc.sst_wavefronts + lc.sld_wavefronts == st.smem_wavefronts
     assert lc.gst_bytes == st.gst_bytes, (lc.gst_bytes, st.gst_bytes)
     assert abs(lc.gld_sectors - st.gld_sectors) <= 0.03 * st.gld_sectors, (lc.gld_sectors, st.gld_sectors)
+
+
+@pytest.mark.parametrize("drafter", ["h4096", "qwen3.5-27b"])
+def test_recorded_steps_have_no_separate_rope(drafter):
+    """The recorded step graphs (profiling.launch_plan) at real shapes: one lane
+    (DraftKvCache) and a 16-lane batch run the qkv GEMM with the fold (GW_EPI 3) in every
+    layer and no qkv_norm_rope node."""
+    from profiling.common import drafter_config
+    from profiling.lanes_model import batch_step_plan
+    from profiling.launch_plan import step_plan
+
+    c = drafter_config(drafter)
+    single = step_plan(c, 2048).launches
+    _, batch = batch_step_plan(c, 2048, 16, 16)
+    for nodes in (single, batch):
+        kernels = [getattr(n, "kernel", None) for n in nodes]
+        assert "qkv_norm_rope" not in kernels
+        assert sum(1 for n in nodes if getattr(n, "kernel", None) == "gemm_wgmma"
+                   and n.defines.get("GW_EPI") == 3) == c.n_layer
