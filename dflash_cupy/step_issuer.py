@@ -103,10 +103,15 @@ class StepIssuer:
         self.g_fc = gemm(H, c.fc_in, self.dw.fc.dtype)
         self.g_kv = gemm(2 * kvw, H, L0.w_qkv.dtype)
         # rope: the q/k norm + RoPE + K/V scatter folds into the qkv GEMM's epilogue where its
-        # launch allows (_qkv_rope); QkvNormRope (rope_step) runs after it elsewhere
+        # launch allows (_qkv_rope); QkvNormRope (rope_step) runs after it elsewhere. Offered
+        # only where the step's rows take the wgmma kernel by default (its qkv variants are
+        # compiled now, and cost a build where they would never run)
+        from .ops.gemm_stream import WG_MIN_M
+        step_rows = self.lanes * (self.ctx_rows + self.lane_rows) if lanes else self.a_step + self.q_len
+        rope = RopeSpec(c.head_dim, c.n_head, c.n_head_kv, c.rms_norm_eps, self.attn_scaling) \
+            if step_rows >= WG_MIN_M else None
         self.g_qkv = gemm(c.q_dim + 2 * kvw, H, L0.w_qkv.dtype, norm_eps=fold_eps,
-                          skip_cols=c.q_dim if lanes else 0,
-                          rope=RopeSpec(c.head_dim, c.n_head, c.n_head_kv, c.rms_norm_eps, self.attn_scaling))
+                          skip_cols=c.q_dim if lanes else 0, rope=rope)
         self.g_o = gemm(H, c.q_dim, L0.w_o.dtype, "residual", x16=attn16 is not None)
         self.g_gate_up = gemm(c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul", norm_eps=fold_eps,
                               y16=act16 is not None)
@@ -135,7 +140,7 @@ class StepIssuer:
         RoPE and the K/V scatter: Q into ``q_all``, K/V into the layer's caches at ``rows_all``.
         One launch where the qkv GEMM folds them into its epilogue, else the GEMM into ``qkv``
         and ``rope_step`` (``gemm_kw``: pad_rows, norm, tile_live; the last also for the rope)."""
-        if self.g_qkv.fuses_rope(m):
+        if self.g_qkv.rope is not None and self.g_qkv.fuses_rope(m):
             self.g_qkv(x, L.w_qkv, self.q_all, m, stream=stream,
                        rope=(L.q_norm, L.k_norm, self.inv_freq, self.pos_all, self.rows_all, self.k_cache[li],
                              self.v_cache[li]), **gemm_kw)

@@ -234,3 +234,42 @@ def test_recorded_steps_have_no_separate_rope(drafter):
         assert "qkv_norm_rope" not in kernels
         assert sum(1 for n in nodes if getattr(n, "kernel", None) == "gemm_wgmma"
                    and n.defines.get("GW_EPI") == 3) == c.n_layer
+
+
+def test_cache_steps_fused_equal_unfused_and_the_oracle(monkeypatch):
+    """A DraftKvCache whose qkv GEMM folds the rope (q_len 16: 50 step rows, the wgmma kernel;
+    head_dim 32: Q, K and V heads in one column group) against the same cache with the fold
+    turned off, over growth, a slide past the capacity (ring wraparound), a rewind and
+    positions past 2^20: hidden states and every layer's K/V ring bit for bit, and each step
+    against the float64 oracle (tests/test_kv_cache.Driver)."""
+    from dflash_cupy import backends
+    from tests.test_kv_cache import BF16, SPECS, Driver, Spec, _cfg
+
+    monkeypatch.setitem(SPECS, "Q", Spec(
+        _cfg(n_layer=2, hidden_size=64, n_head=4, n_head_kv=2, head_dim=32, intermediate_size=48,
+             block_size=16, target_layer_ids=(0, 2), layer_sliding=(False, True), sliding_window=20),
+        BF16, capacity=40, ring_capacity=48, ring_dtype=BF16))
+    be = backends.get("emulated")
+    base = 2**20 + 3
+    d, d0 = Driver(be, "Q", base=base, seed=3), Driver(be, "Q", base=base, seed=3)
+    d0.kv.g_qkv.fuses_rope = lambda m: False      # the separate qkv_norm_rope launch
+    try:
+        A, B = d.kv.a_step, d.kv.q_len
+        assert d.kv.g_qkv.fuses_rope(A + B)
+        for c in (5, 20, 33, 60, 61, 95, 45, 46):     # 45: a rewind (reset + bulk append)
+            c += base
+            if c < d.valid_hi:
+                d.forget_from(c)
+                d0.forget_from(c)
+            d.step(c)
+            d0.step(c)
+            np.testing.assert_array_equal(be.to_numpy(d.kv.hidden_states), be.to_numpy(d0.kv.hidden_states),
+                                          err_msg=f"hidden c={c}")
+            for li in range(2):
+                for name in ("k_cache", "v_cache"):
+                    np.testing.assert_array_equal(be.to_numpy(getattr(d.kv, name)[li]).view(np.uint16),
+                                                  be.to_numpy(getattr(d0.kv, name)[li]).view(np.uint16),
+                                                  err_msg=f"{name}[{li}] c={c}")
+    finally:
+        d.close()
+        d0.close()
