@@ -18,17 +18,20 @@
 // Returns after the reduction (the last slice to arrive) or at once (the others).
 // `stored(lrow)`: whether local row lrow < live is stored (its 16-row tile is live). All
 // threads of the block call this. y: f32, or 16-bit bits of the weight type WT
-// (gemm_epilogue.cuh).
+// (gemm_epilogue.cuh). EPI 3 (gemm_wgmma.cu's qkv epilogue): the reduced values (scaled by
+// the folded norm's row scale, as y would get them) go to tile (shared memory, row stride
+// tile_stride floats, local rows and columns) instead of y, for the caller to finish.
+// Returns whether this block reduced (block-uniform).
 template <int NW, int ROWS, int COLS, int THREADS, int EPI, int NORM, int K, int WT, typename Y, typename Stored>
-__device__ __forceinline__ void splitk_reduce(const float* wsb, const float* ssw, int ks, int* counter, Y* y,
+__device__ __forceinline__ bool splitk_reduce(const float* wsb, const float* ssw, int ks, int* counter, Y* y,
                                               const float* r, int m0, int live, int c0, int N, float eps,
-                                              int norm_lo, Stored stored) {
+                                              int norm_lo, Stored stored, float* tile = nullptr, int tile_stride = 0) {
     __shared__ int ticket;
     __threadfence();  // the partial tile is visible device-wide before the count says so
     __syncthreads();
     if (threadIdx.x == 0) ticket = atomicAdd(counter, 1);
     __syncthreads();
-    if (ticket != ks - 1) return;
+    if (ticket != ks - 1) return false;
     __threadfence();
     __shared__ float sc_s[NORM ? ROWS : 1];
     if (NORM) {
@@ -80,7 +83,17 @@ __device__ __forceinline__ void splitk_reduce(const float* wsb, const float* ssw
             float sc = 1.0f;
             if (NORM) sc = sc_s[lrow];
             const float4 g = a[j][0], u = a[j][NW - 1];
-            if (NORM) {
+            if (EPI == 3) {   // (tile_stride and lc multiples of 4: 16-byte aligned)
+                float* tp = tile + lrow * tile_stride + lc;
+                const float sc4 = NORM ? sc : 1.0f;
+                if (col + 3 < N) {
+                    *reinterpret_cast<float4*>(tp) = make_float4(g.x * sc4, g.y * sc4, g.z * sc4, g.w * sc4);
+                } else {
+                    tp[0] = g.x * sc4;
+                    if (col + 1 < N) tp[1] = g.y * sc4;
+                    if (col + 2 < N) tp[2] = g.z * sc4;
+                }
+            } else if (NORM) {
                 epilogue_store<EPI, WT>(y, r, o, g.x * sc, u.x * sc);
                 if (col + 1 < N) epilogue_store<EPI, WT>(y, r, o + 1, g.y * sc, u.y * sc);
                 if (col + 2 < N) epilogue_store<EPI, WT>(y, r, o + 2, g.z * sc, u.z * sc);
@@ -94,4 +107,5 @@ __device__ __forceinline__ void splitk_reduce(const float* wsb, const float* ssw
         }
     }
     if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (or replay)
+    return true;
 }

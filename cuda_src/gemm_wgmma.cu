@@ -16,6 +16,16 @@
 //   producer), as gemm_stream.cu's GS_X16: half the x bytes, results bit-identical to the f32
 //   kernel fed the same values (the folded norm's sums of squares too, in the same order).
 //   GW_Y16 1: y written as the weight type's bits, as gemm_stream.cu's GS_Y16.
+//   GW_EPI 3 (qkv): the fused qkv projection of a drafter layer, rope.cu's qkv_norm_rope folded
+//   in: y [M, GW_QW] f32 is the rope kernel's q_out, and nothing else of [Q | K | V] is stored
+//   as a matrix. N = GW_QW + 2 GW_KVW columns of heads of GW_HD values (GW_HD divides COLS,
+//   so every head lies in one column group). Once a tile's values are final (after the K loop
+//   or the split-K reduction, in the block that reduces) they are staged [BT][COLS] in shared
+//   memory over the x buffers, and each warp takes whole rows: per head rmsnorm * q_norm /
+//   k_norm and RoPE at pos[m] (rope_math.cuh: the same operations, so the same bits as GEMM +
+//   qkv_norm_rope), Q to y, K (f16) to k_cache[rows[m]], V (f16) to v_cache[rows[m]] (rows
+//   outside [0, kv_rows) skipped). tile_live as qkv_norm_rope reads it: dead rows nothing,
+//   rows marked 2 no Q heads. The trailing arguments (q_norm .. rope_scale) are read only here.
 //
 // ---- Why wgmma, and "swap AB"
 //   With many rows the mma.sync kernel (gemm_stream.cu) is bound by mma.sync issue (about half
@@ -86,12 +96,17 @@
 // nvrtc-check: -DGW_WTYPE=1 -DGW_EPI=2 -DGW_K=4096 -DGW_BT=128 -DGW_SPLIT=1 -DGW_X16=1 -DGW_NORM=1
 // nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=2 -DGW_K=4096 -DGW_BT=128 -DGW_SPLIT=1 -DGW_Y16=1 -DGW_NORM=1
 // nvrtc-check: -DGW_WTYPE=1 -DGW_EPI=2 -DGW_K=4096 -DGW_BT=64 -DGW_SPLIT=2 -DGW_Y16=1
+// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=3 -DGW_K=4096 -DGW_BT=128 -DGW_SPLIT=2 -DGW_NORM=1 -DGW_HD=128 -DGW_QW=4096 -DGW_KVW=1024
+// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=3 -DGW_K=4096 -DGW_BT=64 -DGW_SPLIT=2 -DGW_NORM=1 -DGW_HD=128 -DGW_QW=4096 -DGW_KVW=1024
+// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=3 -DGW_K=5120 -DGW_BT=128 -DGW_SPLIT=1 -DGW_NORM=1 -DGW_SMS=132 -DGW_SKIP_COLS=4096 -DGW_HD=128 -DGW_QW=4096 -DGW_KVW=1024
+// nvrtc-check: -DGW_WTYPE=1 -DGW_EPI=3 -DGW_K=4096 -DGW_BT=64 -DGW_SPLIT=1 -DGW_X16=1 -DGW_HD=64 -DGW_QW=2048 -DGW_KVW=512
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "bits16.cuh"
 #include "gemm_epilogue.cuh"
 #include "gemm_splitk.cuh"
+#include "rope_math.cuh"
 #include "warp.cuh"
 #include "wgmma.cuh"
 
@@ -145,8 +160,22 @@
 #define GW_YT float
 #endif
 
-#if GW_EPI != 0 && GW_EPI != 1 && GW_EPI != 2
-#error "GW_EPI must be 0, 1 or 2 (no fused argmax here)"
+#if GW_EPI != 0 && GW_EPI != 1 && GW_EPI != 2 && GW_EPI != 3
+#error "GW_EPI must be 0, 1, 2 or 3 (qkv; no fused argmax here)"
+#endif
+#if GW_EPI == 3
+#ifndef GW_HD
+#define GW_HD 128
+#endif
+#ifndef GW_QW
+#define GW_QW 4096
+#endif
+#ifndef GW_KVW
+#define GW_KVW 1024
+#endif
+#if GW_Y16
+#error "GW_EPI 3 writes Q as f32 (GW_Y16 0)"
+#endif
 #endif
 #if GW_BT != 64 && GW_BT != 128
 #error "GW_BT must be 64 or 128 tokens per block"
@@ -269,12 +298,73 @@ __device__ __forceinline__ void wgmma(float* d, const unsigned int a[4], unsigne
 #endif
 }
 
+#if GW_EPI == 3
+constexpr int HD = GW_HD, QW = GW_QW, KVW = GW_KVW;
+constexpr int TS = COLS + 4;   // staged tile row stride in floats: the acc stores (rows 2t apart) conflict-free
+constexpr int HPG = COLS / HD; // heads per column group
+static_assert(HD % 2 == 0 && COLS % HD == 0 && QW % HD == 0 && KVW % HD == 0,
+              "GW_HD even, dividing COLS, GW_QW and GW_KVW: every head inside one column group");
+
+// The tile's final values [live][COLS] (columns c0 ..) staged at tile: qkv_norm_rope's work on
+// each (row, head) unit of it, a warp per unit. The trip count is the same for every warp and
+// every warp runs the head's warp sum, whether its unit is stored or not (the stores are
+// predicated): a shuffle in warp-dependent control flow inside the tile loop makes ptxas
+// serialise the next tile's wgmmas (C7520).
+template <typename Stored>
+__device__ __forceinline__ void qkv_epilogue(const float* tile, int c0, int m0, int live, int N, Stored stored,
+                                             const int* tile_live, int use_live, const float* q_norm,
+                                             const float* k_norm, const double* inv_freq, const int* pos,
+                                             const int* rows, float* q_out, __half* k_cache, __half* v_cache,
+                                             int kv_rows, float eps, float scale) {
+    using RH = RopeHead<HD>;
+    const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31;
+    const int n_units = live * HPG;
+    for (int u0 = 0; u0 < n_units; u0 += THREADS / 32) {
+        const int u = u0 + warp;
+        const int lt = u / HPG, col = c0 + (u - lt * HPG) * HD;
+        const bool ok = u < n_units && col < N && stored(lt);
+        const int m = m0 + (ok ? lt : 0);
+        const int tl = (ok && use_live) ? tile_live[m >> 4] : 1;
+        const int row = ok ? rows[m] : -1;
+        const bool row_ok = row >= 0 && row < kv_rows;
+        const int kind = col < QW ? 0 : (col < QW + KVW ? 1 : 2);   // Q, K, V
+        const float* x = tile + (ok ? lt * TS + col - c0 : 0);
+        float lo[RH::PAIRS], hi[RH::PAIRS], c[RH::PAIRS], s[RH::PAIRS];
+        const float rn = RH::load(x, lo, hi, lane, eps);   // every warp: the shuffles stay uniform
+        if (!ok) continue;
+        if (kind == 2) {   // V: f16 as it is
+            if (row_ok) {
+                __half* dst = v_cache + (long long)row * KVW + (col - QW - KVW);
+                for (int d = lane; d < HD; d += 32) dst[d] = __float2half_rn(x[d]);
+            }
+            continue;
+        }
+        if ((kind == 0 && tl == 2) || (kind == 1 && !row_ok)) continue;   // a context row's Q is never read
+        const int p = pos[m];
+#pragma unroll
+        for (int j = 0; j < RH::PAIRS; j++) {
+            const int i = lane + 32 * j;
+            c[j] = 0.f;
+            s[j] = 0.f;
+            if (i < RH::HALF) rope_cos_sin(p, inv_freq[i], scale, c[j], s[j]);
+        }
+        if (kind == 0)
+            RH::store(q_out + (long long)m * QW + col, lo, hi, rn, q_norm, c, s, lane);
+        else
+            RH::store(k_cache + (long long)row * KVW + (col - QW), lo, hi, rn, k_norm, c, s, lane);
+    }
+}
+#endif
+
 }  // namespace gemm_wgmma_detail
 
 extern "C" __global__ void __launch_bounds__(GW_WG * 128, 1)
 gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW_YT* y, const float* r,
            int M, int N, int kz, int kt, float* ws, int* counters, const int* pad_lo, int pad_hi,
-           const float* __restrict__ ln, float eps, int norm_lo, const int* tile_live, int use_live) {
+           const float* __restrict__ ln, float eps, int norm_lo, const int* tile_live, int use_live,
+           const float* __restrict__ q_norm, const float* __restrict__ k_norm, const double* __restrict__ inv_freq,
+           const int* __restrict__ pos, const int* __restrict__ rows, __half* k_cache, __half* v_cache, int kv_rows,
+           float rope_eps, float rope_scale) {
     using namespace gemm_wgmma_detail;
     extern __shared__ __align__(128) unsigned char smem[];
 
@@ -599,6 +689,34 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
 
         // acc[a][4 jn + e]: weight row 16 wq + g + 8 (e >= 2) of set a, token 8 jn + 2t + (e & 1).
         if (ks == 1) {
+#if GW_EPI == 3
+            // the values y would hold, staged over the x buffers (every warpgroup's wgmmas retired)
+            float* tile = reinterpret_cast<float*>(smem);
+            __syncthreads();
+#pragma unroll
+            for (int jn = 0; jn < BT / 8; jn++) {
+#pragma unroll
+                for (int e1 = 0; e1 < 2; e1++) {
+                    const int lt = 8 * jn + 2 * t + e1, row = m0 + lt;
+                    if (lt >= live || !((smask >> (lt >> 4)) & 1u)) continue;
+                    float sc = 1.0f;
+#if GW_NORM
+                    if (row >= norm_lo) sc = rsqrtf(row_ss(lt) * (1.0f / K) + eps);
+#else
+                    (void)row;
+#endif
+#pragma unroll
+                    for (int e2 = 0; e2 < 2; e2++)
+#pragma unroll
+                        for (int a = 0; a < 2; a++)
+                            tile[lt * TS + wg * 128 + 64 * a + 16 * wq + g + 8 * e2] = acc[a][4 * jn + 2 * e2 + e1] * sc;
+                }
+            }
+            __syncthreads();
+            qkv_epilogue(tile, cg * COLS, m0, live, N, [&](int lrow) { return ((smask >> (lrow >> 4)) & 1u) != 0u; },
+                         tile_live, use_live, q_norm, k_norm, inv_freq, pos, rows, y, k_cache, v_cache, kv_rows,
+                         rope_eps, rope_scale);
+#else
 #pragma unroll
             for (int jn = 0; jn < BT / 8; jn++) {
 #pragma unroll
@@ -627,6 +745,7 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
                     }
                 }
             }
+#endif
             continue;
         }
 
@@ -652,8 +771,32 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
 #if GW_NORM
         if ((int)threadIdx.x < live) ssw[zi * BT + threadIdx.x] = row_ss((int)threadIdx.x);
 #endif
+#if GW_EPI == 3
+        // the reducing block sums the slices into the staged tile (the x buffers: every wgmma of
+        // the block retired before splitk_reduce's barrier), then the qkv epilogue as above
+        float* tile = reinterpret_cast<float*>(smem);
+        if (splitk_reduce<NW, BT, COLS, THREADS, GW_EPI, GW_NORM, K, GW_WTYPE>(
+                wss, ssw, ks, counters + slot, y, r, m0, live, cg * COLS, N, eps, norm_lo,
+                [&](int lrow) { return ((smask >> (lrow >> 4)) & 1u) != 0u; }, tile, TS)) {
+            __syncthreads();
+            qkv_epilogue(tile, cg * COLS, m0, live, N, [&](int lrow) { return ((smask >> (lrow >> 4)) & 1u) != 0u; },
+                         tile_live, use_live, q_norm, k_norm, inv_freq, pos, rows, y, k_cache, v_cache, kv_rows,
+                         rope_eps, rope_scale);
+        }
+#else
+        (void)q_norm;
+        (void)k_norm;
+        (void)inv_freq;
+        (void)pos;
+        (void)rows;
+        (void)k_cache;
+        (void)v_cache;
+        (void)kv_rows;
+        (void)rope_eps;
+        (void)rope_scale;
         splitk_reduce<NW, BT, COLS, THREADS, GW_EPI, GW_NORM, K, GW_WTYPE>(
             wss, ssw, ks, counters + slot, y, r, m0, live, cg * COLS, N, eps, norm_lo,
             [&](int lrow) { return ((smask >> (lrow >> 4)) & 1u) != 0u; });
+#endif
     }
 }

@@ -24,9 +24,11 @@
 //   xn = x / sqrt(mean(x^2) + eps) * w          (Q and K; V untouched)
 //   a_i = pos * f_i; c = cos(a_i)*mscale, s = sin(a_i)*mscale
 //   (xn_i, xn_{i+D/2}) -> (xn_i c - xn_{i+D/2} s, xn_{i+D/2} c + xn_i s)
-// The angle is formed in double and reduced modulo 2*pi before sincosf, so
-// positions >= 2^20 lose nothing against a rebased window (an f32 product
-// p*f would have an absolute error of ~p * 2^-24 radians).
+// The angle is formed in double and reduced modulo 2*pi before sincospif (of the
+// reduced angle / pi: no slow path for huge arguments, which sincosf carries and
+// which serialises the wgmmas of gemm_wgmma.cu's qkv epilogue, the same math from
+// rope_math.cuh), so positions >= 2^20 lose nothing against a rebased window (an
+// f32 product p*f would have an absolute error of ~p * 2^-24 radians).
 //
 // Launch: grid (M), block (ROPE_THREADS) — ROPE_THREADS a multiple of 32.
 //   Step 1: the block computes the D/2 (cos, sin) pairs of its row once into
@@ -44,7 +46,7 @@
 // nvrtc-check: -DD=80 -DNH=3 -DNKV=1 -DHAS_Q=1
 // nvrtc-check: -DD=256 -DNH=16 -DNKV=4 -DHAS_Q=1
 #include <cuda_fp16.h>
-#include "warp.cuh"
+#include "rope_math.cuh"  // the per-head math, shared with gemm_wgmma.cu's qkv epilogue
 
 #ifndef D
 #define D 128
@@ -76,34 +78,6 @@
 #error "rope.cu: ROPE_THREADS must be a multiple of 32"
 #endif
 
-// 2*pi split in two doubles (Cody-Waite): k*TWO_PI_HI is exact under fma, so
-// the reduction error stays ~1 ulp of the reduced angle even for k ~ 1e8.
-#define TWO_PI_HI 6.283185307179586
-#define TWO_PI_LO 2.4492935982947064e-16
-#define INV_TWO_PI 0.15915494309189535
-
-// Store one normalised, rotated head: (a, b) = (lo, hi) * rn * w, then the NEOX
-// rotation by this row's angles; q rows as f32, K rows as f16 (the cache type).
-__device__ __forceinline__ void put(float* p, float v) { *p = v; }
-__device__ __forceinline__ void put(__half* p, float v) { *p = __float2half_rn(v); }
-
-template <typename T>
-__device__ __forceinline__ void norm_rope_store(T* dst, const float* lo, const float* hi, float rn,
-                                                const float* w, const float* cs_cos, const float* cs_sin,
-                                                int lane) {
-#pragma unroll
-    for (int j = 0; j < PAIRS_PER_LANE; ++j) {
-        const int i = lane + 32 * j;
-        if (i < HALF_D) {
-            const float a = lo[j] * rn * w[i];
-            const float b = hi[j] * rn * w[i + HALF_D];
-            const float c = cs_cos[i], s = cs_sin[i];
-            put(dst + i, a * c - b * s);
-            put(dst + i + HALF_D, b * c + a * s);
-        }
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
 qkv_norm_rope(const float* __restrict__ qkv,
               const float* __restrict__ q_norm,
@@ -128,16 +102,7 @@ qkv_norm_rope(const float* __restrict__ qkv,
     const int row = rows[m];
     const bool row_ok = row >= 0 && row < kv_rows;
 
-    for (int i = threadIdx.x; i < HALF_D; i += ROPE_THREADS) {
-        const double a = (double)p * inv_freq[i];
-        const double k = rint(a * INV_TWO_PI);
-        double r = fma(-k, TWO_PI_HI, a);
-        r = fma(-k, TWO_PI_LO, r);
-        float s, c;
-        sincosf((float)r, &s, &c);
-        cs_cos[i] = c * attn_scale_factor;
-        cs_sin[i] = s * attn_scale_factor;
-    }
+    for (int i = threadIdx.x; i < HALF_D; i += ROPE_THREADS) rope_cos_sin(p, inv_freq[i], attn_scale_factor, cs_cos[i], cs_sin[i]);
     __syncthreads();
 
     const int warp = threadIdx.x / 32;
@@ -162,24 +127,21 @@ qkv_norm_rope(const float* __restrict__ qkv,
             continue;
         }
 
-        float lo[PAIRS_PER_LANE], hi[PAIRS_PER_LANE];
-        float ss = 0.f;
+        float lo[PAIRS_PER_LANE], hi[PAIRS_PER_LANE], c[PAIRS_PER_LANE], sn[PAIRS_PER_LANE];
+        const float rn = RopeHead<D>::load(x, lo, hi, lane, eps);
+        const float* w = kind == 0 ? q_norm : k_norm;
 #pragma unroll
         for (int j = 0; j < PAIRS_PER_LANE; ++j) {
             const int i = lane + 32 * j;
-            lo[j] = 0.f; hi[j] = 0.f;
-            if (i < HALF_D) { lo[j] = x[i]; hi[j] = x[i + HALF_D]; }
-            ss += lo[j] * lo[j] + hi[j] * hi[j];
+            c[j] = i < HALF_D ? cs_cos[i] : 0.f;
+            sn[j] = i < HALF_D ? cs_sin[i] : 0.f;
         }
-        ss = warp_sum(ss);
-        const float rn = rsqrtf(ss / (float)D + eps);
-        const float* w = kind == 0 ? q_norm : k_norm;
 
         if (kind == 0) {
-            norm_rope_store(q_out + (long long)m * (NH * D) + h * D, lo, hi, rn, w, cs_cos, cs_sin, lane);
+            RopeHead<D>::store(q_out + (long long)m * (NH * D) + h * D, lo, hi, rn, w, c, sn, lane);
         } else {
             if (!row_ok) continue;
-            norm_rope_store(k_cache + (long long)row * KV_W + h * D, lo, hi, rn, w, cs_cos, cs_sin, lane);
+            RopeHead<D>::store(k_cache + (long long)row * KV_W + h * D, lo, hi, rn, w, c, sn, lane);
         }
     }
 }

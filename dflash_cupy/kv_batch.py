@@ -311,8 +311,8 @@ class DraftKvBatch(StepIssuer):
         tiles_all, tiles_noise = self.tile_live, self.tiles_noise
         h_in, resid_in = self._layer_input(li)
         if self._fold_norms:
-            self.g_qkv(resid_in, L.w_qkv, self.qkv, M, tile_live=tiles_all, stream=stream,
-                       norm=(L.input_layernorm, 0 if c.context_kv_layer_norm else NC))
+            self._qkv_rope(li, L, resid_in, M, stream, tile_live=tiles_all,
+                           norm=(L.input_layernorm, 0 if c.context_kv_layer_norm else NC))
             if self.g_attn_gate is not None:
                 self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
         else:
@@ -320,10 +320,7 @@ class DraftKvBatch(StepIssuer):
                 self.rms(resid_in, L.input_layernorm, self.xin, stream=stream)
             else:
                 self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
-            self.g_qkv(self.xin, L.w_qkv, self.qkv, M, tile_live=tiles_all, stream=stream)
-        self.rope_step(self.qkv, L.k_norm, self.inv_freq, self.pos_all, self.rows_all,
-                       self.k_cache[li], self.v_cache[li], q_norm=L.q_norm, q_out=self.q_all, stream=stream,
-                       tile_live=tiles_all)
+            self._qkv_rope(li, L, self.xin, M, stream, tile_live=tiles_all)
         if self.g_attn_gate is not None:
             self.g_attn_gate(self.hn, L.w_attn_gate, self.gate, NN, tile_live=tiles_noise, stream=stream)
         mask = self.mask_swa if L.sliding else self.mask_full

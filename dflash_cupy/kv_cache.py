@@ -306,8 +306,8 @@ class DraftKvCache(StepIssuer):
         pad = (self.desc[DESC_N_NEW:DESC_N_NEW + 1], A) if self.g_qkv.path == "stream" else None
         ctx_norm = self.config.context_kv_layer_norm  # context rows: rmsnorm(T) * input_layernorm too
         if self._fold_norms:   # rmsnorm(rows) * input_layernorm inside the GEMM, from resid
-            self.g_qkv(resid_in, L.w_qkv, self.qkv, A + B, stream=stream, pad_rows=pad,
-                       norm=(L.input_layernorm, 0 if ctx_norm else A))
+            self._qkv_rope(li, L, resid_in, A + B, stream, pad_rows=pad,
+                           norm=(L.input_layernorm, 0 if ctx_norm else A))
             if self.g_attn_gate is not None:   # the gate GEMM still reads hn
                 self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
         else:
@@ -315,10 +315,7 @@ class DraftKvCache(StepIssuer):
                 self.rms(resid_in, L.input_layernorm, self.xin, stream=stream)
             else:
                 self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
-            self.g_qkv(self.xin, L.w_qkv, self.qkv, A + B, stream=stream, pad_rows=pad)
-        self.rope_step(self.qkv, L.k_norm, self.inv_freq, self.pos_all, self.rows_all,
-                       self.k_cache[li], self.v_cache[li], q_norm=L.q_norm, q_out=self.q_all,
-                       stream=stream)
+            self._qkv_rope(li, L, self.xin, A + B, stream, pad_rows=pad)
         if self.g_attn_gate is not None:
             self.g_attn_gate(self.hn, L.w_attn_gate, self.gate, B, stream=stream)
         mask = self.mask_swa if L.sliding else self.mask_full

@@ -88,6 +88,7 @@ class StepIssuer:
         rounding its activations as ``self.x_split`` says; ``_lm_part``: the
         fused argmax's partials for ``lm_rows`` rows (``logits=False``)."""
         from .ops.gemm import Gemm
+        from .ops.rope import RopeSpec
         be, c, H = self.backend, self.config, self.config.hidden_size
         L0, kvw = self.dw.layers[0], c.kv_dim
         fold_eps = c.rms_norm_eps if self._fold_norms else None
@@ -101,8 +102,16 @@ class StepIssuer:
             return Gemm(be, *a, max_m=max_m, x_split=self.x_split, live_split=lanes, **kw)
         self.g_fc = gemm(H, c.fc_in, self.dw.fc.dtype)
         self.g_kv = gemm(2 * kvw, H, L0.w_qkv.dtype)
+        # rope: the q/k norm + RoPE + K/V scatter folds into the qkv GEMM's epilogue where its
+        # launch allows (_qkv_rope); QkvNormRope (rope_step) runs after it elsewhere. Offered
+        # only where the step's rows take the wgmma kernel by default (its qkv variants are
+        # compiled now, and cost a build where they would never run)
+        from .ops.gemm_stream import WG_MIN_M
+        step_rows = self.lanes * (self.ctx_rows + self.lane_rows) if lanes else self.a_step + self.q_len
+        rope = RopeSpec(c.head_dim, c.n_head, c.n_head_kv, c.rms_norm_eps, self.attn_scaling) \
+            if step_rows >= WG_MIN_M else None
         self.g_qkv = gemm(c.q_dim + 2 * kvw, H, L0.w_qkv.dtype, norm_eps=fold_eps,
-                          skip_cols=c.q_dim if lanes else 0)
+                          skip_cols=c.q_dim if lanes else 0, rope=rope)
         self.g_o = gemm(H, c.q_dim, L0.w_o.dtype, "residual", x16=attn16 is not None)
         self.g_gate_up = gemm(c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul", norm_eps=fold_eps,
                               y16=act16 is not None)
@@ -151,6 +160,21 @@ class StepIssuer:
         self.g_fc(feat, dw.fc, out, m, stream=stream, **gemm_kw)
         self.rms(out, dw.hidden_norm, out, rows=m, stream=stream, tile_live=gemm_kw.get("tile_live"),
                  y2=out2)
+
+    def _qkv_rope(self, li: int, L, x, m: int, stream, **gemm_kw) -> None:
+        """Layer ``li``'s qkv projection of the step's ``m`` rows of ``x`` with the q/k norm,
+        RoPE and the K/V scatter: Q into ``q_all``, K/V into the layer's caches at ``rows_all``.
+        One launch where the qkv GEMM folds them into its epilogue, else the GEMM into ``qkv``
+        and ``rope_step`` (``gemm_kw``: pad_rows, norm, tile_live; the last also for the rope)."""
+        if self.g_qkv.rope is not None and self.g_qkv.fuses_rope(m):
+            self.g_qkv(x, L.w_qkv, self.q_all, m, stream=stream,
+                       rope=(L.q_norm, L.k_norm, self.inv_freq, self.pos_all, self.rows_all, self.k_cache[li],
+                             self.v_cache[li]), **gemm_kw)
+            return
+        self.g_qkv(x, L.w_qkv, self.qkv, m, stream=stream, **gemm_kw)
+        self.rope_step(self.qkv, L.k_norm, self.inv_freq, self.pos_all, self.rows_all,
+                       self.k_cache[li], self.v_cache[li], q_norm=L.q_norm, q_out=self.q_all, stream=stream,
+                       tile_live=gemm_kw.get("tile_live"))
 
     def _append_rows(self, feat, m: int, k_caches, v_caches, stream) -> None:
         """Bulk append: rows [0, m) of ``feat`` at ``ap_pos``/``ap_rows`` -> the K/V

@@ -794,9 +794,27 @@ def _gemm_wgmma(L) -> KernelCounters:
     c.l2_round_trips_per_block = 2 + (1 if dynamic else 0)   # live split: the tile_live scan
     c.inflight_peak_bytes_per_warp = (D - 1) * 8 * 512
 
+    qkv = _wgmma_qkv_epilogue(c, L, classes, flags, BT, COLS, N, M, gz) if EPI == 3 else None
+    n_tiles = sum(len(act) * ng for ng, _, _, _, act in classes)
     # epilogue: one 4-byte store per (set, token, weight row) kept; 8 consecutive columns (g)
     # of one token per 8 lanes: one sector per 8 lanes
-    if gz == 1:
+    if qkv is not None:   # GW_EPI 3: the tile goes to shared memory, not to y (its stores counted above)
+        if gz > 1:
+            # every slice stores its stored rows' whole COLS (past N: zeros); the reduction reads
+            # the columns below N; a ticket (atomic) per slice and the counter's reset per tile
+            part = gz * st_rows * COLS * 4
+            _contig(c, "st", part, 4)
+            _contig(c, "ld", gz * st_elems * 4, 16)
+            c.add_global("st", n_tiles * (gz + 1), 1, 4)
+            if NORM:
+                _contig(c, "st", gz * st_rows * 4)
+                _contig(c, "ld", gz * st_rows * 4)
+            c.barriers += n_live * gz * 2
+            c.bytes_written[_name(ws)] = part
+            c.bytes_read[_name(ws)] = part
+            c.l2_round_trips_per_block += splitk_reduce_trips(min(BT, M), BT, COLS, THREADS, gz, NW)
+            c.notes.append(f"split-K {gz}: partial tiles ({part / 1e6:.2f} MB) round-trip through L2")
+    elif gz == 1:
         if YB == 2:   # 2-byte stores: 8 lanes' columns of a token fill half a sector
             c.add_global("st", -(-st_elems // 32), 4, 64)
         else:
@@ -820,10 +838,12 @@ def _gemm_wgmma(L) -> KernelCounters:
         c.notes.append(f"split-K {gz}: partial tiles ({part / 1e6:.2f} MB) round-trip through L2")
     m_live = sum(rows_union)
     c.bytes_read[_name(x)] = m_live * K * XB
-    c.bytes_written[_name(y)] = st_elems * YB
+    if qkv is None:
+        c.bytes_written[_name(y)] = st_elems * YB
     if EPI == 1:
         c.bytes_read[_name(r) + " (residual)"] = st_elems * 4
-    c.dram_bytes = (N * NW * K * 2 if any_act else 0) + m_live * K * XB + st_elems * (8 if EPI == 1 else YB)
+    c.dram_bytes = (N * NW * K * 2 if any_act else 0) + m_live * K * XB + \
+        (qkv if qkv is not None else st_elems * (8 if EPI == 1 else YB))
     c.live_blocks = n_live * gz
     n_act = max((len(act) for *_, act in classes), default=0)
     if n_act < gy:
@@ -838,6 +858,85 @@ def _gemm_wgmma(L) -> KernelCounters:
     if SPLIT == 2:
         c.notes.append("activations split hi + lo: 2x the wgmmas")
     return c
+
+
+def _wgmma_qkv_epilogue(c: KernelCounters, L, classes, flags, BT: int, COLS: int, N: int, M: int, gz: int) -> int:
+    """gemm_wgmma.cu's GW_EPI 3 (the qkv GEMM with qkv_norm_rope folded in), added to ``c``:
+    the tile's final values staged in shared memory (the K loop's accumulators: 4 conflict-free
+    stores per 8 lanes' rows; split K: the reducing block's float4 stores, 4 wavefronts per 32
+    items), then per block ceil(rows x heads / 8) rounds in which every warp loads a
+    head's pairs (2 x PAIRS conflict-free loads) and runs its warp sum; per stored unit: Q rows
+    f32 (rows of tiles marked 2: none), K rows f16 at the row's ring slot (after the norm weights
+    and the angles: PAIRS 8-byte inv_freq loads, one pos load), V f16 as it is; each row's slot
+    (and tile_live) read once per unit. Ring rows outside [0, kv_rows) are assumed absent.
+    Returns the compulsory bytes it moves (Q, K, V written; pos, rows, the weights read)."""
+    d = L.defines
+    HD, QW, KVW = d["GW_HD"], d["GW_QW"], d["GW_KVW"]
+    HALF = HD // 2
+    PAIRS = -(-HALF // 32)
+    from dflash_cupy.ops import gemm_stream as gs
+    WARPS = gs.WG_THREADS // 32
+    y, pos_a, rows_a = L.args[2], L.args[20], L.args[21]
+    q_norm, k_norm, freq, kc, vc = L.args[17], L.args[18], L.args[19], L.args[22], L.args[23]
+    use_live = int(L.args[16]) != 0
+    n_q = n_k = n_v = 0      # stored (row, head) units of each kind
+    rounds = 0
+    st_instr = 0
+    for ng, g0, _, blocks, act in classes:
+        for bx in range(g0, g0 + ng):
+            heads = [bx * COLS + h * HD for h in range(COLS // HD) if bx * COLS + h * HD < N]
+            for by in act:
+                st, _cp = blocks[by]
+                rows_st = [by * BT + 16 * i + r for i, v in enumerate(st) for r in range(v)]
+                live = min(BT, M - by * BT)
+                rounds += -(-live * (COLS // HD) // WARPS)   # a partial group's missing heads too
+                if gz == 1:
+                    stored = set(r - by * BT for r in rows_st)
+                    st_instr += WARPS * 4 * sum(1 for jn in range(BT // 8) for e1 in range(2)
+                                                if any(8 * jn + 2 * t + e1 in stored for t in range(4)))
+                else:   # the reducer's float4 stores of the columns below N, 32 items per instruction
+                    st_instr += -(-len(rows_st) * -(-min(COLS, N - bx * COLS) // 4) // 32)
+                for col in heads:
+                    for r in rows_st:
+                        tl = 1 if flags is None else int(flags[r // 16])
+                        if col < QW:
+                            n_q += tl != 2
+                        elif col < QW + KVW:
+                            n_k += 1
+                        else:
+                            n_v += 1
+    per = 1 if gz == 1 else 4     # wavefronts per store: 4-byte lanes, or 16-byte ones
+    c.smem_requests += st_instr
+    c.smem_wavefronts += per * st_instr
+    c.smem_ideal_wavefronts += per * st_instr
+    n_ld = rounds * WARPS * 2 * PAIRS + n_v * -(-HD // 32)
+    c.smem_requests += n_ld
+    c.smem_wavefronts += n_ld
+    c.smem_ideal_wavefronts += n_ld
+    units = n_q + n_k + n_v
+    rot = n_q + n_k
+    # global: per unit its row's slot (+ tile_live) and, rotated, pos and PAIRS 8-byte angles'
+    # frequencies and 2 x PAIRS norm-weight loads; stores: 2 x PAIRS per rotated unit, HD/32 per V unit
+    c.add_global("ld", units * (1 + int(use_live)), 1, 4)
+    c.add_global("ld", rot, 1, 4)
+    c.add_global("ld", rot * PAIRS, 8, 256)
+    c.add_global("ld", rot * 2 * PAIRS, 4, 128)
+    c.add_global("st", n_q * 2 * PAIRS, 4, 128)
+    c.add_global("st", (n_k * 2 * PAIRS + n_v * -(-HD // 32)), 2, 64)
+    # two barriers around the staging (K loop's tile), or one after the reduction
+    c.barriers += (2 if gz == 1 else 1) * sum(len(act) * ng for ng, _, _, _, act in classes)
+    rows_any = sum(1 for r in range(M) if flags is None or int(flags[r // 16]))
+    c.bytes_written[_name(y)] = n_q * HD * 4
+    c.bytes_written[_name(kc)] = n_k * HD * 2
+    c.bytes_written[_name(vc)] = n_v * HD * 2
+    c.bytes_read[_name(pos_a)] = rows_any * 4
+    c.bytes_read[_name(rows_a)] = rows_any * 4
+    c.bytes_read[_name(freq)] = HALF * 8
+    c.bytes_read[_name(q_norm) + " (q_norm)"] = HD * 4
+    c.bytes_read[_name(k_norm) + " (k_norm)"] = HD * 4
+    c.notes.append(f"qkv epilogue (q/k norm + RoPE + K/V scatter): {n_q} Q, {n_k} K, {n_v} V head rows "
+                   f"stored; the [M, N] qkv matrix is never written")
+    return n_q * HD * 4 + (n_k + n_v) * HD * 2 + 2 * rows_any * 4 + HALF * 8 + 2 * HD * 4
 
 
 # ---------------------------------------------------------------------------- attention_mma.cu

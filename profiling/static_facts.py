@@ -88,14 +88,15 @@ def waves(n_blocks: int, blocks_per_sm: int, sm_count: int) -> Waves:
 
 def graph_node_count(n_layer: int, *, aux_norms: bool = False, context_kv_norm: bool = False,
                      attn_gate: bool = False, attn_combine: bool = False, both_masks: bool = False,
-                     lm_head: bool = False, fold_norms: bool = True) -> int:
+                     lm_head: bool = False, fold_norms: bool = True, qkv_fold: bool = True) -> int:
     """Nodes of one captured step (``DraftKvCache._issue_step``), counted by
     hand from the code: descriptor copy, plan_step (reset_slots_if,
     plan_append, the feature gather and the masks in one launch), [aux
     rmsnorm], fc GEMM, rmsnorm (no noise copy: the first layer reads
     noise_embed in place); per layer [rmsnorm: unless
     folded into the qkv GEMM, or for the gate GEMM's input], qkv GEMM,
-    qkv_norm_rope, [gate GEMM], attention [+ ring_attn_combine:
+    [qkv_norm_rope: unless folded into the qkv GEMM's epilogue, ``qkv_fold``:
+    the wgmma launch, every head inside one column group], [gate GEMM], attention [+ ring_attn_combine:
     ``attn_combine``, split with merge "launch"; one launch with one split or
     merge "fold"], o GEMM,
     [rmsnorm unless folded into gate_up], gate_up GEMM, down GEMM; final
@@ -106,5 +107,5 @@ def graph_node_count(n_layer: int, *, aux_norms: bool = False, context_kv_norm: 
     (plan_step writes both)."""
     pre = 1 + 1 + int(aux_norms) + 2
     norms = (int(attn_gate), 0) if fold_norms else (1, 1)
-    per_layer = norms[0] + 2 + int(attn_gate) + 1 + int(attn_combine) + 1 + norms[1] + 2
+    per_layer = norms[0] + 1 + int(not qkv_fold) + int(attn_gate) + 1 + int(attn_combine) + 1 + norms[1] + 2
     return pre + n_layer * per_layer + 1 + 2 * int(lm_head)

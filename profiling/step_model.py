@@ -49,6 +49,16 @@ def _rope(b: Counter, rope, m: int) -> None:
     b["kv_cache_write"] += 2 * m * rope.kv_width * 2
 
 
+def _qkv_folded(b: Counter, g, rope, m: int) -> None:
+    """The qkv GEMM with ``QkvNormRope`` in its epilogue over ``m`` rows: the GEMM's reads,
+    then what the rope writes (q f32, K and V f16 rows) and its small reads; the ``[m, N]``
+    qkv matrix is neither written nor read back."""
+    _gemm(b, g, m)
+    b["activations"] -= m * g.N * 4
+    _rope(b, rope, m)
+    b["activations"] -= m * rope.qkv_width * 4
+
+
 def append_bytes(cache, m: int, n_new: int, ring_itemsize: int, *, noise_positions: bool,
                  layers: bool = True) -> Counter:
     """``plan_append`` + feature gather + feature fusion over ``m`` rows of which
@@ -97,8 +107,11 @@ def step_bytes(cache, n_new: int, ring_itemsize: int) -> dict:
             b["activations"] += cache.rms.bytes_moved(A + B if c.context_kv_layer_norm else B)
         elif cache.g_attn_gate is not None:   # the gate GEMM's input
             b["activations"] += cache.rms.bytes_moved(B)
-        _gemm(b, cache.g_qkv, A + B)
-        _rope(b, cache.rope_step, A + B)
+        if cache.g_qkv.fuses_rope(A + B):
+            _qkv_folded(b, cache.g_qkv, cache.rope_step, A + B)
+        else:
+            _gemm(b, cache.g_qkv, A + B)
+            _rope(b, cache.rope_step, A + B)
         if cache.g_attn_gate is not None:
             _gemm(b, cache.g_attn_gate, B)
         total = att.bytes_moved()

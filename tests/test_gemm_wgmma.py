@@ -21,6 +21,13 @@ from tests.tolerances import assert_close
 MAX_M = 200
 
 
+def _no_rope(sk):
+    """The wgmma kernel's trailing qkv-epilogue arguments (GW_EPI 3 only reads them), as
+    StreamKernels passes them to the other epilogues."""
+    return (sk._ws, sk._ws, sk._no_freq, sk._counters, sk._counters, sk._no_kv, sk._no_kv, np.int32(0),
+            np.float32(0.0), np.float32(1.0))
+
+
 def _gemm(backend, N, K, epilogue="none", wkind="bf16", **kw):
     return Gemm(backend, N, K, wkind, epilogue=epilogue, max_m=MAX_M, path="stream", **kw)
 
@@ -234,11 +241,12 @@ def test_ptxas_registers_within_the_table():
     from tests.test_nvrtc import nvrtc_check
     src = gs.kernels.source_path("gemm_wgmma.cu")
     for bt in (64, 128):
-        for epi, norm, split in ((0, 0, 2), (2, 1, 1), (1, 0, 1), (2, 0, 2), (0, 1, 2)):
-            for lanes in ({}, {"GW_SMS": 132, "GW_SKIP_COLS": 4096 if epi == 0 else 0}):   # live split
+        for epi, norm, split in ((0, 0, 2), (2, 1, 1), (1, 0, 1), (2, 0, 2), (0, 1, 2), (3, 1, 2), (3, 0, 1)):
+            for lanes in ({}, {"GW_SMS": 132, "GW_SKIP_COLS": 4096 if epi in (0, 3) else 0}):   # live split
+                qkv = dict(GW_HD=128, GW_QW=4096, GW_KVW=1024) if epi == 3 else {}   # the fused qkv epilogue
                 opts = tuple(gs.kernels.compile_options(GW_WTYPE=2, GW_EPI=epi, GW_K=4096, GW_BT=bt, GW_SPLIT=split,
                                                         GW_DEPTH=gs.WG_DEPTH[bt], **({"GW_NORM": 1} if norm else {}),
-                                                        **lanes))[1:]
+                                                        **lanes, **qkv))[1:]
                 info = nvrtc_check(src.read_text(), str(src), "sm_90a", opts)["gemm_wgmma"]
                 assert info["registers"] <= gs.WG_PTXAS_REGS[bt] and info["spill_stores"] == 0, (bt, epi, lanes, info)
 
@@ -268,7 +276,7 @@ def test_emulator_counts_match_the_static_model(emu, rng):
     w = emu.asarray(host_weights(rng, N, K, "bf16"))
     y = emu.zeros((m, N), np.float32)
     args = (x, w, y, y, np.int32(m), np.int32(N), np.int32(p.kz), np.int32(p.kt), sk._ws, sk._counters,
-            sk._counters, np.int32(0), x, np.float32(0), np.int32(m), sk._counters, np.int32(0))
+            sk._counters, np.int32(0), x, np.float32(0), np.int32(m), sk._counters, np.int32(0)) + _no_rope(sk)
     c = count_launch(sk._kernels[p.mt], p.grid, (p.threads, 1, 1), args, p.smem)
     assert c.wgmma_mma == st.wgmma_mma > 0 and c.wgmma_smem_bytes == st.wgmma_smem_bytes
     assert c.barriers == st.barriers
@@ -309,7 +317,7 @@ def test_chunks_without_a_computed_tile_issue_no_wgmma(emu, rng):
     y = emu.asarray(np.full((m, N), SENTINEL, np.float32))
     x, w, fl = emu.asarray(xh), emu.asarray(wh), emu.asarray(flags)
     args = (x, w, y, y, np.int32(m), np.int32(N), np.int32(p.kz), np.int32(p.kt), sk._ws, sk._counters,
-            sk._counters, np.int32(0), x, np.float32(0), np.int32(m), fl, np.int32(1))
+            sk._counters, np.int32(0), x, np.float32(0), np.int32(m), fl, np.int32(1)) + _no_rope(sk)
     c = count_launch(sk._kernels[p.mt], p.grid, (p.threads, 1, 1), args, p.smem)
     assert c.wgmma_mma == st.wgmma_mma
     got = emu.to_numpy(y)
@@ -444,7 +452,8 @@ def test_live_split_counts_match_the_static_model(emu, rng, monkeypatch):
     op(x, w, y, m, tile_live=emu.asarray(flags))    # warm: compiled, same launch as recorded
     assert tuple(L.grid) == (4, 1, 1)               # one block per SM of the 4
     args = (x, w, y, y, np.int32(m), np.int32(N), np.int32(L.args[6]), np.int32(L.args[7]), sk._ws,
-            sk._counters, sk._counters, np.int32(0), x, np.float32(0), np.int32(m), emu.asarray(flags), np.int32(1))
+            sk._counters, sk._counters, np.int32(0), x, np.float32(0), np.int32(m), emu.asarray(flags), np.int32(1)) \
+        + _no_rope(sk)
     c = count_launch(sk._kernels["wg128"], L.grid, (256, 1, 1), args, L.shared_mem)
     assert c.wgmma_mma == st.wgmma_mma > 0 and c.barriers == st.barriers
     assert st.live_blocks == 5          # 5 working tiles, unsplit: 2 waves of 4 beat 3 waves of 4 split

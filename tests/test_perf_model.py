@@ -267,30 +267,33 @@ def test_node_count_formula(kw, window, merge):
     assert sum(n.kernel == "ring_attn_combine" for n in plan.launches) == c.n_layer * combine
     n = sf.graph_node_count(c.n_layer, aux_norms=c.aux_hidden_norms, context_kv_norm=c.context_kv_layer_norm,
                             attn_gate=c.attn_gate != "none", attn_combine=combine,
-                            both_masks=c.any_full and c.any_sliding)
+                            both_masks=c.any_full and c.any_sliding,
+                            qkv_fold=plan.cache.g_qkv.fuses_rope(plan.a_step + plan.cache.q_len))
     assert plan.n_nodes == n
     assert len(plan.copies) == 1                 # the descriptor (the first layer reads noise_embed in place)
 
 
 @pytest.mark.parametrize("window", [2048, 32768])
 def test_node_count_of_the_presets(window):
-    """40 nodes with the combine launch (the default rule's merge below 24K keys),
-    35 with the merge folded into the split kernel (from there on), 42 / 37 with an LM head."""
+    """35 nodes with the combine launch (the default rule's merge below 24K keys),
+    30 with the merge folded into the split kernel (from there on), 37 / 32 with an LM head:
+    the q/k norm + RoPE + K/V scatter runs in the qkv GEMM's epilogue (no qkv_norm_rope)."""
     for name in ("h4096", "qwen3.5-27b"):
         plan = step_plan(drafter_config(name), window)
         att = plan.cache.attention
         assert att.n_splits > 1 and att.merge == ("launch" if window == 2048 else "fold")
         combine = att.merge == "launch"
-        assert plan.n_nodes == (40 if combine else 35) == sf.graph_node_count(5, attn_combine=combine)
+        assert plan.n_nodes == (35 if combine else 30) == sf.graph_node_count(5, attn_combine=combine)
+        assert not any(n.kernel == "qkv_norm_rope" for n in plan.launches)
         if window == 2048:
             lm = step_plan(drafter_config(name), window, lm_head_vocab=1024)
-            assert lm.n_nodes == 42 == sf.graph_node_count(5, attn_combine=True, lm_head=True)
+            assert lm.n_nodes == 37 == sf.graph_node_count(5, attn_combine=True, lm_head=True)
             fold = step_plan(drafter_config(name), window, attn_config=(None, "fold"))
-            assert fold.n_nodes == 35 == sf.graph_node_count(5)
-        # per layer: qkv GEMM (input norm folded), rope, attention [+ combine], o, gate_up
+            assert fold.n_nodes == 30 == sf.graph_node_count(5)
+        # per layer: qkv GEMM (input norm and rope folded), attention [+ combine], o, gate_up
         # (norm folded), down; outside: descriptor copy, plan_step, fc GEMM, rmsnorm (it
         # writes the context rows for the first layer too: no noise copy), final rmsnorm
-        assert plan.n_nodes - 5 * (6 + combine) == 5
+        assert plan.n_nodes - 5 * (5 + combine) == 5
         assert sum(n.kernel == "rmsnorm" for n in plan.launches) == 2
 
 

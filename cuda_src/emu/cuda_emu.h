@@ -137,6 +137,13 @@ static inline long long __double_as_longlong(double d) { long long i; std::memcp
 #define __tanf(x) tanf(x)
 #define __powf(x, y) powf(x, y)
 #define __sincosf(x, s, c) sincosf(x, s, c)
+// sin(pi x), cos(pi x): glibc has no float sinpi/cospi; the double functions of pi * x rounded
+// once to float (within an ulp of the device's)
+static inline void sincospif(float x, float* s, float* c) {
+    const double a = 3.141592653589793 * (double)x;
+    *s = (float)sin(a);
+    *c = (float)cos(a);
+}
 // The device's x * rcp.approx(y): 0 (times x's sign and y's) for 2^126 < |y|; otherwise the
 // exact quotient (the device's is within 2 ulp).
 static inline float __fdividef(float x, float y) {

@@ -44,6 +44,7 @@ import numpy as np
 
 from .. import checks, device_props, dtypes, kernels
 from . import gemm_stream
+from .rope import RopeSpec, check_rope_targets
 
 EPILOGUES = {"none": 0, "residual": 1, "silu_mul": 2, "argmax": 3}
 
@@ -86,7 +87,8 @@ class Gemm:
     def __init__(self, backend, N: int, K: int, w_dtype, epilogue: str = "none", max_m: int = 64,
                  path: str = "auto", x_split: bool = True, k_split: int | None = None,
                  norm_eps: float | None = None, logits: bool = True, wgmma: bool | None = None,
-                 x16: bool = False, y16: bool = False, skip_cols: int = 0, live_split: bool = False):
+                 x16: bool = False, y16: bool = False, skip_cols: int = 0, live_split: bool = False,
+                 rope: RopeSpec | None = None):
         N, K, max_m = (checks.int_arg(v, name, 1) for v, name in ((N, "N"), (K, "K"), (max_m, "max_m")))
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue {epilogue!r}: expected one of {tuple(EPILOGUES)}")
@@ -139,6 +141,14 @@ class Gemm:
         if self.y16 and (self.path != "stream" or epilogue not in ("none", "silu_mul")):
             raise ValueError(f"y16=True (y written in the weight type) needs path 'stream' and epilogue 'none' or "
                              f"'silu_mul' (this Gemm runs {self.path!r} with {epilogue!r})")
+        # rope: the qkv GEMM of a drafter layer may fold QkvNormRope(has_q=True) into its
+        # epilogue (the wgmma kernel's GW_EPI 3) where its launch allows (``fuses_rope``)
+        if rope is not None and not isinstance(rope, RopeSpec):
+            raise TypeError(f"rope must be a RopeSpec or None, got {type(rope).__name__}")
+        if rope is not None and (epilogue != "none" or rope.q_width + 2 * rope.kv_width != self.N):
+            raise ValueError(f"rope needs epilogue 'none' and N = q_width + 2 * kv_width "
+                             f"({rope.q_width} + 2 * {rope.kv_width}), got {epilogue!r} and N={self.N}")
+        self.rope = rope
         # the dtypes the kernel reads x and writes y as: f32, or the weight type's device dtype
         self.x_dtype = self.w_device_dtype if self.x16 else np.dtype(np.float32)
         self.y_dtype = self.w_device_dtype if self.y16 else np.dtype(np.float32)
@@ -181,7 +191,8 @@ class Gemm:
             2 if self.epilogue == "silu_mul" else 1, self.split, self.max_m,
             k_split=None if k_split is None else int(k_split), norm=self.norm_eps is not None,
             logits=self.logits, wgmma=self._wgmma, x16=self.x16, y16=self.y16, skip_cols=self.skip_cols,
-            live_split=self.live_split)
+            live_split=self.live_split,
+            rope=None if self.rope is None else (self.rope.head_dim, self.rope.q_width, self.rope.kv_width))
         self.k_split = self._stream.plan(self.max_m).ks   # at m = max_m; each call plans its own m
         self.k_tile = self._stream.plan(self.max_m).kt
         self.cols_per_block = gemm_stream.cols_per_block(self._stream.nw)
@@ -257,6 +268,14 @@ class Gemm:
                 f"max_m={self.max_m}, path={self.path}, R={self.rows_per_warp}, KT={self.k_tile}, "
                 f"k_split={self.k_split})")
 
+    def fuses_rope(self, m: int) -> bool:
+        """Whether a call over ``m`` rows can take ``rope=`` (the q/k norm + RoPE + K/V scatter
+        in the epilogue): a ``rope`` Gemm whose launch for ``m`` (tuned or not) is a wgmma
+        variant with every head inside one column group. Otherwise the caller runs the GEMM
+        into its qkv matrix and ``QkvNormRope`` after it."""
+        m = checks.int_arg(m, "m", 1)
+        return self.path == "stream" and self.rope is not None and self._stream.fuses_rope(m)
+
     def launch_config(self, m: int):
         """``(grid, block, shared_mem)`` of a launch over ``m`` rows."""
         if self.path == "stream":
@@ -304,12 +323,52 @@ class Gemm:
                              f"got shape {tuple(tile_live.shape)}")
         return tile_live if self.path == "stream" else None  # the fallbacks compute every row
 
+    def _call_rope(self, x, w, y, m, rope, stream, pad_rows, norm, tile_live):
+        be = self.backend
+        if not self.fuses_rope(m):
+            raise ValueError(f"rope given but this Gemm cannot fold it at m={m} (rope={self.rope}, launch "
+                             f"{self.config(m) if self.path == 'stream' else self.path!r}): run QkvNormRope after it")
+        if not isinstance(rope, tuple) or len(rope) != 7:
+            raise ValueError("rope must be (q_norm, k_norm, inv_freq, pos, rows, k_cache, v_cache)")
+        q_norm, k_norm, inv_freq, pos, rows, k_cache, v_cache = rope
+        check_rope_targets(be, self.rope, m, q_norm, k_norm, inv_freq, pos, rows, y, k_cache, v_cache)
+        checks.device_array(be, "x", x, self.x_dtype)
+        checks.device_array(be, "w", w, self.w_device_dtype)
+        if x.shape[1] != self.K or tuple(w.shape) != (self.w_rows, self.K):
+            raise ValueError(f"x must be [>= m, {self.K}] and w [{self.w_rows}, {self.K}], got "
+                             f"{tuple(x.shape)} and {tuple(w.shape)}")
+        if not 1 <= m <= x.shape[0]:
+            raise ValueError(f"m={m} must be in [1, x rows={x.shape[0]}]")
+        for name, a in (("q_out", y), ("k_cache", k_cache), ("v_cache", v_cache)):
+            checks.check_no_overlap(**{name: a}, x=x)
+        checks.aligned16(x=x, w=w)
+        pad_rows = self._pad(pad_rows, m)
+        tile_live = self._tile_live(tile_live, m)
+        if norm is not None:
+            norm = self._norm_args(norm, m)
+        s = self.rope
+        self._stream(x, w, y, y, m, stream=stream, pad_rows=pad_rows, norm=norm, tile_live=tile_live,
+                     rope=(q_norm, k_norm, inv_freq, pos, rows, k_cache, v_cache, k_cache.shape[0], s.eps,
+                           s.attn_scale_factor))
+
+    def _norm_args(self, norm, m):
+        if self.norm_eps is None:
+            raise ValueError("norm given but this Gemm was built without norm_eps")
+        ln, norm_lo = norm
+        checks.device_array(self.backend, "norm[0]", ln, np.float32, ndim=1)
+        if ln.shape[0] != self.K:
+            raise ValueError(f"norm[0] must have shape ({self.K},), got {tuple(ln.shape)}")
+        if not isinstance(norm_lo, (int, np.integer)) or isinstance(norm_lo, bool) or not 0 <= norm_lo <= m:
+            raise ValueError(f"norm[1] must be an int in [0, m={m}], got {norm_lo!r}")
+        checks.aligned16(norm=ln)
+        return (ln, self.norm_eps, int(norm_lo))
+
     def partials_shape(self, m: int) -> tuple[int, int, int]:
         """Shape of the u32 ``partials`` the "argmax" epilogue writes for ``m`` rows."""
         return (int(m), self._nblk, 2)
 
     def __call__(self, x, w, y, m, residual=None, stream=None, pad_rows=None, norm=None,
-                 partials=None, tile_live=None):
+                 partials=None, tile_live=None, rope=None):
         """``pad_rows=(lo, hi)`` (``"stream"`` path): rows ``[lo[0], hi)`` of x
         are padding and count as zeros (not read; 16-row tiles of padding only
         are not computed); ``lo`` is a device int32 array read when the kernel
@@ -331,9 +390,17 @@ class Gemm:
         unwritten for them (a lane-batched qkv's context rows, which feed K and
         V only); the others compute them. With ``live_split`` the wgmma kernel
         chooses its K split per launch from the live tiles (``gemm_stream.
-        wg_live_split``), so a step with few live rows still fills the SMs."""
+        wg_live_split``), so a step with few live rows still fills the SMs.
+        ``rope=(q_norm, k_norm, inv_freq, pos, rows, k_cache, v_cache)`` (a Gemm built with
+        ``rope`` where ``fuses_rope(m)``): what ``QkvNormRope(has_q=True)`` would do to the
+        result, done in the epilogue: ``y`` is its ``q_out [>= m, q_width] f32``, K and V go
+        to the caches' ``rows``, the ``[m, N]`` matrix is never stored; tile_live as that op
+        reads it (rows of tiles marked 2 write no Q)."""
         be = self.backend
         m = checks.int_arg(m, "m")
+        if rope is not None:
+            self._call_rope(x, w, y, m, rope, stream, pad_rows, norm, tile_live)
+            return
         if self.epilogue == "argmax":
             if partials is None:
                 raise ValueError("partials is required for epilogue 'argmax'")
@@ -394,16 +461,7 @@ class Gemm:
         pad_rows = self._pad(pad_rows, m)
         tile_live = self._tile_live(tile_live, m)
         if norm is not None:
-            if self.norm_eps is None:
-                raise ValueError("norm given but this Gemm was built without norm_eps")
-            ln, norm_lo = norm
-            checks.device_array(be, "norm[0]", ln, np.float32, ndim=1)
-            if ln.shape[0] != self.K:
-                raise ValueError(f"norm[0] must have shape ({self.K},), got {tuple(ln.shape)}")
-            if not isinstance(norm_lo, (int, np.integer)) or isinstance(norm_lo, bool) or not 0 <= norm_lo <= m:
-                raise ValueError(f"norm[1] must be an int in [0, m={m}], got {norm_lo!r}")
-            checks.aligned16(norm=ln)
-            norm = (ln, self.norm_eps, int(norm_lo))
+            norm = self._norm_args(norm, m)
         if self.path == "stream":
             self._stream(x, w, y, r, m, stream=stream, pad_rows=pad_rows, norm=norm, partials=partials,
                          tile_live=tile_live)

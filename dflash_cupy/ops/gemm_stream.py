@@ -189,6 +189,7 @@ WG_DEPTH = {64: 3, 128: 2}
 WG_MIN_M = 49
 # ptxas (NVRTC, sm_90a) registers per thread, max over dtypes, epilogues, hi + lo and the folded
 # norm (tests/test_gemm_wgmma.py holds the kernel to them); one block of 256 threads per SM.
+# The qkv epilogue (GW_EPI 3) measured 220 / 247 (250 with the live split), no spills.
 WG_PTXAS_REGS = {64: 241, 128: 255}
 WG_BLOCK_STEPS = 2        # a block's fixed cost in 64-k steps: its first loads, the epilogue
 WG_SPLIT_STEPS = 3        # a split block's partial tile and the last slice's reduction, in steps
@@ -209,6 +210,27 @@ def wg_smem(bt: int, split: int) -> int:
     """Dynamic shared memory: two buffers of one 64-k step of x per plane, each of its four
     k16 instructions padded by 64 bytes (gemm_wgmma.cu's Q_B)."""
     return 2 * split * 4 * (bt * 32 + 64)
+
+
+def wg_qkv_smem(bt: int) -> int:
+    """Dynamic shared memory the qkv epilogue (GW_EPI 3) stages a tile's final values in:
+    [BT][COLS + 4] f32 over the x buffers (gemm_wgmma.cu's TS)."""
+    return bt * (WG_WEIGHT_ROWS + 4) * 4
+
+
+def qkv_fold_problem(N: int, nw: int, head_dim: int, q_width: int, kv_width: int) -> str | None:
+    """Why the qkv epilogue (GW_EPI 3) cannot serve a GEMM of these shapes, or None: every head
+    must lie inside one column group of the wgmma kernel."""
+    cols = wg_cols(nw)
+    if nw != 1:
+        return "the epilogue is silu_mul (two weight matrices per column)"
+    if head_dim < 2 or head_dim % 2:
+        return f"head_dim {head_dim} is not even"
+    if cols % head_dim:
+        return f"head_dim {head_dim} does not divide the wgmma column group of {cols}: a head would straddle two"
+    if q_width % head_dim or kv_width % head_dim or N != q_width + 2 * kv_width:
+        return f"N={N} is not q_width {q_width} + 2 * kv_width {kv_width} in whole heads of {head_dim}"
+    return None
 
 
 def plan_wgmma(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device = H200, variant: str = "wg128",
@@ -465,7 +487,7 @@ class StreamKernels:
     def __init__(self, backend, N: int, K: int, wtype_code: int, epi_code: int, nw: int, split: int,
                  max_m: int, k_split: int | None = None, norm: bool = False, logits: bool = True,
                  wgmma: bool | None = None, x16: bool = False, y16: bool = False, skip_cols: int = 0,
-                 live_split: bool = False):
+                 live_split: bool = False, rope: tuple | None = None):
         if x16 and split != 1:
             raise ValueError("x16=True (x stored in the weight type) needs split=1: a 16-bit x has no lo half")
         if y16 and epi_code == ARGMAX_EPI:
@@ -513,6 +535,24 @@ class StreamKernels:
             mod = kernels.load_module(backend, "gemm_wgmma.cu", **{"GW_" + k: val for k, val in defs.items()},
                                       GW_BT=bt, GW_DEPTH=WG_DEPTH[bt], **wg_defs)
             self._kernels[v] = mod.get_function("gemm_wgmma")
+        # The qkv epilogue (GW_EPI 3, ``rope=(head_dim, q_width, kv_width)``): the same wgmma
+        # variants with rope.cu's qkv_norm_rope folded in, where every head lies in one column
+        # group; a launch that plans a gemm_stream.cu variant cannot fold (``fuses_rope``).
+        self.rope = None if rope is None else tuple(int(v) for v in rope)
+        self._fused = {}
+        if self.rope is not None and self.wg_variants and epi_code == 0 and not self.y16 \
+                and qkv_fold_problem(N, nw, *self.rope) is None:
+            hd, qw, kvw = self.rope
+            for v in self.wg_variants:
+                bt = wg_tokens(v)
+                mod = kernels.load_module(backend, "gemm_wgmma.cu",
+                                          **{"GW_" + k: val for k, val in defs.items() if k != "EPI"}, GW_EPI=3,
+                                          GW_HD=hd, GW_QW=qw, GW_KVW=kvw, GW_BT=bt, GW_DEPTH=WG_DEPTH[bt], **wg_defs)
+                self._fused[v] = mod.get_function("gemm_wgmma")
+        # the qkv epilogue's arguments when it is not compiled in: arrays of this object's own
+        # (a shared one would look written to the stream-hazard checks)
+        self._no_kv = backend.zeros((1,), np.float16) if self.wg_variants else None
+        self._no_freq = backend.zeros((1,), np.float64) if self.wg_variants else None
         # Workspace for the largest split any m plans (m beyond max_m is accepted: more M
         # blocks): per block x (column group, M block) and slice a partial tile (rows of
         # its variant), then (GS_NORM) each slice's row sums of squares. plan() splits
@@ -623,13 +663,18 @@ class StreamKernels:
                 self._counters = self.backend.zeros((p.grid[0],), np.int32)
         self._choice[int(m)] = (mt, int(ks))
 
+    def fuses_rope(self, m: int) -> bool:
+        """Whether a launch over ``m`` rows runs the qkv epilogue (compiled, and the plan for
+        ``m``, tuned or not, is a wgmma variant)."""
+        return isinstance(self.plan(m).mt, str) and self.plan(m).mt in self._fused
+
     def launch_config(self, m: int):
         """``(grid, block, shared_mem)``; grid ``(groups * mblocks, 1, ks)``."""
         p = self.plan(m)
         return p.grid, (p.threads, 1, 1), p.smem
 
     def __call__(self, x, w, y, r, m: int, stream=None, pad_rows=None, norm=None, partials=None,
-                 tile_live=None):
+                 tile_live=None, rope=None):
         """``pad_rows=(lo, hi)``: rows ``[lo[0], hi)`` are zero rows, ``lo`` a
         device int32 array read at run time (``None``: no padding rows).
         ``tile_live``: device int32, entry ``t`` for rows ``[16t, 16t + 16)``,
@@ -637,8 +682,12 @@ class StreamKernels:
         ``norm=(ln, eps, norm_lo)`` (a ``norm=True`` kernel): rows ``>= norm_lo``
         of x are RMS-normalised with scale ``ln`` [K] f32 inside the GEMM.
         ``partials`` (the argmax epilogue): u32 ``[>= m, blocks, 2]`` written
-        in place of the split-K workspace."""
+        in place of the split-K workspace.
+        ``rope=(q_norm, k_norm, inv_freq, pos, rows, k_cache, v_cache, kv_rows, eps, scale)``
+        (``fuses_rope(m)`` only): the qkv epilogue, y the Q output."""
         p = self.plan(m)
+        if rope is not None and not self.fuses_rope(m):
+            raise ValueError(f"m={m}: the qkv epilogue needs a wgmma launch with it compiled (plan {p.mt!r})")
         if tile_live is not None and self.live_split and isinstance(p.mt, str):
             # the kernel splits K per launch, up to the tuned split or split_cap
             c = self._choice.get(m)
@@ -659,12 +708,21 @@ class StreamKernels:
             self._captured = True
         lo, hi = (self._counters, 0) if pad_rows is None else pad_rows
         ln, eps, norm_lo = (x, 0.0, m) if norm is None else norm
-        self._kernels[p.mt](p.grid, (p.threads, 1, 1),
-                            (x, w, y, r, np.int32(m), np.int32(self.N), np.int32(p.kz), np.int32(p.kt),
-                             self._ws if partials is None else partials, self._counters, lo, np.int32(hi),
-                             ln, np.float32(eps), np.int32(norm_lo),
-                             self._counters if tile_live is None else tile_live, np.int32(tile_live is not None)),
-                            shared_mem=p.smem, stream=stream)
+        args = (x, w, y, r, np.int32(m), np.int32(self.N), np.int32(p.kz), np.int32(p.kt),
+                self._ws if partials is None else partials, self._counters, lo, np.int32(hi),
+                ln, np.float32(eps), np.int32(norm_lo),
+                self._counters if tile_live is None else tile_live, np.int32(tile_live is not None))
+        kernel = self._kernels[p.mt]
+        if isinstance(p.mt, str):   # the wgmma kernel's trailing qkv-epilogue arguments
+            if rope is None:
+                args += (self._ws, self._ws, self._no_freq, self._counters, self._counters, self._no_kv, self._no_kv,
+                         np.int32(0), np.float32(0.0), np.float32(1.0))
+            else:
+                qn, kn, freq, pos, rows, kc, vc, kv_rows, reps, rscale = rope
+                args += (qn, kn, freq, pos, rows, kc, vc, np.int32(kv_rows), np.float32(reps), np.float32(rscale))
+                kernel = self._fused[p.mt]
+                p = dataclasses.replace(p, smem=max(p.smem, wg_qkv_smem(wg_tokens(p.mt))))
+        kernel(p.grid, (p.threads, 1, 1), args, shared_mem=p.smem, stream=stream)
 
 
 # (name, N, K, weight matrices per output column) of a qwen3-8b-like and a hidden-5120 drafter layer

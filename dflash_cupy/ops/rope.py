@@ -19,11 +19,74 @@ the noise rows ``has_q=True`` (rows = ``capacity + i``).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .. import checks, kernels
 
 THREADS = 128  # 4 warps per row: enough head units to keep them busy, one block per row
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """What a qkv GEMM needs to fold ``QkvNormRope(has_q=True)`` into its epilogue
+    (``ops.gemm.Gemm(rope=...)``, gemm_wgmma.cu's GW_EPI 3): the head geometry and the two
+    scalars of the norm and the rotation."""
+    head_dim: int
+    n_head: int
+    n_head_kv: int
+    eps: float = 1e-6
+    attn_scale_factor: float = 1.0
+
+    def __post_init__(self):
+        for name in ("head_dim", "n_head", "n_head_kv"):
+            checks.int_arg(getattr(self, name), name, 1)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotate_half RoPE, got {self.head_dim}")
+        if not checks.float_arg(self.eps, "eps") >= 0.0:
+            raise ValueError(f"eps must be >= 0, got {self.eps!r}")
+        if not np.isfinite(checks.float_arg(self.attn_scale_factor, "attn_scale_factor")):
+            raise ValueError(f"attn_scale_factor must be finite, got {self.attn_scale_factor!r}")
+
+    @property
+    def q_width(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+
+def check_rope_targets(be, spec: RopeSpec, m: int, q_norm, k_norm, inv_freq, pos, rows, q_out, k_cache, v_cache):
+    """The arrays the q/k norm + RoPE + scatter reads and writes, for ``m`` rows (shared by
+    ``QkvNormRope`` and the fused qkv GEMM): raises naming the first bad one."""
+    d = spec.head_dim
+    for name, a, dt in (("q_norm", q_norm, np.float32), ("k_norm", k_norm, np.float32),
+                        ("inv_freq", inv_freq, np.float64), ("pos", pos, np.int32), ("rows", rows, np.int32)):
+        checks.device_array(be, name, a, dt, ndim=1)
+    checks.device_array(be, "q_out", q_out, np.float32, ndim=2)
+    checks.device_array(be, "k_cache", k_cache, np.float16, ndim=2)
+    checks.device_array(be, "v_cache", v_cache, np.float16, ndim=2)
+    for name, a in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if a.shape[0] != d:
+            raise ValueError(f"{name} must have shape ({d},), got {tuple(a.shape)}")
+    if inv_freq.shape[0] != d // 2:
+        raise ValueError(f"inv_freq must have shape ({d // 2},), got {tuple(inv_freq.shape)}")
+    for name, a in (("pos", pos), ("rows", rows)):
+        if a.shape[0] < m:
+            raise ValueError(f"{name} has {a.shape[0]} rows, fewer than m={m}")
+    if q_out.shape[1] != spec.q_width or q_out.shape[0] < m:
+        raise ValueError(f"q_out must have shape [>= {m}, {spec.q_width}], got {tuple(q_out.shape)}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.shape[1] != spec.kv_width:
+            raise ValueError(f"{name} must have {spec.kv_width} columns (n_head_kv*head_dim), "
+                             f"got shape {tuple(c.shape)}")
+    if tuple(k_cache.shape) != tuple(v_cache.shape):
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    checks.check_no_overlap(k_cache=k_cache, v_cache=v_cache)
+    checks.check_no_overlap(q_out=q_out, k_cache=k_cache)
+    checks.check_no_overlap(q_out=q_out, v_cache=v_cache)
 
 
 class QkvNormRope:

@@ -1,0 +1,76 @@
+// rope_math.cuh — the per-head math of the q/k RMSNorm + NEOX RoPE (SPEC §2 steps 2-4), one
+// definition for its two users: rope.cu's qkv_norm_rope and gemm_wgmma.cu's qkv epilogue
+// (GW_EPI 3). Both must produce the same bits, so every float operation and its order lives
+// here once (an expression written twice may be contracted into fmas differently).
+//
+// One warp per head of HD values: lane owns the pairs (i, i + HD/2), i = lane + 32 j, so the
+// rotation needs no cross-lane traffic and the norm one warp sum.
+#pragma once
+#include <cuda_fp16.h>
+#include "warp.cuh"
+
+// 2*pi split in two doubles (Cody-Waite): k*ROPE_TWO_PI_HI is exact under fma, so the
+// reduction error stays ~1 ulp of the reduced angle even for k ~ 1e8.
+#define ROPE_TWO_PI_HI 6.283185307179586
+#define ROPE_TWO_PI_LO 2.4492935982947064e-16
+#define ROPE_INV_TWO_PI 0.15915494309189535
+#define ROPE_INV_PI 0.3183098861837907
+
+// (cos, sin) of position p times frequency f, times scale (YaRN's mscale; 1 otherwise): the
+// angle formed in double and reduced modulo 2*pi before sincosf, so positions >= 2^20 lose
+// nothing against a rebased window.
+__device__ __forceinline__ void rope_cos_sin(int p, double f, float scale, float& c, float& s) {
+    const double a = (double)p * f;
+    const double k = rint(a * ROPE_INV_TWO_PI);
+    double r = fma(-k, ROPE_TWO_PI_HI, a);
+    r = fma(-k, ROPE_TWO_PI_LO, r);
+    float sn, cs;
+    sincospif((float)(r * ROPE_INV_PI), &sn, &cs);
+    c = cs * scale;
+    s = sn * scale;
+}
+
+__device__ __forceinline__ void rope_put(float* p, float v) { *p = v; }
+__device__ __forceinline__ void rope_put(__half* p, float v) { *p = __float2half_rn(v); }
+
+template <int HD>
+struct RopeHead {
+    static constexpr int HALF = HD / 2;
+    static constexpr int PAIRS = (HALF + 31) / 32;  // pairs per lane
+
+    // The lane's pairs of head x into lo/hi; returns the head's 1 / sqrt(mean(x^2) + eps).
+    // Warp-uniform: all 32 lanes call it.
+    static __device__ __forceinline__ float load(const float* x, float* lo, float* hi, int lane, float eps) {
+        float ss = 0.f;
+#pragma unroll
+        for (int j = 0; j < PAIRS; ++j) {
+            const int i = lane + 32 * j;
+            lo[j] = 0.f;
+            hi[j] = 0.f;
+            if (i < HALF) {
+                lo[j] = x[i];
+                hi[j] = x[i + HALF];
+            }
+            ss += lo[j] * lo[j] + hi[j] * hi[j];
+        }
+        ss = warp_sum(ss);
+        return rsqrtf(ss / (float)HD + eps);
+    }
+
+    // (a, b) = (lo, hi) * rn * w, rotated by the lane's angles (c[j], s[j] of pair j) and
+    // stored: q rows as f32, K rows as f16 (the cache type).
+    template <typename T>
+    static __device__ __forceinline__ void store(T* dst, const float* lo, const float* hi, float rn, const float* w,
+                                                 const float* c, const float* s, int lane) {
+#pragma unroll
+        for (int j = 0; j < PAIRS; ++j) {
+            const int i = lane + 32 * j;
+            if (i < HALF) {
+                const float a = lo[j] * rn * w[i];
+                const float b = hi[j] * rn * w[i + HALF];
+                rope_put(dst + i, a * c[j] - b * s[j]);
+                rope_put(dst + i + HALF, b * c[j] + a * s[j]);
+            }
+        }
+    }
+};
