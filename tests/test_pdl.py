@@ -305,3 +305,45 @@ def test_launch_ex_passes_the_attribute_grid_stream_and_arguments():
     bad = cuda_launch_ex.LAUNCH_EX_PROTO(lambda *a: 1)   # CUDA_ERROR_INVALID_VALUE
     with pytest.raises(cuda_launch_ex.LaunchExError, match="CUresult 1"):
         cuda_launch_ex.launch(1, (1, 1, 1), (1, 1, 1), 0, 0, sig.params, args, fn=bad)
+
+
+# ---------------------------------------------------------------- the stream GEMMs' prefetch
+@pytest.mark.parametrize("config", [("wg128", 2), ("wg64", 1), (2, 3), (1, 1)])
+def test_stream_gemms_touch_only_weights_before_the_wait(config):
+    """Two GEMMs captured back to back (the second reads the first's output) under
+    programmatic_launches: the second's prefetch of its first weight steps (gemm_wgmma.cu,
+    gemm_stream.cu, split K or not) is in bounds, reads only its weights, and the replay
+    equals the plain one bit for bit."""
+    from dflash_cupy.ops.gemm import Gemm
+    K, N, m = 520, 300, 70
+    outs = {}
+    for pdl in (False, True):
+        be = EmulatedBackend()
+        chk = be.check_pdl(True)
+        rng = np.random.default_rng(7)
+        w1 = be.asarray((rng.standard_normal((K, K)) * K ** -0.5).astype(np.float16))
+        w2 = be.asarray((rng.standard_normal((N, K)) * K ** -0.5).astype(np.float16))
+        g1 = Gemm(be, K, K, "f16", max_m=200, path="stream")
+        g2 = Gemm(be, N, K, "f16", "residual", max_m=200, path="stream")
+        for g in (g1, g2):
+            g.use_config(m, config)
+        x = be.asarray(np.random.default_rng(1).standard_normal((m, K)).astype(np.float32))
+        h = be.zeros((m, K), np.float32)
+        y = be.asarray(np.ones((m, N), np.float32))
+        be.synchronize()   # the zeros' memsets (default stream) before the capture stream's work
+        s = be.stream()
+        be.begin_capture(s)
+        with programmatic_launches(pdl):
+            g1(x, w1, h, m, stream=s)
+            g2(h, w2, y, m, residual=y, stream=s)
+        graph = be.end_capture(s)
+        assert graph.n_pdl == (1 if pdl else 0)
+        graph.launch(s)
+        s.synchronize()
+        outs[pdl] = be.to_numpy(y)
+        if pdl:
+            last = chk.log[-1]
+            assert last.pdl and last.after == chk.log[-2].kernel and last.pre_write_bytes == 0
+            assert last.pre_read_bytes > 0 and last.kernel == ("gemm_wgmma" if isinstance(config[0], str)
+                                                               else "gemm_stream")
+    np.testing.assert_array_equal(outs[True], outs[False])
