@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from dflash_cupy import DraftKvCache, FeatureRing, backends
+from dflash_cupy.backends import emu_pdl
 
 from . import common, timer
 
@@ -99,7 +100,7 @@ def main(argv=None) -> list:
     if a.check:
         if be.name != "emulated":
             raise SystemExit("pdl_check: --check is the emulator's ordering check (DFLASH_CUPY_BACKEND=emulated)")
-        be.check_pdl(True)
+        emu_pdl.check_pdl(be)
     cfg = common.drafter_config(a.drafter)
     t0 = time.perf_counter()
     weights = common.RandomDraftWeights(cfg, be, seed=a.seed)

@@ -74,7 +74,7 @@ N = 160
 
 def _setup(check=True):
     be = EmulatedBackend()
-    chk = be.check_pdl(True) if check else None
+    chk = emu_pdl.check_pdl(be) if check else None
     mod = be.compile(_SRC, ["-I" + str(kernels.CUDA_SRC)], filename="pdl_teeth.cu")
     rng = np.random.default_rng(3)
     arrs = dict(src=be.asarray(rng.standard_normal(N).astype(np.float32)),
@@ -141,6 +141,9 @@ def test_pdl_argument_must_be_a_bool():
     with pytest.raises(TypeError, match="on must be a bool"):
         with programmatic_launches("yes"):
             pass
+    with pytest.raises(TypeError, match="on must be a bool"):
+        emu_pdl.check_pdl(be, 1)
+    assert be.pdl_checker is None   # unchanged
     w, lm = built("b")
     for cls, extra in ((DraftKvCache, ()), (DraftKvBatch, (2,))):
         with pytest.raises(TypeError, match=r"pdl must be a bool, got int 1"):
@@ -181,7 +184,7 @@ def _assert_pdl_rule(nodes):
 @pytest.mark.parametrize("name", ["b", "c"])
 def test_cache_with_pdl_is_bit_identical_and_ordered(name):
     be = EmulatedBackend()
-    chk = be.check_pdl(True)
+    chk = emu_pdl.check_pdl(be)
     on = Driver(be, name, seed=5, pdl=True)
     off = Driver(be, name, seed=5, pdl=False)
     try:
@@ -210,7 +213,7 @@ def test_cache_with_pdl_is_bit_identical_and_ordered(name):
 
 def test_eager_step_has_no_pdl():
     be = EmulatedBackend()
-    chk = be.check_pdl(True)
+    chk = emu_pdl.check_pdl(be)
     d = Driver(be, "b", seed=2, pdl=True)
     try:
         d.step(3)
@@ -224,7 +227,7 @@ def test_eager_step_has_no_pdl():
 
 def test_batch_with_pdl_is_bit_identical_and_ordered():
     be = EmulatedBackend()
-    chk = be.check_pdl(True)
+    chk = emu_pdl.check_pdl(be)
     _, on, t_on = make("b", 3, be=be, pdl=True)
     _, off, t_off = make("b", 3, be=be, pdl=False)
     try:
@@ -319,7 +322,7 @@ def test_stream_gemms_touch_only_weights_before_the_wait(config):
     outs = {}
     for pdl in (False, True):
         be = EmulatedBackend()
-        chk = be.check_pdl(True)
+        chk = emu_pdl.check_pdl(be)
         rng = np.random.default_rng(7)
         w1 = be.asarray((rng.standard_normal((K, K)) * K ** -0.5).astype(np.float16))
         w2 = be.asarray((rng.standard_normal((N, K)) * K ** -0.5).astype(np.float16))
@@ -347,3 +350,28 @@ def test_stream_gemms_touch_only_weights_before_the_wait(config):
             assert last.pre_read_bytes > 0 and last.kernel == ("gemm_wgmma" if isinstance(config[0], str)
                                                                else "gemm_stream")
     np.testing.assert_array_equal(outs[True], outs[False])
+
+
+# ---------------------------------------------------------------- on a GPU (gpu_check.sh's tests step)
+@pytest.mark.skipif(not backends.gpu_available(), reason="needs a GPU: the CPU half is the tests above")
+@pytest.mark.parametrize("name", ["b", "c"])
+def test_cuda_step_with_pdl_is_bit_identical(name):
+    """On the hardware the PDL graph really overlaps kernels: a kernel that touched
+    dependent data before its wait could differ here. The graph must carry the edges."""
+    be = backends.get("cuda")
+    on = Driver(be, name, seed=5, pdl=True)
+    off = Driver(be, name, seed=5, pdl=False)
+    try:
+        for c in (3, 4, 5, 2, 5, 9, 10):
+            for d in (on, off):
+                if c < d.valid_hi:
+                    d.forget_from(c)
+                d.step(c)
+            for attr in ("hidden_states", "logits", "draft_tokens"):
+                a, b = getattr(on.kv, attr), getattr(off.kv, attr)
+                if a is not None:
+                    np.testing.assert_array_equal(be.to_numpy(a), be.to_numpy(b), err_msg=f"{attr} c={c}")
+        assert on.kv._graphs[on.kv._slot].n_pdl >= 8 and off.kv._graphs[off.kv._slot].n_pdl == 0
+    finally:
+        on.close()
+        off.close()

@@ -7,7 +7,8 @@ the attribute right after kernel A may start once every block of A has run
 has completed with its memory visible. So whatever a thread of B touches
 before its wait may run concurrently with A.
 
-``PdlChecker`` (``EmulatedBackend.check_pdl()``) runs every launch in the
+``check_pdl(backend)`` (or ``DFLASH_CUPY_EMU_PDL_CHECK=1`` for the backend
+``backends.get`` makes) installs a ``PdlChecker``, which runs every launch in the
 counter build (``emu_counters.run_counted``), which records per thread whether
 ``pdl_wait()`` has run and per 32-byte sector the bytes read and written, and
 those touched before the wait (``prefetch_l2`` lines count as pre-wait reads).
@@ -39,6 +40,19 @@ import numpy as np
 from .base import KernelLaunchError
 
 _LO = np.uint64(0xFFFFFFFF)
+
+
+def check_pdl(backend, on: bool = True):
+    """Turn the ordering check on (or off) for the work ``backend`` (an ``EmulatedBackend``)
+    queues from now on: every launch then runs in the counter build, and a launch with
+    ``pdl`` raises ``PdlOrderError`` when it runs if it could race with the kernel before
+    it on its stream. Returns the checker (its ``log`` lists every launch it ran)."""
+    if not isinstance(on, (bool, np.bool_)):
+        raise TypeError(f"on must be a bool, got {type(on).__name__}")
+    if not hasattr(backend, "pdl_checker"):
+        raise TypeError(f"backend must be the emulated backend, got {type(backend).__name__}")
+    backend.pdl_checker = PdlChecker(backend) if on else None
+    return backend.pdl_checker
 
 
 class PdlOrderError(KernelLaunchError):

@@ -380,22 +380,8 @@ class EmulatedBackend(Backend):
         self._ran: dict[int, int] = {}              # actor -> clock of its latest op that ran
         self._host_res: dict = {}                   # (id, write, what) -> resolved host access
         self.host_waits = 0                         # host waits that had queued work to run
-        # the PDL ordering check (emu_pdl.py): off unless asked for
+        # the PDL ordering check: off unless emu_pdl.check_pdl(backend) turns it on
         self.pdl_checker = None
-        if os.environ.get("DFLASH_CUPY_EMU_PDL_CHECK", "0").strip() not in ("", "0"):
-            self.check_pdl(True)
-
-    def check_pdl(self, on: bool = True):
-        """Turn the programmatic-dependent-launch ordering check on (or off) for work issued
-        from now on: every launch then runs in the counter build, recording what each thread
-        touches before its ``pdl_wait()``, and a launch with ``pdl`` raises
-        ``emu_pdl.PdlOrderError`` (when it runs) if that could race with the kernel before it
-        on its stream. Returns the checker (its ``log`` lists every checked launch)."""
-        from . import emu_pdl
-        if not isinstance(on, (bool, np.bool_)):
-            raise TypeError(f"on must be a bool, got {type(on).__name__}")
-        self.pdl_checker = emu_pdl.PdlChecker(self) if on else None
-        return self.pdl_checker
 
     def _pool(self):
         if self._executor is None:
