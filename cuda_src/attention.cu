@@ -54,6 +54,7 @@
 // nvrtc-check: -DD=32 -DNH=4 -DNKV=4 -DB=1 -DKV_TOTAL=37 -DSPLITS=3 -DGATE=1 -DRB=4 -DNWARPS=4 -DOUT16=1
 #include <cuda_fp16.h>
 #include "attention_common.cuh"
+#include "pdl.cuh"
 
 #ifndef RB
 #define RB (R < 64 ? R : 64)
@@ -94,6 +95,8 @@ ring_attn_split(const float* __restrict__ q,
                 const int* __restrict__ live,
                 int use_live)
 {
+    pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
+    pdl_launch_dependents();
     __shared__ __align__(16) float q_s[RB * D];
     __shared__ __align__(16) uint4 k_s[TILE * CPR];
     __shared__ __align__(16) uint4 v_s[TILE * CPR];
@@ -277,6 +280,8 @@ ring_attn_combine(const float* __restrict__ part_o,
                   const int* __restrict__ live,
                   int use_live)
 {
+    pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
+    pdl_launch_dependents();
     const int lane_id = LANES == 1 ? 0 : (int)blockIdx.y;
     if (lane_idle(live, use_live, lane_id)) return;
     {

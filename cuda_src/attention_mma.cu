@@ -52,6 +52,7 @@
 #include "attention_common.cuh"
 #include "mma.cuh"
 #include "ldmatrix.cuh"
+#include "pdl.cuh"
 
 #define MW ((R + 15) / 16)          // warps: one per 16 query rows
 #define THR (MW * 32)
@@ -131,6 +132,8 @@ ring_attn_mma_split(const float* __restrict__ q,
                     const int* __restrict__ live,
                     int use_live)
 {
+    pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
+    pdl_launch_dependents();
     using namespace attn_mma;
     const int lane_id = LANES == 1 ? 0 : (int)blockIdx.z;   // the request (attention_common.cuh: lanes)
     if (lane_idle(live, use_live, lane_id)) return;

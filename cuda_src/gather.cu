@@ -57,6 +57,7 @@
 #include <cuda_fp16.h>
 #include "step_desc.cuh"
 #include "plan_mask.cuh"
+#include "pdl.cuh"
 
 #ifndef FC_IN
 #define FC_IN 4096
@@ -141,6 +142,8 @@ gather_features(const int* __restrict__ desc,
                  float* __restrict__ ap_feat,
                  int a_rows)
 {
+    pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
+    pdl_launch_dependents();
     const int i = blockIdx.y;
     if (i >= a_rows) return;
     gather_chunk(desc, ring, ap_feat, i, blockIdx.x * (GATHER_THREADS * 4));
@@ -159,6 +162,8 @@ plan_step(const int* __restrict__ desc,
           __half* __restrict__ mask_swa,
           int cap, int q_len, int kv_total, int masks)
 {
+    pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
+    pdl_launch_dependents();
     const int b = blockIdx.x;
     if (b < GATHER_GX * a_rows) {
         gather_chunk(desc, ring, ap_feat, b / GATHER_GX, (b % GATHER_GX) * (GATHER_THREADS * 4));
@@ -196,6 +201,8 @@ plan_lanes(const int* __restrict__ desc_all,
            __half* __restrict__ mask_swa_all,
            int cap, int q_len, int bs, int kv_total, int masks, int lanes)
 {
+    pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
+    pdl_launch_dependents();
     const int lane = blockIdx.y;
     const int* desc = desc_all + (long long)lane * DESC_LEN;
     const bool active = desc[DESC_ACTIVE] != 0;

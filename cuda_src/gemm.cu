@@ -43,6 +43,7 @@
 #include <cuda_fp16.h>
 #include "gemm_epilogue.cuh"
 #include "warp.cuh"
+#include "pdl.cuh"
 
 #ifndef GEMM_WTYPE
 #define GEMM_WTYPE 1
@@ -136,6 +137,8 @@ __device__ __forceinline__ float4 load_w4(const gemm_w_t* row, int k, bool valid
 extern "C" __global__ void __launch_bounds__(GEMM_WARPS * 32)
 gemm(const float* x, const gemm_w_t* w, float* y, const float* r, int m, int n)
 {
+    pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
+    pdl_launch_dependents();
     using namespace gemm_detail;
     extern __shared__ __align__(16) unsigned char smem[];
     float* xs = reinterpret_cast<float*>(smem);   // [mt, KT]

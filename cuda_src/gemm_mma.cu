@@ -48,6 +48,7 @@
 #include "bits16.cuh"
 #include "gemm_epilogue.cuh"
 #include "mma.cuh"
+#include "pdl.cuh"
 
 #ifndef GM_WTYPE
 #define GM_WTYPE 2
@@ -134,6 +135,8 @@ __device__ __forceinline__ void store(float* y, const float* r, long long o, flo
 extern "C" __global__ void __launch_bounds__(GM_WARPS * 32, 1)  // min 1 block: ptxas otherwise spills a few bytes
 gemm_mma(const float* __restrict__ x, const unsigned short* __restrict__ w, float* y,
          const float* r, int M, int N, float* ws, int* counters) {
+    pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
+    pdl_launch_dependents();
     using namespace gemm_mma_detail;
     extern __shared__ __align__(16) unsigned char smem[];
     unsigned short* xs = reinterpret_cast<unsigned short*>(smem);   // hi tile, then lo tile

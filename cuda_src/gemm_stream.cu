@@ -153,6 +153,7 @@
 #include "gemm_splitk.cuh"
 #include "mma.cuh"
 #include "warp.cuh"
+#include "pdl.cuh"
 
 #ifndef GS_WTYPE
 #define GS_WTYPE 2
@@ -315,6 +316,19 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
     const int xstride = kt + 32;                               // elements; 64 (mod 128) bytes
     const int plane = tiles * 16 * xstride;                    // hi plane, then lo plane
     const int n0 = cg * COLS + warp * 8 * NT;          // this warp's first output column
+
+    // PDL (pdl.cuh): before the wait only the weights, which no kernel of a step writes, are
+    // touched: lane t sends its rows' line of ring step t (t < D) to L2 while the kernel before
+    // drains, so the ring's first loads below find them there.
+    if (t < D && (int)blockIdx.z * kz + t * KSTEP < K) {
+#pragma unroll
+        for (int j = 0; j < WT; j++) {
+            const int n = n0 + 8 * (j % NT) + g;
+            if (n < N) prefetch_l2(w + ((long long)n + (j >= NT ? (long long)N : 0ll)) * K + (int)blockIdx.z * kz + t * KSTEP);
+        }
+    }
+    pdl_wait();
+    pdl_launch_dependents();
 
     // Padding rows [lo, pad_hi), lo read from device memory (inside a captured
     // graph the live row count changes per step): they count as zero rows, never

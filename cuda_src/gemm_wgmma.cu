@@ -109,6 +109,7 @@
 #include "rope_math.cuh"
 #include "warp.cuh"
 #include "wgmma.cuh"
+#include "pdl.cuh"
 
 #ifndef GW_WTYPE
 #define GW_WTYPE 2
@@ -372,6 +373,22 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
     const int g = lane >> 2, t = lane & 3;
     const int wg = warp >> 2, wq = warp & 3;
     const int tblocks = (M + BT - 1) / BT;
+
+    // PDL (pdl.cuh): before the wait only weights are touched. A static launch knows its tile
+    // from blockIdx: lane t sends its 4 rows' line of ring step t (t < D) to L2 while the
+    // kernel before drains. A live-split launch learns its tiles from tile_live, after the wait.
+    if (!(GW_SMS > 0 && use_live) && t < D && (int)blockIdx.z * kz + t * KSTEP < K) {
+        const int nb0 = ((int)blockIdx.x / tblocks) * COLS + wg * (128 / NW);
+#pragma unroll
+        for (int a = 0; a < 2; a++)
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                const int n = nb0 + (NW == 1 ? 64 * a : 0) + 16 * wq + g + 8 * rr;
+                if (n < N) prefetch_l2(w + ((long long)n + ((NW == 2 && a == 1) ? (long long)N : 0ll)) * K + (int)blockIdx.z * kz + t * KSTEP);
+            }
+    }
+    pdl_wait();
+    pdl_launch_dependents();
 
     // What this block computes. Static: one tile, blockIdx.x = cg * tblocks + tb, z its K
     // slice of kz. Live split (GW_SMS > 0 with tile_live): the launch's working tiles are

@@ -31,6 +31,7 @@
 // nvrtc-check: -DNORM_D=5120 -DNORM_TPR=512 -DNORM_BLOCK=512
 
 #include "warp.cuh"
+#include "pdl.cuh"
 
 #ifndef NORM_D
 #define NORM_D 128
@@ -59,6 +60,8 @@ extern "C" __global__ void __launch_bounds__(NORM_BLOCK)
 rmsnorm(const float* x, const float* w, float* y, float* y2, int dual, int rows, int w_rows, float eps, const int* tile_live,
         int use_live)
 {
+    pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
+    pdl_launch_dependents();
     using namespace norm_detail;
     __shared__ float partial[NORM_BLOCK / 32];
 

@@ -35,6 +35,7 @@
 #include <cuda_fp16.h>
 #include "step_desc.cuh"
 #include "plan_mask.cuh"
+#include "pdl.cuh"
 
 #ifndef CAP
 #define CAP 1024
@@ -55,6 +56,8 @@
 extern "C" __global__ void __launch_bounds__(PLAN_SLOT_THREADS)
 reset_slots(int* __restrict__ slot_pos)
 {
+    pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
+    pdl_launch_dependents();
     const int s = blockIdx.x * PLAN_SLOT_THREADS + threadIdx.x;
     if (s < CAP) slot_pos[s] = -1;
 }
@@ -62,6 +65,8 @@ reset_slots(int* __restrict__ slot_pos)
 extern "C" __global__ void __launch_bounds__(PLAN_SLOT_THREADS)
 reset_slots_if(const int* __restrict__ desc, int* __restrict__ slot_pos)
 {
+    pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
+    pdl_launch_dependents();
     const int s = blockIdx.x * PLAN_SLOT_THREADS + threadIdx.x;
     if (s < CAP && desc[DESC_RESET] != 0) slot_pos[s] = -1;
 }
@@ -74,6 +79,8 @@ plan_append(const int* __restrict__ desc,
             int* __restrict__ pos_q,
             int a_rows, int n_q)
 {
+    pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
+    pdl_launch_dependents();
     const int i = blockIdx.x * PLAN_ROW_THREADS + threadIdx.x;
     if (i < a_rows) {
         const int start = desc[DESC_START];
@@ -110,6 +117,8 @@ extern "C" __global__ void __launch_bounds__(PLAN_ROW_THREADS)
 build_masks(const int* __restrict__ desc, const int* __restrict__ slot_pos,
             __half* __restrict__ mask_full, __half* __restrict__ mask_swa)
 {
+    pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
+    pdl_launch_dependents();
     build_masks_impl<true, true>(desc, slot_pos, mask_full, mask_swa);
 }
 
@@ -117,6 +126,8 @@ extern "C" __global__ void __launch_bounds__(PLAN_ROW_THREADS)
 build_mask_full(const int* __restrict__ desc, const int* __restrict__ slot_pos,
                 __half* __restrict__ mask_full)
 {
+    pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
+    pdl_launch_dependents();
     build_masks_impl<true, false>(desc, slot_pos, mask_full, mask_full);
 }
 
@@ -124,5 +135,7 @@ extern "C" __global__ void __launch_bounds__(PLAN_ROW_THREADS)
 build_mask_swa(const int* __restrict__ desc, const int* __restrict__ slot_pos,
                __half* __restrict__ mask_swa)
 {
+    pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
+    pdl_launch_dependents();
     build_masks_impl<false, true>(desc, slot_pos, mask_swa, mask_swa);
 }

@@ -47,6 +47,7 @@
 // nvrtc-check: -DD=256 -DNH=16 -DNKV=4 -DHAS_Q=1
 #include <cuda_fp16.h>
 #include "rope_math.cuh"  // the per-head math, shared with gemm_wgmma.cu's qkv epilogue
+#include "pdl.cuh"
 
 #ifndef D
 #define D 128
@@ -91,6 +92,8 @@ qkv_norm_rope(const float* __restrict__ qkv,
               int M, int kv_rows, float eps, float attn_scale_factor,
               const int* __restrict__ tile_live, int use_live)
 {
+    pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
+    pdl_launch_dependents();
     __shared__ float cs_cos[HALF_D];
     __shared__ float cs_sin[HALF_D];
 

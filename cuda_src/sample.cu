@@ -43,6 +43,7 @@
 #endif
 
 #include "float_order.cuh"
+#include "pdl.cuh"
 
 namespace sample_detail {
 constexpr int V = SAMPLE_V;
@@ -155,6 +156,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_BLOCK)
 sample_rows(const float* logits, int ld, int n_rows, const float* knobs, const unsigned long long* rng,
             int* tokens)
 {
+    pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
+    pdl_launch_dependents();
     using namespace sample_detail;
     __shared__ SampleShared sh;
     const int row = blockIdx.x;
@@ -262,6 +265,8 @@ sample_rows(const float* logits, int ld, int n_rows, const float* knobs, const u
 extern "C" __global__ void __launch_bounds__(SAMPLE_BLOCK)
 argmax_partials(const unsigned int* part, int nblk, int n_rows, int* tokens)
 {
+    pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
+    pdl_launch_dependents();
     using namespace sample_detail;
     __shared__ unsigned int wk[NW];
     __shared__ int wi[NW];

@@ -81,7 +81,7 @@ TILE_ROWS = 16   # the stream GEMM's row tile: lane regions are whole tiles, so 
 class DraftKvBatch(StepIssuer):
     """``DraftKvBatch(weights, capacity, lanes, *, ring_capacity=None,
     ring_dtype=np.float32, lm_head=None, logits=True, backend=None, bulk_chunk=256, x_split=True,
-    tune=None)``.
+    tune=None, pdl=False)``.
 
     ``capacity``: each lane's context window cap (ring-cache slots, as
     ``DraftKvCache``). ``ring_capacity`` (default ``capacity``) and
@@ -93,7 +93,8 @@ class DraftKvBatch(StepIssuer):
     the same ``x_split`` bit for bit). With many active lanes the GEMMs are
     bound by MMA issue, not by the weight stream, and ``x_split=False`` halves
     that work (``python -m profiling.lanes_model --x-split both``). ``tune``:
-    as ``DraftKvCache`` (the GEMMs tuned at the batch's full row count).
+    as ``DraftKvCache`` (the GEMMs tuned at the batch's full row count). ``pdl``:
+    as ``DraftKvCache`` (programmatic dependent launch in the step graphs; off by default).
     """
 
     lane_batched = True
@@ -102,7 +103,7 @@ class DraftKvBatch(StepIssuer):
 
     def __init__(self, weights: DraftWeights, capacity: int, lanes: int, *, ring_capacity=None,
                  ring_dtype=np.float32, lm_head=None, logits: bool = True, backend=None, bulk_chunk: int = 256,
-                 x_split: bool = True, tune: bool | None = None):
+                 x_split: bool = True, tune: bool | None = None, pdl: bool = False):
         if not isinstance(weights, DraftWeights):
             raise TypeError(f"weights must be a DraftWeights, got {type(weights).__name__}")
         from .kv_cache import MAX_CAPACITY
@@ -122,6 +123,7 @@ class DraftKvBatch(StepIssuer):
         if not isinstance(logits, (bool, np.bool_)):
             raise TypeError(f"logits must be a bool, got {type(logits).__name__}")
         self.x_split = bool_arg(x_split, "x_split")
+        self.pdl = bool_arg(pdl, "pdl")
         if tune is not None:
             bool_arg(tune, "tune")
         be = self.backend = backends.get(backend)

@@ -88,7 +88,7 @@ def _step_in_sampling(block) -> tuple:
 
 class DraftKvCache(StepIssuer):
     """``DraftKvCache(weights, capacity, *, lm_head=None, sampling=None, backend=None, bulk_chunk=256,
-    x_split=True, tune=None)``.
+    x_split=True, tune=None, pdl=False)``.
 
     ``weights``: ``DraftWeights`` (host) — placed on the backend once and
     cached on the weights object. ``capacity``: ring slots, the drafter's
@@ -110,6 +110,15 @@ class DraftKvCache(StepIssuer):
     the fastest (``dflash_cupy.tuning``: cached on disk, so later caches read
     it); ``self.tuned`` lists what was chosen. False: the cost rule decides.
 
+    ``pdl`` (default False): capture the step graph with programmatic dependent
+    launch (sm_90+): every kernel node that directly follows another kernel node
+    may start while that one drains (its weight prefetch and block setup overlap
+    the tail; each kernel orders its real work with ``pdl_wait()``,
+    ``cuda_src/pdl.cuh``). Eager steps and bulk appends launch without it.
+    Bit-identical to ``pdl=False`` on the emulator, whose PDL check holds every
+    kernel's pre-wait accesses apart from the kernel before it; not yet run on
+    a GPU, hence off by default.
+
     Every step rewrites ``hidden_states``, ``logits``, ``draft_tokens`` and ``noise_embed`` in
     place (the graphs are bound to them): a returned array is the next step's
     output too. Work is issued on the caller's current stream or ``stream=``
@@ -118,7 +127,7 @@ class DraftKvCache(StepIssuer):
 
     def __init__(self, weights: DraftWeights, capacity: int, *, lm_head=None, sampling=None,
                  logits: bool = True, backend=None, bulk_chunk: int = 256, x_split: bool = True,
-                 tune: bool | None = None):
+                 tune: bool | None = None, pdl: bool = False):
         if not isinstance(weights, DraftWeights):
             raise TypeError(f"weights must be a DraftWeights, got {type(weights).__name__}")
         capacity = int_arg(capacity, "capacity", 1)
@@ -135,6 +144,7 @@ class DraftKvCache(StepIssuer):
             raise ValueError("sampling with temperature > 0 needs logits=True (the fused argmax is greedy)")
         self.write_logits = bool(logits)
         self.x_split = bool_arg(x_split, "x_split")
+        self.pdl = bool_arg(pdl, "pdl")
         if tune is not None:
             bool_arg(tune, "tune")
         be = self.backend = backends.get(backend)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .backends.base import programmatic_launches
 from .device_weights import device_dtype, to_device_matrix
 from .interop import device_view
 from .nvtx_ranges import nvtx_range
@@ -234,7 +235,10 @@ class StepIssuer:
                 cs = self.capture_stream
                 be.begin_capture(cs)
                 try:
-                    self._issue_step(slot, cs)
+                    # pdl: each launch right after another launch carries programmatic stream
+                    # serialization (base.programmatic_launches); eager steps never do
+                    with programmatic_launches(getattr(self, "pdl", False)):
+                        self._issue_step(slot, cs)
                 finally:
                     graph = be.end_capture(cs)
                 self._graphs[slot] = graph

@@ -20,7 +20,8 @@
 #   gpu_check.log   this script's log: environment, nvidia-smi, step status, summary (with the
 #                   GEMM autotuning report: default vs chosen launch and each candidate's time)
 #   tests.log       pytest output (the GPU half of the suite, then the differential run)
-#   bench.log       every benchmark's output (bench_lanes' table among them: its JSON stays outside OUTDIR)
+#   bench.log       every benchmark's output (bench_lanes' table among them: its JSON stays outside OUTDIR;
+#                   pdl_check's: the step with and without programmatic dependent launch)
 #   step_quick.json bench_step, qwen3.5-27b, windows 256/4K/32K, graph/eager/legacy
 #   gemm.json       bench_gemm (dflash GEMM and cuBLAS)
 #   attention.json  bench_attention
@@ -201,6 +202,12 @@ run_step step_quick 90 "$BLOG" "$PY" -m profiling.bench_step ${SMOKE[@]+"${SMOKE
     --drafters "$( ((DRY)) && echo tiny || echo qwen3.5-27b)" \
     --windows "$( ((DRY)) && echo 32 || echo 256,4K,32K)" \
     --budget-s 5 --no-plot --out "$OUTDIR/step_quick.json"
+
+# PDL: the step graph captured with programmatic dependent launch (DraftKvCache(pdl=True)) must be
+# bit-identical to the plain one over several steps (a kernel touching dependent data before its
+# pdl_wait() would show here); their replay times calibrate hw_params.pdl_gap_s. Table in bench.log.
+run_step pdl 40 "$BLOG" "$PY" -m profiling.pdl_check ${SMOKE[@]+"${SMOKE[@]}"} \
+    --windows "$( ((DRY)) && echo 32 || echo 2048,8192)" --repeats "$( ((DRY)) && echo 2 || echo 10)"
 
 # lanes: the batch step at 1/4/16 active lanes against the single-lane step, measured side by side
 # (issue 13's per-request cost), each row beside the cost model's prediction; the table is in bench.log

@@ -37,6 +37,9 @@ class GPU:
     mma_per_clk_sm: float         # mma.sync m16n8k16 (f16/bf16 in, f32 acc) instructions per clock per SM
     wgmma_per_clk_sm: float       # wgmma work in m16n8k16 equivalents per clock per SM
     node_gap_s: float             # idle time between two dependent kernel nodes of a graph
+    # the same across a programmatic (PDL) edge: the next kernel's blocks are already placed
+    # and waiting in griddepcontrol.wait (a labelled guess: see its source)
+    pdl_gap_s: float = 0.5e-6
     # occupancy limits (compute capability 9.0)
     regs_per_sm: int = 65536
     max_regs_per_thread: int = 255
@@ -86,6 +89,12 @@ _COMMON_SOURCES = {
                         "calibrate (tests/test_gemm_wgmma.py timings on a GPU)",
     "node_gap_s": "approx.: the issue's review estimate of 1.5-3 us per kernel boundary in a graph "
                   "(low end taken); calibrate from a measured eager vs graph step",
+    "pdl_gap_s": "guess, no published measurement found: with programmatic dependent launch the next "
+                 "kernel's blocks are launched and resident (waiting in griddepcontrol.wait) before the "
+                 "previous grid ends, which removes the launch and block-placement part of node_gap_s; "
+                 "what remains is the release after the previous grid's completion and memory flush, "
+                 "taken as a third of node_gap_s. The weight prefetch before the wait is not modelled "
+                 "separately. Calibrate: gpu_check.sh replays the step with and without PDL",
     "hbm_latency_s": "approx.: ~480 ns unloaded DRAM latency on H100 (chipsandcheese.com, 'Nvidia's "
                      "H100: Funny L2, and Tons of Bandwidth', 2023), raised for a loaded system; "
                      "calibrate",

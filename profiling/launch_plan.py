@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dflash_cupy.backends.base import Backend, CaptureError, Graph, Kernel, Module, dim3
+from dflash_cupy.backends.base import Backend, CaptureError, Graph, Kernel, Module, dim3, resolve_pdl
 from dflash_cupy.config import DraftConfig
 from dflash_cupy.weights import DraftWeights
 
@@ -56,6 +56,7 @@ class Launch:
     # by the time of the step (descriptor, positions) is there; an emulated counter run
     # (profiling/emulated_counters.py) starts from it.
     arrays: list = field(default_factory=list, repr=False, compare=False)
+    pdl: bool = False     # launched with programmatic stream serialization (PDL)
 
     @property
     def n_blocks(self) -> int:
@@ -126,11 +127,15 @@ class _Kernel(Kernel):
     def __init__(self, be, name, file, defines):
         self._be, self.name, self.file, self.defines = be, name, file, defines
 
-    def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0, stream=None):
+    def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0, stream=None, pdl=None):
+        be = self._be
+        nodes = be._capture_nodes
+        pdl = resolve_pdl(pdl, be._capturing is not None and bool(nodes) and isinstance(nodes[-1], Launch),
+                          self.name)
         g, b = dim3(grid, f"kernel {self.name}: grid"), dim3(block, f"kernel {self.name}: block")
         vals = [_ref(a) if isinstance(a, np.ndarray) else a.item() for a in args]
-        self._be._emit(Launch(self.name, self.file, dict(self.defines), g, b, int(shared_mem), vals,
-                              arrays=[a if isinstance(a, np.ndarray) else None for a in args]))
+        be._emit(Launch(self.name, self.file, dict(self.defines), g, b, int(shared_mem), vals,
+                        arrays=[a if isinstance(a, np.ndarray) else None for a in args], pdl=pdl))
 
 
 class _Module(Module):
@@ -372,13 +377,15 @@ def _containing(names, r) -> str:
 
 
 def step_plan(config: DraftConfig, window: int, *, ring_dtype=np.uint16, w_dtype=np.uint16,
-              accept: int = 6, lm_head_vocab: int | None = None, attn_config=None) -> StepPlan:
+              accept: int = 6, lm_head_vocab: int | None = None, attn_config=None,
+              pdl: bool = False) -> StepPlan:
     """The step graph of a steady-state step at ``window`` (``capacity = window``,
     the ring full, ``accept`` rows appended in the graph). Weights and ring
     default to bf16 (``np.uint16`` bits). ``attn_config``: the attention's
     ``(n_splits, merge)`` (``RingAttention.use_config``; ``None`` in either
     place: its default), as the autotuner would set it before the capture;
-    ``None``: the cost rule's."""
+    ``None``: the cost rule's. ``pdl``: the cache's switch (``Launch.pdl`` marks the
+    launches that carry programmatic stream serialization)."""
     from dflash_cupy.feature_ring import FeatureRing
     from dflash_cupy.kv_cache import DraftKvCache
 
@@ -387,7 +394,7 @@ def step_plan(config: DraftConfig, window: int, *, ring_dtype=np.uint16, w_dtype
     be = RecordingBackend()
     w = ShapeOnlyWeights(config, be, w_dtype)
     lm = be.empty((int(lm_head_vocab), config.hidden_size), w_dtype) if lm_head_vocab else None
-    kv = DraftKvCache(w, capacity=int(window), backend=be, lm_head=lm)
+    kv = DraftKvCache(w, capacity=int(window), backend=be, lm_head=lm, pdl=pdl)
     if attn_config is not None:
         n, merge = attn_config
         d_n, d_merge = kv.attention.default_config()

@@ -23,7 +23,9 @@ the hand-written access models of ``counters``), ptxas resources at sm_90 and oc
   their SMs' shared memory and tensor cores).
 
 The step's time is the sum over its graph nodes plus one ``node_gap`` per
-node; the floor is the step's compulsory bytes (``step_model.step_bytes``) at
+node (``--pdl``: the cache's ``pdl=True`` graph, where a launch right after a
+launch carries a programmatic edge and costs ``pdl_gap`` instead, a labelled
+guess in ``hw_params``); the floor is the step's compulsory bytes (``step_model.step_bytes``) at
 the achievable HBM bandwidth, so ``ratio`` is the figure ``bench_step``
 measures on a GPU (``ratio_to_floor``). See ``profiling/README.md``.
 """
@@ -165,16 +167,19 @@ def time_nodes(graph_nodes, gpu, source) -> list:
 
 
 def model_step(drafter: str, window: int, gpu, *, accept: int = 6, lm_head_vocab: int | None = None,
-               counter_source=None, attn_config=None) -> dict:
+               counter_source=None, attn_config=None, pdl: bool = False) -> dict:
     """The model of one step: per node times, totals, floor, ratio, losses.
     ``counter_source(launch) -> KernelCounters`` defaults to the static estimates.
     ``attn_config``: the attention's ``(n_splits, merge)`` (``step_plan``;
-    ``None``: the cost rule's)."""
+    ``None``: the cost rule's). ``pdl``: the graph captured with programmatic dependent
+    launch (each launch that follows a launch: ``gpu.pdl_gap_s`` instead of ``node_gap_s``)."""
     name = resolve_drafter(drafter)
     cfg = drafter_config(name)
-    plan = step_plan(cfg, window, accept=accept, lm_head_vocab=lm_head_vocab, attn_config=attn_config)
+    plan = step_plan(cfg, window, accept=accept, lm_head_vocab=lm_head_vocab, attn_config=attn_config,
+                     pdl=pdl)
     nodes = time_nodes(plan.nodes, gpu, counter_source or ctr.static_counters)
-    gap_us = gpu.node_gap_s * 1e6 * plan.n_nodes
+    n_pdl = sum(1 for n in plan.launches if n.pdl)
+    gap_us = (gpu.node_gap_s * (plan.n_nodes - n_pdl) + gpu.pdl_gap_s * n_pdl) * 1e6
     kern_us = sum(t.predicted_us for t in nodes)
     sb = step_bytes(plan.cache, accept, 2)
     floor_us = sb["total"] / gpu.hbm_Bps * 1e6
@@ -182,6 +187,7 @@ def model_step(drafter: str, window: int, gpu, *, accept: int = 6, lm_head_vocab
     groups = _groups(nodes)
     return {"drafter": drafter, "preset": name, "window": window, "gpu": gpu.name,
             "n_nodes": plan.n_nodes, "n_launches": len(plan.launches), "n_copies": len(plan.copies),
+            "pdl": bool(pdl), "n_pdl_edges": n_pdl,
             "attn_config": plan.cache.attention.config(),
             "kv_total": plan.kv_total, "q_len": plan.q_len, "a_step": plan.a_step,
             "bytes": sb, "floor_us": floor_us, "kernels_us": kern_us, "gaps_us": gap_us,
@@ -235,7 +241,7 @@ def _losses(groups, gap_us) -> list:
             out.append({"label": label, "loss_us": loss, "bound": bound, "why": why,
                         "notes": list(c.notes)})
     out.append({"label": "graph node gaps", "loss_us": gap_us, "bound": "gap",
-                "why": "one gap per graph node", "notes": []})
+                "why": "one gap per graph node (a shorter one per PDL edge with --pdl)", "notes": []})
     out.sort(key=lambda d: -d["loss_us"])
     return out
 
@@ -291,7 +297,8 @@ def format_report(m: dict, measured: dict | None = None) -> str:
         if mk:
             row += f"   {mk[label]:7.1f}" if label in mk else "         -"
         lines.append(row)
-    lines.append(f"kernels {m['kernels_us']:.1f} us + node gaps {m['gaps_us']:.1f} us = step "
+    lines.append(f"kernels {m['kernels_us']:.1f} us + node gaps {m['gaps_us']:.1f} us"
+                 + (f" ({m['n_pdl_edges']} PDL edges)" if m.get("pdl") else "") + " = step "
                  f"{m['step_us']:.1f} us; floor {m['floor_us']:.1f} us ({m['bytes']['total'] / 1e9:.3f} GB "
                  f"compulsory); ratio {m['ratio']:.2f}x (goal 1.15x)"
                  + (f"; measured step {meas['step_us']:.1f} us ({meas['step_us'] / m['floor_us']:.2f}x)"
@@ -424,6 +431,8 @@ def main(argv=None) -> int:
     p.add_argument("--measured", default=None, help=f"measured per-kernel times (default {MEASURED_FILE})")
     p.add_argument("--accept", type=int, default=6, help="rows appended per step (as bench_step)")
     p.add_argument("--lm-head", type=int, default=None, metavar="VOCAB")
+    p.add_argument("--pdl", action="store_true",
+                   help="model the pdl=True step graph (programmatic edges: pdl_gap_s, a labelled guess)")
     p.add_argument("--plot", default=None, help="PNG path (default: none; 'auto' = profiling/results/cpu/perf_model.png)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
     p.add_argument("--counters", default="emulated", choices=("emulated", "static"),
@@ -452,7 +461,7 @@ def main(argv=None) -> int:
         source = EmulatedSource(n=n)
     t0 = time.perf_counter()
     models = [model_step(d, w, gpu, accept=a.accept, lm_head_vocab=a.lm_head, counter_source=source,
-                         attn_config=attn)
+                         attn_config=attn, pdl=a.pdl)
               for d in str_list(a.drafter) for w in windows]
     if source is not None:
         print(f"emulated counters: {source.runs} distinct launches counted in {source.seconds:.1f} s "
@@ -470,7 +479,8 @@ def main(argv=None) -> int:
             print()
         print("summary: " + "; ".join(f"{m['preset']} {m['window']}: {m['step_us']:.0f} us, "
                                       f"{m['ratio']:.2f}x floor, attention {m['attn_config']}, "
-                                      f"{m['n_nodes']} nodes" for m in models))
+                                      f"{m['n_nodes']} nodes" + (f" ({m['n_pdl_edges']} PDL edges)" if m["pdl"] else "")
+                                      for m in models))
     if a.plot:
         path = RESULTS / "cpu" / "perf_model.png" if a.plot == "auto" else Path(a.plot)
         if plot(models, path):

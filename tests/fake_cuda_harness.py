@@ -76,7 +76,10 @@ def fake_pointer_attributes(ptr):
     return R.PointerAttributes(0, 0, ptr, R.memoryTypeHost if host else R.memoryTypeUnregistered)
 
 class FakeRawKernel:
-    def __init__(self, name): self.name = name; self.max_dynamic_shared_size_bytes = 0
+    n = 0xF000
+    def __init__(self, name):
+        self.name = name; self.max_dynamic_shared_size_bytes = 0
+        FakeRawKernel.n += 0x10; self.kernel = type("F", (), {"ptr": FakeRawKernel.n})()   # the CUfunction
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
         assert isinstance(grid, tuple) and isinstance(block, tuple)
         calls.append(("launch", self.name, grid, block, len(args), shared_mem,
@@ -321,6 +324,45 @@ cupy.cuda.pinned_memory.alloc_pinned_memory(0)
 be.begin_capture(cs)
 with pytest.raises(CaptureError, match="graph.launch"): g.launch(cs)
 be.end_capture(cs)
+
+# ---- programmatic dependent launch: cuLaunchKernelEx (faked) with the attribute
+import dflash_cupy.backends.cuda_launch_ex as LX
+from dflash_cupy.backends.base import programmatic_launches
+def fake_launch_ex(cfg_p, func, params, extra):
+    c = cfg_p.contents; a = c.attrs[0]
+    calls.append(("launch_ex", func, (c.gridDimX, c.gridDimY, c.gridDimZ), (c.blockDimX, c.blockDimY, c.blockDimZ),
+                  c.sharedMemBytes, c.hStream or 0, c.numAttrs, a.id, a.value.programmaticStreamSerializationAllowed,
+                  ctypes.cast(params[0], ctypes.POINTER(ctypes.c_void_p))[0],
+                  ctypes.cast(params[2], ctypes.POINTER(ctypes.c_int))[0]))
+    return 0
+fake_fn = LX.LAUNCH_EX_PROTO(fake_launch_ex)
+mp.setattr(LX, "driver_function", lambda: fake_fn)
+calls.clear()
+k(2, 64, args, stream=s, pdl=True)   # eager, explicit
+assert calls == [("launch_ex", k.raw.kernel.ptr, (2, 1, 1), (64, 1, 1), 0, s.ptr, 1, 6, 1, x.data.ptr, 6)], calls
+k(2, 64, args, stream=s)             # default: CuPy's own launch
+assert calls[-1][0] == "launch", calls[-1]
+with pytest.raises(TypeError, match="pdl must be a bool"): k(2, 64, args, stream=s, pdl="on")
+calls.clear()
+with programmatic_launches():
+    k(2, 64, args, stream=s)         # eager: never from the scope
+    be.begin_capture(cs)
+    k(1, 32, args, stream=cs)        # first node of the capture: no programmatic edge
+    k(1, 32, args, stream=cs)        # follows a kernel: programmatic
+    k(1, 32, args, stream=cs, pdl=False)
+    be.copy_d2d_async(d2, d, stream=cs)
+    k(1, 32, args, stream=cs)        # follows a copy: plain
+    k(1, 32, args, stream=cs)
+    e.record(cs)
+    k(1, 32, args, stream=cs)        # follows an event record: plain
+    g2 = be.end_capture(cs)
+kinds = [c[0] for c in calls if c[0] in ("launch", "launch_ex", "memcpyAsync")]
+assert kinds == ["launch", "launch", "launch_ex", "launch", "memcpyAsync", "launch", "launch_ex", "launch"], kinds
+assert g2.n_launches == 6 and g2.n_pdl == 2, (g2.n_launches, g2.n_pdl)
+assert all(c[5] == cs.ptr for c in calls if c[0] == "launch_ex")
+mp.setattr(LX, "driver_function", lambda: LX.LAUNCH_EX_PROTO(lambda *a: 700))   # CUDA_ERROR_ILLEGAL_ADDRESS
+with pytest.raises(KernelLaunchError, match=r"launch \(programmatic\).*CUresult 700"):
+    k(1, 32, args, stream=s, pdl=True)
 mp.restore()
 print("harness OK")
 # 0-d round trip keeps its shape

@@ -142,7 +142,7 @@ class Driver:
     missing), models ``slot_pos``/``next_pos`` per SPEC §3, and checks every
     step against the oracle."""
 
-    def __init__(self, be, name, base=0, seed=0, weights=None, x_split=True, tune=None):
+    def __init__(self, be, name, base=0, seed=0, weights=None, x_split=True, tune=None, pdl=False):
         self.be, self.name, self.spec = be, name, SPECS[name]
         self.x_split = x_split
         s, c = self.spec, self.spec.config
@@ -150,7 +150,7 @@ class Driver:
         if weights is not None:
             self.w = weights
         self.kv = DraftKvCache(self.w, s.capacity, lm_head=self.lm, backend=be, bulk_chunk=s.bulk_chunk,
-                               x_split=x_split, tune=tune)
+                               x_split=x_split, tune=tune, pdl=pdl)
         self.ring = FeatureRing(s.ring_capacity, c.n_captured, c.hidden_size, s.ring_dtype, backend=be)
         self.rng = np.random.default_rng(seed)
         self.cap, self.q = s.capacity, c.q_len

@@ -588,3 +588,16 @@ def test_gemm_model_table():
     forced = gemm_model.gemm_row("gate_up", 12288, 4096, "silu_mul", 64, True, get_gpu("H200"), config=(4, 1))
     assert forced["bound"] == "mma" and not forced["meets_goal"]
     assert "gate_up" in gemm_model.format_table(rows[:15])
+
+
+def test_pdl_edges_cost_the_pdl_gap():
+    """--pdl: each launch right after a launch costs pdl_gap_s instead of node_gap_s; the
+    kernels' times do not change (the prefetch is not modelled)."""
+    off = pm.model_step("h4096", 2048, H200)
+    on = pm.model_step("h4096", 2048, H200, pdl=True)
+    assert on["n_pdl_edges"] == on["n_launches"] - on["n_copies"] and off["n_pdl_edges"] == 0
+    assert on["kernels_us"] == off["kernels_us"]
+    saved = (H200.node_gap_s - H200.pdl_gap_s) * 1e6 * on["n_pdl_edges"]
+    assert on["gaps_us"] == pytest.approx(off["gaps_us"] - saved) and saved > 30
+    assert on["step_us"] == pytest.approx(off["step_us"] - saved)
+    assert "pdl_gap_s" in H200.sources and "guess" in H200.sources["pdl_gap_s"]

@@ -380,7 +380,8 @@ def test_gpu_check_real_commands_parse(tmp_path):
     cmds = [json.loads(line) for line in record.read_text().splitlines()]
     assert cmds[0][:2] == ["-", "0"]  # preflight, real mode
     mods = [c[1] for c in cmds[1:]]
-    assert mods == ["pytest", "profiling.differential", "profiling.bench_step", "profiling.bench_lanes",
+    assert mods == ["pytest", "profiling.differential", "profiling.bench_step", "profiling.pdl_check",
+                    "profiling.bench_lanes",
                     "profiling.bench_gemm", "profiling.bench_attention", "profiling.bench_step",
                     "profiling.bench_host", "profiling.soak", "profiling.summarize"]
     pytest_args = cmds[1][2:]
@@ -389,6 +390,10 @@ def test_gpu_check_real_commands_parse(tmp_path):
     assert diff.mode == "1" and "tests/test_gemm.py" in diff.files and diff.timeout_s == 95
     assert diff.pytest_args == ["--maxfail=40", "-k", "emulated"]
     cmds = cmds[:2] + cmds[3:]
+    from profiling import pdl_check
+    pc = pdl_check.parse_args(cmds[3][2:])   # the step with and without PDL, h4096
+    assert not pc.smoke and pc.drafter == "h4096" and pc.windows == [2048, 8192] and pc.repeats == 10
+    cmds = cmds[:3] + cmds[4:]
     from profiling import bench_lanes
     lanes = bench_lanes.parse_args(cmds[3][2:])   # the batch at 1/4/16 lanes, qwen3-8b, both roundings
     assert lanes.lanes == [1, 4, 16] and lanes.drafter == "qwen3-8b" and lanes.splits == (True, False)

@@ -421,6 +421,7 @@ struct Fiber {
     // again, and ldmatrix's gathers (counted as the one instruction they are).
     unsigned long long cv_lo[2], cv_hi[2], cv_left[2];
     int cnt_mute;
+    int pdl_waited;  // counter mode: this thread has run pdl_wait() (pdl.cuh)
 #if !defined(__x86_64__)
     ucontext_t uc;
 #endif
@@ -459,6 +460,7 @@ struct Block {
     char* err;
     int errlen;
     bool failed;
+    bool pdl_waited;  // counter mode: some thread of the block has run pdl_wait()
 };
 
 static thread_local Fiber* tl_fiber;
@@ -800,6 +802,7 @@ EMU_INTERNAL static void order_list(int* v, int n, int order, Rng& rng) {
 // Runs one block; false on deadlock or misuse (message in b->err).
 EMU_INTERNAL static bool run_block(Block* b, int order, Rng& rng, const StackArena& stacks) {
     const int nt = b->nthreads, nw = (nt + 31) / 32;
+    b->pdl_waited = false;
     for (int i = 0; i < nt; i++) {
         Fiber* f = &b->fibers[i];
         f->tid = i;
@@ -810,6 +813,7 @@ EMU_INTERNAL static bool run_block(Block* b, int order, Rng& rng, const StackAre
         arm_yield(f);
         f->cv_left[0] = f->cv_left[1] = 0;
         f->cnt_mute = 0;
+        f->pdl_waited = 0;
         f->stack = stacks.get(i);
         if (!f->stack) { fail(b, "the fiber stack arena is smaller than the block"); return false; }
         init_fiber(f);
@@ -1067,17 +1071,24 @@ EMU_INTERNAL static inline void misaligned(const void* p, unsigned align, const 
 //  - fiber-stack (local) accesses are not counted: on the GPU they are registers.
 // Per range (pointer argument): bytes requested (read, written) and distinct bytes
 // (a byte mask per 32-byte sector over the whole launch).
+// PDL (cuda_src/pdl.cuh): per sector also the bytes read / written by threads that had
+// not yet run pdl_wait(), prefetch_l2()'s lines among the reads (not in any count
+// above: a prefetch is no load); CNT_PDL_* count the blocks with a thread past its
+// wait, the threads that waited, and the threads that triggered their dependents
+// before waiting. emu_pdl_export hands the sector table to the ordering check
+// (dflash_cupy/backends/emu_pdl.py).
 enum : int { CNT_GLD_REQ, CNT_GLD_SEC, CNT_GLD_BYTES, CNT_GST_REQ, CNT_GST_SEC, CNT_GST_BYTES,
              CNT_SLD_REQ, CNT_SLD_WF, CNT_SLD_IDEAL, CNT_SST_REQ, CNT_SST_WF, CNT_SST_IDEAL,
              CNT_MMA, CNT_BARRIERS, CNT_BLOCKS, CNT_OTHER_ACC, CNT_OTHER_BYTES, CNT_SITES_MERGED,
-             CNT_WGMMA, CNT_WGMMA_MMA, CNT_WGMMA_SMEM_BYTES, CNT_TOTALS = 24, CNT_PER_RANGE = 8 };
+             CNT_WGMMA, CNT_WGMMA_MMA, CNT_WGMMA_SMEM_BYTES, CNT_PDL_WAITED_BLOCKS, CNT_PDL_WAITS,
+             CNT_PDL_EARLY_TRIGGERS, CNT_TOTALS = 24, CNT_PER_RANGE = 8 };
 // then per range: bytes read, written, distinct read, distinct written, load requests, load
 // sectors, store requests, store sectors (an instruction counts for its first lane's range)
 
 struct CntOcc { unsigned long long site; int tid; unsigned n; };
 struct CntSlot { unsigned long long site; int warp; unsigned occ; int store; int idx; };
 struct CntGroup { unsigned long long addr[32], site; unsigned lanes, width; int space, store, range; };
-struct CntSec { unsigned long long key; unsigned rd, wr; };
+struct CntSec { unsigned long long key; unsigned rd, wr, prd, pwr; };  // p*: before pdl_wait
 // Per site (instruction of the g++ build): what its warp-level executions cost.
 struct CntSite { unsigned long long site, kind, width, requests, units, ideal, bytes; };  // kind = store | space << 1
 enum : int { CNT_SITE_VALS = 7 };
@@ -1180,7 +1191,9 @@ EMU_INTERNAL static CntGroup* cnt_group(Count* c, int warp, unsigned long long s
 }
 
 // Distinct bytes per range: a byte mask per (range, 32-byte sector).
-EMU_INTERNAL static void cnt_bytes(Count* c, int range, unsigned long long a, unsigned long long n, bool store) {
+// kind: 0 load, 1 store, 2 a prefetch (only its pre-wait bit); pre: before the thread's pdl_wait.
+EMU_INTERNAL static void cnt_bytes(Count* c, int range, unsigned long long a, unsigned long long n, int kind,
+                                   bool pre) {
     for (unsigned long long s = a >> 5; s <= (a + n - 1) >> 5; s++) {
         const unsigned long long b0 = s << 5 > a ? s << 5 : a, b1 = (s << 5) + 32 < a + n ? (s << 5) + 32 : a + n;
         const unsigned bits = (unsigned)((b1 - b0 >= 32 ? 0xffffffffULL : ((1ULL << (b1 - b0)) - 1)) << (b0 & 31));
@@ -1203,7 +1216,8 @@ EMU_INTERNAL static void cnt_bytes(Count* c, int range, unsigned long long a, un
         while (c->sec[h].key && c->sec[h].key != key) h = (h + 1) & mask;
         CntSec& e = c->sec[h];
         if (!e.key) { e.key = key; c->sec_used++; }
-        if (store) e.wr |= bits; else e.rd |= bits;
+        if (kind == 1) e.wr |= bits; else if (kind == 0) e.rd |= bits;
+        if (pre) { if (kind == 1) e.pwr |= bits; else e.prd |= bits; }
     }
 }
 
@@ -1335,7 +1349,7 @@ EMU_INTERNAL static void cnt_record(Count* c, Fiber* f, unsigned long long a, un
                                     int space, int range, unsigned long long site) {
     if (space == 0 && range < c->nranges) {
         c->out[CNT_TOTALS + CNT_PER_RANGE * range + (store ? 1 : 0)] += n;
-        cnt_bytes(c, range, a, n, store);
+        cnt_bytes(c, range, a, n, store ? 1 : 0, !f->pdl_waited);
     }
     const unsigned occ = cnt_occurrence(c, site, f->tid);
     CntGroup* g = cnt_group(c, f->tid >> 5, site, occ, store, space, range);
@@ -1397,6 +1411,30 @@ __attribute__((noinline)) EMU_INTERNAL static void count_ldmatrix(const void* ro
     if (space == 0 || space == 1)
         cnt_record(c, f, a, 16, false, space, range, (unsigned long long)__builtin_return_address(0));
     f->cnt_mute = 1;
+}
+
+// The sector table of the current counted launch, for emu_pdl_export (set per launch).
+static thread_local unsigned long long* tl_pdl_out;
+static thread_local unsigned long long tl_pdl_cap;
+
+// [0] = entries, then 3 per (range, sector): address of the sector, rd | wr << 32, prd | pwr << 32.
+EMU_INTERNAL static void pdl_export(const Count* c) {
+    unsigned long long* o = tl_pdl_out;
+    if (!o) return;
+    unsigned long long n = 0;
+    for (unsigned i = 0; i < (1u << c->sec_bits); i++) {
+        const CntSec& e = c->sec[i];
+        if (!e.key) continue;
+        if (n < tl_pdl_cap) {
+            unsigned long long* v = o + 1 + 3 * n;
+            v[0] = ((e.key - 1) >> 7) << 5;
+            v[1] = (unsigned long long)e.rd | ((unsigned long long)e.wr << 32);
+            v[2] = (unsigned long long)e.prd | ((unsigned long long)e.pwr << 32);
+        }
+        n++;
+    }
+    o[0] = n;
+    tl_pdl_out = nullptr;
 }
 
 EMU_INTERNAL static void count_barrier() {
@@ -1895,7 +1933,11 @@ EMU_INTERNAL static void run_blocks(void (*body)(void**), void** args, const uns
         mem.yrng = rng.next() | 1;
         if (poison) poison(shmem);
         if (!run_block(&b, order, rng, stacks)) { res->status = 1; break; }
-        if (cnt) { cnt_flush(cnt); cnt->out[CNT_BLOCKS]++; }
+        if (cnt) {
+            cnt_flush(cnt);
+            cnt->out[CNT_BLOCKS]++;
+            if (b.pdl_waited) cnt->out[CNT_PDL_WAITED_BLOCKS]++;
+        }
     }
     tl_fault_jmp = nullptr;
     tl_cnt = nullptr;
@@ -1938,13 +1980,26 @@ EMU_INTERNAL static int launch_counted(void (*body)(void**), void** args, const 
     run_blocks(body, args, grid, block, poison, shmem, seed, order, 0, 1, stacks, ranges, names, nranges,
                err, errlen, &res, ids, n_ids, &cnt);
     __atomic_fetch_sub(&g_counting, 1, __ATOMIC_RELAXED);
-    if (res.status == 0) cnt_finish(&cnt, sites_out, max_sites);
+    if (res.status == 0) {
+        cnt_finish(&cnt, sites_out, max_sites);
+        pdl_export(&cnt);
+    }
+    tl_pdl_out = nullptr;
     cnt_free(&cnt);
     *fault_addr = res.fault_addr;
     *fault_sig = res.fault_sig;
     return res.status;
 }
 
+}  // namespace emu
+// Counter mode: the next counted launch on this OS thread writes its sector table to `out`
+// (cap entries at most; out[0] = the entries it has, which may exceed cap).
+extern "C" __attribute__((visibility("default"))) EMU_INTERNAL void emu_pdl_export(unsigned long long* out,
+                                                                                   unsigned long long cap) {
+    emu::tl_pdl_out = out;
+    emu::tl_pdl_cap = cap;
+}
+namespace emu {
 template <typename EmuT> static inline unsigned long long to_bits(EmuT v) {
     static_assert(sizeof(EmuT) <= 8, "warp collectives move at most 8 bytes");
     unsigned long long u = 0;
@@ -2044,6 +2099,31 @@ EMU_INTERNAL static inline void emu_wgmma_wait(int n) {
 EMU_INTERNAL static inline void emu_fence_proxy_async() {}
 EMU_INTERNAL static inline unsigned long long emu_wgmma_desc(const void* smem, unsigned int lbo, unsigned int sbo) {
     return emu::wg_make_desc(smem, lbo, sbo);
+}
+// Programmatic dependent launch (cuda_src/pdl.cuh). Launches run one after another
+// here, so the ordering they ask for always holds; the counter build records what
+// each thread touches before its wait for the ordering check (emu_pdl.py).
+EMU_INTERNAL static inline void emu_pdl_wait() {
+    emu::Fiber* f = emu::tl_fiber;
+    f->pdl_waited = 1;
+    emu::tl_block->pdl_waited = true;
+    if (EMU_COUNTERS && emu::g_counting && emu::tl_cnt) ((emu::Count*)emu::tl_cnt)->out[emu::CNT_PDL_WAITS]++;
+}
+EMU_INTERNAL static inline void emu_pdl_launch_dependents() {
+    if (EMU_COUNTERS && emu::g_counting && emu::tl_cnt && !emu::tl_fiber->pdl_waited)
+        ((emu::Count*)emu::tl_cnt)->out[emu::CNT_PDL_EARLY_TRIGGERS]++;
+}
+// A prefetch must point into an array (checked as a one-byte load); counted only as a
+// pre-wait touch of its byte, never as a load.
+EMU_INTERNAL static inline void emu_prefetch_l2(const void* p) {
+    const unsigned long long a = (unsigned long long)p;
+    emu::check_access(a, 1, false);
+    emu::MemTable* t = emu::tl_mem;
+    emu::Fiber* f = emu::tl_fiber;
+    emu::Count* c = (emu::Count*)emu::tl_cnt;
+    if (!EMU_COUNTERS || !emu::g_counting || !c || !t || !t->count || !f || f->pdl_waited) return;
+    int range = -1;
+    if (emu::cnt_space(t, f, a, &range) == 0 && range < c->nranges) emu::cnt_bytes(c, range, a, 1, 2, true);
 }
 static inline unsigned int __activemask() { return 0xffffffffu; }
 static inline unsigned int __lanemask_lt() { return (1u << (emu::tl_fiber->tid & 31)) - 1u; }

@@ -13,10 +13,15 @@ Every class in dflash_cupy talks to a ``Backend``; there are two:
 
 Calling conventions (identical on both):
 
-* ``kernel(grid, block, args, shared_mem=0, stream=None)``: CuPy's RawKernel
-  convention. ``args`` is a tuple of device arrays and NumPy scalars of the
-  exact C type of the parameter (``np.int32`` for ``int``, ``np.float32`` for
-  ``float``, ``np.int64`` for ``long long``, ...).
+* ``kernel(grid, block, args, shared_mem=0, stream=None, pdl=None)``: CuPy's
+  RawKernel convention. ``args`` is a tuple of device arrays and NumPy scalars
+  of the exact C type of the parameter (``np.int32`` for ``int``, ``np.float32``
+  for ``float``, ``np.int64`` for ``long long``, ...). ``pdl=True`` launches with
+  programmatic stream serialization (programmatic dependent launch, sm_90+: the
+  kernel may start before the previous kernel on the stream ends and must order
+  itself with ``pdl_wait()``, ``cuda_src/pdl.cuh``); ``None`` (the default):
+  on inside ``programmatic_launches()`` for a captured launch that directly
+  follows another captured launch on the capturing stream, else off.
 * Copies take whole contiguous arrays of equal byte size (``nbytes`` may
   restrict to a prefix). H2D copies read *pinned* host memory when the copy
   executes — during replay, for a captured copy.
@@ -35,6 +40,8 @@ Calling conventions (identical on both):
 from __future__ import annotations
 
 import abc
+import contextlib
+import threading
 from typing import Any, Sequence
 
 import numpy as np
@@ -71,7 +78,38 @@ class Kernel(abc.ABC):
 
     @abc.abstractmethod
     def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0,
-                 stream: Any = None) -> None: ...
+                 stream: Any = None, pdl: bool | None = None) -> None: ...
+
+
+# Programmatic dependent launch: the scope is per thread (captures are per thread too).
+_pdl_tls = threading.local()
+
+
+@contextlib.contextmanager
+def programmatic_launches(on: bool = True):
+    """Inside: a captured kernel launch with ``pdl=None`` that directly follows another
+    captured kernel launch on the capturing stream gets programmatic stream serialization
+    (never the first launch after a copy, an event or the capture's start; never an
+    eager launch). Nests; ``on=False`` turns it off inside."""
+    if not isinstance(on, (bool, np.bool_)):
+        raise TypeError(f"on must be a bool, got {type(on).__name__}")
+    prev = getattr(_pdl_tls, "on", False)
+    _pdl_tls.on = bool(on)
+    try:
+        yield
+    finally:
+        _pdl_tls.on = prev
+
+
+def resolve_pdl(pdl, follows_kernel: bool, name: str) -> bool:
+    """Whether a launch carries the attribute: ``pdl`` if given (a bool), else the
+    ``programmatic_launches`` rule (``follows_kernel``: a captured launch right after
+    another captured launch on the capturing stream)."""
+    if pdl is None:
+        return bool(getattr(_pdl_tls, "on", False)) and follows_kernel
+    if not isinstance(pdl, (bool, np.bool_)):
+        raise TypeError(f"kernel {name}: pdl must be a bool or None, got {type(pdl).__name__}")
+    return bool(pdl)
 
 
 class Module(abc.ABC):

@@ -82,9 +82,9 @@ from cupy.cuda import driver as _driver
 from cupy.cuda import runtime as _runtime
 
 from .. import device_props
-from . import cuda_pinned, launch_limits, nvrtc_info, signatures
+from . import cuda_launch_ex, cuda_pinned, launch_limits, nvrtc_info, signatures
 from .base import (Backend, BackendError, CaptureError, Graph, Kernel, KernelLaunchError, Module,
-                   check_kernel_args, copy_nbytes)
+                   check_kernel_args, copy_nbytes, resolve_pdl)
 from .cuda_pinned import host_ptr as _host_ptr
 
 NVRTC_FLAGS = nvrtc_info.NVRTC_FLAGS  # ("--std=c++17", "-ftz=true")
@@ -167,6 +167,7 @@ class CudaStream:
     def wait_event(self, event: "CudaEvent") -> None:
         """Later work on this stream waits (on the device) for ``event``."""
         self.raw.wait_event(event.raw if isinstance(event, CudaEvent) else event)
+        self._backend._cap_follows_kernel = False
 
     def __repr__(self) -> str:
         return f"<CudaStream 0x{self.ptr:x}>"
@@ -182,6 +183,7 @@ class CudaEvent:
     def record(self, stream=None) -> None:
         raw = self._backend._stream_for(stream, "event.record()")
         self.raw.record(raw)
+        self._backend._cap_follows_kernel = False   # (a captured record: no programmatic edge across it)
 
     def synchronize(self) -> None:
         _host_wait(self._backend, self.raw, "an event")
@@ -235,8 +237,10 @@ class CudaKernel(Kernel):
                           if isinstance(a, np.ndarray) else "")
         return tuple(args)
 
-    def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0, stream=None) -> None:
+    def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0, stream=None,
+                 pdl: bool | None = None) -> None:
         be = self._module.backend
+        pdl = resolve_pdl(pdl, be._capture_raw is not None and be._cap_follows_kernel, self.name)
         g, b, shared_mem = launch_limits.launch_config(self.name, grid, block, shared_mem)
         limit = be._smem_optin()  # this device's, not sm_90's: checked here, not in launch_limits
         if shared_mem > limit:
@@ -255,12 +259,21 @@ class CudaKernel(Kernel):
                                         f"bytes of dynamic shared memory{during}: {e}") from e
             self._smem_attr = shared_mem
         try:
-            self._raw(g, b, args, shared_mem=shared_mem, stream=raw_stream)
-        except (_driver.CUDADriverError, _runtime.CUDARuntimeError) as e:
-            raise KernelLaunchError(f"kernel {self.name}: launch grid={g} block={b} shared_mem={shared_mem} "
-                                    f"failed: {e}") from e
+            if pdl:
+                # CuPy's launch cannot carry attributes: the same CUfunction through cuLaunchKernelEx
+                cuda_launch_ex.launch(self._raw.kernel.ptr, g, b, shared_mem, be._stream_ptr(raw_stream),
+                                      self.sig.params, args)
+            else:
+                self._raw(g, b, args, shared_mem=shared_mem, stream=raw_stream)
+        except (_driver.CUDADriverError, _runtime.CUDARuntimeError, cuda_launch_ex.LaunchExError) as e:
+            how = " (programmatic)" if pdl else ""
+            raise KernelLaunchError(f"kernel {self.name}: launch{how} grid={g} block={b} "
+                                    f"shared_mem={shared_mem} failed: {e}") from e
         if be._capture_raw is not None:
             be._captured_launches += 1
+            be._cap_follows_kernel = True
+            if pdl:
+                be._captured_pdl += 1
 
 
 class CudaModule(Module):
@@ -357,6 +370,11 @@ class CudaBackend(Backend):
                                   lambda self, v: setattr(self._tls, "launches", v))
     _captured_copies = property(lambda self: self._tls_get("copies", 0),
                                 lambda self, v: setattr(self._tls, "copies", v))
+    _captured_pdl = property(lambda self: self._tls_get("pdl", 0),
+                             lambda self, v: setattr(self._tls, "pdl", v))
+    # the capture's latest node is a kernel launch (a programmatic launch may follow it)
+    _cap_follows_kernel = property(lambda self: self._tls_get("follows_kernel", False),
+                                   lambda self, v: setattr(self._tls, "follows_kernel", v))
 
     def _no_capture(self, what: str) -> None:
         if self._capture_raw is not None:
@@ -505,6 +523,7 @@ class CudaBackend(Backend):
             raise BackendError(f"{what}: cudaMemcpyAsync failed: {e}") from e
         if self._capture_raw is not None:
             self._captured_copies += 1
+            self._cap_follows_kernel = False
 
     def copy_h2d_async(self, dst, src: np.ndarray, stream=None, nbytes: int | None = None) -> None:
         what = "copy_h2d_async"
@@ -582,6 +601,8 @@ class CudaBackend(Backend):
         self._capture_raw = raw
         self._captured_launches = 0
         self._captured_copies = 0
+        self._captured_pdl = 0
+        self._cap_follows_kernel = False
 
     def _restore_allocators(self, guard) -> None:
         _capture_tls.capturing = False
@@ -606,7 +627,9 @@ class CudaBackend(Backend):
             raise CaptureError(f"capture failed at end_capture: {e}") from e
         finally:
             self._restore_allocators(guard)
-        return CudaGraph(self, g, self._captured_launches, self._captured_copies)
+        graph = CudaGraph(self, g, self._captured_launches, self._captured_copies)
+        graph.n_pdl = self._captured_pdl
+        return graph
 
     def is_capturing(self) -> bool:
         return self._capture_raw is not None

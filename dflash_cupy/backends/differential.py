@@ -116,10 +116,11 @@ class DiffKernel:
     def __getattr__(self, item):  # sig, _launch_limits, ... of the emulated kernel
         return getattr(self._emu, item)
 
-    def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0, stream=None) -> None:
+    def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0, stream=None,
+                 pdl=None) -> None:
         be = self._module.backend
         if be.is_capturing():
-            return self._emu(grid, block, args, shared_mem=shared_mem, stream=stream)
+            return self._emu(grid, block, args, shared_mem=shared_mem, stream=stream, pdl=pdl)
         ref_be = be.reference
         # Emulated streams run deferred: let queued work produce the inputs first, and run
         # this launch before comparing (this mode is synchronous; stream hazards are the
@@ -134,7 +135,7 @@ class DiffKernel:
                 if id(root) not in roots:
                     roots[id(root)] = (root, ref_be.asarray(_bytes(root).copy()))
                 views.append((i, self._ref_view(roots[id(root)][1], root, a)))
-        self._emu(grid, block, args, shared_mem=shared_mem, stream=stream)
+        self._emu(grid, block, args, shared_mem=shared_mem, stream=stream, pdl=pdl)
         be.synchronize()
         ref_args = list(args)
         for i, v in views:

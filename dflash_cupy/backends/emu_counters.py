@@ -33,8 +33,9 @@ from .base import BackendError, KernelLaunchError
 _TOTALS = ("gld_requests", "gld_sectors", "gld_bytes", "gst_requests", "gst_sectors", "gst_bytes",
            "sld_requests", "sld_wavefronts", "sld_ideal", "sst_requests", "sst_wavefronts", "sst_ideal",
            "mma", "barriers", "blocks_run", "other_accesses", "other_bytes")
-# after CNT_SITES_MERGED (17, internal): the wgmma counts
-_TOTALS_AT = {18: "wgmma", 19: "wgmma_mma", 20: "wgmma_smem_bytes"}
+# after CNT_SITES_MERGED (17, internal): the wgmma counts, then programmatic dependent launch's
+_TOTALS_AT = {18: "wgmma", 19: "wgmma_mma", 20: "wgmma_smem_bytes", 21: "pdl_waited_blocks",
+              22: "pdl_waits", 23: "pdl_early_triggers"}
 _N_TOTALS, _PER_RANGE, _MAX_RANGES = 24, 8, 128
 _SITE_VALS, _MAX_SITES = 7, 2048
 _KINDS = {0: "global load", 1: "global store", 2: "shared load", 3: "shared store"}
@@ -97,6 +98,9 @@ class LaunchCounts:
     wgmma_mma: int = 0          # their m16n8k16 equivalents (4 warps x N / 8 each)
     wgmma_smem_bytes: int = 0   # B read from shared memory: N x 16 x 2 bytes per wgmma
     barriers: int = 0
+    pdl_waited_blocks: int = 0  # blocks with a thread past pdl_wait() (cuda_src/pdl.cuh)
+    pdl_waits: int = 0          # threads that ran pdl_wait()
+    pdl_early_triggers: int = 0  # threads that ran pdl_launch_dependents() before pdl_wait()
     other_accesses: int = 0     # neither an argument's array, shared memory nor the lane's stack
     other_bytes: int = 0
     arrays: dict = field(default_factory=dict)   # parameter name -> ArrayCounts
@@ -177,12 +181,27 @@ def count_launch(kernel, grid, block, args: Sequence[Any], shared_mem: int = 0, 
     ids = list(range(total)) if blocks is None else _linear_ids(blocks, g)
     if not ids:
         raise ValueError("blocks: an empty list runs nothing")
+    backend = kernel._module.backend
+    backend._no_capture("count_launch")
+    backend.synchronize()   # the launch reads what queued work writes
+    return run_counted(kernel, g, b, args, shared_mem, ids, _ORDERS[order], seed)[0]
+
+
+def run_counted(kernel, g, b, args: Sequence[Any], shared_mem: int, ids=None, order: int = 0,
+                seed: int = 0, sectors: bool = False):
+    """The counted run itself, now, on this thread (``count_launch`` without its checks and
+    without waiting for queued work: the caller orders it). ``g``, ``b``: checked dim3s;
+    ``ids``: linear blocks (None: all); ``order``: the schedule's number. Returns
+    ``(LaunchCounts, sectors)``: with ``sectors``, an ``[n, 3]`` uint64 array, one row per
+    (argument, 32-byte sector) touched: the sector's address, the bytes read | written << 32,
+    and the bytes read | written << 32 before the thread's ``pdl_wait()`` (prefetch_l2
+    lines among those reads); else None."""
+    total = g[0] * g[1] * g[2]
+    if ids is None:
+        ids = list(range(total))
     module = counting_module(kernel._module)
     kernel = module.get_function(kernel.name)
     f = module._lib.emu_launch_counted
-    backend = module.backend
-    backend._no_capture("count_launch")
-    backend.synchronize()   # the launch reads what queued work writes
     ptrs, keep = kernel._pack(args)
     ranges, names, nranges = keep[2]
     if nranges > _MAX_RANGES:
@@ -201,8 +220,16 @@ def count_launch(kernel, grid, block, args: Sequence[Any], shared_mem: int = 0, 
                   ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                   ctypes.c_void_p, ctypes.c_int)
     sites = (ctypes.c_ulonglong * (1 + _SITE_VALS * _MAX_SITES))()
+    sec_buf, cap = None, 0
+    if sectors:
+        # at most one entry per (argument, sector) of the arrays passed
+        cap = 16 + sum(a.nbytes // 32 + 2 for p, a in zip(kernel.sig.params, args) if p.is_pointer)
+        sec_buf = np.zeros(1 + 3 * cap, np.uint64)
+        module._lib.emu_pdl_export.restype = None
+        module._lib.emu_pdl_export.argtypes = (ctypes.c_void_p, ctypes.c_ulonglong)
+        module._lib.emu_pdl_export(sec_buf.ctypes.data, cap)
     rc = f(kernel._index, ptrs, (ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b), shared_mem,
-           seed & 0xFFFFFFFFFFFFFFFF, _ORDERS[order], id_arr, len(ids), arena.base, arena.count, arena.stride,
+           seed & 0xFFFFFFFFFFFFFFFF, order, id_arr, len(ids), arena.base, arena.count, arena.stride,
            ranges, names, nranges, err, _ERRLEN, ctypes.byref(fault_addr), ctypes.byref(fault_sig), out,
            sites, _MAX_SITES)
     if rc == 2:
@@ -234,7 +261,13 @@ def count_launch(kernel, grid, block, args: Sequence[Any], shared_mem: int = 0, 
         ac.ld_sectors += int(v[5])
         ac.st_requests += int(v[6])
         ac.st_sectors += int(v[7])
-    return c
+    sec = None
+    if sec_buf is not None:
+        n = int(sec_buf[0])
+        if n > cap:
+            raise BackendError(f"kernel {kernel.name} (counted): {n} sectors touched, room for {cap}")
+        sec = sec_buf[1:1 + 3 * n].reshape(n, 3).copy()
+    return c, sec
 
 
 class _DlInfo(ctypes.Structure):

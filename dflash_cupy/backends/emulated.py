@@ -49,7 +49,7 @@ import numpy as np
 from . import emu_build, emu_memory, launch_limits, nvrtc_info, signatures
 from .base import (Backend, BackendError, CaptureError, Graph, Kernel, KernelLaunchError, Module,
                    StreamOrderError, copy_nbytes)
-from .base import check_kernel_args
+from .base import check_kernel_args, resolve_pdl
 
 _ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}
 _ERRLEN = 1024
@@ -78,12 +78,13 @@ class _Rec:
 
 
 class _Node:
-    """A captured launch, copy or event record (replayed in capture order)."""
-    __slots__ = ("kind", "what", "run", "accesses", "pinned", "event")
+    """A captured launch, copy or event record (replayed in capture order). ``call``: a
+    launch's (kernel, grid, block, args, shared_mem, pdl), for the PDL ordering check."""
+    __slots__ = ("kind", "what", "run", "accesses", "pinned", "event", "call")
 
-    def __init__(self, kind, what, run=None, accesses=(), pinned=None, event=None):
+    def __init__(self, kind, what, run=None, accesses=(), pinned=None, event=None, call=None):
         self.kind, self.what, self.run, self.accesses = kind, what, run, accesses
-        self.pinned, self.event = pinned, event
+        self.pinned, self.event, self.call = pinned, event, call
 
 
 def _read_only(p) -> bool:
@@ -217,13 +218,27 @@ class EmuGraph(Graph):
                 out.append((n.run.func.__self__.name, tuple(g), tuple(b), smem))
         return out
 
+    @property
+    def nodes(self) -> list[tuple]:
+        """(kind, name, pdl) of each node in order: "launch" (kernel name, whether it carries
+        programmatic stream serialization), "copy" or "event" (what, False)."""
+        return [(n.kind, n.call[0].name if n.call else n.what, bool(n.call and n.call[5]))
+                for n in self._nodes]
+
+    @property
+    def n_pdl(self) -> int:
+        return sum(1 for n in self._nodes if n.call and n.call[5])
+
     def launch(self, stream: EmuStream | None = None) -> None:
         """Queue the captured nodes on ``stream`` (None: the current stream) in
-        capture order, each checked for hazards as if issued there."""
+        capture order, each checked for hazards as if issued there (and, with the
+        PDL check on, each launch run by it)."""
         be = self._backend
         be._no_capture("graph.launch()")
         s = be._resolve(stream)
-        be._submit(s, [(n.what, n.run, n.accesses, n.pinned, n.event) for n in self._nodes])
+        chk = be.pdl_checker
+        be._submit(s, [(n.what, n.run if chk is None else chk.wrap(s, n.kind, n.run, n.call),
+                        n.accesses, n.pinned, n.event) for n in self._nodes])
 
 
 class EmuKernel(Kernel):
@@ -249,13 +264,16 @@ class EmuKernel(Kernel):
         return ptrs, (keep, slots, emu_memory.launch_ranges(self.sig.params, args))
 
     def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0,
-                 stream: EmuStream | None = None) -> None:
+                 stream: EmuStream | None = None, pdl: bool | None = None) -> None:
+        backend = self._module.backend
+        cap = backend._capturing
+        follows = cap is not None and bool(cap._record) and cap._record[-1].kind == "launch"
+        pdl = resolve_pdl(pdl, follows, self.name)
         g, b, shared_mem = launch_limits.launch_config(self.name, grid, block, shared_mem)
         # The driver's checks (sm_90); they also keep shared_mem within the emulator's
         # SMEM_BYTES arena, which is the same opt-in limit.
         launch_limits.check_emulated_launch(self, g, b, shared_mem)
         ptrs, keep = self._pack(args)
-        backend = self._module.backend
         # Deferred: the launch runs when its stream is drained. Access intent comes from the
         # C signature: `const T*` is read, any other pointer read and written.
         run = functools.partial(self._run, g, b, ptrs, keep, shared_mem)
@@ -264,9 +282,13 @@ class EmuKernel(Kernel):
                     for p, a in zip(self.sig.params, args) if p.is_pointer]
         s = backend._resolve(stream)
         rec = backend._recording(s)
+        call = (self, g, b, tuple(args), shared_mem, pdl)
         if rec is not None:
-            rec.append(_Node("launch", what, run, accesses))
+            rec.append(_Node("launch", what, run, accesses, call=call))
             return
+        chk = backend.pdl_checker
+        if chk is not None:
+            run = chk.wrap(s, "launch", run, call)
         backend._submit(s, [(what, run, accesses, None, None)])
 
     def _run(self, g, b, ptrs, keep, shared_mem) -> None:
@@ -358,6 +380,8 @@ class EmulatedBackend(Backend):
         self._ran: dict[int, int] = {}              # actor -> clock of its latest op that ran
         self._host_res: dict = {}                   # (id, write, what) -> resolved host access
         self.host_waits = 0                         # host waits that had queued work to run
+        # the PDL ordering check: off unless emu_pdl.check_pdl(backend) turns it on
+        self.pdl_checker = None
 
     def _pool(self):
         if self._executor is None:
@@ -685,7 +709,9 @@ class EmulatedBackend(Backend):
         if rec is not None:
             rec.append(_Node("copy", what, run, accesses, pinned))
         else:
-            self._submit(s, [(what, run, accesses, pinned, None)])
+            chk = self.pdl_checker
+            self._submit(s, [(what, run if chk is None else chk.wrap(s, "copy", run, None),
+                              accesses, pinned, None)])
 
     def copy_h2d_async(self, dst, src, stream=None, nbytes=None):
         # As on CUDA: an asynchronous (and capturable) H2D copy reads pinned memory.
