@@ -49,9 +49,10 @@ from profiling.perf_model import model_step, resolve_drafter, time_nodes
 
 
 def batch_step_plan(config, window: int, lanes: int, active: int, *, accept: int = 6,
-                    lm_head_vocab: int | None = None, x_split: bool = True):
+                    lm_head_vocab: int | None = None, x_split: bool = True, pdl: bool = False):
     """(batch, graph nodes) of a steady-state batch step: ``active`` lanes (the
-    first ones) each committing ``accept`` more rows at a full ``window``."""
+    first ones) each committing ``accept`` more rows at a full ``window`` (``pdl``: the
+    batch's ``pdl=True`` graph, its launches after a launch marked ``.pdl``)."""
     from dflash_cupy.kv_batch import DraftKvBatch
 
     if not 0 <= active <= lanes:
@@ -60,7 +61,7 @@ def batch_step_plan(config, window: int, lanes: int, active: int, *, accept: int
     w = ShapeOnlyWeights(config, be, np.uint16)
     lm = be.empty((int(lm_head_vocab), config.hidden_size), np.uint16) if lm_head_vocab else None
     b = DraftKvBatch(w, int(window), lanes, ring_dtype=ml_dtypes.bfloat16, backend=be, lm_head=lm,
-                     logits=False, x_split=x_split)
+                     logits=False, x_split=x_split, pdl=pdl)
     for r in b.rings:   # the rings "hold" every position the plans read; rows never looked at
         r.lo, r.hi = 0, int(window) + 2 * accept
     b.next_pos = [int(window)] * lanes
@@ -114,16 +115,21 @@ def floor_bytes(single_bytes: dict, active: int) -> int:
 
 
 def model_batch(drafter: str, window: int, active: int, gpu, *, lanes: int | None = None, accept: int = 6,
-                lm_head_vocab: int | None = None, single: dict | None = None, x_split: bool = True) -> dict:
+                lm_head_vocab: int | None = None, single: dict | None = None, x_split: bool = True,
+                pdl: bool = False) -> dict:
+    """One batch step's prediction (``pdl``: programmatic edges cost ``gpu.pdl_gap_s``, a
+    labelled guess, as in ``perf_model --pdl``; the single-lane reference step is modelled
+    the same way unless ``single`` is given)."""
     name = resolve_drafter(drafter)
     cfg = drafter_config(name)
     lanes = active if lanes is None else lanes
     b, nodes = batch_step_plan(cfg, window, lanes, active, accept=accept, lm_head_vocab=lm_head_vocab,
-                               x_split=x_split)
+                               x_split=x_split, pdl=pdl)
     times = time_nodes(nodes, gpu, ctr.static_counters)
-    gap_us = gpu.node_gap_s * 1e6 * len(nodes)
+    n_pdl = sum(1 for n in nodes if getattr(n, "pdl", False))
+    gap_us = (gpu.node_gap_s * (len(nodes) - n_pdl) + gpu.pdl_gap_s * n_pdl) * 1e6
     step_us = sum(t.predicted_us for t in times) + gap_us
-    single = single or model_step(drafter, window, gpu, accept=accept, lm_head_vocab=lm_head_vocab)
+    single = single or model_step(drafter, window, gpu, accept=accept, lm_head_vocab=lm_head_vocab, pdl=pdl)
     fb = floor_bytes(single["bytes"], active)
     floor_us = fb / gpu.hbm_Bps * 1e6
     by_bound: dict = {}
@@ -133,7 +139,7 @@ def model_batch(drafter: str, window: int, active: int, gpu, *, lanes: int | Non
     attn_us = sum(t.predicted_us for t in times if "attn" in t.kernel)
     return {"drafter": drafter, "preset": name, "window": window, "lanes": lanes, "active": active,
             "x_split": bool(x_split),
-            "gpu": gpu.name, "n_nodes": len(nodes), "step_us": step_us, "gaps_us": gap_us,
+            "gpu": gpu.name, "n_nodes": len(nodes), "n_pdl_edges": n_pdl, "step_us": step_us, "gaps_us": gap_us,
             "gemm_us": gemm_us, "attention_us": attn_us,
             "per_lane_us": step_us / max(active, 1), "single_step_us": single["step_us"],
             "vs_single": step_us / max(active, 1) / single["step_us"],
@@ -165,14 +171,17 @@ def main(argv=None) -> int:
     p.add_argument("--x-split", default="split", choices=("split", "single", "both"),
                    help="the batch's activation rounding (DraftKvBatch x_split): hi + lo (default), one "
                         "rounding, or both side by side; the single-lane reference step is always the default")
+    p.add_argument("--pdl", action="store_true",
+                   help="model the pdl=True graphs (batch and single-lane reference): programmatic edges "
+                        "cost pdl_gap_s, a labelled guess")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     gpu = get_gpu(a.gpu)
     window = int_list(a.window)[0]
-    single = model_step(a.drafter, window, gpu, accept=a.accept, lm_head_vocab=a.lm_head)
+    single = model_step(a.drafter, window, gpu, accept=a.accept, lm_head_vocab=a.lm_head, pdl=a.pdl)
     splits = {"split": (True,), "single": (False,), "both": (True, False)}[a.x_split]
     rows = [model_batch(a.drafter, window, n, gpu, accept=a.accept, lm_head_vocab=a.lm_head, single=single,
-                        x_split=xs)
+                        x_split=xs, pdl=a.pdl)
             for xs in splits for n in int_list(a.lanes)]
     if a.json:
         json.dump({"rows": rows}, sys.stdout, indent=1, default=float)

@@ -109,3 +109,16 @@ def test_plan_lanes_counters_follow_the_active_lanes():
     assert known.live_blocks == 2 * (6 * gx + plan_blocks)
     assert every.live_blocks == 4 * (b.a_step * gx + plan_blocks) > known.live_blocks
     assert known.dram_bytes < every.dram_bytes
+
+
+def test_pdl_charges_the_programmatic_edges_their_own_gap():
+    """--pdl: the batch's pdl=True graph has the same nodes; each launch right after a launch
+    costs pdl_gap_s instead of node_gap_s, and nothing else moves."""
+    gpu = get_gpu("H200")
+    plain, pdl = (lm.model_batch("qwen3-8b", 256, 3, gpu, lanes=4, pdl=p) for p in (False, True))
+    assert plain["n_pdl_edges"] == 0 and pdl["n_nodes"] == plain["n_nodes"]
+    assert 0 < pdl["n_pdl_edges"] < pdl["n_nodes"]   # the first launch follows the descriptor copy
+    saved = (gpu.node_gap_s - gpu.pdl_gap_s) * 1e6 * pdl["n_pdl_edges"]
+    assert abs((plain["step_us"] - pdl["step_us"]) - saved) < 1e-6
+    assert abs((plain["gaps_us"] - pdl["gaps_us"]) - saved) < 1e-6
+    assert pdl["single_step_us"] < plain["single_step_us"]   # the reference step modelled with PDL too

@@ -242,6 +242,10 @@ def test_batch_with_pdl_is_bit_identical_and_ordered():
         pdl_runs = [r for r in chk.log if r.pdl]
         assert pdl_runs and all(r.waited_blocks >= 1 for r in pdl_runs)
         assert all(r.pre_write_bytes == 0 for r in chk.log)
+        # the batch's rows take the wgmma kernel with the live split and the folded q/k norm +
+        # RoPE + K/V scatter epilogue: checked too
+        assert any(r.kernel == "gemm_wgmma" for r in pdl_runs)
+        assert not any(r.kernel == "qkv_norm_rope" for r in pdl_runs)
     finally:
         on.close()
         off.close()
