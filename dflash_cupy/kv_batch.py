@@ -313,9 +313,9 @@ class DraftKvBatch(StepIssuer):
         tiles_all, tiles_noise = self.tile_live, self.tiles_noise
         h_in, _ = self._layer_input(li)
         ctx_norm = c.context_kv_layer_norm
-        if self._fold_norms:   # as DraftKvCache: the hidden norm folds in unless ctx_norm
+        if self._fold_norms:   # as DraftKvCache (_qkv_norm: the hidden norm folded where it can be)
             self._qkv_rope(li, L, self.ctx_step, M, stream, tile_live=tiles_all, **self._qkv_x2(li, NC),
-                           norm=(L.input_layernorm, 0) if ctx_norm else (L.input_layernorm, NC, self.dw.hidden_norm))
+                           norm=self._qkv_norm(L, NC))
             if self.g_attn_gate is not None:
                 self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
         else:

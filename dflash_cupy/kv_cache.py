@@ -316,11 +316,12 @@ class DraftKvCache(StepIssuer):
         pad = (self.desc[DESC_N_NEW:DESC_N_NEW + 1], A) if self.g_qkv.path == "stream" else None
         ctx_norm = self.config.context_kv_layer_norm  # context rows: rmsnorm(T) * input_layernorm too
         if self._fold_norms:
-            # rmsnorm(rows) * input_layernorm inside the GEMM, from the context rows then h_in;
-            # without ctx_norm the context rows are fc's outputs y, entering as
-            # rmsnorm(y) * hidden_norm = T (the hidden norm folded: no node of its own)
+            # rmsnorm(rows) * input_layernorm inside the GEMM, from the context rows then h_in
+            # (two pointers: noise_embed read in place); where the hidden norm folds too
+            # (_fold_hidden) the context rows are fc's outputs y, entering as
+            # rmsnorm(y) * hidden_norm = T: no node of its own
             self._qkv_rope(li, L, self.ctx_step, A + B, stream, pad_rows=pad, **self._qkv_x2(li, A),
-                           norm=(L.input_layernorm, 0) if ctx_norm else (L.input_layernorm, A, self.dw.hidden_norm))
+                           norm=self._qkv_norm(L, A))
             if self.g_attn_gate is not None:   # the gate GEMM still reads hn
                 self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
         else:

@@ -88,12 +88,13 @@ def waves(n_blocks: int, blocks_per_sm: int, sm_count: int) -> Waves:
 
 def graph_node_count(n_layer: int, *, aux_norms: bool = False, context_kv_norm: bool = False,
                      attn_gate: bool = False, attn_combine: bool = False, both_masks: bool = False,
-                     lm_head: bool = False, fold_norms: bool = True, qkv_fold: bool = True) -> int:
+                     lm_head: bool = False, fold_norms: bool = True, qkv_fold: bool = True,
+                     x_split: bool = True) -> int:
     """Nodes of one captured step (``DraftKvCache._issue_step``), counted by
     hand from the code: descriptor copy, plan_step (reset_slots_if,
     plan_append, the feature gather and the masks in one launch), [aux
     rmsnorm], fc GEMM, [hidden rmsnorm: unless folded into every layer's qkv GEMM
-    (``ln_lo``: ``fold_norms`` without ``context_kv_norm``)] (no noise copy: the
+    (``ln_lo``: ``fold_norms`` and ``x_split`` without ``context_kv_norm``)] (no noise copy: the
     first layer reads noise_embed in place, from the qkv GEMM's second input
     pointer); per layer [rmsnorm: unless
     folded into the qkv GEMM, or for the gate GEMM's input], qkv GEMM,
@@ -109,7 +110,7 @@ def graph_node_count(n_layer: int, *, aux_norms: bool = False, context_kv_norm: 
     ``fold_norms``, normalises the first layer's context and noise rows in two
     launches (the noise rows are noise_embed, read in place); ``both_masks``
     changes nothing (plan_step writes both)."""
-    hidden = int(not (fold_norms and not context_kv_norm))
+    hidden = int(not (fold_norms and x_split and not context_kv_norm))
     pre = 1 + 1 + int(aux_norms) + 1 + hidden + int(context_kv_norm and not fold_norms)
     norms = (int(attn_gate), 0) if fold_norms else (1, 1)
     per_layer = norms[0] + 1 + int(not qkv_fold) + int(attn_gate) + 1 + int(attn_combine) + 1 + norms[1] + 2
