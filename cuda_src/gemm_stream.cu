@@ -11,7 +11,10 @@
 //   staging, each row by one warp (lanes along k, then a shuffle sum: a fixed
 //   order); with split K each slice publishes its rows' partial sums beside its
 //   partial tile and the reducing block adds them in z order, so replays stay
-//   bit-identical. Rows < norm_lo are used as they are.
+//   bit-identical. Rows < norm_lo are used as they are, or (use_ln_lo) normalised the same
+//   way with ln_lo [K] in place of ln.
+// Two inputs: rows < row_split are read from x, rows >= row_split from x2 (its row 0 first), so
+// a caller's [A rows; B rows] needs no concatenated copy (one matrix: x2 = x + row_split * K).
 //   GS_EPI 0:  y = acc      GS_EPI 1:  y = r + acc (r may be y)
 //   GS_EPI 2:  y = silu(acc_gate) * acc_up (W has 2N rows: gate 0..N-1, up N..2N-1)
 //   GS_EPI 3:  the lm_head's greedy token, fused: y = acc only with GS_LOGITS 1 (logits on
@@ -299,7 +302,8 @@ __device__ __forceinline__ void load_slot(Slot& s, const unsigned short* const w
 extern "C" __global__ void __launch_bounds__(GS_WARPS * 32, GS_MINB)
 gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, GS_YT* y, const float* r,
             int M, int N, int kz, int kt, float* ws, int* counters, const int* pad_lo, int pad_hi,
-            const float* __restrict__ ln, float eps, int norm_lo, const int* tile_live, int use_live) {
+            const float* __restrict__ ln, float eps, int norm_lo, const int* tile_live, int use_live,
+            const GS_XT* __restrict__ x2, int row_split, const float* __restrict__ ln_lo, int use_ln_lo) {
     using namespace gemm_stream_detail;
     extern __shared__ __align__(16) unsigned char smem[];
     unsigned short* xs = reinterpret_cast<unsigned short*>(smem);
@@ -358,6 +362,14 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
     // arrival count, and its counter stays 0.
     if (tmask == 0u) return;
 
+    // Two inputs: rows < row_split are x's, rows >= row_split x2's from its first row (one
+    // matrix: x2 = x + row_split * K), so [context rows; noise rows] need no concatenated copy.
+    auto xrow = [&](int grow) {
+        return grow < row_split ? x + (long long)grow * K : x2 + (long long)(grow - row_split) * K;
+    };
+    // GS_NORM: rows >= norm_lo are normalised with ln, rows below with ln_lo when use_ln_lo (else
+    // used raw): every row >= scale_lo gets its row scale.
+    const int scale_lo = (GS_NORM && use_ln_lo) ? 0 : norm_lo;
 #if GS_NORM
     __shared__ float ss_s[ROWS];  // row sums of squares over this block's K range
     if (threadIdx.x < ROWS) ss_s[threadIdx.x] = 0.0f;  // ordered before use by the staging barrier
@@ -365,6 +377,9 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
     (void)ln;
     (void)eps;
     (void)norm_lo;
+    (void)ln_lo;
+    (void)use_ln_lo;
+    (void)scale_lo;
 #endif
 
     const int k_begin = blockIdx.z * kz;
@@ -417,12 +432,13 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
                         if (!((tmask >> (row >> 4)) & 1u)) continue;  // tile not computed: not staged
                         const int grow = m0 + row;
                         const bool rd = row < live && (grow < lo || grow >= pad_hi);
-                        const bool nrm = grow >= norm_lo;
+                        const bool nrm = grow >= scale_lo;
+                        const float* gam = grow >= norm_lo ? ln : ln_lo;
                         float sa = 0.0f, sb = 0.0f;
                         for (int c0 = 0; c0 < kt; c0 += 256) {  // warp-uniform (shuffles)
                             const int c8 = c0 + 8 * lane, k = kc + c8;
                             uint4 v = make_uint4(0u, 0u, 0u, 0u);
-                            if (rd && c8 < kt && k < k_end) v = *reinterpret_cast<const uint4*>(x + (long long)grow * K + k);
+                            if (rd && c8 < kt && k < k_end) v = *reinterpret_cast<const uint4*>(xrow(grow) + k);
                             const unsigned int q[4] = {v.x, v.y, v.z, v.w};
                             unsigned int u[4];
 #pragma unroll
@@ -450,8 +466,8 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
                                 // its two readers and B to the other per round.
                                 const int ca = c0 + 4 * lane;
                                 float4 A = make_float4(0.0f, 0.0f, 0.0f, 0.0f), B = A;
-                                if (ca < kt && kc + ca < k_end) A = *reinterpret_cast<const float4*>(ln + kc + ca);
-                                if (ca + 128 < kt && kc + ca + 128 < k_end) B = *reinterpret_cast<const float4*>(ln + kc + ca + 128);
+                                if (ca < kt && kc + ca < k_end) A = *reinterpret_cast<const float4*>(gam + kc + ca);
+                                if (ca + 128 < kt && kc + ca + 128 < k_end) B = *reinterpret_cast<const float4*>(gam + kc + ca + 128);
                                 const float a4[4] = {A.x, A.y, A.z, A.w}, b4[4] = {B.x, B.y, B.z, B.w};
                                 const bool odd = (lane & 1) != 0, low = lane < 16;
                                 float gl[8];
@@ -480,18 +496,19 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
                         if (!((tmask >> (row >> 4)) & 1u)) continue;  // tile not computed: not staged
                         const int grow = m0 + row;
                         const bool rd = row < live && (grow < lo || grow >= pad_hi);
-                        const bool nrm = grow >= norm_lo;
+                        const bool nrm = grow >= scale_lo;
+                        const float* gam = grow >= norm_lo ? ln : ln_lo;
                         float ss = 0.0f;
                         for (int c4 = lane * 4; c4 < kt; c4 += 128) {
                             const int k = kc + c4;
                             float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                            if (rd && k < k_end) v = *reinterpret_cast<const float4*>(x + (long long)grow * K + k);
+                            if (rd && k < k_end) v = *reinterpret_cast<const float4*>(xrow(grow) + k);
                             ss = fmaf(v.x, v.x, ss);
                             ss = fmaf(v.y, v.y, ss);
                             ss = fmaf(v.z, v.z, ss);
                             ss = fmaf(v.w, v.w, ss);
                             if (nrm && k < k_end) {
-                                const float4 g4 = *reinterpret_cast<const float4*>(ln + k);
+                                const float4 g4 = *reinterpret_cast<const float4*>(gam + k);
                                 v.x *= g4.x;
                                 v.y *= g4.y;
                                 v.z *= g4.z;
@@ -520,7 +537,7 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
                         uint4 v = make_uint4(0u, 0u, 0u, 0u);
                         const int grow = m0 + row;
                         if (row < live && k < k_end && (grow < lo || grow >= pad_hi))
-                            v = *reinterpret_cast<const uint4*>(x + (long long)grow * K + k);
+                            v = *reinterpret_cast<const uint4*>(xrow(grow) + k);
                         *reinterpret_cast<uint4*>(xs + row * xstride + c8) = v;
                     }
 #else
@@ -531,7 +548,7 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
                         float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                         const int grow = m0 + row;
                         if (row < live && k < k_end && (grow < lo || grow >= pad_hi))
-                            v = *reinterpret_cast<const float4*>(x + (long long)grow * K + k);
+                            v = *reinterpret_cast<const float4*>(xrow(grow) + k);
                         const unsigned int h0 = to16(v.x), h1 = to16(v.y), h2 = to16(v.z), h3 = to16(v.w);
                         *reinterpret_cast<uint2*>(xs + row * xstride + c4) = make_uint2(h0 | (h1 << 16), h2 | (h3 << 16));
                         if (GS_SPLIT == 2) {
@@ -637,7 +654,7 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
                 const int row = m0 + i * 16 + g + 8 * h;
                 float sc = 1.0f;
 #if GS_NORM
-                if (row >= norm_lo && row - m0 < ROWS) sc = rsqrtf(ss_s[row - m0] * (1.0f / K) + eps);
+                if (row >= scale_lo && row - m0 < ROWS) sc = rsqrtf(ss_s[row - m0] * (1.0f / K) + eps);
 #endif
 #pragma unroll
                 for (int jn = 0; jn < NT; jn++) {
@@ -683,7 +700,7 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
     const float* ssw = ws;  // unused
 #endif
     splitk_reduce<NW, ROWS, COLS, THREADS, GS_EPI, GS_NORM, K, GS_WTYPE>(
-        wsb, ssw, ks, counters + bx, y, r, m0, live, cg * COLS, N, eps, norm_lo,
+        wsb, ssw, ks, counters + bx, y, r, m0, live, cg * COLS, N, eps, scale_lo,
         [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; });
 #endif
 }

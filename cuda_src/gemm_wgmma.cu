@@ -9,7 +9,9 @@
 //   xe = hi + lo (GW_SPLIT 2) or hi (GW_SPLIT 1) of x rounded to the weight type;
 //   GW_EPI 0: y = acc, 1: y = r + acc, 2: y = silu(acc_gate) * acc_up (W [2N, K]);
 //   GW_NORM 1: rows >= norm_lo of x enter as rmsnorm(x_row) * ln (staged x * ln, the row's
-//   scale rsqrt(sum x^2 / K + eps) applied to acc). No argmax epilogue (gemm_stream's GS_EPI 3).
+//   scale rsqrt(sum x^2 / K + eps) applied to acc); with use_ln_lo rows < norm_lo as
+//   rmsnorm(x_row) * ln_lo (else raw). No argmax epilogue (gemm_stream's GS_EPI 3).
+// Rows < row_split are read from x, rows >= row_split from x2 (its row 0 first): gemm_stream.cu's rule.
 // Layouts: x [M, K] f32, W [N or 2N, K] 16-bit, y, r [M, N] f32, row-major, 16-byte aligned,
 // K % 8 == 0.
 //   GW_X16 1 (GW_SPLIT 1 only): x [M, K] holds the weight type's bits (already rounded by its
@@ -365,7 +367,8 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
            const float* __restrict__ ln, float eps, int norm_lo, const int* tile_live, int use_live,
            const float* __restrict__ q_norm, const float* __restrict__ k_norm, const double* __restrict__ inv_freq,
            const int* __restrict__ pos, const int* __restrict__ rows, __half* k_cache, __half* v_cache, int kv_rows,
-           float rope_eps, float rope_scale) {
+           float rope_eps, float rope_scale,
+           const GW_XT* __restrict__ x2, int row_split, const float* __restrict__ ln_lo, int use_ln_lo) {
     using namespace gemm_wgmma_detail;
     extern __shared__ __align__(128) unsigned char smem[];
 
@@ -373,6 +376,12 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
     const int g = lane >> 2, t = lane & 3;
     const int wg = warp >> 2, wq = warp & 3;
     const int tblocks = (M + BT - 1) / BT;
+    // Two inputs (gemm_stream.cu's rule): rows < row_split from x, the rest from x2's row 0 on.
+    auto xrow = [&](int grow) {
+        return grow < row_split ? x + (long long)grow * K : x2 + (long long)(grow - row_split) * K;
+    };
+    // GW_NORM: rows < norm_lo normalised with ln_lo when use_ln_lo; every row >= scale_lo is scaled.
+    const int scale_lo = (GW_NORM && use_ln_lo) ? 0 : norm_lo;
 
     // PDL (pdl.cuh): before the wait only weights are touched. A static launch knows its tile
     // from blockIdx: lane t sends its 4 rows' line of ring step t (t < D) to L2 while the
@@ -549,7 +558,7 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
                 const int grow = m0 + n;
                 uint4 v = make_uint4(0u, 0u, 0u, 0u);
                 if (((cmask >> (n >> 4)) & 1u) && n < live && k < k_end && (grow < lo || grow >= pad_hi)) {
-                    v = *reinterpret_cast<const uint4*>(x + (long long)grow * K + k);
+                    v = *reinterpret_cast<const uint4*>(xrow(grow) + k);
 #if GW_NORM
                     const unsigned int q[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -564,9 +573,10 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
                         }
                         *sp_ = ss;
                     }
-                    if (grow >= norm_lo) {
-                        const float4 ga = *reinterpret_cast<const float4*>(ln + k);
-                        const float4 gb = *reinterpret_cast<const float4*>(ln + k + 4);
+                    if (grow >= scale_lo) {
+                        const float* gam = grow >= norm_lo ? ln : ln_lo;
+                        const float4 ga = *reinterpret_cast<const float4*>(gam + k);
+                        const float4 gb = *reinterpret_cast<const float4*>(gam + k + 4);
                         const float gl[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
                         unsigned int o[4];
 #pragma unroll
@@ -592,7 +602,7 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
                 const int grow = m0 + n;
                 float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 if (((cmask >> (n >> 4)) & 1u) && n < live && k < k_end && (grow < lo || grow >= pad_hi)) {
-                    v = *reinterpret_cast<const float4*>(x + (long long)grow * K + k);
+                    v = *reinterpret_cast<const float4*>(xrow(grow) + k);
 #if GW_NORM
                     float* sp_ = &ss_p[16 * (s & 1) + 8 * h + l8][n];
                     float ss = *sp_;
@@ -601,8 +611,8 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
                     ss = fmaf(v.z, v.z, ss);
                     ss = fmaf(v.w, v.w, ss);
                     *sp_ = ss;
-                    if (grow >= norm_lo) {
-                        const float4 g4 = *reinterpret_cast<const float4*>(ln + k);
+                    if (grow >= scale_lo) {
+                        const float4 g4 = *reinterpret_cast<const float4*>((grow >= norm_lo ? ln : ln_lo) + k);
                         v.x *= g4.x;
                         v.y *= g4.y;
                         v.z *= g4.z;
@@ -698,6 +708,7 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
         (void)ln;
         (void)eps;
         (void)norm_lo;
+        (void)ln_lo;
 #endif
         wgmma_wait_group<0>();
         wgmma_fence_operands<BT>(acc[0]);
@@ -718,7 +729,7 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
                     if (lt >= live || !((smask >> (lt >> 4)) & 1u)) continue;
                     float sc = 1.0f;
 #if GW_NORM
-                    if (row >= norm_lo) sc = rsqrtf(row_ss(lt) * (1.0f / K) + eps);
+                    if (row >= scale_lo) sc = rsqrtf(row_ss(lt) * (1.0f / K) + eps);
 #else
                     (void)row;
 #endif
@@ -742,7 +753,7 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
                     if (lt >= live || !((smask >> (lt >> 4)) & 1u)) continue;
                     float sc = 1.0f;
 #if GW_NORM
-                    if (row >= norm_lo) sc = rsqrtf(row_ss(lt) * (1.0f / K) + eps);
+                    if (row >= scale_lo) sc = rsqrtf(row_ss(lt) * (1.0f / K) + eps);
 #endif
 #pragma unroll
                     for (int e2 = 0; e2 < 2; e2++) {
@@ -793,7 +804,7 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
         // the block retired before splitk_reduce's barrier), then the qkv epilogue as above
         float* tile = reinterpret_cast<float*>(smem);
         if (splitk_reduce<NW, BT, COLS, THREADS, GW_EPI, GW_NORM, K, GW_WTYPE>(
-                wss, ssw, ks, counters + slot, y, r, m0, live, cg * COLS, N, eps, norm_lo,
+                wss, ssw, ks, counters + slot, y, r, m0, live, cg * COLS, N, eps, scale_lo,
                 [&](int lrow) { return ((smask >> (lrow >> 4)) & 1u) != 0u; }, tile, TS)) {
             __syncthreads();
             qkv_epilogue(tile, cg * COLS, m0, live, N, [&](int lrow) { return ((smask >> (lrow >> 4)) & 1u) != 0u; },
@@ -812,7 +823,7 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
         (void)rope_eps;
         (void)rope_scale;
         splitk_reduce<NW, BT, COLS, THREADS, GW_EPI, GW_NORM, K, GW_WTYPE>(
-            wss, ssw, ks, counters + slot, y, r, m0, live, cg * COLS, N, eps, norm_lo,
+            wss, ssw, ks, counters + slot, y, r, m0, live, cg * COLS, N, eps, scale_lo,
             [&](int lrow) { return ((smask >> (lrow >> 4)) & 1u) != 0u; });
 #endif
     }

@@ -9,10 +9,6 @@
 // hidden norms view x [M, n_cap*H] as [M*n_cap, H] rows with a weight table [n_cap, H].
 // (Per-head q/k norms are fused into rope.cu.)
 //
-// y2 (written when dual != 0): a second output [rows, NORM_D] that receives the same values (the step's
-// context rows go both to the residual buffer every layer after the first reads and to the
-// first layer's, whose noise rows are the caller's noise_embed: no copy node per step).
-//
 // tile_live [ceil(rows/16)] int32, read when use_live (a lane batch's flags, as its GEMMs
 // read them): rows of a tile marked 0 are skipped (y untouched there).
 //
@@ -57,7 +53,7 @@ constexpr int WARPS_PER_ROW = NORM_TPR / 32;
 }  // namespace norm_detail
 
 extern "C" __global__ void __launch_bounds__(NORM_BLOCK)
-rmsnorm(const float* x, const float* w, float* y, float* y2, int dual, int rows, int w_rows, float eps, const int* tile_live,
+rmsnorm(const float* x, const float* w, float* y, int rows, int w_rows, float eps, const int* tile_live,
         int use_live)
 {
     pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
@@ -106,7 +102,6 @@ rmsnorm(const float* x, const float* w, float* y, float* y2, int dual, int rows,
     const float inv = rsqrtf(ss * (1.0f / D) + eps);
     const float* wr = w + (long long)(row % w_rows) * D;
     float* yr = y + (long long)row * D;
-    float* y2r = dual ? y2 + (long long)row * D : nullptr;
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) {
         const int c = t + i * NORM_TPR;
@@ -119,11 +114,9 @@ rmsnorm(const float* x, const float* w, float* y, float* y2, int dual, int rows,
                 o.z = v[i][VEC > 2 ? 2 : 0] * inv * g.z;
                 o.w = v[i][VEC > 3 ? 3 : 0] * inv * g.w;
                 *reinterpret_cast<float4*>(yr + c * VEC) = o;
-                if (y2r != nullptr) *reinterpret_cast<float4*>(y2r + c * VEC) = o;
             } else {
                 const float o = v[i][0] * inv * wr[c];
                 yr[c] = o;
-                if (y2r != nullptr) y2r[c] = o;
             }
         }
     }

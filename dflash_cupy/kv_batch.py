@@ -177,7 +177,7 @@ class DraftKvBatch(StepIssuer):
         self._fold_norms = (H % 8 == 0 and all(weight_kind(a.dtype) in ("f16", "bf16")
                                                for a in (L0.w_qkv, L0.w_gate_up)))
         self.ctx_step = self.resid[:NC] if c.context_kv_layer_norm or self._fold_norms else self.xin[:NC]
-        self._resid0, self.noise_embed = self._first_layer_rows(NC, NN)
+        self.noise_embed = self._first_layer_rows(NC, NN)
         self.qkv = be.zeros((M, c.q_dim + 2 * kvw), np.float32)
         self.q_all = be.zeros((M, c.q_dim), np.float32)
         self.q = self.q_all[NC:]
@@ -311,15 +311,19 @@ class DraftKvBatch(StepIssuer):
         NC, NN = self.lanes * self.ctx_rows, self.lanes * self.lane_rows
         M = NC + NN
         tiles_all, tiles_noise = self.tile_live, self.tiles_noise
-        h_in, resid_in = self._layer_input(li)
-        if self._fold_norms:
-            self._qkv_rope(li, L, resid_in, M, stream, tile_live=tiles_all,
-                           norm=(L.input_layernorm, 0 if c.context_kv_layer_norm else NC))
+        h_in, _ = self._layer_input(li)
+        ctx_norm = c.context_kv_layer_norm
+        if self._fold_norms:   # as DraftKvCache (_qkv_norm: the hidden norm folded where it can be)
+            self._qkv_rope(li, L, self.ctx_step, M, stream, tile_live=tiles_all, **self._qkv_x2(li, NC),
+                           norm=self._qkv_norm(L, NC))
             if self.g_attn_gate is not None:
                 self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
         else:
-            if c.context_kv_layer_norm:
-                self.rms(resid_in, L.input_layernorm, self.xin, stream=stream)
+            if ctx_norm and li:
+                self.rms(self.resid, L.input_layernorm, self.xin, stream=stream)
+            elif ctx_norm:   # the first layer's noise rows are noise_embed, read in place
+                self.rms(self.ctx_step, L.input_layernorm, self.xin[:NC], stream=stream)
+                self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
             else:
                 self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
             self._qkv_rope(li, L, self.xin, M, stream, tile_live=tiles_all)
@@ -345,8 +349,10 @@ class DraftKvBatch(StepIssuer):
         self.gather.plan_lanes(self.desc, self.ring_storage, self.ap_feat, self.geom, self.slot_pos, self.pos_all,
                                self.rows_all, self.tile_live, cs=self.ctx_rows, bs=self.lane_rows,
                                mask_full=self.mask_full, mask_swa=self.mask_swa, stream=stream)
-        # T = rmsnorm(feat @ fc.T) * hidden_norm for every lane's appended rows
-        self._fuse_rows(self.ap_feat, self.ctx_step, NC, stream, out2=self._ctx_step0(), tile_live=self.tiles_ctx)
+        # T = rmsnorm(feat @ fc.T) * hidden_norm for every lane's appended rows (the norm folded
+        # into the qkv GEMMs where they fold the input norms)
+        self._fuse_rows(self.ap_feat, self.ctx_step, NC, stream, hidden_norm=not self._fold_hidden(),
+                        tile_live=self.tiles_ctx)
         for li, L in enumerate(dw.layers):
             with nvtx_range(f"layer {li}") if eager else contextlib.nullcontext():
                 self._step_layer(li, L, stream)

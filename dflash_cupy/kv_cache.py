@@ -201,7 +201,7 @@ class DraftKvCache(StepIssuer):
         self._fold_norms = (H % 8 == 0 and all(weight_kind(a.dtype) in ("f16", "bf16")
                                                for a in (L0.w_qkv, L0.w_gate_up)))
         self.ctx_step = self.resid[:A] if c.context_kv_layer_norm or self._fold_norms else self.xin[:A]
-        self._resid0, self.noise_embed = self._first_layer_rows(A, B)
+        self.noise_embed = self._first_layer_rows(A, B)
         self.qkv = be.zeros((A + B, c.q_dim + 2 * kvw), np.float32)
         self.q_all = be.zeros((A + B, c.q_dim), np.float32)
         self.q = self.q_all[A:]
@@ -309,20 +309,27 @@ class DraftKvCache(StepIssuer):
         context rows' q is computed and ignored: free next to streaming the
         weights once instead of twice)."""
         A, B = self.a_step, self.q_len
-        h_in, resid_in = self._layer_input(li)
+        h_in, _ = self._layer_input(li)
         # Append rows [n_new, A) are padding (zero features, their K/V go to the trash
         # slot): the stream GEMM reads n_new from the descriptor and skips their
         # 16-row tiles (same outputs: a zero row's result is zero either way).
         pad = (self.desc[DESC_N_NEW:DESC_N_NEW + 1], A) if self.g_qkv.path == "stream" else None
         ctx_norm = self.config.context_kv_layer_norm  # context rows: rmsnorm(T) * input_layernorm too
-        if self._fold_norms:   # rmsnorm(rows) * input_layernorm inside the GEMM, from resid
-            self._qkv_rope(li, L, resid_in, A + B, stream, pad_rows=pad,
-                           norm=(L.input_layernorm, 0 if ctx_norm else A))
+        if self._fold_norms:
+            # rmsnorm(rows) * input_layernorm inside the GEMM, from the context rows then h_in
+            # (two pointers: noise_embed read in place); where the hidden norm folds too
+            # (_fold_hidden) the context rows are fc's outputs y, entering as
+            # rmsnorm(y) * hidden_norm = T: no node of its own
+            self._qkv_rope(li, L, self.ctx_step, A + B, stream, pad_rows=pad, **self._qkv_x2(li, A),
+                           norm=self._qkv_norm(L, A))
             if self.g_attn_gate is not None:   # the gate GEMM still reads hn
                 self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
         else:
-            if ctx_norm:
-                self.rms(resid_in, L.input_layernorm, self.xin, stream=stream)
+            if ctx_norm and li:
+                self.rms(self.resid, L.input_layernorm, self.xin, stream=stream)
+            elif ctx_norm:   # the first layer's noise rows are noise_embed, read in place
+                self.rms(self.ctx_step, L.input_layernorm, self.xin[:A], stream=stream)
+                self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
             else:
                 self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
             self._qkv_rope(li, L, self.xin, A + B, stream, pad_rows=pad)
@@ -364,7 +371,7 @@ class DraftKvCache(StepIssuer):
         self._gather.plan_step(self.desc, self._ring.storage, self.ap_feat, self.geom, self.slot_pos,
                                self.pos_all[:A], self.rows_all[:A], self.pos_q, mask_full=self.mask_full,
                                mask_swa=self.mask_swa, n_rows=A, stream=stream)
-        self._fuse_rows(self.ap_feat, self.ctx_step, A, stream, out2=self._ctx_step0())
+        self._fuse_rows(self.ap_feat, self.ctx_step, A, stream, hidden_norm=not self._fold_hidden())
         self._noise_stage(stream, eager)
 
     def _bulk_append(self, fields, s) -> None:

@@ -388,6 +388,27 @@ def _gs_staging_smem(tiles, kt, norm=0, x16=0, _cache={}):
     return _cache[key]
 
 
+def _two_inputs(L, i: int, x, M: int, norm: int):
+    """``(x2, row_split, ln_lo)`` of a stream GEMM launch whose two-input / ln_lo arguments
+    start at ``L.args[i]`` (x2 None: every row from x; ln_lo None: rows < norm_lo raw)."""
+    if len(L.args) < i + 4:
+        return None, int(M), None
+    x2, split, ln_lo, use_lo = L.args[i:i + 4]
+    split = int(split)
+    return (None if split >= int(M) else x2), split, (ln_lo if norm and int(use_lo) else None)
+
+
+def _x_reads(c, x, x2, row_split: int, row_bytes: int, runs) -> None:
+    """bytes_read of x (rows < row_split) and x2 (the rest) over ``runs`` of computed rows
+    ``(first row, count)``."""
+    lo = sum(max(0, min(a + n, row_split) - a) for a, n in runs)
+    hi = sum(n for _, n in runs) - lo
+    if lo or x2 is None:
+        c.bytes_read[_name(x)] = (lo + (hi if x2 is None else 0)) * row_bytes
+    if x2 is not None and hi:
+        c.bytes_read[_name(x2) + (" (x2)" if _name(x2) == _name(x) else "")] = hi * row_bytes
+
+
 def _gemm_stream(L) -> KernelCounters:
     """``cuda_src/gemm_stream.cu`` from its launch: grid (column groups, M
     blocks, K slices), kz, kt and the variant's defines; the launcher's own
@@ -404,6 +425,10 @@ def _gemm_stream(L) -> KernelCounters:
     XB = 2 if X16 else 4      # bytes per x element
     YB = 2 if d.get("GS_Y16", 0) else 4   # bytes per y element
     ln, norm_lo = (L.args[12], L.args[14]) if NORM else (None, M)
+    x2, row_split, ln_lo = _two_inputs(L, 17, x, M, NORM)
+    norm_lo_ln = norm_lo          # rows >= it read ln; with ln_lo every row is normalised
+    if ln_lo is not None:
+        norm_lo = 0
     NW = 2 if EPI == 2 else 1
     WT, ROWS, COLS, THREADS, KSTEP = NT * NW, 16 * MT, WARPS * 8 * NT, WARPS * 32, gs.KSTEP
     # linear grid: block x = column group * M blocks + M block (the M blocks of a
@@ -607,7 +632,8 @@ def _gemm_stream(L) -> KernelCounters:
         c.notes.append(f"split-K {gz}: partial tiles ({gz * NW * part_rows * N * 4 / 1e6:.2f} MB) round-trip "
                        f"through L2; the last slice of each (column group, M block) reduces them")
     m_live = sum(sum(t) for t in block_rows)   # rows computed (live tiles, below M)
-    c.bytes_read[_name(x)] = m_live * K * XB
+    _x_reads(c, x, x2, row_split, K * XB, [(by * ROWS + 16 * i, v) for by, t in enumerate(block_rows)
+                                          for i, v in enumerate(t) if v])
     c.bytes_written[_name(y)] = m_live * N * YB
     if EPI == 1:
         c.bytes_read[_name(r) + " (residual)"] = m_live * N * 4
@@ -616,8 +642,12 @@ def _gemm_stream(L) -> KernelCounters:
     if NORM:
         c.bytes_read[_name(ln)] = K * 4
         c.dram_bytes += K * 4
-        c.notes.append(f"RMSNorm of rows >= {norm_lo} folded in: x * ln staged, the row scale applied "
+        c.notes.append(f"RMSNorm of rows >= {norm_lo_ln} folded in: x * ln staged, the row scale applied "
                        "to the accumulators (no normalised copy of x)")
+        if ln_lo is not None:
+            c.bytes_read[_name(ln_lo) + " (ln_lo)"] = K * 4
+            c.dram_bytes += K * 4
+            c.notes.append(f"rows < {norm_lo_ln} normalised with ln_lo the same way")
     c.dram_round_trips_per_block = per_block_trips
     c.l2_round_trips_per_block = chunks_max + red_l2_trips
     c.inflight_peak_bytes_per_warp = D * WT * 2 * 512
@@ -663,6 +693,10 @@ def _gemm_wgmma(L) -> KernelCounters:
     SMS = d.get("GW_SMS", 0)
     x, w, y, r, M, N, kz, _kt, ws, _cnt, _pad_lo, pad_hi = L.args[:12]
     ln, norm_lo = (L.args[12], L.args[14]) if NORM else (None, M)
+    x2, row_split, ln_lo = _two_inputs(L, 27, x, M, NORM)
+    norm_lo_ln = norm_lo          # rows >= it read ln; with ln_lo every row is normalised
+    if ln_lo is not None:
+        norm_lo = 0
     NW = 2 if EPI == 2 else 1
     COLS, THREADS, KSTEP, WARPS = gs.wg_cols(NW), gs.WG_THREADS, gs.KSTEP, gs.WG_THREADS // 32
     gx = -(-N // COLS)
@@ -768,6 +802,8 @@ def _gemm_wgmma(L) -> KernelCounters:
                 x_l2 += nb
                 if NORM and n_nrm:
                     _contig(c, "ld", ng * sp * 4, 16)     # ln: once per block and step (its rows hit L1)
+                    if ln_lo is not None and by * BT < norm_lo_ln and by * BT + BT > norm_lo_ln:
+                        _contig(c, "ld", ng * sp * 4, 16)   # both ln_lo and ln in this row block
                 # staging stores: per step BT x 16 items / 32 per warp, 2 pair stores per plane, one
                 # wavefront each (dead and padding rows store zeros too); NORM: the items' sums, read + write.
                 # GW_X16: BT x 8 items of 8 values, 4 pair stores each: the same count
@@ -837,7 +873,7 @@ def _gemm_wgmma(L) -> KernelCounters:
         c.l2_round_trips_per_block += splitk_reduce_trips(min(BT, M), BT, COLS, THREADS, gz, NW)
         c.notes.append(f"split-K {gz}: partial tiles ({part / 1e6:.2f} MB) round-trip through L2")
     m_live = sum(rows_union)
-    c.bytes_read[_name(x)] = m_live * K * XB
+    _x_reads(c, x, x2, row_split, K * XB, [(by * BT, r) for by, r in enumerate(rows_union) if r])
     if qkv is None:
         c.bytes_written[_name(y)] = st_elems * YB
     if EPI == 1:
@@ -853,6 +889,9 @@ def _gemm_wgmma(L) -> KernelCounters:
     if NORM:
         c.bytes_read[_name(ln)] = K * 4
         c.dram_bytes += K * 4
+        if ln_lo is not None:
+            c.bytes_read[_name(ln_lo) + " (ln_lo)"] = K * 4
+            c.dram_bytes += K * 4
     c.notes.append(f"wgmma N={BT}: x staged by the working blocks of {gx} column groups: {x_l2 / 1e6:.2f} MB "
                    f"from L2; weights re-read by {n_act} row block(s)")
     if SPLIT == 2:
@@ -1127,12 +1166,12 @@ def _small(L) -> KernelCounters:
         nm = 2 if k == "build_masks" else 1
         writes = [(_name(a[2 + i]), d["Q_LEN"] * d["KV_TOTAL"] * 2) for i in range(nm)]
         return _bytes_only(L, [(_name(a[1]), d["CAP"] * 4)], writes)
-    if k == "rmsnorm":   # (x, w, y, y2, dual, rows, w_rows, eps, tile_live, use_live)
-        rows, D = a[5], d["NORM_D"]
-        flags = L.known.get("tile_live") if len(a) > 9 and int(a[9]) else None
+    if k == "rmsnorm":   # (x, w, y, rows, w_rows, eps, tile_live, use_live)
+        rows, D = a[3], d["NORM_D"]
+        flags = L.known.get("tile_live") if len(a) > 7 and int(a[7]) else None
         live = rows if flags is None else sum(1 for r in range(rows) if flags[r // 16])
-        writes = [(_name(a[2]), live * D * 4)] + ([(_name(a[3]), live * D * 4)] if int(a[4]) else [])
-        return _bytes_only(L, [(_name(a[0]), live * D * 4), (_name(a[1]), a[6] * D * 4)], writes,
+        writes = [(_name(a[2]), live * D * 4)]
+        return _bytes_only(L, [(_name(a[0]), live * D * 4), (_name(a[1]), a[4] * D * 4)], writes,
                            f"tile_live: {rows - live} dead row(s) skipped" if flags is not None else "")
     if k == "ring_attn_combine":   # merge="launch": every lane of a LANES launch assumed live
         S, B, NH, D, lanes = d["SPLITS"], d["B"], d["NH"], d["D"], d.get("LANES", 1)

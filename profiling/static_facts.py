@@ -88,12 +88,15 @@ def waves(n_blocks: int, blocks_per_sm: int, sm_count: int) -> Waves:
 
 def graph_node_count(n_layer: int, *, aux_norms: bool = False, context_kv_norm: bool = False,
                      attn_gate: bool = False, attn_combine: bool = False, both_masks: bool = False,
-                     lm_head: bool = False, fold_norms: bool = True, qkv_fold: bool = True) -> int:
+                     lm_head: bool = False, fold_norms: bool = True, qkv_fold: bool = True,
+                     x_split: bool = True) -> int:
     """Nodes of one captured step (``DraftKvCache._issue_step``), counted by
     hand from the code: descriptor copy, plan_step (reset_slots_if,
     plan_append, the feature gather and the masks in one launch), [aux
-    rmsnorm], fc GEMM, rmsnorm (no noise copy: the first layer reads
-    noise_embed in place); per layer [rmsnorm: unless
+    rmsnorm], fc GEMM, [hidden rmsnorm: unless folded into every layer's qkv GEMM
+    (``ln_lo``: ``fold_norms`` and ``x_split`` without ``context_kv_norm``)] (no noise copy: the
+    first layer reads noise_embed in place, from the qkv GEMM's second input
+    pointer); per layer [rmsnorm: unless
     folded into the qkv GEMM, or for the gate GEMM's input], qkv GEMM,
     [qkv_norm_rope: unless folded into the qkv GEMM's epilogue, ``qkv_fold``:
     the wgmma launch, every head inside one column group], [gate GEMM], attention [+ ring_attn_combine:
@@ -102,10 +105,13 @@ def graph_node_count(n_layer: int, *, aux_norms: bool = False, context_kv_norm: 
     [rmsnorm unless folded into gate_up], gate_up GEMM, down GEMM; final
     rmsnorm, [with an LM head: the LM head GEMM, the sampler (the sampling
     knobs and RNG state travel in the descriptor's copy)]. ``fold_norms``: the stream GEMMs normalise their
-    input rows (16-bit weights, the default). ``context_kv_norm`` changes what
-    the per-layer rmsnorm covers, not the count; ``both_masks`` neither
-    (plan_step writes both)."""
-    pre = 1 + 1 + int(aux_norms) + 2
+    input rows (16-bit weights, the default). ``context_kv_norm`` keeps the
+    hidden rmsnorm (the context rows are normalised twice) and, without
+    ``fold_norms``, normalises the first layer's context and noise rows in two
+    launches (the noise rows are noise_embed, read in place); ``both_masks``
+    changes nothing (plan_step writes both)."""
+    hidden = int(not (fold_norms and x_split and not context_kv_norm))
+    pre = 1 + 1 + int(aux_norms) + 1 + hidden + int(context_kv_norm and not fold_norms)
     norms = (int(attn_gate), 0) if fold_norms else (1, 1)
     per_layer = norms[0] + 1 + int(not qkv_fold) + int(attn_gate) + 1 + int(attn_combine) + 1 + norms[1] + 2
     return pre + n_layer * per_layer + 1 + 2 * int(lm_head)

@@ -281,7 +281,8 @@ def test_gemm_stream_weight_sectors_and_x_tile_wavefronts(be, N, K, M):
     w = be.asarray(rng.integers(0, 1 << 15, (N, K)).astype(np.uint16))
     y = be.zeros((M, N), np.float32)
     args = (x, w, y, y, np.int32(M), np.int32(N), np.int32(p.kz), np.int32(p.kt), sk._ws, sk._counters,
-            sk._counters, np.int32(0), x, np.float32(0), np.int32(M), sk._counters, np.int32(0))
+            sk._counters, np.int32(0), x, np.float32(0), np.int32(M), sk._counters, np.int32(0),
+            x, np.int32(M), sk._ws, np.int32(0))   # one input, no ln_lo
     c = count_launch(sk._kernels[p.mt], p.grid, (256, 1, 1), args, p.smem)
     # the grouping of lanes into instructions does not depend on the fiber schedule
     c2 = count_launch(sk._kernels[p.mt], p.grid, (256, 1, 1), args, p.smem, order="shuffle", seed=9)

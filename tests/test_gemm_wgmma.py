@@ -28,6 +28,11 @@ def _no_rope(sk):
             np.float32(0.0), np.float32(1.0))
 
 
+def _one_input(sk, x, m):
+    """The trailing two-input / ln_lo arguments of a launch reading every row from x."""
+    return (x, np.int32(m), sk._ws, np.int32(0))
+
+
 def _gemm(backend, N, K, epilogue="none", wkind="bf16", **kw):
     return Gemm(backend, N, K, wkind, epilogue=epilogue, max_m=MAX_M, path="stream", **kw)
 
@@ -276,7 +281,7 @@ def test_emulator_counts_match_the_static_model(emu, rng):
     w = emu.asarray(host_weights(rng, N, K, "bf16"))
     y = emu.zeros((m, N), np.float32)
     args = (x, w, y, y, np.int32(m), np.int32(N), np.int32(p.kz), np.int32(p.kt), sk._ws, sk._counters,
-            sk._counters, np.int32(0), x, np.float32(0), np.int32(m), sk._counters, np.int32(0)) + _no_rope(sk)
+            sk._counters, np.int32(0), x, np.float32(0), np.int32(m), sk._counters, np.int32(0)) + _no_rope(sk) + _one_input(sk, x, m)
     c = count_launch(sk._kernels[p.mt], p.grid, (p.threads, 1, 1), args, p.smem)
     assert c.wgmma_mma == st.wgmma_mma > 0 and c.wgmma_smem_bytes == st.wgmma_smem_bytes
     assert c.barriers == st.barriers
@@ -317,7 +322,7 @@ def test_chunks_without_a_computed_tile_issue_no_wgmma(emu, rng):
     y = emu.asarray(np.full((m, N), SENTINEL, np.float32))
     x, w, fl = emu.asarray(xh), emu.asarray(wh), emu.asarray(flags)
     args = (x, w, y, y, np.int32(m), np.int32(N), np.int32(p.kz), np.int32(p.kt), sk._ws, sk._counters,
-            sk._counters, np.int32(0), x, np.float32(0), np.int32(m), fl, np.int32(1)) + _no_rope(sk)
+            sk._counters, np.int32(0), x, np.float32(0), np.int32(m), fl, np.int32(1)) + _no_rope(sk) + _one_input(sk, x, m)
     c = count_launch(sk._kernels[p.mt], p.grid, (p.threads, 1, 1), args, p.smem)
     assert c.wgmma_mma == st.wgmma_mma
     got = emu.to_numpy(y)
@@ -453,7 +458,7 @@ def test_live_split_counts_match_the_static_model(emu, rng, monkeypatch):
     assert tuple(L.grid) == (4, 1, 1)               # one block per SM of the 4
     args = (x, w, y, y, np.int32(m), np.int32(N), np.int32(L.args[6]), np.int32(L.args[7]), sk._ws,
             sk._counters, sk._counters, np.int32(0), x, np.float32(0), np.int32(m), emu.asarray(flags), np.int32(1)) \
-        + _no_rope(sk)
+        + _no_rope(sk) + _one_input(sk, x, m)
     c = count_launch(sk._kernels["wg128"], L.grid, (256, 1, 1), args, L.shared_mem)
     assert c.wgmma_mma == st.wgmma_mma > 0 and c.barriers == st.barriers
     assert st.live_blocks == 5          # 5 working tiles, unsplit: 2 waves of 4 beat 3 waves of 4 split

@@ -146,35 +146,3 @@ def test_tile_live_skips_dead_rows(backend, rng, D):
         op(x, w, y_fl, tile_live=backend.asarray(flags[:3]))
     with pytest.raises(TypeError, match="tile_live"):
         op(x, w, y_fl, tile_live=backend.asarray(flags.astype(np.float32)))
-
-
-@pytest.mark.parametrize("D,in_place", [(19, False), (4096, True)])
-def test_second_output(backend, rng, D, in_place):
-    """y2 receives exactly y's bits (rows < rows, tile_live's live rows), in place or not;
-    rows it does not cover keep its bits; a bad y2 is refused before anything is written."""
-    rows, total = 33, 40
-    op = RmsNorm(backend, D)
-    xh = rng.standard_normal((total, D)).astype(np.float32)
-    wh = rng.uniform(0.5, 1.5, D).astype(np.float32)
-    flags = np.array([1, 0, 2], np.int32)
-    live = np.repeat(flags != 0, 16)[:rows]
-    sentinel = np.full((total, D), -3.25, np.float32)
-    x, w = backend.asarray(xh), backend.asarray(wh)
-    y = x if in_place else backend.asarray(sentinel)
-    y2 = backend.asarray(sentinel)
-    op(x, w, y, rows=rows, y2=y2, tile_live=backend.asarray(flags))
-    got, got2 = backend.to_numpy(y), backend.to_numpy(y2)
-    ref = rmsnorm_reference(xh[:rows], wh, D=D)
-    assert_close(got[:rows][live], ref[live], "f32", "y")
-    np.testing.assert_array_equal(got2[:rows][live].view(np.uint32), got[:rows][live].view(np.uint32))
-    np.testing.assert_array_equal(got2[:rows][~live], sentinel[:rows][~live])
-    np.testing.assert_array_equal(got2[rows:], sentinel[rows:])
-
-    before = backend.to_numpy(y2).copy()
-    with pytest.raises(ValueError, match="^y2 must have x's shape"):
-        op(x, w, y, y2=backend.zeros((total + 1, D), np.float32))
-    with pytest.raises(TypeError, match="^y2 "):
-        op(x, w, y, y2=backend.zeros((total, D), np.float16))
-    with pytest.raises(ValueError, match="y2 must not overlap (x|y)"):
-        op(x, w, backend.asarray(sentinel), y2=x)
-    np.testing.assert_array_equal(backend.to_numpy(y2), before)

@@ -275,26 +275,27 @@ def test_node_count_formula(kw, window, merge):
 
 @pytest.mark.parametrize("window", [2048, 32768])
 def test_node_count_of_the_presets(window):
-    """35 nodes with the combine launch (the default rule's merge below 24K keys),
-    30 with the merge folded into the split kernel (from there on), 37 / 32 with an LM head:
-    the q/k norm + RoPE + K/V scatter runs in the qkv GEMM's epilogue (no qkv_norm_rope)."""
+    """34 nodes with the combine launch (the default rule's merge below 24K keys),
+    29 with the merge folded into the split kernel (from there on), 36 / 31 with an LM head:
+    the q/k norm + RoPE + K/V scatter runs in the qkv GEMM's epilogue (no qkv_norm_rope), the
+    hidden norm in every layer's qkv GEMM (ln_lo: no rmsnorm node of its own)."""
     for name in ("h4096", "qwen3.5-27b"):
         plan = step_plan(drafter_config(name), window)
         att = plan.cache.attention
         assert att.n_splits > 1 and att.merge == ("launch" if window == 2048 else "fold")
         combine = att.merge == "launch"
-        assert plan.n_nodes == (35 if combine else 30) == sf.graph_node_count(5, attn_combine=combine)
+        assert plan.n_nodes == (34 if combine else 29) == sf.graph_node_count(5, attn_combine=combine)
         assert not any(n.kernel == "qkv_norm_rope" for n in plan.launches)
         if window == 2048:
             lm = step_plan(drafter_config(name), window, lm_head_vocab=1024)
-            assert lm.n_nodes == 37 == sf.graph_node_count(5, attn_combine=True, lm_head=True)
+            assert lm.n_nodes == 36 == sf.graph_node_count(5, attn_combine=True, lm_head=True)
             fold = step_plan(drafter_config(name), window, attn_config=(None, "fold"))
-            assert fold.n_nodes == 30 == sf.graph_node_count(5)
+            assert fold.n_nodes == 29 == sf.graph_node_count(5)
         # per layer: qkv GEMM (input norm and rope folded), attention [+ combine], o, gate_up
-        # (norm folded), down; outside: descriptor copy, plan_step, fc GEMM, rmsnorm (it
-        # writes the context rows for the first layer too: no noise copy), final rmsnorm
-        assert plan.n_nodes - 5 * (5 + combine) == 5
-        assert sum(n.kernel == "rmsnorm" for n in plan.launches) == 2
+        # (norm folded), down; outside: descriptor copy, plan_step, fc GEMM (its rows enter
+        # every qkv GEMM as rmsnorm(y) * hidden_norm: no hidden rmsnorm), final rmsnorm
+        assert plan.n_nodes - 5 * (5 + combine) == 4
+        assert sum(n.kernel == "rmsnorm" for n in plan.launches) == 1
 
 
 def test_recorded_graph_matches_the_emulated_capture():

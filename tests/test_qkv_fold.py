@@ -236,6 +236,34 @@ def test_recorded_steps_have_no_separate_rope(drafter):
                    and n.defines.get("GW_EPI") == 3) == c.n_layer
 
 
+@pytest.mark.parametrize("drafter", ["h4096", "qwen3.5-27b"])
+def test_recorded_steps_fold_the_hidden_norm(drafter):
+    """One lane and a 16-lane batch: no rmsnorm node but the final norm (the hidden norm is
+    folded into every layer's qkv GEMM as ln_lo, the input norms as ln); every qkv launch
+    reads the context rows from x and the noise rows from its second pointer (noise_embed
+    in the first layer, h after), with ln_lo set; the fc GEMM writes the qkv GEMMs' x."""
+    from profiling.common import drafter_config
+    from profiling.lanes_model import batch_step_plan
+    from profiling.launch_plan import step_plan
+
+    c = drafter_config(drafter)
+    single = step_plan(c, 2048).launches
+    _, batch = batch_step_plan(c, 2048, 16, 16)
+    for nodes in (single, batch):
+        kernels = [getattr(n, "kernel", None) for n in nodes]
+        qkv = [i for i, n in enumerate(nodes) if getattr(n, "kernel", None) == "gemm_wgmma"
+               and n.defines.get("GW_EPI") == 3]
+        assert len(qkv) == c.n_layer
+        assert kernels.count("rmsnorm") == 1 and kernels.index("rmsnorm") > qkv[-1]   # the final norm only
+        qkv = [nodes[i] for i in qkv]
+        splits = {int(n.args[28]) for n in qkv}
+        assert len(splits) == 1 and 0 < splits.pop() < int(qkv[0].args[4])      # context rows, then noise rows
+        assert all(int(n.args[30]) == 1 for n in qkv)                           # ln_lo used
+        x2s = [n.args[27].name for n in qkv]
+        assert "noise_embed" in x2s[0] and all("noise_embed" not in x for x in x2s[1:]), x2s
+        assert len({n.args[0].name for n in qkv}) == 1
+
+
 def test_cache_steps_fused_equal_unfused_and_the_oracle(monkeypatch):
     """A DraftKvCache whose qkv GEMM folds the rope (q_len 16: 50 step rows, the wgmma kernel;
     head_dim 32: Q, K and V heads in one column group) against the same cache with the fold

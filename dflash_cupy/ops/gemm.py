@@ -323,7 +323,7 @@ class Gemm:
                              f"got shape {tuple(tile_live.shape)}")
         return tile_live if self.path == "stream" else None  # the fallbacks compute every row
 
-    def _call_rope(self, x, w, y, m, rope, stream, pad_rows, norm, tile_live):
+    def _call_rope(self, x, w, y, m, rope, stream, pad_rows, norm, tile_live, x2=None):
         be = self.backend
         if not self.fuses_rope(m):
             raise ValueError(f"rope given but this Gemm cannot fold it at m={m} (rope={self.rope}, launch "
@@ -337,8 +337,9 @@ class Gemm:
         if x.shape[1] != self.K or tuple(w.shape) != (self.w_rows, self.K):
             raise ValueError(f"x must be [>= m, {self.K}] and w [{self.w_rows}, {self.K}], got "
                              f"{tuple(x.shape)} and {tuple(w.shape)}")
-        if not 1 <= m <= x.shape[0]:
-            raise ValueError(f"m={m} must be in [1, x rows={x.shape[0]}]")
+        if m < 1:
+            raise ValueError(f"m={m} must be >= 1")
+        x2 = self._x2_args(x, x2, m, {"q_out": y, "k_cache": k_cache, "v_cache": v_cache})
         for name, a in (("q_out", y), ("k_cache", k_cache), ("v_cache", v_cache)):
             checks.check_no_overlap(**{name: a}, x=x)
         checks.aligned16(x=x, w=w)
@@ -347,28 +348,63 @@ class Gemm:
         if norm is not None:
             norm = self._norm_args(norm, m)
         s = self.rope
-        self._stream(x, w, y, y, m, stream=stream, pad_rows=pad_rows, norm=norm, tile_live=tile_live,
+        self._stream(x, w, y, y, m, stream=stream, pad_rows=pad_rows, norm=norm, tile_live=tile_live, x2=x2,
                      rope=(q_norm, k_norm, inv_freq, pos, rows, k_cache, v_cache, k_cache.shape[0], s.eps,
                            s.attn_scale_factor))
 
     def _norm_args(self, norm, m):
         if self.norm_eps is None:
             raise ValueError("norm given but this Gemm was built without norm_eps")
-        ln, norm_lo = norm
+        if not isinstance(norm, tuple) or len(norm) not in (2, 3):
+            raise ValueError("norm must be (ln, norm_lo) or (ln, norm_lo, ln_lo)")
+        ln, norm_lo = norm[:2]
+        ln_lo = norm[2] if len(norm) == 3 else None
         checks.device_array(self.backend, "norm[0]", ln, np.float32, ndim=1)
         if ln.shape[0] != self.K:
             raise ValueError(f"norm[0] must have shape ({self.K},), got {tuple(ln.shape)}")
         if not isinstance(norm_lo, (int, np.integer)) or isinstance(norm_lo, bool) or not 0 <= norm_lo <= m:
             raise ValueError(f"norm[1] must be an int in [0, m={m}], got {norm_lo!r}")
         checks.aligned16(norm=ln)
-        return (ln, self.norm_eps, int(norm_lo))
+        if ln_lo is not None:
+            checks.device_array(self.backend, "norm[2] (ln_lo)", ln_lo, np.float32, ndim=1)
+            if ln_lo.shape[0] != self.K:
+                raise ValueError(f"norm[2] (ln_lo) must have shape ({self.K},), got {tuple(ln_lo.shape)}")
+            checks.aligned16(ln_lo=ln_lo)
+        return (ln, self.norm_eps, int(norm_lo), ln_lo)
+
+    def _x2_args(self, x, x2, m, y_like):
+        """Validated ``x2=(a, row_split)``: x must hold rows ``[0, row_split)``, ``a`` rows
+        ``[0, m - row_split)``; neither may overlap what the call writes (``y_like``)."""
+        if x2 is None:
+            if not 1 <= m <= x.shape[0]:
+                raise ValueError(f"m={m} must be in [1, x rows={x.shape[0]}]")
+            return None
+        if self.path != "stream":
+            raise ValueError(f"x2 needs path 'stream' (this Gemm runs {self.path!r})")
+        if not isinstance(x2, tuple) or len(x2) != 2:
+            raise ValueError("x2 must be (array, row_split)")
+        a, row_split = x2
+        checks.device_array(self.backend, "x2[0]", a, self.x_dtype)
+        if a.shape[1] != self.K:
+            raise ValueError(f"x2[0] must have K={self.K} columns, got shape {tuple(a.shape)}")
+        if not isinstance(row_split, (int, np.integer)) or isinstance(row_split, bool) or not 0 <= row_split <= m:
+            raise ValueError(f"x2[1] (row_split) must be an int in [0, m={m}], got {row_split!r}")
+        if x.shape[0] < row_split:
+            raise ValueError(f"x must hold row_split={row_split} rows, got shape {tuple(x.shape)}")
+        if a.shape[0] < m - row_split:
+            raise ValueError(f"x2[0] must hold m - row_split = {m - row_split} rows, got shape {tuple(a.shape)}")
+        for name, o in y_like.items():
+            if checks.overlaps(a, o):
+                raise ValueError(f"x2[0] and {name} share memory")
+        checks.aligned16(x2=a)
+        return (a, int(row_split))
 
     def partials_shape(self, m: int) -> tuple[int, int, int]:
         """Shape of the u32 ``partials`` the "argmax" epilogue writes for ``m`` rows."""
         return (int(m), self._nblk, 2)
 
     def __call__(self, x, w, y, m, residual=None, stream=None, pad_rows=None, norm=None,
-                 partials=None, tile_live=None, rope=None):
+                 partials=None, tile_live=None, rope=None, x2=None):
         """``pad_rows=(lo, hi)`` (``"stream"`` path): rows ``[lo[0], hi)`` of x
         are padding and count as zeros (not read; 16-row tiles of padding only
         are not computed); ``lo`` is a device int32 array read when the kernel
@@ -395,12 +431,20 @@ class Gemm:
         ``rope`` where ``fuses_rope(m)``): what ``QkvNormRope(has_q=True)`` would do to the
         result, done in the epilogue: ``y`` is its ``q_out [>= m, q_width] f32``, K and V go
         to the caches' ``rows``, the ``[m, N]`` matrix is never stored; tile_live as that op
-        reads it (rows of tiles marked 2 write no Q)."""
+        reads it (rows of tiles marked 2 write no Q).
+        ``norm=(ln, norm_lo, ln_lo)``: rows ``< norm_lo`` enter as ``rmsnorm(x_row) * ln_lo``
+        too (instead of raw).
+        ``x2=(a, row_split)`` (``"stream"`` path): rows ``>= row_split`` are read from ``a``
+        (row ``r`` from ``a[r - row_split]``), rows below from x: two producers' rows in one
+        GEMM without a concatenated copy. Bit-identical to one x holding both."""
         be = self.backend
         m = checks.int_arg(m, "m")
         if rope is not None:
-            self._call_rope(x, w, y, m, rope, stream, pad_rows, norm, tile_live)
+            self._call_rope(x, w, y, m, rope, stream, pad_rows, norm, tile_live, x2)
             return
+        if x2 is not None and (self.epilogue == "argmax" or self.path != "stream"):
+            raise ValueError(f"x2 needs path 'stream' and an epilogue other than argmax (this Gemm: "
+                             f"{self.path!r}, {self.epilogue!r})")
         if self.epilogue == "argmax":
             if partials is None:
                 raise ValueError("partials is required for epilogue 'argmax'")
@@ -436,8 +480,11 @@ class Gemm:
                              f"{self.epilogue!r}, got {tuple(w.shape)}")
         if y.shape[1] != self.N:
             raise ValueError(f"y must have N={self.N} columns, got shape {tuple(y.shape)}")
-        if m < 1 or m > x.shape[0] or m > y.shape[0]:
+        if x2 is None and (m < 1 or m > x.shape[0] or m > y.shape[0]):
             raise ValueError(f"m={m} must be in [1, min(x rows={x.shape[0]}, y rows={y.shape[0]})]")
+        if m < 1 or m > y.shape[0]:
+            raise ValueError(f"m={m} must be in [1, y rows={y.shape[0]}]")
+        x2 = self._x2_args(x, x2, m, {"y": y})
         checks.check_no_overlap(y=y, x=x)
         checks.check_no_overlap(y=y, w=w)
         if self.epilogue == "residual":
@@ -464,7 +511,7 @@ class Gemm:
             norm = self._norm_args(norm, m)
         if self.path == "stream":
             self._stream(x, w, y, r, m, stream=stream, pad_rows=pad_rows, norm=norm, partials=partials,
-                         tile_live=tile_live)
+                         tile_live=tile_live, x2=x2)
             return
         grid, block, smem = self.launch_config(m)
         if self.path == "fma":
@@ -485,7 +532,7 @@ def gemm_reference(x, w, epilogue: str = "none", residual=None, x_round: str | N
     as ``x_round`` says (``Gemm.x_round``: ``"f16"``/``"bf16"`` once,
     ``"f16x2"``/``"bf16x2"`` as hi + lo) or kept f32, everything computed in float64 and the result
     rounded once to float32. The kernel accumulates in f32 in a different
-    order; ``tolerances.TOL["f32"]`` absorbs that. ``norm=(ln, eps, norm_lo)``:
+    order; ``tolerances.TOL["f32"]`` absorbs that. ``norm=(ln, eps, norm_lo[, ln_lo])``:
     rows ``>= norm_lo`` are ``rmsnorm(x_row) * ln`` in the folded kernel's
     order: ``x * ln`` (f32 product) is what gets rounded, and the row's
     ``1 / sqrt(mean(x^2) + eps)`` (float64) multiplies the accumulated sum
@@ -496,13 +543,15 @@ def gemm_reference(x, w, epilogue: str = "none", residual=None, x_round: str | N
     x = np.asarray(x, dtype=np.float32)
     scale = None
     if norm is not None:
-        ln, eps, norm_lo = norm
+        ln, eps, norm_lo = norm[:3]
+        ln_lo = norm[3] if len(norm) > 3 else None
         x = x.copy()
         scale = np.ones((x.shape[0], 1))
-        if norm_lo < x.shape[0]:
-            rows = x[norm_lo:].astype(np.float64)
-            scale[norm_lo:, 0] = 1.0 / np.sqrt(np.mean(rows * rows, axis=1) + eps)
-            x[norm_lo:] = x[norm_lo:] * np.asarray(ln, np.float32)[None, :]
+        for a, b, g in ((norm_lo, x.shape[0], ln), (0, norm_lo if ln_lo is not None else 0, ln_lo)):
+            if a < b:
+                rows = x[a:b].astype(np.float64)
+                scale[a:b, 0] = 1.0 / np.sqrt(np.mean(rows * rows, axis=1) + eps)
+                x[a:b] = x[a:b] * np.asarray(g, np.float32)[None, :]
     if x_round is not None:
         kinds = {"bf16": ml_dtypes.bfloat16, "f16": np.float16}
         if x_round.rstrip("x2") not in kinds or x_round not in ("bf16", "f16", "bf16x2", "f16x2"):

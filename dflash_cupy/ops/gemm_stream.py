@@ -189,8 +189,10 @@ WG_DEPTH = {64: 3, 128: 2}
 WG_MIN_M = 49
 # ptxas (NVRTC, sm_90a) registers per thread, max over dtypes, epilogues, hi + lo and the folded
 # norm (tests/test_gemm_wgmma.py holds the kernel to them); one block of 256 threads per SM.
-# The qkv epilogue (GW_EPI 3) measured 220 / 247 (250 with the live split), no spills.
-WG_PTXAS_REGS = {64: 241, 128: 255}
+# The qkv epilogue (GW_EPI 3) measured 220 / 247 (250 with the live split), no spills. The second x
+# pointer and ln_lo (the folded hidden norm) moved wg64 from <= 241 to <= 244 (the same allocation
+# of 248: one block per SM either way) and wg128 to <= 252, no spills.
+WG_PTXAS_REGS = {64: 248, 128: 255}
 WG_BLOCK_STEPS = 2        # a block's fixed cost in 64-k steps: its first loads, the epilogue
 WG_SPLIT_STEPS = 3        # a split block's partial tile and the last slice's reduction, in steps
 
@@ -674,7 +676,7 @@ class StreamKernels:
         return p.grid, (p.threads, 1, 1), p.smem
 
     def __call__(self, x, w, y, r, m: int, stream=None, pad_rows=None, norm=None, partials=None,
-                 tile_live=None, rope=None):
+                 tile_live=None, rope=None, x2=None):
         """``pad_rows=(lo, hi)``: rows ``[lo[0], hi)`` are zero rows, ``lo`` a
         device int32 array read at run time (``None``: no padding rows).
         ``tile_live``: device int32, entry ``t`` for rows ``[16t, 16t + 16)``,
@@ -684,7 +686,11 @@ class StreamKernels:
         ``partials`` (the argmax epilogue): u32 ``[>= m, blocks, 2]`` written
         in place of the split-K workspace.
         ``rope=(q_norm, k_norm, inv_freq, pos, rows, k_cache, v_cache, kv_rows, eps, scale)``
-        (``fuses_rope(m)`` only): the qkv epilogue, y the Q output."""
+        (``fuses_rope(m)`` only): the qkv epilogue, y the Q output.
+        ``norm`` may carry a fourth element ``ln_lo`` [K] f32: rows ``< norm_lo`` are then
+        RMS-normalised with it (else used raw).
+        ``x2=(a, row_split)``: rows ``>= row_split`` are read from ``a`` (its row 0 first),
+        rows below from x (checked by ``ops.gemm.Gemm``)."""
         p = self.plan(m)
         if rope is not None and not self.fuses_rope(m):
             raise ValueError(f"m={m}: the qkv epilogue needs a wgmma launch with it compiled (plan {p.mt!r})")
@@ -707,11 +713,14 @@ class StreamKernels:
         if self.backend.is_capturing():
             self._captured = True
         lo, hi = (self._counters, 0) if pad_rows is None else pad_rows
-        ln, eps, norm_lo = (x, 0.0, m) if norm is None else norm
+        ln, eps, norm_lo = (x, 0.0, m) if norm is None else norm[:3]
+        ln_lo = norm[3] if norm is not None and len(norm) > 3 and norm[3] is not None else None
+        xb, row_split = (x, m) if x2 is None else x2
         args = (x, w, y, r, np.int32(m), np.int32(self.N), np.int32(p.kz), np.int32(p.kt),
                 self._ws if partials is None else partials, self._counters, lo, np.int32(hi),
                 ln, np.float32(eps), np.int32(norm_lo),
                 self._counters if tile_live is None else tile_live, np.int32(tile_live is not None))
+        tail = (xb, np.int32(row_split), ln if ln_lo is None else ln_lo, np.int32(ln_lo is not None))
         kernel = self._kernels[p.mt]
         if isinstance(p.mt, str):   # the wgmma kernel's trailing qkv-epilogue arguments
             if rope is None:
@@ -722,6 +731,7 @@ class StreamKernels:
                 args += (qn, kn, freq, pos, rows, kc, vc, np.int32(kv_rows), np.float32(reps), np.float32(rscale))
                 kernel = self._fused[p.mt]
                 p = dataclasses.replace(p, smem=max(p.smem, wg_qkv_smem(wg_tokens(p.mt))))
+        args += tail
         kernel(p.grid, (p.threads, 1, 1), args, shared_mem=p.smem, stream=stream)
 
 

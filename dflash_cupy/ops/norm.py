@@ -49,9 +49,8 @@ class RmsNorm:
     def bytes_moved(self, rows: int, w_rows: int = 1) -> int:
         return (2 * rows + w_rows) * self.D * 4
 
-    def __call__(self, x, w, y, rows=None, stream=None, tile_live=None, y2=None):
-        """``y2`` (f32, ``x``'s shape, overlapping none of ``x``, ``y``, ``w``): a second output
-        written with the same values. ``tile_live`` (device int32 ``[>= ceil(rows/16)]``, read when the kernel runs): rows
+    def __call__(self, x, w, y, rows=None, stream=None, tile_live=None):
+        """``tile_live`` (device int32 ``[>= ceil(rows/16)]``, read when the kernel runs): rows
         of a tile marked 0 are skipped, ``y`` untouched there (a lane batch's dead rows)."""
         be = self.backend
         D = self.D
@@ -74,14 +73,8 @@ class RmsNorm:
         if checks.overlaps(x, y) and checks.ptr(x) != checks.ptr(y):
             raise ValueError("y must be x itself or not overlap it")
         checks.check_no_overlap(y=y, w=w)
-        if y2 is not None:
-            checks.device_array(be, "y2", y2, np.float32, ndim=None)
-            if tuple(y2.shape) != tuple(x.shape):
-                raise ValueError(f"y2 must have x's shape {tuple(x.shape)}, got {tuple(y2.shape)}")
-            for name, a in (("x", x), ("y", y), ("w", w)):
-                checks.check_no_overlap(y2=y2, **{name: a})
         if self.vec == 4:
-            checks.aligned16(x=x, w=w, y=y, **({} if y2 is None else {"y2": y2}))
+            checks.aligned16(x=x, w=w, y=y)
         if tile_live is not None:
             checks.device_array(be, "tile_live", tile_live, np.int32, ndim=1)
             if tile_live.shape[0] < -(-rows // 16):
@@ -91,7 +84,7 @@ class RmsNorm:
             return
         grid = (-(-rows // self.rows_per_block), 1, 1)
         self._kernel(grid, (self.block, 1, 1),
-                     (x, w, y, y if y2 is None else y2, np.int32(y2 is not None), np.int32(rows), np.int32(w_rows), np.float32(self.eps),
+                     (x, w, y, np.int32(rows), np.int32(w_rows), np.float32(self.eps),
                       self._no_live if tile_live is None else tile_live, np.int32(tile_live is not None)),
                      stream=stream)
 
