@@ -177,7 +177,7 @@ class DraftKvBatch(StepIssuer):
         self._fold_norms = (H % 8 == 0 and all(weight_kind(a.dtype) in ("f16", "bf16")
                                                for a in (L0.w_qkv, L0.w_gate_up)))
         self.ctx_step = self.resid[:NC] if c.context_kv_layer_norm or self._fold_norms else self.xin[:NC]
-        self.noise_embed = self._first_layer_rows(NC, NN)
+        self.noise_embed = be.zeros((NN, H), np.float32)   # read in place by the first layer
         self.qkv = be.zeros((M, c.q_dim + 2 * kvw), np.float32)
         self.q_all = be.zeros((M, c.q_dim), np.float32)
         self.q = self.q_all[NC:]
@@ -311,7 +311,7 @@ class DraftKvBatch(StepIssuer):
         NC, NN = self.lanes * self.ctx_rows, self.lanes * self.lane_rows
         M = NC + NN
         tiles_all, tiles_noise = self.tile_live, self.tiles_noise
-        h_in, _ = self._layer_input(li)
+        h_in = self._layer_input(li)
         ctx_norm = c.context_kv_layer_norm
         if self._fold_norms:   # as DraftKvCache (_qkv_norm: the hidden norm folded where it can be)
             self._qkv_rope(li, L, self.ctx_step, M, stream, tile_live=tiles_all, **self._qkv_x2(li, NC),

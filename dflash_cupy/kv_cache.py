@@ -74,7 +74,6 @@ MAX_CAPACITY = 1 << 24  # ring slots: positions and slots are int32, and 16M row
 RING_GRAPHS = 4         # rings whose step graphs stay captured (switching back does not recapture)
 
 
-
 # The step-inputs block (bytes): descriptor int32 [DESC_LEN], sampling knobs f32 [3], the
 # RNG state u64 [2] at the next multiple of 8.
 _KNOBS_AT = DESC_LEN * 4
@@ -85,6 +84,7 @@ _STEP_IN_BYTES = _RNG_AT + 16
 def _step_in_sampling(block) -> tuple:
     """The knobs and RNG views of a step-inputs block (device or pinned)."""
     return block[_KNOBS_AT:_KNOBS_AT + 12].view(np.float32), block[_RNG_AT:_RNG_AT + 16].view(np.uint64)
+
 
 class DraftKvCache(StepIssuer):
     """``DraftKvCache(weights, capacity, *, lm_head=None, sampling=None, backend=None, bulk_chunk=256,
@@ -201,7 +201,7 @@ class DraftKvCache(StepIssuer):
         self._fold_norms = (H % 8 == 0 and all(weight_kind(a.dtype) in ("f16", "bf16")
                                                for a in (L0.w_qkv, L0.w_gate_up)))
         self.ctx_step = self.resid[:A] if c.context_kv_layer_norm or self._fold_norms else self.xin[:A]
-        self.noise_embed = self._first_layer_rows(A, B)
+        self.noise_embed = be.zeros((B, H), np.float32)   # read in place by the first layer
         self.qkv = be.zeros((A + B, c.q_dim + 2 * kvw), np.float32)
         self.q_all = be.zeros((A + B, c.q_dim), np.float32)
         self.q = self.q_all[A:]
@@ -309,7 +309,7 @@ class DraftKvCache(StepIssuer):
         context rows' q is computed and ignored: free next to streaming the
         weights once instead of twice)."""
         A, B = self.a_step, self.q_len
-        h_in, _ = self._layer_input(li)
+        h_in = self._layer_input(li)
         # Append rows [n_new, A) are padding (zero features, their K/V go to the trash
         # slot): the stream GEMM reads n_new from the descriptor and skips their
         # 16-row tiles (same outputs: a zero row's result is zero either way).

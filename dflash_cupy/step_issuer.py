@@ -23,6 +23,7 @@ class StepIssuer:
     _nvtx = "dflash"   # NVTX range prefix
     # lane batches pass tile_live to their GEMMs (per launch K split; qkv skips context rows' Q)
     lane_batched = False
+    pdl = False        # the subclass's pdl= (programmatic dependent launch in its step graphs)
 
     capacity = property(lambda self: self.geom.capacity)
     q_len = property(lambda self: self.geom.q_len)
@@ -127,27 +128,16 @@ class StepIssuer:
                 self._lm_part = be.zeros(self.g_lm.partials_shape(lm_rows), np.uint32)
 
     # ------------------------------------------------------------ shared step pieces
-    def _first_layer_rows(self, n_ctx: int, n_noise: int):
-        """``noise_embed`` for a step of ``n_noise`` noise rows. The first layer reads it in
-        place as its residual stream (its o GEMM writes ``h = noise_embed + attn @ Wo``), so no
-        step copies it into ``h`` (a graph node saved); where the qkv GEMM reads the context and
-        noise rows as one GEMM input (the folded norms, the context-KV-norm variant) it takes
-        them from two pointers (``_layer_input``), never a concatenated copy."""
-        return self.backend.zeros((n_noise, self.config.hidden_size), np.float32)
-
-    def _layer_input(self, li: int) -> tuple:
-        """``(h, resid)`` layer ``li`` reads: the residual stream's noise rows and, for layers
-        after the first, the qkv GEMM's [context; noise] rows as one matrix (``resid``; the
-        first layer's noise rows are ``noise_embed``: ``_qkv_x2``)."""
-        if li:
-            return self.h, self.resid
-        return self.noise_embed, None
+    def _layer_input(self, li: int):
+        """The residual stream's noise rows layer ``li`` reads: ``noise_embed`` itself for the
+        first layer, read in place (its o GEMM writes ``h = noise_embed + attn @ Wo``, so no
+        step copies it into ``h``), ``h`` after."""
+        return self.h if li else self.noise_embed
 
     def _qkv_x2(self, li: int, n_ctx: int) -> dict:
-        """The qkv GEMM's input rows when it reads ``ctx_step`` then the layer's noise rows:
-        ``x`` = the context rows, ``x2`` = (noise rows, n_ctx)."""
-        h_in = self.h if li else self.noise_embed
-        return dict(x2=(h_in, n_ctx))
+        """The qkv GEMM's second input when it reads ``ctx_step`` then the layer's noise rows
+        (two pointers, never a concatenated copy): ``x2`` = (noise rows, n_ctx)."""
+        return dict(x2=(self._layer_input(li), n_ctx))
 
     def _fold_hidden(self) -> bool:
         """Whether the hidden norm folds into every layer's qkv GEMM (``ln_lo``): the folded
@@ -256,7 +246,7 @@ class StepIssuer:
                 try:
                     # pdl: each launch right after another launch carries programmatic stream
                     # serialization (base.programmatic_launches); eager steps never do
-                    with programmatic_launches(getattr(self, "pdl", False)):
+                    with programmatic_launches(self.pdl):
                         self._issue_step(slot, cs)
                 finally:
                     graph = be.end_capture(cs)

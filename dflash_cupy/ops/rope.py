@@ -58,6 +58,18 @@ class RopeSpec:
         return self.n_head_kv * self.head_dim
 
 
+def check_kv_caches(kv_width: int, k_cache, v_cache) -> None:
+    """The layer's K and V ring caches (f16 device arrays, checked by the caller): ``kv_width``
+    columns each, the same shape, apart."""
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.shape[1] != kv_width:
+            raise ValueError(f"{name} must have {kv_width} columns (n_head_kv*head_dim), "
+                             f"got shape {tuple(c.shape)}")
+    if tuple(k_cache.shape) != tuple(v_cache.shape):
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    checks.check_no_overlap(k_cache=k_cache, v_cache=v_cache)
+
+
 def check_rope_targets(be, spec: RopeSpec, m: int, q_norm, k_norm, inv_freq, pos, rows, q_out, k_cache, v_cache):
     """The arrays the q/k norm + RoPE + scatter reads and writes, for ``m`` rows (shared by
     ``QkvNormRope`` and the fused qkv GEMM): raises naming the first bad one."""
@@ -78,13 +90,7 @@ def check_rope_targets(be, spec: RopeSpec, m: int, q_norm, k_norm, inv_freq, pos
             raise ValueError(f"{name} has {a.shape[0]} rows, fewer than m={m}")
     if q_out.shape[1] != spec.q_width or q_out.shape[0] < m:
         raise ValueError(f"q_out must have shape [>= {m}, {spec.q_width}], got {tuple(q_out.shape)}")
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.shape[1] != spec.kv_width:
-            raise ValueError(f"{name} must have {spec.kv_width} columns (n_head_kv*head_dim), "
-                             f"got shape {tuple(c.shape)}")
-    if tuple(k_cache.shape) != tuple(v_cache.shape):
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
-    checks.check_no_overlap(k_cache=k_cache, v_cache=v_cache)
+    check_kv_caches(spec.kv_width, k_cache, v_cache)
     checks.check_no_overlap(q_out=q_out, k_cache=k_cache)
     checks.check_no_overlap(q_out=q_out, v_cache=v_cache)
 
@@ -156,13 +162,7 @@ class QkvNormRope:
             raise ValueError(f"k_norm must have shape ({self.D},), got {tuple(k_norm.shape)}")
         if inv_freq.shape[0] != self.D // 2:
             raise ValueError(f"inv_freq must have shape ({self.D // 2},), got {tuple(inv_freq.shape)}")
-        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if c.shape[1] != self.kv_width:
-                raise ValueError(f"{name} must have {self.kv_width} columns (n_head_kv*head_dim), "
-                                 f"got shape {tuple(c.shape)}")
-        if tuple(k_cache.shape) != tuple(v_cache.shape):
-            raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
-        checks.check_no_overlap(k_cache=k_cache, v_cache=v_cache)
+        check_kv_caches(self.kv_width, k_cache, v_cache)
         n_rows = qkv.shape[0] if n_rows is None else checks.int_arg(n_rows, "n_rows")
         for name, a in (("qkv", qkv), ("pos", pos), ("rows", rows)):
             if a.shape[0] < n_rows:
