@@ -409,6 +409,26 @@ def _x_reads(c, x, x2, row_split: int, row_bytes: int, runs) -> None:
         c.bytes_read[_name(x2) + (" (x2)" if _name(x2) == _name(x) else "")] = hi * row_bytes
 
 
+def _smem_words(c: KernelCounters, n: int) -> None:
+    """``n`` warp-level shared accesses of at most 32 lanes x 4 B on distinct banks or one
+    word (a lane's own row sum, a broadcast): one wavefront each, the minimum."""
+    c.smem_requests += n
+    c.smem_wavefronts += n
+    c.smem_ideal_wavefronts += n
+
+
+def _gamma_reads(c: KernelCounters, ln, ln_lo, rows, norm_lo: int, K: int) -> None:
+    """Distinct bytes of the folded norm's gammas: ``ln`` [K] if one of ``rows`` (the rows
+    that load a gamma) is >= ``norm_lo``, ``ln_lo`` if one is below it (each such row reads
+    its gamma over the whole K range, summed over the slices)."""
+    if any(r >= norm_lo for r in rows):
+        c.bytes_read[_name(ln)] = K * 4
+        c.dram_bytes += K * 4
+    if ln_lo is not None and any(r < norm_lo for r in rows):
+        c.bytes_read[_name(ln_lo) + " (ln_lo)"] = K * 4
+        c.dram_bytes += K * 4
+
+
 def _gemm_stream(L) -> KernelCounters:
     """``cuda_src/gemm_stream.cu`` from its launch: grid (column groups, M
     blocks, K slices), kz, kt and the variant's defines; the launcher's own
@@ -428,7 +448,8 @@ def _gemm_stream(L) -> KernelCounters:
     x2, row_split, ln_lo = _two_inputs(L, 17, x, M, NORM)
     norm_lo_ln = norm_lo          # rows >= it read ln; with ln_lo every row is normalised
     if ln_lo is not None:
-        norm_lo = 0
+        norm_lo = 0               # the kernel's scale_lo: rows >= it are scaled (and read a gamma)
+    gam_rows = set()              # rows that load a gamma (ln or ln_lo) in some block
     NW = 2 if EPI == 2 else 1
     WT, ROWS, COLS, THREADS, KSTEP = NT * NW, 16 * MT, WARPS * 8 * NT, WARPS * 32, gs.KSTEP
     # linear grid: block x = column group * M blocks + M block (the M blocks of a
@@ -457,6 +478,10 @@ def _gemm_stream(L) -> KernelCounters:
                 (flags is not None and not flags[a // 16])
             out.append(0 if dead else b - a)
         return out
+
+    def stored_tile(by: int, i: int) -> bool:
+        a = by * ROWS + 16 * i
+        return a < M and (flags is None or bool(flags[a // 16]))
 
     block_rows = [computed(by) for by in range(gy)]
     live_blocks = sum(1 for t in block_rows if any(t))
@@ -522,19 +547,20 @@ def _gemm_stream(L) -> KernelCounters:
             for ch in range(chunks):
                 kvalid = min(kt, span - ch * kt)
                 if NORM:   # a warp per row, 32 lanes x 16 B along k per request
-                    n_nrm = sum(max(0, min(by * ROWS + 16 * i + v, M) - max(norm_lo, by * ROWS + 16 * i))
-                                for i, v in enumerate(rows_t) if v)
+                    # f32: every row of a computed tile >= scale_lo loads its gamma, rows past M
+                    # and padding rows included (the kernel tests nrm, not rd, before that load)
+                    nrm_rows = [r for i, v in enumerate(rows_t) if v
+                                for r in range(max(norm_lo, by * ROWS + 16 * i), by * ROWS + 16 * i + 16)]
+                    n_nrm = len(nrm_rows)
                     per_row = -(-kvalid * XB // 512)
                     reqs, secs, nb = (rows_ld * per_row, rows_ld * -(-kvalid * XB // SECTOR),
                                       rows_ld * kvalid * XB)
                     if X16:
                         # ln, re-read per normalised row that is read (L1/L2): two coalesced float4
                         # requests per 256 values (then shuffled to the lanes holding x)
-                        n_nrm = sum(max(0, min(by * ROWS + 16 * i + v, M) - max(norm_lo, by * ROWS + 16 * i))
-                                    - (max(0, min(pad_hi, by * ROWS + 16 * i + v) - max(lo_pad, norm_lo,
-                                                                                       by * ROWS + 16 * i))
-                                       if pad_hi else 0)
-                                    for i, v in enumerate(rows_t) if v)
+                        nrm_rows = [r for r in nrm_rows if r < M and not (pad_hi and lo_pad <= r < pad_hi)]
+                        n_nrm = len(nrm_rows)
+                    gam_rows.update(nrm_rows)
                     # else ln, re-read per normalised row (L1/L2): one float4 per 4 values of x
                     c.gld_requests += gx * n_nrm * -(-kvalid // 128)
                     c.gld_sectors += gx * n_nrm * -(-kvalid * 4 // SECTOR)
@@ -552,6 +578,17 @@ def _gemm_stream(L) -> KernelCounters:
                 c.smem_requests += gx * SPLIT * sreq
                 c.smem_wavefronts += gx * SPLIT * swf
                 c.smem_ideal_wavefronts += gx * SPLIT * sid
+                if NORM:   # lane 0 of a row's warp adds its chunk sum: ss_s[row] += ss (load, store)
+                    _smem_words(c, gx * 2 * 16 * tm)
+            if NORM:
+                _smem_words(c, gx * -(-ROWS // 32))      # ss_s zeroed by the first ROWS threads
+                if gz == 1:
+                    # epilogue: per warp, stored tile and half h a broadcast read of 8 rows' ss_s
+                    # when one of those rows (below M or not) is >= scale_lo
+                    _smem_words(c, gx * WARPS * sum(1 for i in range(MT) for h in (0, 8)
+                                                    if stored_tile(by, i) and by * ROWS + 16 * i + h + 7 >= norm_lo))
+                else:   # the slice's row sums to ws: threads < live read ss_s
+                    _smem_words(c, gx * -(-live // 32))
             c.barriers += gx * 2 * chunks
             # MMA loop: per warp, step, computed tile and plane: 4 x 16-B x loads, WT x 4 MMAs
             n = gx * WARPS * nsteps * tm * SPLIT
@@ -626,7 +663,7 @@ def _gemm_stream(L) -> KernelCounters:
             if NORM:   # each slice's row sums of squares (every row below M), and their reduction
                 _contig(c, "st", gx * gz * live * 4)
                 _contig(c, "ld", gx * gz * live * 4)
-        c.barriers += gx * len(act) * gz * 2
+        c.barriers += gx * len(act) * (gz * 2 + NORM)   # NORM: the reducer's row scales
         c.bytes_written[_name(ws)] = gz * NW * part_rows * N * 4
         c.bytes_read[_name(ws)] = gz * NW * part_rows * N * 4
         c.notes.append(f"split-K {gz}: partial tiles ({gz * NW * part_rows * N * 4 / 1e6:.2f} MB) round-trip "
@@ -640,14 +677,13 @@ def _gemm_stream(L) -> KernelCounters:
     c.dram_bytes = ((N * NW * K * 2 if live_blocks else 0) + m_live * K * XB
                     + m_live * N * (8 if EPI == 1 else YB))
     if NORM:
-        c.bytes_read[_name(ln)] = K * 4
-        c.dram_bytes += K * 4
+        _gamma_reads(c, ln, ln_lo, gam_rows, norm_lo_ln, K)
         c.notes.append(f"RMSNorm of rows >= {norm_lo_ln} folded in: x * ln staged, the row scale applied "
                        "to the accumulators (no normalised copy of x)")
         if ln_lo is not None:
-            c.bytes_read[_name(ln_lo) + " (ln_lo)"] = K * 4
-            c.dram_bytes += K * 4
             c.notes.append(f"rows < {norm_lo_ln} normalised with ln_lo the same way")
+        if gz > 1:
+            c.notes.append("split K: the reduction's shared row scales and ticket are not counted")
     c.dram_round_trips_per_block = per_block_trips
     c.l2_round_trips_per_block = chunks_max + red_l2_trips
     c.inflight_peak_bytes_per_warp = D * WT * 2 * 512
@@ -774,6 +810,7 @@ def _gemm_wgmma(L) -> KernelCounters:
     st_elems = 0        # stored outputs (rows x columns)
     st_rows = 0         # stored rows x working blocks (the norm's row sums)
     rows_union = [0] * gy
+    gam_rows = set()    # rows that load a gamma (ln or ln_lo) in some block
     for ng, _, ncols, blocks, act in classes:
         for by in act:
             st, cp = blocks[by]
@@ -785,6 +822,10 @@ def _gemm_wgmma(L) -> KernelCounters:
             st_rows += ng * sum(st)
             n_nrm = sum(max(0, min(by * BT + 16 * i + v, M) - max(norm_lo, by * BT + 16 * i))
                         for i, v in enumerate(cp) if v) if NORM else 0
+            if NORM:   # rows that load a gamma: computed tiles' rows below M, not padding, >= scale_lo
+                gam_rows.update(r for i, v in enumerate(cp) if v
+                                for r in range(max(norm_lo, by * BT + 16 * i), min(by * BT + 16 * i + 16, M))
+                                if not (pad_hi and lo_pad <= r < pad_hi))
             if X16 and K % 16:
                 # 16-bit rows of K % 16 != 0 elements: odd rows start half way into a sector, so each
                 # token's 64-byte piece touches 3 sectors there (rows of K % 16 == 0 stay aligned)
@@ -822,7 +863,7 @@ def _gemm_wgmma(L) -> KernelCounters:
                 n_wg = ng * ns * 2 * 2 * 4 * SPLIT * chunks_live
                 c.wgmma_mma += n_wg * 4 * (NCH // 8)
                 c.wgmma_smem_bytes += n_wg * NCH * 16 * 2
-                c.barriers += ng * (2 * ns + 2)      # + the tile loop's barrier
+                c.barriers += ng * (2 * ns + 2 + NORM)   # + the tile loop's (NORM: + the last sums')
     nsteps_max = max(steps) if steps else 0
     # a step's weights (HBM) and x (L2) are issued together, DEPTH - 1 steps of weights ahead:
     # one HBM round trip per DEPTH - 1 steps; the prologue's x and the epilogue: L2 trips
@@ -887,11 +928,7 @@ def _gemm_wgmma(L) -> KernelCounters:
     if qg and flags is not None:
         c.notes.append(f"{qg} column group(s) below GW_SKIP_COLS skip the tiles marked 2")
     if NORM:
-        c.bytes_read[_name(ln)] = K * 4
-        c.dram_bytes += K * 4
-        if ln_lo is not None:
-            c.bytes_read[_name(ln_lo) + " (ln_lo)"] = K * 4
-            c.dram_bytes += K * 4
+        _gamma_reads(c, ln, ln_lo, gam_rows, norm_lo_ln, K)
     c.notes.append(f"wgmma N={BT}: x staged by the working blocks of {gx} column groups: {x_l2 / 1e6:.2f} MB "
                    f"from L2; weights re-read by {n_act} row block(s)")
     if SPLIT == 2:
