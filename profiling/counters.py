@@ -886,7 +886,7 @@ def _gemm_wgmma(L) -> KernelCounters:
             if NORM:
                 _contig(c, "st", gz * st_rows * 4)
                 _contig(c, "ld", gz * st_rows * 4)
-            c.barriers += n_live * gz * 2
+            c.barriers += n_live * (gz * 2 + NORM)   # NORM: the reducer's row scales
             c.bytes_written[_name(ws)] = part
             c.bytes_read[_name(ws)] = part
             c.l2_round_trips_per_block += splitk_reduce_trips(min(BT, M), BT, COLS, THREADS, gz, NW)
@@ -908,7 +908,7 @@ def _gemm_wgmma(L) -> KernelCounters:
         if NORM:
             _contig(c, "st", gz * st_rows * 4)
             _contig(c, "ld", gz * st_rows * 4)
-        c.barriers += n_live * gz * 2
+        c.barriers += n_live * (gz * 2 + NORM)   # NORM: the reducer's row scales
         c.bytes_written[_name(ws)] = part
         c.bytes_read[_name(ws)] = part
         c.l2_round_trips_per_block += splitk_reduce_trips(min(BT, M), BT, COLS, THREADS, gz, NW)

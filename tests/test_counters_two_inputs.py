@@ -1,0 +1,188 @@
+"""profiling/counters.py's static model of the stream GEMMs' two-input launch (``x2``,
+``row_split``) and of the folded norm's low rows (``ln_lo``, ``use_ln_lo``) against the
+emulator's counter mode on the same recorded launch (every block run).
+
+K = 272: rows of 1088 (f32) and 544 (16-bit) bytes are whole sectors, so a row read from x2 (its
+own allocation) costs what the same row of one concatenated matrix does; the model does not
+follow sectors shared across a row boundary (K * element size not a multiple of 32 bytes)."""
+import numpy as np
+import pytest
+
+from dflash_cupy.ops import gemm_stream as gs
+from dflash_cupy.ops.gemm import Gemm
+from profiling import counters as ctr
+from profiling.emulated_counters import run_counted
+from profiling.launch_plan import RecordingBackend, _rename
+
+N, K = 136, 272
+MAX_M = 200
+NAMES = ("x", "x2", "ln", "ln_lo", "w")
+# static bytes_read keys of those arrays (counters.py tags ln_lo's)
+ST_KEY = {"ln_lo": "ln_lo (ln_lo)"}
+
+
+def _launch(cfg, m, split, norm_kind, norm_lo, x16=False, k=K):
+    """The recorded launch of ``Gemm(...)(x, w, y, m, x2=(x2, split), norm=...)``, its arrays
+    named as the kernel's parameters (split >= m: one input, no x2)."""
+    rec = RecordingBackend()
+    g = Gemm(rec, N, k, "bf16", max_m=MAX_M, path="stream", x_split=not x16, x16=x16,
+             norm_eps=None if norm_kind == "none" else 1e-6)
+    g.use_config(m, cfg)
+    dt = np.uint16 if x16 else np.float32
+    two = split < m
+    xa = rec.empty((max(split, 1) if two else m, k), dt)
+    xb = rec.empty((m - split, k), dt) if two else None
+    y, w = rec.empty((m, N), np.float32), rec.empty((N, k), np.uint16)
+    ln, ln_lo = rec.asarray(np.ones(k, np.float32)), rec.asarray(np.ones(k, np.float32))
+    norm = {"none": None, "ln": (ln, norm_lo), "ln_lo": (ln, norm_lo, ln_lo)}[norm_kind]
+    g(xa, w, y, m, x2=(xb, split) if two else None, norm=norm)
+    L = rec.eager[-1]
+    arrays = {"x": xa, "x2": xb, "y": y, "w": w, "ln": ln, "ln_lo": ln_lo}
+    _rename([L], {(int(a.ctypes.data), int(a.nbytes)): n for n, a in arrays.items() if a is not None})
+    return L
+
+
+def _count(L):
+    lc, sample, _ = run_counted(L, n=10**6)
+    assert len(sample) == L.n_blocks and not getattr(lc, "scaled", False)   # every block ran
+    return lc
+
+
+def _distinct(lc, st, what):
+    """Per array: the emulator's distinct bytes read == the model's ``bytes_read``."""
+    for name in NAMES:
+        a = lc.arrays.get(name)
+        emu = a.read_distinct if a is not None else 0
+        assert emu == st.bytes_read.get(ST_KEY.get(name, name), 0), \
+            f"{what}: distinct bytes read of {name}: emulator {emu}, static {st.bytes_read}"
+
+
+def _totals(lc) -> tuple:
+    return (lc.gld_requests, lc.gld_sectors, lc.gld_bytes, lc.gst_requests, lc.gst_sectors, lc.gst_bytes,
+            lc.smem_requests, lc.smem_wavefronts, lc.mma, lc.wgmma_mma, lc.barriers)
+
+
+def _concatenated(cfg, m, split, norm_kind, norm_lo, x16, k=K):
+    """Emulator totals of the one-input launch on [x rows; x2 rows] (one matrix)."""
+    return _totals(_count(_launch(cfg, m, m, norm_kind, norm_lo, x16, k)))
+
+
+def _rmw_unseen(L) -> int:
+    """``ss_s[row] += ss`` (gemm_stream.cu, GS_NORM): the GPU issues a shared load and a
+    store, the emulator's hooks see one access (the compiler's address-sanitizer pass checks
+    the address once per read-modify-write). Per block and x chunk one per staged row (16
+    per computed tile); no tile_live, no padding here."""
+    if not L.defines.get("GS_NORM"):
+        return 0
+    M, kt, kz, ROWS = int(L.args[4]), int(L.args[7]), int(L.args[6]), 16 * L.defines["GS_MT"]
+    gx = -(-N // (8 * L.defines["GS_WARPS"] * L.defines["GS_NT"]))
+    chunks = sum(-(-(-(-min(kz, K - z * kz) // gs.KSTEP)) // (kt // gs.KSTEP)) for z in range(L.grid[2]))
+    return gx * chunks * sum(16 * -(-min(ROWS, M - m0) // 16) for m0 in range(0, M, ROWS))
+
+
+# (mt, m, row_split, norm, norm_lo, x16): row_split inside a tile, at a tile's last row, >= m
+STREAM = [
+    (1, 13, 3, "none", 13, False),
+    (1, 13, 5, "ln", 7, False),
+    (1, 13, 13, "ln_lo", 7, False),          # one input, ln_lo
+    (2, 35, 19, "ln_lo", 21, True),
+    (4, 35, 33, "ln", 3, False),
+    (4, 35, 19, "ln_lo", 0, False),          # use_ln_lo with no row below norm_lo: ln_lo unread
+    (4, 35, 3, "ln_lo", 35, False),          # every row from ln_lo: ln unread
+    (4, 35, 19, "ln", 35, True),             # the norm compiled, no row normalised
+]
+
+
+@pytest.mark.parametrize("case", STREAM, ids=lambda c: "-".join(map(str, c)))
+def test_gemm_stream_two_inputs_and_ln_lo_match_the_emulator(case):
+    """gemm_stream (one K slice): global requests, sectors and bytes, stores, shared
+    requests and wavefronts, MMAs and barriers exactly; per array (x, x2, ln, ln_lo, w) the
+    distinct bytes read exactly; a two-pointer launch costs what the one-pointer launch of
+    the concatenated rows does."""
+    mt, m, split, norm_kind, norm_lo, x16 = case
+    L = _launch((mt, 1), m, split, norm_kind, norm_lo, x16)
+    assert L.kernel == "gemm_stream" and L.grid[2] == 1
+    st = ctr.static_counters(L)
+    lc = _count(L)
+    what = f"gemm_stream {case}"
+    rmw = _rmw_unseen(L)
+    for f, emu, model in [
+        ("gld_requests", lc.gld_requests, st.gld_requests), ("gld_sectors", lc.gld_sectors, st.gld_sectors),
+        ("gld_bytes", lc.gld_bytes, st.gld_bytes), ("gst_requests", lc.gst_requests, st.gst_requests),
+        ("gst_sectors", lc.gst_sectors, st.gst_sectors), ("mma", lc.mma, st.mma),
+        ("barriers", lc.barriers, st.barriers),
+        ("smem_requests", lc.smem_requests + rmw, st.smem_requests),
+        ("smem_wavefronts", lc.smem_wavefronts + rmw, st.smem_wavefronts),
+        ("smem_ideal_wavefronts", lc.smem_ideal + rmw, st.smem_ideal_wavefronts),
+    ]:
+        assert emu == model, f"{what}: {f}: emulator {emu}{' (with the stores it cannot see)' if rmw and 'smem' in f else ''}, static {model}"
+    _distinct(lc, st, what)
+    if split < m:
+        assert lc.arrays["x"].read_distinct == split * K * (2 if x16 else 4)
+        assert _totals(lc) == _concatenated((mt, 1), m, split, norm_kind, norm_lo, x16), what
+
+
+# (variant, k split, m, row_split, norm, norm_lo, x16, K)
+WGMMA = [
+    ("wg64", 1, 70, 33, "ln_lo", 19, False, K),
+    ("wg64", 1, 70, 3, "ln", 19, True, K),
+    ("wg64", 1, 70, 70, "ln_lo", 0, False, K),    # one input; ln_lo unread
+    ("wg128", 1, 150, 19, "none", 150, False, K),
+    ("wg64", 3, 100, 33, "ln_lo", 21, False, 840),   # split K (K 840: 3360-byte rows)
+]
+
+
+@pytest.mark.parametrize("case", WGMMA, ids=lambda c: "-".join(map(str, c)))
+def test_gemm_wgmma_two_inputs_and_ln_lo_match_the_emulator(case):
+    """gemm_wgmma: wgmma work and B bytes and barriers exactly, per array distinct bytes
+    exactly, the staging stores (no norm) exactly; global sectors other than the gammas'
+    within 2% (the model counts x per token, not per partial warp, and a gamma once per block
+    and step: its re-reads by the other tokens are L1 hits, the emulator counts each); a
+    two-pointer launch costs what the one-pointer launch of the concatenated rows does."""
+    variant, ks, m, split, norm_kind, norm_lo, x16, k = case
+    L = _launch((variant, ks), m, split, norm_kind, norm_lo, x16, k)
+    assert L.kernel == "gemm_wgmma" and L.grid[2] == ks
+    st = ctr.static_counters(L)
+    lc = _count(L)
+    what = f"gemm_wgmma {case}"
+    for f in ("wgmma_mma", "wgmma_smem_bytes", "barriers"):
+        assert getattr(lc, f) == getattr(st, f), f"{what}: {f}: emulator {getattr(lc, f)}, static {getattr(st, f)}"
+    _distinct(lc, st, what)
+    if norm_kind == "none":
+        assert (lc.sst_requests, lc.sst_wavefronts) == (st.smem_requests, st.smem_wavefronts), what
+    # the gammas' sectors: the emulator's per array, the model's = this launch less the same
+    # launch with no row normalised (norm_lo = m, use_ln_lo 0)
+    gam_emu = sum(lc.arrays[a].ld_sectors for a in ("ln", "ln_lo") if a in lc.arrays)
+    if norm_kind != "none":
+        plain = ctr.static_counters(_with_args(L, {14: m, len(L.args) - 1: 0}))
+        gam_st = st.gld_sectors - plain.gld_sectors
+        assert (gam_emu > 0) == (gam_st > 0), what
+    else:
+        gam_st = 0
+    emu, model = lc.gld_sectors - gam_emu, st.gld_sectors - gam_st
+    assert abs(emu - model) <= 0.02 * model, f"{what}: gld_sectors without the gammas: emulator {emu}, static {model}"
+    if split < m:
+        assert lc.arrays["x"].read_distinct == split * k * (2 if x16 else 4)
+        assert _totals(lc) == _concatenated((variant, ks), m, split, norm_kind, norm_lo, x16, k), what
+
+
+def _with_args(L, changes: dict):
+    """A copy of launch ``L`` with the arguments at the given positions replaced."""
+    import copy
+    c = copy.copy(L)
+    c.args = [changes.get(i, a) for i, a in enumerate(L.args)]
+    c.known = dict(L.known)
+    return c
+
+
+def test_gamma_bytes_follow_the_rows_that_read_them():
+    """The model's ln / ln_lo bytes (and compulsory HBM bytes): ln when a row >= norm_lo is
+    normalised, ln_lo when a row below it is (use_ln_lo), neither when no row is."""
+    both = ctr.static_counters(_launch((4, 1), 35, 19, "ln_lo", 21))
+    assert both.bytes_read["ln"] == both.bytes_read["ln_lo (ln_lo)"] == K * 4
+    no_lo = ctr.static_counters(_launch((4, 1), 35, 19, "ln_lo", 0))
+    assert "ln_lo (ln_lo)" not in no_lo.bytes_read and no_lo.bytes_read["ln"] == K * 4
+    assert both.dram_bytes - no_lo.dram_bytes == K * 4
+    none = ctr.static_counters(_launch(("wg64", 1), 70, 33, "ln", 70))
+    assert "ln" not in none.bytes_read
+    assert none.dram_bytes == ctr.static_counters(_launch(("wg64", 1), 70, 33, "none", 70)).dram_bytes
