@@ -883,14 +883,7 @@ def _gemm_wgmma(L) -> KernelCounters:
             _contig(c, "st", part, 4)
             _contig(c, "ld", gz * st_elems * 4, 16)
             c.add_global("st", n_tiles * (gz + 1), 1, 4)
-            if NORM:
-                _contig(c, "st", gz * st_rows * 4)
-                _contig(c, "ld", gz * st_rows * 4)
-            c.barriers += n_live * (gz * 2 + NORM)   # NORM: the reducer's row scales
-            c.bytes_written[_name(ws)] = part
-            c.bytes_read[_name(ws)] = part
-            c.l2_round_trips_per_block += splitk_reduce_trips(min(BT, M), BT, COLS, THREADS, gz, NW)
-            c.notes.append(f"split-K {gz}: partial tiles ({part / 1e6:.2f} MB) round-trip through L2")
+            _wgmma_splitk_tail(c, ws, part, gz, st_rows, n_live, NORM, min(BT, M), BT, COLS, THREADS, NW)
     elif gz == 1:
         if YB == 2:   # 2-byte stores: 8 lanes' columns of a token fill half a sector
             c.add_global("st", -(-st_elems // 32), 4, 64)
@@ -905,14 +898,7 @@ def _gemm_wgmma(L) -> KernelCounters:
         _contig(c, "st", st_elems * YB, YB)
         if EPI == 1:
             _contig(c, "ld", st_elems * 4, 4)
-        if NORM:
-            _contig(c, "st", gz * st_rows * 4)
-            _contig(c, "ld", gz * st_rows * 4)
-        c.barriers += n_live * (gz * 2 + NORM)   # NORM: the reducer's row scales
-        c.bytes_written[_name(ws)] = part
-        c.bytes_read[_name(ws)] = part
-        c.l2_round_trips_per_block += splitk_reduce_trips(min(BT, M), BT, COLS, THREADS, gz, NW)
-        c.notes.append(f"split-K {gz}: partial tiles ({part / 1e6:.2f} MB) round-trip through L2")
+        _wgmma_splitk_tail(c, ws, part, gz, st_rows, n_live, NORM, min(BT, M), BT, COLS, THREADS, NW)
     m_live = sum(rows_union)
     _x_reads(c, x, x2, row_split, K * XB, [(by * BT, r) for by, r in enumerate(rows_union) if r])
     if qkv is None:
@@ -934,6 +920,22 @@ def _gemm_wgmma(L) -> KernelCounters:
     if SPLIT == 2:
         c.notes.append("activations split hi + lo: 2x the wgmmas")
     return c
+
+
+def _wgmma_splitk_tail(c: KernelCounters, ws, part: int, gz: int, st_rows: int, n_live: int, NORM: int,
+                       rows: int, BT: int, COLS: int, THREADS: int, NW: int) -> None:
+    """What gemm_wgmma.cu's split K adds past the partial tiles' own traffic (``part`` bytes
+    through ``ws``), with y or the qkv epilogue alike: with NORM each slice's row sums of
+    squares stored and read back; per working tile and slice the arrival's two barriers (NORM:
+    and the reducer's one after the row scales); the reduction's dependent L2 round trips."""
+    if NORM:
+        _contig(c, "st", gz * st_rows * 4)
+        _contig(c, "ld", gz * st_rows * 4)
+    c.barriers += n_live * (gz * 2 + NORM)
+    c.bytes_written[_name(ws)] = part
+    c.bytes_read[_name(ws)] = part
+    c.l2_round_trips_per_block += splitk_reduce_trips(rows, BT, COLS, THREADS, gz, NW)
+    c.notes.append(f"split-K {gz}: partial tiles ({part / 1e6:.2f} MB) round-trip through L2")
 
 
 def _wgmma_qkv_epilogue(c: KernelCounters, L, classes, flags, BT: int, COLS: int, N: int, M: int, gz: int) -> int:
