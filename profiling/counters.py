@@ -227,6 +227,44 @@ def splitk_reduce_trips(live: int, rows: int, cols: int, threads: int, ks: int, 
     return -(-items // jc) * ks
 
 
+def splitk_reduce_global(c: KernelCounters, m0: int, rows, c0: int, N: int, COLS: int, gz: int, NW: int,
+                         EPI: int, YB: int, _cache={}) -> int:
+    """Global traffic of one block's ``splitk_reduce`` (gemm_splitk.cuh) over its local rows
+    ``rows`` (``(local row, stored)`` for every row below M): its float4 items (C4 = COLS / 4
+    per row, a warp's 32 consecutive ones in one row) load ``gz x NW`` partial vectors each,
+    lanes with column >= N or a row not stored idle; the reduced values go to y as 4 scalar
+    stores per item (lanes 16 bytes apart: 16 sectors per full 32-lane store), EPI 1 loads the
+    residual alike; EPI 3 keeps them in shared memory (no y traffic). Returns the warp-level
+    item instructions with a lane at work (each reads its row's scale with NORM)."""
+    C4 = COLS // 4
+    n_items = 0
+    for lrow, stored in rows:
+        if not stored:
+            continue
+        for w0 in range(0, C4, 32):
+            lim = min(128, N - c0 - 4 * w0)    # elements of the row from the warp's first column
+            if lim <= 0:
+                continue
+            act = -(-lim // 4)
+            n_items += 1
+            c.add_global("ld", gz * NW, -(-act * 16 // SECTOR), act * 16)
+            if EPI == 3:
+                continue
+            off = ((m0 + lrow) * N + c0 + 4 * w0) % 32   # the sectors' pattern repeats every 32 elements
+            key = (off, lim, YB)
+            if key not in _cache:
+                _cache[key] = [(global_sectors([(off + 4 * ln + e) * YB if 4 * ln + e < lim else None
+                                                for ln in range(32)], YB),
+                                global_sectors([(off + 4 * ln + e) * 4 if 4 * ln + e < lim else None
+                                                for ln in range(32)], 4))
+                               for e in range(4) if e < lim]
+            for (sec, req), (rsec, rreq) in _cache[key]:
+                c.add_global("st", 1, sec, req)
+                if EPI == 1:
+                    c.add_global("ld", 1, rsec, rreq)
+    return n_items
+
+
 def _splitk_chunk() -> int:
     from dflash_cupy import kernels
     return kernels.constants("gemm_splitk.cuh")["SPLITK_CHUNK"]
@@ -582,13 +620,11 @@ def _gemm_stream(L) -> KernelCounters:
                     _smem_words(c, gx * 2 * 16 * tm)
             if NORM:
                 _smem_words(c, gx * -(-ROWS // 32))      # ss_s zeroed by the first ROWS threads
-                if gz == 1:
+                if gz == 1:   # (split K: in the reduction, below)
                     # epilogue: per warp, stored tile and half h a broadcast read of 8 rows' ss_s
                     # when one of those rows (below M or not) is >= scale_lo
                     _smem_words(c, gx * WARPS * sum(1 for i in range(MT) for h in (0, 8)
                                                     if stored_tile(by, i) and by * ROWS + 16 * i + h + 7 >= norm_lo))
-                else:   # the slice's row sums to ws: threads < live read ss_s
-                    _smem_words(c, gx * -(-live // 32))
             c.barriers += gx * 2 * chunks
             # MMA loop: per warp, step, computed tile and plane: 4 x 16-B x loads, WT x 4 MMAs
             n = gx * WARPS * nsteps * tm * SPLIT
@@ -633,7 +669,6 @@ def _gemm_stream(L) -> KernelCounters:
 
         st_rows = [stored(by) for by in range(gy)]
         act = [by for by in range(gy) if any(st_rows[by])]   # blocks past the early exit (tmask != 0)
-        C4 = COLS // 4
         part_rows = 0
         for by in act:
             rows_t = st_rows[by]
@@ -646,23 +681,22 @@ def _gemm_stream(L) -> KernelCounters:
                         c.add_global("st", gx * gz * WARPS * WT, s_, q_)
             srows = sum(rows_t)
             part_rows += srows
-            # the last slice of each column group: float4 reads of ks x NW slices of its stored
-            # rows (a warp's 32 items: 512 contiguous bytes of one slice row), scalar epilogue
-            for bx in range(gx):
-                cols = max(0, min(COLS, N - bx * COLS))
-                c4_valid = -(-cols // 4)
-                if c4_valid == C4:
-                    c.add_global("ld", -(-srows * C4 // 32) * gz * NW, 16, 512)
-                else:
-                    _contig(c, "ld", srows * c4_valid * 16 * gz * NW, 16)
-                _contig(c, "st", srows * cols * YB, YB)
-                if EPI == 1:
-                    _contig(c, "ld", srows * cols * 4, 4)
+            # the last slice of each column group reduces its stored rows
+            rows_st = [(lr, True) for i, v in enumerate(rows_t) for lr in range(16 * i, 16 * i + v)]
+            items = sum(splitk_reduce_global(c, by * ROWS, rows_st, bx * COLS, N, COLS, gz, NW, EPI, YB)
+                        for bx in range(gx))
             live = max(0, min(ROWS, M - by * ROWS))
             red_l2_trips = max(red_l2_trips, splitk_reduce_trips(live, ROWS, COLS, THREADS, gz, NW))
-            if NORM:   # each slice's row sums of squares (every row below M), and their reduction
-                _contig(c, "st", gx * gz * live * 4)
-                _contig(c, "ld", gx * gz * live * 4)
+            # per slice its arrival ticket (an atomic), the reducer's reset of the counter
+            c.add_global("st", gx * (gz + 1), 1, 4)
+            if NORM:   # each slice's row sums of squares (threads < live), read back by the reducer
+                for w0 in range(0, live, 32):
+                    lanes = min(32, live - w0)
+                    c.add_global("st", gx * gz, -(-lanes * 4 // SECTOR), lanes * 4)
+                    c.add_global("ld", gx * gz, -(-lanes * 4 // SECTOR), lanes * 4)
+                # shared: the slice's threads < live read ss_s; the reducer stores the row scales
+                # (sc_s, threads < live) and each item instruction reads its row's
+                _smem_words(c, gx * (gz + 1) * -(-live // 32) + items)
         c.barriers += gx * len(act) * (gz * 2 + NORM)   # NORM: the reducer's row scales
         c.bytes_written[_name(ws)] = gz * NW * part_rows * N * 4
         c.bytes_read[_name(ws)] = gz * NW * part_rows * N * 4
@@ -683,7 +717,7 @@ def _gemm_stream(L) -> KernelCounters:
         if ln_lo is not None:
             c.notes.append(f"rows < {norm_lo_ln} normalised with ln_lo the same way")
         if gz > 1:
-            c.notes.append("split K: the reduction's shared row scales and ticket are not counted")
+            c.notes.append("split K: the arrival ticket's shared store and loads are not counted")
     c.dram_round_trips_per_block = per_block_trips
     c.l2_round_trips_per_block = chunks_max + red_l2_trips
     c.inflight_peak_bytes_per_warp = D * WT * 2 * 512
@@ -808,7 +842,6 @@ def _gemm_wgmma(L) -> KernelCounters:
 
     x_l2 = 0
     st_elems = 0        # stored outputs (rows x columns)
-    st_rows = 0         # stored rows x working blocks (the norm's row sums)
     rows_union = [0] * gy
     gam_rows = set()    # rows that load a gamma (ln or ln_lo) in some block
     for ng, _, ncols, blocks, act in classes:
@@ -819,7 +852,6 @@ def _gemm_wgmma(L) -> KernelCounters:
             tpc = NCH // 16
             chunks_live = sum(1 for ch in range(BT // NCH) if any(cp[ch * tpc:(ch + 1) * tpc]))
             st_elems += sum(st) * ncols
-            st_rows += ng * sum(st)
             n_nrm = sum(max(0, min(by * BT + 16 * i + v, M) - max(norm_lo, by * BT + 16 * i))
                         for i, v in enumerate(cp) if v) if NORM else 0
             if NORM:   # rows that load a gamma: computed tiles' rows below M, not padding, >= scale_lo
@@ -872,18 +904,11 @@ def _gemm_wgmma(L) -> KernelCounters:
     c.inflight_peak_bytes_per_warp = (D - 1) * 8 * 512
 
     qkv = _wgmma_qkv_epilogue(c, L, classes, flags, BT, COLS, N, M, gz) if EPI == 3 else None
-    n_tiles = sum(len(act) * ng for ng, _, _, _, act in classes)
     # epilogue: one 4-byte store per (set, token, weight row) kept; 8 consecutive columns (g)
     # of one token per 8 lanes: one sector per 8 lanes
     if qkv is not None:   # GW_EPI 3: the tile goes to shared memory, not to y (its stores counted above)
         if gz > 1:
-            # every slice stores its stored rows' whole COLS (past N: zeros); the reduction reads
-            # the columns below N; a ticket (atomic) per slice and the counter's reset per tile
-            part = gz * st_rows * COLS * 4
-            _contig(c, "st", part, 4)
-            _contig(c, "ld", gz * st_elems * 4, 16)
-            c.add_global("st", n_tiles * (gz + 1), 1, 4)
-            _wgmma_splitk_tail(c, ws, part, gz, st_rows, n_live, NORM, min(BT, M), BT, COLS, THREADS, NW)
+            _wgmma_splitk(c, ws, classes, gz, NW, NORM, BT, M, N, COLS, THREADS, EPI, YB)
     elif gz == 1:
         if YB == 2:   # 2-byte stores: 8 lanes' columns of a token fill half a sector
             c.add_global("st", -(-st_elems // 32), 4, 64)
@@ -892,13 +917,7 @@ def _gemm_wgmma(L) -> KernelCounters:
         if EPI == 1:
             _contig(c, "ld", st_elems * 4, 4)
     else:
-        part = gz * NW * st_elems * 4
-        _contig(c, "st", part, 4)
-        _contig(c, "ld", part, 16)
-        _contig(c, "st", st_elems * YB, YB)
-        if EPI == 1:
-            _contig(c, "ld", st_elems * 4, 4)
-        _wgmma_splitk_tail(c, ws, part, gz, st_rows, n_live, NORM, min(BT, M), BT, COLS, THREADS, NW)
+        _wgmma_splitk(c, ws, classes, gz, NW, NORM, BT, M, N, COLS, THREADS, EPI, YB)
     m_live = sum(rows_union)
     _x_reads(c, x, x2, row_split, K * XB, [(by * BT, r) for by, r in enumerate(rows_union) if r])
     if qkv is None:
@@ -922,19 +941,42 @@ def _gemm_wgmma(L) -> KernelCounters:
     return c
 
 
-def _wgmma_splitk_tail(c: KernelCounters, ws, part: int, gz: int, st_rows: int, n_live: int, NORM: int,
-                       rows: int, BT: int, COLS: int, THREADS: int, NW: int) -> None:
-    """What gemm_wgmma.cu's split K adds past the partial tiles' own traffic (``part`` bytes
-    through ``ws``), with y or the qkv epilogue alike: with NORM each slice's row sums of
-    squares stored and read back; per working tile and slice the arrival's two barriers (NORM:
-    and the reducer's one after the row scales); the reduction's dependent L2 round trips."""
-    if NORM:
-        _contig(c, "st", gz * st_rows * 4)
-        _contig(c, "ld", gz * st_rows * 4)
+def _wgmma_splitk(c: KernelCounters, ws, classes, gz: int, NW: int, NORM: int, BT: int, M: int, N: int,
+                  COLS: int, THREADS: int, EPI: int, YB: int) -> None:
+    """gemm_wgmma.cu's split K, per working tile (column group, row block) and slice: the
+    partial tile's stores (per warp and (jn, e, set) one instruction of 4 rows x 8 columns, one
+    sector per stored row: every COLS column, past N too), the arrival ticket (an atomic), with
+    NORM the slice's row sums (threads < live); the reducer: the counter's reset, the row sums
+    read back and ``splitk_reduce_global``'s loads and stores (EPI 3: into shared memory); two
+    barriers per slice (NORM: and the reducer's one after the row scales)."""
+    WARPS = THREADS // 32
+    part = n_live = 0
+    for ng, g0, _, blocks, act in classes:
+        for by in act:
+            st, _cp = blocks[by]
+            live = min(BT, M - by * BT)
+            stored = {16 * i + r for i, v in enumerate(st) for r in range(v)}
+            rows = [sum(1 for t in range(4) if 8 * jn + 2 * t + (e & 1) in stored)
+                    for jn in range(BT // 8) for e in range(4)]
+            n = ng * gz * WARPS * 2          # (warps, the two sets a) per slice
+            c.gst_requests += n * sum(1 for k in rows if k)
+            c.gst_sectors += n * sum(rows)
+            c.gst_bytes += n * sum(rows) * SECTOR
+            c.add_global("st", ng * (gz + 1), 1, 4)
+            if NORM:
+                for w0 in range(0, live, 32):
+                    lanes = min(32, live - w0)
+                    c.add_global("st", ng * gz, -(-lanes * 4 // SECTOR), lanes * 4)
+                    c.add_global("ld", ng * gz, -(-lanes * 4 // SECTOR), lanes * 4)
+            rows_st = [(lt, lt in stored) for lt in range(live)]
+            for bx in range(g0, g0 + ng):
+                splitk_reduce_global(c, by * BT, rows_st, bx * COLS, N, COLS, gz, NW, EPI, YB)
+            part += ng * gz * NW * len(stored) * COLS * 4
+            n_live += ng
     c.barriers += n_live * (gz * 2 + NORM)
     c.bytes_written[_name(ws)] = part
     c.bytes_read[_name(ws)] = part
-    c.l2_round_trips_per_block += splitk_reduce_trips(rows, BT, COLS, THREADS, gz, NW)
+    c.l2_round_trips_per_block += splitk_reduce_trips(min(BT, M), BT, COLS, THREADS, gz, NW)
     c.notes.append(f"split-K {gz}: partial tiles ({part / 1e6:.2f} MB) round-trip through L2")
 
 

@@ -4,7 +4,11 @@ emulator's counter mode on the same recorded launch (every block run).
 
 K = 272: rows of 1088 (f32) and 544 (16-bit) bytes are whole sectors, so a row read from x2 (its
 own allocation) costs what the same row of one concatenated matrix does; the model does not
-follow sectors shared across a row boundary (K * element size not a multiple of 32 bytes)."""
+follow sectors shared across a row boundary (K * element size not a multiple of 32 bytes).
+gemm_stream's split K at K = 256 (whole x chunks per slice): the emulator builds a warp's
+instruction from each lane's n-th execution of a site, so in a loop where some lanes skip a
+load (a chunk cut short by the slice's end) it merges lanes of different iterations into one
+request; the GPU issues one per iteration, as the model counts."""
 import numpy as np
 import pytest
 
@@ -74,34 +78,38 @@ def _rmw_unseen(L) -> int:
     per computed tile); no tile_live, no padding here."""
     if not L.defines.get("GS_NORM"):
         return 0
-    M, kt, kz, ROWS = int(L.args[4]), int(L.args[7]), int(L.args[6]), 16 * L.defines["GS_MT"]
+    M, kt, kz, ROWS, k = int(L.args[4]), int(L.args[7]), int(L.args[6]), 16 * L.defines["GS_MT"], L.defines["GS_K"]
     gx = -(-N // (8 * L.defines["GS_WARPS"] * L.defines["GS_NT"]))
-    chunks = sum(-(-(-(-min(kz, K - z * kz) // gs.KSTEP)) // (kt // gs.KSTEP)) for z in range(L.grid[2]))
+    chunks = sum(-(-(-(-min(kz, k - z * kz) // gs.KSTEP)) // (kt // gs.KSTEP)) for z in range(L.grid[2]))
     return gx * chunks * sum(16 * -(-min(ROWS, M - m0) // 16) for m0 in range(0, M, ROWS))
 
 
-# (mt, m, row_split, norm, norm_lo, x16): row_split inside a tile, at a tile's last row, >= m
+# (mt, k split, m, row_split, norm, norm_lo, x16, K): row_split inside a tile, at a tile's last
+# row, >= m (one input)
 STREAM = [
-    (1, 13, 3, "none", 13, False),
-    (1, 13, 5, "ln", 7, False),
-    (1, 13, 13, "ln_lo", 7, False),          # one input, ln_lo
-    (2, 35, 19, "ln_lo", 21, True),
-    (4, 35, 33, "ln", 3, False),
-    (4, 35, 19, "ln_lo", 0, False),          # use_ln_lo with no row below norm_lo: ln_lo unread
-    (4, 35, 3, "ln_lo", 35, False),          # every row from ln_lo: ln unread
-    (4, 35, 19, "ln", 35, True),             # the norm compiled, no row normalised
+    (1, 1, 13, 3, "none", 13, False, K),
+    (1, 1, 13, 5, "ln", 7, False, K),
+    (1, 1, 13, 13, "ln_lo", 7, False, K),          # one input, ln_lo
+    (2, 1, 35, 19, "ln_lo", 21, True, K),
+    (4, 1, 35, 33, "ln", 3, False, K),
+    (4, 1, 35, 19, "ln_lo", 0, False, K),          # use_ln_lo with no row below norm_lo: ln_lo unread
+    (4, 1, 35, 3, "ln_lo", 35, False, K),          # every row from ln_lo: ln unread
+    (4, 1, 35, 19, "ln", 35, True, K),             # the norm compiled, no row normalised
+    (2, 2, 35, 19, "none", 35, False, 256),        # split K: partial tiles, tickets, the reduction
+    (2, 2, 35, 19, "ln_lo", 21, False, 256),       # ... with the slices' row sums
+    (1, 2, 35, 3, "ln_lo", 3, True, 256),
 ]
 
 
 @pytest.mark.parametrize("case", STREAM, ids=lambda c: "-".join(map(str, c)))
 def test_gemm_stream_two_inputs_and_ln_lo_match_the_emulator(case):
-    """gemm_stream (one K slice): global requests, sectors and bytes, stores, shared
-    requests and wavefronts, MMAs and barriers exactly; per array (x, x2, ln, ln_lo, w) the
-    distinct bytes read exactly; a two-pointer launch costs what the one-pointer launch of
-    the concatenated rows does."""
-    mt, m, split, norm_kind, norm_lo, x16 = case
-    L = _launch((mt, 1), m, split, norm_kind, norm_lo, x16)
-    assert L.kernel == "gemm_stream" and L.grid[2] == 1
+    """gemm_stream: global requests, sectors and bytes (loads and stores), shared requests and
+    wavefronts, MMAs and barriers exactly; per array (x, x2, ln, ln_lo, w) the distinct bytes
+    read exactly; a two-pointer launch costs what the one-pointer launch of the concatenated
+    rows does."""
+    mt, ks, m, split, norm_kind, norm_lo, x16, k = case
+    L = _launch((mt, ks), m, split, norm_kind, norm_lo, x16, k)
+    assert L.kernel == "gemm_stream" and L.grid[2] == ks
     st = ctr.static_counters(L)
     lc = _count(L)
     what = f"gemm_stream {case}"
@@ -109,7 +117,8 @@ def test_gemm_stream_two_inputs_and_ln_lo_match_the_emulator(case):
     for f, emu, model in [
         ("gld_requests", lc.gld_requests, st.gld_requests), ("gld_sectors", lc.gld_sectors, st.gld_sectors),
         ("gld_bytes", lc.gld_bytes, st.gld_bytes), ("gst_requests", lc.gst_requests, st.gst_requests),
-        ("gst_sectors", lc.gst_sectors, st.gst_sectors), ("mma", lc.mma, st.mma),
+        ("gst_sectors", lc.gst_sectors, st.gst_sectors), ("gst_bytes", lc.gst_bytes, st.gst_bytes),
+        ("mma", lc.mma, st.mma),
         ("barriers", lc.barriers, st.barriers),
         ("smem_requests", lc.smem_requests + rmw, st.smem_requests),
         ("smem_wavefronts", lc.smem_wavefronts + rmw, st.smem_wavefronts),
@@ -118,8 +127,8 @@ def test_gemm_stream_two_inputs_and_ln_lo_match_the_emulator(case):
         assert emu == model, f"{what}: {f}: emulator {emu}{' (with the stores it cannot see)' if rmw and 'smem' in f else ''}, static {model}"
     _distinct(lc, st, what)
     if split < m:
-        assert lc.arrays["x"].read_distinct == split * K * (2 if x16 else 4)
-        assert _totals(lc) == _concatenated((mt, 1), m, split, norm_kind, norm_lo, x16), what
+        assert lc.arrays["x"].read_distinct == split * k * (2 if x16 else 4)
+        assert _totals(lc) == _concatenated((mt, ks), m, split, norm_kind, norm_lo, x16, k), what
 
 
 # (variant, k split, m, row_split, norm, norm_lo, x16, K)
@@ -134,18 +143,20 @@ WGMMA = [
 
 @pytest.mark.parametrize("case", WGMMA, ids=lambda c: "-".join(map(str, c)))
 def test_gemm_wgmma_two_inputs_and_ln_lo_match_the_emulator(case):
-    """gemm_wgmma: wgmma work and B bytes and barriers exactly, per array distinct bytes
-    exactly, the staging stores (no norm) exactly; global sectors other than the gammas'
-    within 2% (the model counts x per token, not per partial warp, and a gamma once per block
-    and step: its re-reads by the other tokens are L1 hits, the emulator counts each); a
-    two-pointer launch costs what the one-pointer launch of the concatenated rows does."""
+    """gemm_wgmma: wgmma work and B bytes, barriers, global store sectors and bytes (split K:
+    and requests) exactly, per array distinct bytes exactly, the staging stores (no norm)
+    exactly; global load sectors other than the gammas' within 2% (the model counts x per
+    token, not per partial warp, and a gamma once per block and step: its re-reads by the other
+    tokens are L1 hits, the emulator counts each); a two-pointer launch costs what the
+    one-pointer launch of the concatenated rows does."""
     variant, ks, m, split, norm_kind, norm_lo, x16, k = case
     L = _launch((variant, ks), m, split, norm_kind, norm_lo, x16, k)
     assert L.kernel == "gemm_wgmma" and L.grid[2] == ks
     st = ctr.static_counters(L)
     lc = _count(L)
     what = f"gemm_wgmma {case}"
-    for f in ("wgmma_mma", "wgmma_smem_bytes", "barriers"):
+    exact = ("wgmma_mma", "wgmma_smem_bytes", "barriers", "gst_sectors", "gst_bytes")
+    for f in exact + (("gst_requests",) if ks > 1 else ()):
         assert getattr(lc, f) == getattr(st, f), f"{what}: {f}: emulator {getattr(lc, f)}, static {getattr(st, f)}"
     _distinct(lc, st, what)
     if norm_kind == "none":
