@@ -124,7 +124,8 @@ def test_gemm_stream_two_inputs_and_ln_lo_match_the_emulator(case):
         ("smem_wavefronts", lc.smem_wavefronts + rmw, st.smem_wavefronts),
         ("smem_ideal_wavefronts", lc.smem_ideal + rmw, st.smem_ideal_wavefronts),
     ]:
-        assert emu == model, f"{what}: {f}: emulator {emu}{' (with the stores it cannot see)' if rmw and 'smem' in f else ''}, static {model}"
+        unseen = " (with the stores it cannot see)" if rmw and "smem" in f else ""
+        assert emu == model, f"{what}: {f}: emulator {emu}{unseen}, static {model}"
     _distinct(lc, st, what)
     if split < m:
         assert lc.arrays["x"].read_distinct == split * k * (2 if x16 else 4)

@@ -486,8 +486,10 @@ def test_gemm_stream_split_k_by_hand():
     assert b.mma == a.mma == 8 * 64 * 2 * 16
     # partial stores: 4 blocks x 8 warps x 4 tiles x 2 row halves, float2 of 8 rows x 4 lanes: 8 sectors
     # reduction: 16 rows x 64 float4 per slice = 32 requests of 16 sectors per slice, 4 slices;
-    # its scalar stores: 16 x 256 floats in 4-B requests of 32 lanes
-    assert b.gst_requests == 256 + 16 * 256 // 32
+    # its scalar stores: 16 x 256 floats in 4-B requests of 32 lanes 16 bytes apart (a float4's
+    # component each: 16 sectors per request); an arrival ticket per slice and the counter's reset
+    assert b.gst_requests == 256 + 16 * 256 // 32 + 4 + 1
+    assert b.gst_sectors == 256 * 8 + 16 * 256 // 32 * 16 + 5
     # weights: 8 warps x 4 tiles x 64 steps x 2 halves either way; x: 16 rows x 1024 floats per
     # slice in 512-B requests; unsplit, kt = 1728 stages chunks 1728, 1728, 640: the last one's
     # rows of 160 float4 start at items 432r, half of them mid-warp (8 extra requests)
