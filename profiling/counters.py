@@ -436,15 +436,22 @@ def _two_inputs(L, i: int, x, M: int, norm: int):
     return (None if split >= int(M) else x2), split, (ln_lo if norm and int(use_lo) else None)
 
 
-def _x_reads(c, x, x2, row_split: int, row_bytes: int, runs) -> None:
-    """bytes_read of x (rows < row_split) and x2 (the rest) over ``runs`` of computed rows
-    ``(first row, count)``."""
-    lo = sum(max(0, min(a + n, row_split) - a) for a, n in runs)
-    hi = sum(n for _, n in runs) - lo
+def _x_reads(c, x, x2, row_split: int, row_bytes: int, rows) -> None:
+    """bytes_read of x (rows < row_split) and x2 (the rest) over ``rows``, the rows read
+    (computed tiles' rows below M that are not padding)."""
+    rows = set(rows)
+    lo = sum(1 for r in rows if r < row_split)
+    hi = len(rows) - lo
     if lo or x2 is None:
         c.bytes_read[_name(x)] = (lo + (hi if x2 is None else 0)) * row_bytes
     if x2 is not None and hi:
         c.bytes_read[_name(x2) + (" (x2)" if _name(x2) == _name(x) else "")] = hi * row_bytes
+
+
+def _tile_rows(a: int, M: int, pad_lo: int, pad_hi: int) -> range | list:
+    """The rows a computed 16-row tile starting at ``a`` reads: below M, not padding."""
+    rows = range(a, min(a + 16, M))
+    return [r for r in rows if not pad_lo <= r < pad_hi] if pad_hi else rows
 
 
 def _smem_words(c: KernelCounters, n: int) -> None:
@@ -644,7 +651,9 @@ def _gemm_stream(L) -> KernelCounters:
         n_ct = min(-(-N // 8), gx * WARPS * NT)
         for by in range(gy):
             for i in range(MT):
-                if not block_rows[by][i]:
+                # every stored tile, wholly padding ones too (their rows get the epilogue of 0), in
+                # a block with a computed tile (the model's working blocks)
+                if not (stored_tile(by, i) and any(block_rows[by])):
                     continue
                 for e in range(4):
                     row0 = by * ROWS + 16 * i + (8 if e & 2 else 0)
@@ -702,14 +711,20 @@ def _gemm_stream(L) -> KernelCounters:
         c.bytes_read[_name(ws)] = gz * NW * part_rows * N * 4
         c.notes.append(f"split-K {gz}: partial tiles ({gz * NW * part_rows * N * 4 / 1e6:.2f} MB) round-trip "
                        f"through L2; the last slice of each (column group, M block) reduces them")
-    m_live = sum(sum(t) for t in block_rows)   # rows computed (live tiles, below M)
-    _x_reads(c, x, x2, row_split, K * XB, [(by * ROWS + 16 * i, v) for by, t in enumerate(block_rows)
-                                          for i, v in enumerate(t) if v])
-    c.bytes_written[_name(y)] = m_live * N * YB
+    x_rows = {r for by, t in enumerate(block_rows) for i, v in enumerate(t) if v
+              for r in _tile_rows(by * ROWS + 16 * i, M, lo_pad, pad_hi)}
+    _x_reads(c, x, x2, row_split, K * XB, x_rows)
+    # rows stored: the stored tiles' rows below M in the working blocks
+    m_st = sum(min(16, M - by * ROWS - 16 * i) for by, t in enumerate(block_rows) if any(t)
+               for i in range(MT) if stored_tile(by, i))
+    c.bytes_written[_name(y)] = m_st * N * YB
     if EPI == 1:
-        c.bytes_read[_name(r) + " (residual)"] = m_live * N * 4
-    c.dram_bytes = ((N * NW * K * 2 if live_blocks else 0) + m_live * K * XB
-                    + m_live * N * (8 if EPI == 1 else YB))
+        c.bytes_read[_name(r) + " (residual)"] = m_st * N * 4
+    if pad_hi:   # every thread of every block reads the padding start: a request per warp
+        c.add_global("ld", L.n_blocks * WARPS, 1, 128)
+        c.bytes_read[_name(_pad_lo)] = 4
+    c.dram_bytes = ((N * NW * K * 2 if live_blocks else 0) + len(x_rows) * K * XB
+                    + m_st * N * (8 if EPI == 1 else YB))
     if NORM:
         _gamma_reads(c, ln, ln_lo, gam_rows, norm_lo_ln, K)
         c.notes.append(f"RMSNorm of rows >= {norm_lo_ln} folded in: x * ln staged, the row scale applied "
@@ -919,7 +934,12 @@ def _gemm_wgmma(L) -> KernelCounters:
     else:
         _wgmma_splitk(c, ws, classes, gz, NW, NORM, BT, M, N, COLS, THREADS, EPI, YB)
     m_live = sum(rows_union)
-    _x_reads(c, x, x2, row_split, K * XB, [(by * BT, r) for by, r in enumerate(rows_union) if r])
+    if pad_hi:   # every thread reads the padding start once per item (a block's tile and slice)
+        c.add_global("ld", (n_live * gz if dynamic else L.n_blocks) * WARPS, 1, 128)
+        c.bytes_read[_name(_pad_lo)] = 4
+    _x_reads(c, x, x2, row_split, K * XB, (r for *_, blocks, act in classes for by in act
+                                           for i, v in enumerate(blocks[by][1]) if v
+                                           for r in _tile_rows(by * BT + 16 * i, M, lo_pad, pad_hi)))
     if qkv is None:
         c.bytes_written[_name(y)] = st_elems * YB
     if EPI == 1:

@@ -20,14 +20,15 @@ from profiling.launch_plan import RecordingBackend, _rename
 
 N, K = 136, 272
 MAX_M = 200
-NAMES = ("x", "x2", "ln", "ln_lo", "w")
+NAMES = ("x", "x2", "ln", "ln_lo", "w", "pad_lo")
 # static bytes_read keys of those arrays (counters.py tags ln_lo's)
 ST_KEY = {"ln_lo": "ln_lo (ln_lo)"}
 
 
-def _launch(cfg, m, split, norm_kind, norm_lo, x16=False, k=K):
+def _launch(cfg, m, split, norm_kind, norm_lo, x16=False, k=K, pad=None):
     """The recorded launch of ``Gemm(...)(x, w, y, m, x2=(x2, split), norm=...)``, its arrays
-    named as the kernel's parameters (split >= m: one input, no x2)."""
+    named as the kernel's parameters (split >= m: one input, no x2); ``pad=(lo, hi)``: rows
+    [lo, hi) are padding (the step's qkv launch: lo = the step's new context rows)."""
     rec = RecordingBackend()
     g = Gemm(rec, N, k, "bf16", max_m=MAX_M, path="stream", x_split=not x16, x16=x16,
              norm_eps=None if norm_kind == "none" else 1e-6)
@@ -39,9 +40,13 @@ def _launch(cfg, m, split, norm_kind, norm_lo, x16=False, k=K):
     y, w = rec.empty((m, N), np.float32), rec.empty((N, k), np.uint16)
     ln, ln_lo = rec.asarray(np.ones(k, np.float32)), rec.asarray(np.ones(k, np.float32))
     norm = {"none": None, "ln": (ln, norm_lo), "ln_lo": (ln, norm_lo, ln_lo)}[norm_kind]
-    g(xa, w, y, m, x2=(xb, split) if two else None, norm=norm)
+    pad_rows = None if pad is None else (rec.asarray(np.array([pad[0]], np.int32)), pad[1])
+    g(xa, w, y, m, x2=(xb, split) if two else None, norm=norm, pad_rows=pad_rows)
     L = rec.eager[-1]
-    arrays = {"x": xa, "x2": xb, "y": y, "w": w, "ln": ln, "ln_lo": ln_lo}
+    if pad is not None:
+        L.known["pad_lo"] = pad[0]    # as the step plan knows it from the descriptor
+    arrays = {"x": xa, "x2": xb, "y": y, "w": w, "ln": ln, "ln_lo": ln_lo,
+              "pad_lo": None if pad_rows is None else pad_rows[0]}
     _rename([L], {(int(a.ctypes.data), int(a.nbytes)): n for n, a in arrays.items() if a is not None})
     return L
 
@@ -53,7 +58,8 @@ def _count(L):
 
 
 def _distinct(lc, st, what):
-    """Per array: the emulator's distinct bytes read == the model's ``bytes_read``."""
+    """Per array (x, x2, ln, ln_lo, w, pad_lo): the emulator's distinct bytes read == the
+    model's ``bytes_read``."""
     for name in NAMES:
         a = lc.arrays.get(name)
         emu = a.read_distinct if a is not None else 0
@@ -66,22 +72,24 @@ def _totals(lc) -> tuple:
             lc.smem_requests, lc.smem_wavefronts, lc.mma, lc.wgmma_mma, lc.barriers)
 
 
-def _concatenated(cfg, m, split, norm_kind, norm_lo, x16, k=K):
+def _concatenated(cfg, m, split, norm_kind, norm_lo, x16, k=K, pad=None):
     """Emulator totals of the one-input launch on [x rows; x2 rows] (one matrix)."""
-    return _totals(_count(_launch(cfg, m, m, norm_kind, norm_lo, x16, k)))
+    return _totals(_count(_launch(cfg, m, m, norm_kind, norm_lo, x16, k, pad)))
 
 
 def _rmw_unseen(L) -> int:
     """``ss_s[row] += ss`` (gemm_stream.cu, GS_NORM): the GPU issues a shared load and a
     store, the emulator's hooks see one access (the compiler's address-sanitizer pass checks
     the address once per read-modify-write). Per block and x chunk one per staged row (16
-    per computed tile); no tile_live, no padding here."""
+    per computed tile: one with a row below M that is not padding; no tile_live here)."""
     if not L.defines.get("GS_NORM"):
         return 0
+    lo, hi = L.known.get("pad_lo", 0), int(L.args[11])
     M, kt, kz, ROWS, k = int(L.args[4]), int(L.args[7]), int(L.args[6]), 16 * L.defines["GS_MT"], L.defines["GS_K"]
     gx = -(-N // (8 * L.defines["GS_WARPS"] * L.defines["GS_NT"]))
     chunks = sum(-(-(-(-min(kz, k - z * kz) // gs.KSTEP)) // (kt // gs.KSTEP)) for z in range(L.grid[2]))
-    return gx * chunks * sum(16 * -(-min(ROWS, M - m0) // 16) for m0 in range(0, M, ROWS))
+    tiles = sum(1 for a in range(0, M, 16) if any(not lo <= r < hi for r in range(a, min(a + 16, M))))
+    return gx * chunks * 16 * tiles
 
 
 # (mt, k split, m, row_split, norm, norm_lo, x16, K): row_split inside a tile, at a tile's last
@@ -99,16 +107,21 @@ STREAM = [
     (2, 2, 35, 19, "ln_lo", 21, False, 256),       # ... with the slices' row sums
     (1, 2, 35, 3, "ln_lo", 3, True, 256),
 ]
+# the step's qkv launch: 34 context rows of which [6, 34) padding, 16 noise rows from x2
+STEP_QKV = (50, 34, "ln_lo", 34, (6, 34))
 
 
-@pytest.mark.parametrize("case", STREAM, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", STREAM + [(4, 1, *STEP_QKV[:4], False, K, STEP_QKV[4]),
+                                          (4, 1, *STEP_QKV[:4], True, K, STEP_QKV[4])],
+                         ids=lambda c: "-".join(map(str, c)))
 def test_gemm_stream_two_inputs_and_ln_lo_match_the_emulator(case):
     """gemm_stream: global requests, sectors and bytes (loads and stores), shared requests and
     wavefronts, MMAs and barriers exactly; per array (x, x2, ln, ln_lo, w) the distinct bytes
     read exactly; a two-pointer launch costs what the one-pointer launch of the concatenated
     rows does."""
-    mt, ks, m, split, norm_kind, norm_lo, x16, k = case
-    L = _launch((mt, ks), m, split, norm_kind, norm_lo, x16, k)
+    mt, ks, m, split, norm_kind, norm_lo, x16, k, *pad = case
+    pad = pad[0] if pad else None
+    L = _launch((mt, ks), m, split, norm_kind, norm_lo, x16, k, pad)
     assert L.kernel == "gemm_stream" and L.grid[2] == ks
     st = ctr.static_counters(L)
     lc = _count(L)
@@ -128,8 +141,8 @@ def test_gemm_stream_two_inputs_and_ln_lo_match_the_emulator(case):
         assert emu == model, f"{what}: {f}: emulator {emu}{unseen}, static {model}"
     _distinct(lc, st, what)
     if split < m:
-        assert lc.arrays["x"].read_distinct == split * k * (2 if x16 else 4)
-        assert _totals(lc) == _concatenated((mt, ks), m, split, norm_kind, norm_lo, x16, k), what
+        assert lc.arrays["x"].read_distinct == (pad[0] if pad else split) * k * (2 if x16 else 4)
+        assert _totals(lc) == _concatenated((mt, ks), m, split, norm_kind, norm_lo, x16, k, pad), what
 
 
 # (variant, k split, m, row_split, norm, norm_lo, x16, K)
@@ -139,6 +152,8 @@ WGMMA = [
     ("wg64", 1, 70, 70, "ln_lo", 0, False, K),    # one input; ln_lo unread
     ("wg128", 1, 150, 19, "none", 150, False, K),
     ("wg64", 3, 100, 33, "ln_lo", 21, False, 840),   # split K (K 840: 3360-byte rows)
+    ("wg64", 1, *STEP_QKV[:4], False, K, STEP_QKV[4]),
+    ("wg64", 1, *STEP_QKV[:4], True, K, STEP_QKV[4]),
 ]
 
 
@@ -150,8 +165,9 @@ def test_gemm_wgmma_two_inputs_and_ln_lo_match_the_emulator(case):
     token, not per partial warp, and a gamma once per block and step: its re-reads by the other
     tokens are L1 hits, the emulator counts each); a two-pointer launch costs what the
     one-pointer launch of the concatenated rows does."""
-    variant, ks, m, split, norm_kind, norm_lo, x16, k = case
-    L = _launch((variant, ks), m, split, norm_kind, norm_lo, x16, k)
+    variant, ks, m, split, norm_kind, norm_lo, x16, k, *pad = case
+    pad = pad[0] if pad else None
+    L = _launch((variant, ks), m, split, norm_kind, norm_lo, x16, k, pad)
     assert L.kernel == "gemm_wgmma" and L.grid[2] == ks
     st = ctr.static_counters(L)
     lc = _count(L)
@@ -174,8 +190,8 @@ def test_gemm_wgmma_two_inputs_and_ln_lo_match_the_emulator(case):
     emu, model = lc.gld_sectors - gam_emu, st.gld_sectors - gam_st
     assert abs(emu - model) <= 0.02 * model, f"{what}: gld_sectors without the gammas: emulator {emu}, static {model}"
     if split < m:
-        assert lc.arrays["x"].read_distinct == split * k * (2 if x16 else 4)
-        assert _totals(lc) == _concatenated((variant, ks), m, split, norm_kind, norm_lo, x16, k), what
+        assert lc.arrays["x"].read_distinct == (pad[0] if pad else split) * k * (2 if x16 else 4)
+        assert _totals(lc) == _concatenated((variant, ks), m, split, norm_kind, norm_lo, x16, k, pad), what
 
 
 def _with_args(L, changes: dict):
