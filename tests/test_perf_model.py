@@ -564,7 +564,9 @@ def test_gemm_stream_padding_tiles_skipped():
     pad = ctr.static_counters(L)
     assert unknown.mma == full.mma
     assert pad.mma * 4 == full.mma * 3
-    assert pad.gld_bytes == full.gld_bytes - 28 * 256 * 4     # the 28 padding rows are not loaded
+    # the 28 padding rows are not loaded; each of the 8 warps loads the padding start (32 x 4 B)
+    assert pad.gld_bytes == full.gld_bytes - 28 * 256 * 4 + 8 * 128
+    assert pad.bytes_read["x"] == 22 * 256 * 4
     assert any("1 16-row tile(s) skipped" in n for n in pad.notes)
 
 
