@@ -72,9 +72,25 @@ def _totals(lc) -> tuple:
             lc.smem_requests, lc.smem_wavefronts, lc.mma, lc.wgmma_mma, lc.barriers)
 
 
-def _concatenated(cfg, m, split, norm_kind, norm_lo, x16, k=K, pad=None):
-    """Emulator totals of the one-input launch on [x rows; x2 rows] (one matrix)."""
-    return _totals(_count(_launch(cfg, m, m, norm_kind, norm_lo, x16, k, pad)))
+def _measure(kernel: str, case):
+    """``(launch, static counters, emulator counts, label)`` of a test case ``(variant, k split,
+    m, row_split, norm, norm_lo, x16, K[, pad])``."""
+    variant, ks, m, split, norm_kind, norm_lo, x16, k, *pad = case
+    L = _launch((variant, ks), m, split, norm_kind, norm_lo, x16, k, pad[0] if pad else None)
+    assert L.kernel == kernel and L.grid[2] == ks
+    return L, ctr.static_counters(L), _count(L), f"{kernel} {case}"
+
+
+def _same_as_concatenated(lc, case, what):
+    """A two-pointer launch: x holds its rows below row_split that are read, and every count
+    equals the one-input launch's on [x rows; x2 rows] (the kernels only pick a row's base)."""
+    variant, ks, m, split, norm_kind, norm_lo, x16, k, *pad = case
+    if split >= m:
+        return
+    pad = pad[0] if pad else None
+    assert lc.arrays["x"].read_distinct == (pad[0] if pad else split) * k * (2 if x16 else 4), what
+    one = _totals(_count(_launch((variant, ks), m, m, norm_kind, norm_lo, x16, k, pad)))
+    assert _totals(lc) == one, f"{what}: two pointers {_totals(lc)}, one {one}"
 
 
 def _rmw_unseen(L) -> int:
@@ -119,13 +135,7 @@ def test_gemm_stream_two_inputs_and_ln_lo_match_the_emulator(case):
     wavefronts, MMAs and barriers exactly; per array (x, x2, ln, ln_lo, w) the distinct bytes
     read exactly; a two-pointer launch costs what the one-pointer launch of the concatenated
     rows does."""
-    mt, ks, m, split, norm_kind, norm_lo, x16, k, *pad = case
-    pad = pad[0] if pad else None
-    L = _launch((mt, ks), m, split, norm_kind, norm_lo, x16, k, pad)
-    assert L.kernel == "gemm_stream" and L.grid[2] == ks
-    st = ctr.static_counters(L)
-    lc = _count(L)
-    what = f"gemm_stream {case}"
+    L, st, lc, what = _measure("gemm_stream", case)
     rmw = _rmw_unseen(L)
     for f, emu, model in [
         ("gld_requests", lc.gld_requests, st.gld_requests), ("gld_sectors", lc.gld_sectors, st.gld_sectors),
@@ -140,9 +150,7 @@ def test_gemm_stream_two_inputs_and_ln_lo_match_the_emulator(case):
         unseen = " (with the stores it cannot see)" if rmw and "smem" in f else ""
         assert emu == model, f"{what}: {f}: emulator {emu}{unseen}, static {model}"
     _distinct(lc, st, what)
-    if split < m:
-        assert lc.arrays["x"].read_distinct == (pad[0] if pad else split) * k * (2 if x16 else 4)
-        assert _totals(lc) == _concatenated((mt, ks), m, split, norm_kind, norm_lo, x16, k, pad), what
+    _same_as_concatenated(lc, case, what)
 
 
 # (variant, k split, m, row_split, norm, norm_lo, x16, K)
@@ -165,13 +173,8 @@ def test_gemm_wgmma_two_inputs_and_ln_lo_match_the_emulator(case):
     token, not per partial warp, and a gamma once per block and step: its re-reads by the other
     tokens are L1 hits, the emulator counts each); a two-pointer launch costs what the
     one-pointer launch of the concatenated rows does."""
-    variant, ks, m, split, norm_kind, norm_lo, x16, k, *pad = case
-    pad = pad[0] if pad else None
-    L = _launch((variant, ks), m, split, norm_kind, norm_lo, x16, k, pad)
-    assert L.kernel == "gemm_wgmma" and L.grid[2] == ks
-    st = ctr.static_counters(L)
-    lc = _count(L)
-    what = f"gemm_wgmma {case}"
+    L, st, lc, what = _measure("gemm_wgmma", case)
+    _, ks, m, _, norm_kind, *_ = case
     exact = ("wgmma_mma", "wgmma_smem_bytes", "barriers", "gst_sectors", "gst_bytes")
     for f in exact + (("gst_requests",) if ks > 1 else ()):
         assert getattr(lc, f) == getattr(st, f), f"{what}: {f}: emulator {getattr(lc, f)}, static {getattr(st, f)}"
@@ -189,9 +192,7 @@ def test_gemm_wgmma_two_inputs_and_ln_lo_match_the_emulator(case):
         gam_st = 0
     emu, model = lc.gld_sectors - gam_emu, st.gld_sectors - gam_st
     assert abs(emu - model) <= 0.02 * model, f"{what}: gld_sectors without the gammas: emulator {emu}, static {model}"
-    if split < m:
-        assert lc.arrays["x"].read_distinct == (pad[0] if pad else split) * k * (2 if x16 else 4)
-        assert _totals(lc) == _concatenated((variant, ks), m, split, norm_kind, norm_lo, x16, k, pad), what
+    _same_as_concatenated(lc, case, what)
 
 
 def _with_args(L, changes: dict):
