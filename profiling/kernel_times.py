@@ -119,9 +119,18 @@ def _hold_kernel(be):
     return kernels.load_module(be, "hold.cu").get_function("hold_stream")
 
 
+CLOCK_HZ_FALLBACK = 2.5e9   # above any Hopper SM clock: a hold in cycles lasts at least as long
+
+
 def _clock_hz(be) -> float:
+    """The SM clock (``cudaDevAttrClockRate``, kHz); CUDA 13 dropped the property struct's
+    field, and a failed query only lengthens the hold."""
     import cupy
-    return float(cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["clockRate"]) * 1e3
+    rt = cupy.cuda.runtime
+    try:
+        return float(rt.deviceGetAttribute(rt.cudaDevAttrClockRate, rt.getDevice())) * 1e3
+    except Exception:
+        return CLOCK_HZ_FALLBACK
 
 
 def step_kernel_times(cache, ring, next_committed: Callable[[], int], *, repeats: int = 5,
