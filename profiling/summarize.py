@@ -74,7 +74,7 @@ def summarize_kernels(d: dict) -> list:
             continue
         try:
             from profiling import perf_model
-            gpu = perf_model.get_gpu("H100" if "H100" in str(device.get("name", "")) else "H200")
+            gpu = perf_model.get_gpu("H100" if "H100" in str(device.get("gpu", "")) else "H200")
             m = perf_model.model_step(r["drafter"], r["window"], gpu, accept=r.get("accept", 6))
         except Exception as e:   # the summary must not die on the model
             lines.append(f"  model unavailable: {type(e).__name__}: {e}")
