@@ -157,6 +157,14 @@ def test_bench_step_kernel_row_and_the_models_comparison(tmp_path, capsys):
     n = len(m["groups"])
     assert f"{n - 1} of {n} groups within +-25%" in text and f"{first} x2.00" in text
     assert "meas/pred" in text and "us per node" in text
+    # gpu_check's summary says the same from the JSON
+    from profiling import summarize
+    doc["meta"]["device"]["gpu"] = "NVIDIA H200"
+    doc["rows"][1]["kernels_us"] = meas["tiny"]["32"]["kernels"]
+    out.write_text(json.dumps(doc))
+    summ = summarize.summarize_file(out)
+    assert f"per kernel vs the model (H200): {n - 1} of {n} groups within +-25%" in summ
+    assert f"{first}" in summ and "x2.00" in summ
 
 
 class _FakeCudaBackend:
