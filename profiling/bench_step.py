@@ -43,7 +43,7 @@ from dflash_cupy import backends
 from dflash_cupy.feature_ring import FeatureRing
 from dflash_cupy.kv_cache import DraftKvCache
 from dflash_cupy.nvtx_ranges import nvtx_range
-from profiling import common, step_model, timer
+from profiling import common, kernel_times, step_model, timer
 
 MODES = ("graph", "eager", "legacy")
 DEFAULT_WINDOWS = "256,1K,2K,4K,8K,16K,32K"
@@ -75,6 +75,10 @@ def parse_args(argv=None):
     p.add_argument("--bulk-chunk", type=int, default=256, help="DraftKvCache bulk_chunk (legacy path)")
     p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--kernel-times", type=int, default=0, metavar="N",
+                   help="also time every node of the step (profiling/kernel_times.py: the eager step "
+                        "behind a hold, an event per node), median of N steps: a 'kernels' row per "
+                        "window that perf_model compares with its per-kernel predictions (default 0: off)")
     p.add_argument("--merge", default=None, metavar="JSON",
                    help="an earlier bench_step JSON: (drafter, window) pairs it has timed are taken "
                         "from it instead of measured again (gpu_check's full sweep reuses its quick run)")
@@ -94,6 +98,8 @@ def parse_args(argv=None):
     a.legacy_repeats = a.legacy_repeats if a.legacy_repeats is not None else (2 if smoke else 5)
     if a.accept < 1:
         p.error("--accept must be >= 1")
+    if a.kernel_times < 0:
+        p.error("--kernel-times must be >= 0")
     return a
 
 
@@ -113,6 +119,8 @@ def _plans(args, window: int):
 def bench_window(be, name, cfg, weights, lm_head, window, args, bw_Bps, log=print) -> list[dict]:
     plans = _plans(args, window)
     max_steps = sum(w + r * i for _, w, r, i in plans) + 2
+    if args.kernel_times:   # one unmeasured step, then up to HOLD_TRIES per measured one
+        max_steps += 1 + kernel_times.HOLD_TRIES * args.kernel_times
     ring_cap = -(-(window + args.accept * max_steps + 1) // RING_ALIGN) * RING_ALIGN
     ring = FeatureRing(ring_cap, cfg.n_captured, cfg.hidden_size, dtype=args.ring_dtype, backend=be)
     cache = None
@@ -172,6 +180,8 @@ def bench_window(be, name, cfg, weights, lm_head, window, args, bw_Bps, log=prin
             log(f"  {name:>12} window={window:>6} {mode:>6}: {med * 1e6:10.1f} us/step  "
                 f"{row['GBps']:8.1f} GB/s  floor {row['floor_us']:9.1f} us  "
                 f"x{row['ratio_to_floor']:.2f}  ({t.as_dict()['samples']} x {inner} steps)")
+        if args.kernel_times:
+            rows.append(_kernel_row(cache, ring, advance, name, window, args.kernel_times, args.accept, rows, log))
         for m in args.modes:
             if m == "legacy" and window > args.legacy_max_window:
                 rows.append({"drafter": name, "window": window, "mode": "legacy",
@@ -183,6 +193,25 @@ def bench_window(be, name, cfg, weights, lm_head, window, args, bw_Bps, log=prin
         del cache, ring
         common.free_device_memory(be)
     return rows
+
+
+def _kernel_row(cache, ring, advance, name, window, repeats, accept, rows, log) -> dict:
+    """Every node of the step timed (``kernel_times``), beside this window's graph step."""
+    with nvtx_range(f"bench {name} window={window} kernels", "orange"):
+        t = kernel_times.step_kernel_times(cache, ring, advance, repeats=repeats)
+    row = {"drafter": name, "window": window, "mode": "kernels", "accept": accept, "n_nodes": len(t.labels),
+           **t.as_dict()}
+    graph = next((r for r in rows if r.get("mode") == "graph"), None)
+    msg = f"  {name:>12} window={window:>6} kernels: {t.total_us:10.1f} us over {len(t.labels)} nodes"
+    if graph is not None:
+        row["graph_us"] = graph["us_per_step"]
+        row["graph_minus_sum_us_per_node"] = (graph["us_per_step"] - t.total_us) / len(t.labels)
+        msg += (f" (graph step {graph['us_per_step']:.1f} us: {row['graph_minus_sum_us_per_node']:+.2f} us "
+                f"per node beyond the nodes' own times)")
+    log(msg)
+    for label, us in sorted(t.by_label().items(), key=lambda kv: -kv[1]):
+        log(f"  {'':12} {'':13} {label:28s} {us:9.1f} us")
+    return row
 
 
 def _merge_rows(path) -> dict:

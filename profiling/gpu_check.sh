@@ -22,7 +22,9 @@
 #   tests.log       pytest output (the GPU half of the suite, then the differential run)
 #   bench.log       every benchmark's output (bench_lanes' table among them: its JSON stays outside OUTDIR;
 #                   pdl_check's: the step with and without programmatic dependent launch)
-#   step_quick.json bench_step, qwen3.5-27b, windows 256/4K/32K, graph/eager/legacy
+#   step_quick.json bench_step, qwen3.5-27b, windows 256/4K/32K, graph/eager/legacy, and every node's
+#                   own time (--kernel-times: profiling/kernel_times.py; nsys does not run there), which
+#                   the summary and perf_model set beside the per-kernel predictions
 #   gemm.json       bench_gemm (dflash GEMM and cuBLAS)
 #   attention.json  bench_attention
 #   step.json/.png  bench_step, both drafters, all windows (+ plot)
@@ -201,7 +203,7 @@ fi
 run_step step_quick 90 "$BLOG" "$PY" -m profiling.bench_step ${SMOKE[@]+"${SMOKE[@]}"} \
     --drafters "$( ((DRY)) && echo tiny || echo qwen3.5-27b)" \
     --windows "$( ((DRY)) && echo 32 || echo 256,4K,32K)" \
-    --budget-s 5 --no-plot --out "$OUTDIR/step_quick.json"
+    --budget-s 5 --kernel-times "$( ((DRY)) && echo 2 || echo 5)" --no-plot --out "$OUTDIR/step_quick.json"
 
 # PDL: the step graph captured with programmatic dependent launch (DraftKvCache(pdl=True)) must be
 # bit-identical to the plain one over several steps (a kernel touching dependent data before its
@@ -221,7 +223,7 @@ run_step attention 40 "$BLOG" "$PY" -m profiling.bench_attention ${SMOKE[@]+"${S
     --out "$OUTDIR/attention.json"
 
 run_step step_full 100 "$BLOG" "$PY" -m profiling.bench_step ${SMOKE[@]+"${SMOKE[@]}"} --budget-s 4 \
-    --merge "$OUTDIR/step_quick.json" --out "$OUTDIR/step.json" --plot "$OUTDIR/step.png"
+    --kernel-times "$( ((DRY)) && echo 2 || echo 5)" --merge "$OUTDIR/step_quick.json" --out "$OUTDIR/step.json" --plot "$OUTDIR/step.png"
 
 run_step host 45 "$BLOG" "$PY" -m profiling.bench_host ${SMOKE[@]+"${SMOKE[@]}"} --backend "$HOST_BACKEND" --json \
     --out "$WORK/host.json"

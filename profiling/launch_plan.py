@@ -319,16 +319,39 @@ class StepPlan:
         return len(self.nodes)
 
 
-def _name_arrays(kv) -> dict:
-    """(address, nbytes) -> the cache attribute holding that array."""
+def node_label(n) -> str:
+    """A node's name in the cost model's tables (``perf_model``) and in measured per-kernel
+    times (``kernel_times``): the kernel, with a GEMM's weight role (``gemm_stream[gate_up]``),
+    or ``memcpy h2d``."""
+    if isinstance(n, Copy):
+        return f"memcpy {n.kind}"
+    if n.kernel in ("gemm_mma", "gemm", "gemm_stream", "gemm_wgmma"):
+        wname = getattr(n.args[1], "name", "?")
+        role = wname.rsplit(".", 1)[-1].replace("w_", "") if "." in wname else wname
+        return f"{n.kernel}[{role}]"
+    return n.kernel
+
+
+def array_span(a):
+    """``(address, nbytes)`` of a NumPy array (the recording and emulated backends'
+    device arrays) or a CuPy one; ``None`` for anything else."""
+    if isinstance(a, np.ndarray):
+        return int(a.ctypes.data), int(a.nbytes)
+    ptr = getattr(getattr(a, "data", None), "ptr", None)
+    return (int(ptr), int(a.nbytes)) if isinstance(ptr, int) and hasattr(a, "nbytes") else None
+
+
+def name_arrays(kv) -> dict:
+    """(address, nbytes) -> the cache attribute holding that array (any backend's arrays)."""
     names: dict = {}
 
     def put(name, a):
-        if isinstance(a, np.ndarray):
-            names.setdefault((int(a.ctypes.data), int(a.nbytes)), name)
+        span = array_span(a)
+        if span is not None:
+            names.setdefault(span, name)
 
     for k, v in vars(kv).items():
-        if isinstance(v, np.ndarray):
+        if array_span(v) is not None:
             put(k, v)
         elif isinstance(v, list):
             for i, a in enumerate(v):
@@ -357,7 +380,7 @@ def _name_arrays(kv) -> dict:
 def _rename(nodes, names):
     def fix(r):
         if isinstance(r, ArrayRef):
-            return ArrayRef(names.get((r.ptr, r.nbytes), _containing(names, r)), r.shape, r.dtype,
+            return ArrayRef(names.get((r.ptr, r.nbytes), containing_name(names, r)), r.shape, r.dtype,
                             r.nbytes, r.ptr)
         return r
 
@@ -368,7 +391,7 @@ def _rename(nodes, names):
             n.dst, n.src = fix(n.dst), fix(n.src)
 
 
-def _containing(names, r) -> str:
+def containing_name(names, r) -> str:
     """A view's name: the named array that holds it, with the byte offset."""
     for (p, nb), name in names.items():
         if p <= r.ptr and r.ptr + r.nbytes <= p + nb:
@@ -421,7 +444,7 @@ def step_plan(config: DraftConfig, window: int, *, ring_dtype=np.uint16, w_dtype
         if isinstance(n, Launch) and n.kernel in STREAM_GEMMS and isinstance(n.args[10], ArrayRef) \
                 and n.args[10].ptr == n_new_ptr:
             n.known["pad_lo"] = kv.last_plan.n_new
-    names = _name_arrays(kv)
+    names = name_arrays(kv)
     _rename(nodes, names)
     _rename(prefill, names)
     return StepPlan(config, int(window), kv.capacity, kv.q_len, kv.a_step, kv.kv_total, nodes,

@@ -44,7 +44,7 @@ from . import counters as ctr
 from . import static_facts as sf
 from .common import DRAFTERS, drafter_config, int_list, str_list
 from .hw_params import get_gpu
-from .launch_plan import Copy, step_plan
+from .launch_plan import Copy, node_label, step_plan
 from .step_model import step_bytes
 
 ALIASES = {"qwen3-8b": "h4096", "h5120": "qwen3.5-27b"}
@@ -80,21 +80,11 @@ class NodeTime:
     counters: ctr.KernelCounters | None = None
 
 
-def _label(n) -> str:
-    if isinstance(n, Copy):
-        return f"memcpy {n.kind}"
-    if n.kernel in ("gemm_mma", "gemm", "gemm_stream", "gemm_wgmma"):
-        wname = getattr(n.args[1], "name", "?")
-        role = wname.rsplit(".", 1)[-1].replace("w_", "") if "." in wname else wname
-        return f"{n.kernel}[{role}]"
-    return n.kernel
-
-
 def kernel_time(n, c: ctr.KernelCounters, gpu) -> NodeTime:
     """Bounds and predicted time of one launch (module docstring)."""
     us = 1e6
     if isinstance(n, Copy):
-        t = NodeTime(_label(n), "memcpy", counters=c)
+        t = NodeTime(node_label(n), "memcpy", counters=c)
         t.bounds_us = {"dram": c.dram_bytes / gpu.hbm_Bps * us, "latency": gpu.hbm_latency_s * us}
     else:
         info = sf.ptxas_info(n.file, n.defines)[n.kernel]
@@ -104,7 +94,7 @@ def kernel_time(n, c: ctr.KernelCounters, gpu) -> NodeTime:
         # resident blocks stride over its work items: the waves are those of the items
         blocks = c.live_blocks if 0 < c.live_blocks else n.n_blocks
         wv = sf.waves(blocks, occ.blocks_per_sm, gpu.sm_count)
-        t = NodeTime(_label(n), n.kernel, n.grid, n.threads, info["registers"], info["smem"] + n.shared_mem,
+        t = NodeTime(node_label(n), n.kernel, n.grid, n.threads, info["registers"], info["smem"] + n.shared_mem,
                      occ.blocks_per_sm, occ.limited_by, wv.waves, wv.tail_blocks, wv.efficiency,
                      counters=c)
         per_sm_max = math.ceil(blocks / gpu.sm_count)     # blocks the busiest SM runs
@@ -269,7 +259,23 @@ def load_measured(path: Path = MEASURED_FILE) -> dict:
             if r.get("mode") == "graph" and "us_per_step" in r:
                 e = data.setdefault(r["drafter"], {}).setdefault(str(r["window"]), {})
                 e.setdefault("step_us", r["us_per_step"])
+            elif r.get("mode") == "kernels" and isinstance(r.get("kernels_us"), dict):
+                # bench_step --kernel-times: every node's own time (profiling/kernel_times.py)
+                e = data.setdefault(r["drafter"], {}).setdefault(str(r["window"]), {})
+                e.setdefault("kernels", r["kernels_us"])
     return data
+
+
+KERNEL_TOLERANCE = 0.25   # issue 12: per-kernel predictions within +-25% of measured
+
+
+def kernel_agreement(m: dict, measured_kernels: dict) -> list:
+    """``(label, predicted_us, measured_us, measured / predicted)`` per group of the model
+    that was measured, worst first (the ratio furthest from 1)."""
+    out = [(label, e["predicted_us"], float(measured_kernels[label]),
+            float(measured_kernels[label]) / e["predicted_us"] if e["predicted_us"] > 0 else math.inf)
+           for label, e in m["groups"].items() if label in measured_kernels]
+    return sorted(out, key=lambda r: -abs(math.log(r[3])) if 0 < r[3] < math.inf else -math.inf)
 
 
 # ---------------------------------------------------------------------------- output
@@ -282,7 +288,7 @@ def format_report(m: dict, measured: dict | None = None) -> str:
            f"{'DRAM MB':>8s} {'L2 MB':>7s} {'sect':>5s} {'smem wf':>9s} {'confl':>5s} {'mma':>8s} "
            f"{'KB/SM':>5s} | " + " ".join(f"{b:>7s}" for b in BOUNDS) + f" | {'pred us':>8s} bound")
     if mk:
-        hdr += "   meas us"
+        hdr += "   meas us  meas/pred"
     lines.append(hdr)
     for label, e in m["groups"].items():
         t, c, k = e["first"], e["first"].counters, e["count"]
@@ -295,7 +301,8 @@ def format_report(m: dict, measured: dict | None = None) -> str:
                + " ".join(f"{b.get(x, 0.0):7.1f}" for x in BOUNDS)
                + f" | {e['predicted_us']:8.1f} {max(e['binding'], key=e['binding'].get)}")
         if mk:
-            row += f"   {mk[label]:7.1f}" if label in mk else "         -"
+            row += (f"   {mk[label]:7.1f}  {mk[label] / e['predicted_us']:9.2f}" if label in mk and e["predicted_us"] > 0
+                    else "         -          -")
         lines.append(row)
     lines.append(f"kernels {m['kernels_us']:.1f} us + node gaps {m['gaps_us']:.1f} us"
                  + (f" ({m['n_pdl_edges']} PDL edges)" if m.get("pdl") else "") + " = step "
@@ -303,6 +310,21 @@ def format_report(m: dict, measured: dict | None = None) -> str:
                  f"compulsory); ratio {m['ratio']:.2f}x (goal 1.15x)"
                  + (f"; measured step {meas['step_us']:.1f} us ({meas['step_us'] / m['floor_us']:.2f}x)"
                     if "step_us" in meas else ""))
+    if mk:
+        agree = kernel_agreement(m, mk)
+        ok = [a for a in agree if abs(a[3] - 1) <= KERNEL_TOLERANCE]
+        line = (f"measured per kernel: {len(ok)} of {len(agree)} groups within +-{KERNEL_TOLERANCE:.0%} of the "
+                f"prediction (issue 12)")
+        if agree and len(ok) < len(agree):
+            line += "; furthest: " + ", ".join(f"{a[0]} x{a[3]:.2f}" for a in agree[:3] if a not in ok)
+        missing = [k for k in mk if k not in m["groups"]]
+        if missing:
+            line += f"; measured but not in the model: {', '.join(missing)}"
+        lines.append(line)
+        if "step_us" in meas:
+            lines.append(f"measured graph step - sum of measured nodes = "
+                         f"{(meas['step_us'] - sum(mk.values())) / m['n_nodes']:+.2f} us per node "
+                         f"(model: node_gap_s {m['gaps_us'] / m['n_nodes']:.2f} us per node)")
     lines.append(f"L2 traffic {m['counted_l2_bytes'] / 1e9:.2f} GB, counted DRAM {m['counted_dram_bytes'] / 1e9:.3f} GB; "
                  f"loads in flight needed per SM at this GPU's bandwidth x latency: "
                  f"{m['inflight_needed_kb_per_sm']:.1f} KB (KB/SM column: static peak)")

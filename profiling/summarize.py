@@ -51,10 +51,41 @@ def summarize_step(d: dict, title: str) -> str:
         if g and len(g["windows"]) > 1:
             lines.append(f"{drafter}: graph step grows x{g['growth_last_over_first']:.3f} from window "
                          f"{g['windows'][0]} to {g['windows'][-1]}")
+    lines += summarize_kernels(d)
     bad = [r for r in rows if not r.get("hidden_finite", True)]
     if bad:
         lines.append(f"WARNING: non-finite hidden states in {len(bad)} rows")
     return "\n".join(lines)
+
+
+def summarize_kernels(d: dict) -> list:
+    """bench_step --kernel-times rows: each window's nodes summed beside its graph step, and
+    (on a GPU) beside the cost model's per-kernel predictions (issue 12: within +-25%)."""
+    lines = []
+    device = d.get("meta", {}).get("device", {})
+    for r in (r for r in d.get("rows", []) if r.get("mode") == "kernels"):
+        head = (f"{r['drafter']} window {r['window']}: {r['n_nodes']} nodes, their own times sum to "
+                f"{r['sum_us']:.1f} us")
+        if "graph_us" in r:
+            head += f" (graph step {r['graph_us']:.1f} us: {r['graph_minus_sum_us_per_node']:+.2f} us per node)"
+        lines.append(head)
+        if device.get("backend") != "cuda":
+            lines.append(f"  ({r['method']})")
+            continue
+        try:
+            from profiling import perf_model
+            gpu = perf_model.get_gpu("H100" if "H100" in str(device.get("gpu", "")) else "H200")
+            m = perf_model.model_step(r["drafter"], r["window"], gpu, accept=r.get("accept", 6))
+        except Exception as e:   # the summary must not die on the model
+            lines.append(f"  model unavailable: {type(e).__name__}: {e}")
+            continue
+        agree = perf_model.kernel_agreement(m, r["kernels_us"])
+        ok = sum(1 for a in agree if abs(a[3] - 1) <= perf_model.KERNEL_TOLERANCE)
+        lines.append(f"  per kernel vs the model ({gpu.name}): {ok} of {len(agree)} groups within "
+                     f"+-{perf_model.KERNEL_TOLERANCE:.0%}")
+        lines += [f"    {label:28s} measured {meas:8.1f} us  predicted {pred:8.1f} us  x{ratio:.2f}"
+                  for label, pred, meas, ratio in agree]
+    return lines
 
 
 def summarize_gemm(d: dict) -> str:

@@ -360,6 +360,21 @@ kinds = [c[0] for c in calls if c[0] in ("launch", "launch_ex", "memcpyAsync")]
 assert kinds == ["launch", "launch", "launch_ex", "launch", "memcpyAsync", "launch", "launch_ex", "launch"], kinds
 assert g2.n_launches == 6 and g2.n_pdl == 2, (g2.n_launches, g2.n_pdl)
 assert all(c[5] == cs.ptr for c in calls if c[0] == "launch_ex")
+# ---- launch observers (profiling/kernel_times.py): every kernel and copy as issued, capture too
+from dflash_cupy.backends.base import observe_launches
+seen = []
+with observe_launches(lambda kind, name, a, st: seen.append((kind, name, len(a), st))):
+    k(1, 32, args, stream=s)
+    k(1, 32, args, stream=s, pdl=True)
+    be.copy_h2d_async(d, p, stream=s)
+    be.copy_d2h_async(p, d, stream=s)
+    be.copy_d2d_async(d2, d)
+    be.begin_capture(cs)
+    k(1, 32, args, stream=cs)
+    be.end_capture(cs)
+k(1, 32, args, stream=s)             # outside: not observed
+assert seen == [("kernel", "k", 5, s), ("kernel", "k", 5, s), ("copy", "h2d", 2, s), ("copy", "d2h", 2, s),
+                ("copy", "d2d", 2, None), ("kernel", "k", 5, cs)], seen
 mp.setattr(LX, "driver_function", lambda: LX.LAUNCH_EX_PROTO(lambda *a: 700))   # CUDA_ERROR_ILLEGAL_ADDRESS
 with pytest.raises(KernelLaunchError, match=r"launch \(programmatic\).*CUresult 700"):
     k(1, 32, args, stream=s, pdl=True)

@@ -344,7 +344,8 @@ def test_gpu_check_dry_run(tmp_path):
         assert name in files, files
     step = json.loads((out / "step.json").read_text())
     assert {(r["window"], r["mode"]) for r in step["rows"]} == \
-        {(w, m) for w in (32, 64) for m in ("graph", "eager", "legacy")}
+        {(w, m) for w in (32, 64) for m in ("graph", "eager", "legacy", "kernels")}
+    assert "nodes, their own times sum to" in p.stdout     # the summary's per-kernel lines
     assert "FINISHED ok" in p.stdout and "host_us_per_step" in (out / "bench.log").read_text()
 
 
@@ -411,6 +412,7 @@ def test_gpu_check_real_commands_parse(tmp_path):
     quick, full = bench_step.parse_args(cmds[2][2:]), bench_step.parse_args(cmds[5][2:])
     assert quick.drafters == ["qwen3.5-27b"] and quick.windows == [256, 4096, 32768]
     assert full.drafters == ["qwen3.5-27b", "h4096"] and full.merge.endswith("step_quick.json")
+    assert quick.kernel_times == full.kernel_times == 5   # every node timed: the model's per-kernel check
     assert bench_host.parse_args(cmds[6][2:]).backend == "cuda"
     from profiling import soak
     sa = soak.parse_args(cmds[7][2:])

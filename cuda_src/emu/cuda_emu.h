@@ -34,6 +34,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <vector>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -198,6 +199,13 @@ template <typename EmuT> static inline void __stcs(EmuT* p, EmuT v) { *p = v; }
 template <typename EmuT> static inline void __stcg(EmuT* p, EmuT v) { *p = v; }
 static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 static inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+// A GPU's clock64 counts SM clocks; here nanoseconds of the monotonic clock (callers such as
+// hold.cu only need time to pass).
+static inline long long clock64() {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000ll + ts.tv_nsec;
+}
 
 // ---------------------------------------------------------------- atomics
 // Fibers of a block never run concurrently, but blocks on other OS threads

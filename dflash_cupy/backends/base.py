@@ -101,6 +101,36 @@ def programmatic_launches(on: bool = True):
         _pdl_tls.on = prev
 
 
+# Launch observers (profiling): per thread, like the PDL scope.
+_observe_tls = threading.local()
+
+
+@contextlib.contextmanager
+def observe_launches(fn):
+    """Inside: ``fn(kind, name, args, stream)`` after every kernel launch
+    (``kind`` "kernel", ``name`` the kernel's, ``args`` its arguments) and
+    asynchronous copy (``kind`` "copy", ``name`` "h2d" / "d2h" / "d2d", ``args``
+    ``(dst, src)``) this thread issues eagerly or into a capture, with ``stream``
+    as the caller passed it (``None``: the current stream). What
+    ``profiling/kernel_times.py`` times a step's kernels by, one event after
+    each. Nests (inner observers run first); unused, it costs one thread-local
+    lookup per launch."""
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    prev = getattr(_observe_tls, "fns", ())
+    _observe_tls.fns = (fn,) + prev
+    try:
+        yield
+    finally:
+        _observe_tls.fns = prev
+
+
+def notify_launch(kind: str, name: str, args, stream) -> None:
+    """Called by the backends after a successful launch or copy (``observe_launches``)."""
+    for fn in getattr(_observe_tls, "fns", ()):
+        fn(kind, name, args, stream)
+
+
 def resolve_pdl(pdl, follows_kernel: bool, name: str) -> bool:
     """Whether a launch carries the attribute: ``pdl`` if given (a bool), else the
     ``programmatic_launches`` rule (``follows_kernel``: a captured launch right after

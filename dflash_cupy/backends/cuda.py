@@ -84,7 +84,7 @@ from cupy.cuda import runtime as _runtime
 from .. import device_props
 from . import cuda_launch_ex, cuda_pinned, launch_limits, nvrtc_info, signatures
 from .base import (Backend, BackendError, CaptureError, Graph, Kernel, KernelLaunchError, Module,
-                   check_kernel_args, copy_nbytes, resolve_pdl)
+                   check_kernel_args, copy_nbytes, notify_launch, resolve_pdl)
 from .cuda_pinned import host_ptr as _host_ptr
 
 NVRTC_FLAGS = nvrtc_info.NVRTC_FLAGS  # ("--std=c++17", "-ftz=true")
@@ -274,6 +274,7 @@ class CudaKernel(Kernel):
             be._cap_follows_kernel = True
             if pdl:
                 be._captured_pdl += 1
+        notify_launch("kernel", self.name, args, stream)
 
 
 class CudaModule(Module):
@@ -539,6 +540,7 @@ class CudaBackend(Backend):
                              "which for a captured copy is at graph replay)")
         raw = self._stream_for(stream, what)
         self._memcpy(dst.data.ptr, _host_ptr(src), n, _runtime.memcpyHostToDevice, raw, what)
+        notify_launch("copy", "h2d", (dst, src), stream)
 
     def copy_d2h_async(self, dst: np.ndarray, src, stream=None, nbytes: int | None = None) -> None:
         what = "copy_d2h_async"
@@ -554,6 +556,7 @@ class CudaBackend(Backend):
                              "backend.pinned_empty() (the graph writes it at replay)")
         raw = self._stream_for(stream, what)
         self._memcpy(_host_ptr(dst), src.data.ptr, n, _runtime.memcpyDeviceToHost, raw, what)
+        notify_launch("copy", "d2h", (dst, src), stream)
 
     def copy_d2d_async(self, dst, src, stream=None, nbytes: int | None = None) -> None:
         what = "copy_d2d_async"
@@ -567,6 +570,7 @@ class CudaBackend(Backend):
             raise ValueError(f"{what}: dst and src overlap ({n} bytes at 0x{d0:x} and 0x{s0:x})")
         raw = self._stream_for(stream, what)
         self._memcpy(d0, s0, n, _runtime.memcpyDeviceToDevice, raw, what)
+        notify_launch("copy", "d2d", (dst, src), stream)
 
     def synchronize(self) -> None:
         self._no_capture("synchronize()")

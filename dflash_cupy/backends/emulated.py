@@ -49,7 +49,7 @@ import numpy as np
 from . import emu_build, emu_memory, launch_limits, nvrtc_info, signatures
 from .base import (Backend, BackendError, CaptureError, Graph, Kernel, KernelLaunchError, Module,
                    StreamOrderError, copy_nbytes)
-from .base import check_kernel_args, resolve_pdl
+from .base import check_kernel_args, notify_launch, resolve_pdl
 
 _ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}
 _ERRLEN = 1024
@@ -285,11 +285,12 @@ class EmuKernel(Kernel):
         call = (self, g, b, tuple(args), shared_mem, pdl)
         if rec is not None:
             rec.append(_Node("launch", what, run, accesses, call=call))
-            return
-        chk = backend.pdl_checker
-        if chk is not None:
-            run = chk.wrap(s, "launch", run, call)
-        backend._submit(s, [(what, run, accesses, None, None)])
+        else:
+            chk = backend.pdl_checker
+            if chk is not None:
+                run = chk.wrap(s, "launch", run, call)
+            backend._submit(s, [(what, run, accesses, None, None)])
+        notify_launch("kernel", self.name, args, stream)
 
     def _run(self, g, b, ptrs, keep, shared_mem) -> None:
         backend = self._module.backend
@@ -712,6 +713,7 @@ class EmulatedBackend(Backend):
             chk = self.pdl_checker
             self._submit(s, [(what, run if chk is None else chk.wrap(s, "copy", run, None),
                               accesses, pinned, None)])
+        notify_launch("copy", what.split("_")[1], (dst, src), stream)
 
     def copy_h2d_async(self, dst, src, stream=None, nbytes=None):
         # As on CUDA: an asynchronous (and capturable) H2D copy reads pinned memory.
