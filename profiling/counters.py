@@ -126,6 +126,12 @@ class KernelCounters:
     # L2 (bound by one SM's share of the L2 bandwidth). The attention's merge.
     tail_l2_round_trips: float = 0.0
     tail_l2_bytes: int = 0
+    # A serial epilogue after a block's stream (gemm_wgmma.cu's qkv epilogue): the busiest
+    # block's rounds of (row, head) units, each a dependent chain a warp runs alone (warp sum,
+    # angles, sincospif): rounds with RoPE (Q/K heads) and plain ones (V: norm sum, copy).
+    # perf_model prices them with hw_params.rope_round_clocks / copy_round_clocks.
+    epilogue_rope_rounds: int = 0
+    epilogue_copy_rounds: int = 0
     inflight_peak_bytes_per_warp: int = 0   # loads a warp can have issued and not consumed
     notes: list = field(default_factory=list)
     # emulator: the static estimate's figures beside the measured ones (profiling/emulated_counters.py)
@@ -1029,7 +1035,12 @@ def _wgmma_qkv_epilogue(c: KernelCounters, L, classes, flags, BT: int, COLS: int
                 st, _cp = blocks[by]
                 rows_st = [by * BT + 16 * i + r for i, v in enumerate(st) for r in range(v)]
                 live = min(BT, M - by * BT)
-                rounds += -(-live * (COLS // HD) // WARPS)   # a partial group's missing heads too
+                r_b = -(-live * (COLS // HD) // WARPS)   # a partial group's missing heads too
+                rounds += r_b
+                if any(col < QW + KVW for col in heads):   # rotated heads: the long chain
+                    c.epilogue_rope_rounds = max(c.epilogue_rope_rounds, r_b)
+                else:
+                    c.epilogue_copy_rounds = max(c.epilogue_copy_rounds, r_b)
                 if gz == 1:
                     stored = set(r - by * BT for r in rows_st)
                     st_instr += WARPS * 4 * sum(1 for jn in range(BT // 8) for e1 in range(2)
@@ -1075,7 +1086,8 @@ def _wgmma_qkv_epilogue(c: KernelCounters, L, classes, flags, BT: int, COLS: int
     c.bytes_read[_name(q_norm) + " (q_norm)"] = HD * 4
     c.bytes_read[_name(k_norm) + " (k_norm)"] = HD * 4
     c.notes.append(f"qkv epilogue (q/k norm + RoPE + K/V scatter): {n_q} Q, {n_k} K, {n_v} V head rows "
-                   f"stored; the [M, N] qkv matrix is never written")
+                   f"stored; the [M, N] qkv matrix is never written; after its stream the busiest block "
+                   f"runs {c.epilogue_rope_rounds} rounds of rotated heads ({c.epilogue_copy_rounds} of V)")
     return n_q * HD * 4 + (n_k + n_v) * HD * 2 + 2 * rows_any * 4 + HALF * 8 + 2 * HD * 4
 
 

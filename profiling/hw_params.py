@@ -40,6 +40,10 @@ class GPU:
     # the same across a programmatic (PDL) edge: the next kernel's blocks are already placed
     # and waiting in griddepcontrol.wait (a labelled guess: see its source)
     pdl_gap_s: float = 0.5e-6
+    # one warp's dependent chain per (row, head) unit of the qkv GEMM's epilogue (counters:
+    # epilogue_*_rounds), in SM clocks: a labelled estimate (see its source)
+    rope_round_clocks: float = 570.0
+    copy_round_clocks: float = 250.0
     # occupancy limits (compute capability 9.0)
     regs_per_sm: int = 65536
     max_regs_per_thread: int = 255
@@ -95,6 +99,13 @@ _COMMON_SOURCES = {
                  "what remains is the release after the previous grid's completion and memory flush, "
                  "taken as a third of node_gap_s. The weight prefetch before the wait is not modelled "
                  "separately. Calibrate: gpu_check.sh replays the step with and without PDL",
+    "rope_round_clocks": "estimate from gemm_wgmma.cu's qkv epilogue (rope_math.cuh), one warp's dependent "
+                         "chain per (row, head): shared loads + warp sum (5 shuffles) + rsqrt ~210 clk, "
+                         "pos / inv_freq / norm-weight loads (L1 mostly) ~150, two interleaved rope_cos_sin "
+                         "(fp64 reduction, sincospif) ~150, rotation and stores ~60; per-instruction "
+                         "latencies after Luo et al. 2024 (arXiv:2402.13499). Not measured: ncu on a GPU",
+    "copy_round_clocks": "estimate, as rope_round_clocks: a V head's round is the loads, the warp sum every "
+                         "warp runs and the f16 stores, ~250 clk",
     "hbm_latency_s": "approx.: ~480 ns unloaded DRAM latency on H100 (chipsandcheese.com, 'Nvidia's "
                      "H100: Funny L2, and Tons of Bandwidth', 2023), raised for a loaded system; "
                      "calibrate",

@@ -77,6 +77,7 @@ class NodeTime:
     bounds_us: dict = field(default_factory=dict)
     predicted_us: float = 0.0
     bound: str = ""
+    epilogue_us: float = 0.0          # of predicted_us: the serial epilogue after the stream
     counters: ctr.KernelCounters | None = None
 
 
@@ -125,8 +126,12 @@ def kernel_time(n, c: ctr.KernelCounters, gpu) -> NodeTime:
                        smem_wf / blocks * per_sm_tail / (gpu.smem_wavefronts_per_clk_sm * clk),
                        mma_clk / blocks * per_sm_tail / clk)
             wave = even * (blocks - wv.tail_blocks) / blocks + tail
-        t.bounds_us = {"dram": dram * us, "l2": l2 * us, "smem": smem * us, "mma": mma * us,
-                       "latency": lat * us, "wave": wave * us}
+        # a serial epilogue after the stream (the qkv GEMM's RoPE): the last block's follows
+        # whatever bound its stream had, so it adds to each
+        epi = max(c.epilogue_rope_rounds * gpu.rope_round_clocks, c.epilogue_copy_rounds * gpu.copy_round_clocks) / clk
+        t.bounds_us = {"dram": (dram + epi) * us, "l2": (l2 + epi) * us, "smem": (smem + epi) * us,
+                       "mma": (mma + epi) * us, "latency": (lat + epi) * us, "wave": (wave + epi) * us if wave else 0.0}
+        t.epilogue_us = epi * us
     t.bound = max(t.bounds_us, key=t.bounds_us.get)
     t.predicted_us = t.bounds_us[t.bound]
     return t
