@@ -163,6 +163,10 @@
 #define GW_YT float
 #endif
 
+// the qkv epilogue's (row, head) units a warp works on at once: their latency chains overlap
+// (read by Python: gemm_stream.WG_EPI_UNITS)
+#define GW_EPI_UNITS 2
+
 #if GW_EPI != 0 && GW_EPI != 1 && GW_EPI != 2 && GW_EPI != 3
 #error "GW_EPI must be 0, 1, 2 or 3 (qkv; no fused argmax here)"
 #endif
@@ -308,53 +312,109 @@ constexpr int HPG = COLS / HD; // heads per column group
 static_assert(HD % 2 == 0 && COLS % HD == 0 && QW % HD == 0 && KVW % HD == 0,
               "GW_HD even, dividing COLS, GW_QW and GW_KVW: every head inside one column group");
 
+// The k-th (from 0) set bit of m (k < popc(m)).
+__device__ __forceinline__ int nth_set_bit(unsigned int m, int k) {
+    int pos = 0;
+#pragma unroll
+    for (int sh = 16; sh > 0; sh >>= 1) {
+        const int c = __popc(m & ((1u << sh) - 1u));
+        if (k >= c) {
+            k -= c;
+            m >>= sh;
+            pos += sh;
+        }
+    }
+    return pos;
+}
+
+
 // The tile's final values [live][COLS] (columns c0 ..) staged at tile: qkv_norm_rope's work on
-// each (row, head) unit of it, a warp per unit. The trip count is the same for every warp and
-// every warp runs the head's warp sum, whether its unit is stored or not (the stores are
-// predicated): a shuffle in warp-dependent control flow inside the tile loop makes ptxas
-// serialise the next tile's wgmmas (C7520).
+// each (row, head) unit of it whose row has outputs: a stored row outside the padding rows
+// [pad_lo, pad_hi) (absolute; their Q is never read and their K/V would go to the trash slot,
+// which every mask hides). A warp takes GW_EPI_UNITS units at a time, each unit's arithmetic exactly
+// rope.cu's (rope_math.cuh), so the same bits. The units run 24-ish blocks' worth of warps
+// (the final block of each tile), not a grid's: fewer units and overlapped chains are what
+// keep this tail short (hw_params.rope_round_clocks).
+// Every warp runs the same trip count and every shuffle (the row ballot, the warp sums)
+// unconditionally; the stores are predicated: a shuffle in warp-dependent control flow inside
+// the tile loop makes ptxas serialise the next tile's wgmmas (C7520).
 template <typename Stored>
 __device__ __forceinline__ void qkv_epilogue(const float* tile, int c0, int m0, int live, int N, Stored stored,
-                                             const int* tile_live, int use_live, const float* q_norm,
-                                             const float* k_norm, const double* inv_freq, const int* pos,
-                                             const int* rows, float* q_out, __half* k_cache, __half* v_cache,
-                                             int kv_rows, float eps, float scale) {
+                                             int pad_lo, int pad_hi, const int* tile_live, int use_live,
+                                             const float* q_norm, const float* k_norm, const double* inv_freq,
+                                             const int* pos, const int* rows, float* q_out, __half* k_cache,
+                                             __half* v_cache, int kv_rows, float eps, float scale) {
     using RH = RopeHead<HD>;
+    constexpr int NWARPS = THREADS / 32, WORDS = (BT + 31) / 32;
     const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31;
-    const int n_units = live * HPG;
-    for (int u0 = 0; u0 < n_units; u0 += THREADS / 32) {
-        const int u = u0 + warp;
-        const int lt = u / HPG, col = c0 + (u - lt * HPG) * HD;
-        const bool ok = u < n_units && col < N && stored(lt);
-        const int m = m0 + (ok ? lt : 0);
-        const int tl = (ok && use_live) ? tile_live[m >> 4] : 1;
-        const int row = ok ? rows[m] : -1;
-        const bool row_ok = row >= 0 && row < kv_rows;
-        const int kind = col < QW ? 0 : (col < QW + KVW ? 1 : 2);   // Q, K, V
-        const float* x = tile + (ok ? lt * TS + col - c0 : 0);
-        float lo[RH::PAIRS], hi[RH::PAIRS], c[RH::PAIRS], s[RH::PAIRS];
-        const float rn = RH::load(x, lo, hi, lane, eps);   // every warp: the shuffles stay uniform
-        if (!ok) continue;
-        if (kind == 2) {   // V: f16 as it is
-            if (row_ok) {
-                __half* dst = v_cache + (long long)row * KVW + (col - QW - KVW);
-                for (int d = lane; d < HD; d += 32) dst[d] = __float2half_rn(x[d]);
-            }
-            continue;
-        }
-        if ((kind == 0 && tl == 2) || (kind == 1 && !row_ok)) continue;   // a context row's Q is never read
-        const int p = pos[m];
+    // the rows with outputs, one bit each (every warp builds the same masks)
+    unsigned int rmask[WORDS];
+    int n_rows = 0;
 #pragma unroll
-        for (int j = 0; j < RH::PAIRS; j++) {
-            const int i = lane + 32 * j;
-            c[j] = 0.f;
-            s[j] = 0.f;
-            if (i < RH::HALF) rope_cos_sin(p, inv_freq[i], scale, c[j], s[j]);
+    for (int w = 0; w < WORDS; w++) {
+        const int lt = 32 * w + lane, row = m0 + lt;
+        const bool work = lt < live && stored(lt) && !(row >= pad_lo && row < pad_hi);
+        rmask[w] = __ballot_sync(0xffffffffu, work);
+        n_rows += __popc(rmask[w]);
+    }
+    const int n_units = n_rows * HPG;
+    for (int u0 = 0; u0 < n_units; u0 += GW_EPI_UNITS * NWARPS) {
+        float lo[GW_EPI_UNITS][RH::PAIRS], hi[GW_EPI_UNITS][RH::PAIRS], c[GW_EPI_UNITS][RH::PAIRS], s[GW_EPI_UNITS][RH::PAIRS];
+        float ss[GW_EPI_UNITS];
+        int mm[GW_EPI_UNITS], col[GW_EPI_UNITS], kind[GW_EPI_UNITS], row[GW_EPI_UNITS], tl[GW_EPI_UNITS];
+        bool ok[GW_EPI_UNITS];
+        const float* x[GW_EPI_UNITS];
+#pragma unroll
+        for (int k = 0; k < GW_EPI_UNITS; k++) {
+            const int u = u0 + k * NWARPS + warp;
+            const int ui = u < n_units ? u : 0;
+            const int idx = ui / HPG;
+            int lt = 0, rest = idx;
+#pragma unroll
+            for (int w = 0; w < WORDS; w++) {   // the idx-th row with outputs
+                const int cnt = __popc(rmask[w]);
+                if (rest >= 0 && rest < cnt) lt = 32 * w + nth_set_bit(rmask[w], rest);
+                rest -= cnt;
+            }
+            col[k] = c0 + (ui - idx * HPG) * HD;
+            ok[k] = u < n_units && col[k] < N;
+            mm[k] = m0 + lt;
+            tl[k] = (ok[k] && use_live) ? tile_live[mm[k] >> 4] : 1;
+            row[k] = ok[k] ? rows[mm[k]] : -1;
+            kind[k] = col[k] < QW ? 0 : (col[k] < QW + KVW ? 1 : 2);   // Q, K, V
+            x[k] = tile + (ok[k] ? lt * TS + col[k] - c0 : 0);
+            ss[k] = RH::partial(x[k], lo[k], hi[k], lane);
         }
-        if (kind == 0)
-            RH::store(q_out + (long long)m * QW + col, lo, hi, rn, q_norm, c, s, lane);
-        else
-            RH::store(k_cache + (long long)row * KVW + (col - QW), lo, hi, rn, k_norm, c, s, lane);
+        warp_sum_n<GW_EPI_UNITS>(ss);   // every warp: the shuffles stay uniform
+#pragma unroll
+        for (int k = 0; k < GW_EPI_UNITS; k++) {   // the angles of every unit, rotated or not: chains to overlap
+            const int p = (ok[k] && kind[k] != 2) ? pos[mm[k]] : 0;
+#pragma unroll
+            for (int j = 0; j < RH::PAIRS; j++) {
+                const int i = lane + 32 * j;
+                c[k][j] = 0.f;
+                s[k][j] = 0.f;
+                if (i < RH::HALF) rope_cos_sin(p, inv_freq[i], scale, c[k][j], s[k][j]);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < GW_EPI_UNITS; k++) {
+            if (!ok[k]) continue;
+            const bool row_ok = row[k] >= 0 && row[k] < kv_rows;
+            if (kind[k] == 2) {   // V: f16 as it is
+                if (row_ok) {
+                    __half* dst = v_cache + (long long)row[k] * KVW + (col[k] - QW - KVW);
+                    for (int d = lane; d < HD; d += 32) dst[d] = __float2half_rn(x[k][d]);
+                }
+                continue;
+            }
+            if ((kind[k] == 0 && tl[k] == 2) || (kind[k] == 1 && !row_ok)) continue;   // a context row's Q is never read
+            const float rn = RH::finish(ss[k], eps);
+            if (kind[k] == 0)
+                RH::store(q_out + (long long)mm[k] * QW + col[k], lo[k], hi[k], rn, q_norm, c[k], s[k], lane);
+            else
+                RH::store(k_cache + (long long)row[k] * KVW + (col[k] - QW), lo[k], hi[k], rn, k_norm, c[k], s[k], lane);
+        }
     }
 }
 #endif
@@ -742,7 +802,7 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
             }
             __syncthreads();
             qkv_epilogue(tile, cg * COLS, m0, live, N, [&](int lrow) { return ((smask >> (lrow >> 4)) & 1u) != 0u; },
-                         tile_live, use_live, q_norm, k_norm, inv_freq, pos, rows, y, k_cache, v_cache, kv_rows,
+                         lo, pad_hi, tile_live, use_live, q_norm, k_norm, inv_freq, pos, rows, y, k_cache, v_cache, kv_rows,
                          rope_eps, rope_scale);
 #else
 #pragma unroll
@@ -808,7 +868,7 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
                 [&](int lrow) { return ((smask >> (lrow >> 4)) & 1u) != 0u; }, tile, TS)) {
             __syncthreads();
             qkv_epilogue(tile, cg * COLS, m0, live, N, [&](int lrow) { return ((smask >> (lrow >> 4)) & 1u) != 0u; },
-                         tile_live, use_live, q_norm, k_norm, inv_freq, pos, rows, y, k_cache, v_cache, kv_rows,
+                         lo, pad_hi, tile_live, use_live, q_norm, k_norm, inv_freq, pos, rows, y, k_cache, v_cache, kv_rows,
                          rope_eps, rope_scale);
         }
 #else

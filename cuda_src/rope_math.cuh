@@ -38,9 +38,8 @@ struct RopeHead {
     static constexpr int HALF = HD / 2;
     static constexpr int PAIRS = (HALF + 31) / 32;  // pairs per lane
 
-    // The lane's pairs of head x into lo/hi; returns the head's 1 / sqrt(mean(x^2) + eps).
-    // Warp-uniform: all 32 lanes call it.
-    static __device__ __forceinline__ float load(const float* x, float* lo, float* hi, int lane, float eps) {
+    // The lane's pairs of head x into lo/hi; returns the lane's part of sum(x^2).
+    static __device__ __forceinline__ float partial(const float* x, float* lo, float* hi, int lane) {
         float ss = 0.f;
 #pragma unroll
         for (int j = 0; j < PAIRS; ++j) {
@@ -53,8 +52,16 @@ struct RopeHead {
             }
             ss += lo[j] * lo[j] + hi[j] * hi[j];
         }
-        ss = warp_sum(ss);
-        return rsqrtf(ss / (float)HD + eps);
+        return ss;
+    }
+
+    // 1 / sqrt(mean(x^2) + eps) from the warp's sum of the partials.
+    static __device__ __forceinline__ float finish(float ss, float eps) { return rsqrtf(ss / (float)HD + eps); }
+
+    // partial + warp sum + finish: the head's norm factor. Warp-uniform: all 32 lanes call it.
+    // (Several heads at once, for latency: partial each, warp_sum_n, finish each: the same bits.)
+    static __device__ __forceinline__ float load(const float* x, float* lo, float* hi, int lane, float eps) {
+        return finish(warp_sum(partial(x, lo, hi, lane)), eps);
     }
 
     // (a, b) = (lo, hi) * rn * w, rotated by the lane's angles (c[j], s[j] of pair j) and

@@ -924,7 +924,7 @@ def _gemm_wgmma(L) -> KernelCounters:
     c.l2_round_trips_per_block = 2 + (1 if dynamic else 0)   # live split: the tile_live scan
     c.inflight_peak_bytes_per_warp = (D - 1) * 8 * 512
 
-    qkv = _wgmma_qkv_epilogue(c, L, classes, flags, BT, COLS, N, M, gz) if EPI == 3 else None
+    qkv = _wgmma_qkv_epilogue(c, L, classes, flags, BT, COLS, N, M, gz, lo_pad, pad_hi) if EPI == 3 else None
     # epilogue: one 4-byte store per (set, token, weight row) kept; 8 consecutive columns (g)
     # of one token per 8 lanes: one sector per 8 lanes
     if qkv is not None:   # GW_EPI 3: the tile goes to shared memory, not to y (its stores counted above)
@@ -1006,27 +1006,33 @@ def _wgmma_splitk(c: KernelCounters, ws, classes, gz: int, NW: int, NORM: int, B
     c.notes.append(f"split-K {gz}: partial tiles ({part / 1e6:.2f} MB) round-trip through L2")
 
 
-def _wgmma_qkv_epilogue(c: KernelCounters, L, classes, flags, BT: int, COLS: int, N: int, M: int, gz: int) -> int:
+def _wgmma_qkv_epilogue(c: KernelCounters, L, classes, flags, BT: int, COLS: int, N: int, M: int, gz: int,
+                        lo_pad: int, pad_hi: int) -> int:
     """gemm_wgmma.cu's GW_EPI 3 (the qkv GEMM with qkv_norm_rope folded in), added to ``c``:
     the tile's final values staged in shared memory (the K loop's accumulators: 4 conflict-free
     stores per 8 lanes' rows; split K: the reducing block's float4 stores, 4 wavefronts per 32
-    items), then per block ceil(rows x heads / 8) rounds in which every warp loads a
-    head's pairs (2 x PAIRS conflict-free loads) and runs its warp sum; per stored unit: Q rows
-    f32 (rows of tiles marked 2: none), K rows f16 at the row's ring slot (after the norm weights
-    and the angles: PAIRS 8-byte inv_freq loads, one pos load), V f16 as it is; each row's slot
-    (and tile_live) read once per unit. Ring rows outside [0, kv_rows) are assumed absent.
-    Returns the compulsory bytes it moves (Q, K, V written; pos, rows, the weights read)."""
+    items), then the (row, head) units of the rows with outputs (stored tiles' rows outside the
+    padding rows [lo_pad, pad_hi)), EPI_U per warp at a time: per block ceil(units / (EPI_U x
+    8)) rounds of EPI_U slots per warp. Every slot loads a head's pairs (2 x PAIRS
+    conflict-free shared loads) and the angles' frequencies (PAIRS 8-byte inv_freq loads); a
+    unit (a slot with a head below N) reads its row's slot (and tile_live), a Q/K unit its
+    position; stored: Q rows f32 (rows of tiles marked 2: none), K rows f16 at the row's ring
+    slot after 2 x PAIRS norm-weight loads, V f16 as it is (HD/32 shared loads, HD/32 stores).
+    Ring rows outside [0, kv_rows) are assumed absent. Returns the compulsory bytes it moves
+    (Q, K, V written; pos, rows, the weights read)."""
     d = L.defines
     HD, QW, KVW = d["GW_HD"], d["GW_QW"], d["GW_KVW"]
     HALF = HD // 2
     PAIRS = -(-HALF // 32)
     from dflash_cupy.ops import gemm_stream as gs
     WARPS = gs.WG_THREADS // 32
+    U = gs.WG_EPI_UNITS
     y, pos_a, rows_a = L.args[2], L.args[20], L.args[21]
     q_norm, k_norm, freq, kc, vc = L.args[17], L.args[18], L.args[19], L.args[22], L.args[23]
     use_live = int(L.args[16]) != 0
     n_q = n_k = n_v = 0      # stored (row, head) units of each kind
-    rounds = 0
+    n_ok = n_qk_ok = 0       # units (a head below N), and those of Q or K heads
+    slots = 0
     st_instr = 0
     for ng, g0, _, blocks, act in classes:
         for bx in range(g0, g0 + ng):
@@ -1034,9 +1040,9 @@ def _wgmma_qkv_epilogue(c: KernelCounters, L, classes, flags, BT: int, COLS: int
             for by in act:
                 st, _cp = blocks[by]
                 rows_st = [by * BT + 16 * i + r for i, v in enumerate(st) for r in range(v)]
-                live = min(BT, M - by * BT)
-                r_b = -(-live * (COLS // HD) // WARPS)   # a partial group's missing heads too
-                rounds += r_b
+                work = [r for r in rows_st if not (lo_pad <= r < pad_hi)]
+                r_b = -(-len(work) * (COLS // HD) // (U * WARPS))   # a partial group's missing heads too
+                slots += r_b * U * WARPS
                 if any(col < QW + KVW for col in heads):   # rotated heads: the long chain
                     c.epilogue_rope_rounds = max(c.epilogue_rope_rounds, r_b)
                 else:
@@ -1048,7 +1054,9 @@ def _wgmma_qkv_epilogue(c: KernelCounters, L, classes, flags, BT: int, COLS: int
                 else:   # the reducer's float4 stores of the columns below N, 32 items per instruction
                     st_instr += -(-len(rows_st) * -(-min(COLS, N - bx * COLS) // 4) // 32)
                 for col in heads:
-                    for r in rows_st:
+                    n_ok += len(work)
+                    n_qk_ok += len(work) if col < QW + KVW else 0
+                    for r in work:
                         tl = 1 if flags is None else int(flags[r // 16])
                         if col < QW:
                             n_q += tl != 2
@@ -1060,23 +1068,23 @@ def _wgmma_qkv_epilogue(c: KernelCounters, L, classes, flags, BT: int, COLS: int
     c.smem_requests += st_instr
     c.smem_wavefronts += per * st_instr
     c.smem_ideal_wavefronts += per * st_instr
-    n_ld = rounds * WARPS * 2 * PAIRS + n_v * -(-HD // 32)
+    n_ld = slots * 2 * PAIRS + n_v * -(-HD // 32)
     c.smem_requests += n_ld
     c.smem_wavefronts += n_ld
     c.smem_ideal_wavefronts += n_ld
-    units = n_q + n_k + n_v
     rot = n_q + n_k
-    # global: per unit its row's slot (+ tile_live) and, rotated, pos and PAIRS 8-byte angles'
-    # frequencies and 2 x PAIRS norm-weight loads; stores: 2 x PAIRS per rotated unit, HD/32 per V unit
-    c.add_global("ld", units * (1 + int(use_live)), 1, 4)
-    c.add_global("ld", rot, 1, 4)
-    c.add_global("ld", rot * PAIRS, 8, 256)
+    # global: per unit its row's slot (+ tile_live), per Q/K unit its position, per slot PAIRS
+    # 8-byte frequencies; per rotated stored unit 2 x PAIRS norm-weight loads; stores: 2 x PAIRS
+    # per rotated unit, HD/32 per V unit
+    c.add_global("ld", n_ok * (1 + int(use_live)), 1, 4)
+    c.add_global("ld", n_qk_ok, 1, 4)
+    c.add_global("ld", slots * PAIRS, 8, 256)
     c.add_global("ld", rot * 2 * PAIRS, 4, 128)
     c.add_global("st", n_q * 2 * PAIRS, 4, 128)
     c.add_global("st", (n_k * 2 * PAIRS + n_v * -(-HD // 32)), 2, 64)
     # two barriers around the staging (K loop's tile), or one after the reduction
     c.barriers += (2 if gz == 1 else 1) * sum(len(act) * ng for ng, _, _, _, act in classes)
-    rows_any = sum(1 for r in range(M) if flags is None or int(flags[r // 16]))
+    rows_any = sum(1 for r in range(M) if (flags is None or int(flags[r // 16])) and not (lo_pad <= r < pad_hi))
     c.bytes_written[_name(y)] = n_q * HD * 4
     c.bytes_written[_name(kc)] = n_k * HD * 2
     c.bytes_written[_name(vc)] = n_v * HD * 2

@@ -42,8 +42,8 @@ class GPU:
     pdl_gap_s: float = 0.5e-6
     # one warp's dependent chain per (row, head) unit of the qkv GEMM's epilogue (counters:
     # epilogue_*_rounds), in SM clocks: a labelled estimate (see its source)
-    rope_round_clocks: float = 570.0
-    copy_round_clocks: float = 250.0
+    rope_round_clocks: float = 650.0
+    copy_round_clocks: float = 300.0
     # occupancy limits (compute capability 9.0)
     regs_per_sm: int = 65536
     max_regs_per_thread: int = 255
@@ -99,13 +99,15 @@ _COMMON_SOURCES = {
                  "what remains is the release after the previous grid's completion and memory flush, "
                  "taken as a third of node_gap_s. The weight prefetch before the wait is not modelled "
                  "separately. Calibrate: gpu_check.sh replays the step with and without PDL",
-    "rope_round_clocks": "estimate from gemm_wgmma.cu's qkv epilogue (rope_math.cuh), one warp's dependent "
-                         "chain per (row, head): shared loads + warp sum (5 shuffles) + rsqrt ~210 clk, "
-                         "pos / inv_freq / norm-weight loads (L1 mostly) ~150, two interleaved rope_cos_sin "
-                         "(fp64 reduction, sincospif) ~150, rotation and stores ~60; per-instruction "
-                         "latencies after Luo et al. 2024 (arXiv:2402.13499). Not measured: ncu on a GPU",
-    "copy_round_clocks": "estimate, as rope_round_clocks: a V head's round is the loads, the warp sum every "
-                         "warp runs and the f16 stores, ~250 clk",
+    "rope_round_clocks": "estimate from gemm_wgmma.cu's qkv epilogue (rope_math.cuh): one round is a warp's "
+                         "GW_EPI_UNITS = 2 (row, head) units at once. One unit's dependent chain: shared "
+                         "loads + warp sum (5 shuffles) + rsqrt ~210 clk, pos / inv_freq / norm-weight loads "
+                         "(L1 mostly) ~150, two interleaved rope_cos_sin (fp64 reduction, sincospif) ~150, "
+                         "rotation and stores ~60: ~570; the second unit's chain overlaps it, but with 2 warps "
+                         "per scheduler the round issues ~4 x 130 instructions per scheduler: ~650. "
+                         "Latencies after Luo et al. 2024 (arXiv:2402.13499). Not measured: ncu on a GPU",
+    "copy_round_clocks": "estimate, as rope_round_clocks: a round of V heads is the loads, the warp sums every "
+                         "warp runs, the (unused) angles and the f16 stores, ~300 clk",
     "hbm_latency_s": "approx.: ~480 ns unloaded DRAM latency on H100 (chipsandcheese.com, 'Nvidia's "
                      "H100: Funny L2, and Tons of Bandwidth', 2023), raised for a loaded system; "
                      "calibrate",

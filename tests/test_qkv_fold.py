@@ -102,18 +102,34 @@ def test_fused_equals_gemm_then_rope(emu, rng, spec, variant, ks):
 
 def test_fused_f16_x16_and_padding_rows(emu, rng):
     """f16 weights with x already in the weight type (x16), padding rows (zeros, as the
-    single cache's unused append rows) and a split: still the same bits."""
+    single cache's unused append rows) and a split: the same bits on every other row; the
+    fused epilogue leaves the padding rows' Q and ring rows alone (their Q is never read, and
+    the single cache sends their K/V to the trash slot), where the separate kernel writes a
+    rotated zero."""
     spec = SPECS[0]
     K, m, kv_rows = 520, 70, 120
     d = _setup(emu, rng, spec, K, m, "f16", kv_rows, x16=True)
-    pad = (emu.asarray(np.array([20], np.int32)), 40)
+    plo, phi = 20, 40
+    pad = (emu.asarray(np.array([plo], np.int32)), phi)
+    keep = np.r_[0:plo, phi:m]
+    ring = emu.to_numpy(d["rows"])
+    pad_ring = [r for r in ring[plo:phi] if 0 <= r < kv_rows]
     for variant, ks in (("wg64", 1), ("wg128", 2)):
         kw = dict(max_m=MAX_M, path="stream", x_split=False, x16=True)
         g_plain = Gemm(emu, d["N"], K, "f16", **kw)
         g_fused = Gemm(emu, d["N"], K, "f16", rope=spec, **kw)
         for g in (g_plain, g_fused):
             g.use_config(m, (variant, ks))
-        _assert_same(_both(emu, spec, d, m, g_plain, g_fused, dict(pad_rows=pad)), f"{variant} ks={ks}")
+        (q0, k0, v0), (q1, k1, v1) = _both(emu, spec, d, m, g_plain, g_fused, dict(pad_rows=pad))
+        what = f"{variant} ks={ks}"
+        np.testing.assert_array_equal(q1[keep], q0[keep], err_msg=f"{what}: Q")
+        assert (q1[plo:phi] == np.float32(7.5).view(np.uint32)).all(), what   # untouched
+        others = np.setdiff1d(np.arange(kv_rows), pad_ring)
+        np.testing.assert_array_equal(k1[others], k0[others], err_msg=f"{what}: K ring")
+        np.testing.assert_array_equal(v1[others], v0[others], err_msg=f"{what}: V ring")
+        assert (k1[pad_ring] == d["k0"].view(np.uint16)[pad_ring]).all(), what
+        assert (v1[pad_ring] == d["v0"].view(np.uint16)[pad_ring]).all(), what
+        assert (k0[pad_ring] != d["k0"].view(np.uint16)[pad_ring]).any()   # the separate kernel wrote them
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=["d128", "d64"])

@@ -193,6 +193,7 @@ WG_MIN_M = 49
 # pointer and ln_lo (the folded hidden norm) moved wg64 from <= 241 to <= 244 (the same allocation
 # of 248: one block per SM either way) and wg128 to <= 252, no spills.
 WG_PTXAS_REGS = {64: 248, 128: 255}
+WG_EPI_UNITS = kernels.constants("gemm_wgmma.cu")["GW_EPI_UNITS"]   # qkv epilogue units per warp at once
 WG_BLOCK_STEPS = 2        # a block's fixed cost in 64-k steps: its first loads, the epilogue
 WG_SPLIT_STEPS = 3        # a split block's partial tile and the last slice's reduction, in steps
 
