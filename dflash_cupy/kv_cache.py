@@ -389,10 +389,6 @@ class DraftKvCache(StepIssuer):
                              "token into the lm_head GEMM and writes no logits)")
         self.sampling = sampling
 
-    @staticmethod
-    def _noise_rows(stage):
-        return stage
-
     def _check_noise(self, noise_embed) -> None:
         shape = (self.q_len, self.config.hidden_size)
         dev = device_view(self.backend, noise_embed, "noise_embed", dtype=np.float32, shape=shape)

@@ -1,5 +1,6 @@
-"""What ``DraftKvCache`` and ``DraftKvBatch`` share: placing the LM head, building the step's GEMMs,
-the geometry properties, and issuing work on the
+"""What ``DraftKvCache`` and ``DraftKvBatch`` share: placing the LM head, allocating the step's
+rows and building its kernels, the geometry properties, the step's layers and head (one
+code path; the lane batch's row skipping through small hooks), and issuing work on the
 caller's stream after this object's earlier work (event edges on the device,
 never a host wait), reusing pinned staging only once the work that read it
 has run, and running a step either eagerly or as one of its step graphs,
@@ -14,23 +15,24 @@ from . import backends, tuning
 from .backends.base import programmatic_launches
 from .checks import bool_arg
 from .device_weights import device_dtype, to_device_matrix
+from .interop import device_view
+from .nvtx_ranges import nvtx_range
 from .ops.attention import RingAttention
 from .ops.gemm import weight_kind
 from .ops.norm import RmsNorm
 from .ops.plan import StepPlanner
 from .ops.rope import QkvNormRope
 from .ops.sample import TokenSampler
-from .interop import device_view
-from .nvtx_ranges import nvtx_range
 
 
 class StepIssuer:
-    """Mixin. The subclass calls ``_take_args`` first in its constructor, then sets ``geom``,
-    ``capture_stream``, ``n_ctx`` / ``n_noise`` (the step's rows: the GEMMs' M axis is
-    ``n_ctx`` appended context rows, then ``n_noise`` noise rows), calls ``_alloc_step_rows``,
-    ``_build_step_ops`` and ``_finish_init`` last; it issues one step in
-    ``_issue_step(slot, stream, eager)`` (its descriptor copy and planning launch, then
-    ``_run_rows``) and says how the step skips rows: ``_qkv_skip`` and the attributes below."""
+    """Mixin. The subclass's constructor calls ``_take_args`` once its own arguments are
+    checked, sets ``geom``, ``dw``, ``n_ctx`` / ``n_noise`` (the step's rows, the GEMMs' M
+    axis: ``n_ctx`` appended context rows, then ``n_noise`` noise rows), ``capture_stream``
+    and ``_graphs`` (one slot per descriptor buffer), calls ``_alloc_step_rows`` and
+    ``_build_step_ops``, and ``_finish_init`` last. Its ``_issue_step(slot, stream, eager)``
+    issues one step (the descriptor copy and the planning launch, then ``_run_rows``);
+    ``_qkv_skip`` and the attributes below say which rows the step's launches skip."""
 
     _nvtx = "dflash"   # NVTX range prefix
     # lane batches pass tile_live to their GEMMs (per launch K split; qkv skips context rows' Q)
@@ -367,6 +369,10 @@ class StepIssuer:
         self._noise_rows(stage)[...] = host
         self.backend.copy_h2d_async(self.noise_embed, stage, stream=s)
         self._noise_events[i].record(s)
+
+    def _noise_rows(self, stage):
+        """Where the noise embeddings go in a staging buffer (a lane batch pads its lanes)."""
+        return stage
 
     def _init_order(self) -> None:
         # Construction memsets on the current stream: the first call on any other
