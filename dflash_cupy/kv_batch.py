@@ -47,25 +47,18 @@ rings' latest writes; the host never waits on the step it just launched).
 """
 from __future__ import annotations
 
-import contextlib
 import struct
 
 import numpy as np
 
-from . import backends, tuning
-from .checks import bool_arg, int_arg
+from .checks import int_arg
 from .feature_ring import FeatureRing
 from .geometry import RingGeometry, align_up
 from .interop import device_view
 from .nvtx_ranges import nvtx_range
 from .step_issuer import StepIssuer
-from .ops.attention import RingAttention
 from .ops.gather import FeatureGather
-from .ops.gemm import weight_kind
-from .ops.norm import RmsNorm
-from .ops.plan import StepPlanner
-from .ops.rope import QkvNormRope
-from .ops.sample import SamplingParams, TokenSampler
+from .ops.sample import SamplingParams
 from .ops.step_descriptor import (DESC_CTX_ROW0, DESC_CTX_ROWS, DESC_LEN, bulk_chunks, fill_chunk_descriptor,
                                   fill_descriptor, fill_step_descriptor, pack_context_rows, plan_step)
 from .rope_params import rope_parameters
@@ -122,13 +115,8 @@ class DraftKvBatch(StepIssuer):
             raise ValueError(f"bulk_chunk must be an int in [1, {BULK_CHUNK}], got {bulk_chunk!r}")
         if not isinstance(logits, (bool, np.bool_)):
             raise TypeError(f"logits must be a bool, got {type(logits).__name__}")
-        self.x_split = bool_arg(x_split, "x_split")
-        self.pdl = bool_arg(pdl, "pdl")
-        if tune is not None:
-            bool_arg(tune, "tune")
-        be = self.backend = backends.get(backend)
-        c = self.config = weights.config
-        self.weights = weights
+        self._take_args(weights, backend, x_split, pdl, tune)
+        be, c = self.backend, self.config
         self.lanes = lanes
         self.geom = g = RingGeometry(capacity, c.q_len)
         if lanes * g.kv_total >= 2**31:
@@ -138,7 +126,7 @@ class DraftKvBatch(StepIssuer):
         H, B, A, kvw = c.hidden_size, g.q_len, g.a_step, c.kv_dim
         CS, BS = align_up(A, TILE_ROWS), align_up(B, TILE_ROWS)
         self.ctx_rows, self.lane_rows = CS, BS
-        NC, NN = lanes * CS, lanes * BS          # ctx rows, noise rows
+        NC, NN = self.n_ctx, self.n_noise = lanes * CS, lanes * BS   # ctx rows, noise rows
         M = NC + NN
         self.write_logits = bool(logits)
 
@@ -170,23 +158,7 @@ class DraftKvBatch(StepIssuer):
 
         # ---- step activations (rows as above)
         self.ap_feat = be.zeros((NC, c.fc_in), np.float32)
-        self.resid = be.zeros((M, H), np.float32)
-        self.xin = be.zeros((M, H), np.float32)
-        self.h, self.hn = self.resid[NC:], self.xin[NC:]
-        L0 = self.dw.layers[0]
-        self._fold_norms = (H % 8 == 0 and all(weight_kind(a.dtype) in ("f16", "bf16")
-                                               for a in (L0.w_qkv, L0.w_gate_up)))
-        self.ctx_step = self.resid[:NC] if c.context_kv_layer_norm or self._fold_norms else self.xin[:NC]
-        self.noise_embed = be.zeros((NN, H), np.float32)   # read in place by the first layer
-        self.qkv = be.zeros((M, c.q_dim + 2 * kvw), np.float32)
-        self.q_all = be.zeros((M, c.q_dim), np.float32)
-        self.q = self.q_all[NC:]
-        attn_dt, act_dt = self._act_dtypes()   # f32, or 16-bit where x_split=False allows (_act16_kinds)
-        self.attn = be.zeros((NN, c.q_dim), attn_dt)
-        gate_w = {"none": 0, "head": c.n_head, "element": c.q_dim}[c.attn_gate]
-        self.gate = be.zeros((NN, gate_w), np.float32) if gate_w else None
-        self.act = be.zeros((NN, c.intermediate_size), act_dt)
-        self._hs = be.zeros((NN, H), np.float32)
+        gate_w = self._alloc_step_rows()
         self.hidden_states = self._hs.reshape(lanes, BS, H)[:, :B]
 
         # ---- bulk append workspace (one lane at a time, outside the graph)
@@ -232,20 +204,10 @@ class DraftKvBatch(StepIssuer):
         self._bulk_event = be.event()
 
         # ---- kernels (all compiled now: nothing compiles during capture)
-        self.rms = RmsNorm(be, H, c.rms_norm_eps)
         # max_m: the most rows one call sees (all lanes' rows, or a bulk chunk); past one 64-row
-        # block the stream GEMMs compile their wgmma variants too (an sm_90a device or the emulator)
-        self._build_gemms(max(GEMM_MAX_M, NC + NN, R), gate_w, logits, NN)  # g_fc .. g_lm (x_split), _lm_part
-        self.sampler = TokenSampler(be, self.lm_head.shape[0]) if self.lm_head is not None else None
-        self.rope_ctx = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, False, c.rms_norm_eps,
-                                    self.attn_scaling)
-        self.rope_step = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, True, c.rms_norm_eps,
-                                     self.attn_scaling)
-        gate_mode = None if c.attn_gate == "none" else c.attn_gate
-        # one launch for every (lane, kv head); an idle lane's blocks exit at once
-        self.attention = RingAttention(be, c.head_dim, c.n_head, c.n_head_kv, B, g.kv_total, gate=gate_mode,
-                                       lanes=lanes, lane_rows=BS, out_kind=self._act16_kinds()[0])
-        self.planner = StepPlanner(be, g)
+        # block the stream GEMMs compile their wgmma variants too (an sm_90a device or the emulator).
+        # The attention: one launch for every (lane, kv head); an idle lane's blocks exit at once
+        self._build_step_ops(max(GEMM_MAX_M, NC + NN, R), gate_w, logits, lanes=lanes, lane_rows=BS)
         ring_kind = self.rings[0].kind
         self.gather = FeatureGather(be, c.fc_in, ring_capacity, ring_kind)
 
@@ -254,25 +216,11 @@ class DraftKvBatch(StepIssuer):
         self._plan_fields = [None] * lanes
         self._graphs = [None, None]
         self._ring_writes = [-1] * lanes   # each ring's write count when a step last waited for it
-        self.captures = 0
-        self._slot = 0
-        self._planned = False
-        self._closed = False
-        self.host_waits = 0
-        self._label_arrays(("_hs", "_logits", "_tokens", "noise_embed", "k_cache", "v_cache", "slot_pos", "desc",
-                     "resid", "xin", "ap_feat", "tile_live"))
-        # launch configurations measured on the device (dflash_cupy/tuning.py), before any capture
-        self.tuned = tuning.tune_sites(self._tune_sites(), backend=be, tune=tune)
-        self._init_order()
-
-    def _tune_sites(self) -> list:
-        """``(label, op, m)`` of every GEMM call a step or a bulk chunk makes, and the attention."""
-        NC, NN, R = self.lanes * self.ctx_rows, self.lanes * self.lane_rows, self.bulk_chunk
-        return [("fc", self.g_fc, NC), ("fc", self.g_fc, R), ("kv", self.g_kv, R), ("qkv", self.g_qkv, NC + NN),
-                ("attn_gate", self.g_attn_gate, NN), ("o", self.g_o, NN), ("gate_up", self.g_gate_up, NN),
-                ("down", self.g_down, NN), ("lm_head", self.g_lm, NN), ("attention", self.attention, 0)]
+        self._finish_init(("_hs", "_logits", "_tokens", "noise_embed", "k_cache", "v_cache", "slot_pos", "desc",
+                           "resid", "xin", "ap_feat", "tile_live"), tune)
 
     # ------------------------------------------------------------------ properties
+    _attn_live = property(lambda self: self.desc)   # (StepIssuer: idle lanes' attention blocks exit)
 
     def __repr__(self):
         return (f"DraftKvBatch(lanes={self.lanes}, {self.geom}, layers={self.config.n_layer}, "
@@ -306,65 +254,17 @@ class DraftKvBatch(StepIssuer):
             self._append_rows(self.bulk_feat, count, [self._lane_cache(k, lane) for k in self.k_cache],
                               [self._lane_cache(v, lane) for v in self.v_cache], s)
 
-    def _step_layer(self, li: int, L, stream) -> None:
-        c = self.config
-        NC, NN = self.lanes * self.ctx_rows, self.lanes * self.lane_rows
-        M = NC + NN
-        tiles_all, tiles_noise = self.tile_live, self.tiles_noise
-        h_in = self._layer_input(li)
-        ctx_norm = c.context_kv_layer_norm
-        if self._fold_norms:   # as DraftKvCache (_qkv_norm: the hidden norm folded where it can be)
-            self._qkv_rope(li, L, self.ctx_step, M, stream, tile_live=tiles_all, **self._qkv_x2(li, NC),
-                           norm=self._qkv_norm(L, NC))
-            if self.g_attn_gate is not None:
-                self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
-        else:
-            if ctx_norm and li:
-                self.rms(self.resid, L.input_layernorm, self.xin, stream=stream)
-            elif ctx_norm:   # the first layer's noise rows are noise_embed, read in place
-                self.rms(self.ctx_step, L.input_layernorm, self.xin[:NC], stream=stream)
-                self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
-            else:
-                self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
-            self._qkv_rope(li, L, self.xin, M, stream, tile_live=tiles_all)
-        if self.g_attn_gate is not None:
-            self.g_attn_gate(self.hn, L.w_attn_gate, self.gate, NN, tile_live=tiles_noise, stream=stream)
-        mask = self.mask_swa if L.sliding else self.mask_full
-        self.attention(self.q, self.k_cache[li], self.v_cache[li], mask, self.attn, gate=self.gate,
-                       stream=stream, live=self.desc)
-        self.g_o(self.attn, L.w_o, self.h, NN, tile_live=tiles_noise, residual=h_in, stream=stream)
-        if self._fold_norms:
-            self.g_gate_up(self.h, L.w_gate_up, self.act, NN, tile_live=tiles_noise, stream=stream,
-                       norm=(L.post_attention_layernorm, 0))
-        else:
-            self.rms(self.h, L.post_attention_layernorm, self.hn, stream=stream)
-            self.g_gate_up(self.hn, L.w_gate_up, self.act, NN, tile_live=tiles_noise, stream=stream)
-        self.g_down(self.act, L.w_down, self.h, NN, tile_live=tiles_noise, residual=self.h, stream=stream)
+    def _qkv_skip(self) -> dict:
+        # every tile of the step's rows: 0 dead (idle lanes, padding), 2 a context tile (no Q)
+        return dict(tile_live=self.tile_live)
 
     def _issue_step(self, slot: int, stream, eager: bool = False) -> None:
         """Every launch and copy of one step, in order (captured once per slot)."""
-        be, dw = self.backend, self.dw
-        NC, NN = self.lanes * self.ctx_rows, self.lanes * self.lane_rows
-        be.copy_h2d_async(self.desc, self._desc_host[slot], stream=stream)
+        self.backend.copy_h2d_async(self.desc, self._desc_host[slot], stream=stream)
         self.gather.plan_lanes(self.desc, self.ring_storage, self.ap_feat, self.geom, self.slot_pos, self.pos_all,
                                self.rows_all, self.tile_live, cs=self.ctx_rows, bs=self.lane_rows,
                                mask_full=self.mask_full, mask_swa=self.mask_swa, stream=stream)
-        # T = rmsnorm(feat @ fc.T) * hidden_norm for every lane's appended rows (the norm folded
-        # into the qkv GEMMs where they fold the input norms)
-        self._fuse_rows(self.ap_feat, self.ctx_step, NC, stream, hidden_norm=not self._fold_hidden(),
-                        tile_live=self.tiles_ctx)
-        for li, L in enumerate(dw.layers):
-            with nvtx_range(f"layer {li}") if eager else contextlib.nullcontext():
-                self._step_layer(li, L, stream)
-        self.rms(self.h, dw.norm, self._hs, stream=stream)
-        if self.g_lm is not None:
-            if self._logits is None:
-                self.g_lm(self._hs, self.lm_head, None, NN, tile_live=self.tiles_noise, partials=self._lm_part,
-                           stream=stream)
-                self.sampler.reduce_partials(self._lm_part, self._tokens, NN, stream=stream)
-            else:
-                self.g_lm(self._hs, self.lm_head, self._logits, NN, tile_live=self.tiles_noise, stream=stream)
-                self.sampler(self._logits, self._tokens, self.sample_knobs, self.sample_rng, NN, stream=stream)
+        self._run_rows(stream, eager)
 
     # ------------------------------------------------------------------ public API
     def _lane_plan(self, lane: int, committed):
@@ -567,20 +467,17 @@ class DraftKvBatch(StepIssuer):
         s = self._order(stream)
         B, BS = self.q_len, self.lane_rows
         if dev is None:
-            i = self._noise_next
-            self._noise_next ^= 1
-            self._reuse(self._noise_events[i])
-            stage = self._noise_host[i]
-            be.host_write(stage, "DraftKvBatch.set_noise_embed (staging)")
-            stage.reshape(self.lanes, BS, -1)[:, :B] = host
-            be.copy_h2d_async(self.noise_embed, stage, stream=s)
-            self._noise_events[i].record(s)
+            self._copy_noise_host(host, s)
         elif BS == B:
             be.copy_d2d_async(self.noise_embed, dev.reshape(self.lanes * B, -1), stream=s)
         else:
             for i in range(self.lanes):
                 be.copy_d2d_async(self.noise_embed[i * BS:i * BS + B], dev[i], stream=s)
         self._issued(s)
+
+    def _noise_rows(self, stage):
+        # lane i's q_len rows at the start of its lane_rows (the rest: padding, never read)
+        return stage.reshape(self.lanes, self.lane_rows, -1)[:, :self.q_len]
 
     def run(self, eager: bool = False, stream=None):
         """Replay the planned step for every lane (``eager``: launch the
@@ -602,7 +499,7 @@ class DraftKvBatch(StepIssuer):
             raise RuntimeError(f"run(): lane {i}'s ring no longer holds positions [{need[i]}, {c[i]}) that this "
                                f"step was planned to append (it holds [{rings[i].lo}, {rings[i].hi})); call "
                                f"begin_step again")
-        slot, be = self._slot, self.backend
+        slot = self._slot
         s = self._order(stream)
         # The planning launch takes every lane's ring storage: wait for the rings written
         # since the last step (the older writes are ordered before it already: by that
@@ -652,10 +549,7 @@ class DraftKvBatch(StepIssuer):
                 "host_waits", "captures", "_closed"}
         self.last_plan   # (computed while the descriptor buffer is still there)
         self._plan_desc = None
-        for name in list(vars(self)):
-            if name not in keep:
-                setattr(self, name, None)
-        self._closed = True
+        self._release(keep)
 
 
 

@@ -46,26 +46,19 @@ Device buffers (row-major):
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
-from . import backends, dtypes, tuning
-from .checks import bool_arg, int_arg
+from . import dtypes
+from .checks import int_arg
 from .feature_ring import FeatureRing
 from .geometry import BULK_CHUNK, RingGeometry
 from .interop import device_view
 from .nvtx_ranges import nvtx_range
 from .step_issuer import StepIssuer
-from .ops.attention import RingAttention
-from .ops.gemm import weight_kind
-from .ops.norm import RmsNorm
 from .ops.gather import FeatureGather
-from .ops.plan import StepPlanner
 from .ops.step_descriptor import (DESC_LEN, DESC_N_NEW, bulk_chunks, fill_chunk_descriptor, fill_step_descriptor,
                                   plan_step)
-from .ops.rope import QkvNormRope
-from .ops.sample import SamplingParams, TokenSampler
+from .ops.sample import SamplingParams
 from .rope_params import rope_parameters
 from .weights import DraftWeights
 
@@ -143,13 +136,8 @@ class DraftKvCache(StepIssuer):
         if not logits and sampling.temperature > 0:
             raise ValueError("sampling with temperature > 0 needs logits=True (the fused argmax is greedy)")
         self.write_logits = bool(logits)
-        self.x_split = bool_arg(x_split, "x_split")
-        self.pdl = bool_arg(pdl, "pdl")
-        if tune is not None:
-            bool_arg(tune, "tune")
-        be = self.backend = backends.get(backend)
-        c = self.config = weights.config
-        self.weights = weights
+        self._take_args(weights, backend, x_split, pdl, tune)
+        be, c = self.backend, self.config
         self.geom = RingGeometry(int(capacity), c.q_len)
         g = self.geom
         self.dw = weights.device(be)  # placed once per backend, cached on the weights
@@ -189,28 +177,8 @@ class DraftKvCache(StepIssuer):
         self.ctx_kv_in = be.zeros((R, H), np.float32) if c.context_kv_layer_norm else None
         self.ctx_kv = be.zeros((R, 2 * kvw), np.float32)
         # Step rows [0, A): the appended context rows, [A, A+B): the noise rows.
-        # resid: [T (context-KV-norm variant) | h, the residual stream];
-        # xin: each layer's GEMM input [T or rmsnorm(T)*ln | rmsnorm(h)*ln].
-        self.resid = be.zeros((A + B, H), np.float32)
-        self.xin = be.zeros((A + B, H), np.float32)
-        self.h, self.hn = self.resid[A:], self.xin[A:]
-        # The per-layer input and post-attention RMSNorms fold into the qkv and
-        # gate_up GEMMs when they run on the stream path (16-bit weights, K % 8 == 0):
-        # those GEMMs then read resid / h directly, so the context rows live in resid.
-        L0 = self.dw.layers[0]
-        self._fold_norms = (H % 8 == 0 and all(weight_kind(a.dtype) in ("f16", "bf16")
-                                               for a in (L0.w_qkv, L0.w_gate_up)))
-        self.ctx_step = self.resid[:A] if c.context_kv_layer_norm or self._fold_norms else self.xin[:A]
-        self.noise_embed = be.zeros((B, H), np.float32)   # read in place by the first layer
-        self.qkv = be.zeros((A + B, c.q_dim + 2 * kvw), np.float32)
-        self.q_all = be.zeros((A + B, c.q_dim), np.float32)
-        self.q = self.q_all[A:]
-        attn_dt, act_dt = self._act_dtypes()   # f32, or 16-bit where x_split=False allows (_act16_kinds)
-        self.attn = be.zeros((B, c.q_dim), attn_dt)
-        gate_w = {"none": 0, "head": c.n_head, "element": c.q_dim}[c.attn_gate]
-        self.gate = be.zeros((B, gate_w), np.float32) if gate_w else None
-        self.act = be.zeros((B, c.intermediate_size), act_dt)
-        self.hidden_states = be.zeros((B, H), np.float32)
+        gate_w = self._alloc_step_rows()
+        self.hidden_states = self._hs
         self.lm_head = None
         self.logits = None
         self.draft_tokens = None
@@ -225,6 +193,7 @@ class DraftKvCache(StepIssuer):
             self.logits = be.zeros((B, self.lm_head.shape[0]), np.float32) if logits else None
             self.draft_tokens = be.zeros((B,), np.int32)
             self.sample_knobs, self.sample_rng = _step_in_sampling(self._step_in)
+        self._logits, self._tokens = self.logits, self.draft_tokens   # (the shared step writes these)
 
         # ---- pinned staging (two of each: alternating steps)
         # sampling knobs and RNG state travel with the descriptor (same slot, same replay)
@@ -250,18 +219,7 @@ class DraftKvCache(StepIssuer):
         self._events = [be.event() for _ in range(2)]  # after the replay that read each descriptor
         self._bulk_event = be.event()
 
-        # ---- kernels (all compiled now: nothing compiles during capture)
-        self.rms = RmsNorm(be, H, c.rms_norm_eps)
-        self._build_gemms(MAX_M, gate_w, logits, B)  # g_fc .. g_lm (x_split), _lm_part
-        self.sampler = TokenSampler(be, self.lm_head.shape[0]) if self.lm_head is not None else None
-        self.rope_ctx = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, False, c.rms_norm_eps,
-                                    self.attn_scaling)
-        self.rope_step = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, True, c.rms_norm_eps,
-                                     self.attn_scaling)
-        self.attention = RingAttention(be, c.head_dim, c.n_head, c.n_head_kv, B, g.kv_total,
-                                       gate=None if c.attn_gate == "none" else c.attn_gate,
-                                       out_kind=self._act16_kinds()[0])
-        self.planner = StepPlanner(be, g)
+        self._build_step_ops(MAX_M, gate_w, logits)
         self._gather: FeatureGather | None = None
         self._ring: FeatureRing | None = None
 
@@ -270,28 +228,15 @@ class DraftKvCache(StepIssuer):
         self._graphs = [None, None]
         self._ring_graphs: dict = {}  # id(ring) -> (ring, gather, graphs) of recently used rings
         self._need = (0, 0)           # positions the planned step gathers from the ring
-        self.captures = 0             # step graphs captured so far (2 per ring in steady state)
-        self._slot = 0
-        self._planned = False
-        self._closed = False
-        self.host_waits = 0  # times the host had to wait for queued work to reuse a pinned buffer
-        self._label_arrays(("hidden_states", "logits", "draft_tokens", "noise_embed", "k_cache", "v_cache", "slot_pos",
-                     "desc", "resid", "xin", "ap_feat"))
         # Everything above (zeros, kernel workspaces) was memset on the current stream: the
         # first call on any other stream waits for it on the device.
-        # launch configurations measured on the device (dflash_cupy/tuning.py), before any capture
-        self.tuned = tuning.tune_sites(self._tune_sites(), backend=be, tune=tune)
-        self._init_order()
-
-    def _tune_sites(self) -> list:
-        """``(label, op, m)`` of every GEMM call a step or a bulk chunk makes, and the attention."""
-        A, B, R = self.a_step, self.q_len, self.bulk_chunk
-        return [("fc", self.g_fc, A), ("fc", self.g_fc, R), ("kv", self.g_kv, R), ("qkv", self.g_qkv, A + B),
-                ("attn_gate", self.g_attn_gate, B), ("o", self.g_o, B), ("gate_up", self.g_gate_up, B),
-                ("down", self.g_down, B), ("lm_head", self.g_lm, B), ("attention", self.attention, 0)]
+        self._finish_init(("hidden_states", "logits", "draft_tokens", "noise_embed", "k_cache", "v_cache",
+                           "slot_pos", "desc", "resid", "xin", "ap_feat"), tune)
 
     # ------------------------------------------------------------------ properties
     trash_slot = property(lambda self: self.geom.trash_slot)
+    n_ctx = property(lambda self: self.geom.a_step)   # the step's rows: the append rows
+    n_noise = property(lambda self: self.geom.q_len)  # then the noise block
 
     def __repr__(self):
         return (f"DraftKvCache({self.geom}, layers={self.config.n_layer}, backend={self.backend.name}, "
@@ -302,66 +247,12 @@ class DraftKvCache(StepIssuer):
         """Bulk append: rows [0, m) of ap_pos/ap_rows/ap_feat -> K/V cache rows of every layer."""
         self._append_rows(self.ap_feat, m, self.k_cache, self.v_cache, stream)
 
-    def _step_layer(self, li: int, L, stream) -> None:
-        """One decoder layer (SPEC §2 step 2) over the noise rows, with the
-        layer's K/V of the step's appended context rows computed alongside:
-        one [q; k; v] GEMM and one norm+RoPE+scatter over all A+B rows (the
-        context rows' q is computed and ignored: free next to streaming the
-        weights once instead of twice)."""
-        A, B = self.a_step, self.q_len
-        h_in = self._layer_input(li)
+    def _qkv_skip(self) -> dict:
         # Append rows [n_new, A) are padding (zero features, their K/V go to the trash
         # slot): the stream GEMM reads n_new from the descriptor and skips their
         # 16-row tiles (same outputs: a zero row's result is zero either way).
-        pad = (self.desc[DESC_N_NEW:DESC_N_NEW + 1], A) if self.g_qkv.path == "stream" else None
-        ctx_norm = self.config.context_kv_layer_norm  # context rows: rmsnorm(T) * input_layernorm too
-        if self._fold_norms:
-            # rmsnorm(rows) * input_layernorm inside the GEMM, from the context rows then h_in
-            # (two pointers: noise_embed read in place); where the hidden norm folds too
-            # (_fold_hidden) the context rows are fc's outputs y, entering as
-            # rmsnorm(y) * hidden_norm = T: no node of its own
-            self._qkv_rope(li, L, self.ctx_step, A + B, stream, pad_rows=pad, **self._qkv_x2(li, A),
-                           norm=self._qkv_norm(L, A))
-            if self.g_attn_gate is not None:   # the gate GEMM still reads hn
-                self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
-        else:
-            if ctx_norm and li:
-                self.rms(self.resid, L.input_layernorm, self.xin, stream=stream)
-            elif ctx_norm:   # the first layer's noise rows are noise_embed, read in place
-                self.rms(self.ctx_step, L.input_layernorm, self.xin[:A], stream=stream)
-                self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
-            else:
-                self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
-            self._qkv_rope(li, L, self.xin, A + B, stream, pad_rows=pad)
-        if self.g_attn_gate is not None:
-            self.g_attn_gate(self.hn, L.w_attn_gate, self.gate, B, stream=stream)
-        mask = self.mask_swa if L.sliding else self.mask_full
-        self.attention(self.q, self.k_cache[li], self.v_cache[li], mask, self.attn, gate=self.gate,
-                       stream=stream)
-        self.g_o(self.attn, L.w_o, self.h, B, residual=h_in, stream=stream)
-        if self._fold_norms:
-            self.g_gate_up(self.h, L.w_gate_up, self.act, B, stream=stream, norm=(L.post_attention_layernorm, 0))
-        else:
-            self.rms(self.h, L.post_attention_layernorm, self.hn, stream=stream)
-            self.g_gate_up(self.hn, L.w_gate_up, self.act, B, stream=stream)
-        self.g_down(self.act, L.w_down, self.h, B, residual=self.h, stream=stream)
-
-    def _noise_stage(self, stream, eager: bool) -> None:
-        dw = self.dw
-        for li, L in enumerate(dw.layers):
-            # per-layer ranges only when eager: inside a graph they would mark capture time
-            with nvtx_range(f"layer {li}") if eager else contextlib.nullcontext():
-                self._step_layer(li, L, stream)
-        self.rms(self.h, dw.norm, self.hidden_states, stream=stream)
-        if self.g_lm is not None:
-            if self.logits is None:
-                self.g_lm(self.hidden_states, self.lm_head, None, self.q_len, partials=self._lm_part,
-                          stream=stream)
-                self.sampler.reduce_partials(self._lm_part, self.draft_tokens, self.q_len, stream=stream)
-            else:
-                self.g_lm(self.hidden_states, self.lm_head, self.logits, self.q_len, stream=stream)
-                self.sampler(self.logits, self.draft_tokens, self.sample_knobs, self.sample_rng, self.q_len,
-                             stream=stream)
+        pad = (self.desc[DESC_N_NEW:DESC_N_NEW + 1], self.a_step) if self.g_qkv.path == "stream" else None
+        return dict(pad_rows=pad)
 
     def _issue_step(self, slot: int, stream, eager: bool = False) -> None:
         """Every launch and copy of one step, in order (captured once per slot)."""
@@ -371,8 +262,7 @@ class DraftKvCache(StepIssuer):
         self._gather.plan_step(self.desc, self._ring.storage, self.ap_feat, self.geom, self.slot_pos,
                                self.pos_all[:A], self.rows_all[:A], self.pos_q, mask_full=self.mask_full,
                                mask_swa=self.mask_swa, n_rows=A, stream=stream)
-        self._fuse_rows(self.ap_feat, self.ctx_step, A, stream, hidden_norm=not self._fold_hidden())
-        self._noise_stage(stream, eager)
+        self._run_rows(stream, eager)
 
     def _bulk_append(self, fields, s) -> None:
         """Append ``[bulk_start, bulk_start+bulk_count)`` outside the graph, chunk by chunk, on ``s``."""
@@ -478,14 +368,7 @@ class DraftKvCache(StepIssuer):
                           shape=(self.q_len, self.config.hidden_size))
         s = self._order(stream)
         if dev is None:  # host data, through pinned staging
-            i = self._noise_next
-            self._noise_next ^= 1
-            self._reuse(self._noise_events[i])  # the copy that last read this staging buffer
-            stage = self._noise_host[i]
-            be.host_write(stage, "DraftKvCache.set_noise_embed (staging)")
-            stage[...] = noise_embed
-            be.copy_h2d_async(self.noise_embed, stage, stream=s)
-            self._noise_events[i].record(s)
+            self._copy_noise_host(noise_embed, s)
         else:
             be.copy_d2d_async(self.noise_embed, dev, stream=s)
         self._issued(s)
@@ -601,11 +484,6 @@ class DraftKvCache(StepIssuer):
             self._ring.forget_reader(self)
         # Release everything the cache holds (device arrays, pinned staging, graphs,
         # compiled ops, the ring): only what repr and the closed checks read stays.
-        keep = {"backend", "config", "weights", "geom", "next_pos", "last_plan", "sampling", "host_waits",
-                "write_logits",
-                "bulk_chunk", "_closed"}
-        for name in list(vars(self)):
-            if name not in keep:
-                setattr(self, name, None)
-        self._closed = True
+        self._release({"backend", "config", "weights", "geom", "next_pos", "last_plan", "sampling", "host_waits",
+                       "write_logits", "bulk_chunk", "_closed"})
 

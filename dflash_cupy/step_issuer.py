@@ -1,29 +1,59 @@
-"""What ``DraftKvCache`` and ``DraftKvBatch`` share: placing the LM head, building the step's GEMMs,
-the geometry properties, and issuing work on the
+"""What ``DraftKvCache`` and ``DraftKvBatch`` share: placing the LM head, allocating the step's
+rows and building its kernels, the geometry properties, the step's layers and head (one
+code path; the lane batch's row skipping through small hooks), and issuing work on the
 caller's stream after this object's earlier work (event edges on the device,
 never a host wait), reusing pinned staging only once the work that read it
 has run, and running a step either eagerly or as one of its step graphs,
 captured on first use and replayed after."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
+from . import backends, tuning
 from .backends.base import programmatic_launches
+from .checks import bool_arg
 from .device_weights import device_dtype, to_device_matrix
 from .interop import device_view
 from .nvtx_ranges import nvtx_range
+from .ops.attention import RingAttention
+from .ops.gemm import weight_kind
+from .ops.norm import RmsNorm
+from .ops.plan import StepPlanner
+from .ops.rope import QkvNormRope
+from .ops.sample import TokenSampler
 
 
 class StepIssuer:
-    """Mixin. The subclass sets ``backend``, ``config``, ``geom``, ``capture_stream``, ``_graphs``
-    (one slot per descriptor buffer), ``captures``, ``host_waits``,
-    ``_closed`` and calls ``_init_order()`` last in its constructor;
-    ``_issue_step(slot, stream, eager)`` issues one step."""
+    """Mixin. The subclass's constructor calls ``_take_args`` once its own arguments are
+    checked, sets ``geom``, ``dw``, ``n_ctx`` / ``n_noise`` (the step's rows, the GEMMs' M
+    axis: ``n_ctx`` appended context rows, then ``n_noise`` noise rows), ``capture_stream``
+    and ``_graphs`` (one slot per descriptor buffer), calls ``_alloc_step_rows`` and
+    ``_build_step_ops``, and ``_finish_init`` last. Its ``_issue_step(slot, stream, eager)``
+    issues one step (the descriptor copy and the planning launch, then ``_run_rows``);
+    ``_qkv_skip`` and the attributes below say which rows the step's launches skip."""
 
     _nvtx = "dflash"   # NVTX range prefix
     # lane batches pass tile_live to their GEMMs (per launch K split; qkv skips context rows' Q)
     lane_batched = False
     pdl = False        # the subclass's pdl= (programmatic dependent launch in its step graphs)
+    # A lane batch's device flags per 16-row tile of its context / noise rows (the stream GEMMs
+    # and the norms skip dead tiles: idle lanes, padding) and the per-lane descriptors its
+    # attention reads (an idle lane's blocks exit at once); None: every row is live.
+    tiles_ctx = tiles_noise = None
+    _attn_live = None
+
+    def _take_args(self, weights, backend, x_split, pdl, tune) -> None:
+        """The constructor arguments every issuer takes, checked after the subclass's own
+        (so a bad one raises before anything is allocated)."""
+        self.x_split = bool_arg(x_split, "x_split")
+        self.pdl = bool_arg(pdl, "pdl")
+        if tune is not None:
+            bool_arg(tune, "tune")
+        self.backend = backends.get(backend)
+        self.config = weights.config
+        self.weights = weights
 
     capacity = property(lambda self: self.geom.capacity)
     q_len = property(lambda self: self.geom.q_len)
@@ -70,7 +100,6 @@ class StepIssuer:
         bit-identical and halves the bytes those GEMMs re-read per column group; only where the
         reading GEMM runs the stream path (f16/bf16 weights, K % 8 == 0) and, for ``act``, the
         gate_up and down weights share the type."""
-        from .ops.gemm import weight_kind
         if self.x_split:
             return None, None
         c, L0 = self.config, self.dw.layers[0]
@@ -84,6 +113,52 @@ class StepIssuer:
         """Device dtypes of ``attn`` and ``act`` (see ``_act16_kinds``)."""
         from . import dtypes
         return tuple(np.dtype(np.float32) if k is None else dtypes.DEVICE[k] for k in self._act16_kinds())
+
+    def _alloc_step_rows(self) -> int:
+        """The step's activations over its rows (``n_ctx`` context rows, then ``n_noise`` noise
+        rows) and whether the per-layer norms fold into the GEMMs (``_fold_norms``); returns
+        the attention gate's width (0: no gate)."""
+        be, c = self.backend, self.config
+        H, nc, nn, kvw = c.hidden_size, self.n_ctx, self.n_noise, c.kv_dim
+        # resid: [T (context-KV-norm variant) | h, the residual stream];
+        # xin: each layer's GEMM input [T or rmsnorm(T)*ln | rmsnorm(h)*ln].
+        self.resid = be.zeros((nc + nn, H), np.float32)
+        self.xin = be.zeros((nc + nn, H), np.float32)
+        self.h, self.hn = self.resid[nc:], self.xin[nc:]
+        # The per-layer input and post-attention RMSNorms fold into the qkv and
+        # gate_up GEMMs when they run on the stream path (16-bit weights, K % 8 == 0):
+        # those GEMMs then read resid / h directly, so the context rows live in resid.
+        L0 = self.dw.layers[0]
+        self._fold_norms = (H % 8 == 0 and all(weight_kind(a.dtype) in ("f16", "bf16")
+                                               for a in (L0.w_qkv, L0.w_gate_up)))
+        self.ctx_step = self.resid[:nc] if c.context_kv_layer_norm or self._fold_norms else self.xin[:nc]
+        self.noise_embed = be.zeros((nn, H), np.float32)   # read in place by the first layer
+        self.qkv = be.zeros((nc + nn, c.q_dim + 2 * kvw), np.float32)
+        self.q_all = be.zeros((nc + nn, c.q_dim), np.float32)
+        self.q = self.q_all[nc:]
+        attn_dt, act_dt = self._act_dtypes()   # f32, or 16-bit where x_split=False allows (_act16_kinds)
+        self.attn = be.zeros((nn, c.q_dim), attn_dt)
+        gate_w = {"none": 0, "head": c.n_head, "element": c.q_dim}[c.attn_gate]
+        self.gate = be.zeros((nn, gate_w), np.float32) if gate_w else None
+        self.act = be.zeros((nn, c.intermediate_size), act_dt)
+        self._hs = be.zeros((nn, H), np.float32)   # the final norm's output rows
+        return gate_w
+
+    def _build_step_ops(self, max_m: int, gate_w: int, logits: bool, **attn_kw) -> None:
+        """Every kernel a step or a bulk append launches, compiled now (nothing compiles
+        during capture); ``attn_kw``: the attention's lane layout."""
+        be, c = self.backend, self.config
+        self.rms = RmsNorm(be, c.hidden_size, c.rms_norm_eps)
+        self._build_gemms(max_m, gate_w, logits, self.n_noise)  # g_fc .. g_lm (x_split), _lm_part
+        self.sampler = TokenSampler(be, self.lm_head.shape[0]) if self.lm_head is not None else None
+        self.rope_ctx = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, False, c.rms_norm_eps,
+                                    self.attn_scaling)
+        self.rope_step = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, True, c.rms_norm_eps,
+                                     self.attn_scaling)
+        self.attention = RingAttention(be, c.head_dim, c.n_head, c.n_head_kv, self.q_len, self.kv_total,
+                                       gate=None if c.attn_gate == "none" else c.attn_gate,
+                                       out_kind=self._act16_kinds()[0], **attn_kw)
+        self.planner = StepPlanner(be, self.geom)
 
     def _build_gemms(self, max_m: int, gate_w: int, logits: bool, lm_rows: int) -> None:
         """The step's GEMMs (``g_fc`` .. ``g_lm``), compiled now, every one
@@ -109,9 +184,8 @@ class StepIssuer:
         # only where the step's rows take the wgmma kernel by default (its qkv variants are
         # compiled now, and cost a build where they would never run)
         from .ops.gemm_stream import WG_MIN_M
-        step_rows = self.lanes * (self.ctx_rows + self.lane_rows) if lanes else self.a_step + self.q_len
         rope = RopeSpec(c.head_dim, c.n_head, c.n_head_kv, c.rms_norm_eps, self.attn_scaling) \
-            if step_rows >= WG_MIN_M else None
+            if self.n_ctx + self.n_noise >= WG_MIN_M else None
         self.g_qkv = gemm(c.q_dim + 2 * kvw, H, L0.w_qkv.dtype, norm_eps=fold_eps,
                           skip_cols=c.q_dim if lanes else 0, rope=rope)
         self.g_o = gemm(H, c.q_dim, L0.w_o.dtype, "residual", x16=attn16 is not None)
@@ -126,6 +200,26 @@ class StepIssuer:
                          gemm(V, H, self.lm_head.dtype, "argmax", logits=False))
             if not logits:
                 self._lm_part = be.zeros(self.g_lm.partials_shape(lm_rows), np.uint32)
+
+    def _tune_sites(self) -> list:
+        """``(label, op, m)`` of every GEMM call a step or a bulk chunk makes, and the attention."""
+        nc, nn, R = self.n_ctx, self.n_noise, self.bulk_chunk
+        return [("fc", self.g_fc, nc), ("fc", self.g_fc, R), ("kv", self.g_kv, R), ("qkv", self.g_qkv, nc + nn),
+                ("attn_gate", self.g_attn_gate, nn), ("o", self.g_o, nn), ("gate_up", self.g_gate_up, nn),
+                ("down", self.g_down, nn), ("lm_head", self.g_lm, nn), ("attention", self.attention, 0)]
+
+    def _finish_init(self, labels, tune) -> None:
+        """The constructor's last step: the step state, the emulator's names for ``labels``,
+        the GEMMs' launch configurations measured on the device (``dflash_cupy/tuning.py``,
+        before any capture) and the stream order."""
+        self.captures = 0      # step graphs captured so far
+        self._slot = 0         # the descriptor buffer the planned step uses
+        self._planned = False
+        self._closed = False
+        self.host_waits = 0    # times the host had to wait for queued work to reuse a pinned buffer
+        self._label_arrays(labels)
+        self.tuned = tuning.tune_sites(self._tune_sites(), backend=self.backend, tune=tune)
+        self._init_order()
 
     # ------------------------------------------------------------ shared step pieces
     def _layer_input(self, li: int):
@@ -186,6 +280,71 @@ class StepIssuer:
                        self.k_cache[li], self.v_cache[li], q_norm=L.q_norm, q_out=self.q_all, stream=stream,
                        tile_live=gemm_kw.get("tile_live"))
 
+    def _step_layer(self, li: int, L, stream) -> None:
+        """One decoder layer (SPEC §2 step 2) over the noise rows, with the
+        layer's K/V of the step's appended context rows computed alongside:
+        one [q; k; v] GEMM and one norm+RoPE+scatter over all the step's rows (the
+        context rows' q is computed and ignored, or skipped where the wgmma kernel
+        reads tile_live: free next to streaming the weights once instead of twice).
+        Rows the step does not need are skipped as ``_qkv_skip``, ``tiles_noise`` and
+        ``_attn_live`` say (same outputs for every row a later launch reads)."""
+        nc, nn = self.n_ctx, self.n_noise
+        live = self.tiles_noise
+        h_in = self._layer_input(li)
+        ctx_norm = self.config.context_kv_layer_norm  # context rows: rmsnorm(T) * input_layernorm too
+        if self._fold_norms:
+            # rmsnorm(rows) * input_layernorm inside the GEMM, from the context rows then h_in
+            # (two pointers: noise_embed read in place); where the hidden norm folds too
+            # (_fold_hidden) the context rows are fc's outputs y, entering as
+            # rmsnorm(y) * hidden_norm = T: no node of its own
+            self._qkv_rope(li, L, self.ctx_step, nc + nn, stream, **self._qkv_skip(), **self._qkv_x2(li, nc),
+                           norm=self._qkv_norm(L, nc))
+            if self.g_attn_gate is not None:   # the gate GEMM still reads hn
+                self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
+        else:
+            if ctx_norm and li:
+                self.rms(self.resid, L.input_layernorm, self.xin, stream=stream)
+            elif ctx_norm:   # the first layer's noise rows are noise_embed, read in place
+                self.rms(self.ctx_step, L.input_layernorm, self.xin[:nc], stream=stream)
+                self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
+            else:
+                self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
+            self._qkv_rope(li, L, self.xin, nc + nn, stream, **self._qkv_skip())
+        if self.g_attn_gate is not None:
+            self.g_attn_gate(self.hn, L.w_attn_gate, self.gate, nn, tile_live=live, stream=stream)
+        mask = self.mask_swa if L.sliding else self.mask_full
+        self.attention(self.q, self.k_cache[li], self.v_cache[li], mask, self.attn, gate=self.gate,
+                       stream=stream, live=self._attn_live)
+        self.g_o(self.attn, L.w_o, self.h, nn, tile_live=live, residual=h_in, stream=stream)
+        if self._fold_norms:
+            self.g_gate_up(self.h, L.w_gate_up, self.act, nn, tile_live=live, stream=stream,
+                           norm=(L.post_attention_layernorm, 0))
+        else:
+            self.rms(self.h, L.post_attention_layernorm, self.hn, stream=stream)
+            self.g_gate_up(self.hn, L.w_gate_up, self.act, nn, tile_live=live, stream=stream)
+        self.g_down(self.act, L.w_down, self.h, nn, tile_live=live, residual=self.h, stream=stream)
+
+    def _run_rows(self, stream, eager: bool) -> None:
+        """The step after its planning launch: T for the appended context rows (the hidden
+        norm folded into the qkv GEMMs where they fold the input norms), the layers, the
+        final norm and the LM head (``_logits``, or the fused argmax's partials) with the
+        tokens."""
+        dw, nn, live = self.dw, self.n_noise, self.tiles_noise
+        self._fuse_rows(self.ap_feat, self.ctx_step, self.n_ctx, stream, hidden_norm=not self._fold_hidden(),
+                        tile_live=self.tiles_ctx)
+        for li, L in enumerate(dw.layers):
+            # per-layer ranges only when eager: inside a graph they would mark capture time
+            with nvtx_range(f"layer {li}") if eager else contextlib.nullcontext():
+                self._step_layer(li, L, stream)
+        self.rms(self.h, dw.norm, self._hs, stream=stream)
+        if self.g_lm is not None:
+            if self._logits is None:
+                self.g_lm(self._hs, self.lm_head, None, nn, tile_live=live, partials=self._lm_part, stream=stream)
+                self.sampler.reduce_partials(self._lm_part, self._tokens, nn, stream=stream)
+            else:
+                self.g_lm(self._hs, self.lm_head, self._logits, nn, tile_live=live, stream=stream)
+                self.sampler(self._logits, self._tokens, self.sample_knobs, self.sample_rng, nn, stream=stream)
+
     def _append_rows(self, feat, m: int, k_caches, v_caches, stream) -> None:
         """Bulk append: rows [0, m) of ``feat`` at ``ap_pos``/``ap_rows`` -> the K/V
         rows of every layer (``k_caches[l]``, ``v_caches[l]``)."""
@@ -198,6 +357,22 @@ class StepIssuer:
             self.g_kv(src, L.w_kv, self.ctx_kv, m, stream=stream)
             self.rope_ctx(self.ctx_kv, L.k_norm, self.inv_freq, self.ap_pos, self.ap_rows,
                           k_caches[li], v_caches[li], n_rows=m, stream=stream)
+
+    def _copy_noise_host(self, host, s) -> None:
+        """Host noise embeddings -> ``noise_embed`` on ``s``, through the pinned staging
+        buffers in turn (``_noise_rows``: where in a staging buffer they go)."""
+        i = self._noise_next
+        self._noise_next ^= 1
+        self._reuse(self._noise_events[i])  # the copy that last read this staging buffer
+        stage = self._noise_host[i]
+        self.backend.host_write(stage, f"{type(self).__name__}.set_noise_embed (staging)")
+        self._noise_rows(stage)[...] = host
+        self.backend.copy_h2d_async(self.noise_embed, stage, stream=s)
+        self._noise_events[i].record(s)
+
+    def _noise_rows(self, stage):
+        """Where the noise embeddings go in a staging buffer (a lane batch pads its lanes)."""
+        return stage
 
     def _init_order(self) -> None:
         # Construction memsets on the current stream: the first call on any other
@@ -264,6 +439,14 @@ class StepIssuer:
             self._tail.synchronize()
         except Exception:
             pass
+
+    def _release(self, keep) -> None:
+        """Close: drop every attribute but ``keep`` (device arrays, pinned staging, graphs,
+        compiled ops), so that only what repr and the closed checks read stays."""
+        for name in list(vars(self)):
+            if name not in keep:
+                setattr(self, name, None)
+        self._closed = True
 
     def __enter__(self):
         return self
