@@ -458,11 +458,7 @@ class DraftKvBatch(StepIssuer):
         shape = (self.lanes, self.q_len, c.hidden_size)
         dev = device_view(be, noise_embed, "noise_embed", dtype=np.float32, shape=shape)
         if dev is None:
-            host = np.asarray(noise_embed)
-            if host.shape != shape:
-                raise ValueError(f"noise_embed must have shape {list(shape)}, got {list(host.shape)}")
-            if host.dtype.kind != "f":
-                raise TypeError(f"noise_embed must be a float array, got dtype {host.dtype}")
+            host = self._check_host_noise(noise_embed, shape)
         stream = be.as_stream(stream)
         s = self._order(stream)
         B, BS = self.q_len, self.lane_rows

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import dtypes
 from .checks import int_arg
 from .feature_ring import FeatureRing
 from .geometry import BULK_CHUNK, RingGeometry
@@ -393,11 +392,7 @@ class DraftKvCache(StepIssuer):
         shape = (self.q_len, self.config.hidden_size)
         dev = device_view(self.backend, noise_embed, "noise_embed", dtype=np.float32, shape=shape)
         if dev is None:
-            host = np.asarray(noise_embed)
-            if host.shape != shape:
-                raise ValueError(f"noise_embed must have shape {list(shape)}, got {list(host.shape)}")
-            if host.dtype.kind != "f" and host.dtype != dtypes.HOST["bf16"]:
-                raise TypeError(f"noise_embed must be a float array, got dtype {host.dtype}")
+            self._check_host_noise(noise_embed, shape)
 
     def _check_outputs(self, out, tokens_out):
         """Device views of the caller's output buffers (validated before any change)."""

@@ -11,7 +11,7 @@ import contextlib
 
 import numpy as np
 
-from . import backends, tuning
+from . import backends, dtypes, tuning
 from .backends.base import programmatic_launches
 from .checks import bool_arg
 from .device_weights import device_dtype, to_device_matrix
@@ -357,6 +357,16 @@ class StepIssuer:
             self.g_kv(src, L.w_kv, self.ctx_kv, m, stream=stream)
             self.rope_ctx(self.ctx_kv, L.k_norm, self.inv_freq, self.ap_pos, self.ap_rows,
                           k_caches[li], v_caches[li], n_rows=m, stream=stream)
+
+    def _check_host_noise(self, noise_embed, shape) -> np.ndarray:
+        """Host noise embeddings as given (NumPy): ``shape``, a float dtype or bf16
+        (``ml_dtypes``), converted to f32 in the staging copy."""
+        host = np.asarray(noise_embed)
+        if host.shape != shape:
+            raise ValueError(f"noise_embed must have shape {list(shape)}, got {list(host.shape)}")
+        if host.dtype.kind != "f" and host.dtype != dtypes.HOST["bf16"]:
+            raise TypeError(f"noise_embed must be a float array, got dtype {host.dtype}")
+        return host
 
     def _copy_noise_host(self, host, s) -> None:
         """Host noise embeddings -> ``noise_embed`` on ``s``, through the pinned staging

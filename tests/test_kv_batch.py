@@ -367,3 +367,22 @@ def test_run_waits_only_for_rings_written_since_the_last_step(monkeypatch):
             not [w for i in (0, 1, 3) for w in waits if w is batch.rings[i].write_event]
     assert first >= 4
     be.synchronize()
+
+
+def test_host_noise_in_bf16_as_the_single_cache_takes_it():
+    """DraftKvBatch.set_noise_embed takes the host dtypes DraftKvCache takes (f32, f16,
+    bf16), converted to f32 alike; anything else is refused and changes nothing."""
+    import ml_dtypes
+    be, batch, _ = make("a", 2)
+    try:
+        shape = (batch.lanes, batch.q_len, batch.config.hidden_size)
+        x = np.random.default_rng(4).standard_normal(shape).astype(ml_dtypes.bfloat16)
+        batch.set_noise_embed(x)
+        got = be.to_numpy(batch.noise_embed).reshape(batch.lanes, batch.lane_rows, -1)[:, :batch.q_len]
+        np.testing.assert_array_equal(got, x.astype(np.float32))
+        with pytest.raises(TypeError, match="noise_embed must be a float array"):
+            batch.set_noise_embed(np.zeros(shape, np.int32))
+        np.testing.assert_array_equal(
+            be.to_numpy(batch.noise_embed).reshape(batch.lanes, batch.lane_rows, -1)[:, :batch.q_len], got)
+    finally:
+        batch.close()
