@@ -23,11 +23,13 @@
 //   as a matrix. N = GW_QW + 2 GW_KVW columns of heads of GW_HD values (GW_HD divides COLS,
 //   so every head lies in one column group). Once a tile's values are final (after the K loop
 //   or the split-K reduction, in the block that reduces) they are staged [BT][COLS] in shared
-//   memory over the x buffers, and each warp takes whole rows: per head rmsnorm * q_norm /
-//   k_norm and RoPE at pos[m] (rope_math.cuh: the same operations, so the same bits as GEMM +
-//   qkv_norm_rope), Q to y, K (f16) to k_cache[rows[m]], V (f16) to v_cache[rows[m]] (rows
-//   outside [0, kv_rows) skipped). tile_live as qkv_norm_rope reads it: dead rows nothing,
-//   rows marked 2 no Q heads. The trailing arguments (q_norm .. rope_scale) are read only here.
+//   memory over the x buffers, and each warp takes GW_EPI_UNITS (row, head) units at a time:
+//   per head rmsnorm * q_norm / k_norm and RoPE at pos[m] (rope_math.cuh: the same operations,
+//   so the same bits as GEMM + qkv_norm_rope), Q to y, K (f16) to k_cache[rows[m]], V (f16) to
+//   v_cache[rows[m]] (rows outside [0, kv_rows) skipped). tile_live as qkv_norm_rope reads it:
+//   dead rows nothing, rows marked 2 no Q heads. Padding rows [*pad_lo, pad_hi) get nothing
+//   either (qkv_norm_rope writes a rotated zero there: their Q is never read and their K/V go
+//   to the trash slot). The trailing arguments (q_norm .. rope_scale) are read only here.
 //
 // ---- Why wgmma, and "swap AB"
 //   With many rows the mma.sync kernel (gemm_stream.cu) is bound by mma.sync issue (about half
