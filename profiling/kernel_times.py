@@ -42,7 +42,7 @@ import numpy as np
 from dflash_cupy import kernels
 from dflash_cupy.backends.base import observe_launches
 
-from .launch_plan import ArrayRef, Copy, Launch, array_span, containing_name, name_arrays, node_label
+from .launch_plan import ArrayRef, Copy, Launch, array_span, name_arrays, named, node_label
 
 HOLD_TRIES = 3
 HOLD_MIN_S = 200e-6
@@ -80,8 +80,8 @@ def _ref(a, names) -> ArrayRef | None:
     span = array_span(a)
     if span is None:
         return None
-    r = ArrayRef("?", tuple(getattr(a, "shape", ())), str(getattr(a, "dtype", "?")), span[1], span[0])
-    return ArrayRef(names.get(span) or containing_name(names, r), r.shape, r.dtype, r.nbytes, r.ptr)
+    return named(ArrayRef("?", tuple(getattr(a, "shape", ())), str(getattr(a, "dtype", "?")), span[1], span[0]),
+                 names)
 
 
 def label_op(kind: str, name: str, args, names: dict) -> str:

@@ -17,6 +17,7 @@ each launch's arrays named after the cache attribute they are (``k_cache[2]``,
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -377,13 +378,17 @@ def name_arrays(kv) -> dict:
     return names
 
 
-def _rename(nodes, names):
-    def fix(r):
-        if isinstance(r, ArrayRef):
-            return ArrayRef(names.get((r.ptr, r.nbytes), containing_name(names, r)), r.shape, r.dtype,
-                            r.nbytes, r.ptr)
-        return r
+def named(r, names):
+    """``r`` (an ArrayRef) under its name in ``names`` (``name_arrays``), or the named array
+    holding it; anything else as it is."""
+    if isinstance(r, ArrayRef):
+        return ArrayRef(names.get((r.ptr, r.nbytes), containing_name(names, r)), r.shape, r.dtype,
+                        r.nbytes, r.ptr)
+    return r
 
+
+def _rename(nodes, names):
+    fix = functools.partial(named, names=names)
     for n in nodes:
         if isinstance(n, Launch):
             n.args = [fix(a) for a in n.args]
