@@ -229,6 +229,7 @@ constexpr int NCH = GW_NCH;                          // rows of x per wgmma (its
 constexpr int NCHUNK = BT / NCH;
 constexpr int TPC = NCH / 16;                        // 16-row tiles per chunk
 static_assert(BT % NCH == 0 && NCH % 16 == 0, "GW_NCH divides GW_BT in whole 16-row tiles");
+static_assert(BT % 32 == 0, "the folded norm's partial sums swizzle tokens inside aligned groups of 32");
 constexpr int KSTEP = 64;
 static_assert(GW_SKIP_COLS % COLS == 0, "GW_SKIP_COLS is a whole number of column groups");
 constexpr int QG = GW_SKIP_COLS / COLS;              // column groups that rows marked 2 skip
@@ -584,20 +585,24 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
         // start + 128j + 4L .. +3 over j, then the warp's xor butterfly. Here "lane" L = 16 (s % 2)
         // + 8h + l8 of step s is this thread's item: its partial lives in shared memory (registers
         // here make ptxas serialize every wgmma, C7515) and only its owner thread adds to it.
-        __shared__ float ss_p[32][BT];  // [L][token]
+        // [L][token ^ 4 (L % 8)]: the XOR spreads a staging instruction's 8 "lanes" L x 4 tokens
+        // (f32) or 4 x 8 (x16) over 32 banks (unswizzled: 4 banks, 8-way conflicts on every
+        // step's read and write of a partial); row_ss's reads of one L stay distinct words.
+        __shared__ float ss_p[32][BT];
+        auto ss_at = [&](int L, int n) -> float& { return ss_p[L][n ^ ((L & 7) << 2)]; };
 #pragma unroll
         for (int j = 0; j < IPT; j++) {
             const int i = (int)threadIdx.x + j * THREADS;
 #if GW_X16
             // item (n, h, tt) carries "lanes" L = 8h + 2tt and L + 1 (values 0..3 and 4..7)
             const int wi = i >> 5, n = 8 * (wi % (BT / 8)) + ((i & 31) >> 2), L = 8 * (wi / (BT / 8)) + 2 * (i & 3);
-            ss_p[L + 1][n] = 0.0f;
-            ss_p[17 + L][n] = 0.0f;
+            ss_at(L + 1, n) = 0.0f;
+            ss_at(17 + L, n) = 0.0f;
 #else
             const int wi = i >> 5, n = 4 * (wi % (BT / 4)) + ((i & 31) >> 3), L = 8 * (wi / (BT / 4)) + (i & 7);
 #endif
-            ss_p[L][n] = 0.0f;
-            ss_p[16 + L][n] = 0.0f;
+            ss_at(L, n) = 0.0f;
+            ss_at(16 + L, n) = 0.0f;
         }
 #endif
         auto stage = [&](int s, int buf) {
@@ -625,7 +630,7 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
                     const unsigned int q[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
                     for (int hh = 0; hh < 2; hh++) {  // "lane" L + hh: values 4hh .. 4hh + 3
-                        float* sp_ = &ss_p[16 * (s & 1) + 8 * h + 2 * tt + hh][n];
+                        float* sp_ = &ss_at(16 * (s & 1) + 8 * h + 2 * tt + hh, n);
                         float ss = *sp_;
 #pragma unroll
                         for (int e = 2 * hh; e < 2 * hh + 2; e++) {
@@ -666,7 +671,7 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
                 if (((cmask >> (n >> 4)) & 1u) && n < live && k < k_end && (grow < lo || grow >= pad_hi)) {
                     v = *reinterpret_cast<const float4*>(xrow(grow) + k);
 #if GW_NORM
-                    float* sp_ = &ss_p[16 * (s & 1) + 8 * h + l8][n];
+                    float* sp_ = &ss_at(16 * (s & 1) + 8 * h + l8, n);
                     float ss = *sp_;
                     ss = fmaf(v.x, v.x, ss);
                     ss = fmaf(v.y, v.y, ss);
@@ -755,7 +760,7 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
         auto row_ss = [&](int lt) {  // warp_sum's xor butterfly over the 32 partials, lane 0's result
             float v[32];
 #pragma unroll
-            for (int L = 0; L < 32; L++) v[L] = ss_p[L][lt];
+            for (int L = 0; L < 32; L++) v[L] = ss_at(L, lt);
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) {
                 float w2[32];

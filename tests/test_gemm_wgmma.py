@@ -291,6 +291,29 @@ def test_emulator_counts_match_the_static_model(emu, rng):
     assert abs(c.gld_sectors - st.gld_sectors) <= 0.02 * st.gld_sectors, (c.gld_sectors, st.gld_sectors)
 
 
+@pytest.mark.parametrize("variant,x_split", [("wg64", True), ("wg128", False)])
+def test_folded_norm_shared_memory_is_conflict_free(emu, rng, variant, x_split):
+    """The folded RMSNorm's per-row partial sums live in shared memory, read and written by
+    every staging item of every 64-k step: swizzled, every shared load and store of the
+    launch takes the minimum wavefronts (unswizzled they were 8-way conflicted)."""
+    from dflash_cupy.backends.emu_counters import count_launch
+
+    N, K, m = 300, 520, 150
+    op = _gemm(emu, N, K, x_split=x_split, norm_eps=1e-6)
+    op.use_config(m, (variant, 1))
+    sk = op._stream
+    p = sk.plan(m)
+    x = emu.asarray(rng.standard_normal((m, K)).astype(np.float32))
+    w = emu.asarray(host_weights(rng, N, K, "bf16"))
+    ln = emu.asarray((1.0 + 0.5 * rng.standard_normal(K)).astype(np.float32))
+    y = emu.zeros((m, N), np.float32)
+    args = (x, w, y, y, np.int32(m), np.int32(N), np.int32(p.kz), np.int32(p.kt), sk._ws, sk._counters,
+            sk._counters, np.int32(0), ln, np.float32(1e-6), np.int32(0), sk._counters, np.int32(0)) + _no_rope(sk) + _one_input(sk, x, m)
+    c = count_launch(sk._kernels[p.mt], p.grid, (p.threads, 1, 1), args, p.smem)
+    assert c.sld_requests > 0 and c.sld_wavefronts == c.sld_ideal, (c.sld_wavefronts, c.sld_ideal)
+    assert c.sst_wavefronts == c.sst_ideal, (c.sst_wavefronts, c.sst_ideal)
+
+
 def test_chunks_without_a_computed_tile_issue_no_wgmma(emu, rng):
     """The wgmmas run per 32 rows of x: a chunk whose 16-row tiles are dead (tile_live) or
     padding issues none. Emulator counts against the static model's, with the flags known,

@@ -207,8 +207,11 @@ def test_static_counters_follow_the_element_size(emu, rng, cfg, norm):
     assert c.arrays["y"].written_distinct == m * N * 2
     if cfg[1] == 1:   # (split K: the models' partial-tile stores are rougher, the f32 kernel's alike)
         assert abs(c.gst_sectors - st.gst_sectors) <= 0.02 * st.gst_sectors, (c.gst_sectors, st.gst_sectors)
-    if not norm:   # (the wgmma norm's sums in shared memory are not conflict-free, in either model)
-        assert c.sst_wavefronts == c.sst_ideal, (c.sst_wavefronts, c.sst_ideal)
+    # shared memory conflict-free, the wgmma norm's partial sums too (swizzled: 8-way before)
+    assert c.sst_wavefronts == c.sst_ideal, (c.sst_wavefronts, c.sst_ideal)
+    if isinstance(cfg[0], str):
+        assert c.sld_wavefronts == c.sld_ideal, (c.sld_wavefronts, c.sld_ideal)
+    if not norm:
         if isinstance(cfg[0], str):   # its static shared accesses are the staging stores alone
             assert c.sst_requests == st.smem_requests and c.sst_wavefronts == st.smem_wavefronts
 
