@@ -185,9 +185,11 @@ ring_attn_mma_split(const float* __restrict__ q,
             float a = 0.f, b2 = 0.f;
             if (rok[u]) {
                 const int h = kvh * G + rowr[u] % G;
-                const float* qp = q + ((long long)bq[u] * NH + h) * D + d;
-                a = qp[0] * qscale;
-                b2 = qp[1] * qscale;
+                // one 8-byte load per pair (d even, rows of D floats): two 4-byte ones
+                // touched every sector twice
+                const float2 qv = *reinterpret_cast<const float2*>(q + ((long long)bq[u] * NH + h) * D + d);
+                a = qv.x * qscale;
+                b2 = qv.y * qscale;
             }
             split2(a, b2, qh[kk][e], ql[kk][e]);
         }
@@ -353,12 +355,10 @@ ring_attn_mma_split(const float* __restrict__ q,
 #else
         float* po = part_o + ((long long)split * (B * NH) + qrow) * D;
 #pragma unroll
-        for (int j = 0; j < DN; ++j)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) po[8 * j + 2 * t + c] = o[j][2 * u + c];
+        for (int j = 0; j < DN; ++j)   // 8-byte pair stores (see Q's loads)
+            *reinterpret_cast<float2*>(po + 8 * j + 2 * t) = make_float2(o[j][2 * u], o[j][2 * u + 1]);
         if (t == 0) {
-            part_ml[((long long)split * (B * NH) + qrow) * 2] = m_run[u];
-            part_ml[((long long)split * (B * NH) + qrow) * 2 + 1] = l_run[u];
+            *reinterpret_cast<float2*>(part_ml + ((long long)split * (B * NH) + qrow) * 2) = make_float2(m_run[u], l_run[u]);
         }
 #endif
     }
