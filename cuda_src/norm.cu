@@ -8,6 +8,9 @@
 // w_rows > 1 serves tensors whose rows cycle through several weight vectors: the aux
 // hidden norms view x [M, n_cap*H] as [M*n_cap, H] rows with a weight table [n_cap, H].
 // (Per-head q/k norms are fused into rope.cu.)
+// NORM_Y16 1 / 2: y [rows, NORM_D] holds f16 / bf16 bits (dtypes.CODE), the f32 result
+// rounded once to nearest even (a 16-bit GEMM input: the GEMM reads half the bytes per
+// column group; y is then never x).
 //
 // tile_live [ceil(rows/16)] int32, read when use_live (a lane batch's flags, as its GEMMs
 // read them): rows of a tile marked 0 are skipped (y untouched there).
@@ -25,7 +28,10 @@
 // nvrtc-check: -DNORM_D=4096 -DNORM_TPR=256 -DNORM_BLOCK=256
 // nvrtc-check: -DNORM_D=19 -DNORM_TPR=32 -DNORM_BLOCK=128
 // nvrtc-check: -DNORM_D=5120 -DNORM_TPR=512 -DNORM_BLOCK=512
+// nvrtc-check: -DNORM_D=4096 -DNORM_TPR=256 -DNORM_BLOCK=256 -DNORM_Y16=2
+// nvrtc-check: -DNORM_D=19 -DNORM_TPR=32 -DNORM_BLOCK=128 -DNORM_Y16=1
 
+#include "bits16.cuh"
 #include "warp.cuh"
 #include "pdl.cuh"
 
@@ -37,6 +43,18 @@
 #endif
 #ifndef NORM_BLOCK
 #define NORM_BLOCK 128
+#endif
+
+#ifndef NORM_Y16
+#define NORM_Y16 0
+#endif
+#if NORM_Y16 < 0 || NORM_Y16 > 2
+#error "NORM_Y16 must be 0 (f32), 1 (f16) or 2 (bf16)"
+#endif
+#if NORM_Y16
+typedef unsigned short norm_out_t;
+#else
+typedef float norm_out_t;
 #endif
 
 #if NORM_TPR % 32 != 0 || NORM_BLOCK % NORM_TPR != 0
@@ -52,8 +70,18 @@ constexpr int ROWS_PER_BLOCK = NORM_BLOCK / NORM_TPR;
 constexpr int WARPS_PER_ROW = NORM_TPR / 32;
 }  // namespace norm_detail
 
+__device__ __forceinline__ void store4(float* p, float4 o) { *reinterpret_cast<float4*>(p) = o; }
+__device__ __forceinline__ void store1(float* p, float o) { *p = o; }
+// 16-bit y: 4 values as one 8-byte store (D % 4 == 0 and 16-byte aligned rows of x keep
+// y's rows 8-byte aligned)
+__device__ __forceinline__ void store4(unsigned short* p, float4 o) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(to_bits16<NORM_Y16>(o.x) | (to_bits16<NORM_Y16>(o.y) << 16),
+                                              to_bits16<NORM_Y16>(o.z) | (to_bits16<NORM_Y16>(o.w) << 16));
+}
+__device__ __forceinline__ void store1(unsigned short* p, float o) { *p = (unsigned short)to_bits16<NORM_Y16>(o); }
+
 extern "C" __global__ void __launch_bounds__(NORM_BLOCK)
-rmsnorm(const float* x, const float* w, float* y, int rows, int w_rows, float eps, const int* tile_live,
+rmsnorm(const float* x, const float* w, norm_out_t* y, int rows, int w_rows, float eps, const int* tile_live,
         int use_live)
 {
     pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
@@ -101,7 +129,7 @@ rmsnorm(const float* x, const float* w, float* y, int rows, int w_rows, float ep
 
     const float inv = rsqrtf(ss * (1.0f / D) + eps);
     const float* wr = w + (long long)(row % w_rows) * D;
-    float* yr = y + (long long)row * D;
+    norm_out_t* yr = y + (long long)row * D;
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) {
         const int c = t + i * NORM_TPR;
@@ -113,10 +141,9 @@ rmsnorm(const float* x, const float* w, float* y, int rows, int w_rows, float ep
                 o.y = v[i][VEC > 1 ? 1 : 0] * inv * g.y;
                 o.z = v[i][VEC > 2 ? 2 : 0] * inv * g.z;
                 o.w = v[i][VEC > 3 ? 3 : 0] * inv * g.w;
-                *reinterpret_cast<float4*>(yr + c * VEC) = o;
+                store4(yr + c * VEC, o);
             } else {
-                const float o = v[i][0] * inv * wr[c];
-                yr[c] = o;
+                store1(yr + c, v[i][0] * inv * wr[c]);
             }
         }
     }

@@ -25,6 +25,16 @@ from .ops.rope import QkvNormRope
 from .ops.sample import TokenSampler
 
 
+# Steps with at least this many noise rows (x_split=False) run the post-attention norm as
+# its own launch writing rmsnorm(h) * ln rounded once to the weight type, and the gate_up
+# GEMM reads those 16-bit rows (x16) instead of folding the norm and staging f32 h: every
+# column group stages the step's rows, so with many rows (a lane batch) that halves the
+# gate_up GEMM's largest L2 stream for one small node; with few rows the fold, one node
+# fewer, is cheaper. The cost model (profiling/lanes_model.py, h4096 2K, H200) crosses
+# between 96 rows (+10 us per step) and 128 (-9 us; -85 us at 256 rows, -207 at 1024).
+GATE_UP_X16_MIN_ROWS = 128
+
+
 class StepIssuer:
     """Mixin. The subclass's constructor calls ``_take_args`` once its own arguments are
     checked, sets ``geom``, ``dw``, ``n_ctx`` / ``n_noise`` (the step's rows, the GEMMs' M
@@ -109,6 +119,16 @@ class StepIssuer:
             and c.hidden_size % 8 == 0 else None
         return attn, act
 
+    def _gate_up_x16_kind(self):
+        """The weight kind ("f16" / "bf16") the gate_up GEMM's input is stored in by its own
+        norm launch (see ``GATE_UP_X16_MIN_ROWS``), or None (the norm folded, or f32 rows):
+        ``x_split=False``, a 16-bit gate_up weight with H % 8 == 0 (the stream path) and
+        enough noise rows."""
+        if self.x_split or self.n_noise < GATE_UP_X16_MIN_ROWS:
+            return None
+        kind = weight_kind(self.dw.layers[0].w_gate_up.dtype)
+        return kind if kind in ("f16", "bf16") and self.config.hidden_size % 8 == 0 else None
+
     def _act_dtypes(self) -> tuple:
         """Device dtypes of ``attn`` and ``act`` (see ``_act16_kinds``)."""
         from . import dtypes
@@ -141,6 +161,8 @@ class StepIssuer:
         gate_w = {"none": 0, "head": c.n_head, "element": c.q_dim}[c.attn_gate]
         self.gate = be.zeros((nn, gate_w), np.float32) if gate_w else None
         self.act = be.zeros((nn, c.intermediate_size), act_dt)
+        hn16 = self._gate_up_x16_kind()   # gate_up's 16-bit input rows, or None
+        self.hn16 = be.zeros((nn, H), dtypes.DEVICE[hn16]) if hn16 else None
         self._hs = be.zeros((nn, H), np.float32)   # the final norm's output rows
         return gate_w
 
@@ -149,6 +171,8 @@ class StepIssuer:
         during capture); ``attn_kw``: the attention's lane layout."""
         be, c = self.backend, self.config
         self.rms = RmsNorm(be, c.hidden_size, c.rms_norm_eps)
+        hn16 = self._gate_up_x16_kind()
+        self.rms16 = RmsNorm(be, c.hidden_size, c.rms_norm_eps, out_kind=hn16) if hn16 else None
         self._build_gemms(max_m, gate_w, logits, self.n_noise)  # g_fc .. g_lm (x_split), _lm_part
         self.sampler = TokenSampler(be, self.lm_head.shape[0]) if self.lm_head is not None else None
         self.rope_ctx = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, False, c.rms_norm_eps,
@@ -189,8 +213,9 @@ class StepIssuer:
         self.g_qkv = gemm(c.q_dim + 2 * kvw, H, L0.w_qkv.dtype, norm_eps=fold_eps,
                           skip_cols=c.q_dim if lanes else 0, rope=rope)
         self.g_o = gemm(H, c.q_dim, L0.w_o.dtype, "residual", x16=attn16 is not None)
-        self.g_gate_up = gemm(c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul", norm_eps=fold_eps,
-                              y16=act16 is not None)
+        x16 = self._gate_up_x16_kind() is not None   # its norm a launch of its own, 16-bit rows
+        self.g_gate_up = gemm(c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul",
+                              norm_eps=None if x16 else fold_eps, x16=x16, y16=act16 is not None)
         self.g_down = gemm(H, c.intermediate_size, L0.w_down.dtype, "residual", x16=act16 is not None)
         self.g_attn_gate = gemm(gate_w, H, L0.w_attn_gate.dtype) if gate_w else None
         self.g_lm = self._lm_part = None
@@ -316,7 +341,10 @@ class StepIssuer:
         self.attention(self.q, self.k_cache[li], self.v_cache[li], mask, self.attn, gate=self.gate,
                        stream=stream, live=self._attn_live)
         self.g_o(self.attn, L.w_o, self.h, nn, tile_live=live, residual=h_in, stream=stream)
-        if self._fold_norms:
+        if self.hn16 is not None:
+            self.rms16(self.h, L.post_attention_layernorm, self.hn16, tile_live=live, stream=stream)
+            self.g_gate_up(self.hn16, L.w_gate_up, self.act, nn, tile_live=live, stream=stream)
+        elif self._fold_norms:
             self.g_gate_up(self.h, L.w_gate_up, self.act, nn, tile_live=live, stream=stream,
                            norm=(L.post_attention_layernorm, 0))
         else:

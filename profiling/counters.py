@@ -1291,7 +1291,7 @@ def _small(L) -> KernelCounters:
         rows, D = a[3], d["NORM_D"]
         flags = L.known.get("tile_live") if len(a) > 7 and int(a[7]) else None
         live = rows if flags is None else sum(1 for r in range(rows) if flags[r // 16])
-        writes = [(_name(a[2]), live * D * 4)]
+        writes = [(_name(a[2]), live * D * (2 if d.get("NORM_Y16", 0) else 4))]   # NORM_Y16: 16-bit y
         return _bytes_only(L, [(_name(a[0]), live * D * 4), (_name(a[1]), a[4] * D * 4)], writes,
                            f"tile_live: {rows - live} dead row(s) skipped" if flags is not None else "")
     if k == "ring_attn_combine":   # merge="launch": every lane of a LANES launch assumed live

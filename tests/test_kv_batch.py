@@ -386,3 +386,27 @@ def test_host_noise_in_bf16_as_the_single_cache_takes_it():
             be.to_numpy(batch.noise_embed).reshape(batch.lanes, batch.lane_rows, -1)[:, :batch.q_len], got)
     finally:
         batch.close()
+
+
+def test_gate_up_reads_sixteen_bit_norm_rows(monkeypatch):
+    """x_split=False with many noise rows (``step_issuer.GATE_UP_X16_MIN_ROWS``, lowered here
+    so a small batch takes it): the post-attention norm is its own launch writing 16-bit rows
+    (``hn16``) and the gate_up GEMM reads them (x16, no folded norm). Every active lane still
+    equals its twin bit for bit (the twin takes the same path) and each twin its oracle at the
+    x_split=False tolerance; below the threshold the norm stays folded."""
+    import dflash_cupy.step_issuer as si
+    be, batch, twins = make("b", 2, x_split=False)
+    assert batch.hn16 is None and batch.rms16 is None and not batch.g_gate_up.x16   # 2 lanes: folded
+    monkeypatch.setattr(si, "GATE_UP_X16_MIN_ROWS", batch.n_noise + 1)
+    be, batch, twins = make("b", 2, x_split=False)
+    assert batch.hn16 is None
+    monkeypatch.setattr(si, "GATE_UP_X16_MIN_ROWS", 1)
+    be, batch, twins = make("b", 2, x_split=False)
+    assert batch.hn16 is not None and batch.g_gate_up.x16 and batch.g_gate_up.norm_eps is None
+    assert batch.hn16.dtype == batch.g_gate_up.x_dtype and batch.rms16.out_kind is not None
+    assert all(t.kv.hn16 is not None and t.kv.g_gate_up.x16 for t in twins)
+    for k, ops in enumerate([[5, 30], [9, IDLE], [12, ("rewind", 20)], [("reset", 7), 40]]):
+        play(be, batch, twins, ops, eager=(k == 1))
+    # x_split=True never stores the rows in 16 bits
+    be, batch, twins = make("b", 2, x_split=True)
+    assert batch.hn16 is None and not batch.g_gate_up.x16

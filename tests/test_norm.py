@@ -146,3 +146,38 @@ def test_tile_live_skips_dead_rows(backend, rng, D):
         op(x, w, y_fl, tile_live=backend.asarray(flags[:3]))
     with pytest.raises(TypeError, match="tile_live"):
         op(x, w, y_fl, tile_live=backend.asarray(flags.astype(np.float32)))
+
+
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+@pytest.mark.parametrize("D", [19, 4096])
+def test_sixteen_bit_output_is_the_f32_result_rounded_once(backend, rng, kind, D):
+    """``out_kind``: y holds the f32 kernel's own result rounded to nearest even, bit for bit
+    (scalar and float4 paths, tile_live skipping a dead tile, rows past ``rows`` untouched);
+    a 16-bit y may not alias x, and y's dtype is checked."""
+    from dflash_cupy import dtypes
+    nrows, rows = 40, 37
+    xh = (rng.standard_normal((nrows, D)) * rng.uniform(0.01, 50, (nrows, 1))).astype(np.float32)
+    wh = (1.0 + 0.3 * rng.standard_normal(D)).astype(np.float32)
+    x, w = backend.asarray(xh), backend.asarray(wh)
+    live = backend.asarray(np.array([1, 0, 1], np.int32))   # rows 16..31 dead
+    y32 = backend.zeros((nrows, D), np.float32)
+    RmsNorm(backend, D)(x, w, y32, rows=rows, tile_live=live)
+    op = RmsNorm(backend, D, out_kind=kind)
+    assert op.out_kind == kind and kind in repr(op)
+    sentinel = np.full((nrows, D), 0x7E01, np.uint16).view(dtypes.DEVICE[kind])
+    y = backend.asarray(sentinel)
+    op(x, w, y, rows=rows, tile_live=live)
+    got = backend.to_numpy(y).view(np.uint16)
+    want = dtypes.device_bits(backend.to_numpy(y32).astype(dtypes.HOST[kind])).view(np.uint16)
+    live_rows = np.r_[0:16, 32:rows]
+    np.testing.assert_array_equal(got[live_rows], want[live_rows])
+    np.testing.assert_array_equal(got[16:32], sentinel.view(np.uint16)[16:32], err_msg="dead tile written")
+    np.testing.assert_array_equal(got[rows:], sentinel.view(np.uint16)[rows:], err_msg="rows past `rows` written")
+    assert not np.array_equal(got[live_rows], dtypes.device_bits(xh.astype(dtypes.HOST[kind])).view(np.uint16)[live_rows])
+    with pytest.raises(TypeError, match="y must have dtype"):
+        op(x, w, y32)
+    with pytest.raises(ValueError, match="must not overlap x"):
+        op(x, w, x.view(dtypes.DEVICE[kind]).reshape(-1)[:nrows * D].reshape(nrows, D))
+    assert RmsNorm(backend, D, out_kind="f32").out_kind is None
+    with pytest.raises(TypeError, match="out_kind"):
+        RmsNorm(backend, D, out_kind="int8")
