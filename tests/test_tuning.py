@@ -117,6 +117,20 @@ def test_tune_picks_the_fastest_and_caches_it(emu, tmp_path):
     assert op3.config(m) == op3.default_config(m)
 
 
+def test_gemm_keys_tell_kernel_variants_apart(emu):
+    """A choice timed for one kernel variant never serves another of the same shape: 16-bit
+    x or y, the fused qkv epilogue, the on-device K split and skipped columns are in the key."""
+    from dflash_cupy.ops.rope import RopeSpec
+    base = dict(max_m=64, x_split=False)
+    ops = [Gemm(emu, 256, 1040, "bf16", **base), Gemm(emu, 256, 1040, "bf16", x16=True, **base),
+           Gemm(emu, 256, 1040, "bf16", y16=True, **base), Gemm(emu, 256, 1040, "bf16", live_split=True, **base),
+           Gemm(emu, 256, 1040, "bf16", live_split=True, skip_cols=128, **base),
+           Gemm(emu, 256, 1040, "bf16", rope=RopeSpec(64, 2, 1, 1e-6, 1.0), **base)]
+    keys = [tuning.gemm_key(op, 33) for op in ops]
+    assert len(set(keys)) == len(keys), keys
+    assert tuning.gemm_key(Gemm(emu, 256, 1040, "bf16", **base), 33) == keys[0]
+
+
 def test_bad_cache_files_are_ignored_not_trusted(emu, tmp_path):
     path = tmp_path / "tuning.json"
     path.write_text("{not json")
