@@ -181,3 +181,29 @@ def test_sixteen_bit_output_is_the_f32_result_rounded_once(backend, rng, kind, D
     assert RmsNorm(backend, D, out_kind="f32").out_kind is None
     with pytest.raises(TypeError, match="out_kind"):
         RmsNorm(backend, D, out_kind="int8")
+
+
+def test_sixteen_bit_output_counters_match_the_static_model(emu, rng):
+    """The emulator's count of a 16-bit-output launch (every block) against
+    profiling/counters.py: half the f32 launch's store bytes, the same load bytes."""
+    from dflash_cupy.backends.emu_counters import count_launch
+    from profiling import counters as ctr
+    from profiling.launch_plan import RecordingBackend
+
+    D, rows = 4096, 19
+    stored = {}
+    for kind in (None, "bf16"):
+        rec = RecordingBackend()
+        op = RmsNorm(rec, D, out_kind=kind)
+        op(rec.zeros((rows, D), np.float32), rec.zeros((D,), np.float32), rec.zeros((rows, D), op.y_dtype))
+        st = ctr.static_counters(rec.eager[-1])
+        eop = RmsNorm(emu, D, out_kind=kind)
+        x = emu.asarray(rng.standard_normal((rows, D)).astype(np.float32))
+        w, y = emu.asarray(np.ones(D, np.float32)), emu.zeros((rows, D), eop.y_dtype)
+        grid = (-(-rows // eop.rows_per_block), 1, 1)
+        c = count_launch(eop._kernel, grid, (eop.block, 1, 1),
+                         (x, w, y, np.int32(rows), np.int32(1), np.float32(eop.eps), eop._no_live, np.int32(0)))
+        assert c.gst_bytes == sum(st.bytes_written.values()) == rows * D * eop.y_dtype.itemsize
+        assert c.gst_sectors == c.gst_bytes // 32        # 8-byte stores: whole sectors
+        stored[kind] = c.gst_bytes
+    assert stored["bf16"] * 2 == stored[None]
