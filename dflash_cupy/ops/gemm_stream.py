@@ -160,7 +160,13 @@ def plan(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device = H200
         if ks_eff != ks or (ks > 1 and kz < MIN_K_SLICE and forced is None):
             continue
         blocks = nblk * gy * ks
-        rounds = -(-blocks // dev.sm_count)
+        # the busiest SM's blocks; past one wave of resident blocks, a partial last wave is
+        # priced whole (its few blocks run alone: latency- not bandwidth-bound, as
+        # profiling/perf_model.py's wave bound has it; h5120 gate_up: 10 slices left a
+        # 40-block tail on 264 slots, 9 none)
+        slots = dev.sm_count * max(1, blocks_per_sm(mt, 0))
+        rounds = (-(-blocks // slots) * (slots // dev.sm_count) if blocks > slots
+                  else -(-blocks // dev.sm_count))
         block_bytes = cols * nw * kz * 2
         live = min(m, rows)
         partial = 2 * ks * m * N * nw * 4 if ks > 1 else 0    # every M block's partial tiles, written and read
