@@ -120,7 +120,8 @@ def test_k_split_follows_the_device_sm_count(emu, monkeypatch):
     big = dataclasses.replace(device_props.H200, sm_count=264)
     monkeypatch.setattr(device_props, "of", lambda be: big)
     assert Gemm(emu, 5120, 17408, "bf16", max_m=16, path="mma").k_split == 4 * 264 // 160
-    small = dataclasses.replace(device_props.H200, sm_count=33)
+    # an A100's 108 SMs: 5 slices (100 blocks, one wave of its 216 slots), where the H200 takes 13
+    small = dataclasses.replace(device_props.H200, sm_count=108)
     monkeypatch.setattr(device_props, "of", lambda be: small)
     assert Gemm(emu, 5120, 17408, "bf16", max_m=16).k_split < h200
 
