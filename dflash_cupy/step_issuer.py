@@ -171,8 +171,8 @@ class StepIssuer:
         during capture); ``attn_kw``: the attention's lane layout."""
         be, c = self.backend, self.config
         self.rms = RmsNorm(be, c.hidden_size, c.rms_norm_eps)
-        hn16 = self._gate_up_x16_kind()
-        self.rms16 = RmsNorm(be, c.hidden_size, c.rms_norm_eps, out_kind=hn16) if hn16 else None
+        self.rms16 = None if self.hn16 is None else RmsNorm(be, c.hidden_size, c.rms_norm_eps,
+                                                            out_kind=self._gate_up_x16_kind())
         self._build_gemms(max_m, gate_w, logits, self.n_noise)  # g_fc .. g_lm (x_split), _lm_part
         self.sampler = TokenSampler(be, self.lm_head.shape[0]) if self.lm_head is not None else None
         self.rope_ctx = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, False, c.rms_norm_eps,
@@ -213,7 +213,7 @@ class StepIssuer:
         self.g_qkv = gemm(c.q_dim + 2 * kvw, H, L0.w_qkv.dtype, norm_eps=fold_eps,
                           skip_cols=c.q_dim if lanes else 0, rope=rope)
         self.g_o = gemm(H, c.q_dim, L0.w_o.dtype, "residual", x16=attn16 is not None)
-        x16 = self._gate_up_x16_kind() is not None   # its norm a launch of its own, 16-bit rows
+        x16 = self.hn16 is not None   # its norm a launch of its own (rms16), 16-bit rows
         self.g_gate_up = gemm(c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul",
                               norm_eps=None if x16 else fold_eps, x16=x16, y16=act16 is not None)
         self.g_down = gemm(H, c.intermediate_size, L0.w_down.dtype, "residual", x16=act16 is not None)

@@ -32,9 +32,8 @@ class RmsNorm:
         eps = checks.float_arg(eps, "eps")
         if not eps >= 0.0:
             raise ValueError(f"eps must be >= 0, got {eps!r}")
-        if out_kind is not None and dtypes.kind_of(out_kind, "out_kind") == "f32":
-            out_kind = None
-        self.out_kind = None if out_kind is None else dtypes.kind_of(out_kind, "out_kind")
+        kind = None if out_kind is None else dtypes.kind_of(out_kind, "out_kind")
+        self.out_kind = None if kind == "f32" else kind
         self.y_dtype = dtypes.DEVICE[self.out_kind or "f32"]
         self.backend = backend
         self.D = int(D)
