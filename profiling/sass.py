@@ -1,0 +1,583 @@
+"""What ptxas made: the SASS of a kernel, read for the facts that decide its speed.
+
+    python -m profiling.sass --drafter h4096 --window 2048            # every launch of the step
+    python -m profiling.sass --file gemm_stream.cu -D GS_K=4096 ...   # one build
+    python -m profiling.sass ... --dump DIR                           # the annotated SASS too
+
+A source is compiled to a cubin with the NVRTC the product uses (the CuPy
+backend's flags, ``nvrtc_info.nvrtc_options``, plus ``-lineinfo``, which does
+not change the code), disassembled with ``nvdisasm`` (the
+``nvidia-cuda-nvdisasm`` wheel, found by ``cuda.pathfinder``) and parsed with
+each instruction's control word. The control word is what the hardware obeys:
+a variable-latency instruction (a global or shared load, ``LDC``, ``S2R``)
+sets a write scoreboard (0-5), and the first instruction that needs its result
+waits on that scoreboard. So, per kernel, without a GPU:
+
+* **loops**: back edges; a loop's body is the address range of the jump back
+  (ptxas lays loops out contiguously); the innermost loops are the steady states;
+* **loads in flight**: the body is replayed in address order (two passes, so
+  a load issued for the next iteration stays in flight across the back edge)
+  with a set of outstanding global loads; each wait retires the loads of its
+  scoreboards (``DEPBAR.LE SBk, n`` the oldest until n remain). The peak bytes
+  outstanding per thread is what Little's law needs; a wait that retires a
+  global load is a **round trip** (a dependent chain is a run of them);
+* **trip counts** where the loop compares its counter with an immediate
+  (``ISETP ... Rc, imm`` feeding the back edge, ``Rc`` stepped by an immediate
+  in the body and set by an immediate before it), else None;
+* barriers (``BAR``), fences (``MEMBAR``/``FENCE``), atomics, issue slots.
+
+``facts(file, defines)`` returns a ``KernelSass`` per kernel; the cubin and its
+disassembly are cached on disk beside the NVRTC resources (keyed as those are:
+source, headers, options, architecture, NVRTC version). What it cannot see:
+anything decided at run time (a data-dependent branch is read as taken in
+address order), and the memory system's answer (latency and bandwidth are
+``hw_params``'s).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from dflash_cupy import kernels
+from dflash_cupy.backends import nvrtc_info
+
+_SASS_VERSION = "1"
+
+
+class SassUnavailable(RuntimeError):
+    """nvdisasm or NVRTC's cubin output is not available on this machine."""
+
+
+# ----------------------------------------------------------------------------- build
+@functools.lru_cache(maxsize=1)
+def _nvrtc_lib():
+    """libnvrtc itself (the cubin calls; ``cupy_backends``' ``getCUBIN`` cuts the ELF at its
+    first NUL byte), the same library CuPy loads."""
+    nvrtc_info._nvrtc()
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+        lib = ctypes.CDLL(load_nvidia_dynamic_lib("nvrtc").abs_path)
+    except Exception as e:  # pathfinder missing or finds nothing
+        raise SassUnavailable(f"libnvrtc cannot be opened for its cubin ({type(e).__name__}: {e})") from None
+    for fn in (lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN):
+        fn.restype = ctypes.c_int
+    return lib
+
+
+@functools.lru_cache(maxsize=1)
+def nvdisasm_path() -> str:
+    env = os.environ.get("DFLASH_CUPY_NVDISASM")
+    if env:
+        return env
+    try:
+        from cuda.pathfinder import find_nvidia_binary_utility
+        p = find_nvidia_binary_utility("nvdisasm")
+    except Exception:
+        p = None
+    if not p:
+        raise SassUnavailable("nvdisasm not found: pip install nvidia-cuda-nvdisasm (the 'test' / "
+                              "'bench' extras), or set DFLASH_CUPY_NVDISASM")
+    return p
+
+
+def compile_cubin(source: str, filename: str, options: Sequence[str], arch: str) -> bytes:
+    """NVRTC's cubin of ``source`` (the backends' options, ``-lineinfo`` added)."""
+    from cupy_backends.cuda.libs import nvrtc
+    lib = _nvrtc_lib()
+    opts = nvrtc_info.nvrtc_options(arch, options) + ["-lineinfo"]
+    prog = nvrtc.createProgram(nvrtc_info.with_line_directive(source, filename), filename, [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            log = nvrtc.getProgramLog(prog)
+            raise nvrtc_info.NvrtcCompileError(f"{filename} [{arch}]: NVRTC error {e}:\n{log}", log) from None
+        size = ctypes.c_size_t()
+        if lib.nvrtcGetCUBINSize(ctypes.c_void_p(prog), ctypes.byref(size)) != 0 or not size.value:
+            raise SassUnavailable(f"{filename}: NVRTC gave no cubin for {arch}")
+        buf = ctypes.create_string_buffer(size.value)
+        if lib.nvrtcGetCUBIN(ctypes.c_void_p(prog), buf) != 0:
+            raise SassUnavailable(f"{filename}: nvrtcGetCUBIN failed")
+        return buf.raw
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def disassemble(cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        r = subprocess.run([nvdisasm_path(), "-c", "-hex", "-g", f.name], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SassUnavailable(f"nvdisasm failed: {r.stderr.strip()[:500]}")
+    return r.stdout
+
+
+def sass_text(file: str, defines: dict, arch: str | None = None) -> str:
+    """The annotated disassembly of ``cuda_src/<file>`` built with ``defines`` (cached on disk)."""
+    path = kernels.source_path(file)
+    source = path.read_text()
+    arch = arch or nvrtc_info.declared_arch(source) or nvrtc_info.ARCH
+    options = kernels.compile_options(**defines)
+    key = nvrtc_info.cache_key(source, str(path), options, arch)
+    cache = nvrtc_info.cache_root().parent / "sass"
+    cache.mkdir(parents=True, exist_ok=True)
+    out = cache / f"{key}-{_SASS_VERSION}.sass"
+    try:
+        return out.read_text()
+    except OSError:
+        pass
+    text = disassemble(compile_cubin(source, str(path), options, arch))
+    fd, tmp = tempfile.mkstemp(dir=cache, prefix=out.stem, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, out)  # atomic: concurrent test workers see all or nothing
+    return text
+
+
+# ----------------------------------------------------------------------------- parse
+@dataclass(frozen=True)
+class Instr:
+    addr: int
+    pred: str            # "@P0", "@!P1" or ""
+    op: str              # with its modifiers: "LDG.E.128.CONSTANT"
+    operands: str
+    stall: int
+    wbar: int            # write scoreboard set (7: none)
+    rbar: int            # read scoreboard set (7: none)
+    wait: int            # scoreboards waited on (bit mask)
+    src: tuple           # (file name, line) of the source, or ("", 0)
+    target: int | None = None   # a branch's target address
+
+    @property
+    def base(self) -> str:
+        return self.op.split(".", 1)[0]
+
+    @property
+    def mods(self) -> tuple:
+        return tuple(self.op.split(".")[1:])
+
+
+_INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?)\s*;\s*/\*\s*0x([0-9a-f]{16})\s*\*/")
+_HI = re.compile(r"^\s*/\*\s*0x([0-9a-f]{16})\s*\*/\s*$")
+_LINE = re.compile(r'^\s*//## File "([^"]+)", line (\d+)')
+_FUNC = re.compile(r"^//-+ \.text\.(\S+)")
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+
+
+def parse(text: str) -> dict[str, list[Instr]]:
+    """Kernel name -> its instructions in address order, control words decoded
+    (bits 105-127: stall 4, yield 1, write barrier 3, read barrier 3, wait mask 6, reuse 4)."""
+    funcs: dict[str, list] = {}
+    labels: dict[str, dict[str, int]] = {}
+    cur = None
+    src = ("", 0)
+    pending = None
+    for line in text.splitlines():
+        m = _FUNC.match(line)
+        if m:
+            cur = m.group(1)
+            funcs[cur] = []
+            labels[cur] = {}
+            continue
+        if cur is None:
+            continue
+        m = _LINE.match(line)
+        if m:
+            src = (Path(m.group(1)).name, int(m.group(2)))
+            continue
+        m = _LABEL.match(line)
+        if m:
+            labels[cur][m.group(1)] = None  # resolved to the next instruction's address
+            pending = (pending or []) + [m.group(1)]
+            continue
+        m = _INSTR.match(line)
+        if m:
+            addr = int(m.group(1), 16)
+            for lab in pending or ():
+                labels[cur][lab] = addr
+            pending = None
+            funcs[cur].append([addr, (m.group(2) or "").strip(), m.group(3), m.group(4), src])
+            continue
+        m = _HI.match(line)
+        if m and funcs[cur] and len(funcs[cur][-1]) == 5:
+            funcs[cur][-1].append(int(m.group(1), 16))
+    out: dict[str, list[Instr]] = {}
+    for name, rows in funcs.items():
+        end = (rows[-1][0] + 16) if rows else 0
+        instrs = []
+        for row in rows:
+            addr, pred, op, operands, s = row[:5]
+            hi = row[5] if len(row) > 5 else 0
+            ctrl = hi >> 41
+            t = _TARGET.search(operands)
+            target = None
+            if t:
+                target = labels[name].get(t.group(1))
+                if target is None:
+                    target = end
+            instrs.append(Instr(addr, pred, op, operands, ctrl & 0xF, (ctrl >> 5) & 7, (ctrl >> 8) & 7,
+                                (ctrl >> 11) & 0x3F, s, target))
+        out[name] = instrs
+    return out
+
+
+# ----------------------------------------------------------------------------- classify
+_WIDTH = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
+
+
+def access_bytes(ins: Instr) -> int:
+    for m in ins.mods:
+        if m in _WIDTH:
+            return _WIDTH[m]
+    return 4
+
+
+def is_global_load(ins: Instr) -> bool:
+    return ins.base in ("LDG", "LD") or (ins.base == "LDGSTS")
+
+
+def is_shared_load(ins: Instr) -> bool:
+    return ins.base in ("LDS", "LDSM")
+
+
+def is_atomic(ins: Instr) -> bool:
+    return ins.base in ("ATOM", "ATOMG", "RED", "REDG", "ATOMS")
+
+
+def is_fence(ins: Instr) -> bool:
+    return ins.base in ("MEMBAR", "FENCE")
+
+
+def is_barrier(ins: Instr) -> bool:
+    return ins.base == "BAR" or (ins.base == "BAR" and "SYNC" in ins.mods)
+
+
+_DEPBAR = re.compile(r"SB(\d)\s*,\s*(0x[0-9a-f]+|\d+)")
+
+
+# ----------------------------------------------------------------------------- loops
+@dataclass
+class Loop:
+    head: int            # first address of the body
+    tail: int            # address of the branch back
+    depth: int = 0       # 0: outermost
+    inner: bool = True   # contains no other loop
+    trips: int | None = None
+    # per iteration of the steady state (the body's second replay)
+    instructions: int = 0
+    global_loads: int = 0
+    global_bytes: int = 0
+    wide_loads: int = 0          # 16-byte global loads
+    shared_loads: int = 0
+    round_trips: int = 0         # waits that retire a global load
+    peak_inflight_bytes: int = 0  # per thread, global loads issued and not yet waited on
+    peak_inflight_loads: int = 0
+    barriers: int = 0
+    fences: int = 0
+    atomics: int = 0
+    lines: tuple = ()            # the source lines of its global loads
+
+    def body(self, instrs):
+        return [i for i in instrs if self.head <= i.addr <= self.tail]
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["lines"] = [f"{f}:{n}" for f, n in self.lines]
+        return d
+
+
+def find_loops(instrs: list[Instr]) -> list[Loop]:
+    """One loop per backward branch (merged when two jump back to the same head)."""
+    by_head: dict[int, int] = {}
+    for ins in instrs:
+        if ins.base == "BRA" and ins.target is not None and ins.target <= ins.addr:
+            by_head[ins.target] = max(by_head.get(ins.target, 0), ins.addr)
+    loops = [Loop(h, t) for h, t in sorted(by_head.items())]
+    for a in loops:
+        a.depth = sum(1 for b in loops if b is not a and b.head <= a.head and a.tail <= b.tail)
+        a.inner = not any(b is not a and a.head <= b.head and b.tail <= a.tail for b in loops)
+    return loops
+
+
+@dataclass
+class Replay:
+    """What one pass over a straight run of instructions saw."""
+    instructions: int = 0
+    global_loads: int = 0
+    global_bytes: int = 0
+    wide_loads: int = 0
+    shared_loads: int = 0
+    round_trips: int = 0
+    peak_inflight_bytes: int = 0
+    peak_inflight_loads: int = 0
+    barriers: int = 0
+    fences: int = 0
+    atomics: int = 0
+    lines: list = field(default_factory=list)
+
+
+def replay(run: list[Instr], outstanding: list | None = None) -> tuple[Replay, list]:
+    """Replay ``run`` in order with ``outstanding`` global loads ([(scoreboard, bytes)] oldest
+    first) in flight at its start; returns what it saw and what is still in flight."""
+    out = list(outstanding or [])
+    r = Replay()
+    for ins in run:
+        r.instructions += 1
+        retired = 0
+        if ins.wait:
+            keep = []
+            for sb, nbytes in out:
+                if ins.wait >> sb & 1:
+                    retired += 1
+                else:
+                    keep.append((sb, nbytes))
+            out = keep
+        if ins.base == "DEPBAR":
+            m = _DEPBAR.search(ins.operands)
+            if m:
+                sb, n = int(m.group(1)), int(m.group(2), 0)
+                mine = [k for k, (s, _) in enumerate(out) if s == sb]
+                drop = set(mine[:max(0, len(mine) - n)])
+                retired += len(drop)
+                out = [o for k, o in enumerate(out) if k not in drop]
+        if retired:
+            r.round_trips += 1
+        if is_global_load(ins):
+            nbytes = access_bytes(ins)
+            r.global_loads += 1
+            r.global_bytes += nbytes
+            r.wide_loads += nbytes == 16
+            r.lines.append(ins.src)
+            if ins.wbar < 6:
+                out.append((ins.wbar, nbytes))
+            elif ins.base == "LDGSTS":
+                out.append((6, nbytes))  # retired by LDGDEPBAR / DEPBAR on its group counter
+        elif is_shared_load(ins):
+            r.shared_loads += 1
+        elif is_barrier(ins):
+            r.barriers += 1
+        elif is_fence(ins):
+            r.fences += 1
+        elif is_atomic(ins):
+            r.atomics += 1
+        if ins.base in ("LDGDEPBAR",):
+            pass
+        if ins.base == "DEPBAR" and "LE" in ins.mods and "SB0" in ins.operands:
+            # cp.async groups: DEPBAR.LE SB0, n waits until n groups remain
+            m = _DEPBAR.search(ins.operands)
+            if m:
+                n = int(m.group(2), 0)
+                mine = [k for k, (s, _) in enumerate(out) if s == 6]
+                drop = set(mine[:max(0, len(mine) - n)]) if n == 0 else set()
+                out = [o for k, o in enumerate(out) if k not in drop]
+        inflight = sum(b for _, b in out)
+        if inflight > r.peak_inflight_bytes:
+            r.peak_inflight_bytes = inflight
+        r.peak_inflight_loads = max(r.peak_inflight_loads, len(out))
+    return r, out
+
+
+def _trip_count(instrs: list[Instr], loop: Loop) -> int | None:
+    """Trips of a loop whose back edge tests a counter against an immediate, the counter
+    stepped by an immediate in the body and set by an immediate (or RZ) before the head."""
+    body = loop.body(instrs)
+    br = body[-1]
+    if br.base != "BRA" or not br.pred:
+        return None
+    p = br.pred.lstrip("@!")
+    setp = next((i for i in reversed(body[:-1]) if i.base in ("ISETP",) and i.operands.startswith(p + ",")), None)
+    if setp is None:
+        return None
+    ops = [o.strip() for o in setp.operands.split(",")]
+    if len(ops) < 4:
+        return None
+    reg, bound = ops[2].replace(".reuse", ""), ops[3]
+    if not re.fullmatch(r"R\d+", reg) or not re.fullmatch(r"-?0x[0-9a-f]+|-?\d+", bound):
+        return None
+    bound = int(bound, 0)
+    step = None
+    for i in body:
+        if i.base in ("IADD3", "VIADD") and i.operands.split(",")[0].strip() == reg:
+            o = [x.strip().replace(".reuse", "") for x in i.operands.split(",")]
+            imms = [x for x in o[1:] if re.fullmatch(r"-?0x[0-9a-f]+|-?\d+", x)]
+            if reg in o[1:] and len(imms) == 1:
+                step = int(imms[0], 0)
+    if not step:
+        return None
+    init = None
+    for i in instrs:
+        if i.addr >= loop.head:
+            break
+        o = [x.strip() for x in i.operands.split(",")]
+        if o and o[0] == reg:
+            init = None
+            if i.base in ("MOV", "IMAD.MOV") and len(o) == 2:
+                init = 0 if o[1] == "RZ" else (int(o[1], 0) if re.fullmatch(r"-?0x[0-9a-f]+|-?\d+", o[1]) else None)
+            elif i.base == "CS2R" and len(o) == 2 and o[1] == "SRZ":
+                init = 0
+            elif i.base == "HFMA2" and "MMA" in i.mods:
+                init = None
+    if init is None:
+        return None
+    cmp = setp.mods
+    n = (bound - init) / step
+    if n <= 0:
+        return None
+    if "NE" in cmp or "LT" in cmp or "GT" in cmp:
+        trips = -(-(bound - init) // step)
+    elif "LE" in cmp or "GE" in cmp:
+        trips = (bound - init) // step + 1
+    else:
+        return None
+    return int(trips) if trips > 0 else None
+
+
+# ----------------------------------------------------------------------------- per kernel
+@dataclass
+class KernelSass:
+    name: str
+    instructions: int
+    loops: list
+    straight: Replay      # everything outside loops, replayed once in address order
+    global_loads: int     # static count
+    wide_loads: int
+    barriers: int
+    fences: int
+    atomics: int
+    instrs: list = field(repr=False, default_factory=list)
+
+    def inner_loops(self) -> list[Loop]:
+        return [l for l in self.loops if l.inner]
+
+    def stream_loop(self) -> Loop | None:
+        """The steady state: the innermost loop that issues the most 16-byte global loads per
+        iteration (ties: more bytes)."""
+        cands = [l for l in self.inner_loops() if l.wide_loads]
+        return max(cands, key=lambda l: (l.wide_loads, l.global_bytes), default=None)
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "instructions": self.instructions, "global_loads": self.global_loads,
+                "wide_loads": self.wide_loads, "barriers": self.barriers, "fences": self.fences,
+                "atomics": self.atomics, "straight": {k: v for k, v in self.straight.__dict__.items()
+                                                      if k != "lines"},
+                "loops": [l.as_dict() for l in self.loops]}
+
+
+def analyse(name: str, instrs: list[Instr]) -> KernelSass:
+    loops = find_loops(instrs)
+    for l in loops:
+        body = l.body(instrs)
+        first, carry = replay(body)
+        steady, _ = replay(body, carry)
+        for k in ("instructions", "global_loads", "global_bytes", "wide_loads", "shared_loads", "round_trips",
+                  "barriers", "fences", "atomics"):
+            setattr(l, k, getattr(steady, k))
+        l.peak_inflight_bytes = max(first.peak_inflight_bytes, steady.peak_inflight_bytes)
+        l.peak_inflight_loads = max(first.peak_inflight_loads, steady.peak_inflight_loads)
+        l.lines = tuple(sorted(set(steady.lines)))
+        l.trips = _trip_count(instrs, l)
+    in_loop = [any(l.head <= i.addr <= l.tail for l in loops) for i in instrs]
+    straight, _ = replay([i for i, inl in zip(instrs, in_loop) if not inl])
+    return KernelSass(name, len(instrs), loops, straight,
+                      sum(is_global_load(i) for i in instrs), sum(is_global_load(i) and access_bytes(i) == 16
+                                                                  for i in instrs),
+                      sum(is_barrier(i) for i in instrs), sum(is_fence(i) for i in instrs),
+                      sum(is_atomic(i) for i in instrs), instrs)
+
+
+def analyse_text(text: str) -> dict[str, KernelSass]:
+    return {name: analyse(name, ins) for name, ins in parse(text).items()}
+
+
+def facts(file: str, defines: dict, arch: str | None = None) -> dict[str, KernelSass]:
+    """``{kernel: KernelSass}`` of ``cuda_src/<file>`` built with ``defines``."""
+    return analyse_text(sass_text(file, defines, arch))
+
+
+def launch_facts(launch) -> KernelSass:
+    """The SASS facts of one recorded launch (``launch_plan.Launch``)."""
+    return facts(launch.file, launch.defines)[launch.kernel]
+
+
+# ----------------------------------------------------------------------------- report
+def describe(k: KernelSass) -> str:
+    lines = [f"{k.name}: {k.instructions} instructions, {k.global_loads} global loads "
+             f"({k.wide_loads} x 16 B), {k.barriers} BAR, {k.fences} fences, {k.atomics} atomics",
+             f"  outside loops: {k.straight.global_loads} global loads in {k.straight.round_trips} round trips, "
+             f"peak {k.straight.peak_inflight_bytes} B in flight"]
+    for l in k.loops:
+        where = ", ".join(f"{f}:{n}" for f, n in l.lines[:4]) + (" ..." if len(l.lines) > 4 else "")
+        lines.append(f"  {'  ' * l.depth}loop {l.head:#06x}-{l.tail:#06x}{' (inner)' if l.inner else ''}: "
+                     f"trips {l.trips if l.trips is not None else '?'}, {l.instructions} instr, "
+                     f"{l.global_loads} LDG ({l.global_bytes} B), {l.round_trips} round trips, "
+                     f"peak {l.peak_inflight_bytes} B / {l.peak_inflight_loads} loads in flight, "
+                     f"{l.barriers} BAR, {l.fences} fences, {l.atomics} atomics  [{where}]")
+    return "\n".join(lines)
+
+
+def _parse_defines(items: Sequence[str]) -> dict:
+    out = {}
+    for it in items:
+        k, _, v = it.partition("=")
+        out[k] = int(v, 0) if v else 1
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--file", help="cuda_src file (with -D); else every launch of a drafter's step")
+    ap.add_argument("-D", action="append", default=[], help="NAME=VALUE compile-time size")
+    ap.add_argument("--drafter", default="h4096")
+    ap.add_argument("--window", type=int, default=2048)
+    ap.add_argument("--lm-head", type=int, default=None)
+    ap.add_argument("--dump", type=Path, help="write each build's annotated SASS here")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    builds = []
+    if a.file:
+        builds.append((a.file, _parse_defines(a.D), None, None))
+    else:
+        from .common import drafter_config
+        from .launch_plan import Launch, node_label, step_plan
+        plan = step_plan(drafter_config(a.drafter), a.window, lm_head_vocab=a.lm_head)
+        seen = {}
+        for n in plan.nodes:
+            if isinstance(n, Launch):
+                key = (n.file, n.kernel, tuple(sorted(n.defines.items())))
+                if key not in seen:
+                    seen[key] = n
+                    builds.append((n.file, dict(n.defines), n.kernel, node_label(n)))
+    report = []
+    for file, defines, kernel, label in builds:
+        text = sass_text(file, defines)
+        if a.dump:
+            a.dump.mkdir(parents=True, exist_ok=True)
+            tag = "_".join(f"{k}{v}" for k, v in sorted(defines.items()))[:120]
+            (a.dump / f"{Path(file).stem}_{tag}.sass").write_text(text)
+        for name, k in analyse_text(text).items():
+            if kernel is not None and name != kernel:
+                continue
+            report.append({"file": file, "defines": defines, "label": label, **k.as_dict()})
+            if not a.json:
+                print(f"== {label or file} {file} {' '.join(f'{x}={y}' for x, y in sorted(defines.items()))}")
+                print(describe(k))
+    if a.json:
+        json.dump(report, sys.stdout, indent=1)
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
