@@ -123,13 +123,10 @@ def disassemble(cubin: bytes) -> str:
     return r.stdout
 
 
-def sass_text(file: str, defines: dict, arch: str | None = None) -> str:
-    """The annotated disassembly of ``cuda_src/<file>`` built with ``defines`` (cached on disk)."""
-    path = kernels.source_path(file)
-    source = path.read_text()
+def sass_of_source(source: str, filename: str, options: Sequence[str] = (), arch: str | None = None) -> str:
+    """The annotated disassembly of ``source`` built with ``options`` (cached on disk)."""
     arch = arch or nvrtc_info.declared_arch(source) or nvrtc_info.ARCH
-    options = kernels.compile_options(**defines)
-    key = nvrtc_info.cache_key(source, str(path), options, arch)
+    key = nvrtc_info.cache_key(source, filename, options, arch)
     cache = nvrtc_info.cache_root().parent / "sass"
     cache.mkdir(parents=True, exist_ok=True)
     out = cache / f"{key}-{_SASS_VERSION}.sass"
@@ -137,12 +134,18 @@ def sass_text(file: str, defines: dict, arch: str | None = None) -> str:
         return out.read_text()
     except OSError:
         pass
-    text = disassemble(compile_cubin(source, str(path), options, arch))
+    text = disassemble(compile_cubin(source, filename, options, arch))
     fd, tmp = tempfile.mkstemp(dir=cache, prefix=out.stem, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, out)  # atomic: concurrent test workers see all or nothing
     return text
+
+
+def sass_text(file: str, defines: dict, arch: str | None = None) -> str:
+    """The annotated disassembly of ``cuda_src/<file>`` built with ``defines``."""
+    path = kernels.source_path(file)
+    return sass_of_source(path.read_text(), str(path), kernels.compile_options(**defines), arch)
 
 
 # ----------------------------------------------------------------------------- parse
@@ -268,10 +271,81 @@ _DEPBAR = re.compile(r"SB(\d)\s*,\s*(0x[0-9a-f]+|\d+)")
 
 
 # ----------------------------------------------------------------------------- loops
+_ENDS = ("BRA", "EXIT", "RET", "BRX", "JMP", "JMX", "KILL")
+
+
+def basic_blocks(instrs: list[Instr]) -> tuple[list[tuple[int, int]], dict[int, list[int]]]:
+    """Blocks as (first, last) indexes into ``instrs`` and the successors of each block."""
+    if not instrs:
+        return [], {}
+    index = {ins.addr: k for k, ins in enumerate(instrs)}
+    leaders = {0}
+    for k, ins in enumerate(instrs):
+        if ins.base in _ENDS:
+            if k + 1 < len(instrs):
+                leaders.add(k + 1)
+            if ins.target is not None and ins.target in index:
+                leaders.add(index[ins.target])
+    starts = sorted(leaders)
+    blocks = [(s, (starts[n + 1] - 1) if n + 1 < len(starts) else len(instrs) - 1) for n, s in enumerate(starts)]
+    block_of = {s: n for n, (s, _) in enumerate(blocks)}
+    succ: dict[int, list[int]] = {}
+    for n, (s, e) in enumerate(blocks):
+        last = instrs[e]
+        out = []
+        if last.base == "BRA" and last.target in index:
+            out.append(block_of[index[last.target]])
+        conditional = bool(last.pred) and last.pred not in ("@PT", "@UPT")
+        if (last.base not in _ENDS or conditional) and n + 1 < len(blocks):
+            out.append(n + 1)
+        succ[n] = out
+    return blocks, succ
+
+
+def _sccs(nodes: set, succ: dict[int, list[int]]) -> list[set]:
+    """Strongly connected components of the subgraph on ``nodes`` (iterative Tarjan)."""
+    index, low, on, stack, out = {}, {}, set(), [], []
+    counter = 0
+    for root in sorted(nodes):
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            v, i = work.pop()
+            if i == 0:
+                index[v] = low[v] = counter
+                counter += 1
+                stack.append(v)
+                on.add(v)
+            nxt = [w for w in succ.get(v, ()) if w in nodes]
+            if i < len(nxt):
+                work.append((v, i + 1))
+                w = nxt[i]
+                if w not in index:
+                    work.append((w, 0))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            if low[v] == index[v]:
+                comp = set()
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.add(w)
+                    if w == v:
+                        break
+                out.append(comp)
+            if work:
+                u = work[-1][0]
+                low[u] = min(low[u], low[v])
+    return out
+
+
 @dataclass
 class Loop:
-    head: int            # first address of the body
-    tail: int            # address of the branch back
+    head: int            # address of the header block's first instruction
+    tail: int            # address of the last branch back to it
+    addrs: frozenset = frozenset()   # every instruction address of the natural loop
     depth: int = 0       # 0: outermost
     inner: bool = True   # contains no other loop
     trips: int | None = None
@@ -290,24 +364,47 @@ class Loop:
     lines: tuple = ()            # the source lines of its global loads
 
     def body(self, instrs):
-        return [i for i in instrs if self.head <= i.addr <= self.tail]
+        return [i for i in instrs if i.addr in self.addrs]
 
     def as_dict(self) -> dict:
-        d = dict(self.__dict__)
+        d = {k: v for k, v in self.__dict__.items() if k != "addrs"}
         d["lines"] = [f"{f}:{n}" for f, n in self.lines]
         return d
 
 
 def find_loops(instrs: list[Instr]) -> list[Loop]:
-    """One loop per backward branch (merged when two jump back to the same head)."""
-    by_head: dict[int, int] = {}
-    for ins in instrs:
-        if ins.base == "BRA" and ins.target is not None and ins.target <= ins.addr:
-            by_head[ins.target] = max(by_head.get(ins.target, 0), ins.addr)
-    loops = [Loop(h, t) for h, t in sorted(by_head.items())]
+    """The loop forest: each strongly connected region of the control-flow graph is a loop
+    (irreducible ones too: ptxas rotates loops and enters some in the middle), its header
+    the lowest-addressed block entered from outside; its inner loops are the regions left
+    once the edges back to the header are cut."""
+    blocks, succ = basic_blocks(instrs)
+    preds = {k: [] for k in range(len(blocks))}
+    for a, bs in succ.items():
+        for b in bs:
+            preds[b].append(a)
+    loops = []
+
+    def visit(nodes: set, cut: set, depth: int):
+        sub = {a: [b for b in succ[a] if (a, b) not in cut] for a in nodes}
+        for comp in _sccs(nodes, sub):
+            if len(comp) == 1:
+                (v,) = comp
+                if v not in sub[v]:
+                    continue
+            entries = [v for v in comp if any(p not in comp for p in preds[v])] or list(comp)
+            h = min(entries)
+            back = {(a, h) for a in comp if h in sub[a]}
+            tail = max(instrs[blocks[a][1]].addr for a, _ in back) if back else instrs[blocks[h][1]].addr
+            addrs = frozenset(instrs[k].addr for b in comp for k in range(blocks[b][0], blocks[b][1] + 1))
+            loops.append(Loop(instrs[blocks[h][0]].addr, tail, addrs, depth))
+            visit(comp, cut | back | {(a, b) for a in comp for b in sub[a] if b == h}, depth + 1)
+
+    visit(set(range(len(blocks))), set(), 0)
+    # the trap after EXIT (a branch to itself) is no loop of the kernel's
+    loops = [l for l in loops if any(i.addr in l.addrs and i.base not in ("BRA", "NOP") for i in instrs)]
+    loops.sort(key=lambda l: (l.head, l.depth))
     for a in loops:
-        a.depth = sum(1 for b in loops if b is not a and b.head <= a.head and a.tail <= b.tail)
-        a.inner = not any(b is not a and a.head <= b.head and b.tail <= a.tail for b in loops)
+        a.inner = not any(b is not a and b.addrs < a.addrs for b in loops)
     return loops
 
 
@@ -328,32 +425,34 @@ class Replay:
     lines: list = field(default_factory=list)
 
 
-def replay(run: list[Instr], outstanding: list | None = None) -> tuple[Replay, list]:
-    """Replay ``run`` in order with ``outstanding`` global loads ([(scoreboard, bytes)] oldest
-    first) in flight at its start; returns what it saw and what is still in flight."""
+def replay(run: list[Instr], outstanding: list | None = None, t0: int = 0) -> tuple[Replay, list, int]:
+    """Replay ``run`` in order with ``outstanding`` global loads ([(scoreboard, bytes, issued at)],
+    oldest first) in flight at its start, on a clock that counts memory round trips: a load
+    issued at time t completes at t + 1, a wait moves the clock to the completion of the loads
+    it retires, nothing else moves it. Returns what it saw, what is still in flight, and the
+    clock at the end (``round_trips`` = end - ``t0``: the dependent chain of the run)."""
     out = list(outstanding or [])
     r = Replay()
+    t = t0
+
+    def retire(keep_if):
+        nonlocal out, t
+        done = [o for o in out if not keep_if(o)]
+        if done:
+            t = max(t, max(o[2] for o in done) + 1)
+        out = [o for o in out if keep_if(o)]
+
     for ins in run:
         r.instructions += 1
-        retired = 0
         if ins.wait:
-            keep = []
-            for sb, nbytes in out:
-                if ins.wait >> sb & 1:
-                    retired += 1
-                else:
-                    keep.append((sb, nbytes))
-            out = keep
+            retire(lambda o: not (ins.wait >> o[0] & 1))
         if ins.base == "DEPBAR":
             m = _DEPBAR.search(ins.operands)
-            if m:
+            if m:   # DEPBAR.LE SBk, n: the oldest of scoreboard k until n remain (cp.async groups: k = 0)
                 sb, n = int(m.group(1)), int(m.group(2), 0)
-                mine = [k for k, (s, _) in enumerate(out) if s == sb]
-                drop = set(mine[:max(0, len(mine) - n)])
-                retired += len(drop)
-                out = [o for k, o in enumerate(out) if k not in drop]
-        if retired:
-            r.round_trips += 1
+                mine = [o for o in out if o[0] == sb or (sb == 0 and o[0] == 6)]
+                drop = {id(o) for o in mine[:max(0, len(mine) - n)]}
+                retire(lambda o: id(o) not in drop)
         if is_global_load(ins):
             nbytes = access_bytes(ins)
             r.global_loads += 1
@@ -361,9 +460,9 @@ def replay(run: list[Instr], outstanding: list | None = None) -> tuple[Replay, l
             r.wide_loads += nbytes == 16
             r.lines.append(ins.src)
             if ins.wbar < 6:
-                out.append((ins.wbar, nbytes))
+                out.append((ins.wbar, nbytes, t))
             elif ins.base == "LDGSTS":
-                out.append((6, nbytes))  # retired by LDGDEPBAR / DEPBAR on its group counter
+                out.append((6, nbytes, t))  # retired by DEPBAR.LE SB0 on its commit group
         elif is_shared_load(ins):
             r.shared_loads += 1
         elif is_barrier(ins):
@@ -372,21 +471,18 @@ def replay(run: list[Instr], outstanding: list | None = None) -> tuple[Replay, l
             r.fences += 1
         elif is_atomic(ins):
             r.atomics += 1
-        if ins.base in ("LDGDEPBAR",):
-            pass
-        if ins.base == "DEPBAR" and "LE" in ins.mods and "SB0" in ins.operands:
-            # cp.async groups: DEPBAR.LE SB0, n waits until n groups remain
-            m = _DEPBAR.search(ins.operands)
-            if m:
-                n = int(m.group(2), 0)
-                mine = [k for k, (s, _) in enumerate(out) if s == 6]
-                drop = set(mine[:max(0, len(mine) - n)]) if n == 0 else set()
-                out = [o for k, o in enumerate(out) if k not in drop]
-        inflight = sum(b for _, b in out)
-        if inflight > r.peak_inflight_bytes:
-            r.peak_inflight_bytes = inflight
+        inflight = sum(o[1] for o in out)
+        r.peak_inflight_bytes = max(r.peak_inflight_bytes, inflight)
         r.peak_inflight_loads = max(r.peak_inflight_loads, len(out))
-    return r, out
+    # what is still in flight at the end is waited for by whatever follows (EXIT waits for all)
+    r.round_trips = t - t0
+    return r, out, t
+
+
+def _imm(x: str) -> int | None:
+    if x == "RZ":
+        return 0
+    return int(x, 0) if re.fullmatch(r"-?0x[0-9a-f]+|-?\d+", x) else None
 
 
 def _trip_count(instrs: list[Instr], loop: Loop) -> int | None:
@@ -417,18 +513,24 @@ def _trip_count(instrs: list[Instr], loop: Loop) -> int | None:
     if not step:
         return None
     init = None
-    for i in instrs:
+    for i in instrs:   # the last write of the counter before the loop's head, in address order
         if i.addr >= loop.head:
             break
-        o = [x.strip() for x in i.operands.split(",")]
-        if o and o[0] == reg:
-            init = None
-            if i.base in ("MOV", "IMAD.MOV") and len(o) == 2:
-                init = 0 if o[1] == "RZ" else (int(o[1], 0) if re.fullmatch(r"-?0x[0-9a-f]+|-?\d+", o[1]) else None)
-            elif i.base == "CS2R" and len(o) == 2 and o[1] == "SRZ":
-                init = 0
-            elif i.base == "HFMA2" and "MMA" in i.mods:
-                init = None
+        o = [x.strip().replace(".reuse", "") for x in i.operands.split(",")]
+        if not o or not o[0]:
+            continue
+        dst = o[0]
+        writes = dst == reg or (i.base == "CS2R" and re.fullmatch(r"R\d+", dst)
+                                and int(reg[1:]) in (int(dst[1:]), int(dst[1:]) + 1))
+        if not writes:
+            continue
+        init = None
+        if i.base == "CS2R" and o[1:] == ["SRZ"]:
+            init = 0
+        elif i.base == "MOV" and len(o) == 2:
+            init = _imm(o[1])
+        elif i.op.startswith("IMAD.MOV") and len(o) == 4 and o[1] == "RZ" and o[2] == "RZ":
+            init = _imm(o[3])
     if init is None:
         return None
     cmp = setp.mods
@@ -462,9 +564,9 @@ class KernelSass:
         return [l for l in self.loops if l.inner]
 
     def stream_loop(self) -> Loop | None:
-        """The steady state: the innermost loop that issues the most 16-byte global loads per
-        iteration (ties: more bytes)."""
-        cands = [l for l in self.inner_loops() if l.wide_loads]
+        """The steady state: the loop that issues the most 16-byte global loads per iteration of
+        its own (ties: more bytes)."""
+        cands = [l for l in self.loops if l.wide_loads]
         return max(cands, key=lambda l: (l.wide_loads, l.global_bytes), default=None)
 
     def as_dict(self) -> dict:
@@ -476,20 +578,27 @@ class KernelSass:
 
 
 def analyse(name: str, instrs: list[Instr]) -> KernelSass:
+    """Per loop, per iteration of its steady state: the loop's own instructions (not those of
+    the loops inside it, which count as their own iterations) replayed twice for round trips,
+    loads and issue slots; the whole body (inner loops once) for the peak bytes in flight."""
     loops = find_loops(instrs)
     for l in loops:
-        body = l.body(instrs)
-        first, carry = replay(body)
-        steady, _ = replay(body, carry)
+        inner = set().union(*[c.addrs for c in loops if c is not l and c.addrs < l.addrs])
+        own = [i for i in instrs if i.addr in l.addrs and i.addr not in inner]
+        first, carry, t1 = replay(own)
+        steady, _, _ = replay(own, carry, t1)
         for k in ("instructions", "global_loads", "global_bytes", "wide_loads", "shared_loads", "round_trips",
                   "barriers", "fences", "atomics"):
             setattr(l, k, getattr(steady, k))
-        l.peak_inflight_bytes = max(first.peak_inflight_bytes, steady.peak_inflight_bytes)
-        l.peak_inflight_loads = max(first.peak_inflight_loads, steady.peak_inflight_loads)
+        body = l.body(instrs)
+        b1, carry, t1 = replay(body)
+        b2, _, _ = replay(body, carry, t1)
+        l.peak_inflight_bytes = max(b1.peak_inflight_bytes, b2.peak_inflight_bytes)
+        l.peak_inflight_loads = max(b1.peak_inflight_loads, b2.peak_inflight_loads)
         l.lines = tuple(sorted(set(steady.lines)))
         l.trips = _trip_count(instrs, l)
-    in_loop = [any(l.head <= i.addr <= l.tail for l in loops) for i in instrs]
-    straight, _ = replay([i for i, inl in zip(instrs, in_loop) if not inl])
+    in_loop = [any(i.addr in l.addrs for l in loops) for i in instrs]
+    straight, _, _ = replay([i for i, inl in zip(instrs, in_loop) if not inl])
     return KernelSass(name, len(instrs), loops, straight,
                       sum(is_global_load(i) for i in instrs), sum(is_global_load(i) and access_bytes(i) == 16
                                                                   for i in instrs),

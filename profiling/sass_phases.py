@@ -1,0 +1,278 @@
+"""A launch's phases as compiled: the SASS reader's loops with trip counts from the emulator.
+
+The SASS reader (``profiling.sass``) knows what one iteration of each loop does
+(round trips, loads and bytes in flight, issue slots) but not how often a loop
+runs when its bound is a run-time value. The emulator knows that: its counter
+mode counts every warp-level execution of each global-load site of the g++ build
+(``emu_counters``), and ``-lineinfo`` names the same source lines in the SASS.
+So, per launch:
+
+* the blocks of one z column are run one by one in counter mode (split K's last
+  slice reduces, so the reducing block is among them) and each source line's
+  load executions per warp are taken in the busiest block (the critical path);
+* a SASS loop's trips = the executions of a source line whose loads sit only in
+  that loop (copies of a loop that ptxas duplicated share them equally) / the
+  loop's loads of that line per iteration;
+* a phase is a loop (trips x its round trips per iteration, its peak bytes in
+  flight, its issue slots) or the straight-line code between loops.
+
+``launch_phases(launch)`` returns them, cached on disk by the launch's variant,
+shape and the sources' digest (``nvrtc_info.cache_key``), so a model run
+recounts nothing. What it cannot see: data-dependent trip counts beyond the
+recorded step's data, and anything the compiler decides at run time (nothing).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dflash_cupy import kernels
+from dflash_cupy.backends import nvrtc_info
+
+from . import sass
+
+_VERSION = "1"
+_WHERE = re.compile(r"^(\S+?):(\d+)")
+
+
+@dataclass
+class Phase:
+    kind: str                 # "loop" | "straight"
+    where: str                # "0x43f0-0xa8f0" or "outside loops"
+    depth: int = 0
+    trips: float = 1.0        # per thread of the busiest block (None-free: 0 when never run)
+    round_trips: int = 0      # per iteration
+    chain: float = 0.0        # trips x round_trips: the phase's dependent global-load chain
+    global_loads: int = 0     # per iteration
+    global_bytes: int = 0     # per iteration
+    peak_inflight_bytes: int = 0
+    instructions: int = 0     # per iteration (issue slots)
+    barriers: int = 0
+    fences: int = 0
+    atomics: int = 0
+    lines: list = field(default_factory=list)
+    trips_from: str = ""      # "sass" (an immediate bound), "emulator: file:line", or "unknown"
+
+
+def _line_key(src: tuple) -> str:
+    return f"{src[0]}:{src[1]}"
+
+
+def line_executions(launch, backend=None) -> dict[str, float]:
+    """``{"file:line": executions per warp}`` of each global-load source line in the busiest
+    block of one z column of ``launch`` (``launch_plan.Launch``), run in counter mode."""
+    from dflash_cupy import backends
+    from dflash_cupy.backends.emu_counters import count_launch, resolve_sites
+
+    from .emulated_counters import _scalar, emulated_arrays
+
+    be = backend or backends.get("emulated")
+    mod = kernels.load_module(be, launch.file, **launch.defines)
+    k = mod.get_function(launch.kernel)
+    args = _scalar(k, emulated_arrays(launch, be))
+    gx, gy, gz = launch.grid
+    warps = max(1, -(-launch.threads // 32))
+    best: dict[str, float] = {}
+    x = gx // 2
+    for z in range(gz):
+        lc = count_launch(k, launch.grid, launch.block, args, launch.shared_mem, blocks=[(x, 0, z)])
+        resolve_sites(lc)
+        per: dict[str, float] = {}
+        for s in lc.sites:
+            if s.kind != "global load":
+                continue
+            m = _WHERE.match(s.where or "")
+            if m:
+                key = f"{m.group(1)}:{m.group(2)}"
+                per[key] = per.get(key, 0.0) + s.requests / warps
+        for key, v in per.items():
+            best[key] = max(best.get(key, 0.0), v)
+    return best
+
+
+def phases_of(ks: sass.KernelSass, executions: dict[str, float] | None) -> list[Phase]:
+    """The kernel's phases; loop trips from ``executions`` (``line_executions``) where the
+    loop's bound is not an immediate."""
+    loops = ks.loops
+    # each global load's innermost loop (None: straight-line code)
+    home: dict[int, sass.Loop | None] = {}
+    for ins in ks.instrs:
+        if sass.is_global_load(ins):
+            inner = [l for l in loops if ins.addr in l.addrs]
+            home[ins.addr] = min(inner, key=lambda l: len(l.addrs)) if inner else None
+    per_line: dict[str, dict] = {}
+    for ins in ks.instrs:
+        if ins.addr in home:
+            d = per_line.setdefault(_line_key(ins.src), {})
+            d[id(home[ins.addr])] = d.get(id(home[ins.addr]), 0) + 1
+    # Trips (total iterations per warp): each source line's executions are its straight-line
+    # loads (once each) plus, per loop holding some, the loop's loads of it per iteration x the
+    # loop's trips. Solved line by line while a line leaves one loop unknown; copies of a loop
+    # that ptxas duplicated (several unknowns on one line) then share what is left equally.
+    trips: dict[int, tuple[float, str]] = {id(l): (float(l.trips), "sass") for l in loops if l.trips is not None}
+    if executions is not None:
+        for _ in range(len(loops) + 1):
+            progress = False
+            for key, d in per_line.items():
+                e = executions.get(key)
+                unknown = [lid for lid in d if lid != id(None) and lid not in trips]
+                if e is None or len(unknown) != 1:
+                    continue
+                rest = e - d.get(id(None), 0) - sum(n * trips[lid][0] for lid, n in d.items()
+                                                    if lid != id(None) and lid in trips)
+                trips[unknown[0]] = (max(0.0, rest / d[unknown[0]]), f"emulator: {key}")
+                progress = True
+            if not progress:
+                break
+        for key, d in per_line.items():
+            e = executions.get(key)
+            unknown = [lid for lid in d if lid != id(None) and lid not in trips]
+            if e is None or not unknown:
+                continue
+            rest = e - d.get(id(None), 0) - sum(n * trips[lid][0] for lid, n in d.items()
+                                                if lid != id(None) and lid in trips)
+            share = max(0.0, rest) / sum(d[lid] for lid in unknown)
+            for lid in unknown:
+                trips[lid] = (share, f"emulator: {key}, shared by {len(unknown)} copies")
+        # a loop none of whose load lines ran in the busiest block did not run there
+        for l in loops:
+            if id(l) not in trips and l.global_loads:
+                lines = {_line_key(i.src) for i in ks.instrs if home.get(i.addr) is l}
+                if not any(executions.get(k) for k in lines):
+                    trips[id(l)] = (0.0, "emulator: not run")
+    out = []
+    for l in loops:
+        t, src = trips.get(id(l), (1.0, "unknown"))
+        out.append(Phase("loop", f"{l.head:#06x}-{l.tail:#06x}", l.depth, t, l.round_trips, t * l.round_trips,
+                         l.global_loads, l.global_bytes, l.peak_inflight_bytes, l.instructions, l.barriers,
+                         l.fences, l.atomics, [f"{f}:{n}" for f, n in l.lines], src))
+    # straight-line code, cut where loops sit: each run between two loops is a phase of its own
+    in_loop = {i.addr for l in loops for i in ks.instrs if i.addr in l.addrs}
+    runs, cur = [], []
+    for ins in ks.instrs:
+        if ins.addr in in_loop:
+            if cur:
+                runs.append(cur)
+                cur = []
+        else:
+            cur.append(ins)
+    if cur:
+        runs.append(cur)
+    for run in runs:
+        r, _, _ = sass.replay(run)
+        if not r.global_loads and not r.fences and not r.atomics and not r.barriers:
+            continue
+        out.append(Phase("straight", f"{run[0].addr:#06x}-{run[-1].addr:#06x}", 0, 1.0, r.round_trips,
+                         float(r.round_trips), r.global_loads, r.global_bytes, r.peak_inflight_bytes,
+                         r.instructions, r.barriers, r.fences, r.atomics,
+                         sorted({_line_key(x) for x in r.lines}), "sass"))
+    return out
+
+
+def _cache_path(launch) -> Path:
+    path = kernels.source_path(launch.file)
+    source = path.read_text()
+    arch = nvrtc_info.declared_arch(source) or nvrtc_info.ARCH
+    key = nvrtc_info.cache_key(source, str(path), kernels.compile_options(**launch.defines), arch)
+    shape = "_".join(str(v) for v in (*launch.grid, *launch.block, launch.shared_mem))
+    d = nvrtc_info.cache_root().parent / "sass_phases"
+    d.mkdir(parents=True, exist_ok=True)
+    return d / f"{key}-{shape}-{_VERSION}.json"
+
+
+def launch_phases(launch, *, emulate: bool = True, backend=None) -> tuple[sass.KernelSass, list[Phase]]:
+    """The SASS facts and phases of one recorded launch (cached on disk)."""
+    ks = sass.launch_facts(launch)
+    execs = None
+    if emulate and any(l.trips is None and l.global_loads for l in ks.loops):
+        p = _cache_path(launch)
+        try:
+            execs = json.loads(p.read_text())
+        except (OSError, ValueError):
+            execs = line_executions(launch, backend)
+            fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=p.stem, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(execs, f)
+            os.replace(tmp, p)
+    return ks, phases_of(ks, execs)
+
+
+def describe(phases: list[Phase]) -> str:
+    rows = []
+    for p in phases:
+        rows.append(f"  {'  ' * p.depth}{p.kind:8} {p.where:17} trips {p.trips:7.1f} ({p.trips_from})  "
+                    f"chain {p.chain:6.1f} round trips  {p.global_loads} LDG/iter  "
+                    f"peak {p.peak_inflight_bytes} B in flight  {p.instructions} instr/iter  "
+                    f"{p.barriers} BAR {p.fences} fence {p.atomics} atom  [{', '.join(p.lines[:3])}]")
+    return "\n".join(rows)
+
+
+# ----------------------------------------------------------------------------- time
+# A fence (MEMBAR.SC.GPU) waits until the SM's outstanding writes are visible at the L2: about
+# one L2 round trip; an atomic's result comes back from the L2: one more. Labelled estimates.
+FENCE_L2_TRIPS = 1.0
+ATOMIC_L2_TRIPS = 1.0
+ISSUE_PER_CLK_SM = 4.0     # four warp schedulers per SM, one instruction each per clock
+
+
+def stream_phase(phases: list[Phase]) -> Phase | None:
+    """The phase that moves the most global bytes (trips x bytes per iteration) with 16-byte
+    loads: the weight stream of a GEMM, the K/V tiles of the attention."""
+    cands = [p for p in phases if p.kind == "loop" and p.global_bytes and p.global_loads]
+    return max(cands, key=lambda p: p.trips * p.global_bytes, default=None)
+
+
+@dataclass
+class CompiledTime:
+    """One launch's time as its compiled phases run one after another (seconds)."""
+    stream_s: float = 0.0         # the stream: its bytes at the bandwidth its bytes in flight allow
+    stream_bound: str = ""        # "hbm" (the chip's bandwidth) or "in flight" (Little's law per SM)
+    inflight_per_sm: float = 0.0  # bytes
+    phases_s: float = 0.0         # the other phases' dependent chains (or issue), per block, x rounds
+    fences_s: float = 0.0
+    total_s: float = 0.0
+    terms: list = field(default_factory=list)   # (seconds, what, where) largest first
+
+    def largest(self) -> tuple:
+        return self.terms[0] if self.terms else (0.0, "", "")
+
+
+def compiled_time(phases: list[Phase], *, gpu, threads: int, resident: int, per_sm_max: int, rounds: int,
+                  blocks: int, dram_bytes: float) -> CompiledTime:
+    """``resident``: blocks of this launch on one SM at once; ``per_sm_max``: blocks the
+    busiest SM runs; ``rounds``: ceil(blocks / slots); ``dram_bytes``: the launch's compulsory
+    bytes."""
+    ct = CompiledTime()
+    st = stream_phase(phases)
+    warps = max(1, threads // 32)
+    if st is not None:
+        ct.inflight_per_sm = st.peak_inflight_bytes * threads * resident
+        bytes_sm = dram_bytes * per_sm_max / max(1, blocks)
+        hbm = dram_bytes / gpu.hbm_Bps
+        little = bytes_sm * gpu.hbm_latency_s / ct.inflight_per_sm if ct.inflight_per_sm else hbm
+        ct.stream_s, ct.stream_bound = (hbm, "hbm") if hbm >= little else (little, "in flight")
+        ct.terms.append((ct.stream_s, f"stream ({ct.stream_bound}: {ct.inflight_per_sm / 1024:.1f} KB in flight "
+                         f"per SM, {st.trips:.1f} trips x {st.round_trips} round trips)", st.where, st.lines))
+    clk = gpu.clock_hz
+    for p in phases:
+        if p is st:
+            continue
+        chain = p.chain * gpu.l2_latency_s
+        issue = p.instructions * p.trips * warps * resident / ISSUE_PER_CLK_SM / clk
+        fences = p.trips * (p.fences * FENCE_L2_TRIPS + p.atomics * ATOMIC_L2_TRIPS) * gpu.l2_latency_s
+        t = (max(chain, issue)) * rounds
+        ct.phases_s += t
+        ct.fences_s += fences * rounds
+        if t + fences > 0:
+            what = (f"{p.kind} chain {p.chain:.1f} round trips" if chain >= issue else
+                    f"{p.kind} issue {p.instructions * p.trips:.0f} instr/warp")
+            if fences:
+                what += f" + {p.fences} fences / {p.atomics} atomics"
+            ct.terms.append((t + fences * rounds, what, p.where, p.lines))
+    ct.total_s = ct.stream_s + ct.phases_s + ct.fences_s
+    ct.terms.sort(key=lambda x: -x[0])
+    return ct

@@ -1,0 +1,132 @@
+"""The SASS reader (profiling/sass.py) on kernels whose compiled answer is known by hand,
+and the facts of the product's compiled kernels that the cost model's speed rests on.
+
+The probes (tests/cuda/sass_probe.cu) are built with NVRTC exactly as the product's kernels
+(sm_90, the backends' flags) and read through nvdisasm; each also runs on the emulator
+against NumPy, so what they compute is what their comments say.
+"""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from profiling import sass
+
+PROBE = Path(__file__).resolve().parent / "cuda" / "sass_probe.cu"
+
+
+@pytest.fixture(scope="module")
+def probes():
+    try:
+        text = sass.sass_of_source(PROBE.read_text(), str(PROBE), ())
+    except sass.SassUnavailable as e:   # the test extras install nvdisasm; say so, never pass silently
+        pytest.fail(f"the SASS reader cannot run here: {e}")
+    return sass.analyse_text(text)
+
+
+def only_loop(k: sass.KernelSass) -> sass.Loop:
+    assert len(k.loops) == 1, sass.describe(k)
+    return k.loops[0]
+
+
+def test_control_words_decoded(probes):
+    """Every wait names a scoreboard that an earlier variable-latency instruction set, and the
+    first use of a global load's destination waits on the load's scoreboard."""
+    for k in probes.values():
+        set_so_far = set()
+        for ins in k.instrs:
+            for sb in range(6):
+                if ins.wait >> sb & 1:
+                    assert sb in set_so_far or any(i.wbar == sb or i.rbar == sb for i in k.instrs
+                                                   if i.addr > ins.addr), (k.name, hex(ins.addr))
+            if ins.wbar < 6:
+                set_so_far.add(ins.wbar)
+            if ins.rbar < 6:
+                set_so_far.add(ins.rbar)
+    chain = probes["probe_chain8"].instrs
+    loads = [i for i in chain if sass.is_global_load(i)]
+    for a, b in zip(loads, loads[1:]):
+        between = [i for i in chain if a.addr < i.addr <= b.addr]
+        assert any(i.wait >> a.wbar & 1 for i in between), "the next address waits for the last load"
+
+
+def test_eight_independent_loads_in_flight(probes):
+    """Eight 16-byte loads, then eight stores: all eight in flight at once, one round trip."""
+    l = only_loop(probes["probe_independent8_store"])
+    assert (l.global_loads, l.wide_loads, l.global_bytes) == (8, 8, 128)
+    assert l.peak_inflight_loads == 8 and l.peak_inflight_bytes == 128
+    assert l.round_trips == 1
+    assert l.trips is None   # bounded by a run-time n
+
+
+def test_eight_loads_summed_as_compiled(probes):
+    """The same eight loads summed: ptxas starts the sum before the last loads issue, so the
+    reader sees fewer in flight and a second round trip (what the code does, not the source)."""
+    l = only_loop(probes["probe_independent8"])
+    assert l.global_loads == 8
+    assert 8 * 16 > l.peak_inflight_bytes >= 3 * 16
+    assert l.round_trips == 2
+
+
+def test_dependent_chain(probes):
+    """A pointer chase: each address is the previous load's value, eight round trips."""
+    k = probes["probe_chain8"]
+    assert k.loops == []
+    assert k.straight.global_loads == 8
+    assert k.straight.round_trips == 8
+    assert k.straight.peak_inflight_loads == 1
+
+
+def test_reduction_one_quad_against_separate_registers(probes):
+    """z-ordered sums of 8 partials: into one register quad inside a rolled loop (8 trips, one
+    round trip each: a chain of 8) against 8 separate registers (all issued together)."""
+    one = only_loop(probes["probe_reduce_one_quad"])
+    assert one.trips == 8
+    assert one.round_trips == 1 and one.peak_inflight_loads == 1
+    assert one.trips * one.round_trips == 8
+    sep = probes["probe_reduce_separate"]
+    assert sep.loops == []
+    assert sep.straight.global_loads == 8
+    assert sep.straight.round_trips <= 2 < one.trips * one.round_trips
+    assert sep.straight.peak_inflight_bytes >= 4 * 16
+
+
+def test_probes_compute_what_they_say(emu, rng):
+    mod = emu.compile(PROBE.read_text(), [], filename=str(PROBE))
+    n, threads = 8 * 64, 64
+    x = rng.standard_normal((n, 4)).astype(np.float32)
+    y = np.zeros_like(x)
+    mod.get_function("probe_independent8_store")((1,), (threads,), (x, y, np.int32(n)))
+    emu.synchronize()
+    assert np.array_equal(y, x)
+    y[:] = 0
+    mod.get_function("probe_independent8")((1,), (threads,), (x, y, np.int32(n)))
+    emu.synchronize()
+    ref = x.reshape(8, threads, 4).astype(np.float64).sum(0)
+    np.testing.assert_allclose(y[:threads], ref, rtol=1e-5, atol=1e-5)
+    nxt = rng.permutation(32).astype(np.int32)
+    out = np.zeros(32, np.int32)
+    mod.get_function("probe_chain8")((1,), (32,), (nxt, out))
+    emu.synchronize()
+    p = np.arange(32)
+    for _ in range(8):
+        p = nxt[p]
+    assert np.array_equal(out, p)
+    ws = rng.standard_normal((8, 32, 4)).astype(np.float32)
+    for name in ("probe_reduce_one_quad", "probe_reduce_separate"):
+        y = np.zeros((32, 4), np.float32)
+        mod.get_function(name)((1,), (32,), (ws, y, np.int32(32)))
+        emu.synchronize()
+        ref = np.zeros((32, 4), np.float32)
+        for z in range(8):   # z order, rounding as the kernel does
+            ref = (ref + ws[z]).astype(np.float32)
+        assert np.array_equal(y, ref), name
+
+
+def test_loops_nest_and_trip_counts(probes):
+    """Loop bodies nest (an inner loop's addresses are inside its outer loop's) and only
+    rolled loops with immediate bounds get a trip count from the SASS."""
+    for k in probes.values():
+        for a in k.loops:
+            for b in k.loops:
+                assert a is b or a.addrs < b.addrs or b.addrs < a.addrs or not (a.addrs & b.addrs)
