@@ -23,6 +23,8 @@ the measured parameters from then on. Emulated runs are refused: their times are
 the host's, not a GPU's. (The model plans each launch by its cost rule; a run whose
 caches tuned their GEMMs may have timed other launch configurations of the same
 nodes: ``gpu_check``'s summary lists the tuned choices.)
+
+It fits the source model (``compiled=False``); fitting the compiled model's latencies is open.
 """
 from __future__ import annotations
 
@@ -74,7 +76,8 @@ def kernel_rows(docs) -> list:
 def fit(docs, gpu: GPU) -> Fit:
     """The fitted parameters (see the module docstring) of ``gpu`` from ``docs``."""
     rows = kernel_rows(docs)
-    models = [(r, pm.model_step(r["drafter"], int(r["window"]), gpu, accept=int(r.get("accept", 6))))
+    models = [(r, pm.model_step(r["drafter"], int(r["window"]), gpu, accept=int(r.get("accept", 6)),
+                                 compiled=False))
               for r in rows]
     out = Fit(gpu.name, {}, pairs=[(r["drafter"], int(r["window"]), r) for r in rows])
 
@@ -137,7 +140,8 @@ def report(result: Fit, gpu: GPU) -> str:
         elif k in result.evidence:
             lines.append(f"  {k:18s} {getattr(gpu, k):.4g} kept   ({result.evidence[k]})")
     for drafter, window, r in result.pairs:
-        b, a = (pm.model_step(drafter, window, g, accept=int(r.get("accept", 6))) for g in (gpu, after))
+        b, a = (pm.model_step(drafter, window, g, accept=int(r.get("accept", 6)), compiled=False)
+                for g in (gpu, after))
         lines.append(f"  {drafter} window {window}: graph step measured {float(r['graph_us']):.1f} us, "
                      f"predicted {b['step_us']:.1f} -> {a['step_us']:.1f}")
         ka = {lab: ratio for lab, _, _, ratio in pm.kernel_agreement(a, r["kernels_us"])}

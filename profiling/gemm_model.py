@@ -10,6 +10,10 @@ weight bytes over that time against the achievable HBM rate
 
     python -m profiling.gemm_model --drafter qwen3-8b,h5120
     python -m profiling.gemm_model --json
+
+Timed by the source model (``compiled=False``, the max of the source-intended bounds):
+its HBM fractions are what the source intends, not what ptxas made (``perf_model`` reads
+the SASS).
 """
 from __future__ import annotations
 
@@ -53,7 +57,7 @@ def gemm_row(name, N, K, epilogue, m, x_split, gpu, config=None) -> dict:
     w = be.empty((g.w_rows, K), np.uint16)
     n0 = len(be.eager)
     g(x, w, y, m, residual=y if epilogue == "residual" else None)
-    times = time_nodes(be.eager[n0:], gpu, ctr.static_counters)
+    times = time_nodes(be.eager[n0:], gpu, ctr.static_counters, compiled=False)
     us = sum(t.predicted_us for t in times)
     frac = w.nbytes / (us * 1e-6) / gpu.hbm_Bps
     return {"gemm": name, "N": N, "K": K, "m": m, "x_split": x_split, "us": us,

@@ -16,6 +16,9 @@ sharing at 16 lanes. The floor of a batch step: the weights once plus each
 active lane's own compulsory bytes (its K/V window, masks, features,
 activations), at the achievable HBM bandwidth.
 
+Timed by the source model (``compiled=False``: the max of the source-intended bounds);
+moving the lanes model to the compiled phases (``perf_model --model compiled``) is open.
+
 The attention's split count follows the batch's lane capacity
 (``ops/attention.py``: ``default_splits`` counts every lane's kv heads, down
 to a floor of ``n_tiles // BATCH_TILES_PER_SPLIT``), and its counters assume
@@ -125,11 +128,12 @@ def model_batch(drafter: str, window: int, active: int, gpu, *, lanes: int | Non
     lanes = active if lanes is None else lanes
     b, nodes = batch_step_plan(cfg, window, lanes, active, accept=accept, lm_head_vocab=lm_head_vocab,
                                x_split=x_split, pdl=pdl)
-    times = time_nodes(nodes, gpu, ctr.static_counters)
+    times = time_nodes(nodes, gpu, ctr.static_counters, compiled=False)
     n_pdl = sum(1 for n in nodes if getattr(n, "pdl", False))
     gap_us = (gpu.node_gap_s * (len(nodes) - n_pdl) + gpu.pdl_gap_s * n_pdl) * 1e6
     step_us = sum(t.predicted_us for t in times) + gap_us
-    single = single or model_step(drafter, window, gpu, accept=accept, lm_head_vocab=lm_head_vocab, pdl=pdl)
+    single = single or model_step(drafter, window, gpu, accept=accept, lm_head_vocab=lm_head_vocab, pdl=pdl,
+                                  compiled=False)
     fb = floor_bytes(single["bytes"], active)
     floor_us = fb / gpu.hbm_Bps * 1e6
     by_bound: dict = {}
@@ -178,7 +182,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     gpu = get_gpu(a.gpu)
     window = int_list(a.window)[0]
-    single = model_step(a.drafter, window, gpu, accept=a.accept, lm_head_vocab=a.lm_head, pdl=a.pdl)
+    single = model_step(a.drafter, window, gpu, accept=a.accept, lm_head_vocab=a.lm_head, pdl=a.pdl,
+                        compiled=False)
     splits = {"split": (True,), "single": (False,), "both": (True, False)}[a.x_split]
     rows = [model_batch(a.drafter, window, n, gpu, accept=a.accept, lm_head_vocab=a.lm_head, single=single,
                         x_split=xs, pdl=a.pdl)

@@ -48,7 +48,7 @@ from .launch_plan import Copy, node_label, step_plan
 from .step_model import step_bytes
 
 ALIASES = {"qwen3-8b": "h4096", "h5120": "qwen3.5-27b"}
-BOUNDS = ("dram", "l2", "smem", "mma", "latency", "wave")
+BOUNDS = ("dram", "l2", "smem", "mma", "latency", "wave", "sass")
 RESULTS = Path(__file__).resolve().parent / "results"
 MEASURED_FILE = RESULTS / "perf_measured.json"
 
@@ -79,10 +79,13 @@ class NodeTime:
     bound: str = ""
     epilogue_us: float = 0.0          # of predicted_us: the serial epilogue after the stream
     counters: ctr.KernelCounters | None = None
+    compiled: object = None           # sass_phases.CompiledTime: the phases as compiled (model "compiled")
 
 
-def kernel_time(n, c: ctr.KernelCounters, gpu) -> NodeTime:
-    """Bounds and predicted time of one launch (module docstring)."""
+def kernel_time(n, c: ctr.KernelCounters, gpu, compiled: bool = True) -> NodeTime:
+    """Bounds and predicted time of one launch (module docstring). ``compiled``: the launch's
+    phases as ptxas compiled them run one after another (``sass``, replacing the
+    source-intended ``latency`` and ``wave`` bounds); False: the source model (max of bounds)."""
     us = 1e6
     if isinstance(n, Copy):
         t = NodeTime(node_label(n), "memcpy", counters=c)
@@ -132,6 +135,17 @@ def kernel_time(n, c: ctr.KernelCounters, gpu) -> NodeTime:
         t.bounds_us = {"dram": (dram + epi) * us, "l2": (l2 + epi) * us, "smem": (smem + epi) * us,
                        "mma": (mma + epi) * us, "latency": (lat + epi) * us, "wave": (wave + epi) * us if wave else 0.0}
         t.epilogue_us = epi * us
+        if compiled:
+            from . import sass_phases
+            _, phases = sass_phases.launch_phases(n)
+            ct = sass_phases.compiled_time(phases, gpu=gpu, threads=n.threads,
+                                           resident=min(occ.blocks_per_sm, per_sm_max), per_sm_max=per_sm_max,
+                                           rounds=rounds, blocks=blocks, dram_bytes=c.dram_bytes)
+            t.compiled = ct
+            t.inflight_kb_per_sm = ct.inflight_per_sm / 1024
+            # the source's latency and wave bounds are what the SASS replaces
+            t.bounds_us = {k: v for k, v in t.bounds_us.items() if k not in ("latency", "wave")}
+            t.bounds_us["sass"] = (ct.total_s + epi) * us
     t.bound = max(t.bounds_us, key=t.bounds_us.get)
     t.predicted_us = t.bounds_us[t.bound]
     return t
@@ -144,7 +158,7 @@ def _counter_key(n):
             tuple(a if not hasattr(a, "name") else a.name for a in n.args), tuple(sorted(n.known.items())))
 
 
-def time_nodes(graph_nodes, gpu, source) -> list:
+def time_nodes(graph_nodes, gpu, source, compiled: bool = True) -> list:
     """``kernel_time`` of each node, counters from ``source(launch)`` (once per
     distinct launch: the layers repeat) or, for copies, their bytes."""
     cache: dict = {}
@@ -157,12 +171,12 @@ def time_nodes(graph_nodes, gpu, source) -> list:
             c = cache.get(k)
             if c is None:
                 c = cache[k] = source(n)
-        out.append(kernel_time(n, c, gpu))
+        out.append(kernel_time(n, c, gpu, compiled))
     return out
 
 
 def model_step(drafter: str, window: int, gpu, *, accept: int = 6, lm_head_vocab: int | None = None,
-               counter_source=None, attn_config=None, pdl: bool = False) -> dict:
+               counter_source=None, attn_config=None, pdl: bool = False, compiled: bool = True) -> dict:
     """The model of one step: per node times, totals, floor, ratio, losses.
     ``counter_source(launch) -> KernelCounters`` defaults to the static estimates.
     ``attn_config``: the attention's ``(n_splits, merge)`` (``step_plan``;
@@ -172,7 +186,7 @@ def model_step(drafter: str, window: int, gpu, *, accept: int = 6, lm_head_vocab
     cfg = drafter_config(name)
     plan = step_plan(cfg, window, accept=accept, lm_head_vocab=lm_head_vocab, attn_config=attn_config,
                      pdl=pdl)
-    nodes = time_nodes(plan.nodes, gpu, counter_source or ctr.static_counters)
+    nodes = time_nodes(plan.nodes, gpu, counter_source or ctr.static_counters, compiled)
     n_pdl = sum(1 for n in plan.launches if n.pdl)
     gap_us = (gpu.node_gap_s * (plan.n_nodes - n_pdl) + gpu.pdl_gap_s * n_pdl) * 1e6
     kern_us = sum(t.predicted_us for t in nodes)
@@ -181,6 +195,7 @@ def model_step(drafter: str, window: int, gpu, *, accept: int = 6, lm_head_vocab
     step_us = kern_us + gap_us
     groups = _groups(nodes)
     return {"drafter": drafter, "preset": name, "window": window, "gpu": gpu.name,
+            "model": "compiled" if compiled else "source",
             "n_nodes": plan.n_nodes, "n_launches": len(plan.launches), "n_copies": len(plan.copies),
             "pdl": bool(pdl), "n_pdl_edges": n_pdl,
             "attn_config": plan.cache.attention.config(),
@@ -239,6 +254,30 @@ def _losses(groups, gap_us) -> list:
                 "why": "one gap per graph node (a shorter one per PDL edge with --pdl)", "notes": []})
     out.sort(key=lambda d: -d["loss_us"])
     return out
+
+
+def compiled_losses(m: dict) -> list:
+    """``(us per step, label, what, SASS range, source lines)`` of each group's largest term as
+    compiled beyond its stream at HBM speed (a stream short of bytes in flight counts its excess),
+    largest first."""
+    out = []
+    for label, e in m["groups"].items():
+        ct = e["first"].compiled
+        if ct is None:
+            continue
+        k = e["count"]
+        for sec, what, where, src in ct.terms:
+            loss = sec
+            if what.startswith("stream"):
+                loss = sec - e["first"].counters.dram_bytes / ct_hbm(m) if ct.stream_bound == "in flight" else 0.0
+            if loss * k * 1e6 > 0.5:
+                out.append((loss * k * 1e6, label, what, where, list(src)))
+    out.sort(key=lambda r: -r[0])
+    return out
+
+
+def ct_hbm(m: dict) -> float:
+    return get_gpu(m["gpu"]).hbm_Bps
 
 
 # ---------------------------------------------------------------------------- measured results
@@ -315,6 +354,11 @@ def format_report(m: dict, measured: dict | None = None) -> str:
                  f"compulsory); ratio {m['ratio']:.2f}x (goal 1.15x)"
                  + (f"; measured step {meas['step_us']:.1f} us ({meas['step_us'] / m['floor_us']:.2f}x)"
                     if "step_us" in meas else ""))
+    losses = compiled_losses(m)
+    if losses:
+        lines.append("largest losses as compiled (per step, above each group's HBM time):")
+        for us_, label, what, where, src in losses[:5]:
+            lines.append(f"  {us_:7.1f} us  {label}: {what} at SASS {where} [{', '.join(src[:3])}]")
     if mk:
         agree = kernel_agreement(m, mk)
         ok = [a for a in agree if abs(a[3] - 1) <= KERNEL_TOLERANCE]
@@ -472,6 +516,9 @@ def main(argv=None) -> int:
                    help="the attention's split merge (default: ops/attention.py's default_merge rule)")
     p.add_argument("--attn-splits", type=int, default=None, metavar="N",
                    help="the attention's split count (default: default_splits)")
+    p.add_argument("--model", default="compiled", choices=("compiled", "source"),
+                   help="compiled: each launch's phases as ptxas built them, one after another (the SASS "
+                        "reader, profiling/sass.py; default); source: the max of the source-intended bounds")
     a = p.parse_args(argv)
     attn = None
     if a.attn_merge != "default" or a.attn_splits is not None:
@@ -488,7 +535,7 @@ def main(argv=None) -> int:
         source = EmulatedSource(n=n)
     t0 = time.perf_counter()
     models = [model_step(d, w, gpu, accept=a.accept, lm_head_vocab=a.lm_head, counter_source=source,
-                         attn_config=attn, pdl=a.pdl)
+                         attn_config=attn, pdl=a.pdl, compiled=a.model == "compiled")
               for d in str_list(a.drafter) for w in windows]
     if source is not None:
         print(f"emulated counters: {source.runs} distinct launches counted in {source.seconds:.1f} s "

@@ -18,7 +18,7 @@ def _run(windows=(2048, 32768), backend="cuda", truth=TRUTH):
     gpu = H200.with_overrides(truth)
     rows = []
     for w in windows:
-        m = pm.model_step("h4096", w, gpu)
+        m = pm.model_step("h4096", w, gpu, compiled=False)
         kernels = {label: e["predicted_us"] for label, e in m["groups"].items()}
         rows.append({"drafter": "h4096", "window": w, "mode": "graph", "us_per_step": m["step_us"]})
         rows.append({"drafter": "h4096", "window": w, "mode": "kernels", "accept": 6, "n_nodes": m["n_nodes"],

@@ -240,7 +240,7 @@ def test_ptxas_facts_of_the_gate_up_gemm():
     o = sf.occupancy(H200, gu[0].threads, info["registers"], info["smem"], gu[0].shared_mem)
     assert o.blocks_per_sm == 2
     assert sf.waves(1224, o.blocks_per_sm, 132).tail_blocks == 1224 - 4 * 264 == 168 > 132
-    t = pm.time_nodes([gu[0]], H200, ctr.static_counters)[0]
+    t = pm.time_nodes([gu[0]], H200, ctr.static_counters, compiled=False)[0]
     assert t.predicted_us == pytest.approx(t.bounds_us["dram"], rel=1e-9)   # no tail loss
 
 
@@ -361,7 +361,7 @@ def test_model_h5120_names_the_tail_wave(monkeypatch):
     forced back to 10 slices (1360 blocks on 264 slots) the model names the tail wave of 40
     and charges it, about 16 us per step."""
     from dflash_cupy.ops import gemm_stream as gs
-    m = pm.model_step("h5120", 2048, H200)
+    m = pm.model_step("h5120", 2048, H200, compiled=False)   # the source model's wave bound
     gu = m["groups"]["gemm_stream[gate_up]"]["first"]
     assert (gu.grid, gu.blocks_per_sm) == ((136, 1, 9), 2)
     assert not any("tail wave" in d["why"] for d in m["losses"])
@@ -369,7 +369,7 @@ def test_model_h5120_names_the_tail_wave(monkeypatch):
     plan = gs.plan
     monkeypatch.setattr(gs, "plan", lambda N, K, m_, nw=1, *a, **kw: plan(
         N, K, m_, nw, *a, **dict(kw, ks=10 if (N, K, nw) == (17408, 5120, 2) else kw.get("ks"))))
-    old = pm.model_step("h5120", 2048, H200)
+    old = pm.model_step("h5120", 2048, H200, compiled=False)
     gu = old["groups"]["gemm_stream[gate_up]"]["first"]
     assert (gu.grid, gu.tail_blocks) == ((136, 1, 10), 40)
     assert any("tail wave of 40" in d["why"] for d in old["losses"])
@@ -622,3 +622,48 @@ def test_pdl_edges_cost_the_pdl_gap():
     assert on["gaps_us"] == pytest.approx(off["gaps_us"] - saved) and saved > 30
     assert on["step_us"] == pytest.approx(off["step_us"] - saved)
     assert "pdl_gap_s" in H200.sources and "guess" in H200.sources["pdl_gap_s"]
+
+
+def test_compiled_time_adds_the_phases_one_after_another():
+    """The compiled model (sass_phases.compiled_time): the stream (the phase moving the most
+    bytes) at HBM speed or at what its bytes in flight allow (Little's law per SM), then every
+    other phase's dependent chain at the L2 latency, its fences and atomics: added, not maxed."""
+    from profiling.sass_phases import Phase, compiled_time
+    stream = Phase("loop", "a", trips=10, round_trips=1, chain=10, global_loads=8, global_bytes=128,
+                   peak_inflight_bytes=128, instructions=50)
+    reduce_ = Phase("loop", "b", trips=8, round_trips=4, chain=32, global_loads=4, global_bytes=64,
+                    peak_inflight_bytes=16, instructions=45)
+    tail = Phase("straight", "c", trips=1, round_trips=2, chain=2, global_loads=2, global_bytes=8,
+                 instructions=90, fences=2, atomics=1)
+    kw = dict(gpu=H200, threads=256, per_sm_max=1, rounds=1, blocks=128, dram_bytes=128e6)
+    ct = compiled_time([stream, reduce_, tail], resident=1, **kw)
+    hbm = 128e6 / H200.hbm_Bps
+    little = 1e6 * H200.hbm_latency_s / (128 * 256)
+    assert hbm > little and ct.stream_bound == "hbm" and ct.stream_s == pytest.approx(hbm)
+    assert ct.phases_s == pytest.approx((32 + 2) * H200.l2_latency_s)
+    assert ct.fences_s == pytest.approx(3 * H200.l2_latency_s)
+    assert ct.total_s == pytest.approx(hbm + 37 * H200.l2_latency_s)
+    assert ct.largest()[1].startswith("stream") and ct.terms[1][2] == "b"
+    # a stream with 16 B in flight per thread is held to Little's law, not the chip's bandwidth
+    thin = Phase("loop", "a", trips=10, round_trips=1, chain=10, global_loads=1, global_bytes=16,
+                 peak_inflight_bytes=16, instructions=50)
+    ct = compiled_time([thin], resident=1, **kw)
+    assert ct.stream_bound == "in flight"
+    assert ct.stream_s == pytest.approx(1e6 * H200.hbm_latency_s / (16 * 256)) and ct.stream_s > hbm
+
+
+def test_compiled_model_of_a_step():
+    """model_step reads each launch's SASS by default: a ``sass`` bound on every launch, no
+    source latency / wave bound, never below the throughput bounds; compiled=False is the
+    source model (the max of its bounds)."""
+    m = pm.model_step("tiny", 64, H200)
+    assert m["model"] == "compiled"
+    launches = [t for t in m["nodes"] if t.kernel != "memcpy"]
+    assert launches and all(t.compiled is not None and "sass" in t.bounds_us and "latency" not in t.bounds_us
+                            for t in launches)
+    for t in launches:
+        assert t.predicted_us >= max(t.bounds_us[k] for k in ("dram", "l2", "smem", "mma")) - 1e-9
+        assert t.predicted_us == pytest.approx(max(t.bounds_us.values()))
+    src = pm.model_step("tiny", 64, H200, compiled=False)
+    assert src["model"] == "source" and all(t.compiled is None for t in src["nodes"])
+    assert "ratio" in pm.format_report(m)
