@@ -256,9 +256,8 @@ ring_attn_mma_split(const float* __restrict__ q,
     const int k_begin = split * SPLIT_KEYS;
     const int k_end = min(KV_TOTAL, k_begin + SPLIT_KEYS);
 
-    // The pipeline: tile t's K/V loads are issued with tile t+1's mask loads
-    // while tile t-1 computes; both are consumed at the top of tile t. Here:
-    // the masks of tiles 0 and 1 (with Q's loads), tile 0's K/V.
+    // The pipeline's start (file header): the masks of tiles 0 and 1 (loaded
+    // with Q), then tile 0's K and V.
     unsigned short mk[MROWS], mk_next[MROWS];
     load_mask(mask, k_begin, k_end, mk, warp, lane);
     load_mask(mask, k_begin + TILE, k_end, mk_next, warp, lane);
@@ -322,7 +321,8 @@ ring_attn_mma_split(const float* __restrict__ q,
         cp_async_wait_all();   // this thread's copies of the tile's K landed: the barrier below shows them to all
         bool bad = false;
         store_v(vc, v_s, bad);
-        // the next tile's K and V, and the one after's mask, in flight while this tile computes
+        // the next tile's mask rows; its K and V, and the mask of the one after, in flight
+        // while this tile computes
         {
             const unsigned int vis = read_visibility(vis_s[nx1]);
             if (k0 + TILE < k_end) {

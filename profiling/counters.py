@@ -1188,8 +1188,8 @@ def _attn_mma(L) -> KernelCounters:
         c.barriers += NKV   # the merge's row pass (the arrival's two: below, per block)
     c.dram_bytes = 2 * kv_bytes + B * KVT * 2 + B * NH * D * 4 + (
         out_w + 2 * part_b if fold else part_b if SPLITS > 1 else out_w)
-    # a tile's K/V loads and the next tile's mask loads are issued together while the tile
-    # before computes, and consumed at the top of the tile: one round trip per tile
+    # a tile's K/V loads and the mask loads of the tile after it are issued together before
+    # the math of the tile before, and consumed after it: one round trip per tile
     c.dram_round_trips_per_block = max_tiles
     c.inflight_peak_bytes_per_warp = -(-items // THR) * 2 * 16 * 32 + -(-B // MW) * 2 * 32
     c.notes.append(f"{L.n_blocks} blocks ({NKV} kv heads x {SPLITS} splits), {max_tiles} key tiles each, "
