@@ -2,7 +2,7 @@
 // (attention.cu: CUDA cores, any D; attention_mma.cu: tensor cores): the
 // compile-time sizes and their defaults, the key tiling of the splits, the
 // partial-result layout, the two ways of merging the splits (below), the
-// gate, the lanes.
+// gate, the lanes, asynchronous copies to shared memory.
 //
 // Merging the splits (SPLITS > 1). Every split block writes its
 // un-normalised partial (part_o, part_ml); the splits are then summed in
@@ -169,6 +169,33 @@ __device__ __forceinline__ LaneOffsets lane_offsets(int lane) {
     o.part_o = (long long)lane * SPLITS * B * NH * D;
     o.part_ml = (long long)lane * SPLITS * B * NH * 2;
     return o;
+}
+
+// Asynchronous 16-byte copies global -> shared (cp.async.cg, sm_80+): no
+// registers hold the data in flight. cp_async16 copies src to dst, or writes
+// zeros without reading src when !full; cp_async_commit closes the calling
+// thread's group of copies, cp_async_wait_all waits for all of them (a barrier
+// after it shows them to the block). Both 16-byte aligned. Under the emulator
+// the copy happens at once (as if it had already landed).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool full) {
+#ifdef __CUDA_ARCH__
+    const unsigned int d = (unsigned int)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(full ? 16 : 0) : "memory");
+#else
+    *reinterpret_cast<uint4*>(dst) = full ? *reinterpret_cast<const uint4*>(src) : make_uint4(0u, 0u, 0u, 0u);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef __CUDA_ARCH__
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+#ifdef __CUDA_ARCH__
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
 }
 
 // Called by every thread of a block after it wrote its partial: true in every

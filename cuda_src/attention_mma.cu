@@ -34,8 +34,13 @@
 //   NaN), and a non-finite V entry of a key some rows see is staged as 0 and
 //   its exact contribution added only to the rows that see the key (rare: a
 //   __syncthreads_or per tile says whether any such entry is present).
-//   Visibility of a tile's keys (the OR over the q_len mask rows) is gathered
-//   one tile ahead with a ballot per mask row.
+//   Visibility of a tile's keys (the OR over the q_len mask rows) is a ballot
+//   per mask row. Pipeline (all loads of a tile issued together, a tile
+//   ahead): before tile t computes, tile t+1's K (asynchronous copies into the
+//   other k_s buffer) and V (16-byte loads into registers), for the keys some
+//   row sees, and tile t+2's mask rows (registers) are issued; after tile t the
+//   mask rows give tile t+2's visibility, at the top of tile t+1 V and the
+//   rows are stored.
 //   Q and P are f32 split into two f16 terms (hi + lo, ~22 significant bits
 //   for P in [0,1], ~16 for q) so the products keep f32-like accuracy; K and V
 //   are the f16 cache rows themselves.
@@ -100,20 +105,112 @@ __device__ __forceinline__ unsigned int finite2(unsigned int w, bool& bad) {
     return w & ~m;
 }
 
-// OR into *vis the keys k0 .. k0+31 that some query row sees: warp w takes
-// mask rows w, w + MW, ...; a ballot turns one mask row into a word. The rows
-// are kept in m_tile [B][MS] (-inf past k_end) for the tile's scores: the mask
-// is read from global memory once per key column, not once per query row.
-__device__ __forceinline__ void gather_visibility(const __half* __restrict__ mask, int k0, int k_end,
-                                                  unsigned int* vis, __half* m_tile, int warp, int lane) {
-    unsigned int v = 0u;
+// Mask rows of this warp (w, w + MW, ...): MROWS per warp, a row past B reads nothing.
+#define MROWS ((B + MW - 1) / MW)
+
+// Issue the mask loads of keys k0 .. k0+31 (one 2-byte load per mask row and
+// lane, all independent; -inf past k_end), consumed after the tile's math.
+__device__ __forceinline__ void load_mask(const __half* __restrict__ mask, int k0, int k_end,
+                                          unsigned short (&mk)[MROWS], int warp, int lane) {
     const int key = k0 + lane;
-    for (int b = warp; b < B; b += MW) {
-        const __half mk = key < k_end ? mask[(long long)b * KV_TOTAL + key] : __ushort_as_half((unsigned short)0xfc00u);
-        v |= __ballot_sync(0xffffffffu, __half_as_ushort(mk) != 0xfc00u);
-        m_tile[b * MS + lane] = mk;
+#pragma unroll
+    for (int i = 0; i < MROWS; ++i) {
+        const int b = warp + MW * i;
+        mk[i] = (b < B && key < k_end) ? __half_as_ushort(mask[(long long)b * KV_TOTAL + key]) : (unsigned short)0xfc00u;
     }
-    if (lane == 0 && v) atomicOr(vis, v);
+}
+
+// The keys of the tile that some query row sees: a ballot per mask row, this
+// warp's OR into vis_w[warp] (read_visibility ORs the MW words).
+__device__ __forceinline__ void publish_visibility(const unsigned short (&mk)[MROWS], unsigned int* vis_w,
+                                                   int warp, int lane) {
+    unsigned int v = 0u;
+#pragma unroll
+    for (int i = 0; i < MROWS; ++i)
+        if (warp + MW * i < B)   // warp-uniform
+            v |= __ballot_sync(0xffffffffu, mk[i] != 0xfc00u);
+    if (lane == 0) vis_w[warp] = v;
+}
+
+// The mask rows kept in m_tile [B][MS] for the tile's scores: the mask is read
+// from global memory once per key column, not once per query row.
+__device__ __forceinline__ void store_mask(const unsigned short (&mk)[MROWS], __half* m_tile, int warp, int lane) {
+#pragma unroll
+    for (int i = 0; i < MROWS; ++i) {
+        const int b = warp + MW * i;
+        if (b < B) m_tile[b * MS + lane] = __ushort_as_half(mk[i]);
+    }
+}
+
+// The OR of the MW words (16 / 8-byte shared loads where MW allows: one instruction per 4 / 2).
+__device__ __forceinline__ unsigned int read_visibility(const unsigned int* vis_w) {
+    unsigned int v = 0u;
+#if MW % 4 == 0
+#pragma unroll
+    for (int w = 0; w < MW; w += 4) {
+        const uint4 x = *reinterpret_cast<const uint4*>(vis_w + w);
+        v |= x.x | x.y | x.z | x.w;
+    }
+#elif MW % 2 == 0
+#pragma unroll
+    for (int w = 0; w < MW; w += 2) {
+        const uint2 x = *reinterpret_cast<const uint2*>(vis_w + w);
+        v |= x.x | x.y;
+    }
+#else
+#pragma unroll
+    for (int w = 0; w < MW; ++w) v |= vis_w[w];
+#endif
+    return v;
+}
+
+// K/V staging: item i = threadIdx.x + THR * j is 16 bytes (8 dims from c) of
+// key i / (D/8); a key hidden from every row (or past k_end) is not read:
+// zeros. K goes to shared memory by asynchronous copies (no registers), V
+// through registers (its non-finite entries are replaced on the way).
+#define KV_ITEMS (TILE * (D / 8))
+#define KV_PER ((KV_ITEMS + THR - 1) / THR)
+
+__device__ __forceinline__ void load_k_async(const __half* __restrict__ k_cache, int k0, unsigned int vis, int kvh,
+                                             __half* k_tile) {
+#pragma unroll
+    for (int j = 0; j < KV_PER; ++j) {
+        const int i = (int)threadIdx.x + THR * j, key = i / (D / 8), c = (i % (D / 8)) * 8;
+        if (KV_ITEMS % THR == 0 || i < KV_ITEMS) {
+            const bool seen = (vis >> key) & 1u;
+            cp_async16(&k_tile[key * KS + c], seen ? k_cache + ((long long)(k0 + key) * KV_W + kvh * D + c) : k_cache, seen);
+        }
+    }
+    cp_async_commit();
+}
+
+__device__ __forceinline__ void load_v(const __half* __restrict__ v_cache, int k0, unsigned int vis, int kvh,
+                                       uint4 (&vc)[KV_PER]) {
+#pragma unroll
+    for (int j = 0; j < KV_PER; ++j) {
+        const int i = (int)threadIdx.x + THR * j, key = i / (D / 8), c = (i % (D / 8)) * 8;
+        vc[j] = make_uint4(0u, 0u, 0u, 0u);
+        if ((KV_ITEMS % THR == 0 || i < KV_ITEMS) && ((vis >> key) & 1u))
+            // coherent (__ldcg): stays before the barrier it is issued before (ptxas may
+            // sink a read-only .nc load past it, into the tile's math)
+            vc[j] = __ldcg(reinterpret_cast<const uint4*>(v_cache + (long long)(k0 + key) * KV_W + kvh * D + c));
+    }
+}
+
+// V into v_s, its non-finite entries as 0 (bad |= one was).
+__device__ __forceinline__ void store_v(const uint4 (&vc)[KV_PER], __half* v_s, bool& bad) {
+#pragma unroll
+    for (int j = 0; j < KV_PER; ++j) {
+        const int i = (int)threadIdx.x + THR * j, key = i / (D / 8), c = (i % (D / 8)) * 8;
+        if (KV_ITEMS % THR == 0 || i < KV_ITEMS) {
+            uint4 v = vc[j];
+            v.x = finite2(v.x, bad);
+            v.y = finite2(v.y, bad);
+            v.z = finite2(v.z, bad);
+            v.w = finite2(v.w, bad);
+            *reinterpret_cast<uint4*>(&v_s[key * KS + c]) = v;
+        }
+    }
 }
 
 }  // namespace attn_mma
@@ -148,10 +245,10 @@ ring_attn_mma_split(const float* __restrict__ q,
         part_o += lo.part_o;
         part_ml += lo.part_ml;
     }
-    __shared__ __align__(16) __half k_s[TILE * KS];
+    __shared__ __align__(16) __half k_s[2][TILE * KS];    // per tile parity: the next one fills while this one is read
     __shared__ __align__(16) __half v_s[TILE * KS];
-    __shared__ unsigned int vis_s[2];   // per tile parity: bit j = key k0 + j seen by some row
-    __shared__ __align__(16) __half m_s[2][B * MS];   // per tile parity: the mask tile (B <= 128: <= 20 KB)
+    __shared__ __align__(16) unsigned int vis_s[3][MW];   // slot tile % 3, per warp: bit j = key k0 + j seen by one of its rows
+    __shared__ __align__(16) __half m_s[2][B * MS];       // per tile parity: the mask tile (B <= 128: <= 20 KB)
 
     const int kvh = blockIdx.x, split = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -159,9 +256,11 @@ ring_attn_mma_split(const float* __restrict__ q,
     const int k_begin = split * SPLIT_KEYS;
     const int k_end = min(KV_TOTAL, k_begin + SPLIT_KEYS);
 
-    if (threadIdx.x == 0) vis_s[0] = 0u;
-    __syncthreads();
-    if (k_begin < k_end) gather_visibility(mask, k_begin, k_end, &vis_s[0], m_s[0], warp, lane);
+    // The pipeline's start (file header): the masks of tiles 0 and 1 (loaded
+    // with Q), then tile 0's K and V.
+    unsigned short mk[MROWS], mk_next[MROWS];
+    load_mask(mask, k_begin, k_end, mk, warp, lane);
+    load_mask(mask, k_begin + TILE, k_end, mk_next, warp, lane);
 
     // This lane's two query rows (fragment rows g and g+8 of the warp's 16).
     int rowr[2], bq[2];
@@ -205,29 +304,35 @@ ring_attn_mma_split(const float* __restrict__ q,
     // ldmatrix row of this lane in the P V step: matrix lane/8 = (keys +0 | +8) x (dims +0 | +8)
     const int lm_key = (lane & 7) + ((lane & 8) ? 8 : 0), lm_dim = (lane & 16) ? 8 : 0;
 
-    for (int k0 = k_begin, par = 0; k0 < k_end; k0 += TILE, par ^= 1) {
-        __syncthreads();  // every warp is done with the previous tile; vis_s[par] complete
-        const unsigned int vis = vis_s[par];
-        if (threadIdx.x == 0) vis_s[par ^ 1] = 0u;
+    publish_visibility(mk, vis_s[0], warp, lane);
+    store_mask(mk, m_s[0], warp, lane);
+    publish_visibility(mk_next, vis_s[1], warp, lane);
+    __syncthreads();
+    uint4 vc[KV_PER];
+    {
+        const unsigned int vis = read_visibility(vis_s[0]);
+        if (k_begin < k_end) load_k_async(k_cache, k_begin, vis, kvh, k_s[0]);
+        load_v(v_cache, k_begin, vis, kvh, vc);
+    }
+
+    for (int k0 = k_begin, par = 0, cur = 0; k0 < k_end; k0 += TILE, par ^= 1, cur = cur == 2 ? 0 : cur + 1) {
+        const int nx1 = cur == 2 ? 0 : cur + 1, nx2 = nx1 == 2 ? 0 : nx1 + 1;   // vis_s slots of tiles +1, +2
+        __syncthreads();  // every warp is done with the previous tile (v_s, k_s and m_s [par ^ 1]); vis_s[nx1] published
+        cp_async_wait_all();   // this thread's copies of the tile's K landed: the barrier below shows them to all
         bool bad = false;
-        for (int i = threadIdx.x; i < TILE * (D / 8); i += THR) {
-            const int key = i / (D / 8), c = (i % (D / 8)) * 8;
-            uint4 kc = make_uint4(0u, 0u, 0u, 0u), vc = make_uint4(0u, 0u, 0u, 0u);
-            if ((vis >> key) & 1u) {   // hidden from every row (or past k_end): zeros, whatever the slot holds
-                const long long off = (long long)(k0 + key) * KV_W + kvh * D + c;
-                kc = *reinterpret_cast<const uint4*>(k_cache + off);
-                vc = *reinterpret_cast<const uint4*>(v_cache + off);
-                vc.x = finite2(vc.x, bad);
-                vc.y = finite2(vc.y, bad);
-                vc.z = finite2(vc.z, bad);
-                vc.w = finite2(vc.w, bad);
+        store_v(vc, v_s, bad);
+        // the next tile's mask rows; its K and V, and the mask of the one after, in flight
+        // while this tile computes
+        {
+            const unsigned int vis = read_visibility(vis_s[nx1]);
+            if (k0 + TILE < k_end) {
+                store_mask(mk_next, m_s[par ^ 1], warp, lane);
+                load_k_async(k_cache, k0 + TILE, vis, kvh, k_s[par ^ 1]);
             }
-            *reinterpret_cast<uint4*>(&k_s[key * KS + c]) = kc;
-            *reinterpret_cast<uint4*>(&v_s[key * KS + c]) = vc;
+            load_v(v_cache, k0 + TILE, vis, kvh, vc);
         }
+        load_mask(mask, k0 + 2 * TILE, k_end, mk_next, warp, lane);
         const bool bad_tile = __syncthreads_or(bad);
-        if (k0 + TILE < k_end)
-            gather_visibility(mask, k0 + TILE, k_end, &vis_s[par ^ 1], m_s[par ^ 1], warp, lane);
 
         // S = Q K^T: 4 n tiles of 8 keys, fragments s[n][e] at row g(+8), key 8n + 2t (+1)
         float s[TILE / 8][4];
@@ -237,7 +342,7 @@ ring_attn_mma_split(const float* __restrict__ q,
             for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < DK; ++kk) {
-                const __half* kr = &k_s[(8 * n + g) * KS + 16 * kk + 2 * t];
+                const __half* kr = &k_s[par][(8 * n + g) * KS + 16 * kk + 2 * t];
                 const unsigned int bfr[2] = {ld32(kr), ld32(kr + 8)};
                 mma_m16n8k16_f16(s[n], qh[kk], bfr, s[n]);
                 mma_m16n8k16_f16(s[n], ql[kk], bfr, s[n]);
@@ -308,28 +413,39 @@ ring_attn_mma_split(const float* __restrict__ q,
 
         // Non-finite V entries of keys some row sees were staged as 0: add them
         // exactly (p * v) to the rows that see the key, and to no other row.
+        // Per key, the lane's DN pairs of V in DN independent 4-byte loads.
         if (bad_tile) {
 #pragma unroll
             for (int n = 0; n < TILE / 8; ++n) {
                 for (int kb = 0; kb < 8; ++kb) {
                     const int key = k0 + 8 * n + kb, src = (lane & ~3) | (kb >> 1);
+                    float p[2];
+                    bool see[2];
 #pragma unroll
                     for (int u = 0; u < 2; ++u) {
-                        const float p = __shfl_sync(0xffffffffu, (kb & 1) ? s[n][2 * u + 1] : s[n][2 * u], src);
-                        if (!rok[u] || key >= k_end || __half_as_ushort(m_s[par][bq[u] * MS + 8 * n + kb]) == 0xfc00u)
-                            continue;
-                        const __half* vr = v_cache + (long long)key * KV_W + kvh * D;
-#pragma unroll
-                        for (int j = 0; j < DN; ++j)
-#pragma unroll
-                            for (int c = 0; c < 2; ++c) {
-                                const __half hv = vr[8 * j + 2 * t + c];
-                                if (half_nonfinite(__half_as_ushort(hv))) o[j][2 * u + c] += p * __half2float(hv);
-                            }
+                        p[u] = __shfl_sync(0xffffffffu, (kb & 1) ? s[n][2 * u + 1] : s[n][2 * u], src);
+                        see[u] = rok[u] && key < k_end && __half_as_ushort(m_s[par][bq[u] * MS + 8 * n + kb]) != 0xfc00u;
                     }
+                    if (!see[0] && !see[1]) continue;
+                    const __half* vr = v_cache + (long long)key * KV_W + kvh * D + 2 * t;
+                    unsigned int w[DN];
+#pragma unroll
+                    for (int j = 0; j < DN; ++j) w[j] = ld32(vr + 8 * j);
+#pragma unroll
+                    for (int j = 0; j < DN; ++j)
+#pragma unroll
+                        for (int c = 0; c < 2; ++c) {
+                            const unsigned short hb = (unsigned short)(c ? w[j] >> 16 : w[j] & 0xffffu);
+                            if (!half_nonfinite(hb)) continue;
+                            const float hv = __half2float(__ushort_as_half(hb));
+#pragma unroll
+                            for (int u = 0; u < 2; ++u)
+                                if (see[u]) o[j][2 * u + c] += p[u] * hv;
+                        }
                 }
             }
         }
+        publish_visibility(mk_next, vis_s[nx2], warp, lane);   // tile +2's: read past the next barrier
     }
 
     // Row sums over the 4 lanes of a row, then the partial (or, unsplit, the output).
@@ -367,6 +483,6 @@ ring_attn_mma_split(const float* __restrict__ q,
     const int unit = (int)(blockIdx.z * NKV + blockIdx.x);   // (lane, kv head)
     if (last_split_to_arrive(counters, unit, &ticket))
         merge_splits(part_o, part_ml, gate, out, kvh, 0, R, THR,
-                     reinterpret_cast<float*>(k_s), counters, unit);   // k_s: done with; 2R floats fit
+                     reinterpret_cast<float*>(k_s[0]), counters, unit);   // k_s: done with; 2R floats fit
 #endif
 }

@@ -1188,11 +1188,12 @@ def _attn_mma(L) -> KernelCounters:
         c.barriers += NKV   # the merge's row pass (the arrival's two: below, per block)
     c.dram_bytes = 2 * kv_bytes + B * KVT * 2 + B * NH * D * 4 + (
         out_w + 2 * part_b if fold else part_b if SPLITS > 1 else out_w)
-    # the K/V loads of a tile are consumed at the barrier right after: one round trip per tile
+    # a tile's K/V loads and the mask loads of the tile after it are issued together before
+    # the math of the tile before, and consumed after it: one round trip per tile
     c.dram_round_trips_per_block = max_tiles
-    c.inflight_peak_bytes_per_warp = -(-items // THR) * 2 * 16 * 32
+    c.inflight_peak_bytes_per_warp = -(-items // THR) * 2 * 16 * 32 + -(-B // MW) * 2 * 32
     c.notes.append(f"{L.n_blocks} blocks ({NKV} kv heads x {SPLITS} splits), {max_tiles} key tiles each, "
-                   f"one K/V round trip per tile")
+                   f"one K/V round trip per tile (issued a tile ahead)")
     if fold:
         # the merging block's path after its own tiles, once per launch (the merges of units
         # finished earlier overlap the later blocks' tiles): the row pass (two dependent
