@@ -828,7 +828,10 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
         for (int s = 0; s < nsteps; s++) {
             const unsigned char* bbase = smem + (s & 1) * BUF_B;
             to_frag(frag, raw, z0);  // waits for step s's weights
-            wgmma_pin_operands<32>(&frag.a[0][0][0]);
+#pragma unroll
+            for (int a = 0; a < 2; a++)
+#pragma unroll
+                for (int q = 0; q < 4; q++) wgmma_pin_operands<4>(frag.a[a][q]);
             load_slot(raw, wrow, ok, kl + (s + 1) * KSTEP, k_end);  // zeros past the slice
             prefetch_step(pf_row, pf_ok, k_begin + (s + D) * KSTEP, k_end);
             XBatch xb;  // step s + 1's first batch of x, in flight across the MMA issue
