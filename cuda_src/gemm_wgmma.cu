@@ -56,13 +56,19 @@
 //   only) are dead in the column groups wholly below it (the Q columns).
 //
 // ---- Per 64-k step s (one commit group)
-//   A (weights), register ring GW_DEPTH steps deep: lane (g, t) of warp q (0..3) of a warpgroup
-//   loads W[row][k + 8t .. +7] and W[row][k + 32 + 8t .. +7] for rows 16q + g and 16q + g + 8 of
-//   each set (8 16-byte ld.global.cs per step; the 4 lanes of a row cover 64 contiguous bytes
-//   per instruction, both halves its 128-byte line), straight into the A fragments: with the
-//   K order inside a step permuted as in gemm_stream.cu, lane t's weights at
-//   k + 8t + 32(q'/2) + 4(q'%2) + {0,1,2,3} play fragment columns {2t, 2t+1, 2t+8, 2t+9} of the
-//   step's k16 instruction q' (so no shuffles), and x is staged with the same permutation.
+//   A (weights): lane (g, t) of warp q (0..3) of a warpgroup loads W[row][k + 8t .. +7] and
+//   W[row][k + 32 + 8t .. +7] for rows 16q + g and 16q + g + 8 of each set (8 16-byte
+//   ld.global.cs per step; the 4 lanes of a row cover 64 contiguous bytes per instruction, both
+//   halves its 128-byte line). With the K order inside a step permuted as in gemm_stream.cu,
+//   lane t's weights at k + 8t + 32(q'/2) + 4(q'%2) + {0,1,2,3} play fragment columns {2t, 2t+1,
+//   2t+8, 2t+9} of the step's k16 instruction q' (so no shuffles), and x is staged with the same
+//   permutation. A fragment quad holds two rows (g, g + 8), a load one: the loads land in a
+//   raw slot of their own (Slot) and to_frag copies them into the quads when the step starts
+//   (through wgmma_opaque_zero, so that ptxas keeps the copies there and not right after each
+//   load, where they made every load wait for the one before).
+//   Weights ahead: step s + 1's in registers while step s computes (one 64-k step of the
+//   block's 256 rows: 32 KB per block), steps up to s + GW_DEPTH requested into L2 (one
+//   prefetch per thread and step: lane t of a row group takes row (set t / 2, g + 8 (t % 2))).
 //   B (x), double-buffered: buffer s % 2 holds step s's BT x 64 values per plane as K-major
 //   core matrices (wgmma.cuh): instruction q' at q' * Q_B bytes (Q_B = BT * 32 + 64: 64 bytes
 //   of padding per instruction), token n, fragment column c at (n / 8) * 256 + (c / 8) * 128 +
@@ -71,22 +77,22 @@
 //   float4 each: 4 whole sectors per token); lane l8's 4 values (real offset 32h + 4 l8 of the
 //   step) are fragment columns 2tt, 2tt + 1 and 2tt + 8, 2tt + 9 of instruction 2h + (l8 & 1)
 //   (tt = l8 / 2), stored as two 4-byte pairs per plane: banks tt + 4 (n % 8) + 16 (l8 & 1)
-//   (the padding's doing), 32 distinct per instruction: one wavefront each.
+//   (the padding's doing), 32 distinct per instruction: one wavefront each. A thread's items
+//   go in batches (xs_load: every load of the batch, then xs_store): BT 64 one batch per step.
 //   The MMAs run in chunks of GW_NCH rows of x (32: wgmma N = 32, chunk c's accumulators the
 //   c-th NCH / 2 of each set's, its B the core-matrix rows from c * NCH * 32 bytes): a chunk
 //   whose 16-row tiles are all dead or padding (tile_live, pad_rows: the lane-batched step's
 //   idle lanes and unused append rows) issues none, as gemm_stream.cu skips such tiles.
-//   Order: fence -> 2 sets x 4 k16 x GW_SPLIT x live chunks wgmmas (step s) -> commit -> wait until only
-//   step s is in flight (step s - 1 retired: its ring slot and x buffer are free) ->
-//   __syncthreads -> load step s + DEPTH - 1's weights into the freed slot -> stage step
-//   s + 1's x into the other buffer (its L2 latency overlaps the weights' HBM latency) ->
-//   fence.proxy.async -> __syncthreads. Step s's MMAs run while the block loads and stages;
-//   DEPTH - 1 steps of weights are in flight (DEPTH 2 at BT 128: 256 rows x 128 B = 32 KB per
-//   block, one block per SM; DEPTH 3 at BT 64: 64 KB). Critical path per step: the longer of
-//   step s's MMAs (BT 128: 2 x 2 x 4 x GW_SPLIT wgmmas of N 128 per SM) and one HBM round trip.
+//   Order: A fragments of step s from the raw slot -> load step s + 1's weights into it,
+//   prefetch step s + GW_DEPTH's -> (BT 64) load step s + 1's x batch -> fence -> 2 sets x 4 k16
+//   x GW_SPLIT x live chunks wgmmas (step s) -> commit -> store the x batch (and stage the rest)
+//   into buffer (s + 1) % 2 (step s - 1's, retired before the last barrier) -> wait for step s
+//   -> fence.proxy.async -> __syncthreads (one per step). Critical path per step: one L2 round
+//   trip (the weights, prefetched, and x, issued together) and the barrier, or step s's MMAs.
 //
-// ---- Registers: accumulators 2 * BT / 2 = BT, ring DEPTH * 32, staging 8 + 8 per item.
-//   ptxas (NVRTC, sm_90a): see ops/gemm_stream.WG_PTXAS_REGS (tests/test_gemm_wgmma.py).
+// ---- Registers: accumulators 2 * BT / 2 = BT, A fragments 32, the raw slot 32, staging 8 (f32)
+//   or 12 (x16) per item of a batch. ptxas (NVRTC, sm_90a): see ops/gemm_stream.WG_PTXAS_REGS
+//   (tests/test_gemm_wgmma.py).
 //
 // nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=0 -DGW_K=4096 -DGW_BT=128 -DGW_SPLIT=1
 // nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=2 -DGW_K=4096 -DGW_BT=128 -DGW_SPLIT=1 -DGW_NORM=1
@@ -198,8 +204,8 @@
 #if GW_WTYPE != 1 && GW_WTYPE != 2
 #error "GW_WTYPE must be 1 (f16) or 2 (bf16)"
 #endif
-#if GW_DEPTH < 2 || GW_DEPTH > 3
-#error "GW_DEPTH must be 2 or 3"
+#if GW_DEPTH < 2 || GW_DEPTH > 8
+#error "GW_DEPTH (weights requested ahead, in 64-k steps) must be 2 .. 8"
 #endif
 #if GW_NORM != 0 && GW_NORM != 1
 #error "GW_NORM must be 0 or 1"
@@ -253,8 +259,14 @@ static_assert(ITEMS % THREADS == 0, "staging items divide over the block");
 __device__ __forceinline__ unsigned int to16(float v) { return to_bits16<GW_WTYPE>(v); }
 __device__ __forceinline__ float from16(unsigned int b) { return from_bits16<GW_WTYPE>(b); }
 
-// One ring slot: per set, the A fragments of the step's 4 k16 instructions.
+// One step's 8 weight loads as they arrive, v[set][row rr][half h] (16 bytes each): a load is
+// one weight row, a fragment quad two (rows g, g + 8), so no load can land in a quad; the slot
+// keeps them as loaded (registers of their own) until to_frag permutes them at their step.
 struct Slot {
+    uint4 v[2][2][2];
+};
+// The A fragments of one step: per set, the 4 k16 instructions' quads.
+struct Frag {
     unsigned int a[2][4][4];
 };
 
@@ -271,11 +283,32 @@ __device__ __forceinline__ void load_slot(Slot& s, const unsigned short* const w
                 const int kk = k + 32 * h;  // k includes the lane's 8t
                 uint4 v = make_uint4(0u, 0u, 0u, 0u);
                 if (((ok >> (2 * a + rr)) & 1u) && kk < k_end) v = __ldcs(reinterpret_cast<const uint4*>(wrow[a][rr] + kk));
-                // instruction 2h takes elements 0..3, 2h + 1 elements 4..7; regs 0/2: row g, 1/3: row g + 8
-                s.a[a][2 * h][rr] = v.x;
-                s.a[a][2 * h][rr + 2] = v.y;
-                s.a[a][2 * h + 1][rr] = v.z;
-                s.a[a][2 * h + 1][rr + 2] = v.w;
+                s.v[a][rr][h] = v;
+            }
+        }
+    }
+}
+
+// One step's line of a weight row requested into L2 (k: the step's first k; none past the
+// slice or for a row past N).
+__device__ __forceinline__ void prefetch_step(const unsigned short* row, bool row_ok, int k, int k_end) {
+    if (row_ok && k < k_end) prefetch_l2(row + k);
+}
+
+// The step's A fragments from its slot: instruction 2h takes elements 0..3 of half h, 2h + 1
+// elements 4..7; regs 0/2: row g, 1/3: row g + 8. z: wgmma_opaque_zero() (the copies stay here).
+__device__ __forceinline__ void to_frag(Frag& f, const Slot& s, unsigned int z) {
+#pragma unroll
+    for (int a = 0; a < 2; a++) {
+#pragma unroll
+        for (int rr = 0; rr < 2; rr++) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const uint4 v = s.v[a][rr][h];
+                f.a[a][2 * h][rr] = v.x | z;
+                f.a[a][2 * h][rr + 2] = v.y | z;
+                f.a[a][2 * h + 1][rr] = v.z | z;
+                f.a[a][2 * h + 1][rr + 2] = v.w | z;
             }
         }
     }
@@ -447,7 +480,7 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
     const int scale_lo = (GW_NORM && use_ln_lo) ? 0 : norm_lo;
 
     // PDL (pdl.cuh): before the wait only weights are touched. A static launch knows its tile
-    // from blockIdx: lane t sends its 4 rows' line of ring step t (t < D) to L2 while the
+    // from blockIdx: lane t sends its 4 rows' line of step t (t < D) to L2 while the
     // kernel before drains. A live-split launch learns its tiles from tile_live, after the wait.
     if (!(GW_SMS > 0 && use_live) && t < D && (int)blockIdx.z * kz + t * KSTEP < K) {
         const int nb0 = ((int)blockIdx.x / tblocks) * COLS + wg * (128 / NW);
@@ -605,29 +638,93 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
             ss_at(16 + L, n) = 0.0f;
         }
 #endif
-        auto stage = [&](int s, int buf) {
-            const int kc = k_begin + s * KSTEP;
-            unsigned char* base = smem + buf * BUF_B;
+        // Staging in batches of XB items per thread: xs_load issues every global load of a batch
+        // (x and, GW_NORM, ln) into registers of its own, xs_store (after, e.g. past the MMA
+        // issue) sums, scales, rounds and stores them: one L2 round trip per batch.
+        // GW_X16 item j (i = threadIdx.x + j * THREADS, warp item wi = i / 32): token n = 8 * (wi %
+        // (BT / 8)) + (i % 32) / 4, half h = wi / (BT / 8), tt = i % 4 loads x[n][k + 32h + 8tt .. +7]
+        // (16 bytes; a warp: 8 tokens x 64 contiguous bytes). Values 0..3 are the f32 path's item
+        // l8 = 2tt (instruction 2h), 4..7 its l8 = 2tt + 1 (instruction 2h + 1); each pair is
+        // stored as there: banks 4 (n % 8) + tt (+16 for instruction 2h + 1), 32 distinct per
+        // store, one wavefront each.
+        // f32 item j: token n = 4 * (wi % (BT / 4)) + (i % 32) / 8, half h = wi / (BT / 4), l8 = i % 8
+        // loads x[n][k + 32h + 4 l8 .. +3] (see above).
+        // BT 128 (128 accumulators): smaller batches, one at a time, or it spills
 #if GW_X16
-            // Item j (i = threadIdx.x + j * THREADS, warp item wi = i / 32): token n = 8 * (wi % (BT /
-            // 8)) + (i % 32) / 4, half h = wi / (BT / 8), tt = i % 4 loads x[n][k + 32h + 8tt .. +7]
-            // (16 bytes; a warp: 8 tokens x 64 contiguous bytes). Values 0..3 are the f32 path's item
-            // l8 = 2tt (instruction 2h), 4..7 its l8 = 2tt + 1 (instruction 2h + 1); each pair is
-            // stored as there: banks 4 (n % 8) + tt (+16 for instruction 2h + 1), 32 distinct per
-            // store, one wavefront each. 2 loads in flight per thread (a step's items in IPT / 2
-            // round trips, as the f32 path's 4 of its 2 * IPT; all 4 of BT 128 at once spill).
-#pragma unroll 2
-            for (int j = 0; j < IPT; j++) {
-                const int i = (int)threadIdx.x + j * THREADS;
-                const int wi = i >> 5;
-                const int n = 8 * (wi % (BT / 8)) + ((i & 31) >> 2), tt = i & 3, h = wi / (BT / 8);
-                const int k = kc + 32 * h + 8 * tt;
+        constexpr int XB = BT >= 128 ? 1 : 2;
+#else
+        constexpr int XB = BT < 128 ? 4 : (GW_NORM ? 1 : 2);
+#endif
+        static_assert(IPT % XB == 0, "staging batches divide a thread's items");
+        constexpr bool X_EARLY = BT < 128;  // the first batch's loads issued before the MMAs
+        struct XBatch {
+#if GW_X16
+            uint4 v[XB];
+            float4 ga[XB], gb[XB];
+#else
+            float4 v[XB], g[XB];
+#endif
+            bool in[XB], sc[XB];
+        };
+        // staging item j: its token n, half h, lane-in-token l (tt for GW_X16, l8 for f32)
+        auto xitem = [&](int j, int& n, int& h, int& l) {
+            const int i = (int)threadIdx.x + j * THREADS;
+            const int wi = i >> 5;
+#if GW_X16
+            n = 8 * (wi % (BT / 8)) + ((i & 31) >> 2);
+            h = wi / (BT / 8);
+            l = i & 3;
+#else
+            n = 4 * (wi % (BT / 4)) + ((i & 31) >> 3);
+            h = wi / (BT / 4);
+            l = i & 7;
+#endif
+        };
+        // active: false issues no load (the batch then stores zeros)
+        auto xs_load = [&](XBatch& xb, int s, int j0, bool active) {
+            const int kc = k_begin + s * KSTEP;
+#pragma unroll
+            for (int jj = 0; jj < XB; jj++) {
+                int n, h, l;
+                xitem(j0 + jj, n, h, l);
+                const int k = kc + 32 * h + (GW_X16 ? 8 : 4) * l;
                 const int grow = m0 + n;
-                uint4 v = make_uint4(0u, 0u, 0u, 0u);
-                if (((cmask >> (n >> 4)) & 1u) && n < live && k < k_end && (grow < lo || grow >= pad_hi)) {
-                    v = *reinterpret_cast<const uint4*>(xrow(grow) + k);
+                xb.in[jj] = active && ((cmask >> (n >> 4)) & 1u) && n < live && k < k_end && (grow < lo || grow >= pad_hi);
+                xb.sc[jj] = xb.in[jj] && GW_NORM && grow >= scale_lo;
+#if GW_X16
+                xb.v[jj] = make_uint4(0u, 0u, 0u, 0u);
+                xb.ga[jj] = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+                xb.gb[jj] = xb.ga[jj];
+                if (xb.in[jj]) xb.v[jj] = *reinterpret_cast<const uint4*>(xrow(grow) + k);
 #if GW_NORM
-                    const unsigned int q[4] = {v.x, v.y, v.z, v.w};
+                if (xb.sc[jj]) {
+                    const float* gam = grow >= norm_lo ? ln : ln_lo;
+                    xb.ga[jj] = *reinterpret_cast<const float4*>(gam + k);
+                    xb.gb[jj] = *reinterpret_cast<const float4*>(gam + k + 4);
+                }
+#endif
+#else
+                xb.v[jj] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                xb.g[jj] = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+                if (xb.in[jj]) xb.v[jj] = *reinterpret_cast<const float4*>(xrow(grow) + k);
+#if GW_NORM
+                if (xb.sc[jj]) xb.g[jj] = *reinterpret_cast<const float4*>((grow >= norm_lo ? ln : ln_lo) + k);
+#endif
+#endif
+            }
+        };
+        auto xs_store = [&](const XBatch& xb, int s, int buf, int j0) {
+            unsigned char* base = smem + buf * BUF_B;
+#pragma unroll
+            for (int jj = 0; jj < XB; jj++) {
+                int n, h, l;
+                xitem(j0 + jj, n, h, l);
+#if GW_X16
+                const int tt = l;
+                uint4 v = xb.v[jj];
+#if GW_NORM
+                const unsigned int q[4] = {v.x, v.y, v.z, v.w};
+                if (xb.in[jj]) {
 #pragma unroll
                     for (int hh = 0; hh < 2; hh++) {  // "lane" L + hh: values 4hh .. 4hh + 3
                         float* sp_ = &ss_at(16 * (s & 1) + 8 * h + 2 * tt + hh, n);
@@ -640,37 +737,27 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
                         }
                         *sp_ = ss;
                     }
-                    if (grow >= scale_lo) {
-                        const float* gam = grow >= norm_lo ? ln : ln_lo;
-                        const float4 ga = *reinterpret_cast<const float4*>(gam + k);
-                        const float4 gb = *reinterpret_cast<const float4*>(gam + k + 4);
-                        const float gl[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
-                        unsigned int o[4];
-#pragma unroll
-                        for (int e = 0; e < 4; e++)
-                            o[e] = to16(from16(q[e] & 0xffffu) * gl[2 * e]) | (to16(from16(q[e] >> 16) * gl[2 * e + 1]) << 16);
-                        v = make_uint4(o[0], o[1], o[2], o[3]);
-                    }
-#endif
                 }
+                if (xb.sc[jj]) {
+                    const float gl[8] = {xb.ga[jj].x, xb.ga[jj].y, xb.ga[jj].z, xb.ga[jj].w,
+                                         xb.gb[jj].x, xb.gb[jj].y, xb.gb[jj].z, xb.gb[jj].w};
+                    unsigned int o[4];
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        o[e] = to16(from16(q[e] & 0xffffu) * gl[2 * e]) | (to16(from16(q[e] >> 16) * gl[2 * e + 1]) << 16);
+                    v = make_uint4(o[0], o[1], o[2], o[3]);
+                }
+#endif
                 unsigned char* p = base + 2 * h * Q_B + (n >> 3) * 256 + (n & 7) * 16 + 4 * tt;
                 *reinterpret_cast<unsigned int*>(p) = v.x;
                 *reinterpret_cast<unsigned int*>(p + 128) = v.y;
                 *reinterpret_cast<unsigned int*>(p + Q_B) = v.z;
                 *reinterpret_cast<unsigned int*>(p + Q_B + 128) = v.w;
-            }
 #else
-#pragma unroll 4  // 4 loads in flight per thread: all 8 of BT 128 at once spill (255 registers)
-            for (int j = 0; j < IPT; j++) {
-                const int i = (int)threadIdx.x + j * THREADS;
-                const int wi = i >> 5;
-                const int n = 4 * (wi % (BT / 4)) + ((i & 31) >> 3), l8 = i & 7, h = wi / (BT / 4);
-                const int k = kc + 32 * h + 4 * l8;
-                const int grow = m0 + n;
-                float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                if (((cmask >> (n >> 4)) & 1u) && n < live && k < k_end && (grow < lo || grow >= pad_hi)) {
-                    v = *reinterpret_cast<const float4*>(xrow(grow) + k);
+                const int l8 = l;
+                float4 v = xb.v[jj];
 #if GW_NORM
+                if (xb.in[jj]) {
                     float* sp_ = &ss_at(16 * (s & 1) + 8 * h + l8, n);
                     float ss = *sp_;
                     ss = fmaf(v.x, v.x, ss);
@@ -678,15 +765,14 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
                     ss = fmaf(v.z, v.z, ss);
                     ss = fmaf(v.w, v.w, ss);
                     *sp_ = ss;
-                    if (grow >= scale_lo) {
-                        const float4 g4 = *reinterpret_cast<const float4*>((grow >= norm_lo ? ln : ln_lo) + k);
-                        v.x *= g4.x;
-                        v.y *= g4.y;
-                        v.z *= g4.z;
-                        v.w *= g4.w;
-                    }
-#endif
                 }
+                if (xb.sc[jj]) {
+                    v.x *= xb.g[jj].x;
+                    v.y *= xb.g[jj].y;
+                    v.z *= xb.g[jj].z;
+                    v.w *= xb.g[jj].w;
+                }
+#endif
                 // elements 0, 1 are fragment columns 2tt, 2tt + 1 (core matrix 0), 2, 3 are 2tt + 8,
                 // 2tt + 9 (core matrix 1, 128 bytes on)
                 const float f[4] = {v.x, v.y, v.z, v.w};
@@ -702,13 +788,31 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
                     *reinterpret_cast<unsigned int*>(p + sp * PLANE_B) = b[0] | (b[1] << 16);
                     *reinterpret_cast<unsigned int*>(p + sp * PLANE_B + 128) = b[2] | (b[3] << 16);
                 }
-            }
 #endif
+            }
+        };
+        // the whole of step s's x into buffer buf, batch by batch
+        auto stage = [&](int s, int buf, int j_first) {
+#pragma unroll 1  // a batch at a time: unrolled, ptxas hoists the next batches' loads (BT 128: spills)
+            for (int j0 = j_first; j0 < IPT; j0 += XB) {
+                XBatch xb;
+                xs_load(xb, s, j0, true);
+                xs_store(xb, s, buf, j0);
+            }
         };
 
-        Slot ring[D];
+        // Weights: step s + 1's in registers (raw) while step s computes, steps up to s + D
+        // requested into L2 ahead of them (prefetch: no registers, no scoreboard).
+        Slot raw;
+        Frag frag;
+        const unsigned int z0 = wgmma_opaque_zero();
+        const int kl = k_begin + 8 * t;  // this lane's first k of a step
+        // the row lane t prefetches: set t / 2, row g + 8 (t % 2) (the 4 lanes of a group: its 4 rows)
+        const unsigned short* const pf_row = (t & 2) ? ((t & 1) ? wrow[1][1] : wrow[1][0]) : ((t & 1) ? wrow[0][1] : wrow[0][0]);
+        const bool pf_ok = ((ok >> t) & 1u) != 0u;
+        load_slot(raw, wrow, ok, kl, k_end);
 #pragma unroll
-        for (int d = 0; d < D - 1; d++) load_slot(ring[d], wrow, ok, k_begin + d * KSTEP + 8 * t, k_end);
+        for (int p = 1; p < D; p++) prefetch_step(pf_row, pf_ok, k_begin + p * KSTEP, k_end);
 
         float acc[2][BT / 2];
 #pragma unroll
@@ -716,44 +820,48 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
 #pragma unroll
             for (int e = 0; e < BT / 2; e++) acc[a][e] = 0.0f;
 
-        if (nsteps > 0) stage(0, 0);
+        if (nsteps > 0) stage(0, 0, 0);
         fence_proxy_async_shared();
         __syncthreads();
 
-        for (int s0 = 0; s0 < nsteps; s0 += D) {
+#pragma unroll 1
+        for (int s = 0; s < nsteps; s++) {
+            const unsigned char* bbase = smem + (s & 1) * BUF_B;
+            to_frag(frag, raw, z0);  // waits for step s's weights
 #pragma unroll
-            for (int d = 0; d < D; d++) {
-                const int s = s0 + d;
-                if (s < nsteps) {  // block-uniform
-                    const unsigned char* bbase = smem + (s & 1) * BUF_B;
-                    wgmma_fence();
+            for (int a = 0; a < 2; a++)
 #pragma unroll
-                    for (int sp = 0; sp < GW_SPLIT; sp++) {
+                for (int q = 0; q < 4; q++) wgmma_pin_operands<4>(frag.a[a][q]);
+            load_slot(raw, wrow, ok, kl + (s + 1) * KSTEP, k_end);  // zeros past the slice
+            prefetch_step(pf_row, pf_ok, k_begin + (s + D) * KSTEP, k_end);
+            XBatch xb;  // step s + 1's first batch of x, in flight across the MMA issue
+            if (X_EARLY) xs_load(xb, s + 1, 0, s + 1 < nsteps);
+            wgmma_fence();
 #pragma unroll
-                        for (int q = 0; q < 4; q++) {
-                            const unsigned long long desc =
-                                wgmma_desc_kmajor_noswizzle(bbase + sp * PLANE_B + q * Q_B, 128, 256);
+            for (int sp = 0; sp < GW_SPLIT; sp++) {
 #pragma unroll
-                            for (int c = 0; c < NCHUNK; c++) {
-                                if (!((cmask >> (c * TPC)) & ((1u << TPC) - 1u))) continue;  // block-uniform
+                for (int q = 0; q < 4; q++) {
+                    const unsigned long long desc = wgmma_desc_kmajor_noswizzle(bbase + sp * PLANE_B + q * Q_B, 128, 256);
 #pragma unroll
-                                for (int a = 0; a < 2; a++)
-                                    gemm_wgmma_detail::wgmma(acc[a] + c * (NCH / 2), ring[d].a[a][q],
-                                                             desc + (unsigned long long)((c * NCH * 32) >> 4));
-                            }
-                        }
+                    for (int c = 0; c < NCHUNK; c++) {
+                        if (!((cmask >> (c * TPC)) & ((1u << TPC) - 1u))) continue;  // block-uniform
+#pragma unroll
+                        for (int a = 0; a < 2; a++)
+                            gemm_wgmma_detail::wgmma(acc[a] + c * (NCH / 2), frag.a[a][q],
+                                                     desc + (unsigned long long)((c * NCH * 32) >> 4));
                     }
-                    wgmma_commit_group();
-                    wgmma_wait_group<1>();  // step s - 1 retired: its slot and x buffer are free
-                    __syncthreads();        // ... in every warpgroup
-                    // the slot step s - 1 used: DEPTH - 1 steps ahead of step s. Issued before the
-                    // staging waits for x, so the two loads' latencies overlap.
-                    load_slot(ring[(d + D - 1) % D], wrow, ok, k_begin + (s + D - 1) * KSTEP + 8 * t, k_end);
-                    if (s + 1 < nsteps) stage(s + 1, (s + 1) & 1);
-                    fence_proxy_async_shared();
-                    __syncthreads();
                 }
             }
+            wgmma_commit_group();
+            // step s + 1's x into the other buffer (step s - 1's: retired before the last barrier)
+            // while step s's MMAs run
+            if (s + 1 < nsteps) {
+                if (X_EARLY) xs_store(xb, s + 1, (s + 1) & 1, 0);
+                stage(s + 1, (s + 1) & 1, X_EARLY ? XB : 0);
+            }
+            wgmma_wait_group<0>();  // step s retired: frag and its x buffer are free ...
+            fence_proxy_async_shared();
+            __syncthreads();        // ... in every warpgroup, and step s + 1's x is staged
         }
 #if GW_NORM
         __syncthreads();  // every item's last sum (nsteps may be 0)

@@ -249,6 +249,19 @@ __device__ __forceinline__ void wgmma_fence_operands(float* d) {
 #endif
 }
 
+// Before wgmma_fence: register A operands computed before this point are written here, so the
+// fence orders them (the compiler may otherwise sink their arithmetic past the fence, and
+// ptxas then injects a warpgroup.arrive before each wgmma). No instruction.
+template <int N>
+__device__ __forceinline__ void wgmma_pin_operands(unsigned int* a) {
+#ifdef __CUDA_ARCH__
+#pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+r"(a[i])::"memory");
+#else
+    (void)a;
+#endif
+}
+
 // Descriptor of a K-major, unswizzled B operand whose first core matrix is at `smem` (a
 // 16-byte aligned shared-memory address); lbo_bytes / sbo_bytes as in the layout above.
 __device__ __forceinline__ unsigned long long wgmma_desc_kmajor_noswizzle(const void* smem, unsigned int lbo_bytes,
@@ -260,6 +273,21 @@ __device__ __forceinline__ unsigned long long wgmma_desc_kmajor_noswizzle(const 
            ((unsigned long long)((sbo_bytes & 0x3FFFFu) >> 4) << 32);
 #else
     return emu_wgmma_desc(smem, lbo_bytes, sbo_bytes);
+#endif
+}
+
+// 0, as a value ptxas cannot know: %dynamic_smem_size < 2^18 (the 18-bit shared window every
+// descriptor addresses). `a | wgmma_opaque_zero()` is `a`, computed where it is written: a
+// register A operand built that way from a vector load's registers keeps those registers
+// (and the load in flight) until there, where ptxas would otherwise copy the load into the
+// A quads (no 16-byte load fills one: rows g and g + 8) at once, waiting for it.
+__device__ __forceinline__ unsigned int wgmma_opaque_zero() {
+#ifdef __CUDA_ARCH__
+    unsigned int v;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(v));
+    return v >> 18;
+#else
+    return 0u;
 #endif
 }
 

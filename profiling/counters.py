@@ -916,13 +916,18 @@ def _gemm_wgmma(L) -> KernelCounters:
                 n_wg = ng * ns * 2 * 2 * 4 * SPLIT * chunks_live
                 c.wgmma_mma += n_wg * 4 * (NCH // 8)
                 c.wgmma_smem_bytes += n_wg * NCH * 16 * 2
-                c.barriers += ng * (2 * ns + 2 + NORM)   # + the tile loop's (NORM: + the last sums')
+                c.barriers += ng * (ns + 2 + NORM)   # one per step + the tile loop's and the first staging's (NORM: + the last sums')
     nsteps_max = max(steps) if steps else 0
-    # a step's weights (HBM) and x (L2) are issued together, DEPTH - 1 steps of weights ahead:
-    # one HBM round trip per DEPTH - 1 steps; the prologue's x and the epilogue: L2 trips
-    c.dram_round_trips_per_block = nsteps_max / max(1, D - 1)
-    c.l2_round_trips_per_block = 2 + (1 if dynamic else 0)   # live split: the tile_live scan
-    c.inflight_peak_bytes_per_warp = (D - 1) * 8 * 512
+    # Per step the next step's weights are loaded into registers (L2 hits: they were prefetched
+    # into L2 DEPTH steps ahead) and its x staged in batches, the first batch's loads issued
+    # with the weights (BT 64): one L2 round trip per batch, the HBM latency hidden behind the
+    # prefetch but for the first weights; the prologue's x and the epilogue: L2 trips.
+    ipt = BT * (8 if X16 else 16) // THREADS
+    xbatch = (2 if BT < 128 else 1) if X16 else (4 if BT < 128 else (1 if NORM else 2))
+    c.dram_round_trips_per_block = 1 if nsteps_max else 0
+    c.l2_round_trips_per_block = 2 + nsteps_max * (ipt // min(ipt, xbatch)) + (1 if dynamic else 0)   # live split: the tile_live scan
+    # a warp's weights requested ahead: 1 step in registers, DEPTH - 1 more as L2 prefetches
+    c.inflight_peak_bytes_per_warp = D * 8 * 512
 
     qkv = _wgmma_qkv_epilogue(c, L, classes, flags, BT, COLS, N, M, gz, lo_pad, pad_hi) if EPI == 3 else None
     # epilogue: one 4-byte store per (set, token, weight row) kept; 8 consecutive columns (g)
