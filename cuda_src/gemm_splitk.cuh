@@ -11,9 +11,9 @@
 #include "gemm_epilogue.cuh"
 
 // float4 loads of the partial tiles a reducing thread keeps in flight (items x matrices x
-// slices, 4 registers each): SPLITK_SLICES slices at a time (the step's splits are <= 8) of
-// SPLITK_INFLIGHT_16 / SPLITK_SLICES / NW items for a 16-row tile (gemm_stream's GS_MT 1 fits 2
-// blocks per SM in 128 registers), SPLITK_INFLIGHT / SPLITK_SLICES / NW above.
+// slices, 4 registers each): SPLITK_SLICES slices at a time (a split of 9..16 takes two
+// batches) of SPLITK_INFLIGHT_16 / SPLITK_SLICES / NW items for a 16-row tile (gemm_stream's
+// GS_MT 1 fits 2 blocks per SM in 128 registers), SPLITK_INFLIGHT / SPLITK_SLICES / NW above.
 #define SPLITK_SLICES 8
 #define SPLITK_INFLIGHT_16 16
 #define SPLITK_INFLIGHT 32
@@ -47,12 +47,13 @@ __device__ __forceinline__ bool splitk_reduce(const float* wsb, const float* ssw
     if (NORM) {
         if ((int)threadIdx.x < live) {
             float ss = 0.0f;
-            for (int z0 = 0; z0 < ks; z0 += 8) {   // 8 slices' loads in flight, summed in z order
-                float p[8];
+            for (int z0 = 0; z0 < ks; z0 += SPLITK_SLICES) {   // a batch's loads in flight, summed in z order
+                float p[SPLITK_SLICES];
 #pragma unroll
-                for (int z = 0; z < 8; z++) p[z] = (z0 + z < ks) ? __ldcg(ssw + (z0 + z) * ROWS + threadIdx.x) : 0.0f;
+                for (int z = 0; z < SPLITK_SLICES; z++)
+                    p[z] = (z0 + z < ks) ? __ldcg(ssw + (z0 + z) * ROWS + threadIdx.x) : 0.0f;
 #pragma unroll
-                for (int z = 0; z < 8; z++)
+                for (int z = 0; z < SPLITK_SLICES; z++)
                     if (z0 + z < ks) ss += p[z];
             }
             sc_s[threadIdx.x] = (m0 + (int)threadIdx.x >= norm_lo) ? rsqrtf(ss * (1.0f / K) + eps) : 1.0f;
@@ -63,7 +64,7 @@ __device__ __forceinline__ bool splitk_reduce(const float* wsb, const float* ssw
     // at a time: the slices' loads of a chunk are issued ZB slices at a time into registers of
     // their own, all before any of them is added, so a chunk costs ceil(ks / ZB) L2 round trips
     // (then every item's sum in z order per element: bit-identical to adding slice by slice).
-    // EPI 1's residual of the chunk is loaded (float4 where aligned) with its first batch.
+    // EPI 1's residual of the chunk (float4 where aligned) is issued before its first batch.
     constexpr int C4 = COLS / 4;
     constexpr int JMAX = (ROWS * C4 + THREADS - 1) / THREADS;   // items per thread of a full tile
     constexpr int LOADS = ROWS <= 16 ? SPLITK_INFLIGHT_16 : SPLITK_INFLIGHT;
