@@ -19,12 +19,20 @@ __device__ __forceinline__ float silu(float v) {
     return (d < 0x1p126f) ? v * r : v * 0.0f;
 }
 
+// rv: the residual r[o] (EPI 1; ignored otherwise), loaded by the caller, e.g. as part of a
+// vector or batched with others so that their loads are in flight together.
+template <int EPI>
+__device__ __forceinline__ float epilogue_value_r(float rv, float a, float u)
+{
+    if (EPI == 0) return a;
+    if (EPI == 1) return rv + a;
+    return silu(a) * u;
+}
+
 template <int EPI>
 __device__ __forceinline__ float epilogue_value(const float* r, long long o, float a, float u)
 {
-    if (EPI == 0) return a;
-    if (EPI == 1) return r[o] + a;
-    return silu(a) * u;
+    return epilogue_value_r<EPI>(EPI == 1 ? r[o] : 0.0f, a, u);
 }
 
 // One output element: a is the dot product, u the up dot product (EPI 2 only).
@@ -38,4 +46,17 @@ template <int EPI, int WT>
 __device__ __forceinline__ void epilogue_store(unsigned short* y, const float* r, long long o, float a, float u)
 {
     y[o] = (unsigned short)to_bits16<WT>(epilogue_value<EPI>(r, o, a, u));
+}
+
+// The same with the residual given (rv = r[o] for EPI 1).
+template <int EPI, int WT = 0>
+__device__ __forceinline__ void epilogue_store_r(float* y, float rv, long long o, float a, float u)
+{
+    y[o] = epilogue_value_r<EPI>(rv, a, u);
+}
+
+template <int EPI, int WT>
+__device__ __forceinline__ void epilogue_store_r(unsigned short* y, float rv, long long o, float a, float u)
+{
+    y[o] = (unsigned short)to_bits16<WT>(epilogue_value_r<EPI>(rv, a, u));
 }

@@ -10,9 +10,13 @@
 #pragma once
 #include "gemm_epilogue.cuh"
 
-// float4 items a reducing thread sums at once (over NW matrices): their loads are in flight
-// together (64 registers of accumulators).
-#define SPLITK_CHUNK 16
+// float4 loads of the partial tiles a reducing thread keeps in flight (items x matrices x
+// slices, 4 registers each): SPLITK_SLICES slices at a time (a split of 9..16 takes two
+// batches) of SPLITK_INFLIGHT_16 / SPLITK_SLICES / NW items for a 16-row tile (gemm_stream's
+// GS_MT 1 fits 2 blocks per SM in 128 registers), SPLITK_INFLIGHT / SPLITK_SLICES / NW above.
+#define SPLITK_SLICES 8
+#define SPLITK_INFLIGHT_16 16
+#define SPLITK_INFLIGHT 32
 
 // The calling block wrote its partial tile (and row sums) for its slice of the ks slices.
 // Returns after the reduction (the last slice to arrive) or at once (the others).
@@ -27,58 +31,114 @@ __device__ __forceinline__ bool splitk_reduce(const float* wsb, const float* ssw
                                               const float* r, int m0, int live, int c0, int N, float eps,
                                               int norm_lo, Stored stored, float* tile = nullptr, int tile_stride = 0) {
     __shared__ int ticket;
-    __threadfence();  // the partial tile is visible device-wide before the count says so
+    // The ticket protocol of cooperative groups' grid sync: the barrier orders every thread's
+    // partial stores before thread 0's fence (release, cumulative) and arrival; the last
+    // slice's thread 0 fences again (acquire) before the barrier that releases its readers.
     __syncthreads();
-    if (threadIdx.x == 0) ticket = atomicAdd(counter, 1);
+    if (threadIdx.x == 0) {
+        __threadfence();  // the partial tile is visible device-wide before the count says so
+        const int tk = atomicAdd(counter, 1);
+        if (tk == ks - 1) __threadfence();
+        ticket = tk;
+    }
     __syncthreads();
     if (ticket != ks - 1) return false;
-    __threadfence();
     __shared__ float sc_s[NORM ? ROWS : 1];
     if (NORM) {
         if ((int)threadIdx.x < live) {
             float ss = 0.0f;
-            for (int z = 0; z < ks; z++) ss += __ldcg(ssw + z * ROWS + threadIdx.x);  // z order
+            for (int z0 = 0; z0 < ks; z0 += SPLITK_SLICES) {   // a batch's loads in flight, summed in z order
+                float p[SPLITK_SLICES];
+#pragma unroll
+                for (int z = 0; z < SPLITK_SLICES; z++)
+                    p[z] = (z0 + z < ks) ? __ldcg(ssw + (z0 + z) * ROWS + threadIdx.x) : 0.0f;
+#pragma unroll
+                for (int z = 0; z < SPLITK_SLICES; z++)
+                    if (z0 + z < ks) ss += p[z];
+            }
             sc_s[threadIdx.x] = (m0 + (int)threadIdx.x >= norm_lo) ? rsqrtf(ss * (1.0f / K) + eps) : 1.0f;
         }
         __syncthreads();
     }
-    // Each thread owns items idx = threadIdx.x + j * THREADS (a float4 of one row); they are
-    // reduced SPLITK_CHUNK / NW at a time, every slice's loads of a chunk independent of the
-    // others' sums, so a chunk costs about one L2 round trip per slice rather than one per
-    // item and slice (z order per element: bit-identical to summing item by item).
+    // Each thread owns items idx = threadIdx.x + j * THREADS (a float4 of one row), reduced JC
+    // at a time: the slices' loads of a chunk are issued ZB slices at a time into registers of
+    // their own, all before any of them is added, so a chunk costs ceil(ks / ZB) L2 round trips
+    // (then every item's sum in z order per element: bit-identical to adding slice by slice).
+    // EPI 1's residual of the chunk (float4 where aligned) is issued before its first batch.
     constexpr int C4 = COLS / 4;
     constexpr int JMAX = (ROWS * C4 + THREADS - 1) / THREADS;   // items per thread of a full tile
-    constexpr int JC = (SPLITK_CHUNK / NW < JMAX) ? SPLITK_CHUNK / NW : JMAX;
+    constexpr int LOADS = ROWS <= 16 ? SPLITK_INFLIGHT_16 : SPLITK_INFLIGHT;
+    constexpr int ZB = SPLITK_SLICES;                                 // slices per batch
+    constexpr int JL = LOADS / (ZB * NW) > 0 ? LOADS / (ZB * NW) : 1;
+    constexpr int JC = JMAX < JL ? JMAX : JL;                         // items per chunk
+    constexpr long long SLICE = (long long)NW * ROWS * COLS;   // floats per slice
     const int items = live * C4;
+    const bool r4 = EPI == 1 && (N & 3) == 0 && (reinterpret_cast<unsigned long long>(r) & 15ull) == 0ull;
     for (int j0 = threadIdx.x; j0 < items; j0 += JC * THREADS) {
+        // item j at offset 4 * (j0 + j * THREADS) of a partial tile (row lrow, column lc)
+        int off[JC];
+        bool st[JC];      // stored: only these are loaded
+#pragma unroll
+        for (int j = 0; j < JC; j++) {
+            const int idx = j0 + j * THREADS;
+            const int lrow = idx / C4, lc = (idx - lrow * C4) * 4;
+            off[j] = 4 * idx;
+            st[j] = idx < items && c0 + lc < N && stored(lrow);
+        }
+        float4 rv[JC];    // EPI 1: the residual
+        if (EPI == 1) {
+#pragma unroll
+            for (int j = 0; j < JC; j++) {
+                rv[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (!st[j]) continue;
+                const int lrow = off[j] / COLS, col = c0 + off[j] - lrow * COLS;
+                const float* rp = r + (long long)(m0 + lrow) * N + col;
+                if (r4 && col + 3 < N) {
+                    rv[j] = *reinterpret_cast<const float4*>(rp);
+                } else {
+                    rv[j].x = rp[0];
+                    if (col + 1 < N) rv[j].y = rp[1];
+                    if (col + 2 < N) rv[j].z = rp[2];
+                    if (col + 3 < N) rv[j].w = rp[3];
+                }
+            }
+        }
         float4 a[JC][NW];
 #pragma unroll
         for (int j = 0; j < JC; j++)
 #pragma unroll
             for (int jw = 0; jw < NW; jw++) a[j][jw] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (int z = 0; z < ks; z++) {  // fixed order: bit-identical every launch
+        const float4* p = reinterpret_cast<const float4*>(wsb) + j0;   // slice z0's item 0
+        for (int z0 = 0; z0 < ks; z0 += ZB, p += ZB * (SLICE / 4)) {  // fixed order: bit-identical every launch
+            // a slice past ks adds -0.0f: x + -0 == x for every x (no branch between the loads
+            // of one batch and the adds of the last, which would make ptxas wait for them)
+            float4 v[ZB][JC][NW];
 #pragma unroll
-            for (int j = 0; j < JC; j++) {
-                const int idx = j0 + j * THREADS;
-                const int lrow = idx / C4, lc = (idx - lrow * C4) * 4;
-                if (idx < items && c0 + lc < N && stored(lrow)) {  // what is stored: no load for the rest
+            for (int zb = 0; zb < ZB; zb++)
+#pragma unroll
+                for (int j = 0; j < JC; j++)
 #pragma unroll
                     for (int jw = 0; jw < NW; jw++) {
-                        const float4 v = __ldcg(reinterpret_cast<const float4*>(wsb + ((long long)(z * NW + jw) * ROWS + lrow) * COLS + lc));
-                        a[j][jw].x += v.x;
-                        a[j][jw].y += v.y;
-                        a[j][jw].z += v.z;
-                        a[j][jw].w += v.w;
+                        v[zb][j][jw] = make_float4(-0.0f, -0.0f, -0.0f, -0.0f);
+                        if (st[j] && z0 + zb < ks)
+                            v[zb][j][jw] = __ldcg(p + (zb * NW + jw) * (ROWS * C4) + j * THREADS);
                     }
-                }
-            }
+#pragma unroll
+            for (int zb = 0; zb < ZB; zb++)
+#pragma unroll
+                for (int j = 0; j < JC; j++)
+#pragma unroll
+                    for (int jw = 0; jw < NW; jw++) {
+                        a[j][jw].x += v[zb][j][jw].x;
+                        a[j][jw].y += v[zb][j][jw].y;
+                        a[j][jw].z += v[zb][j][jw].z;
+                        a[j][jw].w += v[zb][j][jw].w;
+                    }
         }
 #pragma unroll
         for (int j = 0; j < JC; j++) {
-            const int idx = j0 + j * THREADS;
-            if (idx >= items) continue;
-            const int lrow = idx / C4, lc = (idx - lrow * C4) * 4, col = c0 + lc;
-            if (col >= N || !stored(lrow)) continue;
+            if (!st[j]) continue;
+            const int lrow = off[j] / COLS, lc = off[j] - lrow * COLS, col = c0 + lc;
             const long long o = (long long)(m0 + lrow) * N + col;
             float sc = 1.0f;
             if (NORM) sc = sc_s[lrow];
@@ -92,6 +152,19 @@ __device__ __forceinline__ bool splitk_reduce(const float* wsb, const float* ssw
                     tp[0] = g.x * sc4;
                     if (col + 1 < N) tp[1] = g.y * sc4;
                     if (col + 2 < N) tp[2] = g.z * sc4;
+                }
+            } else if (EPI == 1) {
+                const float4 q = rv[j];
+                if (NORM) {
+                    epilogue_store_r<EPI, WT>(y, q.x, o, g.x * sc, u.x * sc);
+                    if (col + 1 < N) epilogue_store_r<EPI, WT>(y, q.y, o + 1, g.y * sc, u.y * sc);
+                    if (col + 2 < N) epilogue_store_r<EPI, WT>(y, q.z, o + 2, g.z * sc, u.z * sc);
+                    if (col + 3 < N) epilogue_store_r<EPI, WT>(y, q.w, o + 3, g.w * sc, u.w * sc);
+                } else {
+                    epilogue_store_r<EPI, WT>(y, q.x, o, g.x, u.x);
+                    if (col + 1 < N) epilogue_store_r<EPI, WT>(y, q.y, o + 1, g.y, u.y);
+                    if (col + 2 < N) epilogue_store_r<EPI, WT>(y, q.z, o + 2, g.z, u.z);
+                    if (col + 3 < N) epilogue_store_r<EPI, WT>(y, q.w, o + 3, g.w, u.w);
                 }
             } else if (NORM) {
                 epilogue_store<EPI, WT>(y, r, o, g.x * sc, u.x * sc);

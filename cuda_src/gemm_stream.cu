@@ -89,7 +89,10 @@
 //   offsets {16t, 64 + 16t} (+64h) mod 128: 8 distinct 16-byte bank groups,
 //   one wavefront per quarter warp, 4 per instruction (minimum).
 //   Staging writes: 16 consecutive threads write 8 bytes each of one row
-//   (kt/4 is a multiple of 16): 128 contiguous bytes, one wavefront.
+//   (kt/4 is a multiple of 16): 128 contiguous bytes, one wavefront. Staging
+//   loads: a thread issues GS_XB items' loads (GS_XN (x, ln) pairs per lane with
+//   GS_NORM) before converting any, so a batch costs one L2 round trip, not one
+//   per item; GS_XB is what the registers beside the ring and accumulators hold.
 //   The K order inside a dot product is free: lane t's weights at k + 8t +
 //   32(q / 2) + 4(q % 2) + {0,1,2,3} play fragment columns {2t, 2t+1, 2t+8, 2t+9}
 //   of MMA q (q = 0..3), and the x tile is read with the same permutation (two
@@ -104,11 +107,11 @@
 // ---- Registers (ptxas via NVRTC, sm_90, 0 spills; tests/test_gemm_stream.py
 //   recompiles and holds them to the launcher's PTXAS_REGS): accumulators
 //   MT*WT*4, ring GS_DEPTH*WT*8 = 64 or 96, x fragments 16.
-//     GS_MT 1 (depth 2): 121-128 (GS_MINB 2 caps it at 128: 2 blocks of 256 threads per SM)
-//     GS_MT 2 (depth 3): 190 (206 silu_mul), GS_MT 4 (depth 3): 225 (237 silu_mul):
-//     1 block per SM (tile_live and the linear grid index moved them by -5..+4; split K
-//     per (column group, M block) by 0..+2, the same allocation in units of 8)
-//     GS_NORM 1 (bf16, K 4096): MT 1 124, MT 2 192 (203 silu_mul), MT 4 222 (234 silu_mul),
+//     GS_MT 1 (depth 2): 122-128 (GS_MINB 2 caps it at 128: 2 blocks of 256 threads per SM)
+//     GS_MT 2 (depth 3): 197-199 (204 silu_mul), GS_MT 4 (depth 3): 237 (238 silu_mul):
+//     1 block per SM (batched x staging and split-K reduction: MT 2 +6..+8, MT 4 +10..+12,
+//     the blocks per SM unchanged)
+//     GS_NORM 1 (bf16, K 4096): MT 1 122-124, MT 2 201-203, MT 4 226 (228 silu_mul),
 //     0 spills; static shared memory + 4 B per row (ss_s, and sc_s with split K)
 //   Blocks per SM = min(registers, (228 KB) / (dynamic smem + 1 KB), 8); the
 //   launcher keeps the x chunk small enough that smem does not cut the
@@ -254,6 +257,10 @@ constexpr int THREADS = GS_WARPS * 32;
 constexpr int COLS = GS_WARPS * 8 * NT;         // output columns per block
 constexpr int D = GS_DEPTH;
 constexpr int KSTEP = 64;                       // k per ring step
+#ifndef GS_XB   // x staging: float4 (uint4 with GS_X16) items a thread loads at once, in the registers
+#define GS_XB ((GS_MT == 4 && GS_SPLIT == 2) ? 8 : 4)   // left beside the ring and accumulators
+#endif
+#define GS_XN (GS_MT == 1 ? 2 : 4)   // GS_NORM's staging: (x, ln) float4 pairs a lane loads at once
 
 __device__ __forceinline__ unsigned int to16(float v) { return to_bits16<GS_WTYPE>(v); }
 __device__ __forceinline__ float from16(unsigned int b) { return from_bits16<GS_WTYPE>(b); }
@@ -499,28 +506,39 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
                         const bool nrm = grow >= scale_lo;
                         const float* gam = grow >= norm_lo ? ln : ln_lo;
                         float ss = 0.0f;
-                        for (int c4 = lane * 4; c4 < kt; c4 += 128) {
-                            const int k = kc + c4;
-                            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                            if (rd && k < k_end) v = *reinterpret_cast<const float4*>(xrow(grow) + k);
-                            ss = fmaf(v.x, v.x, ss);
-                            ss = fmaf(v.y, v.y, ss);
-                            ss = fmaf(v.z, v.z, ss);
-                            ss = fmaf(v.w, v.w, ss);
-                            if (nrm && k < k_end) {
-                                const float4 g4 = *reinterpret_cast<const float4*>(gam + k);
-                                v.x *= g4.x;
-                                v.y *= g4.y;
-                                v.z *= g4.z;
-                                v.w *= g4.w;
+                        for (int cb = lane * 4; cb < kt; cb += GS_XN * 128) {  // GS_XN (x, ln) pairs in flight
+                            float4 xv[GS_XN], gv[GS_XN];
+#pragma unroll
+                            for (int u = 0; u < GS_XN; u++) {
+                                const int c4 = cb + u * 128, k = kc + c4;
+                                xv[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                                gv[u] = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+                                if (rd && c4 < kt && k < k_end) xv[u] = *reinterpret_cast<const float4*>(xrow(grow) + k);
+                                if (nrm && c4 < kt && k < k_end) gv[u] = *reinterpret_cast<const float4*>(gam + k);
                             }
-                            const unsigned int h0 = to16(v.x), h1 = to16(v.y), h2 = to16(v.z), h3 = to16(v.w);
-                            *reinterpret_cast<uint2*>(xs + row * xstride + c4) = make_uint2(h0 | (h1 << 16), h2 | (h3 << 16));
-                            if (GS_SPLIT == 2) {
-                                const unsigned int l0 = to16(v.x - from16(h0)), l1 = to16(v.y - from16(h1));
-                                const unsigned int l2 = to16(v.z - from16(h2)), l3 = to16(v.w - from16(h3));
-                                *reinterpret_cast<uint2*>(xs + plane + row * xstride + c4) =
-                                    make_uint2(l0 | (l1 << 16), l2 | (l3 << 16));
+#pragma unroll
+                            for (int u = 0; u < GS_XN; u++) {
+                                const int c4 = cb + u * 128, k = kc + c4;
+                                if (c4 >= kt) break;
+                                float4 v = xv[u];
+                                ss = fmaf(v.x, v.x, ss);
+                                ss = fmaf(v.y, v.y, ss);
+                                ss = fmaf(v.z, v.z, ss);
+                                ss = fmaf(v.w, v.w, ss);
+                                if (nrm && k < k_end) {
+                                    v.x *= gv[u].x;
+                                    v.y *= gv[u].y;
+                                    v.z *= gv[u].z;
+                                    v.w *= gv[u].w;
+                                }
+                                const unsigned int h0 = to16(v.x), h1 = to16(v.y), h2 = to16(v.z), h3 = to16(v.w);
+                                *reinterpret_cast<uint2*>(xs + row * xstride + c4) = make_uint2(h0 | (h1 << 16), h2 | (h3 << 16));
+                                if (GS_SPLIT == 2) {
+                                    const unsigned int l0 = to16(v.x - from16(h0)), l1 = to16(v.y - from16(h1));
+                                    const unsigned int l2 = to16(v.z - from16(h2)), l3 = to16(v.w - from16(h3));
+                                    *reinterpret_cast<uint2*>(xs + plane + row * xstride + c4) =
+                                        make_uint2(l0 | (l1 << 16), l2 | (l3 << 16));
+                                }
                             }
                         }
                         ss = warp_sum(ss);
@@ -530,32 +548,52 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
                     // x already holds the rounded values: 16-byte copies, 8 consecutive threads
                     // per 128 contiguous bytes of a row (kt / 8 is a multiple of 8), one wavefront
                     // per quarter warp
-                    const int q8 = kt / 8;
-                    for (int i = threadIdx.x; i < tiles * 16 * q8; i += THREADS) {
-                        const int row = i / q8, c8 = (i - row * q8) * 8, k = kc + c8;
-                        if (!((tmask >> (row >> 4)) & 1u)) continue;  // tile not computed: not staged
-                        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-                        const int grow = m0 + row;
-                        if (row < live && k < k_end && (grow < lo || grow >= pad_hi))
-                            v = *reinterpret_cast<const uint4*>(xrow(grow) + k);
-                        *reinterpret_cast<uint4*>(xs + row * xstride + c8) = v;
+                    const int q8 = kt / 8, n8 = tiles * 16 * q8;
+                    for (int i0 = threadIdx.x; i0 < n8; i0 += GS_XB * THREADS) {  // GS_XB loads in flight
+                        uint4 v[GS_XB];
+#pragma unroll
+                        for (int u = 0; u < GS_XB; u++) {
+                            const int i = i0 + u * THREADS;
+                            const int row = i / q8, k = kc + (i - row * q8) * 8, grow = m0 + row;
+                            v[u] = make_uint4(0u, 0u, 0u, 0u);
+                            if (i < n8 && ((tmask >> (row >> 4)) & 1u) && row < live && k < k_end && (grow < lo || grow >= pad_hi))
+                                v[u] = *reinterpret_cast<const uint4*>(xrow(grow) + k);
+                        }
+#pragma unroll
+                        for (int u = 0; u < GS_XB; u++) {
+                            const int i = i0 + u * THREADS;
+                            const int row = i / q8, c8 = (i - row * q8) * 8;
+                            if (i >= n8 || !((tmask >> (row >> 4)) & 1u)) continue;  // tile not computed: not staged
+                            *reinterpret_cast<uint4*>(xs + row * xstride + c8) = v[u];
+                        }
                     }
 #else
-                    const int q4 = kt / 4;
-                    for (int i = threadIdx.x; i < tiles * 16 * q4; i += THREADS) {
-                        const int row = i / q4, c4 = (i - row * q4) * 4, k = kc + c4;
-                        if (!((tmask >> (row >> 4)) & 1u)) continue;  // tile not computed: not staged
-                        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                        const int grow = m0 + row;
-                        if (row < live && k < k_end && (grow < lo || grow >= pad_hi))
-                            v = *reinterpret_cast<const float4*>(xrow(grow) + k);
-                        const unsigned int h0 = to16(v.x), h1 = to16(v.y), h2 = to16(v.z), h3 = to16(v.w);
-                        *reinterpret_cast<uint2*>(xs + row * xstride + c4) = make_uint2(h0 | (h1 << 16), h2 | (h3 << 16));
-                        if (GS_SPLIT == 2) {
-                            const unsigned int l0 = to16(v.x - from16(h0)), l1 = to16(v.y - from16(h1));
-                            const unsigned int l2 = to16(v.z - from16(h2)), l3 = to16(v.w - from16(h3));
-                            *reinterpret_cast<uint2*>(xs + plane + row * xstride + c4) =
-                                make_uint2(l0 | (l1 << 16), l2 | (l3 << 16));
+                    // GS_XB items per thread at a time: their loads issued together (one L2 round
+                    // trip per batch), then converted and stored
+                    const int q4 = kt / 4, n4 = tiles * 16 * q4;
+                    for (int i0 = threadIdx.x; i0 < n4; i0 += GS_XB * THREADS) {
+                        float4 v[GS_XB];
+#pragma unroll
+                        for (int u = 0; u < GS_XB; u++) {
+                            const int i = i0 + u * THREADS;
+                            const int row = i / q4, k = kc + (i - row * q4) * 4, grow = m0 + row;
+                            v[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                            if (i < n4 && ((tmask >> (row >> 4)) & 1u) && row < live && k < k_end && (grow < lo || grow >= pad_hi))
+                                v[u] = *reinterpret_cast<const float4*>(xrow(grow) + k);
+                        }
+#pragma unroll
+                        for (int u = 0; u < GS_XB; u++) {
+                            const int i = i0 + u * THREADS;
+                            const int row = i / q4, c4 = (i - row * q4) * 4;
+                            if (i >= n4 || !((tmask >> (row >> 4)) & 1u)) continue;  // tile not computed: not staged
+                            const unsigned int h0 = to16(v[u].x), h1 = to16(v[u].y), h2 = to16(v[u].z), h3 = to16(v[u].w);
+                            *reinterpret_cast<uint2*>(xs + row * xstride + c4) = make_uint2(h0 | (h1 << 16), h2 | (h3 << 16));
+                            if (GS_SPLIT == 2) {
+                                const unsigned int l0 = to16(v[u].x - from16(h0)), l1 = to16(v[u].y - from16(h1));
+                                const unsigned int l2 = to16(v[u].z - from16(h2)), l3 = to16(v[u].w - from16(h3));
+                                *reinterpret_cast<uint2*>(xs + plane + row * xstride + c4) =
+                                    make_uint2(l0 | (l1 << 16), l2 | (l3 << 16));
+                            }
                         }
                     }
 #endif
@@ -646,6 +684,22 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
     }
 #else
     if (gridDim.z == 1) {
+        // GS_EPI 1: every residual this thread adds is loaded first (all in flight together),
+        // then the stores (y may be r: each element is read before its own store)
+        float rv[MT][2][NT][2];
+#pragma unroll
+        for (int i = 0; i < MT; i++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int jn = 0; jn < NT; jn++)
+#pragma unroll
+                    for (int e1 = 0; e1 < 2; e1++) {
+                        const int row = m0 + i * 16 + g + 8 * h, col = n0 + 8 * jn + 2 * t + e1;
+                        rv[i][h][jn][e1] = 0.0f;
+                        if (GS_EPI == 1 && ((tmask >> (8 + i)) & 1u) && row < M && col < N)
+                            rv[i][h][jn][e1] = r[(long long)row * N + col];
+                    }
 #pragma unroll
         for (int i = 0; i < MT; i++) {
             if (!((tmask >> (8 + i)) & 1u)) continue;  // dead tile: y untouched
@@ -663,8 +717,8 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
                         const int e = 2 * h + e1;
                         const int col = n0 + 8 * jn + 2 * t + e1;
                         if (row < M && col < N)
-                            store(y, r, (long long)row * N + col, acc[i][jn][e] * sc,
-                                  acc[i][(NW - 1) * NT + jn][e] * sc);
+                            epilogue_store_r<GS_EPI, GS_WTYPE>(y, rv[i][h][jn][e1], (long long)row * N + col,
+                                                               acc[i][jn][e] * sc, acc[i][(NW - 1) * NT + jn][e] * sc);
                     }
                 }
             }

@@ -224,13 +224,17 @@ def _staging_loads(ROWS, KT, K, m_valid, kvalid, elem=4, _cache={}):
 
 def splitk_reduce_trips(live: int, rows: int, cols: int, threads: int, ks: int, nw: int) -> int:
     """Dependent L2 round trips of gemm_splitk.cuh's reduction of ``live`` rows: a thread's
-    float4 items in chunks of ``SPLITK_CHUNK / nw`` (at most a full tile's share), each
-    chunk one round trip per slice (the slices' loads wait on the previous slice's adds)."""
+    float4 items in chunks of JC (``SPLITK_INFLIGHT[_16] / SPLITK_SLICES / nw``, at most a full
+    tile's share), each chunk one round trip per ``SPLITK_SLICES`` slices (a batch's loads are
+    in flight together; EPI 1's residual is issued with the chunk's first batch)."""
+    k = _splitk_constants()
     c4 = cols // 4
     jmax = -(-rows * c4 // threads)
-    jc = min(_splitk_chunk() // nw, jmax)
+    loads = k["SPLITK_INFLIGHT_16"] if rows <= 16 else k["SPLITK_INFLIGHT"]
+    zb = k["SPLITK_SLICES"]
+    jc = min(jmax, max(1, loads // (zb * nw)))
     items = -(-live * c4 // threads)
-    return -(-items // jc) * ks
+    return -(-items // jc) * -(-ks // zb)
 
 
 def splitk_reduce_global(c: KernelCounters, m0: int, rows, c0: int, N: int, COLS: int, gz: int, NW: int,
@@ -239,8 +243,9 @@ def splitk_reduce_global(c: KernelCounters, m0: int, rows, c0: int, N: int, COLS
     ``rows`` (``(local row, stored)`` for every row below M): its float4 items (C4 = COLS / 4
     per row, a warp's 32 consecutive ones in one row) load ``gz x NW`` partial vectors each,
     lanes with column >= N or a row not stored idle; the reduced values go to y as 4 scalar
-    stores per item (lanes 16 bytes apart: 16 sectors per full 32-lane store), EPI 1 loads the
-    residual alike; EPI 3 keeps them in shared memory (no y traffic). Returns the warp-level
+    stores per item (lanes 16 bytes apart: 16 sectors per full 32-lane store); EPI 1 loads the
+    residual as one float4 per item when N % 4 == 0 (r 16-byte aligned), else as 4 scalars
+    like the stores; EPI 3 keeps them in shared memory (no y traffic). Returns the warp-level
     item instructions with a lane at work (each reads its row's scale with NORM)."""
     C4 = COLS // 4
     n_items = 0
@@ -266,14 +271,16 @@ def splitk_reduce_global(c: KernelCounters, m0: int, rows, c0: int, N: int, COLS
                                for e in range(4) if e < lim]
             for (sec, req), (rsec, rreq) in _cache[key]:
                 c.add_global("st", 1, sec, req)
-                if EPI == 1:
+                if EPI == 1 and N % 4:
                     c.add_global("ld", 1, rsec, rreq)
+            if EPI == 1 and N % 4 == 0:   # lim is a multiple of 4: every active lane's float4
+                c.add_global("ld", 1, *global_sectors([(off + 4 * ln) * 4 for ln in range(act)], 16))
     return n_items
 
 
-def _splitk_chunk() -> int:
+def _splitk_constants() -> dict:
     from dflash_cupy import kernels
-    return kernels.constants("gemm_splitk.cuh")["SPLITK_CHUNK"]
+    return kernels.constants("gemm_splitk.cuh")
 
 
 # ---------------------------------------------------------------------------- gemm_mma.cu
