@@ -355,11 +355,16 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
     // computed nor stored: their y rows keep whatever they hold.
     // Bits 0..MT-1: tiles with a row to compute; bits 8..8+MT-1: tiles whose rows
     // are stored (one register for both; block-uniform).
+    // The MT flags are loaded together (one round trip), before any is tested.
+    unsigned int live_tiles = 0u;
+#pragma unroll
+    for (int i = 0; i < MT; i++)
+        live_tiles |= (unsigned int)(!use_live || m0 + 16 * i >= M || tile_live[(m0 >> 4) + i] != 0) << i;
     unsigned int tmask = 0u;
 #pragma unroll
     for (int i = 0; i < MT; i++) {
         const int a = m0 + 16 * i, b = (a + 16 < M) ? a + 16 : M;
-        if (a < b && (!use_live || tile_live[(m0 >> 4) + i] != 0)) {
+        if (a < b && ((live_tiles >> i) & 1u)) {
             tmask |= 1u << (8 + i);
             if (!(a >= lo && b <= pad_hi)) tmask |= 1u << i;
         }
