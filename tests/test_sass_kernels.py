@@ -1,0 +1,77 @@
+"""Facts of the product's compiled kernels (NVRTC, sm_90 / sm_90a, read by profiling/sass.py),
+at the step's real launches: what the cost model's speed rests on, pinned so that a kernel
+change that serialises its loads fails here, on the CPU.
+
+* every weight-streaming GEMM the step launches (gemm_stream, gemm_wgmma; every preset's qkv,
+  o, gate_up, down, fc and the LM head) keeps >= 24 KB of loads in flight per SM in its
+  steady-state loop, at the step's occupancy (an H200 needs ~21 KB: HBM bandwidth x latency
+  / SMs), and the attention's K/V tile loop likewise;
+* no other phase of those launches (staging, split-K reduction, epilogue) has a dependent
+  chain of more than 4 global loads per thread (loop trips from the emulator's counts).
+"""
+import math
+
+import pytest
+
+from profiling import sass_phases, static_facts
+from profiling.common import drafter_config
+from profiling.hw_params import get_gpu
+from profiling.launch_plan import Launch, node_label, step_plan
+
+INFLIGHT_MIN_KB = 24.0
+CHAIN_MAX = 4.0
+STREAMING = ("gemm_stream", "gemm_wgmma", "ring_attn_mma_split")
+CASES = [("h4096", 2048, None), ("h4096", 32768, None), ("h4096", 2048, 151936),
+         ("qwen3.5-27b", 2048, None), ("qwen3.5-27b", 2048, 151936)]
+
+_plans: dict = {}
+
+
+def launches(drafter, window, vocab):
+    key = (drafter, window, vocab)
+    if key not in _plans:
+        plan = step_plan(drafter_config(drafter), window, lm_head_vocab=vocab)
+        seen, out = set(), []
+        for n in plan.nodes:
+            if isinstance(n, Launch) and n.kernel in STREAMING and n.variant() not in seen:
+                seen.add(n.variant())
+                out.append(n)
+        _plans[key] = out
+    return _plans[key]
+
+
+def facts(n):
+    gpu = get_gpu("H200")
+    _, phases = sass_phases.launch_phases(n)
+    info = static_facts.ptxas_info(n.file, n.defines)[n.kernel]
+    occ = static_facts.occupancy(gpu, n.threads, info["registers"], info["smem"], n.shared_mem)
+    resident = min(occ.blocks_per_sm, math.ceil(n.n_blocks / gpu.sm_count))
+    st = sass_phases.stream_phase(phases)
+    return phases, st, resident
+
+
+@pytest.mark.parametrize("drafter,window,vocab", CASES)
+def test_streams_keep_enough_in_flight(drafter, window, vocab):
+    bad = []
+    for n in launches(drafter, window, vocab):
+        phases, st, resident = facts(n)
+        assert st is not None, f"{node_label(n)}: no streaming loop found"
+        kb = st.peak_inflight_bytes * n.threads * resident / 1024
+        if kb < INFLIGHT_MIN_KB:
+            bad.append(f"{node_label(n)}: {kb:.1f} KB in flight per SM ({st.peak_inflight_bytes} B per thread x "
+                       f"{n.threads} threads x {resident} blocks) in its loop at SASS {st.where} "
+                       f"[{', '.join(st.lines[:3])}]")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("drafter,window,vocab", CASES)
+def test_no_long_dependent_chains(drafter, window, vocab):
+    bad = []
+    for n in launches(drafter, window, vocab):
+        phases, st, _ = facts(n)
+        for p in phases:
+            if p is st or p.chain <= CHAIN_MAX:
+                continue
+            bad.append(f"{node_label(n)}: {p.kind} at SASS {p.where}: {p.chain:.1f} dependent round trips "
+                       f"({p.trips:.1f} trips x {p.round_trips}, {p.trips_from}) [{', '.join(p.lines[:3])}]")
+    assert not bad, "\n".join(bad)
