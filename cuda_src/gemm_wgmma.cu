@@ -371,9 +371,14 @@ __device__ __forceinline__ int nth_set_bit(unsigned int m, int k) {
 // rope.cu's (rope_math.cuh), so the same bits. The units run 24-ish blocks' worth of warps
 // (the final block of each tile), not a grid's: fewer units and overlapped chains are what
 // keep this tail short (hw_params.rope_round_clocks).
-// Every warp runs the same trip count and every shuffle (the row ballot, the warp sums)
-// unconditionally; the stores are predicated: a shuffle in warp-dependent control flow inside
-// the tile loop makes ptxas serialise the next tile's wgmmas (C7520).
+// Global reads, all issued at once before the rounds (none depends on another, so one round
+// trip in all): per row of the tile (lane l of word w: row 32w + l, every warp alike) its cache
+// slot, position and tile_live flag (as a mask: the rows with Q heads), each unit taking its
+// row's from that lane by shuffle; per lane the norm weights and frequencies of its pairs. Each
+// read only where the column group has heads that use it.
+// Every warp runs the same trip count and every shuffle (the row ballots, the row values, the
+// warp sums) unconditionally; the stores are predicated: a shuffle in warp-dependent control
+// flow inside the tile loop makes ptxas serialise the next tile's wgmmas (C7520).
 template <typename Stored>
 __device__ __forceinline__ void qkv_epilogue(const float* tile, int c0, int m0, int live, int N, Stored stored,
                                              int pad_lo, int pad_hi, const int* tile_live, int use_live,
@@ -381,24 +386,50 @@ __device__ __forceinline__ void qkv_epilogue(const float* tile, int c0, int m0, 
                                              const int* pos, const int* rows, float* q_out, __half* k_cache,
                                              __half* v_cache, int kv_rows, float eps, float scale) {
     using RH = RopeHead<HD>;
-    constexpr int NWARPS = THREADS / 32, WORDS = (BT + 31) / 32;
+    constexpr int NWARPS = THREADS / 32, WORDS = (BT + 31) / 32, PAIRS = RH::PAIRS;
     const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31;
-    // the rows with outputs, one bit each (every warp builds the same masks)
-    unsigned int rmask[WORDS];
+    // the column group's head kinds (block-uniform)
+    const bool has_q = c0 < QW, has_k = c0 + COLS > QW && c0 < QW + KVW, has_kv = c0 + COLS > QW;
+    // the rows with outputs, one bit each (every warp builds the same masks), and their values
+    unsigned int rmask[WORDS], qmask[WORDS];
+    int rrow[WORDS], rpos[WORDS];
     int n_rows = 0;
 #pragma unroll
     for (int w = 0; w < WORDS; w++) {
         const int lt = 32 * w + lane, row = m0 + lt;
         const bool work = lt < live && stored(lt) && !(row >= pad_lo && row < pad_hi);
+        const int tl = (work && has_q && use_live) ? tile_live[row >> 4] : 1;
+        rrow[w] = (work && has_kv) ? rows[row] : -1;
+        rpos[w] = (work && (has_q || has_k)) ? pos[row] : 0;
         rmask[w] = __ballot_sync(0xffffffffu, work);
+        qmask[w] = __ballot_sync(0xffffffffu, work && tl != 2);   // rows marked 2: no Q heads
         n_rows += __popc(rmask[w]);
+    }
+    float qwl[PAIRS], qwh[PAIRS], kwl[PAIRS], kwh[PAIRS];
+    double fr[PAIRS];
+#pragma unroll
+    for (int j = 0; j < PAIRS; j++) {
+        const int i = lane + 32 * j;
+        qwl[j] = qwh[j] = kwl[j] = kwh[j] = 0.f;
+        fr[j] = 0.0;
+        if (i < RH::HALF) {
+            if (has_q) {
+                qwl[j] = q_norm[i];
+                qwh[j] = q_norm[i + RH::HALF];
+            }
+            if (has_k) {
+                kwl[j] = k_norm[i];
+                kwh[j] = k_norm[i + RH::HALF];
+            }
+            if (has_q || has_k) fr[j] = inv_freq[i];
+        }
     }
     const int n_units = n_rows * HPG;
     for (int u0 = 0; u0 < n_units; u0 += GW_EPI_UNITS * NWARPS) {
-        float lo[GW_EPI_UNITS][RH::PAIRS], hi[GW_EPI_UNITS][RH::PAIRS], c[GW_EPI_UNITS][RH::PAIRS], s[GW_EPI_UNITS][RH::PAIRS];
+        float lo[GW_EPI_UNITS][PAIRS], hi[GW_EPI_UNITS][PAIRS], c[GW_EPI_UNITS][PAIRS], s[GW_EPI_UNITS][PAIRS];
         float ss[GW_EPI_UNITS];
-        int mm[GW_EPI_UNITS], col[GW_EPI_UNITS], kind[GW_EPI_UNITS], row[GW_EPI_UNITS], tl[GW_EPI_UNITS];
-        bool ok[GW_EPI_UNITS];
+        int mm[GW_EPI_UNITS], col[GW_EPI_UNITS], kind[GW_EPI_UNITS], row[GW_EPI_UNITS], p[GW_EPI_UNITS];
+        bool ok[GW_EPI_UNITS], qrow[GW_EPI_UNITS];
         const float* x[GW_EPI_UNITS];
 #pragma unroll
         for (int k = 0; k < GW_EPI_UNITS; k++) {
@@ -412,25 +443,38 @@ __device__ __forceinline__ void qkv_epilogue(const float* tile, int c0, int m0, 
                 if (rest >= 0 && rest < cnt) lt = 32 * w + nth_set_bit(rmask[w], rest);
                 rest -= cnt;
             }
+            // the row's values from lane lt % 32 (word lt / 32: the same choice in every lane)
+            int rv = rrow[0], pv = rpos[0];
+            unsigned int qm = qmask[0];
+#pragma unroll
+            for (int w = 1; w < WORDS; w++) {
+                if ((lt >> 5) == w) {
+                    rv = rrow[w];
+                    pv = rpos[w];
+                    qm = qmask[w];
+                }
+            }
+            rv = __shfl_sync(0xffffffffu, rv, lt & 31);
+            pv = __shfl_sync(0xffffffffu, pv, lt & 31);
             col[k] = c0 + (ui - idx * HPG) * HD;
             ok[k] = u < n_units && col[k] < N;
             mm[k] = m0 + lt;
-            tl[k] = (ok[k] && use_live) ? tile_live[mm[k] >> 4] : 1;
-            row[k] = ok[k] ? rows[mm[k]] : -1;
+            qrow[k] = ((qm >> (lt & 31)) & 1u) != 0u;
+            row[k] = ok[k] ? rv : -1;
             kind[k] = col[k] < QW ? 0 : (col[k] < QW + KVW ? 1 : 2);   // Q, K, V
+            p[k] = (ok[k] && kind[k] != 2) ? pv : 0;
             x[k] = tile + (ok[k] ? lt * TS + col[k] - c0 : 0);
             ss[k] = RH::partial(x[k], lo[k], hi[k], lane);
         }
         warp_sum_n<GW_EPI_UNITS>(ss);   // every warp: the shuffles stay uniform
 #pragma unroll
         for (int k = 0; k < GW_EPI_UNITS; k++) {   // the angles of every unit, rotated or not: chains to overlap
-            const int p = (ok[k] && kind[k] != 2) ? pos[mm[k]] : 0;
 #pragma unroll
-            for (int j = 0; j < RH::PAIRS; j++) {
+            for (int j = 0; j < PAIRS; j++) {
                 const int i = lane + 32 * j;
                 c[k][j] = 0.f;
                 s[k][j] = 0.f;
-                if (i < RH::HALF) rope_cos_sin(p, inv_freq[i], scale, c[k][j], s[k][j]);
+                if (i < RH::HALF) rope_cos_sin(p[k], fr[j], scale, c[k][j], s[k][j]);
             }
         }
 #pragma unroll
@@ -444,12 +488,13 @@ __device__ __forceinline__ void qkv_epilogue(const float* tile, int c0, int m0, 
                 }
                 continue;
             }
-            if ((kind[k] == 0 && tl[k] == 2) || (kind[k] == 1 && !row_ok)) continue;   // a context row's Q is never read
+            if ((kind[k] == 0 && !qrow[k]) || (kind[k] == 1 && !row_ok)) continue;   // a context row's Q is never read
             const float rn = RH::finish(ss[k], eps);
             if (kind[k] == 0)
-                RH::store(q_out + (long long)mm[k] * QW + col[k], lo[k], hi[k], rn, q_norm, c[k], s[k], lane);
+                RH::store_w(q_out + (long long)mm[k] * QW + col[k], lo[k], hi[k], rn, qwl, qwh, c[k], s[k], lane);
             else
-                RH::store(k_cache + (long long)row[k] * KVW + (col[k] - QW), lo[k], hi[k], rn, k_norm, c[k], s[k], lane);
+                RH::store_w(k_cache + (long long)row[k] * KVW + (col[k] - QW), lo[k], hi[k], rn, kwl, kwh, c[k], s[k],
+                            lane);
         }
     }
 }
