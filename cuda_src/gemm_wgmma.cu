@@ -374,8 +374,7 @@ __device__ __forceinline__ int nth_set_bit(unsigned int m, int k) {
 // Global reads, all issued at once before the rounds (none depends on another, so one round
 // trip in all): per row of the tile (lane l of word w: row 32w + l, every warp alike) its cache
 // slot, position and tile_live flag (as a mask: the rows with Q heads), each unit taking its
-// row's from that lane by shuffle; per lane the norm weights and frequencies of its pairs. Each
-// read only where the column group has heads that use it.
+// row's from that lane by shuffle; per lane the norm weights and frequencies of its pairs.
 // Every warp runs the same trip count and every shuffle (the row ballots, the row values, the
 // warp sums) unconditionally; the stores are predicated: a shuffle in warp-dependent control
 // flow inside the tile loop makes ptxas serialise the next tile's wgmmas (C7520).
@@ -388,8 +387,6 @@ __device__ __forceinline__ void qkv_epilogue(const float* tile, int c0, int m0, 
     using RH = RopeHead<HD>;
     constexpr int NWARPS = THREADS / 32, WORDS = (BT + 31) / 32, PAIRS = RH::PAIRS;
     const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31;
-    // the column group's head kinds (block-uniform)
-    const bool has_q = c0 < QW, has_k = c0 + COLS > QW && c0 < QW + KVW, has_kv = c0 + COLS > QW;
     // the rows with outputs, one bit each (every warp builds the same masks), and their values
     unsigned int rmask[WORDS], qmask[WORDS];
     int rrow[WORDS], rpos[WORDS];
@@ -398,9 +395,9 @@ __device__ __forceinline__ void qkv_epilogue(const float* tile, int c0, int m0, 
     for (int w = 0; w < WORDS; w++) {
         const int lt = 32 * w + lane, row = m0 + lt;
         const bool work = lt < live && stored(lt) && !(row >= pad_lo && row < pad_hi);
-        const int tl = (work && has_q && use_live) ? tile_live[row >> 4] : 1;
-        rrow[w] = (work && has_kv) ? rows[row] : -1;
-        rpos[w] = (work && (has_q || has_k)) ? pos[row] : 0;
+        const int tl = (work && use_live) ? tile_live[row >> 4] : 1;
+        rrow[w] = work ? rows[row] : -1;
+        rpos[w] = work ? pos[row] : 0;
         rmask[w] = __ballot_sync(0xffffffffu, work);
         qmask[w] = __ballot_sync(0xffffffffu, work && tl != 2);   // rows marked 2: no Q heads
         n_rows += __popc(rmask[w]);
@@ -413,15 +410,11 @@ __device__ __forceinline__ void qkv_epilogue(const float* tile, int c0, int m0, 
         qwl[j] = qwh[j] = kwl[j] = kwh[j] = 0.f;
         fr[j] = 0.0;
         if (i < RH::HALF) {
-            if (has_q) {
-                qwl[j] = q_norm[i];
-                qwh[j] = q_norm[i + RH::HALF];
-            }
-            if (has_k) {
-                kwl[j] = k_norm[i];
-                kwh[j] = k_norm[i + RH::HALF];
-            }
-            if (has_q || has_k) fr[j] = inv_freq[i];
+            qwl[j] = q_norm[i];
+            qwh[j] = q_norm[i + RH::HALF];
+            kwl[j] = k_norm[i];
+            kwh[j] = k_norm[i + RH::HALF];
+            fr[j] = inv_freq[i];
         }
     }
     const int n_units = n_rows * HPG;

@@ -1020,10 +1020,9 @@ def _wgmma_qkv_epilogue(c: KernelCounters, L, classes, flags, BT: int, COLS: int
     padding rows [lo_pad, pad_hi)), EPI_U per warp at a time: per block ceil(units / (EPI_U x
     8)) rounds of EPI_U slots per warp. Every slot loads a head's pairs (2 x PAIRS
     conflict-free shared loads). Global reads, once per block and warp before the rounds: per
-    32 rows of the block (lanes of the rows with outputs) their ring slots (groups with K or V
-    heads), positions (with Q or K heads) and tile_live flags (with Q heads, use_live); per
-    lane its pairs' norm weights (2 x PAIRS 4-byte loads of q_norm with Q heads, of k_norm with
-    K heads) and frequencies (PAIRS 8-byte loads, with Q or K heads). Stored: Q rows f32 (rows
+    32 rows of the block (lanes of the rows with outputs) their ring slots, positions and
+    (use_live) tile_live flags; per lane its pairs' norm weights (2 x PAIRS 4-byte loads each
+    of q_norm and k_norm) and frequencies (PAIRS 8-byte loads). Stored: Q rows f32 (rows
     of tiles marked 2: none), K rows f16 at the row's ring slot, V f16 as it is (HD/32 shared
     loads, HD/32 stores).
     Ring rows outside [0, kv_rows) are assumed absent. Returns the compulsory bytes it moves
@@ -1044,8 +1043,6 @@ def _wgmma_qkv_epilogue(c: KernelCounters, L, classes, flags, BT: int, COLS: int
     for ng, g0, _, blocks, act in classes:
         for bx in range(g0, g0 + ng):
             heads = [bx * COLS + h * HD for h in range(COLS // HD) if bx * COLS + h * HD < N]
-            c0 = bx * COLS
-            has_q, has_k, has_kv = c0 < QW, c0 + COLS > QW and c0 < QW + KVW, c0 + COLS > QW
             for by in act:
                 st, _cp = blocks[by]
                 rows_st = [by * BT + 16 * i + r for i, v in enumerate(st) for r in range(v)]
@@ -1055,20 +1052,17 @@ def _wgmma_qkv_epilogue(c: KernelCounters, L, classes, flags, BT: int, COLS: int
                     lts = [r for r in work if w0 <= r < w0 + 32]
                     if not lts:
                         continue
-                    if has_q and use_live:
+                    if use_live:
                         c.add_global("ld", WARPS, *global_sectors([4 * (r // 16) for r in lts], 4))
-                    for arr_used in (has_kv, has_q or has_k):   # rows, pos
-                        if arr_used:
-                            c.add_global("ld", WARPS, *global_sectors([4 * r for r in lts], 4))
-                # the lanes' weights and frequencies, per warp
+                    for _ in range(2):   # rows, pos
+                        c.add_global("ld", WARPS, *global_sectors([4 * r for r in lts], 4))
+                # the lanes' weights (q_norm, k_norm) and frequencies, per warp
                 for j in range(PAIRS):
-                    idx = [i for i in range(32 * j, min(32 * j + 32, HALF))]
-                    for used in (has_q, has_k):
-                        if used:
-                            c.add_global("ld", WARPS, *global_sectors([4 * i for i in idx], 4))
-                            c.add_global("ld", WARPS, *global_sectors([4 * (i + HALF) for i in idx], 4))
-                    if has_q or has_k:
-                        c.add_global("ld", WARPS, *global_sectors([8 * i for i in idx], 8))
+                    idx = list(range(32 * j, min(32 * j + 32, HALF)))
+                    for _ in range(2):
+                        c.add_global("ld", WARPS, *global_sectors([4 * i for i in idx], 4))
+                        c.add_global("ld", WARPS, *global_sectors([4 * (i + HALF) for i in idx], 4))
+                    c.add_global("ld", WARPS, *global_sectors([8 * i for i in idx], 8))
                 r_b = -(-len(work) * (COLS // HD) // (U * WARPS))   # a partial group's missing heads too
                 slots += r_b * U * WARPS
                 if any(col < QW + KVW for col in heads):   # rotated heads: the long chain
