@@ -258,6 +258,9 @@ static_assert(ITEMS % THREADS == 0, "staging items divide over the block");
 
 __device__ __forceinline__ unsigned int to16(float v) { return to_bits16<GW_WTYPE>(v); }
 __device__ __forceinline__ float from16(unsigned int b) { return from_bits16<GW_WTYPE>(b); }
+// A staging load: plain, or (cg) ld.global.cg (L2 only), which ptxas keeps where it is written
+template <typename T>
+__device__ __forceinline__ T ldx(const T* p, bool cg) { return cg ? __ldcg(p) : *p; }
 
 // One step's 8 weight loads as they arrive, v[set][row rr][half h] (16 bytes each): a load is
 // one weight row, a fragment quad two (rows g, g + 8), so no load can land in a quad; the slot
@@ -551,12 +554,13 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
         const int groups = (N + COLS - 1) / COLS;
         const int b = (int)threadIdx.x;
         bool any = false, full = false;
-        if (b < tblocks) {
-            for (int i = 0; i < TILES && b * BT + 16 * i < M; i++) {
-                const int v = tile_live[((b * BT) >> 4) + i];
-                any = any || v != 0;
-                full = full || (v != 0 && v != 2);
-            }
+        int v[TILES];   // the row block's flags: every load issued before the first is used
+#pragma unroll
+        for (int i = 0; i < TILES; i++) v[i] = (b < tblocks && b * BT + 16 * i < M) ? tile_live[((b * BT) >> 4) + i] : 0;
+#pragma unroll
+        for (int i = 0; i < TILES; i++) {
+            any = any || v[i] != 0;
+            full = full || (v[i] != 0 && v[i] != 2);
         }
         const unsigned int ba = __ballot_sync(0xffffffffu, any), bf = __ballot_sync(0xffffffffu, full);
         if (lane == 0) {
@@ -605,11 +609,13 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
         const int m0 = tb * BT;
         const int live = (M - m0 < BT) ? (M - m0) : BT;
 
-        int lo = pad_hi;
-        if (pad_hi > 0) {
-            lo = *pad_lo;
-            lo = (lo < 0) ? 0 : ((lo > pad_hi) ? pad_hi : lo);
-        }
+        // the row block's tile_live flags and the padding start: loads issued together (one
+        // round trip)
+        int tv[TILES];
+#pragma unroll
+        for (int i = 0; i < TILES; i++) tv[i] = (use_live && m0 + 16 * i < M) ? tile_live[(m0 >> 4) + i] : 1;
+        int lo = (pad_hi > 0) ? *pad_lo : pad_hi;
+        lo = (lo < 0) ? 0 : ((lo > pad_hi) ? pad_hi : lo);
         // cmask: 16-row tiles with a row to compute (staged from x); smask: tiles whose rows are
         // stored. Dead tiles are neither; padding-only tiles are stored (acc 0) but not staged.
         // A tile marked 2 (rows that need only columns >= GW_SKIP_COLS: a lane-batched qkv's
@@ -618,14 +624,15 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
 #pragma unroll
         for (int i = 0; i < TILES; i++) {
             const int a = m0 + 16 * i, b = (a + 16 < M) ? a + 16 : M;
-            int v = 1;
-            if (use_live && a < b) v = tile_live[(m0 >> 4) + i];
-            if (a < b && v != 0 && !(v == 2 && cg < QG)) {
+            const int v = tv[i];
+            if (a < b && v != 0 && !(QG > 0 && v == 2 && cg < QG)) {
                 smask |= 1u << i;
                 if (!(a >= lo && b <= pad_hi)) cmask |= 1u << i;
             }
         }
-        if (smask == 0u) continue;  // every slice of this tile leaves here: its counter stays 0
+        // every slice of this tile leaves here: its counter stays 0 (cmask is a subset of smask:
+        // tested too, so that pad_lo's load is issued, and waited for, with tile_live's)
+        if ((smask | cmask) == 0u) continue;
 
         const int k_begin = zi * kzl;
         const int k_end = (k_begin + kzl < K) ? k_begin + kzl : K;
@@ -719,7 +726,7 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
 #endif
         };
         // active: false issues no load (the batch then stores zeros)
-        auto xs_load = [&](XBatch& xb, int s, int j0, bool active) {
+        auto xs_load = [&](XBatch& xb, int s, int j0, bool active, bool cg) {
             const int kc = k_begin + s * KSTEP;
 #pragma unroll
             for (int jj = 0; jj < XB; jj++) {
@@ -733,20 +740,20 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
                 xb.v[jj] = make_uint4(0u, 0u, 0u, 0u);
                 xb.ga[jj] = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
                 xb.gb[jj] = xb.ga[jj];
-                if (xb.in[jj]) xb.v[jj] = *reinterpret_cast<const uint4*>(xrow(grow) + k);
+                if (xb.in[jj]) xb.v[jj] = ldx(reinterpret_cast<const uint4*>(xrow(grow) + k), cg);
 #if GW_NORM
                 if (xb.sc[jj]) {
                     const float* gam = grow >= norm_lo ? ln : ln_lo;
-                    xb.ga[jj] = *reinterpret_cast<const float4*>(gam + k);
-                    xb.gb[jj] = *reinterpret_cast<const float4*>(gam + k + 4);
+                    xb.ga[jj] = ldx(reinterpret_cast<const float4*>(gam + k), cg);
+                    xb.gb[jj] = ldx(reinterpret_cast<const float4*>(gam + k + 4), cg);
                 }
 #endif
 #else
                 xb.v[jj] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 xb.g[jj] = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-                if (xb.in[jj]) xb.v[jj] = *reinterpret_cast<const float4*>(xrow(grow) + k);
+                if (xb.in[jj]) xb.v[jj] = ldx(reinterpret_cast<const float4*>(xrow(grow) + k), cg);
 #if GW_NORM
-                if (xb.sc[jj]) xb.g[jj] = *reinterpret_cast<const float4*>((grow >= norm_lo ? ln : ln_lo) + k);
+                if (xb.sc[jj]) xb.g[jj] = ldx(reinterpret_cast<const float4*>((grow >= norm_lo ? ln : ln_lo) + k), cg);
 #endif
 #endif
             }
@@ -834,7 +841,7 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
 #pragma unroll 1  // a batch at a time: unrolled, ptxas hoists the next batches' loads (BT 128: spills)
             for (int j0 = j_first; j0 < IPT; j0 += XB) {
                 XBatch xb;
-                xs_load(xb, s, j0, true);
+                xs_load(xb, s, j0, true, false);
                 xs_store(xb, s, buf, j0);
             }
         };
@@ -858,7 +865,19 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
 #pragma unroll
             for (int e = 0; e < BT / 2; e++) acc[a][e] = 0.0f;
 
-        if (nsteps > 0) stage(0, 0, 0);
+        // Step 0's x. BT 64: the batch's loads all issued before any is used (one round trip,
+        // with the weights'): as ld.global.cg, which ptxas keeps above the barrier (the default
+        // read-only loads it sinks to their uses, item by item, a round trip each). BT 128 (a
+        // batch of 1 or 2 items at a time, as in the loop): more in registers spills.
+        if (nsteps > 0) {
+            if (BT < 128) {
+                XBatch xb;
+                xs_load(xb, 0, 0, true, true);
+                __syncthreads();
+                xs_store(xb, 0, 0, 0);
+            }
+            stage(0, 0, BT < 128 ? XB : 0);
+        }
         fence_proxy_async_shared();
         __syncthreads();
 
@@ -873,7 +892,7 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
             load_slot(raw, wrow, ok, kl + (s + 1) * KSTEP, k_end);  // zeros past the slice
             prefetch_step(pf_row, pf_ok, k_begin + (s + D) * KSTEP, k_end);
             XBatch xb;  // step s + 1's first batch of x, in flight across the MMA issue
-            if (X_EARLY) xs_load(xb, s + 1, 0, s + 1 < nsteps);
+            if (X_EARLY) xs_load(xb, s + 1, 0, s + 1 < nsteps, false);
             wgmma_fence();
 #pragma unroll
             for (int sp = 0; sp < GW_SPLIT; sp++) {
