@@ -916,7 +916,9 @@ def _gemm_wgmma(L) -> KernelCounters:
                 n_wg = ng * ns * 2 * 2 * 4 * SPLIT * chunks_live
                 c.wgmma_mma += n_wg * 4 * (NCH // 8)
                 c.wgmma_smem_bytes += n_wg * NCH * 16 * 2
-                c.barriers += ng * (ns + 2 + NORM)   # one per step + the tile loop's and the first staging's (NORM: + the last sums')
+                # one per step + the tile loop's and the first staging's (NORM: + the last sums'; BT 64:
+                # + the one between step 0's x loads and their stores)
+                c.barriers += ng * (ns + 2 + NORM + (1 if BT < 128 and ns else 0))
     nsteps_max = max(steps) if steps else 0
     # Per step the next step's weights are loaded into registers (L2 hits: they were prefetched
     # into L2 DEPTH steps ahead) and its x staged in batches, the first batch's loads issued
