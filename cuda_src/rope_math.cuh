@@ -78,29 +78,36 @@ struct RopeHead {
         }
     }
 
-    // (a, b) = (lo, hi) * rn * (wlo, whi) (weights()), rotated by the lane's angles (c[j], s[j]
-    // of pair j) and stored: q rows as f32, K rows as f16 (the cache type).
+    // Pair i (the lane's j-th): (a, b) = (lo, hi) * rn * (wl, wh), rotated by (c, s) and stored:
+    // q rows as f32, K rows as f16 (the cache type).
+    template <typename T>
+    static __device__ __forceinline__ void put_pair(T* dst, int i, float lo, float hi, float rn, float wl, float wh,
+                                                    float c, float s) {
+        const float a = lo * rn * wl;
+        const float b = hi * rn * wh;
+        rope_put(dst + i, a * c - b * s);
+        rope_put(dst + i + HALF, b * c + a * s);
+    }
+
+    // The head's pairs stored, the norm weights read from w here ...
+    template <typename T>
+    static __device__ __forceinline__ void store(T* dst, const float* lo, const float* hi, float rn, const float* w,
+                                                 const float* c, const float* s, int lane) {
+#pragma unroll
+        for (int j = 0; j < PAIRS; ++j) {
+            const int i = lane + 32 * j;
+            if (i < HALF) put_pair(dst, i, lo[j], hi[j], rn, w[i], w[i + HALF], c[j], s[j]);
+        }
+    }
+
+    // ... or taken from weights() (read once for many heads).
     template <typename T>
     static __device__ __forceinline__ void store_w(T* dst, const float* lo, const float* hi, float rn, const float* wlo,
                                                    const float* whi, const float* c, const float* s, int lane) {
 #pragma unroll
         for (int j = 0; j < PAIRS; ++j) {
             const int i = lane + 32 * j;
-            if (i < HALF) {
-                const float a = lo[j] * rn * wlo[j];
-                const float b = hi[j] * rn * whi[j];
-                rope_put(dst + i, a * c[j] - b * s[j]);
-                rope_put(dst + i + HALF, b * c[j] + a * s[j]);
-            }
+            if (i < HALF) put_pair(dst, i, lo[j], hi[j], rn, wlo[j], whi[j], c[j], s[j]);
         }
-    }
-
-    // weights() of w, then store_w.
-    template <typename T>
-    static __device__ __forceinline__ void store(T* dst, const float* lo, const float* hi, float rn, const float* w,
-                                                 const float* c, const float* s, int lane) {
-        float wlo[PAIRS], whi[PAIRS];
-        weights(w, wlo, whi, lane);
-        store_w(dst, lo, hi, rn, wlo, whi, c, s, lane);
     }
 };
