@@ -258,6 +258,9 @@ static_assert(ITEMS % THREADS == 0, "staging items divide over the block");
 
 __device__ __forceinline__ unsigned int to16(float v) { return to_bits16<GW_WTYPE>(v); }
 __device__ __forceinline__ float from16(unsigned int b) { return from_bits16<GW_WTYPE>(b); }
+// A staging load: plain, or (cg) ld.global.cg (L2 only), which ptxas keeps where it is written
+template <typename T>
+__device__ __forceinline__ T ldx(const T* p, bool cg) { return cg ? __ldcg(p) : *p; }
 
 // One step's 8 weight loads as they arrive, v[set][row rr][half h] (16 bytes each): a load is
 // one weight row, a fragment quad two (rows g, g + 8), so no load can land in a quad; the slot
@@ -371,9 +374,13 @@ __device__ __forceinline__ int nth_set_bit(unsigned int m, int k) {
 // rope.cu's (rope_math.cuh), so the same bits. The units run 24-ish blocks' worth of warps
 // (the final block of each tile), not a grid's: fewer units and overlapped chains are what
 // keep this tail short (hw_params.rope_round_clocks).
-// Every warp runs the same trip count and every shuffle (the row ballot, the warp sums)
-// unconditionally; the stores are predicated: a shuffle in warp-dependent control flow inside
-// the tile loop makes ptxas serialise the next tile's wgmmas (C7520).
+// Global reads, all issued at once before the rounds (none depends on another, so one round
+// trip in all): per row of the tile (lane l of word w: row 32w + l, every warp alike) its cache
+// slot, position and tile_live flag (as a mask: the rows with Q heads), each unit taking its
+// row's from that lane by shuffle; per lane the norm weights and frequencies of its pairs.
+// Every warp runs the same trip count and every shuffle (the row ballots, the row values, the
+// warp sums) unconditionally; the stores are predicated: a shuffle in warp-dependent control
+// flow inside the tile loop makes ptxas serialise the next tile's wgmmas (C7520).
 template <typename Stored>
 __device__ __forceinline__ void qkv_epilogue(const float* tile, int c0, int m0, int live, int N, Stored stored,
                                              int pad_lo, int pad_hi, const int* tile_live, int use_live,
@@ -381,24 +388,44 @@ __device__ __forceinline__ void qkv_epilogue(const float* tile, int c0, int m0, 
                                              const int* pos, const int* rows, float* q_out, __half* k_cache,
                                              __half* v_cache, int kv_rows, float eps, float scale) {
     using RH = RopeHead<HD>;
-    constexpr int NWARPS = THREADS / 32, WORDS = (BT + 31) / 32;
+    constexpr int NWARPS = THREADS / 32, WORDS = (BT + 31) / 32, PAIRS = RH::PAIRS;
     const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31;
-    // the rows with outputs, one bit each (every warp builds the same masks)
-    unsigned int rmask[WORDS];
+    // the rows with outputs, one bit each (every warp builds the same masks), and their values
+    unsigned int rmask[WORDS], qmask[WORDS];
+    int rrow[WORDS], rpos[WORDS];
     int n_rows = 0;
 #pragma unroll
     for (int w = 0; w < WORDS; w++) {
         const int lt = 32 * w + lane, row = m0 + lt;
         const bool work = lt < live && stored(lt) && !(row >= pad_lo && row < pad_hi);
+        const int tl = (work && use_live) ? tile_live[row >> 4] : 1;
+        rrow[w] = work ? rows[row] : -1;
+        rpos[w] = work ? pos[row] : 0;
         rmask[w] = __ballot_sync(0xffffffffu, work);
+        qmask[w] = __ballot_sync(0xffffffffu, work && tl != 2);   // rows marked 2: no Q heads
         n_rows += __popc(rmask[w]);
+    }
+    float qwl[PAIRS], qwh[PAIRS], kwl[PAIRS], kwh[PAIRS];
+    double fr[PAIRS];
+#pragma unroll
+    for (int j = 0; j < PAIRS; j++) {
+        const int i = lane + 32 * j;
+        qwl[j] = qwh[j] = kwl[j] = kwh[j] = 0.f;
+        fr[j] = 0.0;
+        if (i < RH::HALF) {
+            qwl[j] = q_norm[i];
+            qwh[j] = q_norm[i + RH::HALF];
+            kwl[j] = k_norm[i];
+            kwh[j] = k_norm[i + RH::HALF];
+            fr[j] = inv_freq[i];
+        }
     }
     const int n_units = n_rows * HPG;
     for (int u0 = 0; u0 < n_units; u0 += GW_EPI_UNITS * NWARPS) {
-        float lo[GW_EPI_UNITS][RH::PAIRS], hi[GW_EPI_UNITS][RH::PAIRS], c[GW_EPI_UNITS][RH::PAIRS], s[GW_EPI_UNITS][RH::PAIRS];
+        float lo[GW_EPI_UNITS][PAIRS], hi[GW_EPI_UNITS][PAIRS], c[GW_EPI_UNITS][PAIRS], s[GW_EPI_UNITS][PAIRS];
         float ss[GW_EPI_UNITS];
-        int mm[GW_EPI_UNITS], col[GW_EPI_UNITS], kind[GW_EPI_UNITS], row[GW_EPI_UNITS], tl[GW_EPI_UNITS];
-        bool ok[GW_EPI_UNITS];
+        int mm[GW_EPI_UNITS], col[GW_EPI_UNITS], kind[GW_EPI_UNITS], row[GW_EPI_UNITS], p[GW_EPI_UNITS];
+        bool ok[GW_EPI_UNITS], qrow[GW_EPI_UNITS];
         const float* x[GW_EPI_UNITS];
 #pragma unroll
         for (int k = 0; k < GW_EPI_UNITS; k++) {
@@ -412,25 +439,38 @@ __device__ __forceinline__ void qkv_epilogue(const float* tile, int c0, int m0, 
                 if (rest >= 0 && rest < cnt) lt = 32 * w + nth_set_bit(rmask[w], rest);
                 rest -= cnt;
             }
+            // the row's values from lane lt % 32 (word lt / 32: the same choice in every lane)
+            int rv = rrow[0], pv = rpos[0];
+            unsigned int qm = qmask[0];
+#pragma unroll
+            for (int w = 1; w < WORDS; w++) {
+                if ((lt >> 5) == w) {
+                    rv = rrow[w];
+                    pv = rpos[w];
+                    qm = qmask[w];
+                }
+            }
+            rv = __shfl_sync(0xffffffffu, rv, lt & 31);
+            pv = __shfl_sync(0xffffffffu, pv, lt & 31);
             col[k] = c0 + (ui - idx * HPG) * HD;
             ok[k] = u < n_units && col[k] < N;
             mm[k] = m0 + lt;
-            tl[k] = (ok[k] && use_live) ? tile_live[mm[k] >> 4] : 1;
-            row[k] = ok[k] ? rows[mm[k]] : -1;
+            qrow[k] = ((qm >> (lt & 31)) & 1u) != 0u;
+            row[k] = ok[k] ? rv : -1;
             kind[k] = col[k] < QW ? 0 : (col[k] < QW + KVW ? 1 : 2);   // Q, K, V
+            p[k] = (ok[k] && kind[k] != 2) ? pv : 0;
             x[k] = tile + (ok[k] ? lt * TS + col[k] - c0 : 0);
             ss[k] = RH::partial(x[k], lo[k], hi[k], lane);
         }
         warp_sum_n<GW_EPI_UNITS>(ss);   // every warp: the shuffles stay uniform
 #pragma unroll
         for (int k = 0; k < GW_EPI_UNITS; k++) {   // the angles of every unit, rotated or not: chains to overlap
-            const int p = (ok[k] && kind[k] != 2) ? pos[mm[k]] : 0;
 #pragma unroll
-            for (int j = 0; j < RH::PAIRS; j++) {
+            for (int j = 0; j < PAIRS; j++) {
                 const int i = lane + 32 * j;
                 c[k][j] = 0.f;
                 s[k][j] = 0.f;
-                if (i < RH::HALF) rope_cos_sin(p, inv_freq[i], scale, c[k][j], s[k][j]);
+                if (i < RH::HALF) rope_cos_sin(p[k], fr[j], scale, c[k][j], s[k][j]);
             }
         }
 #pragma unroll
@@ -444,12 +484,13 @@ __device__ __forceinline__ void qkv_epilogue(const float* tile, int c0, int m0, 
                 }
                 continue;
             }
-            if ((kind[k] == 0 && tl[k] == 2) || (kind[k] == 1 && !row_ok)) continue;   // a context row's Q is never read
+            if ((kind[k] == 0 && !qrow[k]) || (kind[k] == 1 && !row_ok)) continue;   // a context row's Q is never read
             const float rn = RH::finish(ss[k], eps);
             if (kind[k] == 0)
-                RH::store(q_out + (long long)mm[k] * QW + col[k], lo[k], hi[k], rn, q_norm, c[k], s[k], lane);
+                RH::store_w(q_out + (long long)mm[k] * QW + col[k], lo[k], hi[k], rn, qwl, qwh, c[k], s[k], lane);
             else
-                RH::store(k_cache + (long long)row[k] * KVW + (col[k] - QW), lo[k], hi[k], rn, k_norm, c[k], s[k], lane);
+                RH::store_w(k_cache + (long long)row[k] * KVW + (col[k] - QW), lo[k], hi[k], rn, kwl, kwh, c[k], s[k],
+                            lane);
         }
     }
 }
@@ -513,12 +554,13 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
         const int groups = (N + COLS - 1) / COLS;
         const int b = (int)threadIdx.x;
         bool any = false, full = false;
-        if (b < tblocks) {
-            for (int i = 0; i < TILES && b * BT + 16 * i < M; i++) {
-                const int v = tile_live[((b * BT) >> 4) + i];
-                any = any || v != 0;
-                full = full || (v != 0 && v != 2);
-            }
+        int v[TILES];   // the row block's flags: every load issued before the first is used
+#pragma unroll
+        for (int i = 0; i < TILES; i++) v[i] = (b < tblocks && b * BT + 16 * i < M) ? tile_live[((b * BT) >> 4) + i] : 0;
+#pragma unroll
+        for (int i = 0; i < TILES; i++) {
+            any = any || v[i] != 0;
+            full = full || (v[i] != 0 && v[i] != 2);
         }
         const unsigned int ba = __ballot_sync(0xffffffffu, any), bf = __ballot_sync(0xffffffffu, full);
         if (lane == 0) {
@@ -567,11 +609,13 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
         const int m0 = tb * BT;
         const int live = (M - m0 < BT) ? (M - m0) : BT;
 
-        int lo = pad_hi;
-        if (pad_hi > 0) {
-            lo = *pad_lo;
-            lo = (lo < 0) ? 0 : ((lo > pad_hi) ? pad_hi : lo);
-        }
+        // the row block's tile_live flags and the padding start: loads issued together (one
+        // round trip)
+        int tv[TILES];
+#pragma unroll
+        for (int i = 0; i < TILES; i++) tv[i] = (use_live && m0 + 16 * i < M) ? tile_live[(m0 >> 4) + i] : 1;
+        int lo = (pad_hi > 0) ? *pad_lo : pad_hi;
+        lo = (lo < 0) ? 0 : ((lo > pad_hi) ? pad_hi : lo);
         // cmask: 16-row tiles with a row to compute (staged from x); smask: tiles whose rows are
         // stored. Dead tiles are neither; padding-only tiles are stored (acc 0) but not staged.
         // A tile marked 2 (rows that need only columns >= GW_SKIP_COLS: a lane-batched qkv's
@@ -580,14 +624,15 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
 #pragma unroll
         for (int i = 0; i < TILES; i++) {
             const int a = m0 + 16 * i, b = (a + 16 < M) ? a + 16 : M;
-            int v = 1;
-            if (use_live && a < b) v = tile_live[(m0 >> 4) + i];
-            if (a < b && v != 0 && !(v == 2 && cg < QG)) {
+            const int v = tv[i];
+            if (a < b && v != 0 && !(QG > 0 && v == 2 && cg < QG)) {
                 smask |= 1u << i;
                 if (!(a >= lo && b <= pad_hi)) cmask |= 1u << i;
             }
         }
-        if (smask == 0u) continue;  // every slice of this tile leaves here: its counter stays 0
+        // every slice of this tile leaves here: its counter stays 0 (cmask is a subset of smask:
+        // tested too, so that pad_lo's load is issued, and waited for, with tile_live's)
+        if ((smask | cmask) == 0u) continue;
 
         const int k_begin = zi * kzl;
         const int k_end = (k_begin + kzl < K) ? k_begin + kzl : K;
@@ -681,7 +726,7 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
 #endif
         };
         // active: false issues no load (the batch then stores zeros)
-        auto xs_load = [&](XBatch& xb, int s, int j0, bool active) {
+        auto xs_load = [&](XBatch& xb, int s, int j0, bool active, bool cg) {
             const int kc = k_begin + s * KSTEP;
 #pragma unroll
             for (int jj = 0; jj < XB; jj++) {
@@ -695,20 +740,20 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
                 xb.v[jj] = make_uint4(0u, 0u, 0u, 0u);
                 xb.ga[jj] = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
                 xb.gb[jj] = xb.ga[jj];
-                if (xb.in[jj]) xb.v[jj] = *reinterpret_cast<const uint4*>(xrow(grow) + k);
+                if (xb.in[jj]) xb.v[jj] = ldx(reinterpret_cast<const uint4*>(xrow(grow) + k), cg);
 #if GW_NORM
                 if (xb.sc[jj]) {
                     const float* gam = grow >= norm_lo ? ln : ln_lo;
-                    xb.ga[jj] = *reinterpret_cast<const float4*>(gam + k);
-                    xb.gb[jj] = *reinterpret_cast<const float4*>(gam + k + 4);
+                    xb.ga[jj] = ldx(reinterpret_cast<const float4*>(gam + k), cg);
+                    xb.gb[jj] = ldx(reinterpret_cast<const float4*>(gam + k + 4), cg);
                 }
 #endif
 #else
                 xb.v[jj] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 xb.g[jj] = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-                if (xb.in[jj]) xb.v[jj] = *reinterpret_cast<const float4*>(xrow(grow) + k);
+                if (xb.in[jj]) xb.v[jj] = ldx(reinterpret_cast<const float4*>(xrow(grow) + k), cg);
 #if GW_NORM
-                if (xb.sc[jj]) xb.g[jj] = *reinterpret_cast<const float4*>((grow >= norm_lo ? ln : ln_lo) + k);
+                if (xb.sc[jj]) xb.g[jj] = ldx(reinterpret_cast<const float4*>((grow >= norm_lo ? ln : ln_lo) + k), cg);
 #endif
 #endif
             }
@@ -796,7 +841,7 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
 #pragma unroll 1  // a batch at a time: unrolled, ptxas hoists the next batches' loads (BT 128: spills)
             for (int j0 = j_first; j0 < IPT; j0 += XB) {
                 XBatch xb;
-                xs_load(xb, s, j0, true);
+                xs_load(xb, s, j0, true, false);
                 xs_store(xb, s, buf, j0);
             }
         };
@@ -820,7 +865,19 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
 #pragma unroll
             for (int e = 0; e < BT / 2; e++) acc[a][e] = 0.0f;
 
-        if (nsteps > 0) stage(0, 0, 0);
+        // Step 0's x. BT 64: the batch's loads all issued before any is used (one round trip,
+        // with the weights'): as ld.global.cg, which ptxas keeps above the barrier (the default
+        // read-only loads it sinks to their uses, item by item, a round trip each). BT 128 (a
+        // batch of 1 or 2 items at a time, as in the loop): more in registers spills.
+        if (nsteps > 0) {
+            if (BT < 128) {
+                XBatch xb;
+                xs_load(xb, 0, 0, true, true);
+                __syncthreads();
+                xs_store(xb, 0, 0, 0);
+            }
+            stage(0, 0, BT < 128 ? XB : 0);
+        }
         fence_proxy_async_shared();
         __syncthreads();
 
@@ -835,7 +892,7 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
             load_slot(raw, wrow, ok, kl + (s + 1) * KSTEP, k_end);  // zeros past the slice
             prefetch_step(pf_row, pf_ok, k_begin + (s + D) * KSTEP, k_end);
             XBatch xb;  // step s + 1's first batch of x, in flight across the MMA issue
-            if (X_EARLY) xs_load(xb, s + 1, 0, s + 1 < nsteps);
+            if (X_EARLY) xs_load(xb, s + 1, 0, s + 1 < nsteps, false);
             wgmma_fence();
 #pragma unroll
             for (int sp = 0; sp < GW_SPLIT; sp++) {

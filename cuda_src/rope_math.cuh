@@ -64,20 +64,50 @@ struct RopeHead {
         return finish(warp_sum(partial(x, lo, hi, lane)), eps);
     }
 
-    // (a, b) = (lo, hi) * rn * w, rotated by the lane's angles (c[j], s[j] of pair j) and
-    // stored: q rows as f32, K rows as f16 (the cache type).
+    // The lane's norm weights of its pairs: wlo[j] = w[i], whi[j] = w[i + HALF] (0 past HALF).
+    static __device__ __forceinline__ void weights(const float* w, float* wlo, float* whi, int lane) {
+#pragma unroll
+        for (int j = 0; j < PAIRS; ++j) {
+            const int i = lane + 32 * j;
+            wlo[j] = 0.f;
+            whi[j] = 0.f;
+            if (i < HALF) {
+                wlo[j] = w[i];
+                whi[j] = w[i + HALF];
+            }
+        }
+    }
+
+    // Pair i (the lane's j-th): (a, b) = (lo, hi) * rn * (wl, wh), rotated by (c, s) and stored:
+    // q rows as f32, K rows as f16 (the cache type).
+    template <typename T>
+    static __device__ __forceinline__ void put_pair(T* dst, int i, float lo, float hi, float rn, float wl, float wh,
+                                                    float c, float s) {
+        const float a = lo * rn * wl;
+        const float b = hi * rn * wh;
+        rope_put(dst + i, a * c - b * s);
+        rope_put(dst + i + HALF, b * c + a * s);
+    }
+
+    // The head's pairs stored, the norm weights read from w here ...
     template <typename T>
     static __device__ __forceinline__ void store(T* dst, const float* lo, const float* hi, float rn, const float* w,
                                                  const float* c, const float* s, int lane) {
 #pragma unroll
         for (int j = 0; j < PAIRS; ++j) {
             const int i = lane + 32 * j;
-            if (i < HALF) {
-                const float a = lo[j] * rn * w[i];
-                const float b = hi[j] * rn * w[i + HALF];
-                rope_put(dst + i, a * c[j] - b * s[j]);
-                rope_put(dst + i + HALF, b * c[j] + a * s[j]);
-            }
+            if (i < HALF) put_pair(dst, i, lo[j], hi[j], rn, w[i], w[i + HALF], c[j], s[j]);
+        }
+    }
+
+    // ... or taken from weights() (read once for many heads).
+    template <typename T>
+    static __device__ __forceinline__ void store_w(T* dst, const float* lo, const float* hi, float rn, const float* wlo,
+                                                   const float* whi, const float* c, const float* s, int lane) {
+#pragma unroll
+        for (int j = 0; j < PAIRS; ++j) {
+            const int i = lane + 32 * j;
+            if (i < HALF) put_pair(dst, i, lo[j], hi[j], rn, wlo[j], whi[j], c[j], s[j]);
         }
     }
 };

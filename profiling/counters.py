@@ -923,7 +923,9 @@ def _gemm_wgmma(L) -> KernelCounters:
                 n_wg = ng * ns * 2 * 2 * 4 * SPLIT * chunks_live
                 c.wgmma_mma += n_wg * 4 * (NCH // 8)
                 c.wgmma_smem_bytes += n_wg * NCH * 16 * 2
-                c.barriers += ng * (ns + 2 + NORM)   # one per step + the tile loop's and the first staging's (NORM: + the last sums')
+                # one per step + the tile loop's and the first staging's (NORM: + the last sums'; BT 64:
+                # + the one between step 0's x loads and their stores)
+                c.barriers += ng * (ns + 2 + NORM + (1 if BT < 128 and ns else 0))
     nsteps_max = max(steps) if steps else 0
     # Per step the next step's weights are loaded into registers (L2 hits: they were prefetched
     # into L2 DEPTH steps ahead) and its x staged in batches, the first batch's loads issued
@@ -1026,10 +1028,12 @@ def _wgmma_qkv_epilogue(c: KernelCounters, L, classes, flags, BT: int, COLS: int
     items), then the (row, head) units of the rows with outputs (stored tiles' rows outside the
     padding rows [lo_pad, pad_hi)), EPI_U per warp at a time: per block ceil(units / (EPI_U x
     8)) rounds of EPI_U slots per warp. Every slot loads a head's pairs (2 x PAIRS
-    conflict-free shared loads) and the angles' frequencies (PAIRS 8-byte inv_freq loads); a
-    unit (a slot with a head below N) reads its row's slot (and tile_live), a Q/K unit its
-    position; stored: Q rows f32 (rows of tiles marked 2: none), K rows f16 at the row's ring
-    slot after 2 x PAIRS norm-weight loads, V f16 as it is (HD/32 shared loads, HD/32 stores).
+    conflict-free shared loads). Global reads, once per block and warp before the rounds: per
+    32 rows of the block (lanes of the rows with outputs) their ring slots, positions and
+    (use_live) tile_live flags; per lane its pairs' norm weights (2 x PAIRS 4-byte loads each
+    of q_norm and k_norm) and frequencies (PAIRS 8-byte loads). Stored: Q rows f32 (rows
+    of tiles marked 2: none), K rows f16 at the row's ring slot, V f16 as it is (HD/32 shared
+    loads, HD/32 stores).
     Ring rows outside [0, kv_rows) are assumed absent. Returns the compulsory bytes it moves
     (Q, K, V written; pos, rows, the weights read)."""
     d = L.defines
@@ -1043,7 +1047,6 @@ def _wgmma_qkv_epilogue(c: KernelCounters, L, classes, flags, BT: int, COLS: int
     q_norm, k_norm, freq, kc, vc = L.args[17], L.args[18], L.args[19], L.args[22], L.args[23]
     use_live = int(L.args[16]) != 0
     n_q = n_k = n_v = 0      # stored (row, head) units of each kind
-    n_ok = n_qk_ok = 0       # units (a head below N), and those of Q or K heads
     slots = 0
     st_instr = 0
     for ng, g0, _, blocks, act in classes:
@@ -1053,6 +1056,22 @@ def _wgmma_qkv_epilogue(c: KernelCounters, L, classes, flags, BT: int, COLS: int
                 st, _cp = blocks[by]
                 rows_st = [by * BT + 16 * i + r for i, v in enumerate(st) for r in range(v)]
                 work = [r for r in rows_st if not (lo_pad <= r < pad_hi)]
+                # the rows' values, per warp: one request per 32 rows with a row at work
+                for w0 in range(by * BT, by * BT + BT, 32):
+                    lts = [r for r in work if w0 <= r < w0 + 32]
+                    if not lts:
+                        continue
+                    if use_live:
+                        c.add_global("ld", WARPS, *global_sectors([4 * (r // 16) for r in lts], 4))
+                    for _ in range(2):   # rows, pos
+                        c.add_global("ld", WARPS, *global_sectors([4 * r for r in lts], 4))
+                # the lanes' weights (q_norm, k_norm) and frequencies, per warp
+                for j in range(PAIRS):
+                    idx = list(range(32 * j, min(32 * j + 32, HALF)))
+                    for _ in range(2):
+                        c.add_global("ld", WARPS, *global_sectors([4 * i for i in idx], 4))
+                        c.add_global("ld", WARPS, *global_sectors([4 * (i + HALF) for i in idx], 4))
+                    c.add_global("ld", WARPS, *global_sectors([8 * i for i in idx], 8))
                 r_b = -(-len(work) * (COLS // HD) // (U * WARPS))   # a partial group's missing heads too
                 slots += r_b * U * WARPS
                 if any(col < QW + KVW for col in heads):   # rotated heads: the long chain
@@ -1066,8 +1085,6 @@ def _wgmma_qkv_epilogue(c: KernelCounters, L, classes, flags, BT: int, COLS: int
                 else:   # the reducer's float4 stores of the columns below N, 32 items per instruction
                     st_instr += -(-len(rows_st) * -(-min(COLS, N - bx * COLS) // 4) // 32)
                 for col in heads:
-                    n_ok += len(work)
-                    n_qk_ok += len(work) if col < QW + KVW else 0
                     for r in work:
                         tl = 1 if flags is None else int(flags[r // 16])
                         if col < QW:
@@ -1084,14 +1101,7 @@ def _wgmma_qkv_epilogue(c: KernelCounters, L, classes, flags, BT: int, COLS: int
     c.smem_requests += n_ld
     c.smem_wavefronts += n_ld
     c.smem_ideal_wavefronts += n_ld
-    rot = n_q + n_k
-    # global: per unit its row's slot (+ tile_live), per Q/K unit its position, per slot PAIRS
-    # 8-byte frequencies; per rotated stored unit 2 x PAIRS norm-weight loads; stores: 2 x PAIRS
-    # per rotated unit, HD/32 per V unit
-    c.add_global("ld", n_ok * (1 + int(use_live)), 1, 4)
-    c.add_global("ld", n_qk_ok, 1, 4)
-    c.add_global("ld", slots * PAIRS, 8, 256)
-    c.add_global("ld", rot * 2 * PAIRS, 4, 128)
+    # global stores: 2 x PAIRS per rotated unit, HD/32 per V unit
     c.add_global("st", n_q * 2 * PAIRS, 4, 128)
     c.add_global("st", (n_k * 2 * PAIRS + n_v * -(-HD // 32)), 2, 64)
     # two barriers around the staging (K loop's tile), or one after the reduction
