@@ -35,7 +35,7 @@ from dflash_cupy.backends import nvrtc_info
 
 from . import sass
 
-_VERSION = "1"
+_VERSION = "2"
 _WHERE = re.compile(r"^(\S+?):(\d+)")
 
 
@@ -62,8 +62,19 @@ def _line_key(src: tuple) -> str:
     return f"{src[0]}:{src[1]}"
 
 
+_KIND = {"LDG": "global load", "LD": "global load", "LDGSTS": "global load", "STG": "global store",
+         "ST": "global store", "LDS": "shared load", "LDSM": "shared load", "STS": "shared store"}
+
+
+def _witness(ins) -> str | None:
+    """The emulator's key of a memory instruction: ``file:line|kind`` (None: not one)."""
+    kind = _KIND.get(ins.base)
+    return f"{_line_key(ins.src)}|{kind}" if kind and ins.src[0] else None
+
+
 def line_executions(launch, backend=None) -> dict[str, float]:
-    """``{"file:line": executions per warp}`` of each global-load source line in the busiest
+    """``{"file:line|kind": executions per warp}`` of each source line's global and shared loads
+    and stores ("global load", "global store", "shared load", "shared store") in the busiest
     block of one z column of ``launch`` (``launch_plan.Launch``), run in counter mode."""
     from dflash_cupy import backends
     from dflash_cupy.backends.emu_counters import count_launch, resolve_sites
@@ -83,11 +94,9 @@ def line_executions(launch, backend=None) -> dict[str, float]:
         resolve_sites(lc)
         per: dict[str, float] = {}
         for s in lc.sites:
-            if s.kind != "global load":
-                continue
             m = _WHERE.match(s.where or "")
             if m:
-                key = f"{m.group(1)}:{m.group(2)}"
+                key = f"{m.group(1)}:{m.group(2)}|{s.kind}"
                 per[key] = per.get(key, 0.0) + s.requests / warps
         for key, v in per.items():
             best[key] = max(best.get(key, 0.0), v)
@@ -98,17 +107,20 @@ def phases_of(ks: sass.KernelSass, executions: dict[str, float] | None) -> list[
     """The kernel's phases; loop trips from ``executions`` (``line_executions``) where the
     loop's bound is not an immediate."""
     loops = ks.loops
-    # each global load's innermost loop (None: straight-line code)
+    # each memory instruction's innermost loop (None: straight-line code): the emulator counts
+    # every global and shared access per source line, so each is a witness of its loop's trips
     home: dict[int, sass.Loop | None] = {}
     for ins in ks.instrs:
-        if sass.is_global_load(ins):
+        if _witness(ins):
             inner = [l for l in loops if ins.addr in l.addrs]
             home[ins.addr] = min(inner, key=lambda l: len(l.addrs)) if inner else None
     per_line: dict[str, dict] = {}
     for ins in ks.instrs:
         if ins.addr in home:
-            d = per_line.setdefault(_line_key(ins.src), {})
+            d = per_line.setdefault(_witness(ins), {})
             d[id(home[ins.addr])] = d.get(id(home[ins.addr]), 0) + 1
+    # global loads first: the most direct witnesses
+    per_line = dict(sorted(per_line.items(), key=lambda kv: not kv[0].endswith("|global load")))
     # Trips (total iterations per warp): each source line's executions are its straight-line
     # loads (once each) plus, per loop holding some, the loop's loads of it per iteration x the
     # loop's trips. Solved line by line while a line leaves one loop unknown; copies of a loop
@@ -138,10 +150,10 @@ def phases_of(ks: sass.KernelSass, executions: dict[str, float] | None) -> list[
             share = max(0.0, rest) / sum(d[lid] for lid in unknown)
             for lid in unknown:
                 trips[lid] = (share, f"emulator: {key}, shared by {len(unknown)} copies")
-        # a loop none of whose load lines ran in the busiest block did not run there
+        # a loop none of whose memory accesses ran in the busiest block did not run there
         for l in loops:
-            if id(l) not in trips and l.global_loads:
-                lines = {_line_key(i.src) for i in ks.instrs if home.get(i.addr) is l}
+            lines = {_witness(i) for i in ks.instrs if home.get(i.addr) is l}
+            if id(l) not in trips and lines:
                 if not any(executions.get(k) for k in lines):
                     trips[id(l)] = (0.0, "emulator: not run")
     out = []
@@ -188,7 +200,7 @@ def launch_phases(launch, *, emulate: bool = True, backend=None) -> tuple[sass.K
     """The SASS facts and phases of one recorded launch (cached on disk)."""
     ks = sass.launch_facts(launch)
     execs = None
-    if emulate and any(l.trips is None and l.global_loads for l in ks.loops):
+    if emulate and any(l.trips is None for l in ks.loops):
         p = _cache_path(launch)
         try:
             execs = json.loads(p.read_text())
