@@ -145,7 +145,8 @@ def kernel_time(n, c: ctr.KernelCounters, gpu, compiled: bool = True) -> NodeTim
             t.inflight_kb_per_sm = ct.inflight_per_sm / 1024
             # the source's latency and wave bounds are what the SASS replaces
             t.bounds_us = {k: v for k, v in t.bounds_us.items() if k not in ("latency", "wave")}
-            t.bounds_us["sass"] = (ct.total_s + epi) * us
+            # the epilogue is in the SASS phases (its rounds' issue slots): not added twice
+            t.bounds_us["sass"] = ct.total_s * us
     t.bound = max(t.bounds_us, key=t.bounds_us.get)
     t.predicted_us = t.bounds_us[t.bound]
     return t
