@@ -264,7 +264,7 @@ def is_fence(ins: Instr) -> bool:
 
 
 def is_barrier(ins: Instr) -> bool:
-    return ins.base == "BAR" or (ins.base == "BAR" and "SYNC" in ins.mods)
+    return ins.base == "BAR"
 
 
 _DEPBAR = re.compile(r"SB(\d)\s*,\s*(0x[0-9a-f]+|\d+)")
@@ -534,8 +534,7 @@ def _trip_count(instrs: list[Instr], loop: Loop) -> int | None:
     if init is None:
         return None
     cmp = setp.mods
-    n = (bound - init) / step
-    if n <= 0:
+    if (bound - init) / step <= 0:
         return None
     if "NE" in cmp or "LT" in cmp or "GT" in cmp:
         trips = -(-(bound - init) // step)
@@ -559,15 +558,6 @@ class KernelSass:
     fences: int
     atomics: int
     instrs: list = field(repr=False, default_factory=list)
-
-    def inner_loops(self) -> list[Loop]:
-        return [l for l in self.loops if l.inner]
-
-    def stream_loop(self) -> Loop | None:
-        """The steady state: the loop that issues the most 16-byte global loads per iteration of
-        its own (ties: more bytes)."""
-        cands = [l for l in self.loops if l.wide_loads]
-        return max(cands, key=lambda l: (l.wide_loads, l.global_bytes), default=None)
 
     def as_dict(self) -> dict:
         return {"name": self.name, "instructions": self.instructions, "global_loads": self.global_loads,
