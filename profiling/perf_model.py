@@ -20,7 +20,11 @@ the hand-written access models of ``counters``), ptxas resources at sm_90 and oc
   trips, or its bytes at one SM's share of the L2 bandwidth, the larger);
 * ``wave``: when the grid ends in a partial wave: the full waves at the
   whole GPU's rates, plus the tail's blocks alone (their own latency path and
-  their SMs' shared memory and tensor cores).
+  their SMs' shared memory and tensor cores);
+* ``sass`` (the default, ``--model compiled``; it replaces ``latency`` and
+  ``wave``): the launch's phases as ptxas compiled them, added one after
+  another (``sass_phases.compiled_time``: the stream at HBM or Little's-law
+  speed, then each other phase's dependent chain, fences and atomics).
 
 The step's time is the sum over its graph nodes plus one ``node_gap`` per
 node (``--pdl``: the cache's ``pdl=True`` graph, where a launch right after a
@@ -268,17 +272,11 @@ def compiled_losses(m: dict) -> list:
             continue
         k = e["count"]
         for sec, what, where, src in ct.terms:
-            loss = sec
-            if what.startswith("stream"):
-                loss = sec - e["first"].counters.dram_bytes / ct_hbm(m) if ct.stream_bound == "in flight" else 0.0
+            loss = sec - ct.stream_hbm_s if what.startswith("stream") else sec
             if loss * k * 1e6 > 0.5:
                 out.append((loss * k * 1e6, label, what, where, list(src)))
     out.sort(key=lambda r: -r[0])
     return out
-
-
-def ct_hbm(m: dict) -> float:
-    return get_gpu(m["gpu"]).hbm_Bps
 
 
 # ---------------------------------------------------------------------------- measured results

@@ -27,7 +27,7 @@ import json
 import os
 import re
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_cupy import kernels
@@ -243,6 +243,7 @@ class CompiledTime:
     """One launch's time as its compiled phases run one after another (seconds)."""
     stream_s: float = 0.0         # the stream: its bytes at the bandwidth its bytes in flight allow
     stream_bound: str = ""        # "hbm" (the chip's bandwidth) or "in flight" (Little's law per SM)
+    stream_hbm_s: float = 0.0     # the same bytes at the chip's bandwidth (the stream's loss: the rest)
     inflight_per_sm: float = 0.0  # bytes
     phases_s: float = 0.0         # the other phases' dependent chains (or issue), per block, x rounds
     fences_s: float = 0.0
@@ -266,6 +267,7 @@ def compiled_time(phases: list[Phase], *, gpu, threads: int, resident: int, per_
         bytes_sm = dram_bytes * per_sm_max / max(1, blocks)
         hbm = dram_bytes / gpu.hbm_Bps
         little = bytes_sm * gpu.hbm_latency_s / ct.inflight_per_sm if ct.inflight_per_sm else hbm
+        ct.stream_hbm_s = hbm
         ct.stream_s, ct.stream_bound = (hbm, "hbm") if hbm >= little else (little, "in flight")
         ct.terms.append((ct.stream_s, f"stream ({ct.stream_bound}: {ct.inflight_per_sm / 1024:.1f} KB in flight "
                          f"per SM, {st.trips:.1f} trips x {st.round_trips} round trips)", st.where, st.lines))
