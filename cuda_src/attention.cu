@@ -294,17 +294,29 @@ ring_attn_combine(const float* __restrict__ part_o,
     const int i = blockIdx.x * COMBINE_THREADS + threadIdx.x;
     if (i >= B * NH * D) return;
     const int qrow = i / D, d = i % D;
+    // Every split's (m, l) pair (one 8-byte load each) and o value, and the gate, are loaded
+    // into registers of their own before the sums: the (m, l) pairs in one batch and the o
+    // values in another (profiling/sass.py), where the loop that reloaded part_ml made seven.
+    float2 ml[SPLITS];
+    float po[SPLITS];
+#pragma unroll
+    for (int s = 0; s < SPLITS; ++s) {
+        const long long r = (long long)s * (B * NH) + qrow;
+        ml[s] = *reinterpret_cast<const float2*>(part_ml + r * 2);
+        po[s] = part_o[r * D + d];
+    }
+    const float g = gate_factor(gate, qrow, d);
     float m = NEG_INF;
-    for (int s = 0; s < SPLITS; ++s)
-        m = fmaxf(m, part_ml[((long long)s * (B * NH) + qrow) * 2]);
+#pragma unroll
+    for (int s = 0; s < SPLITS; ++s) m = fmaxf(m, ml[s].x);
     float o = 0.f, l = 0.f;
     if (m != NEG_INF) {
+#pragma unroll
         for (int s = 0; s < SPLITS; ++s) {
-            const long long r = (long long)s * (B * NH) + qrow;
-            const float w = exp2f(part_ml[r * 2] - m);  // 0 for empty / fully hidden splits
-            l += w * part_ml[r * 2 + 1];
-            o += w * part_o[r * D + d];
+            const float w = exp2f(ml[s].x - m);  // 0 for empty / fully hidden splits
+            l += w * ml[s].y;
+            o += w * po[s];
         }
     }
-    store_out(out, i, (l > 0.f ? o / l : 0.f) * gate_factor(gate, qrow, d));
+    store_out(out, i, (l > 0.f ? o / l : 0.f) * g);
 }

@@ -18,11 +18,8 @@
 //    ops/attention.py, zero between launches) after its partial; the block
 //    that draws the last ticket merges the unit's splits into `out` and puts
 //    the counter back to 0, so the next launch (or a graph replay) starts
-//    from zero. Memory order as in gemm_stream.cu's split K: each thread
-//    fences its partial stores before the block counts itself; the last
-//    block fences again and reads the partials from L2 (__ldcg: other SMs
-//    wrote them, this SM's L1 may hold nothing newer but must not be
-//    trusted). An idle lane's blocks return before counting: its counters
+//    from zero. Memory order: arrive.cuh's release/acquire ticket; the last
+//    block reads the partials from L2 (__ldcg: other SMs wrote them). An idle lane's blocks return before counting: its counters
 //    stay 0. It saves a launch (a graph node) and the combine's read of the
 //    whole workspace by a full grid, but the lone merging block of a unit
 //    reads its unit's partials at one SM's share of the L2 bandwidth: which
@@ -47,6 +44,7 @@
 // downstream, half the bytes. Partials stay f32.
 #pragma once
 #include <cuda_fp16.h>
+#include "arrive.cuh"
 #include "bits16.cuh"
 #include "step_desc.cuh"
 #include "warp.cuh"
@@ -199,16 +197,10 @@ __device__ __forceinline__ void cp_async_wait_all() {
 }
 
 // Called by every thread of a block after it wrote its partial: true in every
-// thread of the block that arrived last for `unit` (see the top of this file).
+// thread of the block that arrived last for `unit` (arrive.cuh: the memory order).
 // ticket: an int of the block's shared memory that no thread uses any more.
 __device__ __forceinline__ bool last_split_to_arrive(int* counters, int unit, int* ticket) {
-    __threadfence();   // this thread's partial stores are visible device-wide before the count says so
-    __syncthreads();
-    if (threadIdx.x == 0) *ticket = atomicAdd(&counters[unit], 1);
-    __syncthreads();
-    if (*ticket != SPLITS - 1) return false;
-    __threadfence();   // the other blocks' partials are read after their counts
-    return true;
+    return last_block_to_arrive(&counters[unit], SPLITS, ticket);
 }
 
 // The last block's merge of query rows [r_lo, r_hi) (row r = b*G + g: query

@@ -150,7 +150,7 @@ gather_features(const int* __restrict__ desc,
 }
 
 extern "C" __global__ void __launch_bounds__(GATHER_THREADS)
-plan_step(const int* __restrict__ desc,
+plan_step(const int* __restrict__ desc_g,
           const ring_t* __restrict__ ring,
           float* __restrict__ ap_feat,
           int a_rows,
@@ -164,6 +164,8 @@ plan_step(const int* __restrict__ desc,
 {
     pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
     pdl_launch_dependents();
+    int desc[DESC_LEN];
+    load_desc(desc_g, desc);
     const int b = blockIdx.x;
     if (b < GATHER_GX * a_rows) {
         gather_chunk(desc, ring, ap_feat, b / GATHER_GX, (b % GATHER_GX) * (GATHER_THREADS * 4));
@@ -204,7 +206,8 @@ plan_lanes(const int* __restrict__ desc_all,
     pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
     pdl_launch_dependents();
     const int lane = blockIdx.y;
-    const int* desc = desc_all + (long long)lane * DESC_LEN;
+    int desc[DESC_LEN];
+    load_desc(desc_all + (long long)lane * DESC_LEN, desc);
     const bool active = desc[DESC_ACTIVE] != 0;
     const int n_new = active ? desc[DESC_N_NEW] : 0;
     const int n_app = n_new < a_rows ? n_new : a_rows;

@@ -45,6 +45,7 @@
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include "arrive.cuh"
 #include "bits16.cuh"
 #include "gemm_epilogue.cuh"
 #include "mma.cuh"
@@ -237,12 +238,7 @@ gemm_mma(const float* __restrict__ x, const unsigned short* __restrict__ w, floa
         }
     }
     __shared__ int ticket;
-    __threadfence();  // the partial tile is visible device-wide before the count says so
-    __syncthreads();
-    if (threadIdx.x == 0) ticket = atomicAdd(&counters[blockIdx.x], 1);
-    __syncthreads();
-    if (ticket != GM_KSPLIT - 1) return;
-    __threadfence();
+    if (!last_block_to_arrive(&counters[blockIdx.x], GM_KSPLIT, &ticket)) return;   // arrive.cuh
     constexpr int COLS = GM_WARPS * GM_WARP_COLS;  // output columns per block
     const int c0 = blockIdx.x * COLS;
     for (int idx = threadIdx.x; idx < ROWS * COLS; idx += THREADS) {

@@ -8,6 +8,7 @@
 // and, with NORM, each slice's row sums of squares at ssw: [ks][ROWS].
 // *counter (one per block x): zero between launches (the reducing block resets it).
 #pragma once
+#include "arrive.cuh"
 #include "gemm_epilogue.cuh"
 
 // float4 loads of the partial tiles a reducing thread keeps in flight (items x matrices x
@@ -31,18 +32,7 @@ __device__ __forceinline__ bool splitk_reduce(const float* wsb, const float* ssw
                                               const float* r, int m0, int live, int c0, int N, float eps,
                                               int norm_lo, Stored stored, float* tile = nullptr, int tile_stride = 0) {
     __shared__ int ticket;
-    // The ticket protocol of cooperative groups' grid sync: the barrier orders every thread's
-    // partial stores before thread 0's fence (release, cumulative) and arrival; the last
-    // slice's thread 0 fences again (acquire) before the barrier that releases its readers.
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();  // the partial tile is visible device-wide before the count says so
-        const int tk = atomicAdd(counter, 1);
-        if (tk == ks - 1) __threadfence();
-        ticket = tk;
-    }
-    __syncthreads();
-    if (ticket != ks - 1) return false;
+    if (!last_block_to_arrive(counter, ks, &ticket)) return false;   // arrive.cuh: the memory order
     __shared__ float sc_s[NORM ? ROWS : 1];
     if (NORM) {
         if ((int)threadIdx.x < live) {

@@ -97,10 +97,14 @@ rmsnorm(const float* x, const float* w, norm_out_t* y, int rows, int w_rows, flo
     const float* xr = x + (long long)row * D;
 
     float v[PER_THREAD][VEC];
+    float4 gw[VEC == 4 ? PER_THREAD : 1];   // the norm weights, loaded with x (no dependence)
+    const float* wr = w + (long long)(row % w_rows) * D;
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) {
         const int c = t + i * NORM_TPR;
+        if (VEC == 4) gw[i] = (valid && c < CHUNKS) ? *reinterpret_cast<const float4*>(wr + c * VEC)
+                                                    : make_float4(0.f, 0.f, 0.f, 0.f);
         if (valid && c < CHUNKS) {
             if (VEC == 4) {
                 const float4 q = *reinterpret_cast<const float4*>(xr + c * VEC);
@@ -128,14 +132,13 @@ rmsnorm(const float* x, const float* w, norm_out_t* y, int rows, int w_rows, flo
     if (!valid) return;
 
     const float inv = rsqrtf(ss * (1.0f / D) + eps);
-    const float* wr = w + (long long)(row % w_rows) * D;
     norm_out_t* yr = y + (long long)row * D;
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) {
         const int c = t + i * NORM_TPR;
         if (c < CHUNKS) {
             if (VEC == 4) {
-                const float4 g = *reinterpret_cast<const float4*>(wr + c * VEC);
+                const float4 g = gw[VEC == 4 ? i : 0];
                 float4 o;
                 o.x = v[i][0] * inv * g.x;
                 o.y = v[i][VEC > 1 ? 1 : 0] * inv * g.y;

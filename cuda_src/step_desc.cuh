@@ -33,3 +33,16 @@
 // per appended row, or per cache column.
 #define PLAN_SLOT_THREADS 256
 #define PLAN_ROW_THREADS 128
+
+// The descriptor copied into registers, its loads issued together: one L2 round trip where
+// reading each field at its use made a chain of them (profiling/sass.py). Callers index d with
+// constants only, so it stays in registers; the empty asm keeps the compiler from sinking each
+// load back to its use (5 round trips in plan_step where there were 8).
+__device__ __forceinline__ void load_desc(const int* __restrict__ g, int d[DESC_LEN]) {
+#pragma unroll
+    for (int i = 0; i < DESC_LEN; i++) d[i] = g[i];
+#ifdef __CUDA_ARCH__
+#pragma unroll
+    for (int i = 0; i < DESC_LEN; i++) asm volatile("" ::"r"(d[i]));
+#endif
+}

@@ -322,7 +322,7 @@ def kernel_agreement(m: dict, measured_kernels: dict) -> list:
 
 
 # ---------------------------------------------------------------------------- output
-def format_report(m: dict, measured: dict | None = None) -> str:
+def format_report(m: dict, measured: dict | None = None, losses_shown: int = 5) -> str:
     meas = (measured or {}).get(m["preset"], {}).get(str(m["window"]), {})
     mk = meas.get("kernels", {})
     lines = [f"== {m['drafter']} ({m['preset']}) window {m['window']} on {m['gpu']}: "
@@ -356,7 +356,7 @@ def format_report(m: dict, measured: dict | None = None) -> str:
     losses = compiled_losses(m)
     if losses:
         lines.append("largest losses as compiled (per step, above each group's HBM time):")
-        for us_, label, what, where, src in losses[:5]:
+        for us_, label, what, where, src in losses[:losses_shown]:
             lines.append(f"  {us_:7.1f} us  {label}: {what} at SASS {where} [{', '.join(src[:3])}]")
     if mk:
         agree = kernel_agreement(m, mk)
@@ -515,6 +515,8 @@ def main(argv=None) -> int:
                    help="the attention's split merge (default: ops/attention.py's default_merge rule)")
     p.add_argument("--attn-splits", type=int, default=None, metavar="N",
                    help="the attention's split count (default: default_splits)")
+    p.add_argument("--losses", type=int, default=5, metavar="N",
+                   help="the largest N losses as compiled to print (default 5)")
     p.add_argument("--model", default="compiled", choices=("compiled", "source"),
                    help="compiled: each launch's phases as ptxas built them, one after another (the SASS "
                         "reader, profiling/sass.py; default); source: the max of the source-intended bounds")
@@ -548,7 +550,7 @@ def main(argv=None) -> int:
         print()
     else:
         for m in models:
-            print(format_report(m, measured))
+            print(format_report(m, measured, a.losses))
             print()
         print("summary: " + "; ".join(f"{m['preset']} {m['window']}: {m['step_us']:.0f} us, "
                                       f"{m['ratio']:.2f}x floor, attention {m['attn_config']}, "

@@ -256,11 +256,17 @@ def is_shared_load(ins: Instr) -> bool:
 
 
 def is_atomic(ins: Instr) -> bool:
-    return ins.base in ("ATOM", "ATOMG", "RED", "REDG", "ATOMS")
+    """A global (or generic) atomic: its result, or its ordering, comes back from the L2.
+    Shared-memory atomics (ATOMS) stay in the SM: issue slots only."""
+    return ins.base in ("ATOM", "ATOMG", "RED", "REDG")
 
 
 def is_fence(ins: Instr) -> bool:
-    return ins.base in ("MEMBAR", "FENCE")
+    """A fence that waits on the L2: MEMBAR at GPU or system scope (``__threadfence``,
+    ``fence.acq_rel.gpu``, the release half of ``atom.acq_rel.gpu``). A CTA-scope MEMBAR
+    (``__threadfence_block``, the generic half of ``fence.proxy.async``) and the proxy
+    fences (FENCE.VIEW.ASYNC) order within the SM: issue slots only."""
+    return ins.base == "MEMBAR" and ("GPU" in ins.mods or "SYS" in ins.mods)
 
 
 def is_barrier(ins: Instr) -> bool:
