@@ -5,7 +5,7 @@
 
 One ``pytest`` per file, in parallel (the emulator's cold g++ builds dominate
 a first run, and they are per process), each with
-``DFLASH_CUPY_DIFFERENTIAL=<mode>`` (``tests/differential.py``) and the
+``DFLASH_CUPY_DIFFERENTIAL=<mode>`` (``tests/support/differential_mode.py``) and the
 emulated backend as the default. The outputs are printed whole, file by file
 in the given order, each ending with its per-kernel table. Exit status: 0 if
 every file passed, else 1.

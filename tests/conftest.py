@@ -1,5 +1,6 @@
 """Shared fixtures: every kernel test runs on the emulated backend always, and
-on the CuPy backend as well when a GPU is visible."""
+on the CuPy backend as well when a GPU is visible. Helpers shared by several
+test modules live in ``tests/support/``; test modules never import each other."""
 import os
 
 import numpy as np
@@ -23,10 +24,43 @@ settings.register_profile("seeded", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "seeded"))
 
-from .differential import (pytest_addoption, pytest_collection_modifyitems,  # noqa: F401
-                           pytest_configure, pytest_terminal_summary)
+from .support import differential_mode  # noqa: E402
+from .support.differential_mode import pytest_addoption, pytest_configure  # noqa: F401,E402
+from .support.model_params import goal_lines, pin_model_parameters  # noqa: F401,E402 (an autouse fixture)
 
 BACKEND_NAMES = ["emulated"] + (["cuda"] if backends.gpu_available() else [])
+
+
+def pytest_collection_modifyitems(config, items):
+    differential_mode.pytest_collection_modifyitems(config, items)
+    # Long tests first (stable otherwise): with parallel workers (-n) a long test
+    # started last would leave the other workers idle at the end.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    differential_mode.pytest_terminal_summary(terminalreporter, exitstatus, config)
+    lines = goal_lines(r for key in ("passed", "failed") for r in terminalreporter.stats.get(key, ()))
+    if lines:   # model outputs measured against the project's goals: reported, not asserted
+        terminalreporter.write_sep("=", "model goals (pinned parameters)")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: the CPUs this process may run on, bounded by a cgroup CPU quota
+    (a container's 2 CPUs on a 64-core host are 2 workers, not 64)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:
+        n = os.cpu_count() or 1
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, n)
 
 
 @pytest.fixture(params=BACKEND_NAMES)

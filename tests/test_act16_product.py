@@ -13,10 +13,9 @@ import pytest
 from dflash_cupy import backends
 from dflash_cupy.ops.attention import RingAttention, ring_attention_reference
 from dflash_cupy.step_issuer import StepIssuer
-from tests.test_kv_batch import make, play
-from tests.test_kv_cache import Driver
+from tests.support.drafters import Driver
+from tests.support.lanes import IDLE, make, play
 
-IDLE = None
 KIND16 = {"b": np.uint16, "c": np.float16}   # bf16 / f16 weights
 
 

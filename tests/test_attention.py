@@ -12,7 +12,7 @@ from dflash_cupy.geometry import RingGeometry
 from dflash_cupy.ops.attention import (RingAttention, default_merge, default_splits, ring_attention_reference,
                                        split_candidates)
 from dflash_cupy.reference import contiguous_slot_pos, ring_masks
-from tests.tolerances import assert_close
+from tests.support.tolerances import assert_close
 
 NEG_INF = np.float16(-np.inf)
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-HARNESS = Path(__file__).with_name("fake_cuda_harness.py")
+HARNESS = Path(__file__).parent / "support" / "fake_cuda_harness.py"
 
 
 def test_cuda_backend_logic_with_faked_cuda():
     pytest.importorskip("cupy")
-    root = HARNESS.parent.parent
+    root = Path(__file__).resolve().parent.parent
     # this checkout's package, not whichever one the interpreter has installed
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
     r = subprocess.run([sys.executable, str(HARNESS)], capture_output=True, text=True, timeout=300,

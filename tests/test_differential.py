@@ -1,4 +1,4 @@
-"""The CPU/GPU differential (``backends/differential.py``, ``tests/differential.py``).
+"""The CPU/GPU differential (``backends/differential.py``, ``tests/support/differential_mode.py``).
 
 Its comparison runs here on the CPU with a second emulator as the reference
 (another fiber schedule and seed): real product kernels must agree bit for

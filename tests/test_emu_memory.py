@@ -6,7 +6,6 @@ and its corrected twin, which must pass with the right result."""
 import numpy as np
 import pytest
 
-from dflash_cupy import backends
 from dflash_cupy.backends import KernelLaunchError
 
 
@@ -47,10 +46,9 @@ class _SyncEmu:
 
 
 @pytest.fixture
-def emu():
-    be = backends.get("emulated")
-    be.synchronize()
-    return _SyncEmu(be)
+def sync_emu(emu):
+    emu.synchronize()
+    return _SyncEmu(emu)
 
 # ---------------------------------------------------------------- bounds
 
@@ -68,18 +66,18 @@ extern "C" __global__ void write_at(ELEM* a, const ELEM* val, int i, int bx, int
 _CTYPES = {np.int8: "signed char", np.int32: "int", np.float16: "__half", np.float64: "double"}
 
 
-def _bounds_module(emu, dtype):
-    return emu.compile(BOUNDS_SRC, [f"-DELEM={_CTYPES[dtype]}"], filename=f"bounds_{np.dtype(dtype).name}.cu")
+def _bounds_module(sync_emu, dtype):
+    return sync_emu.compile(BOUNDS_SRC, [f"-DELEM={_CTYPES[dtype]}"], filename=f"bounds_{np.dtype(dtype).name}.cu")
 
 
 @pytest.mark.parametrize("dtype", [np.int8, np.int32, np.float16, np.float64])
 @pytest.mark.parametrize("n", [1, 3, 5, 16, 50, 1030])
-def test_every_out_of_bounds_index_is_caught(emu, dtype, n):
-    mod = _bounds_module(emu, dtype)
+def test_every_out_of_bounds_index_is_caught(sync_emu, dtype, n):
+    mod = _bounds_module(sync_emu, dtype)
     read, write = mod.get_function("read_at"), mod.get_function("write_at")
-    a = emu.asarray(np.arange(n).astype(dtype))
-    out = emu.zeros((1,), dtype)
-    val = emu.asarray(np.array([7], dtype))
+    a = sync_emu.asarray(np.arange(n).astype(dtype))
+    out = sync_emu.zeros((1,), dtype)
+    val = sync_emu.asarray(np.array([7], dtype))
     where = r"in block \(1,0,0\) thread \(37,0,0\)"
     for i, side in ((-1, "before the start"), (n, "past the end"), (-3, "before the start"),
                     (n + 2, "past the end")):
@@ -100,12 +98,12 @@ def test_every_out_of_bounds_index_is_caught(emu, dtype, n):
     np.testing.assert_array_equal(a, expect)
 
 
-def test_out_of_bounds_through_a_view_is_judged_by_its_allocation(emu):
+def test_out_of_bounds_through_a_view_is_judged_by_its_allocation(sync_emu):
     # A pointer into the middle of an allocation may reach anywhere inside it (as
     # on the GPU), but not past the allocation.
-    mod = _bounds_module(emu, np.int32)
-    base = emu.asarray(np.arange(10, dtype=np.int32))
-    out = emu.zeros((1,), np.int32)
+    mod = _bounds_module(sync_emu, np.int32)
+    base = sync_emu.asarray(np.arange(10, dtype=np.int32))
+    out = sync_emu.zeros((1,), np.int32)
     mod.get_function("read_at")((1,), (32,), (base[4:], out, np.int32(-4), np.int32(0), np.int32(0)))
     assert out[0] == 0
     with pytest.raises(KernelLaunchError, match=r"before the start of array `a` .*shape=\(10,\)"):
@@ -150,10 +148,10 @@ extern "C" __global__ void shared_vec(const float* x, float* y, int off) {
 @pytest.mark.parametrize("kind,type_name,nbytes,bad,good", [
     (0, "float4", 16, 1, 4), (0, "float4", 16, 2, 8), (1, "uint2", 8, 1, 2), (2, "uint4", 16, 3, 4),
     (3, "__half2", 4, 1, 2)])
-def test_misaligned_vector_loads_are_caught(emu, kind, type_name, nbytes, bad, good):
-    mod = emu.compile(ALIGN_SRC, [f"-DKIND={kind}"], filename="align.cu")
-    x = emu.asarray(np.arange(64, dtype=np.float32))
-    y = emu.zeros((4,), np.float32)
+def test_misaligned_vector_loads_are_caught(sync_emu, kind, type_name, nbytes, bad, good):
+    mod = sync_emu.compile(ALIGN_SRC, [f"-DKIND={kind}"], filename="align.cu")
+    x = sync_emu.asarray(np.arange(64, dtype=np.float32))
+    y = sync_emu.zeros((4,), np.float32)
     with pytest.raises(KernelLaunchError, match=rf"kernel load_vec: misaligned {nbytes}-byte {type_name} load .* "
                                                 rf"in `x` .*in block \(0,0,0\) thread \(5,0,0\)"):
         mod.get_function("load_vec")((1,), (64,), (x, y, np.int32(bad)))
@@ -164,15 +162,15 @@ def test_misaligned_vector_loads_are_caught(emu, kind, type_name, nbytes, bad, g
     assert y[0] == np.float32(expect)
 
 
-def test_misaligned_vector_stores_and_shared_loads_are_caught(emu):
-    mod = emu.compile(ALIGN_SRC, ["-DKIND=0"], filename="align.cu")
-    y = emu.zeros((16,), np.float32)
+def test_misaligned_vector_stores_and_shared_loads_are_caught(sync_emu):
+    mod = sync_emu.compile(ALIGN_SRC, ["-DKIND=0"], filename="align.cu")
+    y = sync_emu.zeros((16,), np.float32)
     with pytest.raises(KernelLaunchError, match=r"kernel store_vec: misaligned 16-byte float4 store .* in `y` "
                                                 r".*thread \(5,0,0\)"):
         mod.get_function("store_vec")((1,), (32,), (y, np.int32(2)))
     mod.get_function("store_vec")((1,), (32,), (y, np.int32(4)))
     assert y[4:8].tolist() == [1, 2, 3, 4]
-    x = emu.asarray(np.arange(64, dtype=np.float32))
+    x = sync_emu.asarray(np.arange(64, dtype=np.float32))
     with pytest.raises(KernelLaunchError, match=r"kernel shared_vec: misaligned 16-byte float4 load .* "
                                                 r"in shared or local memory in block \(0,0,0\) thread \(5,0,0\)"):
         mod.get_function("shared_vec")((1,), (64,), (x, y, np.int32(6)))
@@ -194,10 +192,10 @@ extern "C" __global__ void stale_tile(unsigned int* out, int all_write) {
 
 
 @pytest.mark.parametrize("threads", [1, 4])
-def test_static_shared_memory_is_poisoned_before_each_block(emu, monkeypatch, threads):
-    monkeypatch.setattr(emu._be, "threads", threads)
-    k = emu.compile(STATIC_SMEM_SRC, filename="static_smem.cu").get_function("stale_tile")
-    out = emu.zeros((8 * 64,), np.uint32)
+def test_static_shared_memory_is_poisoned_before_each_block(sync_emu, monkeypatch, threads):
+    monkeypatch.setattr(sync_emu._be, "threads", threads)
+    k = sync_emu.compile(STATIC_SMEM_SRC, filename="static_smem.cu").get_function("stale_tile")
+    out = sync_emu.zeros((8 * 64,), np.uint32)
     k((8,), (64,), (out, np.int32(0)))
     got = out.reshape(8, 64)
     assert (got[0] == 1000 + np.arange(63, -1, -1)).all()
@@ -218,24 +216,24 @@ extern "C" __global__ void total(const float* y, float* out, int n) {
 """
 
 
-def test_empty_device_memory_is_poisoned(emu, monkeypatch):
-    mod = emu.compile(READ_UNWRITTEN_SRC, filename="unwritten.cu")
+def test_empty_device_memory_is_poisoned(sync_emu, monkeypatch):
+    mod = sync_emu.compile(READ_UNWRITTEN_SRC, filename="unwritten.cu")
     fill, total = mod.get_function("partial_fill"), mod.get_function("total")
-    out = emu.zeros((1,), np.float32)
-    y = emu.empty((32,), np.float32)
-    assert (y.view(np.uint32) == 0xFFFFFFFF).all() and (emu.empty((3,), np.int32) == -1).all()
+    out = sync_emu.zeros((1,), np.float32)
+    y = sync_emu.empty((32,), np.float32)
+    assert (y.view(np.uint32) == 0xFFFFFFFF).all() and (sync_emu.empty((3,), np.int32) == -1).all()
     fill((1,), (32,), (y, np.int32(31)))          # the kernel forgets one element ...
     total((1,), (32,), (y, out, np.int32(32)))
     assert np.isnan(out[0])                        # ... and the sum shows it
     fill((1,), (32,), (y, np.int32(32)))          # the twin writes all of them
     total((1,), (32,), (y, out, np.int32(32)))
     assert out[0] == 32
-    assert (emu.zeros((5,), np.float32) == 0).all()
+    assert (sync_emu.zeros((5,), np.float32) == 0).all()
     monkeypatch.setenv("DFLASH_CUPY_EMU_POISON", "0")   # the option off: fresh pages read as zero
-    assert (emu.empty((7,), np.float32) == 0).all()
+    assert (sync_emu.empty((7,), np.float32) == 0).all()
     monkeypatch.setenv("DFLASH_CUPY_EMU_POISON", "maybe")
     with pytest.raises(ValueError, match="DFLASH_CUPY_EMU_POISON"):
-        emu.empty((7,), np.float32)
+        sync_emu.empty((7,), np.float32)
 
 
 # ---------------------------------------------------------------- warps
@@ -279,9 +277,9 @@ def test_partial_mask_collectives_follow_ptx(backend, rng):
     np.testing.assert_array_equal(backend.to_numpy(y), expect)
 
 
-def test_mismatched_masks_are_reported(emu):
-    mod = emu.compile(PARTIAL_MASK_SRC, filename="partial_mask.cu")
-    x, y = emu.asarray(np.arange(32, dtype=np.int32)), emu.zeros((32,), np.int32)
+def test_mismatched_masks_are_reported(sync_emu):
+    mod = sync_emu.compile(PARTIAL_MASK_SRC, filename="partial_mask.cu")
+    x, y = sync_emu.asarray(np.arange(32, dtype=np.int32)), sync_emu.zeros((32,), np.int32)
     with pytest.raises(KernelLaunchError, match=r"kernel mismatched: __shfl_xor_sync in warp 0: lane \d+ passes "
                                                 r"mask 0x[0-9a-f]+ but lane \d+ passes 0x[0-9a-f]+"):
         mod.get_function("mismatched")((1,), (32,), (x, y))
@@ -307,14 +305,14 @@ extern "C" __global__ void rotate(const float* x, float* y) {
 
 
 @pytest.mark.parametrize("schedule", ["shuffle", "forward", "reverse"])
-def test_intra_warp_exchange_needs_syncwarp(emu, monkeypatch, schedule):
-    monkeypatch.setattr(emu._be, "schedule", schedule)
+def test_intra_warp_exchange_needs_syncwarp(sync_emu, monkeypatch, schedule):
+    monkeypatch.setattr(sync_emu._be, "schedule", schedule)
     xh = np.arange(64, dtype=np.float32)
     expect = np.concatenate([np.roll(xh[:32], -1), np.roll(xh[32:], -1)])
     for defines, should_pass in ((["-DWITH_SYNCWARP=1"], True), ([], False)):
-        y = emu.zeros((64,), np.float32)
-        emu.compile(WARP_EXCHANGE_SRC, defines, filename="exchange.cu").get_function("rotate")(
-            (1,), (64,), (emu.asarray(xh), y))
+        y = sync_emu.zeros((64,), np.float32)
+        sync_emu.compile(WARP_EXCHANGE_SRC, defines, filename="exchange.cu").get_function("rotate")(
+            (1,), (64,), (sync_emu.asarray(xh), y))
         assert np.array_equal(y, expect) == should_pass, f"{schedule} {defines}: {y}"
         if not should_pass:
             assert np.isnan(y).any()  # the early readers saw poison, not stale data
@@ -332,27 +330,27 @@ extern "C" __global__ void stage(const float* x, const int* wslot, const int* rs
 """
 
 
-def test_lanes_interleave_between_warp_sync_points(emu, monkeypatch):
+def test_lanes_interleave_between_warp_sync_points(sync_emu, monkeypatch):
     # Running each lane alone up to its next warp-level sync point would hide this
     # bug (every lane reads back its own value); under the shuffled schedule lanes
     # hand over to each other at shared-memory accesses, as a real warp may.
-    k = emu.compile(SCRATCH_SRC, filename="scratch.cu").get_function("stage")
+    k = sync_emu.compile(SCRATCH_SRC, filename="scratch.cu").get_function("stage")
     xh = np.arange(32, dtype=np.float32)
 
     def run(slots):
-        y = emu.zeros((32,), np.float32)
-        s = emu.asarray(slots.astype(np.int32))
-        k((1,), (32,), (emu.asarray(xh), s, emu.asarray(slots.astype(np.int32)), y))
+        y = sync_emu.zeros((32,), np.float32)
+        s = sync_emu.asarray(slots.astype(np.int32))
+        k((1,), (32,), (sync_emu.asarray(xh), s, sync_emu.asarray(slots.astype(np.int32)), y))
         return np.array_equal(y, 2 * xh + 1)
 
     # The hand-over point is drawn from the launch's seed: fix the seed sequence (it
     # otherwise depends on how many launches ran before in this process) and give
     # the schedule a few launches to show it.
-    monkeypatch.setattr(emu._be, "seed", 12345)
-    monkeypatch.setattr(emu._be, "_launch_count", 0)
+    monkeypatch.setattr(sync_emu._be, "seed", 12345)
+    monkeypatch.setattr(sync_emu._be, "_launch_count", 0)
     assert run(np.arange(32))
     assert not all(run(np.zeros(32)) for _ in range(6))
-    monkeypatch.setattr(emu._be, "schedule", "forward")  # the documented limit of the fixed orders
+    monkeypatch.setattr(sync_emu._be, "schedule", "forward")  # the documented limit of the fixed orders
     assert run(np.zeros(32))
 
 

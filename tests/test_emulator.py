@@ -165,7 +165,7 @@ extern "C" __global__ void row_sum(const float* x, float* out, int n) {
 
 @pytest.mark.parametrize("rows,n,threads", [(1, 1, 32), (3, 19, 64), (33, 1000, 256), (5, 4096, 1024)])
 def test_shared_memory_block_reduction(backend, rng, rows, n, threads):
-    from tests.tolerances import assert_close
+    from tests.support.tolerances import assert_close
     x = rng.standard_normal((rows, n)).astype(np.float32)
     out = backend.zeros((rows,), np.float32)
     k = backend.compile(REDUCE_SRC, filename="reduce.cu").get_function("row_sum")

@@ -9,7 +9,7 @@ import pytest
 from dflash_cupy import dtypes
 from dflash_cupy.ops.gemm import Gemm, gemm_reference
 from dflash_cupy.ops.sample import TokenSampler
-from tests.test_gemm import host_weights
+from tests.support.gemm import host_weights
 
 
 def _run(backend, xh, wh, N, K, m, logits, wdtype="bf16"):

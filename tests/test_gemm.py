@@ -8,47 +8,11 @@ import numpy as np
 import pytest
 
 from dflash_cupy.ops.gemm import Gemm, gemm_reference
-from tests.tolerances import assert_close
+from tests.support.gemm import host_weights, run
+from tests.support.tolerances import assert_close
 
 WKINDS = ("f32", "f16", "bf16")
 EPILOGUES = ("none", "residual", "silu_mul")
-
-
-def host_weights(rng, rows, K, wkind):
-    """Weights scaled so results are O(1), in their device storage dtype."""
-    w = (rng.standard_normal((rows, K)) / np.sqrt(K)).astype(np.float32)
-    if wkind == "f16":
-        return w.astype(np.float16)
-    if wkind == "bf16":
-        return w.astype(ml_dtypes.bfloat16).view(np.uint16)
-    return w
-
-
-def run(backend, rng, *, N, K, wkind, epilogue, m, max_m=64, x_rows=None, in_place=False, path="auto",
-        x_split=True, k_split=None, config=None, wgmma=None):
-    op = Gemm(backend, N, K, wkind, epilogue=epilogue, max_m=max_m, path=path, x_split=x_split,
-              k_split=k_split, wgmma=wgmma)
-    if config is not None:   # a launch configuration of the stream path (e.g. a wgmma variant)
-        op.use_config(m, config)
-    x_rows = m if x_rows is None else x_rows
-    xh = rng.standard_normal((x_rows, K)).astype(np.float32)
-    wh = host_weights(rng, 2 * N if epilogue == "silu_mul" else N, K, wkind)
-    y0 = np.full((x_rows, N), 7.5, np.float32)   # rows >= m must keep this
-    rh = rng.standard_normal((x_rows, N)).astype(np.float32) if epilogue == "residual" else None
-    x, w = backend.asarray(xh), backend.asarray(wh)
-    if in_place:
-        y = backend.asarray(rh)
-        op(x, w, y, m, residual=y)
-    else:
-        y = backend.asarray(y0)
-        op(x, w, y, m, residual=None if rh is None else backend.asarray(rh))
-    got = backend.to_numpy(y)
-    ref = gemm_reference(xh[:m], wh, epilogue, None if rh is None else rh[:m], x_round=op.x_round)
-    what = f"{op!r} m={m}"
-    assert_close(got[:m], ref, "f32", what)
-    tail = rh[m:] if in_place else y0[m:]
-    np.testing.assert_array_equal(got[m:], tail, err_msg=f"{what}: rows >= m were written")
-    return op
 
 
 @pytest.mark.parametrize("epilogue", EPILOGUES)

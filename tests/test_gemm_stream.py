@@ -11,8 +11,8 @@ import pytest
 
 from dflash_cupy.ops import gemm_stream as gs
 from dflash_cupy.ops.gemm import Gemm, gemm_reference
-from tests.test_gemm import host_weights, run
-from tests.tolerances import assert_close
+from tests.support.gemm import SENTINEL, counters_zero, host_weights, live_rows, run, tile_flags
+from tests.support.tolerances import assert_close
 
 # (name, N, K, weight matrices per output column): q;k;v, o, gate;up, down
 QWEN3_8B = [("qkv", 4096 + 2 * 1024, 4096, 1), ("o", 4096, 4096, 1), ("gate_up", 12288, 4096, 2),
@@ -64,11 +64,11 @@ def test_split_k(backend, rng, k_split, epilogue):
             op = run(backend, rng, N=260, K=840, wkind="bf16", epilogue=epilogue, m=m, max_m=32, x_rows=40,
                      path="stream", k_split=k_split, in_place=in_place and epilogue == "residual")
             assert op._stream.plan(m).ks == k_split
-    _counters_zero(backend, op)
+    counters_zero(backend, op)
     op = run(backend, rng, N=260, K=840, wkind="bf16", epilogue=epilogue, m=40, max_m=32, x_rows=40,
              path="stream", k_split=k_split)
     assert op._stream.plan(40).ks == k_split and op._stream.plan(40).mblocks == 2
-    _counters_zero(backend, op)
+    counters_zero(backend, op)
 
 
 @pytest.mark.parametrize("epilogue", ["none", "silu_mul"])
@@ -182,7 +182,7 @@ def test_xtile_layout_is_conflict_free_and_the_check_can_fail():
 
 def test_ptxas_registers_within_the_table():
     # The residency arithmetic uses PTXAS_REGS; a kernel edit that grows them fails here.
-    from tests.test_nvrtc import nvrtc_check
+    from tests.support.nvrtc_check import nvrtc_check
     src = gs.kernels.source_path("gemm_stream.cu")
     for mt in gs.MT_BUCKETS:
         for epi, nt in ((0, 4), (2, 2)):
@@ -344,24 +344,6 @@ def test_folded_rmsnorm_bad_arguments(backend):
 
 # ---- tiles skipped by a device flag array (tile_live) ----------------------------
 
-def _flags(rng, m, force_dead_block=False):
-    """One flag per 16-row tile: random, with at least one live and one dead tile;
-    ``force_dead_block``: the first 64-row block all dead (the block exits early)."""
-    n = -(-m // 16)
-    f = rng.integers(0, 2, n).astype(np.int32) * rng.integers(1, 5, n).astype(np.int32)  # any nonzero is live
-    f[rng.integers(0, n)] = 0
-    f[rng.integers(0, n)] = 3
-    if force_dead_block and n > 4:
-        f[:4] = 0
-    return f
-
-
-def _live_rows(flags, m):
-    return np.repeat(flags != 0, 16)[:m]
-
-
-SENTINEL = np.float32(7.5)
-
 
 @pytest.mark.parametrize("k_split", [None, 3])
 @pytest.mark.parametrize("epilogue", ["none", "residual", "silu_mul"])
@@ -376,8 +358,8 @@ def test_tile_live_skips_dead_tiles(backend, rng, epilogue, k_split):
     wh = host_weights(rng, nw * N, K, "bf16")
     w = backend.asarray(wh)
     for m in (19, 33, 100, 272):
-        flags = _flags(rng, m, force_dead_block=m == 272)
-        live = _live_rows(flags, m)
+        flags = tile_flags(rng, m, force_dead_block=m == 272)
+        live = live_rows(flags, m)
         xh = rng.standard_normal((m, K)).astype(np.float32)
         xh[~live] = np.nan  # a dead tile's x is never read
         rh = rng.standard_normal((m, N)).astype(np.float32) if epilogue == "residual" else None
@@ -392,7 +374,7 @@ def test_tile_live_skips_dead_tiles(backend, rng, epilogue, k_split):
         assert (got[~live].view(np.uint32) == SENTINEL.view(np.uint32)).all(), (m, flags.tolist())
         if k_split is not None:   # several M blocks split too (m = 272: 5 blocks x 3 slices)
             assert op._stream.plan(m).ks == k_split
-    _counters_zero(backend, op)
+    counters_zero(backend, op)
 
 
 def test_tile_live_in_place_residual_and_padding(backend, rng):
@@ -414,7 +396,7 @@ def test_tile_live_in_place_residual_and_padding(backend, rng):
     xz = xh.copy()
     xz[lo:hi] = 0
     ref = gemm_reference(xz, wh, "residual", rh, x_round=op.x_round)
-    live = _live_rows(flags, m)
+    live = live_rows(flags, m)
     assert_close(got[live], ref[live], "f32", "in place, padded")
     np.testing.assert_array_equal(got[~live], rh[~live])
 
@@ -426,8 +408,8 @@ def test_tile_live_with_folded_rmsnorm(backend, rng, k_split):
     wh = host_weights(rng, N, K, "bf16")
     ln_h = rng.uniform(0.5, 1.5, K).astype(np.float32)
     for m, norm_lo in ((33, 5), (100, 40)):
-        flags = _flags(rng, m)
-        live = _live_rows(flags, m)
+        flags = tile_flags(rng, m)
+        live = live_rows(flags, m)
         xh = rng.standard_normal((m, K)).astype(np.float32)
         xh[~live] = np.nan
         y = backend.asarray(np.full((m, N), SENTINEL, np.float32))
@@ -446,7 +428,7 @@ def test_tile_live_fused_argmax(backend, rng, logits):
     N, K, m = 600, 64, 100
     op = Gemm(backend, N, K, "bf16", "argmax", max_m=64, logits=logits)
     flags = np.array([1, 0, 0, 1, 0, 1, 1], np.int32)   # 7 tiles; rows 96..99 in the last
-    live = _live_rows(flags, m)
+    live = live_rows(flags, m)
     xh = rng.standard_normal((m, K)).astype(np.float32)
     xh[~live] = np.nan
     wh = host_weights(rng, N, K, "bf16")
@@ -492,7 +474,7 @@ def test_tile_live_follows_device_memory_in_a_graph(backend, rng):
         f_host[:] = flags
         g.launch(s)
         s.synchronize()
-        done |= _live_rows(np.array(flags), m)
+        done |= live_rows(np.array(flags), m)
         got = backend.to_numpy(y)
         assert_close(got[done], ref[done], "f32", f"flags={flags}")
         assert (got[~done] == SENTINEL).all(), flags
@@ -598,10 +580,6 @@ def test_large_max_m_on_the_fallback_paths(backend, rng, path, wkind):
 
 # ---- split K with several M blocks: workspace and counters per (column group, M block) ----
 
-def _counters_zero(backend, op):
-    cnt = backend.to_numpy(op._counters)
-    assert cnt.size >= max(op._stream.plan(m).grid[0] for m in (1, op.max_m)) and not cnt.any(), cnt.tolist()
-
 
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("epilogue", ["none", "residual", "silu_mul"])
@@ -622,8 +600,8 @@ def test_split_k_several_m_blocks(backend, rng, epilogue, norm):
     for m, use_flags in ((100, False), (130, False), (272, False), (100, True), (130, True), (272, True)):
         p = op._stream.plan(m)
         assert p.ks == ks and p.mblocks == -(-m // 64) >= 2 and p.grid == (p.groups * p.mblocks, 1, ks)
-        flags = _flags(rng, m, force_dead_block=m == 272) if use_flags else np.ones(-(-m // 16), np.int32)
-        live = _live_rows(flags, m)
+        flags = tile_flags(rng, m, force_dead_block=m == 272) if use_flags else np.ones(-(-m // 16), np.int32)
+        live = live_rows(flags, m)
         xh = rng.standard_normal((m, K)).astype(np.float32)
         norm_lo = m // 3
         if norm:
@@ -638,7 +616,7 @@ def test_split_k_several_m_blocks(backend, rng, epilogue, norm):
             y = backend.asarray(np.full((m, N), SENTINEL, np.float32))
             op(backend.asarray(xh), w, y, m, **kw)
             outs.append(backend.to_numpy(y))
-            _counters_zero(backend, op)
+            counters_zero(backend, op)
         ref = gemm_reference(np.where(live[:, None], xh, 0).astype(np.float32), wh, epilogue, rh,
                              x_round=op.x_round, norm=(ln_h, 1e-6, norm_lo) if norm else None)
         what = f"{op!r} m={m} flags={flags.tolist()}"
@@ -658,7 +636,7 @@ def test_split_k_several_m_blocks_exact_integers(backend, rng):
     y = backend.zeros((m, N), np.float32)
     op(backend.asarray(xh), backend.asarray(wf.astype(ml_dtypes.bfloat16).view(np.uint16)), y, m)
     np.testing.assert_array_equal(backend.to_numpy(y), xh @ wf.T)
-    _counters_zero(backend, op)
+    counters_zero(backend, op)
 
 
 def test_split_k_several_m_blocks_in_a_graph(backend, rng):
@@ -688,7 +666,7 @@ def test_split_k_several_m_blocks_in_a_graph(backend, rng):
         f_host[:] = flags
         g.launch(s)
         s.synchronize()
-        live = _live_rows(np.array(flags), m)
+        live = live_rows(np.array(flags), m)
         done |= live
         got = backend.to_numpy(y)
         assert_close(got[live], ref[live], "f32", f"replay flags={flags}")
@@ -697,7 +675,7 @@ def test_split_k_several_m_blocks_in_a_graph(backend, rng):
         if key in seen:   # the same flags: bit for bit
             assert np.array_equal(seen[key][live].view(np.uint32), got[live].view(np.uint32)), flags
         seen[key] = got
-        _counters_zero(backend, op)
+        counters_zero(backend, op)
 
 
 def test_split_k_plans_for_several_m_blocks():
@@ -742,10 +720,10 @@ def test_split_k_static_counters_per_m_block():
     # profiling.counters counts split K per (column group, M block): partial tiles of the
     # stored rows only, a wholly dead M block leaves before the count (no partials)
     from profiling import counters as ctr
-    from tests.test_perf_model import _arr, _gs_launch
-    L, p = _gs_launch(256, 256, 1024, ks=2)
+    from tests.support.launches import arr, gs_launch
+    L, p = gs_launch(256, 256, 1024, ks=2)
     assert p.grid == (4, 1, 2) and p.mblocks == 4
-    L.args += [None, 0.0, 0, _arr("tl", (16,), np.int32), 1]
+    L.args += [None, 0.0, 0, arr("tl", (16,), np.int32), 1]
     every = ctr.static_counters(L)   # (a forced split: its notes name the difference from plan's)
     ws = next(k for k in every.bytes_written if k.startswith("ws"))
     assert every.bytes_written[ws] == every.bytes_read[ws] == 2 * 256 * 256 * 4

@@ -11,9 +11,8 @@ import pytest
 
 from dflash_cupy import dtypes
 from dflash_cupy.ops.gemm import Gemm, gemm_reference
-from tests.test_gemm import host_weights
-from tests.test_gemm_stream import SENTINEL, _flags
-from tests.tolerances import assert_close
+from tests.support.gemm import SENTINEL, host_weights, qkv_setup, tile_flags
+from tests.support.tolerances import assert_close
 
 N, K = 260, 840
 
@@ -103,7 +102,7 @@ def test_live_split_two_pointers(emu, rng, variant):
     wh = host_weights(rng, N, K, "bf16")
     xa, xb = _x(rng, split), _x(rng, m - split)
     ln, ln_lo = (emu.asarray((1 + 0.5 * rng.standard_normal(K)).astype(np.float32)) for _ in range(2))
-    flags = _flags(rng, m)
+    flags = tile_flags(rng, m)
     one, two = _run(emu, op, (xa, xb), wh, m, split, (ln, split, ln_lo), tile_live=flags)
     np.testing.assert_array_equal(two, one)
     dead = ~np.repeat(flags != 0, 16)[:m]
@@ -115,10 +114,9 @@ def test_qkv_epilogue_two_pointers(emu, rng, variant, ks):
     """GW_EPI 3 (q/k norm + RoPE + K/V scatter) reading [x rows; x2 rows] with ln_lo equals
     the concatenated launch: Q and both caches bit for bit."""
     from dflash_cupy.ops.rope import RopeSpec
-    from tests.test_qkv_fold import _setup
     spec = RopeSpec(128, 3, 1, 1e-6, 1.0)
     Kq, m, split = 520, 150, 37
-    d = _setup(emu, rng, spec, Kq, m, "bf16", 200)
+    d = qkv_setup(emu, rng, spec, Kq, m, "bf16", 200)
     g = Gemm(emu, d["N"], Kq, "bf16", max_m=300, path="stream", norm_eps=1e-6, rope=spec)
     g.use_config(m, (variant, ks))
     ln_lo = emu.asarray(rng.uniform(0.5, 1.5, Kq).astype(np.float32))

@@ -14,18 +14,10 @@ import pytest
 
 from dflash_cupy.ops import gemm_stream as gs
 from dflash_cupy.ops.gemm import Gemm, gemm_reference
-from tests.test_gemm import host_weights, run
-from tests.test_gemm_stream import SENTINEL, _counters_zero, _flags, _live_rows
-from tests.tolerances import assert_close
+from tests.support.gemm import SENTINEL, counters_zero, host_weights, live_rows, no_rope, run, tile_flags
+from tests.support.tolerances import assert_close
 
 MAX_M = 200
-
-
-def _no_rope(sk):
-    """The wgmma kernel's trailing qkv-epilogue arguments (GW_EPI 3 only reads them), as
-    StreamKernels passes them to the other epilogues."""
-    return (sk._ws, sk._ws, sk._no_freq, sk._counters, sk._counters, sk._no_kv, sk._no_kv, np.int32(0),
-            np.float32(0.0), np.float32(1.0))
 
 
 def _one_input(sk, x, m):
@@ -95,7 +87,7 @@ def test_split_k(backend, rng, epilogue):
             op = run(backend, rng, N=N, K=K, wkind="bf16", epilogue=epilogue, m=m, max_m=MAX_M, x_rows=m + 1,
                      path="stream", config=(variant, 3), in_place=in_place and epilogue == "residual")
             assert op._stream.plan(m).ks == 3
-        _counters_zero(backend, op)
+        counters_zero(backend, op)
     op = _gemm(backend, N, K, epilogue)
     op.use_config(130, ("wg128", 4))
     xh = rng.standard_normal((130, K)).astype(np.float32)
@@ -120,10 +112,10 @@ def test_tile_live_and_padding(backend, rng, epilogue, k_split):
     op = _gemm(backend, N, K, epilogue)
     op.use_config(m, ("wg128", k_split or 1))
     wh = host_weights(rng, nw * N, K, "bf16")
-    flags = _flags(rng, m)
+    flags = tile_flags(rng, m)
     flags[:8] = 0                   # block 0 (rows 0..127) all dead
     flags[8] = 1                    # block 1 live, with padding rows [lo, hi) inside it
-    live = _live_rows(flags, m)
+    live = live_rows(flags, m)
     lo, hi = 133, 160
     xh = rng.standard_normal((m, K)).astype(np.float32)
     xh[~live] = np.nan
@@ -138,7 +130,7 @@ def test_tile_live_and_padding(backend, rng, epilogue, k_split):
     ref = gemm_reference(xz, wh, epilogue, rh, x_round=op.x_round)
     assert_close(got[live], ref[live], "f32", f"{op!r} flags={flags.tolist()}")
     assert (got[~live].view(np.uint32) == SENTINEL.view(np.uint32)).all()
-    _counters_zero(backend, op)
+    counters_zero(backend, op)
 
 
 @pytest.mark.parametrize("k_split", [None, 3])
@@ -243,7 +235,7 @@ def test_plan_fills_the_sms_in_whole_waves():
 
 
 def test_ptxas_registers_within_the_table():
-    from tests.test_nvrtc import nvrtc_check
+    from tests.support.nvrtc_check import nvrtc_check
     src = gs.kernels.source_path("gemm_wgmma.cu")
     for bt in (64, 128):
         for epi, norm, split in ((0, 0, 2), (2, 1, 1), (1, 0, 1), (2, 0, 2), (0, 1, 2), (3, 1, 2), (3, 0, 1)):
@@ -281,7 +273,7 @@ def test_emulator_counts_match_the_static_model(emu, rng):
     w = emu.asarray(host_weights(rng, N, K, "bf16"))
     y = emu.zeros((m, N), np.float32)
     args = (x, w, y, y, np.int32(m), np.int32(N), np.int32(p.kz), np.int32(p.kt), sk._ws, sk._counters,
-            sk._counters, np.int32(0), x, np.float32(0), np.int32(m), sk._counters, np.int32(0)) + _no_rope(sk) + _one_input(sk, x, m)
+            sk._counters, np.int32(0), x, np.float32(0), np.int32(m), sk._counters, np.int32(0)) + no_rope(sk) + _one_input(sk, x, m)
     c = count_launch(sk._kernels[p.mt], p.grid, (p.threads, 1, 1), args, p.smem)
     assert c.wgmma_mma == st.wgmma_mma > 0 and c.wgmma_smem_bytes == st.wgmma_smem_bytes
     assert c.barriers == st.barriers
@@ -308,7 +300,7 @@ def test_folded_norm_shared_memory_is_conflict_free(emu, rng, variant, x_split):
     ln = emu.asarray((1.0 + 0.5 * rng.standard_normal(K)).astype(np.float32))
     y = emu.zeros((m, N), np.float32)
     args = (x, w, y, y, np.int32(m), np.int32(N), np.int32(p.kz), np.int32(p.kt), sk._ws, sk._counters,
-            sk._counters, np.int32(0), ln, np.float32(1e-6), np.int32(0), sk._counters, np.int32(0)) + _no_rope(sk) + _one_input(sk, x, m)
+            sk._counters, np.int32(0), ln, np.float32(1e-6), np.int32(0), sk._counters, np.int32(0)) + no_rope(sk) + _one_input(sk, x, m)
     c = count_launch(sk._kernels[p.mt], p.grid, (p.threads, 1, 1), args, p.smem)
     assert c.sld_requests > 0 and c.sld_wavefronts == c.sld_ideal, (c.sld_wavefronts, c.sld_ideal)
     assert c.sst_wavefronts == c.sst_ideal, (c.sst_wavefronts, c.sst_ideal)
@@ -324,7 +316,7 @@ def test_chunks_without_a_computed_tile_issue_no_wgmma(emu, rng):
 
     N, K, m = 256, 256, 150
     flags = np.array([1, 0, 0, 0, 0, 0, 1, 1, 0, 1], np.int32)   # chunks: 0 and 3 of block 0, 0 of block 1
-    live = _live_rows(flags, m)
+    live = live_rows(flags, m)
     rec = RecordingBackend()
     g = Gemm(rec, N, K, "bf16", max_m=MAX_M, path="stream")
     g(rec.empty((m, K), np.float32), rec.empty((N, K), np.uint16), rec.empty((m, N), np.float32), m,
@@ -345,7 +337,7 @@ def test_chunks_without_a_computed_tile_issue_no_wgmma(emu, rng):
     y = emu.asarray(np.full((m, N), SENTINEL, np.float32))
     x, w, fl = emu.asarray(xh), emu.asarray(wh), emu.asarray(flags)
     args = (x, w, y, y, np.int32(m), np.int32(N), np.int32(p.kz), np.int32(p.kt), sk._ws, sk._counters,
-            sk._counters, np.int32(0), x, np.float32(0), np.int32(m), fl, np.int32(1)) + _no_rope(sk) + _one_input(sk, x, m)
+            sk._counters, np.int32(0), x, np.float32(0), np.int32(m), fl, np.int32(1)) + no_rope(sk) + _one_input(sk, x, m)
     c = count_launch(sk._kernels[p.mt], p.grid, (p.threads, 1, 1), args, p.smem)
     assert c.wgmma_mma == st.wgmma_mma
     got = emu.to_numpy(y)
@@ -424,7 +416,7 @@ def test_live_split_equals_the_static_launch_of_its_split(backend, rng, monkeypa
             y = backend.asarray(np.full((m, N), SENTINEL, np.float32))
             live_op(x, w, y, m, residual=r, norm=norm_arg, tile_live=fl)
             outs.append(backend.to_numpy(y))
-            _counters_zero(backend, live_op)
+            counters_zero(backend, live_op)
         np.testing.assert_array_equal(outs[0], outs[1], err_msg="repeat")
         stat_op.use_config(m, (variant, ks))
         ys = backend.asarray(np.full((m, N), SENTINEL, np.float32))
@@ -433,7 +425,7 @@ def test_live_split_equals_the_static_launch_of_its_split(backend, rng, monkeypa
         ctx = np.repeat(flags == 2, 16)[:m]
         want[np.ix_(ctx, np.arange(N) < qg * cols)] = SENTINEL      # the skipped Q columns
         np.testing.assert_array_equal(outs[0], want, err_msg=f"flags={flags.tolist()} ks={ks}")
-        live = _live_rows(flags, m)
+        live = live_rows(flags, m)
         ref = gemm_reference(xh, wh, epilogue, rh, x_round=live_op.x_round,
                              norm=(ln_h, 1e-6, 5) if norm else None)
         assert_close(outs[0][live][:, qg * cols:], ref[live][:, qg * cols:], "f32", f"flags={flags.tolist()}")
@@ -481,7 +473,7 @@ def test_live_split_counts_match_the_static_model(emu, rng, monkeypatch):
     assert tuple(L.grid) == (4, 1, 1)               # one block per SM of the 4
     args = (x, w, y, y, np.int32(m), np.int32(N), np.int32(L.args[6]), np.int32(L.args[7]), sk._ws,
             sk._counters, sk._counters, np.int32(0), x, np.float32(0), np.int32(m), emu.asarray(flags), np.int32(1)) \
-        + _no_rope(sk) + _one_input(sk, x, m)
+        + no_rope(sk) + _one_input(sk, x, m)
     c = count_launch(sk._kernels["wg128"], L.grid, (256, 1, 1), args, L.shared_mem)
     assert c.wgmma_mma == st.wgmma_mma > 0 and c.barriers == st.barriers
     assert st.live_blocks == 5          # 5 working tiles, unsplit: 2 waves of 4 beat 3 waves of 4 split

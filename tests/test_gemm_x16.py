@@ -15,9 +15,8 @@ import pytest
 
 from dflash_cupy.ops import gemm_stream as gs
 from dflash_cupy.ops.gemm import Gemm, gemm_reference
-from tests.test_gemm import host_weights
-from tests.test_gemm_stream import SENTINEL, _live_rows
-from tests.tolerances import assert_close
+from tests.support.gemm import SENTINEL, host_weights, live_rows, no_rope
+from tests.support.tolerances import assert_close
 
 MAX_M = 160
 N, K = 200, 456          # a partial column group; K = 7 x 64 + 8
@@ -107,7 +106,7 @@ def test_dead_tiles_and_padding_rows(emu, rng, norm):
     finite where stored, dead rows keep the sentinel)."""
     m = 100
     flags = np.array([1, 0, 1, 1, 0, 0, 1], np.int32)
-    live = _live_rows(flags, m)
+    live = live_rows(flags, m)
     pad_lo, pad_hi = 70, 90
     f32_op, x16_op = _pair(emu, "bf16", "residual", norm)
     w = emu.asarray(host_weights(rng, N, K, "bf16"))
@@ -190,8 +189,7 @@ def test_static_counters_follow_the_element_size(emu, rng, cfg, norm):
     args = (x, w, y, y, np.int32(m), np.int32(N), np.int32(p.kz), np.int32(p.kt), sk._ws, sk._counters,
             sk._counters, np.int32(0), ln, np.float32(1e-6), np.int32(0 if norm else m), sk._counters, np.int32(0))
     if isinstance(p.mt, str):   # the wgmma kernel's qkv-epilogue arguments (missing here since that merge)
-        from tests.test_gemm_wgmma import _no_rope
-        args += _no_rope(sk)
+        args += no_rope(sk)
     args += (x, np.int32(m), ln, np.int32(0))   # one input, no ln_lo
     c = count_launch(sk._kernels[p.mt], p.grid, (p.threads, 1, 1), args, p.smem)
     xc = c.arrays["x"]
@@ -219,7 +217,7 @@ def test_static_counters_follow_the_element_size(emu, rng, cfg, norm):
 def test_ptxas_registers_within_the_tables():
     """The x16 variants fit the residency arithmetic's register tables (PTXAS_REGS,
     WG_PTXAS_REGS), with no spills and (wgmma) no serialised wgmma (nvrtc_check fails on C7515)."""
-    from tests.test_nvrtc import nvrtc_check
+    from tests.support.nvrtc_check import nvrtc_check
     for fname, arch, key in (("gemm_stream.cu", "sm_90", "gemm_stream"), ("gemm_wgmma.cu", "sm_90a", "gemm_wgmma")):
         src = gs.kernels.source_path(fname)
         for epi, norm in ((0, 0), (1, 0), (2, 0), (2, 1), (0, 1)):

@@ -82,13 +82,8 @@ extern "C" __global__ void static_49k(float* y) {
 
 
 @pytest.fixture(scope="module")
-def emu():
-    return backends.get("emulated")
-
-
-@pytest.fixture(scope="module")
-def mod(emu):
-    return emu.compile(SRC, (), filename="launch_limits_probe.cu")
+def mod():
+    return backends.get("emulated").compile(SRC, (), filename="launch_limits_probe.cu")
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +290,7 @@ def test_without_nvrtc_the_emulator_warns_and_checks_configuration(monkeypatch):
 def test_product_kernels_fit_their_launch_bounds_and_registers():
     """Every product kernel's launch bound is a block the register file can hold
     (what the launchers' own launches are checked against in every kernel test)."""
-    from tests.test_nvrtc import option_sets
+    from tests.support.nvrtc_check import option_sets
     from dflash_cupy import kernels
     for f in sorted(kernels.CUDA_SRC.glob("*.cu")):
         src = f.read_text()

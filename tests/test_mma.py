@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dflash_cupy.kernels import CUDA_SRC
-from tests.tolerances import assert_close
+from tests.support.tolerances import assert_close
 
 WRAPPER_SRC = r"""
 #include "mma.cuh"

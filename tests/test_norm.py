@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dflash_cupy.ops.norm import RmsNorm, rmsnorm_reference
-from tests.tolerances import assert_close
+from tests.support.tolerances import assert_close
 
 
 def run(backend, rng, D, xh, wh, *, eps=1e-6, rows=None, in_place=False):

@@ -17,62 +17,13 @@ must: ptxas rejects wgmma for plain sm_90), for that target only.
 """
 from __future__ import annotations
 
-import re
-import shlex
 from pathlib import Path
 
 import pytest
 
 from dflash_cupy import kernels
-from dflash_cupy.backends import nvrtc_info
-from dflash_cupy.backends.nvrtc_info import CUPY_IMPLIED_FLAGS, parse_ptxas  # noqa: F401 (re-exported)
-
-ARCHS = ("sm_80", "sm_90")
-_CHECK_RE = re.compile(r"^\s*//\s*nvrtc-check:(.*)$", re.M)
-# ptxas reports wgmma serialization (C7515: every wgmma waits for the previous one, losing the
-# asynchrony the kernel is built on) as "info", not as a warning: caught as one.
-_WARNING_RE = re.compile(r"\bwarning\b", re.I)
-_SERIALIZED_RE = re.compile(r"Potential Performance Loss", re.I)
-_SPILL_RE = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
-
-
-class NvrtcCheckFailed(AssertionError):
-    pass
-
-
-def archs_for(source: str) -> tuple[str, ...]:
-    """The targets a source is checked for: its ``// nvrtc-arch:`` line, else ``ARCHS``."""
-    arch = nvrtc_info.declared_arch(source)
-    return (arch,) if arch else ARCHS
-
-
-def option_sets(source: str) -> list[tuple[str, ...]]:
-    """The default option set () plus one per ``// nvrtc-check:`` line."""
-    sets: list[tuple[str, ...]] = [()]
-    for m in _CHECK_RE.finditer(source):
-        opts = tuple(shlex.split(m.group(1)))
-        if opts and opts not in sets:
-            sets.append(opts)
-    return sets
-
-
-def nvrtc_check(source: str, filename: str, arch: str, options=(), serialized_ok: bool = False) -> dict[str, dict[str, int]]:
-    """Compile with NVRTC (``nvrtc_info.compile_info``: the CUDA backend's flags); raise
-    ``NvrtcCheckFailed`` (naming ``filename``) on an error, a warning, a spill or (unless
-    ``serialized_ok``: a test kernel that reads accumulators early on purpose) wgmma
-    serialization. Returns ``parse_ptxas`` of the log."""
-    where = f"{filename} [{arch} {' '.join(options)}]"
-    try:
-        info = nvrtc_info.compile_info(source, filename, (*kernels.compile_options(), *options), arch)
-    except nvrtc_info.NvrtcCompileError as e:
-        raise NvrtcCheckFailed(f"{where}: {e}") from None
-    log = info.log
-    if _WARNING_RE.search(log) or (not serialized_ok and _SERIALIZED_RE.search(log)):
-        raise NvrtcCheckFailed(f"{where}: compiler warnings:\n{log}")
-    for m in _SPILL_RE.finditer(log):
-        if int(m.group(1)) or int(m.group(2)):
-            raise NvrtcCheckFailed(f"{where}: register spills:\n{log}")
-    return parse_ptxas(log)
+from dflash_cupy.backends.nvrtc_info import parse_ptxas
+from tests.support.nvrtc_check import ARCHS, SERIALIZED_RE, NvrtcCheckFailed, archs_for, nvrtc_check, option_sets
 
 
 def _cases():
@@ -144,8 +95,8 @@ def test_checker_treats_wgmma_serialization_as_a_warning():
     log = ("ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized "
            "due to non wgmma instructions defining accumulator registers of a wgmma between start and end "
            "of the pipeline stage in the function 'k'\n")
-    assert _SERIALIZED_RE.search(log)
-    assert not _SERIALIZED_RE.search("ptxas info    : Used 204 registers, used 1 barriers\n")
+    assert SERIALIZED_RE.search(log)
+    assert not SERIALIZED_RE.search("ptxas info    : Used 204 registers, used 1 barriers\n")
 
 
 def test_checker_detects_spills_in_ptxas_log():

@@ -15,10 +15,9 @@ from dflash_cupy import DraftKvBatch, DraftKvCache, backends, kernels
 from dflash_cupy.backends import cuda_launch_ex, emu_pdl
 from dflash_cupy.backends.base import programmatic_launches, resolve_pdl
 from dflash_cupy.backends.emulated import EmulatedBackend
-from tests.test_kv_batch import make, play
-from tests.test_kv_cache import Driver, built
+from tests.support.drafters import Driver, built
+from tests.support.lanes import IDLE, make, play
 
-IDLE = None
 
 # writer: A; the rest: candidate B's launched with pdl=True right after it
 _SRC = r'''

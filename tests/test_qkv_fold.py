@@ -6,44 +6,16 @@ rounding, x16, the folded input norm, padding rows, ring rows out of range, larg
 and a lane batch's tile_live (dead rows, context rows without Q) with the per-launch K split.
 Also: where the fold does not apply (a gemm_stream.cu launch, heads straddling column
 groups) the call refuses ``rope`` and the step issuer runs the separate kernel."""
-import ml_dtypes
 import numpy as np
 import pytest
 
 from dflash_cupy.ops import gemm_stream as gs
 from dflash_cupy.ops.gemm import Gemm
 from dflash_cupy.ops.rope import QkvNormRope, RopeSpec
-from tests.test_gemm import host_weights
-from tests.test_rope import plain_table
+from tests.support.gemm import host_weights, qkv_setup
+from tests.support.rope import plain_table
 
 MAX_M = 300
-
-
-def _setup(be, rng, spec, K, m, wkind, kv_rows, x16=False):
-    N = spec.q_width + 2 * spec.kv_width
-    xh = rng.standard_normal((m, K)).astype(np.float32)
-    if x16:   # x stored in the weight type: the values a single-rounding GEMM reads
-        xh = xh.astype(ml_dtypes.bfloat16 if wkind == "bf16" else np.float16)
-        xd = be.asarray(xh.view(np.uint16) if wkind == "bf16" else xh)
-    else:
-        xd = be.asarray(xh)
-    wh = host_weights(rng, N, K, wkind)
-    # positions up to past 2^30 (the angle reduction), rows: a ring's slots in a scrambled
-    # order (wrapped), a few out of [0, kv_rows) that must be skipped
-    pos = rng.integers(0, 2**31 - 200, m).astype(np.int32)
-    pos[:4] = [0, 1, 2**20, 2**20 + 12345]
-    rows = rng.permutation(kv_rows)[:m].astype(np.int32) if m <= kv_rows else \
-        rng.integers(0, kv_rows, m).astype(np.int32)
-    rows[5] = -1
-    rows[6] = kv_rows
-    d = dict(x=xd, w=be.asarray(wh), pos=be.asarray(pos), rows=be.asarray(rows),
-             qn=be.asarray(rng.uniform(0.5, 1.5, spec.head_dim).astype(np.float32)),
-             kn=be.asarray(rng.uniform(0.5, 1.5, spec.head_dim).astype(np.float32)),
-             freq=be.asarray(plain_table(spec.head_dim)),
-             ln=be.asarray(rng.uniform(0.5, 1.5, K).astype(np.float32)),
-             k0=rng.standard_normal((kv_rows, spec.kv_width)).astype(np.float16),
-             v0=rng.standard_normal((kv_rows, spec.kv_width)).astype(np.float16), N=N)
-    return d
 
 
 def _both(be, spec, d, m, g_plain, g_fused, gemm_kw, tile_live=None):
@@ -84,7 +56,7 @@ SPECS = [RopeSpec(128, 3, 1, 1e-6, 1.0), RopeSpec(64, 5, 1, 1e-5, 1.25)]
 def test_fused_equals_gemm_then_rope(emu, rng, spec, variant, ks):
     """Bit for bit, bf16 weights, hi + lo and one rounding, folded input norm or not."""
     K, m, kv_rows = 520, 150, 200
-    d = _setup(emu, rng, spec, K, m, "bf16", kv_rows)
+    d = qkv_setup(emu, rng, spec, K, m, "bf16", kv_rows)
     for x_split in (True, False):
         for norm in (False, True):
             kw = dict(max_m=MAX_M, path="stream", x_split=x_split, norm_eps=1e-6 if norm else None)
@@ -108,7 +80,7 @@ def test_fused_f16_x16_and_padding_rows(emu, rng):
     rotated zero."""
     spec = SPECS[0]
     K, m, kv_rows = 520, 70, 120
-    d = _setup(emu, rng, spec, K, m, "f16", kv_rows, x16=True)
+    d = qkv_setup(emu, rng, spec, K, m, "f16", kv_rows, x16=True)
     plo, phi = 20, 40
     pad = (emu.asarray(np.array([plo], np.int32)), phi)
     keep = np.r_[0:plo, phi:m]
@@ -138,7 +110,7 @@ def test_lane_batch_tile_live(emu, rng, spec):
     (idle lanes: nothing written) and 2 (context rows: K and V, no Q), the Q column groups
     skipped for them: the fused launch writes exactly what GEMM + qkv_norm_rope(tile_live) do."""
     K, m, kv_rows = 520, 290, 400
-    d = _setup(emu, rng, spec, K, m, "bf16", kv_rows)
+    d = qkv_setup(emu, rng, spec, K, m, "bf16", kv_rows)
     kw = dict(max_m=MAX_M, path="stream", x_split=False, norm_eps=1e-6, live_split=True,
               skip_cols=spec.q_width)
     g_plain = Gemm(emu, d["N"], K, "bf16", **kw)
@@ -287,10 +259,10 @@ def test_cache_steps_fused_equal_unfused_and_the_oracle(monkeypatch):
     positions past 2^20: hidden states and every layer's K/V ring bit for bit, and each step
     against the float64 oracle (tests/test_kv_cache.Driver)."""
     from dflash_cupy import backends
-    from tests.test_kv_cache import BF16, SPECS, Driver, Spec, _cfg
+    from tests.support.drafters import BF16, SPECS, Driver, Spec, small_config
 
     monkeypatch.setitem(SPECS, "Q", Spec(
-        _cfg(n_layer=2, hidden_size=64, n_head=4, n_head_kv=2, head_dim=32, intermediate_size=48,
+        small_config(n_layer=2, hidden_size=64, n_head=4, n_head_kv=2, head_dim=32, intermediate_size=48,
              block_size=16, target_layer_ids=(0, 2), layer_sliding=(False, True), sliding_window=20),
         BF16, capacity=40, ring_capacity=48, ring_dtype=BF16))
     be = backends.get("emulated")

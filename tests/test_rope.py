@@ -4,14 +4,11 @@ import numpy as np
 import pytest
 
 from dflash_cupy.ops.rope import QkvNormRope, qkv_norm_rope_reference
-from tests.tolerances import assert_close
+from tests.support.rope import plain_table
+from tests.support.tolerances import assert_close
 
 LARGE_POS = [0, 1, 2, 4095, 2**20 - 1, 2**20, 2**20 + 12345, 2**24 + 1, 2**27 + 3, 2**30 + 7,
              2**31 - 100]
-
-
-def plain_table(d, theta=1e6):
-    return theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
 
 
 def assert_f16_rounding(got16, ref_mag, what):

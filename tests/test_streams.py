@@ -9,8 +9,8 @@ from dflash_cupy import reference
 from dflash_cupy.backends import CaptureError, StreamOrderError
 from dflash_cupy.feature_ring import FeatureRing
 from dflash_cupy.kv_cache import DraftKvCache
-from tests.test_kv_cache import SPECS, built
-from tests.tolerances import assert_close
+from tests.support.drafters import SPECS, built
+from tests.support.tolerances import assert_close
 
 SRC = r"""
 extern "C" __global__ void fill(float* y, float v, int n) {

@@ -8,18 +8,12 @@ import json
 import numpy as np
 import pytest
 
-from dflash_cupy import backends, tuning
+from dflash_cupy import tuning
 from dflash_cupy.kv_cache import DraftKvCache
 from dflash_cupy.ops.gemm import Gemm, gemm_reference
-from dflash_cupy.weights import DraftWeights
-from tests.test_gemm import host_weights
-from tests.test_kv_cache import SPECS, built
-from tests.tolerances import assert_close
-
-
-@pytest.fixture
-def emu():
-    return backends.get("emulated")
+from tests.support.drafters import built
+from tests.support.gemm import host_weights
+from tests.support.tolerances import assert_close
 
 
 @pytest.fixture(autouse=True)
@@ -183,7 +177,7 @@ def test_cache_tunes_its_call_sites_and_still_matches(emu, monkeypatch):
     another): each site runs its choice, and every step of a schedule with
     growth, a bulk jump, a rewind and a reset still matches the oracle (the
     Driver checks each step)."""
-    from tests.test_kv_cache import Driver
+    from tests.support.drafters import Driver
 
     def last_wins(backend):
         n = []

@@ -23,8 +23,8 @@ from dflash_cupy import kernels
 from dflash_cupy.backends import KernelLaunchError
 from dflash_cupy.backends.emu_counters import count_launch
 from dflash_cupy.kernels import CUDA_SRC
-from tests.test_nvrtc import archs_for, nvrtc_check, option_sets
-from tests.tolerances import assert_close
+from tests.support.nvrtc_check import archs_for, nvrtc_check, option_sets
+from tests.support.tolerances import assert_close
 
 MICRO = Path(__file__).resolve().parent / "cuda" / "wgmma_micro.cu"
 KSTEPS = 2

@@ -20,7 +20,7 @@ capture, also
    element; every comparison is tallied in ``stats`` (bit-identical or not,
    worst error) for the end-of-run report.
 
-On a GPU the reference is the CuPy backend (``tests/differential.py`` turns
+On a GPU the reference is the CuPy backend (``tests/support/differential_mode.py`` turns
 it on for the test suite: ``DFLASH_CUPY_DIFFERENTIAL=1``); on the CPU a second
 emulator with another fiber schedule exercises the same machinery.
 Launches recorded during capture and graph replays are not compared.

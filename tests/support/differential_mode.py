@@ -1,4 +1,4 @@
-"""Differential test mode (pytest hooks, imported by ``conftest.py``).
+"""Differential test mode (pytest hooks, imported by ``tests/conftest.py``).
 
 ``DFLASH_CUPY_DIFFERENTIAL=1 pytest ... -k emulated`` (or ``--differential``)
 replaces the process-wide emulated backend by a ``DifferentialBackend`` whose
@@ -40,6 +40,9 @@ def pytest_configure(config):
     m = mode(config)
     if m is None:
         return
+    if not hasattr(config, "workerinput") and config.getoption("numprocesses", None) not in (None, 0):
+        # each worker would hold its own backend and tally, and none would reach the summary
+        raise pytest.UsageError(f"{ENV_VAR}: the differential runs in one process; add -n 0")
     from dflash_cupy.backends.differential import DifferentialBackend
     if m == "emulated":  # the machinery on the CPU: a second emulator, reverse schedule, as reference
         from dflash_cupy.backends.emulated import EmulatedBackend

@@ -3,8 +3,8 @@
 Run as a script (tests/test_cuda_backend_logic.py runs it in a subprocess, since it
 monkeypatches CuPy for the whole process); prints "harness OK" when every check passed."""
 import gc, ctypes, sys, pathlib
-# This checkout's package, not whichever dflash_cupy is installed (sys.path[0] is tests/).
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+# This checkout's package, not whichever dflash_cupy is installed (sys.path[0] is tests/support/).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 import numpy as np, pytest, cupy
 from cupy.cuda import runtime as R, driver as D
 import dflash_cupy.backends.cuda as C

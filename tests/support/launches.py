@@ -1,0 +1,24 @@
+"""Recorded launches for the cost-model tests (``profiling.launch_plan``): array
+references by shape and dtype, and a gemm_stream launch as ``StreamKernels``
+plans it."""
+import numpy as np
+
+from profiling.launch_plan import ArrayRef, Launch
+
+
+def arr(name, shape, dtype):
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return ArrayRef(name, tuple(shape), np.dtype(dtype).name, n, 0)
+
+
+def gs_launch(M, N, K, epi=0, split=2, ks=None):
+    """A gemm_stream launch as ``StreamKernels`` makes it (the launcher's ``plan``)."""
+    from dflash_cupy.ops import gemm_stream as gs
+    nw = 2 if epi == 2 else 1
+    p = gs.plan(N, K, M, nw, split, ks=ks)
+    d = dict(GS_WTYPE=2, GS_EPI=epi, GS_K=K, GS_MT=p.mt, GS_NT=4 // nw, GS_WARPS=8, GS_SPLIT=split,
+             GS_DEPTH=gs.DEPTH[p.mt])
+    args = [arr("x", (M, K), np.float32), arr("w", (nw * N, K), np.uint16), arr("y", (M, N), np.float32),
+            arr("y", (M, N), np.float32), M, N, p.kz, p.kt, arr("ws", (1,), np.float32),
+            arr("cnt", (1,), np.int32), arr("cnt", (1,), np.int32), 0]
+    return Launch("gemm_stream", "gemm_stream.cu", d, p.grid, (256, 1, 1), p.smem, args), p
