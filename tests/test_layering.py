@@ -10,9 +10,19 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "dflash_cupy"
 
-# The product: what a pipeline runs. It may not import the oracle.
-PRODUCT = ("dflash_cupy.kv_cache", "dflash_cupy.feature_ring", "dflash_cupy.weights",
-           "dflash_cupy.device_weights", "dflash_cupy.ops", "dflash_cupy.backends")
+# The product: what a pipeline runs (modules, or packages with everything in them).
+# It may not import the oracle or the demos.
+PRODUCT = ("dflash_cupy.backends", "dflash_cupy.checks", "dflash_cupy.config", "dflash_cupy.device_props",
+           "dflash_cupy.device_weights", "dflash_cupy.dtypes", "dflash_cupy.feature_ring",
+           "dflash_cupy.geometry", "dflash_cupy.interop", "dflash_cupy.kernels", "dflash_cupy.kv_batch",
+           "dflash_cupy.kv_cache", "dflash_cupy.nvtx_ranges", "dflash_cupy.ops", "dflash_cupy.rope_params",
+           "dflash_cupy.source_dir", "dflash_cupy.step_issuer", "dflash_cupy.tolerances", "dflash_cupy.tuning",
+           "dflash_cupy.weights")
+# Not the product: the float64 oracle, the demos and the command line that runs them;
+# the package's __init__ only re-exports.
+NOT_PRODUCT = ("dflash_cupy", "dflash_cupy.__main__", "dflash_cupy.demo", "dflash_cupy.lanes_demo",
+               "dflash_cupy.reference", "dflash_cupy.spec_demo")
+DEMOS = ("dflash_cupy.__main__", "dflash_cupy.demo", "dflash_cupy.lanes_demo", "dflash_cupy.spec_demo")
 # layer -> modules (prefixes) it may not import
 FORBIDDEN = {
     "dflash_cupy.ops": ("dflash_cupy.kv_cache", "dflash_cupy.feature_ring", "dflash_cupy.weights",
@@ -21,6 +31,8 @@ FORBIDDEN = {
     "dflash_cupy.backends": ("dflash_cupy.ops", "dflash_cupy.kv_cache", "dflash_cupy.feature_ring",
                              "dflash_cupy.weights", "dflash_cupy.demo", "profiling"),
     "dflash_cupy.kv_cache": ("dflash_cupy.demo", "profiling"),
+    "dflash_cupy.kv_batch": ("dflash_cupy.demo", "profiling"),
+    "dflash_cupy.step_issuer": ("dflash_cupy.kv_cache", "dflash_cupy.kv_batch", "dflash_cupy.demo", "profiling"),
     "dflash_cupy": ("profiling",),
 }
 
@@ -97,6 +109,26 @@ def test_no_import_from_a_higher_layer(layer):
         for d in deps:
             if any(d == f or d.startswith(f + ".") for f in FORBIDDEN[layer]):
                 bad.append(f"{name} imports {d}")
+    assert not bad, bad
+
+
+def in_product(name: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in PRODUCT)
+
+
+def test_every_module_is_product_or_named_otherwise():
+    """A new module must be placed: in the product (and so under its rules) or named
+    as one of the oracle, the demos or the package's re-exports."""
+    assert not set(PRODUCT) & set(NOT_PRODUCT)
+    unplaced = sorted(n for n in GRAPH if not in_product(n) and n not in NOT_PRODUCT)
+    assert not unplaced, unplaced
+    assert all(n in GRAPH for n in NOT_PRODUCT) and all(
+        any(n == p or n.startswith(p + ".") for n in GRAPH) for p in PRODUCT)   # no stale names
+
+
+def test_the_product_never_imports_the_demos():
+    bad = [f"{n} imports {d}" for n, deps in GRAPH.items() if in_product(n)
+           for d in deps if d in DEMOS]
     assert not bad, bad
 
 
