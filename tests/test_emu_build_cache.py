@@ -1,0 +1,102 @@
+"""The emulator's build cache (``backends/emu_build.py``) shared by concurrent
+processes (pytest-xdist workers): the same variant requested by two processes at
+once is compiled once, both get the finished module, and it runs; the
+precompiled emulator header is the one g++ really reads."""
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dflash_cupy.backends import emu_build
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SRC = r"""
+extern "C" __global__ void add_one(float* x, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += 1.0f;
+}
+"""
+
+# One process: wait for the go file, build the module, load it on the emulated
+# backend, launch it, print the module's path and the result's sum.
+CHILD = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    import numpy as np
+    go = Path(sys.argv[1])
+    while not go.exists():
+        time.sleep(0.01)
+    from dflash_cupy import backends
+    from dflash_cupy.backends import emu_build
+    src = open(sys.argv[2]).read()
+    so, _ = emu_build.build(src, ("-DTWO_PROCESSES=1",), "two_processes.cu")
+    be = backends.get("emulated")
+    k = be.compile(src, ("-DTWO_PROCESSES=1",), filename="two_processes.cu").get_function("add_one")
+    x = be.asarray(np.arange(100, dtype=np.float32))
+    k((1,), (128,), (x, np.int32(100)))
+    print(so, float(be.to_numpy(x).sum()))
+""")
+
+# g++ that records each compile it is asked for, and takes its time (so that the
+# second process asks while the first is still compiling).
+CXX_WRAPPER = """#!/bin/sh
+echo "$@" >> "{log}"
+sleep 1
+exec g++ "$@"
+"""
+
+
+def test_two_processes_building_the_same_variant_compile_it_once(tmp_path):
+    cache, log, go = tmp_path / "cache", tmp_path / "gxx.log", tmp_path / "go"
+    wrapper = tmp_path / "gxx"
+    wrapper.write_text(CXX_WRAPPER.format(log=log))
+    wrapper.chmod(0o755)
+    (tmp_path / "src.cu").write_text(SRC)
+    (tmp_path / "child.py").write_text(CHILD)
+    env = {**os.environ, "DFLASH_CUPY_EMU_CACHE": str(cache), "DFLASH_CUPY_CXX": str(wrapper),
+           "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "child.py"), str(go), str(tmp_path / "src.cu")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+             for _ in range(2)]
+    time.sleep(0.5)   # both are waiting on the go file (imports done or nearly)
+    go.write_text("go")
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    results = [out.split() for out, _ in outs]
+    assert results[0] == results[1], results                       # the same module, the same result
+    so, total = Path(results[0][0]), float(results[0][1])
+    assert total == float(np.arange(100).sum() + 100)
+    assert so.is_file() and so.parent.parent == cache
+    compiles = log.read_text().splitlines()
+    modules = [c for c in compiles if "c++-header" not in c]
+    headers = [c for c in compiles if "c++-header" in c]
+    assert len(modules) == 1, compiles          # the second process waited for the first one's build
+    assert len(headers) == 1, compiles          # the precompiled header too
+    # nothing half-built or temporary is left beside the finished entries
+    left = sorted(p.name for p in cache.iterdir() if p.name not in (".locks", "pch", "nvrtc"))
+    assert left == [so.parent.name], left
+    assert [p.name for p in (cache / "pch").iterdir() if "." in p.name] == []
+
+
+def test_the_precompiled_header_is_used(tmp_path, monkeypatch):
+    """g++ -H marks a precompiled header it reads with '!' (and one it rejects with 'x'):
+    a module's build must read the .gch, not parse cuda_emu.h again."""
+    monkeypatch.setenv("DFLASH_CUPY_EMU_CACHE", str(tmp_path))
+    flags = emu_build._flags()
+    pch = emu_build.precompiled_header(flags)
+    assert (pch / (emu_build.PCH_HEADER + ".gch")).is_file()
+    (tmp_path / "k.cu").write_text(SRC)
+    tu = tmp_path / "tu.cpp"
+    tu.write_text(emu_build.generate_tu(tmp_path / "k.cu", emu_build.parse_kernels(SRC), {}))
+    r = subprocess.run([emu_build.CXX, *flags, "-Winvalid-pch", "-H", f"-I{pch}", f"-I{emu_build.EMU_DIR}",
+                        f"-I{emu_build.EMU_DIR / 'include'}", str(tu), "-o", str(tmp_path / "m.so")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"! {pch / emu_build.PCH_HEADER}.gch" in r.stderr, r.stderr[:2000]
+    assert "cuda_emu.h" not in r.stderr.split(".gch", 1)[1][:2000]   # not parsed as text after it
