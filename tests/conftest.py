@@ -11,6 +11,11 @@ import pytest
 # quietly weaken them: memory checks compiled in, empty() poisoned.
 os.environ["DFLASH_CUPY_EMU_CHECKS"] = "1"
 os.environ["DFLASH_CUPY_EMU_POISON"] = "1"
+# Modules build at their first launch (the emulated backend's lazy mode): the many
+# variants a cache or a Gemm compiles but a test never launches cost no g++ or NVRTC
+# run. Tests of what compile() itself rejects are marked eager_build;
+# DFLASH_CUPY_EMU_LAZY=0 builds every compiled variant, as a program does by default.
+os.environ.setdefault("DFLASH_CUPY_EMU_LAZY", "1")
 
 from hypothesis import settings
 
@@ -78,6 +83,17 @@ def rng(request):
     # Seeded from the test's name, so each test draws the same data on every run.
     import zlib
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(autouse=True)
+def _eager_build(request, monkeypatch):
+    """``@pytest.mark.eager_build``: this test's emulated compiles build at once (it
+    checks what compile() rejects)."""
+    if request.node.get_closest_marker("eager_build") is not None:
+        monkeypatch.setenv("DFLASH_CUPY_EMU_LAZY", "0")
+        be = backends._instances.get("emulated")
+        if be is not None and hasattr(be, "lazy"):
+            monkeypatch.setattr(be, "lazy", False)
 
 
 @pytest.fixture(autouse=True)

@@ -300,6 +300,7 @@ def test_scalar_arguments_must_have_the_exact_c_type(backend):
         k((1,), (32,), (x, np.int64(3)))
 
 
+@pytest.mark.eager_build
 def test_compile_error_points_at_cu_line(backend, tmp_path):
     src = "extern \"C\" __global__ void k(float* x) {\n    x[0] = 1.0f;\n    this_is_not_defined(x);\n}\n"
     path = str(tmp_path / "broken_kernel.cu")
@@ -307,6 +308,7 @@ def test_compile_error_points_at_cu_line(backend, tmp_path):
         backend.compile(src, filename=path)
 
 
+@pytest.mark.eager_build
 def test_emulator_rejects_what_nvrtc_rejects(emu):
     for bad in ("#include <cstdint>\n", "", "#include <cuda_fp16.h>\n"):
         body = bad + 'extern "C" __global__ void k(float* x) { uint32_t u = 1; x[0] = (float)u; }\n'
@@ -389,6 +391,7 @@ def test_schedules_agree_on_correct_kernels(emu, rng, monkeypatch):
     assert all(np.array_equal(results[0], r) for r in results[1:])
 
 
+@pytest.mark.eager_build
 def test_header_survives_short_size_macros(emu):
     # Kernels take sizes as -D macros (-DD=128, -DB=16 ...); the emulation header,
     # included first, must not use any such name itself.

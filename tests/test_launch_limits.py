@@ -170,6 +170,7 @@ def test_registers_times_threads_enforced(emu, mod, res):
 
 
 # ---------------------------------------------------------------- rule: static shared memory
+@pytest.mark.eager_build
 def test_static_shared_over_48k_fails_to_compile(emu, mod):
     with pytest.raises(BackendError, match=r"(?s)static_49k.*too much shared data"):
         emu.compile(SRC_49K, (), filename="static49.cu")

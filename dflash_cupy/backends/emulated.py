@@ -32,6 +32,12 @@ NaN before every block, and array overruns hit guard pages. Settings:
 ``DFLASH_CUPY_EMU_SCHEDULE=shuffle|forward|reverse``,
 ``DFLASH_CUPY_EMU_SEED`` and ``DFLASH_CUPY_EMU_THREADS`` (OS threads that
 run blocks of one launch; default min(4, cores)).
+
+``DFLASH_CUPY_EMU_LAZY=1`` builds a module (g++, and NVRTC for its resources)
+at its first launch instead of in ``compile``: variants a program compiles but
+never launches cost nothing (the test suite runs this way). Errors of either
+compiler then surface at that launch, as ``BackendError``; the default (0)
+reports them from ``compile``, as the CuPy backend does.
 """
 from __future__ import annotations
 
@@ -325,9 +331,32 @@ class EmuKernel(Kernel):
                 raise KernelLaunchError(f"kernel {self.name}: {where}")
 
 
+_lazy_lock = threading.Lock()
+
+
 class EmuModule(Module):
-    def __init__(self, backend: "EmulatedBackend", so_path, kernels):
+    def __init__(self, backend: "EmulatedBackend", so_path, kernels, build=None):
+        """``build``: lazy mode (``so_path`` None), a function returning (so_path,
+        resources) that the first use of ``_lib``, ``_launch`` or ``resources`` calls."""
         self.backend = backend
+        self._kernels = {k.name: EmuKernel(self, i, k) for i, k in enumerate(kernels)}
+        self._pending = build
+        if build is None:
+            self._load(so_path)
+
+    def __getattr__(self, name):   # only for attributes not set yet: a lazy module's build
+        if name in ("_lib", "_launch", "resources") and self.__dict__.get("_pending") is not None:
+            with _lazy_lock:
+                build = self.__dict__.get("_pending")
+                if build is not None:
+                    so_path, resources = build()
+                    self._load(so_path)
+                    self.resources = resources
+                    self._pending = None
+            return getattr(self, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _load(self, so_path) -> None:
         try:
             self._lib = ctypes.CDLL(str(so_path))
         except OSError as e:
@@ -341,7 +370,6 @@ class EmuModule(Module):
                       ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
         self._launch = f
         emu_build.load_static_shared(self._lib, so_path)
-        self._kernels = {k.name: EmuKernel(self, i, k) for i, k in enumerate(kernels)}
 
     def get_function(self, name: str) -> EmuKernel:
         try:
@@ -362,6 +390,10 @@ class EmulatedBackend(Backend):
         self.seed = int(os.environ.get("DFLASH_CUPY_EMU_SEED", "12345"))
         self.threads = max(1, int(os.environ.get("DFLASH_CUPY_EMU_THREADS",
                                                  min(4, os.cpu_count() or 1))))
+        lazy = os.environ.get("DFLASH_CUPY_EMU_LAZY", "0").strip()
+        if lazy not in ("0", "1"):
+            raise ValueError(f"DFLASH_CUPY_EMU_LAZY={lazy!r}: expected 0 or 1")
+        self.lazy = lazy == "1"
         self._launch_count = 0
         self._tls = threading.local()               # per thread: capture state, current streams
         self._captures = 0
@@ -665,6 +697,23 @@ class EmulatedBackend(Backend):
     # ---- code
     def compile(self, source: str, options: Sequence[str] = (), filename: str | None = None) -> EmuModule:
         self._no_capture("compile")
+        if self.lazy:
+            try:
+                kernels = signatures.parse_kernels(source)
+                emu_build.parse_extern_shared(source)
+            except ValueError as e:
+                raise BackendError(str(e)) from None
+            mod = EmuModule(self, None, kernels, build=lambda: self._build(source, options, filename)[::2])
+        else:
+            so, kernels, resources = self._build(source, options, filename)
+            mod = EmuModule(self, so, kernels)
+            mod.resources = resources
+        mod.build_args = (source, tuple(options), filename)   # emu_counters builds its counting twin
+        return mod
+
+    @staticmethod
+    def _build(source: str, options: Sequence[str], filename: str | None):
+        """(path of the g++ module, its kernels, NVRTC's per-kernel resources) of a source."""
         # The same source must also build for the GPU (NVRTC, sm_90, alongside g++); the
         # resources of that build bound each launch.
         gpu_build = nvrtc_info.resources_for_emulator_async(source, filename, options)
@@ -677,10 +726,7 @@ class EmulatedBackend(Backend):
         except nvrtc_info.NvrtcCompileError as e:
             raise BackendError(f"{e}\n(the emulated backend also compiles with NVRTC for "
                                f"{nvrtc_info.ARCH}; a kernel the GPU build rejects is rejected here)") from None
-        mod = EmuModule(self, so, kernels)
-        mod.resources = resources
-        mod.build_args = (source, tuple(options), filename)   # emu_counters builds its counting twin
-        return mod
+        return so, kernels, resources
 
     # ---- streams, events, copies
     def stream(self) -> EmuStream:
