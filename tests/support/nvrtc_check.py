@@ -40,13 +40,15 @@ def option_sets(source: str) -> list[tuple[str, ...]]:
 
 
 def nvrtc_check(source: str, filename: str, arch: str, options=(), serialized_ok: bool = False) -> dict[str, dict[str, int]]:
-    """Compile with NVRTC (``nvrtc_info.compile_info``: the CUDA backend's flags); raise
-    ``NvrtcCheckFailed`` (naming ``filename``) on an error, a warning, a spill or (unless
-    ``serialized_ok``: a test kernel that reads accumulators early on purpose) wgmma
-    serialization. Returns ``parse_ptxas`` of the log."""
+    """Compile with NVRTC (``nvrtc_info.cached_compile_info``: the CUDA backend's flags;
+    the log of the same compile the emulator and the other tests ask for, kept on disk
+    by source, options, headers, target and NVRTC version); raise ``NvrtcCheckFailed``
+    (naming ``filename``) on an error, a warning, a spill or (unless ``serialized_ok``:
+    a test kernel that reads accumulators early on purpose) wgmma serialization.
+    Returns ``parse_ptxas`` of the log."""
     where = f"{filename} [{arch} {' '.join(options)}]"
     try:
-        info = nvrtc_info.compile_info(source, filename, (*kernels.compile_options(), *options), arch)
+        info = nvrtc_info.cached_compile_info(source, filename, (*kernels.compile_options(), *options), arch)
     except nvrtc_info.NvrtcCompileError as e:
         raise NvrtcCheckFailed(f"{where}: {e}") from None
     log = info.log
