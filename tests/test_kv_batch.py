@@ -56,6 +56,7 @@ def test_lanes_join_leave_rewind_reset(name, numpy_plan, x_split, monkeypatch):
 
 
 # no shrinking: a failing example is printed as drawn (shrinking steps this slow takes many minutes)
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck),
           phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(data=st.data())
@@ -91,6 +92,7 @@ def test_lanes_property_random_schedules(data):
     assert batch.captures <= 2
 
 
+@pytest.mark.slow
 def test_graph_reuse_hundreds_of_steps():
     """300 steps with lanes joining and leaving (idle, reset, rewind) capture
     the step graph exactly twice (one per descriptor buffer)."""

@@ -120,6 +120,7 @@ def scenarios(draw):
     return name, base, first, ops, draw(st.integers(0, 2**16))
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, derandomize=True, database=None, print_blob=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])

@@ -327,6 +327,7 @@ def test_plot_and_summary(tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------- scripts
+@pytest.mark.slow
 @pytest.mark.skipif(backends.gpu_available(), reason="the CPU dry run; the GPU machine runs the real check")
 def test_gpu_check_dry_run(tmp_path):
     out = tmp_path / "gc"
