@@ -257,7 +257,7 @@ def test_cache_steps_fused_equal_unfused_and_the_oracle(monkeypatch):
     head_dim 32: Q, K and V heads in one column group) against the same cache with the fold
     turned off, over growth, a slide past the capacity (ring wraparound), a rewind and
     positions past 2^20: hidden states and every layer's K/V ring bit for bit, and each step
-    against the float64 oracle (tests/test_kv_cache.Driver)."""
+    against the float64 oracle (tests/support/drafters.Driver)."""
     from dflash_cupy import backends
     from tests.support.drafters import BF16, SPECS, Driver, Spec, small_config
 

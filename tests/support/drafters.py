@@ -4,7 +4,7 @@ around one ``DraftKvCache``, checking every step against the float64 oracle.
 A step of these tiny drafters takes ~20-200 ms on the emulator, so the shapes
 live in a few fixed drafters (``SPECS``, each compiled once and cached on disk
 by g++). ``MAX_ERR*``: the largest errors any ``Driver`` measured in this
-process (tests/test_kv_cache.py asserts ceilings on them)."""
+process (tests/test_kv_cache.py clears them at its start and asserts ceilings on its own)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
