@@ -28,12 +28,13 @@ CHILD = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
     import numpy as np
-    go = Path(sys.argv[1])
-    while not go.exists():
-        time.sleep(0.01)
     from dflash_cupy import backends
     from dflash_cupy.backends import emu_build
     src = open(sys.argv[2]).read()
+    Path(sys.argv[1] + "." + str(os.getpid())).write_text("ready")
+    go = Path(sys.argv[1])
+    while not go.exists():
+        time.sleep(0.01)
     so, _ = emu_build.build(src, ("-DTWO_PROCESSES=1",), "two_processes.cu")
     be = backends.get("emulated")
     k = be.compile(src, ("-DTWO_PROCESSES=1",), filename="two_processes.cu").get_function("add_one")
@@ -63,7 +64,9 @@ def test_two_processes_building_the_same_variant_compile_it_once(tmp_path):
     procs = [subprocess.Popen([sys.executable, str(tmp_path / "child.py"), str(go), str(tmp_path / "src.cu")],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
              for _ in range(2)]
-    time.sleep(0.5)   # both are waiting on the go file (imports done or nearly)
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("go.*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)            # both imported and waiting on the go file
     go.write_text("go")
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outs):
