@@ -164,6 +164,18 @@ class _Runner:
         except Exception:
             return False
 
+    def _drain(self) -> None:
+        """After a failed check: let the work it left queued run, so that its later errors
+        (each failing launch raises when its stream is waited for) stay with it."""
+        if self.cuda:
+            return
+        for _ in range(10000):
+            try:
+                self.be.synchronize()
+                return
+            except Exception:
+                continue
+
     def _record(self, checks) -> bool:
         self.checks += checks
         return all(c.ok for c in checks)
@@ -175,6 +187,7 @@ class _Runner:
             out = fn()
         except Exception as e:  # a compile, launch or capture failure fails the check, not the run
             out = [Check(variant, name, False, None, "exact", f"{type(e).__name__}: {str(e)[:600]}")]
+            self._drain()
             if not self._alive():
                 self.lost = True
                 out[0].detail += " (the CUDA context was lost)"
