@@ -291,7 +291,7 @@ def cache_path() -> Path:
     return (Path(tune).parent if tune else Path.home() / ".cache" / "dflash_cupy") / "selfcheck.json"
 
 
-def _read_file(path: Path) -> dict:
+def _read_file(path: Path, quiet: bool = False) -> dict:
     if not path.is_file():
         return {}
     try:
@@ -300,8 +300,9 @@ def _read_file(path: Path) -> dict:
             raise ValueError(f"expected {{'version': {VERSION}, 'reports': {{...}}}}")
         return data["reports"]
     except (OSError, ValueError) as e:
-        warnings.warn(f"dflash_cupy self-check cache {path} ignored ({e}); it will be rewritten", RuntimeWarning,
-                      stacklevel=3)
+        if not quiet:
+            warnings.warn(f"dflash_cupy self-check cache {path} ignored ({e}); it will be rewritten",
+                          RuntimeWarning, stacklevel=3)
         return {}
 
 
@@ -323,7 +324,7 @@ def store(report: Report, path: str | Path | None = None) -> Path:
     """Write ``report`` into the cache file (atomically; other devices' reports are kept)."""
     path = Path(path) if path is not None else cache_path()
     with _lock:
-        reports = _read_file(path)
+        reports = _read_file(path, quiet=True)   # (a damaged file is replaced)
         reports[report.key] = report.to_dict()
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
