@@ -199,8 +199,7 @@ class Report:
         bad = [c for c in self.checks if not c.ok]
         if bad:
             lines.append("failed checks:")
-            lines += [f"  {c.variant}: {c.name}: {_describe(c)}" + (f" ({c.detail})" if c.detail and c.error is not None
-                                                                     else "") for c in bad[:40]]
+            lines += [f"  {c.variant}: {c.name}: {_describe(c, where=False)}" for c in bad[:40]]
             if len(bad) > 40:
                 lines.append(f"  ... and {len(bad) - 40} more")
         if self.context_lost:
@@ -213,7 +212,8 @@ class Report:
             ("; " if off and hard else "") +
             (f"failed without a fallback: {', '.join(hard)} (caches that need them raise SelfCheckError)"
              if hard else ""))
-        lines.append(f"verdict: {verdict}; {len(self.checks)} checks in {self.seconds:.1f} s")
+        lines.append(f"verdict: {verdict}; {len(self.checks)} checks in {self.seconds:.1f} s"
+                     + ("" if self.complete else " (----: not checked in this run)"))
         return "\n".join(lines)
 
 
@@ -222,12 +222,14 @@ def _tol_scale(kind: str) -> float:
     return TOL[kind]["atol"] if kind in TOL else 1.0
 
 
-def _describe(c: Check) -> str:
+def _describe(c: Check, where: bool = True) -> str:
+    """What went wrong (``where``: naming the check)."""
+    at = f" in {c.name}" if where else ""
     if c.error is None:
-        return c.detail or "failed"
+        return (f"{c.name}: " if where else "") + (c.detail or "failed")
     if c.bound == "exact":
-        return f"{int(c.error)} elements differ in {c.name}" + (f" ({c.detail})" if c.detail else "")
-    return f"worst error {c.error:.3g} > {c.bound} tolerance in {c.name}"
+        return f"{int(c.error)} elements differ{at}" + (f" ({c.detail})" if c.detail else "")
+    return f"worst error {c.error:.3g} > {c.bound} tolerance{at}"
 
 
 # ---------------------------------------------------------------------------- identity, cache

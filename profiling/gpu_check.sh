@@ -17,7 +17,7 @@
 # windows, then the GEMM and attention kernels, then the full sweep (reusing
 # the first step results), then the host-overhead check. Each step has its own
 # timeout, shortened so that the whole script ends within GPU_CHECK_BUDGET_S
-# (default 470 s, --quick 230 s on a GPU); a failed or timed-out step is reported and the next one
+# (default 470 s, --quick 235 s on a GPU); a failed or timed-out step is reported and the next one
 # still runs. A broken environment (no GPU, CuPy or NVRTC not working) stops
 # the script at once (exit 2) before any long step. Every step writes its results into
 # OUTDIR as it ends, so a run cut off at any point keeps what it measured (a kill is logged).
@@ -65,7 +65,7 @@ mkdir -p "$OUTDIR" || { echo "gpu_check: cannot create $OUTDIR" >&2; exit 2; }
 OUTDIR=$(cd "$OUTDIR" && pwd)
 PY=${PYTHON:-python3}
 # (a dry run keeps the full budget: its emulator builds are slower than any GPU step)
-BUDGET=${GPU_CHECK_BUDGET_S:-$( ((QUICK && !DRY)) && echo 230 || echo 470)}
+BUDGET=${GPU_CHECK_BUDGET_S:-$( ((QUICK && !DRY)) && echo 235 || echo 470)}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export PYTHONDONTWRITEBYTECODE=1
@@ -201,7 +201,8 @@ run_step() {
 # The self-check first: its report (the text into this log, the JSON into selfcheck.json) is the
 # first thing a cut-off run keeps; a failed variant fails this step (exit 1 at the end) and the
 # later steps' caches fall back as its verdict says.
-run_step selfcheck "$( ((DRY)) && echo 150 || echo 120)" "$LOG" "$PY" -m dflash_cupy selfcheck \
+# (limits: a dry run's cold g++ builds; --quick's 4 minutes: self-check 80 s, differential 80 s, step 60 s)
+run_step selfcheck "$( ((DRY)) && echo 150 || { ((QUICK)) && echo 80 || echo 120; })" "$LOG" "$PY" -m dflash_cupy selfcheck \
     --out "$OUTDIR/selfcheck.json" ${SELFCHECK_ONLY[@]+"${SELFCHECK_ONLY[@]}"}
 
 TLOG=$OUTDIR/tests.log
@@ -212,13 +213,14 @@ TLOG=$OUTDIR/tests.log
 # pytest per file in parallel: most of the time is the emulator's g++ builds (a cold cache on a
 # fresh machine, ~140 modules). A mismatch beyond the kernel's tolerance fails its test; each
 # file's table says which kernels differ at all.
-run_step differential 110 "$TLOG" "$PY" -m profiling.differential --timeout-s 95 \
+run_step differential "$( ((QUICK && !DRY)) && echo 80 || echo 110)" "$TLOG" "$PY" -m profiling.differential \
+    --timeout-s "$( ((QUICK && !DRY)) && echo 70 || echo 95)" \
     tests/test_norm.py tests/test_rope.py tests/test_plan.py tests/test_mma.py \
     tests/test_gemm.py tests/test_attention.py -- "${DIFF_ARGS[@]}"
 
 if ((QUICK)); then
     # one step timing per drafter preset (4K window, the graph replay) with every node's own time
-    run_step step_quick "$( ((DRY)) && echo 200 || echo 70)" "$BLOG" "$PY" -m profiling.bench_step ${SMOKE[@]+"${SMOKE[@]}"} \
+    run_step step_quick "$( ((DRY)) && echo 200 || echo 60)" "$BLOG" "$PY" -m profiling.bench_step ${SMOKE[@]+"${SMOKE[@]}"} \
         --drafters "$( ((DRY)) && echo tiny || echo qwen3.5-27b,h4096)" \
         --windows "$( ((DRY)) && echo 32 || echo 4096)" --modes graph \
         --budget-s 2 --kernel-times "$( ((DRY)) && echo 2 || echo 3)" --no-plot --out "$OUTDIR/step_quick.json"

@@ -82,3 +82,36 @@ def test_killed_after_the_first_stage_keeps_its_results(tmp_path, mode):
     text = log.read_text()
     assert "dflash_cupy self-check on" in text and "INTERRUPTED during" in text
     assert "FINISHED" not in text
+
+
+def test_quick_real_commands(tmp_path):
+    """--quick's GPU command lines, recorded by a stand-in python: the whole self-check first,
+    then the differential, then bench_step for both drafter presets with per-kernel times,
+    nothing else; limits that fit 4 minutes."""
+    record = tmp_path / "argv.jsonl"
+    stub = tmp_path / "python3"
+    stub.write_text("#!/usr/bin/env bash\n"
+                    "[[ $1 == -c ]] && { echo stub; exit 0; }\n"
+                    'exec "$REAL_PY" -c \'import json, sys; open(sys.argv[1], "a").write('
+                    'json.dumps(sys.argv[2:]) + "\\n")\' "$RECORD" "$@"\n')
+    stub.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(stub), REAL_PY=sys.executable, RECORD=str(record))
+    p = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "o"), "--quick"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    cmds = [json.loads(line) for line in record.read_text().splitlines()]
+    assert cmds[0][:2] == ["-", "0"]                                  # preflight, real mode
+    sc = cmds[1]
+    assert sc[1:3] == ["dflash_cupy", "selfcheck"] and "--only" not in sc and sc[sc.index("--out") + 1].endswith(
+        "/o/selfcheck.json")
+    from profiling import bench_step, differential
+    assert [c[1] for c in cmds[2:]] == ["profiling.differential", "profiling.bench_step", "profiling.summarize"]
+    diff = differential.parse_args(cmds[2][2:])
+    assert diff.timeout_s == 70 and "tests/test_attention.py" in diff.files
+    step = bench_step.parse_args(cmds[3][2:])
+    assert step.drafters == ["qwen3.5-27b", "h4096"] and step.windows == [4096] and step.modes == ["graph"]
+    assert step.kernel_times == 3 and not step.smoke and step.out.endswith("/o/step_quick.json")
+    log = (tmp_path / "o" / "gpu_check.log").read_text()
+    assert "budget 235s" in log
+    limits = [int(x) for x in __import__("re").findall(r"START \w+ \(timeout (\d+)s\)", log)]
+    assert len(limits) == 3 and sum(limits) <= 235 - 10
