@@ -630,7 +630,8 @@ class _Runner:
     def _attention_cases(self, variant, path):
         kv0 = _e2e_geometry().kv_total
         return [(f"{path} one split", lambda: self._attention(variant, path, kv0, 1, None, None)),
-                (f"{path} 3 splits, folded merge, gate", lambda: self._attention(variant, path, 160, 3, "fold", "head")),
+                (f"{path} 3 splits, folded merge, gate",
+                 lambda: self._attention(variant, path, 160, 3, "fold", "head")),
                 (f"{path} 3 splits, combine launch", lambda: self._attention(variant, path, 160, 3, "launch", None))]
 
     def _u_attention_fma(self):

@@ -112,8 +112,8 @@ class Gemm:
         mma_ok = self.wkind in ("f16", "bf16") and self.K % 8 == 0
         if path in ("mma", "stream") and not mma_ok:
             raise ValueError(f"path {path!r} needs f16/bf16 weights and K % 8 == 0 (got {self.wkind}, K={self.K})")
-        if path == "auto" and mma_ok and not (epilogue == "argmax" or norm_eps is not None or x16 or y16 or rope is not None) \
-                and not _stream_usable(backend):
+        stream_only = epilogue == "argmax" or norm_eps is not None or x16 or y16 or rope is not None
+        if path == "auto" and mma_ok and not stream_only and not _stream_usable(backend):
             mma_ok = False   # the device's self-check failed gemm_stream.cu: gemm.cu instead
         self.path = "stream" if path == "auto" and mma_ok else ("fma" if path == "auto" else path)
         # "argmax": the lm_head GEMM with the greedy token fused (per column block the best
