@@ -12,11 +12,19 @@
 // Under the emulator the same call gathers all 32 lanes' fragments
 // (cuda_emu.h, emu_mma_m16n8k16), so a kernel and its layout assumptions are
 // tested on the CPU.
+//
+// DFLASH_FAULT_MMA_FRAG (defined only by tests/test_selfcheck_faults.py, never by a launcher:
+// dflash_cupy.kernels.compile_options refuses DFLASH_FAULT_* names) swaps two registers of the A
+// fragment, the fault the self-check (dflash_cupy/selfcheck.py) must catch.
 #pragma once
 #include <cuda_fp16.h>
 
 __device__ __forceinline__ void mma_m16n8k16_bf16(float d[4], const unsigned int a[4], const unsigned int b[2],
                                                   const float c[4]) {
+#ifdef DFLASH_FAULT_MMA_FRAG  // test-only fault (tests/test_selfcheck_faults.py): A registers 1 and 2 swapped
+    const unsigned int fault_a[4] = {a[0], a[2], a[1], a[3]};
+    a = fault_a;
+#endif
 #ifdef __CUDA_ARCH__
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
@@ -31,6 +39,10 @@ __device__ __forceinline__ void mma_m16n8k16_bf16(float d[4], const unsigned int
 
 __device__ __forceinline__ void mma_m16n8k16_f16(float d[4], const unsigned int a[4], const unsigned int b[2],
                                                  const float c[4]) {
+#ifdef DFLASH_FAULT_MMA_FRAG  // test-only fault (tests/test_selfcheck_faults.py): A registers 1 and 2 swapped
+    const unsigned int fault_a[4] = {a[0], a[2], a[1], a[3]};
+    a = fault_a;
+#endif
 #ifdef __CUDA_ARCH__
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "

@@ -21,15 +21,20 @@
 // no-ops, so kernels always contain them. Before sm_90 they compile to nothing.
 // Under the emulator (cuda_emu.h) launches run one after another; its counter
 // build records per thread whether the wait has run, for the ordering check.
+// DFLASH_FAULT_PDL_NOWAIT (defined only by tests/test_selfcheck_faults.py for one kernel file,
+// never by a launcher: dflash_cupy.kernels.compile_options refuses DFLASH_FAULT_* names) leaves
+// the wait out, the fault the self-check (dflash_cupy/selfcheck.py) must catch.
 #pragma once
 
 __device__ __forceinline__ void pdl_wait() {
+#ifndef DFLASH_FAULT_PDL_NOWAIT  // (test-only fault, tests/test_selfcheck_faults.py: the wait left out)
 #ifdef __CUDA_ARCH__
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 #else
     emu_pdl_wait();
+#endif
 #endif
 }
 

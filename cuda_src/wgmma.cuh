@@ -68,6 +68,10 @@
 //     enough before the wgmma reads B (the PTX memory model's proxy rule; CUTLASS's SM90
 //     epilogues fence the same way before TMA reads smem that ordinary stores wrote).
 //
+// DFLASH_FAULT_WGMMA_DESC (defined only by tests/test_selfcheck_faults.py, never by a launcher:
+// dflash_cupy.kernels.compile_options refuses DFLASH_FAULT_* names) swaps LBO and SBO in every
+// descriptor, the fault the self-check (dflash_cupy/selfcheck.py) must catch.
+//
 // Under the emulator (cuda_emu.h, "wgmma") each wgmma is recorded at issue and executed only at
 // the wgmma_wait_group that retires its group, per thread, so reading d or overwriting B too
 // early gives wrong results there too; a bad descriptor, a missing fence or wait, d or a
@@ -266,6 +270,11 @@ __device__ __forceinline__ void wgmma_pin_operands(unsigned int* a) {
 // 16-byte aligned shared-memory address); lbo_bytes / sbo_bytes as in the layout above.
 __device__ __forceinline__ unsigned long long wgmma_desc_kmajor_noswizzle(const void* smem, unsigned int lbo_bytes,
                                                                        unsigned int sbo_bytes) {
+#ifdef DFLASH_FAULT_WGMMA_DESC  // test-only fault (tests/test_selfcheck_faults.py): LBO and SBO swapped
+    const unsigned int fault_swap = lbo_bytes;
+    lbo_bytes = sbo_bytes;
+    sbo_bytes = fault_swap;
+#endif
 #ifdef __CUDA_ARCH__
     const unsigned int addr = (unsigned int)__cvta_generic_to_shared(smem);
     return (unsigned long long)((addr & 0x3FFFFu) >> 4) |

@@ -24,6 +24,9 @@ def compile_options(**defines) -> tuple[str, ...]:
     """``-DNAME=VALUE`` for each size (ints/floats/bools), sorted for stable cache keys."""
     opts = []
     for k in sorted(defines):
+        if k.startswith("DFLASH_FAULT"):   # cuda_src's test-only fault macros: never from a launcher
+            raise ValueError(f"compile-time define {k!r}: DFLASH_FAULT_* names are test-only fault injection "
+                             f"(tests/test_selfcheck_faults.py), never a launcher's option")
         v = defines[k]
         if isinstance(v, bool):
             v = int(v)

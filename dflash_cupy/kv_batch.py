@@ -74,7 +74,7 @@ TILE_ROWS = 16   # the stream GEMM's row tile: lane regions are whole tiles, so 
 class DraftKvBatch(StepIssuer):
     """``DraftKvBatch(weights, capacity, lanes, *, ring_capacity=None,
     ring_dtype=np.float32, lm_head=None, logits=True, backend=None, bulk_chunk=256, x_split=True,
-    tune=None, pdl=False)``.
+    tune=None, pdl=False, selfcheck=None)``.
 
     ``capacity``: each lane's context window cap (ring-cache slots, as
     ``DraftKvCache``). ``ring_capacity`` (default ``capacity``) and
@@ -88,6 +88,7 @@ class DraftKvBatch(StepIssuer):
     that work (``python -m profiling.lanes_model --x-split both``). ``tune``:
     as ``DraftKvCache`` (the GEMMs tuned at the batch's full row count). ``pdl``:
     as ``DraftKvCache`` (programmatic dependent launch in the step graphs; off by default).
+    ``selfcheck``: as ``DraftKvCache`` (the device's self-check verdict picks the kernel variants).
     """
 
     lane_batched = True
@@ -96,7 +97,7 @@ class DraftKvBatch(StepIssuer):
 
     def __init__(self, weights: DraftWeights, capacity: int, lanes: int, *, ring_capacity=None,
                  ring_dtype=np.float32, lm_head=None, logits: bool = True, backend=None, bulk_chunk: int = 256,
-                 x_split: bool = True, tune: bool | None = None, pdl: bool = False):
+                 x_split: bool = True, tune: bool | None = None, pdl: bool = False, selfcheck=None):
         if not isinstance(weights, DraftWeights):
             raise TypeError(f"weights must be a DraftWeights, got {type(weights).__name__}")
         from .kv_cache import MAX_CAPACITY
@@ -115,7 +116,7 @@ class DraftKvBatch(StepIssuer):
             raise ValueError(f"bulk_chunk must be an int in [1, {BULK_CHUNK}], got {bulk_chunk!r}")
         if not isinstance(logits, (bool, np.bool_)):
             raise TypeError(f"logits must be a bool, got {type(logits).__name__}")
-        self._take_args(weights, backend, x_split, pdl, tune)
+        self._take_args(weights, backend, x_split, pdl, tune, selfcheck)
         be, c = self.backend, self.config
         self.lanes = lanes
         self.geom = g = RingGeometry(capacity, c.q_len)

@@ -80,7 +80,7 @@ def _step_in_sampling(block) -> tuple:
 
 class DraftKvCache(StepIssuer):
     """``DraftKvCache(weights, capacity, *, lm_head=None, sampling=None, backend=None, bulk_chunk=256,
-    x_split=True, tune=None, pdl=False)``.
+    x_split=True, tune=None, pdl=False, selfcheck=None)``.
 
     ``weights``: ``DraftWeights`` (host) — placed on the backend once and
     cached on the weights object. ``capacity``: ring slots, the drafter's
@@ -111,6 +111,14 @@ class DraftKvCache(StepIssuer):
     kernel's pre-wait accesses apart from the kernel before it; not yet run on
     a GPU, hence off by default.
 
+    ``selfcheck`` (default None: ``DFLASH_CUPY_SELFCHECK``, ``auto``): the device's
+    self-check verdict (``dflash_cupy/selfcheck.py``; on a GPU run on first use, cached per
+    device) picks the kernel variants: a failed one is replaced by its fallback (wgmma ->
+    mma.sync stream GEMM -> CUDA-core GEMM, tensor-core -> CUDA-core attention, PDL -> the
+    plain graph) with one ``RuntimeWarning``; a failure with no fallback left raises
+    ``selfcheck.SelfCheckError``. ``"off"`` trusts every variant, ``"force"`` checks now, a
+    ``selfcheck.Report`` is obeyed as given. ``self.checked`` holds what was decided.
+
     Every step rewrites ``hidden_states``, ``logits``, ``draft_tokens`` and ``noise_embed`` in
     place (the graphs are bound to them): a returned array is the next step's
     output too. Work is issued on the caller's current stream or ``stream=``
@@ -119,7 +127,7 @@ class DraftKvCache(StepIssuer):
 
     def __init__(self, weights: DraftWeights, capacity: int, *, lm_head=None, sampling=None,
                  logits: bool = True, backend=None, bulk_chunk: int = 256, x_split: bool = True,
-                 tune: bool | None = None, pdl: bool = False):
+                 tune: bool | None = None, pdl: bool = False, selfcheck=None):
         if not isinstance(weights, DraftWeights):
             raise TypeError(f"weights must be a DraftWeights, got {type(weights).__name__}")
         capacity = int_arg(capacity, "capacity", 1)
@@ -135,7 +143,7 @@ class DraftKvCache(StepIssuer):
         if not logits and sampling.temperature > 0:
             raise ValueError("sampling with temperature > 0 needs logits=True (the fused argmax is greedy)")
         self.write_logits = bool(logits)
-        self._take_args(weights, backend, x_split, pdl, tune)
+        self._take_args(weights, backend, x_split, pdl, tune, selfcheck)
         be, c = self.backend, self.config
         self.geom = RingGeometry(int(capacity), c.q_len)
         g = self.geom

@@ -12,6 +12,7 @@ import contextlib
 import numpy as np
 
 from . import backends, dtypes, tuning
+from . import selfcheck_verdict as selfcheck_mod
 from .backends.base import programmatic_launches
 from .checks import bool_arg
 from .device_weights import device_dtype, to_device_matrix
@@ -22,7 +23,7 @@ from .ops.gemm import weight_kind
 from .ops.norm import RmsNorm
 from .ops.plan import StepPlanner
 from .ops.rope import QkvNormRope
-from .ops.sample import TokenSampler
+from .ops.sample import SamplingParams, TokenSampler
 
 
 # Steps with at least this many noise rows (x_split=False) run the post-attention norm as
@@ -54,9 +55,11 @@ class StepIssuer:
     tiles_ctx = tiles_noise = None
     _attn_live = None
 
-    def _take_args(self, weights, backend, x_split, pdl, tune) -> None:
+    def _take_args(self, weights, backend, x_split, pdl, tune, selfcheck=None) -> None:
         """The constructor arguments every issuer takes, checked after the subclass's own
-        (so a bad one raises before anything is allocated)."""
+        (so a bad one raises before anything is allocated). ``selfcheck``: the device's
+        self-check verdict decides which kernel variants this object may use (``checked``,
+        ``dflash_cupy/selfcheck.py``): a failed one is replaced by its fallback."""
         self.x_split = bool_arg(x_split, "x_split")
         self.pdl = bool_arg(pdl, "pdl")
         if tune is not None:
@@ -64,6 +67,8 @@ class StepIssuer:
         self.backend = backends.get(backend)
         self.config = weights.config
         self.weights = weights
+        self.checked = selfcheck_mod.for_cache(self.backend, selfcheck)
+        self.pdl = self.pdl and self.checked.pdl    # PDL -> the plain graph
 
     capacity = property(lambda self: self.geom.capacity)
     q_len = property(lambda self: self.geom.q_len)
@@ -110,7 +115,7 @@ class StepIssuer:
         bit-identical and halves the bytes those GEMMs re-read per column group; only where the
         reading GEMM runs the stream path (f16/bf16 weights, K % 8 == 0) and, for ``act``, the
         gate_up and down weights share the type."""
-        if self.x_split:
+        if self.x_split or not self.checked.stream:
             return None, None
         c, L0 = self.config, self.dw.layers[0]
         o, gu, dn = (weight_kind(a.dtype) for a in (L0.w_o, L0.w_gate_up, L0.w_down))
@@ -124,7 +129,7 @@ class StepIssuer:
         norm launch (see ``GATE_UP_X16_MIN_ROWS``), or None (the norm folded, or f32 rows):
         ``x_split=False``, a 16-bit gate_up weight with H % 8 == 0 (the stream path) and
         enough noise rows."""
-        if self.x_split or self.n_noise < GATE_UP_X16_MIN_ROWS:
+        if self.x_split or self.n_noise < GATE_UP_X16_MIN_ROWS or not self.checked.stream:
             return None
         kind = weight_kind(self.dw.layers[0].w_gate_up.dtype)
         return kind if kind in ("f16", "bf16") and self.config.hidden_size % 8 == 0 else None
@@ -149,8 +154,8 @@ class StepIssuer:
         # gate_up GEMMs when they run on the stream path (16-bit weights, K % 8 == 0):
         # those GEMMs then read resid / h directly, so the context rows live in resid.
         L0 = self.dw.layers[0]
-        self._fold_norms = (H % 8 == 0 and all(weight_kind(a.dtype) in ("f16", "bf16")
-                                               for a in (L0.w_qkv, L0.w_gate_up)))
+        self._fold_norms = (self.checked.stream and H % 8 == 0
+                            and all(weight_kind(a.dtype) in ("f16", "bf16") for a in (L0.w_qkv, L0.w_gate_up)))
         self.ctx_step = self.resid[:nc] if c.context_kv_layer_norm or self._fold_norms else self.xin[:nc]
         self.noise_embed = be.zeros((nn, H), np.float32)   # read in place by the first layer
         self.qkv = be.zeros((nc + nn, c.q_dim + 2 * kvw), np.float32)
@@ -181,7 +186,8 @@ class StepIssuer:
                                      self.attn_scaling)
         self.attention = RingAttention(be, c.head_dim, c.n_head, c.n_head_kv, self.q_len, self.kv_total,
                                        gate=None if c.attn_gate == "none" else c.attn_gate,
-                                       out_kind=self._act16_kinds()[0], **attn_kw)
+                                       out_kind=self._act16_kinds()[0],
+                                       path="auto" if self.checked.attention_mma else "fma", **attn_kw)
         self.planner = StepPlanner(be, self.geom)
 
     def _build_gemms(self, max_m: int, gate_w: int, logits: bool, lm_rows: int) -> None:
@@ -198,9 +204,13 @@ class StepIssuer:
         # lane batches (tile_live): K split per launch from the live tiles, and the qkv GEMM
         # skips the Q columns of the context rows (tile_live 2)
         lanes = self.lane_batched
+        # the self-check's choices: a failed stream GEMM -> gemm.cu, a failed wgmma -> gemm_stream.cu
+        ch = self.checked
+        fallback = dict(path="auto" if ch.stream else "fma", **({} if ch.wgmma else {"wgmma": False}))
 
         def gemm(*a, **kw):
-            return Gemm(be, *a, max_m=max_m, x_split=self.x_split, live_split=lanes, **kw)
+            with selfcheck_mod.applied(ch):
+                return Gemm(be, *a, max_m=max_m, x_split=self.x_split, live_split=lanes, **fallback, **kw)
         self.g_fc = gemm(H, c.fc_in, self.dw.fc.dtype)
         self.g_kv = gemm(2 * kvw, H, L0.w_qkv.dtype)
         # rope: the q/k norm + RoPE + K/V scatter folds into the qkv GEMM's epilogue where its
@@ -221,10 +231,16 @@ class StepIssuer:
         self.g_lm = self._lm_part = None
         if self.lm_head is not None:
             V = self.lm_head.shape[0]
-            self.g_lm = (gemm(V, H, self.lm_head.dtype) if logits else
+            fused = not logits and ch.stream   # the fused argmax is a stream-GEMM epilogue
+            self.g_lm = (gemm(V, H, self.lm_head.dtype) if not fused else
                          gemm(V, H, self.lm_head.dtype, "argmax", logits=False))
-            if not logits:
+            if fused:
                 self._lm_part = be.zeros(self.g_lm.partials_shape(lm_rows), np.uint32)
+            elif not logits:   # its fallback: logits into a buffer of this object's, then the greedy sampler
+                self._logits = be.zeros((lm_rows, V), np.float32)
+                if getattr(self, "sample_knobs", None) is None:
+                    self.sample_knobs = be.asarray(np.asarray(SamplingParams().knobs(), np.float32))  # greedy
+                    self.sample_rng = be.zeros((2,), np.uint64)
 
     def _tune_sites(self) -> list:
         """``(label, op, m)`` of every GEMM call a step or a bulk chunk makes, and the attention."""
@@ -243,6 +259,7 @@ class StepIssuer:
         self._closed = False
         self.host_waits = 0    # times the host had to wait for queued work to reuse a pinned buffer
         self._label_arrays(labels)
+        selfcheck_mod.require(self.checked, self)   # a failed variant with no fallback left: raise
         self.tuned = tuning.tune_sites(self._tune_sites(), backend=self.backend, tune=tune)
         self._init_order()
 

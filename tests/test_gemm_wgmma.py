@@ -192,30 +192,29 @@ def test_default_rule_and_where_wgmma_is_compiled(emu):
         op.use_config(256, ("wg96", 1))
 
 
-def test_gpu_self_check_runs_and_its_failure_falls_back(emu, monkeypatch):
-    """The one-time check a GPU runs before any default uses wgmma: here on the emulator
-    (it agrees), and a disagreeing device (faked) keeps every default on mma.sync with a
-    RuntimeWarning, once per device."""
-    ok, detail = gs._selftest(emu)
-    assert ok and "max relative difference" in detail
-
-    class FakeCuda:
-        name = "cuda"
-    calls = []
-    monkeypatch.setattr(gs, "wgmma_available", lambda be: True)
-    monkeypatch.setattr(gs, "_device_id", lambda be: 77)
-    monkeypatch.setattr(gs, "_selftest", lambda be: calls.append(be) or (False, "max relative difference 3"))
-    monkeypatch.setattr(gs, "_WGMMA_VERIFIED", {})
-    with pytest.warns(RuntimeWarning, match="disagrees with the mma.sync GEMM"):
-        assert gs.wgmma_verified(FakeCuda()) is False
-    assert gs.wgmma_verified(FakeCuda()) is False and len(calls) == 1   # checked once per device
-
-    def broken(be):
-        raise RuntimeError("ptxas: out of resources")
-    monkeypatch.setattr(gs, "_selftest", broken)
-    monkeypatch.setattr(gs, "_device_id", lambda be: 78)
-    with pytest.warns(RuntimeWarning, match="RuntimeError: ptxas: out of resources"):
-        assert gs.wgmma_verified(FakeCuda()) is False   # a failure to build or run is a failed check
+def test_wgmma_defaults_follow_the_selfcheck_verdict(emu, monkeypatch, tmp_path):
+    """wgmma_verified is the device self-check's gemm.wgmma verdict (dflash_cupy/selfcheck.py,
+    which compares the kernel with the NumPy reference): trusted where none is known (the
+    emulator runs no check by itself), and a verdict that failed it keeps every default on
+    mma.sync with one RuntimeWarning per process."""
+    from dflash_cupy import selfcheck_verdict as sv
+    monkeypatch.setenv(sv.ENV_CACHE, str(tmp_path / "verdicts.json"))
+    monkeypatch.delenv(sv.ENV_MODE, raising=False)
+    sv.forget()
+    try:
+        assert gs.wgmma_verified(emu) is True
+        status = {v: "pass" for v in sv.VARIANTS}
+        status["gemm.wgmma"] = "fail"
+        bad = sv.Check("gemm.wgmma", "bf16 none m=100 wg128", False, 0.31, "f32")
+        sv.store(sv.Report(device=sv.device_identity(emu), status=status, checks=[bad]))
+        sv.forget()                                   # read back from the file, as a new process would
+        with pytest.warns(RuntimeWarning, match=r"gemm\.wgmma .* worst error 0\.31 .* using gemm\.stream"):
+            assert gs.wgmma_verified(emu) is False
+        assert Gemm(emu, 64, 64, "bf16", max_m=256, path="stream")._stream.wg_variants == ()
+        monkeypatch.setenv(sv.ENV_MODE, "off")        # off: every variant trusted
+        assert gs.wgmma_verified(emu) is True
+    finally:
+        sv.forget()
 
 
 def test_plan_fills_the_sms_in_whole_waves():

@@ -383,6 +383,8 @@ def test_gpu_check_real_commands_parse(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     cmds = [json.loads(line) for line in record.read_text().splitlines()]
     assert cmds[0][:2] == ["-", "0"]  # preflight, real mode
+    assert cmds[1][1:3] == ["dflash_cupy", "selfcheck"] and "--only" not in cmds[1]  # the whole self-check first
+    cmds = cmds[:1] + cmds[2:]
     mods = [c[1] for c in cmds[1:]]
     assert mods == ["pytest", "profiling.differential", "profiling.bench_step", "profiling.pdl_check",
                     "profiling.bench_lanes",

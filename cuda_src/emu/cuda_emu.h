@@ -1024,6 +1024,11 @@ EMU_INTERNAL static void shared_yield(MemTable* t) {
 EMU_INTERNAL static inline void check_access(unsigned long long a, unsigned long long n, bool store) {
     MemTable* t = tl_mem;
     if (!t || !n) return;
+    // A scalar load or store of 2, 4 or 8 bytes (16: a 128-bit integer) must be aligned to its
+    // size: the GPU faults ("misaligned address") on e.g. a 4-byte load through
+    // reinterpret_cast<const unsigned int*> at an address that is 2 mod 4, which the CPU runs
+    // silently. (Vector types check their own alignment when they are copied, above.)
+    if ((n == 2 || n == 4 || n == 8 || n == 16) && (a & (n - 1))) misaligned((const void*)a, (unsigned)n, "scalar", store);
     check_page(t, a >> 12, a, n, store);
     if ((a & 4095) + n > 4096) check_page(t, (a + n - 1) >> 12, a, n, store);
     if (t->yield)
@@ -1051,6 +1056,30 @@ EMU_INTERNAL static inline void misaligned(const void* p, unsigned align, const 
     where_str(w, sizeof w);
     snprintf(m, sizeof m, "misaligned %u-byte %s %s at 0x%llx (address %% %u = %llu) in %s %s", align, type,
              store ? "store" : "load", a, align, a % align, in, w);
+    abort_launch(m);
+}
+
+// ldmatrix (cuda_src/ldmatrix.cuh): a lane's row address is 16-byte aligned and names 16 bytes
+// of this block's shared memory (static or dynamic).
+EMU_INTERNAL static void check_ldmatrix_row(const void* row) {
+    const MemTable* t = tl_mem;
+    if (!tl_block || !t) return;  // not inside a launch
+    const unsigned long long a = (unsigned long long)row;
+    char m[512], w[96];
+    if (a & 15) {
+        where_str(w, sizeof w);
+        snprintf(m, sizeof m, "ldmatrix: row address 0x%llx is not 16-byte aligned (address %% 16 = %llu) %s", a,
+                 a % 16, w);
+        abort_launch(m);
+    }
+    for (int i = 0; i < t->nsh; i++)
+        if (a >= t->sh[i].lo && a + 16 <= t->sh[i].lo + t->sh[i].len) return;
+    const char* in = "memory that is not this block's shared memory";
+    for (int i = 0; i < t->n; i++)
+        if (a >= t->r[i].lo && a < t->r[i].hi) { in = t->r[i].name; break; }
+    where_str(w, sizeof w);
+    snprintf(m, sizeof m, "ldmatrix: row address 0x%llx is not in shared memory (the 16-byte row lies in %s) %s", a,
+             in, w);
     abort_launch(m);
 }
 
@@ -2080,8 +2109,11 @@ static inline void emu_mma_m16n8k16(int bf16, float* d, const unsigned int* a, c
     emu::warp_collective(bf16 ? emu::OP_MMA_BF16 : emu::OP_MMA_F16, (unsigned long long)&lane, 0, 32, 0xffffffffu);
 }
 // ldmatrix's emulation (cuda_src/ldmatrix.cuh) brackets its gathers with these:
-// counter mode counts the instruction's rows, not the gathers.
+// counter mode counts the instruction's rows, not the gathers. Each lane's row address must
+// be 16-byte aligned and its 16 bytes in this block's shared memory (PTX ISA ldmatrix: ".shared"
+// state space, rows of 16 bytes "aligned to 16 bytes"); the GPU faults or reads garbage otherwise.
 static inline void emu_ldmatrix_begin(const void* row) {
+    emu::check_ldmatrix_row(row);
     if (EMU_COUNTERS && emu::g_counting && emu::tl_cnt) emu::count_ldmatrix(row);
 }
 static inline void emu_ldmatrix_end() {

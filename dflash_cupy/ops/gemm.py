@@ -61,6 +61,13 @@ PATHS = ("auto", "stream", "mma", "fma")
 ACC_BUDGET = 64           # accumulators per lane the tiling aims for
 
 
+def _stream_usable(backend) -> bool:
+    """The self-check's verdict on the stream GEMM (``dflash_cupy/selfcheck.py``; True when
+    none is known or the check is off)."""
+    from .. import selfcheck_verdict
+    return selfcheck_verdict.variant_usable(backend, "gemm.stream")
+
+
 def weight_kind(dtype) -> str:
     """``"f32" | "f16" | "bf16"`` of a weight dtype (``np.uint16`` = bf16 bits)."""
     return dtypes.kind_of(dtype, "w_dtype")
@@ -105,6 +112,9 @@ class Gemm:
         mma_ok = self.wkind in ("f16", "bf16") and self.K % 8 == 0
         if path in ("mma", "stream") and not mma_ok:
             raise ValueError(f"path {path!r} needs f16/bf16 weights and K % 8 == 0 (got {self.wkind}, K={self.K})")
+        stream_only = epilogue == "argmax" or norm_eps is not None or x16 or y16 or rope is not None
+        if path == "auto" and mma_ok and not stream_only and not _stream_usable(backend):
+            mma_ok = False   # the device's self-check failed gemm_stream.cu: gemm.cu instead
         self.path = "stream" if path == "auto" and mma_ok else ("fma" if path == "auto" else path)
         # "argmax": the lm_head GEMM with the greedy token fused (per column block the best
         # column into ``partials``; ``logits=False``: y is never written)

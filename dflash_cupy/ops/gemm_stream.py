@@ -336,59 +336,17 @@ def wgmma_available(backend) -> bool:
     return True
 
 
-_WGMMA_VERIFIED: dict = {}   # GPU (backend name, device id) -> the self-check's verdict
-
-
 def wgmma_verified(backend) -> bool:
-    """``wgmma_available`` and, on a GPU, a one-time check (per device and process) that the
-    wgmma kernel agrees with the mma.sync kernel on a small GEMM. The operand layouts of
-    gemm_wgmma.cu were read from the PTX ISA and checked only against the emulator, which
-    implements that same reading; if the hardware disagrees, every default stays on
-    gemm_stream.cu and a RuntimeWarning says so, rather than drafts silently going wrong.
-    (tests/test_wgmma.py and tests/test_gemm_wgmma.py, run on the GPU, are the full check.)"""
+    """``wgmma_available`` and not disabled by the device's self-check (``dflash_cupy.selfcheck``,
+    variant ``gemm.wgmma``: on a GPU run on first use and cached per device; it compares the
+    wgmma kernel with the NumPy reference, never only with another GPU kernel). The operand
+    layouts of gemm_wgmma.cu were read from the PTX ISA and checked only against the emulator,
+    which implements that same reading; where the hardware disagrees, every default stays on
+    gemm_stream.cu and one RuntimeWarning says so, rather than drafts silently going wrong."""
     if not wgmma_available(backend):
         return False
-    if backend.name != "cuda":
-        return True      # the emulator: the kernel's definition, checked by the tests
-    key = (backend.name, _device_id(backend))
-    if key not in _WGMMA_VERIFIED:
-        try:
-            ok, detail = _selftest(backend)
-        except Exception as e:   # a compile or launch failure is a failed check too, not a crash
-            ok, detail = False, f"{type(e).__name__}: {e}"
-        _WGMMA_VERIFIED[key] = ok
-        if not ok:
-            import warnings
-            warnings.warn(f"dflash_cupy: the wgmma GEMM (gemm_wgmma.cu) disagrees with the mma.sync GEMM on "
-                          f"this device ({detail}); using gemm_stream.cu only. Please report this with the output "
-                          f"of profiling/gpu_check.sh.", RuntimeWarning, stacklevel=3)
-    return _WGMMA_VERIFIED[key]
-
-
-def _device_id(backend) -> int:
-    import cupy
-    return int(cupy.cuda.Device().id)
-
-
-def _selftest(backend) -> tuple:
-    """(agree, detail): one 100-row GEMM (N 200, K 456: partial column group and K step)
-    through "wg128" and the 64-row mma.sync variant, both hi + lo, to 1e-4 of each other
-    (they round the same products; only the tensor cores' summation order differs)."""
-    rng = np.random.default_rng(20261201)
-    N, K, m = 200, 456, 100
-    x = rng.standard_normal((m, K)).astype(np.float32)
-    w = (rng.standard_normal((N, K)).astype(np.float32) * 0.05).view(np.uint32) >> 16   # bf16 bits
-    sk = StreamKernels(backend, N, K, 2, 0, 1, 2, max_m=m, wgmma=True)
-    xd, wd = backend.asarray(x), backend.asarray(w.astype(np.uint16))
-    out = []
-    for mt in (4, "wg128"):
-        sk.use(m, mt, 1)
-        y = backend.zeros((m, N), np.float32)
-        sk(xd, wd, y, y, m)
-        out.append(backend.to_numpy(y))
-    err = float(np.max(np.abs(out[1] - out[0]) / (1e-3 + np.abs(out[0]))))
-    ok = bool(np.isfinite(out[1]).all() and err <= 1e-4)
-    return ok, f"max relative difference {err:.3g} over a {m} x {N} x {K} GEMM"
+    from .. import selfcheck_verdict
+    return selfcheck_verdict.variant_usable(backend, "gemm.wgmma")
 
 
 def weight_passes(groups: int, mblocks: int, concurrent: int, m_fastest: bool = True) -> float:
