@@ -16,12 +16,14 @@ PRODUCT = ("dflash_cupy.backends", "dflash_cupy.checks", "dflash_cupy.config", "
            "dflash_cupy.device_weights", "dflash_cupy.dtypes", "dflash_cupy.feature_ring",
            "dflash_cupy.geometry", "dflash_cupy.interop", "dflash_cupy.kernels", "dflash_cupy.kv_batch",
            "dflash_cupy.kv_cache", "dflash_cupy.nvtx_ranges", "dflash_cupy.ops", "dflash_cupy.rope_params",
-           "dflash_cupy.source_dir", "dflash_cupy.step_issuer", "dflash_cupy.tolerances", "dflash_cupy.tuning",
-           "dflash_cupy.weights")
+           "dflash_cupy.selfcheck_verdict", "dflash_cupy.source_dir",
+           "dflash_cupy.step_issuer", "dflash_cupy.tolerances", "dflash_cupy.tuning", "dflash_cupy.weights")
 # Not the product: the float64 oracle, the demos and the command line that runs them;
 # the package's __init__ only re-exports.
+# selfcheck: the device's first-use check compares a cached step with the float64 oracle, so it
+# stands beside the oracle; the product reaches it only through selfcheck_verdict's RUNNER.
 NOT_PRODUCT = ("dflash_cupy", "dflash_cupy.__main__", "dflash_cupy.demo", "dflash_cupy.lanes_demo",
-               "dflash_cupy.reference", "dflash_cupy.spec_demo")
+               "dflash_cupy.reference", "dflash_cupy.selfcheck", "dflash_cupy.spec_demo")
 DEMOS = ("dflash_cupy.__main__", "dflash_cupy.demo", "dflash_cupy.lanes_demo", "dflash_cupy.spec_demo")
 # layer -> modules (prefixes) it may not import
 FORBIDDEN = {
