@@ -160,13 +160,14 @@ def step_kernel_times(cache, ring, next_committed: Callable[[], int], *, repeats
         hold_s = max(HOLD_MIN_S, 2.0 * (time.perf_counter() - t0))
         be.synchronize()
         hz = _clock_hz(be)
+        cycles = int(round(hold_s * hz))   # whole cycles, so a retry's hold is exactly twice as long
     samples, labels = [], None
     for _ in range(repeats):
         for _try in range(HOLD_TRIES):
             cache.begin_step(ring, next_committed())
             rec = _Recorder(be, names, device_clock)
             if device_clock:
-                hold((1,), (1,), (np.int64(hold_s * hz),), stream=s)
+                hold((1,), (1,), (np.int64(cycles),), stream=s)
                 start = be.event()
                 start.record(s)
             else:
@@ -179,6 +180,7 @@ def step_kernel_times(cache, ring, next_committed: Callable[[], int], *, repeats
             if not device_clock or held:
                 break
             hold_s *= 2
+            cycles *= 2
         else:
             raise RuntimeError(f"step_kernel_times: the host still outran a {hold_s / 2 * 1e6:.0f} us hold "
                                f"after {HOLD_TRIES} tries; per-kernel times would be host-bound")
