@@ -104,3 +104,15 @@ def _drain_emulated_streams():
     be = backends._instances.get("emulated")
     if be is not None and not be.is_capturing():
         be.synchronize()
+
+
+@pytest.fixture
+def verdicts(monkeypatch, tmp_path):
+    """A private self-check verdict file, auto mode, nothing known in memory (before and
+    after): tests/test_selfcheck*.py."""
+    from dflash_cupy import selfcheck_verdict as sv
+    monkeypatch.setenv(sv.ENV_CACHE, str(tmp_path / "selfcheck.json"))
+    monkeypatch.setenv(sv.ENV_MODE, "auto")
+    sv.forget()
+    yield tmp_path / "selfcheck.json"
+    sv.forget()

@@ -33,16 +33,6 @@ ROOT = Path(__file__).resolve().parent.parent
 EMU_BUDGET_S = 60.0   # the emulated self-check once its kernels are built (2 busy cores: ~16 s)
 
 
-@pytest.fixture
-def verdicts(monkeypatch, tmp_path):
-    """A private verdict file, auto mode, nothing known in memory (before and after)."""
-    monkeypatch.setenv(sv.ENV_CACHE, str(tmp_path / "selfcheck.json"))
-    monkeypatch.setenv(sv.ENV_MODE, "auto")
-    sv.forget()
-    yield tmp_path / "selfcheck.json"
-    sv.forget()
-
-
 def _report(be, fail=(), **status):
     """A stored-looking verdict for ``be``: every variant passes but ``fail``."""
     st = {v: "pass" for v in sv.VARIANTS}

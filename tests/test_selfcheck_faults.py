@@ -68,16 +68,6 @@ def inject(monkeypatch, macro: str, files: set) -> None:
     monkeypatch.setattr(kernels, "load_module", load)
 
 
-@pytest.fixture
-def verdicts(monkeypatch, tmp_path):
-    """A private verdict file, auto mode, nothing known in memory (before and after)."""
-    monkeypatch.setenv(sv.ENV_CACHE, str(tmp_path / "selfcheck.json"))
-    monkeypatch.setenv(sv.ENV_MODE, "auto")
-    sv.forget()
-    yield tmp_path / "selfcheck.json"
-    sv.forget()
-
-
 # ---------------------------------------------------------------- a drafter the caches run
 def _drafter(kind):
     """The self-check's own end-to-end drafter shape (its kernels are built already), other
