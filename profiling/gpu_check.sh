@@ -213,7 +213,7 @@ TLOG=$OUTDIR/tests.log
 # pytest per file in parallel: most of the time is the emulator's g++ builds (a cold cache on a
 # fresh machine, ~140 modules). A mismatch beyond the kernel's tolerance fails its test; each
 # file's table says which kernels differ at all.
-run_step differential "$( ((QUICK && !DRY)) && echo 80 || echo 110)" "$TLOG" "$PY" -m profiling.differential \
+run_step differential "$( ((QUICK && !DRY)) && echo 80 || echo 110)" "$TLOG" "$PY" -m profiling.run_differential \
     --timeout-s "$( ((QUICK && !DRY)) && echo 70 || echo 95)" \
     tests/test_norm.py tests/test_rope.py tests/test_plan.py tests/test_mma.py \
     tests/test_gemm.py tests/test_attention.py -- "${DIFF_ARGS[@]}"

@@ -165,8 +165,8 @@ def test_emulator_agrees_with_the_gpu_on_rmsnorm(rng):
 
 
 def test_parallel_runner_reports_each_file_and_its_table(capsys):
-    from profiling import differential
-    rc = differential.main(["--mode", "emulated", "tests/test_norm.py", "tests/test_plan.py", "--",
+    from profiling import run_differential
+    rc = run_differential.main(["--mode", "emulated", "tests/test_norm.py", "tests/test_plan.py", "--",
                             "-k", "emulated and (test_rows_are_D_wide_slices_of_the_last_axis or test_masks_exact)"])
     out = capsys.readouterr().out
     assert rc == 0, out[-3000:]
@@ -174,7 +174,7 @@ def test_parallel_runner_reports_each_file_and_its_table(capsys):
     assert "CPU/GPU differential (emulated vs emulated)" in out and "rmsnorm" in out and "build_masks" in out
     assert "0 mismatching launch(es)" in out and "2/2 files passed" in out
     # A failing file fails the run (here: a selection that collects nothing, pytest rc 5).
-    assert differential.main(["--mode", "emulated", "tests/test_norm.py", "--", "-k", "no_such_test"]) == 1
+    assert run_differential.main(["--mode", "emulated", "tests/test_norm.py", "--", "-k", "no_such_test"]) == 1
 
 
 def test_exact_kernel_table_names_real_kernels():
@@ -186,7 +186,7 @@ def test_exact_kernel_table_names_real_kernels():
 
 
 def test_parallel_runner_deadline_keeps_partial_output(capsys):
-    from profiling import differential
-    rc = differential.main(["--mode", "emulated", "--timeout-s", "0.5", "tests/test_norm.py"])
+    from profiling import run_differential
+    rc = run_differential.main(["--mode", "emulated", "--timeout-s", "0.5", "tests/test_norm.py"])
     out = capsys.readouterr().out
     assert rc == 1 and "rc=124" in out and "killed at the runner's --timeout-s" in out

@@ -21,7 +21,7 @@ import pytest
 from dflash_cupy.ops.step_descriptor import DESC_LEN
 from dflash_cupy import backends
 from dflash_cupy.weights import DraftWeights
-from profiling import (bench_attention, bench_gemm, bench_host, bench_step, common, differential,
+from profiling import (bench_attention, bench_gemm, bench_host, bench_step, common, run_differential,
                        summarize, timer)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -386,13 +386,13 @@ def test_gpu_check_real_commands_parse(tmp_path):
     assert cmds[1][1:3] == ["dflash_cupy", "selfcheck"] and "--only" not in cmds[1]  # the whole self-check first
     cmds = cmds[:1] + cmds[2:]
     mods = [c[1] for c in cmds[1:]]
-    assert mods == ["pytest", "profiling.differential", "profiling.bench_step", "profiling.pdl_check",
+    assert mods == ["pytest", "profiling.run_differential", "profiling.bench_step", "profiling.pdl_check",
                     "profiling.bench_lanes",
                     "profiling.bench_gemm", "profiling.bench_attention", "profiling.bench_step",
                     "profiling.bench_host", "profiling.soak", "profiling.summarize"]
     pytest_args = cmds[1][2:]
     assert pytest_args[-3:] == ["--maxfail=25", "-k", "not emulated"] and "tests" in pytest_args
-    diff = differential.parse_args(cmds[2][2:])  # the kernel tests' emulated cases, against the GPU
+    diff = run_differential.parse_args(cmds[2][2:])  # the kernel tests' emulated cases, against the GPU
     assert diff.mode == "1" and "tests/test_gemm.py" in diff.files and diff.timeout_s == 95
     assert diff.pytest_args == ["--maxfail=40", "-k", "emulated"]
     cmds = cmds[:2] + cmds[3:]

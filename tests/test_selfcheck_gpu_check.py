@@ -104,9 +104,9 @@ def test_quick_real_commands(tmp_path):
     sc = cmds[1]
     assert sc[1:3] == ["dflash_cupy", "selfcheck"] and "--only" not in sc and sc[sc.index("--out") + 1].endswith(
         "/o/selfcheck.json")
-    from profiling import bench_step, differential
-    assert [c[1] for c in cmds[2:]] == ["profiling.differential", "profiling.bench_step", "profiling.summarize"]
-    diff = differential.parse_args(cmds[2][2:])
+    from profiling import bench_step, run_differential
+    assert [c[1] for c in cmds[2:]] == ["profiling.run_differential", "profiling.bench_step", "profiling.summarize"]
+    diff = run_differential.parse_args(cmds[2][2:])
     assert diff.timeout_s == 70 and "tests/test_attention.py" in diff.files
     step = bench_step.parse_args(cmds[3][2:])
     assert step.drafters == ["qwen3.5-27b", "h4096"] and step.windows == [4096] and step.modes == ["graph"]

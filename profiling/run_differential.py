@@ -1,6 +1,6 @@
 """Run the CPU/GPU differential over several test files at once.
 
-    python -m profiling.differential [--mode 1|exact|emulated] [--jobs N] [--timeout-s S] FILE...
+    python -m profiling.run_differential [--mode 1|exact|emulated] [--jobs N] [--timeout-s S] FILE...
                                      [-- PYTEST_ARGS...]
 
 One ``pytest`` per file, in parallel (the emulator's cold g++ builds dominate
@@ -30,7 +30,7 @@ def parse_args(argv=None):
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(prog="python -m profiling.differential", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m profiling.run_differential", description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", help="test files (kernel-level tests)")
     p.add_argument("--mode", default="1", choices=("1", "exact", "emulated"),
                    help="DFLASH_CUPY_DIFFERENTIAL value (emulated: a second emulator as the reference)")
