@@ -1,6 +1,6 @@
 """Counters of a recorded launch measured by the emulator (its counter mode).
 
-``emulated_counters(launch)`` takes a ``launch_plan.Launch`` (real shapes, the
+``emulated_counters(launch)`` takes a ``step_trace.Launch`` (real shapes, the
 product's own grid), compiles its kernel variant on the emulated backend,
 rebuilds its arrays in emulated memory and runs a sample of its blocks
 (``counters.sample_blocks``: the first, the last and seeded others) with
@@ -54,7 +54,7 @@ def emulated_arrays(launch, backend=None) -> list:
     from dflash_cupy.backends import emu_memory
 
     if len(launch.arrays) != len(launch.args):
-        raise ValueError(f"launch of {launch.kernel} has no recorded arrays (recorded by an older launch_plan?)")
+        raise ValueError(f"launch of {launch.kernel} has no recorded arrays (recorded by an older step_trace?)")
     roots: dict = {}
     out = []
     for ref, arr in zip(launch.args, launch.arrays):

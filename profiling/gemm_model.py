@@ -32,7 +32,7 @@ from dflash_cupy.ops.gemm import Gemm
 from profiling import counters as ctr
 from profiling.common import drafter_config, int_list, str_list
 from profiling.hw_params import get_gpu
-from profiling.launch_plan import RecordingBackend
+from profiling.step_trace import RecordingBackend
 from profiling.perf_model import resolve_drafter, time_nodes
 
 GOAL = 0.85

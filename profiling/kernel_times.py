@@ -19,9 +19,9 @@ completed when the last launch returns), the step is measured again with a
 hold twice as long (three tries, then ``RuntimeError``): a host-bound number
 is never reported as a kernel time.
 
-Nodes are labelled as the cost model labels them (``launch_plan.node_label``:
+Nodes are labelled as the cost model labels them (``step_trace.node_label``:
 ``gemm_stream[gate_up]``, ``memcpy h2d``), from the cache's own array names
-(``launch_plan.name_arrays``), so the measured table lines up with
+(``step_trace.name_arrays``), so the measured table lines up with
 ``perf_model``'s groups (``perf_model.load_measured`` reads bench_step's
 ``"kernels"`` rows).
 
@@ -42,7 +42,7 @@ import numpy as np
 from dflash_cupy import kernels
 from dflash_cupy.backends.base import observe_launches
 
-from .launch_plan import ArrayRef, Copy, Launch, array_span, name_arrays, named, node_label
+from .step_trace import ArrayRef, Copy, Launch, array_span, name_arrays, named, node_label
 
 HOLD_TRIES = 3
 HOLD_MIN_S = 200e-6

@@ -5,7 +5,7 @@ request at 1, 4, 16, 64 active lanes, against the single-lane step.
     python -m profiling.lanes_model --json
 
 The batch's step graph is recorded at real shapes exactly as the product
-captures it (``launch_plan.RecordingBackend``: the batch's own launchers pick
+captures it (``step_trace.RecordingBackend``: the batch's own launchers pick
 every grid), with ``active`` lanes each appending ``--accept`` rows and the
 rest idle; each launch is timed by ``perf_model.kernel_time`` from its
 counters (the GEMMs' dead row tiles, known from the plan, are skipped as the
@@ -47,7 +47,7 @@ import numpy as np
 from profiling import counters as ctr
 from profiling.common import drafter_config, int_list
 from profiling.hw_params import get_gpu
-from profiling.launch_plan import Launch, RecordingBackend, ShapeOnlyWeights, _rename
+from profiling.step_trace import Launch, RecordingBackend, ShapeOnlyWeights, _rename
 from profiling.perf_model import model_step, resolve_drafter, time_nodes
 
 

@@ -4,7 +4,7 @@
     python -m profiling.perf_model --drafter qwen3.5-27b --gpu H100 --json
 
 For each drafter preset and window: the step graph is recorded at the real
-shapes (``launch_plan``: the product's own launchers decide every grid), each
+shapes (``step_trace``: the product's own launchers decide every grid), each
 launch gets counters (``--counters emulated``, the default: measured by the
 emulator's counter mode on sampled blocks, ``emulated_counters``; ``static``:
 the hand-written access models of ``counters``), ptxas resources at sm_90 and occupancy
@@ -48,7 +48,7 @@ from . import counters as ctr
 from . import static_facts as sf
 from .common import DRAFTERS, drafter_config, int_list, str_list
 from .hw_params import get_gpu
-from .launch_plan import Copy, node_label, step_plan
+from .step_trace import Copy, node_label, trace_step
 from .step_model import step_bytes
 
 ALIASES = {"qwen3-8b": "h4096", "h5120": "qwen3.5-27b"}
@@ -184,12 +184,12 @@ def model_step(drafter: str, window: int, gpu, *, accept: int = 6, lm_head_vocab
                counter_source=None, attn_config=None, pdl: bool = False, compiled: bool = True) -> dict:
     """The model of one step: per node times, totals, floor, ratio, losses.
     ``counter_source(launch) -> KernelCounters`` defaults to the static estimates.
-    ``attn_config``: the attention's ``(n_splits, merge)`` (``step_plan``;
+    ``attn_config``: the attention's ``(n_splits, merge)`` (``trace_step``;
     ``None``: the cost rule's). ``pdl``: the graph captured with programmatic dependent
     launch (each launch that follows a launch: ``gpu.pdl_gap_s`` instead of ``node_gap_s``)."""
     name = resolve_drafter(drafter)
     cfg = drafter_config(name)
-    plan = step_plan(cfg, window, accept=accept, lm_head_vocab=lm_head_vocab, attn_config=attn_config,
+    plan = trace_step(cfg, window, accept=accept, lm_head_vocab=lm_head_vocab, attn_config=attn_config,
                      pdl=pdl)
     nodes = time_nodes(plan.nodes, gpu, counter_source or ctr.static_counters, compiled)
     n_pdl = sum(1 for n in plan.launches if n.pdl)

@@ -612,7 +612,7 @@ def facts(file: str, defines: dict, arch: str | None = None) -> dict[str, Kernel
 
 
 def launch_facts(launch) -> KernelSass:
-    """The SASS facts of one recorded launch (``launch_plan.Launch``)."""
+    """The SASS facts of one recorded launch (``step_trace.Launch``)."""
     return facts(launch.file, launch.defines)[launch.kernel]
 
 
@@ -655,8 +655,8 @@ def main(argv=None) -> int:
         builds.append((a.file, _parse_defines(a.D), None, None))
     else:
         from .common import drafter_config
-        from .launch_plan import Launch, node_label, step_plan
-        plan = step_plan(drafter_config(a.drafter), a.window, lm_head_vocab=a.lm_head)
+        from .step_trace import Launch, node_label, trace_step
+        plan = trace_step(drafter_config(a.drafter), a.window, lm_head_vocab=a.lm_head)
         seen = {}
         for n in plan.nodes:
             if isinstance(n, Launch):

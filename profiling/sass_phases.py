@@ -75,7 +75,7 @@ def _witness(ins) -> str | None:
 def line_executions(launch, backend=None) -> dict[str, float]:
     """``{"file:line|kind": executions per warp}`` of each source line's global and shared loads
     and stores ("global load", "global store", "shared load", "shared store") in the busiest
-    block of one z column of ``launch`` (``launch_plan.Launch``), run in counter mode."""
+    block of one z column of ``launch`` (``step_trace.Launch``), run in counter mode."""
     from dflash_cupy import backends
     from dflash_cupy.backends.emu_counters import count_launch, resolve_sites
 

@@ -659,7 +659,7 @@ def test_fold_merge_uses_the_counters(emu, rng):
 
 # ---------------------------------------------------------------------------- tuning
 def _recording():
-    from profiling.launch_plan import RecordingBackend
+    from profiling.step_trace import RecordingBackend
     return RecordingBackend()        # constructors compile nothing and run nothing on it
 
 

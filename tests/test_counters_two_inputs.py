@@ -16,7 +16,7 @@ from dflash_cupy.ops import gemm_stream as gs
 from dflash_cupy.ops.gemm import Gemm
 from profiling import counters as ctr
 from profiling.emulated_counters import run_counted
-from profiling.launch_plan import RecordingBackend, _rename
+from profiling.step_trace import RecordingBackend, _rename
 
 N, K = 136, 272
 MAX_M = 200

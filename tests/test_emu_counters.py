@@ -356,10 +356,10 @@ def test_sites_name_the_wasteful_instruction(be, mod):
 
 def test_a_launch_the_emulator_cannot_run_keeps_its_static_estimate():
     from profiling.emulated_counters import EmulatedSource
-    from profiling.launch_plan import step_plan
+    from profiling.step_trace import trace_step
     from profiling.common import drafter_config
 
-    plan = step_plan(drafter_config("tiny"), 64)
+    plan = trace_step(drafter_config("tiny"), 64)
     L = next(x for x in plan.launches if x.kernel == "rmsnorm")
     L.defines = dict(L.defines, NORM_D=-1)     # does not compile
     src = EmulatedSource()

@@ -254,7 +254,7 @@ def test_emulator_counts_match_the_static_model(emu, rng):
     conflict-free; global sectors within 2%."""
     from dflash_cupy.backends.emu_counters import count_launch
     from profiling import counters as ctr
-    from profiling.launch_plan import RecordingBackend
+    from profiling.step_trace import RecordingBackend
 
     N, K, m = 300, 520, 150
     rec = RecordingBackend()
@@ -311,7 +311,7 @@ def test_chunks_without_a_computed_tile_issue_no_wgmma(emu, rng):
     and the outputs still right (dead rows untouched)."""
     from dflash_cupy.backends.emu_counters import count_launch
     from profiling import counters as ctr
-    from profiling.launch_plan import RecordingBackend
+    from profiling.step_trace import RecordingBackend
 
     N, K, m = 256, 256, 150
     flags = np.array([1, 0, 0, 0, 0, 0, 1, 1, 0, 1], np.int32)   # chunks: 0 and 3 of block 0, 0 of block 1
@@ -449,7 +449,7 @@ def test_live_split_counts_match_the_static_model(emu, rng, monkeypatch):
     emulator against profiling/counters.py with the flags known: wgmma work and barriers."""
     from dflash_cupy.backends.emu_counters import count_launch
     from profiling import counters as ctr
-    from profiling.launch_plan import RecordingBackend
+    from profiling.step_trace import RecordingBackend
 
     monkeypatch.setattr(gs, "device_of", lambda backend: gs.Device(4, 232448))
     N, K, m = 600, 840, 150

@@ -157,7 +157,7 @@ def test_static_counters_follow_the_element_size(emu, rng, cfg, norm):
     y16 the same for y's bytes and the stores' sectors."""
     from dflash_cupy.backends.emu_counters import count_launch
     from profiling import counters as ctr
-    from profiling.launch_plan import RecordingBackend, _rename
+    from profiling.step_trace import RecordingBackend, _rename
 
     m = 100 if isinstance(cfg[0], str) or cfg[0] == 4 else 3
     est = {}

@@ -12,7 +12,7 @@ from dflash_cupy.feature_ring import FeatureRing
 from dflash_cupy.kv_cache import DraftKvCache
 from dflash_cupy.ops.norm import RmsNorm
 from profiling import common, kernel_times, perf_model
-from profiling.launch_plan import step_plan
+from profiling.step_trace import trace_step
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_step_nodes_are_the_cost_models_nodes(be):
     try:
         before = be.to_numpy(kv.hidden_states)
         t = kernel_times.step_kernel_times(kv, ring, advance, repeats=2)
-        plan = step_plan(cfg, window, accept=accept)
+        plan = trace_step(cfg, window, accept=accept)
         want = [kernel_times.node_label(n) for n in plan.nodes]
         assert t.labels == want                      # node for node, GEMM roles included
         assert "gemm_stream[gate_up]" in t.labels or "gemm_mma[gate_up]" in t.labels or \

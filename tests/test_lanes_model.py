@@ -4,7 +4,7 @@ import numpy as np
 from profiling import lanes_model as lm
 from profiling.common import drafter_config
 from profiling.hw_params import get_gpu
-from profiling.launch_plan import Launch
+from profiling.step_trace import Launch
 from tests.support.model_params import report_goal
 
 

@@ -188,7 +188,7 @@ def test_sixteen_bit_output_counters_match_the_static_model(emu, rng):
     profiling/counters.py: half the f32 launch's store bytes, the same load bytes."""
     from dflash_cupy.backends.emu_counters import count_launch
     from profiling import counters as ctr
-    from profiling.launch_plan import RecordingBackend
+    from profiling.step_trace import RecordingBackend
 
     D, rows = 4096, 19
     stored = {}

@@ -252,8 +252,8 @@ def test_batch_with_pdl_is_bit_identical_and_ordered():
 
 def test_recording_backend_marks_the_step_graph():
     from profiling.common import drafter_config
-    from profiling.launch_plan import Copy, Launch, step_plan
-    plan = step_plan(drafter_config("h4096"), 2048, pdl=True)
+    from profiling.step_trace import Copy, Launch, trace_step
+    plan = trace_step(drafter_config("h4096"), 2048, pdl=True)
     prev = None
     marked = 0
     for n in plan.nodes:
@@ -264,7 +264,7 @@ def test_recording_backend_marks_the_step_graph():
     copies = sum(isinstance(n, Copy) for n in plan.nodes)
     assert marked == len(plan.launches) - copies  # each copy is followed by an unmarked launch
     assert not any(getattr(n, "pdl", False) for n in plan.prefill)   # bulk appends: eager, never
-    assert not any(n.pdl for n in step_plan(drafter_config("h4096"), 2048).launches)
+    assert not any(n.pdl for n in trace_step(drafter_config("h4096"), 2048).launches)
 
 
 # ---------------------------------------------------------------- cuLaunchKernelEx packing

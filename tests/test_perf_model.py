@@ -34,7 +34,7 @@ from profiling import perf_model as pm
 from profiling import static_facts as sf
 from profiling.common import drafter_config
 from profiling.hw_params import H100, H200, get_gpu
-from profiling.launch_plan import Launch, step_plan
+from profiling.step_trace import Launch, trace_step
 from profiling.step_model import step_bytes
 from tests.support.launches import arr, gs_launch
 from tests.support.model_params import NO_CALIBRATION, report_goal
@@ -229,7 +229,7 @@ def test_ptxas_facts_of_the_gate_up_gemm():
     groups x 9 K slices = 1224 blocks, 4 waves of 264 and a tail of 168, more blocks
     than SMs (the planner prices a partial last wave whole: 10 slices, the old choice,
     left a tail of 40 blocks, latency-bound, 16 us per step in the model)."""
-    plan = step_plan(drafter_config("qwen3.5-27b"), 256)
+    plan = trace_step(drafter_config("qwen3.5-27b"), 256)
     gu = [n for n in plan.launches if n.kernel == "gemm_stream" and n.args[1].name.endswith("w_gate_up")]
     assert len(gu) == 5 and gu[0].grid == (136, 1, 9)
     info = sf.ptxas_info(gu[0].file, gu[0].defines)["gemm_stream"]
@@ -259,7 +259,7 @@ def _cfg(**kw):
 @pytest.mark.parametrize("merge", [None, "launch", "fold"])
 def test_node_count_formula(kw, window, merge):
     c = _cfg(**kw)
-    plan = step_plan(c, window, attn_config=None if merge is None else (None, merge))
+    plan = trace_step(c, window, attn_config=None if merge is None else (None, merge))
     att = plan.cache.attention
     assert (att.n_splits > 1) == (window == 4096)
     if att.n_splits > 1:
@@ -281,16 +281,16 @@ def test_node_count_of_the_presets(window):
     the q/k norm + RoPE + K/V scatter runs in the qkv GEMM's epilogue (no qkv_norm_rope), the
     hidden norm in every layer's qkv GEMM (ln_lo: no rmsnorm node of its own)."""
     for name in ("h4096", "qwen3.5-27b"):
-        plan = step_plan(drafter_config(name), window)
+        plan = trace_step(drafter_config(name), window)
         att = plan.cache.attention
         assert att.n_splits > 1 and att.merge == ("launch" if window == 2048 else "fold")
         combine = att.merge == "launch"
         assert plan.n_nodes == (34 if combine else 29) == sf.graph_node_count(5, attn_combine=combine)
         assert not any(n.kernel == "qkv_norm_rope" for n in plan.launches)
         if window == 2048:
-            lm = step_plan(drafter_config(name), window, lm_head_vocab=1024)
+            lm = trace_step(drafter_config(name), window, lm_head_vocab=1024)
             assert lm.n_nodes == 36 == sf.graph_node_count(5, attn_combine=True, lm_head=True)
-            fold = step_plan(drafter_config(name), window, attn_config=(None, "fold"))
+            fold = trace_step(drafter_config(name), window, attn_config=(None, "fold"))
             assert fold.n_nodes == 29 == sf.graph_node_count(5)
         # per layer: qkv GEMM (input norm and rope folded), attention [+ combine], o, gate_up
         # (norm folded), down; outside: descriptor copy, plan_step, fc GEMM (its rows enter
@@ -323,7 +323,7 @@ def test_recorded_graph_matches_the_emulated_capture():
         graph = kv._graphs[kv._slot]
         emu = graph.launches
         n_emu = graph.n_launches + graph.n_copies
-    plan = step_plan(c, window)
+    plan = trace_step(c, window)
     assert n_emu == plan.n_nodes
     assert emu == [(n.kernel, n.grid, n.block, n.shared_mem) for n in plan.launches]
 
@@ -331,7 +331,7 @@ def test_recorded_graph_matches_the_emulated_capture():
 def test_step_bytes_match_the_hand_counted_model():
     """Counted per launch (static counters) vs counted per op by step_model."""
     for name in ("h4096", "qwen3.5-27b"):
-        plan = step_plan(drafter_config(name), 2048)
+        plan = trace_step(drafter_config(name), 2048)
         counted = sum(ctr.static_counters(n).dram_bytes for n in plan.launches)
         counted += sum(ctr.copy_counters(n).dram_bytes for n in plan.copies)
         model = step_bytes(plan.cache, 6, 2)
@@ -558,7 +558,7 @@ def test_gemm_stream_counters_agree_with_the_launcher_figures(m, name, N, K, nw)
 
 
 def test_step_plan_gemm_launches_match_the_launcher_plan():
-    plan = step_plan(drafter_config("h4096"), 2048, lm_head_vocab=1024)
+    plan = trace_step(drafter_config("h4096"), 2048, lm_head_vocab=1024)
     gl = [n for n in plan.launches if n.kernel in ("gemm_stream", "gemm_wgmma")]
     assert len(gl) == 1 + 4 * 5 + 1
     # the qkv GEMM's 50 rows (34 append + 16 noise) take the wgmma kernel (from WG_MIN_M rows)
@@ -588,7 +588,7 @@ def test_gemm_stream_padding_tiles_skipped():
 
 
 def test_step_qkv_gemm_knows_the_step_padding():
-    plan = step_plan(drafter_config("h4096"), 2048)
+    plan = trace_step(drafter_config("h4096"), 2048)
     qkv = [n for n in plan.launches if n.kernel in ("gemm_stream", "gemm_wgmma") and n.args[1].name.endswith("w_qkv")]
     assert len(qkv) == 5 and all(n.known == {"pad_lo": 6} and n.args[14] == plan.a_step for n in qkv)
 

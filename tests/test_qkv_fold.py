@@ -169,7 +169,7 @@ def test_emulator_counts_match_the_static_model(ks, flags):
     stored (Q, K, V, split-K partials) exactly; global load sectors within 3%."""
     from profiling import counters as ctr
     from profiling.emulated_counters import run_counted
-    from profiling.launch_plan import RecordingBackend
+    from profiling.step_trace import RecordingBackend
 
     rng = np.random.default_rng(5)
     spec = SPECS[0]
@@ -207,15 +207,15 @@ def test_emulator_counts_match_the_static_model(ks, flags):
 
 @pytest.mark.parametrize("drafter", ["h4096", "qwen3.5-27b"])
 def test_recorded_steps_have_no_separate_rope(drafter):
-    """The recorded step graphs (profiling.launch_plan) at real shapes: one lane
+    """The recorded step graphs (profiling.step_trace) at real shapes: one lane
     (DraftKvCache) and a 16-lane batch run the qkv GEMM with the fold (GW_EPI 3) in every
     layer and no qkv_norm_rope node."""
     from profiling.common import drafter_config
     from profiling.lanes_model import batch_step_plan
-    from profiling.launch_plan import step_plan
+    from profiling.step_trace import trace_step
 
     c = drafter_config(drafter)
-    single = step_plan(c, 2048).launches
+    single = trace_step(c, 2048).launches
     _, batch = batch_step_plan(c, 2048, 16, 16)
     for nodes in (single, batch):
         kernels = [getattr(n, "kernel", None) for n in nodes]
@@ -232,10 +232,10 @@ def test_recorded_steps_fold_the_hidden_norm(drafter):
     in the first layer, h after), with ln_lo set; the fc GEMM writes the qkv GEMMs' x."""
     from profiling.common import drafter_config
     from profiling.lanes_model import batch_step_plan
-    from profiling.launch_plan import step_plan
+    from profiling.step_trace import trace_step
 
     c = drafter_config(drafter)
-    single = step_plan(c, 2048).launches
+    single = trace_step(c, 2048).launches
     _, batch = batch_step_plan(c, 2048, 16, 16)
     for nodes in (single, batch):
         kernels = [getattr(n, "kernel", None) for n in nodes]

@@ -16,7 +16,7 @@ import pytest
 from profiling import sass_phases, static_facts
 from profiling.common import drafter_config
 from profiling.hw_params import get_gpu
-from profiling.launch_plan import Launch, node_label, step_plan
+from profiling.step_trace import Launch, node_label, trace_step
 
 INFLIGHT_MIN_KB = 24.0
 CHAIN_MAX = 4.0
@@ -30,7 +30,7 @@ _plans: dict = {}
 def launches(drafter, window, vocab):
     key = (drafter, window, vocab)
     if key not in _plans:
-        plan = step_plan(drafter_config(drafter), window, lm_head_vocab=vocab)
+        plan = trace_step(drafter_config(drafter), window, lm_head_vocab=vocab)
         seen, out = set(), []
         for n in plan.nodes:
             if isinstance(n, Launch) and n.kernel in STREAMING and n.variant() not in seen:

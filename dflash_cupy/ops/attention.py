@@ -115,7 +115,7 @@ MAX_SPLIT_CANDIDATES = 5   # split counts > 1 the tuner tries (x 2 merges, + n_s
 # The 2K floor costs 3.9 us per layer at 16 lanes and 18 at 64 (under 1% of
 # their steps) and saves 10 / 26 us per layer for one live lane in a 16 / 64
 # lane batch (a step of ~600 us). Reproduce: build RingAttention(..., lanes=L,
-# n_splits=n, merge=m) on profiling.launch_plan.RecordingBackend, call it, and
+# n_splits=n, merge=m) on profiling.step_trace.RecordingBackend, call it, and
 # time be.eager with perf_model.time_nodes(..., counters.static_counters); the
 # whole batch step: `python -m profiling.lanes_model` (attn us at 2K, 1/4/16/64
 # lanes: 22/82/328/1327 before, 22/62/209/850 with this rule). The tuner's

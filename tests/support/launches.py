@@ -1,9 +1,9 @@
-"""Recorded launches for the cost-model tests (``profiling.launch_plan``): array
+"""Recorded launches for the cost-model tests (``profiling.step_trace``): array
 references by shape and dtype, and a gemm_stream launch as ``StreamKernels``
 plans it."""
 import numpy as np
 
-from profiling.launch_plan import ArrayRef, Launch
+from profiling.step_trace import ArrayRef, Launch
 
 
 def arr(name, shape, dtype):

@@ -8,9 +8,9 @@ dynamic shared memory and arguments. ``DraftKvCache`` runs unchanged on it, so
 the recorded step graph is exactly what the product would capture: the same
 launcher classes decide grids, tilings and split factors.
 
-``step_plan(config, window)`` builds a cache with ``capacity = window``, plans
+``trace_step(config, window)`` builds a cache with ``capacity = window``, plans
 the prefill (a bulk append, recorded separately) and one in-graph step, and
-returns a ``StepPlan``: the graph's nodes in order (``Launch`` / ``Copy``),
+returns a ``StepTrace``: the graph's nodes in order (``Launch`` / ``Copy``),
 each launch's arrays named after the cache attribute they are (``k_cache[2]``,
 ``w.layers[0].w_gate_up``, ...).
 """
@@ -296,7 +296,7 @@ class ShapeOnlyWeights(DraftWeights):
 
 # ---------------------------------------------------------------------------- the step
 @dataclass
-class StepPlan:
+class StepTrace:
     config: DraftConfig
     window: int
     capacity: int
@@ -404,9 +404,9 @@ def containing_name(names, r) -> str:
     return "?"
 
 
-def step_plan(config: DraftConfig, window: int, *, ring_dtype=np.uint16, w_dtype=np.uint16,
+def trace_step(config: DraftConfig, window: int, *, ring_dtype=np.uint16, w_dtype=np.uint16,
               accept: int = 6, lm_head_vocab: int | None = None, attn_config=None,
-              pdl: bool = False) -> StepPlan:
+              pdl: bool = False) -> StepTrace:
     """The step graph of a steady-state step at ``window`` (``capacity = window``,
     the ring full, ``accept`` rows appended in the graph). Weights and ring
     default to bf16 (``np.uint16`` bits). ``attn_config``: the attention's
@@ -452,5 +452,5 @@ def step_plan(config: DraftConfig, window: int, *, ring_dtype=np.uint16, w_dtype
     names = name_arrays(kv)
     _rename(nodes, names)
     _rename(prefill, names)
-    return StepPlan(config, int(window), kv.capacity, kv.q_len, kv.a_step, kv.kv_total, nodes,
+    return StepTrace(config, int(window), kv.capacity, kv.q_len, kv.a_step, kv.kv_total, nodes,
                     prefill, kv)
