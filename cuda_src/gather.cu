@@ -11,9 +11,9 @@
 //
 //   plan_step (desc, ring, ap_feat, a_rows, slot_pos, ap_pos, ap_rows, pos_q,
 //              mask_full, mask_swa, cap, q_len, kv_total, masks)
-//       The whole planning of one in-graph step in one launch: plan.cu's
-//       reset_slots_if, plan_append (with pos_q) and build_masks, and
-//       gather_features above. masks: bit 0 writes mask_full, bit 1 mask_swa
+//       The whole planning of one in-graph step in one launch: the unfused
+//       reset_slots_if, plan_append (with pos_q) and build_masks (ring_slots.cu,
+//       tests/cuda/planning_unfused.cu), and gather_features above. masks: bit 0 writes mask_full, bit 1 mask_swa
 //       (an absent mask's argument is any array, never touched).
 //       1-D grid, block (GATHER_THREADS): blocks [0, GX * a_rows) gather (row
 //       b / GX, column chunk b % GX, GX = ceil(FC_IN / (GATHER_THREADS*4)));

@@ -29,7 +29,7 @@
 #define DESC_CTX_ROWS 8
 #define DESC_LEN 10
 
-// Block sizes of the planning kernels (plan.cu): one thread per ring slot,
+// Block sizes of the planning kernels (ring_slots.cu, gather.cu): one thread per ring slot,
 // per appended row, or per cache column.
 #define PLAN_SLOT_THREADS 256
 #define PLAN_ROW_THREADS 128

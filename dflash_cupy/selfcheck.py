@@ -18,7 +18,7 @@ kernels, ``tolerances.TOL`` elsewhere), never only against another GPU kernel:
 * ``attention.mma`` / ``attention.fma``: one split, three splits with either merge (the
   folded last block, the combine launch), a gate, NaN in hidden ring slots, a row that sees
   no key;
-* ``plan`` (``plan.cu``, ``gather.cu``: bulk appends in chunks, a wrapping ring, a rewind, a
+* ``plan`` (``ring_slots.cu``, ``gather.cu``: bulk appends in chunks, a wrapping ring, a rewind, a
   jump), ``norm``, ``rope``, ``sample`` (greedy, sampled, the argmax reduction);
 * ``step.f32`` / ``step.bf16`` / ``step.f16``: a 2-layer drafter (one sliding layer) through
   a prefill in bulk chunks and two in-graph steps that wrap its ring, hidden states, logits
@@ -234,7 +234,7 @@ class _Runner:
     def _plan_sequence(self):
         from .geometry import RingGeometry
         from .ops.gather import FeatureGather, gather_features_reference
-        from .ops.plan import StepPlanner, plan_append_reference
+        from .ops.ring_slots import RingSlots, plan_append_reference
         from .ops.step_descriptor import (DESC_LEN, bulk_chunks, fill_chunk_descriptor, fill_step_descriptor,
                                           plan_step)
         from .reference import ring_masks
@@ -245,7 +245,7 @@ class _Runner:
         rng = _seed("plan")
         ring_h = rng.standard_normal((E2E_RING, fc_in)).astype(np.float32)
         ring = be.asarray(ring_h)
-        planner = StepPlanner(be, geom)
+        planner = RingSlots(be, geom)
         gather = FeatureGather(be, fc_in, E2E_RING, np.float32)
         A, chunk = geom.a_step, E2E_BULK
         slot = be.asarray(np.full(geom.capacity, -1, np.int32))

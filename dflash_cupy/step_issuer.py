@@ -21,7 +21,7 @@ from .nvtx_ranges import nvtx_range
 from .ops.attention import RingAttention
 from .ops.gemm import weight_kind
 from .ops.norm import RmsNorm
-from .ops.plan import StepPlanner
+from .ops.ring_slots import RingSlots
 from .ops.rope import QkvNormRope
 from .ops.sample import SamplingParams, TokenSampler
 
@@ -188,7 +188,7 @@ class StepIssuer:
                                        gate=None if c.attn_gate == "none" else c.attn_gate,
                                        out_kind=self._act16_kinds()[0],
                                        path="auto" if self.checked.attention_mma else "fma", **attn_kw)
-        self.planner = StepPlanner(be, self.geom)
+        self.planner = RingSlots(be, self.geom)
 
     def _build_gemms(self, max_m: int, gate_w: int, logits: bool, lm_rows: int) -> None:
         """The step's GEMMs (``g_fc`` .. ``g_lm``), compiled now, every one

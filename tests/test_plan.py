@@ -1,5 +1,5 @@
-"""Device-side step planning (cuda_src/plan.cu, gather.cu, the descriptor of
-ops/step_descriptor.py): append rows and slot_pos
+"""Device-side step planning (cuda_src/gather.cu, ring_slots.cu, the descriptor of
+ops/step_descriptor.py; the unfused launches of tests/cuda/planning_unfused.cu): append rows and slot_pos
 (SPEC §3 steps 1-4) against a NumPy simulation, feature gather, masks exactly
 equal to dflash_cupy.reference.ring_masks, all driven from one step
 descriptor through a captured graph."""
@@ -9,10 +9,11 @@ import pytest
 
 from dflash_cupy.geometry import RingGeometry
 from dflash_cupy.ops.gather import FeatureGather, gather_features_reference
-from dflash_cupy.ops.plan import StepPlanner, plan_append_reference
+from dflash_cupy.ops.ring_slots import plan_append_reference
 from dflash_cupy.ops.step_descriptor import (DESC_LEN, DESC_RESET, bulk_chunks, fill_chunk_descriptor,
                                              fill_descriptor, fill_step_descriptor, plan_step)
 from dflash_cupy.reference import ring_masks
+from tests.support.planning_unfused import UnfusedPlanning
 
 
 class RingSim:
@@ -66,7 +67,7 @@ class DeviceRing:
     def __init__(self, be, geom, swa, ring_host, chunk, fused=False):
         self.be, self.g, self.swa, self.chunk = be, geom, swa, chunk
         ring_cap, fc_in = ring_host.shape
-        self.planner = StepPlanner(be, geom)
+        self.planner = UnfusedPlanning(be, geom)
         self.gather = FeatureGather(be, fc_in, ring_cap, ring_host.dtype)
         self.ring = be.asarray(ring_host)
         self.next_pos = 0
@@ -185,7 +186,7 @@ def test_masks_exact(backend, rng, capacity, q_len):
     (committed, swa_window): bit-exact against ring_masks, all three entry points."""
     be = backend
     geom = RingGeometry(capacity, q_len)
-    planner = StepPlanner(be, geom)
+    planner = UnfusedPlanning(be, geom)
     shape = (q_len, geom.kv_total)
     mf_d, ms_d = be.zeros(shape, np.float16), be.zeros(shape, np.float16)
     one = be.zeros(shape, np.float16)
@@ -241,7 +242,7 @@ def test_gather_wraparound(backend, rng, dtype, fc_in):
 def test_plan_append_reference_and_reset_if(backend, rng):
     be = backend
     geom = RingGeometry(10, 3)
-    planner = StepPlanner(be, geom)
+    planner = UnfusedPlanning(be, geom)
     sp0 = rng.integers(-1, 50, 10).astype(np.int32)
     desc_h = np.zeros(DESC_LEN, np.int32)
     for start, n_new, n_rows, noise in ((5, 4, 8, True), (18, 8, 8, False), (2**30, 1, 3, True)):
@@ -289,7 +290,7 @@ def test_plan_step_host_fields():
 def test_bad_arguments_raise(emu):
     be = emu
     geom = RingGeometry(10, 3)
-    planner = StepPlanner(be, geom)
+    planner = UnfusedPlanning(be, geom)
     desc = be.zeros((DESC_LEN,), np.int32)
     sp = be.zeros((10,), np.int32)
     with pytest.raises(ValueError, match="slot_pos"):
@@ -319,7 +320,7 @@ def test_plan_step_equals_the_four_launches(backend, rng, capacity, q_len, a_row
     rows than a_rows, starts that wrap the ring and sit near INT_MAX, one or both masks."""
     be = backend
     geom = RingGeometry(capacity, q_len)
-    planner = StepPlanner(be, geom)
+    planner = UnfusedPlanning(be, geom)
     fc_in, ring_cap = 19, 23
     ring_h = rng.standard_normal((ring_cap, fc_in)).astype(np.float16)
     g = FeatureGather(be, fc_in, ring_cap, ring_h.dtype)

@@ -3,15 +3,15 @@ new feature rows of a step or bulk chunk, read from the feature ring at the
 positions the step descriptor names, widened to f32.
 
 ``FeatureGather.plan_step`` is the step graph's whole planning in one launch:
-``StepPlanner.reset_slots_if`` + ``plan_append`` + this gather +
-``StepPlanner.build_masks`` (their NumPy references are the oracle)."""
+``reset_slots_if`` + ``RingSlots.plan_append`` + this gather + ``build_masks``
+(tests/support/planning_unfused.py; their NumPy references are the oracle)."""
 from __future__ import annotations
 
 import numpy as np
 
 from .. import checks, dtypes, kernels
 from ..geometry import RingGeometry
-from .plan import check_desc
+from .ring_slots import check_desc
 from .step_descriptor import DESC_LEN, DESC_N_NEW, DESC_START
 
 THREADS = 256  # columns per block pass (4 per thread)

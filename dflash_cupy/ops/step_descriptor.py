@@ -4,7 +4,7 @@ planning one drafter step (SPEC §3 steps 1-4).
 Per step the host does O(1) work: ``plan_step`` decides rewind / bulk append
 / in-graph append from ``(next_pos, committed)``, ``fill_descriptor`` writes
 the int32 step descriptor into a pinned buffer, one captured H2D copy moves
-it to the device, and the planning kernels (``ops.plan``, ``ops.gather``)
+it to the device, and the planning kernels (``ops.gather``, ``ops.ring_slots``)
 derive everything else there.
 
 The bulk append (more than ``a_step`` missing rows) uses the same kernels

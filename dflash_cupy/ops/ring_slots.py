@@ -1,11 +1,11 @@
-"""Device-side step planning (``cuda_src/plan.cu``) and its NumPy reference
-(SPEC §3 steps 2-5): from the step descriptor (``ops.step_descriptor``)
+"""The ring's slot table and append rows outside the step graph
+(``cuda_src/ring_slots.cu``, SPEC §3 steps 2-4) and their NumPy reference:
+the bulk path, which appends a rewind's or a jump's rows in chunks before the
+step graph runs (the graph's own planning is ``ops.gather``'s ``plan_step``).
 
-* ``StepPlanner.reset_slots_if``: empties ``slot_pos`` when the descriptor's
-  reset flag is set (a rewind handled inside the replayed graph);
-* ``StepPlanner.plan_append``: append positions/rows (padding -> trash slot),
-  ``slot_pos`` updates, noise positions;
-* ``StepPlanner.build_masks``: the full / sliding-window masks from ``slot_pos``.
+* ``RingSlots.reset_slots``: ``slot_pos[:] = -1``;
+* ``RingSlots.plan_append``: append positions/rows (padding -> trash slot),
+  ``slot_pos`` updates, noise positions; ``plan_append_reference`` its oracle.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ def check_desc(be, desc):
         raise ValueError(f"desc must hold >= {DESC_LEN} int32, got shape {tuple(desc.shape)}")
 
 
-class StepPlanner:
-    """Planning kernels of one ring geometry: ``StepPlanner(backend, geom)``.
+class RingSlots:
+    """Slot-table kernels of one ring geometry: ``RingSlots(backend, geom)``.
 
     All methods take device arrays and ``stream``; no allocation, no host sync
     (capture-safe). ``slot_pos [capacity] int32``, ``desc [DESC_LEN] int32``.
@@ -38,18 +38,14 @@ class StepPlanner:
             raise TypeError(f"geom must be a RingGeometry, got {type(geom).__name__}")
         self.backend = backend
         self.geom = geom
-        self._module = kernels.load_module(backend, "plan.cu", CAP=geom.capacity, Q_LEN=geom.q_len,
+        self._module = kernels.load_module(backend, "ring_slots.cu", CAP=geom.capacity, Q_LEN=geom.q_len,
                                            KV_TOTAL=geom.kv_total)
         f = self._module.get_function
-        self._reset, self._reset_if = f("reset_slots"), f("reset_slots_if")
-        self._append = f("plan_append")
-        self._masks, self._mask_full, self._mask_swa = \
-            f("build_masks"), f("build_mask_full"), f("build_mask_swa")
+        self._reset, self._append = f("reset_slots"), f("plan_append")
         self._slot_grid = (-(-geom.capacity // SLOT_THREADS), 1, 1)
-        self._mask_grid = (-(-geom.kv_total // ROW_THREADS), 1, 1)
 
     def __repr__(self):
-        return f"StepPlanner({self.geom})"
+        return f"RingSlots({self.geom})"
 
     def _check_slot_pos(self, slot_pos):
         checks.device_array(self.backend, "slot_pos", slot_pos, np.int32, ndim=1)
@@ -61,12 +57,6 @@ class StepPlanner:
         """``slot_pos[:] = -1``."""
         self._check_slot_pos(slot_pos)
         self._reset(self._slot_grid, (SLOT_THREADS, 1, 1), (slot_pos,), stream=stream)
-
-    def reset_slots_if(self, desc, slot_pos, stream=None):
-        """``slot_pos[:] = -1`` when ``desc[DESC_RESET]`` is set (decided at replay)."""
-        check_desc(self.backend, desc)
-        self._check_slot_pos(slot_pos)
-        self._reset_if(self._slot_grid, (SLOT_THREADS, 1, 1), (desc, slot_pos), stream=stream)
 
     def plan_append(self, desc, ap_pos, ap_rows, slot_pos, pos_q=None, n_rows=None, stream=None):
         """Append rows ``i < n_rows`` (default ``len(ap_pos)``): real rows
@@ -97,30 +87,6 @@ class StepPlanner:
         self._append((-(-work // ROW_THREADS), 1, 1), (ROW_THREADS, 1, 1),
                      (desc, ap_pos, ap_rows, slot_pos, pos_q if pos_q is not None else ap_pos,
                       np.int32(n), np.int32(n_q)), stream=stream)
-
-    def build_masks(self, desc, slot_pos, mask_full=None, mask_swa=None, stream=None):
-        """SPEC §3 step 5 into ``mask_full`` and/or ``mask_swa``
-        (``[q_len, kv_total]`` f16). Run after ``plan_append`` in stream order."""
-        be = self.backend
-        check_desc(be, desc)
-        self._check_slot_pos(slot_pos)
-        shape = (self.geom.q_len, self.geom.kv_total)
-        given = [(n, m) for n, m in (("mask_full", mask_full), ("mask_swa", mask_swa)) if m is not None]
-        if not given:
-            raise ValueError("build_masks needs mask_full and/or mask_swa")
-        for name, m in given:
-            checks.device_array(be, name, m, np.float16, ndim=2)
-            if tuple(m.shape) != shape:
-                raise ValueError(f"{name} must have shape {shape}, got {tuple(m.shape)}")
-        if mask_full is not None and mask_swa is not None and checks.overlaps(mask_full, mask_swa):
-            raise ValueError("mask_full and mask_swa must not overlap")
-        block = (ROW_THREADS, 1, 1)
-        if mask_full is not None and mask_swa is not None:
-            self._masks(self._mask_grid, block, (desc, slot_pos, mask_full, mask_swa), stream=stream)
-        elif mask_full is not None:
-            self._mask_full(self._mask_grid, block, (desc, slot_pos, mask_full), stream=stream)
-        else:
-            self._mask_swa(self._mask_grid, block, (desc, slot_pos, mask_swa), stream=stream)
 
 
 def plan_append_reference(desc, slot_pos, n_rows: int, geom: RingGeometry, with_noise: bool = True):
