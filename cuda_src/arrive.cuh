@@ -8,8 +8,8 @@
 // (cumulative over what the barrier ordered before it) for the other blocks and an acquire
 // of theirs for the last one; the second __syncthreads hands that acquire to the block's
 // readers, which read the partials with __ldcg (L2: other SMs wrote them).
-// Compiled (sm_90, NVRTC 12.9): MEMBAR.ALL.GPU + ATOMG + CCTL.IVALL in thread 0, where two
-// __threadfence() around a relaxed atomicAdd made two MEMBAR.SC.GPU (profiling/sass.py reads it).
+// Compiled (sm_90): MEMBAR.ALL.GPU + ATOMG + CCTL.IVALL in thread 0 (profiling/sass.py reads
+// it; docs/decisions/kernels.md: why not __threadfence()).
 // The emulator runs the same order with a C++ acq_rel read-modify-write.
 #pragma once
 

@@ -19,14 +19,8 @@
 //   A block takes one kv head, one contiguous slice of the kv rows and the
 //   B*(NH/NKV) query rows that read that head (in groups of at most RB rows,
 //   only when they do not fit shared memory at once), so each K/V tile is
-//   loaded from global memory once and used by all of those rows.
-//   Per 32-key tile: lane t of every warp owns key t. The score of (row, t)
-//   is a full dot product read from shared memory (K tile stored with an XOR
-//   swizzle of its 16-byte chunks so the 32 lanes reading 32 different rows
-//   hit distinct banks); online softmax in f32 in the log2 domain (q is
-//   pre-scaled by scale*log2(e)); the P·V product broadcasts p_t with a
-//   shuffle while lane owns output dims lane + 32*j. The lane keeps a partial
-//   softmax denominator, reduced once at the end.
+//   loaded from global memory once and used by all of those rows (the tile
+//   loop below says how a tile is computed).
 //   With SPLITS == 1 the block normalises and writes `out` itself. With
 //   SPLITS > 1 it writes its partial; then with FOLD_MERGE 1 the last of the
 //   SPLITS blocks of its (lane, kv head, row group) — counters[blockIdx.x *
@@ -148,6 +142,13 @@ ring_attn_split(const float* __restrict__ q,
 
     const __half* v_h = reinterpret_cast<const __half*>(v_s);
 
+    // Per 32-key tile: lane t of every warp owns key t. The score of (row, t)
+    // is a full dot product read from shared memory (K tile stored with an XOR
+    // swizzle of its 16-byte chunks so the 32 lanes reading 32 different rows
+    // hit distinct banks); online softmax in f32 in the log2 domain (q is
+    // pre-scaled by scale*log2(e)); the P·V product broadcasts p_t with a
+    // shuffle while lane owns output dims lane + 32*j. The lane keeps a partial
+    // softmax denominator, reduced once at the end.
     for (int k0 = k_begin; k0 < k_end; k0 += TILE) {
         __syncthreads();  // previous tile fully consumed (and q_s written, first time)
         for (int i = threadIdx.x; i < TILE * CPR; i += NT) {

@@ -19,12 +19,8 @@
 //    that draws the last ticket merges the unit's splits into `out` and puts
 //    the counter back to 0, so the next launch (or a graph replay) starts
 //    from zero. Memory order: arrive.cuh's release/acquire ticket; the last
-//    block reads the partials from L2 (__ldcg: other SMs wrote them). An idle lane's blocks return before counting: its counters
-//    stay 0. It saves a launch (a graph node) and the combine's read of the
-//    whole workspace by a full grid, but the lone merging block of a unit
-//    reads its unit's partials at one SM's share of the L2 bandwidth: which
-//    is faster depends on the shape (ops/attention.py: default_merge, and
-//    the autotuner on a GPU).
+//    block reads the partials from L2 (__ldcg: other SMs wrote them). An idle
+//    lane's blocks return before counting: its counters stay 0.
 //
 // Lanes (LANES > 1): one launch serves LANES independent requests, lane l
 // (the grid's lane coordinate) reading and writing only its own slices:
@@ -38,10 +34,7 @@
 // reading anything and its out rows are untouched. LANES 1 with LANE_ROWS B
 // is the single-request kernel (every lane offset 0).
 //
-// out is f32, or with OUT16 1 / 2 the bits of f16 / bf16: each value rounded to
-// nearest even once, as the o projection reading it (a single-rounding GEMM of
-// that weight type, gemm_stream.cu's GS_X16) would round it: bit-identical
-// downstream, half the bytes. Partials stay f32.
+// out is f32, or with OUT16 1 / 2 the bits of f16 / bf16 (below); partials stay f32.
 #pragma once
 #include <cuda_fp16.h>
 #include "arrive.cuh"
@@ -76,9 +69,16 @@
 #ifndef LANE_ROWS
 #define LANE_ROWS B
 #endif
+// The folded merge saves a launch (a graph node) and the combine's read of the
+// whole workspace by a full grid, but the lone merging block of a unit reads
+// its unit's partials at one SM's share of the L2 bandwidth: which is faster
+// depends on the shape (ops/attention.py: default_merge, and the autotuner on a GPU).
 #ifndef FOLD_MERGE
 #define FOLD_MERGE 1          // SPLITS > 1: 1 the last split block merges, 0 ring_attn_combine does
 #endif
+// OUT16: each value rounded to nearest even once, as the o projection reading it
+// (a single-rounding GEMM of that weight type, gemm_stream.cu's GS_X16) would
+// round it: bit-identical downstream, half the bytes.
 #ifndef OUT16
 #define OUT16 0               // out: 0 f32, 1 f16 bits, 2 bf16 bits
 #endif

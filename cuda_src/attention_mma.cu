@@ -27,20 +27,9 @@
 //   (lane, kv head), counters[blockIdx.z * NKV + blockIdx.x], merges the
 //   splits of all R rows into `out` (attention_common.cuh: the folded
 //   combine); with FOLD_MERGE 0 ring_attn_combine does, in a second launch.
-// Isolation: a slot hidden from a query row never reaches that row's output,
-//   whatever it holds (NaN, +-Inf, 65504): its score is selected to -inf (a
-//   hidden mask entry is never added), a key hidden from every row of the
-//   launch is staged as zeros in K and V (a tensor core computes 0 x NaN =
-//   NaN), and a non-finite V entry of a key some rows see is staged as 0 and
-//   its exact contribution added only to the rows that see the key (rare: a
-//   __syncthreads_or per tile says whether any such entry is present).
-//   Visibility of a tile's keys (the OR over the q_len mask rows) is a ballot
-//   per mask row. Pipeline (all loads of a tile issued together, a tile
-//   ahead): before tile t computes, tile t+1's K (asynchronous copies into the
-//   other k_s buffer) and V (16-byte loads into registers), for the keys some
-//   row sees, and tile t+2's mask rows (registers) are issued; after tile t the
-//   mask rows give tile t+2's visibility, at the top of tile t+1 V and the
-//   rows are stored.
+// Isolation (as attention.cu): a slot hidden from a query row never reaches that
+//   row's output, whatever it holds; the tile loop below says how, and how a
+//   tile's loads are pipelined.
 //   Q and P are f32 split into two f16 terms (hi + lo, ~22 significant bits
 //   for P in [0,1], ~16 for q) so the products keep f32-like accuracy; K and V
 //   are the f16 cache rows themselves.
@@ -315,6 +304,20 @@ ring_attn_mma_split(const float* __restrict__ q,
         load_v(v_cache, k_begin, vis, kvh, vc);
     }
 
+    // Isolation: a slot hidden from a query row never reaches that row's output,
+    // whatever it holds (NaN, +-Inf, 65504): its score is selected to -inf (a
+    // hidden mask entry is never added), a key hidden from every row of the
+    // launch is staged as zeros in K and V (a tensor core computes 0 x NaN =
+    // NaN), and a non-finite V entry of a key some rows see is staged as 0 and
+    // its exact contribution added only to the rows that see the key (rare: a
+    // __syncthreads_or per tile says whether any such entry is present).
+    // Visibility of a tile's keys (the OR over the q_len mask rows) is a ballot
+    // per mask row. Pipeline (all loads of a tile issued together, a tile
+    // ahead): before tile t computes, tile t+1's K (asynchronous copies into the
+    // other k_s buffer) and V (16-byte loads into registers), for the keys some
+    // row sees, and tile t+2's mask rows (registers) are issued; after tile t the
+    // mask rows give tile t+2's visibility, at the top of tile t+1 V and the
+    // rows are stored.
     for (int k0 = k_begin, par = 0, cur = 0; k0 < k_end; k0 += TILE, par ^= 1, cur = cur == 2 ? 0 : cur + 1) {
         const int nx1 = cur == 2 ? 0 : cur + 1, nx2 = nx1 == 2 ? 0 : nx1 + 1;   // vis_s slots of tiles +1, +2
         __syncthreads();  // every warp is done with the previous tile (v_s, k_s and m_s [par ^ 1]); vis_s[nx1] published

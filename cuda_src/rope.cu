@@ -24,11 +24,7 @@
 //   xn = x / sqrt(mean(x^2) + eps) * w          (Q and K; V untouched)
 //   a_i = pos * f_i; c = cos(a_i)*mscale, s = sin(a_i)*mscale
 //   (xn_i, xn_{i+D/2}) -> (xn_i c - xn_{i+D/2} s, xn_{i+D/2} c + xn_i s)
-// The angle is formed in double and reduced modulo 2*pi before sincospif (of the
-// reduced angle / pi: no slow path for huge arguments, which sincosf carries and
-// which serialises the wgmmas of gemm_wgmma.cu's qkv epilogue, the same math from
-// rope_math.cuh), so positions >= 2^20 lose nothing against a rebased window (an
-// f32 product p*f would have an absolute error of ~p * 2^-24 radians).
+// The angle is exact at positions >= 2^20 (rope_math.cuh: rope_cos_sin says how).
 //
 // Launch: grid (M), block (ROPE_THREADS) — ROPE_THREADS a multiple of 32.
 //   Step 1: the block computes the D/2 (cos, sin) pairs of its row once into

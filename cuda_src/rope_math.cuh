@@ -16,9 +16,11 @@
 #define ROPE_INV_TWO_PI 0.15915494309189535
 #define ROPE_INV_PI 0.3183098861837907
 
-// (cos, sin) of position p times frequency f, times scale (YaRN's mscale; 1 otherwise): the
-// angle formed in double and reduced modulo 2*pi before sincosf, so positions >= 2^20 lose
-// nothing against a rebased window.
+// (cos, sin) of position p times frequency f, times scale (YaRN's mscale; 1 otherwise). The
+// angle is formed in double and reduced modulo 2*pi before sincospif (of the reduced angle /
+// pi: no slow path for huge arguments, which sincosf carries and which serialises the wgmmas
+// of gemm_wgmma.cu's qkv epilogue), so positions >= 2^20 lose nothing against a rebased window
+// (an f32 product p*f would have an absolute error of ~p * 2^-24 radians).
 __device__ __forceinline__ void rope_cos_sin(int p, double f, float scale, float& c, float& s) {
     const double a = (double)p * f;
     const double k = rint(a * ROPE_INV_TWO_PI);

@@ -63,70 +63,29 @@ SMEM_LIMIT = device_props.DEFAULT_SMEM   # static shared memory cap (no opt-in f
 MAX_WARPS = 8
 MMA_MAX_ROWS = 128         # query rows per kv head (q_len * n_head/n_head_kv) of attention_mma.cu
 BLOCKS_PER_SM = 2          # what the split kernels' registers allow (~215 regs x 128 threads)
+# The split and merge rules below are the cost model's; the figures that chose
+# each constant, and how to reproduce them, are in docs/decisions/attention.md.
+# The autotuner's timings on a GPU (launch_candidates) overrule all of them.
 # Fewer tiles per split fill the SMs at short windows; below 4 the partials'
-# round trip (and the merge) costs more than the extra blocks gain
-# (profiling.perf_model with the separate combine launch, qwen3-8b at
-# 2K: 8 -> 32.4 us, 4 -> 21.6 us, 2 -> 30.4 us).
+# round trip (and the merge) costs more than the extra blocks gain.
 MIN_TILES_PER_SPLIT = 4
 MERGES = ("launch", "fold")
-# default_merge's crossover. The fold saves a graph node per layer (a 1.5 us
-# gap) and ring_attn_combine (~2.1 us), but the last block of each kv head
-# reads its head's partials alone after its own tiles (532 KB at 16 splits,
-# 1.1 MB at 33), which the model bounds by one SM's share of the L2 bandwidth
-# (~7 / ~14 us per layer); at long windows the split kernel's own bound (its
-# mma.sync issue) grows past its latency path plus that tail and hides it.
-# `python -m profiling.perf_model --counters static --attn-merge launch|fold`
-# (H200; h4096 = qwen3-8b and qwen3.5-27b have the same attention, so the
-# same difference), step us launch -> fold:
-#   window  2K (kv_total  2080, 16 splits): h4096 583.6 -> 606.0, 27b  918.6 ->  941.0
-#   window  8K (kv_total  8224, 33 splits): h4096 622.7 -> 656.3, 27b  957.6 ->  991.2
-#   window 16K (kv_total 16416, 33 splits): h4096 663.5 -> 682.4, 27b  998.4 -> 1017.3
-#   window 24K (kv_total 24608, 33 splits): h4096 708.8 -> 708.4, 27b 1043.7 -> 1043.4
-#   window 32K (kv_total 32800, 33 splits): h4096 754.2 -> 736.1, 27b 1089.1 -> 1071.1
-# so "fold" from 24K keys on. The model's per-SM L2 share is a guess: the
-# autotuner's timings on a GPU (launch_candidates) overrule this rule.
+# default_merge's crossover. The fold saves a graph node per layer and the
+# combine launch, but the last block of each unit reads its unit's partials
+# alone, at one SM's share of the L2 bandwidth; at long windows the split
+# kernel's own bound grows past its latency path plus that tail and hides it.
 FOLD_FROM_KV_TOTAL = 24 * 1024
 MAX_SPLIT_CANDIDATES = 5   # split counts > 1 the tuner tries (x 2 merges, + n_splits 1)
-# Lanes (issue 13). Every lane's (kv head[, row group]) is a unit of n_splits
-# blocks, so a batch of L lanes fills the SMs with L times fewer splits per
-# lane; splitting a lane's keys further only adds the partials' round trip
-# (270 KB per split per lane at qwen3-8b's q 16 x 32 heads, against 131 KB of
-# K/V per key tile) and the merge. But the count is frozen at capture for the
-# batch's lane capacity, and a batch with few live lanes then runs each live
-# lane's window in n_splits serial pieces: one split over 2K keys is a 65-tile
-# latency path, 43.8 us per layer where a lone lane's default (16 splits) takes
-# 7.3. So a batch keeps at least n_tiles // BATCH_TILES_PER_SPLIT splits
+# Lanes: every lane's (kv head[, row group]) is a unit of n_splits blocks, so
+# a batch of L lanes fills the SMs with L times fewer splits per lane. But the
+# count is frozen at capture for the batch's lane capacity, and a batch with
+# few live lanes would then run each live lane's window in a few long serial
+# pieces. So a batch keeps at least n_tiles // BATCH_TILES_PER_SPLIT splits
 # (pieces of 16 to 31 tiles), never more than one lane alone would get.
-# Model (static counters, H200, h4096: D 128, 32/8 heads, q 16): attention us
-# per layer, split kernel + combine + node gaps (f fold, l launch), for a full
-# batch of L lanes and for one live lane in a batch of that capacity (a 1-lane
-# launch at the batch's split count: idle lanes' blocks exit at once):
-#   window 2K (65 tiles)        L=4       L=16      L=64      one live lane (L=4/16/64)
-#     old rule (16 l)           19.4      68.6     268.5       7.3
-#     fill only (8/2/1)         13.9 f    39.4 f   153.2      12.4 / 28.0 / 43.8
-#     this rule (8/4/4 f)       13.9      43.3     171.4      12.4 / 17.6 / 17.6
-#   window 8K (257 tiles)
-#     old rule (33 l)           51.4     196.7                15.1
-#     fill only (8/2 f)         39.0     151.5                28.0 / 90.4
-#     this rule (16 f)          41.5     164.6                19.6
-#   window 32K (1025 tiles, mma.sync-bound: the splits cost next to nothing):
-#     this rule = old = 33 splits, fold: 581.4 at L=16, the best count the model
-#     finds; fill only (2 f) 599.6, and 340.0 for one live lane (37.7 at 33).
-# The 2K floor costs 3.9 us per layer at 16 lanes and 18 at 64 (under 1% of
-# their steps) and saves 10 / 26 us per layer for one live lane in a 16 / 64
-# lane batch (a step of ~600 us). Reproduce: build RingAttention(..., lanes=L,
-# n_splits=n, merge=m) on profiling.step_trace.RecordingBackend, call it, and
-# time be.eager with perf_model.time_nodes(..., counters.static_counters); the
-# whole batch step: `python -m profiling.lanes_model` (attn us at 2K, 1/4/16/64
-# lanes: 22/82/328/1327 before, 22/62/209/850 with this rule). The tuner's
-# timings on a GPU overrule all of this.
 BATCH_TILES_PER_SPLIT = 16
-# The folded merge's cost is one unit's partials read by one block after its
-# tiles: fixed however many lanes share the launch, while ring_attn_combine
-# reads every lane's partials (a node of its own too). Model at 2K (the
-# splits above): L=2 (16 splits) launch 11.2 / fold 11.8 us, L=4 (8) 15.4 /
-# 13.9, L=16 (4) 45.9 / 43.3, L=64 (4) 174.9 / 171.4; at 8K L=4 (16) 44.7 /
-# 41.5, L=16 169.8 / 164.6. So "fold" from 4 lanes on, at any window.
+# The folded merge's cost is one unit's partials read by one block: fixed
+# however many lanes share the launch, while ring_attn_combine reads every
+# lane's partials (and is a node of its own). So "fold" from 4 lanes on.
 FOLD_FROM_LANES = 4
 
 
