@@ -103,7 +103,7 @@ def parse_args(argv=None):
     return a
 
 
-def _plans(args, window: int):
+def _runs(args, window: int):
     """(mode, warmup, repeats, inner) per mode that runs at this window."""
     out = []
     for m in args.modes:
@@ -117,8 +117,8 @@ def _plans(args, window: int):
 
 
 def bench_window(be, name, cfg, weights, lm_head, window, args, bw_Bps, log=print) -> list[dict]:
-    plans = _plans(args, window)
-    max_steps = sum(w + r * i for _, w, r, i in plans) + 2
+    runs = _runs(args, window)
+    max_steps = sum(w + r * i for _, w, r, i in runs) + 2
     if args.kernel_times:   # one unmeasured step, then up to HOLD_TRIES per measured one
         max_steps += 1 + kernel_times.HOLD_TRIES * args.kernel_times
     ring_cap = -(-(window + args.accept * max_steps + 1) // RING_ALIGN) * RING_ALIGN
@@ -161,7 +161,7 @@ def bench_window(be, name, cfg, weights, lm_head, window, args, bw_Bps, log=prin
             cache.run()
 
         fns = {"graph": step_graph, "eager": step_eager, "legacy": step_legacy}
-        for mode, warmup, repeats, inner in plans:
+        for mode, warmup, repeats, inner in runs:
             with nvtx_range(f"bench {name} window={window} {mode}", "orange"):
                 t = timer.measure(fns[mode], be, stream=be.current_stream(), warmup=warmup, repeats=repeats,
                                   inner=inner, budget_s=args.budget_s)

@@ -51,7 +51,7 @@ from profiling.step_trace import Launch, RecordingBackend, ShapeOnlyWeights, _re
 from profiling.perf_model import model_step, resolve_drafter, time_nodes
 
 
-def batch_step_plan(config, window: int, lanes: int, active: int, *, accept: int = 6,
+def trace_batch_step(config, window: int, lanes: int, active: int, *, accept: int = 6,
                     lm_head_vocab: int | None = None, x_split: bool = True, pdl: bool = False):
     """(batch, graph nodes) of a steady-state batch step: ``active`` lanes (the
     first ones) each committing ``accept`` more rows at a full ``window`` (``pdl``: the
@@ -126,7 +126,7 @@ def model_batch(drafter: str, window: int, active: int, gpu, *, lanes: int | Non
     name = resolve_drafter(drafter)
     cfg = drafter_config(name)
     lanes = active if lanes is None else lanes
-    b, nodes = batch_step_plan(cfg, window, lanes, active, accept=accept, lm_head_vocab=lm_head_vocab,
+    b, nodes = trace_batch_step(cfg, window, lanes, active, accept=accept, lm_head_vocab=lm_head_vocab,
                                x_split=x_split, pdl=pdl)
     times = time_nodes(nodes, gpu, ctr.static_counters, compiled=False)
     n_pdl = sum(1 for n in nodes if getattr(n, "pdl", False))

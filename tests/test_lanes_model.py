@@ -10,7 +10,7 @@ from tests.support.model_params import report_goal
 
 def test_batch_plan_marks_live_tiles_and_floor_shares_weights():
     cfg = drafter_config("h4096")
-    b, nodes = lm.batch_step_plan(cfg, 256, 4, 3, accept=6)
+    b, nodes = lm.trace_batch_step(cfg, 256, 4, 3, accept=6)
     assert b.lanes == 4 and b.captures == 2
     kinds = [n.kernel for n in nodes if isinstance(n, Launch)]
     assert kinds.count("plan_lanes") == 1                 # one planning launch for every lane
@@ -58,7 +58,7 @@ def test_single_term_activations_halve_the_mmas_where_they_bind(request):
     cfg = drafter_config("h4096")
     mma = {}
     for xs in (True, False):
-        _, nodes = lm.batch_step_plan(cfg, 256, 4, 4, accept=6, x_split=xs)
+        _, nodes = lm.trace_batch_step(cfg, 256, 4, 4, accept=6, x_split=xs)
         gemms = [n for n in nodes if isinstance(n, Launch) and n.kernel in ("gemm_stream", "gemm_wgmma")]
         assert gemms and all(n.defines.get("GS_SPLIT", n.defines.get("GW_SPLIT")) == (2 if xs else 1) for n in gemms)
         mma[xs] = sum(ctr.static_counters(n).mma + ctr.static_counters(n).wgmma_mma for n in gemms)
@@ -81,13 +81,13 @@ def test_batch_attention_splits_fall_with_lanes(monkeypatch, request):
     from dflash_cupy.ops import attention
     gpu = get_gpu("H200")
     new = {n: lm.model_batch("qwen3-8b", 2048, n, gpu) for n in (1, 16)}
-    b16, _ = lm.batch_step_plan(drafter_config("h4096"), 2048, 16, 16)
+    b16, _ = lm.trace_batch_step(drafter_config("h4096"), 2048, 16, 16)
     assert b16.attention.config() == (4, "fold")
     splits, merge = attention.default_splits, attention.default_merge
     monkeypatch.setattr(attention, "default_splits", lambda nkv, kvt, sms, rg=1, lanes=1: splits(nkv, kvt, sms, rg))
     monkeypatch.setattr(attention, "default_merge", lambda kvt, n, lanes=1: merge(kvt, n))
     old = {n: lm.model_batch("qwen3-8b", 2048, n, gpu) for n in (1, 16)}
-    b16, _ = lm.batch_step_plan(drafter_config("h4096"), 2048, 16, 16)
+    b16, _ = lm.trace_batch_step(drafter_config("h4096"), 2048, 16, 16)
     assert b16.attention.config() == (16, "launch")
     assert new[1]["attention_us"] == old[1]["attention_us"] and new[1]["step_us"] == old[1]["step_us"]
     assert new[16]["attention_us"] < old[16]["attention_us"]
@@ -105,7 +105,7 @@ def test_plan_lanes_counters_follow_the_active_lanes():
     exit at their start; the model counts the rows gathered and the working blocks."""
     from profiling import counters as ctr
     cfg = drafter_config("h4096")
-    b, nodes = lm.batch_step_plan(cfg, 256, 4, 2, accept=6)
+    b, nodes = lm.trace_batch_step(cfg, 256, 4, 2, accept=6)
     L = next(n for n in nodes if isinstance(n, Launch) and n.kernel == "plan_lanes")
     assert L.known["lanes_app"] == (6, 6, None, None)
     known = ctr.static_counters(L)
@@ -140,7 +140,7 @@ def test_sixteen_lanes_take_the_x16_gate_up_path(monkeypatch, request):
     import dflash_cupy.step_issuer as si
     gpu = get_gpu("H200")
     r = lm.model_batch("h4096", 2048, 16, gpu, x_split=False)
-    b, nodes = lm.batch_step_plan(drafter_config("h4096"), 2048, 16, 16, x_split=False)
+    b, nodes = lm.trace_batch_step(drafter_config("h4096"), 2048, 16, 16, x_split=False)
     assert b.hn16 is not None and b.g_gate_up.x16
     assert sum(1 for n in nodes if isinstance(n, Launch) and n.kernel == "rmsnorm"
                and n.defines.get("NORM_Y16")) == b.config.n_layer

@@ -211,12 +211,12 @@ def test_recorded_steps_have_no_separate_rope(drafter):
     (DraftKvCache) and a 16-lane batch run the qkv GEMM with the fold (GW_EPI 3) in every
     layer and no qkv_norm_rope node."""
     from profiling.common import drafter_config
-    from profiling.lanes_model import batch_step_plan
+    from profiling.lanes_model import trace_batch_step
     from profiling.step_trace import trace_step
 
     c = drafter_config(drafter)
     single = trace_step(c, 2048).launches
-    _, batch = batch_step_plan(c, 2048, 16, 16)
+    _, batch = trace_batch_step(c, 2048, 16, 16)
     for nodes in (single, batch):
         kernels = [getattr(n, "kernel", None) for n in nodes]
         assert "qkv_norm_rope" not in kernels
@@ -231,12 +231,12 @@ def test_recorded_steps_fold_the_hidden_norm(drafter):
     reads the context rows from x and the noise rows from its second pointer (noise_embed
     in the first layer, h after), with ln_lo set; the fc GEMM writes the qkv GEMMs' x."""
     from profiling.common import drafter_config
-    from profiling.lanes_model import batch_step_plan
+    from profiling.lanes_model import trace_batch_step
     from profiling.step_trace import trace_step
 
     c = drafter_config(drafter)
     single = trace_step(c, 2048).launches
-    _, batch = batch_step_plan(c, 2048, 16, 16)
+    _, batch = trace_batch_step(c, 2048, 16, 16)
     for nodes in (single, batch):
         kernels = [getattr(n, "kernel", None) for n in nodes]
         qkv = [i for i, n in enumerate(nodes) if getattr(n, "kernel", None) == "gemm_wgmma"

@@ -24,20 +24,20 @@ STREAMING = ("gemm_stream", "gemm_wgmma", "ring_attn_mma_split")
 CASES = [("h4096", 2048, None), ("h4096", 32768, None), ("h4096", 2048, 151936),
          ("qwen3.5-27b", 2048, None), ("qwen3.5-27b", 2048, 151936)]
 
-_plans: dict = {}
+_traces: dict = {}
 
 
 def launches(drafter, window, vocab):
     key = (drafter, window, vocab)
-    if key not in _plans:
-        plan = trace_step(drafter_config(drafter), window, lm_head_vocab=vocab)
+    if key not in _traces:
+        trace = trace_step(drafter_config(drafter), window, lm_head_vocab=vocab)
         seen, out = set(), []
-        for n in plan.nodes:
+        for n in trace.nodes:
             if isinstance(n, Launch) and n.kernel in STREAMING and n.variant() not in seen:
                 seen.add(n.variant())
                 out.append(n)
-        _plans[key] = out
-    return _plans[key]
+        _traces[key] = out
+    return _traces[key]
 
 
 def facts(n):
