@@ -245,7 +245,7 @@ class _Runner:
         rng = _seed("plan")
         ring_h = rng.standard_normal((E2E_RING, fc_in)).astype(np.float32)
         ring = be.asarray(ring_h)
-        planner = RingSlots(be, geom)
+        ring_slots = RingSlots(be, geom)
         gather = FeatureGather(be, fc_in, E2E_RING, np.float32)
         A, chunk = geom.a_step, E2E_BULK
         slot = be.asarray(np.full(geom.capacity, -1, np.int32))
@@ -264,14 +264,14 @@ class _Runner:
             what = f"committed={committed}"
             if f.bulk_count:
                 if f.reset:
-                    planner.reset_slots(slot)
+                    ring_slots.reset_slots(slot)
                     model[:] = -1
                 for s0, cnt in bulk_chunks(f.bulk_start, f.bulk_count, chunk):
                     be.synchronize()
                     fill_chunk_descriptor(host, f, s0, cnt)
                     dh = host.copy()
                     be.copy_h2d_async(desc, host)
-                    planner.plan_append(desc, b_pos, b_rows, slot, n_rows=cnt)
+                    ring_slots.plan_append(desc, b_pos, b_rows, slot, n_rows=cnt)
                     gather(desc, ring, b_feat, n_rows=cnt)
                     rp, rr, model, _ = plan_append_reference(dh, model, cnt, geom, with_noise=False)
                     rf = gather_features_reference(dh, ring_h, cnt)
