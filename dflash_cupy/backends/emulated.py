@@ -7,8 +7,11 @@ Streams as a GPU runs them: work issued to a stream (launches, copies, the
 memset of ``zeros``, graph replays) is queued on it and runs later, in issue
 order, when the host waits for it (stream/event/device ``synchronize``,
 ``to_numpy``, a successful ``event.query()``) or another stream that waits on
-one of its events is drained. Reading a device array directly (it is a NumPy
-array) sees whatever has run so far: go through ``to_numpy`` as on a GPU.
+one of its events is drained.
+
+Device arrays are ``emu_array.DeviceArray``: as ``cupy.ndarray``, ``.get()``
+reads in stream order, and implicit conversion to NumPy waits for every
+stream first (or raises, as CuPy, with ``DFLASH_CUPY_EMU_IMPLICIT=raise``).
 
 Hazards are detected when an operation is issued, from issue order and event
 edges alone (so deterministically): every actor (the host, the default
@@ -53,6 +56,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import emu_build, emu_memory, launch_limits, nvrtc_info, signatures
+from .emu_array import DeviceArray, raw
 from .base import (Backend, BackendError, CaptureError, Graph, Kernel, KernelLaunchError, Module,
                    StreamOrderError, copy_nbytes)
 from .base import check_kernel_args, notify_launch, resolve_pdl
@@ -255,6 +259,8 @@ class EmuKernel(Kernel):
         self.name = sig.name
 
     def _pack(self, args: Sequence[Any]):
+        if isinstance(args, (tuple, list)):
+            args = [raw(a) for a in args]
         check_kernel_args(self.name, self.sig.params, args, np.ndarray)
         keep, slots = [], []
         for p, a in zip(self.sig.params, args):
@@ -272,6 +278,7 @@ class EmuKernel(Kernel):
     def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0,
                  stream: EmuStream | None = None, pdl: bool | None = None) -> None:
         backend = self._module.backend
+        args = tuple(raw(a) for a in args) if isinstance(args, (tuple, list)) else args
         cap = backend._capturing
         follows = cap is not None and bool(cap._record) and cap._record[-1].kind == "launch"
         pdl = resolve_pdl(pdl, follows, self.name)
@@ -490,6 +497,7 @@ class EmulatedBackend(Backend):
 
     # ---- hazard tracking and deferred execution
     def label(self, arr, name: str):
+        arr = raw(arr)
         r = emu_memory.region(arr) if isinstance(arr, np.ndarray) and arr.size else None
         if r is not None:
             self._labels[r[0]] = name
@@ -499,6 +507,7 @@ class EmulatedBackend(Backend):
         """(serial, start, end, write, what, array description) of each tracked array."""
         out = []
         for arr, write, what in accesses:
+            arr = raw(arr)
             if not isinstance(arr, np.ndarray) or arr.nbytes == 0:
                 continue
             r = emu_memory.region(arr)
@@ -624,6 +633,7 @@ class EmulatedBackend(Backend):
             self._host_vc = _join(self._host_vc, vc)
 
     def _host_access(self, arr, write: bool, what: str) -> None:
+        arr = raw(arr)
         # Staging buffers are declared every step: remember where they live (keeps begin_step's
         # host cost on the emulator close to the product's own).
         key = (id(arr), write, what)
@@ -654,29 +664,39 @@ class EmulatedBackend(Backend):
         self._host_access(arr, False, what)
 
     # ---- arrays
-    def empty(self, shape, dtype):
+    def empty(self, shape, dtype) -> DeviceArray:
         self._no_capture("allocation (empty)")
         a = emu_memory.guarded_empty(shape, dtype, "device array")
         if a.nbytes and emu_memory.poison_enabled():
             a.reshape(-1).view(np.uint8).fill(0xFF)  # NaN / -1: reads of unwritten memory show
-        return a
+        return DeviceArray(a, self)
 
-    def zeros(self, shape, dtype):
+    def zeros(self, shape, dtype) -> DeviceArray:
         """As ``cupy.zeros``: the memset is work on the current stream."""
-        a = self.empty(shape, dtype)
+        d = self.empty(shape, dtype)
+        a = d._a
         self._submit(self.current_stream(), [("zeros (memset)", functools.partial(a.fill, 0),
                                               [(a, True, "zeros (memset)")], None, None)])
-        return a
+        return d
 
-    def asarray(self, host):
+    def asarray(self, host) -> DeviceArray:
         self._no_capture("allocation (asarray)")
+        if isinstance(host, DeviceArray):
+            if host._be is not self:
+                raise TypeError("host is a device array of another emulated backend; read it with .get()")
+            host = host.get()
         host = np.asarray(host)
         a = emu_memory.guarded_empty(host.shape, host.dtype, "device array")
         a[...] = host  # synchronous: complete for every stream (nothing can have queued work on it)
-        return a
+        return DeviceArray(a, self)
+
+    def _implicit_sync(self) -> None:
+        """What an implicit read of a device array waits for: every stream."""
+        self.synchronize()
 
     def to_numpy(self, arr, stream=None) -> np.ndarray:
         self._no_capture("to_numpy (a device-to-host read)")
+        arr = raw(arr)
         if not isinstance(arr, np.ndarray):
             raise TypeError(f"arr must be an emulated device array, got {type(arr).__name__}")
         s = self._resolve(stream)
@@ -692,6 +712,8 @@ class EmulatedBackend(Backend):
 
     def is_device_array(self, x) -> bool:
         """True for arrays from ``empty``/``zeros``/``asarray`` (and views)."""
+        if isinstance(x, DeviceArray):
+            return x._be is self and x.nbytes > 0
         return isinstance(x, np.ndarray) and x.nbytes > 0 and emu_memory.is_inside(x, "device array")
 
     # ---- code
@@ -741,6 +763,8 @@ class EmulatedBackend(Backend):
         return EmuEvent(self)
 
     def _copy(self, dst, src, stream, nbytes, what, pinned_src=False):
+        shown = (dst, src)
+        dst, src = raw(dst), raw(src)
         for name, a in (("dst", dst), ("src", src)):
             if not isinstance(a, np.ndarray):
                 raise TypeError(f"{what}: {name} must be an array, got {type(a).__name__}")
@@ -759,7 +783,7 @@ class EmulatedBackend(Backend):
             chk = self.pdl_checker
             self._submit(s, [(what, run if chk is None else chk.wrap(s, "copy", run, None),
                               accesses, pinned, None)])
-        notify_launch("copy", what.split("_")[1], (dst, src), stream)
+        notify_launch("copy", what.split("_")[1], shown, stream)
 
     def copy_h2d_async(self, dst, src, stream=None, nbytes=None):
         # As on CUDA: an asynchronous (and capturable) H2D copy reads pinned memory.
