@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dflash_cupy import interop
-from dflash_cupy.backends.emu_array import CUPY_IMPLICIT_MESSAGE, DeviceArray, raw
+from dflash_cupy.emu.device_array import CUPY_IMPLICIT_MESSAGE, DeviceArray, raw
 from tests.support.drafters import Driver
 
 

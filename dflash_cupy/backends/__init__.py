@@ -47,10 +47,10 @@ def get(name: str | Backend | None = None) -> Backend:
             from .cuda import CudaBackend
             _instances[name] = CudaBackend()
         else:
-            from .emulated import EmulatedBackend
+            from ..emu.backend import EmulatedBackend
             be = EmulatedBackend()
             if os.environ.get(PDL_CHECK_ENV, "0").strip() not in ("", "0"):
-                from .emu_pdl import check_pdl
+                from ..emu.pdl_order import check_pdl
                 check_pdl(be)
             _instances[name] = be
     return _instances[name]

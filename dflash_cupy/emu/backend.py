@@ -1,7 +1,7 @@
 """The emulated backend: the same ``cuda_src/*.cu`` run on the CPU.
 
-Device arrays are NumPy arrays in guarded memory (``emu_memory``); kernels
-are compiled by g++ against ``cuda_src/emu/cuda_emu.h`` (``emu_build``).
+Device memory is guarded host memory (``guarded_memory``); kernels are
+compiled by g++ against ``cuda/cuda_emu.h`` (``build``).
 
 Streams as a GPU runs them: work issued to a stream (launches, copies, the
 memset of ``zeros``, graph replays) is queued on it and runs later, in issue
@@ -9,7 +9,7 @@ order, when the host waits for it (stream/event/device ``synchronize``,
 ``to_numpy``, a successful ``event.query()``) or another stream that waits on
 one of its events is drained.
 
-Device arrays are ``emu_array.DeviceArray``: as ``cupy.ndarray``, ``.get()``
+Device arrays are ``device_array.DeviceArray``: as ``cupy.ndarray``, ``.get()``
 reads in stream order, and implicit conversion to NumPy waits for every
 stream first (or raises, as CuPy, with ``DFLASH_CUPY_EMU_IMPLICIT=raise``).
 
@@ -55,11 +55,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import emu_build, emu_memory, launch_limits, nvrtc_info, signatures
-from .emu_array import DeviceArray, raw
-from .base import (Backend, BackendError, CaptureError, Graph, Kernel, KernelLaunchError, Module,
+from ..backends import launch_limits, nvrtc_info, signatures
+from . import build as emu_build
+from . import guarded_memory as emu_memory
+from .device_array import DeviceArray, raw
+from ..backends.base import (Backend, BackendError, CaptureError, Graph, Kernel, KernelLaunchError, Module,
                    StreamOrderError, copy_nbytes)
-from .base import check_kernel_args, notify_launch, resolve_pdl
+from ..backends.base import check_kernel_args, notify_launch, resolve_pdl
 
 _ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}
 _ERRLEN = 1024
@@ -285,7 +287,7 @@ class EmuKernel(Kernel):
         g, b, shared_mem = launch_limits.launch_config(self.name, grid, block, shared_mem)
         # The driver's checks (sm_90); they also keep shared_mem within the emulator's
         # SMEM_BYTES arena, which is the same opt-in limit.
-        launch_limits.check_emulated_launch(self, g, b, shared_mem)
+        check_launch_limits(self, g, b, shared_mem)
         ptrs, keep = self._pack(args)
         # Deferred: the launch runs when its stream is drained. Access intent comes from the
         # C signature: `const T*` is read, any other pointer read and written.
@@ -338,6 +340,18 @@ class EmuKernel(Kernel):
                 raise KernelLaunchError(f"kernel {self.name}: {where}")
 
 
+def check_launch_limits(kernel, g, b, shared_mem) -> None:
+    """The driver's per-kernel checks (``launch_limits.KernelLimits``) before an emulated
+    launch: ``kernel`` has ``name`` and ``_module`` (whose ``resources`` maps kernel names
+    to ``KernelResources``, or is None)."""
+    lim = kernel.__dict__.get("_launch_limits")
+    if lim is None:
+        res = getattr(kernel._module, "resources", None)
+        lim = launch_limits.KernelLimits(kernel.name, None if res is None else res.get(kernel.name))
+        kernel._launch_limits = lim
+    lim.check(g, b, shared_mem)
+
+
 _lazy_lock = threading.Lock()
 
 
@@ -388,6 +402,7 @@ class EmuModule(Module):
 
 class EmulatedBackend(Backend):
     name = "emulated"
+    compute_capability = "90"   # it models an H200 (device_props.H200; kernels.arch_options asks)
 
     def __init__(self):
         sched = os.environ.get("DFLASH_CUPY_EMU_SCHEDULE", "shuffle").strip().lower()
@@ -420,7 +435,7 @@ class EmulatedBackend(Backend):
         self._ran: dict[int, int] = {}              # actor -> clock of its latest op that ran
         self._host_res: dict = {}                   # (id, write, what) -> resolved host access
         self.host_waits = 0                         # host waits that had queued work to run
-        # the PDL ordering check: off unless emu_pdl.check_pdl(backend) turns it on
+        # the PDL ordering check: off unless pdl_order.check_pdl(backend) turns it on
         self.pdl_checker = None
 
     def _pool(self):
@@ -682,8 +697,6 @@ class EmulatedBackend(Backend):
     def asarray(self, host) -> DeviceArray:
         self._no_capture("allocation (asarray)")
         if isinstance(host, DeviceArray):
-            if host._be is not self:
-                raise TypeError("host is a device array of another emulated backend; read it with .get()")
             host = host.get()
         host = np.asarray(host)
         a = emu_memory.guarded_empty(host.shape, host.dtype, "device array")
@@ -712,8 +725,8 @@ class EmulatedBackend(Backend):
 
     def is_device_array(self, x) -> bool:
         """True for arrays from ``empty``/``zeros``/``asarray`` (and views)."""
-        if isinstance(x, DeviceArray):
-            return x._be is self and x.nbytes > 0
+        if isinstance(x, DeviceArray):   # of any emulated backend: they share the process's memory
+            return x.nbytes > 0
         return isinstance(x, np.ndarray) and x.nbytes > 0 and emu_memory.is_inside(x, "device array")
 
     # ---- code
@@ -730,7 +743,7 @@ class EmulatedBackend(Backend):
             so, kernels, resources = self._build(source, options, filename)
             mod = EmuModule(self, so, kernels)
             mod.resources = resources
-        mod.build_args = (source, tuple(options), filename)   # emu_counters builds its counting twin
+        mod.build_args = (source, tuple(options), filename)   # counting.py builds its counting twin
         return mod
 
     @staticmethod

@@ -34,9 +34,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..tolerances import TOL
-from .base import Backend, KernelLaunchError
-from .emu_array import raw
-from .emulated import EmulatedBackend
+from ..backends.base import Backend, KernelLaunchError
+from .device_array import raw
+from .backend import EmulatedBackend
 
 # Kernels whose outputs do not depend on floating-point evaluation details: any
 # difference is a bug. (plan.cu: integer planning, constant 0/-inf f16 masks, and a

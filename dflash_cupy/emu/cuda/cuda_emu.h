@@ -1,7 +1,7 @@
 // cuda_emu.h — run CUDA C kernels on the CPU (g++), the one place where the
 // CPU and the GPU differ. Kernel files in cuda_src/ include <cuda_fp16.h> /
 // <cuda_bf16.h> / <math_constants.h>; under g++ those resolve to
-// cuda_src/emu/include/*.h, which include this file.
+// dflash_cupy/emu/cuda/include/*.h, which include this file.
 //
 // Model:
 // - A launch runs the blocks of its grid one after another (or spread over a
@@ -69,7 +69,7 @@ namespace emu {
 static inline void misaligned(const void* p, unsigned align, const char* type, bool store);
 // Counter mode (see "counters" below): the counting state of the launch this OS
 // thread runs, null when counting is off. The hooks exist only in modules built
-// with -DEMU_COUNTERS=1 (emu_build's counting variant): ordinary builds pay nothing.
+// with -DEMU_COUNTERS=1 (build.py's counting variant): ordinary builds pay nothing.
 static thread_local void* tl_cnt;
 static int g_counting;  // counted launches running in this module: tested before tl_cnt
 // One vector access of `n` bytes as the GPU issues it (a single instruction),
@@ -881,7 +881,7 @@ EMU_INTERNAL static bool run_block(Block* b, int order, Rng& rng, const StackAre
 // Kernel code is compiled with g++ -fsanitize=kernel-address and every load
 // and store of it calls __asan_{load,store}N_noabort below (no shadow memory:
 // these are ours). Each launch gets a table of the allocations its pointer
-// arguments point into (from emu_memory: data [d0, d1) inside a mapping
+// arguments point into (from guarded_memory.py: data [d0, d1) inside a mapping
 // [lo, hi) with guard pages at both ends). An access that touches a page of a
 // mapping other than its interior pages is compared with [d0, d1) exactly, so
 // a[-1] and a[n] are reported for any byte size; interior pages cost one hash
@@ -1113,7 +1113,7 @@ EMU_INTERNAL static void check_ldmatrix_row(const void* row) {
 // above: a prefetch is no load); CNT_PDL_* count the blocks with a thread past its
 // wait, the threads that waited, and the threads that triggered their dependents
 // before waiting. emu_pdl_export hands the sector table to the ordering check
-// (dflash_cupy/backends/emu_pdl.py).
+// (dflash_cupy/emu/pdl_order.py).
 enum : int { CNT_GLD_REQ, CNT_GLD_SEC, CNT_GLD_BYTES, CNT_GST_REQ, CNT_GST_SEC, CNT_GST_BYTES,
              CNT_SLD_REQ, CNT_SLD_WF, CNT_SLD_IDEAL, CNT_SST_REQ, CNT_SST_WF, CNT_SST_IDEAL,
              CNT_MMA, CNT_BARRIERS, CNT_BLOCKS, CNT_OTHER_ACC, CNT_OTHER_BYTES, CNT_SITES_MERGED,
@@ -2142,7 +2142,7 @@ EMU_INTERNAL static inline unsigned long long emu_wgmma_desc(const void* smem, u
 }
 // Programmatic dependent launch (cuda_src/pdl.cuh). Launches run one after another
 // here, so the ordering they ask for always holds; the counter build records what
-// each thread touches before its wait for the ordering check (emu_pdl.py).
+// each thread touches before its wait for the ordering check (pdl_order.py).
 EMU_INTERNAL static inline void emu_pdl_wait() {
     emu::Fiber* f = emu::tl_fiber;
     f->pdl_waited = 1;
