@@ -13,7 +13,7 @@ from .base import (Backend, BackendError, CaptureError, Graph, Kernel,  # noqa: 
 
 NAMES = ("cuda", "emulated")
 ENV_VAR = "DFLASH_CUPY_BACKEND"
-PDL_CHECK_ENV = "DFLASH_CUPY_EMU_PDL_CHECK"   # the emulated backend's PDL ordering check (emu_pdl.py)
+PDL_CHECK_ENV = "DFLASH_CUPY_EMU_PDL_CHECK"   # the emulated backend's PDL ordering check (emu/pdl_order.py)
 _instances: dict[str, Backend] = {}
 
 

@@ -1,7 +1,7 @@
 """The emulated backend's device array: a CuPy-like handle on guarded host
 memory whose reads follow stream order.
 
-Work on the emulated streams is queued and runs later (``emulated.py``), so
+Work on the emulated streams is queued and runs later (``backend.py``), so
 the bytes of a device array may not be written yet when the host holds it.
 ``DeviceArray`` therefore is not an ``ndarray`` (NumPy would read its memory
 without asking, as it does for any ``ndarray`` subclass); it behaves as
