@@ -10,7 +10,7 @@
 // e.g. prefetch_l2() of the first weights a GEMM streams.
 //
 // The rules every step kernel follows (checked on the CPU by the emulator's
-// PDL mode, dflash_cupy/backends/emu_pdl.py):
+// PDL mode, dflash_cupy/emu/pdl_order.py):
 //   - pdl_wait() before any access to data another kernel of the step writes
 //     or reads (in practice: before everything except weight prefetches), and
 //     before any early return, so every block waits;

@@ -59,6 +59,8 @@ def device_view(backend, obj, name: str, *, dtype=None, shape=None):
 
 
 def _emulated_view(backend, obj, name, dtype, shape):
+    if backend.is_device_array(obj) and not isinstance(obj, np.ndarray):
+        return _check(obj, name, dtype, shape)   # the backend's own device array
     if isinstance(obj, np.ndarray):
         return _check(obj, name, dtype, shape) if backend.is_device_array(obj) else None
     dev = _dlpack_device(obj) if hasattr(obj, "__dlpack__") else None

@@ -40,13 +40,12 @@ _NEEDS = re.compile(r"sm_(\d{2,3})(a?)")
 
 
 def _compute_capability(device) -> str:
-    """``device`` as a compute-capability string ("90"): a backend (the emulator and the
-    cost model's recording backend model an H200), a ``cupy.cuda.Device``, "90"/"sm_90"/90/(9, 0), or None (CuPy's current device)."""
+    """``device`` as a compute-capability string ("90"): a backend (the CUDA backend asks
+    CuPy; a backend that models a device states its ``compute_capability``), a
+    ``cupy.cuda.Device``, "90"/"sm_90"/90/(9, 0), or None (CuPy's current device)."""
     if device is None or getattr(device, "name", None) == "cuda":
         import cupy
         return str(cupy.cuda.Device().compute_capability)
-    if getattr(device, "name", None) in ("emulated", "recording"):   # both model an H200
-        return "90"
     cc = getattr(device, "compute_capability", device)
     if isinstance(cc, tuple) and len(cc) == 2:
         return f"{int(cc[0])}{int(cc[1])}"

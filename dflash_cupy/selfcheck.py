@@ -24,7 +24,7 @@ kernels, ``tolerances.TOL`` elsewhere), never only against another GPU kernel:
   a prefill in bulk chunks and two in-graph steps that wrap its ring, hidden states, logits
   and tokens against ``reference.draft_forward`` (the fused argmax with f16 weights);
 * ``graph.pdl``: the same step captured with programmatic dependent launch, bit-identical to
-  the plain graph (on the emulator under its PDL ordering check, ``backends/emu_pdl.py``).
+  the plain graph (on the emulator under its PDL ordering check, ``emu/pdl_order.py``).
 
 Fallbacks (``FALLBACK``): a failing variant is disabled and the next one used: wgmma ->
 mma.sync stream GEMM -> CUDA-core GEMM; tensor-core attention -> CUDA-core attention; PDL ->
@@ -782,7 +782,7 @@ def _e2e(runner: _Runner, variant: str, kind: str, choices: Choices) -> list:
 def _emu_pdl_checked(be):
     """A context factory: the emulated backend's PDL ordering check on inside it."""
     import contextlib
-    from .backends import emu_pdl
+    from .emu import pdl_order as emu_pdl
 
     @contextlib.contextmanager
     def on():

@@ -15,11 +15,10 @@ def _find() -> Path:
     if env:
         return Path(env)
     for cand in (_HERE / "cuda_src", _HERE.parent / "cuda_src"):
-        if (cand / "emu" / "cuda_emu.h").is_file():
+        if cand.is_dir() and any(cand.glob("*.cu")):
             return cand
     raise FileNotFoundError(f"dflash_cupy: kernel sources not found in {_HERE / 'cuda_src'} or "
                             f"{_HERE.parent / 'cuda_src'} (a broken install? set DFLASH_CUPY_CUDA_SRC)")
 
 
 CUDA_SRC = _find()
-EMU_DIR = CUDA_SRC / "emu"

@@ -13,7 +13,7 @@ fill it:
   without a written-out access model get their compulsory bytes only
   (``source`` says which);
 * **the emulator** (``profiling/emulated_counters.py`` over the counter mode of
-  ``cuda_src/emu/cuda_emu.h``, ``dflash_cupy/backends/emu_counters.py``): every
+  ``dflash_cupy/emu/cuda/cuda_emu.h``, ``dflash_cupy/emu/counting.py``): every
   memory access of kernel code is seen by hooks, grouped into warp-level
   instructions and counted by the rules below (the same arithmetic in C++);
   a sample of blocks of each launch runs at the real shapes and is scaled by

@@ -4,7 +4,7 @@
 product's own grid), compiles its kernel variant on the emulated backend,
 rebuilds its arrays in emulated memory and runs a sample of its blocks
 (``counters.sample_blocks``: the first, the last and seeded others) with
-``dflash_cupy.backends.emu_counters.count_launch``; the additive counters are
+``dflash_cupy.emu.counting.count_launch``; the additive counters are
 scaled by the grid (``counters.scale_sample``). The outputs of blocks that do
 not run are not written: nothing reads them.
 
@@ -51,7 +51,7 @@ def _root(a: np.ndarray) -> np.ndarray:
 def emulated_arrays(launch, backend=None) -> list:
     """The launch's arguments on the emulated backend: arrays rebuilt as the module
     docstring says (one allocation per recorded root), scalars as NumPy scalars."""
-    from dflash_cupy.backends import emu_memory
+    from dflash_cupy.emu import guarded_memory as emu_memory
 
     if len(launch.arrays) != len(launch.args):
         raise ValueError(f"launch of {launch.kernel} has no recorded arrays (recorded by an older step_trace?)")
@@ -115,7 +115,7 @@ def run_counted(launch, *, n: int = DEFAULT_SAMPLE, seed: int = 0, backend=None)
     short ones): first + last + (columns - 2) x the mean of the seeded others;
     ``blocks_run`` is the number of blocks that ran."""
     from dflash_cupy import backends, kernels
-    from dflash_cupy.backends.emu_counters import count_launch
+    from dflash_cupy.emu.counting import count_launch
 
     be = backend or backends.get("emulated")
     mod = kernels.load_module(be, launch.file, **launch.defines)
@@ -202,7 +202,7 @@ def hot_sites(lc, waste: float = 1.25, share: float = 0.05, top: int = 3) -> lis
     global accesses, bank-conflicted shared ones): ``waste`` = units / ideal at
     least ``waste`` and at least ``share`` of the kernel's sectors (global) or
     wavefronts (shared); the ``top`` largest excesses, resolved to file:line."""
-    from dflash_cupy.backends.emu_counters import resolve_sites
+    from dflash_cupy.emu.counting import resolve_sites
 
     tot = {"global": sum(x.units for x in lc.sites if x.kind.startswith("global")),
            "shared": sum(x.units for x in lc.sites if x.kind.startswith("shared"))}

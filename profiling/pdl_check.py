@@ -8,7 +8,7 @@ Two caches share the weights and the feature ring and are driven through the sam
 schedule (``accept`` rows per step, one shared noise). After every step their
 ``hidden_states`` must be equal bit for bit (``SystemExit`` naming the step otherwise): a
 kernel that touched data before its ``pdl_wait()`` that the kernel before it writes would
-show here as a difference on a GPU, where the emulator's check (``backends/emu_pdl.py``)
+show here as a difference on a GPU, where the emulator's check (``emu/pdl_order.py``)
 only proves it cannot on the CPU. Then ``us/step`` of each (``timer.measure``): the
 measured saving calibrates ``hw_params.pdl_gap_s``
 (``(us_off - us_on) / n_pdl_edges = node_gap_s - pdl_gap_s``). On the emulator the times
@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from dflash_cupy import DraftKvCache, FeatureRing, backends
-from dflash_cupy.backends import emu_pdl
+from dflash_cupy.emu import pdl_order as emu_pdl
 
 from . import common, timer
 

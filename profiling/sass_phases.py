@@ -4,7 +4,7 @@ The SASS reader (``profiling.sass``) knows what one iteration of each loop does
 (round trips, loads and bytes in flight, issue slots) but not how often a loop
 runs when its bound is a run-time value. The emulator knows that: its counter
 mode counts every warp-level execution of each global-load site of the g++ build
-(``emu_counters``), and ``-lineinfo`` names the same source lines in the SASS.
+(``dflash_cupy.emu.counting``), and ``-lineinfo`` names the same source lines in the SASS.
 So, per launch:
 
 * the blocks of one z column are run one by one in counter mode (split K's last
@@ -77,7 +77,7 @@ def line_executions(launch, backend=None) -> dict[str, float]:
     and stores ("global load", "global store", "shared load", "shared store") in the busiest
     block of one z column of ``launch`` (``step_trace.Launch``), run in counter mode."""
     from dflash_cupy import backends
-    from dflash_cupy.backends.emu_counters import count_launch, resolve_sites
+    from dflash_cupy.emu.counting import count_launch, resolve_sites
 
     from .emulated_counters import _scalar, emulated_arrays
 

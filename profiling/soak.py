@@ -43,7 +43,7 @@ def device_bytes(be) -> int:
     if be.name == "cuda":
         import cupy
         return int(cupy.get_default_memory_pool().used_bytes())
-    from dflash_cupy.backends import emu_memory
+    from dflash_cupy.emu import guarded_memory as emu_memory
     with emu_memory._lock:
         return sum(d1 - d0 for _, d0, d1, desc in emu_memory._regions.values()
                    if desc.startswith("device array"))

@@ -151,6 +151,7 @@ class RecordingBackend(Backend):
     """Backend whose launches and copies are recorded, never run (module docstring)."""
 
     name = "recording"
+    compute_capability = "90"   # it models an H200 (kernels.arch_options asks)
 
     def __init__(self):
         self._capturing = None

@@ -13,7 +13,7 @@ def test_emulator_presents_the_h200_profile(emu):
     assert p is device_props.H200
     assert (p.sm_count, p.smem_optin, p.l2_bytes) == (132, 227 * 1024, 50 * 2**20)
     # the emulator's launch limit is that profile's opt-in shared memory
-    from dflash_cupy.backends import emu_build
+    from dflash_cupy.emu import build as emu_build
     assert emu_build.SMEM_BYTES == p.smem_optin
 
 

@@ -1,4 +1,4 @@
-"""The CPU/GPU differential (``backends/differential.py``, ``tests/support/differential_mode.py``).
+"""The CPU/GPU differential (``emu/differential_backend.py``, ``tests/support/differential_mode.py``).
 
 Its comparison runs here on the CPU with a second emulator as the reference
 (another fiber schedule and seed): real product kernels must agree bit for
@@ -19,8 +19,8 @@ import pytest
 
 from dflash_cupy import backends
 from dflash_cupy.backends.base import KernelLaunchError
-from dflash_cupy.backends.differential import DifferentialBackend, DifferentialMismatch
-from dflash_cupy.backends.emulated import EmulatedBackend
+from dflash_cupy.emu.differential_backend import DifferentialBackend, DifferentialMismatch
+from dflash_cupy.emu.backend import EmulatedBackend
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -179,7 +179,8 @@ def test_parallel_runner_reports_each_file_and_its_table(capsys):
 
 def test_exact_kernel_table_names_real_kernels():
     from dflash_cupy import kernels
-    from dflash_cupy.backends import differential, emu_build
+    from dflash_cupy.emu import build as emu_build
+    from dflash_cupy.emu import differential_backend as differential
     files = [*kernels.CUDA_SRC.glob("*.cu"), Path(__file__).resolve().parent / "cuda" / "planning_unfused.cu"]
     names = {k.name for f in files for k in emu_build.parse_kernels(f.read_text())}
     assert differential.EXACT_KERNELS <= names, differential.EXACT_KERNELS - names

@@ -1,4 +1,4 @@
-"""The emulator's build cache (``backends/emu_build.py``) shared by concurrent
+"""The emulator's build cache (``emu/build.py``) shared by concurrent
 processes (pytest-xdist workers): the same variant requested by two processes at
 once is compiled once, both get the finished module, and it runs; the
 precompiled emulator header is the one g++ really reads."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_cupy.backends import emu_build
+from dflash_cupy.emu import build as emu_build
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,7 +29,7 @@ CHILD = textwrap.dedent("""
     from pathlib import Path
     import numpy as np
     from dflash_cupy import backends
-    from dflash_cupy.backends import emu_build
+    from dflash_cupy.emu import build as emu_build
     src = open(sys.argv[2]).read()
     Path(sys.argv[1] + "." + str(os.getpid())).write_text("ready")
     go = Path(sys.argv[1])
@@ -102,4 +102,5 @@ def test_the_precompiled_header_is_used(tmp_path, monkeypatch):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"! {pch / emu_build.PCH_HEADER}.gch" in r.stderr, r.stderr[:2000]
-    assert "cuda_emu.h" not in r.stderr.split(".gch", 1)[1][:2000]   # not parsed as text after it
+    after = r.stderr.split(".gch", 1)[1][:2000]
+    assert "cuda_emu.h" not in after and "emu_fibers.h" not in after   # its parts: not parsed as text after it

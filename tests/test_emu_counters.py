@@ -1,4 +1,4 @@
-"""The emulator's counter mode (dflash_cupy/backends/emu_counters.py, cuda_emu.h
+"""The emulator's counter mode (dflash_cupy/emu/counting.py, cuda_emu.h
 "counters"): micro-kernels whose counts are known by hand, sampling, counting
 off, and one real kernel (gemm_stream) against what its header claims."""
 import time
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dflash_cupy import backends, kernels
-from dflash_cupy.backends.emu_counters import count_launch
+from dflash_cupy.emu.counting import count_launch
 from profiling import counters as ctr
 
 SRC = r"""
@@ -247,7 +247,7 @@ def test_counting_off_leaves_results_and_speed_unchanged(be, mod):
     assert t_after < 1.5 * t_before + 0.01, (t_before, t_after)
     # counting lives in a separate build: the ordinary module has none of it
     assert not hasattr(mod._lib, "emu_launch_counted")
-    from dflash_cupy.backends.emu_counters import counting_module
+    from dflash_cupy.emu.counting import counting_module
     assert hasattr(counting_module(mod)._lib, "emu_launch_counted")
 
 
@@ -337,7 +337,7 @@ def test_sites_name_the_wasteful_instruction(be, mod):
     twin's line tables: the strided load is 8x its minimum sectors, the store 1x."""
     import shutil
 
-    from dflash_cupy.backends.emu_counters import resolve_sites
+    from dflash_cupy.emu.counting import resolve_sites
 
     n = 512
     a = be.asarray(np.arange(8 * n, dtype=np.float32))

@@ -357,7 +357,7 @@ def test_lanes_interleave_between_warp_sync_points(sync_emu, monkeypatch):
 def test_reused_addresses_keep_the_newer_registration():
     """A mapping's address may be reused (by another thread) before the old
     mapping's finalizer ran: the late finalizer must not drop the new entry."""
-    from dflash_cupy.backends import emu_memory as M
+    from dflash_cupy.emu import guarded_memory as M
     base = 0x7E0000000000  # a fake mapping: bookkeeping only
     old = M._register(base, base + 3 * M.PAGE, base + M.PAGE, base + M.PAGE + 16, "device array old")
     new = M._register(base, base + 3 * M.PAGE, base + M.PAGE, base + M.PAGE + 32, "device array new")

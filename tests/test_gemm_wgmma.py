@@ -252,7 +252,7 @@ def test_emulator_counts_match_the_static_model(emu, rng):
     static estimate of the same launch: wgmma work and B bytes, barriers and the shared
     stores exactly; every weight byte requested once per row block; the staging stores
     conflict-free; global sectors within 2%."""
-    from dflash_cupy.backends.emu_counters import count_launch
+    from dflash_cupy.emu.counting import count_launch
     from profiling import counters as ctr
     from profiling.step_trace import RecordingBackend
 
@@ -287,7 +287,7 @@ def test_folded_norm_shared_memory_is_conflict_free(emu, rng, variant, x_split):
     """The folded RMSNorm's per-row partial sums live in shared memory, read and written by
     every staging item of every 64-k step: swizzled, every shared load and store of the
     launch takes the minimum wavefronts (unswizzled they were 8-way conflicted)."""
-    from dflash_cupy.backends.emu_counters import count_launch
+    from dflash_cupy.emu.counting import count_launch
 
     N, K, m = 300, 520, 150
     op = _gemm(emu, N, K, x_split=x_split, norm_eps=1e-6)
@@ -309,7 +309,7 @@ def test_chunks_without_a_computed_tile_issue_no_wgmma(emu, rng):
     """The wgmmas run per 32 rows of x: a chunk whose 16-row tiles are dead (tile_live) or
     padding issues none. Emulator counts against the static model's, with the flags known,
     and the outputs still right (dead rows untouched)."""
-    from dflash_cupy.backends.emu_counters import count_launch
+    from dflash_cupy.emu.counting import count_launch
     from profiling import counters as ctr
     from profiling.step_trace import RecordingBackend
 
@@ -447,7 +447,7 @@ def test_live_split_rule_matches_the_static_plan():
 def test_live_split_counts_match_the_static_model(emu, rng, monkeypatch):
     """A live-split launch (the tile loop over fewer resident blocks than items) counted by the
     emulator against profiling/counters.py with the flags known: wgmma work and barriers."""
-    from dflash_cupy.backends.emu_counters import count_launch
+    from dflash_cupy.emu.counting import count_launch
     from profiling import counters as ctr
     from profiling.step_trace import RecordingBackend
 

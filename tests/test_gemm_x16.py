@@ -155,7 +155,7 @@ def test_static_counters_follow_the_element_size(emu, rng, cfg, norm):
     of the same launch (every block): x bytes exactly (half the f32 kernel's), global sectors
     within 2%, the staging stores conflict-free, and the f32 model's x bytes twice these; with
     y16 the same for y's bytes and the stores' sectors."""
-    from dflash_cupy.backends.emu_counters import count_launch
+    from dflash_cupy.emu.counting import count_launch
     from profiling import counters as ctr
     from profiling.step_trace import RecordingBackend, _rename
 

@@ -12,8 +12,8 @@ PKG = ROOT / "dflash_cupy"
 
 # The product: what a pipeline runs (modules, or packages with everything in them).
 # It may not import the oracle or the demos.
-PRODUCT = ("dflash_cupy.backends", "dflash_cupy.checks", "dflash_cupy.config", "dflash_cupy.device_props",
-           "dflash_cupy.device_weights", "dflash_cupy.dtypes", "dflash_cupy.feature_ring",
+PRODUCT = ("dflash_cupy.backends", "dflash_cupy.build_cache", "dflash_cupy.checks", "dflash_cupy.config", "dflash_cupy.device_props",
+           "dflash_cupy.device_weights", "dflash_cupy.dtypes", "dflash_cupy.emu", "dflash_cupy.feature_ring",
            "dflash_cupy.geometry", "dflash_cupy.interop", "dflash_cupy.kernels", "dflash_cupy.kv_batch",
            "dflash_cupy.kv_cache", "dflash_cupy.nvtx_ranges", "dflash_cupy.ops", "dflash_cupy.rope_params",
            "dflash_cupy.selfcheck_verdict", "dflash_cupy.source_dir",
@@ -32,6 +32,10 @@ FORBIDDEN = {
                         "profiling"),
     "dflash_cupy.backends": ("dflash_cupy.ops", "dflash_cupy.kv_cache", "dflash_cupy.feature_ring",
                              "dflash_cupy.weights", "dflash_cupy.demo", "profiling"),
+    # the emulator (dflash_cupy/emu/): a backend, kernel-agnostic
+    "dflash_cupy.emu": ("dflash_cupy.ops", "dflash_cupy.kv_cache", "dflash_cupy.kv_batch", "dflash_cupy.step_issuer",
+                        "dflash_cupy.feature_ring", "dflash_cupy.weights", "dflash_cupy.kernels", "dflash_cupy.demo",
+                        "profiling"),
     "dflash_cupy.kv_cache": ("dflash_cupy.demo", "profiling"),
     "dflash_cupy.kv_batch": ("dflash_cupy.demo", "profiling"),
     "dflash_cupy.step_issuer": ("dflash_cupy.kv_cache", "dflash_cupy.kv_batch", "dflash_cupy.demo", "profiling"),
@@ -139,3 +143,19 @@ def test_the_product_never_imports_the_oracle():
            if any(n == p or n.startswith(p + ".") for p in PRODUCT)
            for d in deps if d == "dflash_cupy.reference"]
     assert not bad, bad
+
+
+def test_only_the_backend_factory_imports_the_emulator():
+    """The CUDA backend and the shared backend modules (base, signatures, nvrtc_info,
+    launch_limits) stand without the emulator; ``backends.get("emulated")`` reaches it."""
+    bad = [f"{n} imports {d}" for n, deps in GRAPH.items()
+           if n.startswith("dflash_cupy.backends.") for d in deps if d.startswith("dflash_cupy.emu")]
+    assert not bad, bad
+    assert any(d.startswith("dflash_cupy.emu") for d in GRAPH["dflash_cupy.backends"])
+
+
+def test_kernels_names_no_backend_but_cuda():
+    """kernels.py asks a backend for its compute capability; it does not know the
+    emulator's or profiling's recording backend by name."""
+    text = (PKG / "kernels.py").read_text()
+    assert '"recording"' not in text and '"emulated"' not in text

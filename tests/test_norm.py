@@ -186,7 +186,7 @@ def test_sixteen_bit_output_is_the_f32_result_rounded_once(backend, rng, kind, D
 def test_sixteen_bit_output_counters_match_the_static_model(emu, rng):
     """The emulator's count of a 16-bit-output launch (every block) against
     profiling/counters.py: half the f32 launch's store bytes, the same load bytes."""
-    from dflash_cupy.backends.emu_counters import count_launch
+    from dflash_cupy.emu.counting import count_launch
     from profiling import counters as ctr
     from profiling.step_trace import RecordingBackend
 

@@ -27,7 +27,7 @@ from tests.support.nvrtc_check import ARCHS, SERIALIZED_RE, NvrtcCheckFailed, ar
 
 
 def _cases():
-    files = sorted(kernels.CUDA_SRC.glob("*.cu"))  # top level only: cuda_src/emu/ is not kernels
+    files = sorted(kernels.CUDA_SRC.glob("*.cu"))  # top level only: dflash_cupy/emu/cuda/ is not kernels
     files += [Path(__file__).resolve().parent / "cuda" / "planning_unfused.cu"]  # test-only kernels, -I cuda_src
     out = []
     for f in files:

@@ -38,6 +38,11 @@ def test_wheel_carries_kernel_sources(tmp_path):
     want = {f"dflash_cupy/cuda_src/{p.relative_to(src).as_posix()}" for p in src.rglob("*")
             if p.is_file() and p.suffix in (".cu", ".cuh", ".h")}
     assert want and want <= names, sorted(want - names)
+    emu = ROOT / "dflash_cupy" / "emu"
+    headers = {f"dflash_cupy/emu/{p.relative_to(emu).as_posix()}" for p in emu.rglob("*.h")}
+    assert "dflash_cupy/emu/cuda/cuda_emu.h" in headers and "dflash_cupy/emu/cuda/include/cuda_fp16.h" in headers
+    assert headers <= names, sorted(headers - names)      # the emulator's headers, split by concern
+    assert {"dflash_cupy/emu/README.md", "dflash_cupy/emu/backend.py"} <= names
     assert "dflash_cupy/source_dir.py" in names
 
 
@@ -45,15 +50,14 @@ def test_installed_layout_is_found_first(tmp_path, monkeypatch):
     """A package directory holding cuda_src/ (the wheel's layout) uses its own copy."""
     import importlib.util
     pkg = tmp_path / "pkg"
-    (pkg / "cuda_src" / "emu").mkdir(parents=True)
-    (pkg / "cuda_src" / "emu" / "cuda_emu.h").write_text("// stub\n")
+    (pkg / "cuda_src").mkdir(parents=True)
+    (pkg / "cuda_src" / "k.cu").write_text("// stub\n")
     (pkg / "source_dir.py").write_text((ROOT / "dflash_cupy" / "source_dir.py").read_text())
     monkeypatch.delenv("DFLASH_CUPY_CUDA_SRC", raising=False)
     spec = importlib.util.spec_from_file_location("source_dir_probe", pkg / "source_dir.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.CUDA_SRC == (pkg / "cuda_src").resolve()
-    assert mod.EMU_DIR == (pkg / "cuda_src" / "emu").resolve()
 
 
 def test_missing_sources_raise_a_clear_error(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """Programmatic dependent launch (PDL): the launch option, the product switch and the
-emulator's ordering check (``backends/emu_pdl.py``, ``cuda_src/pdl.cuh``).
+emulator's ordering check (``emu/pdl_order.py``, ``cuda_src/pdl.cuh``).
 
 The emulator runs launches in order, so PDL cannot change a result there; what it can
 check is the ordering each kernel promises: nothing it touches before ``pdl_wait()`` may
@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from dflash_cupy import DraftKvBatch, DraftKvCache, backends, kernels
-from dflash_cupy.backends import cuda_launch_ex, emu_pdl
+from dflash_cupy.backends import cuda_launch_ex
+from dflash_cupy.emu import pdl_order as emu_pdl
 from dflash_cupy.backends.base import programmatic_launches, resolve_pdl
-from dflash_cupy.backends.emulated import EmulatedBackend
+from dflash_cupy.emu.backend import EmulatedBackend
 from tests.support.drafters import Driver, built
 from tests.support.lanes import IDLE, make, play
 

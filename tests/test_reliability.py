@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dflash_cupy import backends
-from dflash_cupy.backends.emulated import EmulatedBackend
+from dflash_cupy.emu.backend import EmulatedBackend
 from dflash_cupy.config import DraftConfig
 from dflash_cupy.feature_ring import FeatureRing
 from dflash_cupy.kv_cache import MAX_CAPACITY, DraftKvCache

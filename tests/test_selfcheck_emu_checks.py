@@ -1,4 +1,4 @@
-"""Two faults the GPU raises that the emulator now reports too (cuda_src/emu/cuda_emu.h):
+"""Two faults the GPU raises that the emulator now reports too (dflash_cupy/emu/cuda/cuda_emu.h):
 
 * a misaligned scalar access: a 2-, 4- or 8-byte load or store whose address is not a
   multiple of its size (e.g. ``*reinterpret_cast<const unsigned int*>`` at an address that is

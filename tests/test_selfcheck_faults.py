@@ -22,7 +22,8 @@ import dflash_cupy
 from dflash_cupy import kernels, reference
 from dflash_cupy import selfcheck as sc
 from dflash_cupy import selfcheck_verdict as sv
-from dflash_cupy.backends import KernelLaunchError, emu_pdl
+from dflash_cupy.backends import KernelLaunchError
+from dflash_cupy.emu import pdl_order as emu_pdl
 from dflash_cupy.config import DraftConfig
 from dflash_cupy.feature_ring import FeatureRing
 from dflash_cupy.kv_cache import DraftKvCache

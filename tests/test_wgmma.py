@@ -21,7 +21,7 @@ import pytest
 
 from dflash_cupy import kernels
 from dflash_cupy.backends import KernelLaunchError
-from dflash_cupy.backends.emu_counters import count_launch
+from dflash_cupy.emu.counting import count_launch
 from dflash_cupy.kernels import CUDA_SRC
 from tests.support.nvrtc_check import archs_for, nvrtc_check, option_sets
 from tests.support.tolerances import assert_close
@@ -226,11 +226,12 @@ def test_arch_options():
     class Dev:
         compute_capability = "90"
 
-    class Emu:
-        name = "emulated"
-
     assert kernels.arch_options(Dev()) == ("-arch=sm_90a",)
-    assert kernels.arch_options(Emu()) == ("-arch=sm_90a",)
+    # backends that model a device state it (kernels.py names no backend but CUDA's)
+    from dflash_cupy.emu.backend import EmulatedBackend
+    from profiling.launch_plan import RecordingBackend
+    for be in (EmulatedBackend, RecordingBackend):
+        assert kernels.arch_options(be) == ("-arch=sm_90a",)
     for cc in ("80", "100", (12, 0), 89):
         with pytest.raises(RuntimeError, match="runs only on compute capability 9.0"):
             kernels.arch_options(cc, "sm_90a")

@@ -13,7 +13,7 @@ from .base import (Backend, BackendError, CaptureError, Graph, Kernel,  # noqa: 
 
 NAMES = ("cuda", "emulated")
 ENV_VAR = "DFLASH_CUPY_BACKEND"
-PDL_CHECK_ENV = "DFLASH_CUPY_EMU_PDL_CHECK"   # the emulated backend's PDL ordering check (emu_pdl.py)
+PDL_CHECK_ENV = "DFLASH_CUPY_EMU_PDL_CHECK"   # the emulated backend's PDL ordering check (emu/pdl_order.py)
 _instances: dict[str, Backend] = {}
 
 
@@ -47,10 +47,10 @@ def get(name: str | Backend | None = None) -> Backend:
             from .cuda import CudaBackend
             _instances[name] = CudaBackend()
         else:
-            from .emulated import EmulatedBackend
+            from ..emu.backend import EmulatedBackend
             be = EmulatedBackend()
             if os.environ.get(PDL_CHECK_ENV, "0").strip() not in ("", "0"):
-                from .emu_pdl import check_pdl
+                from ..emu.pdl_order import check_pdl
                 check_pdl(be)
             _instances[name] = be
     return _instances[name]

@@ -4,9 +4,10 @@ Every class in dflash_cupy talks to a ``Backend``; there are two:
 
 * ``CudaBackend`` (``backends/cuda.py``): CuPy arrays, ``cupy.RawModule``
   compiled by NVRTC, CuPy streams/events, CUDA graph capture.
-* ``EmulatedBackend`` (``backends/emulated.py``): device arrays ARE NumPy
-  arrays (allocated with guard pages), the same ``cuda_src/*.cu`` compiled by
-  g++ against ``cuda_src/emu/cuda_emu.h`` (threads as fibers); stream work is
+* ``EmulatedBackend`` (``dflash_cupy/emu/backend.py``): device arrays are
+  ``DeviceArray`` over guarded host memory (CuPy's semantics), the same
+  ``cuda_src/*.cu`` compiled by g++ against ``dflash_cupy/emu/cuda/cuda_emu.h``
+  (threads as fibers); stream work is
   queued per stream and runs later (at synchronisation points), with every
   cross-stream or host/device race reported as ``StreamOrderError``;
   capture records launches/copies and replays them.

@@ -7,7 +7,7 @@ checks, shared with the emulator), ``nvrtc_info`` (options, ``#line``, the
 include digest, the CUDA header directory from ``cuda_headers``) and
 ``cuda_pinned`` (page-locked buffers).
 
-Behaviour mirrors ``EmulatedBackend`` (``backends/emulated.py``) wherever
+Behaviour mirrors ``EmulatedBackend`` (``emu/backend.py``) wherever
 the interface says what happens, so code that passes on the emulator runs
 here unchanged:
 

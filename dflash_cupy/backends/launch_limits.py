@@ -1,6 +1,6 @@
-"""The driver's launch checks, applied to emulated launches.
-
-A launch the GPU would refuse must not run on the emulator. Limits are those
+"""The driver's launch checks (sm_90), applied by both backends: ``launch_config``
+before every launch, ``KernelLimits`` per kernel on the emulator
+(``emu/backend.py``), so a launch the GPU would refuse does not run there. Limits are those
 of an sm_90 device (H100/H200); per-kernel numbers (registers, static shared
 memory, ``__launch_bounds__``) come from the NVRTC + ptxas build of the same
 source and options (``nvrtc_info``). The rules, in the order checked:
@@ -161,13 +161,3 @@ class KernelLimits:
             self._fail(INVALID_VALUE, g, b, shared_mem,
                        f"static {static} + dynamic {shared_mem} bytes of shared memory > {SMEM_OPTIN_MAX}")
 
-
-def check_emulated_launch(kernel, g, b, shared_mem) -> None:
-    """The hook ``EmuKernel.__call__`` calls: ``kernel`` has ``name`` and ``_module``
-    (whose ``resources`` maps kernel names to ``KernelResources``, or is None)."""
-    lim = kernel.__dict__.get("_launch_limits")
-    if lim is None:
-        res = getattr(kernel._module, "resources", None)
-        lim = KernelLimits(kernel.name, None if res is None else res.get(kernel.name))
-        kernel._launch_limits = lim
-    lim.check(g, b, shared_mem)

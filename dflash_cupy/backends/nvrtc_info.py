@@ -12,7 +12,7 @@ Runs without a GPU (NVRTC is a plain library, loaded through
 * the CuPy backend's compile cache key (``include_digest``).
 
 Results are cached on disk beside the emulator's build cache
-(``emu_build.cache_dir()/nvrtc``), keyed by the source, its options, the
+(``build_cache.cache_dir()/nvrtc``), keyed by the source, its options, the
 content of every header it includes, the architecture and the NVRTC version,
 so a warm run costs a hash and a small JSON read per module.
 """
@@ -308,8 +308,8 @@ def compile_info(source: str, filename: str, options: Sequence[str] = (), arch: 
 # disk cache
 # ---------------------------------------------------------------------------
 def cache_root() -> Path:
-    from . import emu_build
-    d = emu_build.cache_dir() / "nvrtc"
+    from ..build_cache import cache_dir
+    d = cache_dir() / "nvrtc"
     d.mkdir(parents=True, exist_ok=True)
     return d
 

@@ -3,7 +3,7 @@ functions of a CUDA C source and their parameters, parsed from the text.
 
 The CuPy backend checks launch arguments against these signatures (CuPy would
 pass a Python ``int`` as 64 bits and launch with a wrong argument count); the
-emulator also generates one trampoline per kernel from them (``emu_build``).
+emulator also generates one trampoline per kernel from them (``dflash_cupy/emu/build.py``).
 """
 from __future__ import annotations
 

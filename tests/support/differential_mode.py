@@ -43,9 +43,9 @@ def pytest_configure(config):
     if not hasattr(config, "workerinput") and config.getoption("numprocesses", None) not in (None, 0):
         # each worker would hold its own backend and tally, and none would reach the summary
         raise pytest.UsageError(f"{ENV_VAR}: the differential runs in one process; add -n 0")
-    from dflash_cupy.backends.differential import DifferentialBackend
+    from dflash_cupy.emu.differential_backend import DifferentialBackend
     if m == "emulated":  # the machinery on the CPU: a second emulator, reverse schedule, as reference
-        from dflash_cupy.backends.emulated import EmulatedBackend
+        from dflash_cupy.emu.backend import EmulatedBackend
         ref = EmulatedBackend()
         ref.schedule, ref.seed = "reverse", ref.seed + 1
         be = DifferentialBackend(ref)

@@ -9,7 +9,7 @@ before its wait may run concurrently with A.
 
 ``check_pdl(backend)`` (or ``DFLASH_CUPY_EMU_PDL_CHECK=1`` for the backend
 ``backends.get`` makes) installs a ``PdlChecker``, which runs every launch in the
-counter build (``emu_counters.run_counted``), which records per thread whether
+counter build (``counting.run_counted``), which records per thread whether
 ``pdl_wait()`` has run and per 32-byte sector the bytes read and written, and
 those touched before the wait (``prefetch_l2`` lines count as pre-wait reads).
 For a launch B with ``pdl`` after launch A on the same stream it requires:
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import KernelLaunchError
+from ..backends.base import KernelLaunchError
 
 _LO = np.uint64(0xFFFFFFFF)
 
@@ -149,7 +149,7 @@ class PdlChecker:
         self._prev[stream._actor] = None
 
     def _launch(self, stream, call) -> None:
-        from .emu_counters import run_counted
+        from .counting import run_counted
         kernel, g, b, args, smem, pdl = call
         be = self._backend
         counts, sec = run_counted(kernel, g, b, args, smem, None, be.order, be._next_seed(), sectors=True)

@@ -102,7 +102,7 @@ _arenas = threading.local()
 
 def stack_arena(nthreads: int) -> StackArena:
     """This OS thread's fiber stacks, grown to hold ``nthreads`` (one per thread of a block)."""
-    from .emu_build import STACK_BYTES
+    from .build import STACK_BYTES
     arena = getattr(_arenas, "arena", None)
     if arena is None or arena.count < nthreads:
         count = 128

@@ -1,14 +1,17 @@
 """The emulated backend: the same ``cuda_src/*.cu`` run on the CPU.
 
-Device arrays are NumPy arrays in guarded memory (``emu_memory``); kernels
-are compiled by g++ against ``cuda_src/emu/cuda_emu.h`` (``emu_build``).
+Device memory is guarded host memory (``guarded_memory``); kernels are
+compiled by g++ against ``cuda/cuda_emu.h`` (``build``).
 
 Streams as a GPU runs them: work issued to a stream (launches, copies, the
 memset of ``zeros``, graph replays) is queued on it and runs later, in issue
 order, when the host waits for it (stream/event/device ``synchronize``,
 ``to_numpy``, a successful ``event.query()``) or another stream that waits on
-one of its events is drained. Reading a device array directly (it is a NumPy
-array) sees whatever has run so far: go through ``to_numpy`` as on a GPU.
+one of its events is drained.
+
+Device arrays are ``device_array.DeviceArray``: as ``cupy.ndarray``, ``.get()``
+reads in stream order, and implicit conversion to NumPy waits for every
+stream first (or raises, as CuPy, with ``DFLASH_CUPY_EMU_IMPLICIT=raise``).
 
 Hazards are detected when an operation is issued, from issue order and event
 edges alone (so deterministically): every actor (the host, the default
@@ -52,10 +55,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import emu_build, emu_memory, launch_limits, nvrtc_info, signatures
-from .base import (Backend, BackendError, CaptureError, Graph, Kernel, KernelLaunchError, Module,
+from ..backends import launch_limits, nvrtc_info, signatures
+from . import build as emu_build
+from . import guarded_memory as emu_memory
+from .device_array import DeviceArray, raw
+from ..backends.base import (Backend, BackendError, CaptureError, Graph, Kernel, KernelLaunchError, Module,
                    StreamOrderError, copy_nbytes)
-from .base import check_kernel_args, notify_launch, resolve_pdl
+from ..backends.base import check_kernel_args, notify_launch, resolve_pdl
 
 _ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}
 _ERRLEN = 1024
@@ -255,6 +261,8 @@ class EmuKernel(Kernel):
         self.name = sig.name
 
     def _pack(self, args: Sequence[Any]):
+        if isinstance(args, (tuple, list)):
+            args = [raw(a) for a in args]
         check_kernel_args(self.name, self.sig.params, args, np.ndarray)
         keep, slots = [], []
         for p, a in zip(self.sig.params, args):
@@ -272,13 +280,14 @@ class EmuKernel(Kernel):
     def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0,
                  stream: EmuStream | None = None, pdl: bool | None = None) -> None:
         backend = self._module.backend
+        args = tuple(raw(a) for a in args) if isinstance(args, (tuple, list)) else args
         cap = backend._capturing
         follows = cap is not None and bool(cap._record) and cap._record[-1].kind == "launch"
         pdl = resolve_pdl(pdl, follows, self.name)
         g, b, shared_mem = launch_limits.launch_config(self.name, grid, block, shared_mem)
         # The driver's checks (sm_90); they also keep shared_mem within the emulator's
         # SMEM_BYTES arena, which is the same opt-in limit.
-        launch_limits.check_emulated_launch(self, g, b, shared_mem)
+        check_launch_limits(self, g, b, shared_mem)
         ptrs, keep = self._pack(args)
         # Deferred: the launch runs when its stream is drained. Access intent comes from the
         # C signature: `const T*` is read, any other pointer read and written.
@@ -331,6 +340,18 @@ class EmuKernel(Kernel):
                 raise KernelLaunchError(f"kernel {self.name}: {where}")
 
 
+def check_launch_limits(kernel, g, b, shared_mem) -> None:
+    """The driver's per-kernel checks (``launch_limits.KernelLimits``) before an emulated
+    launch: ``kernel`` has ``name`` and ``_module`` (whose ``resources`` maps kernel names
+    to ``KernelResources``, or is None)."""
+    lim = kernel.__dict__.get("_launch_limits")
+    if lim is None:
+        res = getattr(kernel._module, "resources", None)
+        lim = launch_limits.KernelLimits(kernel.name, None if res is None else res.get(kernel.name))
+        kernel._launch_limits = lim
+    lim.check(g, b, shared_mem)
+
+
 _lazy_lock = threading.Lock()
 
 
@@ -381,6 +402,7 @@ class EmuModule(Module):
 
 class EmulatedBackend(Backend):
     name = "emulated"
+    compute_capability = "90"   # it models an H200 (device_props.H200; kernels.arch_options asks)
 
     def __init__(self):
         sched = os.environ.get("DFLASH_CUPY_EMU_SCHEDULE", "shuffle").strip().lower()
@@ -413,7 +435,7 @@ class EmulatedBackend(Backend):
         self._ran: dict[int, int] = {}              # actor -> clock of its latest op that ran
         self._host_res: dict = {}                   # (id, write, what) -> resolved host access
         self.host_waits = 0                         # host waits that had queued work to run
-        # the PDL ordering check: off unless emu_pdl.check_pdl(backend) turns it on
+        # the PDL ordering check: off unless pdl_order.check_pdl(backend) turns it on
         self.pdl_checker = None
 
     def _pool(self):
@@ -490,6 +512,7 @@ class EmulatedBackend(Backend):
 
     # ---- hazard tracking and deferred execution
     def label(self, arr, name: str):
+        arr = raw(arr)
         r = emu_memory.region(arr) if isinstance(arr, np.ndarray) and arr.size else None
         if r is not None:
             self._labels[r[0]] = name
@@ -499,6 +522,7 @@ class EmulatedBackend(Backend):
         """(serial, start, end, write, what, array description) of each tracked array."""
         out = []
         for arr, write, what in accesses:
+            arr = raw(arr)
             if not isinstance(arr, np.ndarray) or arr.nbytes == 0:
                 continue
             r = emu_memory.region(arr)
@@ -624,6 +648,7 @@ class EmulatedBackend(Backend):
             self._host_vc = _join(self._host_vc, vc)
 
     def _host_access(self, arr, write: bool, what: str) -> None:
+        arr = raw(arr)
         # Staging buffers are declared every step: remember where they live (keeps begin_step's
         # host cost on the emulator close to the product's own).
         key = (id(arr), write, what)
@@ -654,29 +679,37 @@ class EmulatedBackend(Backend):
         self._host_access(arr, False, what)
 
     # ---- arrays
-    def empty(self, shape, dtype):
+    def empty(self, shape, dtype) -> DeviceArray:
         self._no_capture("allocation (empty)")
         a = emu_memory.guarded_empty(shape, dtype, "device array")
         if a.nbytes and emu_memory.poison_enabled():
             a.reshape(-1).view(np.uint8).fill(0xFF)  # NaN / -1: reads of unwritten memory show
-        return a
+        return DeviceArray(a, self)
 
-    def zeros(self, shape, dtype):
+    def zeros(self, shape, dtype) -> DeviceArray:
         """As ``cupy.zeros``: the memset is work on the current stream."""
-        a = self.empty(shape, dtype)
+        d = self.empty(shape, dtype)
+        a = d._a
         self._submit(self.current_stream(), [("zeros (memset)", functools.partial(a.fill, 0),
                                               [(a, True, "zeros (memset)")], None, None)])
-        return a
+        return d
 
-    def asarray(self, host):
+    def asarray(self, host) -> DeviceArray:
         self._no_capture("allocation (asarray)")
+        if isinstance(host, DeviceArray):
+            host = host.get()
         host = np.asarray(host)
         a = emu_memory.guarded_empty(host.shape, host.dtype, "device array")
         a[...] = host  # synchronous: complete for every stream (nothing can have queued work on it)
-        return a
+        return DeviceArray(a, self)
+
+    def _implicit_sync(self) -> None:
+        """What an implicit read of a device array waits for: every stream."""
+        self.synchronize()
 
     def to_numpy(self, arr, stream=None) -> np.ndarray:
         self._no_capture("to_numpy (a device-to-host read)")
+        arr = raw(arr)
         if not isinstance(arr, np.ndarray):
             raise TypeError(f"arr must be an emulated device array, got {type(arr).__name__}")
         s = self._resolve(stream)
@@ -692,6 +725,8 @@ class EmulatedBackend(Backend):
 
     def is_device_array(self, x) -> bool:
         """True for arrays from ``empty``/``zeros``/``asarray`` (and views)."""
+        if isinstance(x, DeviceArray):   # of any emulated backend: they share the process's memory
+            return x.nbytes > 0
         return isinstance(x, np.ndarray) and x.nbytes > 0 and emu_memory.is_inside(x, "device array")
 
     # ---- code
@@ -708,7 +743,7 @@ class EmulatedBackend(Backend):
             so, kernels, resources = self._build(source, options, filename)
             mod = EmuModule(self, so, kernels)
             mod.resources = resources
-        mod.build_args = (source, tuple(options), filename)   # emu_counters builds its counting twin
+        mod.build_args = (source, tuple(options), filename)   # counting.py builds its counting twin
         return mod
 
     @staticmethod
@@ -741,6 +776,8 @@ class EmulatedBackend(Backend):
         return EmuEvent(self)
 
     def _copy(self, dst, src, stream, nbytes, what, pinned_src=False):
+        shown = (dst, src)
+        dst, src = raw(dst), raw(src)
         for name, a in (("dst", dst), ("src", src)):
             if not isinstance(a, np.ndarray):
                 raise TypeError(f"{what}: {name} must be an array, got {type(a).__name__}")
@@ -759,7 +796,7 @@ class EmulatedBackend(Backend):
             chk = self.pdl_checker
             self._submit(s, [(what, run if chk is None else chk.wrap(s, "copy", run, None),
                               accesses, pinned, None)])
-        notify_launch("copy", what.split("_")[1], (dst, src), stream)
+        notify_launch("copy", what.split("_")[1], shown, stream)
 
     def copy_h2d_async(self, dst, src, stream=None, nbytes=None):
         # As on CUDA: an asynchronous (and capturable) H2D copy reads pinned memory.

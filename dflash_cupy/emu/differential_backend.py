@@ -34,8 +34,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..tolerances import TOL
-from .base import Backend, KernelLaunchError
-from .emulated import EmulatedBackend
+from ..backends.base import Backend, KernelLaunchError
+from .device_array import raw
+from .backend import EmulatedBackend
 
 # Kernels whose outputs do not depend on floating-point evaluation details: any
 # difference is a bug. (plan.cu: integer planning, constant 0/-inf f16 masks, and a
@@ -122,6 +123,7 @@ class DiffKernel:
         if be.is_capturing():
             return self._emu(grid, block, args, shared_mem=shared_mem, stream=stream, pdl=pdl)
         ref_be = be.reference
+        args = tuple(raw(a) for a in args)   # the ndarrays behind device arrays (synchronised below)
         # Emulated streams run deferred: let queued work produce the inputs first, and run
         # this launch before comparing (this mode is synchronous; stream hazards are the
         # plain emulated backend's business).
@@ -153,6 +155,7 @@ class DiffKernel:
 
     @staticmethod
     def _ref_view(ref_root, root: np.ndarray, a: np.ndarray):
+        ref_root = raw(ref_root)
         off = a.ctypes.data - root.ctypes.data
         if isinstance(ref_root, np.ndarray):
             return np.ndarray(a.shape, a.dtype, buffer=ref_root, offset=off, strides=a.strides)

@@ -26,8 +26,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import emu_memory, launch_limits
-from .base import BackendError, KernelLaunchError
+from ..backends import launch_limits
+from . import guarded_memory as emu_memory
+from ..backends.base import BackendError, KernelLaunchError
 
 # Layout of the counts buffer (cuda_emu.h: CNT_* and CNT_TOTALS / CNT_PER_RANGE).
 _TOTALS = ("gld_requests", "gld_sectors", "gld_bytes", "gst_requests", "gst_sectors", "gst_bytes",
@@ -122,9 +123,9 @@ class LaunchCounts:
 
 def counting_module(module):
     """The counter-mode twin of an ``EmuModule``: the same source and options built
-    with ``-DEMU_COUNTERS=1`` (``emu_build``; cached like every build)."""
-    from . import emu_build
-    from .emulated import EmuModule
+    with ``-DEMU_COUNTERS=1`` (``build.py``; cached like every build)."""
+    from . import build as emu_build
+    from .backend import EmuModule
 
     twin = getattr(module, "_counting_twin", None)
     if twin is None:
@@ -169,14 +170,14 @@ def count_launch(kernel, grid, block, args: Sequence[Any], shared_mem: int = 0, 
     """Run ``kernel`` (an ``EmuKernel``) with counting on; ``blocks``: the blocks
     to run, as (x, y, z) or linear numbers (default: all). ``order``: the fiber
     schedule (``forward`` by default: counts do not depend on it, time does)."""
-    from .emulated import EmuKernel
+    from .backend import EmuKernel, check_launch_limits
 
     if not isinstance(kernel, EmuKernel):
         raise TypeError(f"kernel must be a kernel of the emulated backend, got {type(kernel).__name__}")
     if order not in _ORDERS:
         raise ValueError(f"order must be one of {tuple(_ORDERS)}, got {order!r}")
     g, b, shared_mem = launch_limits.launch_config(kernel.name, grid, block, shared_mem)
-    launch_limits.check_emulated_launch(kernel, g, b, shared_mem)
+    check_launch_limits(kernel, g, b, shared_mem)
     total = g[0] * g[1] * g[2]
     ids = list(range(total)) if blocks is None else _linear_ids(blocks, g)
     if not ids:
@@ -233,7 +234,7 @@ def run_counted(kernel, g, b, args: Sequence[Any], shared_mem: int, ids=None, or
            ranges, names, nranges, err, _ERRLEN, ctypes.byref(fault_addr), ctypes.byref(fault_sig), out,
            sites, _MAX_SITES)
     if rc == 2:
-        from .emulated import _SIGNAMES
+        from .backend import _SIGNAMES
         what = _SIGNAMES.get(fault_sig.value, f"signal {fault_sig.value}")
         raise KernelLaunchError(f"kernel {kernel.name} (counted): {what} "
                                 f"{emu_memory.describe_address(fault_addr.value)} in {err.value.decode(errors='replace')}")
@@ -284,7 +285,7 @@ def resolve_sites(c: LaunchCounts) -> list:
     import shutil
     import subprocess
 
-    from ..source_dir import EMU_DIR
+    from .build import EMU_DIR
 
     todo = [s for s in c.sites if not s.where]
     tool = shutil.which(os.environ.get("DFLASH_CUPY_ADDR2LINE", "addr2line"))
