@@ -58,3 +58,46 @@ def _table_heads(text: str) -> list[str]:
     lines = text.splitlines()
     return [line.strip() for i, line in enumerate(lines)
             if line.startswith("|") and (i == 0 or not lines[i - 1].startswith("|"))]
+
+
+def _layout_rows() -> list[str]:
+    text = README.read_text()
+    section = text[text.index("## Layout"):]
+    section = section[:section.index("\n## ", 1)] if "\n## " in section[1:] else section
+    return [line for line in section.splitlines() if line.startswith("| `")]
+
+
+def _named_paths(row: str) -> list[Path]:
+    """The paths a layout row names: its first cell's backticked names, each either a path
+    from the repository root or a sibling of the row's previous path."""
+    first = row.split("|")[1]
+    out, base = [], None
+    for name in re.findall(r"`([^`]+)`", first):
+        name = name.rstrip("/")
+        if "*" in name:
+            base = Path(name).parent
+            out.extend(sorted(p.relative_to(README.parent) for p in (README.parent).glob(name)))
+            continue
+        p = Path(name)
+        if len(p.parts) > 1 and (README.parent / p.parts[0]).exists():
+            base = p.parent
+        elif base is not None:
+            p = base / p
+        out.append(p)
+    return out
+
+
+def test_layout_table_matches_the_tree():
+    """Every path the layout table names exists, and every product, kernel and profiling
+    file is named by a row (itself, or a folder row above it)."""
+    root = README.parent
+    named = [p for row in _layout_rows() for p in _named_paths(row)]
+    missing = [str(p) for p in named if not (root / p).exists()]
+    assert not missing, f"the layout table names paths that are not in the tree: {missing}"
+    covered = {root / p for p in named}
+    files = [*root.glob("dflash_cupy/**/*.py"), *root.glob("cuda_src/*.cu"), *root.glob("cuda_src/*.cuh"),
+             *root.glob("profiling/*.py"), *root.glob("profiling/*.sh")]
+    unnamed = sorted(str(f.relative_to(root)) for f in files
+                     if f.name != "__init__.py" and f not in covered
+                     and not any(c.is_dir() and c in f.parents for c in covered))
+    assert not unnamed, f"files the README's layout table does not name: {unnamed}"
