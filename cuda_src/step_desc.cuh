@@ -14,7 +14,8 @@
 //                     rows; the active lanes' rows are packed back to back in lane order
 //                     (so a lane appending 6 rows costs 6 GEMM rows, not a 16-row tile)
 //   [DESC_CTX_ROWS]   DraftKvBatch: the packed context rows of all lanes this step (the
-//                     same in every lane's descriptor, idle lanes' too); 0 in single caches
+//                     same in every lane's descriptor, idle lanes' too; a single cache's
+//                     plan_step does not read DESC_CTX_ROW0 / DESC_CTX_ROWS)
 //   the rest          reserved, 0
 #pragma once
 
