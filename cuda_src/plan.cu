@@ -4,7 +4,7 @@
 // kernels derive append rows, positions, the feature gather and the masks.
 //
 // The step descriptor's layout and these kernels' block sizes are defined
-// once, in step_desc.cuh. The feature gather is gather.cu.
+// once, in step_desc.cuh. The feature gather is step_plan.cu.
 //
 // Kernels (compile-time CAP = ring slots, Q_LEN = noise rows, KV_TOTAL =
 // cache rows; TRASH_SLOT = CAP + Q_LEN):
@@ -30,7 +30,7 @@
 //       that column of every row (coalesced across the warp). It must run
 //       after plan_append in stream order: it reads the updated slot_pos.
 //   The step graph runs none of these but reset_slots (bulk path) and plan_append
-//   (bulk chunks): its planning is gather.cu's plan_step, one launch.
+//   (bulk chunks): its planning is step_plan.cu's plan_step, one launch.
 // nvrtc-check: -DCAP=3 -DQ_LEN=16 -DKV_TOTAL=32
 #include <cuda_fp16.h>
 #include "step_desc.cuh"

@@ -30,7 +30,7 @@ Device layout (lanes ``L``; ``CS = align16(a_step)``, ``BS = align16(q_len)``):
                       lane); written on the device by the planning kernel
 
 Per step on the device: one descriptor copy, one planning launch for all
-lanes (``gather.cu``'s ``plan_lanes``), one GEMM per weight over every live
+lanes (``step_plan.cu``'s ``plan_lanes``), one GEMM per weight over every live
 row of every lane (the stream GEMM skips dead tiles: idle lanes and the
 padding cost no rows), attention per (lane, kv head) over that lane's ring
 and masks. Bulk appends (a joining lane's prefill, jumps, the append after a

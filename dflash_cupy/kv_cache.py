@@ -259,7 +259,7 @@ class DraftKvCache(StepIssuer):
         """Every launch and copy of one step, in order (captured once per slot)."""
         be, A = self.backend, self.a_step
         be.copy_h2d_async(self._step_in, self._step_in_host[slot], stream=stream)
-        # reset_slots_if, plan_append, the gather and the masks as one launch (gather.cu)
+        # reset_slots_if, plan_append, the gather and the masks as one launch (step_plan.cu)
         self._gather.plan_step(self.desc, self._ring.storage, self.ap_feat, self.geom, self.slot_pos,
                                self.pos_all[:A], self.rows_all[:A], self.pos_q, mask_full=self.mask_full,
                                mask_swa=self.mask_swa, n_rows=A, stream=stream)

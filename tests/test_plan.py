@@ -1,4 +1,4 @@
-"""Device-side step planning (cuda_src/plan.cu, gather.cu, the descriptor of
+"""Device-side step planning (cuda_src/plan.cu, step_plan.cu, the descriptor of
 ops/step_descriptor.py): append rows and slot_pos
 (SPEC §3 steps 1-4) against a NumPy simulation, feature gather, masks exactly
 equal to dflash_cupy.reference.ring_masks, all driven from one step
@@ -314,7 +314,7 @@ def test_bad_arguments_raise(emu):
 
 @pytest.mark.parametrize("capacity,q_len,a_rows", [(10, 3, 8), (3, 16, 3), (37, 5, 12)])
 def test_plan_step_equals_the_four_launches(backend, rng, capacity, q_len, a_rows):
-    """gather.cu's plan_step against reset_slots_if + plan_append + gather_features +
+    """step_plan.cu's plan_step against reset_slots_if + plan_append + gather_features +
     build_masks on the same inputs: stale and empty slots, reset on and off, more new
     rows than a_rows, starts that wrap the ring and sit near INT_MAX, one or both masks."""
     be = backend

@@ -223,7 +223,7 @@ def pack_context_rows(desc: np.ndarray, a_step: int) -> int:
     descriptors written one by one (``fill_descriptor``; ``decide_lanes`` lists them so
     itself): writes ``DESC_CTX_ROW0`` (exclusive prefix sum of each active lane's
     ``min(n_new, a_step)``) and ``DESC_CTX_ROWS`` (their total, in every lane's row) of
-    ``desc [lanes, DESC_LEN]`` (host int32) and returns the total. ``gather.cu``'s
+    ``desc [lanes, DESC_LEN]`` (host int32) and returns the total. ``step_plan.cu``'s
     ``plan_lanes`` reads them."""
     n_app = np.minimum(desc[:, DESC_N_NEW], a_step) * (desc[:, DESC_ACTIVE] != 0)
     total = int(n_app.sum())
