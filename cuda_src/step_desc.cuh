@@ -14,7 +14,8 @@
 //                     rows; the active lanes' rows are packed back to back in lane order
 //                     (so a lane appending 6 rows costs 6 GEMM rows, not a 16-row tile)
 //   [DESC_CTX_ROWS]   DraftKvBatch: the packed context rows of all lanes this step (the
-//                     same in every lane's descriptor, idle lanes' too); 0 in single caches
+//                     same in every lane's descriptor, idle lanes' too; a single cache's
+//                     plan_step does not read DESC_CTX_ROW0 / DESC_CTX_ROWS)
 //   the rest          reserved, 0
 #pragma once
 
@@ -29,7 +30,7 @@
 #define DESC_CTX_ROWS 8
 #define DESC_LEN 10
 
-// Block sizes of the planning kernels (ring_slots.cu, gather.cu): one thread per ring slot,
+// Block sizes of the planning kernels (ring_slots.cu, step_plan.cu): one thread per ring slot,
 // per appended row, or per cache column.
 #define PLAN_SLOT_THREADS 256
 #define PLAN_ROW_THREADS 128

@@ -28,6 +28,7 @@ import numpy as np
 from . import backends, dtypes
 from .checks import int_arg as _pos_int
 from .interop import device_view
+from .stream_order import StreamOrder
 
 _STORAGE = dtypes.DEVICE
 _HOST_VIEW = dtypes.HOST
@@ -85,14 +86,12 @@ class FeatureRing:
         self._stage_events = [be.event() for _ in range(STAGE_CHUNKS)]
         self._stage_next = 0
         # The storage's latest writer (the memset of zeros, then each write): every reader and
-        # the next write are ordered after it on the device.
-        self._write_event = be.event()
-        self._write_event.record(be.current_stream())
+        # the next write are ordered after it on the device (its tail event).
+        self._stream_order = StreamOrder(be)
         self.lo = 0  # positions [lo, hi) are present
         self.hi = 0
         self._readers: dict = {}  # id(reader) -> event after its latest queued read of storage
         self._alive: dict = {}    # id(reader) -> weakref to it
-        self.host_waits = 0       # times write() had to wait for a staging chunk's copy
         self.writes = 0           # write() calls so far: a reader that has waited for write N skips the next wait
         self._closed = False
 
@@ -127,17 +126,12 @@ class FeatureRing:
     @property
     def write_event(self):
         """Recorded after the latest write of ``storage``: readers on any stream wait on it."""
-        return self._write_event
+        return self._stream_order.tail
 
-    def _order(self, stream):
-        """The stream this call issues on (the caller's current one unless
-        given), made to wait on the device for the ring's previous write and
-        every queued reader."""
-        s = self.backend.as_stream(stream)
-        s.wait_event(self._write_event)
-        for ev in self._readers.values():
-            s.wait_event(ev)
-        return s
+    @property
+    def host_waits(self) -> int:
+        """Times ``write`` had to wait for a staging chunk's copy."""
+        return self._stream_order.host_waits
 
     def holds(self, start: int, stop: int) -> bool:
         """True when every position in ``[start, stop)`` is in the ring."""
@@ -198,7 +192,8 @@ class FeatureRing:
         # readers garbage-collected without close(): dropped once their last read has run
         self._readers = {k: ev for k, ev in self._readers.items()
                          if self._alive.get(k, _dead)() is not None or not ev.query()}
-        s = self._order(stream)
+        # on the caller's stream, after the ring's previous write and every queued reader
+        s = self._stream_order.order(stream, after=self._readers.values())
         if on_device:
             for r0, slot, c in self._segments(start, n):
                 be.copy_d2d_async(self.storage[slot:slot + c], rows[r0:r0 + c], stream=s)
@@ -210,15 +205,13 @@ class FeatureRing:
                     i = self._stage_next
                     self._stage_next = (i + 1) % len(self._stage)
                     ev = self._stage_events[i]
-                    if not ev.query():  # this chunk's previous copy has not run yet
-                        ev.synchronize()
-                        self.host_waits += 1
+                    self._stream_order.reuse(ev)  # this chunk's previous copy must have run
                     stage = self._stage[i]
                     be.host_write(stage[:m], "FeatureRing.write (staging)")
                     stage[:m] = host[r0 + k:r0 + k + m]
                     be.copy_h2d_async(self.storage[slot + k:slot + k + m], stage[:m], stream=s)
                     ev.record(s)
-        self._write_event.record(s)
+        self._stream_order.issued(s)
         self.writes += 1
         new_hi = start + n
         new_lo = self.lo if self.lo <= start <= self.hi else start
@@ -234,7 +227,7 @@ class FeatureRing:
             raise KeyError(f"positions [{start}, {start + n}) are not all in the ring "
                            f"(it holds [{self.lo}, {self.hi}))")
         s = self.backend.as_stream(stream)
-        s.wait_event(self._write_event)
+        s.wait_event(self.write_event)
         host = self.backend.to_numpy(self.storage, stream=s)
         out = np.concatenate([host[slot:slot + c] for _, slot, c in self._segments(start, n)]
                              or [host[:0]], axis=0)

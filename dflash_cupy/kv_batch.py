@@ -30,7 +30,7 @@ Device layout (lanes ``L``; ``CS = align16(a_step)``, ``BS = align16(q_len)``):
                       lane); written on the device by the planning kernel
 
 Per step on the device: one descriptor copy, one planning launch for all
-lanes (``gather.cu``'s ``plan_lanes``), one GEMM per weight over every live
+lanes (``step_plan.cu``'s ``plan_lanes``), one GEMM per weight over every live
 row of every lane (the stream GEMM skips dead tiles: idle lanes and the
 padding cost no rows), attention per (lane, kv head) over that lane's ring
 and masks. Bulk appends (a joining lane's prefill, jumps, the append after a
@@ -47,8 +47,6 @@ rings' latest writes; the host never waits on the step it just launched).
 """
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 
 from .checks import int_arg
@@ -59,13 +57,12 @@ from .nvtx_ranges import nvtx_range
 from .step_issuer import StepIssuer
 from .ops.gather import FeatureGather
 from .ops.sample import SamplingParams
-from .ops.step_descriptor import (DESC_CTX_ROW0, DESC_CTX_ROWS, DESC_LEN, bulk_chunks, fill_chunk_descriptor,
-                                  fill_descriptor, fill_step_descriptor, pack_context_rows, plan_step)
+from .ops.step_descriptor import (DESC_ACTIVE, DESC_COMMITTED, DESC_LEN, DESC_START, bulk_chunks, fill_chunk_descriptor,
+                                  pack_descriptors, decide_lanes)
 from .rope_params import rope_parameters
 from .weights import DraftWeights
 
 MAX_LANES = 256
-FAST_PLAN_LANES = 128  # from this many lanes on begin_step plans with NumPy (~0.2 us/lane + ~20 us), below in a loop (~0.4 us/lane)
 GEMM_MAX_M = 64  # the GEMMs' largest M tile; more rows run as more row blocks of the same launch
 TILE_ROWS = 16   # the stream GEMM's row tile: lane regions are whole tiles, so a dead lane is whole dead tiles
 
@@ -127,7 +124,7 @@ class DraftKvBatch(StepIssuer):
         H, B, A, kvw = c.hidden_size, g.q_len, g.a_step, c.kv_dim
         CS, BS = align_up(A, TILE_ROWS), align_up(B, TILE_ROWS)
         self.ctx_rows, self.lane_rows = CS, BS
-        NC, NN = self.n_ctx, self.n_noise = lanes * CS, lanes * BS   # ctx rows, noise rows
+        NC, NN = lanes * CS, lanes * BS   # ctx rows, noise rows
         M = NC + NN
         self.write_logits = bool(logits)
 
@@ -159,7 +156,7 @@ class DraftKvBatch(StepIssuer):
 
         # ---- step activations (rows as above)
         self.ap_feat = be.zeros((NC, c.fc_in), np.float32)
-        gate_w = self._alloc_step_rows()
+        gate_w = self._alloc_step_rows(NC, NN)
         self.hidden_states = self._hs.reshape(lanes, BS, H)[:, :B]
 
         # ---- bulk append workspace (one lane at a time, outside the graph)
@@ -187,7 +184,6 @@ class DraftKvBatch(StepIssuer):
 
         # ---- pinned staging (two of each: alternating steps)
         self._desc_host = [be.pinned_empty((lanes, DESC_LEN), np.int32) for _ in range(2)]
-        self._desc_struct = struct.Struct(f"={lanes * DESC_LEN}i")
         self._noise_host = [be.pinned_empty((NN, H), np.float32) for _ in range(2)]
         for a in self._desc_host + self._noise_host:
             a[...] = 0
@@ -200,7 +196,6 @@ class DraftKvBatch(StepIssuer):
             be.label(self._desc_host[i], f"DraftKvBatch step descriptor staging [{i}]")
             be.label(self._noise_host[i], f"DraftKvBatch noise staging [{i}]")
         be.label(self._bulk_desc_host, "DraftKvBatch bulk descriptor staging")
-        self.capture_stream = be.stream()
         self._events = [be.event() for _ in range(2)]
         self._bulk_event = be.event()
 
@@ -213,9 +208,8 @@ class DraftKvBatch(StepIssuer):
         self.gather = FeatureGather(be, c.fc_in, ring_capacity, ring_kind)
 
         self._next = np.zeros(lanes, np.int64)   # per lane: next position to append (next_pos)
-        self._plan_act = self._plan_c = self._plan_need = self._plan_desc = None
+        self._plan_desc = self._plan = None   # the planned step's descriptors (pinned) and LaneDecisions
         self._plan_fields = [None] * lanes
-        self._graphs = [None, None]
         self._ring_writes = [-1] * lanes   # each ring's write count when a step last waited for it
         self._finish_init(("_hs", "_logits", "_tokens", "noise_embed", "k_cache", "v_cache", "slot_pos", "desc",
                            "resid", "xin", "ap_feat", "tile_live"), tune)
@@ -244,13 +238,13 @@ class DraftKvBatch(StepIssuer):
         s.wait_event(ring.write_event)
         slot_pos = self.slot_pos[lane]
         if fields.reset:
-            self.planner.reset_slots(slot_pos, stream=s)
+            self.ring_slots.reset_slots(slot_pos, stream=s)
         for i, (start, count) in enumerate(bulk_chunks(fields.bulk_start, fields.bulk_count, self.bulk_chunk)):
             host = self._bulk_desc_host[lane * self._n_chunks + i]
             be.host_write(host, "DraftKvBatch bulk chunk descriptor")
             fill_chunk_descriptor(host, fields, start, count)
             be.copy_h2d_async(self.bulk_desc, host, stream=s)
-            self.planner.plan_append(self.bulk_desc, self.ap_pos, self.ap_rows, slot_pos, n_rows=count, stream=s)
+            self.ring_slots.plan_append(self.bulk_desc, self.ap_pos, self.ap_rows, slot_pos, n_rows=count, stream=s)
             self.gather(self.bulk_desc, self.ring_storage[lane], self.bulk_feat, n_rows=count, stream=s)
             self._append_rows(self.bulk_feat, count, [self._lane_cache(k, lane) for k in self.k_cache],
                               [self._lane_cache(v, lane) for v in self.v_cache], s)
@@ -268,98 +262,6 @@ class DraftKvBatch(StepIssuer):
         self._run_rows(stream, eager)
 
     # ------------------------------------------------------------------ public API
-    def _lane_plan(self, lane: int, committed):
-        """Validate one lane's step (raises naming the lane); ``None``: idle."""
-        if committed is None:
-            return None
-        if not isinstance(committed, (int, np.integer)) or isinstance(committed, bool):
-            raise TypeError(f"committed[{lane}] must be an int or None (idle), got {type(committed).__name__}")
-        ring = self.rings[lane]
-        if ring._closed:
-            raise RuntimeError(f"lane {lane}: its ring is closed")
-        try:
-            fields = plan_step(int(self._next[lane]), int(committed), self.geom, self.config.swa_window)
-        except ValueError as e:
-            raise ValueError(f"committed[{lane}]: {e}") from None
-        need = (fields.bulk_start, fields.bulk_start + fields.bulk_count) if fields.bulk_count \
-            else (fields.start, fields.start + fields.n_new)
-        if not ring.holds(*need):
-            raise KeyError(f"lane {lane}: feature rows for positions [{need[0]}, {need[1]}) are not all in its "
-                           f"ring (it holds [{ring.lo}, {ring.hi})); committed={committed}")
-        return fields, need
-
-    def _loop_plan(self, committed):
-        """The common step (as ``_fast_plan``) planned lane by lane in plain
-        Python: cheaper than NumPy's fixed cost for a few lanes. Returns the
-        descriptor values (DESC_LEN per lane) and per-lane active / committed /
-        first appended position, or ``None`` (the per-lane path decides)."""
-        g = self.geom
-        cap, A, q = g.capacity, g.a_step, g.q_len
-        w = int(self.config.swa_window or 0)
-        vals, act, cs, need = [], [], [], []
-        pad = (0,) * (DESC_LEN - DESC_CTX_ROWS)   # DESC_CTX_ROWS (set below) and the reserved rest
-        idle = (0,) * DESC_CTX_ROW0
-        row0 = 0                                  # packed context rows so far (pack_context_rows)
-        for v, n, r in zip(committed, self._next.tolist(), self.rings):
-            if v is None:
-                vals += idle
-                vals.append(row0)
-                vals += pad
-                act.append(False)
-                cs.append(0)
-                need.append(0)
-                continue
-            if type(v) is not int or v <= 0 or v + q > 2**31 - 1 or r._closed:
-                return None
-            reset = n > v
-            if reset:
-                n = 0
-            win = v if v < cap else cap
-            lo = v - win
-            start = n if n > lo else lo
-            nn = v - start
-            if nn > A or (nn > 0 and not (r.lo <= start and v <= r.hi)):
-                return None
-            vals += (v, lo, start, nn, v - (w if 0 < w < win else win), 1 if reset else 0, 1, row0)
-            vals += pad
-            row0 += nn
-            act.append(True)
-            cs.append(v)
-            need.append(start)
-        vals[DESC_CTX_ROWS::DESC_LEN] = [row0] * len(act)
-        return vals, act, cs, need
-
-    def _fast_plan(self, committed):
-        """The common step, planned for all lanes at once with NumPy: every entry
-        an int or None, no bulk append, every ring holding its rows. ``None``
-        when anything else holds: the per-lane path decides (and names the lane
-        of a bad entry)."""
-        if not all(v is None or type(v) is int for v in committed):
-            return None
-        L, g = self.lanes, self.geom
-        act = np.fromiter((v is not None for v in committed), bool, L)
-        c = np.fromiter((0 if v is None else v for v in committed), np.int64, L)
-        if ((c <= 0) & act).any() or (c + g.q_len > 2**31 - 1).any():
-            return None
-        nxt = self._next
-        reset = act & (nxt > c)
-        win = np.minimum(c, g.capacity)
-        lo = c - win
-        start = np.maximum(np.where(reset, 0, nxt), lo)
-        n_new = c - start
-        if ((n_new > g.a_step) & act).any():
-            return None
-        rings = self.rings
-        if any(r._closed for r in rings):
-            return None
-        rlo = np.fromiter((r.lo for r in rings), np.int64, L)
-        rhi = np.fromiter((r.hi for r in rings), np.int64, L)
-        if not ((n_new <= 0) | ((rlo <= start) & (c <= rhi)) | ~act).all():
-            return None
-        w = int(self.config.swa_window or 0)
-        swa_lo = c - (np.where(win > w, w, win) if w > 0 else win)
-        return act, c, lo, start, n_new, swa_lo, reset
-
     def begin_step(self, committed, stream=None) -> None:
         """Plan one step for every lane: ``committed[i]`` is lane ``i``'s
         committed token count (an int > 0) or ``None`` (lane idle this step:
@@ -377,57 +279,27 @@ class DraftKvBatch(StepIssuer):
                                 f"got {type(committed).__name__}") from None
             if len(committed) != self.lanes:
                 raise ValueError(f"committed has {len(committed)} entries, expected one per lane ({self.lanes})")
-            # NumPy costs ~20 us however few the lanes; a plain loop ~1 us per lane
-            loop = fast = None
-            if self.lanes >= FAST_PLAN_LANES:
-                fast = self._fast_plan(committed)
-            else:
-                loop = self._loop_plan(committed)
-            plans = (None if fast is not None or loop is not None
-                     else [self._lane_plan(i, v) for i, v in enumerate(committed)])
+            plan = decide_lanes(committed, self._next.tolist(), self.rings, self.geom, self.config.swa_window)
             # ---- validated: from here on state changes
             be = self.backend
             slot = self._slot ^ 1
-            self._reuse(self._events[slot])
+            self.order.reuse(self._events[slot])
+            if plan.bulk:
+                self.order.reuse(self._bulk_event)
+                s = self.order.order(stream)
+                with nvtx_range("dflash batch bulk append", "red"):
+                    for i, f in plan.bulk:
+                        self._bulk_append(i, f, s)
+                        self._next[i] = f.committed
+                self._bulk_event.record(s)
+                for i, _ in plan.bulk:
+                    self.rings[i].note_read(self, self._bulk_event)
+                self.order.issued(s)
             host = self._desc_host[slot]
             be.host_write(host, "DraftKvBatch.begin_step (descriptors)")
-            if loop is not None:
-                vals, act, c, start = loop
-                self._desc_struct.pack_into(host, 0, *vals)
-                self._plan_fields = None
-            elif fast is not None:
-                act, c, lo, start, n_new, swa_lo, reset = fast
-                cols = np.stack([c, lo, start, n_new, swa_lo, reset, act], axis=1)
-                cols *= act[:, None]           # an idle lane's step fields: all zeros
-                host[:, :7] = cols
-                self._plan_fields = None
-            else:
-                bulk = [i for i, p in enumerate(plans) if p is not None and p[0].bulk_count]
-                if bulk:
-                    self._reuse(self._bulk_event)
-                    s = self._order(stream)
-                    with nvtx_range("dflash batch bulk append", "red"):
-                        for i in bulk:
-                            self._bulk_append(i, plans[i][0], s)
-                            self._next[i] = plans[i][0].committed
-                    self._bulk_event.record(s)
-                    for i in bulk:
-                        self.rings[i].note_read(self, self._bulk_event)
-                    self._issued(s)
-                for i, p in enumerate(plans):
-                    if p is None:
-                        fill_descriptor(host[i], 0, 0, 0, 0, 0, active=False)
-                    else:
-                        fill_step_descriptor(host[i], p[0])
-                act = np.array([p is not None for p in plans])
-                c = np.array([0 if p is None else p[0].committed for p in plans], np.int64)
-                start = np.array([0 if p is None else p[1][0] for p in plans], np.int64)
-                self._plan_fields = [None if p is None else p[0] for p in plans]
-            if loop is None:   # the loop packed the context rows as it went
-                pack_context_rows(host, self.geom.a_step)
+            pack_descriptors(host, plan.vals)
             self._slot = slot
-            self._plan_act, self._plan_c, self._plan_need = act, c, start   # need: [start, c) per active lane
-            self._plan_desc = host
+            self._plan, self._plan_fields, self._plan_desc = plan, None, host
             self._planned = True
 
     @property
@@ -442,12 +314,8 @@ class DraftKvBatch(StepIssuer):
     @property
     def last_plan(self) -> list:
         """Per lane: the ``StepFields`` of the latest planned step (``None``: idle)."""
-        if self._plan_fields is None and self._plan_act is not None:
-            from .ops.step_descriptor import StepFields
-            d = self._plan_desc
-            self._plan_fields = [
-                StepFields(int(r[0]), int(r[1]), int(r[2]), int(r[3]), int(r[4]), bool(r[5]), int(r[2]), 0)
-                if a else None for a, r in zip(self._plan_act, d)]
+        if self._plan_fields is None and self._plan is not None:
+            self._plan_fields = [self._plan.fields(i) for i in range(self.lanes)]
         return self._plan_fields
 
     def set_noise_embed(self, noise_embed, stream=None) -> None:
@@ -461,7 +329,7 @@ class DraftKvBatch(StepIssuer):
         if dev is None:
             host = self._check_host_noise(noise_embed, shape)
         stream = be.as_stream(stream)
-        s = self._order(stream)
+        s = self.order.order(stream)
         B, BS = self.q_len, self.lane_rows
         if dev is None:
             self._copy_noise_host(host, s)
@@ -470,7 +338,7 @@ class DraftKvBatch(StepIssuer):
         else:
             for i in range(self.lanes):
                 be.copy_d2d_async(self.noise_embed[i * BS:i * BS + B], dev[i], stream=s)
-        self._issued(s)
+        self.order.issued(s)
 
     def _noise_rows(self, stage):
         # lane i's q_len rows at the start of its lane_rows (the rest: padding, never read)
@@ -483,7 +351,10 @@ class DraftKvBatch(StepIssuer):
         self._check_open()
         if not self._planned:
             raise RuntimeError("run() needs a planned step: call begin_step(committed) first")
-        act, c, need = np.asarray(self._plan_act), np.asarray(self._plan_c), np.asarray(self._plan_need)
+        # the planned descriptors (pinned; the next begin_step writes the other buffer): the
+        # step reads ring positions [start, committed) of each active lane
+        d = self._plan_desc
+        act, c, need = d[:, DESC_ACTIVE] != 0, d[:, DESC_COMMITTED].astype(np.int64), d[:, DESC_START]
         rings = self.rings
         rlo = np.fromiter((r.lo for r in rings), np.int64, self.lanes)
         rhi = np.fromiter((r.hi for r in rings), np.int64, self.lanes)
@@ -497,7 +368,7 @@ class DraftKvBatch(StepIssuer):
                                f"step was planned to append (it holds [{rings[i].lo}, {rings[i].hi})); call "
                                f"begin_step again")
         slot = self._slot
-        s = self._order(stream)
+        s = self.order.order(stream)
         # The planning launch takes every lane's ring storage: wait for the rings written
         # since the last step (the older writes are ordered before it already: by that
         # step's waits, then stream order or the edge to _tail).
@@ -506,11 +377,11 @@ class DraftKvBatch(StepIssuer):
             if ring.writes != seen[i]:
                 s.wait_event(ring.write_event)
                 seen[i] = ring.writes
-        self._launch_step(slot, s, eager)
+        self.graphs.launch(slot, s, eager)
         self._events[slot].record(s)
         for ring in self.rings:
             ring.note_read(self, self._events[slot])
-        self._issued(s)
+        self.order.issued(s)
         self._planned = False
         self._next[act] = c[act]
         return self.hidden_states
@@ -528,24 +399,21 @@ class DraftKvBatch(StepIssuer):
         current stream (or ``stream``); a planned, not yet run step is dropped."""
         self._check_open()
         lanes = range(self.lanes) if lane is None else [self._check_lane(lane)]
-        s = self._order(stream)
+        s = self.order.order(stream)
         self._planned = False
         for i in lanes:
             self._next[i] = 0
-            self.planner.reset_slots(self.slot_pos[i], stream=s)
-        self._issued(s)
+            self.ring_slots.reset_slots(self.slot_pos[i], stream=s)
+        self.order.issued(s)
 
     def close(self) -> None:
         if self._closed:
             return
-        self._close_wait()
+        self.order.drain()
         for ring in self.rings or ():
             ring.forget_reader(self)
             ring.close()
-        keep = {"backend", "config", "weights", "geom", "lanes", "_next", "_plan_fields", "_plan_act", "_plan_desc",
-                "host_waits", "captures", "_closed"}
-        self.last_plan   # (computed while the descriptor buffer is still there)
-        self._plan_desc = None
+        keep = {"backend", "config", "weights", "geom", "lanes", "_next", "_plan_fields", "_plan", "_closed"}
         self._release(keep)
 
 

@@ -55,8 +55,8 @@ from .interop import device_view
 from .nvtx_ranges import nvtx_range
 from .step_issuer import StepIssuer
 from .ops.gather import FeatureGather
-from .ops.step_descriptor import (DESC_LEN, DESC_N_NEW, bulk_chunks, fill_chunk_descriptor, fill_step_descriptor,
-                                  plan_step)
+from .ops.step_descriptor import (DESC_LEN, DESC_N_NEW, bulk_chunks, decide_lanes, fill_chunk_descriptor,
+                                  pack_descriptors)
 from .ops.sample import SamplingParams
 from .rope_params import rope_parameters
 from .weights import DraftWeights
@@ -184,7 +184,7 @@ class DraftKvCache(StepIssuer):
         self.ctx_kv_in = be.zeros((R, H), np.float32) if c.context_kv_layer_norm else None
         self.ctx_kv = be.zeros((R, 2 * kvw), np.float32)
         # Step rows [0, A): the appended context rows, [A, A+B): the noise rows.
-        gate_w = self._alloc_step_rows()
+        gate_w = self._alloc_step_rows(A, B)   # the step's rows: A append rows, then the noise block
         self.hidden_states = self._hs
         self.lm_head = None
         self.logits = None
@@ -220,9 +220,6 @@ class DraftKvCache(StepIssuer):
                      + (", sampling knobs, rng)" if sampled else ")"))
             be.label(self._noise_host[i], f"DraftKvCache noise staging [{i}]")
         be.label(self._bulk_desc_host, "DraftKvCache bulk descriptor staging")
-        # Capture only: a CUDA graph cannot be captured on the legacy default stream, and
-        # replays run on the caller's stream.
-        self.capture_stream = be.stream()
         self._events = [be.event() for _ in range(2)]  # after the replay that read each descriptor
         self._bulk_event = be.event()
 
@@ -232,7 +229,6 @@ class DraftKvCache(StepIssuer):
 
         self.next_pos = 0
         self.last_plan = None  # StepFields of the latest begin_step (for reports)
-        self._graphs = [None, None]
         self._ring_graphs: dict = {}  # id(ring) -> (ring, gather, graphs) of recently used rings
         self._need = (0, 0)           # positions the planned step gathers from the ring
         # Everything above (zeros, kernel workspaces) was memset on the current stream: the
@@ -242,8 +238,6 @@ class DraftKvCache(StepIssuer):
 
     # ------------------------------------------------------------------ properties
     trash_slot = property(lambda self: self.geom.trash_slot)
-    n_ctx = property(lambda self: self.geom.a_step)   # the step's rows: the append rows
-    n_noise = property(lambda self: self.geom.q_len)  # then the noise block
 
     def __repr__(self):
         return (f"DraftKvCache({self.geom}, layers={self.config.n_layer}, backend={self.backend.name}, "
@@ -265,7 +259,7 @@ class DraftKvCache(StepIssuer):
         """Every launch and copy of one step, in order (captured once per slot)."""
         be, A = self.backend, self.a_step
         be.copy_h2d_async(self._step_in, self._step_in_host[slot], stream=stream)
-        # reset_slots_if, plan_append, the gather and the masks as one launch (gather.cu)
+        # reset_slots_if, plan_append, the gather and the masks as one launch (step_plan.cu)
         self._gather.plan_step(self.desc, self._ring.storage, self.ap_feat, self.geom, self.slot_pos,
                                self.pos_all[:A], self.rows_all[:A], self.pos_q, mask_full=self.mask_full,
                                mask_swa=self.mask_swa, n_rows=A, stream=stream)
@@ -274,10 +268,10 @@ class DraftKvCache(StepIssuer):
     def _bulk_append(self, fields, s) -> None:
         """Append ``[bulk_start, bulk_start+bulk_count)`` outside the graph, chunk by chunk, on ``s``."""
         be = self.backend
-        self._reuse(self._bulk_event)  # the pinned chunk descriptors of the last bulk must have been read
+        self.order.reuse(self._bulk_event)  # the pinned chunk descriptors of the last bulk must have been read
         s.wait_event(self._ring.write_event)
         if fields.reset:
-            self.planner.reset_slots(self.slot_pos, stream=s)
+            self.ring_slots.reset_slots(self.slot_pos, stream=s)
         # One pinned descriptor row per chunk: bulk_count <= capacity, so there are at most
         # ceil(capacity / bulk_chunk) chunks, fewer than the rows __init__ allocates.
         for i, (start, count) in enumerate(bulk_chunks(fields.bulk_start, fields.bulk_count,
@@ -286,7 +280,7 @@ class DraftKvCache(StepIssuer):
             be.host_write(host, "DraftKvCache bulk chunk descriptor")
             fill_chunk_descriptor(host, fields, start, count)
             be.copy_h2d_async(self.bulk_desc, host, stream=s)
-            self.planner.plan_append(self.bulk_desc, self.ap_pos, self.ap_rows, self.slot_pos,
+            self.ring_slots.plan_append(self.bulk_desc, self.ap_pos, self.ap_rows, self.slot_pos,
                                      n_rows=count, stream=s)
             self._gather(self.bulk_desc, self._ring.storage, self.ap_feat, n_rows=count, stream=s)
             self._append_stage(count, s)
@@ -311,36 +305,28 @@ class DraftKvCache(StepIssuer):
                                  f"{self.backend.name!r} ({id(self.backend):#x}): use one backend object")
             if ring.fc_in != self.config.fc_in:
                 raise ValueError(f"ring rows have fc_in={ring.fc_in}, the drafter needs {self.config.fc_in}")
-            if not isinstance(committed, (int, np.integer)) or isinstance(committed, bool):
-                raise TypeError(f"committed must be an int, got {type(committed).__name__}")
-            fields = plan_step(self.next_pos, int(committed), self.geom, self.config.swa_window)
-            win = fields.committed - fields.lo
-            if ring.capacity < win:
-                raise ValueError(f"ring capacity {ring.capacity} is smaller than the window of "
-                                 f"{win} positions (committed={committed})")
-            need = (fields.bulk_start, fields.bulk_start + fields.bulk_count) if fields.bulk_count \
-                else (fields.start, fields.start + fields.n_new)
-            if not ring.holds(*need):
-                raise KeyError(f"feature rows for positions [{need[0]}, {need[1]}) are not all in the "
-                               f"ring (it holds [{ring.lo}, {ring.hi})); committed={committed}")
+            # the one host planner (the batch's), for one lane: it checks committed and the ring's rows
+            plan = decide_lanes((committed,), (self.next_pos,), (ring,), self.geom, self.config.swa_window,
+                                single=True)
+            fields = plan.fields(0)
             # ---- validated: from here on state changes
             if ring is not self._ring:
                 self._switch_ring(ring)
             slot = self._slot ^ 1
-            self._reuse(self._events[slot])  # the replay that read this slot's descriptor
+            self.order.reuse(self._events[slot])  # the replay that read this slot's descriptor
             if fields.bulk_count:
-                s = self._order(stream)
+                s = self.order.order(stream)
                 with nvtx_range("dflash bulk append", "red"):
                     self._bulk_append(fields, s)
-                self._issued(s)
+                self.order.issued(s)
                 self.next_pos = fields.committed
             self.backend.host_write(self._step_in_host[slot], "DraftKvCache.begin_step (step inputs)")
-            fill_step_descriptor(self._desc_host[slot], fields)
+            pack_descriptors(self._desc_host[slot], plan.vals)
             if self.sampler is not None:  # the draw's counter: this step's first noise position
                 self._knobs_host[slot][:] = self.sampling.knobs()
                 self._rng_host[slot][:] = (self.sampling.seed, fields.committed)
             self._slot = slot
-            self._need = need if not fields.bulk_count else (fields.start, fields.start)
+            self._need = (fields.start, fields.start + fields.n_new)   # (a bulk append has run: none)
             self.last_plan = fields
             self._pending_next = fields.committed
             self._planned = True
@@ -349,15 +335,15 @@ class DraftKvCache(StepIssuer):
         """Bind ``ring`` (the graphs read it by pointer): its graphs and gather
         are kept for the last few rings, so alternating rings does not recapture."""
         if self._ring is not None:
-            self._ring_graphs[id(self._ring)] = (self._ring, self._gather, self._graphs)
+            self._ring_graphs[id(self._ring)] = (self._ring, self._gather, self.graphs.slots)
         hit = self._ring_graphs.pop(id(ring), None)
         if hit is not None and hit[0] is ring:
-            _, self._gather, self._graphs = hit
+            _, self._gather, self.graphs.slots = hit
         else:
             g = self._gather
             if g is None or (g.ring_capacity, g.kind) != (ring.capacity, ring.kind):
                 g = FeatureGather(self.backend, ring.fc_in, ring.capacity, ring.kind)
-            self._gather, self._graphs = g, [None, None]
+            self._gather, self.graphs.slots = g, [None, None]
         while len(self._ring_graphs) >= RING_GRAPHS:
             self._ring_graphs.pop(next(iter(self._ring_graphs)))
         self._ring = ring
@@ -373,12 +359,12 @@ class DraftKvCache(StepIssuer):
             return  # filled in place by the caller
         dev = device_view(be, noise_embed, "noise_embed", dtype=np.float32,
                           shape=(self.q_len, self.config.hidden_size))
-        s = self._order(stream)
+        s = self.order.order(stream)
         if dev is None:  # host data, through pinned staging
             self._copy_noise_host(noise_embed, s)
         else:
             be.copy_d2d_async(self.noise_embed, dev, stream=s)
-        self._issued(s)
+        self.order.issued(s)
 
     def set_sampling(self, sampling) -> None:
         """How the next planned steps turn logits into ``draft_tokens``: a
@@ -441,16 +427,16 @@ class DraftKvCache(StepIssuer):
                                f"that this step was planned to append (it holds [{ring.lo}, {ring.hi}): a "
                                f"write after begin_step replaced them); call begin_step again")
         slot, be = self._slot, self.backend
-        s = self._order(stream)
+        s = self.order.order(stream)
         s.wait_event(self._ring.write_event)  # the rows this step gathers
-        self._launch_step(slot, s, eager)
+        self.graphs.launch(slot, s, eager)
         if o is not None:
             be.copy_d2d_async(o, self.hidden_states, stream=s)
         if t is not None:
             be.copy_d2d_async(t, self.draft_tokens, stream=s)
         self._events[slot].record(s)
         self._ring.note_read(self, self._events[slot])  # the ring's next write waits for this step
-        self._issued(s)
+        self.order.issued(s)
         self._planned = False
         self.next_pos = self._pending_next
         return self.hidden_states
@@ -473,20 +459,20 @@ class DraftKvCache(StepIssuer):
         """Forget every cached row (a new request whose prefix differs); the
         slot table is cleared on the current stream (or ``stream``)."""
         self._check_open()
-        s = self._order(stream)
+        s = self.order.order(stream)
         self.next_pos = 0
         self._planned = False
-        self.planner.reset_slots(self.slot_pos, stream=s)
-        self._issued(s)
+        self.ring_slots.reset_slots(self.slot_pos, stream=s)
+        self.order.issued(s)
 
     def close(self) -> None:
         if self._closed:
             return
-        self._close_wait()
+        self.order.drain()
         if self._ring is not None and not self._ring._closed:
             self._ring.forget_reader(self)
         # Release everything the cache holds (device arrays, pinned staging, graphs,
         # compiled ops, the ring): only what repr and the closed checks read stays.
-        self._release({"backend", "config", "weights", "geom", "next_pos", "last_plan", "sampling", "host_waits",
+        self._release({"backend", "config", "weights", "geom", "next_pos", "last_plan", "sampling",
                        "write_logits", "bulk_chunk", "_closed"})
 

@@ -18,7 +18,7 @@ kernels, ``tolerances.TOL`` elsewhere), never only against another GPU kernel:
 * ``attention.mma`` / ``attention.fma``: one split, three splits with either merge (the
   folded last block, the combine launch), a gate, NaN in hidden ring slots, a row that sees
   no key;
-* ``plan`` (``ring_slots.cu``, ``gather.cu``: bulk appends in chunks, a wrapping ring, a rewind, a
+* ``plan`` (``ring_slots.cu``, ``step_plan.cu``: bulk appends in chunks, a wrapping ring, a rewind, a
   jump), ``norm``, ``rope``, ``sample`` (greedy, sampled, the argmax reduction);
 * ``step.f32`` / ``step.bf16`` / ``step.f16``: a 2-layer drafter (one sliding layer) through
   a prefill in bulk chunks and two in-graph steps that wrap its ring, hidden states, logits

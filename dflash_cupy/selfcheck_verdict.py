@@ -30,7 +30,7 @@ MODES = ("auto", "off", "force")
 
 # variant -> what it is
 VARIANTS = {
-    "plan": "step planning and feature gather (ring_slots.cu, gather.cu)",
+    "plan": "step planning and feature gather (ring_slots.cu, step_plan.cu)",
     "norm": "RMSNorm (norm.cu)",
     "rope": "q/k norm + RoPE + K/V scatter (rope.cu)",
     "sample": "token sampler and argmax reduction (sample.cu)",

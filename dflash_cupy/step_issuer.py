@@ -1,13 +1,18 @@
 """What ``DraftKvCache`` and ``DraftKvBatch`` share: placing the LM head, allocating the step's
 rows and building its kernels, the geometry properties, the step's layers and head (one
-code path; the lane batch's row skipping through small hooks), and issuing work on the
-caller's stream after this object's earlier work (event edges on the device,
-never a host wait), reusing pinned staging only once the work that read it
-has run, and running a step either eagerly or as one of its step graphs,
-captured on first use and replayed after."""
+code path; the lane batch's row skipping through small hooks). Three parts are objects of
+their own, held by the cache or batch:
+
+* ``StepRecipe`` (frozen): the fusion decisions, computed once at construction;
+* ``StreamOrder`` (``stream_order.py``): issuing work on the caller's stream after this
+  object's earlier work (event edges on the device, never a host wait), and reusing pinned
+  staging only once the work that read it has run;
+* ``StepGraphs``: running a step either eagerly or as one of its two step graphs, captured
+  on first use and replayed after."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,6 +29,7 @@ from .ops.norm import RmsNorm
 from .ops.ring_slots import RingSlots
 from .ops.rope import QkvNormRope
 from .ops.sample import SamplingParams, TokenSampler
+from .stream_order import StreamOrder
 
 
 # Steps with at least this many noise rows (x_split=False) run the post-attention norm as
@@ -36,14 +42,119 @@ from .ops.sample import SamplingParams, TokenSampler
 GATE_UP_X16_MIN_ROWS = 128
 
 
+@dataclass(frozen=True)
+class StepRecipe:
+    """The step's fusion decisions, made once when a cache or batch is built (``derive``) and
+    read by its allocation, its kernel builds and every step.
+
+    ``fold_norms``: the per-layer input and post-attention RMSNorms fold into the qkv and
+    gate_up GEMMs (they run on the stream path: 16-bit weights, K % 8 == 0); those GEMMs then
+    read ``resid`` / ``h`` directly, so the context rows live in ``resid``.
+    ``fold_hidden``: the hidden norm folds into every layer's qkv GEMM too (``ln_lo``): the
+    folded norms without the context-KV-norm variant (whose context rows are normalised
+    twice), with hi + lo activations (the default). With ``x_split=False`` the context rows
+    would enter as bf16(y * hidden_norm) instead of bf16(T): statistically the same error
+    (over 4 seeds of test_kv_cache's schedules b / f the maxima were 1.33-2.28e-2 before,
+    1.74-2.08e-2 folded), but the pinned seed's maximum moves from 1.52e-2 to 2.02e-2, past
+    test_kv_cache's X1_CEILING of 2e-2, so that mode keeps the hidden rmsnorm node.
+    ``attn16`` / ``act16``: the 16-bit weight kind ("f16" / "bf16") the attention output and
+    the silu * up activations are stored in, or None for f32. With ``x_split=False`` their
+    only readers (the o and down projections) round them to their weight type once anyway,
+    so storing them rounded by their producers (the attention, the gate_up epilogue) is
+    bit-identical and halves the bytes those GEMMs re-read per column group; only where the
+    reading GEMM runs the stream path (f16/bf16 weights, K % 8 == 0) and, for ``act``, the
+    gate_up and down weights share the type.
+    ``gate_up_x16``: the kind the gate_up GEMM's input rows are stored in by a norm launch of
+    their own (``hn16``, see ``GATE_UP_X16_MIN_ROWS``), or None (the norm folded, or f32
+    rows): ``x_split=False``, a 16-bit gate_up weight with H % 8 == 0 and enough noise rows.
+    ``qkv_rope``: the qkv GEMM is offered the q/k norm + RoPE + K/V scatter epilogue (where
+    the step's rows take the wgmma kernel by default: its qkv variants are compiled now, and
+    cost a build where they would never run). ``lane_batched``: the GEMMs read ``tile_live``
+    (K split per launch from the live tiles; the qkv GEMM skips the context rows' Q)."""
+    fold_norms: bool
+    fold_hidden: bool
+    attn16: str | None
+    act16: str | None
+    gate_up_x16: str | None
+    qkv_rope: bool
+    lane_batched: bool
+
+    @classmethod
+    def derive(cls, config, dw, checked, x_split: bool, n_ctx: int, n_noise: int,
+               lane_batched: bool) -> "StepRecipe":
+        """The recipe for these weights (``dw``: on the device), self-check verdict, rounding
+        and step rows (``n_ctx`` context rows, then ``n_noise`` noise rows)."""
+        from .ops.gemm_stream import WG_MIN_M
+        c, L0, H = config, dw.layers[0], config.hidden_size
+        kind = {k: weight_kind(getattr(L0, k).dtype) for k in ("w_qkv", "w_o", "w_gate_up", "w_down")}
+        sixteen = ("f16", "bf16")
+        fold = checked.stream and H % 8 == 0 and kind["w_qkv"] in sixteen and kind["w_gate_up"] in sixteen
+        attn = act = x16 = None
+        if not x_split and checked.stream:
+            o, gu, dn = kind["w_o"], kind["w_gate_up"], kind["w_down"]
+            attn = o if o in sixteen and c.q_dim % 8 == 0 else None
+            act = dn if dn in sixteen and gu == dn and c.intermediate_size % 8 == 0 and H % 8 == 0 else None
+            if n_noise >= GATE_UP_X16_MIN_ROWS and gu in sixteen and H % 8 == 0:
+                x16 = gu
+        return cls(fold_norms=bool(fold), fold_hidden=bool(fold and not c.context_kv_layer_norm and x_split),
+                   attn16=attn, act16=act, gate_up_x16=x16, qkv_rope=n_ctx + n_noise >= WG_MIN_M,
+                   lane_batched=bool(lane_batched))
+
+
+class StepGraphs:
+    """``StepGraphs(backend, issue, pdl=False, nvtx="dflash")``: a step run eagerly or as one
+    of its graphs, one per descriptor buffer (``slots``), each captured on a private stream
+    (``capture_stream``: a CUDA graph cannot be captured on the legacy default stream) the
+    first time and replayed on the caller's stream after. ``issue(slot, stream, eager)``
+    issues every launch and copy of one step. ``pdl``: each launch right after another launch
+    of a capture carries programmatic stream serialization (``base.programmatic_launches``);
+    eager steps never do."""
+
+    def __init__(self, backend, issue, *, pdl: bool = False, nvtx: str = "dflash"):
+        self.backend = backend
+        self._issue = issue
+        self.pdl = pdl
+        self._nvtx = nvtx
+        self.capture_stream = backend.stream()
+        self.slots = [None, None]
+        self.captures = 0      # step graphs captured so far
+
+    def launch(self, slot: int, s, eager: bool) -> None:
+        """Step ``slot`` on ``s``: its kernels one by one (``eager``), or its graph."""
+        if eager:
+            with nvtx_range(f"{self._nvtx} eager step", "yellow"):
+                self._issue(slot, s, eager=True)
+            return
+        graph = self.slots[slot]
+        if graph is None:
+            be, cs = self.backend, self.capture_stream
+            with nvtx_range(f"{self._nvtx} capture", "purple"):
+                be.begin_capture(cs)
+                try:
+                    with programmatic_launches(self.pdl):
+                        self._issue(slot, cs)
+                finally:
+                    graph = be.end_capture(cs)
+                self.slots[slot] = graph
+                self.captures += 1
+        with nvtx_range(f"{self._nvtx} replay", "blue"):
+            graph.launch(s)
+
+    def release(self) -> None:
+        """Drop the graphs and the capture stream (``captures`` stays readable)."""
+        self.slots = [None, None]
+        self._issue = self.capture_stream = None
+
+
 class StepIssuer:
-    """Mixin. The subclass's constructor calls ``_take_args`` once its own arguments are
-    checked, sets ``geom``, ``dw``, ``n_ctx`` / ``n_noise`` (the step's rows, the GEMMs' M
-    axis: ``n_ctx`` appended context rows, then ``n_noise`` noise rows), ``capture_stream``
-    and ``_graphs`` (one slot per descriptor buffer), calls ``_alloc_step_rows`` and
-    ``_build_step_ops``, and ``_finish_init`` last. Its ``_issue_step(slot, stream, eager)``
-    issues one step (the descriptor copy and the planning launch, then ``_run_rows``);
-    ``_qkv_skip`` and the attributes below say which rows the step's launches skip."""
+    """Base of ``DraftKvCache`` and ``DraftKvBatch``. The subclass's constructor calls
+    ``_take_args`` once its own arguments are checked, sets ``geom`` and ``dw``, calls
+    ``_alloc_step_rows(n_ctx, n_noise)`` (the step's rows, the GEMMs' M axis: ``n_ctx``
+    appended context rows, then ``n_noise`` noise rows; it derives the ``recipe``), then
+    ``_build_step_ops``, and ``_finish_init`` last (the stream order and the step graphs).
+    Its ``_issue_step(slot, stream, eager)`` issues one step (the descriptor copy and the
+    planning launch, then ``_run_rows``); ``_qkv_skip`` and the attributes below say which
+    rows the step's launches skip."""
 
     _nvtx = "dflash"   # NVTX range prefix
     # lane batches pass tile_live to their GEMMs (per launch K split; qkv skips context rows' Q)
@@ -107,67 +218,34 @@ class StepIssuer:
             raise ValueError("lm_head must have at least one row (the vocabulary), got 0")
         return to_device_matrix(be, lm_head)
 
-    def _act16_kinds(self) -> tuple:
-        """``(attn, act)``: the 16-bit weight kind ("f16" / "bf16") the attention output and
-        the silu * up activations are stored in, or None for f32. With ``x_split=False`` their
-        only readers (the o and down projections) round them to their weight type once anyway,
-        so storing them rounded by their producers (the attention, the gate_up epilogue) is
-        bit-identical and halves the bytes those GEMMs re-read per column group; only where the
-        reading GEMM runs the stream path (f16/bf16 weights, K % 8 == 0) and, for ``act``, the
-        gate_up and down weights share the type."""
-        if self.x_split or not self.checked.stream:
-            return None, None
-        c, L0 = self.config, self.dw.layers[0]
-        o, gu, dn = (weight_kind(a.dtype) for a in (L0.w_o, L0.w_gate_up, L0.w_down))
-        attn = o if o in ("f16", "bf16") and c.q_dim % 8 == 0 else None
-        act = dn if dn in ("f16", "bf16") and gu == dn and c.intermediate_size % 8 == 0 \
-            and c.hidden_size % 8 == 0 else None
-        return attn, act
-
-    def _gate_up_x16_kind(self):
-        """The weight kind ("f16" / "bf16") the gate_up GEMM's input is stored in by its own
-        norm launch (see ``GATE_UP_X16_MIN_ROWS``), or None (the norm folded, or f32 rows):
-        ``x_split=False``, a 16-bit gate_up weight with H % 8 == 0 (the stream path) and
-        enough noise rows."""
-        if self.x_split or self.n_noise < GATE_UP_X16_MIN_ROWS or not self.checked.stream:
-            return None
-        kind = weight_kind(self.dw.layers[0].w_gate_up.dtype)
-        return kind if kind in ("f16", "bf16") and self.config.hidden_size % 8 == 0 else None
-
-    def _act_dtypes(self) -> tuple:
-        """Device dtypes of ``attn`` and ``act`` (see ``_act16_kinds``)."""
-        from . import dtypes
-        return tuple(np.dtype(np.float32) if k is None else dtypes.DEVICE[k] for k in self._act16_kinds())
-
-    def _alloc_step_rows(self) -> int:
-        """The step's activations over its rows (``n_ctx`` context rows, then ``n_noise`` noise
-        rows) and whether the per-layer norms fold into the GEMMs (``_fold_norms``); returns
-        the attention gate's width (0: no gate)."""
+    def _alloc_step_rows(self, n_ctx: int, n_noise: int) -> int:
+        """The fusion decisions (``recipe``) and the step's activations over its rows (``n_ctx``
+        context rows, then ``n_noise`` noise rows); returns the attention gate's width (0: no
+        gate)."""
         be, c = self.backend, self.config
-        H, nc, nn, kvw = c.hidden_size, self.n_ctx, self.n_noise, c.kv_dim
+        self.n_ctx, self.n_noise = n_ctx, n_noise
+        self.recipe = r = StepRecipe.derive(c, self.dw, self.checked, self.x_split, n_ctx, n_noise,
+                                            self.lane_batched)
+        H, nc, nn, kvw = c.hidden_size, n_ctx, n_noise, c.kv_dim
         # resid: [T (context-KV-norm variant) | h, the residual stream];
         # xin: each layer's GEMM input [T or rmsnorm(T)*ln | rmsnorm(h)*ln].
         self.resid = be.zeros((nc + nn, H), np.float32)
         self.xin = be.zeros((nc + nn, H), np.float32)
         self.h, self.hn = self.resid[nc:], self.xin[nc:]
-        # The per-layer input and post-attention RMSNorms fold into the qkv and
-        # gate_up GEMMs when they run on the stream path (16-bit weights, K % 8 == 0):
-        # those GEMMs then read resid / h directly, so the context rows live in resid.
-        L0 = self.dw.layers[0]
-        self._fold_norms = (self.checked.stream and H % 8 == 0
-                            and all(weight_kind(a.dtype) in ("f16", "bf16") for a in (L0.w_qkv, L0.w_gate_up)))
-        self.ctx_step = self.resid[:nc] if c.context_kv_layer_norm or self._fold_norms else self.xin[:nc]
+        # the folded norms' GEMMs read resid / h directly, so the context rows live in resid
+        self.ctx_step = self.resid[:nc] if c.context_kv_layer_norm or r.fold_norms else self.xin[:nc]
         self.noise_embed = be.zeros((nn, H), np.float32)   # read in place by the first layer
         self.qkv = be.zeros((nc + nn, c.q_dim + 2 * kvw), np.float32)
         self.q_all = be.zeros((nc + nn, c.q_dim), np.float32)
         self.q = self.q_all[nc:]
-        attn_dt, act_dt = self._act_dtypes()   # f32, or 16-bit where x_split=False allows (_act16_kinds)
+        # f32, or 16-bit where x_split=False allows (StepRecipe.attn16 / act16)
+        attn_dt, act_dt = (np.dtype(np.float32) if k is None else dtypes.DEVICE[k] for k in (r.attn16, r.act16))
         self.attn = be.zeros((nn, c.q_dim), attn_dt)
         gate_w = {"none": 0, "head": c.n_head, "element": c.q_dim}[c.attn_gate]
         self.gate = be.zeros((nn, gate_w), np.float32) if gate_w else None
         self.act = be.zeros((nn, c.intermediate_size), act_dt)
-        hn16 = self._gate_up_x16_kind()   # gate_up's 16-bit input rows, or None
-        self.hn16 = be.zeros((nn, H), dtypes.DEVICE[hn16]) if hn16 else None
+        # gate_up's 16-bit input rows, or None
+        self.hn16 = be.zeros((nn, H), dtypes.DEVICE[r.gate_up_x16]) if r.gate_up_x16 else None
         self._hs = be.zeros((nn, H), np.float32)   # the final norm's output rows
         return gate_w
 
@@ -176,8 +254,8 @@ class StepIssuer:
         during capture); ``attn_kw``: the attention's lane layout."""
         be, c = self.backend, self.config
         self.rms = RmsNorm(be, c.hidden_size, c.rms_norm_eps)
-        self.rms16 = None if self.hn16 is None else RmsNorm(be, c.hidden_size, c.rms_norm_eps,
-                                                            out_kind=self._gate_up_x16_kind())
+        x16 = self.recipe.gate_up_x16
+        self.rms16 = None if x16 is None else RmsNorm(be, c.hidden_size, c.rms_norm_eps, out_kind=x16)
         self._build_gemms(max_m, gate_w, logits, self.n_noise)  # g_fc .. g_lm (x_split), _lm_part
         self.sampler = TokenSampler(be, self.lm_head.shape[0]) if self.lm_head is not None else None
         self.rope_ctx = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, False, c.rms_norm_eps,
@@ -186,9 +264,9 @@ class StepIssuer:
                                      self.attn_scaling)
         self.attention = RingAttention(be, c.head_dim, c.n_head, c.n_head_kv, self.q_len, self.kv_total,
                                        gate=None if c.attn_gate == "none" else c.attn_gate,
-                                       out_kind=self._act16_kinds()[0],
+                                       out_kind=self.recipe.attn16,
                                        path="auto" if self.checked.attention_mma else "fma", **attn_kw)
-        self.planner = RingSlots(be, self.geom)
+        self.ring_slots = RingSlots(be, self.geom)
 
     def _build_gemms(self, max_m: int, gate_w: int, logits: bool, lm_rows: int) -> None:
         """The step's GEMMs (``g_fc`` .. ``g_lm``), compiled now, every one
@@ -198,12 +276,11 @@ class StepIssuer:
         from .ops.rope import RopeSpec
         be, c, H = self.backend, self.config, self.config.hidden_size
         L0, kvw = self.dw.layers[0], c.kv_dim
-        fold_eps = c.rms_norm_eps if self._fold_norms else None
-        attn16, act16 = self._act16_kinds()
-
+        r = self.recipe
+        fold_eps = c.rms_norm_eps if r.fold_norms else None
         # lane batches (tile_live): K split per launch from the live tiles, and the qkv GEMM
         # skips the Q columns of the context rows (tile_live 2)
-        lanes = self.lane_batched
+        lanes = r.lane_batched
         # the self-check's choices: a failed stream GEMM -> gemm.cu, a failed wgmma -> gemm_stream.cu
         ch = self.checked
         fallback = dict(path="auto" if ch.stream else "fma", **({} if ch.wgmma else {"wgmma": False}))
@@ -214,19 +291,16 @@ class StepIssuer:
         self.g_fc = gemm(H, c.fc_in, self.dw.fc.dtype)
         self.g_kv = gemm(2 * kvw, H, L0.w_qkv.dtype)
         # rope: the q/k norm + RoPE + K/V scatter folds into the qkv GEMM's epilogue where its
-        # launch allows (_qkv_rope); QkvNormRope (rope_step) runs after it elsewhere. Offered
-        # only where the step's rows take the wgmma kernel by default (its qkv variants are
-        # compiled now, and cost a build where they would never run)
-        from .ops.gemm_stream import WG_MIN_M
+        # launch allows (_qkv_rope); QkvNormRope (rope_step) runs after it elsewhere
         rope = RopeSpec(c.head_dim, c.n_head, c.n_head_kv, c.rms_norm_eps, self.attn_scaling) \
-            if self.n_ctx + self.n_noise >= WG_MIN_M else None
+            if r.qkv_rope else None
         self.g_qkv = gemm(c.q_dim + 2 * kvw, H, L0.w_qkv.dtype, norm_eps=fold_eps,
                           skip_cols=c.q_dim if lanes else 0, rope=rope)
-        self.g_o = gemm(H, c.q_dim, L0.w_o.dtype, "residual", x16=attn16 is not None)
-        x16 = self.hn16 is not None   # its norm a launch of its own (rms16), 16-bit rows
+        self.g_o = gemm(H, c.q_dim, L0.w_o.dtype, "residual", x16=r.attn16 is not None)
+        x16 = r.gate_up_x16 is not None   # its norm a launch of its own (rms16), 16-bit rows
         self.g_gate_up = gemm(c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul",
-                              norm_eps=None if x16 else fold_eps, x16=x16, y16=act16 is not None)
-        self.g_down = gemm(H, c.intermediate_size, L0.w_down.dtype, "residual", x16=act16 is not None)
+                              norm_eps=None if x16 else fold_eps, x16=x16, y16=r.act16 is not None)
+        self.g_down = gemm(H, c.intermediate_size, L0.w_down.dtype, "residual", x16=r.act16 is not None)
         self.g_attn_gate = gemm(gate_w, H, L0.w_attn_gate.dtype) if gate_w else None
         self.g_lm = self._lm_part = None
         if self.lm_head is not None:
@@ -252,16 +326,24 @@ class StepIssuer:
     def _finish_init(self, labels, tune) -> None:
         """The constructor's last step: the step state, the emulator's names for ``labels``,
         the GEMMs' launch configurations measured on the device (``dflash_cupy/tuning.py``,
-        before any capture) and the stream order."""
-        self.captures = 0      # step graphs captured so far
+        before any capture), the step graphs and the stream order (construction memsets on
+        the current stream: the first call on any other stream waits for them on the device)."""
         self._slot = 0         # the descriptor buffer the planned step uses
         self._planned = False
         self._closed = False
-        self.host_waits = 0    # times the host had to wait for queued work to reuse a pinned buffer
         self._label_arrays(labels)
         selfcheck_mod.require(self.checked, self)   # a failed variant with no fallback left: raise
         self.tuned = tuning.tune_sites(self._tune_sites(), backend=self.backend, tune=tune)
-        self._init_order()
+        self.graphs = StepGraphs(self.backend, self._issue_step, pdl=self.pdl, nvtx=self._nvtx)
+        self.order = StreamOrder(self.backend)
+
+    # the composed objects' state under the names the step code and the tests read
+    capture_stream = property(lambda self: self.graphs.capture_stream)
+    captures = property(lambda self: self.graphs.captures)        # step graphs captured so far
+    _graphs = property(lambda self: self.graphs.slots)
+    _tail = property(lambda self: self.order.tail)
+    # times the host had to wait for queued work to reuse a pinned buffer
+    host_waits = property(lambda self: self.order.host_waits)
 
     # ------------------------------------------------------------ shared step pieces
     def _layer_input(self, li: int):
@@ -275,16 +357,6 @@ class StepIssuer:
         (two pointers, never a concatenated copy): ``x2`` = (noise rows, n_ctx)."""
         return dict(x2=(self._layer_input(li), n_ctx))
 
-    def _fold_hidden(self) -> bool:
-        """Whether the hidden norm folds into every layer's qkv GEMM (``ln_lo``): the folded
-        norms without the context-KV-norm variant (whose context rows are normalised twice),
-        with hi + lo activations (the default). With ``x_split=False`` the context rows would
-        enter as bf16(y * hidden_norm) instead of bf16(T): statistically the same error (over
-        4 seeds of test_kv_cache's schedules b / f the maxima were 1.33-2.28e-2 before, 1.74-2.08e-2
-        folded), but the pinned seed's maximum moves from 1.52e-2 to 2.02e-2, past
-        test_kv_cache's X1_CEILING of 2e-2, so that mode keeps the hidden rmsnorm node."""
-        return self._fold_norms and not self.config.context_kv_layer_norm and self.x_split
-
     def _qkv_norm(self, L, n_ctx: int) -> tuple:
         """The qkv GEMM's folded norms over [context rows; noise rows]: every row
         ``rmsnorm * input_layernorm`` with the context-KV-norm variant (its context rows are T),
@@ -292,7 +364,7 @@ class StepIssuer:
         ``rmsnorm(y) * hidden_norm`` = T."""
         if self.config.context_kv_layer_norm:
             return (L.input_layernorm, 0)
-        if self._fold_hidden():
+        if self.recipe.fold_hidden:
             return (L.input_layernorm, n_ctx, self.dw.hidden_norm)
         return (L.input_layernorm, n_ctx)
 
@@ -334,7 +406,7 @@ class StepIssuer:
         live = self.tiles_noise
         h_in = self._layer_input(li)
         ctx_norm = self.config.context_kv_layer_norm  # context rows: rmsnorm(T) * input_layernorm too
-        if self._fold_norms:
+        if self.recipe.fold_norms:
             # rmsnorm(rows) * input_layernorm inside the GEMM, from the context rows then h_in
             # (two pointers: noise_embed read in place); where the hidden norm folds too
             # (_fold_hidden) the context rows are fc's outputs y, entering as
@@ -358,10 +430,10 @@ class StepIssuer:
         self.attention(self.q, self.k_cache[li], self.v_cache[li], mask, self.attn, gate=self.gate,
                        stream=stream, live=self._attn_live)
         self.g_o(self.attn, L.w_o, self.h, nn, tile_live=live, residual=h_in, stream=stream)
-        if self.hn16 is not None:
+        if self.recipe.gate_up_x16 is not None:
             self.rms16(self.h, L.post_attention_layernorm, self.hn16, tile_live=live, stream=stream)
             self.g_gate_up(self.hn16, L.w_gate_up, self.act, nn, tile_live=live, stream=stream)
-        elif self._fold_norms:
+        elif self.recipe.fold_norms:
             self.g_gate_up(self.h, L.w_gate_up, self.act, nn, tile_live=live, stream=stream,
                            norm=(L.post_attention_layernorm, 0))
         else:
@@ -375,7 +447,7 @@ class StepIssuer:
         final norm and the LM head (``_logits``, or the fused argmax's partials) with the
         tokens."""
         dw, nn, live = self.dw, self.n_noise, self.tiles_noise
-        self._fuse_rows(self.ap_feat, self.ctx_step, self.n_ctx, stream, hidden_norm=not self._fold_hidden(),
+        self._fuse_rows(self.ap_feat, self.ctx_step, self.n_ctx, stream, hidden_norm=not self.recipe.fold_hidden,
                         tile_live=self.tiles_ctx)
         for li, L in enumerate(dw.layers):
             # per-layer ranges only when eager: inside a graph they would mark capture time
@@ -418,7 +490,7 @@ class StepIssuer:
         buffers in turn (``_noise_rows``: where in a staging buffer they go)."""
         i = self._noise_next
         self._noise_next ^= 1
-        self._reuse(self._noise_events[i])  # the copy that last read this staging buffer
+        self.order.reuse(self._noise_events[i])  # the copy that last read this staging buffer
         stage = self._noise_host[i]
         self.backend.host_write(stage, f"{type(self).__name__}.set_noise_embed (staging)")
         self._noise_rows(stage)[...] = host
@@ -429,77 +501,21 @@ class StepIssuer:
         """Where the noise embeddings go in a staging buffer (a lane batch pads its lanes)."""
         return stage
 
-    def _init_order(self) -> None:
-        # Construction memsets on the current stream: the first call on any other
-        # stream waits for it on the device.
-        be = self.backend
-        self._tail = be.event()       # after the latest work this object issued
-        self._tail.record(be.current_stream())
-        self._tail_stream = be.current_stream()
-
     def _check_open(self):
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} is closed")
 
-    def _order(self, stream):
-        """The stream a call issues on: ``stream`` or the caller's current one,
-        ordered (on the device) after the work this object issued elsewhere."""
-        s = self.backend.as_stream(stream)
-        if s != self._tail_stream:
-            s.wait_event(self._tail)
-        return s
-
-    def _issued(self, s) -> None:
-        """Work was issued on ``s``: the next call on another stream waits for it."""
-        self._tail.record(s)
-        self._tail_stream = s
-
-    def _reuse(self, event) -> None:
-        """Before rewriting a pinned buffer: wait for the work ``event`` follows
-        only if it has not run yet (on a device that keeps up: never)."""
-        if not event.query():
-            event.synchronize()
-            self.host_waits += 1
-
-    def _launch_step(self, slot: int, s, eager: bool) -> None:
-        """Step ``slot`` on ``s``: its kernels one by one (``eager``), or its graph
-        (captured on the private capture stream the first time)."""
-        be = self.backend
-        if eager:
-            with nvtx_range(f"{self._nvtx} eager step", "yellow"):
-                self._issue_step(slot, s, eager=True)
-            return
-        if self._graphs[slot] is None:
-            with nvtx_range(f"{self._nvtx} capture", "purple"):
-                cs = self.capture_stream
-                be.begin_capture(cs)
-                try:
-                    # pdl: each launch right after another launch carries programmatic stream
-                    # serialization (base.programmatic_launches); eager steps never do
-                    with programmatic_launches(self.pdl):
-                        self._issue_step(slot, cs)
-                finally:
-                    graph = be.end_capture(cs)
-                self._graphs[slot] = graph
-                self.captures += 1
-        with nvtx_range(f"{self._nvtx} replay", "blue"):
-            self._graphs[slot].launch(s)
-
     def synchronize(self) -> None:
         """Host wait for every piece of work this object issued, on any stream."""
-        self._tail.synchronize()
-
-    def _close_wait(self) -> None:
-        try:
-            self._tail.synchronize()
-        except Exception:
-            pass
+        self.order.synchronize()
 
     def _release(self, keep) -> None:
         """Close: drop every attribute but ``keep`` (device arrays, pinned staging, graphs,
-        compiled ops), so that only what repr and the closed checks read stays."""
+        compiled ops), so that only what repr and the closed checks read stays (the
+        stream order and the graphs' capture count too)."""
+        self.graphs.release()
         for name in list(vars(self)):
-            if name not in keep:
+            if name not in keep and name not in ("graphs", "order"):
                 setattr(self, name, None)
         self._closed = True
 

@@ -1,7 +1,7 @@
 """Host time of ``DraftKvCache.begin_step`` per step, against the capacity.
 
 ``begin_step`` is everything the host does per step besides the one graph
-launch (``run()``): validate, plan (``plan_step``), wait for the replay two
+launch (``run()``): validate, plan (``decide_lanes``), wait for the replay two
 steps back, write the step descriptor into pinned memory. The target is
 <= 10 us per step at every capacity, not growing with it (O(1) planning).
 
@@ -113,18 +113,19 @@ def component_costs(cache, ring, committed: int, n: int = 20000) -> dict:
     on the same cache; no state changes)."""
     import timeit
     from dflash_cupy.nvtx_ranges import nvtx_range
-    from dflash_cupy.ops.step_descriptor import fill_step_descriptor, plan_step
+    from dflash_cupy.ops.step_descriptor import DESC_LEN, decide_lanes, pack_descriptors
     g, sw = cache.geom, cache.config.swa_window
-    fields = plan_step(committed - 3, committed, g, sw)
-    buf = np.zeros(8, np.int32)
+    plan = decide_lanes((committed,), (committed - 3,), (ring,), g, sw, single=True)
+    buf = np.zeros(DESC_LEN, np.int32)
     ev = cache._events[0]
 
     def nvtx():
         with nvtx_range("dflash plan", "green"):
             pass
 
-    parts = {"plan_step": lambda: plan_step(committed - 3, committed, g, sw),
-             "fill_step_descriptor": lambda: fill_step_descriptor(buf, fields),
+    parts = {"decide_lanes (one lane)": lambda: decide_lanes((committed,), (committed - 3,), (ring,), g, sw,
+                                                              single=True),
+             "pack_descriptors": lambda: pack_descriptors(buf, plan.vals),
              "nvtx_range enter+exit": nvtx,
              "event.synchronize (done)": ev.synchronize,
              "ring.holds": lambda: ring.holds(committed - 3, committed),

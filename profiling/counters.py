@@ -1274,7 +1274,7 @@ def _small(L) -> KernelCounters:
         item = {0: 4, 1: 2, 2: 2}[d["RING_DTYPE"]]
         return _bytes_only(L, [(_name(a[1]), rows * fc_in * item)], [(_name(a[2]), rows * fc_in * 4)],
                            "all rows counted as new (upper bound of the ring read)")
-    if k == "plan_step":   # gather.cu: reset_slots_if + plan_append + gather_features + build_masks
+    if k == "plan_step":   # step_plan.cu: reset_slots_if + plan_append + gather_features + build_masks
         rows, fc_in, cap, q_len, kvt, flags = a[3], d["FC_IN"], a[10], a[11], a[12], a[13]
         item = {0: 4, 1: 2, 2: 2}[d["RING_DTYPE"]]
         masks = [(_name(a[8 + i]), q_len * kvt * 2) for i in range(2) if flags >> i & 1]
@@ -1283,7 +1283,7 @@ def _small(L) -> KernelCounters:
                             (_name(a[7]), q_len * 4), *masks],
                            "all rows counted as new (upper bound of the ring read); slot_pos writes "
                            "(n_new of them) not counted: data-dependent")
-    if k == "plan_lanes":   # gather.cu: every lane's plan_step in one launch (grid x, lanes)
+    if k == "plan_lanes":   # step_plan.cu: every lane's plan_step in one launch (grid x, lanes)
         a_rows, cs, cap, q_len, bs, kvt, mflags, lanes = a[3], a[4], a[11], a[12], a[13], a[14], a[15], a[16]
         item = {0: 4, 1: 2, 2: 2}[d["RING_DTYPE"]]
         gx = -(-d["FC_IN"] // (256 * 4))

@@ -101,7 +101,7 @@ def step_bytes(cache, n_new: int, ring_itemsize: int) -> dict:
     att = cache.attention
     kv_read = 2 * att.kv_total * att.NKV * att.D * 2
     mask_read = att.B * att.kv_total * 2
-    fold = getattr(cache, "_fold_norms", False)   # norms inside the qkv / gate_up GEMMs
+    fold = getattr(getattr(cache, "recipe", None), "fold_norms", False)   # norms inside the qkv / gate_up GEMMs
     for _ in range(c.n_layer):
         if not fold:
             b["activations"] += cache.rms.bytes_moved(A + B if c.context_kv_layer_norm else B)

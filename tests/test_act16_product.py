@@ -4,15 +4,17 @@ type: the attention rounds its output (``RingAttention(out_kind=...)``), the gat
 writes rounded values (``y16``) and o / down read them with ``x16``. Those GEMMs round
 their f32 inputs to the same type anyway, so the drafts must not change by a bit: each
 cache (and each lane of a batch) is compared with one built with f32 activations
-(``_act16_kinds`` forced off) over the same schedule, hidden states, logits and draft
+(``StepRecipe.attn16`` / ``act16`` forced off) over the same schedule, hidden states, logits and draft
 tokens bit for bit; both are also checked against the oracle by the drivers. x_split=True
 keeps f32 activations."""
+import dataclasses
+
 import numpy as np
 import pytest
 
 from dflash_cupy import backends
 from dflash_cupy.ops.attention import RingAttention, ring_attention_reference
-from dflash_cupy.step_issuer import StepIssuer
+from dflash_cupy.step_issuer import StepRecipe
 from tests.support.drafters import Driver
 from tests.support.lanes import IDLE, make, play
 
@@ -20,7 +22,9 @@ KIND16 = {"b": np.uint16, "c": np.float16}   # bf16 / f16 weights
 
 
 def _f32_activations(monkeypatch):
-    monkeypatch.setattr(StepIssuer, "_act16_kinds", lambda self: (None, None))
+    derive = StepRecipe.derive
+    monkeypatch.setattr(StepRecipe, "derive", classmethod(
+        lambda cls, *a, **k: dataclasses.replace(derive(*a, **k), attn16=None, act16=None)))
 
 
 @pytest.mark.parametrize("name", ["b", "c"])

@@ -26,20 +26,13 @@ from tests.support.drafters import SPECS, built
 from tests.support.lanes import IDLE, make, play
 
 
-@pytest.mark.parametrize("name,numpy_plan,x_split", [
-    ("a", False, True), ("b", False, True), ("c", False, True), ("a", True, True), ("b", True, True),
-    ("b", False, False), ("c", True, False)])
-def test_lanes_join_leave_rewind_reset(name, numpy_plan, x_split, monkeypatch):
+@pytest.mark.parametrize("name,x_split", [("a", True), ("b", True), ("c", True), ("b", False), ("c", False)])
+def test_lanes_join_leave_rewind_reset(name, x_split):
     """Growth, idle lanes, a lane joining late (bulk prefill), a rewind, a
-    jump, a reset: every active lane equals its twin bit for bit (with the
-    per-lane and the NumPy planning of begin_step; with one rounding of the
-    GEMM inputs, x_split=False, on both sides too)."""
-    import dflash_cupy.kv_batch as kvb
-    monkeypatch.setattr(kvb, "FAST_PLAN_LANES", 1 if numpy_plan else 10**6)
+    jump, a reset: every active lane equals its twin bit for bit (with one
+    rounding of the GEMM inputs, x_split=False, on both sides too)."""
     be, batch, twins = make(name, 3, x_split=x_split)
     assert batch.x_split is x_split and batch.g_gate_up.x_split is x_split
-    if not numpy_plan and name == "c":      # the per-lane path end to end too
-        batch._loop_plan = lambda committed: None
     schedule = [
         [5, IDLE, 30],
         [9, 3, 31],
@@ -175,25 +168,25 @@ def test_constructor_rejects_bad_arguments():
             DraftKvBatch(w, 23, 2, backend=be, x_split=bad)
 
 
-def test_numpy_and_loop_plans_equal_per_lane_plan(monkeypatch):
-    """The descriptors, next positions and plans of begin_step's NumPy path and
-    plain-loop path equal the per-lane path's over random schedules (rewinds,
-    idle lanes, windows past capacity, sliding windows); both decline (and
-    the per-lane path decides) whenever a lane needs a bulk append."""
-    import dflash_cupy.kv_batch as kvb
+def test_batch_plan_equals_per_lane_plan():
+    """The descriptors, next positions and plans of begin_step (``decide_lanes``, every lane in
+    one pass) equal each lane planned on its own (``plan_step``, ``fill_step_descriptor``) with
+    the context rows packed afterwards (``pack_context_rows``), over random schedules
+    (rewinds, idle lanes, windows past capacity, sliding windows, bulk appends)."""
+    from dflash_cupy.ops.step_descriptor import (DESC_ACTIVE, DESC_COMMITTED, DESC_LEN, fill_descriptor,
+                                                 fill_step_descriptor, pack_context_rows, plan_step)
     be = backends.get("emulated")
     s = SPECS["a"]          # sliding layers: swa_lo differs from lo
     w, _ = built("a")
     lanes = 9
-    mk = lambda: DraftKvBatch(w, s.capacity, lanes, ring_capacity=s.ring_capacity, backend=be)
-    numpy_b, loop_b, slow = mk(), mk(), mk()
-    slow._loop_plan = lambda committed: None
+    b = DraftKvBatch(w, s.capacity, lanes, ring_capacity=s.ring_capacity, backend=be)
+    for r in b.rings:
+        r.lo, r.hi = 0, 10**6   # the host path only: claim every position
+    b._bulk_append = lambda lane, fields, stream: None   # (the device side is not what this test is about)
     rng = np.random.default_rng(5)
-    for b in (numpy_b, loop_b, slow):
-        for r in b.rings:
-            r.lo, r.hi = 0, 10**6   # the host path only: claim every position
     cur = [0] * lanes
-    used = {"numpy": 0, "loop": 0}
+    nxt = [0] * lanes
+    bulks = 0
     for step in range(60):
         c_all = []
         for i in range(lanes):
@@ -202,26 +195,30 @@ def test_numpy_and_loop_plans_equal_per_lane_plan(monkeypatch):
                 c_all.append(None)
                 continue
             c = cur[i] + int(rng.integers(1, 8)) if r < 0.85 or cur[i] < 2 else int(rng.integers(1, cur[i]))
-            if cur[i] == 0:
-                c = int(rng.integers(1, numpy_b.a_step + 1))
+            if cur[i] == 0 or r > 0.97:
+                c = int(rng.integers(1, 3 * b.a_step))   # sometimes past a_step: a bulk append
             c_all.append(c)
             cur[i] = c
-        monkeypatch.setattr(kvb, "FAST_PLAN_LANES", 1)
-        used["numpy"] += numpy_b._fast_plan(c_all) is not None
-        numpy_b.begin_step(c_all)
-        monkeypatch.setattr(kvb, "FAST_PLAN_LANES", 10**6)
-        used["loop"] += loop_b._loop_plan(c_all) is not None
-        loop_b.begin_step(c_all)
-        slow.begin_step(c_all)
-        for b in (numpy_b, loop_b):
-            assert np.array_equal(b._plan_desc, slow._plan_desc), (step, c_all)
-            assert b.last_plan == slow.last_plan
-        for b in (numpy_b, loop_b, slow):   # what run() does to the host state, without replaying
-            act = np.asarray(b._plan_act)
-            b._next[act] = np.asarray(b._plan_c)[act]
-            b._planned = False
-        assert numpy_b.next_pos == slow.next_pos == loop_b.next_pos
-    assert used["numpy"] > 30 and used["loop"] == used["numpy"]
+        want = np.zeros((lanes, DESC_LEN), np.int32)
+        plans = []
+        for i, c in enumerate(c_all):
+            f = None if c is None else plan_step(nxt[i], c, b.geom, w.config.swa_window)
+            plans.append(f)
+            if f is None:
+                fill_descriptor(want[i], 0, 0, 0, 0, 0, active=False)
+            else:
+                fill_step_descriptor(want[i], f)
+                bulks += f.bulk_count > 0
+                nxt[i] = c
+        pack_context_rows(want, b.a_step)
+        b.begin_step(c_all)
+        assert np.array_equal(b._plan_desc, want), (step, c_all)
+        assert b.last_plan == plans
+        act = want[:, DESC_ACTIVE] != 0   # what run() does to the host state, without replaying
+        b._next[act] = want[act, DESC_COMMITTED]
+        b._planned = False
+        assert b.next_pos == nxt
+    assert bulks > 3
 
 
 def test_streams_rings_on_the_target_stream_steps_on_the_drafter_stream(monkeypatch):
@@ -249,7 +246,7 @@ def test_streams_rings_on_the_target_stream_steps_on_the_drafter_stream(monkeypa
         committed = [None if c is None and k < 2 else (c or 2) + 1 for c in committed]
     be.synchronize()
     private = be.stream()
-    monkeypatch.setattr(DraftKvBatch, "_order", lambda self, stream=None: private)
+    monkeypatch.setattr(batch.order, "order", lambda stream=None, after=(): private)
     with drafter:
         for i, c in enumerate(committed):
             if c > written[i]:

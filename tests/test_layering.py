@@ -17,7 +17,8 @@ PRODUCT = ("dflash_cupy.backends", "dflash_cupy.build_cache", "dflash_cupy.check
            "dflash_cupy.geometry", "dflash_cupy.interop", "dflash_cupy.kernels", "dflash_cupy.kv_batch",
            "dflash_cupy.kv_cache", "dflash_cupy.nvtx_ranges", "dflash_cupy.ops", "dflash_cupy.rope_params",
            "dflash_cupy.selfcheck_verdict", "dflash_cupy.source_dir",
-           "dflash_cupy.step_issuer", "dflash_cupy.tolerances", "dflash_cupy.tuning", "dflash_cupy.weights")
+           "dflash_cupy.step_issuer", "dflash_cupy.stream_order", "dflash_cupy.tolerances", "dflash_cupy.tuning",
+           "dflash_cupy.weights")
 # Not the product: the float64 oracle, the demos and the command line that runs them;
 # the package's __init__ only re-exports.
 # selfcheck: the device's first-use check compares a cached step with the float64 oracle, so it
@@ -39,6 +40,9 @@ FORBIDDEN = {
     "dflash_cupy.kv_cache": ("dflash_cupy.demo", "profiling"),
     "dflash_cupy.kv_batch": ("dflash_cupy.demo", "profiling"),
     "dflash_cupy.step_issuer": ("dflash_cupy.kv_cache", "dflash_cupy.kv_batch", "dflash_cupy.demo", "profiling"),
+    # the stream order is a leaf: the caches, the batch and the feature ring hold one
+    "dflash_cupy.stream_order": ("dflash_cupy.ops", "dflash_cupy.kv_cache", "dflash_cupy.kv_batch",
+                                 "dflash_cupy.feature_ring", "dflash_cupy.step_issuer", "dflash_cupy.demo", "profiling"),
     "dflash_cupy": ("profiling",),
 }
 

@@ -1,4 +1,4 @@
-"""Device-side step planning (cuda_src/gather.cu, ring_slots.cu, the descriptor of
+"""Device-side step planning (cuda_src/step_plan.cu, ring_slots.cu, the descriptor of
 ops/step_descriptor.py; the unfused launches of tests/cuda/planning_unfused.cu): append rows and slot_pos
 (SPEC §3 steps 1-4) against a NumPy simulation, feature gather, masks exactly
 equal to dflash_cupy.reference.ring_masks, all driven from one step
@@ -315,7 +315,7 @@ def test_bad_arguments_raise(emu):
 
 @pytest.mark.parametrize("capacity,q_len,a_rows", [(10, 3, 8), (3, 16, 3), (37, 5, 12)])
 def test_plan_step_equals_the_four_launches(backend, rng, capacity, q_len, a_rows):
-    """gather.cu's plan_step against reset_slots_if + plan_append + gather_features +
+    """step_plan.cu's plan_step against reset_slots_if + plan_append + gather_features +
     build_masks on the same inputs: stale and empty slots, reset on and off, more new
     rows than a_rows, starts that wrap the ring and sit near INT_MAX, one or both masks."""
     be = backend

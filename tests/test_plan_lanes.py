@@ -1,4 +1,4 @@
-"""gather.cu's plan_lanes (every lane of a DraftKvBatch planned in one launch)
+"""step_plan.cu's plan_lanes (every lane of a DraftKvBatch planned in one launch)
 equals, bit for bit, the single-lane plan_step run on each active lane's
 slices, with cache rows offset by the lane and the appended context rows
 packed back to back (DESC_CTX_ROW0 / DESC_CTX_ROWS); idle lanes are left

@@ -369,7 +369,7 @@ def test_pipeline_raises_when_the_library_drops_the_ordering(emu, monkeypatch):
         p = Pipeline(emu)
     emu.synchronize()                       # construction is not what this test is about
     # the old behaviour: the cache issues on its own stream, with no edges to the caller's
-    monkeypatch.setattr(DraftKvCache, "_order", lambda self, stream=None: private)
+    monkeypatch.setattr(p.kv.order, "order", lambda stream=None, after=(): private)
     with s:
         # the step reads its device noise before the caller's stream has written it
         with pytest.raises(StreamOrderError, match=r"read-after-write hazard .* copy_d2d_async \(src\) on "
@@ -398,7 +398,7 @@ def test_ring_write_without_ordering_raises(emu, monkeypatch):
         p.kv.step(p.ring, c, np.zeros((p.kv.q_len, p.cfg.hidden_size), np.float32))
     private = emu.stream()
     # a ring that writes on its own stream, without edges to queued readers or the caller
-    monkeypatch.setattr(FeatureRing, "_order", lambda self, stream=None: private)
+    monkeypatch.setattr(p.ring._stream_order, "order", lambda stream=None, after=(): private)
     with s:
         with pytest.raises(StreamOrderError, match=r"write-after-read hazard on 'FeatureRing.storage'"
                                                    r".*kernel (gather_features|plan_step)"):

@@ -229,7 +229,7 @@ def test_arch_options():
     assert kernels.arch_options(Dev()) == ("-arch=sm_90a",)
     # backends that model a device state it (kernels.py names no backend but CUDA's)
     from dflash_cupy.emu.backend import EmulatedBackend
-    from profiling.launch_plan import RecordingBackend
+    from profiling.step_trace import RecordingBackend
     for be in (EmulatedBackend, RecordingBackend):
         assert kernels.arch_options(be) == ("-arch=sm_90a",)
     for cc in ("80", "100", (12, 0), 89):

@@ -1,4 +1,4 @@
-"""The feature gather (``cuda_src/gather.cu``) and its NumPy reference: the
+"""The feature gather (``cuda_src/step_plan.cu``) and its NumPy reference: the
 new feature rows of a step or bulk chunk, read from the feature ring at the
 positions the step descriptor names, widened to f32.
 
@@ -31,7 +31,7 @@ class FeatureGather:
         self.ring_capacity = checks.int_arg(ring_capacity, "ring_capacity", 1)
         self.kind = dtypes.kind_of(ring_dtype, "ring_dtype")
         self.ring_device_dtype = dtypes.DEVICE[self.kind]
-        self._module = kernels.load_module(backend, "gather.cu", FC_IN=self.fc_in,
+        self._module = kernels.load_module(backend, "step_plan.cu", FC_IN=self.fc_in,
                                            RING_CAP=self.ring_capacity,
                                            RING_DTYPE=dtypes.CODE[self.kind],
                                            GATHER_THREADS=THREADS)
@@ -65,7 +65,7 @@ class FeatureGather:
 
     def plan_step(self, desc, ring, ap_feat, geom, slot_pos, ap_pos, ap_rows, pos_q, mask_full=None, mask_swa=None,
                   n_rows=None, stream=None):
-        """One launch (``gather.cu``'s ``plan_step``) doing, in effect and in this
+        """One launch (``step_plan.cu``'s ``plan_step``) doing, in effect and in this
         order: ``slot_pos[:] = -1`` if the reset flag is set; the append plan of
         rows ``i < n_rows`` (``ap_pos``, ``ap_rows``, ``slot_pos``) and
         ``pos_q``; the gather into ``ap_feat[:n_rows]``; the masks from the
@@ -116,7 +116,7 @@ class FeatureGather:
     def plan_lanes(self, desc, ring, ap_feat, geom, slot_pos, pos_all, rows_all, tile_live, *, cs: int, bs: int,
                    mask_full=None, mask_swa=None, stream=None):
         """``plan_step`` for every lane of a ``DraftKvBatch`` in one launch
-        (``gather.cu``'s ``plan_lanes``: layouts there). ``desc [lanes, DESC_LEN]``,
+        (``step_plan.cu``'s ``plan_lanes``: layouts there). ``desc [lanes, DESC_LEN]``,
         ``ring [lanes, ring_capacity, fc_in]``, ``ap_feat [lanes*cs, fc_in]``,
         ``slot_pos [lanes, capacity]``, ``pos_all``/``rows_all [lanes*(cs+bs)]``,
         ``tile_live [lanes*(cs+bs)/16]`` int32, masks ``[lanes, q_len, kv_total]``."""

@@ -1,11 +1,12 @@
 """The step descriptor (``cuda_src/step_desc.cuh``) and the host side of
 planning one drafter step (SPEC §3 steps 1-4).
 
-Per step the host does O(1) work: ``plan_step`` decides rewind / bulk append
-/ in-graph append from ``(next_pos, committed)``, ``fill_descriptor`` writes
-the int32 step descriptor into a pinned buffer, one captured H2D copy moves
-it to the device, and the planning kernels (``ops.gather``, ``ops.ring_slots``)
-derive everything else there.
+Per step the host does O(1) work per lane: ``decide_lanes`` (the one host
+planner; ``plan_step`` is its one-lane form) decides rewind / bulk append /
+in-graph append from ``(next_pos, committed)`` and lists the int32 step
+descriptors, ``pack_descriptors`` (the one packer) writes them into a pinned
+buffer, one captured H2D copy moves it to the device, and the planning
+kernels (``ops.gather``, ``ops.ring_slots``) derive everything else there.
 
 The bulk append (more than ``a_step`` missing rows) uses the same kernels
 outside the graph, one chunk per launch (``bulk_chunks``), with a descriptor
@@ -40,9 +41,10 @@ DESC_LEN = _C["DESC_LEN"]
 _FIELDS = ("committed", "lo", "start", "n_new", "swa_lo", "reset", "active")
 assert [DESC_COMMITTED, DESC_LO, DESC_START, DESC_N_NEW, DESC_SWA_LO, DESC_RESET, DESC_ACTIVE] == list(range(7)), \
     "step_desc.cuh: fill_descriptor packs the fields in index order 0..6"
-assert DESC_LEN > DESC_CTX_ROWS == DESC_CTX_ROW0 + 1 == DESC_ACTIVE + 2
-_DESC_STRUCT = struct.Struct(f"={DESC_LEN}i")
+assert DESC_CTX_ROWS == DESC_CTX_ROW0 + 1 == DESC_ACTIVE + 2 and DESC_LEN == 10, \
+    "step_desc.cuh: decide_lanes lists a lane's descriptor as one 10-int tuple, the context rows at 7 and 8"
 INT32_MAX = 2**31 - 1
+_STRUCTS: dict = {}                         # int32 count -> struct.Struct (pack_descriptors)
 
 
 class StepFields(NamedTuple):
@@ -66,35 +68,110 @@ class StepFields(NamedTuple):
     # dataclass costs microseconds)
 
 
+class LaneDecisions(NamedTuple):
+    """``decide_lanes``' decisions for one step of every lane.
+
+    ``vals``: the descriptors, ``DESC_LEN`` ints per lane in lane order
+    (``pack_descriptors``), the active lanes' appended context rows packed back to back
+    (``DESC_CTX_ROW0``, ``DESC_CTX_ROWS``; ``pack_context_rows``); a lane that needs a bulk
+    append first has ``start = committed, n_new = 0`` and its reset flag clear (the bulk path
+    resets). The step (the graph) reads ring positions ``[start, committed)`` of each active
+    lane. ``bulk``: ``(lane, StepFields)`` of the lanes that need a bulk append first."""
+    vals: list
+    bulk: list
+
+    def fields(self, lane: int):
+        """Lane ``lane``'s ``StepFields`` (``None``: idle)."""
+        c, lo, start, n_new, swa_lo, reset, active = self.vals[lane * DESC_LEN:lane * DESC_LEN + 7]
+        if not active:
+            return None
+        for i, f in self.bulk:
+            if i == lane:
+                return f
+        return StepFields(c, lo, start, n_new, swa_lo, bool(reset), start, 0)
+
+
+def decide_lanes(committed, next_pos, rings, geom: RingGeometry, swa_window=0, *, single: bool = False) -> LaneDecisions:
+    """The host planner (SPEC §3 steps 1-4 and the masks' window bounds) of one step of
+    every lane: ``committed[i]`` (an int > 0, or ``None``: lane ``i`` idle), ``next_pos[i]``
+    (its next position to append), ``rings[i]`` (its ``FeatureRing``: it must hold the rows the
+    step appends). Validates every lane before returning (nothing changes state here): a bad
+    entry raises naming its lane (``single``: a ``DraftKvCache``'s one lane, named as its
+    arguments; ``None`` not allowed; the ring must hold the window too). Plain Python, one
+    pass: for a few lanes far cheaper than NumPy's fixed cost, ~0.4 us per lane."""
+    cap, A = geom.capacity, geom.a_step
+    vmax = INT32_MAX - geom.q_len             # the last noise position must fit int32
+    w = int(swa_window or 0)
+    vals, bulk = [], []
+    row0 = 0                                  # packed context rows so far
+    # (the lane's index, for messages: len(vals) // DESC_LEN, the lanes listed so far)
+    for v, n, r in zip(committed, next_pos, rings):
+        if v is None and not single:
+            vals += (0, 0, 0, 0, 0, 0, 0, row0, 0, 0)
+            continue
+        if type(v) is not int:
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+                raise TypeError(f"committed must be an int, got {type(v).__name__}" if single else
+                                f"committed[{len(vals) // DESC_LEN}] must be an int or None (idle), "
+                                f"got {type(v).__name__}")
+            v = int(v)
+        if r._closed:
+            raise RuntimeError("ring is closed" if single else f"lane {len(vals) // DESC_LEN}: its ring is closed")
+        if not 0 < v <= vmax:
+            e = f"committed={v}: must be > 0" if v <= 0 else f"committed={v}: noise positions overflow int32"
+            raise ValueError(e if single else f"committed[{len(vals) // DESC_LEN}]: {e}")
+        reset = n > v
+        if reset:
+            n = 0
+        win = v if v < cap else cap
+        lo = v - win
+        start = n if n > lo else lo
+        nn = v - start
+        if single and r.capacity < win:
+            raise ValueError(f"ring capacity {r.capacity} is smaller than the window of {win} positions "
+                             f"(committed={v})")
+        if nn and not (r.lo <= start and v <= r.hi):
+            raise KeyError(f"feature rows for positions [{start}, {v}) are not all in the ring (it holds "
+                           f"[{r.lo}, {r.hi})); committed={v}" if single else
+                           f"lane {len(vals) // DESC_LEN}: feature rows for positions [{start}, {v}) are not "
+                           f"all in its ring (it holds [{r.lo}, {r.hi})); committed={v}")
+        if nn > A:    # a bulk append first, outside the graph (it resets the ring itself)
+            swa_lo = v - w if 0 < w < win else lo
+            bulk.append((len(vals) // DESC_LEN, StepFields(v, lo, v, 0, swa_lo, reset, start, nn)))
+            vals += (v, lo, v, 0, swa_lo, 0, 1, row0, 0, 0)
+        else:
+            vals += (v, lo, start, nn, v - w if 0 < w < win else lo, reset, 1, row0, 0, 0)
+            row0 += nn
+    vals[DESC_CTX_ROWS::DESC_LEN] = [row0] * (len(vals) // DESC_LEN)
+    return LaneDecisions(vals, bulk)
+
+
+class _EveryPosition:
+    """A ring stand-in that holds every position (``plan_step`` plans without one)."""
+    lo, hi, capacity, _closed = 0, 1 << 62, 1 << 62, False
+
+
 def plan_step(next_pos: int, committed: int, geom: RingGeometry, swa_window=0) -> StepFields:
-    """SPEC §3 steps 1-4 and the masks' window bounds for one step."""
+    """``decide_lanes`` for one lane, with no ring to check."""
     if not isinstance(geom, RingGeometry):
         raise TypeError(f"geom must be a RingGeometry, got {type(geom).__name__}")
-    committed, next_pos = int(committed), int(next_pos)
-    if committed <= 0:
-        raise ValueError(f"committed={committed}: must be > 0")
-    if committed + geom.q_len > INT32_MAX:
-        raise ValueError(f"committed={committed}: noise positions overflow int32")
+    next_pos = int(next_pos)
     if next_pos < 0:
         raise ValueError(f"next_pos={next_pos}: must be >= 0")
-    w = int(swa_window or 0)
-    if w < 0:
+    if int(swa_window or 0) < 0:
         raise ValueError(f"swa_window={swa_window}: must be >= 0 (0: no limit)")
-    reset = next_pos > committed
-    if reset:
-        next_pos = 0
-    win = min(committed, geom.capacity)
-    lo = committed - win
-    start = max(next_pos, lo)
-    n_new = committed - start
-    bulk_start, bulk_count = start, 0
-    if n_new > geom.a_step:
-        bulk_count = n_new
-        start, n_new = committed, 0
-    eff = w if 0 < w < win else win
-    return StepFields(committed=committed, lo=lo, start=start, n_new=n_new,
-                      swa_lo=committed - eff, reset=reset,
-                      bulk_start=bulk_start, bulk_count=bulk_count)
+    return decide_lanes((committed,), (next_pos,), (_EveryPosition,), geom, swa_window, single=True).fields(0)
+
+
+def pack_descriptors(buf: np.ndarray, vals) -> np.ndarray:
+    """The one descriptor packer: ``vals`` (``DESC_LEN`` ints per lane, as ``decide_lanes``
+    lists them) into ``buf`` (host int32, normally pinned), with ``struct``: far cheaper
+    than NumPy item writes."""
+    st = _STRUCTS.get(len(vals))
+    if st is None:
+        st = _STRUCTS[len(vals)] = struct.Struct(f"={len(vals)}i")
+    st.pack_into(buf, 0, *vals)
+    return buf
 
 
 def bulk_chunks(bulk_start: int, bulk_count: int, chunk: int):
@@ -122,9 +199,7 @@ def fill_descriptor(buf: np.ndarray, committed: int, lo: int, start: int, n_new:
         for name, v in zip(("committed", "lo", "start", "n_new", "swa_lo"), vals):
             if not 0 <= v <= INT32_MAX:
                 raise ValueError(f"descriptor field {name}={v} must be in [0, 2^31)")
-    # struct packs straight into the (pinned) buffer: far cheaper than NumPy item writes
-    _DESC_STRUCT.pack_into(buf, 0, *vals, 1 if reset else 0, 1 if active else 0, *(0,) * (DESC_LEN - 7))
-    return buf
+    return pack_descriptors(buf, (*vals, 1 if reset else 0, 1 if active else 0, *(0,) * (DESC_LEN - 7)))
 
 
 def fill_step_descriptor(buf: np.ndarray, fields: StepFields) -> np.ndarray:
@@ -144,11 +219,12 @@ def fill_chunk_descriptor(buf: np.ndarray, fields: StepFields, start: int, count
 
 
 def pack_context_rows(desc: np.ndarray, a_step: int) -> int:
-    """``DraftKvBatch``: the lanes' appended context rows packed back to back in
-    lane order: writes ``DESC_CTX_ROW0`` (exclusive prefix sum of each active
-    lane's ``min(n_new, a_step)``) and ``DESC_CTX_ROWS`` (their total, in every
-    lane's row) of ``desc [lanes, DESC_LEN]`` (host int32) and returns the total.
-    ``gather.cu``'s ``plan_lanes`` reads them."""
+    """The lanes' appended context rows packed back to back in lane order, for
+    descriptors written one by one (``fill_descriptor``; ``decide_lanes`` lists them so
+    itself): writes ``DESC_CTX_ROW0`` (exclusive prefix sum of each active lane's
+    ``min(n_new, a_step)``) and ``DESC_CTX_ROWS`` (their total, in every lane's row) of
+    ``desc [lanes, DESC_LEN]`` (host int32) and returns the total. ``step_plan.cu``'s
+    ``plan_lanes`` reads them."""
     n_app = np.minimum(desc[:, DESC_N_NEW], a_step) * (desc[:, DESC_ACTIVE] != 0)
     total = int(n_app.sum())
     desc[:, DESC_CTX_ROW0] = np.cumsum(n_app) - n_app

@@ -1,5 +1,5 @@
 // planning_unfused.cu (tests only) — the step graph's planning as separate
-// launches: the reference that gather.cu's fused plan_step is tested against
+// launches: the reference that step_plan.cu's fused plan_step is tested against
 // (tests/test_plan.py), with ring_slots.cu's plan_append between them:
 //   reset_slots_if, plan_append, gather_features, build_masks == plan_step.
 // The product never launches these (tests/support/planning_unfused.py loads

@@ -1,5 +1,8 @@
-// gather.cu — the new feature rows of one step (or bulk chunk) from the
-// feature ring, widened to f32 (SPEC §3: the fused context rows' input).
+// step_plan.cu — the step's planning kernels: plan_step (a DraftKvCache's step graph),
+// plan_lanes (a DraftKvBatch's: every lane in one launch), each the whole device-side
+// planning of a step in one launch, and gather_features (a bulk chunk's new feature rows).
+// All gather the new feature rows from the feature ring, widened to f32 (SPEC §3: the
+// fused context rows' input).
 //
 //   gather_features (desc, ring, ap_feat, a_rows)
 //       ap_feat[i, :] = f32(ring[(start+i) % RING_CAP, :]) for i < n_new,
@@ -73,7 +76,7 @@
 #endif
 
 #if RING_DTYPE < 0 || RING_DTYPE > 2
-#error "gather.cu: RING_DTYPE must be 0 (f32), 1 (f16) or 2 (bf16)"
+#error "step_plan.cu: RING_DTYPE must be 0 (f32), 1 (f16) or 2 (bf16)"
 #endif
 
 #if RING_DTYPE == 0
