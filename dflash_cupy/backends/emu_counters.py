@@ -26,6 +26,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dflash_cupy.backends import signatures
+
 from . import emu_memory, launch_limits
 from .base import BackendError, KernelLaunchError
 
@@ -223,7 +225,7 @@ def run_counted(kernel, g, b, args: Sequence[Any], shared_mem: int, ids=None, or
     sec_buf, cap = None, 0
     if sectors:
         # at most one entry per (argument, sector) of the arrays passed
-        cap = 16 + sum(a.nbytes // 32 + 2 for p, a in zip(kernel.sig.params, args) if p.is_pointer)
+        cap = 16 + sum(a.nbytes // 32 + 2 for p, a in signatures.leaves(kernel.sig.params, args) if p.is_pointer)
         sec_buf = np.zeros(1 + 3 * cap, np.uint64)
         module._lib.emu_pdl_export.restype = None
         module._lib.emu_pdl_export.argtypes = (ctypes.c_void_p, ctypes.c_ulonglong)
@@ -248,7 +250,7 @@ def run_counted(kernel, g, b, args: Sequence[Any], shared_mem: int, ids=None, or
         v = sv[1 + _SITE_VALS * i:1 + _SITE_VALS * (i + 1)]
         c.sites.append(SiteCounts(int(v[0]), _KINDS.get(int(v[1]), "?"), *(int(x) for x in v[2:])))
     # ranges are listed for the pointer arguments inside guarded allocations, in order
-    params = [p for p, a in zip(kernel.sig.params, args)
+    params = [p for p, a in signatures.leaves(kernel.sig.params, args)
               if p.is_pointer and a.nbytes and emu_memory.allocation_of(a.ctypes.data) is not None]
     for r, p in enumerate(params[:nranges]):
         v = vals[_N_TOTALS + _PER_RANGE * r:_N_TOTALS + _PER_RANGE * (r + 1)]
