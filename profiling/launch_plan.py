@@ -356,7 +356,11 @@ def node_label(n) -> str:
     if isinstance(n, Copy):
         return f"memcpy {n.kind}"
     if n.kernel in ("gemm_mma", "gemm", "gemm_stream", "gemm_wgmma"):
-        wname = getattr(n.arg("w") if n.kernel in STREAM_GEMMS else n.args[1], "name", "?")
+        P = n.params()
+        # an observed launch (kernel_times) carries no parameter names: the weights are every
+        # GEMM kernel's second parameter (gemm_wgmma's struct names them)
+        w = P["w"] if "w" in P else (n.args[1] if len(n.args) > 1 else None)
+        wname = getattr(w, "name", "?")
         role = wname.rsplit(".", 1)[-1].replace("w_", "") if "." in wname else wname
         return f"{n.kernel}[{role}]"
     return n.kernel
