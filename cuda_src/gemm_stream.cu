@@ -1,136 +1,33 @@
 // gemm_stream.cu — weight-streaming tensor-core GEMM for small M (f16 / bf16 weights).
+// Design, budgets and figures: docs/decisions/gemm.md ("gemm_stream.cu").
 //
-// Same contract as gemm_mma.cu (which stays as the fallback path):
-//     acc[m, n] = sum_k xe[m, k] * W[n, k]          (f32 accumulation)
-// xe = hi + lo (GS_SPLIT 2: each f32 activation as two rounded halves of the
-// weight type, ~16 significant bits) or xe = hi (GS_SPLIT 1).
-//   GS_NORM 1 folds an RMSNorm of x's rows >= norm_lo into the GEMM (no separate
-//   pass, no normalised copy of x): xe is staged from x[m, k] * ln[k] and the
-//   row's scale rsqrt(sum_k x[m, k]^2 / K + eps) multiplies acc before the
-//   epilogue (the GEMM is linear in each row). The sum of squares is taken while
-//   staging, each row by one warp (lanes along k, then a shuffle sum: a fixed
-//   order); with split K each slice publishes its rows' partial sums beside its
-//   partial tile and the reducing block adds them in z order, so replays stay
-//   bit-identical. Rows < norm_lo are used as they are, or (use_ln_lo) normalised the same
-//   way with ln_lo [K] in place of ln.
-// Two inputs: rows < row_split are read from x, rows >= row_split from x2 (its row 0 first), so
-// a caller's [A rows; B rows] needs no concatenated copy (one matrix: x2 = x + row_split * K).
-//   GS_EPI 0:  y = acc      GS_EPI 1:  y = r + acc (r may be y)
-//   GS_EPI 2:  y = silu(acc_gate) * acc_up (W has 2N rows: gate 0..N-1, up N..2N-1)
-//   GS_EPI 3:  the lm_head's greedy token, fused: y = acc only with GS_LOGITS 1 (logits on
-//              request; with 0, y is never touched), and per (row, column block) the best column by float_order.cuh's
-//              order (ties: the lowest column) into ws as u32 pairs [M][groups][2] =
-//              (order key, column); sample.cu's argmax_partials reduces them. No split K.
-// Layouts: x [M, K] f32, W [N or 2N, K] 16-bit bits, y, r [M, N] f32; all
+// Contract:  acc[m, n] = sum_k xe[m, k] * W[n, k]  (f32 accumulation), xe = hi + lo
+// (GS_SPLIT 2: x as two rounded halves of the weight type) or hi (GS_SPLIT 1).
+//   GS_EPI 0: y = acc   1: y = r + acc (r may be y)   2: y = silu(acc_gate) * acc_up (W [2N, K])
+//   GS_EPI 3: the lm_head's greedy token: per (row, column block) the best column (float_order.cuh,
+//             ties: lowest) into ws as u32 pairs [M][groups][2]; y = acc only with GS_LOGITS 1.
+//   GS_NORM 1: rows >= norm_lo enter as rmsnorm(x_row) * ln (fixed-order sums, also across
+//             split-K slices: replays bit-identical); rows < norm_lo raw, or with ln_lo (use_ln_lo).
+//   Rows < row_split are read from x, the rest from x2 (its row 0 first).
+//   Padding rows [*pad_lo, pad_hi) count as zero rows (not read; all-padding tiles not computed).
+//   use_live: tile_live[t] == 0 (per 16 rows) makes tile t dead: not computed, not stored.
+// Layouts: x [M, K] f32 (GS_X16 1, GS_SPLIT 1: the weight type's bits, results bit-identical),
+// W [N or 2N, K] 16-bit, y, r [M, N] f32 (GS_Y16 1: the weight type's bits, not with GS_EPI 3);
 // row-major, 16-byte aligned, K % 8 == 0.
-//   GS_X16 1 (GS_SPLIT 1 only): x is [M, K] 16-bit bits of the weight type, the values the
-//   f32 kernel would round x to (its producer stored them rounded): half the x bytes from L2,
-//   staged by 16-byte copies (8 values per lane). Results are bit-identical to the f32 kernel
-//   fed the same values as f32 (rounding a 16-bit value to 16 bits is the identity), the
-//   folded RMSNorm's row sums of squares included: they are taken from the 16-bit values in
-//   the f32 kernel's per-lane order (see the staging). The only numeric difference from
-//   feeding x f32 is that those sums see x rounded (none when x is representable).
-//   GS_Y16 1: y [M, N] is written as the weight type's bits (the epilogue's f32 value rounded
-//   to nearest even, as a single-rounding GEMM reading it would round it), e.g. the silu * up
-//   activations the down projection reads with GS_X16. Not with GS_EPI 3.
 //
-// ---- Launch (the launcher, dflash_cupy/ops/gemm_stream.py, plans it; its
-// stream_figures() recomputes every number below for a given N, K, m)
-//   block = GS_WARPS*32 threads; block x owns COLS = GS_WARPS*8*GS_NT output
-//   columns (256 for GS_NT 4, 128 for silu_mul's GS_NT 2: 256 weight rows
-//   either way); grid = (groups * mblocks, 1, ks) with groups = ceil(N / COLS),
-//   mblocks = ceil(M / ROWS), ROWS = 16*GS_MT: blockIdx.x = cg * mblocks + mb,
-//   M block mb fastest, so the mblocks blocks that read column group cg's
-//   weights are adjacent in launch order, run in the same wave and share one
-//   HBM read of them through L2 (with the M block in grid y, as before, they
-//   ran a whole wave apart once groups filled the device, and each re-streamed
-//   the weights from HBM: up to mblocks x the weight traffic, 3x for the 8b
-//   gate_up at M = 256; stream_figures' weight_hbm_passes). blockIdx.z takes
-//   K slice [z*kz, min(K, z*kz + kz)). grid x < 2^31 for any M, y = 1.
-//   Arguments kz (slice) and kt (x chunk staged at once) are multiples of 64;
-//   dynamic shared memory = GS_SPLIT * 16*tiles * (kt + 32) * 2 bytes, tiles =
-//   the live 16-row tiles of the block (ceil(min(M - m0, ROWS) / 16)).
-//   M-tile variants: GS_MT 1, 2, 4 (16/32/64 rows) compiled per bucket; the
-//   launcher picks the smallest that covers m, and inside a block the tiles
-//   wholly past M are skipped (no staging, no smem reads, no MMAs), and so are
-//   tiles wholly inside the padding rows [*pad_lo, pad_hi) (pad_hi = 0: none;
-//   their outputs are still stored: the epilogue of acc = 0). With use_live,
-//   tile_live[t] (device int32, one flag per 16-row tile of the launch, written
-//   on the device each step) == 0 makes tile t dead: skipped like a padding
-//   tile and not stored either (its y rows, residual included, untouched; no
-//   argmax partial); a block with only dead tiles exits before any load.
-//   ks (split K) is picked by whole-wave arithmetic over the device's SM count
-//   (a launch parameter), only when it shortens the modelled time.
-//
-// ---- Weights: a register ring, GS_DEPTH k-steps deep (2 for GS_MT 1, 3 above)
-//   Warp w streams its 8*WT weight rows (WT = GS_NT * NW weight tiles of 8
-//   rows), 64 k per step: lane (g = lane/4, t = lane%4) loads W[row][k + 8t ..
-//   k + 8t + 7] and W[row][k + 32 + 8t .. + 7] of each of its WT rows (two
-//   16-byte ld.global.cs, h = 0, 1; the 4 lanes of a row cover 64 contiguous
-//   bytes per instruction: two whole 32-byte sectors, so no sector is requested
-//   twice, and the pair covers the row's 128-byte line). The
-//   loads of step s + GS_DEPTH are issued right after the MMAs of step s
-//   consumed their slot, before any later wait, so while a warp computes one
-//   step the other GS_DEPTH - 1 steps are in flight:
-//     in flight per warp >= (GS_DEPTH - 1) * WT * 8 rows * 128 B = 4 KB (DEPTH 2, WT 4),
-//     8 KB (DEPTH 3); per block (8 warps) >= 32 KB (MT 1, 2 blocks per SM) or
-//     64 KB (MT 2, 4: 1 block per SM), and GS_DEPTH/(GS_DEPTH-1) times that
-//     while the warp waits for its data (the usual state of a weight stream);
-//   1 block per SM already exceeds the ~24 KB an H200 needs in flight
-//   (4.8 TB/s * ~0.6 us loaded latency / 132 SMs ~ 22 KB). The ring's first
-//   GS_DEPTH steps are issued before x is staged, so the staging latency
-//   overlaps the first weight loads. Weights never touch shared memory.
-//
-// ---- Activations: staged once per block per chunk, reused by all its columns
-//   xs [GS_SPLIT][16*tiles][XS] in the weight type, XS = kt + 32 elements: the
-//   row stride is 2*kt + 64 bytes = 64 (mod 128), so the MMA reads are
-//   conflict-free: lane (g, t) reads 16 bytes at row g (and g+8), byte 16t
-//   (+64); a quarter warp (8 lanes: rows 2p, 2p+1, t = 0..3) covers byte
-//   offsets {16t, 64 + 16t} (+64h) mod 128: 8 distinct 16-byte bank groups,
-//   one wavefront per quarter warp, 4 per instruction (minimum).
-//   Staging writes: 16 consecutive threads write 8 bytes each of one row
-//   (kt/4 is a multiple of 16): 128 contiguous bytes, one wavefront. Staging
-//   loads: a thread issues GS_XB items' loads (GS_XN (x, ln) pairs per lane with
-//   GS_NORM) before converting any, so a batch costs one L2 round trip, not one
-//   per item; GS_XB is what the registers beside the ring and accumulators hold.
-//   The K order inside a dot product is free: lane t's weights at k + 8t +
-//   32(q / 2) + 4(q % 2) + {0,1,2,3} play fragment columns {2t, 2t+1, 2t+8, 2t+9}
-//   of MMA q (q = 0..3), and the x tile is read with the same permutation (two
-//   16-byte loads per row pair per tile: no shuffles, no ldmatrix).
-//   Shared-memory reads per weight byte, per step and warp: x = tiles *
-//   GS_SPLIT * 4 loads * 512 B, weights = WT * 1 KB, so tiles * GS_SPLIT / 2 *
-//   (4 / WT): M <= 16 with hi + lo: 1.0 B/B; M = 32: 2.0; M = 64: 4.0 (Hopper
-//   has ~29 TB/s of shared-memory bandwidth, ~6.9 B per weight byte at 90% of
-//   HBM). L2 re-reads of x: ceil(N/COLS) blocks each read m*kz*4 bytes per
-//   slice: 2m/(COLS*NW) of the weight bytes (12.5% at m = 16).
-//
-// ---- Registers (ptxas via NVRTC, sm_90, 0 spills; tests/test_gemm_stream.py
-//   recompiles and holds them to the launcher's PTXAS_REGS): accumulators
-//   MT*WT*4, ring GS_DEPTH*WT*8 = 64 or 96, x fragments 16.
-//     GS_MT 1 (depth 2): 122-128 (GS_MINB 2 caps it at 128: 2 blocks of 256 threads per SM)
-//     GS_MT 2 (depth 3): 197-199 (204 silu_mul), GS_MT 4 (depth 3): 237 (238 silu_mul):
-//     1 block per SM (batched x staging and split-K reduction: MT 2 +6..+8, MT 4 +10..+12,
-//     the blocks per SM unchanged)
-//     GS_NORM 1 (bf16, K 4096): MT 1 122-124, MT 2 201-203, MT 4 226 (228 silu_mul),
-//     0 spills; static shared memory + 4 B per row (ss_s, and sc_s with split K)
-//   Blocks per SM = min(registers, (228 KB) / (dynamic smem + 1 KB), 8); the
-//   launcher keeps the x chunk small enough that smem does not cut the
-//   register-limited count (MT 1: <= 113 KB per block).
-//   Before (gemm_mma.cu, max_m 64, m = 16): 4 warps x 32 columns, 4 M tiles
-//   computed whatever m, 16 B of shared-memory reads per weight byte with
-//   2-way conflicts, x re-read from L2 once per weight byte, 1-4 16-byte
-//   loads per lane in flight (~6-23 KB per SM).
-//
-// ---- Split K (gridDim.z > 1): each slice of block (cg, mb) writes its partial
-//   tile to ws [groups][mblocks][ks][NW][ROWS][COLS] f32 (indexed by the linear
-//   block x = cg * mblocks + mb; with GS_NORM each slice's row sums of squares
-//   follow all partial tiles, [groups][mblocks][ks][ROWS]); the last slice of a
-//   (column group, M block) to arrive (counters[blockIdx.x], zero between
-//   launches: that block resets it) sums the slices in z order (bit-identical
-//   replays) and applies the epilogue. The tile flags are the same for every
-//   slice of a block, so a block with nothing to store leaves in all its slices
-//   before the count and its counter stays 0. The launcher splits K only while
-//   the split grid fits one wave, which bounds the workspace (see plan()).
+// Launch (ops/gemm_stream.plan): block = GS_WARPS * 32 threads owning COLS = GS_WARPS * 8 * GS_NT
+// columns and ROWS = 16 * GS_MT rows; grid = (groups * mblocks, 1, ks), blockIdx.x = cg * mblocks
+// + mb (M block fastest: one column group's blocks share its weights through L2), z = K slice
+// [z * kz, min(K, z * kz + kz)). kz and kt (x chunk) are multiples of 64; dynamic shared memory =
+// GS_SPLIT * 16 * tiles * (kt + 32) * 2 bytes. GS_MT 1, 2, 4 are compiled per bucket.
+// Split K (gridDim.z > 1): partial tiles in ws [groups * mblocks][ks][NW][ROWS][COLS] (then, with
+// GS_NORM, the slices' row sums of squares); the last slice to arrive (counters[blockIdx.x], zero
+// between launches, reset by that block) sums them in z order and applies the epilogue
+// (gemm_splitk.cuh).
+// Inner loop: each warp streams its weight rows through a register ring GS_DEPTH 64-k steps deep
+// (two 16-byte ld.global.cs per row and step, no shared memory); x is staged once per chunk into
+// a conflict-free shared tile (row stride 64 mod 128 bytes) read by mma.sync m16n8k16.
+// Registers: ops/gemm_stream.PTXAS_REGS (held by tests/test_gemm_stream.py).
 //
 // nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=0 -DGS_K=4096 -DGS_MT=1 -DGS_NT=4 -DGS_SPLIT=2
 // nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=0 -DGS_K=4096 -DGS_MT=2 -DGS_NT=4 -DGS_SPLIT=2

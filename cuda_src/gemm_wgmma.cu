@@ -1,98 +1,35 @@
 // nvrtc-arch: sm_90a
-// gemm_wgmma.cu — weight-streaming GEMM on Hopper's warpgroup MMA (wgmma), for many rows
-// (lane-batched steps: 64 .. 512+ rows), f16 / bf16 weights.
+// gemm_wgmma.cu — weight-streaming GEMM on Hopper's warpgroup MMA (wgmma) for many rows
+// (lane-batched steps: 64 .. 512+ rows), f16 / bf16 weights. Design and figures:
+// docs/decisions/gemm.md ("gemm_wgmma.cu").
 //
-// Same contract, arguments and launch semantics as gemm_stream.cu (which it stands beside as
-// one more launch configuration of ops/gemm_stream.StreamKernels; see that header for the
-// padding rows, tile_live, the folded RMSNorm and the split-K workspace):
-//     acc[m, n] = sum_k xe[m, k] * W[n, k]          (f32 accumulation)
-//   xe = hi + lo (GW_SPLIT 2) or hi (GW_SPLIT 1) of x rounded to the weight type;
+// Contract: gemm_stream.cu's (its parameters, here fields of GemmWgmmaParams, with the same
+// padding rows, tile_live, two inputs, folded RMSNorm and split-K workspace):
+//     acc[m, n] = sum_k xe[m, k] * W[n, k]   (f32), xe = hi + lo (GW_SPLIT 2) or hi (1) of x
 //   GW_EPI 0: y = acc, 1: y = r + acc, 2: y = silu(acc_gate) * acc_up (W [2N, K]);
-//   GW_NORM 1: rows >= norm_lo of x enter as rmsnorm(x_row) * ln (staged x * ln, the row's
-//   scale rsqrt(sum x^2 / K + eps) applied to acc); with use_ln_lo rows < norm_lo as
-//   rmsnorm(x_row) * ln_lo (else raw). No argmax epilogue (gemm_stream's GS_EPI 3).
-// Rows < row_split are read from x, rows >= row_split from x2 (its row 0 first): gemm_stream.cu's rule.
-// Layouts: x [M, K] f32, W [N or 2N, K] 16-bit, y, r [M, N] f32, row-major, 16-byte aligned,
-// K % 8 == 0.
-//   GW_X16 1 (GW_SPLIT 1 only): x [M, K] holds the weight type's bits (already rounded by its
-//   producer), as gemm_stream.cu's GS_X16: half the x bytes, results bit-identical to the f32
-//   kernel fed the same values (the folded norm's sums of squares too, in the same order).
-//   GW_Y16 1: y written as the weight type's bits, as gemm_stream.cu's GS_Y16.
-//   GW_EPI 3 (qkv): the fused qkv projection of a drafter layer, rope.cu's qkv_norm_rope folded
-//   in: y [M, GW_QW] f32 is the rope kernel's q_out, and nothing else of [Q | K | V] is stored
-//   as a matrix. N = GW_QW + 2 GW_KVW columns of heads of GW_HD values (GW_HD divides COLS,
-//   so every head lies in one column group). Once a tile's values are final (after the K loop
-//   or the split-K reduction, in the block that reduces) they are staged [BT][COLS] in shared
-//   memory over the x buffers, and each warp takes GW_EPI_UNITS (row, head) units at a time:
-//   per head rmsnorm * q_norm / k_norm and RoPE at pos[m] (rope_math.cuh: the same operations,
-//   so the same bits as GEMM + qkv_norm_rope), Q to y, K (f16) to k_cache[rows[m]], V (f16) to
-//   v_cache[rows[m]] (rows outside [0, kv_rows) skipped). tile_live as qkv_norm_rope reads it:
-//   dead rows nothing, rows marked 2 no Q heads. Padding rows [*pad_lo, pad_hi) get nothing
-//   either (qkv_norm_rope writes a rotated zero there: their Q is never read and their K/V go
-//   to the trash slot). The trailing arguments (q_norm .. rope_scale) are read only here.
+//   GW_EPI 3 (qkv): rope.cu's qkv_norm_rope folded in: y [M, GW_QW] is its q_out, K (f16) to
+//   k_cache[rows[m]] and V to v_cache[rows[m]] (rows outside [0, kv_rows) skipped), per head
+//   of GW_HD (dividing COLS) rmsnorm * q_norm / k_norm and RoPE at pos[m] (rope_math.cuh: the
+//   same bits as GEMM + qkv_norm_rope); tile_live 2 rows write no Q, padding rows nothing.
+//   GW_NORM, GW_X16, GW_Y16: as gemm_stream.cu's GS_NORM, GS_X16, GS_Y16. No argmax epilogue.
+// Layouts: x [M, K] f32 (GW_X16: the weight type's bits), W [N or 2N, K] 16-bit, y, r [M, N]
+// f32 (GW_Y16: 16-bit), row-major, 16-byte aligned, K % 8 == 0.
 //
-// ---- Why wgmma, and "swap AB"
-//   With many rows the mma.sync kernel (gemm_stream.cu) is bound by mma.sync issue (about half
-//   of Hopper's tensor peak) and by L2 re-reads of its 64-row blocks' weights. Here the weights
-//   are wgmma's A operand (64 weight rows per instruction, from registers) and the activations
-//   its B operand (GW_BT rows of x, "tokens", as the instruction's N, from shared memory):
-//       D[64 weight rows][BT tokens] += W[64][16] * xe^T[16][BT]
-//   so one instruction covers BT tokens, and one block's BT tokens share each weight byte.
-//
-// ---- Launch (planned by ops/gemm_stream.wgmma_plan)
-//   block = GW_WG warpgroups (GW_WG * 128 threads); block x owns COLS = GW_WG * 128 / NW output
-//   columns (256 weight rows either way: each warpgroup holds two 64-row sets, the two halves
-//   of its 128 columns, or its 64 gate rows and the 64 up rows N further) and BT consecutive
-//   rows of x; grid = (groups * tblocks, 1, ks), blockIdx.x = cg * tblocks + tb (row block
-//   fastest: the blocks that read one column group's weights run together and share one HBM
-//   read through L2), z = K slice of kz (a multiple of 64). Dynamic shared memory =
-//   2 (double buffer) * GW_SPLIT * 4 * Q_B bytes (kt is not a chunk here: x is staged 64 k
-//   at a time).
-//   Lane batches (GW_SMS = the device's SM count, launched with tile_live): the working
-//   (column group, row block) tiles are found from tile_live at run time, the K split (at
-//   most kt slices) chosen from their count as plan_wgmma would (gemm_stream.wg_live_split),
-//   grid = (the most working tiles x slices any tile_live gives, 1, 1): block x = z * n_live
-//   + tile, the rest exit at once. GW_SKIP_COLS: tiles marked 2 (context rows, K and V
-//   only) are dead in the column groups wholly below it (the Q columns).
-//
-// ---- Per 64-k step s (one commit group)
-//   A (weights): lane (g, t) of warp q (0..3) of a warpgroup loads W[row][k + 8t .. +7] and
-//   W[row][k + 32 + 8t .. +7] for rows 16q + g and 16q + g + 8 of each set (8 16-byte
-//   ld.global.cs per step; the 4 lanes of a row cover 64 contiguous bytes per instruction, both
-//   halves its 128-byte line). With the K order inside a step permuted as in gemm_stream.cu,
-//   lane t's weights at k + 8t + 32(q'/2) + 4(q'%2) + {0,1,2,3} play fragment columns {2t, 2t+1,
-//   2t+8, 2t+9} of the step's k16 instruction q' (so no shuffles), and x is staged with the same
-//   permutation. A fragment quad holds two rows (g, g + 8), a load one: the loads land in a
-//   raw slot of their own (Slot) and to_frag copies them into the quads when the step starts
-//   (through wgmma_opaque_zero, so that ptxas keeps the copies there and not right after each
-//   load, where they made every load wait for the one before).
-//   Weights ahead: step s + 1's in registers while step s computes (one 64-k step of the
-//   block's 256 rows: 32 KB per block), steps up to s + GW_DEPTH requested into L2 (one
-//   prefetch per thread and step: lane t of a row group takes row (set t / 2, g + 8 (t % 2))).
-//   B (x), double-buffered: buffer s % 2 holds step s's BT x 64 values per plane as K-major
-//   core matrices (wgmma.cuh): instruction q' at q' * Q_B bytes (Q_B = BT * 32 + 64: 64 bytes
-//   of padding per instruction), token n, fragment column c at (n / 8) * 256 + (c / 8) * 128 +
-//   (n % 8) * 16 + (c % 8) * 2 (LBO 128, SBO 256).
-//   Staging: a warp instruction loads 4 tokens x 128 contiguous bytes (8 lanes per token, a
-//   float4 each: 4 whole sectors per token); lane l8's 4 values (real offset 32h + 4 l8 of the
-//   step) are fragment columns 2tt, 2tt + 1 and 2tt + 8, 2tt + 9 of instruction 2h + (l8 & 1)
-//   (tt = l8 / 2), stored as two 4-byte pairs per plane: banks tt + 4 (n % 8) + 16 (l8 & 1)
-//   (the padding's doing), 32 distinct per instruction: one wavefront each. A thread's items
-//   go in batches (xs_load: every load of the batch, then xs_store): BT 64 one batch per step.
-//   The MMAs run in chunks of GW_NCH rows of x (32: wgmma N = 32, chunk c's accumulators the
-//   c-th NCH / 2 of each set's, its B the core-matrix rows from c * NCH * 32 bytes): a chunk
-//   whose 16-row tiles are all dead or padding (tile_live, pad_rows: the lane-batched step's
-//   idle lanes and unused append rows) issues none, as gemm_stream.cu skips such tiles.
-//   Order: A fragments of step s from the raw slot -> load step s + 1's weights into it,
-//   prefetch step s + GW_DEPTH's -> (BT 64) load step s + 1's x batch -> fence -> 2 sets x 4 k16
-//   x GW_SPLIT x live chunks wgmmas (step s) -> commit -> store the x batch (and stage the rest)
-//   into buffer (s + 1) % 2 (step s - 1's, retired before the last barrier) -> wait for step s
-//   -> fence.proxy.async -> __syncthreads (one per step). Critical path per step: one L2 round
-//   trip (the weights, prefetched, and x, issued together) and the barrier, or step s's MMAs.
-//
-// ---- Registers: accumulators 2 * BT / 2 = BT, A fragments 32, the raw slot 32, staging 8 (f32)
-//   or 12 (x16) per item of a batch. ptxas (NVRTC, sm_90a): see ops/gemm_stream.WG_PTXAS_REGS
-//   (tests/test_gemm_wgmma.py).
+// Launch (ops/gemm_stream.plan_wgmma; the one argument a GemmWgmmaParams by value):
+//   block = GW_WG * 128 threads; block x owns COLS = GW_WG * 128 / NW output columns and BT
+//   rows; grid = (groups * tblocks, 1, ks), blockIdx.x = cg * tblocks + tb (row block fastest:
+//   one column group's blocks share its weights through L2), z = K slice of kz (a multiple of
+//   64). Dynamic shared memory = 2 * GW_SPLIT * 4 * Q_B bytes (plan_wgmma's wg_smem; the qkv
+//   epilogue: wg_qkv_smem).
+//   Lane batches (GW_SMS = the SM count, with tile_live): the working (column group, row
+//   block) tiles and the K split (at most kt slices, gemm_stream.wg_live_split) are found on
+//   the device; grid = (slots, 1, 1) strides over the items. GW_SKIP_COLS: tiles marked 2 are
+//   dead in the column groups wholly below it.
+// Inner loop (64 k per step): weights are wgmma's A operand from registers (8 16-byte
+// ld.global.cs per thread and step, one step ahead, GW_DEPTH steps prefetched to L2), x its B
+// operand from a double-buffered shared tile (K-major core matrices, wgmma.cuh), one barrier
+// per step; chunks of GW_NCH rows with no computed tile issue no wgmma.
+// Registers: ops/gemm_stream.WG_PTXAS_REGS (held by tests/test_gemm_wgmma.py).
 //
 // nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=0 -DGW_K=4096 -DGW_BT=128 -DGW_SPLIT=1
 // nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=2 -DGW_K=4096 -DGW_BT=128 -DGW_SPLIT=1 -DGW_NORM=1
@@ -498,8 +435,23 @@ __device__ __forceinline__ void qkv_epilogue(const float* tile, int c0, int m0, 
 
 }  // namespace gemm_wgmma_detail
 
-extern "C" __global__ void __launch_bounds__(GW_WG * 128, 1)
-gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW_YT* y, const float* r,
+// The kernel's arguments (one struct, passed by value; the fields in the order the body
+// takes them, so the parameter bank's layout is the positional one's). q_norm .. rope_scale:
+// the qkv epilogue's (GW_QKV), unused otherwise.
+struct GemmWgmmaParams {
+    const GW_XT* x; const unsigned short* w; GW_YT* y; const float* r;
+    int M; int N; int kz; int kt; float* ws; int* counters; const int* pad_lo; int pad_hi;
+    const float* ln; float eps; int norm_lo; const int* tile_live; int use_live;
+    const float* q_norm; const float* k_norm; const double* inv_freq;
+    const int* pos; const int* rows; __half* k_cache; __half* v_cache; int kv_rows;
+    float rope_eps; float rope_scale;
+    const GW_XT* x2; int row_split; const float* ln_lo; int use_ln_lo;
+};
+
+// The body, inlined into the entry point: its __restrict__ parameters keep the no-alias
+// facts ptxas had when they were the kernel's own.
+static __device__ __forceinline__ void
+gemm_wgmma_body(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW_YT* y, const float* r,
            int M, int N, int kz, int kt, float* ws, int* counters, const int* pad_lo, int pad_hi,
            const float* __restrict__ ln, float eps, int norm_lo, const int* tile_live, int use_live,
            const float* __restrict__ q_norm, const float* __restrict__ k_norm, const double* __restrict__ inv_freq,
@@ -1059,4 +1011,11 @@ gemm_wgmma(const GW_XT* __restrict__ x, const unsigned short* __restrict__ w, GW
             [&](int lrow) { return ((smask >> (lrow >> 4)) & 1u) != 0u; });
 #endif
     }
+}
+
+extern "C" __global__ void __launch_bounds__(GW_WG * 128, 1) gemm_wgmma(const GemmWgmmaParams p) {
+    gemm_wgmma_body(p.x, p.w, p.y, p.r, p.M, p.N, p.kz, p.kt, p.ws, p.counters, p.pad_lo, p.pad_hi,
+                    p.ln, p.eps, p.norm_lo, p.tile_live, p.use_live, p.q_norm, p.k_norm, p.inv_freq,
+                    p.pos, p.rows, p.k_cache, p.v_cache, p.kv_rows, p.rope_eps, p.rope_scale,
+                    p.x2, p.row_split, p.ln_lo, p.use_ln_lo);
 }

@@ -1,81 +1,34 @@
 // wgmma.cuh — Hopper warpgroup MMA (wgmma.mma_async, sm_90a only): with mma.cuh and
-// ldmatrix.cuh the only place a kernel meets inline PTX.
+// ldmatrix.cuh the only place a kernel meets inline PTX. An including kernel says
+// "// nvrtc-arch: sm_90a" on a line of its own (NVRTC checks, emulator) and is compiled with
+// dflash_cupy.kernels.arch_options(needs="sm_90a"); ptxas rejects wgmma for plain sm_90.
 //
-// A kernel that includes this header must say so on a line of its own, so the NVRTC checks and
-// the emulator's resource check compile it for the arch-specific target (ptxas rejects every
-// wgmma instruction for plain sm_90):
-//   // nvrtc-arch: sm_90a
-// On CuPy, compile it with the options of dflash_cupy.kernels.arch_options(needs="sm_90a").
-//
-// The "swap AB" form this header supports: one warpgroup (4 consecutive warps, warp w = (tid /
-// 32) % 4 of an aligned group of 128 threads) computes D[64][N] (+)= A[64][16] * B[16][N] with
-//   A: 64 rows from REGISTERS, warp w holding rows 16w..16w+15 in the fragment layout of
-//      mma.m16n8k16's A (PTX ISA "Register Fragments", "Matrix Fragments for
-//      wgmma.mma_async.m64nNk16", Figure "WGMMA .m64nNk16 register fragment layout for matrix
-//      A"). For lane l, g = l >> 2, t = l & 3, rows relative to 16w (low half = lower column):
+// "Swap AB" form: one warpgroup (128 aligned threads, warp w = (tid / 32) % 4) computes
+// D[64][N] (+)= A[64][16] * B[16][N] (PTX ISA "Matrix Fragments for wgmma.mma_async.m64nNk16"):
+//   A: registers, warp w rows 16w..16w+15 in mma.m16n8k16's A layout; lane l, g = l >> 2, t = l & 3:
 //        a[0] = A[g][2t..2t+1]   a[1] = A[g+8][2t..2t+1]   a[2] = A[g][2t+8..+9]   a[3] = A[g+8][2t+8..+9]
-//   B: N x 16 (N = 8..256, step 8) in SHARED MEMORY, K-major (imm-trans-b = 0), no swizzle,
-//      named by a matrix descriptor (below);
-//   D: f32 accumulators in registers, N/2 per thread: for n8 chunk j = 0..N/8-1,
+//   B: N x 16 (N = 8..256, step 8) in shared memory, K-major, no swizzle, named by a descriptor;
+//   D: f32 registers, N/2 per thread: for n8 chunk j,
 //        d[4j+0..1] = D[16w+g][8j+2t..+1]   d[4j+2..3] = D[16w+g+8][8j+2t..+1]
-//      (per chunk, mma.m16n8k16's C/D layout: Figure "WGMMA .m64nNk16 register fragment layout
-//      for accumulator matrix D").
 //   scale_d = 0: D = A*B (the old d is ignored); nonzero: D = A*B + D.
-//
-// B's layout in shared memory (PTX ISA "Shared Memory Matrix Layout", K-major, swizzle mode
-// "None": swizzle atom 8 x 16 bytes, the "core matrix"): element B(k, n) of one k16 step is at
-//   start + (n / 8) * SBO + (k / 8) * LBO + (n % 8) * 16 + (k % 8) * 2   bytes,
-// i.e. each core matrix is 8 n-rows of 16 contiguous bytes (8 k-values), 128 bytes contiguous;
-// LBO (leading-dimension byte offset) steps between the two 8-wide halves of K, SBO (stride-
-// dimension byte offset) between groups of 8 rows of N. Consecutive k16 steps use a new
-// descriptor whose start is where their first core matrix is (e.g. start + 2 * LBO when the
-// K-halves of every step are LBO apart).
-//
-// Matrix descriptor (PTX ISA "Matrix Descriptor Format", 64 bits): bits 0-13 start address
-// (shared-window address >> 4), 16-29 LBO >> 4, 32-45 SBO >> 4, 49-51 base offset (unused
-// without swizzle: 0), 62-63 swizzle mode (0 = none); other bits 0. Start, LBO and SBO must be
-// multiples of 16 bytes (PTX ISA "Register Fragments and Shared Memory Matrix Layouts": shared
-// operands 16-byte aligned).
-//
-// Order of use (PTX ISA "Asynchronous Warpgroup Level Matrix Instructions": wgmma.fence,
-// wgmma.commit_group, wgmma.wait_group; "Async proxy"):
-//   smem stores of B (generic proxy) -> fence_proxy_async_shared() -> __syncthreads()
+// B in shared memory ("core matrices" of 8 n-rows x 16 contiguous bytes): B(k, n) of a k16 step at
+//   start + (n / 8) * SBO + (k / 8) * LBO + (n % 8) * 16 + (k % 8) * 2   bytes
+// (LBO: between the two 8-wide K halves, SBO: between groups of 8 N rows; the next k16 step is a
+// new descriptor at its first core matrix).
+// Descriptor (64 bits): bits 0-13 start (shared address >> 4), 16-29 LBO >> 4, 32-45 SBO >> 4,
+// 49-51 base offset 0, 62-63 swizzle 0; start, LBO, SBO multiples of 16 bytes.
+// Order of use: smem stores of B -> fence_proxy_async_shared() -> __syncthreads()
 //   -> wgmma_fence() (before the first wgmma, and after any register write to D or A)
 //   -> wgmma_m64nNk16_rs_*<N>(...) x k steps -> wgmma_commit_group()
-//   -> wgmma_wait_group<n>() (n groups may stay in flight) -> wgmma_fence_operands<N>(d)
-//   -> read d; overwrite B only after the wait that retires the last wgmma reading it.
-// Until the wait, d and a must not be read or written (the MMA runs asynchronously), and B must
-// not change. Every call is warpgroup-collective (.sync.aligned): all 128 threads, same
-// arguments where they must agree (descriptor, scale_d), no divergence.
+//   -> wgmma_wait_group<n>() (n groups may stay in flight) -> wgmma_fence_operands<N>(d) -> read d.
+// Until the wait that retires it, a wgmma's d and a are neither read nor written and its B does
+// not change. Every call is warpgroup-collective: all 128 threads, agreeing arguments.
 //
-// Checked against: the PTX ISA 8.x/9.0 wgmma sections named above (syntax
-//   wgmma.mma_async.sync.aligned.shape.dtype.bf16.bf16 d, a, b-desc, scale-d, imm-scale-a,
-//   imm-scale-b, imm-trans-b;  scale-d a predicate, the imm-* immediates: scale 1 or -1,
-//   trans 0 or 1), the tcgen05 "Major-ness supported by Strides" table (K-major no-swizzle
-//   leading-dimension stride: "from the first column to the second column of the 8x2 tile" of
-//   16-byte units), and, for ideas only, CUTLASS's cute/arch/mma_sm90_desc.hpp (descriptor
-//   bitfields), cute/atom/mma_traits_sm90_gmma.hpp (K-major INTERLEAVE canonical layout
-//   ((8,m),(T,2)):((1T,SBO),(1,LBO)); ALayout_64x16 / CLayout_64xN, which give the fragment
-//   formulas above) and cute/arch/mma_sm90_gmma.hpp (operand order of the RS form). NVRTC 12.9
-//   accepts every instruction here for sm_90a (tests/test_wgmma.py) and rejects them for sm_90.
-// Uncertain until a GPU runs tests/test_wgmma.py on an H100/H200 (the emulator implements the
-// reading above, so it cannot confirm it):
-//   - LBO = K-direction and SBO = N-direction stride for K-major no-swizzle (the sources above
-//     agree; with swizzle LBO is unused and for MN-major both name other strides, so write-ups
-//     disagree: a classic source of silent garbage);
-//   - the fragment layouts of A and D (from CUTLASS's layouts and the PTX figures' captions);
-//   - that plain generic-proxy smem stores + fence.proxy.async.shared::cta + __syncthreads are
-//     enough before the wgmma reads B (the PTX memory model's proxy rule; CUTLASS's SM90
-//     epilogues fence the same way before TMA reads smem that ordinary stores wrote).
-//
-// DFLASH_FAULT_WGMMA_DESC (defined only by tests/test_selfcheck_faults.py, never by a launcher:
-// dflash_cupy.kernels.compile_options refuses DFLASH_FAULT_* names) swaps LBO and SBO in every
-// descriptor, the fault the self-check (dflash_cupy/selfcheck.py) must catch.
-//
-// Under the emulator (cuda_emu.h, "wgmma") each wgmma is recorded at issue and executed only at
-// the wgmma_wait_group that retires its group, per thread, so reading d or overwriting B too
-// early gives wrong results there too; a bad descriptor, a missing fence or wait, d or a
-// written while the wgmma is in flight, or a block that is not whole warpgroups is reported.
+// Sources checked and the readings only a GPU confirms: docs/decisions/gemm.md ("wgmma.cuh").
+// DFLASH_FAULT_WGMMA_DESC (tests/test_selfcheck_faults.py only) swaps LBO and SBO in every
+// descriptor: the fault the self-check (dflash_cupy/selfcheck.py) must catch. The emulator
+// (cuda_emu.h) runs each wgmma at the wait that retires it and reports a bad descriptor, a
+// missing fence or wait, d or a written in flight, or partial warpgroups.
 #pragma once
 #include <cuda_fp16.h>
 

@@ -105,11 +105,7 @@ def gemm_key(gemm, m: int) -> str:
     weight type, epilogue, activation terms, folded norm, logits, 16-bit x / y, the
     fused qkv epilogue (rope), the on-device K split (live_split) and the skipped
     columns, m."""
-    s = gemm._stream
-    return (f"{device_key(gemm.backend)}|gemm_stream|N{gemm.N}|K{gemm.K}|{gemm.wkind}|{gemm.epilogue}"
-            f"|split{s.split}|norm{int(s.norm)}|logits{int(gemm.logits)}|x16{int(gemm.x16)}"
-            f"|y16{int(gemm.y16)}|rope{int(gemm.rope is not None)}|live{int(gemm.live_split)}"
-            f"|skip{gemm.skip_cols}|m{int(m)}")
+    return f"{device_key(gemm.backend)}|gemm_stream|{gemm._stream.variant.key()}|m{int(m)}"
 
 
 def event_timer(backend, warmup: int = 3, repeats: int = 9) -> Callable | None:

@@ -439,12 +439,12 @@ def _gs_staging_smem(tiles, kt, norm=0, x16=0, _cache={}):
     return _cache[key]
 
 
-def _two_inputs(L, i: int, x, M: int, norm: int):
-    """``(x2, row_split, ln_lo)`` of a stream GEMM launch whose two-input / ln_lo arguments
-    start at ``L.args[i]`` (x2 None: every row from x; ln_lo None: rows < norm_lo raw)."""
-    if len(L.args) < i + 4:
+def _two_inputs(P: dict, x, M: int, norm: int):
+    """``(x2, row_split, ln_lo)`` of a stream GEMM launch's struct ``P`` (fields x2,
+    row_split, ln_lo, use_ln_lo; x2 None: every row from x; ln_lo None: rows < norm_lo raw)."""
+    x2, split, ln_lo, use_lo = (P.get(k) for k in ("x2", "row_split", "ln_lo", "use_ln_lo"))
+    if split is None:
         return None, int(M), None
-    x2, split, ln_lo, use_lo = L.args[i:i + 4]
     split = int(split)
     return (None if split >= int(M) else x2), split, (ln_lo if norm and int(use_lo) else None)
 
@@ -497,13 +497,14 @@ def _gemm_stream(L) -> KernelCounters:
     K, MT, NT, SPLIT, EPI = d["GS_K"], d["GS_MT"], d["GS_NT"], d.get("GS_SPLIT", 2), d.get("GS_EPI", 0)
     WARPS = d.get("GS_WARPS", 8)
     D = d.get("GS_DEPTH", gs.DEPTH[MT])
-    x, w, y, r, M, N, kz, kt, ws, _cnt, _pad_lo, pad_hi = L.args[:12]
+    P = L.params()
+    x, w, y, r, M, N, kz, kt, ws, pad_hi = (P[k] for k in ("x", "w", "y", "r", "M", "N", "kz", "kt", "ws", "pad_hi"))
     NORM = d.get("GS_NORM", 0)
     X16 = d.get("GS_X16", 0)
     XB = 2 if X16 else 4      # bytes per x element
     YB = 2 if d.get("GS_Y16", 0) else 4   # bytes per y element
-    ln, norm_lo = (L.args[12], L.args[14]) if NORM else (None, M)
-    x2, row_split, ln_lo = _two_inputs(L, 17, x, M, NORM)
+    ln, norm_lo = (P["ln"], P["norm_lo"]) if NORM else (None, M)
+    x2, row_split, ln_lo = _two_inputs(P, x, M, NORM)
     norm_lo_ln = norm_lo          # rows >= it read ln; with ln_lo every row is normalised
     if ln_lo is not None:
         norm_lo = 0               # the kernel's scale_lo: rows >= it are scaled (and read a gamma)
@@ -522,7 +523,7 @@ def _gemm_stream(L) -> KernelCounters:
                        f"{p.grid} {p.kz} {p.kt}")
     # tile_live (device flags per 16-row tile, read at run time): the launch plan may know them;
     # a dead tile is neither staged, computed nor stored, a block of dead tiles exits first
-    use_live = len(L.args) > 16 and int(L.args[16]) != 0
+    use_live = int(P.get("use_live", 0)) != 0
     flags = L.known.get("tile_live") if use_live else None
     lo_pad = min(max(L.known.get("pad_lo", pad_hi) if pad_hi else 0, 0), pad_hi)
 
@@ -735,7 +736,7 @@ def _gemm_stream(L) -> KernelCounters:
         c.bytes_read[_name(r) + " (residual)"] = m_st * N * 4
     if pad_hi:   # every thread of every block reads the padding start: a request per warp
         c.add_global("ld", L.n_blocks * WARPS, 1, 128)
-        c.bytes_read[_name(_pad_lo)] = 4
+        c.bytes_read[_name(P["pad_lo"])] = 4
     c.dram_bytes = ((N * NW * K * 2 if live_blocks else 0) + len(x_rows) * K * XB
                     + m_st * N * (8 if EPI == 1 else YB))
     if NORM:
@@ -789,9 +790,10 @@ def _gemm_wgmma(L) -> KernelCounters:
     D = d.get("GW_DEPTH", gs.WG_DEPTH[BT])
     NCH = d.get("GW_NCH", 32)
     SMS = d.get("GW_SMS", 0)
-    x, w, y, r, M, N, kz, _kt, ws, _cnt, _pad_lo, pad_hi = L.args[:12]
-    ln, norm_lo = (L.args[12], L.args[14]) if NORM else (None, M)
-    x2, row_split, ln_lo = _two_inputs(L, 27, x, M, NORM)
+    P = L.params()
+    x, w, y, r, M, N, kz, _kt, ws, pad_hi = (P[k] for k in ("x", "w", "y", "r", "M", "N", "kz", "kt", "ws", "pad_hi"))
+    ln, norm_lo = (P["ln"], P["norm_lo"]) if NORM else (None, M)
+    x2, row_split, ln_lo = _two_inputs(P, x, M, NORM)
     norm_lo_ln = norm_lo          # rows >= it read ln; with ln_lo every row is normalised
     if ln_lo is not None:
         norm_lo = 0
@@ -800,7 +802,7 @@ def _gemm_wgmma(L) -> KernelCounters:
     gx = -(-N // COLS)
     qg = min(d.get("GW_SKIP_COLS", 0) // COLS, gx)
     c = KernelCounters("gemm_wgmma", "static estimate", L.n_blocks)
-    use_live = len(L.args) > 16 and int(L.args[16]) != 0
+    use_live = int(P.get("use_live", 0)) != 0
     dynamic = bool(SMS) and use_live
     # live split: the grid strides over the working items, kt the most K slices; else (tiles, 1, ks)
     gy = -(-M // BT) if dynamic else L.grid[0] // gx
@@ -835,7 +837,7 @@ def _gemm_wgmma(L) -> KernelCounters:
                             [by for by in range(gy) if any(blocks[by][0])]))
     n_live = sum(ng * len(act) for ng, _, _, _, act in classes)
     if dynamic:
-        cap = int(L.args[7])
+        cap = int(P["kt"])
         c.barriers += 2 * L.n_blocks          # the tile_live scan
         gz = gs.wg_live_split(n_live, K, cap, SMS)
         kz = -(-(-(-K // KSTEP)) // gz) * KSTEP
@@ -956,7 +958,7 @@ def _gemm_wgmma(L) -> KernelCounters:
     m_live = sum(rows_union)
     if pad_hi:   # every thread reads the padding start once per item (a block's tile and slice)
         c.add_global("ld", (n_live * gz if dynamic else L.n_blocks) * WARPS, 1, 128)
-        c.bytes_read[_name(_pad_lo)] = 4
+        c.bytes_read[_name(P["pad_lo"])] = 4
     _x_reads(c, x, x2, row_split, K * XB, (r for *_, blocks, act in classes for by in act
                                            for i, v in enumerate(blocks[by][1]) if v
                                            for r in _tile_rows(by * BT + 16 * i, M, lo_pad, pad_hi)))
@@ -1043,9 +1045,10 @@ def _wgmma_qkv_epilogue(c: KernelCounters, L, classes, flags, BT: int, COLS: int
     from dflash_cupy.ops import gemm_stream as gs
     WARPS = gs.WG_THREADS // 32
     U = gs.WG_EPI_UNITS
-    y, pos_a, rows_a = L.args[2], L.args[20], L.args[21]
-    q_norm, k_norm, freq, kc, vc = L.args[17], L.args[18], L.args[19], L.args[22], L.args[23]
-    use_live = int(L.args[16]) != 0
+    P = L.params()
+    y, pos_a, rows_a = P["y"], P["pos"], P["rows"]
+    q_norm, k_norm, freq, kc, vc = P["q_norm"], P["k_norm"], P["inv_freq"], P["k_cache"], P["v_cache"]
+    use_live = int(P["use_live"]) != 0
     n_q = n_k = n_v = 0      # stored (row, head) units of each kind
     slots = 0
     st_instr = 0

@@ -34,6 +34,8 @@ import time
 
 import numpy as np
 
+from dflash_cupy.backends import signatures
+
 from . import counters as ctr
 
 COPY_LIMIT = 1 << 20       # allocations up to this size carry the recording's bytes
@@ -56,11 +58,10 @@ def emulated_arrays(launch, backend=None) -> list:
     if len(launch.arrays) != len(launch.args):
         raise ValueError(f"launch of {launch.kernel} has no recorded arrays (recorded by an older step_trace?)")
     roots: dict = {}
-    out = []
-    for ref, arr in zip(launch.args, launch.arrays):
+
+    def rebuilt(ref, arr):
         if arr is None:
-            out.append(ref)
-            continue
+            return ref
         root = _root(arr)
         e = roots.get(id(root))
         if e is None:
@@ -69,15 +70,19 @@ def emulated_arrays(launch, backend=None) -> list:
                 e.reshape(-1).view(np.uint8)[:] = root.reshape(-1).view(np.uint8)
             roots[id(root)] = e
         off = arr.__array_interface__["data"][0] - root.__array_interface__["data"][0]
-        v = np.ndarray(arr.shape, arr.dtype, buffer=e.reshape(-1).view(np.uint8), offset=off,
-                       strides=arr.strides)
-        out.append(v)
-    return out
+        return np.ndarray(arr.shape, arr.dtype, buffer=e.reshape(-1).view(np.uint8), offset=off,
+                          strides=arr.strides)
+    # a struct argument (a dict of fields) field by field
+    return [{k: rebuilt(ref[k], arr[k]) for k in ref} if isinstance(ref, dict) else rebuilt(ref, arr)
+            for ref, arr in zip(launch.args, launch.arrays)]
 
 
 def _scalar(kernel, args) -> list:
     """Recorded scalars (Python ints/floats) as the NumPy types of the parameters."""
-    return [a if p.is_pointer else np.dtype(p.dtype).type(a) for p, a in zip(kernel.sig.params, args)]
+    def typed(p, a):
+        return a if p.is_pointer else np.dtype(p.dtype).type(a)
+    return [{f.name: typed(f, a[f.name]) for f in p.fields} if p.is_struct else typed(p, a)
+            for p, a in zip(kernel.sig.params, args)]
 
 
 _ADDITIVE = ("gld_requests", "gld_sectors", "gld_bytes", "gst_requests", "gst_sectors", "gst_bytes",
@@ -161,8 +166,9 @@ def to_counters(launch, lc, kernel, static: ctr.KernelCounters | None = None) ->
         c.blocks_counted = lc.blocks_run   # run_counted scaled them already
     else:
         ctr.scale_sample(c, lc.blocks_run)
-    names = {p.name: getattr(a, "name", p.name) for p, a in zip(kernel.sig.params, launch.args) if p.is_pointer}
-    sizes = {p.name: getattr(a, "nbytes", 0) for p, a in zip(kernel.sig.params, launch.args) if p.is_pointer}
+    flat = [(p, a) for p, a in signatures.leaves(kernel.sig.params, launch.args) if p.is_pointer]
+    names = {p.name: getattr(a, "name", p.name) for p, a in flat}
+    sizes = {p.name: getattr(a, "nbytes", 0) for p, a in flat}
     for pname, ac in lc.arrays.items():
         name = names.get(pname, pname)
         cap = sizes.get(pname, 0) or float("inf")
@@ -239,7 +245,7 @@ class EmulatedSource:
     @staticmethod
     def key(launch) -> tuple:
         return (launch.variant(), launch.grid, launch.block, launch.shared_mem,
-                tuple((a.shape, a.dtype) if hasattr(a, "shape") else a for a in launch.args),
+                tuple((a.shape, a.dtype) if hasattr(a, "shape") else a for a in launch.leaves()),
                 tuple(sorted(launch.known.items())))
 
     def __call__(self, launch) -> ctr.KernelCounters:

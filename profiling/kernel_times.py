@@ -88,7 +88,8 @@ def label_op(kind: str, name: str, args, names: dict) -> str:
     """The cost model's label of an observed launch (``kind`` "kernel") or copy."""
     if kind == "copy":
         return node_label(Copy(name, 0, None, None))
-    refs = [_ref(a, names) or a for a in args]
+    refs = [{k: _ref(v, names) or v for k, v in a.items()} if isinstance(a, dict) else _ref(a, names) or a
+            for a in args]
     return node_label(Launch(name, "", {}, (1, 1, 1), (1, 1, 1), 0, refs))
 
 

@@ -104,7 +104,7 @@ def _mark_live_tiles(b, nodes, active: int, accept: int) -> None:
             continue
         if n.kernel == "plan_lanes":   # each lane's appended rows (None: idle)
             n.known["lanes_app"] = tuple(n_app if i < active else None for i in range(L))
-        for a in n.args:
+        for a in n.leaves():
             ptr = getattr(a, "ptr", None)
             if ptr is not None and base <= ptr < base + b.tile_live.nbytes and getattr(a, "dtype", "") == "int32":
                 t0 = (ptr - base) // 4

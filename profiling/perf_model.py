@@ -160,7 +160,7 @@ def _counter_key(n):
     if isinstance(n, Copy):
         return None
     return (n.variant(), n.grid, n.block, n.shared_mem,
-            tuple(a if not hasattr(a, "name") else a.name for a in n.args), tuple(sorted(n.known.items())))
+            tuple(a if not hasattr(a, "name") else a.name for a in n.leaves()), tuple(sorted(n.known.items())))
 
 
 def time_nodes(graph_nodes, gpu, source, compiled: bool = True) -> list:

@@ -19,11 +19,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
+from dflash_cupy.backends import signatures
 from dflash_cupy.backends.base import Backend, CaptureError, Graph, Kernel, Module, dim3, resolve_pdl
 from dflash_cupy.config import DraftConfig
 from dflash_cupy.weights import DraftWeights
@@ -51,13 +53,16 @@ class Launch:
     grid: tuple
     block: tuple
     shared_mem: int
-    args: list            # ArrayRef or a Python int/float (the scalar's value)
+    # ArrayRef or a Python int/float (the scalar's value); a struct parameter's argument
+    # as a dict of its fields' (gemm_stream / gemm_wgmma: GemmStreamParams / GemmWgmmaParams)
+    args: list
     known: dict = field(default_factory=dict)   # device values the plan knows (e.g. "pad_lo": n_new)
     # The recording's arrays themselves (None for scalars): what the host wrote into them
     # by the time of the step (descriptor, positions) is there; an emulated counter run
     # (profiling/emulated_counters.py) starts from it.
     arrays: list = field(default_factory=list, repr=False, compare=False)
     pdl: bool = False     # launched with programmatic stream serialization (PDL)
+    names: list = field(default_factory=list)   # the kernel's parameter names (its signature)
 
     @property
     def n_blocks(self) -> int:
@@ -67,8 +72,25 @@ class Launch:
     def threads(self) -> int:
         return self.block[0] * self.block[1] * self.block[2]
 
-    def arg(self, i: int):
-        return self.args[i]
+    def arg(self, name: str):
+        """The argument of parameter (or struct field) ``name``."""
+        P = self.params()
+        if name not in P:
+            raise KeyError(f"launch of {self.kernel}: no parameter or struct field named {name!r}")
+        return P[name]
+
+    def params(self) -> dict:
+        """Parameter (and struct field) name -> argument: a struct argument's fields, the
+        other arguments by the signature's names (``names``)."""
+        out = dict(zip(self.names, self.args))
+        for a in self.args:
+            if isinstance(a, dict):
+                out.update(a)
+        return out
+
+    def leaves(self) -> list:
+        """Every argument, a struct's fields in its place."""
+        return [v for a in self.args for v in (a.values() if isinstance(a, dict) else (a,))]
 
     def variant(self) -> tuple:
         """What one compiled kernel is: (file, kernel, sorted defines)."""
@@ -125,8 +147,8 @@ class RecordedGraph(Graph):
 
 
 class _Kernel(Kernel):
-    def __init__(self, be, name, file, defines):
-        self._be, self.name, self.file, self.defines = be, name, file, defines
+    def __init__(self, be, name, file, defines, sig=None):
+        self._be, self.name, self.file, self.defines, self.sig = be, name, file, defines, sig
 
     def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0, stream=None, pdl=None):
         be = self._be
@@ -134,17 +156,24 @@ class _Kernel(Kernel):
         pdl = resolve_pdl(pdl, be._capturing is not None and bool(nodes) and isinstance(nodes[-1], Launch),
                           self.name)
         g, b = dim3(grid, f"kernel {self.name}: grid"), dim3(block, f"kernel {self.name}: block")
-        vals = [_ref(a) if isinstance(a, np.ndarray) else a.item() for a in args]
+        def val(a):
+            return _ref(a) if isinstance(a, np.ndarray) else a.item()
+
+        def arr(a):
+            return a if isinstance(a, np.ndarray) else None
+        vals = [{k: val(v) for k, v in a.items()} if isinstance(a, Mapping) else val(a) for a in args]
+        arrays = [{k: arr(v) for k, v in a.items()} if isinstance(a, Mapping) else arr(a) for a in args]
+        names = [p.name for p in self.sig.params] if self.sig is not None else []
         be._emit(Launch(self.name, self.file, dict(self.defines), g, b, int(shared_mem), vals,
-                        arrays=[a if isinstance(a, np.ndarray) else None for a in args], pdl=pdl))
+                        arrays=arrays, pdl=pdl, names=names))
 
 
 class _Module(Module):
-    def __init__(self, be, file, defines):
-        self._be, self.file, self.defines = be, file, defines
+    def __init__(self, be, file, defines, sigs=None):
+        self._be, self.file, self.defines, self._sigs = be, file, defines, sigs or {}
 
     def get_function(self, name: str) -> Kernel:
-        return _Kernel(self._be, name, self.file, self.defines)
+        return _Kernel(self._be, name, self.file, self.defines, self._sigs.get(name))
 
 
 class RecordingBackend(Backend):
@@ -200,7 +229,7 @@ class RecordingBackend(Backend):
                 except ValueError:
                     defines[m.group(1)] = float(v)
         file = (filename or "?").rsplit("/", 1)[-1]
-        return _Module(self, file, defines)
+        return _Module(self, file, defines, {k.name: k for k in signatures.parse_kernels(source)})
 
     def stream(self):
         return _Stream(self)
@@ -328,7 +357,11 @@ def node_label(n) -> str:
     if isinstance(n, Copy):
         return f"memcpy {n.kind}"
     if n.kernel in ("gemm_mma", "gemm", "gemm_stream", "gemm_wgmma"):
-        wname = getattr(n.args[1], "name", "?")
+        P = n.params()
+        # an observed launch (kernel_times) carries no parameter names: the weights are every
+        # GEMM kernel's second parameter (gemm_wgmma's struct names them)
+        w = P["w"] if "w" in P else (n.args[1] if len(n.args) > 1 else None)
+        wname = getattr(w, "name", "?")
         role = wname.rsplit(".", 1)[-1].replace("w_", "") if "." in wname else wname
         return f"{n.kernel}[{role}]"
     return n.kernel
@@ -392,7 +425,7 @@ def _rename(nodes, names):
     fix = functools.partial(named, names=names)
     for n in nodes:
         if isinstance(n, Launch):
-            n.args = [fix(a) for a in n.args]
+            n.args = [{k: fix(v) for k, v in a.items()} if isinstance(a, dict) else fix(a) for a in n.args]
         else:
             n.dst, n.src = fix(n.dst), fix(n.src)
 
@@ -447,8 +480,8 @@ def trace_step(config: DraftConfig, window: int, *, ring_dtype=np.uint16, w_dtyp
     from dflash_cupy.ops.step_descriptor import DESC_N_NEW
     n_new_ptr = int(kv.desc.ctypes.data) + 4 * DESC_N_NEW
     for n in nodes:
-        if isinstance(n, Launch) and n.kernel in STREAM_GEMMS and isinstance(n.args[10], ArrayRef) \
-                and n.args[10].ptr == n_new_ptr:
+        if isinstance(n, Launch) and n.kernel in STREAM_GEMMS and isinstance(n.arg("pad_lo"), ArrayRef) \
+                and n.arg("pad_lo").ptr == n_new_ptr:
             n.known["pad_lo"] = kv.last_plan.n_new
     names = name_arrays(kv)
     _rename(nodes, names)

@@ -100,8 +100,8 @@ def _rmw_unseen(L) -> int:
     per computed tile: one with a row below M that is not padding; no tile_live here)."""
     if not L.defines.get("GS_NORM"):
         return 0
-    lo, hi = L.known.get("pad_lo", 0), int(L.args[11])
-    M, kt, kz, ROWS, k = int(L.args[4]), int(L.args[7]), int(L.args[6]), 16 * L.defines["GS_MT"], L.defines["GS_K"]
+    lo, hi = L.known.get("pad_lo", 0), int(L.arg("pad_hi"))
+    M, kt, kz, ROWS, k = int(L.arg("M")), int(L.arg("kt")), int(L.arg("kz")), 16 * L.defines["GS_MT"], L.defines["GS_K"]
     gx = -(-N // (8 * L.defines["GS_WARPS"] * L.defines["GS_NT"]))
     chunks = sum(-(-(-(-min(kz, k - z * kz) // gs.KSTEP)) // (kt // gs.KSTEP)) for z in range(L.grid[2]))
     tiles = sum(1 for a in range(0, M, 16) if any(not lo <= r < hi for r in range(a, min(a + 16, M))))
@@ -185,7 +185,7 @@ def test_gemm_wgmma_two_inputs_and_ln_lo_match_the_emulator(case):
     # launch with no row normalised (norm_lo = m, use_ln_lo 0)
     gam_emu = sum(lc.arrays[a].ld_sectors for a in ("ln", "ln_lo") if a in lc.arrays)
     if norm_kind != "none":
-        plain = ctr.static_counters(_with_args(L, {14: m, len(L.args) - 1: 0}))
+        plain = ctr.static_counters(_with_args(L, {"norm_lo": m, "use_ln_lo": 0}))
         gam_st = st.gld_sectors - plain.gld_sectors
         assert (gam_emu > 0) == (gam_st > 0), what
     else:
@@ -196,10 +196,10 @@ def test_gemm_wgmma_two_inputs_and_ln_lo_match_the_emulator(case):
 
 
 def _with_args(L, changes: dict):
-    """A copy of launch ``L`` with the arguments at the given positions replaced."""
+    """A copy of launch ``L`` with the given struct fields replaced."""
     import copy
     c = copy.copy(L)
-    c.args = [changes.get(i, a) for i, a in enumerate(L.args)]
+    c.args = [{**a, **changes} if isinstance(a, dict) else a for a in L.args]
     c.known = dict(L.known)
     return c
 

@@ -185,9 +185,9 @@ def test_ptxas_registers_within_the_table():
     from tests.support.nvrtc_check import nvrtc_check
     src = gs.kernels.source_path("gemm_stream.cu")
     for mt in gs.MT_BUCKETS:
-        for epi, nt in ((0, 4), (2, 2)):
-            opts = tuple(gs.kernels.compile_options(GS_WTYPE=2, GS_EPI=epi, GS_K=4096, GS_MT=mt, GS_NT=nt,
-                                                    GS_WARPS=gs.WARPS, GS_SPLIT=2, GS_DEPTH=gs.DEPTH[mt]))[1:]
+        for epi in ("none", "silu_mul"):   # the options the launcher compiles (GemmVariant)
+            variant = gs.GemmVariant(256, 4096, "bf16", epi, split=2)
+            opts = tuple(gs.kernels.compile_options(**variant.stream_defines(mt)))[1:]
             info = nvrtc_check(src.read_text(), str(src), "sm_90", opts)["gemm_stream"]
             assert info["registers"] <= gs.PTXAS_REGS[mt] and info["spill_stores"] == 0, (mt, epi, info)
 
@@ -723,7 +723,7 @@ def test_split_k_static_counters_per_m_block():
     from tests.support.launches import arr, gs_launch
     L, p = gs_launch(256, 256, 1024, ks=2)
     assert p.grid == (4, 1, 2) and p.mblocks == 4
-    L.args += [None, 0.0, 0, arr("tl", (16,), np.int32), 1]
+    L.args[0].update(ln=None, eps=0.0, norm_lo=0, tile_live=arr("tl", (16,), np.int32), use_live=1)
     every = ctr.static_counters(L)   # (a forced split: its notes name the difference from plan's)
     ws = next(k for k in every.bytes_written if k.startswith("ws"))
     assert every.bytes_written[ws] == every.bytes_read[ws] == 2 * 256 * 256 * 4

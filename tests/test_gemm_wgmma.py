@@ -14,7 +14,7 @@ import pytest
 
 from dflash_cupy.ops import gemm_stream as gs
 from dflash_cupy.ops.gemm import Gemm, gemm_reference
-from tests.support.gemm import SENTINEL, counters_zero, host_weights, live_rows, no_rope, run, tile_flags
+from tests.support.gemm import SENTINEL, by_field, counters_zero, host_weights, live_rows, no_rope, run, tile_flags
 from tests.support.tolerances import assert_close
 
 MAX_M = 200
@@ -273,7 +273,7 @@ def test_emulator_counts_match_the_static_model(emu, rng):
     y = emu.zeros((m, N), np.float32)
     args = (x, w, y, y, np.int32(m), np.int32(N), np.int32(p.kz), np.int32(p.kt), sk._ws, sk._counters,
             sk._counters, np.int32(0), x, np.float32(0), np.int32(m), sk._counters, np.int32(0)) + no_rope(sk) + _one_input(sk, x, m)
-    c = count_launch(sk._kernels[p.mt], p.grid, (p.threads, 1, 1), args, p.smem)
+    c = count_launch(sk._kernels[p.mt], p.grid, (p.threads, 1, 1), by_field(sk._kernels[p.mt], args), p.smem)
     assert c.wgmma_mma == st.wgmma_mma > 0 and c.wgmma_smem_bytes == st.wgmma_smem_bytes
     assert c.barriers == st.barriers
     assert c.sst_requests == st.smem_requests and c.sst_wavefronts == c.sst_ideal == st.smem_wavefronts
@@ -300,7 +300,7 @@ def test_folded_norm_shared_memory_is_conflict_free(emu, rng, variant, x_split):
     y = emu.zeros((m, N), np.float32)
     args = (x, w, y, y, np.int32(m), np.int32(N), np.int32(p.kz), np.int32(p.kt), sk._ws, sk._counters,
             sk._counters, np.int32(0), ln, np.float32(1e-6), np.int32(0), sk._counters, np.int32(0)) + no_rope(sk) + _one_input(sk, x, m)
-    c = count_launch(sk._kernels[p.mt], p.grid, (p.threads, 1, 1), args, p.smem)
+    c = count_launch(sk._kernels[p.mt], p.grid, (p.threads, 1, 1), by_field(sk._kernels[p.mt], args), p.smem)
     assert c.sld_requests > 0 and c.sld_wavefronts == c.sld_ideal, (c.sld_wavefronts, c.sld_ideal)
     assert c.sst_wavefronts == c.sst_ideal, (c.sst_wavefronts, c.sst_ideal)
 
@@ -337,7 +337,7 @@ def test_chunks_without_a_computed_tile_issue_no_wgmma(emu, rng):
     x, w, fl = emu.asarray(xh), emu.asarray(wh), emu.asarray(flags)
     args = (x, w, y, y, np.int32(m), np.int32(N), np.int32(p.kz), np.int32(p.kt), sk._ws, sk._counters,
             sk._counters, np.int32(0), x, np.float32(0), np.int32(m), fl, np.int32(1)) + no_rope(sk) + _one_input(sk, x, m)
-    c = count_launch(sk._kernels[p.mt], p.grid, (p.threads, 1, 1), args, p.smem)
+    c = count_launch(sk._kernels[p.mt], p.grid, (p.threads, 1, 1), by_field(sk._kernels[p.mt], args), p.smem)
     assert c.wgmma_mma == st.wgmma_mma
     got = emu.to_numpy(y)
     ref = gemm_reference(np.where(live[:, None], xh, 0).astype(np.float32), wh, x_round=op.x_round)
@@ -470,10 +470,10 @@ def test_live_split_counts_match_the_static_model(emu, rng, monkeypatch):
     sk = op._stream
     op(x, w, y, m, tile_live=emu.asarray(flags))    # warm: compiled, same launch as recorded
     assert tuple(L.grid) == (4, 1, 1)               # one block per SM of the 4
-    args = (x, w, y, y, np.int32(m), np.int32(N), np.int32(L.args[6]), np.int32(L.args[7]), sk._ws,
+    args = (x, w, y, y, np.int32(m), np.int32(N), np.int32(L.arg("kz")), np.int32(L.arg("kt")), sk._ws,
             sk._counters, sk._counters, np.int32(0), x, np.float32(0), np.int32(m), emu.asarray(flags), np.int32(1)) \
         + no_rope(sk) + _one_input(sk, x, m)
-    c = count_launch(sk._kernels["wg128"], L.grid, (256, 1, 1), args, L.shared_mem)
+    c = count_launch(sk._kernels["wg128"], L.grid, (256, 1, 1), by_field(sk._kernels["wg128"], args), L.shared_mem)
     assert c.wgmma_mma == st.wgmma_mma > 0 and c.barriers == st.barriers
     assert st.live_blocks == 5          # 5 working tiles, unsplit: 2 waves of 4 beat 3 waves of 4 split
     assert any("K split 1" in n and "5 items over 4" in n for n in st.notes), st.notes

@@ -15,7 +15,7 @@ import pytest
 
 from dflash_cupy.ops import gemm_stream as gs
 from dflash_cupy.ops.gemm import Gemm, gemm_reference
-from tests.support.gemm import SENTINEL, host_weights, live_rows, no_rope
+from tests.support.gemm import SENTINEL, by_field, host_weights, live_rows, no_rope
 from tests.support.tolerances import assert_close
 
 MAX_M = 160
@@ -134,7 +134,7 @@ def test_bad_arguments(emu):
     with pytest.raises(TypeError, match="x16"):
         Gemm(emu, N, K, "bf16", path="stream", x_split=False, x16=1)
     with pytest.raises(ValueError, match="split=1"):
-        gs.StreamKernels(emu, N, K, 2, 0, 1, 2, max_m=16, x16=True)
+        gs.GemmVariant(N, K, "bf16", split=2, x16=True)
     op = Gemm(emu, N, K, "bf16", path="stream", x_split=False, x16=True, max_m=16)
     w = emu.zeros((N, K), np.uint16)
     y = emu.asarray(np.full((4, N), SENTINEL, np.float32))
@@ -191,7 +191,7 @@ def test_static_counters_follow_the_element_size(emu, rng, cfg, norm):
     if isinstance(p.mt, str):   # the wgmma kernel's qkv-epilogue arguments (missing here since that merge)
         args += no_rope(sk)
     args += (x, np.int32(m), ln, np.int32(0))   # one input, no ln_lo
-    c = count_launch(sk._kernels[p.mt], p.grid, (p.threads, 1, 1), args, p.smem)
+    c = count_launch(sk._kernels[p.mt], p.grid, (p.threads, 1, 1), by_field(sk._kernels[p.mt], args), p.smem)
     xc = c.arrays["x"]
     assert xc.read_distinct == m * K * 2 == st.bytes_read["x"]
     assert xc.read == p.groups * m * K * 2       # every column group stages x once

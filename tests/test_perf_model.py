@@ -230,7 +230,7 @@ def test_ptxas_facts_of_the_gate_up_gemm():
     than SMs (the planner prices a partial last wave whole: 10 slices, the old choice,
     left a tail of 40 blocks, latency-bound, 16 us per step in the model)."""
     plan = trace_step(drafter_config("qwen3.5-27b"), 256)
-    gu = [n for n in plan.launches if n.kernel == "gemm_stream" and n.args[1].name.endswith("w_gate_up")]
+    gu = [n for n in plan.launches if n.kernel == "gemm_stream" and n.arg("w").name.endswith("w_gate_up")]
     assert len(gu) == 5 and gu[0].grid == (136, 1, 9)
     info = sf.ptxas_info(gu[0].file, gu[0].defines)["gemm_stream"]
     assert info["spill_stores"] == 0 and 0 < info["registers"] <= 128
@@ -562,10 +562,10 @@ def test_step_plan_gemm_launches_match_the_launcher_plan():
     gl = [n for n in plan.launches if n.kernel in ("gemm_stream", "gemm_wgmma")]
     assert len(gl) == 1 + 4 * 5 + 1
     # the qkv GEMM's 50 rows (34 append + 16 noise) take the wgmma kernel (from WG_MIN_M rows)
-    assert [n.args[1].name for n in gl if n.kernel == "gemm_wgmma"] == [f"layers[{i}].w_qkv" for i in range(5)] \
-        or all(n.kernel == "gemm_wgmma" for n in gl if n.args[4] >= 49)
+    assert [n.arg("w").name for n in gl if n.kernel == "gemm_wgmma"] == [f"layers[{i}].w_qkv" for i in range(5)] \
+        or all(n.kernel == "gemm_wgmma" for n in gl if n.arg("M") >= 49)
     for n in gl:
-        assert not any("differs" in s for s in ctr.static_counters(n).notes), n.args[1].name
+        assert not any("differs" in s for s in ctr.static_counters(n).notes), n.arg("w").name
 
 
 def test_gemm_stream_padding_tiles_skipped():
@@ -575,7 +575,7 @@ def test_gemm_stream_padding_tiles_skipped():
     L, p = gs_launch(50, 256, 256)
     assert p.mt == 4 and p.grid[1] == 1
     full = ctr.static_counters(L)
-    L.args[-1] = 34
+    L.args[0]["pad_hi"] = 34
     unknown = ctr.static_counters(L)
     L.known["pad_lo"] = 6
     pad = ctr.static_counters(L)
@@ -589,8 +589,8 @@ def test_gemm_stream_padding_tiles_skipped():
 
 def test_step_qkv_gemm_knows_the_step_padding():
     plan = trace_step(drafter_config("h4096"), 2048)
-    qkv = [n for n in plan.launches if n.kernel in ("gemm_stream", "gemm_wgmma") and n.args[1].name.endswith("w_qkv")]
-    assert len(qkv) == 5 and all(n.known == {"pad_lo": 6} and n.args[14] == plan.a_step for n in qkv)
+    qkv = [n for n in plan.launches if n.kernel in ("gemm_stream", "gemm_wgmma") and n.arg("w").name.endswith("w_qkv")]
+    assert len(qkv) == 5 and all(n.known == {"pad_lo": 6} and n.arg("norm_lo") == plan.a_step for n in qkv)
 
 
 def test_gemm_model_table(request):

@@ -244,12 +244,12 @@ def test_recorded_steps_fold_the_hidden_norm(drafter):
         assert len(qkv) == c.n_layer
         assert kernels.count("rmsnorm") == 1 and kernels.index("rmsnorm") > qkv[-1]   # the final norm only
         qkv = [nodes[i] for i in qkv]
-        splits = {int(n.args[28]) for n in qkv}
-        assert len(splits) == 1 and 0 < splits.pop() < int(qkv[0].args[4])      # context rows, then noise rows
-        assert all(int(n.args[30]) == 1 for n in qkv)                           # ln_lo used
-        x2s = [n.args[27].name for n in qkv]
+        splits = {int(n.arg("row_split")) for n in qkv}
+        assert len(splits) == 1 and 0 < splits.pop() < int(qkv[0].arg("M"))     # context rows, then noise rows
+        assert all(int(n.arg("use_ln_lo")) == 1 for n in qkv)                   # ln_lo used
+        x2s = [n.arg("x2").name for n in qkv]
         assert "noise_embed" in x2s[0] and all("noise_embed" not in x for x in x2s[1:]), x2s
-        assert len({n.args[0].name for n in qkv}) == 1
+        assert len({n.arg("x").name for n in qkv}) == 1
 
 
 def test_cache_steps_fused_equal_unfused_and_the_oracle(monkeypatch):

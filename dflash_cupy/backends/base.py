@@ -43,6 +43,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import threading
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import numpy as np
@@ -245,23 +246,40 @@ class Backend(abc.ABC):
 def check_kernel_args(name: str, params, args, array_type, hint=lambda a: "") -> None:
     """The CuPy RawKernel convention, strictly: one argument per parameter,
     device arrays (``array_type``) for pointers, NumPy scalars of the exact C
-    type for the rest. ``hint(a)`` may explain a wrong array type."""
+    type for the rest, and for a struct parameter a mapping holding exactly its
+    fields, each checked the same way. ``hint(a)`` may explain a wrong array type."""
     if not isinstance(args, (tuple, list)):
         raise TypeError(f"kernel {name}: args must be a tuple, got {type(args).__name__}")
     if len(args) != len(params):
         raise TypeError(f"kernel {name} takes {len(params)} arguments "
                         f"({', '.join(p.name for p in params)}), got {len(args)}")
     for i, (p, a) in enumerate(zip(params, args)):
-        if p.is_pointer:
-            if not isinstance(a, array_type):
-                raise TypeError(f"kernel {name}: argument {i} ({p.name}: {p.ctype}) must be a "
-                                f"device array, got {type(a).__name__}{hint(a)}")
-        elif not isinstance(a, np.generic):
-            raise TypeError(f"kernel {name}: argument {i} ({p.name}: {p.ctype}) must be a NumPy "
-                            f"scalar of dtype {p.dtype}, got {type(a).__name__} {a!r}")
-        elif a.dtype != np.dtype(p.dtype):
-            raise TypeError(f"kernel {name}: argument {i} ({p.name}: {p.ctype}) needs dtype "
-                            f"{p.dtype}, got {a.dtype}")
+        if p.fields is not None:
+            if not isinstance(a, Mapping):
+                raise TypeError(f"kernel {name}: argument {i} ({p.name}: {p.ctype}) must be a mapping "
+                                f"of its fields, got {type(a).__name__}")
+            want = [f.name for f in p.fields]
+            missing, extra = [k for k in want if k not in a], sorted(set(a) - set(want))
+            if missing or extra:
+                raise TypeError(f"kernel {name}: argument {i} ({p.name}: {p.ctype}) "
+                                f"missing fields {missing}, unknown fields {extra}")
+            for f in p.fields:
+                _check_one(name, f"argument {i} field", f, a[f.name], array_type, hint)
+        else:
+            _check_one(name, f"argument {i}", p, a, array_type, hint)
+
+
+def _check_one(name: str, where: str, p, a, array_type, hint) -> None:
+    if p.is_pointer:
+        if not isinstance(a, array_type):
+            raise TypeError(f"kernel {name}: {where} ({p.name}: {p.ctype}) must be a "
+                            f"device array, got {type(a).__name__}{hint(a)}")
+    elif not isinstance(a, np.generic):
+        raise TypeError(f"kernel {name}: {where} ({p.name}: {p.ctype}) must be a NumPy "
+                        f"scalar of dtype {p.dtype}, got {type(a).__name__} {a!r}")
+    elif a.dtype != np.dtype(p.dtype):
+        raise TypeError(f"kernel {name}: {where} ({p.name}: {p.ctype}) needs dtype "
+                        f"{p.dtype}, got {a.dtype}")
 
 
 def dim3(v, what: str) -> tuple[int, int, int]:

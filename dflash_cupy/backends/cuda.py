@@ -235,7 +235,9 @@ class CudaKernel(Kernel):
         check_kernel_args(self.name, self.sig.params, args, cupy.ndarray,
                           lambda a: " (a host NumPy array; copy it to the device first)"
                           if isinstance(a, np.ndarray) else "")
-        return tuple(args)
+        # a struct goes as its bytes (a NumPy aligned structured scalar), pointers as addresses
+        return tuple(signatures.pack_struct(p, a, lambda v: int(v.data.ptr)) if p.is_struct else a
+                     for p, a in zip(self.sig.params, args))
 
     def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0, stream=None,
                  pdl: bool | None = None) -> None:
@@ -245,7 +247,7 @@ class CudaKernel(Kernel):
         limit = be._smem_optin()  # this device's, not sm_90's: checked here, not in launch_limits
         if shared_mem > limit:
             raise ValueError(f"kernel {self.name}: shared_mem={shared_mem} outside [0, {limit}]")
-        args = self._check_args(args)
+        packed = self._check_args(args)
         raw_stream = be._stream_for(stream, f"kernel {self.name}")
         if shared_mem > self._smem_attr:
             # Needed above 48 KiB. A function attribute, not stream work; normally first set by an
@@ -262,9 +264,9 @@ class CudaKernel(Kernel):
             if pdl:
                 # CuPy's launch cannot carry attributes: the same CUfunction through cuLaunchKernelEx
                 cuda_launch_ex.launch(self._raw.kernel.ptr, g, b, shared_mem, be._stream_ptr(raw_stream),
-                                      self.sig.params, args)
+                                      self.sig.params, packed)
             else:
-                self._raw(g, b, args, shared_mem=shared_mem, stream=raw_stream)
+                self._raw(g, b, packed, shared_mem=shared_mem, stream=raw_stream)
         except (_driver.CUDADriverError, _runtime.CUDARuntimeError, cuda_launch_ex.LaunchExError) as e:
             how = " (programmatic)" if pdl else ""
             raise KernelLaunchError(f"kernel {self.name}: launch{how} grid={g} block={b} "

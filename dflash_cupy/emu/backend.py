@@ -269,13 +269,18 @@ class EmuKernel(Kernel):
             if p.is_pointer:
                 keep.append(a)
                 slots.append(ctypes.c_void_p(a.ctypes.data))
+            elif p.is_struct:  # its pointer fields hold the arrays' addresses: keep them too
+                keep += [a[f.name] for f in p.fields if f.is_pointer]
+                b = signatures.pack_struct(p, a, lambda v: v.ctypes.data).tobytes()
+                slots.append(ctypes.create_string_buffer(b, max(len(b), 8)))
             else:
                 slots.append(ctypes.create_string_buffer(a.tobytes(), max(a.dtype.itemsize, 8)))
         ptrs = (ctypes.c_void_p * max(1, len(slots)))()
         for i, s in enumerate(slots):
             ptrs[i] = ctypes.addressof(s)
         # keep[2]: the allocations the pointers point into (cuda_emu.h checks accesses against them)
-        return ptrs, (keep, slots, emu_memory.launch_ranges(self.sig.params, args))
+        flat = list(signatures.leaves(self.sig.params, args))
+        return ptrs, (keep, slots, emu_memory.launch_ranges([p for p, _ in flat], [a for _, a in flat]))
 
     def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0,
                  stream: EmuStream | None = None, pdl: bool | None = None) -> None:
@@ -294,7 +299,7 @@ class EmuKernel(Kernel):
         run = functools.partial(self._run, g, b, ptrs, keep, shared_mem)
         what = f"kernel {self.name}"
         accesses = [(a, not _read_only(p), f"{what} ({p.name})")
-                    for p, a in zip(self.sig.params, args) if p.is_pointer]
+                    for p, a in signatures.leaves(self.sig.params, args) if p.is_pointer]
         s = backend._resolve(stream)
         rec = backend._recording(s)
         call = (self, g, b, tuple(args), shared_mem, pdl)

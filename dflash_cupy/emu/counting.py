@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..backends import launch_limits
+from ..backends import launch_limits, signatures
 from . import guarded_memory as emu_memory
 from ..backends.base import BackendError, KernelLaunchError
 
@@ -224,7 +224,7 @@ def run_counted(kernel, g, b, args: Sequence[Any], shared_mem: int, ids=None, or
     sec_buf, cap = None, 0
     if sectors:
         # at most one entry per (argument, sector) of the arrays passed
-        cap = 16 + sum(a.nbytes // 32 + 2 for p, a in zip(kernel.sig.params, args) if p.is_pointer)
+        cap = 16 + sum(a.nbytes // 32 + 2 for p, a in signatures.leaves(kernel.sig.params, args) if p.is_pointer)
         sec_buf = np.zeros(1 + 3 * cap, np.uint64)
         module._lib.emu_pdl_export.restype = None
         module._lib.emu_pdl_export.argtypes = (ctypes.c_void_p, ctypes.c_ulonglong)
@@ -249,7 +249,7 @@ def run_counted(kernel, g, b, args: Sequence[Any], shared_mem: int, ids=None, or
         v = sv[1 + _SITE_VALS * i:1 + _SITE_VALS * (i + 1)]
         c.sites.append(SiteCounts(int(v[0]), _KINDS.get(int(v[1]), "?"), *(int(x) for x in v[2:])))
     # ranges are listed for the pointer arguments inside guarded allocations, in order
-    params = [p for p, a in zip(kernel.sig.params, args)
+    params = [p for p, a in signatures.leaves(kernel.sig.params, args)
               if p.is_pointer and a.nbytes and emu_memory.allocation_of(a.ctypes.data) is not None]
     for r, p in enumerate(params[:nranges]):
         v = vals[_N_TOTALS + _PER_RANGE * r:_N_TOTALS + _PER_RANGE * (r + 1)]

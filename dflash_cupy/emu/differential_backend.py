@@ -27,6 +27,7 @@ Launches recorded during capture and graph replays are not compared.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -50,6 +51,18 @@ KERNEL_TOLERANCE: dict[str, str] = {}
 _DTYPE_TOLERANCE = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
                     np.dtype(np.float64): "f32"}
 
+
+
+def _array_args(args):
+    """(index, array) of a launch's array arguments; a struct argument's arrays as
+    ((index, field name), array)."""
+    for i, a in enumerate(args):
+        if isinstance(a, Mapping):
+            for k, v in a.items():
+                if isinstance(v, np.ndarray) and not isinstance(v, np.generic):
+                    yield (i, k), v
+        elif isinstance(a, np.ndarray) and not isinstance(a, np.generic):
+            yield i, a
 
 class DifferentialMismatch(AssertionError):
     """The emulator and the reference backend disagree about a launch."""
@@ -130,18 +143,20 @@ class DiffKernel:
         be.synchronize()
         # Snapshot the inputs on the reference before the emulator writes the outputs.
         roots: dict[int, tuple[np.ndarray, Any]] = {}
-        views: list[tuple[int, Any]] = []   # (arg index, reference view) of pointer args
-        for i, a in enumerate(args):
-            if isinstance(a, np.ndarray) and not isinstance(a, np.generic):
-                root = _root(a)
-                if id(root) not in roots:
-                    roots[id(root)] = (root, ref_be.asarray(_bytes(root).copy()))
-                views.append((i, self._ref_view(roots[id(root)][1], root, a)))
+        views: list[tuple[Any, Any]] = []   # (arg index or (index, field), reference view)
+        for i, a in _array_args(args):
+            root = _root(a)
+            if id(root) not in roots:
+                roots[id(root)] = (root, ref_be.asarray(_bytes(root).copy()))
+            views.append((i, self._ref_view(roots[id(root)][1], root, a)))
         self._emu(grid, block, args, shared_mem=shared_mem, stream=stream, pdl=pdl)
         be.synchronize()
-        ref_args = list(args)
+        ref_args = [dict(a) if isinstance(a, Mapping) else a for a in args]
         for i, v in views:
-            ref_args[i] = v
+            if isinstance(i, tuple):     # a struct argument's field
+                ref_args[i[0]][i[1]] = v
+            else:
+                ref_args[i] = v
         if self._ref is None:
             self._ref = self._module.ref.get_function(self.name)
         where = f"kernel {self.name} grid={grid} block={block} shared_mem={shared_mem}"
@@ -180,13 +195,14 @@ class DiffKernel:
             identical = False
             diff_bytes = np.flatnonzero(emu_bytes != ref_host)
             covered = np.zeros(root.nbytes, bool)
-            for i, a in enumerate(args):
-                if not (isinstance(a, np.ndarray) and _root(a) is root) or a.nbytes == 0:
+            for i, a in _array_args(args):
+                if _root(a) is not root or a.nbytes == 0:
                     continue
                 off = a.ctypes.data - root.ctypes.data
                 covered[off:off + a.nbytes] = True  # (contiguous views, as launchers pass)
                 ref_view = np.ndarray(a.shape, a.dtype, buffer=ref_host, offset=off, strides=a.strides)
-                arg = f"{params[i].name} ({a.dtype}{list(a.shape)})"
+                pname = i[1] if isinstance(i, tuple) else params[i].name
+                arg = f"{pname} ({a.dtype}{list(a.shape)})"
                 if a.dtype.kind == "f" and not (be.exact or self.name in EXACT_KERNELS):
                     kind = KERNEL_TOLERANCE.get(self.name, _DTYPE_TOLERANCE.get(a.dtype, "f32"))
                     ok, err, idx = _compare_float(a, ref_view, kind)

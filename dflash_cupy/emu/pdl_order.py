@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..backends import signatures
 from ..backends.base import KernelLaunchError
 
 _LO = np.uint64(0xFFFFFFFF)
@@ -73,7 +74,7 @@ class Access:
     @classmethod
     def from_sectors(cls, kernel, args, sec: np.ndarray) -> "Access":
         arrays = [(p.name, int(a.ctypes.data), int(a.nbytes))
-                  for p, a in zip(kernel.sig.params, args) if p.is_pointer]
+                  for p, a in signatures.leaves(kernel.sig.params, args) if p.is_pointer]
         if sec is None or not len(sec):
             z = np.zeros(0, np.uint64)
             return cls(kernel.name, arrays, z, z, z, z, z)

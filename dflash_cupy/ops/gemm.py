@@ -46,7 +46,7 @@ from .. import checks, device_props, dtypes, kernels
 from . import gemm_stream
 from .rope import RopeSpec, check_rope_targets
 
-EPILOGUES = {"none": 0, "residual": 1, "silu_mul": 2, "argmax": 3}
+EPILOGUES = gemm_stream.EPILOGUES
 
 MAX_M_LIMIT = 64          # the M tile: acc registers per lane = R * rows * tile; 64 keeps silu_mul spill-free
 WARPS = 4                 # warps per block
@@ -74,21 +74,29 @@ def weight_kind(dtype) -> str:
 
 
 class Gemm:
-    """``Gemm(backend, N, K, w_dtype, epilogue="none", max_m=64, path="auto",
-    x_split=True, k_split=None)``.
+    """``y[:m] = epilogue(x[:m] @ w.T)``: one GEMM shape, compiled once for every m up to ``max_m``.
 
-    ``__call__(x, w, y, m, residual=None, stream=None)`` computes rows
-    ``[0, m)``: ``x [>=m, K] f32``, ``w [N, K]`` (``[2N, K]`` for
-    ``"silu_mul"``) of ``w_dtype``, ``y [>=m, N] f32``. Any ``m >= 1`` works:
-    rows beyond the M tile (``min(max_m, 64)``; any ``max_m >= 1`` is accepted,
-    e.g. ``lanes * rows`` of a lane-batched step) are further M tiles of the
-    same launch; on the ``"stream"`` path the M tiles that read the same
-    weights are adjacent in launch order and share one HBM read of them
-    through L2. ``k_split`` (MMA path, one M tile):
-    K slices per column group, by default enough to put ~4 blocks per SM in
-    flight; the partial sums live in a workspace this object owns, so one
-    ``Gemm`` serves one stream at a time. No allocation, no host sync: safe
-    inside graph capture.
+    Constructor (the compiled variant; the stream path records it as ``self.variant``, a
+    ``gemm_stream.GemmVariant``, whose key is also the tuning key):
+
+    * ``N, K, w_dtype``: ``w [N, K]`` (``[2N, K]`` for ``"silu_mul"``), f32 / f16 / bf16 bits;
+    * ``epilogue``: ``"none" | "residual" | "silu_mul" | "argmax"`` (argmax: stream path;
+      ``logits`` False stores no logits, only the per-block ``partials``);
+    * ``max_m``: rows planned for (any ``m >= 1`` still works: more M tiles);
+    * ``path``: ``"auto" | "stream" | "mma" | "fma"``; ``wgmma``: None (auto), True, False;
+    * ``x_split``: x as bf16/f16 hi + lo halves (exact f32 products) or one half;
+    * ``k_split``: K slices (mma / stream; default: the cost rule's);
+    * ``norm_eps``: fold an RMSNorm of x's rows into the GEMM (``norm=`` at the call);
+    * ``x16`` / ``y16``: x read / y written in the weight type (stream path);
+    * ``skip_cols``, ``live_split``: lane-batched launches (``tile_live`` entries of 2 skip the
+      column groups below ``skip_cols``; the wgmma kernel picks its K split per launch);
+    * ``rope``: a ``RopeSpec``: the qkv epilogue (q/k norm, rope, K/V into the caches) folded in.
+
+    ``__call__(x, w, y, m, residual=None, stream=None, pad_rows=None, norm=None, partials=None,
+    tile_live=None, rope=None, x2=None)`` computes rows ``[0, m)`` on ``stream``; the optional
+    arguments are described on ``__call__``. The partial sums of a K split live in a workspace
+    this object owns, so one ``Gemm`` serves one stream at a time. No allocation, no host
+    sync: safe inside graph capture.
     """
 
     def __init__(self, backend, N: int, K: int, w_dtype, epilogue: str = "none", max_m: int = 64,
@@ -100,6 +108,7 @@ class Gemm:
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue {epilogue!r}: expected one of {tuple(EPILOGUES)}")
         self.backend = backend
+        self.variant = None   # the stream path's GemmVariant (its compile options and tuning key)
         self.N, self.K, self.max_m = int(N), int(K), int(max_m)
         self.tile_m = min(self.max_m, MAX_M_LIMIT)   # the fma/mma M tile; larger m is more tiles
         self.epilogue = epilogue
@@ -196,13 +205,13 @@ class Gemm:
         self.split = 2 if self.x_split else 1
         self.vectorized = True
         self.rows_per_warp = 1
-        self._stream = gemm_stream.StreamKernels(
-            self.backend, self.N, self.K, dtypes.CODE[self.wkind], EPILOGUES[self.epilogue],
-            2 if self.epilogue == "silu_mul" else 1, self.split, self.max_m,
-            k_split=None if k_split is None else int(k_split), norm=self.norm_eps is not None,
-            logits=self.logits, wgmma=self._wgmma, x16=self.x16, y16=self.y16, skip_cols=self.skip_cols,
-            live_split=self.live_split,
+        self.variant = gemm_stream.GemmVariant(
+            self.N, self.K, self.wkind, self.epilogue, self.split, norm=self.norm_eps is not None,
+            logits=self.logits, x16=self.x16, y16=self.y16, live_split=self.live_split, skip_cols=self.skip_cols,
             rope=None if self.rope is None else (self.rope.head_dim, self.rope.q_width, self.rope.kv_width))
+        self._stream = gemm_stream.StreamKernels(self.backend, self.variant, self.max_m,
+                                                 k_split=None if k_split is None else int(k_split),
+                                                 wgmma=self._wgmma)
         self.k_split = self._stream.plan(self.max_m).ks   # at m = max_m; each call plans its own m
         self.k_tile = self._stream.plan(self.max_m).kt
         self.cols_per_block = gemm_stream.cols_per_block(self._stream.nw)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import device_props, kernels
+from .. import device_props, dtypes, kernels
 
 WARPS = 8                 # warps per block (GS_WARPS)
 DEPTH = {1: 2, 2: 3, 4: 3}  # ring depth in 64-k steps (GS_DEPTH) per M variant
@@ -44,10 +44,7 @@ HBM_BPS = 4.8e12          # H200 HBM3e, for the tensor-core pace figure only
 # recompiles and checks these are not exceeded. Rounded up to the allocation
 # granularity of 8 they set the register-limited residency.
 PTXAS_REGS = {1: 128, 2: 208, 4: 238}   # max over f16/bf16, the three epilogues, hi+lo or not
-                                        # (MT 2 was 202 before tile_live and the linear grid: same 208 allocated;
-                                        # MT 4 was 235 before split K per M block: same 240 allocated;
-                                        # the chunked split-K reduction: MT 2 206 -> 208, MT 4 237 -> 238,
-                                        # the same allocation)
+                                        # (history: docs/decisions/gemm.md)
 REGS_PER_SM = 65536
 THREADS_PER_SM = 2048
 SMEM_RESERVED = 1024      # per block, by the driver
@@ -445,39 +442,100 @@ def xtile_conflict_ways(kt: int, pad: int = XPAD) -> list[int]:
 
 
 ARGMAX_EPI = 3  # gemm_stream.cu GS_EPI 3: the lm_head GEMM with the greedy token fused
+EPILOGUES = {"none": 0, "residual": 1, "silu_mul": 2, "argmax": 3}   # GS_EPI / GW_EPI / GEMM_EPI
+
+
+@dataclass(frozen=True)
+class GemmVariant:
+    """What one stream GEMM is compiled for, once: its ``key()`` is the tuning key's
+    variant part (``tuning.gemm_key``) and its ``*_defines`` the ``-D`` options of
+    gemm_stream.cu and gemm_wgmma.cu (NVRTC checks compile the same). ``rope``:
+    (head_dim, q_width, kv_width) of the qkv epilogue, or None."""
+    N: int
+    K: int
+    wkind: str                 # dtypes.CODE key: the weights' type
+    epilogue: str = "none"     # EPILOGUES key
+    split: int = 2             # x as hi + lo halves (2) or one (1)
+    norm: bool = False
+    logits: bool = True        # argmax: the logits stored too
+    x16: bool = False
+    y16: bool = False
+    live_split: bool = False
+    skip_cols: int = 0
+    rope: tuple | None = None
+
+    def __post_init__(self):
+        if self.epilogue not in EPILOGUES:
+            raise ValueError(f"epilogue {self.epilogue!r}: expected one of {tuple(EPILOGUES)}")
+        if self.x16 and self.split != 1:
+            raise ValueError("x16=True (x stored in the weight type) needs split=1: a 16-bit x has no lo half")
+        if self.y16 and self.epilogue == "argmax":
+            raise ValueError("y16=True does not apply to the fused argmax (its logits stay f32)")
+
+    @property
+    def nw(self) -> int:
+        """Weight matrices per output column (silu_mul: gate and up)."""
+        return 2 if self.epilogue == "silu_mul" else 1
+
+    @property
+    def argmax(self) -> bool:
+        return self.epilogue == "argmax"
+
+    def key(self) -> str:
+        return (f"N{self.N}|K{self.K}|{self.wkind}|{self.epilogue}|split{self.split}|norm{int(self.norm)}"
+                f"|logits{int(self.logits)}|x16{int(self.x16)}|y16{int(self.y16)}"
+                f"|rope{int(self.rope is not None)}|live{int(self.live_split)}|skip{self.skip_cols}")
+
+    def _common(self) -> dict:
+        return dict(WTYPE=dtypes.CODE[self.wkind], EPI=EPILOGUES[self.epilogue], K=self.K, SPLIT=self.split,
+                    **({"NORM": 1} if self.norm else {}), **({"X16": 1} if self.x16 else {}),
+                    **({"Y16": 1} if self.y16 else {}))
+
+    def stream_defines(self, mt: int) -> dict:
+        """gemm_stream.cu's options for M tiles ``mt``."""
+        return dict(**{"GS_" + k: v for k, v in self._common().items()}, GS_MT=mt, GS_NT=WTILES // self.nw,
+                    GS_WARPS=WARPS, GS_DEPTH=DEPTH[mt],
+                    **({"GS_LOGITS": int(self.logits)} if self.argmax else {}))
+
+    def wgmma_defines(self, bt: int, sms: int = 0, skip_cols: int = 0, qkv: bool = False) -> dict:
+        """gemm_wgmma.cu's options for row blocks of ``bt``; ``sms``: the live split's SM
+        count (0: none); ``skip_cols``: columns skipped by tiles marked 2; ``qkv``: the
+        qkv epilogue (GW_EPI 3) compiled in."""
+        d = {"GW_" + k: v for k, v in self._common().items()}
+        if qkv:
+            hd, qw, kvw = self.rope
+            d.update(GW_EPI=3, GW_HD=hd, GW_QW=qw, GW_KVW=kvw)
+        d.update(GW_BT=bt, GW_DEPTH=WG_DEPTH[bt])
+        if sms:
+            d["GW_SMS"] = sms
+        if skip_cols:
+            d["GW_SKIP_COLS"] = skip_cols
+        return d
 
 
 class StreamKernels:
-    """The compiled variants of one ``Gemm`` (all buckets up to ``max_m``,
+    """The compiled variants of one ``Gemm`` (``variant``; all buckets up to ``max_m``,
     compiled now: nothing compiles during graph capture) and their launches."""
 
-    def __init__(self, backend, N: int, K: int, wtype_code: int, epi_code: int, nw: int, split: int,
-                 max_m: int, k_split: int | None = None, norm: bool = False, logits: bool = True,
-                 wgmma: bool | None = None, x16: bool = False, y16: bool = False, skip_cols: int = 0,
-                 live_split: bool = False, rope: tuple | None = None):
-        if x16 and split != 1:
-            raise ValueError("x16=True (x stored in the weight type) needs split=1: a 16-bit x has no lo half")
-        if y16 and epi_code == ARGMAX_EPI:
-            raise ValueError("y16=True does not apply to the fused argmax (its logits stay f32)")
-        self.x16, self.y16 = bool(x16), bool(y16)
-        self._argmax = epi_code == ARGMAX_EPI
+    def __init__(self, backend, variant: GemmVariant, max_m: int, k_split: int | None = None,
+                 wgmma: bool | None = None):
+        v = self.variant = variant
+        N, K, nw, split, rope = v.N, v.K, v.nw, v.split, v.rope
+        self.x16, self.y16 = v.x16, v.y16
+        self._argmax = v.argmax
         if self._argmax:  # the fused argmax reduces within a block: no split K
             k_split = 1
         self.backend = backend
         self.N, self.K, self.nw, self.split, self.k_split = N, K, nw, split, k_split
-        self.norm = bool(norm)
+        self.norm = v.norm
         self.dev = device_of(backend)
         self._choice: dict = {}        # m -> (variant, ks) set by use() (autotuning: dflash_cupy/tuning.py)
         self._captured = False         # a graph holds this object's workspace pointers: no regrowth
         top = self.top = bucket(max_m)
         self.buckets = tuple(b for b in MT_BUCKETS if b <= top)
         self._kernels = {}
-        defs = dict(WTYPE=wtype_code, EPI=epi_code, K=K, SPLIT=split, **({"NORM": 1} if self.norm else {}),
-                    **({"X16": 1} if self.x16 else {}), **({"Y16": 1} if self.y16 else {}))
         for mt in self.buckets:
-            mod = kernels.load_module(backend, "gemm_stream.cu", **{"GS_" + k: v for k, v in defs.items()},
-                                      GS_MT=mt, GS_NT=WTILES // nw, GS_WARPS=WARPS, GS_DEPTH=DEPTH[mt],
-                                      **({"GS_LOGITS": int(logits)} if epi_code == ARGMAX_EPI else {}))
+            mod = kernels.load_module(backend, "gemm_stream.cu", **v.stream_defines(mt))
             self._kernels[mt] = mod.get_function("gemm_stream")
         # wgmma variants (gemm_wgmma.cu) where rows beyond one 64-row block are expected, the
         # device runs sm_90a and the epilogue is not the fused argmax; wgmma=True insists.
@@ -492,30 +550,24 @@ class StreamKernels:
         # Lane-batched launches (tile_live given) of the wgmma variants: with live_split the
         # kernel picks its K split from the live row blocks (up to split_cap slices, the
         # grid's z); tiles marked 2 skip the column groups wholly below skip_cols.
-        self.live_split = bool(live_split) and bool(self.wg_variants)
+        self.live_split = bool(v.live_split) and bool(self.wg_variants)
         self.split_cap = wg_split_cap(K)
-        self.skip_groups = int(skip_cols) // wg_cols(nw) if self.wg_variants else 0
-        wg_defs = dict(({"GW_SMS": self.dev.sm_count} if self.live_split else {}),
-                       **({"GW_SKIP_COLS": self.skip_groups * wg_cols(nw)} if self.skip_groups else {}))
-        for v in self.wg_variants:
-            bt = wg_tokens(v)
-            mod = kernels.load_module(backend, "gemm_wgmma.cu", **{"GW_" + k: val for k, val in defs.items()},
-                                      GW_BT=bt, GW_DEPTH=WG_DEPTH[bt], **wg_defs)
-            self._kernels[v] = mod.get_function("gemm_wgmma")
+        self.skip_groups = int(v.skip_cols) // wg_cols(nw) if self.wg_variants else 0
+        wg_opts = dict(sms=self.dev.sm_count if self.live_split else 0, skip_cols=self.skip_groups * wg_cols(nw))
+        for name in self.wg_variants:
+            mod = kernels.load_module(backend, "gemm_wgmma.cu", **v.wgmma_defines(wg_tokens(name), **wg_opts))
+            self._kernels[name] = mod.get_function("gemm_wgmma")
         # The qkv epilogue (GW_EPI 3, ``rope=(head_dim, q_width, kv_width)``): the same wgmma
         # variants with rope.cu's qkv_norm_rope folded in, where every head lies in one column
         # group; a launch that plans a gemm_stream.cu variant cannot fold (``fuses_rope``).
-        self.rope = None if rope is None else tuple(int(v) for v in rope)
+        self.rope = None if rope is None else tuple(int(r) for r in rope)
         self._fused = {}
-        if self.rope is not None and self.wg_variants and epi_code == 0 and not self.y16 \
+        if self.rope is not None and self.wg_variants and v.epilogue == "none" and not self.y16 \
                 and qkv_fold_problem(N, nw, *self.rope) is None:
-            hd, qw, kvw = self.rope
-            for v in self.wg_variants:
-                bt = wg_tokens(v)
+            for name in self.wg_variants:
                 mod = kernels.load_module(backend, "gemm_wgmma.cu",
-                                          **{"GW_" + k: val for k, val in defs.items() if k != "EPI"}, GW_EPI=3,
-                                          GW_HD=hd, GW_QW=qw, GW_KVW=kvw, GW_BT=bt, GW_DEPTH=WG_DEPTH[bt], **wg_defs)
-                self._fused[v] = mod.get_function("gemm_wgmma")
+                                          **v.wgmma_defines(wg_tokens(name), qkv=True, **wg_opts))
+                self._fused[name] = mod.get_function("gemm_wgmma")
         # the qkv epilogue's arguments when it is not compiled in: arrays of this object's own
         # (a shared one would look written to the stream-hazard checks)
         self._no_kv = backend.zeros((1,), np.float16) if self.wg_variants else None
@@ -681,23 +733,37 @@ class StreamKernels:
         ln, eps, norm_lo = (x, 0.0, m) if norm is None else norm[:3]
         ln_lo = norm[3] if norm is not None and len(norm) > 3 and norm[3] is not None else None
         xb, row_split = (x, m) if x2 is None else x2
-        args = (x, w, y, r, np.int32(m), np.int32(self.N), np.int32(p.kz), np.int32(p.kt),
-                self._ws if partials is None else partials, self._counters, lo, np.int32(hi),
-                ln, np.float32(eps), np.int32(norm_lo),
-                self._counters if tile_live is None else tile_live, np.int32(tile_live is not None))
-        tail = (xb, np.int32(row_split), ln if ln_lo is None else ln_lo, np.int32(ln_lo is not None))
+        # the kernel's arguments by name (gemm_wgmma: its one struct, GemmWgmmaParams)
+        params = dict(x=x, w=w, y=y, r=r, M=np.int32(m), N=np.int32(self.N), kz=np.int32(p.kz),
+                      kt=np.int32(p.kt), ws=self._ws if partials is None else partials,
+                      counters=self._counters, pad_lo=lo, pad_hi=np.int32(hi),
+                      ln=ln, eps=np.float32(eps), norm_lo=np.int32(norm_lo),
+                      tile_live=self._counters if tile_live is None else tile_live,
+                      use_live=np.int32(tile_live is not None),
+                      x2=xb, row_split=np.int32(row_split), ln_lo=ln if ln_lo is None else ln_lo,
+                      use_ln_lo=np.int32(ln_lo is not None))
         kernel = self._kernels[p.mt]
-        if isinstance(p.mt, str):   # the wgmma kernel's trailing qkv-epilogue arguments
+        if isinstance(p.mt, str):   # the wgmma kernel's qkv-epilogue fields
             if rope is None:
-                args += (self._ws, self._ws, self._no_freq, self._counters, self._counters, self._no_kv, self._no_kv,
-                         np.int32(0), np.float32(0.0), np.float32(1.0))
+                rope = (self._ws, self._ws, self._no_freq, self._counters, self._counters, self._no_kv,
+                        self._no_kv, 0, 0.0, 1.0)
             else:
-                qn, kn, freq, pos, rows, kc, vc, kv_rows, reps, rscale = rope
-                args += (qn, kn, freq, pos, rows, kc, vc, np.int32(kv_rows), np.float32(reps), np.float32(rscale))
                 kernel = self._fused[p.mt]
                 p = dataclasses.replace(p, smem=max(p.smem, wg_qkv_smem(wg_tokens(p.mt))))
-        args += tail
-        kernel(p.grid, (p.threads, 1, 1), args, shared_mem=p.smem, stream=stream)
+            qn, kn, freq, pos, rows, kc, vc, kv_rows, reps, rscale = rope
+            params.update(q_norm=qn, k_norm=kn, inv_freq=freq, pos=pos, rows=rows, k_cache=kc, v_cache=vc,
+                          kv_rows=np.int32(kv_rows), rope_eps=np.float32(reps), rope_scale=np.float32(rscale))
+        kernel(p.grid, (p.threads, 1, 1), launch_args(kernel, params), shared_mem=p.smem, stream=stream)
+
+
+def launch_args(kernel, params: dict) -> tuple:
+    """A kernel's arguments from ``params`` (name -> value): its one struct argument
+    (gemm_wgmma's GemmWgmmaParams) or its parameters by name (gemm_stream's; kept
+    positional: a struct parameter grew ptxas's registers there, 238 -> 244 at MT=4)."""
+    sig = kernel.sig.params
+    if len(sig) == 1 and sig[0].is_struct:
+        return (params,)
+    return tuple(params[p.name] for p in sig)
 
 
 # (name, N, K, weight matrices per output column) of a qwen3-8b-like and a hidden-5120 drafter layer

@@ -84,6 +84,9 @@ class FakeRawKernel:
         assert isinstance(grid, tuple) and isinstance(block, tuple)
         calls.append(("launch", self.name, grid, block, len(args), shared_mem,
                       None if stream is None else stream.ptr, self.max_dynamic_shared_size_bytes))
+        launched_args.append(tuple(args))
+
+launched_args = []
 
 class FakeRawModule:
     fail = None
@@ -210,6 +213,16 @@ with pytest.raises(TypeError, match="argument 2 .*NumPy scalar"): k(1, 32, (x, y
 with pytest.raises(TypeError, match="argument 3 .*needs dtype float32"): k(1, 32, (x, y, np.int32(6), np.float64(2), np.int64(1)))
 with pytest.raises(TypeError, match="argument 0 .*device array.*host NumPy"): k(1, 32, (np.ones(3), y, np.int32(6), np.float32(2), np.int64(1)))
 with pytest.raises(TypeError, match="takes 5 arguments"): k(1, 32, (x, y))
+# a struct parameter: checked field by field, passed as its C bytes (an aligned NumPy structured
+# scalar) with the device pointers in place
+SSRC = 'struct SP { const float* a; float* b; int n; };\nextern "C" __global__ void ks(SP p, float s) {}'
+ks = be.compile(SSRC, (), filename="/p/s.cu").get_function("ks")
+ks(1, 32, (dict(a=x, b=y, n=np.int32(6)), np.float32(1)))
+(packed, _s) = launched_args[-1]
+assert isinstance(packed, np.void) and packed.dtype.itemsize == 24, packed.dtype
+assert (int(packed["a"]), int(packed["b"]), int(packed["n"])) == (x.data.ptr, y.data.ptr, 6)
+with pytest.raises(TypeError, match=r"field \(n: int\) .*NumPy scalar"): ks(1, 32, (dict(a=x, b=y, n=6), np.float32(1)))
+with pytest.raises(TypeError, match="must be a mapping"): ks(1, 32, ((x, y, np.int32(6)), np.float32(1)))
 with pytest.raises(TypeError, match="must be a tuple"): k(1, 32, x)
 with pytest.raises(ValueError, match="grid dimensions must be >= 1"): k((0,), 32, (x, y, np.int32(6), np.float32(2), np.int64(1)))
 with pytest.raises(ValueError, match="max 1024"): k(1, (64, 32), (x, y, np.int32(6), np.float32(2), np.int64(1)))

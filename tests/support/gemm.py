@@ -69,6 +69,18 @@ def counters_zero(backend, op):
     assert cnt.size >= max(op._stream.plan(m).grid[0] for m in (1, op.max_m)) and not cnt.any(), cnt.tolist()
 
 
+def by_field(kernel, flat) -> tuple:
+    """A stream GEMM's launch arguments from ``flat``, given in the order of its parameters
+    (gemm_wgmma: of its struct's fields, GemmWgmmaParams), as the launcher passes them
+    (``gemm_stream.launch_args``: the struct by field name)."""
+    from dflash_cupy.ops.gemm_stream import launch_args
+    sig = kernel.sig.params
+    names = [f.name for f in sig[0].fields] if len(sig) == 1 and sig[0].is_struct else [p.name for p in sig]
+    if len(flat) != len(names):
+        raise ValueError(f"{kernel.name}: {len(flat)} values for {len(names)} parameters")
+    return launch_args(kernel, dict(zip(names, flat)))
+
+
 def no_rope(sk):
     """The wgmma kernel's trailing qkv-epilogue arguments (GW_EPI 3 only reads them), as
     StreamKernels passes them to the other epilogues."""

@@ -18,7 +18,10 @@ def gs_launch(M, N, K, epi=0, split=2, ks=None):
     p = gs.plan(N, K, M, nw, split, ks=ks)
     d = dict(GS_WTYPE=2, GS_EPI=epi, GS_K=K, GS_MT=p.mt, GS_NT=4 // nw, GS_WARPS=8, GS_SPLIT=split,
              GS_DEPTH=gs.DEPTH[p.mt])
-    args = [arr("x", (M, K), np.float32), arr("w", (nw * N, K), np.uint16), arr("y", (M, N), np.float32),
-            arr("y", (M, N), np.float32), M, N, p.kz, p.kt, arr("ws", (1,), np.float32),
-            arr("cnt", (1,), np.int32), arr("cnt", (1,), np.int32), 0]
+    # the first arguments by name (Launch.params reads a dict as the recording's names); a
+    # test adds the others it needs
+    args = [dict(x=arr("x", (M, K), np.float32), w=arr("w", (nw * N, K), np.uint16),
+                 y=arr("y", (M, N), np.float32), r=arr("y", (M, N), np.float32), M=M, N=N, kz=p.kz, kt=p.kt,
+                 ws=arr("ws", (1,), np.float32), counters=arr("cnt", (1,), np.int32),
+                 pad_lo=arr("cnt", (1,), np.int32), pad_hi=0)]
     return Launch("gemm_stream", "gemm_stream.cu", d, p.grid, (256, 1, 1), p.smem, args), p
