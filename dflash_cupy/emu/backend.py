@@ -51,6 +51,7 @@ import os
 import signal
 import threading
 import weakref
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import numpy as np
@@ -253,6 +254,13 @@ class EmuGraph(Graph):
                         n.accesses, n.pinned, n.event) for n in self._nodes])
 
 
+def _raw_arg(a):
+    """A kernel argument with its device arrays unwrapped (a struct's fields too)."""
+    if isinstance(a, Mapping):
+        return {k: raw(v) for k, v in a.items()}
+    return raw(a)
+
+
 class EmuKernel(Kernel):
     def __init__(self, module: "EmuModule", index: int, sig: signatures.KernelSig):
         self._module = module
@@ -262,7 +270,7 @@ class EmuKernel(Kernel):
 
     def _pack(self, args: Sequence[Any]):
         if isinstance(args, (tuple, list)):
-            args = [raw(a) for a in args]
+            args = [_raw_arg(a) for a in args]
         check_kernel_args(self.name, self.sig.params, args, np.ndarray)
         keep, slots = [], []
         for p, a in zip(self.sig.params, args):
@@ -285,7 +293,7 @@ class EmuKernel(Kernel):
     def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0,
                  stream: EmuStream | None = None, pdl: bool | None = None) -> None:
         backend = self._module.backend
-        args = tuple(raw(a) for a in args) if isinstance(args, (tuple, list)) else args
+        args = tuple(_raw_arg(a) for a in args) if isinstance(args, (tuple, list)) else args
         cap = backend._capturing
         follows = cap is not None and bool(cap._record) and cap._record[-1].kind == "launch"
         pdl = resolve_pdl(pdl, follows, self.name)

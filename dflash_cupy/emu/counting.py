@@ -197,6 +197,8 @@ def run_counted(kernel, g, b, args: Sequence[Any], shared_mem: int, ids=None, or
     (argument, 32-byte sector) touched: the sector's address, the bytes read | written << 32,
     and the bytes read | written << 32 before the thread's ``pdl_wait()`` (prefetch_l2
     lines among those reads); else None."""
+    from .backend import _raw_arg
+    args = [_raw_arg(a) for a in args]   # the arrays behind device arrays (struct fields too)
     total = g[0] * g[1] * g[2]
     if ids is None:
         ids = list(range(total))

@@ -37,7 +37,7 @@ import numpy as np
 from ..tolerances import TOL
 from ..backends.base import Backend, KernelLaunchError
 from .device_array import raw
-from .backend import EmulatedBackend
+from .backend import EmulatedBackend, _raw_arg
 
 # Kernels whose outputs do not depend on floating-point evaluation details: any
 # difference is a bug. (plan.cu: integer planning, constant 0/-inf f16 masks, and a
@@ -136,7 +136,7 @@ class DiffKernel:
         if be.is_capturing():
             return self._emu(grid, block, args, shared_mem=shared_mem, stream=stream, pdl=pdl)
         ref_be = be.reference
-        args = tuple(raw(a) for a in args)   # the ndarrays behind device arrays (synchronised below)
+        args = tuple(_raw_arg(a) for a in args)   # the ndarrays behind device arrays (struct fields too; synchronised below)
         # Emulated streams run deferred: let queued work produce the inputs first, and run
         # this launch before comparing (this mode is synchronous; stream hazards are the
         # plain emulated backend's business).
