@@ -35,7 +35,7 @@ from dflash_cupy.backends import nvrtc_info
 
 from . import sass
 
-_VERSION = "2"
+_VERSION = "3"   # 3: phases counted before the site-resolution fix (emulator frames by name) are recounted
 _WHERE = re.compile(r"^(\S+?):(\d+)")
 
 
@@ -126,6 +126,11 @@ def phases_of(ks: sass.KernelSass, executions: dict[str, float] | None) -> list[
     # loop's trips. Solved line by line while a line leaves one loop unknown; copies of a loop
     # that ptxas duplicated (several unknowns on one line) then share what is left equally.
     trips: dict[int, tuple[float, str]] = {id(l): (float(l.trips), "sass") for l in loops if l.trips is not None}
+    if executions and per_line and not any(k in executions for k in per_line):
+        # every counted access resolved outside the kernel's lines (e.g. to an emulator
+        # header): the loops would silently keep one trip each
+        raise ValueError(f"{ks.name}: none of the emulator's counted sites ({sorted(executions)[:4]} ...) "
+                         f"is a source line of the kernel's SASS ({sorted(per_line)[:4]} ...)")
     if executions is not None:
         for _ in range(len(loops) + 1):
             progress = False

@@ -56,9 +56,9 @@ def test_constants_come_from_the_cuda_sources(tmp_path, monkeypatch):
 
 
 def test_python_launch_constants_match_the_headers():
-    from dflash_cupy.ops import attention, gemm, plan, step_descriptor
+    from dflash_cupy.ops import attention, gemm, ring_slots, step_descriptor
     assert step_descriptor.DESC_LEN == kernels.constants("step_desc.cuh")["DESC_LEN"]
-    assert (plan.SLOT_THREADS, plan.ROW_THREADS) == (256, 128)
+    assert (ring_slots.SLOT_THREADS, ring_slots.ROW_THREADS) == (256, 128)
     assert attention.TILE == 32 and attention.COMBINE_THREADS == 128
     assert gemm.LANE_K == 4 and gemm.MMA_COLS == 8
     assert gemm.SMEM_LIMIT == attention.SMEM_LIMIT == device_props.DEFAULT_SMEM == 48 * 1024

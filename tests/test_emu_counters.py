@@ -367,3 +367,20 @@ def test_a_launch_the_emulator_cannot_run_keeps_its_static_estimate():
     c = src(L)
     assert c.source.startswith("static estimate") and "failed" in c.notes[-1]
     assert src.failures and src.failures[0][0] == "rmsnorm"
+
+
+def test_a_site_in_an_emulator_header_read_from_another_path_is_not_the_kernel_frame():
+    """addr2line's inline chain, innermost first: the emulator's ``__ldg`` inlined into the
+    kernel. A precompiled header built by another checkout names the header by that
+    checkout's path; it is still the emulator's frame, and the kernel's line is picked."""
+    from dflash_cupy.emu.build import EMU_DIR
+    from dflash_cupy.emu.counting import kernel_frame
+
+    names = {f.name for f in EMU_DIR.iterdir()}
+    assert "emu_language.h" in names
+    chain = [("__ldg<float>", "/elsewhere/checkout/dflash_cupy/emu/cuda/emu_language.h:158"),
+             ("gemm_stream", "/work/x/cuda_src/gemm_stream.cu:418 (discriminator 2)")]
+    assert kernel_frame(chain, names) == chain[1]
+    assert kernel_frame(chain[:1], names) == chain[0]          # only emulator frames: the outermost
+    assert kernel_frame([("??", "??:0"), chain[1]], names) == chain[1]
+    assert kernel_frame([], names) is None

@@ -130,3 +130,18 @@ def test_loops_nest(probes):
         for a in k.loops:
             for b in k.loops:
                 assert a is b or a.addrs < b.addrs or b.addrs < a.addrs or not (a.addrs & b.addrs)
+
+
+def test_phases_refuse_counts_that_name_no_line_of_the_kernel(probes):
+    """The emulator's counted sites must name the kernel's own source lines: counts that all
+    resolved elsewhere (an emulator header) would leave every run-time loop at one trip."""
+    from profiling import sass_phases
+
+    k = next(k for k in probes.values() if any(l.trips is None for l in k.loops))
+    lines = {sass_phases._witness(i) for i in k.instrs if sass_phases._witness(i)}
+    assert lines, sass.describe(k)
+    ok = sass_phases.phases_of(k, {key: 8.0 for key in lines})
+    assert any(p.trips_from.startswith("emulator") for p in ok)
+    with pytest.raises(ValueError, match="none of the emulator's counted sites"):
+        sass_phases.phases_of(k, {"emu_language.h:158|global load": 64.0})
+    assert sass_phases.phases_of(k, {})  # nothing counted at all: the loops keep their static trips

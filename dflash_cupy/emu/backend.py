@@ -293,6 +293,7 @@ class EmuKernel(Kernel):
     def __call__(self, grid, block, args: Sequence[Any], shared_mem: int = 0,
                  stream: EmuStream | None = None, pdl: bool | None = None) -> None:
         backend = self._module.backend
+        given = args   # what observers see: the arguments as the caller passed them
         args = tuple(_raw_arg(a) for a in args) if isinstance(args, (tuple, list)) else args
         cap = backend._capturing
         follows = cap is not None and bool(cap._record) and cap._record[-1].kind == "launch"
@@ -318,7 +319,7 @@ class EmuKernel(Kernel):
             if chk is not None:
                 run = chk.wrap(s, "launch", run, call)
             backend._submit(s, [(what, run, accesses, None, None)])
-        notify_launch("kernel", self.name, args, stream)
+        notify_launch("kernel", self.name, given, stream)
 
     def _run(self, g, b, ptrs, keep, shared_mem) -> None:
         backend = self._module.backend

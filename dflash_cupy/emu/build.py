@@ -234,8 +234,11 @@ def precompiled_header(flags: tuple[str, ...]) -> Path:
     under the same lock and rename as modules). If g++ cannot precompile it, the
     directory holds the header alone and modules parse it as text: the same code,
     only slower (g++ also ignores a ``.gch`` whose flags or macros do not match)."""
+    # EMU_DIR is in the key: the .gch's line tables name the headers by the path they were
+    # read from, and the counter mode's site resolution reads those tables. A .gch built by
+    # another checkout sharing the cache would name its headers elsewhere.
     key = hashlib.sha256("\0".join(["pch", CXX, *flags, GEN_VERSION, pch_header_text(),
-                                      _header_digest([])]).encode()).hexdigest()[:24]
+                                      _header_digest([]), str(EMU_DIR)]).encode()).hexdigest()[:24]
     d = cache_dir() / "pch" / key
     if (d / PCH_HEADER).exists():
         return d

@@ -21,6 +21,7 @@ with ``-DEMU_COUNTERS=1``), so ordinary launches carry no counting code.
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -311,11 +312,20 @@ def resolve_sites(c: LaunchCounts) -> list:
             chains.append(cur)
         elif cur is not None:
             cur.append(line.strip())
-    emu = str(EMU_DIR)
+    emu_names = {f.name for d in (EMU_DIR, EMU_DIR / "include") if d.is_dir() for f in d.iterdir()}
     for s, ch in zip(todo, chains + [[]] * (len(todo) - len(chains))):
         frames = [(ch[i], ch[i + 1]) for i in range(0, len(ch) - 1, 2)]
-        pick = next(((fn, loc) for fn, loc in frames if not loc.startswith(emu) and "??" not in loc), None)
-        if pick is None and frames:
-            pick = frames[-1]
+        pick = kernel_frame(frames, emu_names)
         s.where = f"{os.path.basename(pick[1].split(' ')[0])} ({pick[0].split('(')[0]})" if pick else "?"
     return c.sites
+
+
+def kernel_frame(frames: list, emu_names: set):
+    """The first ``(function, "file:line")`` of an inline chain (innermost first, as
+    ``addr2line -i`` lists it) that is not in an emulator header, else the outermost.
+    A header is known by its file name, not its directory: line tables may name it by
+    another path (a precompiled header built elsewhere, an installed copy)."""
+    def in_emu(loc: str) -> bool:
+        return os.path.basename(loc.split(":")[0]) in emu_names
+    pick = next(((fn, loc) for fn, loc in frames if "??" not in loc and not in_emu(loc)), None)
+    return pick if pick is not None or not frames else frames[-1]
