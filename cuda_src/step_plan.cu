@@ -1,8 +1,7 @@
 // step_plan.cu — the step's planning kernels: plan_step (a DraftKvCache's step graph),
 // plan_lanes (a DraftKvBatch's: every lane in one launch), each the whole device-side
 // planning of a step in one launch, and gather_features (a bulk chunk's new feature rows).
-// All gather the new feature rows from the feature ring, widened to f32 (SPEC §3: the
-// fused context rows' input).
+// All gather the new feature rows from the ring, widened to f32 (SPEC §3: fc's input).
 //
 //   gather_features (desc, ring, ap_feat, a_rows)
 //       ap_feat[i, :] = f32(ring[(start+i) % RING_CAP, :]) for i < n_new,
@@ -21,15 +20,8 @@
 //       1-D grid, block (GATHER_THREADS): blocks [0, GX * a_rows) gather (row
 //       b / GX, column chunk b % GX, GX = ceil(FC_IN / (GATHER_THREADS*4)));
 //       the rest, ceil(max(kv_total, a_rows, q_len) / GATHER_THREADS) blocks,
-//       give thread c slot / column c (and append row c, noise row c):
-//         p = start + i  if i = (c - start) mod cap < min(n_new, a_rows)  (appended now)
-//             -1         else if desc[DESC_RESET]
-//             slot_pos[c] otherwise;
-//         slot_pos[c] = p (when it changed) and column c of the masks from p.
-//       No ordering between blocks is needed: slot c is read and written only
-//       by its own thread, which derives the post-append value itself instead
-//       of reading it back (the appended rows hit distinct slots because
-//       min(n_new, a_rows) <= cap, the host's invariant, as for plan_append).
+//       give thread c slot / column c (and append row c, noise row c): slot_pos[c]
+//       after the append, and column c of the masks from it (plan_slot_column).
 //
 //   plan_lanes (desc, ring, ap_feat, a_rows, cs, slot_pos, pos_all, rows_all, tile_live,
 //               mask_full, mask_swa, cap, q_len, bs, kv_total, masks, lanes)
@@ -37,21 +29,12 @@
 //       Per-lane arrays carry a lane axis: desc [lanes, DESC_LEN], ring [lanes,
 //       RING_CAP, FC_IN], slot_pos [lanes, cap], masks [lanes, q_len, kv_total].
 //       Step rows (pos_all, rows_all [lanes*(cs + bs)], ap_feat [lanes*cs, FC_IN]):
-//       ctx rows [0, lanes*cs): the active lanes' appended rows packed back to back,
-//       lane l's n_app = min(n_new, a_rows) rows at desc[DESC_CTX_ROW0], T =
-//       desc[DESC_CTX_ROWS] of them in all (the host's prefix sums,
-//       step_descriptor.pack_context_rows); rows [T, lanes*cs) are padding: position 0,
-//       cache row = the trash slot of lane r / cs (lane l rewrites the padding rows of
-//       [l*cs, (l+1)*cs) every step, since a row live last step may be padding now).
-//       Then the noise rows, lane l's q_len (of bs) at lanes*cs + l*bs. rows_all holds
-//       absolute cache rows (lane l's K/V rows start at l*kv_total); the noise rows'
-//       entries are fixed (the host writes them once) and only the ctx rows' are
-//       written here. ap_feat rows past T are not written (stale but finite: they only
-//       reach padding rows, whose K/V go to a trash slot).
-//       tile_live [lanes*(cs + bs)/16]: nonzero iff the 16-row tile holds a live row
-//       (one of the T packed rows, or a noise row < q_len of an active lane): 2 for the
-//       context tiles (their rows feed K and V only: the qkv GEMM skips their Q columns,
-//       gemm_wgmma.cu GW_SKIP_COLS), 1 for the noise tiles; cs and bs are multiples of 16. An idle lane (desc[DESC_ACTIVE] == 0) gathers nothing,
+//       ctx rows [0, lanes*cs): the active lanes' appended rows packed back to back
+//       (lane l's min(n_new, a_rows) at desc[DESC_CTX_ROW0], T = desc[DESC_CTX_ROWS] in
+//       all), then padding rows; then lane l's noise rows at lanes*cs + l*bs. rows_all
+//       holds absolute cache rows (lane l's from l*kv_total). tile_live
+//       [lanes*(cs + bs)/16]: 2 for a live context tile, 1 for a live noise tile, 0 else
+//       (cs, bs multiples of 16). An idle lane (desc[DESC_ACTIVE] == 0) gathers nothing,
 //       clears its noise tiles and leaves its slot table and masks as they are.
 //       grid (GX * a_rows + ceil(max(kv_total, cs, bs) / GATHER_THREADS), lanes),
 //       block (GATHER_THREADS).
@@ -121,8 +104,14 @@ __device__ __forceinline__ void gather_chunk(const int* __restrict__ desc, const
     }
 }
 
-// Slot c after this launch's append (p = start + i for the i-th appended row, -1 after a
-// reset, else unchanged; written only when it changes) and column c of the masks from it.
+// Slot c after this launch's append and column c of the masks from it:
+//   p = start + i  if i = (c - start) mod cap < min(n_new, a_rows)  (appended now)
+//       -1         else if desc[DESC_RESET]
+//       slot_pos[c] otherwise   (written only when it changes).
+// No ordering between blocks is needed: slot c is read and written only by its own
+// thread, which derives the post-append value itself instead of reading it back (the
+// appended rows hit distinct slots because min(n_new, a_rows) <= cap, the host's
+// invariant, as for plan_append).
 __device__ __forceinline__ void plan_slot_column(const int* __restrict__ desc, int c, int n_app, int cap,
                                                  int q_len, int kv_total, int masks, int* __restrict__ slot_pos,
                                                  __half* __restrict__ mask_full, __half* __restrict__ mask_swa)
@@ -230,6 +219,12 @@ plan_lanes(const int* __restrict__ desc_all,
         pos_all[row0 + c] = p;
         rows_all[row0 + c] = (int)(kv0 + p % cap);
     }
+    // Padding rows [T, lanes*cs): position 0, cache row = the trash slot of lane r / cs.
+    // Lane l rewrites the padding rows of [l*cs, (l+1)*cs) every step (a row live last step
+    // may be padding now). ap_feat rows past T are not written: stale but finite, they only
+    // reach padding rows, whose K/V go to a trash slot. The noise rows' rows_all entries are
+    // fixed (the host writes them once). A live context tile is 2: its rows feed K and V
+    // only, and the qkv GEMM skips their Q columns (gemm_wgmma.cu GW_SKIP_COLS).
     if (c < cs) {      // padding duty for rows [lane*cs, (lane+1)*cs) past the packed ones
         const int r = lane * cs + c, total = desc[DESC_CTX_ROWS];
         if (r >= total) {
