@@ -24,6 +24,8 @@ from dflash_cupy.weights import DraftWeights
 from profiling import (bench_attention, bench_gemm, bench_host, bench_step, common, run_differential,
                        summarize, timer)
 
+from tests.support.gpu_check_run import recorded_commands
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = common.drafter_config("tiny")
 
@@ -369,19 +371,7 @@ def test_shell_scripts_parse():
 def test_gpu_check_real_commands_parse(tmp_path):
     """The non-dry (GPU) command lines, recorded by a stand-in python, must be
     accepted by each bench's own argument parser (no GPU needed)."""
-    record = tmp_path / "argv.jsonl"
-    stub = tmp_path / "python3"
-    stub.write_text("#!/usr/bin/env bash\n"
-                    "[[ $1 == -c ]] && { echo stub; exit 0; }\n"
-                    'exec "$REAL_PY" -c \'import json, sys; open(sys.argv[1], "a").write('
-                    'json.dumps(sys.argv[2:]) + "\\n")\' "$RECORD" "$@"\n')
-    stub.chmod(0o755)
-    env = dict(os.environ, PYTHON=str(stub), REAL_PY=sys.executable, RECORD=str(record),
-               DFLASH_CUPY_BACKEND="emulated")  # the script must unset it
-    p = subprocess.run(["bash", str(ROOT / "profiling" / "gpu_check.sh"), str(tmp_path / "o")],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
-    cmds = [json.loads(line) for line in record.read_text().splitlines()]
+    cmds = recorded_commands(tmp_path, DFLASH_CUPY_BACKEND="emulated")  # the script must unset it
     assert cmds[0][:2] == ["-", "0"]  # preflight, real mode
     assert cmds[1][1:3] == ["dflash_cupy", "selfcheck"] and "--only" not in cmds[1]  # the whole self-check first
     cmds = cmds[:1] + cmds[2:]

@@ -16,6 +16,8 @@ import pytest
 
 from dflash_cupy import backends
 
+from tests.support.gpu_check_run import recorded_commands
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "profiling" / "gpu_check.sh"
 
@@ -88,18 +90,7 @@ def test_quick_real_commands(tmp_path):
     """--quick's GPU command lines, recorded by a stand-in python: the whole self-check first,
     then the differential, then bench_step for both drafter presets with per-kernel times,
     nothing else; limits that fit 4 minutes."""
-    record = tmp_path / "argv.jsonl"
-    stub = tmp_path / "python3"
-    stub.write_text("#!/usr/bin/env bash\n"
-                    "[[ $1 == -c ]] && { echo stub; exit 0; }\n"
-                    'exec "$REAL_PY" -c \'import json, sys; open(sys.argv[1], "a").write('
-                    'json.dumps(sys.argv[2:]) + "\\n")\' "$RECORD" "$@"\n')
-    stub.chmod(0o755)
-    env = dict(os.environ, PYTHON=str(stub), REAL_PY=sys.executable, RECORD=str(record))
-    p = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "o"), "--quick"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
-    cmds = [json.loads(line) for line in record.read_text().splitlines()]
+    cmds = recorded_commands(tmp_path, "--quick")
     assert cmds[0][:2] == ["-", "0"]                                  # preflight, real mode
     sc = cmds[1]
     assert sc[1:3] == ["dflash_cupy", "selfcheck"] and "--only" not in sc and sc[sc.index("--out") + 1].endswith(
