@@ -1,6 +1,6 @@
 // plan_mask.cuh — one column of the step's attention masks (SPEC §3 step 5),
 // shared by tests/cuda/planning_unfused.cu's build_masks (sizes fixed at compile time) and step_plan.cu's
-// fused plan_step (sizes as launch arguments).
+// fused plan_lanes (sizes as launch arguments).
 //   mask_full, mask_swa [q_len, kv_total] f16, 0 visible / -inf hidden:
 //   c < cap:  full visible iff lo <= p < committed, swa iff swa_lo <= p < committed,
 //             p = slot_pos[c] (the position the slot holds after this step's append);

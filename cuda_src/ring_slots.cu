@@ -1,7 +1,7 @@
 // ring_slots.cu — the ring's slot table and append rows outside the step graph
 // (SPEC §3 steps 2-4): the bulk path of ops/ring_slots.py (a rewind or a jump
 // past a_step appends in chunks before the graph runs). The step graph's own
-// planning is step_plan.cu's plan_step, one launch.
+// planning is step_plan.cu's plan_lanes, one launch.
 //
 // Compile-time: CAP = ring slots, Q_LEN = noise rows, KV_TOTAL = cache rows
 // (> CAP + Q_LEN); TRASH_SLOT = CAP + Q_LEN. desc: the step descriptor

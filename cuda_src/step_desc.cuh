@@ -8,14 +8,13 @@
 //   [DESC_N_NEW]      rows to append; the rest of the launch's rows are padding
 //   [DESC_SWA_LO]     committed - eff (sliding-window start)
 //   [DESC_RESET]      1: reset_slots_if empties the ring first (rewind)
-//   [DESC_ACTIVE]     1: the lane runs this step; 0: an idle lane of a DraftKvBatch
+//   [DESC_ACTIVE]     1: the lane runs this step; 0: an idle lane
 //                     (its planning, GEMM tiles and attention blocks are skipped)
-//   [DESC_CTX_ROW0]   DraftKvBatch: the lane's first step row of its appended context
-//                     rows; the active lanes' rows are packed back to back in lane order
+//   [DESC_CTX_ROW0]   the lane's first step row of its appended context rows; the
+//                     active lanes' rows are packed back to back in lane order
 //                     (so a lane appending 6 rows costs 6 GEMM rows, not a 16-row tile)
-//   [DESC_CTX_ROWS]   DraftKvBatch: the packed context rows of all lanes this step (the
-//                     same in every lane's descriptor, idle lanes' too; a single cache's
-//                     plan_step does not read DESC_CTX_ROW0 / DESC_CTX_ROWS)
+//   [DESC_CTX_ROWS]   the packed context rows of all lanes this step (the same in
+//                     every lane's descriptor, idle lanes' too)
 //   the rest          reserved, 0
 #pragma once
 
@@ -38,7 +37,7 @@
 // The descriptor copied into registers, its loads issued together: one L2 round trip where
 // reading each field at its use made a chain of them (profiling/sass.py). Callers index d with
 // constants only, so it stays in registers; the empty asm keeps the compiler from sinking each
-// load back to its use (5 round trips in plan_step where there were 8).
+// load back to its use (5 round trips in the planning kernel where there were 8).
 __device__ __forceinline__ void load_desc(const int* __restrict__ g, int d[DESC_LEN]) {
 #pragma unroll
     for (int i = 0; i < DESC_LEN; i++) d[i] = g[i];

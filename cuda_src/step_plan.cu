@@ -1,7 +1,7 @@
-// step_plan.cu — the step's planning kernels: plan_step (a DraftKvCache's step graph),
-// plan_lanes (a DraftKvBatch's: every lane in one launch), each the whole device-side
-// planning of a step in one launch, and gather_features (a bulk chunk's new feature rows).
-// All gather the new feature rows from the ring, widened to f32 (SPEC §3: fc's input).
+// step_plan.cu — the step's planning kernels: plan_lanes (the step graph's whole device-side
+// planning, every lane of the step engine in one launch; a DraftKvCache is one lane) and
+// gather_features (a bulk chunk's new feature rows). Both gather the new feature rows from
+// the ring, widened to f32 (SPEC §3: fc's input).
 //
 //   gather_features (desc, ring, ap_feat, a_rows)
 //       ap_feat[i, :] = f32(ring[(start+i) % RING_CAP, :]) for i < n_new,
@@ -11,21 +11,12 @@
 //       descriptor (step_desc.cuh).
 //       grid (ceil(FC_IN / (GATHER_THREADS*4)), a_rows), block (GATHER_THREADS)
 //
-//   plan_step (desc, ring, ap_feat, a_rows, slot_pos, ap_pos, ap_rows, pos_q,
-//              mask_full, mask_swa, cap, q_len, kv_total, masks)
-//       The whole planning of one in-graph step in one launch: the unfused
-//       reset_slots_if, plan_append (with pos_q) and build_masks (ring_slots.cu,
-//       tests/cuda/planning_unfused.cu), and gather_features above. masks: bit 0 writes mask_full, bit 1 mask_swa
-//       (an absent mask's argument is any array, never touched).
-//       1-D grid, block (GATHER_THREADS): blocks [0, GX * a_rows) gather (row
-//       b / GX, column chunk b % GX, GX = ceil(FC_IN / (GATHER_THREADS*4)));
-//       the rest, ceil(max(kv_total, a_rows, q_len) / GATHER_THREADS) blocks,
-//       give thread c slot / column c (and append row c, noise row c): slot_pos[c]
-//       after the append, and column c of the masks from it (plan_slot_column).
-//
 //   plan_lanes (desc, ring, ap_feat, a_rows, cs, slot_pos, pos_all, rows_all, tile_live,
 //               mask_full, mask_swa, cap, q_len, bs, kv_total, masks, lanes)
-//       plan_step for every lane of a DraftKvBatch in one launch; lane l = blockIdx.y.
+//       In one launch, per lane l = blockIdx.y: the reset flag (slot_pos[:] = -1), the
+//       append plan (ring_slots.cu's plan_append), the gather above and the masks from the
+//       updated slot table (tests/cuda/planning_unfused.cu holds these as separate
+//       launches: the reference). masks: bit 0 writes mask_full, bit 1 mask_swa.
 //       Per-lane arrays carry a lane axis: desc [lanes, DESC_LEN], ring [lanes,
 //       RING_CAP, FC_IN], slot_pos [lanes, cap], masks [lanes, q_len, kv_total].
 //       Step rows (pos_all, rows_all [lanes*(cs + bs)], ap_feat [lanes*cs, FC_IN]):
@@ -37,7 +28,9 @@
 //       (cs, bs multiples of 16). An idle lane (desc[DESC_ACTIVE] == 0) gathers nothing,
 //       clears its noise tiles and leaves its slot table and masks as they are.
 //       grid (GX * a_rows + ceil(max(kv_total, cs, bs) / GATHER_THREADS), lanes),
-//       block (GATHER_THREADS).
+//       block (GATHER_THREADS), GX = ceil(FC_IN / (GATHER_THREADS*4)): blocks
+//       [0, GX * a_rows) gather (row b / GX, column chunk b % GX); in the rest thread c
+//       owns slot / column c (plan_slot_column), append row c and noise row c.
 // nvrtc-check: -DRING_DTYPE=1 -DFC_IN=19
 // nvrtc-check: -DRING_DTYPE=2 -DFC_IN=20480
 #include <cuda_fp16.h>
@@ -139,47 +132,6 @@ gather_features(const int* __restrict__ desc,
     const int i = blockIdx.y;
     if (i >= a_rows) return;
     gather_chunk(desc, ring, ap_feat, i, blockIdx.x * (GATHER_THREADS * 4));
-}
-
-extern "C" __global__ void __launch_bounds__(GATHER_THREADS)
-plan_step(const int* __restrict__ desc_g,
-          const ring_t* __restrict__ ring,
-          float* __restrict__ ap_feat,
-          int a_rows,
-          int* __restrict__ slot_pos,
-          int* __restrict__ ap_pos,
-          int* __restrict__ ap_rows,
-          int* __restrict__ pos_q,
-          __half* __restrict__ mask_full,
-          __half* __restrict__ mask_swa,
-          int cap, int q_len, int kv_total, int masks)
-{
-    pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
-    pdl_launch_dependents();
-    int desc[DESC_LEN];
-    load_desc(desc_g, desc);
-    const int b = blockIdx.x;
-    if (b < GATHER_GX * a_rows) {
-        gather_chunk(desc, ring, ap_feat, b / GATHER_GX, (b % GATHER_GX) * (GATHER_THREADS * 4));
-        return;
-    }
-    const int c = (b - GATHER_GX * a_rows) * GATHER_THREADS + threadIdx.x;
-    const int start = desc[DESC_START];
-    const int n_new = desc[DESC_N_NEW];
-    const int n_app = n_new < a_rows ? n_new : a_rows;  // rows appended by this launch
-    if (c < a_rows) {
-        if (c < n_new) {
-            const int p = start + c;
-            ap_pos[c] = p;
-            ap_rows[c] = p % cap;
-        } else {
-            ap_pos[c] = 0;
-            ap_rows[c] = cap + q_len;  // the trash slot
-        }
-    }
-    if (c < q_len) pos_q[c] = desc[DESC_COMMITTED] + c;
-    if (c >= kv_total) return;
-    plan_slot_column(desc, c, n_app, cap, q_len, kv_total, masks, slot_pos, mask_full, mask_swa);
 }
 
 extern "C" __global__ void __launch_bounds__(GATHER_THREADS)

@@ -236,7 +236,7 @@ class _Runner:
         from .ops.gather import FeatureGather, gather_features_reference
         from .ops.ring_slots import RingSlots, plan_append_reference
         from .ops.step_descriptor import (DESC_LEN, bulk_chunks, fill_chunk_descriptor, fill_step_descriptor,
-                                          plan_step)
+                                          pack_context_rows, plan_step)
         from .reference import ring_masks
         be, V = self.be, "plan"
         geom = RingGeometry(E2E_CAPACITY, E2E["block_size"])
@@ -244,19 +244,21 @@ class _Runner:
         fc_in = E2E["hidden_size"]
         rng = _seed("plan")
         ring_h = rng.standard_normal((E2E_RING, fc_in)).astype(np.float32)
-        ring = be.asarray(ring_h)
+        ring = be.asarray(ring_h[None])   # one lane's ring, as the step engine holds it
         ring_slots = RingSlots(be, geom)
         gather = FeatureGather(be, fc_in, E2E_RING, np.float32)
-        A, chunk = geom.a_step, E2E_BULK
-        slot = be.asarray(np.full(geom.capacity, -1, np.int32))
-        desc = be.zeros((DESC_LEN,), np.int32)
-        host = be.pinned_empty((DESC_LEN,), np.int32)
-        ap_pos, ap_rows, pos_q = (be.zeros((n,), np.int32) for n in (A, A, geom.q_len))
-        ap_feat = be.zeros((A, fc_in), np.float32)
+        A, chunk, Q = geom.a_step, E2E_BULK, geom.q_len
+        cs, bs = -(-A // 16) * 16, -(-Q // 16) * 16   # the engine's row regions (whole 16-row tiles)
+        slot = be.asarray(np.full((1, geom.capacity), -1, np.int32))
+        desc, cdesc = be.zeros((1, DESC_LEN), np.int32), be.zeros((DESC_LEN,), np.int32)
+        host = be.pinned_empty((1, DESC_LEN), np.int32)
+        pos_all, rows_all = be.zeros((cs + bs,), np.int32), be.zeros((cs + bs,), np.int32)
+        tiles = be.zeros(((cs + bs) // 16,), np.int32)
+        ap_feat = be.zeros((cs, fc_in), np.float32)
         b_pos, b_rows = be.zeros((chunk,), np.int32), be.zeros((chunk,), np.int32)
         b_feat = be.zeros((chunk, fc_in), np.float32)
-        mf = be.zeros((geom.q_len, geom.kv_total), np.float16)
-        ms = be.zeros((geom.q_len, geom.kv_total), np.float16)
+        mf = be.zeros((1, Q, geom.kv_total), np.float16)
+        ms = be.zeros((1, Q, geom.kv_total), np.float16)
         model = np.full(geom.capacity, -1, np.int32)
         out, nxt = [], 0
         for committed in PLAN_SCHEDULE:
@@ -264,15 +266,15 @@ class _Runner:
             what = f"committed={committed}"
             if f.bulk_count:
                 if f.reset:
-                    ring_slots.reset_slots(slot)
+                    ring_slots.reset_slots(slot[0])
                     model[:] = -1
                 for s0, cnt in bulk_chunks(f.bulk_start, f.bulk_count, chunk):
                     be.synchronize()
-                    fill_chunk_descriptor(host, f, s0, cnt)
-                    dh = host.copy()
-                    be.copy_h2d_async(desc, host)
-                    ring_slots.plan_append(desc, b_pos, b_rows, slot, n_rows=cnt)
-                    gather(desc, ring, b_feat, n_rows=cnt)
+                    fill_chunk_descriptor(host[0], f, s0, cnt)
+                    dh = host[0].copy()
+                    be.copy_h2d_async(cdesc, host[0])
+                    ring_slots.plan_append(cdesc, b_pos, b_rows, slot[0], n_rows=cnt)
+                    gather(cdesc, ring[0], b_feat, n_rows=cnt)
                     rp, rr, model, _ = plan_append_reference(dh, model, cnt, geom, with_noise=False)
                     rf = gather_features_reference(dh, ring_h, cnt)
                     out += [self.exact(V, f"plan_append chunk [{s0}, {s0 + cnt}) pos+rows, {what}",
@@ -280,22 +282,26 @@ class _Runner:
                                        np.concatenate([rp, rr])),
                             self.exact(V, f"gather chunk [{s0}, {s0 + cnt}), {what}", be.to_numpy(b_feat)[:cnt], rf)]
             be.synchronize()
-            fill_step_descriptor(host, f)
-            dh = host.copy()
+            fill_step_descriptor(host[0], f)
+            pack_context_rows(host, A)
+            dh = host[0].copy()
             be.copy_h2d_async(desc, host)
-            gather.plan_step(desc, ring, ap_feat, geom, slot, ap_pos, ap_rows, pos_q, mask_full=mf, mask_swa=ms)
+            gather.plan_lanes(desc, ring, ap_feat, geom, slot, pos_all, rows_all, tiles, cs=cs, bs=bs,
+                              mask_full=mf, mask_swa=ms)
             if int(dh[_desc_index("DESC_RESET")]):
                 model[:] = -1
             rp, rr, model, rq = plan_append_reference(dh, model, A, geom)
-            rf = gather_features_reference(dh, ring_h, A)
+            n = min(f.n_new, A)
+            rf = gather_features_reference(dh, ring_h, A)[:n]
             full, sw = ring_masks(model, committed, geom, swa)
-            out += [self.exact(V, f"plan_step slot table, {what}", be.to_numpy(slot), model),
-                    self.exact(V, f"plan_step append rows + noise positions, {what}",
-                               np.concatenate([be.to_numpy(ap_pos), be.to_numpy(ap_rows), be.to_numpy(pos_q)]),
-                               np.concatenate([rp, rr, rq])),
-                    self.exact(V, f"plan_step gathered features, {what}", be.to_numpy(ap_feat), rf),
-                    self.exact(V, f"plan_step masks (full, sliding {swa}), {what}",
-                               np.stack([be.to_numpy(mf), be.to_numpy(ms)]), np.stack([full, sw]).astype(np.float16))]
+            pa, ra = be.to_numpy(pos_all), be.to_numpy(rows_all)
+            out += [self.exact(V, f"plan_lanes slot table, {what}", be.to_numpy(slot)[0], model),
+                    self.exact(V, f"plan_lanes append rows + noise positions, {what}",
+                               np.concatenate([pa[:n], ra[:n], pa[cs:cs + Q]]), np.concatenate([rp[:n], rr[:n], rq])),
+                    self.exact(V, f"plan_lanes gathered features, {what}", be.to_numpy(ap_feat)[:n], rf),
+                    self.exact(V, f"plan_lanes masks (full, sliding {swa}), {what}",
+                               np.stack([be.to_numpy(mf)[0], be.to_numpy(ms)[0]]),
+                               np.stack([full, sw]).astype(np.float16))]
             nxt = committed
         return out
 

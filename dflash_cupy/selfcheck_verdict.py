@@ -459,7 +459,7 @@ def _warn(rep: Report) -> None:
 
 
 def require(choices: Choices, issuer) -> None:
-    """Raise ``SelfCheckError`` if a cache (a ``StepIssuer`` with its ops built) needs a variant
+    """Raise ``SelfCheckError`` if a cache (a ``StepEngine`` with its ops built) needs a variant
     that failed and has no fallback left."""
     rep = choices.report
     if rep is None:
@@ -480,7 +480,7 @@ def require(choices: Choices, issuer) -> None:
         bad.append("(the CUDA context was lost during the check)")
     if bad:
         raise SelfCheckError(
-            f"{type(issuer).__name__}: the self-check on {rep.device.get('name')} failed {', '.join(bad)}, which this "
+            f"{getattr(issuer, 'owner', type(issuer).__name__)}: the self-check on {rep.device.get('name')} failed {', '.join(bad)}, which this "
             f"cache needs with no fallback left: it would draft garbage. `python -m dflash_cupy selfcheck` prints the "
             f"report; DFLASH_CUPY_SELFCHECK=off (or selfcheck='off') builds it anyway.")
 

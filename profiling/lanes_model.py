@@ -47,7 +47,7 @@ import numpy as np
 from profiling import counters as ctr
 from profiling.common import drafter_config, int_list
 from profiling.hw_params import get_gpu
-from profiling.step_trace import Launch, RecordingBackend, ShapeOnlyWeights, _rename
+from profiling.step_trace import Launch, RecordingBackend, ShapeOnlyWeights, _rename, mark_live_tiles
 from profiling.perf_model import model_step, resolve_drafter, time_nodes
 
 
@@ -75,7 +75,7 @@ def trace_batch_step(config, window: int, lanes: int, active: int, *, accept: in
     b.begin_step([int(window) + accept] * active + [None] * (lanes - active))
     b.run()
     nodes = b._graphs[b._slot].nodes
-    _mark_live_tiles(b, nodes, active, accept)
+    mark_live_tiles(b, nodes, active, accept)
     names = {}
     for k, v in vars(b).items():
         if isinstance(v, np.ndarray):
@@ -86,29 +86,6 @@ def trace_batch_step(config, window: int, lanes: int, active: int, *, accept: in
                     names.setdefault((int(a.ctypes.data), int(a.nbytes)), f"{k}[{i}]")
     _rename(nodes, names)
     return b, nodes
-
-
-def _mark_live_tiles(b, nodes, active: int, accept: int) -> None:
-    """The step's live 16-row tiles (what ``plan_lanes`` writes at run time: 2 for the
-    packed context rows, 1 for the active lanes' noise rows),
-    attached to each GEMM launch that reads ``tile_live`` (``known["tile_live"]``)."""
-    CS, BS, L = b.ctx_rows, b.lane_rows, b.lanes
-    live = np.zeros(L * (CS + BS) // 16, np.int32)
-    n_app = min(accept, b.a_step)
-    live[:(active * n_app + 15) // 16] = 2           # the appended rows, packed back to back (K/V only)
-    for i in range(active):
-        live[(L * CS + i * BS) // 16:(L * CS + (i + 1) * BS) // 16] = 1
-    base = int(b.tile_live.ctypes.data)
-    for n in nodes:
-        if not isinstance(n, Launch):
-            continue
-        if n.kernel == "plan_lanes":   # each lane's appended rows (None: idle)
-            n.known["lanes_app"] = tuple(n_app if i < active else None for i in range(L))
-        for a in n.leaves():
-            ptr = getattr(a, "ptr", None)
-            if ptr is not None and base <= ptr < base + b.tile_live.nbytes and getattr(a, "dtype", "") == "int32":
-                t0 = (ptr - base) // 4
-                n.known["tile_live"] = tuple(int(x) for x in live[t0:t0 + a.nbytes // 4])
 
 
 def floor_bytes(single_bytes: dict, active: int) -> int:

@@ -23,6 +23,7 @@ recorded step's data, and anything the compiler decides at run time (nothing).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -35,7 +36,8 @@ from dflash_cupy.backends import nvrtc_info
 
 from . import sass
 
-_VERSION = "3"   # 3: phases counted before the site-resolution fix (emulator frames by name) are recounted
+_VERSION = "4"   # 3: phases counted before the site-resolution fix (emulator frames by name) are recounted;
+#                  4: the key names the launch's known device values (tile_live, pad_lo)
 _WHERE = re.compile(r"^(\S+?):(\d+)")
 
 
@@ -196,9 +198,12 @@ def _cache_path(launch) -> Path:
     arch = nvrtc_info.declared_arch(source) or nvrtc_info.ARCH
     key = nvrtc_info.cache_key(source, str(path), kernels.compile_options(**launch.defines), arch)
     shape = "_".join(str(v) for v in (*launch.grid, *launch.block, launch.shared_mem))
+    # the values the kernel reads from device memory at run time (which row tiles are live,
+    # where padding starts) decide its loops' trips as much as the shape does
+    known = hashlib.sha256(repr(sorted(launch.known.items())).encode()).hexdigest()[:16]
     d = nvrtc_info.cache_root().parent / "sass_phases"
     d.mkdir(parents=True, exist_ok=True)
-    return d / f"{key}-{shape}-{_VERSION}.json"
+    return d / f"{key}-{shape}-{known}-{_VERSION}.json"
 
 
 def launch_phases(launch, *, emulate: bool = True, backend=None) -> tuple[sass.KernelSass, list[Phase]]:

@@ -385,12 +385,14 @@ def name_arrays(kv) -> dict:
         if span is not None:
             names.setdefault(span, name)
 
-    for k, v in vars(kv).items():
-        if array_span(v) is not None:
-            put(k, v)
-        elif isinstance(v, list):
-            for i, a in enumerate(v):
-                put(f"{k}[{i}]", a)
+    # the facade's views first (their names are the public ones), then its engine's arrays
+    for obj in (kv, getattr(kv, "engine", None)):
+        for k, v in (vars(obj).items() if obj is not None else ()):
+            if array_span(v) is not None:
+                put(k, v)
+            elif isinstance(v, list):
+                for i, a in enumerate(v):
+                    put(f"{k}[{i}]", a)
     for gname in ("g_fc", "g_kv", "g_qkv", "g_o", "g_gate_up", "g_down", "g_attn_gate", "g_lm"):
         g = getattr(kv, gname, None)
         if g is not None:
@@ -438,6 +440,33 @@ def containing_name(names, r) -> str:
     return "?"
 
 
+def mark_live_tiles(b, nodes, active: int, accept: int) -> None:
+    """The step's live 16-row tiles (what ``plan_lanes`` writes at run time: 2 for the packed
+    context rows, 1 for the active lanes' noise rows) of the step engine ``b`` (lanes
+    ``[0, active)`` each appending ``accept`` rows), written into its recorded ``tile_live``
+    (the emulated counters rebuild small arrays from the recording's bytes) and attached to
+    each launch that reads them (``known["tile_live"]``; ``known["lanes_app"]``: the planning
+    launch's appended rows per lane, ``None`` idle)."""
+    CS, BS, L = b.ctx_rows, b.lane_rows, b.lanes
+    live = np.zeros(L * (CS + BS) // 16, np.int32)
+    n_app = min(accept, b.a_step)
+    live[:(active * n_app + 15) // 16] = 2           # the appended rows, packed back to back (K/V only)
+    for i in range(active):
+        live[(L * CS + i * BS) // 16:(L * CS + (i + 1) * BS) // 16] = 1
+    b.tile_live[...] = live
+    base = int(b.tile_live.ctypes.data)
+    for n in nodes:
+        if not isinstance(n, Launch):
+            continue
+        if n.kernel == "plan_lanes":   # each lane's appended rows (None: idle)
+            n.known["lanes_app"] = tuple(n_app if i < active else None for i in range(L))
+        for a in n.leaves():
+            ptr = getattr(a, "ptr", None)
+            if ptr is not None and base <= ptr < base + b.tile_live.nbytes and getattr(a, "dtype", "") == "int32":
+                t0 = (ptr - base) // 4
+                n.known["tile_live"] = tuple(int(x) for x in live[t0:t0 + a.nbytes // 4])
+
+
 def trace_step(config: DraftConfig, window: int, *, ring_dtype=np.uint16, w_dtype=np.uint16,
               accept: int = 6, lm_head_vocab: int | None = None, attn_config=None,
               pdl: bool = False) -> StepTrace:
@@ -475,14 +504,9 @@ def trace_step(config: DraftConfig, window: int, *, ring_dtype=np.uint16, w_dtyp
     kv.begin_step(ring, int(window) + accept)  # steady state: accept rows appended in-graph
     kv.run()                                  # captures slot 0's graph
     nodes = kv._graphs[kv._slot].nodes
-    # Values the kernels read from the descriptor at run time, as this step sets
-    # them: a stream GEMM's padding start is the step's n_new.
-    from dflash_cupy.ops.step_descriptor import DESC_N_NEW
-    n_new_ptr = int(kv.desc.ctypes.data) + 4 * DESC_N_NEW
-    for n in nodes:
-        if isinstance(n, Launch) and n.kernel in STREAM_GEMMS and isinstance(n.arg("pad_lo"), ArrayRef) \
-                and n.arg("pad_lo").ptr == n_new_ptr:
-            n.known["pad_lo"] = kv.last_plan.n_new
+    # What the planning kernel writes at run time (the recording runs no kernel): the live
+    # row tiles, as this step's plan makes them.
+    mark_live_tiles(kv.engine, nodes, 1, kv.last_plan.n_new)
     names = name_arrays(kv)
     _rename(nodes, names)
     _rename(prefill, names)

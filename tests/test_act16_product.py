@@ -14,7 +14,7 @@ import pytest
 
 from dflash_cupy import backends
 from dflash_cupy.ops.attention import RingAttention, ring_attention_reference
-from dflash_cupy.step_issuer import StepRecipe
+from dflash_cupy.step_recipe import StepRecipe
 from tests.support.drafters import Driver
 from tests.support.lanes import IDLE, make, play
 

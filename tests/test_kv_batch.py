@@ -182,7 +182,7 @@ def test_batch_plan_equals_per_lane_plan():
     b = DraftKvBatch(w, s.capacity, lanes, ring_capacity=s.ring_capacity, backend=be)
     for r in b.rings:
         r.lo, r.hi = 0, 10**6   # the host path only: claim every position
-    b._bulk_append = lambda lane, fields, stream: None   # (the device side is not what this test is about)
+    b.engine._bulk_append = lambda lane, fields, stream: None   # (the device side is not what this test is about)
     rng = np.random.default_rng(5)
     cur = [0] * lanes
     nxt = [0] * lanes
@@ -215,8 +215,9 @@ def test_batch_plan_equals_per_lane_plan():
         assert np.array_equal(b._plan_desc, want), (step, c_all)
         assert b.last_plan == plans
         act = want[:, DESC_ACTIVE] != 0   # what run() does to the host state, without replaying
-        b._next[act] = want[act, DESC_COMMITTED]
-        b._planned = False
+        for i in np.flatnonzero(act):
+            b.engine._next[i] = int(want[i, DESC_COMMITTED])
+        b.engine._planned = False
         assert b.next_pos == nxt
     assert bulks > 3
 
@@ -304,12 +305,12 @@ def test_host_noise_in_bf16_as_the_single_cache_takes_it():
 
 
 def test_gate_up_reads_sixteen_bit_norm_rows(monkeypatch):
-    """x_split=False with many noise rows (``step_issuer.GATE_UP_X16_MIN_ROWS``, lowered here
+    """x_split=False with many noise rows (``step_recipe.GATE_UP_X16_MIN_ROWS``, lowered here
     so a small batch takes it): the post-attention norm is its own launch writing 16-bit rows
     (``hn16``) and the gate_up GEMM reads them (x16, no folded norm). Every active lane still
     equals its twin bit for bit (the twin takes the same path) and each twin its oracle at the
     x_split=False tolerance; below the threshold the norm stays folded."""
-    import dflash_cupy.step_issuer as si
+    import dflash_cupy.step_recipe as si
     be, batch, twins = make("b", 2, x_split=False)
     assert batch.hn16 is None and batch.rms16 is None and not batch.g_gate_up.x16   # 2 lanes: folded
     monkeypatch.setattr(si, "GATE_UP_X16_MIN_ROWS", batch.n_noise + 1)

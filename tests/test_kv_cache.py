@@ -473,8 +473,8 @@ def test_ring_writes_wait_for_queued_steps(emu, monkeypatch):
     s = emu.stream()
     monkeypatch.setattr(s, "wait_event", lambda ev: waits.append(ev))
     d.run_ops([d.cap + 3])             # a bulk append, then the step's replay
-    assert kv._bulk_event is not None and ring._readers[id(kv)] in kv._events
-    last = ring._readers[id(kv)]
+    assert kv._bulk_event is not None and ring._readers[id(kv.engine)] in kv._events
+    last = ring._readers[id(kv.engine)]
     waits.clear()
     with s:
         d.feed(d.committed + 1)        # the next write waits for that replay, on the device
@@ -522,8 +522,9 @@ def test_bulk_chunk_below_a_step_is_honoured(emu):
         small.kv = DraftKvCache(small.w, cap, lm_head=small.lm, backend=emu, bulk_chunk=3)
         assert 3 < a_step and small.kv.bulk_chunk == 3
         launches = []
-        real = small.kv._append_stage
-        small.kv._append_stage = lambda n, s: (launches.append(n), real(n, s))[1]
+        e = small.kv.engine
+        real = e._append_rows
+        e._append_rows = lambda feat, n, k, v, s: (launches.append(n), real(feat, n, k, v, s))[1]
         for c in (cap + 2, cap + 2 + a_step + 1):   # a prefill, then a jump: both bulk appends
             small.step(c)
             default.step(c)

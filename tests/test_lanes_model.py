@@ -137,7 +137,7 @@ def test_sixteen_lanes_take_the_x16_gate_up_path(monkeypatch, request):
     staging f32 h in every column group; forced back to the fold (the threshold raised) the
     model prices the batch step slower, which is why the rule exists. The per-request share
     (the lanes issue's 1/8 goal) is reported, not asserted: it is a model output."""
-    import dflash_cupy.step_issuer as si
+    import dflash_cupy.step_recipe as si
     gpu = get_gpu("H200")
     r = lm.model_batch("h4096", 2048, 16, gpu, x_split=False)
     b, nodes = lm.trace_batch_step(drafter_config("h4096"), 2048, 16, 16, x_split=False)

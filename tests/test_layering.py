@@ -17,7 +17,7 @@ PRODUCT = ("dflash_cupy.backends", "dflash_cupy.build_cache", "dflash_cupy.check
            "dflash_cupy.geometry", "dflash_cupy.interop", "dflash_cupy.kernels", "dflash_cupy.kv_batch",
            "dflash_cupy.kv_cache", "dflash_cupy.nvtx_ranges", "dflash_cupy.ops", "dflash_cupy.rope_params",
            "dflash_cupy.selfcheck_verdict", "dflash_cupy.source_dir",
-           "dflash_cupy.step_issuer", "dflash_cupy.stream_order", "dflash_cupy.tolerances", "dflash_cupy.tuning",
+           "dflash_cupy.step_engine", "dflash_cupy.step_graphs", "dflash_cupy.step_recipe", "dflash_cupy.stream_order", "dflash_cupy.tolerances", "dflash_cupy.tuning",
            "dflash_cupy.weights")
 # Not the product: the float64 oracle, the demos and the command line that runs them;
 # the package's __init__ only re-exports.
@@ -34,15 +34,20 @@ FORBIDDEN = {
     "dflash_cupy.backends": ("dflash_cupy.ops", "dflash_cupy.kv_cache", "dflash_cupy.feature_ring",
                              "dflash_cupy.weights", "dflash_cupy.demo", "profiling"),
     # the emulator (dflash_cupy/emu/): a backend, kernel-agnostic
-    "dflash_cupy.emu": ("dflash_cupy.ops", "dflash_cupy.kv_cache", "dflash_cupy.kv_batch", "dflash_cupy.step_issuer",
+    "dflash_cupy.emu": ("dflash_cupy.ops", "dflash_cupy.kv_cache", "dflash_cupy.kv_batch", "dflash_cupy.step_engine",
                         "dflash_cupy.feature_ring", "dflash_cupy.weights", "dflash_cupy.kernels", "dflash_cupy.demo",
                         "profiling"),
     "dflash_cupy.kv_cache": ("dflash_cupy.demo", "profiling"),
     "dflash_cupy.kv_batch": ("dflash_cupy.demo", "profiling"),
-    "dflash_cupy.step_issuer": ("dflash_cupy.kv_cache", "dflash_cupy.kv_batch", "dflash_cupy.demo", "profiling"),
+    # the one step engine: the single cache and the batch are its facades, never the other way
+    "dflash_cupy.step_engine": ("dflash_cupy.kv_cache", "dflash_cupy.kv_batch", "dflash_cupy.demo", "profiling"),
+    "dflash_cupy.step_recipe": ("dflash_cupy.kv_cache", "dflash_cupy.kv_batch", "dflash_cupy.step_engine",
+                                "dflash_cupy.demo", "profiling"),
+    "dflash_cupy.step_graphs": ("dflash_cupy.ops", "dflash_cupy.kv_cache", "dflash_cupy.kv_batch",
+                                "dflash_cupy.step_engine", "dflash_cupy.demo", "profiling"),
     # the stream order is a leaf: the caches, the batch and the feature ring hold one
     "dflash_cupy.stream_order": ("dflash_cupy.ops", "dflash_cupy.kv_cache", "dflash_cupy.kv_batch",
-                                 "dflash_cupy.feature_ring", "dflash_cupy.step_issuer", "dflash_cupy.demo", "profiling"),
+                                 "dflash_cupy.feature_ring", "dflash_cupy.step_engine", "dflash_cupy.demo", "profiling"),
     "dflash_cupy": ("profiling",),
 }
 
@@ -85,7 +90,8 @@ def test_the_graph_sees_the_imports():
     # guards the parser: known edges must show up
     assert "dflash_cupy.device_weights" in GRAPH["dflash_cupy.weights"]
     assert "dflash_cupy.checks" in GRAPH["dflash_cupy.ops.gemm"]
-    assert "dflash_cupy.rope_params" in GRAPH["dflash_cupy.kv_cache"]
+    assert "dflash_cupy.rope_params" in GRAPH["dflash_cupy.step_engine"]
+    assert "dflash_cupy.step_engine" in GRAPH["dflash_cupy.kv_cache"]
 
 
 def test_no_import_cycles():

@@ -11,7 +11,7 @@ from dflash_cupy.geometry import RingGeometry
 from dflash_cupy.ops.gather import FeatureGather, gather_features_reference
 from dflash_cupy.ops.ring_slots import plan_append_reference
 from dflash_cupy.ops.step_descriptor import (DESC_LEN, DESC_RESET, bulk_chunks, fill_chunk_descriptor,
-                                             fill_descriptor, fill_step_descriptor, plan_step)
+                                             fill_descriptor, fill_step_descriptor, pack_context_rows, plan_step)
 from dflash_cupy.reference import ring_masks
 from tests.support.planning_unfused import UnfusedPlanning
 
@@ -59,45 +59,52 @@ def bits(a):
 
 
 class DeviceRing:
-    """The planning part of a step, the way the cache drives it: bulk chunks
+    """The planning part of a step, the way the step engine drives one lane: bulk chunks
     outside the graph, then one captured graph (descriptor copy, reset_slots_if,
-    plan_append, gather_features, build_masks; or with ``fused`` the one
-    plan_step launch that does all four) replayed every step."""
+    plan_append, gather_features, build_masks; or with ``fused`` the one plan_lanes launch
+    that does all four, over the engine's lane layout) replayed every step."""
 
     def __init__(self, be, geom, swa, ring_host, chunk, fused=False):
-        self.be, self.g, self.swa, self.chunk = be, geom, swa, chunk
+        self.be, self.g, self.swa, self.chunk, self.fused = be, geom, swa, chunk, fused
         ring_cap, fc_in = ring_host.shape
+        A, Q = geom.a_step, geom.q_len
+        cs, bs = -(-A // 16) * 16, -(-Q // 16) * 16
         self.planner = UnfusedPlanning(be, geom)
         self.gather = FeatureGather(be, fc_in, ring_cap, ring_host.dtype)
-        self.ring = be.asarray(ring_host)
+        self.ring3 = be.asarray(ring_host[None])   # [lanes = 1, ring_cap, fc_in]
+        self.ring = self.ring3[0]
         self.next_pos = 0
-        self.slot_pos = be.zeros((geom.capacity,), np.int32)
+        self.slot_all = be.zeros((1, geom.capacity), np.int32)
+        self.slot_pos = self.slot_all[0]
         self.planner.reset_slots(self.slot_pos)
-        self.desc = be.zeros((DESC_LEN,), np.int32)
-        self.desc_h = be.pinned_empty((DESC_LEN,), np.int32)
+        self.desc_all = be.zeros((1, DESC_LEN), np.int32)
+        self.desc_h = be.pinned_empty((1, DESC_LEN), np.int32)
+        self.desc = self.desc_all[0]
         self.chunk_desc = be.zeros((DESC_LEN,), np.int32)
         self.chunk_desc_h = be.pinned_empty((DESC_LEN,), np.int32)
-        self.ap_pos = be.zeros((geom.a_step,), np.int32)
-        self.ap_rows = be.zeros((geom.a_step,), np.int32)
-        self.pos_q = be.zeros((geom.q_len,), np.int32)
-        self.ap_feat = be.asarray(np.full((geom.a_step, fc_in), np.nan, np.float32))
+        # the engine's step rows: A context rows (padded to cs), then the q_len noise rows at cs
+        self.pos_all, self.rows_all = be.zeros((cs + bs,), np.int32), be.zeros((cs + bs,), np.int32)
+        self.tiles = be.zeros(((cs + bs) // 16,), np.int32)
+        self.ap_pos, self.ap_rows, self.pos_q = self.pos_all[:A], self.rows_all[:A], self.pos_all[cs:cs + Q]
+        self.ap_feat = be.asarray(np.full((cs, fc_in), np.nan, np.float32))
         self.bulk_pos = be.zeros((chunk,), np.int32)
         self.bulk_rows = be.zeros((chunk,), np.int32)
         self.bulk_feat = be.zeros((chunk, fc_in), np.float32)
-        self.mask_full = be.zeros((geom.q_len, geom.kv_total), np.float16)
-        self.mask_swa = be.zeros((geom.q_len, geom.kv_total), np.float16)
+        self.masks = be.zeros((2, 1, Q, geom.kv_total), np.float16)
+        self.mask_full, self.mask_swa = self.masks[0, 0], self.masks[1, 0]
         s = self.stream = be.stream()
         be.synchronize()  # the zeros are memset on the default stream; the work runs on s
-        fill_descriptor(self.desc_h, 1, 0, 0, 0, 0)
+        fill_descriptor(self.desc_h[0], 1, 0, 0, 0, 0)
         be.begin_capture(s)
-        be.copy_h2d_async(self.desc, self.desc_h, stream=s)
-        if fused:   # the cache's step graph: one launch
-            self.gather.plan_step(self.desc, self.ring, self.ap_feat, geom, self.slot_pos, self.ap_pos,
-                                  self.ap_rows, self.pos_q, self.mask_full, self.mask_swa, stream=s)
+        be.copy_h2d_async(self.desc_all, self.desc_h, stream=s)
+        if fused:   # the engine's step graph: one launch
+            self.gather.plan_lanes(self.desc_all, self.ring3, self.ap_feat, geom, self.slot_all, self.pos_all,
+                                   self.rows_all, self.tiles, cs=cs, bs=bs, mask_full=self.masks[0],
+                                   mask_swa=self.masks[1], stream=s)
         else:
             self.planner.reset_slots_if(self.desc, self.slot_pos, stream=s)
             self.planner.plan_append(self.desc, self.ap_pos, self.ap_rows, self.slot_pos, self.pos_q, stream=s)
-            self.gather(self.desc, self.ring, self.ap_feat, stream=s)
+            self.gather(self.desc, self.ring, self.ap_feat[:A], stream=s)
             self.planner.build_masks(self.desc, self.slot_pos, self.mask_full, self.mask_swa, stream=s)
         self.graph = be.end_capture(s)
 
@@ -117,7 +124,8 @@ class DeviceRing:
                 st = self.stream  # read in order after the chunk, on its stream
                 chunks.append((be.to_numpy(self.bulk_pos, st)[:c], be.to_numpy(self.bulk_rows, st)[:c],
                                be.to_numpy(self.bulk_feat, st)[:c], self.chunk_desc_h.copy()))
-        fill_step_descriptor(self.desc_h, f)
+        fill_step_descriptor(self.desc_h[0], f)
+        pack_context_rows(self.desc_h, self.g.a_step)
         self.graph.launch(self.stream)
         be.synchronize()   # the pinned descriptor is rewritten next step
         self.next_pos = committed
@@ -171,7 +179,10 @@ def test_step_sequence_matches_simulation(backend, rng, capacity, q_len, swa, ch
         assert np.array_equal(be.to_numpy(dev.slot_pos), sim.slot_pos), f"{what}: slot_pos"
         feat_ref = np.zeros((geom.a_step, fc_in), np.float32)
         feat_ref[:exp["n_new"]] = ring32[exp["ap_pos"][:exp["n_new"]] % ring_cap]
-        assert np.array_equal(be.to_numpy(dev.ap_feat), feat_ref), f"{what}: ap_feat"
+        # (the fused launch writes the appended rows only: the rest stay as they were, stale
+        # but finite after the first step, and reach only padding rows)
+        n = exp["n_new"] if fused else geom.a_step
+        assert np.array_equal(be.to_numpy(dev.ap_feat)[:n], feat_ref[:n]), f"{what}: ap_feat"
         mf, ms = ring_masks(sim.slot_pos, committed, geom, swa)
         assert np.array_equal(bits(be.to_numpy(dev.mask_full)), bits(mf)), f"{what}: mask_full"
         assert np.array_equal(bits(be.to_numpy(dev.mask_swa)), bits(ms)), f"{what}: mask_swa"
@@ -313,75 +324,66 @@ def test_bad_arguments_raise(emu):
         g(desc, be.zeros((4, 5), np.uint16), be.zeros((2, 6), np.float32))
 
 
-@pytest.mark.parametrize("capacity,q_len,a_rows", [(10, 3, 8), (3, 16, 3), (37, 5, 12)])
-def test_plan_step_equals_the_four_launches(backend, rng, capacity, q_len, a_rows):
-    """step_plan.cu's plan_step against reset_slots_if + plan_append + gather_features +
-    build_masks on the same inputs: stale and empty slots, reset on and off, more new
-    rows than a_rows, starts that wrap the ring and sit near INT_MAX, one or both masks."""
+@pytest.mark.parametrize("capacity,q_len", [(10, 3), (3, 16), (37, 5)])
+def test_plan_lanes_equals_the_four_launches(backend, rng, capacity, q_len):
+    """step_plan.cu's plan_lanes for one lane (the step engine's planning launch) against
+    reset_slots_if + plan_append + gather_features + build_masks on the same inputs: stale
+    and empty slots, reset on and off, more new rows than a_step, starts that wrap the ring
+    and sit near INT_MAX, one or both masks."""
     be = backend
     geom = RingGeometry(capacity, q_len)
+    a_rows = geom.a_step
+    cs, bs = -(-a_rows // 16) * 16, -(-q_len // 16) * 16
     planner = UnfusedPlanning(be, geom)
     fc_in, ring_cap = 19, 23
     ring_h = rng.standard_normal((ring_cap, fc_in)).astype(np.float16)
     g = FeatureGather(be, fc_in, ring_cap, ring_h.dtype)
-    ring = be.asarray(ring_h)
+    ring, ring3 = be.asarray(ring_h), be.asarray(ring_h[None])
     shape = (q_len, geom.kv_total)
-    desc_h = np.zeros(DESC_LEN, np.int32)
+    desc_h = np.zeros((1, DESC_LEN), np.int32)
     cases = [(5, 4, 0, False), (18, a_rows + 2, 2, True), (2**31 - 40, 3, 1, False), (0, 0, 0, True),
              (capacity * 7 + 1, min(a_rows, capacity), capacity // 2, False)]
     for (start, n_new, swa, reset), which in zip(cases, ("both", "full", "swa", "both", "both")):
         n_new = min(n_new, capacity)          # the host's invariant: appended rows hit distinct slots
         committed = start + n_new
         lo = max(0, committed - capacity)
-        fill_descriptor(desc_h, committed, lo, start, n_new, max(lo, committed - swa), reset=reset)
+        fill_descriptor(desc_h[0], committed, lo, start, n_new, max(lo, committed - swa), reset=reset)
+        pack_context_rows(desc_h, a_rows)
+        n_app = min(n_new, a_rows)
         sp0 = rng.integers(max(-1, committed - 2 * capacity), committed + 3, capacity).astype(np.int32)
         sp0[rng.random(capacity) < 0.3] = -1
-        outs = []
-        for fused in (False, True):
-            d = be.asarray(desc_h)
-            sp = be.asarray(sp0)
-            ap_pos, ap_rows = be.zeros((a_rows + 1,), np.int32), be.zeros((a_rows + 1,), np.int32)
-            pos_q = be.zeros((q_len,), np.int32)
-            feat = be.asarray(np.full((a_rows + 1, fc_in), np.nan, np.float32))
-            mf = be.asarray(np.full(shape, 7, np.float16)) if which != "swa" else None
-            ms = be.asarray(np.full(shape, 7, np.float16)) if which != "full" else None
-            if fused:
-                g.plan_step(d, ring, feat, geom, sp, ap_pos, ap_rows, pos_q, mask_full=mf, mask_swa=ms,
-                            n_rows=a_rows)
-            else:
-                planner.reset_slots_if(d, sp)
-                planner.plan_append(d, ap_pos, ap_rows, sp, pos_q, n_rows=a_rows)
-                g(d, ring, feat, n_rows=a_rows)
-                planner.build_masks(d, sp, mask_full=mf, mask_swa=ms)
-            outs.append([be.to_numpy(a) for a in (sp, ap_pos, ap_rows, pos_q, feat)]
-                        + [bits(be.to_numpy(m)) for m in (mf, ms) if m is not None])
+        mf = {k: be.asarray(np.full((1,) + shape, 7, np.float16)) if which != "swa" else None for k in "uf"}
+        ms = {k: be.asarray(np.full((1,) + shape, 7, np.float16)) if which != "full" else None for k in "uf"}
+        # the four launches, on one lane's arrays
+        d, sp = be.asarray(desc_h[0]), be.asarray(sp0)
+        ap_pos, ap_rows = be.zeros((a_rows + 1,), np.int32), be.zeros((a_rows + 1,), np.int32)
+        pos_q = be.zeros((q_len,), np.int32)
+        feat = be.asarray(np.full((a_rows + 1, fc_in), np.nan, np.float32))
+        planner.reset_slots_if(d, sp)
+        planner.plan_append(d, ap_pos, ap_rows, sp, pos_q, n_rows=a_rows)
+        g(d, ring, feat, n_rows=a_rows)
+        m_u = [m["u"][0] if m["u"] is not None else None for m in (mf, ms)]
+        planner.build_masks(d, sp, mask_full=m_u[0], mask_swa=m_u[1])
+        unfused = [be.to_numpy(a) for a in (sp, ap_pos, ap_rows, pos_q)]
+        # plan_lanes over the engine's lane layout
+        sp_l = be.asarray(sp0[None])
+        pos_all, rows_all = be.asarray(np.full(cs + bs, -7, np.int32)), be.asarray(np.full(cs + bs, -7, np.int32))
+        tiles = be.zeros(((cs + bs) // 16,), np.int32)
+        feat_l = be.asarray(np.full((cs, fc_in), np.nan, np.float32))
+        g.plan_lanes(be.asarray(desc_h), ring3, feat_l, geom, sp_l, pos_all, rows_all, tiles, cs=cs, bs=bs,
+                     mask_full=mf["f"], mask_swa=ms["f"])
+        pa, ra = be.to_numpy(pos_all), be.to_numpy(rows_all)
         what = f"start={start} n_new={n_new} reset={reset} masks={which}"
-        for a, b_ in zip(*outs):
-            assert np.array_equal(a, b_, equal_nan=a.dtype.kind == "f"), what
-        e_pos, e_rows, e_sp, e_q = plan_append_reference(desc_h, np.full(capacity, -1, np.int32) if reset
+        assert np.array_equal(be.to_numpy(sp_l)[0], unfused[0]), what
+        assert np.array_equal(pa[:a_rows], unfused[1][:a_rows]) and np.array_equal(ra[:a_rows], unfused[2][:a_rows]), what
+        assert np.array_equal(pa[cs:cs + q_len], unfused[3]), what
+        assert np.array_equal(be.to_numpy(feat_l)[:n_app], be.to_numpy(feat)[:n_app]), what
+        assert np.isnan(be.to_numpy(feat_l)[n_app:]).all(), f"{what}: gathered past the appended rows"
+        for m in (mf, ms):
+            if m["u"] is not None:
+                assert np.array_equal(bits(be.to_numpy(m["f"])[0]), bits(be.to_numpy(m["u"])[0])), what
+        assert list(be.to_numpy(tiles)) == [2 if 16 * t < n_app else 0 for t in range(cs // 16)] + [1] * (bs // 16)
+        e_pos, e_rows, e_sp, e_q = plan_append_reference(desc_h[0], np.full(capacity, -1, np.int32) if reset
                                                          else sp0, a_rows, geom)
-        assert np.array_equal(outs[1][0], e_sp) and np.array_equal(outs[1][1][:a_rows], e_pos), what
-        assert outs[1][1][a_rows] == 0 and np.isnan(outs[1][4][a_rows]).all(), f"{what}: wrote past n_rows"
-
-
-def test_plan_step_bad_arguments_raise(emu):
-    be = emu
-    geom = RingGeometry(10, 3)
-    g = FeatureGather(be, 5, 4, "bf16")
-    ring = be.zeros((4, 5), np.uint16)
-    desc, sp = be.zeros((DESC_LEN,), np.int32), be.zeros((10,), np.int32)
-    ap = [be.zeros((6,), np.int32) for _ in range(2)]
-    feat, pq = be.zeros((6, 5), np.float32), be.zeros((3,), np.int32)
-    m = be.zeros((3, geom.kv_total), np.float16)
-    with pytest.raises(ValueError, match="mask_full and/or mask_swa"):
-        g.plan_step(desc, ring, feat, geom, sp, *ap, pq)
-    with pytest.raises(ValueError, match="slot_pos must have shape"):
-        g.plan_step(desc, ring, feat, geom, be.zeros((9,), np.int32), *ap, pq, mask_full=m)
-    with pytest.raises(ValueError, match="n_rows=7"):
-        g.plan_step(desc, ring, feat, geom, sp, *ap, pq, mask_full=m, n_rows=7)
-    with pytest.raises(ValueError, match="mask_swa must have shape"):
-        g.plan_step(desc, ring, feat, geom, sp, *ap, pq, mask_swa=be.zeros((3, 5), np.float16))
-    with pytest.raises(ValueError, match="must not overlap"):
-        g.plan_step(desc, ring, feat, geom, sp, *ap, pq, mask_full=m, mask_swa=m)
-    with pytest.raises(TypeError, match="geom"):
-        g.plan_step(desc, ring, feat, (10, 3), sp, *ap, pq, mask_full=m)
+        assert np.array_equal(unfused[0], e_sp) and np.array_equal(unfused[1][:a_rows], e_pos), what
+        assert unfused[1][a_rows] == 0 and np.isnan(be.to_numpy(feat)[a_rows]).all(), f"{what}: wrote past n_rows"

@@ -1,8 +1,9 @@
-"""step_plan.cu's plan_lanes (every lane of a DraftKvBatch planned in one launch)
-equals, bit for bit, the single-lane plan_step run on each active lane's
-slices, with cache rows offset by the lane and the appended context rows
-packed back to back (DESC_CTX_ROW0 / DESC_CTX_ROWS); idle lanes are left
-untouched (slot table, masks), and the padding rows and tiles are dead."""
+"""step_plan.cu's plan_lanes (every lane of the step engine planned in one launch)
+equals, bit for bit, the unfused planning launches (tests/cuda/planning_unfused.cu:
+reset_slots_if, plan_append, gather_features, build_masks) run on each active lane's
+slices, with cache rows offset by the lane and the appended context rows packed back
+to back (DESC_CTX_ROW0 / DESC_CTX_ROWS); idle lanes are left untouched (slot table,
+masks), and the padding rows and tiles are dead."""
 import numpy as np
 import pytest
 
@@ -11,6 +12,7 @@ from dflash_cupy.geometry import RingGeometry, align_up
 from dflash_cupy.ops.gather import FeatureGather
 from dflash_cupy.ops.step_descriptor import (DESC_ACTIVE, DESC_CTX_ROW0, DESC_CTX_ROWS, DESC_LEN, DESC_N_NEW,
                                              fill_descriptor, pack_context_rows)
+from tests.support.planning_unfused import UnfusedPlanning
 
 
 def _descs(rng, lanes, geom, ring_cap, idle):
@@ -32,7 +34,7 @@ def _descs(rng, lanes, geom, ring_cap, idle):
     (4, 33, 5, 40, "bf16", {3}),
     (1, 7, 1, 8, "f32", set()),
 ])
-def test_plan_lanes_equals_single_lane_plan_step(lanes, cap, q_len, fc_in, kind, idle):
+def test_plan_lanes_equals_the_unfused_launches_per_lane(lanes, cap, q_len, fc_in, kind, idle):
     be = backends.get("emulated")
     rng = np.random.default_rng(1000 + lanes)
     g = RingGeometry(cap, q_len)
@@ -47,6 +49,7 @@ def test_plan_lanes_equals_single_lane_plan_step(lanes, cap, q_len, fc_in, kind,
     rows = lanes * (cs + bs)
     sentinel_pos = np.full(rows, -7, np.int32)
     gather = FeatureGather(be, fc_in, ring_cap, dt if kind != "bf16" else "bf16")
+    planner = UnfusedPlanning(be, g)
 
     # ---- all lanes at once
     desc, ring = be.asarray(desc_h), be.asarray(ring_h)
@@ -70,15 +73,17 @@ def test_plan_lanes_equals_single_lane_plan_step(lanes, cap, q_len, fc_in, kind,
             continue
         n_app = min(int(desc_h[l, DESC_N_NEW]), g.a_step)
         ctx = slice(int(desc_h[l, DESC_CTX_ROW0]), int(desc_h[l, DESC_CTX_ROW0]) + n_app)
-        # the single-lane kernel on this lane's slices
+        # the unfused launches on this lane's slices
         d1 = be.asarray(desc_h[l])
         af1 = be.asarray(np.full((g.a_step, fc_in), 5.0, np.float32))
         sp1 = be.asarray(slot0[l])
         mf1, ms1 = be.asarray(mask0[l]), be.asarray(mask0[l] + 1)
         ap_pos, ap_rows, pos_q = (be.zeros((g.a_step,), np.int32), be.zeros((g.a_step,), np.int32),
                                   be.zeros((q_len,), np.int32))
-        gather.plan_step(d1, be.asarray(ring_h[l]), af1, g, sp1, ap_pos, ap_rows, pos_q, mask_full=mf1,
-                         mask_swa=ms1, n_rows=g.a_step)
+        planner.reset_slots_if(d1, sp1)
+        planner.plan_append(d1, ap_pos, ap_rows, sp1, pos_q, n_rows=g.a_step)
+        gather(d1, be.asarray(ring_h[l]), af1, n_rows=g.a_step)
+        planner.build_masks(d1, sp1, mask_full=mf1, mask_swa=ms1)
         assert np.array_equal(got["ap_feat"][ctx], be.to_numpy(af1)[:n_app])
         assert np.array_equal(got["slot_pos"][l], be.to_numpy(sp1))
         assert np.array_equal(got["mf"][l].view(np.uint16), be.to_numpy(mf1).view(np.uint16))
@@ -119,3 +124,14 @@ def test_plan_lanes_rejects_bad_layout():
         gather.plan_lanes(desc, ring, ap, g, sp, pa, ra, be.zeros((3,), np.int32), **args())
     with pytest.raises(ValueError, match="ring"):
         gather.plan_lanes(desc, be.zeros((3, 7, 8), np.float32), ap, g, sp, pa, ra, tl, **args())
+    with pytest.raises(ValueError, match="mask_full and/or mask_swa"):
+        gather.plan_lanes(desc, ring, ap, g, sp, pa, ra, tl, cs=cs, bs=bs)
+    with pytest.raises(ValueError, match="slot_pos must have shape"):
+        gather.plan_lanes(desc, ring, ap, g, be.zeros((2, 6), np.int32), pa, ra, tl, **args())
+    with pytest.raises(ValueError, match="mask_swa must have shape"):
+        gather.plan_lanes(desc, ring, ap, g, sp, pa, ra, tl, **args(mask_swa=be.zeros((2, 2, 5), np.float16)))
+    m = be.zeros((2, 2, g.kv_total), np.float16)
+    with pytest.raises(ValueError, match="must not overlap"):
+        gather.plan_lanes(desc, ring, ap, g, sp, pa, ra, tl, **args(mask_full=m, mask_swa=m))
+    with pytest.raises(TypeError, match="geom"):
+        gather.plan_lanes(desc, ring, ap, (7, 2), sp, pa, ra, tl, **args())

@@ -401,7 +401,7 @@ def test_ring_write_without_ordering_raises(emu, monkeypatch):
     monkeypatch.setattr(p.ring._stream_order, "order", lambda stream=None, after=(): private)
     with s:
         with pytest.raises(StreamOrderError, match=r"write-after-read hazard on 'FeatureRing.storage'"
-                                                   r".*kernel (gather_features|plan_step)"):
+                                                   r".*kernel (gather_features|plan_lanes)"):
             p.ring.write(c, np.ones((1, p.cfg.fc_in), np.float32))
         s.synchronize()                     # the step is done: only the input is unordered now
         rows = p.device_input(np.ones((1, p.cfg.fc_in), np.float32))   # produced on s

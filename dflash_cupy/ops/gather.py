@@ -2,9 +2,10 @@
 new feature rows of a step or bulk chunk, read from the feature ring at the
 positions the step descriptor names, widened to f32.
 
-``FeatureGather.plan_step`` is the step graph's whole planning in one launch:
-``reset_slots_if`` + ``RingSlots.plan_append`` + this gather + ``build_masks``
-(tests/support/planning_unfused.py; their NumPy references are the oracle)."""
+``FeatureGather.plan_lanes`` is the step graph's whole planning in one launch, for
+every lane of the step engine: ``reset_slots_if`` + ``RingSlots.plan_append`` + this
+gather + ``build_masks`` (tests/support/planning_unfused.py; their NumPy references are
+the oracle)."""
 from __future__ import annotations
 
 import numpy as np
@@ -36,7 +37,6 @@ class FeatureGather:
                                            RING_DTYPE=dtypes.CODE[self.kind],
                                            GATHER_THREADS=THREADS)
         self._kernel = self._module.get_function("gather_features")
-        self._plan_kernel = self._module.get_function("plan_step")
         self._lanes_kernel = self._module.get_function("plan_lanes")
         self._gx = -(-self.fc_in // (THREADS * 4))
 
@@ -63,60 +63,13 @@ class FeatureGather:
         self._kernel((self._gx, n, 1), (THREADS, 1, 1),
                      (desc, ring, ap_feat, np.int32(n)), stream=stream)
 
-    def plan_step(self, desc, ring, ap_feat, geom, slot_pos, ap_pos, ap_rows, pos_q, mask_full=None, mask_swa=None,
-                  n_rows=None, stream=None):
-        """One launch (``step_plan.cu``'s ``plan_step``) doing, in effect and in this
-        order: ``slot_pos[:] = -1`` if the reset flag is set; the append plan of
-        rows ``i < n_rows`` (``ap_pos``, ``ap_rows``, ``slot_pos``) and
-        ``pos_q``; the gather into ``ap_feat[:n_rows]``; the masks from the
-        updated ``slot_pos`` (``mask_full`` and/or ``mask_swa``,
-        ``[q_len, kv_total]`` f16). Same results as the four separate launches."""
-        be = self.backend
-        if not isinstance(geom, RingGeometry):
-            raise TypeError(f"geom must be a RingGeometry, got {type(geom).__name__}")
-        check_desc(be, desc)
-        checks.device_array(be, "ring", ring, self.ring_device_dtype, ndim=2)
-        if tuple(ring.shape) != (self.ring_capacity, self.fc_in):
-            raise ValueError(f"ring must have shape {(self.ring_capacity, self.fc_in)}, got {tuple(ring.shape)}")
-        checks.device_array(be, "ap_feat", ap_feat, np.float32, ndim=2)
-        if ap_feat.shape[1] != self.fc_in:
-            raise ValueError(f"ap_feat must have {self.fc_in} columns, got shape {tuple(ap_feat.shape)}")
-        checks.device_array(be, "slot_pos", slot_pos, np.int32, ndim=1)
-        if slot_pos.shape[0] != geom.capacity:
-            raise ValueError(f"slot_pos must have shape ({geom.capacity},), got {tuple(slot_pos.shape)}")
-        checks.device_array(be, "ap_pos", ap_pos, np.int32, ndim=1)
-        checks.device_array(be, "ap_rows", ap_rows, np.int32, ndim=1)
-        checks.device_array(be, "pos_q", pos_q, np.int32, ndim=1)
-        if pos_q.shape[0] != geom.q_len:
-            raise ValueError(f"pos_q must have shape ({geom.q_len},), got {tuple(pos_q.shape)}")
-        n = ap_pos.shape[0] if n_rows is None else checks.int_arg(n_rows, "n_rows")
-        if min(ap_pos.shape[0], ap_rows.shape[0], ap_feat.shape[0]) < n:
-            raise ValueError(f"ap_pos ({ap_pos.shape[0]}), ap_rows ({ap_rows.shape[0]}) and ap_feat "
-                             f"({ap_feat.shape[0]} rows) must hold n_rows={n} entries")
-        shape = (geom.q_len, geom.kv_total)
-        given = [(nm, m) for nm, m in (("mask_full", mask_full), ("mask_swa", mask_swa)) if m is not None]
-        if not given:
-            raise ValueError("plan_step needs mask_full and/or mask_swa")
-        for nm, m in given:
-            checks.device_array(be, nm, m, np.float16, ndim=2)
-            if tuple(m.shape) != shape:
-                raise ValueError(f"{nm} must have shape {shape}, got {tuple(m.shape)}")
-        arrays = dict(desc=desc, ring=ring, ap_feat=ap_feat, slot_pos=slot_pos, ap_pos=ap_pos, ap_rows=ap_rows,
-                      pos_q=pos_q, **dict(given))
-        checks.check_no_overlap(**arrays)
-        flags = (1 if mask_full is not None else 0) | (2 if mask_swa is not None else 0)
-        mf = mask_full if mask_full is not None else mask_swa
-        ms = mask_swa if mask_swa is not None else mask_full
-        blocks = self._gx * n + -(-max(geom.kv_total, n, geom.q_len) // THREADS)
-        self._plan_kernel((blocks, 1, 1), (THREADS, 1, 1),
-                          (desc, ring, ap_feat, np.int32(n), slot_pos, ap_pos, ap_rows, pos_q, mf, ms,
-                           np.int32(geom.capacity), np.int32(geom.q_len), np.int32(geom.kv_total), np.int32(flags)),
-                          stream=stream)
-
     def plan_lanes(self, desc, ring, ap_feat, geom, slot_pos, pos_all, rows_all, tile_live, *, cs: int, bs: int,
                    mask_full=None, mask_swa=None, stream=None):
-        """``plan_step`` for every lane of a ``DraftKvBatch`` in one launch
-        (``step_plan.cu``'s ``plan_lanes``: layouts there). ``desc [lanes, DESC_LEN]``,
+        """The step's planning for every lane in one launch (``step_plan.cu``'s
+        ``plan_lanes``: layouts there): per active lane, in effect and in this order,
+        ``slot_pos[lane] = -1`` if its reset flag is set, the append plan of its new rows
+        (packed at ``DESC_CTX_ROW0``) and its noise positions, the gather of those rows into
+        ``ap_feat``, and the masks from the updated slot table. ``desc [lanes, DESC_LEN]``,
         ``ring [lanes, ring_capacity, fc_in]``, ``ap_feat [lanes*cs, fc_in]``,
         ``slot_pos [lanes, capacity]``, ``pos_all``/``rows_all [lanes*(cs+bs)]``,
         ``tile_live [lanes*(cs+bs)/16]`` int32, masks ``[lanes, q_len, kv_total]``."""

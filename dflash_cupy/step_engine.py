@@ -1,0 +1,706 @@
+"""``StepEngine``: the one drafter step engine. ``DraftKvCache`` is a one-lane use of it and
+``DraftKvBatch`` a many-lane one; both are thin facades (argument checks, shapes, rings).
+
+Each lane is an independent request with the ring-cache semantics of SPEC §3-§4. One
+``plan`` decides every lane on the host (``decide_lanes``, O(1) per lane), runs the rare
+bulk appends outside the graph and packs the step's inputs into pinned memory; one ``run``
+replays a captured graph for all lanes. Lanes join and leave through the descriptors,
+never by recapturing: two step graphs (alternating input buffers) are captured once.
+
+Device layout (lanes ``L``; ``CS = align16(a_step)``, ``BS = align16(q_len)``):
+
+  step_in             one block the graph copies in at once: desc [L, DESC_LEN] int32
+                      (``DESC_ACTIVE`` 0: an idle lane), then, with an LM head, the
+                      sampling knobs f32 [3] and the RNG state u64 [2]
+  k_cache[l], v_cache[l]
+                      [L*kv_total, n_head_kv*head_dim] f16: lane ``i``'s ring at rows
+                      ``[i*kv_total, (i+1)*kv_total)`` (SPEC §3 layout)
+  slot_pos [L, capacity] int32;  mask_full / mask_swa [L, q_len, kv_total] f16
+  ring_storage        [L, ring_capacity, fc_in]: the lanes' feature rings (bound by the facade)
+  step rows (the GEMMs' M axis): context rows ``[0, L*CS)``: the active lanes' appended
+                      rows packed back to back in lane order (lane ``i``'s at
+                      ``desc[i, DESC_CTX_ROW0]``), the rest padding; then noise rows
+                      (lane ``i``'s ``q_len`` rows at ``L*CS + i*BS``)
+  tile_live           [L*(CS+BS)/16] int32: nonzero iff the 16-row tile holds a live row,
+                      written on the device by the planning kernel; the stream GEMMs and
+                      norms skip dead tiles (idle lanes, padding), the attention idle lanes
+
+Per step on the device: one input copy, one planning launch for all lanes
+(``step_plan.cu``'s ``plan_lanes``), then per layer one GEMM per weight over every live row
+of every lane and the attention per (lane, kv head); the final norm and the LM head.
+
+Streams: work is issued on the caller's current stream or ``stream=``; ``StreamOrder``
+orders it after this engine's earlier work and the rings' latest writes by event edges;
+the host never waits on the step it just launched (pinned buffers alternate, and are
+rewritten only once the work that read them has run)."""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from . import backends, dtypes, tuning
+from . import selfcheck_verdict as selfcheck_mod
+from .checks import bool_arg
+from .device_weights import device_dtype, to_device_matrix
+from .geometry import RingGeometry, align_up
+from .interop import device_view
+from .nvtx_ranges import nvtx_range
+from .ops.attention import RingAttention
+from .ops.gather import FeatureGather
+from .ops.norm import RmsNorm
+from .ops.ring_slots import RingSlots
+from .ops.rope import QkvNormRope
+from .ops.sample import SamplingParams, TokenSampler
+from .ops.step_descriptor import (DESC_ACTIVE, DESC_COMMITTED, DESC_LEN, DESC_START, bulk_chunks, decide_lanes,
+                                  fill_chunk_descriptor, pack_descriptors)
+from .rope_params import rope_parameters
+from .step_graphs import StepGraphs
+from .step_recipe import StepRecipe
+from .stream_order import StreamOrder
+
+GEMM_MAX_M = 64  # the GEMMs' largest M tile; more rows run as more row blocks of the same launch
+TILE_ROWS = 16   # the stream GEMM's row tile: lane regions are whole tiles, so a dead lane is whole dead tiles
+# Lanes at most this many check their rings in plain Python at run(); more use NumPy (its fixed
+# cost is a few microseconds, more than a short loop).
+_PY_CHECK_LANES = 16
+# the names the facades show the engine's own buffers under (labels in the emulator's reports)
+_PUBLIC = {"_hs": "hidden_states", "_logits": "logits", "_tokens": "draft_tokens", "_step_in": "step_inputs"}
+
+
+def _step_in_layout(lanes: int, sampled: bool) -> tuple:
+    """Byte offsets of the step-inputs block: the descriptors, the sampling knobs f32 [3] and
+    the RNG state u64 [2] at the next multiple of 8; its size."""
+    knobs = lanes * DESC_LEN * 4
+    if not sampled:
+        return knobs, knobs, knobs
+    rng = -(-(knobs + 12) // 8) * 8
+    return knobs, rng, rng + 16
+
+
+class StepEngine:
+    """``StepEngine(weights, capacity, lanes, *, owner, lm_head=None, logits=True, sampling=None,
+    backend=None, bulk_chunk=256, x_split=True, tune=None, pdl=False, selfcheck=None)``:
+    ``lanes`` independent requests, each with a window of ``capacity`` positions, drafted by
+    one captured step. The facade checks its own arguments first and binds the lanes' feature
+    rings (``bind_rings``) before the first ``plan``. ``owner``: the facade's name (labels,
+    NVTX ranges, messages). The other arguments are ``DraftKvCache``'s."""
+
+    def __init__(self, weights, capacity: int, lanes: int, *, owner: str, lm_head=None, logits: bool = True,
+                 sampling=None, backend=None, bulk_chunk: int = 256, x_split: bool = True,
+                 tune: bool | None = None, pdl: bool = False, selfcheck=None):
+        self.owner = owner
+        self._nvtx = "dflash" if lanes == 1 else "dflash batch"
+        self.x_split = bool_arg(x_split, "x_split")
+        self.pdl = bool_arg(pdl, "pdl")
+        if tune is not None:
+            bool_arg(tune, "tune")
+        self.backend = be = backends.get(backend)
+        self.config = c = weights.config
+        self.weights = weights
+        self.checked = selfcheck_mod.for_cache(be, selfcheck)   # failed variants -> their fallbacks
+        self.pdl = self.pdl and self.checked.pdl                # PDL -> the plain graph
+        self.lanes = lanes
+        self.geom = g = RingGeometry(int(capacity), c.q_len)
+        if lanes * g.kv_total >= 2**31:
+            raise ValueError(f"lanes={lanes} x {g.kv_total} cache rows per lane overflow int32 row indices")
+        self.dw = weights.device(be)   # placed once per backend, cached on the weights
+        self.bulk_chunk = int(bulk_chunk)
+        self.write_logits = bool(logits)
+        self.sampling = SamplingParams() if sampling is None else sampling
+        H, B, A, kvw = c.hidden_size, g.q_len, g.a_step, c.kv_dim
+        CS, BS = align_up(A, TILE_ROWS), align_up(B, TILE_ROWS)
+        self.ctx_rows, self.lane_rows = CS, BS
+        NC, NN = lanes * CS, lanes * BS   # context rows, noise rows
+
+        # ---- caches and step state
+        self.k_cache = [be.zeros((lanes * g.kv_total, kvw), np.float16) for _ in range(c.n_layer)]
+        self.v_cache = [be.zeros((lanes * g.kv_total, kvw), np.float16) for _ in range(c.n_layer)]
+        self.mask_full = be.zeros((lanes, B, g.kv_total), np.float16) if c.any_full else None
+        self.mask_swa = be.zeros((lanes, B, g.kv_total), np.float16) if c.any_sliding else None
+        self.slot_pos = be.asarray(np.full((lanes, g.capacity), -1, np.int32))
+        sampled = lm_head is not None
+        knobs_at, rng_at, in_bytes = _step_in_layout(lanes, sampled)
+        self._step_in = be.zeros((in_bytes,), np.uint8)
+        self.desc = self._step_in[:knobs_at].view(np.int32).reshape(lanes, DESC_LEN)
+        self.tile_live = be.zeros(((NC + NN) // TILE_ROWS,), np.int32)
+        self.tiles_ctx, self.tiles_noise = self.tile_live[:NC // TILE_ROWS], self.tile_live[NC // TILE_ROWS:]
+        pos0 = np.zeros(NC + NN, np.int32)
+        rows0 = np.zeros(NC + NN, np.int32)
+        for i in range(lanes):   # noise rows: fixed cache rows (the lane's noise scratch, padding -> trash)
+            j = np.arange(BS)
+            rows0[NC + i * BS + j] = i * g.kv_total + np.where(j < B, g.capacity + j, g.trash_slot)
+            rows0[i * CS:(i + 1) * CS] = i * g.kv_total + g.trash_slot
+        self.pos_all, self.rows_all = be.asarray(pos0), be.asarray(rows0)
+        inv_freq, self.attn_scaling = rope_parameters(c)
+        self.inv_freq = be.asarray(np.asarray(inv_freq, np.float64))
+
+        # ---- step activations (rows as above)
+        self.ap_feat = be.zeros((NC, c.fc_in), np.float32)
+        gate_w = self._alloc_step_rows(NC, NN)
+        self.hidden_states = self._hs.reshape(lanes, BS, H)[:, :B]
+
+        # ---- bulk append workspace (one lane at a time, outside the graph)
+        R = self.bulk_chunk
+        self.bulk_desc = be.zeros((DESC_LEN,), np.int32)
+        self.ap_pos = be.zeros((R,), np.int32)
+        self.ap_rows = be.zeros((R,), np.int32)
+        self.bulk_feat = be.zeros((R, c.fc_in), np.float32)
+        self.ctx = be.zeros((R, H), np.float32)
+        self.ctx_kv_in = be.zeros((R, H), np.float32) if c.context_kv_layer_norm else None
+        self.ctx_kv = be.zeros((R, 2 * kvw), np.float32)
+
+        # ---- lm head: logits and tokens (greedy, or drawn per ``sampling``)
+        self.lm_head = self.logits = self.draft_tokens = self._logits = self._tokens = None
+        self.sample_knobs = self.sample_rng = None
+        if lm_head is not None:
+            self.lm_head = self._place_lm_head(lm_head)
+            V = self.lm_head.shape[0]
+            if not 1 <= V < 2**31:
+                raise ValueError(f"lm_head must have between 1 and 2^31-1 rows (the vocabulary), got {V}")
+            self._tokens = be.zeros((NN,), np.int32)
+            self.draft_tokens = self._tokens.reshape(lanes, BS)[:, :B]
+            if logits:
+                # logits=False: the greedy token is fused into the lm_head GEMM (per column block
+                # partial maxima, one reduction) and the logits are never written
+                self._logits = be.zeros((NN, V), np.float32)
+                self.logits = self._logits.reshape(lanes, BS, V)[:, :B]
+            self.sample_knobs = self._step_in[knobs_at:knobs_at + 12].view(np.float32)
+            self.sample_rng = self._step_in[rng_at:rng_at + 16].view(np.uint64)
+
+        # ---- pinned staging (two of each: alternating steps)
+        self._step_in_host = [be.pinned_empty((in_bytes,), np.uint8) for _ in range(2)]
+        self._desc_host = [h[:knobs_at].view(np.int32).reshape(lanes, DESC_LEN) for h in self._step_in_host]
+        self._knobs_host = [h[knobs_at:knobs_at + 12].view(np.float32) for h in self._step_in_host]
+        self._rng_host = [h[rng_at:rng_at + 16].view(np.uint64) for h in self._step_in_host] if sampled else None
+        self._sampling_in = [None, None]   # (knobs, rng) last written into each staging buffer
+        self._noise_host = [be.pinned_empty((NN, H), np.float32) for _ in range(2)]
+        for a in self._step_in_host + self._noise_host:
+            a[...] = 0
+        self._noise_events = [be.event() for _ in range(2)]
+        self._noise_next = 0
+        self._n_chunks = -(-g.capacity // self.bulk_chunk) + 1
+        self._bulk_desc_host = be.pinned_empty((lanes * self._n_chunks, DESC_LEN), np.int32)
+        for i in range(2):
+            be.label(self._step_in_host[i], f"{owner} step inputs staging [{i}] (descriptors"
+                     + (", sampling knobs, rng)" if sampled else ")"))
+            be.label(self._noise_host[i], f"{owner} noise staging [{i}]")
+        be.label(self._bulk_desc_host, f"{owner} bulk descriptor staging")
+        self._events = [be.event() for _ in range(2)]   # after the replay that read each input buffer
+        self._bulk_event = be.event()
+
+        # ---- kernels (all compiled now: nothing compiles during capture). max_m: the most rows
+        # one call sees (all lanes' rows, or a bulk chunk); past one 64-row block the stream
+        # GEMMs compile their wgmma variants too (an sm_90a device or the emulator). The
+        # attention: one launch for every (lane, kv head); an idle lane's blocks exit at once.
+        self._build_step_ops(max(GEMM_MAX_M, NC + NN, R), gate_w, logits, lanes=lanes, lane_rows=BS)
+        self.ring_storage = self.gather = None   # bound by the facade (bind_rings)
+        self.rings = None
+        self._ring_writes = [-1] * lanes   # each ring's write count when a step last waited for it
+
+        self._next = [0] * lanes          # per lane: the next position to append (next_pos)
+        self._plan = self._plan_desc = None
+        self._plan_fields = [None] * lanes
+        self._slot = 0         # the input buffer the planned step uses
+        self._planned = False
+        self._closed = False
+        self._label_arrays(("_hs", "_logits", "_tokens", "noise_embed", "k_cache", "v_cache", "slot_pos",
+                            "_step_in", "resid", "xin", "ap_feat", "tile_live"))
+        selfcheck_mod.require(self.checked, self)   # a failed variant with no fallback left: raise
+        self.tuned = tuning.tune_sites(self._tune_sites(), backend=be, tune=tune)
+        self.graphs = StepGraphs(be, self._issue_step, pdl=self.pdl, nvtx=self._nvtx)
+        # construction's memsets ran on the current stream: the first call on any other
+        # stream waits for them on the device
+        self.order = StreamOrder(be)
+
+    capacity = property(lambda self: self.geom.capacity)
+    q_len = property(lambda self: self.geom.q_len)
+    kv_total = property(lambda self: self.geom.kv_total)
+    a_step = property(lambda self: self.geom.a_step)
+    trash_slot = property(lambda self: self.geom.trash_slot)
+
+    # ------------------------------------------------------------------ construction pieces
+    def _label_arrays(self, names) -> None:
+        """Name the device arrays held in these attributes (lists: each item) for the
+        emulator's reports."""
+        for name in names:
+            v = getattr(self, name)
+            for i, a in enumerate(v if isinstance(v, list) else [v]):
+                if a is not None:
+                    suffix = f"[{i}]" if isinstance(v, list) else ""
+                    self.backend.label(a, f"{self.owner}.{_PUBLIC.get(name, name)}{suffix}")
+
+    def _place_lm_head(self, lm_head):
+        """The target's ``[vocab, hidden]`` LM head on the device: a device array of any
+        framework used in place, else NumPy copied once."""
+        be, H = self.backend, self.config.hidden_size
+        dev = device_view(be, lm_head, "lm_head", dtype=(np.float32, np.float16, np.uint16),
+                          shape=(None, H))
+        if dev is not None:  # the caller's device matrix, used in place
+            if not be.is_device_array(dev):  # emulated: foreign CPU memory has no guard pages
+                dev = be.asarray(dev)
+            return dev
+        if not isinstance(lm_head, np.ndarray):
+            lm_head = np.asarray(lm_head)
+        if lm_head.ndim != 2 or lm_head.shape[1] != H:
+            raise ValueError(f"lm_head must have shape [vocab, {H}], got {list(lm_head.shape)}")
+        try:
+            device_dtype(lm_head.dtype)
+        except TypeError:
+            raise TypeError(f"lm_head dtype must be f32, f16 or bf16, got {lm_head.dtype}") from None
+        if lm_head.shape[0] < 1:
+            raise ValueError("lm_head must have at least one row (the vocabulary), got 0")
+        return to_device_matrix(be, lm_head)
+
+    def _alloc_step_rows(self, n_ctx: int, n_noise: int) -> int:
+        """The fusion decisions (``recipe``) and the step's activations over its rows (``n_ctx``
+        context rows, then ``n_noise`` noise rows); returns the attention gate's width (0: no
+        gate)."""
+        be, c = self.backend, self.config
+        self.n_ctx, self.n_noise = n_ctx, n_noise
+        self.recipe = r = StepRecipe.derive(c, self.dw, self.checked, self.x_split, n_ctx, n_noise)
+        H, nc, nn, kvw = c.hidden_size, n_ctx, n_noise, c.kv_dim
+        # resid: [T (context-KV-norm variant) | h, the residual stream];
+        # xin: each layer's GEMM input [T or rmsnorm(T)*ln | rmsnorm(h)*ln].
+        self.resid = be.zeros((nc + nn, H), np.float32)
+        self.xin = be.zeros((nc + nn, H), np.float32)
+        self.h, self.hn = self.resid[nc:], self.xin[nc:]
+        # the folded norms' GEMMs read resid / h directly, so the context rows live in resid
+        self.ctx_step = self.resid[:nc] if c.context_kv_layer_norm or r.fold_norms else self.xin[:nc]
+        self.noise_embed = be.zeros((nn, H), np.float32)   # read in place by the first layer
+        self.qkv = be.zeros((nc + nn, c.q_dim + 2 * kvw), np.float32)
+        self.q_all = be.zeros((nc + nn, c.q_dim), np.float32)
+        self.q = self.q_all[nc:]
+        # f32, or 16-bit where x_split=False allows (StepRecipe.attn16 / act16)
+        attn_dt, act_dt = (np.dtype(np.float32) if k is None else dtypes.DEVICE[k] for k in (r.attn16, r.act16))
+        self.attn = be.zeros((nn, c.q_dim), attn_dt)
+        gate_w = {"none": 0, "head": c.n_head, "element": c.q_dim}[c.attn_gate]
+        self.gate = be.zeros((nn, gate_w), np.float32) if gate_w else None
+        self.act = be.zeros((nn, c.intermediate_size), act_dt)
+        # gate_up's 16-bit input rows, or None
+        self.hn16 = be.zeros((nn, H), dtypes.DEVICE[r.gate_up_x16]) if r.gate_up_x16 else None
+        self._hs = be.zeros((nn, H), np.float32)   # the final norm's output rows
+        return gate_w
+
+    def _build_step_ops(self, max_m: int, gate_w: int, logits: bool, **attn_kw) -> None:
+        """Every kernel a step or a bulk append launches, compiled now (nothing compiles
+        during capture); ``attn_kw``: the attention's lane layout."""
+        be, c = self.backend, self.config
+        self.rms = RmsNorm(be, c.hidden_size, c.rms_norm_eps)
+        x16 = self.recipe.gate_up_x16
+        self.rms16 = None if x16 is None else RmsNorm(be, c.hidden_size, c.rms_norm_eps, out_kind=x16)
+        self._build_gemms(max_m, gate_w, logits, self.n_noise)  # g_fc .. g_lm (x_split), _lm_part
+        self.sampler = TokenSampler(be, self.lm_head.shape[0]) if self.lm_head is not None else None
+        self.rope_ctx = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, False, c.rms_norm_eps,
+                                    self.attn_scaling)
+        self.rope_step = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, True, c.rms_norm_eps,
+                                     self.attn_scaling)
+        self.attention = RingAttention(be, c.head_dim, c.n_head, c.n_head_kv, self.q_len, self.kv_total,
+                                       gate=None if c.attn_gate == "none" else c.attn_gate,
+                                       out_kind=self.recipe.attn16,
+                                       path="auto" if self.checked.attention_mma else "fma", **attn_kw)
+        self.ring_slots = RingSlots(be, self.geom)
+
+    def _build_gemms(self, max_m: int, gate_w: int, logits: bool, lm_rows: int) -> None:
+        """The step's GEMMs (``g_fc`` .. ``g_lm``), compiled now, every one
+        rounding its activations as ``self.x_split`` says; ``_lm_part``: the
+        fused argmax's partials for ``lm_rows`` rows (``logits=False``)."""
+        from .ops.gemm import Gemm
+        from .ops.rope import RopeSpec
+        be, c, H = self.backend, self.config, self.config.hidden_size
+        L0, kvw = self.dw.layers[0], c.kv_dim
+        r = self.recipe
+        fold_eps = c.rms_norm_eps if r.fold_norms else None
+        # the self-check's choices: a failed stream GEMM -> gemm.cu, a failed wgmma -> gemm_stream.cu
+        ch = self.checked
+        fallback = dict(path="auto" if ch.stream else "fma", **({} if ch.wgmma else {"wgmma": False}))
+
+        def gemm(*a, **kw):
+            # tile_live: the K split per launch from the live tiles; the qkv GEMM skips the
+            # context rows' Q columns (tile_live 2)
+            with selfcheck_mod.applied(ch):
+                return Gemm(be, *a, max_m=max_m, x_split=self.x_split, live_split=True, **fallback, **kw)
+        self.g_fc = gemm(H, c.fc_in, self.dw.fc.dtype)
+        self.g_kv = gemm(2 * kvw, H, L0.w_qkv.dtype)
+        # rope: the q/k norm + RoPE + K/V scatter folds into the qkv GEMM's epilogue where its
+        # launch allows (_qkv_rope); QkvNormRope (rope_step) runs after it elsewhere
+        rope = RopeSpec(c.head_dim, c.n_head, c.n_head_kv, c.rms_norm_eps, self.attn_scaling) \
+            if r.qkv_rope else None
+        self.g_qkv = gemm(c.q_dim + 2 * kvw, H, L0.w_qkv.dtype, norm_eps=fold_eps, skip_cols=c.q_dim, rope=rope)
+        self.g_o = gemm(H, c.q_dim, L0.w_o.dtype, "residual", x16=r.attn16 is not None)
+        x16 = r.gate_up_x16 is not None   # its norm a launch of its own (rms16), 16-bit rows
+        self.g_gate_up = gemm(c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul",
+                              norm_eps=None if x16 else fold_eps, x16=x16, y16=r.act16 is not None)
+        self.g_down = gemm(H, c.intermediate_size, L0.w_down.dtype, "residual", x16=r.act16 is not None)
+        self.g_attn_gate = gemm(gate_w, H, L0.w_attn_gate.dtype) if gate_w else None
+        self.g_lm = self._lm_part = None
+        if self.lm_head is not None:
+            V = self.lm_head.shape[0]
+            fused = not logits and ch.stream   # the fused argmax is a stream-GEMM epilogue
+            self.g_lm = (gemm(V, H, self.lm_head.dtype) if not fused else
+                         gemm(V, H, self.lm_head.dtype, "argmax", logits=False))
+            if fused:
+                self._lm_part = be.zeros(self.g_lm.partials_shape(lm_rows), np.uint32)
+            elif not logits:   # its fallback: logits into a buffer of the engine's, then the greedy sampler
+                self._logits = be.zeros((lm_rows, V), np.float32)
+
+    def _tune_sites(self) -> list:
+        """``(label, op, m)`` of every GEMM call a step or a bulk chunk makes, and the attention."""
+        nc, nn, R = self.n_ctx, self.n_noise, self.bulk_chunk
+        return [("fc", self.g_fc, nc), ("fc", self.g_fc, R), ("kv", self.g_kv, R), ("qkv", self.g_qkv, nc + nn),
+                ("attn_gate", self.g_attn_gate, nn), ("o", self.g_o, nn), ("gate_up", self.g_gate_up, nn),
+                ("down", self.g_down, nn), ("lm_head", self.g_lm, nn), ("attention", self.attention, 0)]
+
+    # the composed objects' state under the names the step code and the tests read
+    capture_stream = property(lambda self: self.graphs.capture_stream)
+    captures = property(lambda self: self.graphs.captures)        # step graphs captured so far
+    _graphs = property(lambda self: self.graphs.slots)
+    _tail = property(lambda self: self.order.tail)
+    # times the host had to wait for queued work to reuse a pinned buffer
+    host_waits = property(lambda self: self.order.host_waits)
+
+    # ------------------------------------------------------------------ rings
+    def bind_rings(self, rings, storage, gather: FeatureGather | None = None) -> None:
+        """The lanes' feature rings (``rings[i]``: lane ``i``'s ``FeatureRing``) and their
+        storage as one device array ``[lanes, ring_capacity, fc_in]``, which the step graphs
+        read by pointer (rebinding needs graphs of its own: the facade swaps ``graphs.slots``).
+        ``gather``: a ``FeatureGather`` for that storage, else one is built."""
+        if gather is None:
+            g = self.gather
+            r = rings[0]
+            if g is None or (g.ring_capacity, g.kind) != (r.capacity, r.kind):
+                g = FeatureGather(self.backend, r.fc_in, r.capacity, r.kind)
+            gather = g
+        self.rings, self.ring_storage, self.gather = list(rings), storage, gather
+        self._ring_writes = [-1] * self.lanes
+
+    # ------------------------------------------------------------------ the step body
+    def _issue_step(self, slot: int, stream, eager: bool = False) -> None:
+        """Every launch and copy of one step, in order (captured once per slot)."""
+        self.backend.copy_h2d_async(self._step_in, self._step_in_host[slot], stream=stream)
+        self.gather.plan_lanes(self.desc, self.ring_storage, self.ap_feat, self.geom, self.slot_pos, self.pos_all,
+                               self.rows_all, self.tile_live, cs=self.ctx_rows, bs=self.lane_rows,
+                               mask_full=self.mask_full, mask_swa=self.mask_swa, stream=stream)
+        self._run_rows(stream, eager)
+
+    def _layer_input(self, li: int):
+        """The residual stream's noise rows layer ``li`` reads: ``noise_embed`` itself for the
+        first layer, read in place (its o GEMM writes ``h = noise_embed + attn @ Wo``, so no
+        step copies it into ``h``), ``h`` after."""
+        return self.h if li else self.noise_embed
+
+    def _qkv_norm(self, L, n_ctx: int) -> tuple:
+        """The qkv GEMM's folded norms over [context rows; noise rows]: every row
+        ``rmsnorm * input_layernorm`` with the context-KV-norm variant (its context rows are T),
+        else the noise rows so and the context rows as they are (T) or, the hidden norm folded,
+        ``rmsnorm(y) * hidden_norm`` = T."""
+        if self.config.context_kv_layer_norm:
+            return (L.input_layernorm, 0)
+        if self.recipe.fold_hidden:
+            return (L.input_layernorm, n_ctx, self.dw.hidden_norm)
+        return (L.input_layernorm, n_ctx)
+
+    def _fuse_rows(self, feat, out, m: int, stream, hidden_norm: bool = True, **gemm_kw) -> None:
+        """Rows [0, m) of ``feat`` -> T = rmsnorm(feat @ fc.T) * hidden_norm into ``out``
+        (``hidden_norm=False``: the fc output y only, its norm folded into the consumer;
+        ``gemm_kw``: e.g. the GEMM's ``tile_live``)."""
+        c, dw = self.config, self.dw
+        if dw.aux_norms is not None:  # each captured layer's slice normalised with its own scale
+            self.rms(feat, dw.aux_norms, feat, rows=m * c.n_captured, stream=stream)
+        self.g_fc(feat, dw.fc, out, m, stream=stream, **gemm_kw)
+        if hidden_norm:
+            self.rms(out, dw.hidden_norm, out, rows=m, stream=stream, tile_live=gemm_kw.get("tile_live"))
+
+    def _qkv_rope(self, li: int, L, x, m: int, stream, **gemm_kw) -> None:
+        """Layer ``li``'s qkv projection of the step's ``m`` rows of ``x`` with the q/k norm,
+        RoPE and the K/V scatter: Q into ``q_all``, K/V into the layer's caches at ``rows_all``.
+        One launch where the qkv GEMM folds them into its epilogue, else the GEMM into ``qkv``
+        and ``rope_step`` (``gemm_kw``: norm, x2, tile_live; the last also for the rope)."""
+        if self.g_qkv.rope is not None and self.g_qkv.fuses_rope(m):
+            self.g_qkv(x, L.w_qkv, self.q_all, m, stream=stream,
+                       rope=(L.q_norm, L.k_norm, self.inv_freq, self.pos_all, self.rows_all, self.k_cache[li],
+                             self.v_cache[li]), **gemm_kw)
+            return
+        self.g_qkv(x, L.w_qkv, self.qkv, m, stream=stream, **gemm_kw)
+        self.rope_step(self.qkv, L.k_norm, self.inv_freq, self.pos_all, self.rows_all,
+                       self.k_cache[li], self.v_cache[li], q_norm=L.q_norm, q_out=self.q_all, stream=stream,
+                       tile_live=gemm_kw.get("tile_live"))
+
+    def _step_layer(self, li: int, L, stream) -> None:
+        """One decoder layer (SPEC §2 step 2) over the noise rows, with the
+        layer's K/V of the step's appended context rows computed alongside:
+        one [q; k; v] GEMM and one norm+RoPE+scatter over all the step's rows (the
+        context rows' Q skipped through tile_live: free next to streaming the weights once
+        instead of twice). Dead tiles (``tile_live`` 0: idle lanes, padding) are skipped,
+        and an idle lane's attention blocks exit at once (same outputs for every row a
+        later launch reads)."""
+        nc, nn = self.n_ctx, self.n_noise
+        live = self.tiles_noise
+        h_in = self._layer_input(li)
+        ctx_norm = self.config.context_kv_layer_norm  # context rows: rmsnorm(T) * input_layernorm too
+        if self.recipe.fold_norms:
+            # rmsnorm(rows) * input_layernorm inside the GEMM, from the context rows then h_in
+            # (two pointers, never a concatenated copy: noise_embed read in place); where the
+            # hidden norm folds too (fold_hidden) the context rows are fc's outputs y, entering
+            # as rmsnorm(y) * hidden_norm = T: no node of its own
+            self._qkv_rope(li, L, self.ctx_step, nc + nn, stream, tile_live=self.tile_live, x2=(h_in, nc),
+                           norm=self._qkv_norm(L, nc))
+            if self.g_attn_gate is not None:   # the gate GEMM still reads hn
+                self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
+        else:
+            if ctx_norm and li:
+                self.rms(self.resid, L.input_layernorm, self.xin, stream=stream)
+            elif ctx_norm:   # the first layer's noise rows are noise_embed, read in place
+                self.rms(self.ctx_step, L.input_layernorm, self.xin[:nc], stream=stream)
+                self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
+            else:
+                self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
+            self._qkv_rope(li, L, self.xin, nc + nn, stream, tile_live=self.tile_live)
+        if self.g_attn_gate is not None:
+            self.g_attn_gate(self.hn, L.w_attn_gate, self.gate, nn, tile_live=live, stream=stream)
+        mask = self.mask_swa if L.sliding else self.mask_full
+        self.attention(self.q, self.k_cache[li], self.v_cache[li], mask, self.attn, gate=self.gate,
+                       stream=stream, live=self.desc)
+        self.g_o(self.attn, L.w_o, self.h, nn, tile_live=live, residual=h_in, stream=stream)
+        if self.recipe.gate_up_x16 is not None:
+            self.rms16(self.h, L.post_attention_layernorm, self.hn16, tile_live=live, stream=stream)
+            self.g_gate_up(self.hn16, L.w_gate_up, self.act, nn, tile_live=live, stream=stream)
+        elif self.recipe.fold_norms:
+            self.g_gate_up(self.h, L.w_gate_up, self.act, nn, tile_live=live, stream=stream,
+                           norm=(L.post_attention_layernorm, 0))
+        else:
+            self.rms(self.h, L.post_attention_layernorm, self.hn, stream=stream)
+            self.g_gate_up(self.hn, L.w_gate_up, self.act, nn, tile_live=live, stream=stream)
+        self.g_down(self.act, L.w_down, self.h, nn, tile_live=live, residual=self.h, stream=stream)
+
+    def _run_rows(self, stream, eager: bool) -> None:
+        """The step after its planning launch: T for the appended context rows (the hidden
+        norm folded into the qkv GEMMs where they fold the input norms), the layers, the
+        final norm and the LM head (``_logits``, or the fused argmax's partials) with the
+        tokens."""
+        dw, nn, live = self.dw, self.n_noise, self.tiles_noise
+        self._fuse_rows(self.ap_feat, self.ctx_step, self.n_ctx, stream, hidden_norm=not self.recipe.fold_hidden,
+                        tile_live=self.tiles_ctx)
+        for li, L in enumerate(dw.layers):
+            # per-layer ranges only when eager: inside a graph they would mark capture time
+            with nvtx_range(f"layer {li}") if eager else contextlib.nullcontext():
+                self._step_layer(li, L, stream)
+        self.rms(self.h, dw.norm, self._hs, stream=stream)
+        if self.g_lm is not None:
+            if self._logits is None:
+                self.g_lm(self._hs, self.lm_head, None, nn, tile_live=live, partials=self._lm_part, stream=stream)
+                self.sampler.reduce_partials(self._lm_part, self._tokens, nn, stream=stream)
+            else:
+                self.g_lm(self._hs, self.lm_head, self._logits, nn, tile_live=live, stream=stream)
+                self.sampler(self._logits, self._tokens, self.sample_knobs, self.sample_rng, nn, stream=stream)
+
+    def _append_rows(self, feat, m: int, k_caches, v_caches, stream) -> None:
+        """Bulk append: rows [0, m) of ``feat`` at ``ap_pos``/``ap_rows`` -> the K/V
+        rows of every layer (``k_caches[l]``, ``v_caches[l]``)."""
+        self._fuse_rows(feat, self.ctx, m, stream)
+        for li, L in enumerate(self.dw.layers):
+            src = self.ctx
+            if self.ctx_kv_in is not None:
+                self.rms(self.ctx, L.input_layernorm, self.ctx_kv_in, rows=m, stream=stream)
+                src = self.ctx_kv_in
+            self.g_kv(src, L.w_kv, self.ctx_kv, m, stream=stream)
+            self.rope_ctx(self.ctx_kv, L.k_norm, self.inv_freq, self.ap_pos, self.ap_rows,
+                          k_caches[li], v_caches[li], n_rows=m, stream=stream)
+
+    def _bulk_append(self, lane: int, fields, s) -> None:
+        """Append lane ``lane``'s ``[bulk_start, bulk_start+bulk_count)`` outside the graph,
+        chunk by chunk, on ``s``."""
+        be, ring, kv = self.backend, self.rings[lane], self.geom.kv_total
+        s.wait_event(ring.write_event)
+        slot_pos = self.slot_pos[lane]
+        if fields.reset:
+            self.ring_slots.reset_slots(slot_pos, stream=s)
+        # One pinned descriptor row per chunk: bulk_count <= capacity, so there are at most
+        # ceil(capacity / bulk_chunk) chunks, fewer than the rows allocated per lane.
+        for i, (start, count) in enumerate(bulk_chunks(fields.bulk_start, fields.bulk_count, self.bulk_chunk)):
+            host = self._bulk_desc_host[lane * self._n_chunks + i]
+            be.host_write(host, f"{self.owner} bulk chunk descriptor")
+            fill_chunk_descriptor(host, fields, start, count)
+            be.copy_h2d_async(self.bulk_desc, host, stream=s)
+            self.ring_slots.plan_append(self.bulk_desc, self.ap_pos, self.ap_rows, slot_pos, n_rows=count, stream=s)
+            self.gather(self.bulk_desc, self.ring_storage[lane], self.bulk_feat, n_rows=count, stream=s)
+            self._append_rows(self.bulk_feat, count, [k[lane * kv:(lane + 1) * kv] for k in self.k_cache],
+                              [v[lane * kv:(lane + 1) * kv] for v in self.v_cache], s)
+
+    # ------------------------------------------------------------------ plan / run
+    def plan(self, committed, stream, single: bool = False):
+        """Plan one step of every lane (``committed[i]``: an int > 0, or ``None``: lane ``i``
+        idle) on ``stream`` (an ``as_stream`` result): validate every lane before any change
+        (``decide_lanes``; ``single``: messages name a single cache's arguments), run the bulk
+        appends, pack the step's inputs. Returns the ``LaneDecisions``."""
+        plan = decide_lanes(committed, self._next, self.rings, self.geom, self.config.swa_window, single=single)
+        # ---- validated: from here on state changes
+        be = self.backend
+        slot = self._slot ^ 1
+        self.order.reuse(self._events[slot])   # the replay that read this slot's inputs
+        if plan.bulk:
+            self.order.reuse(self._bulk_event)  # the pinned chunk descriptors of the last bulk were read
+            s = self.order.order(stream)
+            with nvtx_range(f"{self._nvtx} bulk append", "red"):
+                for i, f in plan.bulk:
+                    self._bulk_append(i, f, s)
+                    self._next[i] = f.committed
+            self._bulk_event.record(s)
+            for i, _ in plan.bulk:
+                self.rings[i].note_read(self, self._bulk_event)
+            self.order.issued(s)
+        be.host_write(self._step_in_host[slot], f"{self.owner}.begin_step (step inputs)")
+        pack_descriptors(self._desc_host[slot], plan.vals)
+        if self._rng_host is not None:
+            # the draw's counter: lane 0's first noise position (a single cache's step)
+            # (SamplingParams is frozen: the same object, the same knobs)
+            sp, c0 = self.sampling, plan.vals[DESC_COMMITTED]
+            last = self._sampling_in[slot]
+            if last is None or last[0] is not sp or last[1] != c0:
+                self._knobs_host[slot][:] = sp.knobs()
+                self._rng_host[slot][:] = (sp.seed, c0)
+                self._sampling_in[slot] = (sp, c0)
+        self._slot = slot
+        self._plan, self._plan_fields, self._plan_desc = plan, None, self._desc_host[slot]
+        self._planned = True
+        return plan
+
+    def lane_fields(self) -> list:
+        """Per lane: the ``StepFields`` of the latest planned step (``None``: idle)."""
+        if self._plan_fields is None and self._plan is not None:
+            self._plan_fields = [self._plan.fields(i) for i in range(self.lanes)]
+        return self._plan_fields
+
+    def _check_rings_hold(self, lane_word) -> None:
+        """The planned step reads ring positions ``[start, committed)`` of each active lane:
+        every ring must still hold them (a write after ``plan`` may have replaced them)."""
+        d, rings = self._plan_desc, self.rings
+        if self.lanes <= _PY_CHECK_LANES:
+            for i, r in enumerate(rings):
+                row = d[i]
+                if not row[DESC_ACTIVE]:
+                    continue
+                if r._closed:
+                    raise RuntimeError(f"run(): {lane_word(i)} has been closed")
+                need, c = int(row[DESC_START]), int(row[DESC_COMMITTED])
+                if need < c and not (r.lo <= need and c <= r.hi):
+                    self._not_held(lane_word(i), need, c, r)
+            return
+        act, c, need = d[:, DESC_ACTIVE] != 0, d[:, DESC_COMMITTED].astype(np.int64), d[:, DESC_START]
+        rlo = np.fromiter((r.lo for r in rings), np.int64, self.lanes)
+        rhi = np.fromiter((r.hi for r in rings), np.int64, self.lanes)
+        bad = act & (need < c) & ~((rlo <= need) & (c <= rhi))
+        closed = [i for i, r in enumerate(rings) if r._closed and act[i]]
+        if closed:
+            raise RuntimeError(f"run(): {lane_word(closed[0])} has been closed")
+        if bad.any():
+            i = int(np.argmax(bad))
+            self._not_held(lane_word(i), int(need[i]), int(c[i]), rings[i])
+
+    @staticmethod
+    def _not_held(ring_word, need, c, ring):
+        raise RuntimeError(f"run(): {ring_word} no longer holds positions [{need}, {c}) that this step was "
+                           f"planned to append (it holds [{ring.lo}, {ring.hi}): a write after begin_step "
+                           f"replaced them); call begin_step again")
+
+    def run(self, stream, eager: bool, lane_word, copies=()) -> None:
+        """Replay (``eager``: launch one by one) the planned step of every lane on ``stream``,
+        then the ``copies`` (``(dst, src)`` device arrays) after it; consumes the plan.
+        ``lane_word(i)``: how messages name lane ``i``'s ring."""
+        if not self._planned:
+            raise RuntimeError("run() needs a planned step: call begin_step first (each begin_step plans exactly "
+                               "one run)")
+        self._check_rings_hold(lane_word)
+        slot, be = self._slot, self.backend
+        s = self.order.order(stream)
+        # The planning launch reads every lane's ring storage: wait for the rings written
+        # since the last step (older writes are ordered before it already: by that step's
+        # waits, then stream order or the edge to the order's tail).
+        seen = self._ring_writes
+        for i, ring in enumerate(self.rings):
+            if ring.writes != seen[i]:
+                s.wait_event(ring.write_event)
+                seen[i] = ring.writes
+        self.graphs.launch(slot, s, eager)
+        for dst, src in copies:
+            be.copy_d2d_async(dst, src, stream=s)
+        self._events[slot].record(s)
+        for ring in self.rings:
+            ring.note_read(self, self._events[slot])   # the ring's next write waits for this step
+        self.order.issued(s)
+        self._planned = False
+        d = self._plan_desc
+        for i in range(self.lanes):
+            if d[i, DESC_ACTIVE]:
+                self._next[i] = int(d[i, DESC_COMMITTED])
+
+    def reset(self, lanes, stream) -> None:
+        """Forget the cached rows of ``lanes`` on ``stream``; a planned, not yet run step is
+        dropped."""
+        s = self.order.order(stream)
+        self._planned = False
+        for i in lanes:
+            self._next[i] = 0
+            self.ring_slots.reset_slots(self.slot_pos[i], stream=s)
+        self.order.issued(s)
+
+    # ------------------------------------------------------------------ noise embeddings
+    def check_host_noise(self, noise_embed, shape) -> np.ndarray:
+        """Host noise embeddings as given (NumPy): ``shape``, a float dtype or bf16
+        (``ml_dtypes``), converted to f32 in the staging copy."""
+        host = np.asarray(noise_embed)
+        if host.shape != shape:
+            raise ValueError(f"noise_embed must have shape {list(shape)}, got {list(host.shape)}")
+        if host.dtype.kind != "f" and host.dtype != dtypes.HOST["bf16"]:
+            raise TypeError(f"noise_embed must be a float array, got dtype {host.dtype}")
+        return host
+
+    def copy_noise(self, host, dev, stream) -> None:
+        """``[lanes, q_len, hidden]`` noise embeddings into ``noise_embed`` on ``stream``:
+        ``dev`` (a device array) copied on the device, else ``host`` through the pinned staging
+        buffers in turn."""
+        be = self.backend
+        s = self.order.order(stream)
+        B, BS = self.q_len, self.lane_rows
+        if dev is not None:
+            if BS == B:
+                be.copy_d2d_async(self.noise_embed, dev.reshape(self.lanes * B, -1), stream=s)
+            else:
+                for i in range(self.lanes):
+                    be.copy_d2d_async(self.noise_embed[i * BS:i * BS + B], dev[i], stream=s)
+        else:
+            i = self._noise_next
+            self._noise_next ^= 1
+            self.order.reuse(self._noise_events[i])  # the copy that last read this staging buffer
+            stage = self._noise_host[i]
+            be.host_write(stage, f"{self.owner}.set_noise_embed (staging)")
+            stage.reshape(self.lanes, BS, -1)[:, :B] = host   # each lane's rows; the padding is never read
+            be.copy_h2d_async(self.noise_embed, stage, stream=s)
+            self._noise_events[i].record(s)
+        self.order.issued(s)
+
+    # ------------------------------------------------------------------ lifetime
+    def check_open(self):
+        if self._closed:
+            raise RuntimeError(f"{self.owner} is closed")
+
+    def synchronize(self) -> None:
+        """Host wait for every piece of work this engine issued, on any stream."""
+        self.order.synchronize()
+
+    def close(self) -> None:
+        """Wait for the queued work (its errors not raised here), stop being a reader of the
+        rings, and drop every device array, pinned buffer, graph and compiled op."""
+        if self._closed:
+            return
+        self.order.drain()
+        for ring in self.rings or ():
+            if not ring._closed:
+                ring.forget_reader(self)
+        self.graphs.release()
+        keep = {"backend", "config", "weights", "geom", "lanes", "owner", "_next", "_plan", "_plan_fields",
+                "sampling", "write_logits", "bulk_chunk", "graphs", "order", "_closed"}
+        for name in list(vars(self)):
+            if name not in keep:
+                setattr(self, name, None)
+        self._closed = True
