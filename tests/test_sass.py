@@ -145,3 +145,21 @@ def test_phases_refuse_counts_that_name_no_line_of_the_kernel(probes):
     with pytest.raises(ValueError, match="none of the emulator's counted sites"):
         sass_phases.phases_of(k, {"emu_language.h:158|global load": 64.0})
     assert sass_phases.phases_of(k, {})  # nothing counted at all: the loops keep their static trips
+
+
+def test_phase_cache_names_the_launchs_known_device_values(tmp_path, monkeypatch):
+    """The phases' disk cache is keyed by what decides a loop's trips: the variant, the launch
+    shape and the device values the plan knows (``known``: which row tiles are live). A count
+    made with every tile dead must not be reused for a launch whose tiles are live."""
+    from profiling import sass_phases
+    from profiling.step_trace import Launch
+
+    monkeypatch.setattr(sass_phases.nvrtc_info, "cache_root", lambda: tmp_path / "nvrtc")
+    base = dict(kernel="gather_features", file="step_plan.cu", defines={"FC_IN": 19}, grid=(1, 3, 1),
+                block=(256, 1, 1), shared_mem=0, args=[])
+    dead, live, again = (Launch(**base, known=k) for k in ({"tile_live": (0,)}, {"tile_live": (1,)},
+                                                            {"tile_live": (1,)}))
+    assert sass_phases._cache_path(dead) != sass_phases._cache_path(live)
+    assert sass_phases._cache_path(live) == sass_phases._cache_path(again)
+    assert sass_phases._cache_path(Launch(**base)) not in (sass_phases._cache_path(dead),
+                                                           sass_phases._cache_path(live))
