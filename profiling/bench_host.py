@@ -77,7 +77,7 @@ def steady_cache(be, weights, capacity: int, accept: int, n_steps: int, seed: in
     common.fill_ring(ring, be, seed=seed)
     cache = DraftKvCache(weights, capacity, backend=be)
     c = capacity
-    cache.next_pos = c - accept  # see the module docstring: no prefill bulk append
+    cache.engine._next[0] = c - accept  # see the module docstring: no prefill bulk append
     for _ in range(2):  # capture both step graphs, use both replay events
         cache.begin_step(ring, c)
         cache.run()
@@ -99,7 +99,7 @@ def time_begin_step(cache, ring, committed: int, accept: int, warmup: int, steps
         t0 = pc()
         begin(ring, c)
         dt = pc() - t0
-        cache.next_pos = c  # what run() sets
+        cache.engine._next[0] = c  # what run() sets
         c += accept
         if i >= warmup:
             out[i - warmup] = dt

@@ -37,7 +37,7 @@ def time_lanes(be, weights, lanes: int, capacity: int, accept: int, warmup: int,
         for r in b.rings:   # rows are never read by the host path: claim every position
             r.lo, r.hi = 0, 2**30
         c = capacity
-        b.next_pos = [c - accept] * lanes
+        b.engine._next[:] = [c - accept] * lanes
         for _ in range(2):
             b.begin_step([c] * lanes)
             b.run()
@@ -50,8 +50,8 @@ def time_lanes(be, weights, lanes: int, capacity: int, accept: int, warmup: int,
             t0 = pc()
             b.begin_step(cs)
             dt = pc() - t0
-            b.next_pos = cs          # what run() sets
-            b._planned = False
+            b.engine._next[:] = cs   # what run() sets
+            b.engine._planned = False
             c += accept
             if i >= warmup:
                 out[i - warmup] = dt * 1e6
