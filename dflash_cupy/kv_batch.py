@@ -145,6 +145,13 @@ class DraftKvBatch:
         """Per lane: the position after the last row its cache holds."""
         return list(self.engine._next)
 
+    @next_pos.setter
+    def next_pos(self, v) -> None:
+        v = [int_arg(x, "next_pos", 0) for x in v]
+        if len(v) != self.lanes:
+            raise ValueError(f"next_pos has {len(v)} entries, expected one per lane ({self.lanes})")
+        self.engine._next[:] = v
+
     @property
     def last_plan(self) -> list:
         """Per lane: the ``StepFields`` of the latest planned step (``None``: idle)."""

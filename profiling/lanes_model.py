@@ -47,7 +47,7 @@ import numpy as np
 from profiling import counters as ctr
 from profiling.common import drafter_config, int_list
 from profiling.hw_params import get_gpu
-from profiling.step_trace import Launch, RecordingBackend, ShapeOnlyWeights, _rename, mark_live_tiles
+from profiling.step_trace import RecordingBackend, ShapeOnlyWeights, _rename, mark_live_tiles, name_arrays
 from profiling.perf_model import model_step, resolve_drafter, time_nodes
 
 
@@ -76,15 +76,7 @@ def trace_batch_step(config, window: int, lanes: int, active: int, *, accept: in
     b.run()
     nodes = b._graphs[b._slot].nodes
     mark_live_tiles(b, nodes, active, accept)
-    names = {}
-    for k, v in vars(b).items():
-        if isinstance(v, np.ndarray):
-            names.setdefault((int(v.ctypes.data), int(v.nbytes)), k)
-        elif isinstance(v, list):
-            for i, a in enumerate(v):
-                if isinstance(a, np.ndarray):
-                    names.setdefault((int(a.ctypes.data), int(a.nbytes)), f"{k}[{i}]")
-    _rename(nodes, names)
+    _rename(nodes, name_arrays(b))
     return b, nodes
 
 
