@@ -34,7 +34,7 @@ if __package__ in (None, ""):
 import numpy as np
 
 from dflash_cupy import backends
-from dflash_cupy.kv_cache import MAX_M
+from dflash_cupy.step_engine import GEMM_MAX_M as MAX_M
 from dflash_cupy.ops.gemm import Gemm
 from profiling import common, timer
 
