@@ -30,7 +30,7 @@ from .feature_ring import FeatureRing
 from .geometry import BULK_CHUNK
 from .interop import device_view
 from .nvtx_ranges import nvtx_range
-from .step_engine import StepEngine
+from .step_engine import EngineFacade, StepEngine
 from .weights import DraftWeights
 
 MAX_LANES = 256
@@ -40,7 +40,7 @@ def _lane_word(lane: int) -> str:
     return f"lane {lane}'s ring"
 
 
-class DraftKvBatch:
+class DraftKvBatch(EngineFacade):
     """``DraftKvBatch(weights, capacity, lanes, *, ring_capacity=None,
     ring_dtype=np.float32, lm_head=None, logits=True, backend=None, bulk_chunk=256, x_split=True,
     tune=None, pdl=False, selfcheck=None)``.
@@ -97,18 +97,7 @@ class DraftKvBatch:
         self.hidden_states, self.logits, self.draft_tokens = e.hidden_states, e.logits, e.draft_tokens
         self._closed = False
 
-    def __getattr__(self, name):
-        # everything else (the ops, buffers, recipe, graphs, stream order, tuning...) is the engine's
-        if name == "engine":
-            raise AttributeError(name)
-        return getattr(self.engine, name)
-
     # ------------------------------------------------------------------ properties
-    capacity = property(lambda self: self.geom.capacity)
-    q_len = property(lambda self: self.geom.q_len)
-    kv_total = property(lambda self: self.geom.kv_total)
-    a_step = property(lambda self: self.geom.a_step)
-
     def __repr__(self):
         return (f"DraftKvBatch(lanes={self.lanes}, {self.geom}, layers={self.config.n_layer}, "
                 f"backend={self.backend.name})")
@@ -191,30 +180,13 @@ class DraftKvBatch:
         lanes = range(self.lanes) if lane is None else [self._check_lane(lane)]
         self.engine.reset(lanes, stream)
 
-    def synchronize(self) -> None:
-        """Host wait for every piece of work this batch issued, on any stream."""
-        self.engine.synchronize()
-
-    def _check_open(self):
-        if self._closed:
-            raise RuntimeError("DraftKvBatch is closed")
-
     def close(self) -> None:
         if self._closed:
             return
-        self.engine.close()
-        for ring in self.rings or ():
+        rings = self.rings or ()
+        self._release(("backend", "config", "weights", "geom", "lanes"))
+        for ring in rings:
             ring.close()
-        for name in list(vars(self)):
-            if name not in ("backend", "config", "weights", "geom", "lanes", "engine", "_closed"):
-                setattr(self, name, None)
-        self._closed = True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def _ring_device_dtype(dtype):

@@ -55,7 +55,7 @@ from .interop import device_view
 from .nvtx_ranges import nvtx_range
 from .ops.sample import SamplingParams
 from .ops.step_descriptor import decide_lanes
-from .step_engine import StepEngine
+from .step_engine import EngineFacade, StepEngine
 from .weights import DraftWeights
 
 MAX_CAPACITY = 1 << 24  # ring slots: positions and slots are int32, and 16M rows per layer is already ~32 GB
@@ -66,7 +66,7 @@ def _ring_word(lane: int) -> str:
     return "the ring this step was planned on"
 
 
-class DraftKvCache:
+class DraftKvCache(EngineFacade):
     """``DraftKvCache(weights, capacity, *, lm_head=None, sampling=None, backend=None, bulk_chunk=256,
     x_split=True, tune=None, pdl=False, selfcheck=None)``.
 
@@ -151,17 +151,7 @@ class DraftKvCache:
         self._ring_graphs: dict = {}  # id(ring) -> (ring, gather, graph slots) of recently used rings
         self._closed = False
 
-    def __getattr__(self, name):
-        # everything else (the ops, the recipe, graphs, stream order, tuning...) is the engine's
-        if name == "engine":
-            raise AttributeError(name)
-        return getattr(self.engine, name)
-
     # ------------------------------------------------------------------ properties
-    capacity = property(lambda self: self.geom.capacity)
-    q_len = property(lambda self: self.geom.q_len)
-    kv_total = property(lambda self: self.geom.kv_total)
-    a_step = property(lambda self: self.geom.a_step)
     trash_slot = property(lambda self: self.geom.trash_slot)
     sampling = property(lambda self: self.engine.sampling)
 
@@ -316,27 +306,9 @@ class DraftKvCache:
         self._check_open()
         self.engine.reset((0,), stream)
 
-    def synchronize(self) -> None:
-        """Host wait for every piece of work this cache issued, on any stream."""
-        self.engine.synchronize()
-
-    def _check_open(self):
-        if self._closed:
-            raise RuntimeError("DraftKvCache is closed")
-
     def close(self) -> None:
         if self._closed:
             return
-        self.engine.close()
         # Release everything the cache holds (device arrays, pinned staging, graphs,
         # compiled ops, the ring): only what repr and the closed checks read stays.
-        for name in list(vars(self)):
-            if name not in ("backend", "config", "weights", "geom", "engine", "_closed"):
-                setattr(self, name, None)
-        self._closed = True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        self._release(("backend", "config", "weights", "geom"))

@@ -704,3 +704,43 @@ class StepEngine:
             if name not in keep:
                 setattr(self, name, None)
         self._closed = True
+
+
+class EngineFacade:
+    """What ``DraftKvCache`` and ``DraftKvBatch`` share as facades of one ``StepEngine``
+    (``self.engine``): attributes they do not define are the engine's (the ops, buffers,
+    recipe, graphs, stream order, tuning), the geometry, the host wait, the closed check and
+    the release. Nothing of the step is here: it is the engine's."""
+
+    def __getattr__(self, name):
+        if name == "engine":
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+    capacity = property(lambda self: self.geom.capacity)
+    q_len = property(lambda self: self.geom.q_len)
+    kv_total = property(lambda self: self.geom.kv_total)
+    a_step = property(lambda self: self.geom.a_step)
+
+    def synchronize(self) -> None:
+        """Host wait for every piece of work this object issued, on any stream."""
+        self.engine.synchronize()
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed")
+
+    def _release(self, keep) -> None:
+        """Close the engine and drop every attribute but ``keep`` (only what repr and the
+        closed checks read stays)."""
+        self.engine.close()
+        for name in list(vars(self)):
+            if name not in keep and name not in ("engine", "_closed"):
+                setattr(self, name, None)
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
