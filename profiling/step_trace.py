@@ -408,8 +408,9 @@ def name_arrays(kv) -> dict:
     for i, L in enumerate(dw.layers):
         for k, v in vars(L).items():
             put(f"w.layers[{i}].{k}", v)
-    if kv._ring is not None:
-        put("ring.storage", kv._ring.storage)
+    ring = getattr(kv, "_ring", None)   # a single cache's bound ring (a batch names its storage)
+    if ring is not None:
+        put("ring.storage", ring.storage)
     put("inv_freq", kv.inv_freq)
     return names
 

@@ -590,7 +590,11 @@ def test_gemm_stream_padding_tiles_skipped():
 def test_step_qkv_gemm_knows_the_step_padding():
     plan = trace_step(drafter_config("h4096"), 2048)
     qkv = [n for n in plan.launches if n.kernel in ("gemm_stream", "gemm_wgmma") and n.arg("w").name.endswith("w_qkv")]
-    assert len(qkv) == 5 and all(n.known == {"pad_lo": 6} and n.arg("norm_lo") == plan.a_step for n in qkv)
+    # the step's rows: one tile of 6 appended context rows (2: K and V only) and two padding
+    # tiles, then the noise tile; the norm's hidden-norm rows end at the context region
+    cs = plan.cache.ctx_rows
+    assert len(qkv) == 5 and all(n.known == {"tile_live": (2,) + (0,) * (cs // 16 - 1) + (1,)}
+                                 and n.arg("norm_lo") == cs for n in qkv)
 
 
 def test_gemm_model_table(request):

@@ -256,7 +256,7 @@ def test_cache_steps_fused_equal_unfused_and_the_oracle(monkeypatch):
     """A DraftKvCache whose qkv GEMM folds the rope (q_len 16: 50 step rows, the wgmma kernel;
     head_dim 32: Q, K and V heads in one column group) against the same cache with the fold
     turned off, over growth, a slide past the capacity (ring wraparound), a rewind and
-    positions past 2^20: hidden states and every layer's K/V ring bit for bit, and each step
+    positions past 2^20: hidden states and every layer's K/V rows bit for bit, and each step
     against the float64 oracle (tests/support/drafters.Driver)."""
     from dflash_cupy import backends
     from tests.support.drafters import BF16, SPECS, Driver, Spec, small_config
@@ -281,10 +281,13 @@ def test_cache_steps_fused_equal_unfused_and_the_oracle(monkeypatch):
             d0.step(c)
             np.testing.assert_array_equal(be.to_numpy(d.kv.hidden_states), be.to_numpy(d0.kv.hidden_states),
                                           err_msg=f"hidden c={c}")
+            # every cache row but the trash slot, which the padding rows of a live context
+            # tile write (stale features: what lands there is never read, and differs)
+            keep = np.arange(d.kv.kv_total) != d.kv.trash_slot
             for li in range(2):
                 for name in ("k_cache", "v_cache"):
-                    np.testing.assert_array_equal(be.to_numpy(getattr(d.kv, name)[li]).view(np.uint16),
-                                                  be.to_numpy(getattr(d0.kv, name)[li]).view(np.uint16),
+                    np.testing.assert_array_equal(be.to_numpy(getattr(d.kv, name)[li]).view(np.uint16)[keep],
+                                                  be.to_numpy(getattr(d0.kv, name)[li]).view(np.uint16)[keep],
                                                   err_msg=f"{name}[{li}] c={c}")
     finally:
         d.close()
