@@ -517,7 +517,7 @@ def _gemm_stream(L) -> KernelCounters:
     gy = L.grid[0] // gx
     gz = L.grid[2]
     c = KernelCounters("gemm_stream", "static estimate", L.n_blocks)
-    p = gs.plan(N, K, M, NW, SPLIT, mt=MT)
+    p = gs.plan(N, K, M, NW, SPLIT, mt=MT, raw=bool(NORM and not X16))
     if (p.grid, p.kz, p.kt) != (tuple(L.grid), kz, kt):
         c.notes.append(f"launch differs from gemm_stream.plan: grid {L.grid} kz {kz} kt {kt} vs "
                        f"{p.grid} {p.kz} {p.kt}")
@@ -620,10 +620,27 @@ def _gemm_stream(L) -> KernelCounters:
                         nrm_rows = [r for r in nrm_rows if r < M and not (pad_hi and lo_pad <= r < pad_hi)]
                         n_nrm = len(nrm_rows)
                     gam_rows.update(nrm_rows)
-                    # else ln, re-read per normalised row (L1/L2): one float4 per 4 values of x
-                    c.gld_requests += gx * n_nrm * -(-kvalid // 128)
-                    c.gld_sectors += gx * n_nrm * -(-kvalid * 4 // SECTOR)
-                    c.gld_bytes += gx * n_nrm * kvalid * 4
+                    if X16:
+                        c.gld_requests += gx * n_nrm * -(-kvalid // 128)
+                        c.gld_sectors += gx * n_nrm * -(-kvalid * 4 // SECTOR)
+                        c.gld_bytes += gx * n_nrm * kvalid * 4
+                    else:
+                        # f32: cp.async copies the chunk raw (x as loaded above; ln when a computed
+                        # tile has a row >= norm_lo, ln_lo when one is below, once per block and
+                        # chunk, a warp per 128 values) into shared memory, where the conversion
+                        # reads it: a 16-byte store and load per x item, per gamma item a store
+                        # and a load per normalised row
+                        first = [by * ROWS + 16 * i for i, v in enumerate(rows_t) if v]
+                        n_gam = (any(a + 15 >= norm_lo_ln for a in first)
+                                 + (ln_lo is not None and any(a < norm_lo_ln for a in first)))
+                        c.gld_requests += gx * n_gam * -(-kvalid // 128)
+                        c.gld_sectors += gx * n_gam * -(-kvalid * 4 // SECTOR)
+                        c.gld_bytes += gx * n_gam * kvalid * 4
+                        full, lanes = divmod(kvalid // 4, 32)
+                        for n, a in ((full, 32), (1 if lanes else 0, lanes)):
+                            if n:
+                                one = [16 * j if j < a else None for j in range(32)]
+                                c.add_smem(gx * n * (2 * rows_ld + n_gam + n_nrm), one, 16)
                 else:
                     reqs, secs, nb = _staging_loads(tiles * 16, kt, K, live, kvalid, XB)
                     if rows_ld < live:   # rows of skipped tiles load nothing
