@@ -301,6 +301,12 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
     const int scale_lo = (GS_NORM && use_ln_lo) ? 0 : norm_lo;
 #if GS_NORM
     __shared__ float ss_s[ROWS];  // row sums of squares over this block's K range
+#if GS_RAW
+    // each lane's partial sum of squares of each row across the chunks (k = 128j + 4 lane + 0..3
+    // of the slice, the chunks whole multiples of 128): the warp's butterfly once, after the last
+    // chunk, so the sums do not depend on kt (gemm_wgmma.cu's order, bit for bit)
+    __shared__ float ss_l[ROWS][32];
+#endif
     if (threadIdx.x < ROWS) ss_s[threadIdx.x] = 0.0f;  // ordered before use by the staging barrier
 #else
     (void)ln;
@@ -470,7 +476,7 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
                         const bool rd = row < live && (grow < lo || grow >= pad_hi);
                         const bool nrm = grow >= scale_lo;
                         const float* gam = graw + (grow >= norm_lo ? 0 : kt);
-                        float ss = 0.0f;
+                        float ss = kc == k_begin ? 0.0f : ss_l[row][lane];
                         for (int cb = lane * 4; cb < kt; cb += GS_XN * 128) {
                             float4 xv[GS_XN], gv[GS_XN];
 #pragma unroll
@@ -506,8 +512,7 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
                                 }
                             }
                         }
-                        ss = warp_sum(ss);
-                        if (lane == 0) ss_s[row] += ss;  // this warp owns the row: chunk order
+                        ss_l[row][lane] = ss;  // this lane owns it
                     }
 #elif GS_X16
                     // x already holds the rounded values: 16-byte copies, 8 consecutive threads
@@ -599,6 +604,16 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
         }
     }
 
+#if GS_RAW
+    if (nsteps > 0) {   // each row's sum: its warp's butterfly over the lane partials
+        for (int row = warp; row < tiles * 16; row += GS_WARPS) {
+            if (!((tmask >> (row >> 4)) & 1u)) continue;
+            const float ss = warp_sum(ss_l[row][lane]);
+            if (lane == 0) ss_s[row] = ss;
+        }
+    }
+    __syncthreads();  // ss_s for the epilogue and the split-K partials
+#endif
     // acc[i][j][e]: output row m0 + 16i + g (+8 for e >= 2), column n0 + 8(j % NT) + 2t + (e & 1);
     // j < NT gate (or only), j >= NT up.
 #if GS_EPI == 3

@@ -654,8 +654,10 @@ def _gemm_stream(L) -> KernelCounters:
                 c.smem_requests += gx * SPLIT * sreq
                 c.smem_wavefronts += gx * SPLIT * swf
                 c.smem_ideal_wavefronts += gx * SPLIT * sid
-                if NORM:   # lane 0 of a row's warp adds its chunk sum: ss_s[row] += ss (load, store)
+                if NORM and X16:   # lane 0 of a row's warp adds its chunk sum: ss_s[row] += ss (load, store)
                     _smem_words(c, gx * 2 * 16 * tm)
+                elif NORM:   # each lane's row partial: stored per chunk, loaded from the second on
+                    _smem_words(c, gx * 16 * tm * (2 if ch else 1))
             if NORM:
                 _smem_words(c, gx * -(-ROWS // 32))      # ss_s zeroed by the first ROWS threads
                 if gz == 1:   # (split K: in the reduction, below)
@@ -664,6 +666,11 @@ def _gemm_stream(L) -> KernelCounters:
                     _smem_words(c, gx * WARPS * sum(1 for i in range(MT) for h in (0, 8)
                                                     if stored_tile(by, i) and by * ROWS + 16 * i + h + 7 >= norm_lo))
             c.barriers += gx * 2 * chunks
+            if NORM and not X16:   # after the loop: per computed row its warp's butterfly over
+                # the lane partials (a load) and lane 0's store of the sum, then one barrier
+                if nsteps:
+                    _smem_words(c, gx * 16 * tm * 2)
+                c.barriers += gx
             # MMA loop: per warp, step, computed tile and plane: 4 x 16-B x loads, WT x 4 MMAs
             n = gx * WARPS * nsteps * tm * SPLIT
             for ro in (0, 8):

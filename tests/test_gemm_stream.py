@@ -146,8 +146,10 @@ def test_folded_norm_launches_by_bytes_in_flight():
     streams at its share of HBM; the raw chunk and gammas fit 2 blocks per SM at MT 1."""
     old = gs.plan(12288, 4096, 16, 2)
     new = gs.plan(12288, 4096, 16, 2, raw=True)
-    assert (old.ks, new.ks) == (8, 2) and new.kt == 832 and -(-new.kz // new.kt) == 3
-    assert new.smem == gs.smem_bytes(1, 832, 2) + (16 + 2) * 832 * 4 and gs.blocks_per_sm(1, new.smem) == 2
+    assert (old.ks, new.ks) == (8, 2) and new.kt == 768 and -(-new.kz // new.kt) == 3
+    assert new.smem == gs.smem_bytes(1, 768, 2) + (16 + 2) * 768 * 4 and gs.blocks_per_sm(1, new.smem) == 2
+    for mt in (1, 2, 4):   # whole 128-k rows of the lanes' row sums per chunk
+        assert gs.plan(12288, 4096, 16 * mt, 2, raw=True, ks=1).kt % gs.RAW_KT == 0
     for name, N, K, nw in QWEN3_8B + HIDDEN_5120:
         if nw != 2:
             continue

@@ -80,7 +80,7 @@ def test_no_long_dependent_chains(drafter, window, vocab):
 def test_folded_norm_staging_keeps_a_whole_chunk_in_flight():
     """gemm_stream with the RMSNorm folded in and an f32 x (the step's gate_up): cp.async copies
     each x chunk and its gammas raw into shared memory, every copy of a chunk in flight at once,
-    a chunk ahead of its conversion. So even one slice over the whole K (h4096: 5 chunks of 832)
+    a chunk ahead of its conversion. So even one slice over the whole K (h4096: 6 chunks of 768)
     has no phase besides the weight stream with a dependent chain of more than 2 global loads.
     The kernel before (a warp per row, 2 (x, ln) pairs per lane in registers, a round trip each)
     had 8.5 per copy of its staging loop here (two copies)."""

@@ -28,6 +28,7 @@ from .. import device_props, dtypes, kernels
 WARPS = 8                 # warps per block (GS_WARPS)
 DEPTH = {1: 2, 2: 3, 4: 3}  # ring depth in 64-k steps (GS_DEPTH) per M variant
 KSTEP = 64                # k per ring step
+RAW_KT = 128              # a raw (cp.async) variant's chunks: whole 128-k rows of the lanes' row sums
 XPAD = 32                 # x tile row padding in elements: a row stride of 64 (mod 128) bytes
 WTILES = 4                # 8-row weight tiles per warp: GS_NT = 4 (or 2 per matrix for silu_mul)
 MT_BUCKETS = (1, 2, 4)    # 16-row M tiles per block: the compiled variants
@@ -141,12 +142,15 @@ class Plan:
 def _kt_for(kz: int, mt: int, tiles: int, split: int, dev: Device, raw: bool = False) -> int:
     # The whole slice at once when it fits (x staged once per block, overlapped
     # with the first weight loads); the chunk leaves room for the variant's
-    # register-limited residency (raw: for the raw chunk and gammas too; MT 1 at
-    # 2 blocks per SM: kt <= 832, MT 4 at 1: kt <= 384).
+    # register-limited residency (raw: for the raw chunk and gammas too, chunks of whole
+    # RAW_KT; MT 1 at 2 blocks per SM: kt <= 768, MT 4 at 1: kt <= 384).
     resident = blocks_per_sm(mt, 0)
     budget = min(dev.smem_optin, SMEM_PER_SM // resident - SMEM_RESERVED)
-    per_k = split * 16 * tiles * 2 + ((16 * tiles + 2) * 4 if raw else 0)
-    cap = (budget - split * 16 * tiles * XPAD * 2) // per_k // KSTEP * KSTEP
+    if raw:   # the raw chunk, its gammas and (static) the lanes' row partials, 16 x MT x 32 f32
+        per_k = split * 16 * tiles * 2 + (16 * tiles + 2) * 4
+        cap = (budget - split * 16 * tiles * XPAD * 2 - 16 * mt * 32 * 4) // per_k // RAW_KT * RAW_KT
+        return max(KSTEP, kz if kz <= cap else cap)
+    cap = (budget - split * 16 * tiles * XPAD * 2) // (split * 16 * tiles * 2) // KSTEP * KSTEP
     return max(KSTEP, min(kz, cap))
 
 
