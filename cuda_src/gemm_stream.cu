@@ -19,14 +19,17 @@
 // columns and ROWS = 16 * GS_MT rows; grid = (groups * mblocks, 1, ks), blockIdx.x = cg * mblocks
 // + mb (M block fastest: one column group's blocks share its weights through L2), z = K slice
 // [z * kz, min(K, z * kz + kz)). kz and kt (x chunk) are multiples of 64; dynamic shared memory =
-// GS_SPLIT * 16 * tiles * (kt + 32) * 2 bytes. GS_MT 1, 2, 4 are compiled per bucket.
+// GS_SPLIT * 16 * tiles * (kt + 32) * 2 bytes, plus (GS_NORM, f32 x) (16 * tiles + 2) * kt * 4 for
+// the raw chunk and its gammas, copied by cp.async one chunk ahead. GS_MT 1, 2, 4 are compiled
+// per bucket.
 // Split K (gridDim.z > 1): partial tiles in ws [groups * mblocks][ks][NW][ROWS][COLS] (then, with
 // GS_NORM, the slices' row sums of squares); the last slice to arrive (counters[blockIdx.x], zero
 // between launches, reset by that block) sums them in z order and applies the epilogue
 // (gemm_splitk.cuh).
 // Inner loop: each warp streams its weight rows through a register ring GS_DEPTH 64-k steps deep
 // (two 16-byte ld.global.cs per row and step, no shared memory); x is staged once per chunk into
-// a conflict-free shared tile (row stride 64 mod 128 bytes) read by mma.sync m16n8k16.
+// a conflict-free shared tile (row stride 64 mod 128 bytes) read by mma.sync m16n8k16 (GS_NORM
+// with an f32 x: converted there from the raw chunk that cp.async brought in during the last one).
 // Registers: ops/gemm_stream.PTXAS_REGS (held by tests/test_gemm_stream.py).
 //
 // nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=0 -DGS_K=4096 -DGS_MT=1 -DGS_NT=4 -DGS_SPLIT=2
@@ -157,7 +160,24 @@ constexpr int KSTEP = 64;                       // k per ring step
 #ifndef GS_XB   // x staging: float4 (uint4 with GS_X16) items a thread loads at once, in the registers
 #define GS_XB ((GS_MT == 4 && GS_SPLIT == 2) ? 8 : 4)   // left beside the ring and accumulators
 #endif
-#define GS_XN (GS_MT == 1 ? 2 : 4)   // GS_NORM's staging: (x, ln) float4 pairs a lane loads at once
+#define GS_XN 2   // GS_NORM (f32 x): (x, ln) float4 pairs a lane converts at once (from shared memory)
+#define GS_RAW (GS_NORM && !GS_X16)   // x and the gammas reach shared memory raw (f32) by cp.async
+
+// cp.async (sm_80+): a 16-byte global -> shared copy that holds no register while in flight;
+// the copies of a group (GS_CP_COMMIT) land by GS_CP_WAIT. Macros, so that each copy keeps its
+// own source line (the cost model pairs the SASS's LDGSTS with the emulator's counts by line).
+// Under the emulator the copy happens at once (as if it had already landed).
+#ifdef __CUDA_ARCH__
+#define GS_CP_ASYNC16(dst, src)                                                       \
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(                 \
+                     (unsigned int)__cvta_generic_to_shared(dst)), "l"(src) : "memory")
+#define GS_CP_COMMIT() asm volatile("cp.async.commit_group;\n" ::: "memory")
+#define GS_CP_WAIT() asm volatile("cp.async.wait_group 0;\n" ::: "memory")
+#else
+#define GS_CP_ASYNC16(dst, src) (*reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src))
+#define GS_CP_COMMIT() ((void)0)
+#define GS_CP_WAIT() ((void)0)
+#endif
 
 __device__ __forceinline__ unsigned int to16(float v) { return to_bits16<GS_WTYPE>(v); }
 __device__ __forceinline__ float from16(unsigned int b) { return from_bits16<GS_WTYPE>(b); }
@@ -281,6 +301,12 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
     const int scale_lo = (GS_NORM && use_ln_lo) ? 0 : norm_lo;
 #if GS_NORM
     __shared__ float ss_s[ROWS];  // row sums of squares over this block's K range
+#if GS_RAW
+    // each lane's partial sum of squares of each row across the chunks (k = 128j + 4 lane + 0..3
+    // of the slice, the chunks whole multiples of 128): the warp's butterfly once, after the last
+    // chunk, so the sums do not depend on kt (gemm_wgmma.cu's order, bit for bit)
+    __shared__ float ss_l[ROWS][32];
+#endif
     if (threadIdx.x < ROWS) ss_s[threadIdx.x] = 0.0f;  // ordered before use by the staging barrier
 #else
     (void)ln;
@@ -311,6 +337,42 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
 #pragma unroll
     for (int d = 0; d < D; d++) load_slot(ring[d], wrow, ok, k_begin + d * KSTEP + 8 * t, k_end);
 
+#if GS_RAW
+    // The x chunk [tiles * 16][kt] f32 and its gammas (ln [kt], then ln_lo [kt]) behind the
+    // hi / lo planes, copied by cp.async one chunk ahead: every copy of a chunk is in flight at
+    // once (no register holds them), over the weight ring's loads and the previous chunk's MMAs.
+    // The same rows and k as the conversion below reads: a warp per row, lanes along k; rows
+    // not read and k past the slice are not copied (nor read). ln is copied when a row of a
+    // computed tile is >= norm_lo, ln_lo when use_ln_lo and one is below.
+    // (addresses and flags recomputed where used: fewer registers live across the ring)
+#define GS_XRAW reinterpret_cast<float*>(smem + (size_t)GS_SPLIT * plane * 2)
+#define GS_GRAW (GS_XRAW + tiles * 16 * kt)
+    auto stage_async = [&](int kc) {
+        float* const xraw = GS_XRAW;
+        float* const graw = GS_GRAW;
+        bool ln_hi = false, ln_low = false;   // a computed tile has a row >= norm_lo / < norm_lo
+#pragma unroll
+        for (int i = 0; i < MT; i++) {
+            if ((tmask >> i) & 1u) {
+                ln_hi |= m0 + 16 * i + 15 >= norm_lo;
+                ln_low |= use_ln_lo && m0 + 16 * i < norm_lo;
+            }
+        }
+        for (int row = warp; row < tiles * 16; row += GS_WARPS) {
+            const int grow = m0 + row;
+            if (!((tmask >> (row >> 4)) & 1u) || row >= live || (grow >= lo && grow < pad_hi)) continue;
+            for (int c4 = lane * 4; c4 < kt && kc + c4 < k_end; c4 += 128)
+                GS_CP_ASYNC16(xraw + row * kt + c4, xrow(grow) + kc + c4);
+        }
+        for (int c4 = (int)threadIdx.x * 4; c4 < kt && kc + c4 < k_end; c4 += THREADS * 4) {
+            if (ln_hi) GS_CP_ASYNC16(graw + c4, ln + kc + c4);
+            if (ln_low) GS_CP_ASYNC16(graw + kt + c4, ln_lo + kc + c4);
+        }
+        GS_CP_COMMIT();
+    };
+    if (nsteps > 0) stage_async(k_begin);
+#endif
+
     float acc[MT][WT][4];
 #pragma unroll
     for (int i = 0; i < MT; i++)
@@ -329,6 +391,9 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
                     // Stage x[m0 .. m0+16*tiles, kc .. kc+kt) in the weight type; rows
                     // past M and k past the slice as zeros (0 * NaN poison would leak).
                     const int kc = k_begin + s * KSTEP;
+#if GS_RAW
+                    GS_CP_WAIT();
+#endif
                     __syncthreads();  // every warp is done with the previous chunk
 #if GS_NORM && GS_X16
                     // One warp per row, 8 values (16 bytes) per lane: lane l holds k = 256j + 8l
@@ -400,23 +465,27 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
                         if (lane == 0) ss_s[row] += ss;  // this warp owns the row: chunk order
                     }
 #elif GS_NORM
-                    // one warp per row, lanes along k: the row's sum of squares in a fixed order
+                    // The chunk copied by stage_async has landed (this thread's copies; the
+                    // barrier above shows every thread's). One warp per row, lanes along k: the
+                    // row's sum of squares in a fixed order.
+                    const float* const xraw = GS_XRAW;
+                    const float* const graw = GS_GRAW;
                     for (int row = warp; row < tiles * 16; row += GS_WARPS) {
                         if (!((tmask >> (row >> 4)) & 1u)) continue;  // tile not computed: not staged
                         const int grow = m0 + row;
                         const bool rd = row < live && (grow < lo || grow >= pad_hi);
                         const bool nrm = grow >= scale_lo;
-                        const float* gam = grow >= norm_lo ? ln : ln_lo;
-                        float ss = 0.0f;
-                        for (int cb = lane * 4; cb < kt; cb += GS_XN * 128) {  // GS_XN (x, ln) pairs in flight
+                        const float* gam = graw + (grow >= norm_lo ? 0 : kt);
+                        float ss = kc == k_begin ? 0.0f : ss_l[row][lane];
+                        for (int cb = lane * 4; cb < kt; cb += GS_XN * 128) {
                             float4 xv[GS_XN], gv[GS_XN];
 #pragma unroll
                             for (int u = 0; u < GS_XN; u++) {
                                 const int c4 = cb + u * 128, k = kc + c4;
                                 xv[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                                 gv[u] = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-                                if (rd && c4 < kt && k < k_end) xv[u] = *reinterpret_cast<const float4*>(xrow(grow) + k);
-                                if (nrm && c4 < kt && k < k_end) gv[u] = *reinterpret_cast<const float4*>(gam + k);
+                                if (rd && c4 < kt && k < k_end) xv[u] = *reinterpret_cast<const float4*>(xraw + row * kt + c4);
+                                if (nrm && c4 < kt && k < k_end) gv[u] = *reinterpret_cast<const float4*>(gam + c4);
                             }
 #pragma unroll
                             for (int u = 0; u < GS_XN; u++) {
@@ -443,8 +512,7 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
                                 }
                             }
                         }
-                        ss = warp_sum(ss);
-                        if (lane == 0) ss_s[row] += ss;  // this warp owns the row: chunk order
+                        ss_l[row][lane] = ss;  // this lane owns it
                     }
 #elif GS_X16
                     // x already holds the rounded values: 16-byte copies, 8 consecutive threads
@@ -500,6 +568,9 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
                     }
 #endif
                     __syncthreads();
+#if GS_RAW
+                    if (kc + kt < k_end) stage_async(kc + kt);  // every warp is past the raw chunk
+#endif
                 }
 #pragma unroll
                 for (int i = 0; i < MT; i++) {
@@ -533,6 +604,16 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
         }
     }
 
+#if GS_RAW
+    if (nsteps > 0) {   // each row's sum: its warp's butterfly over the lane partials
+        for (int row = warp; row < tiles * 16; row += GS_WARPS) {
+            if (!((tmask >> (row >> 4)) & 1u)) continue;
+            const float ss = warp_sum(ss_l[row][lane]);
+            if (lane == 0) ss_s[row] = ss;
+        }
+    }
+    __syncthreads();  // ss_s for the epilogue and the split-K partials
+#endif
     // acc[i][j][e]: output row m0 + 16i + g (+8 for e >= 2), column n0 + 8(j % NT) + 2t + (e & 1);
     // j < NT gate (or only), j >= NT up.
 #if GS_EPI == 3

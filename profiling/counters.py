@@ -517,7 +517,7 @@ def _gemm_stream(L) -> KernelCounters:
     gy = L.grid[0] // gx
     gz = L.grid[2]
     c = KernelCounters("gemm_stream", "static estimate", L.n_blocks)
-    p = gs.plan(N, K, M, NW, SPLIT, mt=MT)
+    p = gs.plan(N, K, M, NW, SPLIT, mt=MT, raw=bool(NORM and not X16))
     if (p.grid, p.kz, p.kt) != (tuple(L.grid), kz, kt):
         c.notes.append(f"launch differs from gemm_stream.plan: grid {L.grid} kz {kz} kt {kt} vs "
                        f"{p.grid} {p.kz} {p.kt}")
@@ -620,10 +620,27 @@ def _gemm_stream(L) -> KernelCounters:
                         nrm_rows = [r for r in nrm_rows if r < M and not (pad_hi and lo_pad <= r < pad_hi)]
                         n_nrm = len(nrm_rows)
                     gam_rows.update(nrm_rows)
-                    # else ln, re-read per normalised row (L1/L2): one float4 per 4 values of x
-                    c.gld_requests += gx * n_nrm * -(-kvalid // 128)
-                    c.gld_sectors += gx * n_nrm * -(-kvalid * 4 // SECTOR)
-                    c.gld_bytes += gx * n_nrm * kvalid * 4
+                    if X16:
+                        c.gld_requests += gx * n_nrm * -(-kvalid // 128)
+                        c.gld_sectors += gx * n_nrm * -(-kvalid * 4 // SECTOR)
+                        c.gld_bytes += gx * n_nrm * kvalid * 4
+                    else:
+                        # f32: cp.async copies the chunk raw (x as loaded above; ln when a computed
+                        # tile has a row >= norm_lo, ln_lo when one is below, once per block and
+                        # chunk, a warp per 128 values) into shared memory, where the conversion
+                        # reads it: a 16-byte store and load per x item, per gamma item a store
+                        # and a load per normalised row
+                        first = [by * ROWS + 16 * i for i, v in enumerate(rows_t) if v]
+                        n_gam = (any(a + 15 >= norm_lo_ln for a in first)
+                                 + (ln_lo is not None and any(a < norm_lo_ln for a in first)))
+                        c.gld_requests += gx * n_gam * -(-kvalid // 128)
+                        c.gld_sectors += gx * n_gam * -(-kvalid * 4 // SECTOR)
+                        c.gld_bytes += gx * n_gam * kvalid * 4
+                        full, lanes = divmod(kvalid // 4, 32)
+                        for n, a in ((full, 32), (1 if lanes else 0, lanes)):
+                            if n:
+                                one = [16 * j if j < a else None for j in range(32)]
+                                c.add_smem(gx * n * (2 * rows_ld + n_gam + n_nrm), one, 16)
                 else:
                     reqs, secs, nb = _staging_loads(tiles * 16, kt, K, live, kvalid, XB)
                     if rows_ld < live:   # rows of skipped tiles load nothing
@@ -637,8 +654,10 @@ def _gemm_stream(L) -> KernelCounters:
                 c.smem_requests += gx * SPLIT * sreq
                 c.smem_wavefronts += gx * SPLIT * swf
                 c.smem_ideal_wavefronts += gx * SPLIT * sid
-                if NORM:   # lane 0 of a row's warp adds its chunk sum: ss_s[row] += ss (load, store)
+                if NORM and X16:   # lane 0 of a row's warp adds its chunk sum: ss_s[row] += ss (load, store)
                     _smem_words(c, gx * 2 * 16 * tm)
+                elif NORM:   # each lane's row partial: stored per chunk, loaded from the second on
+                    _smem_words(c, gx * 16 * tm * (2 if ch else 1))
             if NORM:
                 _smem_words(c, gx * -(-ROWS // 32))      # ss_s zeroed by the first ROWS threads
                 if gz == 1:   # (split K: in the reduction, below)
@@ -647,6 +666,11 @@ def _gemm_stream(L) -> KernelCounters:
                     _smem_words(c, gx * WARPS * sum(1 for i in range(MT) for h in (0, 8)
                                                     if stored_tile(by, i) and by * ROWS + 16 * i + h + 7 >= norm_lo))
             c.barriers += gx * 2 * chunks
+            if NORM and not X16:   # after the loop: per computed row its warp's butterfly over
+                # the lane partials (a load) and lane 0's store of the sum, then one barrier
+                if nsteps:
+                    _smem_words(c, gx * 16 * tm * 2)
+                c.barriers += gx
             # MMA loop: per warp, step, computed tile and plane: 4 x 16-B x loads, WT x 4 MMAs
             n = gx * WARPS * nsteps * tm * SPLIT
             for ro in (0, 8):

@@ -98,7 +98,7 @@ def _rmw_unseen(L) -> int:
     store, the emulator's hooks see one access (the compiler's address-sanitizer pass checks
     the address once per read-modify-write). Per block and x chunk one per staged row (16
     per computed tile: one with a row below M that is not padding; no tile_live here)."""
-    if not L.defines.get("GS_NORM"):
+    if not L.defines.get("GS_NORM") or not L.defines.get("GS_X16"):   # the f32 raw staging keeps lane partials
         return 0
     lo, hi = L.known.get("pad_lo", 0), int(L.arg("pad_hi"))
     M, kt, kz, ROWS, k = int(L.arg("M")), int(L.arg("kt")), int(L.arg("kz")), 16 * L.defines["GS_MT"], L.defines["GS_K"]

@@ -139,6 +139,32 @@ def test_figures_at_drafter_shapes(name, N, K, nw):
     assert old["x_l2_per_weight_byte"] == pytest.approx(1.0 / nw, rel=0.05)
 
 
+def test_folded_norm_launches_by_bytes_in_flight():
+    """A GS_NORM launch with an f32 x (raw: x staged by cp.async) is planned by bytes in flight,
+    not by rounds of blocks: h4096's gate_up at m = 16 takes 2 slices (192 blocks, one round of
+    resident blocks) where the rule by rounds takes 8 (768 blocks: 3 rounds), and each busiest SM
+    streams at its share of HBM; the raw chunk and gammas fit 2 blocks per SM at MT 1."""
+    old = gs.plan(12288, 4096, 16, 2)
+    new = gs.plan(12288, 4096, 16, 2, raw=True)
+    assert (old.ks, new.ks) == (8, 2) and new.kt == 768 and -(-new.kz // new.kt) == 3
+    assert new.smem == gs.smem_bytes(1, 768, 2) + (16 + 2) * 768 * 4 and gs.blocks_per_sm(1, new.smem) == 2
+    for mt in (1, 2, 4):   # whole 128-k rows of the lanes' row sums per chunk
+        assert gs.plan(12288, 4096, 16 * mt, 2, raw=True, ks=1).kt % gs.RAW_KT == 0
+    for name, N, K, nw in QWEN3_8B + HIDDEN_5120:
+        if nw != 2:
+            continue
+        for m in (16, 32, 64):
+            f = gs.stream_figures(N, K, m, nw, raw=True)
+            p = f["plan"]
+            if m == 16:   # one round of resident blocks
+                assert f["blocks"] <= f["blocks_per_sm_resident"] * gs.H200.sm_count, (name, m, p)
+            assert f["inflight_bound_ratio"] <= 1.05 and f["partial_per_weight_byte"] <= 0.25, (name, m, f)
+            assert p.smem <= gs.H200.smem_optin and gs.blocks_per_sm(p.mt, p.smem) == gs.blocks_per_sm(p.mt, 0)
+    # without raw (x staged through registers) the rule by rounds stands: a thicker slice would
+    # be a longer dependent chain of x loads
+    assert gs.plan(4096, 20480, 50, 1).ks == 8
+
+
 def test_figures_table_covers_every_shape():
     lines = gs.figures_table(ms=(16,)).splitlines()
     assert len(lines) == 2 + len(gs.FIGURE_SHAPES) and "132 SMs" in lines[0]

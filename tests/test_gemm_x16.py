@@ -174,7 +174,9 @@ def test_static_counters_follow_the_element_size(emu, rng, cfg, norm):
     st = est[True]
     assert st.bytes_read["x"] == m * K * 2 and est[False].bytes_read["x"] == m * K * 4
     assert st.bytes_written["y"] == m * N * 2 and est[False].bytes_written["y"] == m * N * 4
-    assert est[False].gld_sectors > st.gld_sectors
+    if not norm:   # (with the norm the f32 kernel copies its gammas once per block and chunk, cp.async,
+        # where the x16 kernel re-reads them per normalised row: the totals are not ordered)
+        assert est[False].gld_sectors > st.gld_sectors
 
     op = Gemm(emu, N, K, "bf16", max_m=MAX_M, path="stream", x_split=False, wgmma=True, x16=True, y16=True,
               norm_eps=1e-6 if norm else None)

@@ -225,18 +225,18 @@ def test_waves_of_the_hidden_5120_gate_up():
 
 def test_ptxas_facts_of_the_gate_up_gemm():
     """The real gate_up launch of the hidden-5120 drafter (stream path, M = 16: the
-    16-row variant, 2 blocks of 256 threads per SM in 128 registers): 136 column
-    groups x 9 K slices = 1224 blocks, 4 waves of 264 and a tail of 168, more blocks
-    than SMs (the planner prices a partial last wave whole: 10 slices, the old choice,
-    left a tail of 40 blocks, latency-bound, 16 us per step in the model)."""
+    16-row variant, 2 blocks of 256 threads per SM in 128 registers, the raw x chunk of the
+    folded norm's cp.async staging included): 136 column groups x 1 K slice (the rule by
+    bytes in flight; by rounds it took 9 slices, 1224 blocks, 4 waves of 264 and a tail
+    of 168), one round of resident blocks."""
     plan = trace_step(drafter_config("qwen3.5-27b"), 256)
     gu = [n for n in plan.launches if n.kernel == "gemm_stream" and n.arg("w").name.endswith("w_gate_up")]
-    assert len(gu) == 5 and gu[0].grid == (136, 1, 9)
+    assert len(gu) == 5 and gu[0].grid == (136, 1, 1)
     info = sf.ptxas_info(gu[0].file, gu[0].defines)["gemm_stream"]
     assert info["spill_stores"] == 0 and 0 < info["registers"] <= 128
     o = sf.occupancy(H200, gu[0].threads, info["registers"], info["smem"], gu[0].shared_mem)
     assert o.blocks_per_sm == 2
-    assert sf.waves(1224, o.blocks_per_sm, 132).tail_blocks == 1224 - 4 * 264 == 168 > 132
+    assert sf.waves(136, o.blocks_per_sm, 132).full_waves == 0
     t = pm.time_nodes([gu[0]], H200, ctr.static_counters, compiled=False)[0]
     assert t.predicted_us == pytest.approx(t.bounds_us["dram"], rel=1e-9)   # no tail loss
 
@@ -354,13 +354,13 @@ def test_model_step_structure():
 
 
 def test_model_h5120_names_the_tail_wave(monkeypatch, request):
-    """The hidden-5120 gate_up: its default split (9 slices) leaves no latency-bound tail;
-    forced back to 10 slices (1360 blocks on 264 slots) the model names the tail wave of 40
-    and charges it (about 8 us per step in the source model: reported)."""
+    """The hidden-5120 gate_up: its default split (1 slice, one round of blocks) leaves no
+    latency-bound tail; forced to 10 slices (1360 blocks on 264 slots) the model names the
+    tail wave of 40 and charges it (about 8 us per step in the source model: reported)."""
     from dflash_cupy.ops import gemm_stream as gs
     m = pm.model_step("h5120", 2048, H200, compiled=False)   # the source model's wave bound
     gu = m["groups"]["gemm_stream[gate_up]"]["first"]
-    assert (gu.grid, gu.blocks_per_sm) == ((136, 1, 9), 2)
+    assert (gu.grid, gu.blocks_per_sm) == ((136, 1, 1), 2)
     assert not any("tail wave" in d["why"] for d in m["losses"])
     assert 1.0 < m["ratio"] < 20  # at or above the floor
     plan = gs.plan

@@ -75,3 +75,26 @@ def test_no_long_dependent_chains(drafter, window, vocab):
             bad.append(f"{node_label(n)}: {p.kind} at SASS {p.where}: {p.chain:.1f} dependent round trips "
                        f"({p.trips:.1f} trips x {p.round_trips}, {p.trips_from}) [{', '.join(p.lines[:3])}]")
     assert not bad, "\n".join(bad)
+
+
+def test_folded_norm_staging_keeps_a_whole_chunk_in_flight():
+    """gemm_stream with the RMSNorm folded in and an f32 x (the step's gate_up): cp.async copies
+    each x chunk and its gammas raw into shared memory, every copy of a chunk in flight at once,
+    a chunk ahead of its conversion. So even one slice over the whole K (h4096: 6 chunks of 768)
+    has no phase besides the weight stream with a dependent chain of more than 2 global loads.
+    The kernel before (a warp per row, 2 (x, ln) pairs per lane in registers, a round trip each)
+    had 8.5 per copy of its staging loop here (two copies)."""
+    import dataclasses
+
+    from dflash_cupy.ops import gemm_stream as gs
+
+    n = next(n for n in launches("h4096", 2048, None) if node_label(n) == "gemm_stream[gate_up]")
+    assert n.defines.get("GS_NORM") == 1 and not n.defines.get("GS_X16")
+    K = n.defines["GS_K"]
+    p = gs.plan(n.arg("N"), K, n.arg("M"), 2, n.defines["GS_SPLIT"], mt=n.defines["GS_MT"], ks=1, raw=True)
+    assert (p.ks, p.kz) == (1, K) and -(-K // p.kt) >= 4
+    args = [dict(a, kz=p.kz, kt=p.kt) if isinstance(a, dict) else a for a in n.args]
+    one = dataclasses.replace(n, grid=p.grid, shared_mem=p.smem, args=args)
+    phases, st, _ = facts(one)
+    chains = sorted((p.chain, p.where, p.lines[:2]) for p in phases if p is not st)
+    assert chains and chains[-1][0] <= 2.0, chains[-3:]

@@ -28,6 +28,7 @@ from .. import device_props, dtypes, kernels
 WARPS = 8                 # warps per block (GS_WARPS)
 DEPTH = {1: 2, 2: 3, 4: 3}  # ring depth in 64-k steps (GS_DEPTH) per M variant
 KSTEP = 64                # k per ring step
+RAW_KT = 128              # a raw (cp.async) variant's chunks: whole 128-k rows of the lanes' row sums
 XPAD = 32                 # x tile row padding in elements: a row stride of 64 (mod 128) bytes
 WTILES = 4                # 8-row weight tiles per warp: GS_NT = 4 (or 2 per matrix for silu_mul)
 MT_BUCKETS = (1, 2, 4)    # 16-row M tiles per block: the compiled variants
@@ -79,8 +80,15 @@ def cols_per_block(nw: int) -> int:
     return WARPS * 8 * (WTILES // nw)
 
 
-def smem_bytes(tiles: int, kt: int, split: int) -> int:
-    return split * 16 * tiles * (kt + XPAD) * 2
+def smem_bytes(tiles: int, kt: int, split: int, raw: bool = False) -> int:
+    """Dynamic shared memory: the hi (and lo) planes of the staged x chunk; ``raw`` (GS_NORM with
+    an f32 x): also the raw f32 chunk and its two gammas, which cp.async fills a chunk ahead."""
+    return split * 16 * tiles * (kt + XPAD) * 2 + (raw_bytes(tiles, kt) if raw else 0)
+
+
+def raw_bytes(tiles: int, kt: int) -> int:
+    """The raw chunk [16 * tiles][kt] f32, then ln and ln_lo [kt] f32 each."""
+    return (16 * tiles + 2) * kt * 4
 
 
 def blocks_per_sm(mt: int, smem: int) -> int:
@@ -88,6 +96,22 @@ def blocks_per_sm(mt: int, smem: int) -> int:
     by_regs = REGS_PER_SM // (regs * WARPS * 32)
     by_smem = SMEM_PER_SM // (smem + SMEM_RESERVED)
     return max(0, min(by_regs, by_smem, THREADS_PER_SM // (WARPS * 32)))
+
+
+def block_inflight(mt: int) -> int:
+    """Weight bytes a block keeps in flight as compiled: one ring slot per warp (128 B per
+    thread in every variant's steady-state loop, profiling/sass.py; the source's DEPTH - 1
+    slots would be twice that for MT 2 and 4)."""
+    return WARPS * WTILES * 8 * 128
+
+
+def _stream_terms(blocks: int, block_bytes: int, mt: int, dev: Device) -> tuple:
+    """``(spread, busiest)``: a launch's weight stream in bytes at one SM's share of HBM, its
+    bytes spread over the SMs, and the busiest SM's bytes (its blocks one after another, as many
+    at once as fit) slowed by Little's law where it keeps less than INFLIGHT_TARGET in flight."""
+    per_sm = -(-blocks // dev.sm_count)
+    inflight = min(max(1, blocks_per_sm(mt, 0)), per_sm) * block_inflight(mt)
+    return blocks * block_bytes / dev.sm_count, per_sm * block_bytes * INFLIGHT_TARGET / inflight
 
 
 GRID_X_MAX = 2**31 - 1
@@ -115,21 +139,27 @@ class Plan:
         return WG_THREADS if isinstance(self.mt, str) else WARPS * 32
 
 
-def _kt_for(kz: int, mt: int, tiles: int, split: int, dev: Device) -> int:
+def _kt_for(kz: int, mt: int, tiles: int, split: int, dev: Device, raw: bool = False) -> int:
     # The whole slice at once when it fits (x staged once per block, overlapped
     # with the first weight loads); the chunk leaves room for the variant's
-    # register-limited residency.
+    # register-limited residency (raw: for the raw chunk and gammas too, chunks of whole
+    # RAW_KT; MT 1 at 2 blocks per SM: kt <= 768, MT 4 at 1: kt <= 384).
     resident = blocks_per_sm(mt, 0)
     budget = min(dev.smem_optin, SMEM_PER_SM // resident - SMEM_RESERVED)
-    cap = (budget // (split * 16 * tiles * 2) - XPAD) // KSTEP * KSTEP
+    if raw:   # the raw chunk, its gammas and (static) the lanes' row partials, 16 x MT x 32 f32
+        per_k = split * 16 * tiles * 2 + (16 * tiles + 2) * 4
+        cap = (budget - split * 16 * tiles * XPAD * 2 - 16 * mt * 32 * 4) // per_k // RAW_KT * RAW_KT
+        return max(KSTEP, kz if kz <= cap else cap)
+    cap = (budget - split * 16 * tiles * XPAD * 2) // (split * 16 * tiles * 2) // KSTEP * KSTEP
     return max(KSTEP, min(kz, cap))
 
 
 def plan(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device = H200, mt: int | None = None,
-         ks: int | None = None) -> Plan:
+         ks: int | None = None, raw: bool = False) -> Plan:
     """Launch of one call over ``m`` rows (``mt``: force a compiled variant;
     ``ks``: force the K split, at most what K's 64-wide steps allow and, with
-    several M blocks, what one wave holds).
+    several M blocks, what one wave holds; ``raw``: the variant stages a raw
+    f32 chunk too, GS_NORM with an f32 x, ``smem_bytes``).
 
     Split K with several M blocks is planned only while the split grid fits
     one wave of resident blocks (``groups * mblocks * ks <= SMs x blocks per
@@ -157,28 +187,39 @@ def plan(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device = H200
         if ks_eff != ks or (ks > 1 and kz < MIN_K_SLICE and forced is None):
             continue
         blocks = nblk * gy * ks
-        # the busiest SM's blocks; past one wave of resident blocks, a partial last wave is
-        # priced whole (its few blocks run alone: latency- not bandwidth-bound, as
-        # profiling/perf_model.py's wave bound has it; h5120 gate_up: 10 slices left a
-        # 40-block tail on 264 slots, 9 none)
-        slots = dev.sm_count * max(1, blocks_per_sm(mt, 0))
-        rounds = (-(-blocks // slots) * (slots // dev.sm_count) if blocks > slots
-                  else -(-blocks // dev.sm_count))
         block_bytes = cols * nw * kz * 2
+        if raw:
+            # x staged by cp.async (a chunk's copies all in flight, whatever its size): the
+            # stream by bytes in flight (_stream_terms), not by rounds of blocks. A slice costs
+            # its partials and its share of the reduction, and buys bytes in flight only where
+            # an SM lacks them. (By rounds, h4096's gate_up took 8 slices, 768 blocks in 3
+            # rounds on 264 slots, each round paying a block's prologue, staging and reduction
+            # as compiled; it takes 2.)
+            stream = max(_stream_terms(blocks, block_bytes, mt, dev))
+        else:
+            # x staged through registers (GS_XB items per thread per L2 round trip): a thicker
+            # slice is a longer dependent chain (tests/test_sass_kernels.py: CHAIN_MAX), so the
+            # busiest SM's blocks x their bytes; past one wave of resident blocks a partial
+            # last wave is priced whole (its few blocks run alone: latency- not bandwidth-bound;
+            # h5120 gate_up: 10 slices left a 40-block tail on 264 slots, 9 none)
+            slots = dev.sm_count * max(1, blocks_per_sm(mt, 0))
+            rounds = (-(-blocks // slots) * (slots // dev.sm_count) if blocks > slots
+                      else -(-blocks // dev.sm_count))
+            stream = rounds * block_bytes
         live = min(m, rows)
         partial = 2 * ks * m * N * nw * 4 if ks > 1 else 0    # every M block's partial tiles, written and read
         tail = ks * live * cols * nw * 4 if ks > 1 else 0   # a reducing block's reads
-        cost = rounds * block_bytes + PARTIAL_COST * partial / dev.sm_count + REDUCE_COST * tail
+        cost = stream + PARTIAL_COST * partial / dev.sm_count + REDUCE_COST * tail
         if forced is not None and ks == forced:
             cost = -1.0
         if best is None or cost < best[0]:
             best = (cost, ks, kz)
     _, ks, kz = best
-    kt = _kt_for(kz, mt, tiles, split, dev)
+    kt = _kt_for(kz, mt, tiles, split, dev, raw)
     if nblk * gy > GRID_X_MAX:
         raise ValueError(f"m={m}, N={N}: {nblk} column groups x {gy} M blocks exceed the grid's x limit")
     return Plan(mt=mt, tiles=tiles, grid=(nblk * gy, 1, ks), ks=ks, kz=kz, kt=kt,
-                smem=smem_bytes(tiles, kt, split), groups=nblk, mblocks=gy)
+                smem=smem_bytes(tiles, kt, split, raw), groups=nblk, mblocks=gy)
 
 
 # ---- the wgmma variants (cuda_src/gemm_wgmma.cu): "wg<BT>", BT rows of x per block
@@ -359,10 +400,12 @@ def weight_passes(groups: int, mblocks: int, concurrent: int, m_fastest: bool = 
     return total / groups
 
 
-def stream_figures(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device = H200) -> dict:
+def stream_figures(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device = H200,
+                   raw: bool = False) -> dict:
     """The header's derivation for one call: see ``cuda_src/gemm_stream.cu``."""
-    p = plan(N, K, m, nw, split, dev)
+    p = plan(N, K, m, nw, split, dev, raw=raw)
     blocks = p.grid[0] * p.grid[1] * p.grid[2]
+    spread, busiest = _stream_terms(blocks, cols_per_block(nw) * nw * p.kz * 2, p.mt, dev)
     resident = blocks_per_sm(p.mt, p.smem)
     concurrent = resident * dev.sm_count
     per_sm = min(resident, -(-blocks // dev.sm_count))
@@ -382,6 +425,9 @@ def stream_figures(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Dev
         "weight_hbm_passes_old_order": weight_passes(p.groups, p.mblocks, concurrent, m_fastest=False),
         "partial_per_weight_byte": (2 * p.ks * min(m, 16 * p.mt) * N * nw * 4 / weight_bytes) if p.ks > 1 else 0.0,
         "wave_efficiency": blocks / (-(-blocks // dev.sm_count) * dev.sm_count),
+        # the busiest SM's stream by its bytes in flight over the launch's bytes at the SMs'
+        # share of HBM (plan's rule): <= 1 streams at the HBM rate
+        "inflight_bound_ratio": busiest / spread,
         # tensor-core rate the MMAs need to keep pace with 90% of H200 HBM (4.8 TB/s):
         # 16 rows per live tile, x GS_SPLIT for hi + lo, 2 flops per multiply-add
         "mma_tflops_at_90pct_hbm": 2 * 16 * p.tiles * split / 2 * 0.9 * HBM_BPS / 1e12,
@@ -618,7 +664,8 @@ class StreamKernels:
     def _plan(self, m: int, mt, ks) -> Plan:
         if isinstance(mt, str):
             return plan_wgmma(self.N, self.K, m, self.nw, self.split, self.dev, variant=mt, ks=ks)
-        return plan(self.N, self.K, m, self.nw, self.split, self.dev, mt=mt, ks=ks)
+        return plan(self.N, self.K, m, self.nw, self.split, self.dev, mt=mt, ks=ks,
+                    raw=self.norm and not self.x16)
 
     def plan(self, m: int) -> Plan:
         c = self._choice.get(m)
