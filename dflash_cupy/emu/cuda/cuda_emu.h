@@ -42,6 +42,21 @@
 #include <ucontext.h>
 #endif
 
+// The runtime (block runner, scheduler, warp collectives, the memory checks' entry
+// points) is compiled once per flag set into an object that every module links
+// (build.py, runtime_object: EMU_RT_DEFINE=1); a kernel's translation unit sees
+// only its declarations, so g++ does not generate it again for each kernel. The
+// state both use is hidden (EMU_SHARED): still one copy per module.
+#ifndef EMU_RT_DEFINE
+#define EMU_RT_DEFINE 0
+#endif
+#if EMU_RT_DEFINE
+#define EMU_SHARED __attribute__((visibility("hidden")))
+#else
+#define EMU_SHARED extern __attribute__((visibility("hidden")))
+#endif
+#define EMU_RT __attribute__((visibility("hidden"))) EMU_INTERNAL  // defined in the runtime object only
+
 // The parts, in dependency order (each needs the ones above it):
 #include "emu_language.h"
 #include "emu_fibers.h"
