@@ -55,6 +55,9 @@
 #else
 #define EMU_SHARED extern __attribute__((visibility("hidden")))
 #endif
+// Thread-locals: local-dynamic, as for a static one (the default for an extern one is the
+// slower general-dynamic access on every read).
+#define EMU_SHARED_TLS EMU_SHARED __attribute__((tls_model("local-dynamic"))) __thread
 #define EMU_RT __attribute__((visibility("hidden"))) EMU_INTERNAL  // defined in the runtime object only
 
 // The parts, in dependency order (each needs the ones above it):

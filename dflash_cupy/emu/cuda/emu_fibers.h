@@ -77,8 +77,8 @@ struct Block {
     bool pdl_waited;  // counter mode: some thread of the block has run pdl_wait()
 };
 
-EMU_SHARED __thread Fiber* tl_fiber;
-EMU_SHARED __thread Block* tl_block;
+EMU_SHARED_TLS Fiber* tl_fiber;
+EMU_SHARED_TLS Block* tl_block;
 
 #ifndef EMU_STACK_BYTES
 #define EMU_STACK_BYTES 65536  // the launcher generator defines it from emu_build.STACK_BYTES
