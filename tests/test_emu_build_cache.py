@@ -1,7 +1,8 @@
 """The emulator's build cache (``emu/build.py``) shared by concurrent
 processes (pytest-xdist workers): the same variant requested by two processes at
 once is compiled once, both get the finished module, and it runs; the
-precompiled emulator header is the one g++ really reads."""
+precompiled emulator header is the one g++ really reads; the emulator's runtime
+is compiled once, not again in each module's translation unit."""
 import os
 import subprocess
 import sys
@@ -77,14 +78,19 @@ def test_two_processes_building_the_same_variant_compile_it_once(tmp_path):
     assert total == float(np.arange(100).sum() + 100)
     assert so.is_file() and so.parent.parent == cache
     compiles = log.read_text().splitlines()
-    modules = [c for c in compiles if "c++-header" not in c]
-    headers = [c for c in compiles if "c++-header" in c]
+    outputs = [c.split()[-1] for c in compiles]      # what each compile writes (-o)
+    modules = [o for o in outputs if o.endswith("module.so")]
+    headers = [o for o in outputs if o.endswith(".gch")]
+    runtimes = [o for o in outputs if o.endswith(emu_build.RT_OBJECT)]
+    assert len(compiles) == 3, compiles
     assert len(modules) == 1, compiles          # the second process waited for the first one's build
     assert len(headers) == 1, compiles          # the precompiled header too
+    assert len(runtimes) == 1, compiles         # and the runtime object
     # nothing half-built or temporary is left beside the finished entries
-    left = sorted(p.name for p in cache.iterdir() if p.name not in (".locks", "pch", "nvrtc"))
+    left = sorted(p.name for p in cache.iterdir() if p.name not in (".locks", "pch", "rt", "nvrtc"))
     assert left == [so.parent.name], left
-    assert [p.name for p in (cache / "pch").iterdir() if "." in p.name] == []
+    for d in ("pch", "rt"):
+        assert [p.name for p in (cache / d).iterdir() if "." in p.name] == [], d
 
 
 def test_the_precompiled_header_is_used(tmp_path, monkeypatch):
@@ -98,9 +104,49 @@ def test_the_precompiled_header_is_used(tmp_path, monkeypatch):
     tu = tmp_path / "tu.cpp"
     tu.write_text(emu_build.generate_tu(tmp_path / "k.cu", emu_build.parse_kernels(SRC), {}))
     r = subprocess.run([emu_build.CXX, *flags, "-Winvalid-pch", "-H", f"-I{pch}", f"-I{emu_build.EMU_DIR}",
-                        f"-I{emu_build.EMU_DIR / 'include'}", str(tu), "-o", str(tmp_path / "m.so")],
+                        f"-I{emu_build.EMU_DIR / 'include'}", str(tu), str(emu_build.runtime_object(flags)),
+                        "-o", str(tmp_path / "m.so")],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"! {pch / emu_build.PCH_HEADER}.gch" in r.stderr, r.stderr[:2000]
     after = r.stderr.split(".gch", 1)[1][:2000]
     assert "cuda_emu.h" not in after and "emu_fibers.h" not in after   # its parts: not parsed as text after it
+
+
+def _symbols(path: Path) -> dict[str, str]:
+    r = subprocess.run(["nm", "-C", str(path)], capture_output=True, text=True, check=True)
+    return {line[19:].split("(")[0]: line[17] for line in r.stdout.splitlines() if len(line) > 19}
+
+
+SHFL_SRC = r"""
+extern "C" __global__ void warp_sum(float* x) {
+    float v = x[threadIdx.x];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    x[threadIdx.x] = v;
+}
+"""
+
+
+def test_the_runtime_is_compiled_once_not_in_each_module(tmp_path, monkeypatch):
+    """A module's translation unit declares the emulator's runtime (block runner, scheduler,
+    warp collectives, the memory checks' entry points) and links the object built once per
+    flag set: g++ does not generate that code again for every kernel."""
+    monkeypatch.setenv("DFLASH_CUPY_EMU_CACHE", str(tmp_path))
+    flags = emu_build._flags()
+    rt = emu_build.runtime_object(flags)
+    assert rt == emu_build.runtime_object(flags) and rt.parent.parent == tmp_path / "rt"
+    src = SRC + SHFL_SRC
+    (tmp_path / "k.cu").write_text(src)
+    tu = tmp_path / "tu.cpp"
+    tu.write_text(emu_build.generate_tu(tmp_path / "k.cu", emu_build.parse_kernels(src), {}))
+    obj = tmp_path / "tu.o"
+    r = subprocess.run([emu_build.CXX, *emu_build._compile_only(flags), "-c",
+                        f"-I{emu_build.precompiled_header(flags)}", f"-I{emu_build.EMU_DIR}",
+                        f"-I{emu_build.EMU_DIR / 'include'}", str(tu), "-o", str(obj)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    kernel, runtime = _symbols(obj), _symbols(rt)
+    for name in ("emu::launch", "emu::warp_collective", "__asan_load4_noabort", "emu::tl_fiber"):
+        assert kernel.get(name) == "U", (name, kernel.get(name))    # used, defined elsewhere
+        assert runtime.get(name, "U") != "U", name                  # defined by the runtime object
+    assert "emu::run_blocks" not in kernel and "emu::run_blocks" in runtime

@@ -12,7 +12,11 @@ place (atomic), under a per-key file lock, so a module being built by one
 process is waited for, not built twice, and never read half-written. The
 emulator header is compiled once per flag set into a precompiled header
 (``pch/``) that every module's build then reads instead of parsing the header
-again (the same code: the header is included first, with the same flags).
+again (the same code: the header is included first, with the same flags), and
+the emulator's runtime (block runner, scheduler, warp collectives, the memory
+checks' entry points) once per flag set into an object (``rt/``) that every
+module links, instead of generating its code again for each kernel (half of a
+small kernel's g++ time).
 """
 from __future__ import annotations
 
@@ -60,8 +64,9 @@ def _flags() -> tuple[str, ...]:
 
 
 # Bumped whenever the generated translation unit changes shape (part of the cache key).
-GEN_VERSION = "5"
+GEN_VERSION = "6"
 PCH_HEADER = "emu_pch.h"   # the TU's first include: EMU_STACK_BYTES and cuda_emu.h
+RT_OBJECT = "emu_rt.o"     # the runtime (cuda_emu.h with EMU_RT_DEFINE=1), linked into every module
 STATIC_SMEM_FILE = "static_shared.txt"  # beside module.so: TLS offset and size of each static __shared__
 
 _SMEM_RE = re.compile(
@@ -234,11 +239,7 @@ def precompiled_header(flags: tuple[str, ...]) -> Path:
     under the same lock and rename as modules). If g++ cannot precompile it, the
     directory holds the header alone and modules parse it as text: the same code,
     only slower (g++ also ignores a ``.gch`` whose flags or macros do not match)."""
-    # EMU_DIR is in the key: the .gch's line tables name the headers by the path they were
-    # read from, and the counter mode's site resolution reads those tables. A .gch built by
-    # another checkout sharing the cache would name its headers elsewhere.
-    key = hashlib.sha256("\0".join(["pch", CXX, *flags, GEN_VERSION, pch_header_text(),
-                                      _header_digest([]), str(EMU_DIR)]).encode()).hexdigest()[:24]
+    key = _flags_key("pch", flags)
     d = cache_dir() / "pch" / key
     if (d / PCH_HEADER).exists():
         return d
@@ -256,6 +257,41 @@ def precompiled_header(flags: tuple[str, ...]) -> Path:
             (tmp / (PCH_HEADER + ".gch")).unlink(missing_ok=True)   # a module build reports the error
         _publish(tmp, d)
     return d
+
+
+def _flags_key(kind: str, flags: tuple[str, ...]) -> str:
+    # EMU_DIR is in the key: the .gch's and the object's line tables name the headers by the
+    # path they were read from, and the counter mode's site resolution reads those tables. A
+    # build by another checkout sharing the cache would name its headers elsewhere.
+    return hashlib.sha256("\0".join([kind, CXX, *flags, GEN_VERSION, pch_header_text(),
+                                      _header_digest([]), str(EMU_DIR)]).encode()).hexdigest()[:24]
+
+
+def runtime_object(flags: tuple[str, ...]) -> Path:
+    """The emulator's runtime compiled for ``flags`` (``RT_OBJECT``: cuda_emu.h with
+    ``EMU_RT_DEFINE=1``; a module's translation unit declares it only), built once under
+    the same lock and rename as modules."""
+    key = _flags_key("rt", flags)
+    d = cache_dir() / "rt" / key
+    if (d / RT_OBJECT).exists():
+        return d / RT_OBJECT
+    d.parent.mkdir(exist_ok=True)
+    with _key_lock("rt-" + key):
+        if (d / RT_OBJECT).exists():
+            return d / RT_OBJECT
+        tmp = Path(tempfile.mkdtemp(prefix=key + ".", dir=d.parent))
+        src = tmp / "emu_rt.cpp"
+        src.write_text("#define EMU_RT_DEFINE 1\n" + pch_header_text())
+        cmd = [CXX, *_compile_only(flags), "-c", f"-I{EMU_DIR}", f"-I{EMU_DIR / 'include'}", str(src),
+               "-o", str(tmp / RT_OBJECT)]
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CompileError(f"g++ failed to compile the emulator's runtime:\n{r.stderr.strip()}\n"
+                               f"(command: {' '.join(shlex.quote(c) for c in cmd)})")
+        _publish(tmp, d)
+    return d / RT_OBJECT
 
 
 def build(source: str, options, filename: str | None, counters: bool = False):
@@ -293,14 +329,15 @@ def build(source: str, options, filename: str | None, counters: bool = False):
     if so.exists():
         return so, kernels
     pch = precompiled_header(flags)
+    rt = runtime_object(flags)
     with _key_lock(key):
         if not so.exists():   # not built by another process while this one waited
-            _build_into(d, key, source, fname, kernels, smem, counters, flags, defines, includes, pch)
+            _build_into(d, key, source, fname, kernels, smem, counters, flags, defines, includes, pch, rt)
     return so, kernels
 
 
 def _build_into(d: Path, key: str, source: str, fname: str, kernels, smem, counters: bool,
-                flags, defines, includes, pch: Path) -> None:
+                flags, defines, includes, pch: Path, rt: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=key + ".", dir=cache_dir()))
     src_copy = tmp / (Path(fname).name or "source.cu")
     # #line makes g++ name the original file and line in its messages.
@@ -308,7 +345,7 @@ def _build_into(d: Path, key: str, source: str, fname: str, kernels, smem, count
     tu = tmp / "launch.cpp"
     tu.write_text(generate_tu(src_copy, kernels, smem, counters))
     cmd = [CXX, *flags, f"-I{pch}", f"-I{EMU_DIR}", f"-I{EMU_DIR / 'include'}",
-           *[f"-I{p}" for p in includes], *defines, str(tu), "-o", str(tmp / "module.so")]
+           *[f"-I{p}" for p in includes], *defines, str(tu), str(rt), "-o", str(tmp / "module.so")]
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:

@@ -42,6 +42,24 @@
 #include <ucontext.h>
 #endif
 
+// The runtime (block runner, scheduler, warp collectives, the memory checks' entry
+// points) is compiled once per flag set into an object that every module links
+// (build.py, runtime_object: EMU_RT_DEFINE=1); a kernel's translation unit sees
+// only its declarations, so g++ does not generate it again for each kernel. The
+// state both use is hidden (EMU_SHARED): still one copy per module.
+#ifndef EMU_RT_DEFINE
+#define EMU_RT_DEFINE 0
+#endif
+#if EMU_RT_DEFINE
+#define EMU_SHARED __attribute__((visibility("hidden")))
+#else
+#define EMU_SHARED extern __attribute__((visibility("hidden")))
+#endif
+// Thread-locals: local-dynamic, as for a static one (the default for an extern one is the
+// slower general-dynamic access on every read).
+#define EMU_SHARED_TLS EMU_SHARED __attribute__((tls_model("local-dynamic"))) __thread
+#define EMU_RT __attribute__((visibility("hidden"))) EMU_INTERNAL  // defined in the runtime object only
+
 // The parts, in dependency order (each needs the ones above it):
 #include "emu_language.h"
 #include "emu_fibers.h"

@@ -77,8 +77,8 @@ struct Block {
     bool pdl_waited;  // counter mode: some thread of the block has run pdl_wait()
 };
 
-static thread_local Fiber* tl_fiber;
-static thread_local Block* tl_block;
+EMU_SHARED_TLS Fiber* tl_fiber;
+EMU_SHARED_TLS Block* tl_block;
 
 #ifndef EMU_STACK_BYTES
 #define EMU_STACK_BYTES 65536  // the launcher generator defines it from emu_build.STACK_BYTES
@@ -88,7 +88,8 @@ static const size_t STACK_BYTES = EMU_STACK_BYTES;
 #if defined(__x86_64__)
 // Saves callee-saved registers, MXCSR and the x87 control word on the old
 // stack, switches stacks and restores the same from the new one.
-extern "C" void emu_ctx_switch(void** save_sp, void* new_sp);
+extern "C" __attribute__((visibility("hidden"))) void emu_ctx_switch(void** save_sp, void* new_sp);
+#if EMU_RT_DEFINE
 asm(".text\n"
     ".p2align 4\n"
     ".globl emu_ctx_switch\n"
@@ -102,6 +103,7 @@ asm(".text\n"
     "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n"
     "  ret\n"
     ".size emu_ctx_switch, .-emu_ctx_switch\n");
+#endif  // EMU_RT_DEFINE
 #endif
 
 static void fiber_main();
@@ -294,8 +296,11 @@ static inline void fail(Block* b, const char* msg) {
     }
 }
 
-EMU_INTERNAL static unsigned long long warp_collective(int op, unsigned long long v, int arg, int width,
-                                                      unsigned mask) {
+EMU_RT unsigned long long warp_collective(int op, unsigned long long v, int arg, int width, unsigned mask)
+#if !EMU_RT_DEFINE
+    ;
+#else
+{
     Block* b = tl_block;
     Fiber* f = tl_fiber;
     int wi = f->tid >> 5, lane = f->tid & 31;
@@ -345,6 +350,7 @@ EMU_INTERNAL static unsigned long long warp_collective(int op, unsigned long lon
     switch_to_scheduler();
     return f->warp_result;
 }
+#endif  // EMU_RT_DEFINE
 
 // A lane's exit may complete groups that were waiting for it.
 EMU_INTERNAL static void lane_exited(Block* b, int tid) {

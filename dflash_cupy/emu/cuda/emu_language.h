@@ -31,8 +31,8 @@ static inline void misaligned(const void* p, unsigned align, const char* type, b
 // Counter mode (emu_counters.h): the counting state of the launch this OS
 // thread runs, null when counting is off. The hooks exist only in modules built
 // with -DEMU_COUNTERS=1 (build.py's counting variant): ordinary builds pay nothing.
-static thread_local void* tl_cnt;
-static int g_counting;  // counted launches running in this module: tested before tl_cnt
+EMU_SHARED_TLS void* tl_cnt;
+EMU_SHARED int g_counting;  // counted launches running in this module: tested before tl_cnt
 // One vector access of `n` bytes as the GPU issues it (a single instruction),
 // however g++ splits the copy: counted as one, its pieces are not.
 __attribute__((noinline)) static void count_vector(const void* p, unsigned n, bool store);

@@ -3,6 +3,7 @@
 // the block runner and the extern "C" launch entry points the Python side calls.
 #pragma once
 
+#if EMU_RT_DEFINE  // the memory checks' entry points: in the runtime object only
 #define EMU_ASAN_CB(EmuN) \
     extern "C" __attribute__((visibility("hidden"))) EMU_INTERNAL void __asan_load##EmuN##_noabort(void* p) { \
         ::emu::check_access((unsigned long long)p, EmuN, false); \
@@ -27,6 +28,7 @@ extern "C" __attribute__((visibility("hidden"))) EMU_INTERNAL void __asan_storeN
                             (unsigned long long)__builtin_return_address(0));
 }
 extern "C" __attribute__((visibility("hidden"))) EMU_INTERNAL void __asan_handle_no_return() {}
+#endif  // EMU_RT_DEFINE
 
 namespace emu {
 static thread_local void* tl_fault_addr;
@@ -169,11 +171,15 @@ EMU_INTERNAL static void run_blocks(void (*body)(void**), void** args, const uns
 // Runs blocks first, first+stride, ... of a launch on the calling OS thread;
 // the Python side spreads a launch over its persistent worker threads, each
 // with its own stack arena (shared memory is per OS thread too).
-EMU_INTERNAL static int launch(void (*body)(void**), void** args, const unsigned* grid, const unsigned* block,
+EMU_RT int launch(void (*body)(void**), void** args, const unsigned* grid, const unsigned* block,
                   void (*poison)(unsigned), unsigned shmem, unsigned long long seed, int order,
                   unsigned long long first, unsigned long long stride, void* stack_base, int stack_count,
                   unsigned long long stack_stride, const unsigned long long* ranges, const char* const* names,
-                  int nranges, char* err, int errlen, void** fault_addr, int* fault_sig) {
+                  int nranges, char* err, int errlen, void** fault_addr, int* fault_sig)
+#if !EMU_RT_DEFINE
+    ;
+#else
+{
     LaunchResult res{0, nullptr, 0};
     const StackArena stacks{(char*)stack_base, stack_count, (size_t)stack_stride};
     run_blocks(body, args, grid, block, poison, shmem, seed, order, first, stride, stacks, ranges, names, nranges,
@@ -182,16 +188,21 @@ EMU_INTERNAL static int launch(void (*body)(void**), void** args, const unsigned
     *fault_sig = res.fault_sig;
     return res.status;
 }
+#endif  // EMU_RT_DEFINE
 
 // Counter mode: runs blocks ids[0..n_ids) (linear block numbers) of a launch on the
 // calling OS thread and adds its counts to `out` (CNT_TOTALS values, then
 // CNT_PER_RANGE per range). Results of the blocks not run are not written.
-EMU_INTERNAL static int launch_counted(void (*body)(void**), void** args, const unsigned* grid,
+EMU_RT int launch_counted(void (*body)(void**), void** args, const unsigned* grid,
                   const unsigned* block, void (*poison)(unsigned), unsigned shmem, unsigned long long seed,
                   int order, const unsigned long long* ids, unsigned long long n_ids, void* stack_base,
                   int stack_count, unsigned long long stack_stride, const unsigned long long* ranges,
                   const char* const* names, int nranges, char* err, int errlen, void** fault_addr,
-                  int* fault_sig, unsigned long long* out, unsigned long long* sites_out, int max_sites) {
+                  int* fault_sig, unsigned long long* out, unsigned long long* sites_out, int max_sites)
+#if !EMU_RT_DEFINE
+    ;
+#else
+{
     LaunchResult res{0, nullptr, 0};
     const StackArena stacks{(char*)stack_base, stack_count, (size_t)stack_stride};
     Count cnt;
@@ -210,15 +221,18 @@ EMU_INTERNAL static int launch_counted(void (*body)(void**), void** args, const 
     *fault_sig = res.fault_sig;
     return res.status;
 }
+#endif  // EMU_RT_DEFINE
 
 }  // namespace emu
 // Counter mode: the next counted launch on this OS thread writes its sector table to `out`
 // (cap entries at most; out[0] = the entries it has, which may exceed cap).
+#if EMU_RT_DEFINE
 extern "C" __attribute__((visibility("default"))) EMU_INTERNAL void emu_pdl_export(unsigned long long* out,
                                                                                    unsigned long long cap) {
     emu::tl_pdl_out = out;
     emu::tl_pdl_cap = cap;
 }
+#endif  // EMU_RT_DEFINE
 namespace emu {
 template <typename EmuT> static inline unsigned long long to_bits(EmuT v) {
     static_assert(sizeof(EmuT) <= 8, "warp collectives move at most 8 bytes");

@@ -36,7 +36,7 @@ struct MemTable {
     unsigned long long key[MEM_SLOTS];  // page number + 1; 0 = empty slot
     int val[MEM_SLOTS];
 };
-static thread_local MemTable* tl_mem;
+EMU_SHARED_TLS MemTable* tl_mem;
 
 EMU_INTERNAL static inline unsigned mem_slot(unsigned long long page) {
     return (unsigned)((page * 0x9e3779b97f4a7c15ULL) >> 54) & (MEM_SLOTS - 1);
@@ -81,7 +81,7 @@ EMU_INTERNAL static void build_mem_table(MemTable* t, const unsigned long long* 
     }
 }
 
-static thread_local sigjmp_buf* tl_fault_jmp;
+EMU_SHARED_TLS sigjmp_buf* tl_fault_jmp;
 
 // Ends the launch at once (the fiber does not run on into memory it must not touch).
 EMU_INTERNAL [[noreturn]] static void abort_launch(const char* msg) {

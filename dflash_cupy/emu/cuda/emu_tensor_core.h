@@ -62,7 +62,7 @@ struct WgState {
     WgThread* th;
     int nth;
 };
-static thread_local WgState* tl_wg;
+EMU_SHARED_TLS WgState* tl_wg;
 
 // The shared-memory window: region i of tl_mem->sh starts at window offset *vbase.
 EMU_INTERNAL static bool wg_window(int i, unsigned long long* vbase) {
