@@ -288,7 +288,8 @@ def _gemm_mma(L) -> KernelCounters:
     d = L.defines
     K, KT, MT, SPLIT = d["GM_K"], d["GM_KT"], d["GM_MT"], d.get("GM_SPLIT", 2)
     KSPLIT, EPI, WARPS = d.get("GM_KSPLIT", 1), d.get("GM_EPI", 0), d.get("GM_WARPS", 4)
-    x, w, y, r, M, N, ws, _cnt = L.args
+    P = L.params()
+    x, w, y, r, M, N, ws = (P[k] for k in ("x", "w", "y", "r", "M", "N", "ws"))
     ROWS, XS, NW, THREADS = 16 * MT, KT + 8, 2 if EPI == 2 else 1, WARPS * 32
     KZ = (-(-K // KSPLIT) + 31) // 32 * 32
     gx, gy, gz = L.grid
@@ -761,6 +762,10 @@ def _gemm_stream(L) -> KernelCounters:
     if pad_hi:   # every thread of every block reads the padding start: a request per warp
         c.add_global("ld", L.n_blocks * WARPS, 1, 128)
         c.bytes_read[_name(P["pad_lo"])] = 4
+    if use_live:   # every thread reads its block's flags of tiles below M: a request per warp each
+        flag_loads = gx * gz * sum(1 for by in range(gy) for i in range(MT) if by * ROWS + 16 * i < M)
+        c.add_global("ld", flag_loads * WARPS, 1, 128)
+        c.bytes_read[_name(P["tile_live"])] = 4 * -(-M // 16)
     c.dram_bytes = ((N * NW * K * 2 if live_blocks else 0) + len(x_rows) * K * XB
                     + m_st * N * (8 if EPI == 1 else YB))
     if NORM:
@@ -1152,7 +1157,9 @@ def _wgmma_qkv_epilogue(c: KernelCounters, L, classes, flags, BT: int, COLS: int
 def _attn_mma(L) -> KernelCounters:
     d = L.defines
     D, NH, NKV, B, KVT, SPLITS = d["D"], d["NH"], d["NKV"], d["B"], d["KV_TOTAL"], d["SPLITS"]
-    q, kc, vc, mask, po, pml, _cnt, out, gate, _scale = L.args[:10]   # then live, use_live (lanes)
+    P = L.params()
+    q, kc, vc, mask, po, pml, out, gate = (P[k] for k in ("q", "k_cache", "v_cache", "mask", "part_o", "part_ml",
+                                                           "out", "gate"))
     TILE, G = 32, NH // NKV
     R = B * G
     MW = -(-R // 16)
@@ -1286,32 +1293,26 @@ def _bytes_only(L, reads, writes, note="") -> KernelCounters:
 
 
 def _small(L) -> KernelCounters:
-    k, a, d = L.kernel, L.args, L.defines
+    k, d = L.kernel, L.defines
+    P = L.params()          # the arguments by the kernel's parameter names
+    n = lambda key: _name(P[key])
     if k == "reset_slots_if":
-        return _bytes_only(L, [(_name(a[0]), 4)], [], "steady state: desc says no reset")
+        return _bytes_only(L, [(n("desc"), 4)], [], "steady state: desc says no reset")
     if k == "reset_slots":
-        return _bytes_only(L, [], [(_name(a[0]), d["CAP"] * 4)])
+        return _bytes_only(L, [], [(n("slot_pos"), d["CAP"] * 4)])
     if k == "plan_append":
-        n, n_q = a[5], a[6]
-        return _bytes_only(L, [(_name(a[0]), 12)],
-                           [(_name(a[1]), n * 4), (_name(a[2]), n * 4), (_name(a[4]), n_q * 4)],
+        rows, n_q = P["a_rows"], P["n_q"]
+        return _bytes_only(L, [(n("desc"), 12)],
+                           [(n("ap_pos"), rows * 4), (n("ap_rows"), rows * 4), (n("pos_q"), n_q * 4)],
                            "slot_pos writes (n_new of them) not counted: data-dependent")
     if k == "gather_features":
-        rows, fc_in = a[3], d["FC_IN"]
+        rows, fc_in = P["a_rows"], d["FC_IN"]
         item = {0: 4, 1: 2, 2: 2}[d["RING_DTYPE"]]
-        return _bytes_only(L, [(_name(a[1]), rows * fc_in * item)], [(_name(a[2]), rows * fc_in * 4)],
+        return _bytes_only(L, [(n("ring"), rows * fc_in * item)], [(n("ap_feat"), rows * fc_in * 4)],
                            "all rows counted as new (upper bound of the ring read)")
-    if k == "plan_step":   # step_plan.cu: reset_slots_if + plan_append + gather_features + build_masks
-        rows, fc_in, cap, q_len, kvt, flags = a[3], d["FC_IN"], a[10], a[11], a[12], a[13]
-        item = {0: 4, 1: 2, 2: 2}[d["RING_DTYPE"]]
-        masks = [(_name(a[8 + i]), q_len * kvt * 2) for i in range(2) if flags >> i & 1]
-        return _bytes_only(L, [(_name(a[0]), 16), (_name(a[1]), rows * fc_in * item), (_name(a[4]), cap * 4)],
-                           [(_name(a[2]), rows * fc_in * 4), (_name(a[5]), rows * 4), (_name(a[6]), rows * 4),
-                            (_name(a[7]), q_len * 4), *masks],
-                           "all rows counted as new (upper bound of the ring read); slot_pos writes "
-                           "(n_new of them) not counted: data-dependent")
-    if k == "plan_lanes":   # step_plan.cu: every lane's plan_step in one launch (grid x, lanes)
-        a_rows, cs, cap, q_len, bs, kvt, mflags, lanes = a[3], a[4], a[11], a[12], a[13], a[14], a[15], a[16]
+    if k == "plan_lanes":   # step_plan.cu: every lane's planning in one launch (grid x, lanes)
+        a_rows, cs, cap, q_len, bs, kvt, mflags, lanes = (P[x] for x in ("a_rows", "cs", "cap", "q_len", "bs",
+                                                                         "kv_total", "masks", "lanes"))
         item = {0: 4, 1: 2, 2: 2}[d["RING_DTYPE"]]
         gx = -(-d["FC_IN"] // (256 * 4))
         plan_blocks = L.grid[0] - gx * a_rows
@@ -1319,14 +1320,15 @@ def _small(L) -> KernelCounters:
         # the gather blocks of rows past a lane's count, and an idle lane's plan blocks, exit
         # at their start
         app = L.known.get("lanes_app") or (a_rows,) * lanes
-        act = [n for n in app if n is not None]
-        n_rows = sum(min(n, a_rows) for n in act)
+        act = [x for x in app if x is not None]
+        n_rows = sum(min(x, a_rows) for x in act)
         nm = (mflags & 1) + (mflags >> 1 & 1)
-        reads = [(_name(a[0]), lanes * 4 * 16), (_name(a[1]), n_rows * d["FC_IN"] * item),
-                 (_name(a[5]), len(act) * cap * 4)]
-        writes = [(_name(a[2]), n_rows * d["FC_IN"] * 4), (_name(a[6]), lanes * (cs + bs) * 4),
-                  (_name(a[7]), lanes * cs * 4), (_name(a[8]), lanes * (cs + bs) // 16 * 4)]
-        writes += [(_name(a[9 + i]), len(act) * q_len * kvt * 2) for i in range(2) if mflags >> i & 1]
+        reads = [(n("desc_all"), lanes * 4 * 16), (n("ring_all"), n_rows * d["FC_IN"] * item),
+                 (n("slot_pos_all"), len(act) * cap * 4)]
+        writes = [(n("ap_feat_all"), n_rows * d["FC_IN"] * 4), (n("pos_all"), lanes * (cs + bs) * 4),
+                  (n("rows_all"), lanes * cs * 4), (n("tile_live"), lanes * (cs + bs) // 16 * 4)]
+        writes += [(n(m), len(act) * q_len * kvt * 2) for i, m in enumerate(("mask_full_all", "mask_swa_all"))
+                   if mflags >> i & 1]
         c = _bytes_only(L, reads, writes, f"{len(act)} of {lanes} lanes active, {n_rows} rows gathered; "
                         f"{nm} mask(s) rebuilt per active lane" + ("" if L.known.get("lanes_app") else
                                                                     " (every lane assumed active, a_rows each)"))
@@ -1334,35 +1336,35 @@ def _small(L) -> KernelCounters:
         c.dram_round_trips_per_block = 2.0   # the descriptor, then the ring rows / slot table
         return c
     if k.startswith("build_mask"):
-        nm = 2 if k == "build_masks" else 1
-        writes = [(_name(a[2 + i]), d["Q_LEN"] * d["KV_TOTAL"] * 2) for i in range(nm)]
-        return _bytes_only(L, [(_name(a[1]), d["CAP"] * 4)], writes)
-    if k == "rmsnorm":   # (x, w, y, rows, w_rows, eps, tile_live, use_live)
-        rows, D = a[3], d["NORM_D"]
-        flags = L.known.get("tile_live") if len(a) > 7 and int(a[7]) else None
+        masks = ("mask_full", "mask_swa") if k == "build_masks" else ("mask_" + k.rsplit("_", 1)[1],)
+        writes = [(n(m), d["Q_LEN"] * d["KV_TOTAL"] * 2) for m in masks]
+        return _bytes_only(L, [(n("slot_pos"), d["CAP"] * 4)], writes)
+    if k == "rmsnorm":
+        rows, D = P["rows"], d["NORM_D"]
+        flags = L.known.get("tile_live") if int(P.get("use_live", 0)) else None
         live = rows if flags is None else sum(1 for r in range(rows) if flags[r // 16])
-        writes = [(_name(a[2]), live * D * (2 if d.get("NORM_Y16", 0) else 4))]   # NORM_Y16: 16-bit y
-        return _bytes_only(L, [(_name(a[0]), live * D * 4), (_name(a[1]), a[4] * D * 4)], writes,
+        writes = [(n("y"), live * D * (2 if d.get("NORM_Y16", 0) else 4))]   # NORM_Y16: 16-bit y
+        return _bytes_only(L, [(n("x"), live * D * 4), (n("w"), P["w_rows"] * D * 4)], writes,
                            f"tile_live: {rows - live} dead row(s) skipped" if flags is not None else "")
     if k == "ring_attn_combine":   # merge="launch": every lane of a LANES launch assumed live
         S, B, NH, D, lanes = d["SPLITS"], d["B"], d["NH"], d["D"], d.get("LANES", 1)
-        return _bytes_only(L, [(_name(a[0]), lanes * S * B * NH * D * 4), (_name(a[1]), lanes * S * B * NH * 8)],
-                           [(_name(a[3]), lanes * B * NH * D * (2 if d.get("OUT16", 0) else 4))],
+        return _bytes_only(L, [(n("part_o"), lanes * S * B * NH * D * 4), (n("part_ml"), lanes * S * B * NH * 8)],
+                           [(n("out"), lanes * B * NH * D * (2 if d.get("OUT16", 0) else 4))],
                            "part_ml is re-read by every thread of a row: L1/L2 hits, not counted"
                            + (f"; {lanes} lanes, all assumed live" if lanes > 1 else ""))
     if k == "qkv_norm_rope":
-        M, D, NH, NKV, has_q = a[9], d["D"], d["NH"], d["NKV"], d.get("HAS_Q", 0)
+        M, D, NH, NKV, has_q = P["M"], d["D"], d["NH"], d["NKV"], d.get("HAS_Q", 0)
         # tile_live (lane batches), when the plan knows it: dead tiles' rows skipped, the
         # context tiles' (2) Q heads skipped
-        flags = L.known.get("tile_live") if len(a) > 14 and int(a[14]) else None
+        flags = L.known.get("tile_live") if int(P.get("use_live", 0)) else None
         tl = [1 if flags is None else int(flags[m // 16]) for m in range(M)]
         rows = sum(1 for v in tl if v)
         q_rows = sum(1 for v in tl if v and v != 2) if has_q else 0
-        reads = [(_name(a[0]), (q_rows * NH * D + rows * 2 * NKV * D) * 4), (_name(a[4]), rows * 4),
-                 (_name(a[5]), rows * 4), (_name(a[3]), D // 2 * 8)]
-        writes = [(_name(a[7]), rows * NKV * D * 2), (_name(a[8]), rows * NKV * D * 2)]
+        reads = [(n("qkv"), (q_rows * NH * D + rows * 2 * NKV * D) * 4), (n("pos"), rows * 4),
+                 (n("rows"), rows * 4), (n("inv_freq"), D // 2 * 8)]
+        writes = [(n("k_cache"), rows * NKV * D * 2), (n("v_cache"), rows * NKV * D * 2)]
         if has_q:
-            writes.append((_name(a[6]), q_rows * NH * D * 4))
+            writes.append((n("q_out"), q_rows * NH * D * 4))
         return _bytes_only(L, reads, writes, f"tile_live: {M - rows} dead row(s), {rows - q_rows} without Q"
                            if flags is not None else "")
     return _bytes_only(L, [], [], f"no access model for kernel {k!r}: counters are empty")

@@ -92,7 +92,8 @@ def _gemm_launch(M, N, K, MT, KT, split=2, ksplit=1, epi=0):
         d["GM_KSPLIT"] = ksplit
     args = [arr("x", (M, K), np.float32), arr("w", (nw * N, K), np.uint16), arr("y", (M, N), np.float32),
             arr("y", (M, N), np.float32), M, N, arr("ws", (1,), np.float32), arr("cnt", (1,), np.int32)]
-    return Launch("gemm_mma", "gemm_mma.cu", d, grid, (128, 1, 1), split * 16 * MT * (KT + 8) * 2, args)
+    return Launch("gemm_mma", "gemm_mma.cu", d, grid, (128, 1, 1), split * 16 * MT * (KT + 8) * 2, args,
+                  names=["x", "w", "y", "r", "M", "N", "ws", "counters"])
 
 
 def test_gemm_mma_counts_by_hand():
@@ -143,7 +144,8 @@ def _attn_launch(D=128, NH=32, NKV=8, B=16, KVT=2080, SPLITS=16, FOLD=1):
             arr("counters", (NKV,), np.int32), arr("out", (B, NH * D), np.float32),
             arr("out", (B, NH * D), np.float32), 0.1]
     R = B * NH // NKV
-    return Launch("ring_attn_mma_split", "attention_mma.cu", d, (NKV, SPLITS, 1), (-(-R // 16) * 32, 1, 1), 0, args)
+    return Launch("ring_attn_mma_split", "attention_mma.cu", d, (NKV, SPLITS, 1), (-(-R // 16) * 32, 1, 1), 0, args,
+                  names=["q", "k_cache", "v_cache", "mask", "part_o", "part_ml", "counters", "out", "gate", "scale"])
 
 
 def test_attention_v_ldmatrix_is_conflict_free():
@@ -183,7 +185,8 @@ def test_attention_v_ldmatrix_is_conflict_free():
     L = _attn_launch(FOLD=0)
     comb = ctr.static_counters(Launch("ring_attn_combine", "attention.cu", L.defines,
                                       (-(-16 * 32 * 128 // 128), 1, 1), (128, 1, 1), 0,
-                                      [L.args[4], L.args[5], L.args[8], L.args[7], L.args[7], 0]))
+                                      [L.arg(k) for k in ("part_o", "part_ml", "gate", "out", "out")] + [0],
+                                      names=["part_o", "part_ml", "gate", "out", "live", "use_live"]))
     assert comb.dram_bytes == part_b + 16 * 32 * 128 * 4
     assert two.dram_bytes + comb.dram_bytes == c.dram_bytes   # the same bytes either way
 
