@@ -58,6 +58,14 @@ class Phase:
     atomics: int = 0
     lines: list = field(default_factory=list)
     trips_from: str = ""      # "sass" (an immediate bound), "emulator: file:line", or "unknown"
+    # a loop with inner loops: the round trips of each run of its own code between them (the
+    # inner loops' loads separate the runs, as loops cut straight-line code into phases)
+    run_round_trips: list = field(default_factory=list)
+
+    def longest_chain(self) -> float:
+        """The longest dependent chain with nothing between its loads: the whole phase for
+        straight code and innermost loops, the longest run between inner loops (x trips) else."""
+        return self.trips * max(self.run_round_trips) if self.run_round_trips else self.chain
 
 
 def _line_key(src: tuple) -> str:
@@ -168,7 +176,8 @@ def phases_of(ks: sass.KernelSass, executions: dict[str, float] | None) -> list[
         t, src = trips.get(id(l), (1.0, "unknown"))
         out.append(Phase("loop", f"{l.head:#06x}-{l.tail:#06x}", l.depth, t, l.round_trips, t * l.round_trips,
                          l.global_loads, l.global_bytes, l.peak_inflight_bytes, l.instructions, l.barriers,
-                         l.fences, l.atomics, [f"{f}:{n}" for f, n in l.lines], src))
+                         l.fences, l.atomics, [f"{f}:{n}" for f, n in l.lines], src,
+                         _own_runs(ks, l, loops)))
     # straight-line code, cut where loops sit: each run between two loops is a phase of its own
     in_loop = {i.addr for l in loops for i in ks.instrs if i.addr in l.addrs}
     runs, cur = [], []
@@ -190,6 +199,27 @@ def phases_of(ks: sass.KernelSass, executions: dict[str, float] | None) -> list[
                          r.instructions, r.barriers, r.fences, r.atomics,
                          sorted({_line_key(x) for x in r.lines}), "sass"))
     return out
+
+
+def _own_runs(ks, loop, loops) -> list:
+    """Round trips of each run of ``loop``'s own instructions between its inner loops (empty:
+    it has none, its body is one run)."""
+    inner = {a for l in loops if l is not loop and l.addrs < loop.addrs for a in l.addrs}
+    if not inner:
+        return []
+    runs, cur = [], []
+    for ins in ks.instrs:
+        if ins.addr not in loop.addrs:
+            continue
+        if ins.addr in inner:
+            if cur:
+                runs.append(cur)
+                cur = []
+        else:
+            cur.append(ins)
+    if cur:
+        runs.append(cur)
+    return [sass.replay(run)[0].round_trips for run in runs] or [0]
 
 
 def _cache_path(launch) -> Path:
