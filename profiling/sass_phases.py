@@ -180,17 +180,7 @@ def phases_of(ks: sass.KernelSass, executions: dict[str, float] | None) -> list[
                          _own_runs(ks, l, loops)))
     # straight-line code, cut where loops sit: each run between two loops is a phase of its own
     in_loop = {i.addr for l in loops for i in ks.instrs if i.addr in l.addrs}
-    runs, cur = [], []
-    for ins in ks.instrs:
-        if ins.addr in in_loop:
-            if cur:
-                runs.append(cur)
-                cur = []
-        else:
-            cur.append(ins)
-    if cur:
-        runs.append(cur)
-    for run in runs:
+    for run in _runs(ks.instrs, in_loop):
         r, _, _ = sass.replay(run)
         if not r.global_loads and not r.fences and not r.atomics and not r.barriers:
             continue
@@ -207,11 +197,15 @@ def _own_runs(ks, loop, loops) -> list:
     inner = {a for l in loops if l is not loop and l.addrs < loop.addrs for a in l.addrs}
     if not inner:
         return []
+    body = [i for i in ks.instrs if i.addr in loop.addrs]
+    return [sass.replay(run)[0].round_trips for run in _runs(body, inner)] or [0]
+
+
+def _runs(instrs, cut) -> list:
+    """``instrs`` in runs of consecutive instructions whose addresses are not in ``cut``."""
     runs, cur = [], []
-    for ins in ks.instrs:
-        if ins.addr not in loop.addrs:
-            continue
-        if ins.addr in inner:
+    for ins in instrs:
+        if ins.addr in cut:
             if cur:
                 runs.append(cur)
                 cur = []
@@ -219,7 +213,7 @@ def _own_runs(ks, loop, loops) -> list:
             cur.append(ins)
     if cur:
         runs.append(cur)
-    return [sass.replay(run)[0].round_trips for run in runs] or [0]
+    return runs
 
 
 def _cache_path(launch) -> Path:
