@@ -629,10 +629,11 @@ class StepEngine:
             ring.note_read(self, self._events[slot])   # the ring's next write waits for this step
         self.order.issued(s)
         self._planned = False
-        d = self._plan_desc
-        for i in range(self.lanes):
-            if d[i, DESC_ACTIVE]:
-                self._next[i] = int(d[i, DESC_COMMITTED])
+        # each active lane's next position is its committed count (from the plan's own list:
+        # no per-lane read of the pinned buffer)
+        vals = self._plan.vals
+        self._next = [c if a else n for n, a, c in zip(self._next, vals[DESC_ACTIVE::DESC_LEN],
+                                                       vals[DESC_COMMITTED::DESC_LEN])]
 
     def reset(self, lanes, stream) -> None:
         """Forget the cached rows of ``lanes`` on ``stream``; a planned, not yet run step is
