@@ -6,7 +6,7 @@
 //   [DESC_LO]         committed - min(committed, capacity): window start
 //   [DESC_START]      first position the step (or bulk chunk) appends
 //   [DESC_N_NEW]      rows to append; the rest of the launch's rows are padding
-//   [DESC_SWA_LO]     committed - eff (sliding-window start)
+//   [DESC_SWA_LO]     committed - eff (the anchored mask rule's sliding-window start)
 //   [DESC_RESET]      1: reset_slots_if empties the ring first (rewind)
 //   [DESC_ACTIVE]     1: the lane runs this step; 0: an idle lane
 //                     (its planning, GEMM tiles and attention blocks are skipped)

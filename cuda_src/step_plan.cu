@@ -12,11 +12,12 @@
 //       grid (ceil(FC_IN / (GATHER_THREADS*4)), a_rows), block (GATHER_THREADS)
 //
 //   plan_lanes (desc, ring, ap_feat, a_rows, cs, slot_pos, pos_all, rows_all, tile_live,
-//               mask_full, mask_swa, cap, q_len, bs, kv_total, masks, lanes)
+//               mask_full, mask_swa, cap, q_len, bs, kv_total, masks, window, lanes)
 //       In one launch, per lane l = blockIdx.y: the reset flag (slot_pos[:] = -1), the
 //       append plan (ring_slots.cu's plan_append), the gather above and the masks from the
 //       updated slot table (tests/cuda/planning_unfused.cu holds these as separate
-//       launches: the reference). masks: bit 0 writes mask_full, bit 1 mask_swa.
+//       launches: the reference). masks: bit 0 writes mask_full, bit 1 mask_swa, the rest
+//       is the mask rule (plan_mask.cuh's PLAN_MASK_* bits); window: the sliding window W.
 //       Per-lane arrays carry a lane axis: desc [lanes, DESC_LEN], ring [lanes,
 //       RING_CAP, FC_IN], slot_pos [lanes, cap], masks [lanes, q_len, kv_total].
 //       Step rows (pos_all, rows_all [lanes*(cs + bs)], ap_feat [lanes*cs, FC_IN]):
@@ -106,7 +107,8 @@ __device__ __forceinline__ void gather_chunk(const int* __restrict__ desc, const
 // appended rows hit distinct slots because min(n_new, a_rows) <= cap, the host's
 // invariant, as for plan_append).
 __device__ __forceinline__ void plan_slot_column(const int* __restrict__ desc, int c, int n_app, int cap,
-                                                 int q_len, int kv_total, int masks, int* __restrict__ slot_pos,
+                                                 int q_len, int kv_total, int masks, int window,
+                                                 int* __restrict__ slot_pos,
                                                  __half* __restrict__ mask_full, __half* __restrict__ mask_swa)
 {
     int p = 0;
@@ -118,7 +120,8 @@ __device__ __forceinline__ void plan_slot_column(const int* __restrict__ desc, i
         p = (i < n_app) ? start + (int)i : (desc[DESC_RESET] != 0 ? -1 : old);
         if (p != old) slot_pos[c] = p;
     }
-    plan_mask_column(desc, c, p, cap, q_len, kv_total, (masks & 1) != 0, (masks & 2) != 0, mask_full, mask_swa);
+    plan_mask_column(desc, c, p, cap, q_len, kv_total, (masks & 1) != 0, (masks & 2) != 0, masks, window,
+                     mask_full, mask_swa);
 }
 
 extern "C" __global__ void __launch_bounds__(GATHER_THREADS)
@@ -145,7 +148,7 @@ plan_lanes(const int* __restrict__ desc_all,
            int* __restrict__ tile_live,
            __half* __restrict__ mask_full_all,
            __half* __restrict__ mask_swa_all,
-           int cap, int q_len, int bs, int kv_total, int masks, int lanes)
+           int cap, int q_len, int bs, int kv_total, int masks, int window, int lanes)
 {
     pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
     pdl_launch_dependents();
@@ -192,6 +195,6 @@ plan_lanes(const int* __restrict__ desc_all,
     }
     if (!active || c >= kv_total) return;
     const long long mo = (long long)lane * q_len * kv_total;
-    plan_slot_column(desc, c, n_app, cap, q_len, kv_total, masks, slot_pos_all + (long long)lane * cap,
+    plan_slot_column(desc, c, n_app, cap, q_len, kv_total, masks, window, slot_pos_all + (long long)lane * cap,
                      mask_full_all + mo, mask_swa_all + mo);
 }

@@ -29,6 +29,10 @@ aux_hidden_norms            ``aux_hidden_norms`` (bool; top level or in ``dflash
 context_kv_layer_norm       ``context_kv_layer_norm`` (bool; top level or in ``dflash_config``)
 attn_gate                   ``attn_gate``: "none" | "head" | "element" (top level or in
                             ``dflash_config``)
+is_causal                   ``is_causal`` (bool; top level or in ``dflash_config``; absent:
+                            None, sliding layers causal inside the block, full layers not)
+window_rule                 ``dflash_config.window_rule``: "per_row" (default) | "anchored"
+                            (this module's own key, written only when not the default)
 ==========================  ============================================================
 
 Sliding layers: when ``layer_types`` is present it decides which layers slide
@@ -51,6 +55,10 @@ The three optional variants and their tensors (see ``weights.py``):
 
 When saved (``to_hf``) non-default variant flags are written inside
 ``dflash_config``.
+
+Masks (``mask_rule``, see ``mask_rule.py``): sliding layers use the serving engines'
+per-row window by default (``window_rule="per_row"``); ``"anchored"`` is the seed's rule
+(SPEC §3.5), e.g. ``dataclasses.replace(config, window_rule="anchored")``.
 """
 from __future__ import annotations
 
@@ -60,6 +68,8 @@ import os
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
+
+from .mask_rule import WINDOW_RULES, MaskRule
 
 ATTN_GATES = ("none", "head", "element")
 ROPE_SCALING_TYPES = ("linear", "yarn")
@@ -89,7 +99,7 @@ _PLAIN_FIELDS = ("hidden_size", "n_layer", "n_head", "n_head_kv", "head_dim", "i
 # so a loaded-then-saved config loses nothing.
 _CONSUMED_KEYS = {k.split(".")[-1] for k in HF_KEY.values()} | {
     "rope_parameters", "use_sliding_window", "max_window_layers", "dflash_config",
-    "hidden_act", "attention_bias", "partial_rotary_factor", *VARIANT_KEYS,
+    "hidden_act", "attention_bias", "partial_rotary_factor", "is_causal", *VARIANT_KEYS,
 }
 
 
@@ -130,6 +140,8 @@ class DraftConfig:
     aux_hidden_norms: bool = False
     context_kv_layer_norm: bool = False
     attn_gate: str = "none"
+    is_causal: bool | None = None
+    window_rule: str = "per_row"
     # unrecognised config.json keys, written back by to_hf(); not part of equality
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -213,6 +225,10 @@ class DraftConfig:
         if gate not in ATTN_GATES:
             bad("attn_gate", self.attn_gate, f"must be one of {ATTN_GATES}")
         setf("attn_gate", gate)
+        if self.is_causal is not None and not isinstance(self.is_causal, bool):
+            bad("is_causal", self.is_causal, "must be a bool or None")
+        if self.window_rule not in WINDOW_RULES:
+            bad("window_rule", self.window_rule, f"must be one of {WINDOW_RULES}")
         if not isinstance(self.extra, dict):
             bad("extra", self.extra, "must be a dict")
 
@@ -252,6 +268,12 @@ class DraftConfig:
     def swa_window(self) -> int:
         """Sliding window as the masks use it: 0 means no limit."""
         return self.sliding_window or 0
+
+    @property
+    def mask_rule(self) -> MaskRule:
+        """Which keys each block row sees (``mask_rule.py``), from ``sliding_window``,
+        ``window_rule`` and ``is_causal``."""
+        return MaskRule.for_config(self.swa_window, self.window_rule, self.is_causal)
 
     @property
     def layer_types(self) -> tuple:
@@ -392,7 +414,7 @@ class DraftConfig:
         extra = {k: v for k, v in d.items() if k not in _CONSUMED_KEYS}
         extra_dc = {k: v for k, v in dc.items()
                     if k not in ("target_layer_ids", "mask_token_id", "block_size",
-                                 "num_target_layers", *VARIANT_KEYS)}
+                                 "num_target_layers", "is_causal", "window_rule", *VARIANT_KEYS)}
         if extra_dc:
             extra["dflash_config"] = extra_dc
 
@@ -415,6 +437,8 @@ class DraftConfig:
                 sliding_window=sliding_window,
                 max_position_embeddings=d.get("max_position_embeddings"),
                 mask_token_id=top_or_dc("mask_token_id"),
+                is_causal=top_or_dc("is_causal"),
+                window_rule=dc.get("window_rule", "per_row"),
                 extra=extra,
                 **variants,
             )
@@ -454,6 +478,10 @@ class DraftConfig:
             dc["context_kv_layer_norm"] = True
         if self.attn_gate != "none":
             dc["attn_gate"] = self.attn_gate
+        if self.is_causal is not None:
+            d["is_causal"] = self.is_causal
+        if self.window_rule != "per_row":
+            dc["window_rule"] = self.window_rule
         d["dflash_config"] = dc
         return d
 

@@ -14,8 +14,9 @@ Entry points:
   is given (``logits = hidden @ lm_head.T``, ``[B, V]``).
 * ``draft_forward_positions(...)``: the same with explicit absolute positions
   and, optionally, explicit per-layer visibility masks.
-* ``ring_masks(slot_pos, committed, geom, swa_window)``: the f16 ``0 / -inf``
-  masks of SPEC §3 step 5 over the ``kv_total`` cache rows.
+* ``ring_masks(slot_pos, committed, geom, rule)``: the f16 ``0 / -inf``
+  masks of SPEC §3 step 5 / §6 over the ``kv_total`` cache rows; ``block_visibility``
+  is the mask rule itself (``mask_rule.py``), shared with ``layer_visibility``.
 """
 from __future__ import annotations
 
@@ -26,13 +27,14 @@ import numpy as np
 
 from .config import DraftConfig
 from .geometry import RingGeometry
+from .mask_rule import MaskRule
 from .rope_params import rope_parameters
 
 __all__ = [
     "rmsnorm", "silu", "softplus", "rope_parameters", "rope_cos_sin", "apply_rope",
     "fuse_features", "layer_visibility", "attention", "decoder_layer",
     "draft_forward", "draft_forward_positions",
-    "ring_masks", "contiguous_slot_pos",
+    "ring_masks", "contiguous_slot_pos", "block_visibility",
 ]
 
 
@@ -96,25 +98,43 @@ def fuse_features(weights, feat_rows) -> np.ndarray:
     return rmsnorm(X @ f64(weights["fc.weight"]).T, weights["hidden_norm.weight"], c.rms_norm_eps)
 
 
-def layer_visibility(n_ctx: int, n_noise: int, sliding: bool, sliding_window) -> np.ndarray:
-    """Which keys each noise row sees in the one-shot forward: bool ``[B, C+B]``
-    over keys ordered context rows ``0..C-1`` then noise rows.
+def block_visibility(rule, sliding: bool, n_rows: int, key_pos, key_ok, key_ctx,
+                     committed: int, win: int) -> np.ndarray:
+    """The mask rule (``mask_rule.py``; a ``MaskRule`` or a bare sliding window) as bool
+    ``[n_rows, S]``: block row ``i`` sits at position ``committed + i``; key ``s``, at
+    absolute position ``key_pos[s]``, is visible when ``key_ok[s]`` (a key of the window or
+    of the block) and the rule allows it. ``key_ctx[s]`` marks context keys; ``win`` is the
+    window's length (the anchored rule's bound)."""
+    rule = MaskRule.of(rule)
+    qp = committed + np.arange(n_rows, dtype=np.int64)[:, None]
+    k = np.asarray(key_pos, dtype=np.int64)[None, :]
+    ctx = np.asarray(key_ctx, dtype=bool)[None, :]
+    vis = np.broadcast_to(np.asarray(key_ok, dtype=bool)[None, :], (n_rows, k.shape[1])).copy()
+    if rule.causal_sliding if sliding else rule.causal_full:
+        vis &= k <= qp                       # context keys (< committed) always pass
+    w = rule.window
+    if sliding and w:
+        if rule.per_row:
+            vis &= (qp - k < w) & (k - qp < w)
+        elif w < win:
+            vis &= ~ctx | (k >= committed - w)
+    return vis
 
-    Full layers: everything (the noise block is bidirectional). Sliding
-    layers: the last ``eff`` context rows, ``eff = sliding_window`` if
-    ``0 < sliding_window < C`` else ``C`` (anchored at the block start for every
-    noise row), and noise rows ``j <= q`` (causal).
+
+def layer_visibility(n_ctx: int, n_noise: int, sliding: bool, rule) -> np.ndarray:
+    """Which keys each noise row sees in the one-shot forward: bool ``[B, C+B]``
+    over keys ordered context rows ``0..C-1`` (positions ``0..C-1``, the whole window)
+    then noise rows (positions ``C..C+B-1``), under ``rule`` (``block_visibility``).
+
+    Full layers see every context row; sliding layers, per row, the keys less than
+    ``W`` positions away (the per-row rule) or the last ``min(W, C)`` context rows (the
+    anchored rule). Inside the block, a causal layer shows row ``j`` to row ``q`` iff
+    ``j <= q``.
     """
     C, B = n_ctx, n_noise
-    vis = np.zeros((B, C + B), dtype=bool)
-    if not sliding:
-        vis[:] = True
-        return vis
-    w = sliding_window or 0
-    eff = w if 0 < w < C else C
-    vis[:, C - eff:C] = True
-    vis[:, C:] = np.tril(np.ones((B, B), dtype=bool))
-    return vis
+    pos = np.arange(C + B)
+    ctx = pos < C
+    return block_visibility(rule, sliding, B, pos, np.ones(C + B, dtype=bool), ctx, C, C)
 
 
 def attention(Q, K, V, visible) -> np.ndarray:
@@ -222,7 +242,7 @@ def draft_forward_positions(weights, feat_rows, noise_embed, pos_ctx, pos_noise,
     if pos_noise.shape != (B,):
         raise ValueError(f"pos_noise: {pos_noise.shape[0]} positions for B={B} noise rows")
     if visible is None:
-        masks = [layer_visibility(C, B, c.layer_sliding[l], c.sliding_window)
+        masks = [layer_visibility(C, B, c.layer_sliding[l], c.mask_rule)
                  for l in range(c.n_layer)]
     else:
         masks = list(visible) if isinstance(visible, (list, tuple)) else [visible] * c.n_layer
@@ -274,21 +294,17 @@ def contiguous_slot_pos(committed: int, capacity: int) -> np.ndarray:
     return sp
 
 
-def ring_masks(slot_pos, committed: int, geom: RingGeometry,
-               swa_window) -> tuple[np.ndarray, np.ndarray]:
-    """SPEC §3 step 5: ``(mask_full, mask_swa)``, float16 ``[q_len, kv_total]``,
-    0 where visible and -inf where hidden.
+def ring_masks(slot_pos, committed: int, geom: RingGeometry, rule) -> tuple[np.ndarray, np.ndarray]:
+    """SPEC §3 step 5 / §6: ``(mask_full, mask_swa)``, float16 ``[q_len, kv_total]``,
+    0 where visible and -inf where hidden, under ``rule`` (a ``MaskRule``, or a bare
+    sliding window for the default rule: ``MaskRule.of``).
 
     ``slot_pos [capacity]`` is the absolute position held by each ring slot
-    (-1: empty). With ``win = min(committed, capacity)``, ``lo = committed - win``:
-
-    * full layers: ring slot ``s`` visible iff ``lo <= slot_pos[s] < committed``;
-      every noise slot ``capacity + j`` visible to every noise row;
-    * sliding layers: ``eff = swa_window if 0 < swa_window < win else win``,
-      ``swa_lo = committed - eff``; slot ``s`` visible iff
-      ``swa_lo <= slot_pos[s] < committed``; noise row ``q`` sees noise slots
-      ``j <= q`` only;
-    * the trash slot and the padding rows are hidden in both.
+    (-1: empty); noise slot ``capacity + j`` holds position ``committed + j``. With
+    ``win = min(committed, capacity)``, ``lo = committed - win``, ring slot ``s`` is a key
+    of the window iff ``lo <= slot_pos[s] < committed``, every noise slot is a key of the
+    block, and ``block_visibility`` decides per row; the trash slot and the padding rows
+    are hidden in both.
     """
     if not isinstance(geom, RingGeometry):
         raise TypeError(f"geom must be a RingGeometry, got {type(geom).__name__}")
@@ -300,23 +316,17 @@ def ring_masks(slot_pos, committed: int, geom: RingGeometry,
     committed = int(committed)
     if committed <= 0:
         raise ValueError(f"committed={committed}: must be > 0")
-    w = int(swa_window or 0)
-    if w < 0:
-        raise ValueError(f"swa_window={swa_window}: must be >= 0 (0: no limit)")
+    rule = MaskRule.of(rule)
 
     win = min(committed, cap)
     lo = committed - win
-    eff = w if 0 < w < win else win
-    swa_lo = committed - eff
-
+    key_pos = np.full(total, -1, dtype=np.int64)
+    key_pos[:cap] = sp
+    key_pos[cap:cap + B] = committed + np.arange(B)
+    key_ok = np.zeros(total, dtype=bool)
+    key_ok[:cap] = (sp >= lo) & (sp < committed)
+    key_ok[cap:cap + B] = True
+    key_ctx = np.arange(total) < cap
     zero, ninf = np.float16(0.0), np.float16(-np.inf)
-    noise = slice(cap, cap + B)
-
-    mask_full = np.full((B, total), ninf, dtype=np.float16)
-    mask_full[:, :cap] = np.where((sp >= lo) & (sp < committed), zero, ninf)[None, :]
-    mask_full[:, noise] = zero
-
-    mask_swa = np.full((B, total), ninf, dtype=np.float16)
-    mask_swa[:, :cap] = np.where((sp >= swa_lo) & (sp < committed), zero, ninf)[None, :]
-    mask_swa[:, noise] = np.where(np.tril(np.ones((B, B), dtype=bool)), zero, ninf)
-    return mask_full, mask_swa
+    return tuple(np.where(block_visibility(rule, sliding, B, key_pos, key_ok, key_ctx, committed, win),
+                          zero, ninf) for sliding in (False, True))

@@ -237,6 +237,7 @@ class _Runner:
         from .ops.ring_slots import RingSlots, plan_append_reference
         from .ops.step_descriptor import (DESC_LEN, bulk_chunks, fill_chunk_descriptor, fill_step_descriptor,
                                           pack_context_rows, plan_step)
+        from .mask_rule import MaskRule
         from .reference import ring_masks
         be, V = self.be, "plan"
         geom = RingGeometry(E2E_CAPACITY, E2E["block_size"])
@@ -261,9 +262,11 @@ class _Runner:
         ms = be.zeros((1, Q, geom.kv_total), np.float16)
         model = np.full(geom.capacity, -1, np.int32)
         out, nxt = [], 0
-        for committed in PLAN_SCHEDULE:
+        for step, committed in enumerate(PLAN_SCHEDULE):
             f = plan_step(nxt, committed, geom, swa)
-            what = f"committed={committed}"
+            # the per-row window (the default) and the seed's anchored one, step by step
+            rule = MaskRule(swa, per_row=step % 2 == 0)
+            what = f"committed={committed}, {'per-row' if rule.per_row else 'anchored'} window"
             if f.bulk_count:
                 if f.reset:
                     ring_slots.reset_slots(slot[0])
@@ -287,13 +290,13 @@ class _Runner:
             dh = host[0].copy()
             be.copy_h2d_async(desc, host)
             gather.plan_lanes(desc, ring, ap_feat, geom, slot, pos_all, rows_all, tiles, cs=cs, bs=bs,
-                              mask_full=mf, mask_swa=ms)
+                              mask_full=mf, mask_swa=ms, rule=rule)
             if int(dh[_desc_index("DESC_RESET")]):
                 model[:] = -1
             rp, rr, model, rq = plan_append_reference(dh, model, A, geom)
             n = min(f.n_new, A)
             rf = gather_features_reference(dh, ring_h, A)[:n]
-            full, sw = ring_masks(model, committed, geom, swa)
+            full, sw = ring_masks(model, committed, geom, rule)
             pa, ra = be.to_numpy(pos_all), be.to_numpy(rows_all)
             out += [self.exact(V, f"plan_lanes slot table, {what}", be.to_numpy(slot)[0], model),
                     self.exact(V, f"plan_lanes append rows + noise positions, {what}",

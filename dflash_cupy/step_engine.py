@@ -380,7 +380,8 @@ class StepEngine:
         self.backend.copy_h2d_async(self._step_in, self._step_in_host[slot], stream=stream)
         self.gather.plan_lanes(self.desc, self.ring_storage, self.ap_feat, self.geom, self.slot_pos, self.pos_all,
                                self.rows_all, self.tile_live, cs=self.ctx_rows, bs=self.lane_rows,
-                               mask_full=self.mask_full, mask_swa=self.mask_swa, stream=stream)
+                               mask_full=self.mask_full, mask_swa=self.mask_swa, rule=self.config.mask_rule,
+                               stream=stream)
         self._run_rows(stream, eager)
 
     def _layer_input(self, li: int):

@@ -111,6 +111,27 @@ def test_sliding_mix_nested_layout():
     assert c.is_sliding(0) and not c.is_sliding(5)
 
 
+@pytest.mark.parametrize("where", ["top", "dflash_config"])
+def test_is_causal_and_window_rule(where):
+    from dflash_cupy.mask_rule import MaskRule
+    d = sliding_mix()
+    c = DraftConfig.from_hf(d)
+    # absent: sliding layers causal inside the block, full layers not; the per-row window
+    assert c.is_causal is None and c.window_rule == "per_row"
+    assert c.mask_rule == MaskRule(4096, per_row=True, causal_full=False, causal_sliding=True)
+    (d if where == "top" else d["dflash_config"])["is_causal"] = False
+    d["dflash_config"]["window_rule"] = "anchored"
+    c = DraftConfig.from_hf(d)
+    assert c.is_causal is False and c.window_rule == "anchored"
+    assert c.mask_rule == MaskRule(4096, per_row=False, causal_full=False, causal_sliding=False)
+    out = c.to_hf()
+    assert out["is_causal"] is False and out["dflash_config"]["window_rule"] == "anchored"
+    assert "is_causal" not in out["dflash_config"] and DraftConfig.from_hf(out) == c
+    # the defaults are not written
+    dflt = DraftConfig.from_hf(sliding_mix()).to_hf()
+    assert "is_causal" not in dflt and "window_rule" not in dflt["dflash_config"]
+
+
 def test_top_level_wins_over_dflash_config():
     d = sliding_mix()
     d["block_size"] = 8
@@ -233,6 +254,8 @@ MALFORMED = [
     (("dflash_config", "attn_gate"), "channel", "attn_gate"),
     (("dflash_config", "aux_hidden_norms"), "yes", "aux_hidden_norms"),
     (("num_hidden_layers",), _DELETE, "num_hidden_layers"),
+    (("is_causal",), "no", "is_causal"),
+    (("dflash_config", "window_rule"), "sliding", "window_rule"),
 ]
 
 

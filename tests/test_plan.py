@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dflash_cupy.geometry import RingGeometry
+from dflash_cupy.mask_rule import MaskRule
 from dflash_cupy.ops.gather import FeatureGather, gather_features_reference
 from dflash_cupy.ops.ring_slots import plan_append_reference
 from dflash_cupy.ops.step_descriptor import (DESC_LEN, DESC_RESET, bulk_chunks, fill_chunk_descriptor,
@@ -100,12 +101,12 @@ class DeviceRing:
         if fused:   # the engine's step graph: one launch
             self.gather.plan_lanes(self.desc_all, self.ring3, self.ap_feat, geom, self.slot_all, self.pos_all,
                                    self.rows_all, self.tiles, cs=cs, bs=bs, mask_full=self.masks[0],
-                                   mask_swa=self.masks[1], stream=s)
+                                   mask_swa=self.masks[1], rule=swa, stream=s)
         else:
             self.planner.reset_slots_if(self.desc, self.slot_pos, stream=s)
             self.planner.plan_append(self.desc, self.ap_pos, self.ap_rows, self.slot_pos, self.pos_q, stream=s)
             self.gather(self.desc, self.ring, self.ap_feat[:A], stream=s)
-            self.planner.build_masks(self.desc, self.slot_pos, self.mask_full, self.mask_swa, stream=s)
+            self.planner.build_masks(self.desc, self.slot_pos, self.mask_full, self.mask_swa, stream=s, rule=swa)
         self.graph = be.end_capture(s)
 
     def begin_step(self, committed):
@@ -215,14 +216,18 @@ def test_masks_exact(backend, rng, capacity, q_len):
             f = plan_step(committed, committed, geom, swa)
             fill_step_descriptor(desc_h, f)
             desc, sp_d = be.asarray(desc_h), be.asarray(sp)
-            planner.build_masks(desc, sp_d, mf_d, ms_d)
-            ref_f, ref_s = ring_masks(sp, committed, geom, swa)
-            what = f"committed={committed} swa={swa}"
-            assert np.array_equal(bits(be.to_numpy(mf_d)), bits(ref_f)), f"{what}: mask_full"
-            assert np.array_equal(bits(be.to_numpy(ms_d)), bits(ref_s)), f"{what}: mask_swa"
-            planner.build_masks(desc, sp_d, mask_full=one)
+            # the per-row rule (default), the seed's anchored one, and is_causal's two values
+            for rule in (MaskRule(swa), MaskRule(swa, per_row=False),
+                         MaskRule(swa, causal_full=True, causal_sliding=True),
+                         MaskRule(swa, causal_sliding=False)):
+                planner.build_masks(desc, sp_d, mf_d, ms_d, rule=rule)
+                ref_f, ref_s = ring_masks(sp, committed, geom, rule)
+                what = f"committed={committed} {rule}"
+                assert np.array_equal(bits(be.to_numpy(mf_d)), bits(ref_f)), f"{what}: mask_full"
+                assert np.array_equal(bits(be.to_numpy(ms_d)), bits(ref_s)), f"{what}: mask_swa"
+            planner.build_masks(desc, sp_d, mask_full=one, rule=rule)
             assert np.array_equal(bits(be.to_numpy(one)), bits(ref_f)), f"{what}: full only"
-            planner.build_masks(desc, sp_d, mask_swa=one)
+            planner.build_masks(desc, sp_d, mask_swa=one, rule=rule)
             assert np.array_equal(bits(be.to_numpy(one)), bits(ref_s)), f"{what}: swa only"
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from dflash_cupy import backends
 from dflash_cupy.geometry import RingGeometry, align_up
+from dflash_cupy.mask_rule import MaskRule
 from dflash_cupy.ops.gather import FeatureGather
 from dflash_cupy.ops.step_descriptor import (DESC_ACTIVE, DESC_CTX_ROW0, DESC_CTX_ROWS, DESC_LEN, DESC_N_NEW,
                                              fill_descriptor, pack_context_rows)
@@ -29,12 +30,12 @@ def _descs(rng, lanes, geom, ring_cap, idle):
     return d
 
 
-@pytest.mark.parametrize("lanes,cap,q_len,fc_in,kind,idle", [
-    (3, 19, 3, 19, "f16", {0}),
-    (4, 33, 5, 40, "bf16", {3}),
-    (1, 7, 1, 8, "f32", set()),
+@pytest.mark.parametrize("lanes,cap,q_len,fc_in,kind,idle,rule", [
+    (3, 19, 3, 19, "f16", {0}, MaskRule(5)),
+    (4, 33, 5, 40, "bf16", {3}, MaskRule(3, causal_sliding=False, causal_full=True)),
+    (1, 7, 1, 8, "f32", set(), MaskRule(5, per_row=False)),
 ])
-def test_plan_lanes_equals_the_unfused_launches_per_lane(lanes, cap, q_len, fc_in, kind, idle):
+def test_plan_lanes_equals_the_unfused_launches_per_lane(lanes, cap, q_len, fc_in, kind, idle, rule):
     be = backends.get("emulated")
     rng = np.random.default_rng(1000 + lanes)
     g = RingGeometry(cap, q_len)
@@ -58,7 +59,7 @@ def test_plan_lanes_equals_the_unfused_launches_per_lane(lanes, cap, q_len, fc_i
     pos_all, rows_all = be.asarray(sentinel_pos), be.asarray(sentinel_pos)
     tiles = be.asarray(np.full(rows // 16, -1, np.int32))
     gather.plan_lanes(desc, ring, ap_feat, g, slot_pos, pos_all, rows_all, tiles, cs=cs, bs=bs,
-                      mask_full=mf, mask_swa=ms)
+                      mask_full=mf, mask_swa=ms, rule=rule)
     got = {k: be.to_numpy(v) for k, v in dict(ap_feat=ap_feat, slot_pos=slot_pos, mf=mf, ms=ms, pos=pos_all,
                                               rows=rows_all, tiles=tiles).items()}
 
@@ -83,7 +84,7 @@ def test_plan_lanes_equals_the_unfused_launches_per_lane(lanes, cap, q_len, fc_i
         planner.reset_slots_if(d1, sp1)
         planner.plan_append(d1, ap_pos, ap_rows, sp1, pos_q, n_rows=g.a_step)
         gather(d1, be.asarray(ring_h[l]), af1, n_rows=g.a_step)
-        planner.build_masks(d1, sp1, mask_full=mf1, mask_swa=ms1)
+        planner.build_masks(d1, sp1, mask_full=mf1, mask_swa=ms1, rule=rule)
         assert np.array_equal(got["ap_feat"][ctx], be.to_numpy(af1)[:n_app])
         assert np.array_equal(got["slot_pos"][l], be.to_numpy(sp1))
         assert np.array_equal(got["mf"][l].view(np.uint16), be.to_numpy(mf1).view(np.uint16))

@@ -10,6 +10,7 @@ import pytest
 from dflash_cupy import reference as R
 from dflash_cupy.config import DraftConfig
 from dflash_cupy.geometry import RingGeometry
+from dflash_cupy.mask_rule import MaskRule
 from dflash_cupy.weights import DraftWeights
 
 
@@ -74,6 +75,8 @@ def scalar_forward(c, W, X, E, pos0):
             V.append([vr[g * d:(g + 1) * d] for g in range(nkv)])
         sw = c.sliding_window or 0
         eff = sw if 0 < sw < C else C
+        sliding = c.layer_sliding[l]
+        causal = (sliding if c.is_causal is None else c.is_causal)
         new_h = []
         for b in range(B):
             qr = s_matvec(w("self_attn.q_proj"), hn[b])
@@ -84,10 +87,12 @@ def scalar_forward(c, W, X, E, pos0):
                 g = i // rep
                 keys = []
                 for s in range(C + B):
-                    if c.layer_sliding[l]:
-                        ok = (C - eff <= s < C) or (C <= s <= C + b)
-                    else:
-                        ok = True
+                    qpos, kpos = pos[C + b], pos[s]
+                    ok = not (causal and kpos > qpos)
+                    if sliding and c.window_rule == "anchored":    # SPEC §3.5
+                        ok = ok and (s >= C - eff)
+                    elif sliding and sw:                           # SPEC §6: per row
+                        ok = ok and abs(qpos - kpos) < sw
                     if ok:
                         keys.append(s)
                 scores = [sum(q[e] * K[s][g][e] for e in range(d)) / math.sqrt(d) for s in keys]
@@ -115,6 +120,19 @@ def scalar_forward(c, W, X, E, pos0):
     (dict(n_layer=2, hidden_size=4, n_head=2, n_head_kv=1, head_dim=2, intermediate_size=5,
           block_size=3, target_layer_ids=(0, 3), layer_sliding=(True, False),
           sliding_window=2), 4, 3),
+    # the seed's anchored window
+    (dict(n_layer=2, hidden_size=4, n_head=2, n_head_kv=1, head_dim=2, intermediate_size=5,
+          block_size=3, target_layer_ids=(0, 3), layer_sliding=(True, False),
+          sliding_window=2, window_rule="anchored"), 4, 3),
+    # is_causal: False (DFlash 2's published config): a bidirectional sliding window, a
+    # window of 3 reaching past the block's next row
+    (dict(n_layer=2, hidden_size=4, n_head=2, n_head_kv=1, head_dim=2, intermediate_size=5,
+          block_size=3, target_layer_ids=(0, 3), layer_sliding=(True, False),
+          sliding_window=2, is_causal=False), 4, 3),
+    # is_causal: True makes the full layer causal inside the block too
+    (dict(n_layer=2, hidden_size=4, n_head=2, n_head_kv=1, head_dim=2, intermediate_size=5,
+          block_size=3, target_layer_ids=(0, 3), layer_sliding=(False, True),
+          sliding_window=3, is_causal=True), 4, 3),
 ])
 def test_matches_scalar_loops(kw, C, B):
     c = cfg(**kw)
@@ -159,20 +177,39 @@ def test_rope_scores_depend_on_differences_only():
 
 
 # =========================================================== masks
+def anchored(w):
+    return MaskRule(w or 0, per_row=False)
+
+
 def test_layer_visibility_tables():
     T, F = True, False
     full = R.layer_visibility(3, 2, False, 2)
     assert full.all() and full.shape == (2, 5)
-    # sliding, window 2 < C=3: last two context rows, causal noise
-    np.testing.assert_array_equal(R.layer_visibility(3, 2, True, 2),
+    # anchored, window 2 < C=3: last two context rows, causal noise
+    np.testing.assert_array_equal(R.layer_visibility(3, 2, True, anchored(2)),
                                   [[F, T, T, T, F],
                                    [F, T, T, T, T]])
-    # window >= C, or none: the whole context
+    # per row (the default), window 2: keys less than 2 positions behind each row
+    np.testing.assert_array_equal(R.layer_visibility(3, 2, True, 2),
+                                  [[F, F, T, T, F],
+                                   [F, F, F, T, T]])
+    # per row, not causal (is_causal: false), window 2: one row ahead as well
+    np.testing.assert_array_equal(R.layer_visibility(3, 3, True, MaskRule(2, causal_sliding=False)),
+                                  [[F, F, T, T, T, F],
+                                   [F, F, F, T, T, T],
+                                   [F, F, F, F, T, T]])
+    # causal full layers (is_causal: true)
+    np.testing.assert_array_equal(R.layer_visibility(2, 2, False, MaskRule(0, causal_full=True)),
+                                  [[T, T, T, F],
+                                   [T, T, T, T]])
+    # anchored window >= C, or none: the whole context; per row, none
     for w in (3, 10, 0, None):
-        np.testing.assert_array_equal(R.layer_visibility(3, 3, True, w),
+        np.testing.assert_array_equal(R.layer_visibility(3, 3, True, anchored(w)),
                                       [[T, T, T, T, F, F],
                                        [T, T, T, T, T, F],
                                        [T, T, T, T, T, T]])
+    np.testing.assert_array_equal(R.layer_visibility(3, 3, True, None),
+                                  R.layer_visibility(3, 3, True, anchored(0)))
 
 
 def _visible_cols(mask_row):
@@ -207,7 +244,7 @@ RING_CASES = [
 @pytest.mark.parametrize("cap,q,committed,w,slot_pos,full_ctx,swa_ctx", RING_CASES)
 def test_ring_masks_hand_written(cap, q, committed, w, slot_pos, full_ctx, swa_ctx):
     geom = RingGeometry(capacity=cap, q_len=q)
-    mf, ms = R.ring_masks(np.array(slot_pos), committed, geom, w)
+    mf, ms = R.ring_masks(np.array(slot_pos), committed, geom, anchored(w))
     assert mf.dtype == np.float16 and ms.dtype == np.float16
     assert mf.shape == ms.shape == (q, geom.kv_total) == (q, 32)
     noise = [cap + j for j in range(q)]
@@ -218,10 +255,41 @@ def test_ring_masks_hand_written(cap, q, committed, w, slot_pos, full_ctx, swa_c
     assert np.all(np.isneginf(mf[:, cap + q:])) and np.all(np.isneginf(ms[:, cap + q:]))
 
 
+PER_ROW_CASES = [
+    # capacity, q_len, committed, rule, slot_pos, per block row: (swa visible ring slots,
+    #   swa visible noise slots j), full's noise slots j
+    # wrapped: positions 2..5 in slots 2,3,0,1; window 3: row 0 (position 6) sees 4, 5
+    (4, 2, 6, MaskRule(3), [4, 5, 2, 3], [([0, 1], [0]), ([1], [0, 1])], [[0, 1], [0, 1]]),
+    # window 1: each row sees itself only
+    (4, 2, 6, MaskRule(1), [4, 5, 2, 3], [([], [0]), ([], [1])], [[0, 1], [0, 1]]),
+    # not causal, window 2: one block row ahead too
+    (4, 3, 6, MaskRule(2, causal_sliding=False), [4, 5, 2, 3],
+     [([1], [0, 1]), ([], [0, 1, 2]), ([], [1, 2])], [[0, 1, 2]] * 3),
+    # causal full layers; a window past the ring's start: lo = 2 bounds it (slot 2 holds 1)
+    (4, 2, 6, MaskRule(9, causal_full=True), [4, 5, 1, 3], [([0, 1, 3], [0]), ([0, 1, 3], [0, 1])],
+     [[0], [0, 1]]),
+    # capacity 1, a window as large as a position: no limit reached
+    (1, 1, 2**20, MaskRule(2**20), [2**20 - 1], [([0], [0])], [[0]]),
+]
+
+
+@pytest.mark.parametrize("cap,q,committed,rule,slot_pos,swa_rows,full_noise", PER_ROW_CASES)
+def test_ring_masks_per_row_hand_written(cap, q, committed, rule, slot_pos, swa_rows, full_noise):
+    geom = RingGeometry(capacity=cap, q_len=q)
+    sp = np.array(slot_pos)
+    mf, ms = R.ring_masks(sp, committed, geom, rule)
+    live = [s for s in range(cap) if committed - min(committed, cap) <= sp[s] < committed]
+    for row in range(q):
+        ring_cols, noise = swa_rows[row]
+        assert _visible_cols(ms[row]) == ring_cols + [cap + j for j in noise]
+        assert _visible_cols(mf[row]) == live + [cap + j for j in full_noise[row]]
+    assert np.all(np.isneginf(mf[:, cap + q:])) and np.all(np.isneginf(ms[:, cap + q:]))
+
+
 def test_ring_masks_literal_arrays():
-    # capacity 3, q_len 2, committed 5, window 2: slots hold 3, 4, 2
+    # capacity 3, q_len 2, committed 5, anchored window 2: slots hold 3, 4, 2
     geom = RingGeometry(capacity=3, q_len=2)
-    mf, ms = R.ring_masks(np.array([3, 4, 2]), 5, geom, 2)
+    mf, ms = R.ring_masks(np.array([3, 4, 2]), 5, geom, anchored(2))
     n = -np.inf
     want_full = np.full((2, 32), n)
     want_full[:, :5] = [[0, 0, 0, 0, 0], [0, 0, 0, 0, 0]]
@@ -231,11 +299,14 @@ def test_ring_masks_literal_arrays():
     np.testing.assert_array_equal(ms.astype(np.float64), want_swa)
 
 
+@pytest.mark.parametrize("rule", [MaskRule, anchored, lambda w: MaskRule(w, causal_sliding=False,
+                                                                         causal_full=True)])
 @pytest.mark.parametrize("committed,cap,w", [(1, 8, 3), (5, 8, 3), (8, 8, 0), (13, 8, 3),
-                                             (29, 8, 8), (29, 8, 9), (100, 33, 19)])
-def test_ring_masks_agree_with_one_shot_visibility(committed, cap, w):
+                                             (29, 8, 8), (29, 8, 9), (100, 33, 19), (100, 33, 2)])
+def test_ring_masks_agree_with_one_shot_visibility(committed, cap, w, rule):
     """On a contiguously filled ring, the masks show the one-shot window's keys."""
     q = 3
+    w = rule(w)
     geom = RingGeometry(capacity=cap, q_len=q)
     sp = R.contiguous_slot_pos(committed, cap)
     mf, ms = R.ring_masks(sp, committed, geom, w)
@@ -284,8 +355,9 @@ def test_sliding_layer_is_full_context_with_causal_noise():
     full_vis = np.ones((B, C + B), bool)
     causal_vis = np.concatenate([np.ones((B, C), bool), np.tril(np.ones((B, B), bool))], 1)
     X, E = inputs(cfg(), C, seed=5)
-    for window in (None, C, C + 10):
-        c = cfg(layer_sliding=(True, False), sliding_window=window)
+    # per row, key distances reach C + B - 1; anchored, a window of C is the whole context
+    for window, rule in ((None, "per_row"), (C + B, "per_row"), (C + 10, "per_row"), (C, "anchored")):
+        c = cfg(layer_sliding=(True, False), sliding_window=window, window_rule=rule)
         w = DraftWeights.random(c, seed=6)
         got = R.draft_forward(w, X, E)
         manual = R.draft_forward_positions(w, X, E, np.arange(C), C + np.arange(B),
@@ -299,19 +371,28 @@ def test_sliding_layer_is_full_context_with_causal_noise():
     assert max_err(R.draft_forward(w_full, X, E), all_full) < 1e-13
 
 
-def test_sliding_window_cuts_old_context():
+@pytest.mark.parametrize("rule", ["per_row", "anchored"])
+def test_sliding_window_cuts_old_context(rule):
     C, B, win = 9, 5, 3
-    c = cfg(layer_sliding=(True, True), sliding_window=win)
+    c = cfg(layer_sliding=(True, True), sliding_window=win, window_rule=rule)
     w = DraftWeights.random(c, seed=7)
     X, E = inputs(c, C, seed=8)
     base = R.draft_forward(w, X, E)
-    # rows older than C - win are invisible to every sliding layer
+    # anchored: rows older than C - win are invisible to every sliding layer; per row,
+    # block row 0 (position C) sees positions > C - win only
+    cut = C - win if rule == "anchored" else C - win + 1
     X2 = X.copy()
-    X2[:C - win] = np.random.default_rng(9).standard_normal((C - win, c.fc_in))
+    X2[:cut] = np.random.default_rng(9).standard_normal((cut, c.fc_in))
     assert max_err(base, R.draft_forward(w, X2, E)) < 1e-13
     X3 = X.copy()
-    X3[C - win] += 1.0
-    assert max_err(base, R.draft_forward(w, X3, E)) > 1e-3
+    X3[cut] += 1.0
+    out3 = R.draft_forward(w, X3, E)
+    assert max_err(base, out3) > 1e-3
+    if rule == "per_row":   # ... and block row 1 no longer sees it (after the first layer,
+        # row 1 reads row 0's output, so only a one-layer drafter isolates it: the
+        # masks say it directly)
+        vis = R.layer_visibility(C, B, True, c.mask_rule)
+        assert vis[0, cut] and not vis[1, cut] and not vis[0, cut - 1]
     # causal noise: changing noise row 3 leaves rows 0..2 untouched
     E2 = E.copy()
     E2[3] += 1.0

@@ -46,7 +46,7 @@ def test_tight_tolerance_catches_what_the_loose_one_misses(emu, wdtype, head_dim
     rope_bug = reference.draft_forward_positions(w, X, noise, shifted, pos_noise, kv_round="f16")
     assert not within(rope_bug, tight, "step_kv16")[0]
 
-    vis = [reference.layer_visibility(C, B, cfg.layer_sliding[l], cfg.sliding_window) for l in range(layers)]
+    vis = [reference.layer_visibility(C, B, cfg.layer_sliding[l], cfg.mask_rule) for l in range(layers)]
     for v in vis:
         v[:, np.flatnonzero(v[0, :C])[0]] = False          # the oldest visible slot hidden
     mask_bug = reference.draft_forward_positions(w, X, noise, pos_ctx, pos_noise, visible=vis, kv_round="f16")

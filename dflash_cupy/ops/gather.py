@@ -12,6 +12,7 @@ import numpy as np
 
 from .. import checks, dtypes, kernels
 from ..geometry import RingGeometry
+from ..mask_rule import MaskRule
 from .ring_slots import check_desc
 from .step_descriptor import DESC_LEN, DESC_N_NEW, DESC_START
 
@@ -64,7 +65,7 @@ class FeatureGather:
                      (desc, ring, ap_feat, np.int32(n)), stream=stream)
 
     def plan_lanes(self, desc, ring, ap_feat, geom, slot_pos, pos_all, rows_all, tile_live, *, cs: int, bs: int,
-                   mask_full=None, mask_swa=None, stream=None):
+                   mask_full=None, mask_swa=None, rule=None, stream=None):
         """The step's planning for every lane in one launch (``step_plan.cu``'s
         ``plan_lanes``: layouts there): per active lane, in effect and in this order,
         ``slot_pos[lane] = -1`` if its reset flag is set, the append plan of its new rows
@@ -72,10 +73,12 @@ class FeatureGather:
         ``ap_feat``, and the masks from the updated slot table. ``desc [lanes, DESC_LEN]``,
         ``ring [lanes, ring_capacity, fc_in]``, ``ap_feat [lanes*cs, fc_in]``,
         ``slot_pos [lanes, capacity]``, ``pos_all``/``rows_all [lanes*(cs+bs)]``,
-        ``tile_live [lanes*(cs+bs)/16]`` int32, masks ``[lanes, q_len, kv_total]``."""
+        ``tile_live [lanes*(cs+bs)/16]`` int32, masks ``[lanes, q_len, kv_total]`` under
+        ``rule`` (a ``MaskRule``, or a bare sliding window: ``MaskRule.of``)."""
         be = self.backend
         if not isinstance(geom, RingGeometry):
             raise TypeError(f"geom must be a RingGeometry, got {type(geom).__name__}")
+        rule = MaskRule.of(rule)
         checks.device_array(be, "desc", desc, np.int32, ndim=2)
         lanes = desc.shape[0]
         if lanes < 1 or desc.shape[1] != DESC_LEN:
@@ -105,7 +108,7 @@ class FeatureGather:
                 raise ValueError(f"{nm} must have shape {(lanes, geom.q_len, geom.kv_total)}, got {tuple(m.shape)}")
         checks.check_no_overlap(desc=desc, ring=ring, ap_feat=ap_feat, slot_pos=slot_pos, pos_all=pos_all,
                                 rows_all=rows_all, tile_live=tile_live, **dict(given))
-        flags = (1 if mask_full is not None else 0) | (2 if mask_swa is not None else 0)
+        flags = (1 if mask_full is not None else 0) | (2 if mask_swa is not None else 0) | rule.flags
         mf = mask_full if mask_full is not None else mask_swa
         ms = mask_swa if mask_swa is not None else mask_full
         a = geom.a_step
@@ -113,7 +116,8 @@ class FeatureGather:
         self._lanes_kernel((blocks, lanes, 1), (THREADS, 1, 1),
                            (desc, ring, ap_feat, np.int32(a), np.int32(cs), slot_pos, pos_all, rows_all, tile_live,
                             mf, ms, np.int32(geom.capacity), np.int32(geom.q_len), np.int32(bs),
-                            np.int32(geom.kv_total), np.int32(flags), np.int32(lanes)), stream=stream)
+                            np.int32(geom.kv_total), np.int32(flags), np.int32(rule.window),
+                            np.int32(lanes)), stream=stream)
 
 
 def gather_features_reference(desc, ring, n_rows: int) -> np.ndarray:

@@ -11,9 +11,9 @@
 //
 // reset_slots_if (desc, slot_pos): slot_pos[s] = -1 for s < CAP when
 //   desc[DESC_RESET]. grid (ceil(CAP / PLAN_SLOT_THREADS)), block (PLAN_SLOT_THREADS).
-// build_masks / build_mask_full / build_mask_swa (desc, slot_pos, masks):
+// build_masks / build_mask_full / build_mask_swa (desc, slot_pos, masks, rule, window):
 //   mask_full, mask_swa [Q_LEN, KV_TOTAL] f16, 0 visible / -inf hidden
-//   (plan_mask.cuh has the rule). grid (ceil(KV_TOTAL / PLAN_ROW_THREADS)),
+//   (plan_mask.cuh has the rule; rule: its PLAN_MASK_* bits, window: W). grid (ceil(KV_TOTAL / PLAN_ROW_THREADS)),
 //   block (PLAN_ROW_THREADS): one thread per column writes that column of
 //   every row. Runs after plan_append in stream order (reads slot_pos).
 // nvrtc-check: -DCAP=3 -DQ_LEN=16 -DKV_TOTAL=32
@@ -51,37 +51,37 @@ template <bool FULL, bool SWA>
 __device__ __forceinline__ void build_masks_impl(const int* __restrict__ desc,
                                                  const int* __restrict__ slot_pos,
                                                  __half* __restrict__ mask_full,
-                                                 __half* __restrict__ mask_swa)
+                                                 __half* __restrict__ mask_swa, int rule, int window)
 {
     const int c = blockIdx.x * PLAN_ROW_THREADS + threadIdx.x;
     if (c >= KV_TOTAL) return;
     const int p = (c < CAP) ? slot_pos[c] : 0;
-    plan_mask_column(desc, c, p, CAP, Q_LEN, KV_TOTAL, FULL, SWA, mask_full, mask_swa);
+    plan_mask_column(desc, c, p, CAP, Q_LEN, KV_TOTAL, FULL, SWA, rule, window, mask_full, mask_swa);
 }
 
 extern "C" __global__ void __launch_bounds__(PLAN_ROW_THREADS)
 build_masks(const int* __restrict__ desc, const int* __restrict__ slot_pos,
-            __half* __restrict__ mask_full, __half* __restrict__ mask_swa)
+            __half* __restrict__ mask_full, __half* __restrict__ mask_swa, int rule, int window)
 {
     pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
     pdl_launch_dependents();
-    build_masks_impl<true, true>(desc, slot_pos, mask_full, mask_swa);
+    build_masks_impl<true, true>(desc, slot_pos, mask_full, mask_swa, rule, window);
 }
 
 extern "C" __global__ void __launch_bounds__(PLAN_ROW_THREADS)
 build_mask_full(const int* __restrict__ desc, const int* __restrict__ slot_pos,
-                __half* __restrict__ mask_full)
+                __half* __restrict__ mask_full, int rule, int window)
 {
     pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
     pdl_launch_dependents();
-    build_masks_impl<true, false>(desc, slot_pos, mask_full, mask_full);
+    build_masks_impl<true, false>(desc, slot_pos, mask_full, mask_full, rule, window);
 }
 
 extern "C" __global__ void __launch_bounds__(PLAN_ROW_THREADS)
 build_mask_swa(const int* __restrict__ desc, const int* __restrict__ slot_pos,
-               __half* __restrict__ mask_swa)
+               __half* __restrict__ mask_swa, int rule, int window)
 {
     pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
     pdl_launch_dependents();
-    build_masks_impl<false, true>(desc, slot_pos, mask_swa, mask_swa);
+    build_masks_impl<false, true>(desc, slot_pos, mask_swa, mask_swa, rule, window);
 }

@@ -203,7 +203,7 @@ class Driver:
             self._check_split(hidden, ref, X, noise, lo, what)
         assert kv.next_pos == c, what
         np.testing.assert_array_equal(be.to_numpy(kv.slot_pos), self.sp, err_msg=what + " slot_pos")
-        mf, ms = reference.ring_masks(self.sp, c, kv.geom, cfg.swa_window)
+        mf, ms = reference.ring_masks(self.sp, c, kv.geom, cfg.mask_rule)
         assert (kv.mask_full is not None) == cfg.any_full
         assert (kv.mask_swa is not None) == cfg.any_sliding
         if kv.mask_full is not None:

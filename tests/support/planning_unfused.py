@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_cupy import checks, kernels
+from dflash_cupy.mask_rule import MaskRule
 from dflash_cupy.ops.ring_slots import ROW_THREADS, SLOT_THREADS, RingSlots, check_desc
 
 SOURCE = Path(__file__).resolve().parent.parent / "cuda" / "planning_unfused.cu"
@@ -48,10 +49,12 @@ class UnfusedPlanning(RingSlots):
         self._check_slot_pos(slot_pos)
         self._reset_if(self._slot_grid, (SLOT_THREADS, 1, 1), (desc, slot_pos), stream=stream)
 
-    def build_masks(self, desc, slot_pos, mask_full=None, mask_swa=None, stream=None):
+    def build_masks(self, desc, slot_pos, mask_full=None, mask_swa=None, stream=None, *, rule=None):
         """SPEC §3 step 5 into ``mask_full`` and/or ``mask_swa``
-        (``[q_len, kv_total]`` f16). Run after ``plan_append`` in stream order."""
+        (``[q_len, kv_total]`` f16) under ``rule`` (a ``MaskRule`` or a bare sliding
+        window, ``MaskRule.of``). Run after ``plan_append`` in stream order."""
         be = self.backend
+        rule = MaskRule.of(rule)
         check_desc(be, desc)
         self._check_slot_pos(slot_pos)
         shape = (self.geom.q_len, self.geom.kv_total)
@@ -65,9 +68,10 @@ class UnfusedPlanning(RingSlots):
         if mask_full is not None and mask_swa is not None and checks.overlaps(mask_full, mask_swa):
             raise ValueError("mask_full and mask_swa must not overlap")
         block = (ROW_THREADS, 1, 1)
+        r = (np.int32(rule.flags), np.int32(rule.window))
         if mask_full is not None and mask_swa is not None:
-            self._masks(self._mask_grid, block, (desc, slot_pos, mask_full, mask_swa), stream=stream)
+            self._masks(self._mask_grid, block, (desc, slot_pos, mask_full, mask_swa) + r, stream=stream)
         elif mask_full is not None:
-            self._mask_full(self._mask_grid, block, (desc, slot_pos, mask_full), stream=stream)
+            self._mask_full(self._mask_grid, block, (desc, slot_pos, mask_full) + r, stream=stream)
         else:
-            self._mask_swa(self._mask_grid, block, (desc, slot_pos, mask_swa), stream=stream)
+            self._mask_swa(self._mask_grid, block, (desc, slot_pos, mask_swa) + r, stream=stream)
