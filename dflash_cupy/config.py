@@ -482,15 +482,7 @@ class DraftConfig:
             else:
                 sliding = ()
 
-        variants = {}
-        for key in VARIANT_KEYS:
-            a, b = d.get(key), dc.get(key)
-            if a is not None and b is not None and a != b:
-                raise ValueError(f"config.json {key}: top level says {a!r} but dflash_config "
-                                 f"says {b!r}")
-            v = a if a is not None else b
-            if v is not None:
-                variants[key] = v
+        variants = {k: v for k in VARIANT_KEYS if (v := _either_place(d, dc, k)) is not None}
 
         target_ids = top_or_dc("target_layer_ids")
         need("dflash_config.target_layer_ids", target_ids)
@@ -640,6 +632,15 @@ def _normalise_rope_scaling(rs, max_position_embeddings):
     return out
 
 
+def _either_place(d: Mapping, dc: Mapping, key: str):
+    """``key`` from the top level or ``dflash_config`` (None if in neither); both set and
+    different is an error naming both values."""
+    a, b = d.get(key), dc.get(key)
+    if a is not None and b is not None and a != b:
+        raise ValueError(f"config.json {key}: top level says {a!r} but dflash_config says {b!r}")
+    return a if a is not None else b
+
+
 def _architecture(d: Mapping) -> str:
     """The one architecture a config.json declares (absent: DFlash); anything this
     module does not implement is refused, naming it."""
@@ -678,11 +679,7 @@ def _parse_dflash2(d: Mapping, dc: Mapping) -> DFlash2Config | None:
         return None
     values = {}
     for key in DFLASH2_KEYS:
-        a, b = dc.get(key), d.get(key)
-        if a is not None and b is not None and a != b:
-            raise ValueError(f"config.json {key}: dflash_config says {a!r} but the top level "
-                             f"says {b!r}")
-        v = a if a is not None else b
+        v = _either_place(d, dc, key)
         if v is None and key in _DFLASH2_REQUIRED:
             raise ValueError(f"config.json: missing required DFlash 2 field "
                              f"'dflash_config.{key}'")

@@ -438,11 +438,11 @@ def select_draft(weights, hidden, lm_head, anchor: int, *, temperature: float = 
     if isinstance(anchor, bool) or not isinstance(anchor, (int, np.integer)) \
             or not 0 <= anchor < d2.vocab_size:
         raise ValueError(f"anchor={anchor!r}: must be a token id in [0, {d2.vocab_size})")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
+    if not (isinstance(temperature, (int, float, np.floating)) and math.isfinite(temperature)
             and temperature >= 0):
         raise ValueError(f"temperature={temperature!r}: must be a finite number >= 0")
     R, K = h.shape[0] - 1, d2.selector_top_k
-    if temperature > 0:
+    if temperature > 0 and R:
         u = None if uniforms is None else np.asarray(uniforms, dtype=np.float64)
         if u is None or u.shape != (R,) or not ((u >= 0) & (u < 1)).all():
             raise ValueError(f"uniforms: {R} values in [0, 1) are needed at temperature > 0, "

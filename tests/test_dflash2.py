@@ -492,6 +492,8 @@ def test_selector_bad_input():
         ref.select_draft(w, hidden, lm_head[:-1], 0)
     with pytest.raises(ValueError, match="temperature"):
         ref.select_draft(w, hidden, lm_head, 0, temperature=-1.0)
+    one_row = ref.select_draft(w, hidden[:1], lm_head, 0, temperature=np.float32(0.5))
+    assert one_row.draft_tokens.shape == (0,) and one_row.q.shape == (0, 4)
     bad = lm_head.copy()
     bad[3, 0] = np.nan
     with pytest.raises(ValueError, match="non-finite"):
