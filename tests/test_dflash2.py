@@ -501,3 +501,22 @@ def test_selector_bad_input():
     v1 = DraftWeights.random(c.replace(dflash2=None), seed=0)
     with pytest.raises(ValueError, match="no candidate selector"):
         ref.select_draft(v1, hidden, lm_head, 0)
+
+
+@pytest.mark.parametrize("T", [0.0, 0.8])
+def test_block_end_to_end_through_the_documented_api(T):
+    """noise_embedding -> draft_forward_positions -> select_draft against the loop
+    reference's forward and selector: hidden states, candidates and draft tokens."""
+    c = tiny(vocab=33, top_k=5, q_len=4, scale=1.5)
+    w = DraftWeights.random(c, seed=21, dtype="bf16")
+    rng = np.random.default_rng(21)
+    table = rng.standard_normal((33, 12))
+    lm_head = rng.standard_normal((33, 12)) * 1.5
+    X, _, pc, pn, vis = _forward_inputs(c, seed=21)
+    E = ref.noise_embedding(table, 9, c)
+    u = rng.random(3) if T else None
+    hidden = ref.draft_forward_positions(w, X, E, pc, pn, visible=vis)
+    want_hidden = ind.forward(dict(w.tensors), c, X, table[[9, 32, 32, 32]] * 1.5, pc, pn, vis)
+    np.testing.assert_allclose(hidden, want_hidden, rtol=0, atol=1e-11)
+    got = _check_against_independent(c, w, hidden, lm_head, 9, T, u)
+    assert got.draft_tokens.dtype == np.int64 and got.candidate_ids.dtype == np.int64
