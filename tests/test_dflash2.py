@@ -520,3 +520,26 @@ def test_block_end_to_end_through_the_documented_api(T):
     np.testing.assert_allclose(hidden, want_hidden, rtol=0, atol=1e-11)
     got = _check_against_independent(c, w, hidden, lm_head, 9, T, u)
     assert got.draft_tokens.dtype == np.int64 and got.candidate_ids.dtype == np.int64
+
+
+def test_margin_is_the_distance_to_a_flip():
+    """Sampled: moving a row's uniform by 0.99 margin keeps every choice, by 1.01 margin
+    toward the nearer boundary flips that row. Greedy: best minus runner-up."""
+    rng = np.random.default_rng(11)
+    scores = rng.standard_normal((4, 5, 5))
+    u = rng.random(4)
+    ch, q, margin = ref.selector_walk(scores, 0.9, u)
+    for r in range(4):
+        cum = np.cumsum(q[r])
+        lo = cum[ch[r] - 1] if ch[r] else 0.0
+        toward = -1.0 if u[r] - lo < cum[ch[r]] - u[r] else 1.0
+        for f, same in ((0.99, True), (1.01, False)):
+            v = u.copy()
+            v[r] += toward * f * margin[r]
+            if 0 <= v[r] < 1:
+                assert (ref.selector_walk(scores, 0.9, v)[0][r] == ch[r]) == same, (r, f)
+    ch, _, margin = ref.selector_walk(scores, 0.0)
+    prev = np.r_[0, ch[:-1]]
+    for r in range(4):
+        row = np.sort(scores[r, prev[r]])
+        assert margin[r] == pytest.approx(row[-1] - row[-2], abs=1e-15)
