@@ -59,6 +59,30 @@ When saved (``to_hf``) non-default variant flags are written inside
 Masks (``mask_rule``, see ``mask_rule.py``): sliding layers use the serving engines'
 per-row window by default (``window_rule="per_row"``); ``"anchored"`` is the seed's rule
 (SPEC §3.5), e.g. ``dataclasses.replace(config, window_rule="anchored")``.
+
+Architectures (``architectures``, a one-entry list; absent: DFlash): ``DFlashDraftModel``
+gives ``dflash2=None``; ``DFlash2DraftModel`` gives a ``DFlash2Config`` (SPEC §6) read
+from ``dflash_config`` (z-lab reads each field there first, then at the top level; both
+present and different is an error) plus the top-level ``vocab_size``:
+
+==========================  ============================================================
+DFlash2Config               config.json
+==========================  ============================================================
+conv_kernel_size            ``conv_kernel_size`` (taps of each convolution, required)
+conv_group_size             ``conv_group_size`` (channels sharing one dynamic tap, required)
+selector_rank               ``selector_rank`` (required)
+selector_top_k              ``selector_top_k`` (K candidates per row, required)
+vocab_size                  ``vocab_size`` (top level; rows of the selector's codebooks)
+final_logit_softcapping     ``final_logit_softcapping`` (None or 0: no softcap)
+output_multiplier           ``output_multiplier`` (default 1.0)
+input_embedding_scale       ``input_embedding_scale`` (default 1.0)
+==========================  ============================================================
+
+Nothing a drafter computes with is dropped silently: any other architecture is refused,
+and so is any ``dflash_config`` key outside the ones above, the DFlash keys and
+``_IGNORED_DFLASH_CONFIG_KEYS``, and any DFlash 2 field in a config that does not
+declare ``DFlash2DraftModel``. Other top-level keys (``bos_token_id``, ``dtype``, ...)
+are kept in ``extra`` and written back.
 """
 from __future__ import annotations
 
@@ -75,6 +99,18 @@ ATTN_GATES = ("none", "head", "element")
 ROPE_SCALING_TYPES = ("linear", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 VARIANT_KEYS = ("aux_hidden_norms", "context_kv_layer_norm", "attn_gate")
+ARCH_DFLASH, ARCH_DFLASH2 = "DFlashDraftModel", "DFlash2DraftModel"
+ARCHITECTURES = (ARCH_DFLASH, ARCH_DFLASH2)
+# DFlash 2 fields (SPEC §6): dflash_config first, else the top level (as z-lab reads them)
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                "final_logit_softcapping", "output_multiplier", "input_embedding_scale")
+_DFLASH2_REQUIRED = DFLASH2_KEYS[:4]
+# dflash_config keys every kind understands
+_DFLASH_CONFIG_KEYS = ("target_layer_ids", "mask_token_id", "block_size", "num_target_layers",
+                       "is_causal", "window_rule", *VARIANT_KEYS)
+# dflash_config keys that change nothing this module computes and are kept in `extra`
+# (none known yet: a key lands here only once its meaning is checked)
+_IGNORED_DFLASH_CONFIG_KEYS: tuple = ()
 
 # HF Qwen3Config's default for max_window_layers, used only when layer_types is absent.
 _HF_DEFAULT_MAX_WINDOW_LAYERS = 28
@@ -99,7 +135,7 @@ _PLAIN_FIELDS = ("hidden_size", "n_layer", "n_head", "n_head_kv", "head_dim", "i
 # so a loaded-then-saved config loses nothing.
 _CONSUMED_KEYS = {k.split(".")[-1] for k in HF_KEY.values()} | {
     "rope_parameters", "use_sliding_window", "max_window_layers", "dflash_config",
-    "hidden_act", "attention_bias", "partial_rotary_factor", "is_causal", *VARIANT_KEYS,
+    "hidden_act", "attention_bias", "partial_rotary_factor", "is_causal", *VARIANT_KEYS, "architectures",
 }
 
 
@@ -109,6 +145,63 @@ def _is_int(v) -> bool:
 
 def _is_real(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class DFlash2Config:
+    """The DFlash 2 additions (SPEC §6), validated once; ``DraftConfig.dflash2``.
+
+    ``conv_kernel_size`` taps per convolution, ``conv_group_size`` channels per
+    dynamic-tap group (``hidden_size`` must be a multiple: checked by
+    ``DraftConfig``), ``selector_rank`` and ``selector_top_k`` (K <= ``vocab_size``)
+    size the candidate selector; ``final_logit_softcapping`` None means no softcap
+    (0 in a config.json is read as None); ``output_multiplier`` > 0 (so the top-K of
+    the raw logits is the top-K of the scaled ones); ``input_embedding_scale``
+    multiplies the noise rows' embeddings.
+    """
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
+    vocab_size: int
+    final_logit_softcapping: float | None = None
+    output_multiplier: float = 1.0
+    input_embedding_scale: float = 1.0
+
+    def __post_init__(self):
+        def bad(name, value, why):
+            raise ValueError(f"DFlash2Config.{name}={value!r}: {why}")
+
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                     "vocab_size"):
+            v = getattr(self, name)
+            if not _is_int(v) or v <= 0:
+                bad(name, v, "must be a positive int")
+        if self.selector_top_k > self.vocab_size:
+            bad("selector_top_k", self.selector_top_k,
+                f"must be <= vocab_size={self.vocab_size} (K candidates per row)")
+        cap = self.final_logit_softcapping
+        if cap is not None:
+            if not _is_real(cap) or not math.isfinite(cap) or cap < 0:
+                bad("final_logit_softcapping", cap, "must be a finite number >= 0, or None")
+            object.__setattr__(self, "final_logit_softcapping", float(cap) if cap > 0 else None)
+        m = self.output_multiplier
+        if not _is_real(m) or not math.isfinite(m) or not m > 0:
+            bad("output_multiplier", m, "must be a positive finite number")
+        object.__setattr__(self, "output_multiplier", float(m))
+        e = self.input_embedding_scale
+        if not _is_real(e) or not math.isfinite(e) or e == 0:
+            bad("input_embedding_scale", e, "must be a finite non-zero number")
+        object.__setattr__(self, "input_embedding_scale", float(e))
+
+    def n_groups(self, hidden_size: int) -> int:
+        """Dynamic-tap groups G = hidden_size / conv_group_size (channel c is in group
+        c // conv_group_size)."""
+        return hidden_size // self.conv_group_size
+
+    def projection_rows(self, hidden_size: int) -> int:
+        """Rows of each ``kernel_projection``: 2 * taps * G, laid out (half, tap, group)."""
+        return 2 * self.conv_kernel_size * self.n_groups(hidden_size)
 
 
 @dataclass(frozen=True)
@@ -142,6 +235,7 @@ class DraftConfig:
     attn_gate: str = "none"
     is_causal: bool | None = None
     window_rule: str = "per_row"
+    dflash2: DFlash2Config | None = None
     # unrecognised config.json keys, written back by to_hf(); not part of equality
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -229,6 +323,16 @@ class DraftConfig:
             bad("is_causal", self.is_causal, "must be a bool or None")
         if self.window_rule not in WINDOW_RULES:
             bad("window_rule", self.window_rule, f"must be one of {WINDOW_RULES}")
+        d2 = self.dflash2
+        if d2 is not None:
+            if not isinstance(d2, DFlash2Config):
+                bad("dflash2", d2, "must be a DFlash2Config or None")
+            if self.hidden_size % d2.conv_group_size:
+                bad("dflash2", d2, f"conv_group_size={d2.conv_group_size} does not divide "
+                    f"hidden_size={self.hidden_size}")
+            if mt is None or mt >= d2.vocab_size:
+                bad("mask_token_id", mt, f"a DFlash 2 drafter needs a mask token id below "
+                    f"vocab_size={d2.vocab_size}")
         if not isinstance(self.extra, dict):
             bad("extra", self.extra, "must be a dict")
 
@@ -279,6 +383,11 @@ class DraftConfig:
     def layer_types(self) -> tuple:
         """Hugging Face ``layer_types`` strings, one per layer."""
         return tuple("sliding_attention" if s else "full_attention" for s in self.layer_sliding)
+
+    @property
+    def architecture(self) -> str:
+        """The Hugging Face architecture name: DFlash2DraftModel or DFlashDraftModel."""
+        return ARCH_DFLASH if self.dflash2 is None else ARCH_DFLASH2
 
     @property
     def any_sliding(self) -> bool:
@@ -395,15 +504,7 @@ class DraftConfig:
             else:
                 sliding = ()
 
-        variants = {}
-        for key in VARIANT_KEYS:
-            a, b = d.get(key), dc.get(key)
-            if a is not None and b is not None and a != b:
-                raise ValueError(f"config.json {key}: top level says {a!r} but dflash_config "
-                                 f"says {b!r}")
-            v = a if a is not None else b
-            if v is not None:
-                variants[key] = v
+        variants = {k: v for k in VARIANT_KEYS if (v := _either_place(d, dc, k)) is not None}
 
         target_ids = top_or_dc("target_layer_ids")
         need("dflash_config.target_layer_ids", target_ids)
@@ -411,10 +512,10 @@ class DraftConfig:
             raise ValueError(f"config.json dflash_config.target_layer_ids={target_ids!r}: "
                              "must be a list of ints")
 
-        extra = {k: v for k, v in d.items() if k not in _CONSUMED_KEYS}
-        extra_dc = {k: v for k, v in dc.items()
-                    if k not in ("target_layer_ids", "mask_token_id", "block_size",
-                                 "num_target_layers", "is_causal", "window_rule", *VARIANT_KEYS)}
+        dflash2 = _parse_dflash2(d, dc)
+        consumed = _CONSUMED_KEYS | ({"vocab_size", *DFLASH2_KEYS} if dflash2 else set())
+        extra = {k: v for k, v in d.items() if k not in consumed}
+        extra_dc = {k: v for k, v in dc.items() if k in _IGNORED_DFLASH_CONFIG_KEYS}
         if extra_dc:
             extra["dflash_config"] = extra_dc
 
@@ -440,6 +541,7 @@ class DraftConfig:
                 is_causal=top_or_dc("is_causal"),
                 window_rule=dc.get("window_rule", "per_row"),
                 extra=extra,
+                dflash2=dflash2,
                 **variants,
             )
         except ValueError as e:
@@ -448,14 +550,17 @@ class DraftConfig:
             m = re.match(r"DraftConfig\.(\w+)", msg)
             if m and m.group(1) in HF_KEY:
                 raise ValueError(f"{msg} [config.json: {HF_KEY[m.group(1)]}]") from None
+            if m and m.group(1) == "dflash2":
+                raise ValueError(f"{msg} [config.json: dflash_config]") from None
             raise
 
     def to_hf(self, include_extra: bool = True) -> dict:
         """The config as a Hugging Face ``config.json`` dict (what ``from_hf`` reads back)."""
-        d: dict[str, Any] = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3"}
+        d: dict[str, Any] = {"model_type": "qwen3"}
         extra = dict(self.extra) if include_extra else {}
         extra_dc = extra.pop("dflash_config", {})
         d.update(extra)
+        d["architectures"] = [self.architecture]
         rt = self.rope_theta
         d.update({HF_KEY[f]: getattr(self, f) for f in _PLAIN_FIELDS})
         d.update({
@@ -482,6 +587,10 @@ class DraftConfig:
             d["is_causal"] = self.is_causal
         if self.window_rule != "per_row":
             dc["window_rule"] = self.window_rule
+        d2 = self.dflash2
+        if d2 is not None:
+            d["vocab_size"] = d2.vocab_size
+            dc.update({k: getattr(d2, k) for k in DFLASH2_KEYS})
         d["dflash_config"] = dc
         return d
 
@@ -549,3 +658,68 @@ def _normalise_rope_scaling(rs, max_position_embeddings):
     out = {"rope_type": rtype}
     out.update(rs)
     return out
+
+
+def _either_place(d: Mapping, dc: Mapping, key: str):
+    """``key`` from the top level or ``dflash_config`` (None if in neither); both set and
+    different is an error naming both values."""
+    a, b = d.get(key), dc.get(key)
+    if a is not None and b is not None and a != b:
+        raise ValueError(f"config.json {key}: top level says {a!r} but dflash_config says {b!r}")
+    return a if a is not None else b
+
+
+def _architecture(d: Mapping) -> str:
+    """The one architecture a config.json declares (absent: DFlash); anything this
+    module does not implement is refused, naming it."""
+    arch = d.get("architectures")
+    if arch is None:
+        return ARCH_DFLASH
+    if isinstance(arch, (str, bytes)) or not isinstance(arch, (list, tuple)) or len(arch) != 1:
+        raise ValueError(f"config.json architectures={arch!r}: must be a one-entry list, "
+                         f"one of {list(ARCHITECTURES)}")
+    if arch[0] not in ARCHITECTURES:
+        raise ValueError(f"config.json architectures={arch!r}: {arch[0]!r} is not implemented "
+                         f"by this module (it implements {', '.join(ARCHITECTURES)})")
+    return arch[0]
+
+
+def _parse_dflash2(d: Mapping, dc: Mapping) -> DFlash2Config | None:
+    """The DFlash2Config of a ``DFlash2DraftModel`` config.json, None for DFlash. A
+    dflash_config key this module does not understand, or a DFlash 2 field in a config
+    that does not declare DFlash 2, is refused: dropping it would run half a model."""
+    arch = _architecture(d)
+    known = set(_DFLASH_CONFIG_KEYS) | set(_IGNORED_DFLASH_CONFIG_KEYS)
+    if arch == ARCH_DFLASH2:
+        known |= set(DFLASH2_KEYS)
+    unknown = sorted(k for k in dc if k not in known)
+    if unknown:
+        v2 = sorted(set(unknown) & set(DFLASH2_KEYS))
+        why = (f"DFlash 2 field(s) {v2} in a {arch} config (declare architectures "
+               f"[{ARCH_DFLASH2!r}] to run them)" if v2 else
+               f"not understood by this module for {arch}")
+        raise ValueError(f"config.json dflash_config: key(s) {unknown}: {why}")
+    if arch != ARCH_DFLASH2:
+        top = sorted(k for k in DFLASH2_KEYS if d.get(k) is not None)
+        if top:
+            raise ValueError(f"config.json: DFlash 2 field(s) {top} in a {arch} config "
+                             f"(declare architectures [{ARCH_DFLASH2!r}] to run them)")
+        return None
+    values = {}
+    for key in DFLASH2_KEYS:
+        v = _either_place(d, dc, key)
+        if v is None and key in _DFLASH2_REQUIRED:
+            raise ValueError(f"config.json: missing required DFlash 2 field "
+                             f"'dflash_config.{key}'")
+        if v is not None:
+            values[key] = v
+    if d.get("vocab_size") is None:
+        raise ValueError("config.json: missing required field 'vocab_size' (a DFlash 2 "
+                         "drafter's selector codebooks have one row per token)")
+    try:
+        return DFlash2Config(vocab_size=d["vocab_size"], **values)
+    except ValueError as e:
+        m = re.match(r"DFlash2Config\.(\w+)", str(e))
+        where = "vocab_size" if m and m.group(1) == "vocab_size" else \
+            f"dflash_config.{m.group(1)}" if m else "dflash_config"
+        raise ValueError(f"{e} [config.json: {where}]") from None

@@ -70,6 +70,12 @@ class DeviceWeights:
 
     def __init__(self, weights, backend):
         c = weights.config
+        if c.dflash2 is not None:
+            # placing only the DFlash part would run half the model without a word
+            raise NotImplementedError(
+                f"{c.architecture}: the kernel step does not run the DFlash 2 convolutions "
+                "and candidate selector yet; dflash_cupy.reference computes them (README, "
+                "DFlash 2)")
         self.config = c
         self.backend = backend
         self.fc = to_device_matrix(backend, weights["fc.weight"])

@@ -17,10 +17,17 @@ Entry points:
 * ``ring_masks(slot_pos, committed, geom, rule)``: the f16 ``0 / -inf``
   masks of SPEC §3 step 5 / §6 over the ``kv_total`` cache rows; ``block_visibility``
   is the mask rule itself (``mask_rule.py``), shared with ``layer_visibility``.
+
+DFlash 2 (SPEC §6, ``config.dflash2``): the same forward, with ``decoder_layer``
+wrapping each sublayer in its grouped dynamic convolution (``conv_prepare``);
+``noise_embedding`` forms the noise rows; ``select_draft(weights, hidden, lm_head,
+anchor, temperature=, uniforms=)`` runs the candidate selector on the block's
+``hidden`` and returns a ``SelectorResult``.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
@@ -35,6 +42,8 @@ __all__ = [
     "fuse_features", "layer_visibility", "attention", "decoder_layer",
     "draft_forward", "draft_forward_positions",
     "ring_masks", "contiguous_slot_pos", "block_visibility",
+    "grouped_conv", "conv_prepare", "noise_embedding", "softcap", "top_candidates",
+    "selector_scores", "selector_walk", "select_draft", "SelectorResult",
 ]
 
 
@@ -166,11 +175,52 @@ def _round_kv(x, kv_round):
     return x if dt is None else x.astype(np.float32).astype(dt).astype(np.float64)
 
 
+def grouped_conv(x, base, delta, group_size: int) -> np.ndarray:
+    """SPEC §6's block-local grouped dynamic causal convolution over the block's rows:
+    ``y[i, c] = sum_{t < taps} (base[t, c] + delta[i, t, c // group_size]) * x[i - t, c]``,
+    a tap before the block's first row reading zero. ``x [B, H]``, ``base [taps, H]``,
+    ``delta [B, taps, G]``."""
+    x, base, delta = f64(x), f64(base), f64(delta)
+    B = x.shape[0]
+    coef = base[None, :, :] + np.repeat(delta, group_size, axis=2)     # [B, taps, H]
+    y = np.zeros_like(x)
+    for t in range(min(base.shape[0], B)):                                # taps past row 0 read zeros
+        y[t:] += coef[t:, t] * x[:B - t]
+    return y
+
+
+def conv_prepare(weights, layer: int, conv: str, x):
+    """DFlash 2's ``prepare`` for ``layers.{layer}.{conv}`` (``attention_conv`` or
+    ``mlp_conv``) on the sublayer's normed input ``x [B, H]``: returns the convolved
+    input and ``finish``, the function that convolves the sublayer's output. Both
+    halves of ``delta = x @ kernel_projection.T``, read as ``[B, 2, taps, G]`` (half,
+    tap, group: z-lab and vLLM), come from this same ``x``. A DFlash drafter
+    (``dflash2`` None) gets ``x`` back and the identity."""
+    d2 = weights.config.dflash2
+    if d2 is None:
+        return x, lambda y: y
+    p = f"layers.{layer}.{conv}."
+    base = f64(weights[p + "base_kernel"])                                # [2, taps, H]
+    B, H = x.shape
+    delta = (x @ f64(weights[p + "kernel_projection.weight"]).T).reshape(
+        B, 2, d2.conv_kernel_size, d2.n_groups(H))
+    gs = d2.conv_group_size
+    return (grouped_conv(x, base[0], delta[:, 0], gs),
+            lambda y: grouped_conv(y, base[1], delta[:, 1], gs))
+
+
 def decoder_layer(weights, layer: int, h, T, pos_ctx, pos_noise, visible, kv_round=None) -> np.ndarray:
     """SPEC §2.2 for one layer: noise rows ``h [B, H]`` attend over the fused
     context ``T [C, H]`` and themselves; returns the new ``h``. ``kv_round``
     ("f16", "bf16" or None) rounds K (after norm and RoPE) and V where a cache
-    stores them."""
+    stores them.
+
+    DFlash 2 (SPEC §6): the attention sublayer's input is ``input_layernorm``'s
+    output convolved (``conv_prepare``), and that convolved row is what q, k, v
+    (and the attention gate, if any) of the noise rows read; ``o_proj``'s output is
+    convolved before the residual add. The MLP likewise around
+    ``post_attention_layernorm``'s output and ``down_proj``'s. Context rows never
+    pass through a convolution."""
     c = weights.config
     eps, nh, nkv, d = c.rms_norm_eps, c.n_head, c.n_head_kv, c.head_dim
     B, C = h.shape[0], T.shape[0]
@@ -178,7 +228,8 @@ def decoder_layer(weights, layer: int, h, T, pos_ctx, pos_noise, visible, kv_rou
     def w(name):
         return f64(weights[f"layers.{layer}.{name}.weight"])
 
-    hn = rmsnorm(h, w("input_layernorm"), eps)
+    hn, attn_finish = conv_prepare(weights, layer, "attention_conv",
+                                   rmsnorm(h, w("input_layernorm"), eps))
     Q = (hn @ w("self_attn.q_proj").T).reshape(B, nh, d)
     Q = apply_rope(rmsnorm(Q, w("self_attn.q_norm"), eps), pos_noise, c)
 
@@ -195,11 +246,12 @@ def decoder_layer(weights, layer: int, h, T, pos_ctx, pos_noise, visible, kv_rou
         attn = attn * softplus(hn @ w("self_attn.gate_proj").T)[:, :, None]
     elif c.attn_gate == "element":
         attn = attn * softplus(hn @ w("self_attn.gate_proj").T).reshape(B, nh, d)
-    h = h + attn.reshape(B, nh * d) @ w("self_attn.o_proj").T
+    h = h + attn_finish(attn.reshape(B, nh * d) @ w("self_attn.o_proj").T)
 
-    hf = rmsnorm(h, w("post_attention_layernorm"), eps)
+    hf, mlp_finish = conv_prepare(weights, layer, "mlp_conv",
+                                  rmsnorm(h, w("post_attention_layernorm"), eps))
     ffn = silu(hf @ w("mlp.gate_proj").T) * (hf @ w("mlp.up_proj").T)
-    return h + ffn @ w("mlp.down_proj").T
+    return h + mlp_finish(ffn @ w("mlp.down_proj").T)
 
 
 # --------------------------------------------------------------------------- forward
@@ -282,6 +334,149 @@ def draft_forward(weights, feat_rows, noise_embed, *, lm_head=None, pos_offset: 
     base = int(pos_offset)
     return draft_forward_positions(weights, X, E, base + np.arange(C), base + C + np.arange(B),
                                    lm_head=lm_head, kv_round=kv_round)
+
+
+# --------------------------------------------------------------------------- DFlash 2 selector
+def noise_embedding(embed_table, anchor: int, config: DraftConfig, q_len: int | None = None):
+    """The noise rows ``embed([anchor, mask, ..., mask]) * input_embedding_scale``
+    ``[q_len, H]`` float64 (the scale is 1 for DFlash), from the target's
+    ``embed_table [vocab, H]``; ``q_len`` defaults to ``block_size``."""
+    E = np.asarray(embed_table)
+    B = config.q_len if q_len is None else int(q_len)
+    if config.mask_token_id is None:
+        raise ValueError("config.mask_token_id is None: the noise rows need a mask token")
+    for name, tok in (("anchor", anchor), ("mask_token_id", config.mask_token_id)):
+        if not 0 <= int(tok) < E.shape[0]:
+            raise ValueError(f"{name}={tok}: outside the embedding table's {E.shape[0]} rows")
+    scale = 1.0 if config.dflash2 is None else config.dflash2.input_embedding_scale
+    return f64(E[[int(anchor)] + [config.mask_token_id] * (B - 1)]) * scale
+
+
+def softcap(x, cap):
+    """``tanh(x / cap) * cap``; ``cap`` None: ``x`` unchanged."""
+    return x if cap is None else np.tanh(x / cap) * cap
+
+
+def top_candidates(logits, k: int) -> np.ndarray:
+    """The top-``k`` token ids of each row of ``logits [R, V]``, ``[R, k]`` int64, best
+    first, ties to the lowest id. Non-finite logits are refused (no rank is defined
+    for them yet)."""
+    lg = f64(logits)
+    bad = ~np.isfinite(lg)
+    if bad.any():
+        r, v = np.argwhere(bad)[0]
+        raise ValueError(f"logits[{r}, {v}]={lg[r, v]}: non-finite logits have no candidate rank")
+    ids = np.arange(lg.shape[1])
+    return np.stack([np.lexsort((ids, -row))[:k] for row in lg]).reshape(lg.shape[0], k) \
+        .astype(np.int64)
+
+
+@dataclass(frozen=True)
+class SelectorResult:
+    """The candidate selector on a block's rows 1..q_len-1 (``R = q_len - 1`` rows,
+    ``K = selector_top_k``): ``draft_tokens [R]`` int64 (the walk: the token drafted at
+    block row ``r + 1``), ``choice [R]`` (its index among the row's candidates),
+    ``candidate_ids [R, K]`` int64 (best raw logit first), ``candidate_values [R, K]``
+    (the unary values), ``scores [R, K, K]`` (``scores[r, p, c]``: candidate ``c`` after
+    the previous row's candidate ``p``; every ``p`` of row 0 is the anchor), ``q [R, K]``
+    (the distribution each row was drawn from: softmax(scores / T); one-hot at T = 0)
+    and ``margin [R]`` (greedy: best score minus the runner-up, inf for K = 1; sampled:
+    the uniform's distance to the nearest boundary of its candidate's CDF interval,
+    as a fraction of the row's mass): a kernel rounding in f32 must agree where the
+    margin exceeds its rounding."""
+    draft_tokens: np.ndarray
+    choice: np.ndarray
+    candidate_ids: np.ndarray
+    candidate_values: np.ndarray
+    scores: np.ndarray
+    q: np.ndarray
+    margin: np.ndarray
+
+
+def selector_scores(weights, hidden_rows, ids, values, anchor: int) -> np.ndarray:
+    """Edge scores ``[R, K, K]`` (SPEC §6): ``values[r, c] + < predecessor_codebook[pred]
+    * (hidden_projection @ hidden_rows[r]), successor_codebook[ids[r, c]] >``, ``pred`` =
+    ``anchor`` on row 0, else ``ids[r - 1, p]``."""
+    h, ids = f64(hidden_rows), np.asarray(ids, dtype=np.int64)
+    hp = h @ f64(weights["candidate_selector.hidden_projection.weight"]).T     # [R, rank]
+    pred_ids = np.concatenate([np.full((1, ids.shape[1]), int(anchor)), ids[:-1]])[:len(ids)]
+    P = f64(weights["candidate_selector.predecessor_codebook"])[pred_ids]      # [R, K, rank]
+    S = f64(weights["candidate_selector.successor_codebook"])[ids]             # [R, K, rank]
+    return f64(values)[:, None, :] + np.einsum("rpk,rk,rck->rpc", P, hp, S)
+
+
+def selector_walk(scores, temperature: float = 0.0, uniforms=None):
+    """The walk over ``scores [R, K, K]`` from the anchor: ``(choice [R], q [R, K],
+    margin [R])`` (see ``SelectorResult``). Greedy (T = 0): the first maximum of the
+    row given the previous choice. T > 0: ``q = softmax(scores / T)``, and ``uniforms
+    [R]`` in [0, 1) pick by inverse CDF: the first candidate whose cumulative mass
+    exceeds ``u * total`` (``ops/sample.py``'s rule, and SGLang's)."""
+    sc = f64(scores)
+    R, K = sc.shape[0], sc.shape[2]
+    choice, q, margin = np.zeros(R, np.int64), np.zeros((R, K)), np.full(R, np.inf)
+    prev = 0                                   # row 0's predecessor rows are all the anchor
+    for r in range(R):
+        s = sc[r, prev]
+        if temperature > 0:
+            z = s / temperature
+            p = np.exp(z - z.max())
+            cum = np.cumsum(p)
+            target = float(uniforms[r]) * cum[-1]
+            j = min(int(np.searchsorted(cum, target, side="right")), K - 1)
+            lo = cum[j - 1] if j else 0.0
+            margin[r] = min(target - lo, cum[j] - target) / cum[-1]
+            q[r] = p / cum[-1]
+        else:
+            j = int(np.argmax(s))                          # first maximum
+            if K > 1:
+                margin[r] = s[j] - np.max(np.delete(s, j))
+            q[r, j] = 1.0
+        choice[r] = prev = j
+    return choice, q, margin
+
+
+def select_draft(weights, hidden, lm_head, anchor: int, *, temperature: float = 0.0,
+                 uniforms=None) -> SelectorResult:
+    """SPEC §6's candidate selector on the block's final hidden states ``hidden [q_len,
+    H]`` (after the final norm, as ``draft_forward`` returns them), rows 1..q_len-1:
+    top-K of the raw logits ``hidden @ lm_head.T`` (ties to the lowest id), unary
+    values ``softcap(logit * output_multiplier)``, edge scores, and the walk from
+    ``anchor`` (the block's first token). ``uniforms [q_len - 1]`` in [0, 1) are
+    required when ``temperature > 0``. All in float64 (the kernels round the values
+    and scores in f32)."""
+    c = weights.config
+    d2 = c.dflash2
+    if d2 is None:
+        raise ValueError(f"select_draft: {c.architecture} has no candidate selector")
+    h = f64(hidden)
+    if h.ndim != 2 or h.shape[1] != c.hidden_size or h.shape[0] < 1:
+        raise ValueError(f"hidden: shape {h.shape}, expected [q_len >= 1, {c.hidden_size}]")
+    W = np.asarray(lm_head)
+    if W.shape != (d2.vocab_size, c.hidden_size):
+        raise ValueError(f"lm_head: shape {W.shape}, expected [vocab_size={d2.vocab_size}, "
+                         f"{c.hidden_size}]")
+    if isinstance(anchor, bool) or not isinstance(anchor, (int, np.integer)) \
+            or not 0 <= anchor < d2.vocab_size:
+        raise ValueError(f"anchor={anchor!r}: must be a token id in [0, {d2.vocab_size})")
+    if not (isinstance(temperature, (int, float, np.floating)) and math.isfinite(temperature)
+            and temperature >= 0):
+        raise ValueError(f"temperature={temperature!r}: must be a finite number >= 0")
+    R, K = h.shape[0] - 1, d2.selector_top_k
+    if temperature > 0 and R:
+        u = None if uniforms is None else np.asarray(uniforms, dtype=np.float64)
+        if u is None or u.shape != (R,) or not ((u >= 0) & (u < 1)).all():
+            raise ValueError(f"uniforms: {R} values in [0, 1) are needed at temperature > 0, "
+                             f"got {None if u is None else u.shape}")
+    rows = h[1:]
+    logits = rows @ f64(W).T
+    ids = top_candidates(logits, K) if R else np.zeros((0, K), np.int64)
+    values = softcap(np.take_along_axis(logits, ids, axis=1) * d2.output_multiplier,
+                     d2.final_logit_softcapping)
+    scores = selector_scores(weights, rows, ids, values, int(anchor))
+    choice, q, margin = selector_walk(scores, float(temperature), uniforms)
+    return SelectorResult(draft_tokens=np.take_along_axis(ids, choice[:, None], 1)[:, 0],
+                          choice=choice, candidate_ids=ids, candidate_values=values,
+                          scores=scores, q=q, margin=margin)
 
 
 # --------------------------------------------------------------------------- ring masks

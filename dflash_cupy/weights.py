@@ -28,6 +28,20 @@ Optional variants (present iff the config enables them):
   [nh*d, H] (``attn_gate="element"``); gate element ``h*d + e`` scales
   head ``h``, dim ``e``.
 
+DFlash 2 drafters (``config.dflash2``; SPEC §6, z-lab's published layout), with
+``taps = conv_kernel_size``, ``G = H / conv_group_size``, ``R = selector_rank``,
+``V = vocab_size``:
+
+* ``layers.{i}.attention_conv.base_kernel`` and ``layers.{i}.mlp_conv.base_kernel``
+  [2, taps, H]: ``[0]`` the kernel before the sublayer, ``[1]`` after it;
+* ``layers.{i}.attention_conv.kernel_projection.weight`` and
+  ``layers.{i}.mlp_conv.kernel_projection.weight`` [2*taps*G, H]: output row
+  ``(half*taps + tap)*G + group`` (the (half, tap, group) order of z-lab's
+  ``.view(..., 2, taps, G)`` and vLLM's ``.reshape(n, 2, taps, G)``);
+* ``candidate_selector.hidden_projection.weight`` [R, H];
+* ``candidate_selector.predecessor_codebook`` and
+  ``candidate_selector.successor_codebook`` [V, R] (stored without ``.weight``).
+
 bf16 tensors are ``ml_dtypes.bfloat16`` arrays on the NumPy side.
 """
 from __future__ import annotations
@@ -97,6 +111,16 @@ def expected_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
         s[p + "mlp.gate_proj.weight"] = (inter, H)
         s[p + "mlp.up_proj.weight"] = (inter, H)
         s[p + "mlp.down_proj.weight"] = (H, inter)
+        d2 = config.dflash2
+        if d2 is not None:
+            for conv in ("attention_conv", "mlp_conv"):
+                s[p + conv + ".base_kernel"] = (2, d2.conv_kernel_size, H)
+                s[p + conv + ".kernel_projection.weight"] = (d2.projection_rows(H), H)
+    d2 = config.dflash2
+    if d2 is not None:
+        s["candidate_selector.hidden_projection.weight"] = (d2.selector_rank, H)
+        s["candidate_selector.predecessor_codebook"] = (d2.vocab_size, d2.selector_rank)
+        s["candidate_selector.successor_codebook"] = (d2.vocab_size, d2.selector_rank)
     return s
 
 
@@ -209,18 +233,17 @@ class DraftWeights:
 
         Norm scales are uniform in [0.8, 1.2] (not all ones, so a skipped or
         misapplied norm changes the output); matrices are N(0, 1) / sqrt(in),
-        so each projection of an O(1) row stays O(1).
+        so each projection of an O(1) row stays O(1). DFlash 2 tensors: each
+        ``base_kernel`` is tap 0 uniform in [0.8, 1.2], later taps N(0, 0.3^2)
+        (near the identity, but every tap matters); ``kernel_projection`` is
+        0.3 N(0, 1) / sqrt(H), so the dynamic part is a visible correction; the
+        codebooks are N(0, 1) / rank^(1/4), so the edge term is O(1) next to the
+        unary values and moves the walk.
         """
         dt = resolve_dtype(dtype)
         rng = np.random.default_rng(seed)
-        tensors = {}
-        for name, shape in expected_shapes(config).items():
-            if is_norm_weight(name):
-                a = rng.uniform(0.8, 1.2, size=shape)
-            else:
-                a = rng.standard_normal(size=shape) / np.sqrt(shape[1])
-            tensors[name] = _convert(a, dt)
-        return cls(config, tensors)
+        return cls(config, {name: _convert(_random_tensor(rng, name, shape), dt)
+                            for name, shape in expected_shapes(config).items()})
 
     @classmethod
     def from_pretrained(cls, path, dtype=None, strict: bool = True, backend=None) -> "DraftWeights":
@@ -282,6 +305,20 @@ class DraftWeights:
 
 
 # ---------------------------------------------------------------- helpers
+def _random_tensor(rng, name: str, shape: tuple) -> np.ndarray:
+    """One tensor of ``DraftWeights.random`` (its docstring gives the scales)."""
+    if is_norm_weight(name):
+        return rng.uniform(0.8, 1.2, size=shape)
+    if name.endswith(".base_kernel"):
+        a = 0.3 * rng.standard_normal(size=shape)
+        a[:, 0, :] = rng.uniform(0.8, 1.2, size=(shape[0], shape[2]))
+        return a
+    if name.endswith("_codebook"):
+        return rng.standard_normal(size=shape) / shape[1] ** 0.25
+    a = rng.standard_normal(size=shape) / np.sqrt(shape[1])
+    return 0.3 * a if name.endswith(".kernel_projection.weight") else a
+
+
 def _read_only(a: np.ndarray) -> np.ndarray:
     v = a.view()
     v.flags.writeable = False
