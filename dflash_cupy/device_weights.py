@@ -8,6 +8,10 @@ into one matrix so one weight-streaming GEMM serves them: ``[q; k; v]``
 dtype, serves a role in every layer, so a role whose tensors differ in dtype
 (between layers or inside a fused group) is widened to f32 rather than
 rounded. Norm scales are f32 (tiny).
+
+DFlash 2 (SPEC §6): each layer's two ``kernel_projection`` matrices (role ``conv``, one
+GEMM for both) and its ``base_kernel`` tensors (f32 ``[2, taps, H]``, tiny); the candidate
+selector's ``hidden_projection`` and codebooks in their checkpoint dtype.
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ def to_device_matrix(backend, a: np.ndarray):
 # weight dtype) serves a role in every layer.
 ROLES = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "o": ("self_attn.o_proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-         "down": ("mlp.down_proj",), "attn_gate": ("self_attn.gate_proj",)}
+         "down": ("mlp.down_proj",), "attn_gate": ("self_attn.gate_proj",),
+         "conv": ("attention_conv.kernel_projection", "mlp_conv.kernel_projection")}
 
 
 def role_dtypes(w) -> dict:
@@ -37,7 +42,7 @@ def role_dtypes(w) -> dict:
     c = w.config
     out = {}
     for role, names in ROLES.items():
-        if role == "attn_gate" and c.attn_gate == "none":
+        if (role == "attn_gate" and c.attn_gate == "none") or (role == "conv" and c.dflash2 is None):
             continue
         dts = {w.layer(i, n).dtype for i in range(c.n_layer) for n in names}
         out[role] = dts.pop() if len(dts) == 1 else np.dtype(np.float32)
@@ -62,6 +67,13 @@ class LayerWeights:
         self.w_down = mat("down")
         self.w_attn_gate = mat("attn_gate") if c.attn_gate != "none" else None
         self.sliding = c.is_sliding(i)
+        # DFlash 2: [kernel_projection; base_kernel] per convolution (attention, mlp)
+        self.conv_a_kp = self.conv_a_base = self.conv_m_kp = self.conv_m_base = None
+        if c.dflash2 is not None:
+            one = lambda n: to_device_matrix(backend, w.layer(i, n).astype(dtypes["conv"], copy=False))  # noqa: E731
+            base = lambda n: backend.asarray(np.asarray(w[f"layers.{i}.{n}.base_kernel"], np.float32))  # noqa: E731
+            self.conv_a_kp, self.conv_m_kp = one("attention_conv.kernel_projection"), one("mlp_conv.kernel_projection")
+            self.conv_a_base, self.conv_m_base = base("attention_conv"), base("mlp_conv")
 
 
 class DeviceWeights:
@@ -70,12 +82,6 @@ class DeviceWeights:
 
     def __init__(self, weights, backend):
         c = weights.config
-        if c.dflash2 is not None:
-            # placing only the DFlash part would run half the model without a word
-            raise NotImplementedError(
-                f"{c.architecture}: the kernel step does not run the DFlash 2 convolutions "
-                "and candidate selector yet; dflash_cupy.reference computes them (README, "
-                "DFlash 2)")
         self.config = c
         self.backend = backend
         self.fc = to_device_matrix(backend, weights["fc.weight"])
@@ -88,6 +94,11 @@ class DeviceWeights:
                  for j in range(c.n_captured)]))
         dtypes = role_dtypes(weights)
         self.layers = [LayerWeights(backend, weights, i, dtypes) for i in range(c.n_layer)]
+        self.selector_hp = self.selector_pred = self.selector_succ = None
+        if c.dflash2 is not None:
+            sel = lambda n: to_device_matrix(backend, weights[f"candidate_selector.{n}"])  # noqa: E731
+            self.selector_hp = sel("hidden_projection.weight")
+            self.selector_pred, self.selector_succ = sel("predecessor_codebook"), sel("successor_codebook")
         self.nbytes = sum(int(a.nbytes) for a in self._arrays())
 
     def _arrays(self):
@@ -99,3 +110,7 @@ class DeviceWeights:
                         L.w_o, L.w_gate_up, L.w_down)
             if L.w_attn_gate is not None:
                 yield L.w_attn_gate
+            if L.conv_a_kp is not None:
+                yield from (L.conv_a_kp, L.conv_a_base, L.conv_m_kp, L.conv_m_base)
+        if self.selector_hp is not None:
+            yield from (self.selector_hp, self.selector_pred, self.selector_succ)

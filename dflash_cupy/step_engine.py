@@ -47,6 +47,7 @@ from .geometry import RingGeometry, align_up
 from .interop import device_view
 from .nvtx_ranges import nvtx_range
 from .ops.attention import RingAttention
+from .ops.conv import GroupedConv
 from .ops.gather import FeatureGather
 from .ops.norm import RmsNorm
 from .ops.ring_slots import RingSlots
@@ -104,6 +105,11 @@ class StepEngine:
         self.geom = g = RingGeometry(int(capacity), c.q_len)
         if lanes * g.kv_total >= 2**31:
             raise ValueError(f"lanes={lanes} x {g.kv_total} cache rows per lane overflow int32 row indices")
+        if c.dflash2 is not None and lm_head is not None:
+            # its draft tokens come from the candidate selector, not the LM head's argmax
+            raise NotImplementedError(f"{c.architecture}: the step's candidate selector is not in the graph yet: "
+                                      "build the cache without lm_head and run reference.select_draft on its "
+                                      "hidden_states (README, DFlash 2)")
         self.dw = weights.device(be)   # placed once per backend, cached on the weights
         self.bulk_chunk = int(bulk_chunk)
         self.write_logits = bool(logits)
@@ -280,6 +286,13 @@ class StepEngine:
         # gate_up's 16-bit input rows, or None
         self.hn16 = be.zeros((nn, H), dtypes.DEVICE[r.gate_up_x16]) if r.gate_up_x16 else None
         self._hs = be.zeros((nn, H), np.float32)   # the final norm's output rows
+        # DFlash 2: a sublayer's normed input (cx), its convolution coefficients (dconv, the
+        # kernel_projection GEMM's output), the o / down GEMMs' plain outputs (obuf)
+        self.cx = self.dconv = self.obuf = None
+        if r.conv:
+            d2 = c.dflash2
+            self.cx, self.obuf = be.zeros((nn, H), np.float32), be.zeros((nn, H), np.float32)
+            self.dconv = be.zeros((nn, d2.projection_rows(H)), np.float32)
         return gate_w
 
     def _build_step_ops(self, max_m: int, gate_w: int, logits: bool, **attn_kw) -> None:
@@ -300,6 +313,8 @@ class StepEngine:
                                        out_kind=self.recipe.attn16,
                                        path="auto" if self.checked.attention_mma else "fma", **attn_kw)
         self.ring_slots = RingSlots(be, self.geom)
+        d2 = c.dflash2
+        self.conv = GroupedConv(be, c.hidden_size, d2.conv_kernel_size, d2.conv_group_size) if d2 else None
 
     def _build_gemms(self, max_m: int, gate_w: int, logits: bool, lm_rows: int) -> None:
         """The step's GEMMs (``g_fc`` .. ``g_lm``), compiled now, every one
@@ -327,12 +342,16 @@ class StepEngine:
         rope = RopeSpec(c.head_dim, c.n_head, c.n_head_kv, c.rms_norm_eps, self.attn_scaling) \
             if r.qkv_rope else None
         self.g_qkv = gemm(c.q_dim + 2 * kvw, H, L0.w_qkv.dtype, norm_eps=fold_eps, skip_cols=c.q_dim, rope=rope)
-        self.g_o = gemm(H, c.q_dim, L0.w_o.dtype, "residual", x16=r.attn16 is not None)
+        # DFlash 2 (recipe.conv): the o / down outputs go through the finish convolution,
+        # which adds them to the residual stream
+        resid = "none" if r.conv else "residual"
+        self.g_o = gemm(H, c.q_dim, L0.w_o.dtype, resid, x16=r.attn16 is not None)
         x16 = r.gate_up_x16 is not None   # its norm a launch of its own (rms16), 16-bit rows
         self.g_gate_up = gemm(c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul",
                               norm_eps=None if x16 else fold_eps, x16=x16, y16=r.act16 is not None)
-        self.g_down = gemm(H, c.intermediate_size, L0.w_down.dtype, "residual", x16=r.act16 is not None)
+        self.g_down = gemm(H, c.intermediate_size, L0.w_down.dtype, resid, x16=r.act16 is not None)
         self.g_attn_gate = gemm(gate_w, H, L0.w_attn_gate.dtype) if gate_w else None
+        self.g_conv = gemm(c.dflash2.projection_rows(H), H, L0.conv_a_kp.dtype) if r.conv else None
         self.g_lm = self._lm_part = None
         if self.lm_head is not None:
             V = self.lm_head.shape[0]
@@ -349,7 +368,8 @@ class StepEngine:
         nc, nn, R = self.n_ctx, self.n_noise, self.bulk_chunk
         return [("fc", self.g_fc, nc), ("fc", self.g_fc, R), ("kv", self.g_kv, R), ("qkv", self.g_qkv, nc + nn),
                 ("attn_gate", self.g_attn_gate, nn), ("o", self.g_o, nn), ("gate_up", self.g_gate_up, nn),
-                ("down", self.g_down, nn), ("lm_head", self.g_lm, nn), ("attention", self.attention, 0)]
+                ("down", self.g_down, nn), ("conv", self.g_conv, nn), ("lm_head", self.g_lm, nn),
+                ("attention", self.attention, 0)]
 
     # the composed objects' state under the names the step code and the tests read
     capture_stream = property(lambda self: self.graphs.capture_stream)
@@ -439,6 +459,9 @@ class StepEngine:
         live = self.tiles_noise
         h_in = self._layer_input(li)
         ctx_norm = self.config.context_kv_layer_norm  # context rows: rmsnorm(T) * input_layernorm too
+        if self.recipe.conv:
+            self._conv_layer(li, L, h_in, stream)
+            return
         if self.recipe.fold_norms:
             # rmsnorm(rows) * input_layernorm inside the GEMM, from the context rows then h_in
             # (two pointers, never a concatenated copy: noise_embed read in place); where the
@@ -473,6 +496,35 @@ class StepEngine:
             self.rms(self.h, L.post_attention_layernorm, self.hn, stream=stream)
             self.g_gate_up(self.hn, L.w_gate_up, self.act, nn, tile_live=live, stream=stream)
         self.g_down(self.act, L.w_down, self.h, nn, tile_live=live, residual=self.h, stream=stream)
+
+    def _conv_layer(self, li: int, L, h_in, stream) -> None:
+        """A DFlash 2 decoder layer (SPEC §6): each sublayer's normed noise rows ``cx`` give
+        the convolution coefficients (``g_conv`` into ``dconv``), the ``prepare`` convolution
+        of ``cx`` is the sublayer's input, and the ``finish`` convolution of its output is
+        added to the residual stream. Context rows take the DFlash path unchanged (their
+        K/V from T, or rmsnorm(T) * input_layernorm). Each lane's block is its own sequence
+        (``lane_rows``)."""
+        nc, nn, live, bs = self.n_ctx, self.n_noise, self.tiles_noise, self.lane_rows
+        conv_kw = dict(lane_rows=bs, tile_live=live, stream=stream)
+        if self.config.context_kv_layer_norm:
+            self.rms(self.ctx_step, L.input_layernorm, self.xin[:nc], stream=stream)
+        self.rms(h_in, L.input_layernorm, self.cx, stream=stream)
+        self.g_conv(self.cx, L.conv_a_kp, self.dconv, nn, tile_live=live, stream=stream)
+        self.conv(self.cx, L.conv_a_base[0], self.dconv, 0, self.hn, **conv_kw)   # hn = xin[nc:]
+        self._qkv_rope(li, L, self.xin, nc + nn, stream, tile_live=self.tile_live)
+        if self.g_attn_gate is not None:
+            self.g_attn_gate(self.hn, L.w_attn_gate, self.gate, nn, tile_live=live, stream=stream)
+        mask = self.mask_swa if L.sliding else self.mask_full
+        self.attention(self.q, self.k_cache[li], self.v_cache[li], mask, self.attn, gate=self.gate,
+                       stream=stream, live=self.desc)
+        self.g_o(self.attn, L.w_o, self.obuf, nn, tile_live=live, stream=stream)
+        self.conv(self.obuf, L.conv_a_base[1], self.dconv, 1, self.h, residual=h_in, **conv_kw)
+        self.rms(self.h, L.post_attention_layernorm, self.cx, stream=stream)
+        self.g_conv(self.cx, L.conv_m_kp, self.dconv, nn, tile_live=live, stream=stream)
+        self.conv(self.cx, L.conv_m_base[0], self.dconv, 0, self.hn, **conv_kw)
+        self.g_gate_up(self.hn, L.w_gate_up, self.act, nn, tile_live=live, stream=stream)
+        self.g_down(self.act, L.w_down, self.obuf, nn, tile_live=live, stream=stream)
+        self.conv(self.obuf, L.conv_m_base[1], self.dconv, 1, self.h, residual=self.h, **conv_kw)
 
     def _run_rows(self, stream, eager: bool) -> None:
         """The step after its planning launch: T for the appended context rows (the hidden

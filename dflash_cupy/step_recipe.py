@@ -44,13 +44,18 @@ class StepRecipe:
     rows): ``x_split=False``, a 16-bit gate_up weight with H % 8 == 0 and enough noise rows.
     ``qkv_rope``: the qkv GEMM is offered the q/k norm + RoPE + K/V scatter epilogue (where
     the step's rows take the wgmma kernel by default: its qkv variants are compiled now, and
-    cost a build where they would never run)."""
+    cost a build where they would never run).
+    ``conv``: DFlash 2's convolutions wrap each sublayer (SPEC §6): the input norms run as
+    launches of their own (a convolution sits between each norm and its GEMM, so nothing
+    folds) and the o / down GEMMs write their plain outputs, which the ``finish``
+    convolution adds to the residual stream."""
     fold_norms: bool
     fold_hidden: bool
     attn16: str | None
     act16: str | None
     gate_up_x16: str | None
     qkv_rope: bool
+    conv: bool = False
 
     @classmethod
     def derive(cls, config, dw, checked, x_split: bool, n_ctx: int, n_noise: int) -> "StepRecipe":
@@ -60,13 +65,15 @@ class StepRecipe:
         c, L0, H = config, dw.layers[0], config.hidden_size
         kind = {k: weight_kind(getattr(L0, k).dtype) for k in ("w_qkv", "w_o", "w_gate_up", "w_down")}
         sixteen = ("f16", "bf16")
-        fold = checked.stream and H % 8 == 0 and kind["w_qkv"] in sixteen and kind["w_gate_up"] in sixteen
+        conv = c.dflash2 is not None
+        fold = (checked.stream and H % 8 == 0 and kind["w_qkv"] in sixteen and kind["w_gate_up"] in sixteen
+                and not conv)
         attn = act = x16 = None
         if not x_split and checked.stream:
             o, gu, dn = kind["w_o"], kind["w_gate_up"], kind["w_down"]
             attn = o if o in sixteen and c.q_dim % 8 == 0 else None
             act = dn if dn in sixteen and gu == dn and c.intermediate_size % 8 == 0 and H % 8 == 0 else None
-            if n_noise >= GATE_UP_X16_MIN_ROWS and gu in sixteen and H % 8 == 0:
+            if n_noise >= GATE_UP_X16_MIN_ROWS and gu in sixteen and H % 8 == 0 and not conv:
                 x16 = gu
         return cls(fold_norms=bool(fold), fold_hidden=bool(fold and not c.context_kv_layer_norm and x_split),
-                   attn16=attn, act16=act, gate_up_x16=x16, qkv_rope=n_ctx + n_noise >= WG_MIN_M)
+                   attn16=attn, act16=act, gate_up_x16=x16, qkv_rope=n_ctx + n_noise >= WG_MIN_M, conv=conv)

@@ -271,10 +271,15 @@ def test_dflash_checkpoint_with_dflash2_tensors_is_refused(tmp_path):
         DraftWeights.from_pretrained(tmp_path)
 
 
-def test_device_placement_refused_until_the_kernels_run_it():
+def test_device_weights_hold_the_convolutions_and_the_selector():
     w = DraftWeights.random(tiny(), seed=0)
-    with pytest.raises(NotImplementedError, match="DFlash 2"):
-        w.device("emulated")
+    dw = w.device("emulated")
+    c, d2 = w.config, w.config.dflash2
+    L = dw.layers[0]
+    assert L.conv_a_kp.shape == L.conv_m_kp.shape == (d2.projection_rows(c.hidden_size), c.hidden_size)
+    assert L.conv_a_base.shape == (2, d2.conv_kernel_size, c.hidden_size) and L.conv_a_base.dtype == np.float32
+    assert dw.selector_hp.shape == (d2.selector_rank, c.hidden_size)
+    assert dw.selector_pred.shape == dw.selector_succ.shape == (d2.vocab_size, d2.selector_rank)
 
 
 # ------------------------------------------------------------------ the oracle: convolution

@@ -26,7 +26,8 @@ from tests.support.drafters import SPECS, built
 from tests.support.lanes import IDLE, make, play
 
 
-@pytest.mark.parametrize("name,x_split", [("a", True), ("b", True), ("c", True), ("b", False), ("c", False)])
+@pytest.mark.parametrize("name,x_split", [("a", True), ("b", True), ("c", True), ("b", False), ("c", False),
+                                          ("g", True)])
 def test_lanes_join_leave_rewind_reset(name, x_split):
     """Growth, idle lanes, a lane joining late (bulk prefill), a rewind, a
     jump, a reset: every active lane equals its twin bit for bit (with one

@@ -82,7 +82,7 @@ def standard_ops(name):
 # --------------------------------------------------------------------------- 1. the SPEC §3 invariant
 @pytest.mark.parametrize("name,base", [
     ("a", 0), ("a", P20 - 7), ("b", 0), ("b", P20 - 3), ("c", 0), ("c", 2**31 - 200),
-    ("d", 0), ("e", P20 - 100), ("f", P20 + 11),
+    ("d", 0), ("e", P20 - 100), ("f", P20 + 11), ("g", 0), ("h", P20 - 5),
 ])
 def test_invariant_schedule(backend, name, base):
     d = Driver(backend, name, base=base, seed=zlib.crc32(f"{name}{base}".encode()))

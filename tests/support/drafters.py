@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from dflash_cupy import reference
-from dflash_cupy.config import DraftConfig
+from dflash_cupy.config import DFlash2Config, DraftConfig
 from dflash_cupy.feature_ring import FeatureRing
 from dflash_cupy.kv_cache import DraftKvCache
 from dflash_cupy.weights import DraftWeights
@@ -74,6 +74,22 @@ SPECS = {
                                  "original_max_position_embeddings": 64},
                    max_position_embeddings=256),
               BF16, capacity=29, ring_capacity=40, ring_dtype=np.float16),
+    # DFlash 2 (SPEC §6): the published layout's non-causal per-row sliding window with a
+    # full layer, 2 taps in 2 groups (bf16); 3 taps, block 16 whose taps cross tiles, a
+    # context-KV-norm variant and an attention gate reading the convolved rows (f16)
+    "g": Spec(small_config(n_layer=2, hidden_size=32, n_head=2, n_head_kv=1, head_dim=32,
+                   intermediate_size=48, block_size=4, target_layer_ids=(1, 3),
+                   layer_sliding=(True, False), sliding_window=5, is_causal=False, mask_token_id=3,
+                   dflash2=DFlash2Config(conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+                                         selector_top_k=4, vocab_size=19)),
+              BF16, capacity=23, ring_capacity=25, ring_dtype=BF16),
+    "h": Spec(small_config(n_layer=1, hidden_size=32, n_head=2, n_head_kv=2, head_dim=32,
+                   intermediate_size=40, block_size=16, target_layer_ids=(0,),
+                   layer_sliding=(True,), sliding_window=9, mask_token_id=3,
+                   context_kv_layer_norm=True, attn_gate="head",
+                   dflash2=DFlash2Config(conv_kernel_size=3, conv_group_size=8, selector_rank=8,
+                                         selector_top_k=4, vocab_size=19)),
+              np.float16, capacity=37, ring_capacity=40, ring_dtype=np.float32),
 }
 
 

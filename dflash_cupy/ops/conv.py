@@ -1,0 +1,101 @@
+"""DFlash 2's grouped dynamic convolution (``cuda_src/conv.cu``, SPEC §6) and its NumPy
+reference.
+
+``y[r, c] = res[r, c] + sum_{t < taps, i - t >= 0} (base[t, c] + d[r, (half*taps + t)*G + c // group])
+* x[r - t, c]`` with ``i = r % lane_rows`` (each lane's block is its own sequence: a tap
+before its first row reads zero). ``half`` 0 is the "prepare" convolution of a sublayer's
+normed input, half 1 the "finish" convolution of its output (with the residual added).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import checks, kernels
+
+THREADS = 128
+
+
+class GroupedConv:
+    """``GroupedConv(backend, hidden, taps, group_size)``;
+    ``__call__(x, base, d, half, y, residual=None, lane_rows=None, tile_live=None, stream=None)``.
+
+    ``x``, ``y`` (and ``residual``) f32 ``[rows, hidden]``; ``base`` f32 ``[taps, hidden]`` (one
+    half of the checkpoint's ``base_kernel``); ``d`` f32 ``[rows, 2*taps*G]``; ``lane_rows``
+    (default ``rows``): rows per lane block. ``y`` may be ``residual`` itself, never ``x``.
+    ``tile_live``: rows of a 16-row tile marked 0 are skipped. Capture-safe."""
+
+    def __init__(self, backend, hidden: int, taps: int, group_size: int):
+        self.backend = backend
+        self.hidden = checks.int_arg(hidden, "hidden", 1)
+        self.taps = checks.int_arg(taps, "taps", 1)
+        self.group_size = checks.int_arg(group_size, "group_size", 1)
+        if self.hidden % self.group_size:
+            raise ValueError(f"group_size={group_size} must divide hidden={hidden}")
+        self.groups = self.hidden // self.group_size
+        self._kernel = kernels.load_module(backend, "conv.cu", CONV_H=self.hidden, CONV_TAPS=self.taps,
+                                           CONV_GROUP=self.group_size,
+                                           CONV_THREADS=THREADS).get_function("grouped_conv")
+        self._no_live = backend.zeros((1,), np.int32)   # tile_live's placeholder (never read)
+
+    def __repr__(self):
+        return f"GroupedConv(hidden={self.hidden}, taps={self.taps}, group_size={self.group_size})"
+
+    def __call__(self, x, base, d, half: int, y, residual=None, lane_rows=None, tile_live=None, stream=None):
+        be, H = self.backend, self.hidden
+        checks.device_array(be, "x", x, np.float32, ndim=2)
+        rows = x.shape[0]
+        shapes = {"x": (rows, H), "y": (rows, H), "base": (self.taps, H), "d": (rows, 2 * self.taps * self.groups)}
+        args = {"x": x, "y": y, "base": base, "d": d}
+        if residual is not None:
+            args["residual"], shapes["residual"] = residual, (rows, H)
+        for name, a in args.items():
+            checks.device_array(be, name, a, np.float32, ndim=2)
+            if tuple(a.shape) != shapes[name]:
+                raise ValueError(f"{name} must have shape {shapes[name]}, got {tuple(a.shape)}")
+        if half not in (0, 1):
+            raise ValueError(f"half must be 0 (prepare) or 1 (finish), got {half!r}")
+        lane_rows = rows if lane_rows is None else checks.int_arg(lane_rows, "lane_rows", 1)
+        if rows % lane_rows:
+            raise ValueError(f"lane_rows={lane_rows} must divide the {rows} rows")
+        if checks.overlaps(x, y):
+            raise ValueError("y must not overlap x (the taps read other rows of x)")
+        if residual is not None and checks.overlaps(residual, y) and checks.ptr(residual) != checks.ptr(y):
+            raise ValueError("y must be residual itself or not overlap it")
+        checks.check_no_overlap(y=y, base=base, d=d)
+        if tile_live is not None:
+            checks.device_array(be, "tile_live", tile_live, np.int32, ndim=1)
+            if tile_live.shape[0] < -(-rows // 16):
+                raise ValueError(f"tile_live must hold >= ceil(rows/16) = {-(-rows // 16)} entries, "
+                                 f"got shape {tuple(tile_live.shape)}")
+        if rows == 0:
+            return
+        self._kernel((-(-H // THREADS), rows, 1), (THREADS, 1, 1),
+                     (x, base, d, np.int32(half), y if residual is None else residual,
+                      np.int32(residual is not None), y, np.int32(lane_rows),
+                      self._no_live if tile_live is None else tile_live, np.int32(tile_live is not None)),
+                     stream=stream)
+
+
+def grouped_conv_reference(x, base, d, half: int, group_size: int, residual=None, lane_rows=None) -> np.ndarray:
+    """NumPy oracle of ``GroupedConv``, rounding where the kernel rounds: ``w = base + d`` in
+    f32, then one fused multiply-add per tap in tap order (f64 product and sum of f32 values,
+    rounded to f32), then the residual added in f32."""
+    x = np.asarray(x, np.float32)
+    base = np.asarray(base, np.float32)
+    d = np.asarray(d, np.float32)
+    rows, H = x.shape
+    taps = base.shape[0]
+    G = H // group_size
+    lane_rows = rows if lane_rows is None else lane_rows
+    i = np.arange(rows) % lane_rows
+    grp = np.arange(H) // group_size
+    acc = np.zeros((rows, H), np.float32)
+    for t in range(taps):
+        w = (base[t][None, :] + d[:, (half * taps + t) * G + grp]).astype(np.float32)
+        xs = np.zeros((rows, H), np.float32)
+        xs[t:] = x[:rows - t] if t else x
+        term = (w.astype(np.float64) * xs + acc).astype(np.float32)
+        acc = np.where((i >= t)[:, None], term, acc)
+    if residual is not None:
+        acc = (np.asarray(residual, np.float32) + acc).astype(np.float32)
+    return acc
