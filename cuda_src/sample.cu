@@ -42,6 +42,7 @@
 #error "SAMPLE_BLOCK must be a multiple of 32, at most 1024"
 #endif
 
+#include "draw.cuh"
 #include "float_order.cuh"
 #include "pdl.cuh"
 
@@ -50,35 +51,6 @@ constexpr int V = SAMPLE_V;
 constexpr int NT = SAMPLE_BLOCK;
 constexpr int NW = NT / 32;
 constexpr int CHUNK = (V + NT - 1) / NT;  // contiguous columns per thread in the draw
-constexpr float MASS_SCALE = 1099511627776.0f;  // 2^40
-
-__device__ __forceinline__ unsigned long long mass_of(float z, float m)
-{
-    if (z != z) return 0ull;
-    const float w = (z == m) ? 1.0f : expf(z - m);
-    return (unsigned long long)(w * MASS_SCALE);
-}
-
-__device__ __forceinline__ unsigned long long mulhi64(unsigned long long a, unsigned long long b)
-{
-    const unsigned long long al = a & 0xffffffffull, ah = a >> 32, bl = b & 0xffffffffull, bh = b >> 32;
-    const unsigned long long p0 = al * bl, p1 = al * bh, p2 = ah * bl, p3 = ah * bh;
-    const unsigned long long mid = (p0 >> 32) + (p1 & 0xffffffffull) + (p2 & 0xffffffffull);
-    return p3 + (p1 >> 32) + (p2 >> 32) + (mid >> 32);
-}
-
-__device__ __forceinline__ void philox4x32_10(unsigned int c[4], unsigned int k0, unsigned int k1)
-{
-#pragma unroll
-    for (int r = 0; r < 10; ++r) {
-        if (r) { k0 += 0x9E3779B9u; k1 += 0xBB67AE85u; }
-        const unsigned int hi0 = __umulhi(0xD2511F53u, c[0]), lo0 = 0xD2511F53u * c[0];
-        const unsigned int hi1 = __umulhi(0xCD9E8D57u, c[2]), lo1 = 0xCD9E8D57u * c[2];
-        const unsigned int n0 = hi1 ^ c[1] ^ k0, n2 = hi0 ^ c[3] ^ k1;
-        c[0] = n0; c[1] = lo1; c[2] = n2; c[3] = lo0;
-    }
-}
-
 // Every thread gets the block's sum (warp partials added in a fixed order).
 __device__ __forceinline__ unsigned long long block_sum(unsigned long long v, unsigned long long* red)
 {
@@ -127,7 +99,7 @@ __device__ unsigned int radix_select(const float* zrow, float inv_t, float m, un
             const float z = zrow[i] * inv_t;
             const unsigned int k = order_key(z);
             if (k >= floor_key && (k & pmask) == prefix) {
-                const unsigned long long add = by_mass ? mass_of(z, m) : 1ull;
+                const unsigned long long add = by_mass ? draw_mass(z, m) : 1ull;
                 if (add) atomicAdd(&sh.hist[(k >> shift) & 255u], add);
             }
         }
@@ -207,7 +179,7 @@ sample_rows(const float* logits, int ld, int n_rows, const float* knobs, const u
         unsigned long long s = 0ull;
         for (int i = threadIdx.x; i < V; i += NT) {
             const float z = lrow[i] * inv_t;
-            if (order_key(z) >= thr) s += mass_of(z, m);
+            if (order_key(z) >= thr) s += draw_mass(z, m);
         }
         s = block_sum(s, sh.red);
         if (s > 0ull) {
@@ -223,7 +195,7 @@ sample_rows(const float* logits, int ld, int n_rows, const float* knobs, const u
     unsigned long long mine = 0ull;
     for (int i = c0; i < c1; ++i) {
         const float z = lrow[i] * inv_t;
-        if (order_key(z) >= thr) mine += mass_of(z, m);
+        if (order_key(z) >= thr) mine += draw_mass(z, m);
     }
     unsigned long long incl = mine;
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
@@ -244,17 +216,13 @@ sample_rows(const float* logits, int ld, int n_rows, const float* knobs, const u
     if (threadIdx.x == 0 && total == 0ull) tokens[row] = 0;  // nothing drawable (all NaN)
     if (total == 0ull || mine == 0ull) return;
 
-    unsigned int c[4] = {(unsigned int)row, (unsigned int)(rng[1] & 0xffffffffull),
-                         (unsigned int)(rng[1] >> 32), 0u};
-    philox4x32_10(c, (unsigned int)(rng[0] & 0xffffffffull), (unsigned int)(rng[0] >> 32));
-    const unsigned long long r = ((unsigned long long)c[1] << 32) | c[0];
-    const unsigned long long target = mulhi64(r, total);
+    const unsigned long long target = draw_target(row_bits64((unsigned int)row, rng), total);
     if (target < start || target >= start + mine) return;
     unsigned long long run = start;
     for (int i = c0; i < c1; ++i) {
         const float z = lrow[i] * inv_t;
         if (order_key(z) < thr) continue;
-        run += mass_of(z, m);
+        run += draw_mass(z, m);
         if (run > target) { tokens[row] = i; return; }
     }
 }

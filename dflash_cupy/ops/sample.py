@@ -1,4 +1,4 @@
-"""Draft tokens from logits (``cuda_src/sample.cu``) and the NumPy reference
+"""Draft tokens from logits (``cuda_src/sample.cu``, its draw in ``draw.cuh``) and the NumPy reference
 sampler that reproduces them from the same Philox uniforms.
 
 ``TokenSampler(backend, vocab)``; ``__call__(logits, tokens, knobs, rng,
@@ -149,6 +149,30 @@ def _order_keys(z: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(z), np.uint32(0), k)
 
 
+def draw_masses(z: np.ndarray, keys: np.ndarray | None = None) -> np.ndarray:
+    """``draw.cuh``'s ``draw_mass`` of each f32 ``z`` against the largest (order key):
+    ``trunc(w * 2^40)`` u64, ``w = 1`` at the maximum, else ``exp(z - max)`` in f32; NaN: 0."""
+    z = np.asarray(z, np.float32)
+    keys = _order_keys(z) if keys is None else keys
+    kmax = keys.max()
+    m = z[keys == kmax][0] if kmax else np.float32(np.nan)
+    with np.errstate(invalid="ignore", over="ignore"):
+        w = np.where(z == m, np.float32(1.0), np.exp((z - m).astype(np.float32)).astype(np.float32))
+    return np.where(np.isnan(z), 0, (w.astype(np.float32) * MASS_SCALE)).astype(np.uint64)
+
+
+def inverse_cdf(bits: int, mass: np.ndarray) -> tuple[int, float]:
+    """``draw.cuh``'s draw from u64 ``mass`` (total > 0) with the 64 random ``bits``: the
+    first index whose running mass exceeds ``floor(bits * total / 2^64)``, and the
+    draw's margin (the target's distance to its interval's nearer end, over the total)."""
+    total = int(mass.sum(dtype=np.uint64))
+    target = (int(bits) * total) >> 64
+    cum = np.cumsum(mass, dtype=np.uint64)
+    tok = int(np.searchsorted(cum, np.uint64(target), side="right"))
+    lo = int(cum[tok - 1]) if tok else 0
+    return tok, min(target - lo, int(cum[tok]) - 1 - target) / total
+
+
 def sample_reference(logits, params: SamplingParams, counter: int, vocab: int | None = None):
     """Tokens ``[rows]`` int32 and, per row, the draw's margin: the distance
     (in units of the row's kept mass) from the target to the nearest boundary
@@ -166,11 +190,7 @@ def sample_reference(logits, params: SamplingParams, counter: int, vocab: int | 
         inv_t = np.float32(1.0) / np.float32(params.temperature)
         z = lg[r] * inv_t
         keys = _order_keys(z)
-        kmax = keys.max()
-        m = z[keys == kmax][0] if kmax else np.float32(np.nan)
-        with np.errstate(invalid="ignore", over="ignore"):
-            w = np.where(z == m, np.float32(1.0), np.exp((z - m).astype(np.float32)).astype(np.float32))
-        mass = np.where(np.isnan(z), 0, (w.astype(np.float32) * MASS_SCALE)).astype(np.uint64)
+        mass = draw_masses(z, keys)
         thr = 1
         if 0 < params.top_k < V:
             thr = max(thr, int(np.sort(keys)[::-1][params.top_k - 1]))
@@ -192,10 +212,5 @@ def sample_reference(logits, params: SamplingParams, counter: int, vocab: int | 
         if total == 0:
             tokens[r] = 0
             continue
-        target = (row_uniform64(r, params.seed, counter) * total) >> 64
-        cum = np.cumsum(kept_mass, dtype=np.uint64)
-        tok = int(np.searchsorted(cum, np.uint64(target), side="right"))
-        tokens[r] = tok
-        lo = int(cum[tok - 1]) if tok else 0
-        margins[r] = min(target - lo, int(cum[tok]) - 1 - target) / total
+        tokens[r], margins[r] = inverse_cdf(row_uniform64(r, params.seed, counter), kept_mass)
     return tokens, margins

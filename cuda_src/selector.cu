@@ -1,0 +1,290 @@
+// selector.cu — the DFlash 2 candidate selector (SPEC §6): per-row top-K candidates, then
+// the walk over their edge scores. ops/selector.py holds the launchers and NumPy references.
+//
+// Sizes (-D): SEL_V vocab, SEL_K candidates (<= 64), SEL_Q q_len, SEL_H hidden, SEL_RANK rank,
+// SEL_HPT / SEL_CBT weight type of hidden_projection / the codebooks (0 f32, 1 f16, 2 bf16 bits),
+// SEL_MULT output_multiplier, SEL_CAP softcap (0: none). R = SEL_Q - 1 selector rows per lane.
+// Candidate order: (float_order.cuh key of the raw logit, then lower id) — +inf first, NaN last.
+// A pair's rank word is key << 32 | (0xffffffff - id); 0 is the empty slot (below every pair).
+//
+// selector_topk_blocks: grid (nblk, lanes * R), block TK_NT; row g = lane * R + j reads logits
+//   row lane * row_stride + row0 + j, columns [b * TK_TILE, +TK_TILE). Writes the column
+//   block's K best as part [lanes * R][nblk][K][2] u32 (order key, id), best first, empty slots
+//   (0, 0xffffffff). The merge needs only the K best of each block, in any order, so a GEMM
+//   epilogue with its own column blocks may write this (GS_EPI 3's argmax pairs are K = 1).
+// selector_topk_merge: grid lanes * R, block TK_NT: the K best of the row's nblk * K pairs ->
+//   ids [lanes * R, K] int32, vals [lanes * R, K] f32 = softcap(logit * MULT) (tanhf(v / CAP) * CAP).
+// selector_walk: grid (SPLIT = ceil(RANK / WK_NW), lanes), block WK_NW * 32.
+//   Phase 1 (every block): warp w computes hp[lane][j][k], k = blockIdx.x * WK_NW + w, into
+//   hp_ws [lanes, R, RANK] f32 (warp_dot below). The last block of a lane to arrive
+//   (arrive.cuh, counters [lanes] int32, zero between launches, reset here) walks:
+//   anchor a = anchors[lane] (int32 [lanes]); outside [0, V): clamped, flags[lane] = 1, else 0.
+//   tokens [lanes, Q] int32: row 0 = a; row j+1 = ids[j][choice[j]]. For j = 0..R-1, pred = a
+//   (j = 0) or the token chosen before: u[k] = cb(pred_cb[pred][k]) * hp[j][k];
+//   score[c] = vals[j][c] + warp_dot(succ_cb[ids[j][c]], u).
+//   knobs f32 [3] (sample.cu's block): temperature = knobs[0]. T <= 0 (greedy): the first
+//   largest order key. T > 0: z = score * (1 / T), masses draw_mass(z, max z) (draw.cuh),
+//   target = draw_target(row_bits64(lane * Q + j + 1, rng), total), the first c whose running
+//   mass exceeds it; total 0 (every score NaN): choice 0, q row all 0.
+//   q [lanes, R, K] f32: f32(mass_c) / f32(total) (T > 0), one-hot (T <= 0); choice [lanes, R]
+//   int32. Layouts: hidden [lanes, Q, H] f32 (rows 1.. read), hp_w [RANK, H], codebooks
+//   [V, RANK], all row-major; ids / vals as the merge writes them.
+// warp_dot(w row, x vectors) (the fixed order ops/selector.py mirrors): lane i sums, in f32
+//   without contraction, w[e] * x[e] over e in chunks of 8 (chunk = i, i + 32, ...), ascending;
+//   then the xor butterfly of warp.cuh's warp_sum (offsets 16, 8, 4, 2, 1).
+// nvrtc-check: -DSEL_V=202048 -DSEL_K=16 -DSEL_Q=16 -DSEL_H=6656 -DSEL_RANK=256 -DSEL_HPT=2 -DSEL_CBT=2 -DSEL_MULT=0.196 -DSEL_CAP=20.0
+// nvrtc-check: -DSEL_V=19 -DSEL_K=3 -DSEL_Q=1 -DSEL_H=12 -DSEL_RANK=5 -DSEL_HPT=0 -DSEL_CBT=1 -DSEL_MULT=1.0 -DSEL_CAP=0
+
+#ifndef SEL_V
+#define SEL_V 1000
+#endif
+#ifndef SEL_K
+#define SEL_K 16
+#endif
+#ifndef SEL_Q
+#define SEL_Q 16
+#endif
+#ifndef SEL_H
+#define SEL_H 64
+#endif
+#ifndef SEL_RANK
+#define SEL_RANK 16
+#endif
+#ifndef SEL_HPT
+#define SEL_HPT 2
+#endif
+#ifndef SEL_CBT
+#define SEL_CBT 2
+#endif
+#ifndef SEL_MULT
+#define SEL_MULT 1.0
+#endif
+#ifndef SEL_CAP
+#define SEL_CAP 0
+#endif
+
+#if SEL_K < 1 || SEL_K > 64 || SEL_K > SEL_V
+#error "SEL_K must be in [1, min(64, SEL_V)]"
+#endif
+#if SEL_Q < 1 || SEL_Q > 64
+#error "SEL_Q must be in [1, 64]"
+#endif
+
+#include "arrive.cuh"
+#include "bits16.cuh"
+#include "draw.cuh"
+#include "float_order.cuh"
+#include "pdl.cuh"
+#include "warp.cuh"
+
+namespace selector_detail {
+constexpr int V = SEL_V, K = SEL_K, Q = SEL_Q, R = SEL_Q - 1, H = SEL_H, RANK = SEL_RANK;
+constexpr int RA = R > 0 ? R : 1;  // register arrays need a positive size
+constexpr int TK_NT = 256, TK_PER = 4, TK_TILE = TK_NT * TK_PER, TK_NW = TK_NT / 32;
+constexpr int WK_NW = 8, WK_NT = WK_NW * 32;
+constexpr unsigned long long ALL = ~0ull;
+
+__device__ __forceinline__ unsigned long long rank_word(float logit, unsigned int id)
+{
+    return ((unsigned long long)order_key(logit) << 32) | (0xffffffffu - id);
+}
+
+// The block's largest word among each thread's v (every thread gets it).
+__device__ __forceinline__ unsigned long long block_max64(unsigned long long v, unsigned long long* red)
+{
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+        const unsigned long long w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = w > v ? w : v;
+    }
+    __syncthreads();  // red may still be read from the previous round
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    unsigned long long t = 0ull;
+    for (int i = 0; i < TK_NW; ++i) t = red[i] > t ? red[i] : t;
+    return t;
+}
+
+template <int WT>
+__device__ __forceinline__ float load_w(const void* p, long long i)
+{
+    if (WT == 0) return static_cast<const float*>(p)[i];
+    return from_bits16<WT>(static_cast<const unsigned short*>(p)[i]);
+}
+
+// acc[n] = warp_dot(w[0..len), x + n * ldx) for n < N, in every lane (see the header).
+template <int WT, int N>
+__device__ __forceinline__ void warp_dot(const void* w, int len, const float* x, int ldx, float* acc)
+{
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int n = 0; n < N; ++n) acc[n] = 0.0f;
+    for (int c0 = lane * 8; c0 < len; c0 += 256) {
+        const int e1 = min(len, c0 + 8);
+        for (int e = c0; e < e1; ++e) {
+            const float we = load_w<WT>(w, e);
+#pragma unroll
+            for (int n = 0; n < N; ++n) acc[n] = __fadd_rn(acc[n], __fmul_rn(we, x[n * ldx + e]));
+        }
+    }
+    warp_sum_n<N>(acc);
+}
+}  // namespace selector_detail
+
+extern "C" __global__ void __launch_bounds__(256)
+selector_topk_blocks(const float* logits, int ld, int row0, int row_stride, int nblk, unsigned int* part)
+{
+    pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
+    pdl_launch_dependents();
+    using namespace selector_detail;
+    __shared__ unsigned long long red[TK_NW];
+    const int g = blockIdx.y, b = blockIdx.x;
+    const int lane = g / (R > 0 ? R : 1), j = g - lane * (R > 0 ? R : 1);
+    const float* row = logits + (long long)(lane * row_stride + row0 + j) * ld;
+    unsigned long long w[TK_PER];
+#pragma unroll
+    for (int i = 0; i < TK_PER; ++i) {
+        const int col = b * TK_TILE + i * TK_NT + threadIdx.x;
+        w[i] = col < V ? rank_word(row[col], (unsigned int)col) : 0ull;
+    }
+    unsigned int* out = part + ((long long)g * nblk + b) * K * 2;
+    unsigned long long last = ALL;  // each round takes the largest word below the previous winner
+    for (int t = 0; t < K; ++t) {
+        unsigned long long mine = 0ull;
+#pragma unroll
+        for (int i = 0; i < TK_PER; ++i)
+            if (w[i] < last && w[i] > mine) mine = w[i];
+        last = block_max64(mine, red);
+        if (threadIdx.x == 0) {
+            out[2 * t] = (unsigned int)(last >> 32);
+            out[2 * t + 1] = last ? 0xffffffffu - (unsigned int)last : 0xffffffffu;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+selector_topk_merge(const unsigned int* part, int nblk, int* ids, float* vals)
+{
+    pdl_wait();
+    pdl_launch_dependents();
+    using namespace selector_detail;
+    __shared__ unsigned long long red[TK_NW];
+    const int g = blockIdx.x;
+    const unsigned int* p = part + (long long)g * nblk * K * 2;
+    const int n = nblk * K;
+    unsigned long long last = ALL;
+    for (int t = 0; t < K; ++t) {
+        unsigned long long mine = 0ull;
+        for (int i = threadIdx.x; i < n; i += TK_NT) {
+            const unsigned int id = p[2 * i + 1];
+            // an empty slot (any key, id 0xffffffff) ranks as 0: below every real pair
+            const unsigned long long wd = id >= (unsigned int)V ? 0ull
+                : ((unsigned long long)p[2 * i] << 32) | (0xffffffffu - id);
+            if (wd < last && wd > mine) mine = wd;
+        }
+        last = block_max64(mine, red);
+        if (threadIdx.x == 0) {
+            // K <= V real pairs exist when every block wrote its K best; an empty winner
+            // (a malformed partial buffer) becomes id 0 with a NaN value
+            const unsigned int key = (unsigned int)(last >> 32);
+            const int id = last ? (int)(0xffffffffu - (unsigned int)last) : 0;
+            float v = (last ? key_value(key) : __uint_as_float(0x7fc00000u)) * (float)(SEL_MULT);
+            if ((float)(SEL_CAP) > 0.0f) v = tanhf(v / (float)(SEL_CAP)) * (float)(SEL_CAP);
+            ids[(long long)g * K + t] = id;
+            vals[(long long)g * K + t] = v;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+selector_walk(const float* hidden, const void* hp_w, const void* pred_cb, const void* succ_cb,
+              const int* anchors, const int* ids, const float* vals, const float* knobs,
+              const unsigned long long* rng, int* tokens, int* choice, float* q, float* hp_ws,
+              int* counters, int* flags)
+{
+    pdl_wait();
+    pdl_launch_dependents();
+    using namespace selector_detail;
+    __shared__ float u_s[RANK];
+    __shared__ float s_s[K];
+    __shared__ int prev_s, ticket;
+    const int lane = blockIdx.y, warp = threadIdx.x >> 5, wl = threadIdx.x & 31;
+    if (R > 0) {
+        const int k = blockIdx.x * WK_NW + warp;
+        if (k < RANK) {
+            float acc[RA];
+            warp_dot<SEL_HPT, RA>((const char*)hp_w + (long long)k * H * (SEL_HPT ? 2 : 4), H,
+                                  hidden + ((long long)lane * Q + 1) * H, H, acc);
+            if (wl == 0)
+                for (int j = 0; j < R; ++j) hp_ws[((long long)lane * R + j) * RANK + k] = acc[j];
+        }
+        if (!last_block_to_arrive(&counters[lane], gridDim.x, &ticket)) return;
+    }
+    if (threadIdx.x == 0) {
+        int a = anchors[lane];
+        const bool bad = a < 0 || a >= V;
+        a = a < 0 ? 0 : (a >= V ? V - 1 : a);
+        flags[lane] = bad ? 1 : 0;
+        tokens[(long long)lane * Q] = a;
+        prev_s = a;
+        if (R > 0) counters[lane] = 0;  // every block of this lane has arrived: ready for the next launch
+    }
+    __syncthreads();
+    const float temperature = knobs[0];
+    const bool sampled = temperature > 0.0f;
+    for (int j = 0; j < R; ++j) {
+        const long long rj = (long long)lane * R + j;
+        const int pred = prev_s;
+        for (int k = threadIdx.x; k < RANK; k += WK_NT)
+            u_s[k] = __fmul_rn(load_w<SEL_CBT>(pred_cb, (long long)pred * RANK + k), __ldcg(hp_ws + rj * RANK + k));
+        __syncthreads();
+        for (int c = warp; c < K; c += WK_NW) {
+            int id = ids[rj * K + c];
+            id = id < 0 ? 0 : (id >= V ? V - 1 : id);  // never read outside the codebook
+            float d[1];
+            warp_dot<SEL_CBT, 1>((const char*)succ_cb + (long long)id * RANK * (SEL_CBT ? 2 : 4), RANK, u_s,
+                                 0, d);
+            if (wl == 0) s_s[c] = __fadd_rn(vals[rj * K + c], d[0]);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int best = 0;
+            float* qr = q + rj * K;
+            if (!sampled) {
+                unsigned int bk = order_key(s_s[0]);
+                for (int c = 1; c < K; ++c) {
+                    const unsigned int kc = order_key(s_s[c]);
+                    if (kc > bk) { bk = kc; best = c; }
+                }
+                for (int c = 0; c < K; ++c) qr[c] = c == best ? 1.0f : 0.0f;
+            } else {
+                const float inv_t = 1.0f / temperature;
+                unsigned int kmax = 0u;
+                for (int c = 0; c < K; ++c) kmax = max(kmax, order_key(s_s[c] * inv_t));
+                const float m = key_value(kmax);
+                unsigned long long total = 0ull;
+                for (int c = 0; c < K; ++c) total += draw_mass(s_s[c] * inv_t, m);
+                if (total) {
+                    const unsigned long long target =
+                        draw_target(row_bits64((unsigned int)(lane * Q + j + 1), rng), total);
+                    unsigned long long run = 0ull;
+                    best = -1;
+                    for (int c = 0; c < K; ++c) {
+                        const unsigned long long mc = draw_mass(s_s[c] * inv_t, m);
+                        run += mc;
+                        if (best < 0 && run > target) best = c;
+                        qr[c] = (float)mc / (float)total;
+                    }
+                } else {
+                    for (int c = 0; c < K; ++c) qr[c] = 0.0f;
+                }
+            }
+            int tok = ids[rj * K + best];
+            tok = tok < 0 ? 0 : (tok >= V ? V - 1 : tok);
+            choice[rj] = best;
+            tokens[(long long)lane * Q + j + 1] = tok;
+            prev_s = tok;
+        }
+        __syncthreads();
+    }
+}
