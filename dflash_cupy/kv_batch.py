@@ -30,6 +30,7 @@ from .feature_ring import FeatureRing
 from .geometry import BULK_CHUNK
 from .interop import device_view
 from .nvtx_ranges import nvtx_range
+from .ops.step_descriptor import DESC_ACTIVE, DESC_LEN
 from .step_engine import EngineFacade, StepEngine
 from .weights import DraftWeights
 
@@ -95,6 +96,11 @@ class DraftKvBatch(EngineFacade):
         e.bind_rings(self.rings, storage)
         self.gather = e.gather
         self.hidden_states, self.logits, self.draft_tokens = e.hidden_states, e.logits, e.draft_tokens
+        # DFlash 2 with an LM head (SPEC §6): the selector's outputs per lane, rows 1..q_len-1
+        self.candidate_ids = self.candidate_values = self.selector_choice = self.selector_q = None
+        if e.selects:
+            self.candidate_ids, self.candidate_values = e.candidate_ids, e.candidate_values
+            self.selector_choice, self.selector_q = e.selector_choice, e.selector_q
         self._closed = False
 
     # ------------------------------------------------------------------ properties
@@ -157,6 +163,39 @@ class DraftKvBatch(EngineFacade):
         host = e.check_host_noise(noise_embed, shape) if dev is None else None
         e.copy_noise(host, dev, self.backend.as_stream(stream))
 
+    def set_anchors(self, anchors, stream=None) -> None:
+        """DFlash 2: each lane's block's first token (the anchor its selector walks from) for the
+        next ``run``: a host sequence of ``lanes`` ints in ``[0, vocab)`` (``None`` for a lane
+        idle in the planned step), or a device int32 ``[lanes]`` array read on the device in
+        order on the current stream (or ``stream``). Needed once per step."""
+        self._check_open()
+        host, dev = self._check_anchors(anchors, self._idle_lanes())
+        self.engine.copy_anchors(host, dev, self.backend.as_stream(stream))
+
+    def _idle_lanes(self, committed=None) -> list:
+        """Per lane: idle in ``committed`` (else in the planned step; all False when none is)."""
+        if committed is not None:
+            return [c is None for c in committed]
+        e = self.engine
+        if not e._planned:
+            return [False] * self.lanes
+        return [not f for f in e._plan.vals[DESC_ACTIVE::DESC_LEN]]
+
+    def _check_anchors(self, anchors, idle):
+        e = self.engine
+        if e.selects:
+            dev = device_view(self.backend, anchors, "anchors", dtype=np.int32, shape=(self.lanes,))
+            if dev is not None:
+                return None, dev
+        try:
+            anchors = list(anchors)
+        except TypeError:
+            raise TypeError(f"anchors must be {self.lanes} token ids (None for idle lanes) or a device int32 "
+                            f"[{self.lanes}] array, got {type(anchors).__name__}") from None
+        if len(anchors) != self.lanes:
+            raise ValueError(f"anchors has {len(anchors)} entries, expected one per lane ({self.lanes})")
+        return e.check_host_anchors(anchors, idle), None
+
     def run(self, eager: bool = False, stream=None):
         """Replay the planned step for every lane (``eager``: launch the
         kernels one by one, same results); returns ``hidden_states``
@@ -165,12 +204,24 @@ class DraftKvBatch(EngineFacade):
         self.engine.run(stream, eager, _lane_word)
         return self.hidden_states
 
-    def step(self, committed, noise_embed, stream=None):
-        """``begin_step`` + ``set_noise_embed`` + ``run`` on one stream."""
+    def step(self, committed, noise_embed, stream=None, *, anchors=None):
+        """``begin_step`` + ``set_noise_embed`` (+ ``set_anchors(anchors)``: DFlash 2) + ``run``
+        on one stream."""
         self._check_open()
+        if anchors is not None:
+            try:
+                idle = self._idle_lanes(list(committed))
+            except TypeError:
+                idle = [False] * self.lanes   # begin_step names the bad committed
+            self._check_anchors(anchors, idle)   # before begin_step changes anything
+        elif self.engine.selects and not self.engine._anchored:
+            raise ValueError("anchors: a DFlash 2 step needs each active lane's first block token "
+                             "(step(..., anchors=) or set_anchors)")
         stream = self.backend.as_stream(stream)
         self.begin_step(committed, stream=stream)
         self.set_noise_embed(noise_embed, stream=stream)
+        if anchors is not None:
+            self.set_anchors(anchors, stream=stream)
         return self.run(stream=stream)
 
     def reset(self, lane=None, stream=None) -> None:

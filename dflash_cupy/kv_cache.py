@@ -128,7 +128,7 @@ class DraftKvCache(EngineFacade):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         if not isinstance(logits, (bool, np.bool_)):
             raise TypeError(f"logits must be a bool, got {type(logits).__name__}")
-        if not logits and sampling.temperature > 0:
+        if not logits and sampling.temperature > 0 and weights.config.dflash2 is None:
             raise ValueError("sampling with temperature > 0 needs logits=True (the fused argmax is greedy)")
         # the one step engine, with one lane (its checks of the shared arguments come next)
         self.engine = e = StepEngine(weights, capacity, 1, owner="DraftKvCache", lm_head=lm_head, logits=logits,
@@ -147,6 +147,11 @@ class DraftKvCache(EngineFacade):
         self.hidden_states = e.hidden_states[0]
         self.logits = None if e.logits is None else e.logits[0]
         self.draft_tokens = None if e.draft_tokens is None else e.draft_tokens[0]
+        # DFlash 2 with an LM head (SPEC §6): the selector's outputs, rows 1..q_len-1
+        self.candidate_ids = self.candidate_values = self.selector_choice = self.selector_q = None
+        if e.selects:
+            self.candidate_ids, self.candidate_values = e.candidate_ids[0], e.candidate_values[0]
+            self.selector_choice, self.selector_q = e.selector_choice[0], e.selector_q[0]
         self._ring: FeatureRing | None = None
         self._ring_graphs: dict = {}  # id(ring) -> (ring, gather, graph slots) of recently used rings
         self._closed = False
@@ -235,12 +240,37 @@ class DraftKvCache(EngineFacade):
         self._check_open()
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        if self.engine.sampler is None:
+        if self.engine.lm_head is None:
             raise ValueError("sampling needs an lm_head (this cache has none)")
-        if self.logits is None and sampling.temperature > 0:
+        if self.engine.selects:
+            self.engine.check_selector_sampling(sampling)
+        elif self.logits is None and sampling.temperature > 0:
             raise ValueError("sampling with temperature > 0 needs logits=True (this cache fuses the greedy "
                              "token into the lm_head GEMM and writes no logits)")
         self.engine.sampling = sampling
+
+    def set_anchor(self, anchor, stream=None) -> None:
+        """DFlash 2: the block's first token (the verified anchor the selector walks from) for
+        the next ``run``: a host int in ``[0, vocab)``, or a device int32 array of one element
+        read on the device in order on the current stream (or ``stream``), so a pipeline that
+        verifies on the device never reads back (an out-of-range device id is clamped and
+        flagged in ``selector.flags``). Needed once per step."""
+        self._check_open()
+        host, dev = self._check_anchor(anchor)
+        self.engine.copy_anchors(host, dev, self.backend.as_stream(stream))
+
+    def _check_anchor(self, anchor):
+        """``(host list, None)`` or ``(None, device view [1])`` of a valid anchor."""
+        e = self.engine
+        if isinstance(anchor, (int, np.integer)) and not isinstance(anchor, (bool, np.bool_)):
+            return e.check_host_anchors([anchor], [False]), None
+        if e.selects:
+            dev = device_view(self.backend, anchor, "anchor", dtype=np.int32, shape=None)
+            if dev is not None:
+                if dev.size != 1:
+                    raise ValueError(f"anchor must be one token id, got a device array of shape {list(dev.shape)}")
+                return None, dev.reshape(1)
+        return e.check_host_anchors([anchor], [False]), None
 
     def _check_noise(self, noise_embed):
         """``(device view, None)`` or ``(None, host array)`` of valid noise embeddings."""
@@ -287,17 +317,24 @@ class DraftKvCache(EngineFacade):
         return self.hidden_states
 
     def step(self, ring: FeatureRing, committed: int, noise_embed, stream=None, *, out=None,
-             tokens_out=None):
-        """``begin_step`` + noise embeddings + ``run``, all on the current
-        stream (or ``stream``); returns ``hidden_states`` (rewritten by the
-        next step: ``kv.step(...) is kv.step(...)``; ``out``/``tokens_out``
-        as in ``run``)."""
+             tokens_out=None, anchor=None):
+        """``begin_step`` + noise embeddings (+ ``set_anchor(anchor)``: DFlash 2) + ``run``,
+        all on the current stream (or ``stream``); returns ``hidden_states`` (rewritten by
+        the next step: ``kv.step(...) is kv.step(...)``; ``out``/``tokens_out`` as in
+        ``run``)."""
         self._check_open()
         self._check_noise(noise_embed)  # before begin_step changes anything
         self._check_outputs(out, tokens_out)
+        if anchor is not None:
+            self._check_anchor(anchor)
+        elif self.engine.selects and not self.engine._anchored:
+            raise ValueError("anchor: a DFlash 2 step needs the block's first token (step(..., anchor=) or "
+                             "set_anchor)")
         stream = self.backend.as_stream(stream)
         self.begin_step(ring, committed, stream=stream)
         self.set_noise_embed(noise_embed, stream=stream)
+        if anchor is not None:
+            self.set_anchor(anchor, stream=stream)
         return self.run(stream=stream, out=out, tokens_out=tokens_out)
 
     def reset(self, stream=None) -> None:

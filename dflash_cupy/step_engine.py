@@ -52,7 +52,9 @@ from .ops.gather import FeatureGather
 from .ops.norm import RmsNorm
 from .ops.ring_slots import RingSlots
 from .ops.rope import QkvNormRope
+from .ops.gemm import weight_kind
 from .ops.sample import SamplingParams, TokenSampler
+from .ops.selector import SelectorKernels
 from .ops.step_descriptor import (DESC_ACTIVE, DESC_COMMITTED, DESC_LEN, DESC_START, bulk_chunks, decide_lanes,
                                   fill_chunk_descriptor, pack_descriptors)
 from .rope_params import rope_parameters
@@ -105,15 +107,14 @@ class StepEngine:
         self.geom = g = RingGeometry(int(capacity), c.q_len)
         if lanes * g.kv_total >= 2**31:
             raise ValueError(f"lanes={lanes} x {g.kv_total} cache rows per lane overflow int32 row indices")
-        if c.dflash2 is not None and lm_head is not None:
-            # its draft tokens come from the candidate selector, not the LM head's argmax
-            raise NotImplementedError(f"{c.architecture}: the step's candidate selector is not in the graph yet: "
-                                      "build the cache without lm_head and run reference.select_draft on its "
-                                      "hidden_states (README, DFlash 2)")
+        # DFlash 2 with an LM head: the draft tokens are the candidate selector's walk (SPEC §6)
+        self.selects = c.dflash2 is not None and lm_head is not None
         self.dw = weights.device(be)   # placed once per backend, cached on the weights
         self.bulk_chunk = int(bulk_chunk)
         self.write_logits = bool(logits)
         self.sampling = SamplingParams() if sampling is None else sampling
+        if self.selects:
+            self.check_selector_sampling(self.sampling)
         H, B, A, kvw = c.hidden_size, g.q_len, g.a_step, c.kv_dim
         CS, BS = align_up(A, TILE_ROWS), align_up(B, TILE_ROWS)
         self.ctx_rows, self.lane_rows = CS, BS
@@ -166,6 +167,8 @@ class StepEngine:
                 raise ValueError(f"lm_head must have between 1 and 2^31-1 rows (the vocabulary), got {V}")
             self._tokens = be.zeros((NN,), np.int32)
             self.draft_tokens = self._tokens.reshape(lanes, BS)[:, :B]
+            if self.selects:
+                self._alloc_selector(V)
             if logits:
                 # logits=False: the greedy token is fused into the lm_head GEMM (per column block
                 # partial maxima, one reduction) and the logits are never written
@@ -187,6 +190,11 @@ class StepEngine:
         self._noise_next = 0
         self._n_chunks = -(-g.capacity // self.bulk_chunk) + 1
         self._bulk_desc_host = be.pinned_empty((lanes * self._n_chunks, DESC_LEN), np.int32)
+        # DFlash 2: the anchors' pinned staging (two: alternating steps), and whether the
+        # planned step has its anchors
+        self._anchor_host = [be.pinned_empty((lanes,), np.int32) for _ in range(2)] if self.selects else None
+        self._anchor_events = [be.event() for _ in range(2)] if self.selects else None
+        self._anchor_next, self._anchored = 0, False
         for i in range(2):
             be.label(self._step_in_host[i], f"{owner} step inputs staging [{i}] (descriptors"
                      + (", sampling knobs, rng)" if sampled else ")"))
@@ -258,6 +266,34 @@ class StepEngine:
             raise ValueError("lm_head must have at least one row (the vocabulary), got 0")
         return to_device_matrix(be, lm_head)
 
+    def _alloc_selector(self, V: int) -> None:
+        """DFlash 2's selector buffers (SPEC §6; ``ops/selector.py`` has the layouts): the
+        anchors (the block's first token per lane), the walk's tokens (``draft_tokens``), the
+        candidates (ids, values), the choice and ``q``; the logits are always written (into
+        the engine's own buffer when the caller asked for none)."""
+        be, c, L, B = self.backend, self.config, self.lanes, self.q_len
+        d2 = c.dflash2
+        if V != d2.vocab_size:
+            raise ValueError(f"lm_head has {V} rows, the DFlash 2 drafter's vocabulary (its selector codebooks) "
+                             f"has vocab_size={d2.vocab_size}")
+        R, K = B - 1, d2.selector_top_k
+        self.anchors = be.zeros((L,), np.int32)
+        self.draft_tokens = be.zeros((L, B), np.int32)
+        self.candidate_ids = be.zeros((L, R, K), np.int32)
+        self.candidate_values = be.zeros((L, R, K), np.float32)
+        self.selector_choice = be.zeros((L, R), np.int32)
+        self.selector_q = be.zeros((L, R, K), np.float32)
+        if not self.write_logits:
+            self._logits = be.zeros((self.n_noise, V), np.float32)
+
+    @staticmethod
+    def check_selector_sampling(sampling) -> None:
+        """The selector draws from its K candidates at ``temperature`` (SPEC §6): top-k and
+        top-p have no meaning there."""
+        if sampling.top_k or sampling.top_p != 1.0:
+            raise ValueError(f"sampling: a DFlash 2 drafter's candidate selector samples its own top-K at the "
+                             f"temperature only; top_k={sampling.top_k} / top_p={sampling.top_p} do not apply")
+
     def _alloc_step_rows(self, n_ctx: int, n_noise: int) -> int:
         """The fusion decisions (``recipe``) and the step's activations over its rows (``n_ctx``
         context rows, then ``n_noise`` noise rows); returns the attention gate's width (0: no
@@ -304,6 +340,11 @@ class StepEngine:
         self.rms16 = None if x16 is None else RmsNorm(be, c.hidden_size, c.rms_norm_eps, out_kind=x16)
         self._build_gemms(max_m, gate_w, logits, self.n_noise)  # g_fc .. g_lm (x_split), _lm_part
         self.sampler = TokenSampler(be, self.lm_head.shape[0]) if self.lm_head is not None else None
+        self.selector = None
+        if self.selects:   # the selector's tokens replace the sampler's
+            self.sampler = None
+            self.selector = SelectorKernels(be, c, self.q_len, self.lanes,
+                                            weight_kind=weight_kind(self.dw.selector_hp.dtype))
         self.rope_ctx = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, False, c.rms_norm_eps,
                                     self.attn_scaling)
         self.rope_step = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, True, c.rms_norm_eps,
@@ -355,13 +396,13 @@ class StepEngine:
         self.g_lm = self._lm_part = None
         if self.lm_head is not None:
             V = self.lm_head.shape[0]
-            fused = not logits and ch.stream   # the fused argmax is a stream-GEMM epilogue
+            fused = not logits and ch.stream and not self.selects   # the fused argmax: a stream-GEMM epilogue
             self.g_lm = (gemm(V, H, self.lm_head.dtype) if not fused else
                          gemm(V, H, self.lm_head.dtype, "argmax", logits=False))
             if fused:
                 self._lm_part = be.zeros(self.g_lm.partials_shape(lm_rows), np.uint32)
-            elif not logits:   # its fallback: logits into a buffer of the engine's, then the greedy sampler
-                self._logits = be.zeros((lm_rows, V), np.float32)
+            elif not logits and not self.selects:   # its fallback: logits into a buffer of the engine's,
+                self._logits = be.zeros((lm_rows, V), np.float32)   # then the greedy sampler
 
     def _tune_sites(self) -> list:
         """``(label, op, m)`` of every GEMM call a step or a bulk chunk makes, and the attention."""
@@ -539,7 +580,15 @@ class StepEngine:
             with nvtx_range(f"layer {li}") if eager else contextlib.nullcontext():
                 self._step_layer(li, L, stream)
         self.rms(self.h, dw.norm, self._hs, stream=stream)
-        if self.g_lm is not None:
+        if self.selector is not None:   # DFlash 2: top-K of the logits, then the walk from the anchor
+            self.g_lm(self._hs, self.lm_head, self._logits, nn, tile_live=live, stream=stream)
+            sel = self.selector
+            sel.topk(self._logits, self.candidate_ids, self.candidate_values, row0=1, row_stride=self.lane_rows,
+                     stream=stream)
+            sel.walk(self._hs.reshape(self.lanes, self.lane_rows, -1), dw.selector_hp, dw.selector_pred,
+                     dw.selector_succ, self.anchors, self.candidate_ids, self.candidate_values, self.draft_tokens,
+                     self.selector_choice, self.selector_q, self.sample_knobs, self.sample_rng, stream=stream)
+        elif self.g_lm is not None:
             if self._logits is None:
                 self.g_lm(self._hs, self.lm_head, None, nn, tile_live=live, partials=self._lm_part, stream=stream)
                 self.sampler.reduce_partials(self._lm_part, self._tokens, nn, stream=stream)
@@ -664,6 +713,9 @@ class StepEngine:
             raise RuntimeError("run() needs a planned step: call begin_step first (each begin_step plans exactly "
                                "one run)")
         self._check_rings_hold(lane_word)
+        if self.selects and not self._anchored:
+            raise RuntimeError("run(): a DFlash 2 step needs each active lane's anchor (the block's first token): "
+                               "set it after begin_step (set_anchor / set_anchors, or step(..., anchor=))")
         slot, be = self._slot, self.backend
         s = self.order.order(stream)
         # The planning launch reads every lane's ring storage: wait for the rings written
@@ -681,7 +733,7 @@ class StepEngine:
         for ring in self.rings:
             ring.note_read(self, self._events[slot])   # the ring's next write waits for this step
         self.order.issued(s)
-        self._planned = False
+        self._planned = self._anchored = False
         # each active lane's next position is its committed count (from the plan's own list:
         # no per-lane read of the pinned buffer)
         vals = self._plan.vals
@@ -692,7 +744,7 @@ class StepEngine:
         """Forget the cached rows of ``lanes`` on ``stream``; a planned, not yet run step is
         dropped."""
         s = self.order.order(stream)
-        self._planned = False
+        self._planned = self._anchored = False
         for i in lanes:
             self._next[i] = 0
             self.ring_slots.reset_slots(self.slot_pos[i], stream=s)
@@ -732,6 +784,47 @@ class StepEngine:
             be.copy_h2d_async(self.noise_embed, stage, stream=s)
             self._noise_events[i].record(s)
         self.order.issued(s)
+
+    # ------------------------------------------------------------------ anchors (DFlash 2)
+    def check_host_anchors(self, anchors, idle_ok) -> list:
+        """Host anchors, one token id per lane (``None`` for a lane with ``idle_ok[i]``), each in
+        ``[0, vocab)``; raises naming the lane (``lanes == 1``: the anchor) before any change."""
+        if not self.selects:
+            raise ValueError("anchors are read by a DFlash 2 drafter's candidate selector only (this "
+                             + ("drafter is not DFlash 2)" if self.config.dflash2 is None else "cache has no lm_head)"))
+        V, out = self.config.dflash2.vocab_size, []
+        for i, a in enumerate(anchors):
+            name = "anchor" if self.lanes == 1 else f"anchors[{i}]"
+            if a is None and idle_ok[i]:
+                out.append(0)
+                continue
+            if isinstance(a, (bool, np.bool_)) or not isinstance(a, (int, np.integer)):
+                raise TypeError(f"{name} must be a token id (an int), got {a!r}"
+                                + ("" if self.lanes == 1 else " (None only for a lane idle this step)"))
+            if not 0 <= a < V:
+                raise ValueError(f"{name}={a} is outside the vocabulary [0, {V})")
+            out.append(int(a))
+        return out
+
+    def copy_anchors(self, host, dev, stream) -> None:
+        """The planned step's anchors into ``anchors`` on ``stream``: ``dev`` (a device int32
+        ``[lanes]`` array, read on the device: out-of-range ids are clamped and flagged in
+        ``selector.flags``) or ``host`` (checked ints) through the pinned staging in turn."""
+        be = self.backend
+        s = self.order.order(stream)
+        if dev is not None:
+            be.copy_d2d_async(self.anchors, dev, stream=s)
+        else:
+            i = self._anchor_next
+            self._anchor_next ^= 1
+            self.order.reuse(self._anchor_events[i])   # the copy that last read this staging buffer
+            stage = self._anchor_host[i]
+            be.host_write(stage, f"{self.owner} anchor staging")
+            stage[:] = host
+            be.copy_h2d_async(self.anchors, stage, stream=s)
+            self._anchor_events[i].record(s)
+        self.order.issued(s)
+        self._anchored = True
 
     # ------------------------------------------------------------------ lifetime
     def check_open(self):
