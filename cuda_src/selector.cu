@@ -83,6 +83,8 @@ constexpr int RA = R > 0 ? R : 1;  // register arrays need a positive size
 constexpr int TK_NT = 256, TK_PER = 4, TK_TILE = TK_NT * TK_PER, TK_NW = TK_NT / 32;
 constexpr int WK_NW = 8, WK_NT = WK_NW * 32;
 constexpr unsigned long long ALL = ~0ull;
+constexpr float MULT = (float)(SEL_MULT), CAP = (float)(SEL_CAP);
+constexpr float CAP_DIV = CAP > 0.0f ? CAP : 1.0f;  // (no division by a zero constant when CAP is off)
 
 __device__ __forceinline__ unsigned long long rank_word(float logit, unsigned int id)
 {
@@ -188,8 +190,8 @@ selector_topk_merge(const unsigned int* part, int nblk, int* ids, float* vals)
             // (a malformed partial buffer) becomes id 0 with a NaN value
             const unsigned int key = (unsigned int)(last >> 32);
             const int id = last ? (int)(0xffffffffu - (unsigned int)last) : 0;
-            float v = (last ? key_value(key) : __uint_as_float(0x7fc00000u)) * (float)(SEL_MULT);
-            if ((float)(SEL_CAP) > 0.0f) v = tanhf(v / (float)(SEL_CAP)) * (float)(SEL_CAP);
+            float v = (last ? key_value(key) : __uint_as_float(0x7fc00000u)) * MULT;
+            if (CAP > 0.0f) v = tanhf(v / CAP_DIV) * CAP;
             ids[(long long)g * K + t] = id;
             vals[(long long)g * K + t] = v;
         }

@@ -26,6 +26,8 @@ selector rows per lane (block rows 1..q_len-1). Shapes and dtypes (device arrays
   distribution drawn from; one-hot at temperature 0). ``self.flags`` int32 ``[lanes]``:
   1 where the lane's device anchor was outside ``[0, vocab)`` (then clamped into it).
 
+With ``q_len`` 1 (no selector rows) ``topk`` does nothing and ``walk`` writes only
+``tokens[:, 0]``; ``ids``, ``vals``, ``choice`` and ``q`` are then not read (None is fine).
 Both are capture-safe: no host sync, no allocation (workspaces are made here). The
 walk's uniform for lane ``l``, block row ``r`` (1..R) is ``row_uniform64(l * q_len + r,
 seed, counter) / 2^64`` (``selector_uniforms``), drawn by ``draw.cuh``'s integer inverse
@@ -93,6 +95,8 @@ class SelectorKernels:
 
     def topk(self, logits, ids, vals, row0: int = 1, row_stride: int | None = None, stream=None) -> None:
         be, L, R, K = self.backend, self.lanes, self.R, self.K
+        if not R:
+            return
         checks.device_array(be, "logits", logits, np.float32)
         row0 = checks.int_arg(row0, "row0")
         row_stride = self.q_len if row_stride is None else checks.int_arg(row_stride, "row_stride")
@@ -107,8 +111,6 @@ class SelectorKernels:
             raise ValueError(f"logits has {logits.shape[0]} rows; lanes={L}, row0={row0}, "
                              f"row_stride={row_stride} read up to row {need - 1}")
         checks.check_no_overlap(ids=ids, vals=vals, logits=logits)
-        if not R:
-            return
         self._blocks((self.nblk, L * R, 1), (TK_NT, 1, 1),
                      (logits, np.int32(logits.shape[1]), np.int32(row0), np.int32(row_stride),
                       np.int32(self.nblk), self.part), stream=stream)
@@ -122,15 +124,22 @@ class SelectorKernels:
         self._out("pred_cb", pred_cb, self.w_dtype, (self.vocab, self.rank))
         self._out("succ_cb", succ_cb, self.w_dtype, (self.vocab, self.rank))
         self._out("anchors", anchors, np.int32, (L,))
-        self._out("ids", ids, np.int32, (L, R, K))
-        self._out("vals", vals, np.float32, (L, R, K))
+        if R:
+            self._out("ids", ids, np.int32, (L, R, K))
+            self._out("vals", vals, np.float32, (L, R, K))
         self._out("tokens", tokens, np.int32, (L, Q))
-        self._out("choice", choice, np.int32, (L, R))
-        self._out("q", q, np.float32, (L, R, K))
+        if R:
+            self._out("choice", choice, np.int32, (L, R))
+            self._out("q", q, np.float32, (L, R, K))
         self._out("knobs", knobs, np.float32, (3,))
         self._out("rng", rng, np.uint64, (2,))
-        checks.check_no_overlap(tokens=tokens, choice=choice, q=q, ids=ids, vals=vals, anchors=anchors,
-                                hidden=hidden)
+        if R:
+            checks.check_no_overlap(tokens=tokens, choice=choice, q=q, ids=ids, vals=vals, anchors=anchors,
+                                    hidden=hidden)
+        else:   # no selector rows: only tokens[:, 0] is written; unread pointers get placeholders
+            checks.check_no_overlap(tokens=tokens, anchors=anchors)
+            ids = choice = self.counters
+            vals = q = self.hp_ws
         grid = (self.split if R else 1, L, 1)
         self._walk(grid, (WK_NW * 32, 1, 1),
                    (hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, knobs, rng, tokens, choice, q,
