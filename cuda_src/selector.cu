@@ -27,7 +27,7 @@
 //   target = draw_target(row_bits64(lane * Q + j + 1, rng), total), the first c whose running
 //   mass exceeds it; total 0 (every score NaN): choice 0, q row all 0.
 //   q [lanes, R, K] f32: f32(mass_c) / f32(total) (T > 0), one-hot (T <= 0); choice [lanes, R]
-//   int32. Layouts: hidden [lanes, Q, H] f32 (rows 1.. read), hp_w [RANK, H], codebooks
+//   int32. Layouts: hidden [lanes, hidden_rows >= Q, H] f32 (rows 1..Q-1 read), hp_w [RANK, H], codebooks
 //   [V, RANK], all row-major; ids / vals as the merge writes them.
 // warp_dot(w row, x vectors) (the fixed order ops/selector.py mirrors): lane i sums, in f32
 //   without contraction, w[e] * x[e] over e in chunks of 8 (chunk = i, i + 32, ...), ascending;
@@ -199,7 +199,7 @@ selector_topk_merge(const unsigned int* part, int nblk, int* ids, float* vals)
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-selector_walk(const float* hidden, const void* hp_w, const void* pred_cb, const void* succ_cb,
+selector_walk(const float* hidden, int hidden_rows, const void* hp_w, const void* pred_cb, const void* succ_cb,
               const int* anchors, const int* ids, const float* vals, const float* knobs,
               const unsigned long long* rng, int* tokens, int* choice, float* q, float* hp_ws,
               int* counters, int* flags)
@@ -216,7 +216,7 @@ selector_walk(const float* hidden, const void* hp_w, const void* pred_cb, const 
         if (k < RANK) {
             float acc[RA];
             warp_dot<SEL_HPT, RA>((const char*)hp_w + (long long)k * H * (SEL_HPT ? 2 : 4), H,
-                                  hidden + ((long long)lane * Q + 1) * H, H, acc);
+                                  hidden + ((long long)lane * hidden_rows + 1) * H, H, acc);
             if (wl == 0)
                 for (int j = 0; j < R; ++j) hp_ws[((long long)lane * R + j) * RANK + k] = acc[j];
         }

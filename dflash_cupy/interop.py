@@ -50,6 +50,11 @@ def _check(arr, name: str, dtype, shape):
     return arr
 
 
+def array_like(obj) -> bool:
+    """Whether ``obj`` may be an array ``device_view`` takes (a host int or a list is not)."""
+    return any(hasattr(obj, a) for a in ("__dlpack__", "__cuda_array_interface__", "__array_interface__"))
+
+
 def device_view(backend, obj, name: str, *, dtype=None, shape=None):
     """``obj`` as a device array of ``backend`` sharing its memory, or ``None``
     for host data. ``shape`` may hold ``None`` for any extent."""

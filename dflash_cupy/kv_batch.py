@@ -28,7 +28,7 @@ import numpy as np
 from .checks import int_arg
 from .feature_ring import FeatureRing
 from .geometry import BULK_CHUNK
-from .interop import device_view
+from .interop import array_like, device_view
 from .nvtx_ranges import nvtx_range
 from .ops.step_descriptor import DESC_ACTIVE, DESC_LEN
 from .step_engine import EngineFacade, StepEngine
@@ -183,7 +183,7 @@ class DraftKvBatch(EngineFacade):
 
     def _check_anchors(self, anchors, idle):
         e = self.engine
-        if e.selects:
+        if e.selects and array_like(anchors):
             dev = device_view(self.backend, anchors, "anchors", dtype=np.int32, shape=(self.lanes,))
             if dev is not None:
                 return None, dev

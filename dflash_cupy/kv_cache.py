@@ -51,7 +51,7 @@ import numpy as np
 from .checks import int_arg
 from .feature_ring import FeatureRing
 from .geometry import BULK_CHUNK
-from .interop import device_view
+from .interop import array_like, device_view
 from .nvtx_ranges import nvtx_range
 from .ops.sample import SamplingParams
 from .ops.step_descriptor import decide_lanes
@@ -264,7 +264,7 @@ class DraftKvCache(EngineFacade):
         e = self.engine
         if isinstance(anchor, (int, np.integer)) and not isinstance(anchor, (bool, np.bool_)):
             return e.check_host_anchors([anchor], [False]), None
-        if e.selects:
+        if e.selects and array_like(anchor):
             dev = device_view(self.backend, anchor, "anchor", dtype=np.int32, shape=None)
             if dev is not None:
                 if dev.size != 1:

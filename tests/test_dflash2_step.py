@@ -1,15 +1,20 @@
 """DFlash 2 in the cached step (SPEC §6): the convolutions around every sublayer, checked
 step by step against the float64 oracle by ``tests/support/drafters.py`` (drafters "g" and "h"
-in test_kv_cache's schedules, "g" in test_kv_batch's lanes); here the negative control and
-what is refused until the candidate selector is in the graph."""
+in test_kv_cache's schedules, "g" in test_kv_batch's lanes); here the negative control, and the
+candidate selector in the step: its outputs against the kernels' NumPy references and the
+float64 oracle, lanes against single caches, and bad input."""
 import numpy as np
 import pytest
 
 from dflash_cupy import reference
+from dflash_cupy.feature_ring import FeatureRing
+from dflash_cupy.kv_batch import DraftKvBatch
 from dflash_cupy.kv_cache import DraftKvCache
-from dflash_cupy.tolerances import within
+from dflash_cupy.ops.sample import SamplingParams
+from dflash_cupy.ops.selector import topk_reference, walk_reference
+from dflash_cupy.tolerances import assert_close, within
 from dflash_cupy.weights import DraftWeights
-from tests.support.drafters import SPECS, Driver, built
+from tests.support.drafters import BF16, Driver, built
 
 
 def test_step_runs_the_convolutions(emu):
@@ -29,8 +34,143 @@ def test_step_runs_the_convolutions(emu):
         d.close()
 
 
-def test_lm_head_refused_until_the_selector_runs_in_the_graph(emu):
+# --------------------------------------------------------------------------- the selector in the step
+V = 19   # drafter "g"'s vocabulary (its codebooks' rows)
+
+
+def _lm(seed=3):
     w, _ = built("g")
-    lm = np.zeros((SPECS["g"].config.dflash2.vocab_size, w.config.hidden_size), np.float32)
-    with pytest.raises(NotImplementedError, match="candidate selector"):
-        DraftKvCache(w, 23, lm_head=lm, backend=emu)
+    r = np.random.default_rng(seed)
+    return (r.standard_normal((V, w.config.hidden_size)) / np.sqrt(w.config.hidden_size)).astype(np.float32)
+
+
+def _ring(be, w, n, seed):
+    c = w.config
+    ring = FeatureRing(64, c.n_captured, c.hidden_size, BF16, backend=be)
+    feats = np.random.default_rng(seed).standard_normal((n, c.fc_in)).astype(np.float32)
+    ring.write(0, feats)
+    return ring, feats.astype(BF16)
+
+
+def _kernel_refs(kv, dw, lm, anchors, temperature=0.0, seed=0, counter=0):
+    """The selector's NumPy kernel references on the step's own logits and hidden states."""
+    be, c = kv.backend, kv.config
+    d2 = c.dflash2
+    logits = be.to_numpy(kv.logits).reshape(-1, kv.q_len, V)
+    ids, vals = topk_reference(logits[:, 1:].reshape(-1, V), d2.selector_top_k, V, d2.output_multiplier,
+                               d2.final_logit_softcapping)
+    L = logits.shape[0]
+    ids, vals = ids.reshape(L, -1, d2.selector_top_k), vals.reshape(L, -1, d2.selector_top_k)
+    hidden = be.to_numpy(kv.hidden_states).reshape(L, kv.q_len, -1)
+    ref = walk_reference(hidden, be.to_numpy(dw.selector_hp), be.to_numpy(dw.selector_pred),
+                         be.to_numpy(dw.selector_succ), np.asarray(anchors, np.int32), ids, vals, V,
+                         temperature=temperature, seed=seed, counter=counter)
+    return ids, vals, ref
+
+
+def test_selector_in_the_step_greedy(emu):
+    """draft_tokens are the walk from the anchor: the kernels' NumPy references on the step's
+    own logits/hidden states exactly, and the float64 oracle's walk wherever its decisions are
+    clear of f32 rounding."""
+    be = emu
+    w, _ = built("g")
+    lm = _lm()
+    ring, X = _ring(be, w, 13, seed=1)
+    with DraftKvCache(w, 23, lm_head=lm, backend=be) as kv:
+        noise = np.random.default_rng(2).standard_normal((kv.q_len, w.config.hidden_size)).astype(np.float32)
+        kv.step(ring, 13, noise, anchor=7)
+        dw = w.device(be)
+        ids, vals, ref = _kernel_refs(kv, dw, lm, [7])
+        tokens = be.to_numpy(kv.draft_tokens)
+        assert tokens.shape == (kv.q_len,) and tokens[0] == 7
+        np.testing.assert_array_equal(be.to_numpy(kv.candidate_ids), ids[0])
+        np.testing.assert_array_equal(tokens, ref["tokens"][0])
+        np.testing.assert_array_equal(be.to_numpy(kv.selector_choice), ref["choice"][0])
+        q = be.to_numpy(kv.selector_q)
+        assert ((q == 0) | (q == 1)).all() and (q.sum(-1) == 1).all()     # greedy: one-hot
+        # the float64 oracle of the whole block
+        h_ref, _ = reference.draft_forward(w, X[:13], noise, lm_head=lm)
+        sel = reference.select_draft(w, h_ref, lm, 7)
+        clear = sel.margin > 1e-2
+        assert clear.sum() >= 1
+        np.testing.assert_array_equal(tokens[1:][clear], sel.draft_tokens[clear])
+        # the next step needs its own anchor
+        with pytest.raises(ValueError, match="anchor"):
+            kv.step(ring, 14, noise)
+        assert kv.next_pos == 13
+
+
+def test_selector_sampled_reproduces_the_numpy_sampler(emu):
+    be = emu
+    w, _ = built("g")
+    lm = _lm()
+    ring, _ = _ring(be, w, 9, seed=4)
+    sp = SamplingParams(temperature=0.7, seed=11)
+    with DraftKvCache(w, 23, lm_head=lm, backend=be, sampling=sp) as kv:
+        noise = np.random.default_rng(5).standard_normal((kv.q_len, w.config.hidden_size)).astype(np.float32)
+        anchor = be.asarray(np.array([4], np.int32))       # a device anchor: never read back
+        kv.step(ring, 9, noise, anchor=anchor)
+        _, _, ref = _kernel_refs(kv, w.device(be), lm, [4], temperature=0.7, seed=11, counter=9)
+        np.testing.assert_array_equal(be.to_numpy(kv.draft_tokens), ref["tokens"][0])
+        assert_close(be.to_numpy(kv.selector_q), ref["q"][0], "f32", "q")
+
+
+def test_lanes_equal_single_caches(emu):
+    """A batch's selector outputs per lane are the single cache's, bit for bit (idle lane too)."""
+    be = emu
+    w, _ = built("g")
+    lm = _lm()
+    H, B = w.config.hidden_size, w.config.q_len
+    rng = np.random.default_rng(8)
+    committed, anchors = [9, None, 17], [3, None, 18]
+    noise = rng.standard_normal((3, B, H)).astype(np.float32)
+    feats = [rng.standard_normal((c or 1, w.config.fc_in)).astype(np.float32) for c in committed]
+    with DraftKvBatch(w, 23, 3, ring_capacity=25, ring_dtype=BF16, lm_head=lm, backend=be) as batch:
+        for i, f in enumerate(feats):
+            batch.rings[i].write(0, f)
+        batch.step(committed, noise, anchors=anchors)
+        got = {k: be.to_numpy(getattr(batch, k)) for k in ("hidden_states", "draft_tokens", "candidate_ids",
+                                                            "candidate_values", "selector_q")}
+    for i, c in enumerate(committed):
+        if c is None:
+            continue
+        ring = FeatureRing(25, w.config.n_captured, H, BF16, backend=be)
+        ring.write(0, feats[i])
+        with DraftKvCache(w, 23, lm_head=lm, backend=be) as kv:
+            kv.step(ring, c, noise[i], anchor=anchors[i])
+            for k, v in got.items():
+                assert np.array_equal(v[i], be.to_numpy(getattr(kv, k))), (i, k)
+        ring.close()
+
+
+def test_bad_selector_input_changes_nothing(emu):
+    be = emu
+    w, _ = built("g")
+    lm = _lm()
+    ring, _ = _ring(be, w, 9, seed=6)
+    with pytest.raises(ValueError, match="vocab_size=19"):
+        DraftKvCache(w, 23, lm_head=lm[:18], backend=be)
+    with pytest.raises(ValueError, match="top_k"):
+        DraftKvCache(w, 23, lm_head=lm, backend=be, sampling=SamplingParams(temperature=1.0, top_k=3))
+    with DraftKvCache(w, 23, lm_head=lm, backend=be) as kv:
+        noise = np.zeros((kv.q_len, w.config.hidden_size), np.float32)
+        for bad, err in ((19, ValueError), (-1, ValueError), (2.0, TypeError), (None, ValueError)):
+            with pytest.raises(err, match="anchor"):
+                kv.step(ring, 9, noise, anchor=bad)
+            assert kv.next_pos == 0 and not kv.engine._planned
+        kv.begin_step(ring, 9)
+        with pytest.raises(RuntimeError, match="anchor"):
+            kv.run()
+        kv.set_anchor(2)
+        kv.run()
+        assert int(be.to_numpy(kv.draft_tokens)[0]) == 2
+    with DraftKvBatch(w, 23, 2, ring_capacity=25, ring_dtype=BF16, lm_head=lm, backend=be) as batch:
+        noise = np.zeros((2, 4, w.config.hidden_size), np.float32)
+        batch.rings[0].write(0, np.zeros((5, w.config.fc_in), np.float32))
+        with pytest.raises(TypeError, match=r"anchors\[1\]"):
+            batch.step([5, 5], noise, anchors=[1, None])        # lane 1 is active: it needs one
+        with pytest.raises(ValueError, match=r"anchors\[0\]=40"):
+            batch.step([5, None], noise, anchors=[40, None])
+        assert batch.next_pos == [0, 0]
+        batch.step([5, None], noise, anchors=[1, None])
+        assert batch.next_pos == [5, 0]

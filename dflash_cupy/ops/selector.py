@@ -15,8 +15,8 @@ selector rows per lane (block rows 1..q_len-1). Shapes and dtypes (device arrays
   total order: +inf above every finite logit, -inf below, NaN below everything (the
   module's argmax rule); their values follow IEEE (+-inf -> +-cap, NaN -> NaN).
 - ``walk(hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, tokens, choice, q, knobs,
-  rng)``: ``hidden`` f32 ``[lanes, q_len, H]`` (the block's final normed hidden rows; rows
-  1.. are read), ``hp_w`` ``[rank, H]``, ``pred_cb`` / ``succ_cb`` ``[vocab, rank]`` in
+  rng)``: ``hidden`` f32 ``[lanes, S >= q_len, H]`` (the block's final normed hidden rows,
+  S rows per lane, e.g. a step engine's 16-row lane blocks; rows 1..q_len-1 are read), ``hp_w`` ``[rank, H]``, ``pred_cb`` / ``succ_cb`` ``[vocab, rank]`` in
   ``weight_kind``'s device dtype (``dtypes.DEVICE``: bf16 as uint16 bits), ``anchors``
   int32 ``[lanes]`` (the block's first token per lane, read on the device), ``ids`` /
   ``vals`` as ``topk`` wrote them, ``knobs`` f32 ``[3]`` and ``rng`` u64 ``[2]``
@@ -119,7 +119,10 @@ class SelectorKernels:
     def walk(self, hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, tokens, choice, q, knobs, rng,
              stream=None) -> None:
         be, L, R, K, Q = self.backend, self.lanes, self.R, self.K, self.q_len
-        self._out("hidden", hidden, np.float32, (L, Q, self.H))
+        checks.device_array(be, "hidden", hidden, np.float32, ndim=3)
+        if hidden.shape[0] != L or hidden.shape[1] < Q or hidden.shape[2] != self.H:
+            raise ValueError(f"hidden must have shape [{L}, >= {Q}, {self.H}] (rows per lane >= q_len), "
+                             f"got {list(hidden.shape)}")
         self._out("hp_w", hp_w, self.w_dtype, (self.rank, self.H))
         self._out("pred_cb", pred_cb, self.w_dtype, (self.vocab, self.rank))
         self._out("succ_cb", succ_cb, self.w_dtype, (self.vocab, self.rank))
@@ -142,7 +145,7 @@ class SelectorKernels:
             vals = q = self.hp_ws
         grid = (self.split if R else 1, L, 1)
         self._walk(grid, (WK_NW * 32, 1, 1),
-                   (hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, knobs, rng, tokens, choice, q,
+                   (hidden, np.int32(hidden.shape[1]), hp_w, pred_cb, succ_cb, anchors, ids, vals, knobs, rng, tokens, choice, q,
                     self.hp_ws, self.counters, self.flags), stream=stream)
 
     def anchors_to_device(self, anchors):
