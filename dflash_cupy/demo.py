@@ -45,6 +45,9 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
     d.add_argument("--window", type=int, default=16, help="random drafter: sliding window (default 16)")
     d.add_argument("--dtype", default="bf16", choices=["f32", "f16", "bf16"],
                    help="random drafter: weight dtype (default bf16)")
+    d.add_argument("--dflash2", action="store_true",
+                   help="random drafter: DFlash 2 (convolutions and the candidate selector, SPEC §6; "
+                        "--vocab tokens, bidirectional per-row sliding window)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--lanes", type=int, default=0,
                    help="draft N requests together in one DraftKvBatch (lanes_demo; 0: one DraftKvCache)")
@@ -78,11 +81,18 @@ def drafter_weights(args, be):
     if args.checkpoint:
         return DraftWeights.from_pretrained(args.checkpoint, backend=be)
     sliding = tuple(i in set(args.sliding) for i in range(args.layers))
+    d2 = {}
+    if getattr(args, "dflash2", False):   # the published layout's choices at a small size
+        from .config import DFlash2Config
+        d2 = dict(dflash2=DFlash2Config(conv_kernel_size=2, conv_group_size=16, selector_rank=32,
+                                        selector_top_k=8, vocab_size=args.vocab, final_logit_softcapping=20.0,
+                                        output_multiplier=0.5),
+                  mask_token_id=args.vocab - 1, is_causal=False)
     cfg = DraftConfig(n_layer=args.layers, hidden_size=args.hidden, n_head=args.heads,
                       n_head_kv=args.kv_heads, head_dim=args.head_dim,
                       intermediate_size=args.intermediate, block_size=args.block_size,
                       target_layer_ids=tuple(range(args.captured)), layer_sliding=sliding,
-                      sliding_window=args.window or None)
+                      sliding_window=args.window or None, **d2)
     return DraftWeights.random(cfg, seed=args.seed, dtype=args.dtype)
 
 
@@ -108,8 +118,14 @@ def run(args) -> int:
     w = drafter_weights(args, be)
     cfg = w.config
     rng = np.random.default_rng(args.seed + 1)
+    # DFlash 2: the selector needs the target's LM head; a random one of the drafter's vocabulary
+    # (a checkpoint holds no target)
+    d2 = cfg.dflash2
+    lm = None
+    if d2 is not None:
+        lm = (rng.standard_normal((d2.vocab_size, cfg.hidden_size)) / np.sqrt(cfg.hidden_size)).astype(np.float32)
     t0 = time.perf_counter()
-    kv = DraftKvCache(w, args.capacity, backend=be)
+    kv = DraftKvCache(w, args.capacity, backend=be, lm_head=lm)
     build_s = time.perf_counter() - t0
     sched = _schedule(rng, args.steps, args.prompt, kv.q_len, kv.a_step, kv.capacity)
     n_pos = max(sched) + 1
@@ -124,6 +140,7 @@ def run(args) -> int:
     print(head)
     print("-" * len(head))
     worst, host_us, bad, written = 0.0, [], 0, 0
+    sel_checked = sel_bad = 0   # DFlash 2: walk decisions clear of f32 rounding, and mismatches
     with kv:
         for i, c in enumerate(sched):
             if c < written:  # rewind: the target re-commits features from the rewind point
@@ -137,6 +154,9 @@ def run(args) -> int:
             kv.begin_step(ring, c)
             dt_us = (time.perf_counter() - t) * 1e6
             kv.set_noise_embed(noise)
+            anchor = int(rng.integers(0, d2.vocab_size)) if d2 is not None else None
+            if d2 is not None:
+                kv.set_anchor(anchor)
             got = be.to_numpy(kv.run())
             plan = kv.last_plan
             bulk = plan.bulk_count > 0
@@ -145,6 +165,14 @@ def run(args) -> int:
             win_lo = c - min(c, kv.capacity)
             ref = reference.draft_forward(w, features[win_lo:c], noise)
             ok, err = within(got, ref, "step")
+            if d2 is not None and kv.q_len > 1:   # the selector's walk against the oracle's
+                sel = reference.select_draft(w, ref, lm, anchor)
+                clear = sel.margin > 1e-2
+                tokens = be.to_numpy(kv.draft_tokens)[1:]
+                sel_checked += int(clear.sum())
+                wrong = int((tokens[clear] != sel.draft_tokens[clear]).sum())
+                sel_bad += wrong
+                ok = ok and not wrong
             worst = max(worst, err)
             bad += not ok
             if i % max(1, args.every) == 0 or bulk or plan.reset or not ok or i == len(sched) - 1:
@@ -159,6 +187,9 @@ def run(args) -> int:
     print(f"(* = rewind: cache reset)  {args.steps} steps, worst max error {worst:.2e} "
           f"(tolerance atol={t['atol']} + rtol={t['rtol']}*|ref|), "
           f"median host begin_step {med:.1f} us (in-graph steps)")
+    if d2 is not None:
+        print(f"DFlash 2 selector: {sel_checked} walk decisions clear of f32 rounding (oracle margin > 1e-2) "
+              f"checked, {sel_bad} differ")
     if bad:
         print(f"FAILED: {bad} step(s) outside tolerance")
         return 1

@@ -34,6 +34,27 @@ def test_demo_from_checkpoint(tmp_path, capsys):
     assert "bf16 x" in out and "sliding_attention" in out and "OK:" in out
 
 
+def test_demo_dflash2_random_and_from_checkpoint(tmp_path, capsys):
+    """``demo --dflash2`` (a random DFlash 2 drafter) and a saved DFlash 2 checkpoint: hidden
+    states and the selector's walk checked against the oracle at every step."""
+    args = ["demo", "--dflash2", "--steps", "8", "--every", "4", "--capacity", "20", "--block-size", "4",
+            "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--intermediate", "48", "--sliding", "0",
+            "--window", "6", "--vocab", "40"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("DFlash 2 selector:"))
+    assert int(line.split()[3]) > 0 and line.endswith(" 0 differ") and "OK:" in out
+    from dflash_cupy.config import DFlash2Config
+    cfg = DraftConfig(n_layer=1, hidden_size=32, n_head=2, n_head_kv=1, head_dim=32, intermediate_size=48,
+                      block_size=4, target_layer_ids=(0,), mask_token_id=1,
+                      dflash2=DFlash2Config(conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+                                            selector_top_k=3, vocab_size=30))
+    DraftWeights.random(cfg, seed=4, dtype="bf16").save_pretrained(tmp_path)
+    assert main(["demo", "--checkpoint", str(tmp_path), "--steps", "6", "--capacity", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "DFlash 2 selector:" in out and " 0 differ" in out and "OK:" in out
+
+
 def test_spec_demo_runs_the_loop(capsys):
     assert main(["demo", "--spec", "--tokens", "24", "--capacity", "16", "--block-size", "4",
                  "--vocab", "64"]) == 0
