@@ -9,7 +9,8 @@ pipeline feeds the drafter. The loop:
 
     prefill the prompt on the target -> ring.write(features) -> first token
     repeat: noise = target embeddings of [last token, mask, ...]
-            kv.step(...)            -> draft_tokens (argmax in the graph)
+            kv.step(...)            -> draft_tokens (argmax in the graph; with --dflash2 the
+                                       candidate selector's walk from the last token)
             target verifies the block (one forward over q_len positions)
             accepted prefix + the target's bonus token are committed,
             their features written to the ring (rejected rows dropped)
@@ -88,10 +89,17 @@ def run(args) -> int:
         host = np.asarray
     n_target_layers = max(args.captured * 2, 4)
     captured = tuple(range(1, n_target_layers, 2))[:args.captured]
+    d2 = {}
+    if getattr(args, "dflash2", False):   # the candidate selector over the target's vocabulary
+        from .config import DFlash2Config
+        d2 = dict(dflash2=DFlash2Config(conv_kernel_size=2, conv_group_size=16, selector_rank=32,
+                                        selector_top_k=8, vocab_size=args.vocab, final_logit_softcapping=20.0,
+                                        output_multiplier=0.5),
+                  mask_token_id=MASK_TOKEN, is_causal=False)
     cfg = DraftConfig(n_layer=args.layers, hidden_size=args.hidden, n_head=args.heads, n_head_kv=args.kv_heads,
                       head_dim=args.head_dim, intermediate_size=args.intermediate, block_size=args.block_size,
                       target_layer_ids=captured, layer_sliding=tuple(i in set(args.sliding) for i in range(args.layers)),
-                      sliding_window=args.window or None)
+                      sliding_window=args.window or None, **d2)
     w = DraftWeights.random(cfg, seed=args.seed, dtype=args.dtype)
     target = RandomTarget(xp, args.vocab, cfg.hidden_size, n_target_layers, captured, seed=args.seed + 1)
     rng = np.random.default_rng(args.seed + 2)
@@ -102,6 +110,7 @@ def run(args) -> int:
     tokens_host = []
     times = {"target": 0.0, "ring write": 0.0, "draft step": 0.0, "accept": 0.0, "oracle check": 0.0}
     accepts, worst, bad = [], 0.0, 0
+    argmax_accepts = []   # DFlash 2: the same step's LM-head argmax drafts, verified as well
     lm_head = target.lm_head if be.name == "cuda" else np.asarray(target.lm_head)
     print(f"backend: {be.name}; drafter {w}; target: {n_target_layers} layers, vocab {args.vocab}, "
           f"captured layers {captured}")
@@ -127,7 +136,8 @@ def run(args) -> int:
             noise = target.embed[block]
             times["target"] += time.perf_counter() - t
             t = time.perf_counter()
-            hidden = kv.step(ring, committed, noise)
+            anchor = (last if be.name == "cuda" else int(last[0])) if cfg.dflash2 else None
+            hidden = kv.step(ring, committed, noise, anchor=anchor)
             drafts = kv.draft_tokens if be.name == "cuda" else be.to_numpy(kv.draft_tokens)
             times["draft step"] += time.perf_counter() - t
             # the target verifies [last, d_1 .. d_{q-1}] in one forward
@@ -138,6 +148,11 @@ def run(args) -> int:
             t = time.perf_counter()
             a = int(accepted(xp, drafts, vnext))  # the one host read of the loop
             times["accept"] += time.perf_counter() - t
+            if cfg.dflash2:   # what the LM head's argmax would have drafted (not committed)
+                h = xp.asarray(be.to_numpy(hidden, stream=stream)) if be.name == "cuda" else be.to_numpy(hidden)
+                am = xp.argmax(h @ lm_head.T, axis=1).astype(xp.int32)
+                am[0] = last[0]
+                argmax_accepts.append(int(accepted(xp, am, target.forward(xp.concatenate([last, am[1:]]))[1])) + 1)
             t = time.perf_counter()
             ring.write(committed, vfeats[:a + 1])   # positions committed .. committed+a
             times["ring write"] += time.perf_counter() - t
@@ -162,6 +177,9 @@ def run(args) -> int:
     print(f"{step} draft steps, {produced} tokens after a {args.prompt}-token prompt; acceptance length "
           f"mean {acc.mean():.2f} (min {acc.min()}, max {acc.max()}; a random drafter agrees with the "
           f"target only by chance)")
+    if argmax_accepts:
+        print(f"DFlash 2: acceptance length with the candidate selector {acc.mean():.2f}, with the LM head's "
+              f"argmax of the same hidden states {np.mean(argmax_accepts):.2f} (verified, not committed)")
     print("time per component (host wall time of issuing it; on the emulator the queued work runs "
           "at the host reads):")
     for k, v in times.items():

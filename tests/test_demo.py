@@ -55,6 +55,14 @@ def test_demo_dflash2_random_and_from_checkpoint(tmp_path, capsys):
     assert "DFlash 2 selector:" in out and " 0 differ" in out and "OK:" in out
 
 
+def test_spec_demo_dflash2_shows_both_acceptances(capsys):
+    assert main(["demo", "--spec", "--dflash2", "--tokens", "10", "--capacity", "16", "--block-size", "4",
+                 "--vocab", "64", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--intermediate", "48"]) == 0
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("DFlash 2: acceptance length"))
+    assert "candidate selector" in line and "argmax" in line and "every step within tolerance" in out
+
+
 def test_spec_demo_runs_the_loop(capsys):
     assert main(["demo", "--spec", "--tokens", "24", "--capacity", "16", "--block-size", "4",
                  "--vocab", "64"]) == 0
