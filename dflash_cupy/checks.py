@@ -66,3 +66,11 @@ def bool_arg(v, name: str) -> bool:
     if not isinstance(v, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {type(v).__name__} {v!r}")
     return bool(v)
+
+
+def tile_flags(backend, tile_live, rows: int, rows_name: str = "rows") -> None:
+    """A kernel's ``tile_live`` (device int32, one flag per 16 rows): it must cover ``rows``."""
+    device_array(backend, "tile_live", tile_live, np.int32, ndim=1)
+    if tile_live.shape[0] < -(-rows // 16):
+        raise ValueError(f"tile_live must hold >= ceil({rows_name}/16) = {-(-rows // 16)} entries, "
+                         f"got shape {tuple(tile_live.shape)}")

@@ -126,14 +126,7 @@ class DraftKvBatch(EngineFacade):
         self._check_open()
         with nvtx_range("dflash batch plan", "green"):
             stream = self.backend.as_stream(stream)
-            try:
-                committed = list(committed)
-            except TypeError:
-                raise TypeError(f"committed must be a sequence of {self.lanes} ints or None, "
-                                f"got {type(committed).__name__}") from None
-            if len(committed) != self.lanes:
-                raise ValueError(f"committed has {len(committed)} entries, expected one per lane ({self.lanes})")
-            self.engine.plan(committed, stream)
+            self.engine.plan(self._per_lane(committed, "committed", "ints or None"), stream)
 
     @property
     def next_pos(self) -> list:
@@ -187,14 +180,18 @@ class DraftKvBatch(EngineFacade):
             dev = device_view(self.backend, anchors, "anchors", dtype=np.int32, shape=(self.lanes,))
             if dev is not None:
                 return None, dev
-        try:
-            anchors = list(anchors)
-        except TypeError:
-            raise TypeError(f"anchors must be {self.lanes} token ids (None for idle lanes) or a device int32 "
-                            f"[{self.lanes}] array, got {type(anchors).__name__}") from None
-        if len(anchors) != self.lanes:
-            raise ValueError(f"anchors has {len(anchors)} entries, expected one per lane ({self.lanes})")
+        anchors = self._per_lane(anchors, "anchors", "token ids (None for idle lanes) or a device int32 array")
         return e.check_host_anchors(anchors, idle), None
+
+    def _per_lane(self, seq, name: str, what: str) -> list:
+        """``seq`` as a list of one entry per lane (``what``: the entries, for messages)."""
+        try:
+            seq = list(seq)
+        except TypeError:
+            raise TypeError(f"{name} must be a sequence of {self.lanes} {what}, got {type(seq).__name__}") from None
+        if len(seq) != self.lanes:
+            raise ValueError(f"{name} has {len(seq)} entries, expected one per lane ({self.lanes})")
+        return seq
 
     def run(self, eager: bool = False, stream=None):
         """Replay the planned step for every lane (``eager``: launch the

@@ -521,12 +521,7 @@ class StepEngine:
             else:
                 self.rms(h_in, L.input_layernorm, self.hn, stream=stream)
             self._qkv_rope(li, L, self.xin, nc + nn, stream, tile_live=self.tile_live)
-        if self.g_attn_gate is not None:
-            self.g_attn_gate(self.hn, L.w_attn_gate, self.gate, nn, tile_live=live, stream=stream)
-        mask = self.mask_swa if L.sliding else self.mask_full
-        self.attention(self.q, self.k_cache[li], self.v_cache[li], mask, self.attn, gate=self.gate,
-                       stream=stream, live=self.desc)
-        self.g_o(self.attn, L.w_o, self.h, nn, tile_live=live, residual=h_in, stream=stream)
+        self._attend(li, L, self.h, h_in, stream)
         if self.recipe.gate_up_x16 is not None:
             self.rms16(self.h, L.post_attention_layernorm, self.hn16, tile_live=live, stream=stream)
             self.g_gate_up(self.hn16, L.w_gate_up, self.act, nn, tile_live=live, stream=stream)
@@ -537,6 +532,19 @@ class StepEngine:
             self.rms(self.h, L.post_attention_layernorm, self.hn, stream=stream)
             self.g_gate_up(self.hn, L.w_gate_up, self.act, nn, tile_live=live, stream=stream)
         self.g_down(self.act, L.w_down, self.h, nn, tile_live=live, residual=self.h, stream=stream)
+
+    def _attend(self, li: int, L, out, residual, stream) -> None:
+        """The attention sublayer after the qkv projection: the gate GEMM (reading ``hn``), the
+        masked ring attention, and the o GEMM into ``out`` (``+ residual``, its epilogue, when
+        given)."""
+        nn, live = self.n_noise, self.tiles_noise
+        if self.g_attn_gate is not None:
+            self.g_attn_gate(self.hn, L.w_attn_gate, self.gate, nn, tile_live=live, stream=stream)
+        mask = self.mask_swa if L.sliding else self.mask_full
+        self.attention(self.q, self.k_cache[li], self.v_cache[li], mask, self.attn, gate=self.gate,
+                       stream=stream, live=self.desc)
+        self.g_o(self.attn, L.w_o, out, nn, tile_live=live, stream=stream,
+                 **({} if residual is None else {"residual": residual}))
 
     def _conv_layer(self, li: int, L, h_in, stream) -> None:
         """A DFlash 2 decoder layer (SPEC §6): each sublayer's normed noise rows ``cx`` give
@@ -553,12 +561,7 @@ class StepEngine:
         self.g_conv(self.cx, L.conv_a_kp, self.dconv, nn, tile_live=live, stream=stream)
         self.conv(self.cx, L.conv_a_base[0], self.dconv, 0, self.hn, **conv_kw)   # hn = xin[nc:]
         self._qkv_rope(li, L, self.xin, nc + nn, stream, tile_live=self.tile_live)
-        if self.g_attn_gate is not None:
-            self.g_attn_gate(self.hn, L.w_attn_gate, self.gate, nn, tile_live=live, stream=stream)
-        mask = self.mask_swa if L.sliding else self.mask_full
-        self.attention(self.q, self.k_cache[li], self.v_cache[li], mask, self.attn, gate=self.gate,
-                       stream=stream, live=self.desc)
-        self.g_o(self.attn, L.w_o, self.obuf, nn, tile_live=live, stream=stream)
+        self._attend(li, L, self.obuf, None, stream)
         self.conv(self.obuf, L.conv_a_base[1], self.dconv, 1, self.h, residual=h_in, **conv_kw)
         self.rms(self.h, L.post_attention_layernorm, self.cx, stream=stream)
         self.g_conv(self.cx, L.conv_m_kp, self.dconv, nn, tile_live=live, stream=stream)

@@ -63,10 +63,7 @@ class GroupedConv:
             raise ValueError("y must be residual itself or not overlap it")
         checks.check_no_overlap(y=y, base=base, d=d)
         if tile_live is not None:
-            checks.device_array(be, "tile_live", tile_live, np.int32, ndim=1)
-            if tile_live.shape[0] < -(-rows // 16):
-                raise ValueError(f"tile_live must hold >= ceil(rows/16) = {-(-rows // 16)} entries, "
-                                 f"got shape {tuple(tile_live.shape)}")
+            checks.tile_flags(be, tile_live, rows)
         if rows == 0:
             return
         self._kernel((-(-H // THREADS), rows, 1), (THREADS, 1, 1),

@@ -85,10 +85,7 @@ class RmsNorm:
         if self.vec == 4:
             checks.aligned16(x=x, w=w, y=y)
         if tile_live is not None:
-            checks.device_array(be, "tile_live", tile_live, np.int32, ndim=1)
-            if tile_live.shape[0] < -(-rows // 16):
-                raise ValueError(f"tile_live must hold >= ceil(rows/16) = {-(-rows // 16)} entries, "
-                                 f"got shape {tuple(tile_live.shape)}")
+            checks.tile_flags(be, tile_live, rows)
         if rows == 0:
             return
         grid = (-(-rows // self.rows_per_block), 1, 1)

@@ -186,10 +186,7 @@ class QkvNormRope:
             q_out = self._no_q    # never written: the op's own placeholder, not a shared array
 
         if tile_live is not None:
-            checks.device_array(be, "tile_live", tile_live, np.int32, ndim=1)
-            if tile_live.shape[0] < -(-n_rows // 16):
-                raise ValueError(f"tile_live must hold >= ceil(n_rows/16) = {-(-n_rows // 16)} entries, "
-                                 f"got shape {tuple(tile_live.shape)}")
+            checks.tile_flags(be, tile_live, n_rows, "n_rows")
         if n_rows == 0:
             return
         self._kernel((n_rows, 1, 1), (THREADS, 1, 1),
