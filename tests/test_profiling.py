@@ -214,6 +214,21 @@ def test_bench_host_smoke_json_line(backend, tmp_path, capsys):
     assert [r["steps"] for r in res["rows"]] == [100, 100]
 
 
+def test_bench_run_host_smoke_json_line(emu, tmp_path, capsys):
+    """bench_run_host: a whole step's host time (replay stubbed) for a single cache and a
+    batch side by side; every part timed, and the stubbed steps still advance the lanes."""
+    from profiling import bench_run_host
+    res = bench_run_host.main(["--smoke", "--json", "--out", str(tmp_path / "r.json"), "--steps", "20",
+                               "--warmup", "2", "--capacities", "32", "--lanes", "1,3"])
+    d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(d) == ["step_host_us"] and list(d["step_host_us"]) == ["single 32", "lanes 1", "lanes 3"]
+    assert d["step_host_us"] == res["step_host_us"]
+    for r in res["rows"]:
+        for k in ("step_us", "begin_step_us", "set_noise_embed_us", "run_us"):
+            assert 0 < r[k] < 10000, (r["config"], k)   # sanity only: the figures are the bench's
+    with pytest.raises(RuntimeError, match="captured before"):   # nothing to stub before a capture
+        bench_run_host.stub_replays(type("E", (), {"graphs": type("G", (), {"slots": [None, None]})()})())
+
 # --------------------------------------------------------------------------- timer
 def test_timer_counts_calls_and_orders_stats(backend):
     calls = []
