@@ -16,7 +16,9 @@ figures are the package's Python path plus emulator bookkeeping, not a GPU host'
 Steady state: a tiny drafter, every lane active with a full window, ``--accept`` tokens
 committed per step (in-graph appends). Each configuration alternates ``step()`` calls with
 steps made of ``begin_step``, ``set_noise_embed`` and ``run`` timed one by one, ``--steps``
-of each after ``--warmup`` (medians of each).
+of each after ``--warmup`` (medians of each). ``--clock thread`` reads this thread's CPU time
+instead of the wall clock: on a machine shared with other work, the time the thread waited
+for a core is not counted (each reading is a system call, about 1 us, inside the figures).
 
 ``--json``: the last line printed is exactly ``{"step_host_us": {"single 2048": ...,
 "lanes 1": ..., ...}}`` (medians of ``step()``).
@@ -42,6 +44,7 @@ from profiling.bench_host import steady_cache
 from profiling.bench_lanes_host import steady_batch
 
 PARTS = ("begin_step", "set_noise_embed", "run")
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 
 
 class NoReplay:
@@ -62,12 +65,12 @@ def stub_replays(engine) -> list:
     return engine.graphs.slots
 
 
-def time_steps(step, parts, next_committed, warmup: int, steps: int) -> dict:
+def time_steps(step, parts, next_committed, warmup: int, steps: int, clock=time.perf_counter) -> dict:
     """Medians (us) over ``steps`` steps after ``warmup`` of ``step(c)`` and of each of
     ``parts`` (``(name, fn(c))``, called in order as one step), the two kinds of step
     alternating (a load that drifts over the run weighs on both alike).
-    ``next_committed()``: the committed count of the next step."""
-    pc = time.perf_counter
+    ``next_committed()``: the committed count of the next step; ``clock``: seconds."""
+    pc = clock
     whole = np.empty(steps)
     each = np.empty((len(parts), steps))
     for i in range(warmup + steps):
@@ -98,7 +101,8 @@ def _counter(c: int, accept: int):
     return nxt
 
 
-def bench_single(be, weights, capacity: int, accept: int, warmup: int, steps: int, seed: int) -> dict:
+def bench_single(be, weights, capacity: int, accept: int, warmup: int, steps: int, seed: int,
+                 clock=time.perf_counter) -> dict:
     cache, ring, c = steady_cache(be, weights, capacity, accept, 2 * (warmup + steps), seed)
     try:
         stubs = stub_replays(cache.engine)
@@ -108,7 +112,7 @@ def bench_single(be, weights, capacity: int, accept: int, warmup: int, steps: in
                  ("set_noise_embed", lambda c: cache.set_noise_embed(noise)),
                  ("run", lambda c: cache.run())]
         nxt = _counter(c, accept)
-        row = time_steps(lambda c: cache.step(ring, c, noise), parts, nxt, warmup, steps)
+        row = time_steps(lambda c: cache.step(ring, c, noise), parts, nxt, warmup, steps, clock)
         assert sum(s.launches for s in stubs) == 2 * (warmup + steps), "one replay per step"
         assert cache.next_pos == nxt() - accept, "a stubbed step advances as run() does"
     finally:
@@ -117,7 +121,8 @@ def bench_single(be, weights, capacity: int, accept: int, warmup: int, steps: in
     return row
 
 
-def bench_lanes(be, weights, lanes: int, capacity: int, accept: int, warmup: int, steps: int, seed: int) -> dict:
+def bench_lanes(be, weights, lanes: int, capacity: int, accept: int, warmup: int, steps: int, seed: int,
+                clock=time.perf_counter) -> dict:
     b, c = steady_batch(be, weights, lanes, capacity, accept)
     try:
         stubs = stub_replays(b.engine)
@@ -128,7 +133,7 @@ def bench_lanes(be, weights, lanes: int, capacity: int, accept: int, warmup: int
                  ("set_noise_embed", lambda c: b.set_noise_embed(noise)),
                  ("run", lambda c: b.run())]
         nxt = _counter(c, accept)
-        row = time_steps(lambda c: b.step([c] * lanes, noise), parts, nxt, warmup, steps)
+        row = time_steps(lambda c: b.step([c] * lanes, noise), parts, nxt, warmup, steps, clock)
         assert sum(s.launches for s in stubs) == 2 * (warmup + steps), "one replay per step"
         assert b.next_pos == [nxt() - accept] * lanes, "a stubbed step advances as run() does"
     finally:
@@ -147,6 +152,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 2000)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 200)")
     p.add_argument("--accept", type=int, default=3, help="tokens committed per step (default 3)")
+    p.add_argument("--clock", choices=CLOCKS, default="wall",
+                   help="wall: perf_counter (default); thread: this thread's CPU time (a loaded machine's "
+                        "preemptions not counted; each reading costs a system call)")
     p.add_argument("--json", action="store_true", help="end with the one-line JSON summary")
     a = p.parse_args(argv)
     a.capacities = common.int_list(a.capacities or ("32" if a.smoke else "2048,8192"))
@@ -161,13 +169,14 @@ def main(argv=None) -> dict:
     be = backends.get(args.backend)
     out = Path(args.out) if args.out else common.default_out(be, "bench_run_host.json")
     weights = common.RandomDraftWeights(common.drafter_config("tiny"), be, seed=args.seed)
-    print(f"bench_run_host: backend={be.name} (replay stubbed) steps={args.steps} accept={args.accept}",
-          flush=True)
+    clock = CLOCKS[args.clock]
+    print(f"bench_run_host: backend={be.name} (replay stubbed) steps={args.steps} accept={args.accept} "
+          f"clock={args.clock}", flush=True)
     configs = [(f"single {cap}", lambda cap=cap: bench_single(be, weights, cap, args.accept, args.warmup,
-                                                               args.steps, args.seed))
+                                                               args.steps, args.seed, clock))
                for cap in args.capacities]
     configs += [(f"lanes {n}", lambda n=n: bench_lanes(be, weights, n, args.lane_capacity, args.accept,
-                                                        args.warmup, args.steps, args.seed))
+                                                        args.warmup, args.steps, args.seed, clock))
                 for n in args.lanes]
     rows = []
     print(f"  {'':12s} {'step()':>8s} {'p90':>8s} " + " ".join(f"{p:>15s}" for p in PARTS) + "   (us, medians)")

@@ -219,7 +219,7 @@ def test_bench_run_host_smoke_json_line(emu, tmp_path, capsys):
     batch side by side; every part timed, and the stubbed steps still advance the lanes."""
     from profiling import bench_run_host
     res = bench_run_host.main(["--smoke", "--json", "--out", str(tmp_path / "r.json"), "--steps", "20",
-                               "--warmup", "2", "--capacities", "32", "--lanes", "1,3"])
+                               "--warmup", "2", "--capacities", "32", "--lanes", "1,3", "--clock", "thread"])
     d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert list(d) == ["step_host_us"] and list(d["step_host_us"]) == ["single 32", "lanes 1", "lanes 3"]
     assert d["step_host_us"] == res["step_host_us"]
