@@ -27,7 +27,6 @@ for a core is not counted (each reading is a system call, about 1 us, inside the
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -142,16 +141,11 @@ def bench_lanes(be, weights, lanes: int, capacity: int, accept: int, warmup: int
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m profiling.bench_run_host", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(p, json_default_name="bench_run_host.json")
-    p.set_defaults(backend="emulated")
+    p = common.host_bench_parser("python -m profiling.bench_run_host", __doc__,
+                                 json_default_name="bench_run_host.json", steps="2000", warmup="200")
     p.add_argument("--capacities", default=None, help="single cache capacities (default 2048,8192; smoke: 32)")
     p.add_argument("--lanes", default=None, help="batch lane counts (default 1,4,16,64; smoke: 1,3)")
     p.add_argument("--lane-capacity", type=int, default=256, help="each lane's capacity (default 256)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 2000)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 200)")
-    p.add_argument("--accept", type=int, default=3, help="tokens committed per step (default 3)")
     p.add_argument("--clock", choices=CLOCKS, default="wall",
                    help="wall: perf_counter (default); thread: this thread's CPU time (a loaded machine's "
                         "preemptions not counted; each reading costs a system call)")
