@@ -427,6 +427,17 @@ def test_gpu_check_real_commands_parse(tmp_path):
     assert sa.steps == 100000 and sa.max_seconds and sa.check_every == 500
 
 
+# The lane counts of gpu_check.sh's dry run (test_gpu_check_dry_run), which the smoke test
+# uses too: the same compiled variants serve both, built once in a suite.
+DRY_RUN_LANES = "1,3"
+
+
+def test_dry_run_steps_the_smoke_tests_lanes(tmp_path):
+    cmds = recorded_commands(tmp_path, "--dry-run")
+    lanes = [c for c in cmds if c[1:2] == ["profiling.bench_lanes"]]
+    assert len(lanes) == 1 and lanes[0][lanes[0].index("--lanes") + 1] == DRY_RUN_LANES, lanes
+
+
 def test_bench_lanes_smoke(tmp_path):
     """bench_lanes on the emulator: every row, the per-lane arithmetic, one
     batch for every lane count (its step graphs captured twice in all), and
@@ -435,9 +446,9 @@ def test_bench_lanes_smoke(tmp_path):
     from profiling.hw_params import get_gpu
     out = tmp_path / "lanes.json"
     res = bench_lanes.main(["--smoke", "--backend", "emulated", "--out", str(out), "--x-split", "both",
-                            "--lanes", "1,2"])
+                            "--lanes", DRY_RUN_LANES])
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["x_split"], r["active"]) for r in rows] == [("split", 1), ("split", 2), ("single", 1), ("single", 2)]
+    assert [(r["x_split"], r["active"]) for r in rows] == [("split", 1), ("split", 3), ("single", 1), ("single", 3)]
     for r in rows:
         assert r["hidden_finite"] and r["captures"] == 2
         assert r["us_per_lane"] == pytest.approx(r["us_per_step"] / r["active"])
