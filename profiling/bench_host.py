@@ -25,7 +25,6 @@ before the JSON line (function-level costs inside ``begin_step``).
 """
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import json
@@ -48,14 +47,9 @@ TARGET_US = 10.0
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m profiling.bench_host", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(p, json_default_name="bench_host.json")
-    p.set_defaults(backend="emulated")
+    p = common.host_bench_parser("python -m profiling.bench_host", __doc__, json_default_name="bench_host.json",
+                                 steps="3000", warmup="300")
     p.add_argument("--capacities", default=None, help="default 2048,8192,32768 (smoke: 32,64)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per capacity (default 3000)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 300)")
-    p.add_argument("--accept", type=int, default=3, help="tokens committed per step (default 3)")
     p.add_argument("--drafter", default="tiny", help="preset (default tiny)")
     p.add_argument("--json", action="store_true", help="end with the one-line JSON summary")
     p.add_argument("--profile", action="store_true", help="cProfile the loop at the largest capacity")

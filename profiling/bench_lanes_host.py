@@ -31,18 +31,25 @@ def target_us(lanes: int) -> float:
     return 10.0 + 0.5 * lanes
 
 
-def time_lanes(be, weights, lanes: int, capacity: int, accept: int, warmup: int, steps: int) -> np.ndarray:
+def steady_batch(be, weights, lanes: int, capacity: int, accept: int):
+    """(batch, committed) ready for in-graph steps of every lane with a full window: both
+    step graphs captured and replayed once."""
     b = DraftKvBatch(weights, capacity, lanes, backend=be)
+    for r in b.rings:   # rows are never read by the host path: claim every position
+        r.lo, r.hi = 0, 2**30
+    c = capacity
+    b.engine._next[:] = [c - accept] * lanes
+    for _ in range(2):
+        b.begin_step([c] * lanes)
+        b.run()
+        c += accept
+    b.synchronize()
+    return b, c
+
+
+def time_lanes(be, weights, lanes: int, capacity: int, accept: int, warmup: int, steps: int) -> np.ndarray:
+    b, c = steady_batch(be, weights, lanes, capacity, accept)
     try:
-        for r in b.rings:   # rows are never read by the host path: claim every position
-            r.lo, r.hi = 0, 2**30
-        c = capacity
-        b.engine._next[:] = [c - accept] * lanes
-        for _ in range(2):
-            b.begin_step([c] * lanes)
-            b.run()
-            c += accept
-        b.synchronize()
         out = np.empty(steps)
         pc = time.perf_counter
         for i in range(warmup + steps):

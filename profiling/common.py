@@ -11,6 +11,7 @@ unchanged.
 """
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -95,6 +96,20 @@ def add_common_args(p, *, json_default_name: str) -> None:
     p.add_argument("--out", default=None,
                    help=f"result JSON path (default profiling/results/[cpu/]{json_default_name})")
     p.add_argument("--seed", type=int, default=0)
+
+
+def host_bench_parser(prog: str, doc: str, *, json_default_name: str, steps: str, warmup: str):
+    """The parser of a host-time bench (``bench_host``, ``bench_run_host``): the common
+    arguments, the emulated backend by default, ``--steps``, ``--warmup`` and ``--accept``
+    (``steps``/``warmup``: what their help says the defaults are)."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p, json_default_name=json_default_name)
+    p.set_defaults(backend="emulated")
+    p.add_argument("--steps", type=int, default=None, help=f"timed steps per configuration (default {steps})")
+    p.add_argument("--warmup", type=int, default=None, help=f"untimed steps first (default {warmup})")
+    p.add_argument("--accept", type=int, default=3, help="tokens committed per step (default 3)")
+    return p
 
 
 def default_out(backend, name: str) -> Path:

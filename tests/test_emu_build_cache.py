@@ -2,7 +2,8 @@
 processes (pytest-xdist workers): the same variant requested by two processes at
 once is compiled once, both get the finished module, and it runs; the
 precompiled emulator header is the one g++ really reads; the emulator's runtime
-is compiled once, not again in each module's translation unit."""
+is compiled once, not again in each module's translation unit; NVRTC's records are
+compiled once when two ask at once."""
 import os
 import subprocess
 import sys
@@ -150,3 +151,29 @@ def test_the_runtime_is_compiled_once_not_in_each_module(tmp_path, monkeypatch):
         assert kernel.get(name) == "U", (name, kernel.get(name))    # used, defined elsewhere
         assert runtime.get(name, "U") != "U", name                  # defined by the runtime object
     assert "emu::run_blocks" not in kernel and "emu::run_blocks" in runtime
+
+
+def test_two_threads_asking_nvrtc_for_the_same_source_compile_it_once(tmp_path, monkeypatch):
+    """NVRTC's records (``<cache>/nvrtc``) are filled under the same per-key lock as the
+    modules: a second asker (another worker, or the emulator's NVRTC thread) waits for the
+    record being compiled rather than compiling it again."""
+    import threading
+    from dflash_cupy.backends import nvrtc_info
+    monkeypatch.setenv("DFLASH_CUPY_EMU_CACHE", str(tmp_path / "cache"))
+    real, calls = nvrtc_info.compile_info, []
+
+    def slow_compile(*a, **kw):
+        calls.append(a[1])
+        time.sleep(0.5)          # the second thread asks while this compile runs
+        return real(*a, **kw)
+    monkeypatch.setattr(nvrtc_info, "compile_info", slow_compile)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(nvrtc_info.cached_compile_info(SRC, "once.cu")))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == ["once.cu"], calls
+    assert len(got) == 2 and got[0].kernels == got[1].kernels and "add_one" in got[0].kernels
+    assert [p.suffix for p in (tmp_path / "cache" / "nvrtc").iterdir()] == [".json"]   # no temporaries left

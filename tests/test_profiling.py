@@ -214,6 +214,21 @@ def test_bench_host_smoke_json_line(backend, tmp_path, capsys):
     assert [r["steps"] for r in res["rows"]] == [100, 100]
 
 
+def test_bench_run_host_smoke_json_line(emu, tmp_path, capsys):
+    """bench_run_host: a whole step's host time (replay stubbed) for a single cache and a
+    batch side by side; every part timed, and the stubbed steps still advance the lanes."""
+    from profiling import bench_run_host
+    res = bench_run_host.main(["--smoke", "--json", "--out", str(tmp_path / "r.json"), "--steps", "20",
+                               "--warmup", "2", "--capacities", "32", "--lanes", "1,3", "--clock", "thread"])
+    d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(d) == ["step_host_us"] and list(d["step_host_us"]) == ["single 32", "lanes 1", "lanes 3"]
+    assert d["step_host_us"] == res["step_host_us"]
+    for r in res["rows"]:
+        for k in ("step_us", "begin_step_us", "set_noise_embed_us", "run_us"):
+            assert 0 < r[k] < 10000, (r["config"], k)   # sanity only: the figures are the bench's
+    with pytest.raises(RuntimeError, match="captured before"):   # nothing to stub before a capture
+        bench_run_host.stub_replays(type("E", (), {"graphs": type("G", (), {"slots": [None, None]})()})())
+
 # --------------------------------------------------------------------------- timer
 def test_timer_counts_calls_and_orders_stats(backend):
     calls = []
@@ -412,6 +427,17 @@ def test_gpu_check_real_commands_parse(tmp_path):
     assert sa.steps == 100000 and sa.max_seconds and sa.check_every == 500
 
 
+# The lane counts of gpu_check.sh's dry run (test_gpu_check_dry_run), which the smoke test
+# uses too: the same compiled variants serve both, built once in a suite.
+DRY_RUN_LANES = "1,3"
+
+
+def test_dry_run_steps_the_smoke_tests_lanes(tmp_path):
+    cmds = recorded_commands(tmp_path, "--dry-run")
+    lanes = [c for c in cmds if c[1:2] == ["profiling.bench_lanes"]]
+    assert len(lanes) == 1 and lanes[0][lanes[0].index("--lanes") + 1] == DRY_RUN_LANES, lanes
+
+
 def test_bench_lanes_smoke(tmp_path):
     """bench_lanes on the emulator: every row, the per-lane arithmetic, one
     batch for every lane count (its step graphs captured twice in all), and
@@ -420,9 +446,9 @@ def test_bench_lanes_smoke(tmp_path):
     from profiling.hw_params import get_gpu
     out = tmp_path / "lanes.json"
     res = bench_lanes.main(["--smoke", "--backend", "emulated", "--out", str(out), "--x-split", "both",
-                            "--lanes", "1,2"])
+                            "--lanes", DRY_RUN_LANES])
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["x_split"], r["active"]) for r in rows] == [("split", 1), ("split", 2), ("single", 1), ("single", 2)]
+    assert [(r["x_split"], r["active"]) for r in rows] == [("split", 1), ("split", 3), ("single", 1), ("single", 3)]
     for r in rows:
         assert r["hidden_finite"] and r["captures"] == 2
         assert r["us_per_lane"] == pytest.approx(r["us_per_step"] / r["active"])

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from . import cuda_headers
+from ..build_cache import key_lock
 from .signatures import strip_comments
 
 ARCH = "sm_90"  # the architecture whose resource usage the emulator enforces (Hopper)
@@ -324,28 +325,44 @@ def cache_key(source: str, filename: str, options: Sequence[str], arch: str = AR
 def cached_compile_info(source: str, filename: str | None, options: Sequence[str] = (),
                         arch: str = ARCH) -> CompileInfo:
     """``compile_info`` through the disk cache. A rejected source is cached too (its log),
-    so a failing module costs one NVRTC run, not one per test."""
+    so a failing module costs one NVRTC run, not one per test. A miss compiles under the
+    cache's per-key lock: a process (or thread) asking for a source another one is
+    compiling waits for that record instead of compiling it again."""
     fname = filename or "<source>.cu"
-    path = cache_root() / (cache_key(source, fname, options, arch) + ".json")
-    try:
-        rec = json.loads(path.read_text())
-    except (OSError, ValueError):
-        rec = None
+    key = cache_key(source, fname, options, arch)
+    path = cache_root() / (key + ".json")
+    rec = _read_record(path)
     if rec is None:
-        t0 = time.perf_counter()
-        try:
-            info = compile_info(source, fname, options, arch)
-            rec = {"ok": True, "log": info.log, "kernels": [asdict(k) for k in info.kernels.values()]}
-        except NvrtcCompileError as e:
-            rec = {"ok": False, "message": str(e), "log": e.log}
-        rec["seconds"] = round(time.perf_counter() - t0, 4)  # what the cache saves (cold-cost audits)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(rec, f)
-        os.replace(tmp, path)  # atomic: concurrent test processes see all or nothing
+        with key_lock("nvrtc-" + key):
+            rec = _read_record(path)   # written while this one waited
+            if rec is None:
+                rec = _compile_record(source, fname, options, arch, path)
     if not rec["ok"]:
         raise NvrtcCompileError(rec["message"], rec["log"])
     return CompileInfo(arch, rec["log"], {k["name"]: KernelResources(**k) for k in rec["kernels"]})
+
+
+def _read_record(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _compile_record(source: str, fname: str, options: Sequence[str], arch: str, path: Path) -> dict:
+    """Compile and write the cache record ``path`` (atomically: readers see all or nothing)."""
+    t0 = time.perf_counter()
+    try:
+        info = compile_info(source, fname, options, arch)
+        rec = {"ok": True, "log": info.log, "kernels": [asdict(k) for k in info.kernels.values()]}
+    except NvrtcCompileError as e:
+        rec = {"ok": False, "message": str(e), "log": e.log}
+    rec["seconds"] = round(time.perf_counter() - t0, 4)  # what the cache saves (cold-cost audits)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(rec, f)
+    os.replace(tmp, path)  # atomic: concurrent test processes see all or nothing
+    return rec
 
 
 _warned = False

@@ -20,7 +20,6 @@ small kernel's g++ time).
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import os
@@ -31,13 +30,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-try:
-    import fcntl
-except ImportError:  # not POSIX: no cross-process lock (the atomic rename still holds)
-    fcntl = None
-
 from ..device_props import H200
-from ..build_cache import cache_dir  # noqa: F401  (the emulator's build cache)
+from ..build_cache import cache_dir, key_lock  # the emulator's build cache, its per-key lock
 from ..backends.signatures import KernelSig, parse_kernels, strip_comments
 
 EMU_DIR = Path(__file__).resolve().parent / "cuda"   # cuda_emu.h, its parts, include/ shims
@@ -203,23 +197,6 @@ class CompileError(RuntimeError):
     pass
 
 
-@contextlib.contextmanager
-def _key_lock(key: str):
-    """Exclusive per-key lock across processes and threads (``flock`` on
-    ``.locks/<key>``; released when the descriptor closes, also if the holder dies)."""
-    if fcntl is None:
-        yield
-        return
-    d = cache_dir() / ".locks"
-    d.mkdir(exist_ok=True)
-    fd = os.open(d / key, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 def _publish(tmp: Path, d: Path) -> None:
     """Rename a finished build directory into place (atomic); if ``d`` already exists
     (built by a process that does not take the lock), the existing one stays."""
@@ -244,7 +221,7 @@ def precompiled_header(flags: tuple[str, ...]) -> Path:
     if (d / PCH_HEADER).exists():
         return d
     d.parent.mkdir(exist_ok=True)
-    with _key_lock("pch-" + key):
+    with key_lock("pch-" + key):
         if (d / PCH_HEADER).exists():
             return d
         tmp = Path(tempfile.mkdtemp(prefix=key + ".", dir=d.parent))
@@ -276,7 +253,7 @@ def runtime_object(flags: tuple[str, ...]) -> Path:
     if (d / RT_OBJECT).exists():
         return d / RT_OBJECT
     d.parent.mkdir(exist_ok=True)
-    with _key_lock("rt-" + key):
+    with key_lock("rt-" + key):
         if (d / RT_OBJECT).exists():
             return d / RT_OBJECT
         tmp = Path(tempfile.mkdtemp(prefix=key + ".", dir=d.parent))
@@ -330,7 +307,7 @@ def build(source: str, options, filename: str | None, counters: bool = False):
         return so, kernels
     pch = precompiled_header(flags)
     rt = runtime_object(flags)
-    with _key_lock(key):
+    with key_lock(key):
         if not so.exists():   # not built by another process while this one waited
             _build_into(d, key, source, fname, kernels, smem, counters, flags, defines, includes, pch, rt)
     return so, kernels
