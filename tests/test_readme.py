@@ -50,7 +50,12 @@ def test_readme_tables_are_generated_or_layout():
 def test_profiling_readme_model_table_is_current():
     """`python -m profiling.model_table --write profiling/README.md` regenerates it."""
     from profiling.model_table import readme_table, table
-    assert readme_table(PROFILING_README.read_text()) == table(), \
+    # The 2K column only: a third of the models (the suite's longest test; the 8K and 32K
+    # columns come from the same code at other windows: docs/decisions/test_time.md)
+    readme = readme_table(PROFILING_README.read_text()).splitlines()
+    first_column = ["|".join(line.split("|")[:3]) + "|" for line in readme]
+    first_column[1] = "|---|---|"
+    assert "\n".join(first_column) == table(windows=(2048,)), \
         "the model table is stale: python -m profiling.model_table --write profiling/README.md"
 
 
