@@ -11,8 +11,8 @@ import pytest
 from dflash_cupy import dtypes
 from dflash_cupy import reference as ref
 from dflash_cupy.config import DFlash2Config, DraftConfig
-from dflash_cupy.ops.selector import (TK_TILE, SelectorKernels, selector_uniforms, topk_reference,
-                                      walk_reference, warp_dot_reference)
+from dflash_cupy.ops.selector import (TK_TILE, SelectorKernels, partials_reference, selector_uniforms,
+                                      topk_reference, walk_reference, warp_dot_reference)
 from dflash_cupy.tolerances import assert_close
 from dflash_cupy.weights import DraftWeights
 
@@ -102,6 +102,63 @@ def test_topk_row_offsets_and_q_len_1(backend, rng):
     np.testing.assert_array_equal(ids.reshape(-1, 5), want_ids)
     one = SelectorKernels(backend, c, 1, 2)                         # no selector rows: nothing to do
     one.topk(backend.asarray(lg), None, None)
+
+
+@pytest.mark.parametrize("cols", [1, 5, 37, 300])
+def test_merge_of_epilogue_partials_is_the_full_top_k(backend, rng, cols):
+    """Any column partition, each block's K best in any order, empty slots: the merge gives the
+    top-K of the full row (what a top-K fused into the lm_head GEMM's epilogue relies on)."""
+    vocab, K, lanes, q_len = 1007, 16, 3, 3
+    c = config(vocab=vocab, K=K, q_len=q_len)
+    sel = SelectorKernels(backend, c, q_len, lanes)
+    lg = rng.standard_normal((lanes * 2, vocab)).astype(np.float32)
+    lg[0, [3, 500, 1006]] = 9.0                                    # ties across blocks
+    lg[1, 7] = np.nan
+    part = partials_reference(lg, K, vocab, cols, seed=cols)
+    ids, vals = backend.zeros((lanes, 2, K), np.int32), backend.zeros((lanes, 2, K), np.float32)
+    sel.merge_partials(backend.asarray(part), ids, vals)
+    want_ids, want_vals = topk_reference(lg, K, vocab, 0.7, 3.0)
+    np.testing.assert_array_equal(backend.to_numpy(ids).reshape(-1, K), want_ids)
+    _values_match(backend.to_numpy(vals).reshape(-1, K), want_vals, "vals")
+    with pytest.raises(ValueError, match="^partials must have shape"):
+        sel.merge_partials(backend.asarray(part[:, :, :K - 1].copy()), ids, vals)
+
+
+def test_topk_and_walk_replay_from_a_graph(emu):
+    """Captured once, replayed with new logits, hidden rows, anchors, knobs and seed."""
+    be, rng = emu, np.random.default_rng(21)
+    vocab, K, lanes, q_len, H, rank = 33, 5, 2, 4, 40, 16
+    c = config(vocab=vocab, K=K, H=H, rank=rank, q_len=q_len)
+    sel = SelectorKernels(be, c, q_len, lanes)
+    inp = _walk_inputs(rng, vocab, K, lanes, q_len, H, rank, "bf16")
+    dev = {k: be.asarray(dtypes.device_bits(v)) for k, v in inp.items()}
+    logits = be.zeros((lanes * q_len, vocab), np.float32)
+    tokens, choice = be.zeros((lanes, q_len), np.int32), be.zeros((lanes, q_len - 1), np.int32)
+    q = be.zeros((lanes, q_len - 1, K), np.float32)
+    knobs, rngs = be.zeros((3,), np.float32), be.zeros((2,), np.uint64)
+    s = be.stream()
+    be.synchronize()
+    be.begin_capture(s)
+    sel.topk(logits, dev["ids"], dev["vals"], stream=s)
+    sel.walk(dev["hidden"], dev["hp_w"], dev["pred_cb"], dev["succ_cb"], dev["anchors"], dev["ids"], dev["vals"],
+             tokens, choice, q, knobs, rngs, stream=s)
+    g = be.end_capture(s)
+    for step, T in enumerate((0.0, 1.1, 0.6)):
+        lg = rng.standard_normal((lanes * q_len, vocab)).astype(np.float32)
+        hid = rng.standard_normal((lanes, q_len, H)).astype(np.float32)
+        anchors = rng.integers(0, vocab, lanes).astype(np.int32)
+        logits[...], dev["hidden"][...], dev["anchors"][...] = lg, hid, anchors
+        knobs[...] = np.array([T, 1, 0], np.float32)
+        rngs[...] = np.array([step, 3 * step], np.uint64)
+        g.launch(s)
+        s.synchronize()
+        ids, vals = topk_reference(_selector_rows(lg, lanes, q_len - 1, 1, q_len), K, vocab, 0.7, 3.0)
+        want = walk_reference(hid, inp["hp_w"], inp["pred_cb"], inp["succ_cb"], anchors,
+                              ids.reshape(lanes, q_len - 1, K), vals.reshape(lanes, q_len - 1, K), vocab,
+                              temperature=T, seed=step, counter=3 * step)
+        np.testing.assert_array_equal(be.to_numpy(tokens), want["tokens"], err_msg=f"replay {step}")
+        np.testing.assert_array_equal(be.to_numpy(choice), want["choice"], err_msg=f"replay {step}")
+        assert_close(be.to_numpy(q), want["q"], "f32", f"replay {step} q")
 
 
 def _walk_inputs(rng, vocab, K, lanes, q_len, H, rank, kind, anchors=None):

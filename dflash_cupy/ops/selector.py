@@ -28,7 +28,8 @@ selector rows per lane (block rows 1..q_len-1). Shapes and dtypes (device arrays
 
 With ``q_len`` 1 (no selector rows) ``topk`` does nothing and ``walk`` writes only
 ``tokens[:, 0]``; ``ids``, ``vals``, ``choice`` and ``q`` are then not read (None is fine).
-Both are capture-safe: no host sync, no allocation (workspaces are made here). The
+Both are capture-safe: no host sync, no allocation (workspaces are made here, so one
+instance has one ``topk`` and one ``walk`` in flight at a time). The
 walk's uniform for lane ``l``, block row ``r`` (1..R) is ``row_uniform64(l * q_len + r,
 seed, counter) / 2^64`` (``selector_uniforms``), drawn by ``draw.cuh``'s integer inverse
 CDF, the same generator and draw as ``TokenSampler``.
@@ -116,6 +117,23 @@ class SelectorKernels:
                       np.int32(self.nblk), self.part), stream=stream)
         self._merge((L * R, 1, 1), (TK_NT, 1, 1), (self.part, np.int32(self.nblk), ids, vals), stream=stream)
 
+    def merge_partials(self, partials, ids, vals, stream=None) -> None:
+        """``ids`` / ``vals`` (as ``topk`` writes them) from per-column-block candidates:
+        ``partials`` u32 ``[lanes * R, blocks, K, 2]``, each column block's K best (order
+        key, id) pairs in any order, empty slots with an id >= vocab (e.g. 0xffffffff); any
+        column partition. The merge ``topk`` runs, for a GEMM epilogue that writes them."""
+        be, L, R, K = self.backend, self.lanes, self.R, self.K
+        if not R:
+            return
+        checks.device_array(be, "partials", partials, np.uint32, ndim=4)
+        if partials.shape[0] != L * R or partials.shape[2:] != (K, 2) or partials.shape[1] < 1:
+            raise ValueError(f"partials must have shape [{L * R}, blocks >= 1, {K}, 2], got {list(partials.shape)}")
+        self._out("ids", ids, np.int32, (L, R, K))
+        self._out("vals", vals, np.float32, (L, R, K))
+        checks.check_no_overlap(ids=ids, vals=vals, partials=partials)
+        self._merge((L * R, 1, 1), (TK_NT, 1, 1), (partials, np.int32(partials.shape[1]), ids, vals),
+                    stream=stream)
+
     def walk(self, hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, tokens, choice, q, knobs, rng,
              stream=None) -> None:
         be, L, R, K, Q = self.backend, self.lanes, self.R, self.K, self.q_len
@@ -177,6 +195,26 @@ def topk_reference(logits, k: int, vocab: int, multiplier: float, cap) -> tuple[
         with np.errstate(invalid="ignore"):
             x = (np.tanh(x / c) * c).astype(np.float32)
     return ids, x.astype(np.float32)
+
+
+def partials_reference(logits, k: int, vocab: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Per-column-block candidates as a GEMM epilogue with ``cols``-wide column blocks may
+    write them: u32 ``[rows, blocks, k, 2]``, each block's k best (order key, id) in a
+    seeded random order, empty slots (0, 0xffffffff)."""
+    lg = np.asarray(logits, np.float32)[:, :vocab]
+    nb = -(-vocab // cols)
+    rng = np.random.default_rng(seed)
+    out = np.zeros((lg.shape[0], nb, k, 2), np.uint32)
+    out[..., 1] = 0xFFFFFFFF
+    for r in range(lg.shape[0]):
+        for b in range(nb):
+            seg = lg[r, b * cols:(b + 1) * cols]
+            keys = _order_keys(seg)
+            best = np.lexsort((np.arange(seg.size), -keys.astype(np.int64)))[:k]
+            slots = rng.permutation(k)[:best.size]
+            out[r, b, slots, 0] = keys[best]
+            out[r, b, slots, 1] = best + b * cols
+    return out
 
 
 def warp_dot_reference(w, x) -> np.ndarray:
