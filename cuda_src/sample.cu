@@ -21,7 +21,7 @@
 //   top-p: among those, S = kept mass, P = ceil(top_p * S) (in double); keep key_i >= t,
 //     t the largest key with mass(kept, key >= t) >= P (the smallest prefix of the
 //     descending order that holds top_p of the mass; ties kept).
-//   draw: (c0..c3) = Philox4x32-10(counter = (row, base lo, base hi, 0), key = (seed lo, seed hi));
+//   draw (draw.cuh): (c0..c3) = Philox4x32-10(counter = (row, base lo, base hi, 0), key = seed);
 //     r = c1 << 32 | c0; target = floor(r * S_kept / 2^64); token = the first index (in id order)
 //     whose running kept mass exceeds target.
 //  Thresholds come from radix selection over the keys (4 passes of 8 bits, histograms in
