@@ -63,11 +63,21 @@
 #define SEL_CAP 0
 #endif
 
-#if SEL_K < 1 || SEL_K > 64 || SEL_K > SEL_V
-#error "SEL_K must be in [1, min(64, SEL_V)]"
+#if SEL_K < 1 || SEL_K > SEL_V
+#error "SEL_K must be in [1, SEL_V]"
 #endif
 #if SEL_Q < 1 || SEL_Q > 64
 #error "SEL_Q must be in [1, 64]"
+#endif
+
+// Launch shapes (read by ops/selector.py through kernels.constants).
+#define SEL_TK_NT 256      // threads of both top-K kernels
+#define SEL_TK_PER 4       // columns per thread in selector_topk_blocks
+#define SEL_WK_NW 8        // warps of selector_walk (one hidden_projection row each)
+#define SEL_MAX_K 64
+
+#if SEL_K > SEL_MAX_K
+#error "SEL_K must be <= SEL_MAX_K"
 #endif
 
 #include "arrive.cuh"
@@ -80,8 +90,8 @@
 namespace selector_detail {
 constexpr int V = SEL_V, K = SEL_K, Q = SEL_Q, R = SEL_Q - 1, H = SEL_H, RANK = SEL_RANK;
 constexpr int RA = R > 0 ? R : 1;  // register arrays need a positive size
-constexpr int TK_NT = 256, TK_PER = 4, TK_TILE = TK_NT * TK_PER, TK_NW = TK_NT / 32;
-constexpr int WK_NW = 8, WK_NT = WK_NW * 32;
+constexpr int TK_NT = SEL_TK_NT, TK_PER = SEL_TK_PER, TK_TILE = TK_NT * TK_PER, TK_NW = TK_NT / 32;
+constexpr int WK_NW = SEL_WK_NW, WK_NT = WK_NW * 32;
 constexpr unsigned long long ALL = ~0ull;
 constexpr float MULT = (float)(SEL_MULT), CAP = (float)(SEL_CAP);
 constexpr float CAP_DIV = CAP > 0.0f ? CAP : 1.0f;  // (no division by a zero constant when CAP is off)
@@ -133,7 +143,7 @@ __device__ __forceinline__ void warp_dot(const void* w, int len, const float* x,
 }
 }  // namespace selector_detail
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(SEL_TK_NT)
 selector_topk_blocks(const float* logits, int ld, int row0, int row_stride, int nblk, unsigned int* part)
 {
     pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
@@ -164,7 +174,7 @@ selector_topk_blocks(const float* logits, int ld, int row0, int row_stride, int 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(SEL_TK_NT)
 selector_topk_merge(const unsigned int* part, int nblk, int* ids, float* vals)
 {
     pdl_wait();
@@ -198,7 +208,7 @@ selector_topk_merge(const unsigned int* part, int nblk, int* ids, float* vals)
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(SEL_WK_NW * 32)
 selector_walk(const float* hidden, const void* hp_w, const void* pred_cb, const void* succ_cb,
               const int* anchors, const int* ids, const float* vals, const float* knobs,
               const unsigned long long* rng, int* tokens, int* choice, float* q, float* hp_ws,

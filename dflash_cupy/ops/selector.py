@@ -41,10 +41,11 @@ import numpy as np
 from .. import checks, dtypes, kernels
 from .sample import _order_keys, draw_masses, inverse_cdf, row_uniform64
 
-TK_TILE = 1024   # selector.cu: columns per block of selector_topk_blocks (TK_NT * TK_PER)
-TK_NT = 256
-WK_NW = 8        # selector.cu: warps per block of selector_walk (one hp column each)
-MAX_K = 64
+_C = kernels.constants("selector.cu")
+TK_NT = _C["SEL_TK_NT"]                   # threads of both top-K kernels
+TK_TILE = TK_NT * _C["SEL_TK_PER"]        # columns per block of selector_topk_blocks
+WK_NW = _C["SEL_WK_NW"]                   # warps per block of selector_walk (one hp row each)
+MAX_K = _C["SEL_MAX_K"]
 
 
 class SelectorKernels:
