@@ -203,7 +203,9 @@ def test_warp_dot_reference_is_the_kernel_order():
 
 @pytest.mark.parametrize("vocab,K,lanes,q_len,H,rank,kind", [
     (19, 1, 1, 3, 12, 5, "f32"), (19, 3, 3, 3, 40, 16, "bf16"), (33, 16, 1, 16, 40, 9, "f16"),
-    (1007, 40, 3, 4, 264, 33, "bf16"), (33, 3, 3, 1, 40, 16, "bf16")])
+    (1007, 40, 3, 4, 264, 33, "bf16"), (33, 3, 3, 1, 40, 16, "bf16"),
+    (1007, 16, 1, 3, 40, 300, "bf16"),      # successor rows of 2 chunks per lane, in registers
+    (1007, 40, 1, 3, 40, 300, "f16")])      # 5 candidates x 16 values per lane: read in the loop
 def test_greedy_walk_is_exact(backend, rng, vocab, K, lanes, q_len, H, rank, kind):
     c = config(vocab=vocab, K=K, H=H, rank=rank, q_len=q_len)
     sel = SelectorKernels(backend, c, q_len, lanes, weight_kind=kind)
@@ -251,10 +253,11 @@ def test_walk_nan_scores(backend, rng):
         assert got["q"][0, 0, [0, 2]].tolist() == [0, 0] and (got["q"][0, 1] == (0 if T else [1, 0, 0, 0])).all()
 
 
-@pytest.mark.parametrize("vocab,K,lanes,q_len,T,seed,counter", [
-    (19, 3, 3, 3, 1.0, 1, 0), (33, 16, 1, 16, 0.7, 2**63 + 5, 2**33 + 17), (1007, 40, 3, 4, 1.3, 7, 99)])
-def test_sampled_walk_reproduces_the_numpy_sampler(backend, rng, vocab, K, lanes, q_len, T, seed, counter):
-    H, rank = 40, 16
+@pytest.mark.parametrize("vocab,K,lanes,q_len,T,seed,counter,rank", [
+    (19, 3, 3, 3, 1.0, 1, 0, 16), (33, 16, 1, 16, 0.7, 2**63 + 5, 2**33 + 17, 16),
+    (1007, 40, 3, 4, 1.3, 7, 99, 16), (1007, 40, 1, 3, 1.0, 8, 1, 300)])
+def test_sampled_walk_reproduces_the_numpy_sampler(backend, rng, vocab, K, lanes, q_len, T, seed, counter, rank):
+    H = 40
     c = config(vocab=vocab, K=K, H=H, rank=rank, q_len=q_len)
     sel = SelectorKernels(backend, c, q_len, lanes)
     inp = _walk_inputs(rng, vocab, K, lanes, q_len, H, rank, "bf16")
@@ -382,5 +385,7 @@ def test_bad_input_names_the_argument(backend, rng):
         SelectorKernels(backend, plain, 3)
     with pytest.raises(ValueError, match="selector_top_k=65"):
         SelectorKernels(backend, config(vocab=100, K=65), 3)
+    with pytest.raises(ValueError, match="exceed 48 KiB of shared memory"):
+        SelectorKernels(backend, config(vocab=100, K=64, rank=4096), 64)
     with pytest.raises(TypeError, match="weight_kind"):
         SelectorKernels(backend, c, 3, weight_kind="int8")

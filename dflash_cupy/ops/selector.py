@@ -64,6 +64,10 @@ class SelectorKernels:
         self.K, self.rank, self.vocab = d2.selector_top_k, d2.selector_rank, d2.vocab_size
         if self.K > MAX_K:
             raise ValueError(f"config.dflash2.selector_top_k={self.K}: the kernels take K <= {MAX_K}")
+        if max(1, self.q_len - 1) * self.K * 8 + self.rank * 4 + self.K * 12 + max(1, self.q_len - 1) * 8 + 8 \
+                > 48 * 1024:
+            raise ValueError(f"q_len={self.q_len}, selector_top_k={self.K}, selector_rank={self.rank}: the walk's "
+                             f"staged candidates and rank vector exceed 48 KiB of shared memory")
         self.H = int(config.hidden_size)
         self.multiplier = float(d2.output_multiplier)
         self.cap = d2.final_logit_softcapping
