@@ -197,12 +197,7 @@ __device__ __forceinline__ int choose(const float* s, bool sampled, float inv_t,
             const unsigned int kc = order_key(s[c]);
             if (key_wins(kc, c, bk, bi)) { bk = kc; bi = c; }
         }
-#pragma unroll
-        for (int o = 16; o; o >>= 1) {
-            const unsigned int ok = __shfl_xor_sync(0xffffffffu, bk, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (key_wins(ok, oi, bk, bi)) { bk = ok; bi = oi; }
-        }
+        warp_key_argmax(bk, bi);
         best = bi;
         for (int c = wl; c < K; c += 32) qr[c] = c == best ? 1.0f : 0.0f;
         return best;
