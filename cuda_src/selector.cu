@@ -25,8 +25,9 @@
 //   score[c] = vals[j][c] + warp_dot(succ_cb[ids[j][c]], u).
 //   knobs f32 [3] (sample.cu's block): temperature = knobs[0]. T <= 0 (greedy): the first
 //   largest order key. T > 0: z = score * (1 / T), masses draw_mass(z, max z) (draw.cuh),
-//   target = draw_target(row_bits64(lane * Q + j + 1, rng), total), the first c whose running
-//   mass exceeds it; total 0 (every score NaN): choice 0, q row all 0.
+//   target = draw_target(row_bits64(lane * Q + j + 1, rng), total) (per_lane: row j + 1 with
+//   counter base lane_counters[lane], u64 [lanes]), the first c whose running mass exceeds it;
+//   total 0 (every score NaN): choice 0, q row all 0.
 //   q [lanes, R, K] f32: f32(mass_c) / f32(total) (T > 0), one-hot (T <= 0); choice [lanes, R]
 //   int32. Layouts: hidden [lanes, Q, H] f32 (rows 1.. read), hp_w [RANK, H], codebooks
 //   [V, RANK], all row-major; ids / vals as the merge writes them.
@@ -299,8 +300,8 @@ selector_topk_merge(const unsigned int* part, int nblk, int* ids, float* vals)
 extern "C" __global__ void __launch_bounds__(SEL_WK_NW * 32)
 selector_walk(const float* hidden, const void* hp_w, const void* pred_cb, const void* succ_cb,
               const int* anchors, const int* ids, const float* vals, const float* knobs,
-              const unsigned long long* rng, int* tokens, int* choice, float* q, float* hp_ws,
-              int* counters, int* flags)
+              const unsigned long long* rng, const unsigned long long* lane_counters, int per_lane,
+              int* tokens, int* choice, float* q, float* hp_ws, int* counters, int* flags)
 {
     pdl_wait();
     pdl_launch_dependents();
@@ -333,8 +334,12 @@ selector_walk(const float* hidden, const void* hp_w, const void* pred_cb, const 
         ids_s[i] = id < 0 ? 0 : (id >= V ? V - 1 : id);  // never read outside the codebook
         vals_s[i] = vals[(long long)lane * R * K + i];
     }
-    if (sampled)
-        for (int j = threadIdx.x; j < R; j += WK_NT) bits_s[j] = row_bits64((unsigned int)(lane * Q + j + 1), rng);
+    if (sampled) {
+        // per_lane: the lane draws as a single lane (lanes = 1) with its own counter base would
+        const unsigned long long sb[2] = {rng[0], per_lane ? lane_counters[lane] : rng[1]};
+        const int row0 = per_lane ? 1 : lane * Q + 1;
+        for (int j = threadIdx.x; j < R; j += WK_NT) bits_s[j] = row_bits64((unsigned int)(row0 + j), sb);
+    }
     if (threadIdx.x == 0) {
         int a = anchors[lane];
         const bool bad = a < 0 || a >= V;
