@@ -23,3 +23,14 @@ __device__ __forceinline__ bool key_wins(unsigned int k, int i, unsigned int bk,
 {
     return k > bk || (k == bk && i < bi);
 }
+
+// The warp's winning (key, index) pair, in every lane (an xor butterfly of key_wins).
+__device__ __forceinline__ void warp_key_argmax(unsigned int& k, int& i)
+{
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+        const unsigned int ok = __shfl_xor_sync(0xffffffffu, k, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (key_wins(ok, oi, k, i)) { k = ok; i = oi; }
+    }
+}

@@ -21,7 +21,7 @@
 //   top-p: among those, S = kept mass, P = ceil(top_p * S) (in double); keep key_i >= t,
 //     t the largest key with mass(kept, key >= t) >= P (the smallest prefix of the
 //     descending order that holds top_p of the mass; ties kept).
-//   draw: (c0..c3) = Philox4x32-10(counter = (row, base lo, base hi, 0), key = (seed lo, seed hi));
+//   draw (draw.cuh): (c0..c3) = Philox4x32-10(counter = (row, base lo, base hi, 0), key = seed);
 //     r = c1 << 32 | c0; target = floor(r * S_kept / 2^64); token = the first index (in id order)
 //     whose running kept mass exceeds target.
 //  Thresholds come from radix selection over the keys (4 passes of 8 bits, histograms in
@@ -144,12 +144,7 @@ sample_rows(const float* logits, int ld, int n_rows, const float* knobs, const u
             const unsigned int k = order_key(lrow[i]);
             if (k > best || best_i == 0x7fffffff) { best = k; best_i = i; }
         }
-#pragma unroll
-        for (int o = 16; o; o >>= 1) {
-            const unsigned int ok = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
-            if (key_wins(ok, oi, best, best_i)) { best = ok; best_i = oi; }
-        }
+        warp_key_argmax(best, best_i);
         if ((threadIdx.x & 31) == 0) { sh.redk[threadIdx.x >> 5] = best; sh.hist[threadIdx.x >> 5] = (unsigned long long)best_i; }
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -248,12 +243,7 @@ argmax_partials(const unsigned int* part, int nblk, int n_rows, int* tokens)
         const int i = (int)p[2 * b + 1];
         if (key_wins(k, i, best, best_i)) { best = k; best_i = i; }
     }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) {
-        const unsigned int ok = __shfl_xor_sync(0xffffffffu, best, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
-        if (key_wins(ok, oi, best, best_i)) { best = ok; best_i = oi; }
-    }
+    warp_key_argmax(best, best_i);
     if ((threadIdx.x & 31) == 0) { wk[threadIdx.x >> 5] = best; wi[threadIdx.x >> 5] = best_i; }
     __syncthreads();
     if (threadIdx.x == 0) {

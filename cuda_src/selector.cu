@@ -17,15 +17,17 @@
 // selector_walk: grid (SPLIT = ceil(RANK / WK_NW), lanes), block WK_NW * 32.
 //   Phase 1 (every block): warp w computes hp[lane][j][k], k = blockIdx.x * WK_NW + w, into
 //   hp_ws [lanes, R, RANK] f32 (warp_dot below). The last block of a lane to arrive
-//   (arrive.cuh, counters [lanes] int32, zero between launches, reset here) walks:
+//   (arrive.cuh, counters [lanes] int32, zero between launches, reset here) stages every
+//   row's ids, vals and random bits in shared memory, then walks (warp 0 chooses each row):
 //   anchor a = anchors[lane] (int32 [lanes]); outside [0, V): clamped, flags[lane] = 1, else 0.
 //   tokens [lanes, Q] int32: row 0 = a; row j+1 = ids[j][choice[j]]. For j = 0..R-1, pred = a
 //   (j = 0) or the token chosen before: u[k] = cb(pred_cb[pred][k]) * hp[j][k];
 //   score[c] = vals[j][c] + warp_dot(succ_cb[ids[j][c]], u).
 //   knobs f32 [3] (sample.cu's block): temperature = knobs[0]. T <= 0 (greedy): the first
 //   largest order key. T > 0: z = score * (1 / T), masses draw_mass(z, max z) (draw.cuh),
-//   target = draw_target(row_bits64(lane * Q + j + 1, rng), total), the first c whose running
-//   mass exceeds it; total 0 (every score NaN): choice 0, q row all 0.
+//   target = draw_target(row_bits64(lane * Q + j + 1, rng), total) (per_lane: row j + 1 with
+//   counter base lane_counters[lane], u64 [lanes]), the first c whose running mass exceeds it;
+//   total 0 (every score NaN): choice 0, q row all 0.
 //   q [lanes, R, K] f32: f32(mass_c) / f32(total) (T > 0), one-hot (T <= 0); choice [lanes, R]
 //   int32. Layouts: hidden [lanes, hidden_rows >= Q, H] f32 (rows 1..Q-1 read), hp_w [RANK, H], codebooks
 //   [V, RANK], all row-major; ids / vals as the merge writes them.
@@ -63,11 +65,21 @@
 #define SEL_CAP 0
 #endif
 
-#if SEL_K < 1 || SEL_K > 64 || SEL_K > SEL_V
-#error "SEL_K must be in [1, min(64, SEL_V)]"
+#if SEL_K < 1 || SEL_K > SEL_V
+#error "SEL_K must be in [1, SEL_V]"
 #endif
 #if SEL_Q < 1 || SEL_Q > 64
 #error "SEL_Q must be in [1, 64]"
+#endif
+
+// Launch shapes (read by ops/selector.py through kernels.constants).
+#define SEL_TK_NT 256      // threads of both top-K kernels
+#define SEL_TK_PER 4       // columns per thread in selector_topk_blocks
+#define SEL_WK_NW 8        // warps of selector_walk (one hidden_projection row each)
+#define SEL_MAX_K 64
+
+#if SEL_K > SEL_MAX_K
+#error "SEL_K must be <= SEL_MAX_K"
 #endif
 
 #include "arrive.cuh"
@@ -80,11 +92,17 @@
 namespace selector_detail {
 constexpr int V = SEL_V, K = SEL_K, Q = SEL_Q, R = SEL_Q - 1, H = SEL_H, RANK = SEL_RANK;
 constexpr int RA = R > 0 ? R : 1;  // register arrays need a positive size
-constexpr int TK_NT = 256, TK_PER = 4, TK_TILE = TK_NT * TK_PER, TK_NW = TK_NT / 32;
-constexpr int WK_NW = 8, WK_NT = WK_NW * 32;
+constexpr int TK_NT = SEL_TK_NT, TK_PER = SEL_TK_PER, TK_TILE = TK_NT * TK_PER, TK_NW = TK_NT / 32;
+constexpr int WK_NW = SEL_WK_NW, WK_NT = WK_NW * 32;
 constexpr unsigned long long ALL = ~0ull;
 constexpr float MULT = (float)(SEL_MULT), CAP = (float)(SEL_CAP);
 constexpr float CAP_DIV = CAP > 0.0f ? CAP : 1.0f;  // (no division by a zero constant when CAP is off)
+// The walk keeps each warp's candidates' successor rows in registers when they fit in 64.
+constexpr int CPW = (K + WK_NW - 1) / WK_NW, SCH = (RANK + 255) / 256;
+constexpr bool SREG = CPW * SCH * 8 <= 64;
+// selector_walk's static shared memory (ops/selector.py checks the same bound first)
+static_assert(RA * K * 8 + RANK * 4 + K * 12 + RA * 8 + 8 <= 48 * 1024,
+              "selector_walk: (q_len - 1) * K * 8 + rank * 4 bytes of shared memory exceed 48 KiB");
 
 __device__ __forceinline__ unsigned long long rank_word(float logit, unsigned int id)
 {
@@ -114,6 +132,11 @@ __device__ __forceinline__ float load_w(const void* p, long long i)
     return from_bits16<WT>(static_cast<const unsigned short*>(p)[i]);
 }
 
+__device__ __forceinline__ const void* cb_row(const void* cb, int id)
+{
+    return static_cast<const char*>(cb) + (long long)id * RANK * (SEL_CBT ? 2 : 4);
+}
+
 // acc[n] = warp_dot(w[0..len), x + n * ldx) for n < N, in every lane (see the header).
 template <int WT, int N>
 __device__ __forceinline__ void warp_dot(const void* w, int len, const float* x, int ldx, float* acc)
@@ -131,9 +154,85 @@ __device__ __forceinline__ void warp_dot(const void* w, int len, const float* x,
     }
     warp_sum_n<N>(acc);
 }
+// The elements of w[0..len) lane i owns in warp_dot's order, into regs [CH * 8] (0 past len).
+template <int WT, int CH>
+__device__ __forceinline__ void warp_load(const void* w, int len, float* regs)
+{
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int ch = 0; ch < CH; ++ch)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int idx = lane * 8 + ch * 256 + e;
+            regs[ch * 8 + e] = idx < len ? load_w<WT>(w, idx) : 0.0f;
+        }
+}
+
+// warp_dot of the row warp_load cached with x (the same order and bits).
+template <int CH>
+__device__ __forceinline__ float warp_dot_regs(const float* regs, int len, const float* x)
+{
+    const int lane = threadIdx.x & 31;
+    float acc = 0.0f;
+#pragma unroll
+    for (int ch = 0; ch < CH; ++ch)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int idx = lane * 8 + ch * 256 + e;
+            if (idx < len) acc = __fadd_rn(acc, __fmul_rn(regs[ch * 8 + e], x[idx]));
+        }
+    return warp_sum(acc);
+}
+
+// One row's choice by one warp (every lane returns it): greedy, the first largest key;
+// sampled, the integer-mass draw with `bits`. Writes the row's q [K].
+__device__ __forceinline__ int choose(const float* s, bool sampled, float inv_t, unsigned long long bits,
+                                      unsigned long long* mass_s, float* qr)
+{
+    const int wl = threadIdx.x & 31;
+    int best = 0;
+    if (!sampled) {
+        unsigned int bk = 0u;
+        int bi = 0x7fffffff;
+        for (int c = wl; c < K; c += 32) {
+            const unsigned int kc = order_key(s[c]);
+            if (key_wins(kc, c, bk, bi)) { bk = kc; bi = c; }
+        }
+        warp_key_argmax(bk, bi);
+        best = bi;
+        for (int c = wl; c < K; c += 32) qr[c] = c == best ? 1.0f : 0.0f;
+        return best;
+    }
+    unsigned int kmax = 0u;
+    for (int c = wl; c < K; c += 32) kmax = max(kmax, order_key(s[c] * inv_t));
+#pragma unroll
+    for (int o = 16; o; o >>= 1) kmax = max(kmax, __shfl_xor_sync(0xffffffffu, kmax, o));
+    const float m = key_value(kmax);
+    unsigned long long part = 0ull;
+    for (int c = wl; c < K; c += 32) {
+        mass_s[c] = draw_mass(s[c] * inv_t, m);
+        part += mass_s[c];
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);  // exact: integers
+    const unsigned long long total = part;
+    __syncwarp();
+    if (wl == 0 && total) {
+        const unsigned long long target = draw_target(bits, total);
+        unsigned long long run = 0ull;
+        best = K - 1;
+        for (int c = 0; c < K; ++c) {
+            run += mass_s[c];
+            if (run > target) { best = c; break; }
+        }
+    }
+    best = __shfl_sync(0xffffffffu, best, 0);
+    for (int c = wl; c < K; c += 32) qr[c] = total ? (float)mass_s[c] / (float)total : 0.0f;
+    return best;
+}
 }  // namespace selector_detail
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(SEL_TK_NT)
 selector_topk_blocks(const float* logits, int ld, int row0, int row_stride, int nblk, unsigned int* part)
 {
     pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
@@ -164,7 +263,7 @@ selector_topk_blocks(const float* logits, int ld, int row0, int row_stride, int 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(SEL_TK_NT)
 selector_topk_merge(const unsigned int* part, int nblk, int* ids, float* vals)
 {
     pdl_wait();
@@ -198,11 +297,11 @@ selector_topk_merge(const unsigned int* part, int nblk, int* ids, float* vals)
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(SEL_WK_NW * 32)
 selector_walk(const float* hidden, int hidden_rows, const void* hp_w, const void* pred_cb, const void* succ_cb,
               const int* anchors, const int* ids, const float* vals, const float* knobs,
-              const unsigned long long* rng, int* tokens, int* choice, float* q, float* hp_ws,
-              int* counters, int* flags)
+              const unsigned long long* rng, const unsigned long long* lane_counters, int per_lane,
+              int* tokens, int* choice, float* q, float* hp_ws, int* counters, int* flags)
 {
     pdl_wait();
     pdl_launch_dependents();
@@ -222,6 +321,25 @@ selector_walk(const float* hidden, int hidden_rows, const void* hp_w, const void
         }
         if (!last_block_to_arrive(&counters[lane], gridDim.x, &ticket)) return;
     }
+    // The walk. What no row's choice changes is staged first (every row's candidates and
+    // values, every row's random bits), so a row's only dependent load is its predecessor's
+    // codebook row; each warp holds its candidates' successor rows in registers meanwhile.
+    __shared__ int ids_s[RA * K];
+    __shared__ float vals_s[RA * K];
+    __shared__ unsigned long long bits_s[RA], mass_s[K];
+    const float temperature = knobs[0];
+    const bool sampled = temperature > 0.0f;
+    for (int i = threadIdx.x; i < R * K; i += WK_NT) {
+        const int id = ids[(long long)lane * R * K + i];
+        ids_s[i] = id < 0 ? 0 : (id >= V ? V - 1 : id);  // never read outside the codebook
+        vals_s[i] = vals[(long long)lane * R * K + i];
+    }
+    if (sampled) {
+        // per_lane: the lane draws as a single lane (lanes = 1) with its own counter base would
+        const unsigned long long sb[2] = {rng[0], per_lane ? lane_counters[lane] : rng[1]};
+        const int row0 = per_lane ? 1 : lane * Q + 1;
+        for (int j = threadIdx.x; j < R; j += WK_NT) bits_s[j] = row_bits64((unsigned int)(row0 + j), sb);
+    }
     if (threadIdx.x == 0) {
         int a = anchors[lane];
         const bool bad = a < 0 || a >= V;
@@ -232,60 +350,40 @@ selector_walk(const float* hidden, int hidden_rows, const void* hp_w, const void
         if (R > 0) counters[lane] = 0;  // every block of this lane has arrived: ready for the next launch
     }
     __syncthreads();
-    const float temperature = knobs[0];
-    const bool sampled = temperature > 0.0f;
+    const float inv_t = sampled ? 1.0f / temperature : 1.0f;
     for (int j = 0; j < R; ++j) {
         const long long rj = (long long)lane * R + j;
+        float sreg[SREG ? CPW : 1][SREG ? SCH * 8 : 8];
+        if (SREG) {
+#pragma unroll
+            for (int i = 0; i < (SREG ? CPW : 1); ++i) {
+                const int c = warp + i * WK_NW;
+                if (c < K)
+                    warp_load<SEL_CBT, SREG ? SCH : 1>(cb_row(succ_cb, ids_s[j * K + c]), RANK, sreg[i]);
+            }
+        }
         const int pred = prev_s;
         for (int k = threadIdx.x; k < RANK; k += WK_NT)
             u_s[k] = __fmul_rn(load_w<SEL_CBT>(pred_cb, (long long)pred * RANK + k), __ldcg(hp_ws + rj * RANK + k));
         __syncthreads();
-        for (int c = warp; c < K; c += WK_NW) {
-            int id = ids[rj * K + c];
-            id = id < 0 ? 0 : (id >= V ? V - 1 : id);  // never read outside the codebook
+#pragma unroll
+        for (int i = 0; i < CPW; ++i) {
+            const int c = warp + i * WK_NW;
+            if (c >= K) break;
             float d[1];
-            warp_dot<SEL_CBT, 1>((const char*)succ_cb + (long long)id * RANK * (SEL_CBT ? 2 : 4), RANK, u_s,
-                                 0, d);
-            if (wl == 0) s_s[c] = __fadd_rn(vals[rj * K + c], d[0]);
+            if (SREG) d[0] = warp_dot_regs<SREG ? SCH : 1>(sreg[SREG ? i : 0], RANK, u_s);
+            else warp_dot<SEL_CBT, 1>(cb_row(succ_cb, ids_s[j * K + c]), RANK, u_s, 0, d);
+            if (wl == 0) s_s[c] = __fadd_rn(vals_s[j * K + c], d[0]);
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
-            int best = 0;
-            float* qr = q + rj * K;
-            if (!sampled) {
-                unsigned int bk = order_key(s_s[0]);
-                for (int c = 1; c < K; ++c) {
-                    const unsigned int kc = order_key(s_s[c]);
-                    if (kc > bk) { bk = kc; best = c; }
-                }
-                for (int c = 0; c < K; ++c) qr[c] = c == best ? 1.0f : 0.0f;
-            } else {
-                const float inv_t = 1.0f / temperature;
-                unsigned int kmax = 0u;
-                for (int c = 0; c < K; ++c) kmax = max(kmax, order_key(s_s[c] * inv_t));
-                const float m = key_value(kmax);
-                unsigned long long total = 0ull;
-                for (int c = 0; c < K; ++c) total += draw_mass(s_s[c] * inv_t, m);
-                if (total) {
-                    const unsigned long long target =
-                        draw_target(row_bits64((unsigned int)(lane * Q + j + 1), rng), total);
-                    unsigned long long run = 0ull;
-                    best = -1;
-                    for (int c = 0; c < K; ++c) {
-                        const unsigned long long mc = draw_mass(s_s[c] * inv_t, m);
-                        run += mc;
-                        if (best < 0 && run > target) best = c;
-                        qr[c] = (float)mc / (float)total;
-                    }
-                } else {
-                    for (int c = 0; c < K; ++c) qr[c] = 0.0f;
-                }
+        if (warp == 0) {
+            const int best = choose(s_s, sampled, inv_t, sampled ? bits_s[j] : 0ull, mass_s, q + rj * K);
+            if (wl == 0) {
+                const int tok = ids_s[j * K + best];
+                choice[rj] = best;
+                tokens[(long long)lane * Q + j + 1] = tok;
+                prev_s = tok;
             }
-            int tok = ids[rj * K + best];
-            tok = tok < 0 ? 0 : (tok >= V ? V - 1 : tok);
-            choice[rj] = best;
-            tokens[(long long)lane * Q + j + 1] = tok;
-            prev_s = tok;
         }
         __syncthreads();
     }

@@ -109,7 +109,7 @@ class _Runner:
     """Runs the checks in order (simple kernels first, the riskiest last), records each
     ``Check``, and ends early (the rest "not run") if a GPU error ends the CUDA context."""
 
-    ORDER = ("plan", "norm", "rope", "sample", "gemm.fma", "gemm.stream", "gemm.wgmma", "attention.fma",
+    ORDER = ("plan", "norm", "rope", "sample", "dflash2", "gemm.fma", "gemm.stream", "gemm.wgmma", "attention.fma",
              "attention.mma", "step.f32", "step.bf16", "step.f16", "graph.pdl")
 
     def __init__(self, be, only, known_failures):
@@ -408,6 +408,68 @@ class _Runner:
         return [("greedy", sampled(SamplingParams(), "greedy")),
                 ("sampled", sampled(SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=1234), "t0.8 p0.9 k40")),
                 ("argmax partials", partials)]
+
+    def _u_dflash2(self):
+        """DFlash 2's kernels against their NumPy references: the convolution (three lanes'
+        blocks, prepare and finish), the top-K (ties across column blocks, a vocabulary not a
+        multiple of the tile) and the walk (greedy and sampled, bf16 weights)."""
+        be = self.be
+
+        def conv():
+            from .ops.conv import GroupedConv, grouped_conv_reference
+            rng = _seed("dflash2 conv")
+            rows, H, taps, gs = 48, 128, 2, 16
+            x = rng.standard_normal((rows, H)).astype(np.float32)
+            base = rng.standard_normal((2, taps, H)).astype(np.float32)
+            d = rng.standard_normal((rows, 2 * taps * (H // gs))).astype(np.float32)
+            r = rng.standard_normal((rows, H)).astype(np.float32)
+            op, y, yr = GroupedConv(be, H, taps, gs), be.zeros((rows, H), np.float32), be.asarray(r)
+            op(be.asarray(x), be.asarray(base[0]), be.asarray(d), 0, y, lane_rows=16)
+            op(be.asarray(x), be.asarray(base[1]), be.asarray(d), 1, yr, residual=yr, lane_rows=16)
+            return [self.close("dflash2", "conv prepare, 3 lane blocks", be.to_numpy(y),
+                               grouped_conv_reference(x, base[0], d, 0, gs, lane_rows=16), "f32"),
+                    self.close("dflash2", "conv finish + residual", be.to_numpy(yr),
+                               grouped_conv_reference(x, base[1], d, 1, gs, residual=r, lane_rows=16), "f32")]
+
+        def selector(temperature):
+            def case():
+                import ml_dtypes
+                from .config import DFlash2Config, DraftConfig
+                from .ops.selector import SelectorKernels, topk_reference, walk_reference
+                rng = _seed(f"dflash2 selector {temperature}")
+                V, K, Q, H, rank, L = 1007, 16, 6, 64, 40, 2
+                cfg = DraftConfig(n_layer=1, hidden_size=H, n_head=2, n_head_kv=1, head_dim=32, intermediate_size=64,
+                                  block_size=Q, target_layer_ids=(0,), mask_token_id=0,
+                                  dflash2=DFlash2Config(conv_kernel_size=2, conv_group_size=16, selector_rank=rank,
+                                                        selector_top_k=K, vocab_size=V, final_logit_softcapping=20.0,
+                                                        output_multiplier=0.5))
+                sel = SelectorKernels(be, cfg, Q, L, weight_kind="bf16")
+                lg = (rng.standard_normal((L * Q, V)) * 3).astype(np.float32)
+                lg[1, [5, 1000]] = lg[1].max() + 1.0           # a tie across column blocks: id 5 first
+                hid = rng.standard_normal((L, Q, H)).astype(np.float32)
+                bf = lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)  # noqa: E731
+                hp, pc, sc = (bf(rng.standard_normal(s) / np.sqrt(s[1])) for s in ((rank, H), (V, rank), (V, rank)))
+                anchors = np.array([3, 999], np.int32)
+                ids, vals = be.zeros((L, Q - 1, K), np.int32), be.zeros((L, Q - 1, K), np.float32)
+                toks, choice, q = (be.zeros((L, Q), np.int32), be.zeros((L, Q - 1), np.int32),
+                                   be.zeros((L, Q - 1, K), np.float32))
+                sel.topk(be.asarray(lg), ids, vals)
+                knobs = np.array([temperature, 0.0, 1.0], np.float32)
+                sel.walk(be.asarray(hid), be.asarray(hp), be.asarray(pc), be.asarray(sc), be.asarray(anchors), ids,
+                         vals, toks, choice, q, be.asarray(knobs), be.asarray(np.array([7, 40], np.uint64)))
+                rows = lg.reshape(L, Q, V)[:, 1:].reshape(-1, V)
+                rid, rval = topk_reference(rows, K, V, 0.5, 20.0)
+                ref = walk_reference(hid, hp.view(ml_dtypes.bfloat16), pc.view(ml_dtypes.bfloat16),
+                                     sc.view(ml_dtypes.bfloat16), anchors, rid.reshape(L, Q - 1, K),
+                                     rval.reshape(L, Q - 1, K), V, temperature=temperature, seed=7, counter=40)
+                what = "greedy" if temperature == 0 else f"T={temperature}"
+                return [self.exact("dflash2", "selector top-K ids (ties to the lowest id)",
+                                   be.to_numpy(ids).reshape(-1, K), rid),
+                        self.close("dflash2", "selector top-K values", be.to_numpy(vals).reshape(-1, K), rval, "f32"),
+                        self.exact("dflash2", f"selector walk tokens, {what}", be.to_numpy(toks), ref["tokens"]),
+                        self.close("dflash2", f"selector walk q, {what}", be.to_numpy(q), ref["q"], "f32")]
+            return case
+        return [("conv", conv), ("selector greedy", selector(0.0)), ("selector sampled", selector(0.8))]
 
     # ---- GEMMs
     def _gemm(self, variant, name, N, K, wkind, epi="none", *, m, max_m=64, path="auto", wgmma=None,

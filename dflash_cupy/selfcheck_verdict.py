@@ -34,6 +34,7 @@ VARIANTS = {
     "norm": "RMSNorm (norm.cu)",
     "rope": "q/k norm + RoPE + K/V scatter (rope.cu)",
     "sample": "token sampler and argmax reduction (sample.cu)",
+    "dflash2": "DFlash 2 convolution and candidate selector (conv.cu, selector.cu)",
     "gemm.fma": "CUDA-core GEMM (gemm.cu)",
     "gemm.stream": "mma.sync stream GEMM (gemm_stream.cu)",
     "gemm.wgmma": "wgmma GEMM (gemm_wgmma.cu)",
@@ -467,6 +468,8 @@ def require(choices: Choices, issuer) -> None:
     need = {"plan", "norm", "rope"}
     if getattr(issuer, "sampler", None) is not None:
         need.add("sample")
+    if getattr(issuer, "conv", None) is not None or getattr(issuer, "selector", None) is not None:
+        need.add("dflash2")
     kinds = set()
     for name in ("g_fc", "g_kv", "g_qkv", "g_o", "g_gate_up", "g_down", "g_attn_gate", "g_lm"):
         g = getattr(issuer, name, None)

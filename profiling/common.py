@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_cupy import backends, device_props
-from dflash_cupy.config import DraftConfig
+from dflash_cupy.config import DFlash2Config, DraftConfig
 from dflash_cupy.weights import DraftWeights
 
 PROFILING_DIR = Path(__file__).resolve().parent
@@ -40,6 +40,22 @@ DRAFTERS = {
     "h4096": dict(n_layer=5, hidden_size=4096, n_head=32, n_head_kv=8, head_dim=128,
                   intermediate_size=12288, block_size=16, target_layer_ids=(1, 9, 17, 25, 33),
                   rope_theta=1_000_000.0),
+    # DFlash 2 (SPEC §6): z-lab's published layout (hidden 6656, 5 sliding layers, window 2048,
+    # bidirectional inside the block, 202048-token vocabulary) ...
+    "dflash2-h6656": dict(n_layer=5, hidden_size=6656, n_head=32, n_head_kv=8, head_dim=128,
+                          intermediate_size=19968, block_size=16, target_layer_ids=(1, 13, 25, 37, 49),
+                          rope_theta=500_000.0, layer_sliding=(True,) * 5, sliding_window=2048, is_causal=False,
+                          mask_token_id=201818,
+                          dflash2=DFlash2Config(conv_kernel_size=2, conv_group_size=16, selector_rank=256,
+                                                selector_top_k=16, vocab_size=202048, final_logit_softcapping=20.0,
+                                                output_multiplier=0.19611613513818404)),
+    # ... and the same additions on the hidden-5120 drafter above (its 151936-token vocabulary)
+    "dflash2-h5120": dict(n_layer=5, hidden_size=5120, n_head=32, n_head_kv=8, head_dim=128,
+                          intermediate_size=17408, block_size=16, target_layer_ids=(1, 16, 31, 46, 61),
+                          rope_theta=10_000_000.0, mask_token_id=151669,
+                          dflash2=DFlash2Config(conv_kernel_size=2, conv_group_size=16, selector_rank=256,
+                                                selector_top_k=16, vocab_size=151936, final_logit_softcapping=20.0,
+                                                output_multiplier=0.19611613513818404)),
     # Smoke / host-overhead drafter: every dimension tiny, same code paths.
     "tiny": dict(n_layer=2, hidden_size=32, n_head=4, n_head_kv=2, head_dim=8,
                  intermediate_size=64, block_size=4, target_layer_ids=(0, 1)),

@@ -1367,6 +1367,34 @@ def _small(L) -> KernelCounters:
             writes.append((n("q_out"), q_rows * NH * D * 4))
         return _bytes_only(L, reads, writes, f"tile_live: {M - rows} dead row(s), {rows - q_rows} without Q"
                            if flags is not None else "")
+    if k == "grouped_conv":   # conv.cu: DFlash 2's convolution, grid (H / threads, rows)
+        rows, H, T, gs = L.grid[1], d["CONV_H"], d["CONV_TAPS"], d["CONV_GROUP"]
+        flags = L.known.get("tile_live") if int(P.get("use_live", 0)) else None
+        live = rows if flags is None else sum(1 for r in range(rows) if flags[r // 16])
+        reads = [(n("x"), live * H * 4), (n("base"), T * H * 4), (n("d"), live * T * (H // gs) * 4)]
+        if int(P.get("add_residual", 0)):
+            reads.append((n("residual"), live * H * 4))
+        return _bytes_only(L, reads, [(n("y"), live * H * 4)],
+                           "the taps' earlier rows re-read from L1/L2, not counted"
+                           + (f"; tile_live: {rows - live} dead row(s) skipped" if flags is not None else ""))
+    if k == "selector_topk_blocks":   # selector.cu: each (row, column block)'s best K
+        rows, nblk, K = L.grid[1], P["nblk"], d["SEL_K"]
+        return _bytes_only(L, [(n("logits"), rows * d["SEL_V"] * 4)], [(n("part"), rows * nblk * K * 8)])
+    if k == "selector_topk_merge":
+        rows, K = L.grid[0], d["SEL_K"]
+        return _bytes_only(L, [(n("part"), rows * P["nblk"] * K * 8)],
+                           [(n("ids"), rows * K * 4), (n("vals"), rows * K * 4)])
+    if k == "selector_walk":   # one lane per grid row: hp = W hidden, then the walk's codebook rows
+        lanes, Q, H, rank, K = L.grid[1], d["SEL_Q"], d["SEL_H"], d["SEL_RANK"], d["SEL_K"]
+        R, wb = Q - 1, (4 if d.get("SEL_HPT", 2) == 0 else 2)
+        cb = 4 if d.get("SEL_CBT", 2) == 0 else 2
+        reads = [(n("hidden"), lanes * R * H * 4), (n("hp_w"), rank * H * wb),
+                 (n("pred_cb"), lanes * R * rank * cb), (n("succ_cb"), lanes * R * K * rank * cb),
+                 (n("ids"), lanes * R * K * 4), (n("vals"), lanes * R * K * 4)]
+        writes = [(n("tokens"), lanes * Q * 4), (n("choice"), lanes * R * 4), (n("q"), lanes * R * K * 4)]
+        c = _bytes_only(L, reads, writes, "codebook rows gathered: one predecessor and K successors per row")
+        c.dram_round_trips_per_block = float(2 + R)   # hp, then each row's gathers depend on the last choice
+        return c
     return _bytes_only(L, [], [], f"no access model for kernel {k!r}: counters are empty")
 
 

@@ -9,8 +9,9 @@
 
 Rows: the hidden-4096 and hidden-5120 presets, without and with the 152K LM head; columns:
 2K, 8K, 32K windows. Each cell: ratio to the HBM floor (step µs), H200 parameters, static
-counters (plus the emulator's trip counts the compiled model needs). Predictions, not
-measurements.
+counters (plus the emulator's trip counts the compiled model needs). A second table: the
+DFlash 2 presets at 2K beside the same drafters without their convolutions and selector.
+Predictions, not measurements.
 """
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ from .perf_model import model_step
 ROWS = (("h4096", None, "hidden 4096 (qwen3-8b)"), ("h5120", None, "hidden 5120 (qwen3.5-27b)"),
         ("h4096", 151936, "hidden 4096, lm_head 151936"), ("h5120", 151936, "hidden 5120, lm_head 151936"))
 WINDOWS = (2048, 8192, 32768)
+# DFlash 2 presets at a 2K window, beside the same drafter without its convolutions and selector
+DFLASH2_ROWS = (("dflash2-h5120", 151936, "DFlash 2 hidden 5120, lm_head 151936"),
+                ("dflash2-h6656", 202048, "DFlash 2 hidden 6656 (z-lab), lm_head 202048"))
 
 
 def cell(m: dict) -> str:
@@ -47,21 +51,35 @@ def table(gpu_name: str = "H200", beside_source: bool = False, windows=WINDOWS, 
     return "\n".join(out)
 
 
-BLOCK = re.compile(r"(<!-- model_table: begin[^\n]*-->\n)(.*?)(\n<!-- model_table: end -->)", re.S)
+def dflash2_table(gpu_name: str = "H200", window: int = 2048, rows=DFLASH2_ROWS) -> str:
+    """The DFlash 2 presets: the step with the convolutions and the selector, the same drafter
+    without them (the LM head's argmax), and what they add (the issue's goal: <= 5%)."""
+    gpu = get_gpu(gpu_name)
+    out = [f"| DFlash 2 drafter | {window // 1024}K | without conv / selector | added |", "|---|---|---|---|"]
+    for drafter, vocab, name in rows:
+        a = model_step(drafter, window, gpu, lm_head_vocab=vocab)
+        b = model_step(drafter, window, gpu, lm_head_vocab=vocab, plain=True)
+        out.append(f"| {name} | {cell(a)} | {cell(b)} | {100 * (a['step_us'] / b['step_us'] - 1):+.1f}% |")
+    return "\n".join(out)
 
 
-def readme_table(text: str) -> str:
-    """The table between the markers of ``text``; ``ValueError`` if there are not exactly one pair."""
-    found = BLOCK.findall(text)
+def _block(name: str):
+    return re.compile(rf"(<!-- {name}: begin[^\n]*-->\n)(.*?)(\n<!-- {name}: end -->)", re.S)
+
+
+def readme_table(text: str, name: str = "model_table") -> str:
+    """The table between the ``name`` markers of ``text``; ``ValueError`` if there are not exactly
+    one pair."""
+    found = _block(name).findall(text)
     if len(found) != 1:
-        raise ValueError(f"expected one '<!-- model_table: begin/end -->' block, found {len(found)}")
+        raise ValueError(f"expected one '<!-- {name}: begin/end -->' block, found {len(found)}")
     return found[0][1]
 
 
-def with_table(text: str, table_md: str) -> str:
-    """``text`` with the table between its markers replaced by ``table_md``."""
-    readme_table(text)
-    return BLOCK.sub(lambda m: m.group(1) + table_md.strip("\n") + m.group(3), text)
+def with_table(text: str, table_md: str, name: str = "model_table") -> str:
+    """``text`` with the table between its ``name`` markers replaced by ``table_md``."""
+    readme_table(text, name)
+    return _block(name).sub(lambda m: m.group(1) + table_md.strip("\n") + m.group(3), text)
 
 
 def main(argv=None) -> int:
@@ -71,10 +89,11 @@ def main(argv=None) -> int:
     p.add_argument("--write", metavar="FILE", help="replace the table between FILE's model_table markers")
     a = p.parse_args(argv)
     t = table(a.gpu, a.beside_source)
+    t2 = dflash2_table(a.gpu)
     if a.write:
         path = Path(a.write)
-        path.write_text(with_table(path.read_text(), t))
-    print(t)
+        path.write_text(with_table(with_table(path.read_text(), t), t2, "model_table_dflash2"))
+    print(t + "\n\n" + t2)
     return 0
 
 

@@ -300,6 +300,13 @@ class _EmptyLayer:
         gate_rows = {"none": 0, "head": c.n_head, "element": c.q_dim}[c.attn_gate]
         self.w_attn_gate = be.empty((gate_rows, H), wdt) if gate_rows else None
         self.sliding = c.is_sliding(i)
+        self.conv_a_kp = self.conv_a_base = self.conv_m_kp = self.conv_m_base = None
+        d2 = c.dflash2
+        if d2 is not None:   # DFlash 2: the convolutions' projections and bases
+            P = d2.projection_rows(H)
+            self.conv_a_kp, self.conv_m_kp = be.empty((P, H), wdt), be.empty((P, H), wdt)
+            base = (2, d2.conv_kernel_size, H)
+            self.conv_a_base, self.conv_m_base = be.empty(base, np.float32), be.empty(base, np.float32)
 
 
 class _EmptyDeviceWeights:
@@ -311,6 +318,12 @@ class _EmptyDeviceWeights:
         self.norm = be.empty((H,), np.float32)
         self.aux_norms = be.empty((c.n_captured, H), np.float32) if c.aux_hidden_norms else None
         self.layers = [_EmptyLayer(be, c, i, wdt) for i in range(c.n_layer)]
+        self.selector_hp = self.selector_pred = self.selector_succ = None
+        d2 = c.dflash2
+        if d2 is not None:   # DFlash 2: the candidate selector's projection and codebooks
+            self.selector_hp = be.empty((d2.selector_rank, H), wdt)
+            self.selector_pred = be.empty((d2.vocab_size, d2.selector_rank), wdt)
+            self.selector_succ = be.empty((d2.vocab_size, d2.selector_rank), wdt)
 
 
 class ShapeOnlyWeights(DraftWeights):
@@ -501,8 +514,12 @@ def trace_step(config: DraftConfig, window: int, *, ring_dtype=np.uint16, w_dtyp
     kv.begin_step(ring, int(window))          # prefill: bulk append outside the graph
     prefill = list(be.eager)
     be.eager.clear()
+    if kv.engine.selects:                     # DFlash 2: the selector walks from an anchor
+        kv.set_anchor(0)
     kv.run()                                  # no step captured yet: captures slot 1's graph
     kv.begin_step(ring, int(window) + accept)  # steady state: accept rows appended in-graph
+    if kv.engine.selects:
+        kv.set_anchor(0)
     kv.run()                                  # captures slot 0's graph
     nodes = kv._graphs[kv._slot].nodes
     # What the planning kernel writes at run time (the recording runs no kernel): the live

@@ -14,6 +14,7 @@ from dflash_cupy.ops.sample import SamplingParams
 from dflash_cupy.ops.selector import topk_reference, walk_reference
 from dflash_cupy.tolerances import assert_close, within
 from dflash_cupy.weights import DraftWeights
+from tests.support import dflash2_reference as ind
 from tests.support.drafters import BF16, Driver, built
 
 
@@ -98,6 +99,36 @@ def test_selector_in_the_step_greedy(emu):
         with pytest.raises(ValueError, match="anchor"):
             kv.step(ring, 14, noise)
         assert kv.next_pos == 13
+
+
+def test_step_against_the_independent_reference(emu):
+    """Through the documented API (``step(..., anchor=)``; ``hidden_states``, ``candidate_ids``,
+    ``draft_tokens``), a step against tests/support/dflash2_reference.py, the loop-style
+    DFlash 2 reference written apart from the oracle: hidden states within the step tolerance,
+    candidates and walk wherever the oracle's decisions are clear of f32 rounding."""
+    be = emu
+    w, _ = built("g")
+    c = w.config
+    lm = _lm(seed=9)
+    ring, X = _ring(be, w, 17, seed=10)
+    with DraftKvCache(w, 23, lm_head=lm, backend=be) as kv:
+        noise = np.random.default_rng(11).standard_normal((kv.q_len, c.hidden_size)).astype(np.float32)
+        kv.step(ring, 17, noise, anchor=12)
+        B, C = kv.q_len, 17
+        vis = [reference.layer_visibility(C, B, c.layer_sliding[l], c.mask_rule) for l in range(c.n_layer)]
+        hidden = ind.forward(dict(w.tensors), c, X[:C], noise, np.arange(C), C + np.arange(B), vis)
+        got = be.to_numpy(kv.hidden_states)
+        assert_close(got, hidden, "step", "hidden vs the independent reference")
+        tokens, ids, _, _ = ind.select(dict(w.tensors), c, hidden, lm, 12)
+        sel = reference.select_draft(w, hidden, lm, 12)
+        clear = sel.margin > 1e-2
+        assert clear[0], "the first decision is clear (this drafter and seed)"
+        first_unclear = int(np.argmin(clear)) if not clear.all() else len(clear)
+        # rows up to the first unclear decision walk from the same predecessors
+        np.testing.assert_array_equal(be.to_numpy(kv.draft_tokens)[1:1 + first_unclear],
+                                      np.array(tokens[:first_unclear]))
+        np.testing.assert_array_equal(be.to_numpy(kv.candidate_ids)[:first_unclear],
+                                      np.array(ids[:first_unclear]))
 
 
 def test_selector_sampled_reproduces_the_numpy_sampler(emu):

@@ -11,8 +11,8 @@ import pytest
 from dflash_cupy import dtypes
 from dflash_cupy import reference as ref
 from dflash_cupy.config import DFlash2Config, DraftConfig
-from dflash_cupy.ops.selector import (TK_TILE, SelectorKernels, selector_uniforms, topk_reference,
-                                      walk_reference, warp_dot_reference)
+from dflash_cupy.ops.selector import (TK_TILE, SelectorKernels, partials_reference, selector_uniforms,
+                                      topk_reference, walk_reference, warp_dot_reference)
 from dflash_cupy.tolerances import assert_close
 from dflash_cupy.weights import DraftWeights
 
@@ -104,6 +104,63 @@ def test_topk_row_offsets_and_q_len_1(backend, rng):
     one.topk(backend.asarray(lg), None, None)
 
 
+@pytest.mark.parametrize("cols", [1, 5, 37, 300])
+def test_merge_of_epilogue_partials_is_the_full_top_k(backend, rng, cols):
+    """Any column partition, each block's K best in any order, empty slots: the merge gives the
+    top-K of the full row (what a top-K fused into the lm_head GEMM's epilogue relies on)."""
+    vocab, K, lanes, q_len = 1007, 16, 3, 3
+    c = config(vocab=vocab, K=K, q_len=q_len)
+    sel = SelectorKernels(backend, c, q_len, lanes)
+    lg = rng.standard_normal((lanes * 2, vocab)).astype(np.float32)
+    lg[0, [3, 500, 1006]] = 9.0                                    # ties across blocks
+    lg[1, 7] = np.nan
+    part = partials_reference(lg, K, vocab, cols, seed=cols)
+    ids, vals = backend.zeros((lanes, 2, K), np.int32), backend.zeros((lanes, 2, K), np.float32)
+    sel.merge_partials(backend.asarray(part), ids, vals)
+    want_ids, want_vals = topk_reference(lg, K, vocab, 0.7, 3.0)
+    np.testing.assert_array_equal(backend.to_numpy(ids).reshape(-1, K), want_ids)
+    _values_match(backend.to_numpy(vals).reshape(-1, K), want_vals, "vals")
+    with pytest.raises(ValueError, match="^partials must have shape"):
+        sel.merge_partials(backend.asarray(part[:, :, :K - 1].copy()), ids, vals)
+
+
+def test_topk_and_walk_replay_from_a_graph(emu):
+    """Captured once, replayed with new logits, hidden rows, anchors, knobs and seed."""
+    be, rng = emu, np.random.default_rng(21)
+    vocab, K, lanes, q_len, H, rank = 33, 5, 2, 4, 40, 16
+    c = config(vocab=vocab, K=K, H=H, rank=rank, q_len=q_len)
+    sel = SelectorKernels(be, c, q_len, lanes)
+    inp = _walk_inputs(rng, vocab, K, lanes, q_len, H, rank, "bf16")
+    dev = {k: be.asarray(dtypes.device_bits(v)) for k, v in inp.items()}
+    logits = be.zeros((lanes * q_len, vocab), np.float32)
+    tokens, choice = be.zeros((lanes, q_len), np.int32), be.zeros((lanes, q_len - 1), np.int32)
+    q = be.zeros((lanes, q_len - 1, K), np.float32)
+    knobs, rngs = be.zeros((3,), np.float32), be.zeros((2,), np.uint64)
+    s = be.stream()
+    be.synchronize()
+    be.begin_capture(s)
+    sel.topk(logits, dev["ids"], dev["vals"], stream=s)
+    sel.walk(dev["hidden"], dev["hp_w"], dev["pred_cb"], dev["succ_cb"], dev["anchors"], dev["ids"], dev["vals"],
+             tokens, choice, q, knobs, rngs, stream=s)
+    g = be.end_capture(s)
+    for step, T in enumerate((0.0, 1.1, 0.6)):
+        lg = rng.standard_normal((lanes * q_len, vocab)).astype(np.float32)
+        hid = rng.standard_normal((lanes, q_len, H)).astype(np.float32)
+        anchors = rng.integers(0, vocab, lanes).astype(np.int32)
+        logits[...], dev["hidden"][...], dev["anchors"][...] = lg, hid, anchors
+        knobs[...] = np.array([T, 1, 0], np.float32)
+        rngs[...] = np.array([step, 3 * step], np.uint64)
+        g.launch(s)
+        s.synchronize()
+        ids, vals = topk_reference(_selector_rows(lg, lanes, q_len - 1, 1, q_len), K, vocab, 0.7, 3.0)
+        want = walk_reference(hid, inp["hp_w"], inp["pred_cb"], inp["succ_cb"], anchors,
+                              ids.reshape(lanes, q_len - 1, K), vals.reshape(lanes, q_len - 1, K), vocab,
+                              temperature=T, seed=step, counter=3 * step)
+        np.testing.assert_array_equal(be.to_numpy(tokens), want["tokens"], err_msg=f"replay {step}")
+        np.testing.assert_array_equal(be.to_numpy(choice), want["choice"], err_msg=f"replay {step}")
+        assert_close(be.to_numpy(q), want["q"], "f32", f"replay {step} q")
+
+
 def _walk_inputs(rng, vocab, K, lanes, q_len, H, rank, kind, anchors=None):
     R = q_len - 1
     host = dtypes.HOST[kind]
@@ -118,7 +175,7 @@ def _walk_inputs(rng, vocab, K, lanes, q_len, H, rank, kind, anchors=None):
     return dict(hidden=hidden, hp_w=hp_w, pred_cb=pred, succ_cb=succ, anchors=anchors, ids=ids, vals=vals)
 
 
-def _run_walk(be, sel, inp, T=0.0, seed=0, counter=0):
+def _run_walk(be, sel, inp, T=0.0, seed=0, counter=0, lane_counters=None):
     L, Q, R, K = sel.lanes, sel.q_len, sel.R, sel.K
     dev = {k: be.asarray(dtypes.device_bits(v)) if v.size else None for k, v in inp.items()}
     out = dict(tokens=be.asarray(np.full((L, Q), -7, np.int32)),
@@ -127,7 +184,8 @@ def _run_walk(be, sel, inp, T=0.0, seed=0, counter=0):
     knobs = be.asarray(np.array([T, 1.0, 0.0], np.float32))
     rngs = be.asarray(np.array([seed, counter], np.uint64))
     sel.walk(dev["hidden"], dev["hp_w"], dev["pred_cb"], dev["succ_cb"], dev["anchors"], dev["ids"], dev["vals"],
-             out["tokens"], out["choice"], out["q"], knobs, rngs)
+             out["tokens"], out["choice"], out["q"], knobs, rngs,
+             lane_counters=None if lane_counters is None else be.asarray(np.asarray(lane_counters, np.uint64)))
     got = {k: be.to_numpy(v) if v is not None else np.zeros((L, 0) + ((K,) if k == "q" else ()))
            for k, v in out.items()}
     got["flags"] = be.to_numpy(sel.flags)
@@ -146,7 +204,9 @@ def test_warp_dot_reference_is_the_kernel_order():
 
 @pytest.mark.parametrize("vocab,K,lanes,q_len,H,rank,kind", [
     (19, 1, 1, 3, 12, 5, "f32"), (19, 3, 3, 3, 40, 16, "bf16"), (33, 16, 1, 16, 40, 9, "f16"),
-    (1007, 40, 3, 4, 264, 33, "bf16"), (33, 3, 3, 1, 40, 16, "bf16")])
+    (1007, 40, 3, 4, 264, 33, "bf16"), (33, 3, 3, 1, 40, 16, "bf16"),
+    (1007, 16, 1, 3, 40, 300, "bf16"),      # successor rows of 2 chunks per lane, in registers
+    (1007, 40, 1, 3, 40, 300, "f16")])      # 5 candidates x 16 values per lane: read in the loop
 def test_greedy_walk_is_exact(backend, rng, vocab, K, lanes, q_len, H, rank, kind):
     c = config(vocab=vocab, K=K, H=H, rank=rank, q_len=q_len)
     sel = SelectorKernels(backend, c, q_len, lanes, weight_kind=kind)
@@ -194,10 +254,11 @@ def test_walk_nan_scores(backend, rng):
         assert got["q"][0, 0, [0, 2]].tolist() == [0, 0] and (got["q"][0, 1] == (0 if T else [1, 0, 0, 0])).all()
 
 
-@pytest.mark.parametrize("vocab,K,lanes,q_len,T,seed,counter", [
-    (19, 3, 3, 3, 1.0, 1, 0), (33, 16, 1, 16, 0.7, 2**63 + 5, 2**33 + 17), (1007, 40, 3, 4, 1.3, 7, 99)])
-def test_sampled_walk_reproduces_the_numpy_sampler(backend, rng, vocab, K, lanes, q_len, T, seed, counter):
-    H, rank = 40, 16
+@pytest.mark.parametrize("vocab,K,lanes,q_len,T,seed,counter,rank", [
+    (19, 3, 3, 3, 1.0, 1, 0, 16), (33, 16, 1, 16, 0.7, 2**63 + 5, 2**33 + 17, 16),
+    (1007, 40, 3, 4, 1.3, 7, 99, 16), (1007, 40, 1, 3, 1.0, 8, 1, 300)])
+def test_sampled_walk_reproduces_the_numpy_sampler(backend, rng, vocab, K, lanes, q_len, T, seed, counter, rank):
+    H = 40
     c = config(vocab=vocab, K=K, H=H, rank=rank, q_len=q_len)
     sel = SelectorKernels(backend, c, q_len, lanes)
     inp = _walk_inputs(rng, vocab, K, lanes, q_len, H, rank, "bf16")
@@ -213,6 +274,28 @@ def test_sampled_walk_reproduces_the_numpy_sampler(backend, rng, vocab, K, lanes
     # the uniforms are a function of (seed, counter, lane * q_len + row): another seed moves the draws
     other = _run_walk(backend, sel, inp, T=T, seed=seed + 1, counter=counter)
     assert (other["choice"] != got["choice"]).any()
+
+
+@pytest.mark.parametrize("T", [0.0, 0.8])
+def test_lanes_are_bit_identical_to_single_lanes(backend, T):
+    """With per-lane counters each lane draws as a one-lane walk with its counter would."""
+    rng = np.random.default_rng(17)
+    vocab, K, lanes, q_len, H, rank = 33, 6, 3, 5, 40, 16
+    c = config(vocab=vocab, K=K, H=H, rank=rank, q_len=q_len)
+    inp = _walk_inputs(rng, vocab, K, lanes, q_len, H, rank, "bf16")
+    counters = [5, 2**40 + 3, 5]              # lanes 0 and 2 share a counter: the same uniforms
+    got = _run_walk(backend, SelectorKernels(backend, c, q_len, lanes), inp, T=T, seed=9, lane_counters=counters)
+    want = walk_reference(**inp, vocab=vocab, temperature=T, seed=9, lane_counters=counters)
+    one = SelectorKernels(backend, c, q_len, 1)
+    for lane in range(lanes):
+        single = _run_walk(backend, one, {k: v[lane:lane + 1] if k in ("hidden", "anchors", "ids", "vals") else v
+                                          for k, v in inp.items()}, T=T, seed=9, counter=counters[lane])
+        for k in ("tokens", "choice", "q"):
+            np.testing.assert_array_equal(got[k][lane], single[k][0], err_msg=f"lane {lane} {k}")
+    np.testing.assert_array_equal(got["tokens"], want["tokens"])
+    u = selector_uniforms(9, 0, lanes, q_len, lane_counters=counters)
+    assert (u[0] == u[2]).all() and (u[0] != u[1]).all()
+    assert (u == selector_uniforms(9, counters[1], 1, q_len)).any(axis=1).tolist() == [False, True, False]
 
 
 # chi-square critical values at p = 0.001 by degrees of freedom
@@ -308,6 +391,8 @@ def test_bad_input_names_the_argument(backend, rng):
         bad[i] = backend.zeros(args[i].shape, np.float64)                   # wrong dtype
         with pytest.raises(TypeError, match=rf"^{name} must have dtype"):
             sel.walk(*bad)
+    with pytest.raises(ValueError, match=r"^lane_counters must have shape \[2\]"):
+        sel.walk(*args, lane_counters=backend.zeros((3,), np.uint64))
     with pytest.raises(TypeError, match="^hp_w must be a device array"):
         sel.walk(*([args[0], np.zeros((5, 12), np.uint16)] + args[2:]))
     lg = backend.zeros((6, 19), np.float32)
@@ -325,5 +410,7 @@ def test_bad_input_names_the_argument(backend, rng):
         SelectorKernels(backend, plain, 3)
     with pytest.raises(ValueError, match="selector_top_k=65"):
         SelectorKernels(backend, config(vocab=100, K=65), 3)
+    with pytest.raises(ValueError, match="exceed 48 KiB of shared memory"):
+        SelectorKernels(backend, config(vocab=100, K=64, rank=4096), 64)
     with pytest.raises(TypeError, match="weight_kind"):
         SelectorKernels(backend, c, 3, weight_kind="int8")

@@ -23,15 +23,20 @@ selector rows per lane (block rows 1..q_len-1). Shapes and dtypes (device arrays
   (``ops/sample.py``'s step block: temperature = knobs[0], (seed, counter base)). Writes
   ``tokens`` int32 ``[lanes, q_len]`` (row 0 the anchor, rows 1.. the walk), ``choice``
   int32 ``[lanes, R]`` (the candidate index taken) and ``q`` f32 ``[lanes, R, K]`` (the
-  distribution drawn from; one-hot at temperature 0). ``self.flags`` int32 ``[lanes]``:
+  distribution drawn from; one-hot at temperature 0); optional ``lane_counters`` u64
+  ``[lanes]`` (below). ``self.flags`` int32 ``[lanes]``:
   1 where the lane's device anchor was outside ``[0, vocab)`` (then clamped into it).
 
 With ``q_len`` 1 (no selector rows) ``topk`` does nothing and ``walk`` writes only
 ``tokens[:, 0]``; ``ids``, ``vals``, ``choice`` and ``q`` are then not read (None is fine).
-Both are capture-safe: no host sync, no allocation (workspaces are made here). The
+Both are capture-safe: no host sync, no allocation (workspaces are made here, so one
+instance has one ``topk`` and one ``walk`` in flight at a time). The
 walk's uniform for lane ``l``, block row ``r`` (1..R) is ``row_uniform64(l * q_len + r,
 seed, counter) / 2^64`` (``selector_uniforms``), drawn by ``draw.cuh``'s integer inverse
-CDF, the same generator and draw as ``TokenSampler``.
+CDF, the same generator and draw as ``TokenSampler``. With ``walk(..., lane_counters=)``
+(device u64 ``[lanes]``, e.g. each lane's first noise position) it is ``row_uniform64(r,
+seed, lane_counters[l]) / 2^64`` instead: each lane draws exactly as a one-lane walk with
+that counter, so a lane batch is bit-identical to single caches.
 """
 from __future__ import annotations
 
@@ -40,10 +45,11 @@ import numpy as np
 from .. import checks, dtypes, kernels
 from .sample import _order_keys, draw_masses, inverse_cdf, row_uniform64
 
-TK_TILE = 1024   # selector.cu: columns per block of selector_topk_blocks (TK_NT * TK_PER)
-TK_NT = 256
-WK_NW = 8        # selector.cu: warps per block of selector_walk (one hp column each)
-MAX_K = 64
+_C = kernels.constants("selector.cu")
+TK_NT = _C["SEL_TK_NT"]                   # threads of both top-K kernels
+TK_TILE = TK_NT * _C["SEL_TK_PER"]        # columns per block of selector_topk_blocks
+WK_NW = _C["SEL_WK_NW"]                   # warps per block of selector_walk (one hp row each)
+MAX_K = _C["SEL_MAX_K"]
 
 
 class SelectorKernels:
@@ -62,6 +68,10 @@ class SelectorKernels:
         self.K, self.rank, self.vocab = d2.selector_top_k, d2.selector_rank, d2.vocab_size
         if self.K > MAX_K:
             raise ValueError(f"config.dflash2.selector_top_k={self.K}: the kernels take K <= {MAX_K}")
+        if max(1, self.q_len - 1) * self.K * 8 + self.rank * 4 + self.K * 12 + max(1, self.q_len - 1) * 8 + 8 \
+                > 48 * 1024:
+            raise ValueError(f"q_len={self.q_len}, selector_top_k={self.K}, selector_rank={self.rank}: the walk's "
+                             f"staged candidates and rank vector exceed 48 KiB of shared memory")
         self.H = int(config.hidden_size)
         self.multiplier = float(d2.output_multiplier)
         self.cap = d2.final_logit_softcapping
@@ -83,6 +93,7 @@ class SelectorKernels:
         self.hp_ws = backend.zeros((self.lanes, max(1, self.R), self.rank), np.float32)
         self.counters = backend.zeros((self.lanes,), np.int32)   # zero between launches
         self.flags = backend.zeros((self.lanes,), np.int32)
+        self._no_lane_counters = backend.zeros((1,), np.uint64)   # walk's placeholder (never read)
 
     def __repr__(self):
         return (f"SelectorKernels(vocab={self.vocab}, K={self.K}, q_len={self.q_len}, lanes={self.lanes}, "
@@ -116,8 +127,25 @@ class SelectorKernels:
                       np.int32(self.nblk), self.part), stream=stream)
         self._merge((L * R, 1, 1), (TK_NT, 1, 1), (self.part, np.int32(self.nblk), ids, vals), stream=stream)
 
+    def merge_partials(self, partials, ids, vals, stream=None) -> None:
+        """``ids`` / ``vals`` (as ``topk`` writes them) from per-column-block candidates:
+        ``partials`` u32 ``[lanes * R, blocks, K, 2]``, each column block's K best (order
+        key, id) pairs in any order, empty slots with an id >= vocab (e.g. 0xffffffff); any
+        column partition. The merge ``topk`` runs, for a GEMM epilogue that writes them."""
+        be, L, R, K = self.backend, self.lanes, self.R, self.K
+        if not R:
+            return
+        checks.device_array(be, "partials", partials, np.uint32, ndim=4)
+        if partials.shape[0] != L * R or partials.shape[2:] != (K, 2) or partials.shape[1] < 1:
+            raise ValueError(f"partials must have shape [{L * R}, blocks >= 1, {K}, 2], got {list(partials.shape)}")
+        self._out("ids", ids, np.int32, (L, R, K))
+        self._out("vals", vals, np.float32, (L, R, K))
+        checks.check_no_overlap(ids=ids, vals=vals, partials=partials)
+        self._merge((L * R, 1, 1), (TK_NT, 1, 1), (partials, np.int32(partials.shape[1]), ids, vals),
+                    stream=stream)
+
     def walk(self, hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, tokens, choice, q, knobs, rng,
-             stream=None) -> None:
+             lane_counters=None, stream=None) -> None:
         be, L, R, K, Q = self.backend, self.lanes, self.R, self.K, self.q_len
         checks.device_array(be, "hidden", hidden, np.float32, ndim=3)
         if hidden.shape[0] != L or hidden.shape[1] < Q or hidden.shape[2] != self.H:
@@ -136,6 +164,8 @@ class SelectorKernels:
             self._out("q", q, np.float32, (L, R, K))
         self._out("knobs", knobs, np.float32, (3,))
         self._out("rng", rng, np.uint64, (2,))
+        if lane_counters is not None:
+            self._out("lane_counters", lane_counters, np.uint64, (L,))
         if R:
             checks.check_no_overlap(tokens=tokens, choice=choice, q=q, ids=ids, vals=vals, anchors=anchors,
                                     hidden=hidden)
@@ -145,8 +175,10 @@ class SelectorKernels:
             vals = q = self.hp_ws
         grid = (self.split if R else 1, L, 1)
         self._walk(grid, (WK_NW * 32, 1, 1),
-                   (hidden, np.int32(hidden.shape[1]), hp_w, pred_cb, succ_cb, anchors, ids, vals, knobs, rng, tokens, choice, q,
-                    self.hp_ws, self.counters, self.flags), stream=stream)
+                   (hidden, np.int32(hidden.shape[1]), hp_w, pred_cb, succ_cb, anchors, ids, vals, knobs, rng,
+                    self._no_lane_counters if lane_counters is None else lane_counters,
+                    np.int32(lane_counters is not None), tokens, choice, q, self.hp_ws, self.counters,
+                    self.flags), stream=stream)
 
     def anchors_to_device(self, anchors):
         """Host anchors (one token id per lane) as the device int32 ``[lanes]`` array ``walk``
@@ -182,6 +214,26 @@ def topk_reference(logits, k: int, vocab: int, multiplier: float, cap) -> tuple[
     return ids, x.astype(np.float32)
 
 
+def partials_reference(logits, k: int, vocab: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Per-column-block candidates as a GEMM epilogue with ``cols``-wide column blocks may
+    write them: u32 ``[rows, blocks, k, 2]``, each block's k best (order key, id) in a
+    seeded random order, empty slots (0, 0xffffffff)."""
+    lg = np.asarray(logits, np.float32)[:, :vocab]
+    nb = -(-vocab // cols)
+    rng = np.random.default_rng(seed)
+    out = np.zeros((lg.shape[0], nb, k, 2), np.uint32)
+    out[..., 1] = 0xFFFFFFFF
+    for r in range(lg.shape[0]):
+        for b in range(nb):
+            seg = lg[r, b * cols:(b + 1) * cols]
+            keys = _order_keys(seg)
+            best = np.lexsort((np.arange(seg.size), -keys.astype(np.int64)))[:k]
+            slots = rng.permutation(k)[:best.size]
+            out[r, b, slots, 0] = keys[best]
+            out[r, b, slots, 1] = best + b * cols
+    return out
+
+
 def warp_dot_reference(w, x) -> np.ndarray:
     """``selector.cu``'s ``warp_dot`` of rows ``w [n, len]`` with vectors ``x [N, len]`` (f32,
     the kernel's order): ``[n, N]`` f32."""
@@ -202,15 +254,22 @@ def warp_dot_reference(w, x) -> np.ndarray:
     return acc[:, 0, :]
 
 
-def selector_uniforms(seed: int, counter: int, lanes: int, q_len: int) -> np.ndarray:
-    """The walk's uniforms ``[lanes, q_len - 1]`` float64: lane ``l``, block row ``r`` uses
-    ``row_uniform64(l * q_len + r, seed, counter) / 2^64`` (ops/sample.py)."""
-    return np.array([[row_uniform64(l * q_len + r, seed, counter) / 2.0 ** 64 for r in range(1, q_len)]
+def _walk_bits(lane: int, r: int, q_len: int, seed: int, counter: int, lane_counters) -> int:
+    """The 64 random bits of lane ``lane``'s block row ``r`` (see the module docstring)."""
+    if lane_counters is None:
+        return row_uniform64(lane * q_len + r, seed, counter)
+    return row_uniform64(r, seed, int(lane_counters[lane]))
+
+
+def selector_uniforms(seed: int, counter: int, lanes: int, q_len: int, lane_counters=None) -> np.ndarray:
+    """The walk's uniforms ``[lanes, q_len - 1]`` float64 (``_walk_bits / 2^64``): what the
+    float64 oracle (``reference.select_draft(..., uniforms=)``) takes."""
+    return np.array([[_walk_bits(l, r, q_len, seed, counter, lane_counters) / 2.0 ** 64 for r in range(1, q_len)]
                      for l in range(lanes)], np.float64).reshape(lanes, q_len - 1)
 
 
 def walk_reference(hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, vocab: int,
-                   temperature: float = 0.0, seed: int = 0, counter: int = 0) -> dict:
+                   temperature: float = 0.0, seed: int = 0, counter: int = 0, lane_counters=None) -> dict:
     """``selector_walk`` in NumPy: weights in any layout ``dtypes.to_float`` widens, the rest
     as ``SelectorKernels.walk`` takes them (host arrays). Returns ``tokens, choice, q, flags,
     scores [lanes, R, K]`` (the row's edge scores given the choice before) and ``margin [lanes,
@@ -246,7 +305,7 @@ def walk_reference(hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, vocab: in
                 mass = draw_masses(s * inv_t)
                 total = int(mass.sum(dtype=np.uint64))
                 if total:
-                    c, out["margin"][lane, j] = inverse_cdf(row_uniform64(lane * Q + j + 1, seed, counter), mass)
+                    c, out["margin"][lane, j] = inverse_cdf(_walk_bits(lane, j + 1, Q, seed, counter, lane_counters), mass)
                     out["q"][lane, j] = mass.astype(np.float32) / np.float32(total)
                 else:
                     c = 0
