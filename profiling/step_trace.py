@@ -54,7 +54,7 @@ class Launch:
     block: tuple
     shared_mem: int
     # ArrayRef or a Python int/float (the scalar's value); a struct parameter's argument
-    # as a dict of its fields' (gemm_stream / gemm_wgmma: GemmStreamParams / GemmWgmmaParams)
+    # as a dict of its fields (gemm_wgmma's GemmWgmmaParams)
     args: list
     known: dict = field(default_factory=dict)   # device values the plan knows (e.g. "pad_lo": n_new)
     # The recording's arrays themselves (None for scalars): what the host wrote into them
@@ -357,11 +357,7 @@ def node_label(n) -> str:
     if isinstance(n, Copy):
         return f"memcpy {n.kind}"
     if n.kernel in ("gemm_mma", "gemm", "gemm_stream", "gemm_wgmma"):
-        P = n.params()
-        # an observed launch (kernel_times) carries no parameter names: the weights are every
-        # GEMM kernel's second parameter (gemm_wgmma's struct names them)
-        w = P["w"] if "w" in P else (n.args[1] if len(n.args) > 1 else None)
-        wname = getattr(w, "name", "?")
+        wname = getattr(n.params().get("w"), "name", "?")
         role = wname.rsplit(".", 1)[-1].replace("w_", "") if "." in wname else wname
         return f"{n.kernel}[{role}]"
     return n.kernel

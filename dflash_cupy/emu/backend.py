@@ -314,7 +314,7 @@ class EmuKernel(Kernel):
             if chk is not None:
                 run = chk.wrap(s, "launch", run, call)
             backend._submit(s, [(what, run, accesses, None, None)])
-        notify_launch("kernel", self.name, given, stream)
+        notify_launch("kernel", self.name, signatures.by_name(self.sig.params, given), stream)
 
     def _run(self, g, b, ptrs, keep, shared_mem) -> None:
         backend = self._module.backend
