@@ -17,6 +17,7 @@ each launch's arrays named after the cache attribute they are (``k_cache[2]``,
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import re
 from collections.abc import Mapping
@@ -87,6 +88,17 @@ class Launch:
             if isinstance(a, dict):
                 out.update(a)
         return out
+
+    def with_args(self, **changes) -> "Launch":
+        """A copy with arguments replaced by name: a parameter of the signature (``names``),
+        else a field of the struct argument (added where the recording left it out)."""
+        plain = {k: v for k, v in changes.items() if k in self.names}
+        fields = {k: v for k, v in changes.items() if k not in plain}
+        if fields and sum(isinstance(a, dict) for a in self.args) != 1:
+            raise KeyError(f"launch of {self.kernel}: no parameter named {sorted(fields)} and no one struct")
+        names = list(self.names) + [None] * (len(self.args) - len(self.names))
+        args = [{**a, **fields} if isinstance(a, dict) else plain.get(n, a) for n, a in zip(names, self.args)]
+        return dataclasses.replace(self, args=args, known=dict(self.known))
 
     def leaves(self) -> list:
         """Every argument, a struct's fields in its place."""

@@ -749,7 +749,7 @@ def test_split_k_static_counters_per_m_block():
     from tests.support.launches import arr, gs_launch
     L, p = gs_launch(256, 256, 1024, ks=2)
     assert p.grid == (4, 1, 2) and p.mblocks == 4
-    L.args[0].update(ln=None, eps=0.0, norm_lo=0, tile_live=arr("tl", (16,), np.int32), use_live=1)
+    L = L.with_args(ln=None, eps=0.0, norm_lo=0, tile_live=arr("tl", (16,), np.int32), use_live=1)
     every = ctr.static_counters(L)   # (a forced split: its notes name the difference from plan's)
     ws = next(k for k in every.bytes_written if k.startswith("ws"))
     assert every.bytes_written[ws] == every.bytes_read[ws] == 2 * 256 * 256 * 4

@@ -578,7 +578,7 @@ def test_gemm_stream_padding_tiles_skipped():
     L, p = gs_launch(50, 256, 256)
     assert p.mt == 4 and p.grid[1] == 1
     full = ctr.static_counters(L)
-    L.args[0]["pad_hi"] = 34
+    L = L.with_args(pad_hi=34)
     unknown = ctr.static_counters(L)
     L.known["pad_lo"] = 6
     pad = ctr.static_counters(L)
