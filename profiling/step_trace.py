@@ -368,7 +368,7 @@ def node_label(n) -> str:
     or ``memcpy h2d``."""
     if isinstance(n, Copy):
         return f"memcpy {n.kind}"
-    if n.kernel in ("gemm_mma", "gemm", "gemm_stream", "gemm_wgmma"):
+    if n.kernel in ("gemm", "gemm_stream", "gemm_wgmma"):
         wname = getattr(n.params().get("w"), "name", "?")
         role = wname.rsplit(".", 1)[-1].replace("w_", "") if "." in wname else wname
         return f"{n.kernel}[{role}]"

@@ -94,8 +94,7 @@ def test_step_nodes_are_the_cost_models_nodes(be):
         plan = trace_step(cfg, window, accept=accept)
         want = [kernel_times.node_label(n) for n in plan.nodes]
         assert t.labels == want                      # node for node, GEMM roles included
-        assert "gemm_stream[gate_up]" in t.labels or "gemm_mma[gate_up]" in t.labels or \
-            any(l.endswith("[gate_up]") for l in t.labels)
+        assert any(l.endswith("[gate_up]") for l in t.labels)
         assert t.labels[0] == "memcpy h2d" and len(t.us) == len(want) == len(t.samples_us[0])
         assert len(t.samples_us) == 2 and all(u > 0 for u in t.us)
         d = t.as_dict()

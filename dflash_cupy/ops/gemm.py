@@ -12,25 +12,22 @@
 Compile-time: weight dtype, epilogue, K, the M tile ``min(max_m, 64)``, and the
 tiling derived from them; N and m are launch arguments. One ``Gemm`` per shape.
 
-Three kernels (``path``):
+Two kernels (``path``):
 
 * ``"stream"`` (``cuda_src/gemm_stream.cu``, planned by ``ops/gemm_stream.py``;
   the default for f16/bf16 weights with ``K % 8 == 0``): tensor cores, M-tile
   variants per M bucket, a register ring of weight loads, wide column groups
-  and split K by whole-wave arithmetic over the device's SM count. Same
-  numerics (``x_round``) as ``"mma"``. With ``x_split=False`` and
+  and split K by whole-wave arithmetic over the device's SM count (and, from
+  49 rows on sm_90a, ``cuda_src/gemm_wgmma.cu``). The operands are 16-bit, so
+  each f32 activation is split into ``hi + lo`` in the weight type
+  (``x_split=True``, the default: about 16 significant bits, twice the MMAs)
+  or rounded once (``x_split=False``, as cuBLAS does with 16-bit inputs). With ``x_split=False`` and
   ``x16=True`` it reads x already rounded to the weight type (``x`` of
   ``w_dtype``: half the activation bytes, results bit-identical to passing
   the same values as f32; the folded norm's sums of squares are then taken
   from those rounded values). ``y16=True`` (``"none"``/``"silu_mul"``)
   writes y rounded to the weight type (``y`` of ``w_dtype``): what a
   single-rounding GEMM reading it with ``x16=True`` expects.
-* ``"mma"`` (``cuda_src/gemm_mma.cu``, the previous default, kept selectable):
-  tensor cores, needed to stream bf16 weights at HBM speed
-  for M = 16..64. The operands are 16-bit, so each f32 activation is split
-  into ``hi + lo`` in the weight type (``x_split=True``, the default: about
-  16 significant bits, twice the MMAs) or rounded once (``x_split=False``, as
-  cuBLAS does with 16-bit inputs).
 * ``"fma"`` (``cuda_src/gemm.cu``): f32 activations and FMA; f32 weights,
   K tails, and anyone who wants unrounded activations.
 
@@ -52,12 +49,8 @@ MAX_M_LIMIT = 64          # the M tile: acc registers per lane = R * rows * tile
 WARPS = 4                 # warps per block
 LANE_K = kernels.constants("gemm.cu")["GEMM_LANE_K"]        # K elements per lane per step
 WARP_K = 32 * LANE_K      # K elements per warp per step
-MMA_COLS = kernels.constants("gemm_mma.cu")["GM_WARP_COLS"]  # output columns per warp
 SMEM_LIMIT = device_props.DEFAULT_SMEM  # x tiles stay under it: no opt-in attribute needed
-BLOCKS_PER_SM = 4         # split K until about this many blocks per SM are in flight
-MIN_K_PER_SLICE = 512     # below this a K slice is not worth its partial-sum traffic
-MAX_K_SPLIT = 8
-PATHS = ("auto", "stream", "mma", "fma")
+PATHS = ("auto", "stream", "fma")
 ACC_BUDGET = 64           # accumulators per lane the tiling aims for
 
 
@@ -83,9 +76,9 @@ class Gemm:
     * ``epilogue``: ``"none" | "residual" | "silu_mul" | "argmax"`` (argmax: stream path;
       ``logits`` False stores no logits, only the per-block ``partials``);
     * ``max_m``: rows planned for (any ``m >= 1`` still works: more M tiles);
-    * ``path``: ``"auto" | "stream" | "mma" | "fma"``; ``wgmma``: None (auto), True, False;
+    * ``path``: ``"auto" | "stream" | "fma"``; ``wgmma``: None (auto), True, False;
     * ``x_split``: x as bf16/f16 hi + lo halves (exact f32 products) or one half;
-    * ``k_split``: K slices (mma / stream; default: the cost rule's);
+    * ``k_split``: K slices (stream path; default: the cost rule's);
     * ``norm_eps``: fold an RMSNorm of x's rows into the GEMM (``norm=`` at the call);
     * ``x16`` / ``y16``: x read / y written in the weight type (stream path);
     * ``skip_cols``, ``live_split``: lane-batched launches (``tile_live`` entries of 2 skip the
@@ -110,7 +103,7 @@ class Gemm:
         self.backend = backend
         self.variant = None   # the stream path's GemmVariant (its compile options and tuning key)
         self.N, self.K, self.max_m = int(N), int(K), int(max_m)
-        self.tile_m = min(self.max_m, MAX_M_LIMIT)   # the fma/mma M tile; larger m is more tiles
+        self.tile_m = min(self.max_m, MAX_M_LIMIT)   # the fma M tile; larger m is more tiles
         self.epilogue = epilogue
         self.wkind = weight_kind(w_dtype)
         self.w_device_dtype = dtypes.DEVICE[self.wkind]
@@ -118,13 +111,13 @@ class Gemm:
         nw = 2 if epilogue == "silu_mul" else 1
         if path not in PATHS:
             raise ValueError(f"path {path!r}: expected one of {PATHS}")
-        mma_ok = self.wkind in ("f16", "bf16") and self.K % 8 == 0
-        if path in ("mma", "stream") and not mma_ok:
+        tc_ok = self.wkind in ("f16", "bf16") and self.K % 8 == 0
+        if path == "stream" and not tc_ok:
             raise ValueError(f"path {path!r} needs f16/bf16 weights and K % 8 == 0 (got {self.wkind}, K={self.K})")
         stream_only = epilogue == "argmax" or norm_eps is not None or x16 or y16 or rope is not None
-        if path == "auto" and mma_ok and not stream_only and not _stream_usable(backend):
-            mma_ok = False   # the device's self-check failed gemm_stream.cu: gemm.cu instead
-        self.path = "stream" if path == "auto" and mma_ok else ("fma" if path == "auto" else path)
+        if path == "auto" and tc_ok and not stream_only and not _stream_usable(backend):
+            tc_ok = False   # the device's self-check failed gemm_stream.cu: gemm.cu instead
+        self.path = "stream" if path == "auto" and tc_ok else ("fma" if path == "auto" else path)
         # "argmax": the lm_head GEMM with the greedy token fused (per column block the best
         # column into ``partials``; ``logits=False``: y is never written)
         self.logits = bool(logits) if epilogue == "argmax" else True
@@ -174,11 +167,8 @@ class Gemm:
         if self.path == "stream":
             self._init_stream(k_split)
             return
-        if self.path == "mma":
-            self._init_mma(k_split)
-            return
         if k_split not in (None, 1):
-            raise ValueError(f"k_split={k_split}: only the 'mma' path and the 'stream' path split K")
+            raise ValueError(f"k_split={k_split}: only the 'stream' path splits K")
         self.k_split = 1
         # Columns per warp: as many as the accumulator budget allows, so that
         # one staged x tile serves more weight rows.
@@ -217,40 +207,6 @@ class Gemm:
         self.cols_per_block = gemm_stream.cols_per_block(self._stream.nw)
         self._nblk = -(-self.N // self.cols_per_block)
         self._counters = self._stream._counters
-
-    def _init_mma(self, k_split):
-        # M tile: 16, 32 or 64 rows (gemm_mma.cu spills at 48); x tile in the
-        # weight type must fit the default shared-memory cap.
-        self.m_tiles = 1 if self.tile_m <= 16 else (2 if self.tile_m <= 32 else 4)
-        rows = 16 * self.m_tiles
-        k_round = -(-self.K // 32) * 32
-        self.split = 2 if self.x_split else 1
-        kt_fit = (SMEM_LIMIT // (2 * rows * self.split) - 8) // 32 * 32
-        self.k_tile = min(k_round, kt_fit)
-        self.vectorized = True
-        self.rows_per_warp = 1
-        self.cols_per_block = WARPS * MMA_COLS
-        self._nblk = -(-self.N // self.cols_per_block)
-        if k_split is None:  # enough blocks for the weight stream, slices not too thin
-            sms = device_props.of(self.backend).sm_count
-            k_split = max(1, min(MAX_K_SPLIT, (BLOCKS_PER_SM * sms) // self._nblk,
-                                 self.K // MIN_K_PER_SLICE))
-        self.k_split = checks.int_arg(k_split, "k_split", 1)
-        opts = dict(GM_WTYPE=dtypes.CODE[self.wkind], GM_EPI=EPILOGUES[self.epilogue], GM_K=self.K,
-                    GM_MT=self.m_tiles, GM_WARPS=WARPS, GM_KT=self.k_tile, GM_SPLIT=self.split)
-        # m beyond one M tile (bulk append chunks) runs unsplit: the partial sums
-        # of all its tiles would need a workspace sized for the largest m.
-        self._kernel = kernels.load_module(self.backend, "gemm_mma.cu", **opts).get_function("gemm_mma")
-        self._kernel_split = None
-        nw = 2 if self.epilogue == "silu_mul" else 1
-        if self.k_split > 1:
-            self._kernel_split = kernels.load_module(self.backend, "gemm_mma.cu", GM_KSPLIT=self.k_split,
-                                                     **opts).get_function("gemm_mma")
-            self._ws = self.backend.zeros((self.k_split * nw * rows * self.N,), np.float32)
-            self._counters = self.backend.zeros((self._nblk,), np.int32)
-        else:
-            self._ws = None
-            self._counters = self.backend.zeros((1,), np.int32)  # a valid pointer, never used
 
     # ---- launch configurations (autotuning: dflash_cupy/tuning.py)
     def launch_candidates(self, m: int) -> list:
@@ -299,11 +255,6 @@ class Gemm:
         """``(grid, block, shared_mem)`` of a launch over ``m`` rows."""
         if self.path == "stream":
             return self._stream.launch_config(m)
-        if self.path == "mma":
-            rows = 16 * self.m_tiles
-            kz = self.k_split if m <= rows else 1
-            return ((self._nblk, -(-m // rows), kz), (self.threads, 1, 1),
-                    self.split * rows * (self.k_tile + 8) * 2)
         mtiles = -(-m // self.tile_m)
         smem = min(m, self.tile_m) * self.k_tile * 4
         return (self._nblk * mtiles, 1, 1), (self.threads, 1, 1), smem
@@ -437,8 +388,8 @@ class Gemm:
         runs, so a captured graph follows it): entry ``t`` covers rows
         ``[16t, 16t + 16)``; on the ``"stream"`` path a tile whose entry is 0
         is skipped (no x read, no MMA) and its rows of ``y`` (and of the argmax
-        ``partials``) are not written at all. The ``"mma"`` and ``"fma"`` paths
-        ignore it and compute every row (the dead rows' outputs are never
+        ``partials``) are not written at all. The ``"fma"`` path
+        ignores it and computes every row (the dead rows' outputs are never
         consumed by contract). ``None``: every tile is live. An entry of 2 is a
         live tile whose rows need only the columns ``>= skip_cols`` (this
         Gemm's): the wgmma kernel leaves the column groups wholly below
@@ -533,15 +484,7 @@ class Gemm:
                          tile_live=tile_live, x2=x2)
             return
         grid, block, smem = self.launch_config(m)
-        if self.path == "fma":
-            self._kernel(grid, block, (x, w, y, r, np.int32(m), np.int32(self.N)),
-                         shared_mem=smem, stream=stream)
-        elif grid[2] > 1:
-            self._kernel_split(grid, block, (x, w, y, r, np.int32(m), np.int32(self.N), self._ws,
-                                             self._counters), shared_mem=smem, stream=stream)
-        else:
-            self._kernel(grid, block, (x, w, y, r, np.int32(m), np.int32(self.N), y, self._counters),
-                         shared_mem=smem, stream=stream)
+        self._kernel(grid, block, (x, w, y, r, np.int32(m), np.int32(self.N)), shared_mem=smem, stream=stream)
 
 
 def gemm_reference(x, w, epilogue: str = "none", residual=None, x_round: str | None = None,
