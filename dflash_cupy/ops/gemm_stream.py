@@ -187,9 +187,7 @@ def plan(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device = H200
             # x staged by cp.async (a chunk's copies all in flight, whatever its size): the
             # stream by bytes in flight (stream_terms), not by rounds of blocks. A slice costs
             # its partials and its share of the reduction, and buys bytes in flight only where
-            # an SM lacks them. (By rounds, h4096's gate_up took 8 slices, 768 blocks in 3
-            # rounds on 264 slots, each round paying a block's prologue, staging and reduction
-            # as compiled; it takes 2.)
+            # an SM lacks them (docs/decisions/gemm.md: the folded norm's launch rule).
             stream = max(stream_terms(blocks, block_bytes, mt, dev))
         else:
             # x staged through registers (GS_XB items per thread per L2 round trip): a thicker
@@ -227,10 +225,8 @@ WG_DEPTH = {64: 3, 128: 2}
 # H200: 74-84% of HBM at m = 64 vs 86-98% with wgmma), and at m <= 48 both stream at the floor.
 WG_MIN_M = 49
 # ptxas (NVRTC, sm_90a) registers per thread, max over dtypes, epilogues, hi + lo and the folded
-# norm (tests/test_gemm_wgmma.py holds the kernel to them); one block of 256 threads per SM.
-# The qkv epilogue (GW_EPI 3) measured 220 / 247 (250 with the live split), no spills. The second x
-# pointer and ln_lo (the folded hidden norm) moved wg64 from <= 241 to <= 244 (the same allocation
-# of 248: one block per SM either way) and wg128 to <= 252, no spills.
+# norm (tests/test_gemm_wgmma.py holds the kernel to them); one block of 256 threads per SM
+# either way (history: docs/decisions/gemm.md).
 WG_PTXAS_REGS = {64: 248, 128: 255}
 WG_EPI_UNITS = kernels.constants("gemm_wgmma.cu")["GW_EPI_UNITS"]   # qkv epilogue units per warp at once
 WG_BLOCK_STEPS = 2        # a block's fixed cost in 64-k steps: its first loads, the epilogue
