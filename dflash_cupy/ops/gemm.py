@@ -342,12 +342,12 @@ class Gemm:
         """Compulsory traffic of one call: weights once, x read, y written,
         residual read, the folded norm's scale. (Beyond one M tile each extra
         M tile re-reads the weights from L2, on the "stream" path in the same wave; not counted.)"""
-        b = (self.spec.w_rows * self.spec.K * dtypes.ITEMSIZE[self.spec.wkind] + m * self.spec.K * self.spec.x_dtype.itemsize
-             + m * self.spec.N * self.spec.y_dtype.itemsize)
-        if self.spec.epilogue == "residual":
-            b += m * self.spec.N * 4
-        if self.spec.norm_eps is not None:
-            b += self.spec.K * 4
+        s = self.spec
+        b = s.w_rows * s.K * dtypes.ITEMSIZE[s.wkind] + m * s.K * s.x_dtype.itemsize + m * s.N * s.y_dtype.itemsize
+        if s.epilogue == "residual":
+            b += m * s.N * 4
+        if s.norm_eps is not None:
+            b += s.K * 4
         return b
 
     def _pad(self, pad_rows, m):
@@ -375,8 +375,9 @@ class Gemm:
     def _call_rope(self, x, w, y, m, rope, stream, pad_rows, norm, tile_live, x2=None):
         be = self.backend
         if not self.fuses_rope(m):
+            launch = self.config(m) if self.spec.path == "stream" else self.spec.path
             raise ValueError(f"rope given but this Gemm cannot fold it at m={m} (rope={self.spec.rope}, launch "
-                             f"{self.config(m) if self.spec.path == 'stream' else self.spec.path!r}): run QkvNormRope after it")
+                             f"{launch!r}): run QkvNormRope after it")
         if not isinstance(rope, tuple) or len(rope) != 7:
             raise ValueError("rope must be (q_norm, k_norm, inv_freq, pos, rows, k_cache, v_cache)")
         q_norm, k_norm, inv_freq, pos, rows, k_cache, v_cache = rope
@@ -486,11 +487,30 @@ class Gemm:
         ``x2=(a, row_split)`` (``"stream"`` path): rows ``>= row_split`` are read from ``a``
         (row ``r`` from ``a[r - row_split]``), rows below from x: two producers' rows in one
         GEMM without a concatenated copy. Bit-identical to one x holding both."""
-        be = self.backend
         m = checks.int_arg(m, "m")
         if rope is not None:
             self._call_rope(x, w, y, m, rope, stream, pad_rows, norm, tile_live, x2)
             return
+        y, r, x2 = self._check_io(x, w, y, m, residual, partials, x2)
+        pad_rows = self._pad(pad_rows, m)
+        tile_live = self._tile_live(tile_live, m)
+        if norm is not None:
+            norm = self._norm_args(norm, m)
+        self._run(x, w, y, r, m, stream, pad_rows, norm, partials, tile_live, x2)
+
+    def _run(self, x, w, y, r, m, stream, pad_rows=None, norm=None, partials=None, tile_live=None, x2=None):
+        """The launch of checked arguments (``r``: the residual, or any valid pointer)."""
+        if self.spec.path == "stream":
+            self._stream(x, w, y, r, m, stream=stream, pad_rows=pad_rows, norm=norm, partials=partials,
+                         tile_live=tile_live, x2=x2)
+            return
+        grid, block, smem = self.launch_config(m)
+        self._kernel(grid, block, (x, w, y, r, np.int32(m), np.int32(self.spec.N)), shared_mem=smem, stream=stream)
+
+    def _check_io(self, x, w, y, m, residual, partials, x2):
+        """``(y, r, x2)`` of a call's checked arrays: y (the argmax partials where no logits
+        are written), the residual (or y: any valid pointer), x2 checked."""
+        be = self.backend
         if x2 is not None and (self.spec.epilogue == "argmax" or self.spec.path != "stream"):
             raise ValueError(f"x2 needs path 'stream' and an epilogue other than argmax (this Gemm: "
                              f"{self.spec.path!r}, {self.spec.epilogue!r})")
@@ -515,10 +535,7 @@ class Gemm:
             if not 1 <= m <= x.shape[0]:
                 raise ValueError(f"m={m} must be in [1, x rows={x.shape[0]}]")
             checks.aligned16(x=x, w=w)
-            # y is never written without logits: the partials stand in for the pointer
-            self._stream(x, w, partials, partials, m, stream=stream, pad_rows=self._pad(pad_rows, m),
-                         partials=partials, tile_live=self._tile_live(tile_live, m))
-            return
+            return partials, partials, None   # y is never written without logits: any valid pointer
         checks.device_array(be, "x", x, self.spec.x_dtype)
         checks.device_array(be, "w", w, self.spec.w_device_dtype)
         checks.device_array(be, "y", y, self.spec.y_dtype)
@@ -554,16 +571,7 @@ class Gemm:
             r = y  # unused by the kernel; any valid pointer
         if self.vectorized:
             checks.aligned16(x=x, w=w, y=y, residual=r)
-        pad_rows = self._pad(pad_rows, m)
-        tile_live = self._tile_live(tile_live, m)
-        if norm is not None:
-            norm = self._norm_args(norm, m)
-        if self.spec.path == "stream":
-            self._stream(x, w, y, r, m, stream=stream, pad_rows=pad_rows, norm=norm, partials=partials,
-                         tile_live=tile_live, x2=x2)
-            return
-        grid, block, smem = self.launch_config(m)
-        self._kernel(grid, block, (x, w, y, r, np.int32(m), np.int32(self.spec.N)), shared_mem=smem, stream=stream)
+        return y, r, x2
 
 
 for _name in sorted(_SPEC_NAMES):   # the spec's fields and properties read as the Gemm's own
