@@ -25,8 +25,8 @@
 // columns) is staged in shared memory and reused by every weight row of the block.
 // Each lane reads 4 consecutive K elements per step (float4 / 8-byte loads) and the
 // partial sums are folded across the warp with xor shuffles at the end. (The
-// tensor-core kernel for f16/bf16 weights is gemm_mma.cu; this one serves f32
-// weights, K tails and unrounded activations.)
+// tensor-core kernels for f16/bf16 weights are gemm_stream.cu and gemm_wgmma.cu; this
+// one serves f32 weights, K tails and unrounded activations.)
 //
 // K tails: K need not be a multiple of 4. When it is (GEMM_K % 4 == 0) weight and x
 // loads are vectorised (the launcher checks 16-byte alignment of every pointer);

@@ -1,5 +1,5 @@
 // gemm_epilogue.cuh — the GEMMs' output epilogues, one definition for the
-// tensor-core kernels (gemm_mma.cu, gemm_stream.cu, gemm_wgmma.cu):
+// tensor-core kernels (gemm_stream.cu, gemm_wgmma.cu):
 //   EPI 0: y = acc    EPI 1: y = r + acc (r may be y)    EPI 2: y = silu(gate) * up
 // y is f32, or (the stream kernels' Y16 option) 16-bit bits of the weight type WT: the
 // f32 value rounded to nearest even, as a single-rounding GEMM reading it would round it.

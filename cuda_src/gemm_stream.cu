@@ -32,24 +32,7 @@
 // with an f32 x: converted there from the raw chunk that cp.async brought in during the last one).
 // Registers: ops/gemm_stream.PTXAS_REGS (held by tests/test_gemm_stream.py).
 //
-// nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=0 -DGS_K=4096 -DGS_MT=1 -DGS_NT=4 -DGS_SPLIT=2
-// nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=0 -DGS_K=4096 -DGS_MT=2 -DGS_NT=4 -DGS_SPLIT=2
-// nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=0 -DGS_K=4096 -DGS_MT=4 -DGS_NT=4 -DGS_SPLIT=2
-// nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=1 -DGS_K=12288 -DGS_MT=4 -DGS_NT=4 -DGS_SPLIT=2
-// nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=2 -DGS_K=4096 -DGS_MT=1 -DGS_NT=2 -DGS_SPLIT=2
-// nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=2 -DGS_K=5120 -DGS_MT=4 -DGS_NT=2 -DGS_SPLIT=2
-// nvrtc-check: -DGS_WTYPE=1 -DGS_EPI=2 -DGS_K=5120 -DGS_MT=4 -DGS_NT=2 -DGS_SPLIT=1
-// nvrtc-check: -DGS_WTYPE=1 -DGS_EPI=1 -DGS_K=40 -DGS_MT=2 -DGS_NT=4 -DGS_SPLIT=2
-// nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=3 -DGS_K=4096 -DGS_MT=1 -DGS_NT=4 -DGS_SPLIT=2
-// nvrtc-check: -DGS_WTYPE=1 -DGS_EPI=3 -DGS_LOGITS=1 -DGS_K=5120 -DGS_MT=2 -DGS_NT=4 -DGS_SPLIT=2
-// nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=0 -DGS_K=4096 -DGS_MT=4 -DGS_NT=4 -DGS_SPLIT=2 -DGS_NORM=1
-// nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=2 -DGS_K=4096 -DGS_MT=1 -DGS_NT=2 -DGS_SPLIT=2 -DGS_NORM=1
-// nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=2 -DGS_K=12288 -DGS_MT=4 -DGS_NT=2 -DGS_SPLIT=1 -DGS_X16=1
-// nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=1 -DGS_K=4096 -DGS_MT=2 -DGS_NT=4 -DGS_SPLIT=1 -DGS_X16=1
-// nvrtc-check: -DGS_WTYPE=1 -DGS_EPI=2 -DGS_K=4096 -DGS_MT=4 -DGS_NT=2 -DGS_SPLIT=1 -DGS_X16=1 -DGS_NORM=1
-// nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=0 -DGS_K=4096 -DGS_MT=1 -DGS_NT=4 -DGS_SPLIT=1 -DGS_X16=1 -DGS_NORM=1
-// nvrtc-check: -DGS_WTYPE=2 -DGS_EPI=2 -DGS_K=4096 -DGS_MT=4 -DGS_NT=2 -DGS_SPLIT=1 -DGS_Y16=1 -DGS_NORM=1
-// nvrtc-check: -DGS_WTYPE=1 -DGS_EPI=2 -DGS_K=4096 -DGS_MT=1 -DGS_NT=2 -DGS_SPLIT=2 -DGS_Y16=1
+// NVRTC checks: the launcher's options of each GemmVariant in tests/support/gemm_variants.py.
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -31,22 +31,7 @@
 // per step; chunks of GW_NCH rows with no computed tile issue no wgmma.
 // Registers: ops/gemm_stream.WG_PTXAS_REGS (held by tests/test_gemm_wgmma.py).
 //
-// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=0 -DGW_K=4096 -DGW_BT=128 -DGW_SPLIT=1
-// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=2 -DGW_K=4096 -DGW_BT=128 -DGW_SPLIT=1 -DGW_NORM=1
-// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=1 -DGW_K=12288 -DGW_BT=128 -DGW_SPLIT=2
-// nvrtc-check: -DGW_WTYPE=1 -DGW_EPI=0 -DGW_K=4096 -DGW_BT=64 -DGW_SPLIT=2 -DGW_NORM=1
-// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=2 -DGW_K=5120 -DGW_BT=64 -DGW_SPLIT=2
-// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=0 -DGW_K=4096 -DGW_BT=128 -DGW_SPLIT=2 -DGW_NORM=1 -DGW_SMS=132 -DGW_SKIP_COLS=4096
-// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=2 -DGW_K=4096 -DGW_BT=64 -DGW_SPLIT=1 -DGW_NORM=1 -DGW_SMS=132 -DGW_X16=1 -DGW_Y16=1
-// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=2 -DGW_K=4096 -DGW_BT=128 -DGW_SPLIT=1 -DGW_X16=1
-// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=1 -DGW_K=12288 -DGW_BT=64 -DGW_SPLIT=1 -DGW_X16=1
-// nvrtc-check: -DGW_WTYPE=1 -DGW_EPI=2 -DGW_K=4096 -DGW_BT=128 -DGW_SPLIT=1 -DGW_X16=1 -DGW_NORM=1
-// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=2 -DGW_K=4096 -DGW_BT=128 -DGW_SPLIT=1 -DGW_Y16=1 -DGW_NORM=1
-// nvrtc-check: -DGW_WTYPE=1 -DGW_EPI=2 -DGW_K=4096 -DGW_BT=64 -DGW_SPLIT=2 -DGW_Y16=1
-// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=3 -DGW_K=4096 -DGW_BT=128 -DGW_SPLIT=2 -DGW_NORM=1 -DGW_HD=128 -DGW_QW=4096 -DGW_KVW=1024
-// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=3 -DGW_K=4096 -DGW_BT=64 -DGW_SPLIT=2 -DGW_NORM=1 -DGW_HD=128 -DGW_QW=4096 -DGW_KVW=1024
-// nvrtc-check: -DGW_WTYPE=2 -DGW_EPI=3 -DGW_K=5120 -DGW_BT=128 -DGW_SPLIT=1 -DGW_NORM=1 -DGW_SMS=132 -DGW_SKIP_COLS=4096 -DGW_HD=128 -DGW_QW=4096 -DGW_KVW=1024
-// nvrtc-check: -DGW_WTYPE=1 -DGW_EPI=3 -DGW_K=4096 -DGW_BT=64 -DGW_SPLIT=1 -DGW_X16=1 -DGW_HD=64 -DGW_QW=2048 -DGW_KVW=512
+// NVRTC checks: the launcher's options of each GemmVariant in tests/support/gemm_variants.py.
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -5,7 +5,7 @@ fill it:
 
 * **static estimates** (this module, ``static_counters(launch)``): derived by
   hand from each kernel's source (its loops and address expressions, written
-  out below per kernel: ``gemm_mma``, ``gemm_stream``, the attention) and the
+  out below per kernel: ``gemm_stream``, ``gemm_wgmma``, the attention) and the
   launch's real shapes, evaluated lane by lane
   for the warp-level accesses that matter (weight and activation loads, the x
   and K/V tiles in shared memory) with the same two functions an emulator
@@ -205,7 +205,7 @@ def _contig(c: KernelCounters, kind: str, nbytes: int, width: int = 4) -> None:
 
 
 def _staging_loads(ROWS, KT, K, m_valid, kvalid, elem=4, _cache={}):
-    """(requests, sectors, bytes) of one x-tile staging pass of gemm_mma:
+    """(requests, sectors, bytes) of one x-tile staging pass of gemm_stream:
     ROWS x KT/4 float4 items, 32 consecutive items per warp-level load, only
     rows < m_valid and columns < kvalid load. ``elem`` = 2: x in 16 bits
     (gemm_stream's GS_X16), KT/8 items of 8 values (16 bytes each)."""
@@ -281,126 +281,6 @@ def splitk_reduce_global(c: KernelCounters, m0: int, rows, c0: int, N: int, COLS
 def _splitk_constants() -> dict:
     from dflash_cupy import kernels
     return kernels.constants("gemm_splitk.cuh")
-
-
-# ---------------------------------------------------------------------------- gemm_mma.cu
-def _gemm_mma(L) -> KernelCounters:
-    d = L.defines
-    K, KT, MT, SPLIT = d["GM_K"], d["GM_KT"], d["GM_MT"], d.get("GM_SPLIT", 2)
-    KSPLIT, EPI, WARPS = d.get("GM_KSPLIT", 1), d.get("GM_EPI", 0), d.get("GM_WARPS", 4)
-    P = L.params()
-    x, w, y, r, M, N, ws = (P[k] for k in ("x", "w", "y", "r", "M", "N", "ws"))
-    ROWS, XS, NW, THREADS = 16 * MT, KT + 8, 2 if EPI == 2 else 1, WARPS * 32
-    KZ = (-(-K // KSPLIT) + 31) // 32 * 32
-    gx, gy, gz = L.grid
-    c = KernelCounters("gemm_mma", "static estimate", L.n_blocks)
-    warps = L.n_blocks * WARPS
-
-    # weight rows streamed: each lane one row n (8 per warp), 16 B per 32-wide K step;
-    # a full step of a warp is 8 rows x 64 contiguous bytes
-    w_rows = NW * N
-    c.bytes_read[_name(w)] = w_rows * K * 2
-    rows_of_warp = [max(0, min(8, N - (bx * WARPS + wp) * 8)) for bx in range(gx) for wp in range(WARPS)]
-    full_warps = rows_of_warp.count(8)
-    partial_rows = Counter(v for v in rows_of_warp if 0 < v < 8)
-    peak_steps = 0
-    dram_trips = l2_trips = 0.0
-    x_rows_total = 0
-    for bz in range(gz):
-        k_begin, k_end = bz * KZ, min(K, bz * KZ + KZ)
-        span = max(0, k_end - k_begin)
-        tiles = -(-span // KT)
-        steps_full = steps_part = 0
-        trips = 0
-        for t_i in range(tiles):
-            kend = min(KT, span - t_i * KT)
-            s = -(-kend // 32)
-            steps_full += kend // 32
-            steps_part += s - kend // 32
-            trips += -(-s // 4)          # #pragma unroll 4: up to 4 steps' loads in flight
-            peak_steps = max(peak_steps, min(4, s))
-        # weights: each warp's lanes with n < N load (a whole warp past N issues nothing)
-        for vr in (8, *sorted(partial_rows)):
-            n_w = gy * (full_warps if vr == 8 else partial_rows[vr])
-            if not n_w:
-                continue
-            sec, req = global_sectors([((g * K) + t * 8) * 2 for g in range(vr) for t in range(4)], 16)
-            c.add_global("ld", n_w * NW * steps_full, sec, req)
-            if steps_part:
-                rem = (span % 32) // 8           # lanes t with k < k_end in the last partial step
-                sec, req = global_sectors([((g * K) + t * 8) * 2 for g in range(vr) for t in range(rem)], 16)
-                c.add_global("ld", n_w * NW * steps_part, sec, req)
-        # x tile staging: ROWS x KT/4 float4 per tile, only rows < M and k < k_end load
-        for by in range(gy):
-            m_valid = max(0, min(ROWS, M - by * ROWS))
-            x_rows_total += m_valid * span * gx
-            for t_i in range(tiles):
-                kvalid = min(KT, span - t_i * KT)
-                reqs, secs, nb = _staging_loads(ROWS, KT, K, m_valid, kvalid)
-                c.gld_requests += gx * reqs
-                c.gld_sectors += gx * secs
-                c.gld_bytes += gx * nb
-        dram_trips = max(dram_trips, trips)
-        l2_trips = max(l2_trips, tiles)
-        # shared stores of the staged tile (hi, lo): every item stores, valid or not
-        n_iter = -(-ROWS * (KT // 4) // THREADS)
-        tiles_all = tiles * gx * gy
-        for it in range(n_iter):
-            for wp in range(WARPS):
-                lanes = [it * THREADS + wp * 32 + ln for ln in range(32)]
-                addrs = [((i // (KT // 4)) * XS + (i % (KT // 4)) * 4) * 2 if i < ROWS * (KT // 4) else None
-                         for i in lanes]
-                if any(a is not None for a in addrs):
-                    c.add_smem(tiles_all * SPLIT, addrs, 8)
-        # MMA loop: per warp per step SPLIT x MT x 2 x 16-byte x-tile loads, SPLIT x MT x NW x 2 MMAs
-        steps = steps_full + steps_part
-        n_steps_warps = gx * gy * WARPS * steps
-        xa = [(g * XS + t * 8) * 2 for g in range(8) for t in range(4)]
-        xb = [a + 8 * XS * 2 for a in xa]
-        c.add_smem(n_steps_warps * SPLIT * MT, xa, 16)
-        c.add_smem(n_steps_warps * SPLIT * MT, xb, 16)
-        c.mma += n_steps_warps * SPLIT * MT * NW * 2
-        c.barriers += gx * gy * 2 * tiles
-    c.bytes_read[_name(x)] = M * K * 4
-    c.notes.append(f"x re-staged by each of the {gx} column blocks: {x_rows_total * 4 / 1e6:.2f} MB from L2")
-    if SPLIT == 2:
-        c.notes.append("activations split hi + lo: 2x the MMAs and x-tile reads")
-    if MT * 16 > M:
-        c.notes.append(f"{MT} M-tiles compiled for M={M}: {MT * 16 - M} of {MT * 16} rows of MMA and "
-                       f"x-tile reads are zeros")
-
-    # epilogue: lane stores (row g(+8), cols 2t, 2t+1 of the warp's 8): 8 rows x 32 B per instruction
-    e_addr = [(g * N + 2 * t) * 4 for g in range(8) for t in range(4)]
-    e_sec, e_req = global_sectors(e_addr, 4)
-    rows_valid = min(M, gy * ROWS)
-    inst_per_warp = sum(1 for i in range(MT) for e in range(4) for by in range(gy)
-                        if by * ROWS + i * 16 + (8 if e & 2 else 0) < M)
-    n_epi = gx * WARPS * inst_per_warp
-    if KSPLIT == 1:
-        c.add_global("st", n_epi, e_sec, e_req)
-        if EPI == 1:
-            c.add_global("ld", n_epi, e_sec, e_req)
-    else:
-        c.add_global("st", n_epi * KSPLIT * NW, e_sec, e_req)            # partial tiles -> ws
-        red = rows_valid * WARPS * 8 * gx                                   # last block: sums slices
-        _contig(c, "ld", red * 4 * KSPLIT * NW)
-        _contig(c, "st", red * 4)
-        if EPI == 1:
-            _contig(c, "ld", red * 4)
-        c.barriers += L.n_blocks * 2
-        c.bytes_written[_name(ws)] = KSPLIT * NW * rows_valid * N * 4
-        c.bytes_read[_name(ws)] = KSPLIT * NW * rows_valid * N * 4
-        c.notes.append(f"split-K {KSPLIT}: partial tiles round-trip through L2")
-    c.bytes_written[_name(y)] = M * N * 4
-    if EPI == 1:
-        c.bytes_read[_name(r) + " (residual)"] = M * N * 4
-    c.dram_bytes = w_rows * K * 2 + M * K * 4 + M * N * 4 * (2 if EPI == 1 else 1)
-    c.dram_round_trips_per_block = dram_trips
-    c.l2_round_trips_per_block = l2_trips
-    c.inflight_peak_bytes_per_warp = peak_steps * NW * 512
-    c.notes.append("in-flight: static estimate, #pragma unroll 4 lets a warp issue up to 4 steps' "
-                   "weight loads before the first MMA needs them; a barrier per K tile drains them")
-    return c
 
 
 # ---------------------------------------------------------------------------- gemm_stream.cu
@@ -1400,8 +1280,6 @@ def _small(L) -> KernelCounters:
 
 def static_counters(launch) -> KernelCounters:
     """A ``KernelCounters`` estimated from the kernel's source and the launch's shapes."""
-    if launch.kernel == "gemm_mma":
-        return _gemm_mma(launch)
     if launch.kernel == "gemm_stream":
         return _gemm_stream(launch)
     if launch.kernel == "gemm_wgmma":

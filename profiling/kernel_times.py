@@ -85,12 +85,13 @@ def _ref(a, names) -> ArrayRef | None:
 
 
 def label_op(kind: str, name: str, args, names: dict) -> str:
-    """The cost model's label of an observed launch (``kind`` "kernel") or copy."""
+    """The cost model's label of an observed launch (``kind`` "kernel", ``args`` by
+    parameter name) or copy."""
     if kind == "copy":
         return node_label(Copy(name, 0, None, None))
     refs = [{k: _ref(v, names) or v for k, v in a.items()} if isinstance(a, dict) else _ref(a, names) or a
-            for a in args]
-    return node_label(Launch(name, "", {}, (1, 1, 1), (1, 1, 1), 0, refs))
+            for a in args.values()]
+    return node_label(Launch(name, "", {}, (1, 1, 1), (1, 1, 1), 0, refs, names=list(args)))
 
 
 class _Recorder:

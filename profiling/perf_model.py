@@ -66,7 +66,7 @@ def resolve_drafter(name: str) -> str:
 
 @dataclass
 class NodeTime:
-    label: str                    # "gemm_mma[gate_up]", "ring_attn_mma_split", "memcpy h2d"
+    label: str                    # "gemm_stream[gate_up]", "ring_attn_mma_split", "memcpy h2d"
     kernel: str
     grid: tuple = (0, 0, 0)
     threads: int = 0

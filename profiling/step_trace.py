@@ -17,6 +17,7 @@ each launch's arrays named after the cache attribute they are (``k_cache[2]``,
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import re
 from collections.abc import Mapping
@@ -54,7 +55,7 @@ class Launch:
     block: tuple
     shared_mem: int
     # ArrayRef or a Python int/float (the scalar's value); a struct parameter's argument
-    # as a dict of its fields' (gemm_stream / gemm_wgmma: GemmStreamParams / GemmWgmmaParams)
+    # as a dict of its fields (gemm_wgmma's GemmWgmmaParams)
     args: list
     known: dict = field(default_factory=dict)   # device values the plan knows (e.g. "pad_lo": n_new)
     # The recording's arrays themselves (None for scalars): what the host wrote into them
@@ -87,6 +88,17 @@ class Launch:
             if isinstance(a, dict):
                 out.update(a)
         return out
+
+    def with_args(self, **changes) -> "Launch":
+        """A copy with arguments replaced by name: a parameter of the signature (``names``),
+        else a field of the struct argument (added where the recording left it out)."""
+        plain = {k: v for k, v in changes.items() if k in self.names}
+        fields = {k: v for k, v in changes.items() if k not in plain}
+        if fields and sum(isinstance(a, dict) for a in self.args) != 1:
+            raise KeyError(f"launch of {self.kernel}: no parameter named {sorted(fields)} and no one struct")
+        names = list(self.names) + [None] * (len(self.args) - len(self.names))
+        args = [{**a, **fields} if isinstance(a, dict) else plain.get(n, a) for n, a in zip(names, self.args)]
+        return dataclasses.replace(self, args=args, known=dict(self.known))
 
     def leaves(self) -> list:
         """Every argument, a struct's fields in its place."""
@@ -369,12 +381,8 @@ def node_label(n) -> str:
     or ``memcpy h2d``."""
     if isinstance(n, Copy):
         return f"memcpy {n.kind}"
-    if n.kernel in ("gemm_mma", "gemm", "gemm_stream", "gemm_wgmma"):
-        P = n.params()
-        # an observed launch (kernel_times) carries no parameter names: the weights are every
-        # GEMM kernel's second parameter (gemm_wgmma's struct names them)
-        w = P["w"] if "w" in P else (n.args[1] if len(n.args) > 1 else None)
-        wname = getattr(w, "name", "?")
+    if n.kernel in ("gemm", "gemm_stream", "gemm_wgmma"):
+        wname = getattr(n.params().get("w"), "name", "?")
         role = wname.rsplit(".", 1)[-1].replace("w_", "") if "." in wname else wname
         return f"{n.kernel}[{role}]"
     return n.kernel

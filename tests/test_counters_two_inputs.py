@@ -185,7 +185,7 @@ def test_gemm_wgmma_two_inputs_and_ln_lo_match_the_emulator(case):
     # launch with no row normalised (norm_lo = m, use_ln_lo 0)
     gam_emu = sum(lc.arrays[a].ld_sectors for a in ("ln", "ln_lo") if a in lc.arrays)
     if norm_kind != "none":
-        plain = ctr.static_counters(_with_args(L, {"norm_lo": m, "use_ln_lo": 0}))
+        plain = ctr.static_counters(L.with_args(norm_lo=m, use_ln_lo=0))
         gam_st = st.gld_sectors - plain.gld_sectors
         assert (gam_emu > 0) == (gam_st > 0), what
     else:
@@ -193,15 +193,6 @@ def test_gemm_wgmma_two_inputs_and_ln_lo_match_the_emulator(case):
     emu, model = lc.gld_sectors - gam_emu, st.gld_sectors - gam_st
     assert abs(emu - model) <= 0.02 * model, f"{what}: gld_sectors without the gammas: emulator {emu}, static {model}"
     _same_as_concatenated(lc, case, what)
-
-
-def _with_args(L, changes: dict):
-    """A copy of launch ``L`` with the given struct fields replaced."""
-    import copy
-    c = copy.copy(L)
-    c.args = [{**a, **changes} if isinstance(a, dict) else a for a in L.args]
-    c.known = dict(L.known)
-    return c
 
 
 def test_gamma_bytes_follow_the_rows_that_read_them():

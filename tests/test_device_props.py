@@ -60,7 +60,7 @@ def test_python_launch_constants_match_the_headers():
     assert step_descriptor.DESC_LEN == kernels.constants("step_desc.cuh")["DESC_LEN"]
     assert (ring_slots.SLOT_THREADS, ring_slots.ROW_THREADS) == (256, 128)
     assert attention.TILE == 32 and attention.COMBINE_THREADS == 128
-    assert gemm.LANE_K == 4 and gemm.MMA_COLS == 8
+    assert gemm.LANE_K == 4
     assert gemm.SMEM_LIMIT == attention.SMEM_LIMIT == device_props.DEFAULT_SMEM == 48 * 1024
 
 

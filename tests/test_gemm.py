@@ -17,37 +17,13 @@ EPILOGUES = ("none", "residual", "silu_mul")
 
 @pytest.mark.parametrize("epilogue", EPILOGUES)
 @pytest.mark.parametrize("wkind,path", [("f32", "fma"), ("f16", "fma"), ("bf16", "fma"),
-                                        ("f16", "mma"), ("bf16", "mma")])
+                                        ("f16", "stream"), ("bf16", "stream")])
 def test_dtypes_epilogues_odd_m(backend, rng, wkind, epilogue, path):
     # K=296 with max_m=64: three FMA K tiles of 128 (the last partial), a K tail
-    # inside a 32-wide MMA step, and several MMA K tiles.
+    # inside a 64-wide tensor-core step.
     for m in (1, 3, 19, 33, 64):
         op = run(backend, rng, N=37, K=296, wkind=wkind, epilogue=epilogue, m=m, x_rows=67, path=path)
-        assert op.path == path and op.x_round == (wkind + "x2" if path == "mma" else None)
-
-
-@pytest.mark.parametrize("wkind", ["f16", "bf16"])
-def test_mma_rounded_activations(backend, rng, wkind):
-    # x_split=False: x rounded once to the weight type (the cuBLAS convention)
-    for m in (1, 19, 64):
-        op = run(backend, rng, N=40, K=264, wkind=wkind, epilogue="silu_mul", m=m, path="mma",
-                 x_split=False)
-        assert op.x_round == wkind and op.split == 1
-
-
-@pytest.mark.parametrize("k_split", [2, 3, 5])
-@pytest.mark.parametrize("epilogue", EPILOGUES)
-def test_mma_split_k(backend, rng, k_split, epilogue):
-    # K slices (uneven: the last one shorter) summed by the
-    # last block; launched twice to show the arrival counters reset themselves;
-    # m beyond one M tile falls back to the unsplit kernel.
-    for m in (1, 19, 33):
-        op = run(backend, rng, N=70, K=296, wkind="bf16", epilogue=epilogue, m=m, max_m=32,
-                 x_rows=40, path="mma", k_split=k_split)
-        assert op.k_split == k_split
-        op = run(backend, rng, N=70, K=296, wkind="bf16", epilogue=epilogue, m=m, max_m=32,
-                 x_rows=40, path="mma", k_split=k_split, in_place=epilogue == "residual")
-    assert backend.to_numpy(op._counters).tolist() == [0] * op._nblk
+        assert op.path == path and op.x_round == (wkind + "x2" if path == "stream" else None)
 
 
 def test_split_k_results_repeat_bit_for_bit(backend, rng):
@@ -68,43 +44,21 @@ def test_k_split_defaults(backend):
     assert Gemm(backend, 5120, 17408, "bf16", max_m=16).k_split > 1
     assert Gemm(backend, 64, 128, "bf16", max_m=16).k_split == 1
     assert Gemm(backend, 8, 64, "f32").k_split == 1
-    with pytest.raises(ValueError, match="only the 'mma' path"):
+    with pytest.raises(ValueError, match="only the 'stream' path"):
         Gemm(backend, 8, 64, "f32", k_split=2)
     with pytest.raises(ValueError, match="k_split"):
         Gemm(backend, 8, 64, "bf16", k_split=0)
 
 
 def test_k_split_follows_the_device_sm_count(emu, monkeypatch):
-    """The split is sized by the device's SM count (the emulator presents the
-    H200 profile): 160 column groups on 132 SMs -> 3 slices, on 264 SMs -> 6."""
+    """The split is sized by the device's SM count (the emulator presents the H200 profile)."""
     from dflash_cupy import device_props
     assert device_props.of(emu) is device_props.H200
-    assert Gemm(emu, 5120, 17408, "bf16", max_m=16, path="mma").k_split == 4 * 132 // 160
-    h200 = Gemm(emu, 5120, 17408, "bf16", max_m=16).k_split   # the stream path follows it too
-    big = dataclasses.replace(device_props.H200, sm_count=264)
-    monkeypatch.setattr(device_props, "of", lambda be: big)
-    assert Gemm(emu, 5120, 17408, "bf16", max_m=16, path="mma").k_split == 4 * 264 // 160
+    h200 = Gemm(emu, 5120, 17408, "bf16", max_m=16).k_split
     # an A100's 108 SMs: 5 slices (100 blocks, one wave of its 216 slots), where the H200 takes 13
     small = dataclasses.replace(device_props.H200, sm_count=108)
     monkeypatch.setattr(device_props, "of", lambda be: small)
     assert Gemm(emu, 5120, 17408, "bf16", max_m=16).k_split < h200
-
-
-def test_split_activations_are_f32_accurate(backend, rng):
-    # hi + lo keeps ~16 bits of every activation: the bf16 MMA result is as close to
-    # the unrounded f32 product as the FMA path, where one rounding is ~100x off.
-    N, K, m = 33, 512, 16
-    xh = rng.standard_normal((m, K)).astype(np.float32)
-    wh = host_weights(rng, N, K, "bf16")
-    exact = gemm_reference(xh, wh)
-    errs = {}
-    for split in (True, False):
-        op = Gemm(backend, N, K, "bf16", max_m=16, path="mma", x_split=split)
-        y = backend.zeros((m, N), np.float32)
-        op(backend.asarray(xh), backend.asarray(wh), y, m)
-        errs[split] = float(np.abs(backend.to_numpy(y) - exact).max())
-    assert errs[True] < 1e-4 < errs[False]
-    assert_close(backend.to_numpy(y), gemm_reference(xh, wh, x_round="bf16"), "f32", "rounded once")
 
 
 @pytest.mark.parametrize("wkind,epilogue,K", [
@@ -120,7 +74,7 @@ def test_k_tails(backend, rng, wkind, epilogue, K):
 
 @pytest.mark.parametrize("wkind,epilogue,max_m,path", [
     ("bf16", "none", 16, "fma"), ("f16", "silu_mul", 64, "fma"), ("f32", "residual", 7, "fma"),
-    ("bf16", "none", 16, "mma"), ("f16", "silu_mul", 64, "mma"), ("bf16", "residual", 20, "mma")])
+    ("bf16", "none", 16, "stream"), ("f16", "silu_mul", 64, "stream"), ("bf16", "residual", 20, "stream")])
 def test_m_tiles_beyond_max_m(backend, rng, wkind, epilogue, max_m, path):
     for m in (100, max_m + 1):
         run(backend, rng, N=21, K=64, wkind=wkind, epilogue=epilogue, m=m, max_m=max_m,
@@ -128,14 +82,13 @@ def test_m_tiles_beyond_max_m(backend, rng, wkind, epilogue, max_m, path):
 
 
 def test_stream_path_is_the_default_for_half_weights(backend):
-    # gemm_stream.cu is the default tensor-core kernel; gemm_mma.cu stays selectable
+    # gemm_stream.cu is the tensor-core kernel (gemm_mma.cu, its predecessor, is gone)
     assert Gemm(backend, 8, 64, "bf16").path == "stream"
     assert Gemm(backend, 8, 64, "f16").path == "stream"
-    assert Gemm(backend, 8, 64, "bf16", path="mma").path == "mma"
+    with pytest.raises(ValueError, match="path 'mma'"):
+        Gemm(backend, 8, 64, "bf16", path="mma")
     assert Gemm(backend, 8, 64, "f32").path == "fma"
     assert Gemm(backend, 8, 36, "bf16").path == "fma"     # K % 8 != 0
-    with pytest.raises(ValueError, match="path 'mma' needs"):
-        Gemm(backend, 8, 64, "f32", path="mma")
     with pytest.raises(ValueError, match="path 'stream' needs"):
         Gemm(backend, 8, 36, "bf16", path="stream")
     with pytest.raises(ValueError, match="path 'gpu'"):
@@ -153,12 +106,12 @@ def test_small_max_m_several_columns_per_warp(backend, rng, max_m):
 @pytest.mark.parametrize("wkind", ["f16", "bf16"])
 def test_residual_in_place(backend, rng, wkind):
     for m in (1, 19, 40):
-        for path in ("fma", "mma"):
+        for path in ("fma", "stream"):
             run(backend, rng, N=45, K=96, wkind=wkind, epilogue="residual", m=m, max_m=16,
                 x_rows=41, in_place=True, path=path)
 
 
-@pytest.mark.parametrize("path", ["fma", "mma"])
+@pytest.mark.parametrize("path", ["fma", "stream"])
 def test_exact_small_integers(backend, rng, path):
     # Integer data: every partial sum is exact in f32, so any indexing slip
     # (wrong row, wrong column, dropped K step) shows up as an exact mismatch.

@@ -2,14 +2,15 @@
 dflash_cupy/ops/gemm_stream.py): every weight dtype, epilogue and compiled M
 variant against gemm_reference with the "f32" tolerance, awkward M/N/K, split
 K (uneven slices, bit-identical repeats, counters reset; with one M block or
-several, with tile_live and the folded RMSNorm), and the figures the
-kernel header derives, pinned at the qwen3-8b-like and hidden-5120 shapes
-(before: gemm_mma.cu's launch; after: this kernel's)."""
+several, with tile_live and the folded RMSNorm), and the figures of its launch
+plans (profiling/gemm_figures.py), pinned at the qwen3-8b-like and hidden-5120
+shapes."""
 import ml_dtypes
 import numpy as np
 import pytest
 
 from dflash_cupy.ops import gemm_stream as gs
+from profiling import gemm_figures as gf
 from dflash_cupy.ops.gemm import Gemm, gemm_reference
 from tests.support.gemm import SENTINEL, counters_zero, host_weights, live_rows, run, tile_flags
 from tests.support.tolerances import assert_close
@@ -120,7 +121,7 @@ def test_bad_k_split(backend):
 @pytest.mark.parametrize("name,N,K,nw", QWEN3_8B + HIDDEN_5120)
 def test_figures_at_drafter_shapes(name, N, K, nw):
     for m in (16, 32):
-        f = gs.stream_figures(N, K, m, nw)
+        f = gf.stream_figures(N, K, m, nw)
         p = f["plan"]
         assert f["inflight_per_sm"] >= gs.INFLIGHT_TARGET, (name, m, f)
         assert f["smem_read_per_weight_byte"] <= (1.0 if m <= 16 else 2.0)
@@ -132,11 +133,6 @@ def test_figures_at_drafter_shapes(name, N, K, nw):
         # hi + lo at m <= 32 asks the tensor cores for <= ~280 TFLOP/s at 90% of HBM
         assert f["mma_tflops_at_90pct_hbm"] == pytest.approx(138.24 * p.tiles)
         assert -(-p.kz // p.kt) <= (2 if m <= 16 else 4)             # x staged in at most 2 chunks at m = 16
-    # before: gemm_mma.cu with max_m=64 at m = 16 reads ~16 B of shared memory per weight
-    # byte (2-way conflicts) and re-reads x from L2 once per weight byte (twice with nw 2)
-    old = gs.mma_figures(N, K, 16, nw)
-    assert old["smem_read_per_weight_byte"] == 16 / nw and old["smem_conflict_ways"] == 2
-    assert old["x_l2_per_weight_byte"] == pytest.approx(1.0 / nw, rel=0.05)
 
 
 def test_folded_norm_launches_by_bytes_in_flight():
@@ -154,7 +150,7 @@ def test_folded_norm_launches_by_bytes_in_flight():
         if nw != 2:
             continue
         for m in (16, 32, 64):
-            f = gs.stream_figures(N, K, m, nw, raw=True)
+            f = gf.stream_figures(N, K, m, nw, raw=True)
             p = f["plan"]
             if m == 16:   # one round of resident blocks
                 assert f["blocks"] <= f["blocks_per_sm_resident"] * gs.H200.sm_count, (name, m, p)
@@ -166,15 +162,14 @@ def test_folded_norm_launches_by_bytes_in_flight():
 
 
 def test_figures_table_covers_every_shape():
-    lines = gs.figures_table(ms=(16,)).splitlines()
-    assert len(lines) == 2 + len(gs.FIGURE_SHAPES) and "132 SMs" in lines[0]
+    lines = gf.figures_table(ms=(16,)).splitlines()
+    assert len(lines) == 2 + len(gf.FIGURE_SHAPES) and "132 SMs" in lines[0]
 
 
-def test_lone_tail_wave_is_gone():
-    # hidden 5120, intermediate 17408: the old launch has 544 blocks for 528 slots
-    old = gs.mma_figures(17408, 5120, 16, 2)
-    assert old["blocks"] == 544 and old["blocks_per_sm_resident"] == 4
-    assert gs.stream_figures(17408, 5120, 16, 2)["wave_efficiency"] >= 0.9
+def test_no_lone_tail_wave():
+    # hidden 5120, intermediate 17408 (a launch of 544 blocks on 528 slots would leave a lone
+    # tail wave): the plan fills its waves
+    assert gf.stream_figures(17408, 5120, 16, 2)["wave_efficiency"] >= 0.9
 
 
 def test_grid_follows_the_device_sm_count():
@@ -183,7 +178,7 @@ def test_grid_follows_the_device_sm_count():
     b = gs.plan(4096, 4096, 16, dev=gs.Device(sm_count=78, smem_optin=232448))
     assert a.ks != b.ks
     for dev in (gs.H200, gs.Device(78, 232448), gs.Device(108, 166912)):
-        f = gs.stream_figures(4096, 12288, 16, 1, dev=dev)
+        f = gf.stream_figures(4096, 12288, 16, 1, dev=dev)
         assert f["wave_efficiency"] >= 0.85 and f["plan"].smem <= dev.smem_optin
 
 
@@ -201,9 +196,9 @@ def test_plans_fit_for_every_m():
 
 def test_xtile_layout_is_conflict_free_and_the_check_can_fail():
     for kt in (64, 128, 512, 832, 1792):
-        assert gs.xtile_conflict_ways(kt) == [1] * 16
+        assert gf.xtile_conflict_ways(kt) == [1] * 16
     # without the 8-element pad rows 0 and 1 share banks: the counter sees it
-    assert max(gs.xtile_conflict_ways(512, pad=0)) == 2
+    assert max(gf.xtile_conflict_ways(512, pad=0)) == 2
 
 
 def test_ptxas_registers_within_the_table():
@@ -291,7 +286,7 @@ def test_padding_rows_bad_input(backend):
     with pytest.raises(TypeError, match=r"pad_rows\[0\]"):
         op(x, w, y, 4, pad_rows=(backend.zeros((1,), np.float32), 2))
     with pytest.raises(ValueError, match="needs path 'stream'"):
-        Gemm(backend, 8, 64, "bf16", path="mma")(x, w, y, 4, pad_rows=(lo, 2))
+        Gemm(backend, 8, 64, "bf16", path="fma")(x, w, y, 4, pad_rows=(lo, 2))
 
 
 # ---- RMSNorm folded into the GEMM (GS_NORM) ------------------------------------
@@ -506,7 +501,7 @@ def test_tile_live_follows_device_memory_in_a_graph(backend, rng):
         assert (got[~done] == SENTINEL).all(), flags
 
 
-@pytest.mark.parametrize("path,wkind", [("mma", "bf16"), ("fma", "f32")])
+@pytest.mark.parametrize("path,wkind", [("fma", "bf16"), ("fma", "f32")])
 def test_tile_live_fallback_paths_compute_every_row(backend, rng, path, wkind):
     N, K, m = 37, 96, 33
     op = Gemm(backend, N, K, wkind, max_m=64, path=path)
@@ -537,21 +532,21 @@ def test_m_blocks_of_a_column_group_are_adjacent():
     # grid x = column group * mblocks + M block; y = 1, so no grid limit binds at any m
     p = gs.plan(12288, 4096, 256, 2)
     assert (p.grid, p.groups, p.mblocks, p.ks) == ((96 * 4, 1, 1), 96, 4, 1)
-    f = gs.stream_figures(12288, 4096, 256, 2)
+    f = gf.stream_figures(12288, 4096, 256, 2)
     # the 4 M blocks of a group share one wave (one HBM read); with the M block in
-    # grid y (the old order) 96 groups x 4 blocks span 3 waves of 132: 3 HBM reads
-    assert f["weight_hbm_passes"] == 1.0 and f["weight_hbm_passes_old_order"] == 3.0
+    # grid y (column group fastest) 96 groups x 4 blocks span 3 waves of 132: 3 HBM reads
+    assert f["weight_hbm_passes"] == 1.0 and f["weight_hbm_passes_cg_fastest"] == 3.0
     for name, N, K, nw in QWEN3_8B + HIDDEN_5120:
         for m in (256, 1024, 4096):   # up to 64 lanes x 64 rows
-            f = gs.stream_figures(N, K, m, nw)
+            f = gf.stream_figures(N, K, m, nw)
             p = f["plan"]
             assert p.grid[0] == p.groups * p.mblocks < gs.GRID_X_MAX and p.grid[1:] == (1, p.ks)
             assert p.mblocks == -(-m // 64) and p.mt == 4
-            assert f["weight_hbm_passes"] <= 1.5 < f["weight_hbm_passes_old_order"] or m == 256, (name, m, f)
+            assert f["weight_hbm_passes"] <= 1.5 < f["weight_hbm_passes_cg_fastest"] or m == 256, (name, m, f)
     # 3 groups x 5 M blocks, waves of 4: blocks 0..4, 5..9, 10..14 touch 2 waves each; the
-    # old order puts group 0 at 0, 3, 6, 9, 12 (4 waves)
-    assert gs.weight_passes(3, 5, 4) == 2.0
-    assert gs.weight_passes(3, 5, 4, m_fastest=False) == 4.0
+    # other order puts group 0 at 0, 3, 6, 9, 12 (4 waves)
+    assert gf.weight_passes(3, 5, 4) == 2.0
+    assert gf.weight_passes(3, 5, 4, m_fastest=False) == 4.0
 
 
 @pytest.mark.parametrize("epilogue", ["none", "residual", "silu_mul"])
@@ -596,11 +591,10 @@ def test_many_m_blocks_fused_argmax(backend, rng):
     np.testing.assert_array_equal(backend.to_numpy(tok)[clear], np.argmax(ref, axis=1)[clear])
 
 
-@pytest.mark.parametrize("path,wkind", [("mma", "bf16"), ("fma", "f32")])
+@pytest.mark.parametrize("path,wkind", [("fma", "bf16"), ("fma", "f32")])
 def test_large_max_m_on_the_fallback_paths(backend, rng, path, wkind):
     # max_m beyond 64 keeps the 64-row tile there (larger m: more tiles)
-    op = run(backend, rng, N=37, K=96, wkind=wkind, epilogue="none", m=70, max_m=4096, x_rows=72, path=path,
-             wgmma=False if path == "stream" else None)
+    op = run(backend, rng, N=37, K=96, wkind=wkind, epilogue="none", m=70, max_m=4096, x_rows=72, path=path)
     assert op.tile_m == 64
 
 
@@ -749,7 +743,7 @@ def test_split_k_static_counters_per_m_block():
     from tests.support.launches import arr, gs_launch
     L, p = gs_launch(256, 256, 1024, ks=2)
     assert p.grid == (4, 1, 2) and p.mblocks == 4
-    L.args[0].update(ln=None, eps=0.0, norm_lo=0, tile_live=arr("tl", (16,), np.int32), use_live=1)
+    L = L.with_args(ln=None, eps=0.0, norm_lo=0, tile_live=arr("tl", (16,), np.int32), use_live=1)
     every = ctr.static_counters(L)   # (a forced split: its notes name the difference from plan's)
     ws = next(k for k in every.bytes_written if k.startswith("ws"))
     assert every.bytes_written[ws] == every.bytes_read[ws] == 2 * 256 * 256 * 4

@@ -187,7 +187,7 @@ def test_default_rule_and_where_wgmma_is_compiled(emu):
     with pytest.raises(TypeError, match="wgmma must be"):
         Gemm(emu, 64, 64, "bf16", path="stream", wgmma=1)
     with pytest.raises(ValueError, match="wgmma=True needs path 'stream'"):
-        Gemm(emu, 64, 64, "bf16", path="mma", wgmma=True)
+        Gemm(emu, 64, 64, "bf16", path="fma", wgmma=True)
     with pytest.raises(ValueError, match="not a launch configuration"):
         op.use_config(256, ("wg96", 1))
 

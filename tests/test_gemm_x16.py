@@ -130,7 +130,7 @@ def test_bad_arguments(emu):
     with pytest.raises(ValueError, match="x16"):
         Gemm(emu, N, K, "bf16", path="stream", x16=True)                      # x_split=True
     with pytest.raises(ValueError, match="x16"):
-        Gemm(emu, N, K, "bf16", path="mma", x_split=False, x16=True)
+        Gemm(emu, N, K, "bf16", path="fma", x_split=False, x16=True)
     with pytest.raises(TypeError, match="x16"):
         Gemm(emu, N, K, "bf16", path="stream", x_split=False, x16=1)
     with pytest.raises(ValueError, match="split=1"):
@@ -279,6 +279,6 @@ def test_y16_bad_arguments(emu):
         with pytest.raises(ValueError, match="y16"):
             Gemm(emu, N, K, "bf16", epilogue=epilogue, path="stream", x_split=False, y16=True, logits=False)
     with pytest.raises(ValueError, match="y16"):
-        Gemm(emu, N, K, "bf16", path="mma", y16=True)
+        Gemm(emu, N, K, "bf16", path="fma", y16=True)
     with pytest.raises(TypeError, match="y16"):
         Gemm(emu, N, K, "bf16", path="stream", y16="yes")

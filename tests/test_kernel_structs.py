@@ -99,3 +99,30 @@ def test_recorded_launch_reads_arguments_by_name():
     assert len(L.leaves()) == 7
     with pytest.raises(KeyError, match="nope"):
         L.arg("nope")
+
+
+def test_stream_hazards_follow_struct_field_constness(emu):
+    """Hazard tracking reads a struct's fields as it reads plain pointer parameters: the
+    ``const float* a`` field is a read (two streams may read it at once), ``float* out`` a
+    write (another stream's read of it, or a second writer, is a hazard). Misreading the
+    constness either way fails here."""
+    from dflash_cupy.backends import StreamOrderError
+    fn = emu.compile(SRC, filename="scale_struct_hazard.cu").get_function("scale")
+    s1, s2 = emu.stream(), emu.stream()
+
+    def arr(name, n=40):
+        return emu.label(emu.asarray(np.zeros(n, np.float32)), name)
+
+    a, out1, out2 = arr("a"), arr("out1"), arr("out2")
+    unused = emu.asarray(np.zeros(1))
+
+    def p(src, dst):
+        return dict(a=src, out=dst, n=np.int32(40), s=np.float32(1), unused=unused, flag=np.uint8(0))
+
+    fn((2,), (32,), (p(a, out1), np.int32(0)), stream=s1)
+    fn((2,), (32,), (p(a, out2), np.int32(0)), stream=s2)       # a read by both: no hazard
+    with pytest.raises(StreamOrderError, match=r"read-after-write hazard on 'out1'.*kernel scale \(a\)"):
+        fn((2,), (32,), (p(out1, out2), np.int32(0)), stream=s2)  # out1 written on s1, read on s2
+    with pytest.raises(StreamOrderError, match=r"write-after-read hazard on 'a'.*kernel scale \(out\)"):
+        fn((2,), (32,), (p(out2, a), np.int32(0)), stream=s2)     # a read on s1, written on s2
+    emu.synchronize()

@@ -38,7 +38,7 @@ def test_observer_sees_kernels_and_copies_in_order(be):
     be.synchronize()
     assert [(k, n) for k, n, _, _ in seen] == [("copy", "h2d"), ("kernel", "rmsnorm"), ("copy", "d2d")]
     assert seen[0][2][0] is x and seen[0][2][1] is host and all(a[3] is s for a in seen)
-    assert seen[1][2][0] is x                     # the kernel's arguments as launched
+    assert seen[1][2]["x"] is x and seen[1][2]["y"] is y   # the kernel's arguments by parameter name
     np.testing.assert_allclose(be.to_numpy(y), 1.0, rtol=1e-6)
 
 
@@ -47,10 +47,10 @@ def test_observers_nest_and_unwind_on_error():
     with observe_launches(lambda *a: calls.append("outer")):
         with pytest.raises(KeyError):
             with observe_launches(lambda *a: calls.append("inner")):
-                notify_launch("kernel", "k", (), None)
+                notify_launch("kernel", "k", {}, None)
                 raise KeyError("boom")
-        notify_launch("kernel", "k", (), None)
-    notify_launch("kernel", "k", (), None)         # nothing observes any more
+        notify_launch("kernel", "k", {}, None)
+    notify_launch("kernel", "k", {}, None)         # nothing observes any more
     assert calls == ["inner", "outer", "outer"]
     with pytest.raises(TypeError, match="fn must be callable"):
         with observe_launches(3):
@@ -94,8 +94,7 @@ def test_step_nodes_are_the_cost_models_nodes(be):
         plan = trace_step(cfg, window, accept=accept)
         want = [kernel_times.node_label(n) for n in plan.nodes]
         assert t.labels == want                      # node for node, GEMM roles included
-        assert "gemm_stream[gate_up]" in t.labels or "gemm_mma[gate_up]" in t.labels or \
-            any(l.endswith("[gate_up]") for l in t.labels)
+        assert any(l.endswith("[gate_up]") for l in t.labels)
         assert t.labels[0] == "memcpy h2d" and len(t.us) == len(want) == len(t.samples_us[0])
         assert len(t.samples_us) == 2 and all(u > 0 for u in t.us)
         d = t.as_dict()
@@ -207,8 +206,8 @@ class _FakeCache:
     def run(self, eager=False, stream=None):
         assert eager and stream == "s0"
         notify_launch("copy", "h2d", (None, None), stream)
-        notify_launch("kernel", "plan_step", (), stream)
-        notify_launch("kernel", "rmsnorm", (), stream)
+        notify_launch("kernel", "plan_step", {}, stream)
+        notify_launch("kernel", "rmsnorm", {}, stream)
 
 
 def test_the_cuda_branch_retries_a_short_hold(monkeypatch):

@@ -37,7 +37,7 @@ def test_gemm_stream_counters_skip_dead_tiles():
     from tests.support.launches import arr, gs_launch
     L, p = gs_launch(256, 256, 256)
     assert p.mt == 4 and p.grid[0] == 4      # linear grid: 1 column group x 4 M blocks
-    L.args[0].update(ln=None, eps=0.0, norm_lo=0, tile_live=arr("tl", (16,), np.int32), use_live=1)
+    L = L.with_args(ln=None, eps=0.0, norm_lo=0, tile_live=arr("tl", (16,), np.int32), use_live=1)
     unknown = ctr.static_counters(L)
     flags = [True] * 8 + [False] * 4 + [True, False, False, False]   # block 2 all dead, block 3 one tile
     L.known["tile_live"] = tuple(flags)

@@ -295,7 +295,7 @@ def test_product_kernels_fit_their_launch_bounds_and_registers():
     from dflash_cupy import kernels
     for f in sorted(kernels.CUDA_SRC.glob("*.cu")):
         src = f.read_text()
-        for opts in option_sets(src):
+        for opts in option_sets(src, f.name):
             info = nvrtc_info.cached_compile_info(src, str(f), (*kernels.compile_options(), *opts),
                                                   nvrtc_info.declared_arch(src) or nvrtc_info.ARCH)
             for name, r in info.kernels.items():

@@ -10,7 +10,8 @@ registers, shared memory and spills.
 A case fails on a compile error, on any warning (NVRTC front end or ptxas),
 or on a nonzero spill store/load. Each file compiles with its ``#ifndef``
 size defaults, and once more per comment line
-``// nvrtc-check: -DNAME=VALUE ...`` in it, for sm_80 and sm_90 or, when it
+``// nvrtc-check: -DNAME=VALUE ...`` in it (the GEMM kernels: per variant of
+``tests/support/gemm_variants.py``, the launcher's own options), for sm_80 and sm_90 or, when it
 declares the target it needs (``// nvrtc-arch: sm_90a``, as a wgmma kernel
 must: ptxas rejects wgmma for plain sm_90), for that target only.
 ``pytest -s`` prints the per-kernel resource table.
@@ -32,7 +33,7 @@ def _cases():
     out = []
     for f in files:
         text = f.read_text()
-        for i, opts in enumerate(option_sets(text)):
+        for i, opts in enumerate(option_sets(text, f.name)):
             for arch in archs_for(text):
                 out.append(pytest.param(f, arch, opts, id=f"{f.stem}-{arch}-{'default' if i == 0 else i}"))
     # No kernels yet (other files land later): one case that only checks the directory exists,

@@ -2,14 +2,12 @@
 
 * access arithmetic: coalesced / strided global accesses, 2-way, 32-way and
   swizzled shared accesses (what an emulator counter mode will also call);
-* static counters of gemm_mma: the MMA and barrier count of a small launch,
-  the 2-way conflict of the x tile (row stride KT + 8 halves), the 4 M-tiles
-  compiled for M = 16; the attention's transposed V stores (old) and
+* static counters of the attention: transposed V stores (old) and
   conflict-free ldmatrix.trans reads (now);
 * static counters of gemm_stream: requests, sectors, MMAs, wavefronts and
   barriers of small launches by hand (plain, split K, silu_mul with a partial
   weight tile), and agreement with the launcher's own header figures
-  (``stream_figures``: shared-memory reads and x re-reads per weight byte,
+  (``gemm_figures.stream_figures``: shared-memory reads and x re-reads per weight byte,
   bytes in flight per SM) at the drafter shapes;
 * occupancy and waves: hand-worked register/shared/warp limits, the 544-block
   gate_up of the hidden-5120 drafter on 132 SMs x 4;
@@ -83,50 +81,7 @@ def test_shared_broadcast_and_wide_accesses():
         ctr.smem_wavefronts([0] * 16, 4)
 
 
-# ---------------------------------------------------------------------------- gemm_mma / attention counters
-def _gemm_launch(M, N, K, MT, KT, split=2, ksplit=1, epi=0):
-    nw = 2 if epi == 2 else 1
-    grid = (-(-N // 32), -(-M // (16 * MT)), ksplit)
-    d = dict(GM_WTYPE=2, GM_EPI=epi, GM_K=K, GM_MT=MT, GM_WARPS=4, GM_KT=KT, GM_SPLIT=split)
-    if ksplit > 1:
-        d["GM_KSPLIT"] = ksplit
-    args = [arr("x", (M, K), np.float32), arr("w", (nw * N, K), np.uint16), arr("y", (M, N), np.float32),
-            arr("y", (M, N), np.float32), M, N, arr("ws", (1,), np.float32), arr("cnt", (1,), np.int32)]
-    return Launch("gemm_mma", "gemm_mma.cu", d, grid, (128, 1, 1), split * 16 * MT * (KT + 8) * 2, args,
-                  names=["x", "w", "y", "r", "M", "N", "ws", "counters"])
-
-
-def test_gemm_mma_counts_by_hand():
-    # M=16, N=64, K=256, one M tile, KT=128: 2 blocks x 4 warps, 8 K steps of 32 per warp,
-    # each step 2 (hi, lo) x 1 M tile x 2 MMAs: 32 MMAs per warp.
-    c = ctr.static_counters(_gemm_launch(16, 64, 256, MT=1, KT=128))
-    assert c.mma == 2 * 4 * 8 * 2 * 1 * 2 == (16 * 64 * 256) // (16 * 8 * 16) * 2
-    assert c.barriers == 2 * 2 * 2                  # 2 per K tile, 2 tiles, 2 blocks
-    assert c.bytes_read["w"] == 64 * 256 * 2
-    assert c.gld_sectors * 32 >= 64 * 256 * 2       # every weight byte passes L2 once at least
-    # weights (32 KB) and x staging (2 blocks x 16 rows x 1 KB) use every sector; the epilogue's
-    # 32 stores (8 warps x 4) each write 8 rows x 16 B of 4-byte values at stride 8 B: 128 B in 8 sectors
-    assert (c.gld_sectors, c.gst_sectors, c.gst_bytes) == (1024 + 1024, 32 * 8, 32 * 128)
-    assert c.sector_efficiency == pytest.approx((32768 + 32768 + 4096) / ((2048 + 256) * 32))
-    assert c.dram_bytes == 64 * 256 * 2 + 16 * 256 * 4 + 16 * 64 * 4
-
-
-def test_gemm_mma_compiles_four_m_tiles_for_m16():
-    one = ctr.static_counters(_gemm_launch(16, 64, 256, MT=1, KT=128))
-    four = ctr.static_counters(_gemm_launch(16, 64, 256, MT=4, KT=128))
-    assert four.mma == 4 * one.mma
-    assert any("4 M-tiles compiled for M=16" in n for n in four.notes)
-
-
-def test_gemm_mma_x_tile_two_way_conflict():
-    KT = 160
-    XS = KT + 8  # halves: the row stride gemm_mma.cu uses
-    xa = [(g * XS + t * 8) * 2 for g in range(8) for t in range(4)]
-    assert ctr.smem_wavefronts(xa, 16) == 8 == 2 * ctr.ideal_wavefronts(16)
-    c = ctr.static_counters(_gemm_launch(16, 64, 640, MT=1, KT=KT))
-    assert 1.7 < c.bank_conflict_factor <= 2.0      # the loads dominate; the tile stores are clean
-
-
+# ---------------------------------------------------------------------------- attention counters
 def test_attention_v_transpose_store_conflict():
     """Why V is no longer staged transposed: the 2-byte transposed stores of the
     old layout were 16-way conflicted (conflict factor 3.7 over the kernel)."""
@@ -192,11 +147,16 @@ def test_attention_v_ldmatrix_is_conflict_free():
 
 
 def test_split_k_partials_round_trip_through_l2():
-    one = ctr.static_counters(_gemm_launch(16, 128, 4096, MT=1, KT=736))
-    split = ctr.static_counters(_gemm_launch(16, 128, 4096, MT=1, KT=736, ksplit=4))
-    assert split.mma == one.mma
+    from tests.support.launches import gs_launch
+    one = ctr.static_counters(gs_launch(16, 128, 4096, ks=1)[0])
+    L, p = gs_launch(16, 128, 4096, ks=4)
+    split = ctr.static_counters(L)
+    assert p.ks == 4 and split.mma == one.mma
     assert split.l2_bytes > one.l2_bytes
-    assert split.bytes_written["ws"] == 4 * 16 * 128 * 4
+    ws = [k for k in split.bytes_written if k.startswith("ws")]
+    assert not [k for k in one.bytes_written if k.startswith("ws")]
+    # each slice's partial tile: 16 live rows x N columns of f32
+    assert len(ws) == 1 and split.bytes_written[ws[0]] == 4 * 16 * 128 * 4
 
 
 # ---------------------------------------------------------------------------- occupancy, waves
@@ -432,15 +392,6 @@ def test_cli_rejects_unknown_drafter():
         pm.main(["--drafter", "nope", "--windows", "64"])
 
 
-def test_gemm_mma_partial_column_block():
-    """N = 40: the second column block has one warp with 8 rows and three past N."""
-    c = ctr.static_counters(_gemm_launch(16, 40, 256, MT=1, KT=128))
-    steps = 256 // 32
-    weight_sectors = (4 + 1) * steps * 16           # 5 warps x 8 K steps x 8 rows x 2 sectors
-    assert c.gld_sectors - 2 * 16 * 256 * 4 // 32 == weight_sectors   # the rest is x staging
-    assert c.bytes_read["w"] == 40 * 256 * 2
-
-
 def test_sample_blocks():
     s = ctr.sample_blocks((544, 1, 1), 8, seed=3)
     assert s[0] == (0, 0, 0) and s[-1] == (543, 0, 0) and len(set(s)) == 8
@@ -544,9 +495,10 @@ def test_gemm_stream_silu_mul_partial_columns():
                                          ("5120 down", 5120, 17408, 1)])
 def test_gemm_stream_counters_agree_with_the_launcher_figures(m, name, N, K, nw):
     """The counters' shared-memory reads, x re-reads and in-flight bytes are the
-    figures ``ops.gemm_stream.stream_figures`` derives for the kernel header."""
+    figures ``profiling.gemm_figures.stream_figures`` derives from the launch plan."""
     from dflash_cupy.ops import gemm_stream as gs
-    f = gs.stream_figures(N, K, m, nw)
+    from profiling.gemm_figures import stream_figures
+    f = stream_figures(N, K, m, nw)
     L, p = gs_launch(m, N, K, epi=2 if nw == 2 else 0)
     c = ctr.static_counters(L)
     wbytes = N * nw * K * 2
@@ -578,7 +530,7 @@ def test_gemm_stream_padding_tiles_skipped():
     L, p = gs_launch(50, 256, 256)
     assert p.mt == 4 and p.grid[1] == 1
     full = ctr.static_counters(L)
-    L.args[0]["pad_hi"] = 34
+    L = L.with_args(pad_hi=34)
     unknown = ctr.static_counters(L)
     L.known["pad_lo"] = 6
     pad = ctr.static_counters(L)

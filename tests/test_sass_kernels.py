@@ -95,8 +95,7 @@ def test_folded_norm_staging_keeps_a_whole_chunk_in_flight():
     K = n.defines["GS_K"]
     p = gs.plan(n.arg("N"), K, n.arg("M"), 2, n.defines["GS_SPLIT"], mt=n.defines["GS_MT"], ks=1, raw=True)
     assert (p.ks, p.kz) == (1, K) and -(-K // p.kt) >= 4
-    args = [dict(a, kz=p.kz, kt=p.kt) if isinstance(a, dict) else a for a in n.args]
-    one = dataclasses.replace(n, grid=p.grid, shared_mem=p.smem, args=args)
+    one = dataclasses.replace(n.with_args(kz=p.kz, kt=p.kt), grid=p.grid, shared_mem=p.smem)
     phases, st, _ = facts(one)
     chains = sorted((p.chain, p.where, p.lines[:2]) for p in phases if p is not st)
     assert chains and chains[-1][0] <= 2.0, chains[-3:]

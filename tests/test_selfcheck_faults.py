@@ -39,7 +39,7 @@ FAULTS = {
                    ("gemm.stream", "gemm.wgmma", "step.bf16"), {"gemm.wgmma"}, "bf16"),
     # mma.sync A fragment with registers 1 and 2 swapped (cuda_src/mma.cuh): the stream GEMM and
     # the tensor-core attention both include it
-    "mma_frag": ("DFLASH_FAULT_MMA_FRAG", {"gemm_stream.cu", "gemm_mma.cu", "attention_mma.cu"},
+    "mma_frag": ("DFLASH_FAULT_MMA_FRAG", {"gemm_stream.cu", "attention_mma.cu"},
                  ("gemm.stream", "attention.mma", "step.bf16"), {"gemm.stream", "attention.mma"}, "bf16"),
     # ldmatrix.trans read without .trans (cuda_src/ldmatrix.cuh): the tensor-core attention's V
     "ldmatrix_notrans": ("DFLASH_FAULT_LDMATRIX_NOTRANS", {"attention_mma.cu"},

@@ -110,7 +110,8 @@ _observe_tls = threading.local()
 @contextlib.contextmanager
 def observe_launches(fn):
     """Inside: ``fn(kind, name, args, stream)`` after every kernel launch
-    (``kind`` "kernel", ``name`` the kernel's, ``args`` its arguments) and
+    (``kind`` "kernel", ``name`` the kernel's, ``args`` its arguments by parameter
+    name, ``signatures.by_name``: a struct argument under its parameter's name) and
     asynchronous copy (``kind`` "copy", ``name`` "h2d" / "d2h" / "d2d", ``args``
     ``(dst, src)``) this thread issues eagerly or into a capture, with ``stream``
     as the caller passed it (``None``: the current stream). What

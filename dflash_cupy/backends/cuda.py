@@ -276,7 +276,7 @@ class CudaKernel(Kernel):
             be._cap_follows_kernel = True
             if pdl:
                 be._captured_pdl += 1
-        notify_launch("kernel", self.name, args, stream)
+        notify_launch("kernel", self.name, signatures.by_name(self.sig.params, args), stream)
 
 
 class CudaModule(Module):

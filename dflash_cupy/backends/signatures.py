@@ -142,6 +142,12 @@ def arg(params, args, name: str):
     raise KeyError(f"no parameter or struct field named {name!r}")
 
 
+def by_name(params, args) -> dict:
+    """A launch's arguments keyed by parameter name (a struct argument under its
+    parameter's name, as given): what launch observers see."""
+    return {p.name: a for p, a in zip(params, args)}
+
+
 def pack_struct(param: Param, value: Mapping, address) -> np.void:
     """``value`` (field name -> argument) as the struct's bytes: pointers as
     ``address(array)``, scalars as their NumPy value (checked before by

@@ -100,11 +100,6 @@ class _Node:
         self.pinned, self.event, self.call = pinned, event, call
 
 
-def _read_only(p) -> bool:
-    """A ``const T*`` parameter (const before the ``*``): the kernel only reads it."""
-    return "const" in p.ctype.split("*")[0].split()
-
-
 def _join(a: dict, b: dict) -> dict:
     out = dict(a)
     for k, v in b.items():
@@ -307,7 +302,7 @@ class EmuKernel(Kernel):
         # C signature: `const T*` is read, any other pointer read and written.
         run = functools.partial(self._run, g, b, ptrs, keep, shared_mem)
         what = f"kernel {self.name}"
-        accesses = [(a, not _read_only(p), f"{what} ({p.name})")
+        accesses = [(a, not p.read_only, f"{what} ({p.name})")
                     for p, a in signatures.leaves(self.sig.params, args) if p.is_pointer]
         s = backend._resolve(stream)
         rec = backend._recording(s)
@@ -319,7 +314,7 @@ class EmuKernel(Kernel):
             if chk is not None:
                 run = chk.wrap(s, "launch", run, call)
             backend._submit(s, [(what, run, accesses, None, None)])
-        notify_launch("kernel", self.name, given, stream)
+        notify_launch("kernel", self.name, signatures.by_name(self.sig.params, given), stream)
 
     def _run(self, g, b, ptrs, keep, shared_mem) -> None:
         backend = self._module.backend

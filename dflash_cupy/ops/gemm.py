@@ -12,25 +12,22 @@
 Compile-time: weight dtype, epilogue, K, the M tile ``min(max_m, 64)``, and the
 tiling derived from them; N and m are launch arguments. One ``Gemm`` per shape.
 
-Three kernels (``path``):
+Two kernels (``path``):
 
 * ``"stream"`` (``cuda_src/gemm_stream.cu``, planned by ``ops/gemm_stream.py``;
   the default for f16/bf16 weights with ``K % 8 == 0``): tensor cores, M-tile
   variants per M bucket, a register ring of weight loads, wide column groups
-  and split K by whole-wave arithmetic over the device's SM count. Same
-  numerics (``x_round``) as ``"mma"``. With ``x_split=False`` and
+  and split K by whole-wave arithmetic over the device's SM count (and, from
+  49 rows on sm_90a, ``cuda_src/gemm_wgmma.cu``). The operands are 16-bit, so
+  each f32 activation is split into ``hi + lo`` in the weight type
+  (``x_split=True``, the default: about 16 significant bits, twice the MMAs)
+  or rounded once (``x_split=False``, as cuBLAS does with 16-bit inputs). With ``x_split=False`` and
   ``x16=True`` it reads x already rounded to the weight type (``x`` of
   ``w_dtype``: half the activation bytes, results bit-identical to passing
   the same values as f32; the folded norm's sums of squares are then taken
   from those rounded values). ``y16=True`` (``"none"``/``"silu_mul"``)
   writes y rounded to the weight type (``y`` of ``w_dtype``): what a
   single-rounding GEMM reading it with ``x16=True`` expects.
-* ``"mma"`` (``cuda_src/gemm_mma.cu``, the previous default, kept selectable):
-  tensor cores, needed to stream bf16 weights at HBM speed
-  for M = 16..64. The operands are 16-bit, so each f32 activation is split
-  into ``hi + lo`` in the weight type (``x_split=True``, the default: about
-  16 significant bits, twice the MMAs) or rounded once (``x_split=False``, as
-  cuBLAS does with 16-bit inputs).
 * ``"fma"`` (``cuda_src/gemm.cu``): f32 activations and FMA; f32 weights,
   K tails, and anyone who wants unrounded activations.
 
@@ -38,6 +35,10 @@ Three kernels (``path``):
 takes it.
 """
 from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
@@ -52,12 +53,8 @@ MAX_M_LIMIT = 64          # the M tile: acc registers per lane = R * rows * tile
 WARPS = 4                 # warps per block
 LANE_K = kernels.constants("gemm.cu")["GEMM_LANE_K"]        # K elements per lane per step
 WARP_K = 32 * LANE_K      # K elements per warp per step
-MMA_COLS = kernels.constants("gemm_mma.cu")["GM_WARP_COLS"]  # output columns per warp
 SMEM_LIMIT = device_props.DEFAULT_SMEM  # x tiles stay under it: no opt-in attribute needed
-BLOCKS_PER_SM = 4         # split K until about this many blocks per SM are in flight
-MIN_K_PER_SLICE = 512     # below this a K slice is not worth its partial-sum traffic
-MAX_K_SPLIT = 8
-PATHS = ("auto", "stream", "mma", "fma")
+PATHS = ("auto", "stream", "fma")
 ACC_BUDGET = 64           # accumulators per lane the tiling aims for
 
 
@@ -73,19 +70,165 @@ def weight_kind(dtype) -> str:
     return dtypes.kind_of(dtype, "w_dtype")
 
 
+@dataclass(frozen=True)
+class GemmSpec:
+    """What one ``Gemm`` computes and with which kernel, decided once (``GemmSpec.make``
+    checks the constructor's arguments and resolves ``path="auto"``); every later call
+    reads it, nothing recomputes it. ``variant`` is the stream path's ``GemmVariant``
+    (its ``-D`` options and tuning key)."""
+    N: int
+    K: int
+    wkind: str                 # "f32" | "f16" | "bf16": the weights' type
+    epilogue: str              # EPILOGUES key
+    max_m: int                 # rows planned for; any m >= 1 runs (more M tiles)
+    path: str                  # "stream" | "fma", resolved
+    x_split: bool              # x as hi + lo halves of the weight type (stream path)
+    forced_k_split: int | None  # K slices the caller forced (stream path); None: the cost rule's per m
+    norm_eps: float | None     # an RMSNorm of x's rows folded in (stream path)
+    logits: bool               # argmax: y written too
+    wgmma: bool | None         # the wgmma kernel: None auto, True required, False never
+    x16: bool                  # x read in the weight type
+    y16: bool                  # y written in the weight type
+    skip_cols: int             # tile_live 2: column groups below skipped (wgmma)
+    live_split: bool           # the wgmma kernel picks its K split per launch
+    rope: RopeSpec | None      # the qkv epilogue folded in
+
+    @classmethod
+    def make(cls, backend, N: int, K: int, w_dtype, epilogue: str = "none", max_m: int = 64,
+             path: str = "auto", x_split: bool = True, k_split: int | None = None,
+             norm_eps: float | None = None, logits: bool = True, wgmma: bool | None = None,
+             x16: bool = False, y16: bool = False, skip_cols: int = 0, live_split: bool = False,
+             rope: RopeSpec | None = None) -> "GemmSpec":
+        """The spec of ``Gemm(backend, ...)``'s arguments; a clear exception naming the bad
+        one otherwise. ``backend``: only for ``path="auto"`` (the self-check's verdict)."""
+        N, K, max_m = (checks.int_arg(v, name, 1) for v, name in ((N, "N"), (K, "K"), (max_m, "max_m")))
+        if epilogue not in EPILOGUES:
+            raise ValueError(f"epilogue {epilogue!r}: expected one of {tuple(EPILOGUES)}")
+        wkind = weight_kind(w_dtype)
+        if path not in PATHS:
+            raise ValueError(f"path {path!r}: expected one of {PATHS}")
+        tc_ok = wkind in ("f16", "bf16") and K % 8 == 0
+        if path == "stream" and not tc_ok:
+            raise ValueError(f"path {path!r} needs f16/bf16 weights and K % 8 == 0 (got {wkind}, K={K})")
+        stream_only = epilogue == "argmax" or norm_eps is not None or x16 or y16 or rope is not None
+        if path == "auto" and tc_ok and not stream_only and not _stream_usable(backend):
+            tc_ok = False   # the device's self-check failed gemm_stream.cu: gemm.cu instead
+        path = "stream" if path == "auto" and tc_ok else ("fma" if path == "auto" else path)
+        # "argmax": the lm_head GEMM with the greedy token fused (per column block the best
+        # column into ``partials``; ``logits=False``: y is never written)
+        if epilogue == "argmax" and path != "stream":
+            raise ValueError(f"epilogue 'argmax' needs the 'stream' path: f16/bf16 weights and K % 8 == 0 "
+                             f"(got {wkind}, K={K}, path {path!r})")
+        x_split = bool(x_split)
+        if norm_eps is not None:
+            if path != "stream":
+                raise ValueError(f"norm_eps needs path 'stream' (this Gemm runs {path!r})")
+            if not isinstance(norm_eps, (int, float, np.floating)) or isinstance(norm_eps, bool) \
+                    or not 0 < float(norm_eps) < 1:
+                raise ValueError(f"norm_eps must be a float in (0, 1), got {norm_eps!r}")
+        if wgmma is not None and not isinstance(wgmma, bool):
+            raise TypeError(f"wgmma must be None (auto), True or False, got {wgmma!r}")
+        if wgmma and path != "stream":
+            raise ValueError(f"wgmma=True needs path 'stream' (this Gemm runs {path!r})")
+        skip = checks.int_arg(skip_cols, "skip_cols", 0)
+        if skip > N:
+            raise ValueError(f"skip_cols={skip_cols} must be in [0, N={N}]")
+        if not isinstance(live_split, (bool, np.bool_)):
+            raise TypeError(f"live_split must be a bool, got {type(live_split).__name__}")
+        x16 = checks.bool_arg(x16, "x16")
+        if x16 and (path != "stream" or x_split):
+            raise ValueError(f"x16=True (x stored in the weight type) needs path 'stream' and x_split=False "
+                             f"(this Gemm runs {path!r} with x_split={x_split})")
+        y16 = checks.bool_arg(y16, "y16")
+        if y16 and (path != "stream" or epilogue not in ("none", "silu_mul")):
+            raise ValueError(f"y16=True (y written in the weight type) needs path 'stream' and epilogue 'none' or "
+                             f"'silu_mul' (this Gemm runs {path!r} with {epilogue!r})")
+        # rope: the qkv GEMM of a drafter layer may fold QkvNormRope(has_q=True) into its
+        # epilogue (the wgmma kernel's GW_EPI 3) where its launch allows (``fuses_rope``)
+        if rope is not None and not isinstance(rope, RopeSpec):
+            raise TypeError(f"rope must be a RopeSpec or None, got {type(rope).__name__}")
+        if rope is not None and (epilogue != "none" or rope.q_width + 2 * rope.kv_width != N):
+            raise ValueError(f"rope needs epilogue 'none' and N = q_width + 2 * kv_width "
+                             f"({rope.q_width} + 2 * {rope.kv_width}), got {epilogue!r} and N={N}")
+        if path == "stream":
+            if k_split is not None and (not isinstance(k_split, (int, np.integer)) or isinstance(k_split, bool)
+                                        or k_split < 1):
+                raise ValueError(f"k_split must be a positive int, got {k_split!r}")
+        elif k_split not in (None, 1):
+            raise ValueError(f"k_split={k_split}: only the 'stream' path splits K")
+        return cls(int(N), int(K), wkind, epilogue, int(max_m), path, x_split,
+                   None if k_split is None or path != "stream" else int(k_split),
+                   None if norm_eps is None else float(norm_eps), bool(logits) if epilogue == "argmax" else True,
+                   wgmma, x16, y16, skip, bool(live_split), rope)
+
+    @functools.cached_property
+    def nw(self) -> int:
+        """Weight matrices per output column (silu_mul: gate and up)."""
+        return 2 if self.epilogue == "silu_mul" else 1
+
+    @functools.cached_property
+    def w_rows(self) -> int:
+        return self.nw * self.N
+
+    @functools.cached_property
+    def w_device_dtype(self) -> np.dtype:
+        return dtypes.DEVICE[self.wkind]
+
+    @functools.cached_property
+    def x_dtype(self) -> np.dtype:
+        """What the kernel reads x as: f32, or (x16) the weight type's device dtype."""
+        return self.w_device_dtype if self.x16 else np.dtype(np.float32)
+
+    @functools.cached_property
+    def y_dtype(self) -> np.dtype:
+        return self.w_device_dtype if self.y16 else np.dtype(np.float32)
+
+    @functools.cached_property
+    def split(self) -> int:
+        """Halves of x the tensor cores take: 2 (hi + lo) or 1."""
+        return 2 if self.x_split else 1
+
+    @functools.cached_property
+    def x_round(self) -> str | None:
+        """The activations' rounding (``gemm_reference``'s ``x_round``); None: f32 (fma)."""
+        return (self.wkind + ("x2" if self.x_split else "")) if self.path == "stream" else None
+
+    @functools.cached_property
+    def tile_m(self) -> int:
+        """The fma kernel's M tile; larger m is more tiles."""
+        return min(self.max_m, MAX_M_LIMIT)
+
+    @functools.cached_property
+    def variant(self) -> gemm_stream.GemmVariant | None:
+        """The stream path's compile variant (None on the fma path)."""
+        if self.path != "stream":
+            return None
+        return gemm_stream.GemmVariant(
+            self.N, self.K, self.wkind, self.epilogue, self.split, norm=self.norm_eps is not None,
+            logits=self.logits, x16=self.x16, y16=self.y16, live_split=self.live_split, skip_cols=self.skip_cols,
+            rope=None if self.rope is None else (self.rope.head_dim, self.rope.q_width, self.rope.kv_width))
+
+
+_SPEC_NAMES = frozenset(f.name for f in dataclasses.fields(GemmSpec)) | frozenset(
+    n for n, v in vars(GemmSpec).items() if isinstance(v, functools.cached_property))
+
+
 class Gemm:
     """``y[:m] = epilogue(x[:m] @ w.T)``: one GEMM shape, compiled once for every m up to ``max_m``.
 
-    Constructor (the compiled variant; the stream path records it as ``self.variant``, a
-    ``gemm_stream.GemmVariant``, whose key is also the tuning key):
+    Constructor: ``Gemm(backend, N, K, w_dtype, epilogue="none", max_m=64, path="auto",
+    x_split=True, k_split=None, norm_eps=None, logits=True, wgmma=None, x16=False, y16=False,
+    skip_cols=0, live_split=False, rope=None)``, checked and resolved once into ``self.spec``
+    (a frozen ``GemmSpec``, whose fields and properties read as this object's own:
+    ``op.path``, ``op.x_round``, ``op.variant``, ...), then the kernels are compiled:
 
     * ``N, K, w_dtype``: ``w [N, K]`` (``[2N, K]`` for ``"silu_mul"``), f32 / f16 / bf16 bits;
     * ``epilogue``: ``"none" | "residual" | "silu_mul" | "argmax"`` (argmax: stream path;
       ``logits`` False stores no logits, only the per-block ``partials``);
     * ``max_m``: rows planned for (any ``m >= 1`` still works: more M tiles);
-    * ``path``: ``"auto" | "stream" | "mma" | "fma"``; ``wgmma``: None (auto), True, False;
+    * ``path``: ``"auto" | "stream" | "fma"``; ``wgmma``: None (auto), True, False;
     * ``x_split``: x as bf16/f16 hi + lo halves (exact f32 products) or one half;
-    * ``k_split``: K slices (mma / stream; default: the cost rule's);
+    * ``k_split``: K slices (stream path; default: the cost rule's per call);
     * ``norm_eps``: fold an RMSNorm of x's rows into the GEMM (``norm=`` at the call);
     * ``x16`` / ``y16``: x read / y written in the weight type (stream path);
     * ``skip_cols``, ``live_split``: lane-batched launches (``tile_live`` entries of 2 skip the
@@ -93,10 +236,10 @@ class Gemm:
     * ``rope``: a ``RopeSpec``: the qkv epilogue (q/k norm, rope, K/V into the caches) folded in.
 
     ``__call__(x, w, y, m, residual=None, stream=None, pad_rows=None, norm=None, partials=None,
-    tile_live=None, rope=None, x2=None)`` computes rows ``[0, m)`` on ``stream``; the optional
-    arguments are described on ``__call__``. The partial sums of a K split live in a workspace
-    this object owns, so one ``Gemm`` serves one stream at a time. No allocation, no host
-    sync: safe inside graph capture.
+    tile_live=None, rope=None, x2=None)`` checks its arguments against the spec and launches
+    rows ``[0, m)`` on ``stream``; the optional arguments are described on ``__call__``. The
+    partial sums of a K split live in a workspace this object owns, so one ``Gemm`` serves one
+    stream at a time. No allocation, no host sync: safe inside graph capture.
     """
 
     def __init__(self, backend, N: int, K: int, w_dtype, epilogue: str = "none", max_m: int = 64,
@@ -104,159 +247,51 @@ class Gemm:
                  norm_eps: float | None = None, logits: bool = True, wgmma: bool | None = None,
                  x16: bool = False, y16: bool = False, skip_cols: int = 0, live_split: bool = False,
                  rope: RopeSpec | None = None):
-        N, K, max_m = (checks.int_arg(v, name, 1) for v, name in ((N, "N"), (K, "K"), (max_m, "max_m")))
-        if epilogue not in EPILOGUES:
-            raise ValueError(f"epilogue {epilogue!r}: expected one of {tuple(EPILOGUES)}")
+        self.spec = GemmSpec.make(backend, N, K, w_dtype, epilogue, max_m, path, x_split, k_split, norm_eps,
+                                  logits, wgmma, x16, y16, skip_cols, live_split, rope)
         self.backend = backend
-        self.variant = None   # the stream path's GemmVariant (its compile options and tuning key)
-        self.N, self.K, self.max_m = int(N), int(K), int(max_m)
-        self.tile_m = min(self.max_m, MAX_M_LIMIT)   # the fma/mma M tile; larger m is more tiles
-        self.epilogue = epilogue
-        self.wkind = weight_kind(w_dtype)
-        self.w_device_dtype = dtypes.DEVICE[self.wkind]
-        self.w_rows = 2 * self.N if epilogue == "silu_mul" else self.N
-        nw = 2 if epilogue == "silu_mul" else 1
-        if path not in PATHS:
-            raise ValueError(f"path {path!r}: expected one of {PATHS}")
-        mma_ok = self.wkind in ("f16", "bf16") and self.K % 8 == 0
-        if path in ("mma", "stream") and not mma_ok:
-            raise ValueError(f"path {path!r} needs f16/bf16 weights and K % 8 == 0 (got {self.wkind}, K={self.K})")
-        stream_only = epilogue == "argmax" or norm_eps is not None or x16 or y16 or rope is not None
-        if path == "auto" and mma_ok and not stream_only and not _stream_usable(backend):
-            mma_ok = False   # the device's self-check failed gemm_stream.cu: gemm.cu instead
-        self.path = "stream" if path == "auto" and mma_ok else ("fma" if path == "auto" else path)
-        # "argmax": the lm_head GEMM with the greedy token fused (per column block the best
-        # column into ``partials``; ``logits=False``: y is never written)
-        self.logits = bool(logits) if epilogue == "argmax" else True
-        if epilogue == "argmax" and self.path != "stream":
-            raise ValueError(f"epilogue 'argmax' needs the 'stream' path: f16/bf16 weights and K % 8 == 0 "
-                             f"(got {self.wkind}, K={self.K}, path {path!r})")
-        self.x_split = bool(x_split)
-        self.x_round = (self.wkind + ("x2" if self.x_split else "")) if self.path != "fma" else None
         self.threads = WARPS * 32
-        if norm_eps is not None:
-            if self.path != "stream":
-                raise ValueError(f"norm_eps needs path 'stream' (this Gemm runs {self.path!r})")
-            if not isinstance(norm_eps, (int, float, np.floating)) or isinstance(norm_eps, bool) \
-                    or not 0 < float(norm_eps) < 1:
-                raise ValueError(f"norm_eps must be a float in (0, 1), got {norm_eps!r}")
-        self.norm_eps = None if norm_eps is None else float(norm_eps)
-        if wgmma is not None and not isinstance(wgmma, bool):
-            raise TypeError(f"wgmma must be None (auto), True or False, got {wgmma!r}")
-        if wgmma and self.path != "stream":
-            raise ValueError(f"wgmma=True needs path 'stream' (this Gemm runs {self.path!r})")
-        self._wgmma = wgmma
-        self.skip_cols = checks.int_arg(skip_cols, "skip_cols", 0)
-        if self.skip_cols > self.N:
-            raise ValueError(f"skip_cols={skip_cols} must be in [0, N={self.N}]")
-        if not isinstance(live_split, (bool, np.bool_)):
-            raise TypeError(f"live_split must be a bool, got {type(live_split).__name__}")
-        self.live_split = bool(live_split)
-        self.x16 = checks.bool_arg(x16, "x16")
-        if self.x16 and (self.path != "stream" or self.x_split):
-            raise ValueError(f"x16=True (x stored in the weight type) needs path 'stream' and x_split=False "
-                             f"(this Gemm runs {self.path!r} with x_split={self.x_split})")
-        self.y16 = checks.bool_arg(y16, "y16")
-        if self.y16 and (self.path != "stream" or epilogue not in ("none", "silu_mul")):
-            raise ValueError(f"y16=True (y written in the weight type) needs path 'stream' and epilogue 'none' or "
-                             f"'silu_mul' (this Gemm runs {self.path!r} with {epilogue!r})")
-        # rope: the qkv GEMM of a drafter layer may fold QkvNormRope(has_q=True) into its
-        # epilogue (the wgmma kernel's GW_EPI 3) where its launch allows (``fuses_rope``)
-        if rope is not None and not isinstance(rope, RopeSpec):
-            raise TypeError(f"rope must be a RopeSpec or None, got {type(rope).__name__}")
-        if rope is not None and (epilogue != "none" or rope.q_width + 2 * rope.kv_width != self.N):
-            raise ValueError(f"rope needs epilogue 'none' and N = q_width + 2 * kv_width "
-                             f"({rope.q_width} + 2 * {rope.kv_width}), got {epilogue!r} and N={self.N}")
-        self.rope = rope
-        # the dtypes the kernel reads x and writes y as: f32, or the weight type's device dtype
-        self.x_dtype = self.w_device_dtype if self.x16 else np.dtype(np.float32)
-        self.y_dtype = self.w_device_dtype if self.y16 else np.dtype(np.float32)
-        if self.path == "stream":
-            self._init_stream(k_split)
-            return
-        if self.path == "mma":
-            self._init_mma(k_split)
-            return
-        if k_split not in (None, 1):
-            raise ValueError(f"k_split={k_split}: only the 'mma' path and the 'stream' path split K")
+        if self.spec.path == "stream":
+            self._build_stream()
+        else:
+            self._build_fma()
+
+    def _build_fma(self):
+        s = self.spec
         self.k_split = 1
         # Columns per warp: as many as the accumulator budget allows, so that
         # one staged x tile serves more weight rows.
-        self.rows_per_warp = max(1, min(4, ACC_BUDGET // (self.tile_m * nw)))
+        self.rows_per_warp = max(1, min(4, ACC_BUDGET // (s.tile_m * s.nw)))
         self.cols_per_block = WARPS * self.rows_per_warp
         # K tile: the largest multiple of WARP_K whose x tile fits the default
         # shared-memory cap, never longer than K needs.
-        k_round = -(-self.K // WARP_K) * WARP_K
-        kt_fit = max(WARP_K, (SMEM_LIMIT // (4 * self.tile_m)) // WARP_K * WARP_K)
+        k_round = -(-s.K // WARP_K) * WARP_K
+        kt_fit = max(WARP_K, (SMEM_LIMIT // (4 * s.tile_m)) // WARP_K * WARP_K)
         self.k_tile = min(k_round, kt_fit)
-        self.vectorized = self.K % LANE_K == 0
-        self.threads = WARPS * 32
-        self._module = kernels.load_module(
-            backend, "gemm.cu", GEMM_WTYPE=dtypes.CODE[self.wkind], GEMM_EPI=EPILOGUES[epilogue],
-            GEMM_K=self.K, GEMM_MAX_M=self.tile_m, GEMM_R=self.rows_per_warp,
-            GEMM_WARPS=WARPS, GEMM_KT=self.k_tile)
-        self._kernel = self._module.get_function("gemm")
-        self._nblk = -(-self.N // self.cols_per_block)
+        self.vectorized = s.K % LANE_K == 0
+        self._kernel = kernels.load_module(
+            self.backend, "gemm.cu", GEMM_WTYPE=dtypes.CODE[s.wkind], GEMM_EPI=EPILOGUES[s.epilogue],
+            GEMM_K=s.K, GEMM_MAX_M=s.tile_m, GEMM_R=self.rows_per_warp,
+            GEMM_WARPS=WARPS, GEMM_KT=self.k_tile).get_function("gemm")
+        self._nblk = -(-s.N // self.cols_per_block)
 
-    def _init_stream(self, k_split):
-        if k_split is not None and (not isinstance(k_split, (int, np.integer)) or isinstance(k_split, bool)
-                                    or k_split < 1):
-            raise ValueError(f"k_split must be a positive int, got {k_split!r}")
-        self.split = 2 if self.x_split else 1
+    def _build_stream(self):
+        s = self.spec
         self.vectorized = True
         self.rows_per_warp = 1
-        self.variant = gemm_stream.GemmVariant(
-            self.N, self.K, self.wkind, self.epilogue, self.split, norm=self.norm_eps is not None,
-            logits=self.logits, x16=self.x16, y16=self.y16, live_split=self.live_split, skip_cols=self.skip_cols,
-            rope=None if self.rope is None else (self.rope.head_dim, self.rope.q_width, self.rope.kv_width))
-        self._stream = gemm_stream.StreamKernels(self.backend, self.variant, self.max_m,
-                                                 k_split=None if k_split is None else int(k_split),
-                                                 wgmma=self._wgmma)
-        self.k_split = self._stream.plan(self.max_m).ks   # at m = max_m; each call plans its own m
-        self.k_tile = self._stream.plan(self.max_m).kt
-        self.cols_per_block = gemm_stream.cols_per_block(self._stream.nw)
-        self._nblk = -(-self.N // self.cols_per_block)
+        self._stream = gemm_stream.StreamKernels(self.backend, s.variant, s.max_m, k_split=s.forced_k_split,
+                                                 wgmma=s.wgmma)
+        self.k_split = self._stream.plan(s.max_m).ks   # at m = max_m; each call plans its own m
+        self.k_tile = self._stream.plan(s.max_m).kt
+        self.cols_per_block = gemm_stream.cols_per_block(s.nw)
+        self._nblk = -(-s.N // self.cols_per_block)
         self._counters = self._stream._counters
-
-    def _init_mma(self, k_split):
-        # M tile: 16, 32 or 64 rows (gemm_mma.cu spills at 48); x tile in the
-        # weight type must fit the default shared-memory cap.
-        self.m_tiles = 1 if self.tile_m <= 16 else (2 if self.tile_m <= 32 else 4)
-        rows = 16 * self.m_tiles
-        k_round = -(-self.K // 32) * 32
-        self.split = 2 if self.x_split else 1
-        kt_fit = (SMEM_LIMIT // (2 * rows * self.split) - 8) // 32 * 32
-        self.k_tile = min(k_round, kt_fit)
-        self.vectorized = True
-        self.rows_per_warp = 1
-        self.cols_per_block = WARPS * MMA_COLS
-        self._nblk = -(-self.N // self.cols_per_block)
-        if k_split is None:  # enough blocks for the weight stream, slices not too thin
-            sms = device_props.of(self.backend).sm_count
-            k_split = max(1, min(MAX_K_SPLIT, (BLOCKS_PER_SM * sms) // self._nblk,
-                                 self.K // MIN_K_PER_SLICE))
-        self.k_split = checks.int_arg(k_split, "k_split", 1)
-        opts = dict(GM_WTYPE=dtypes.CODE[self.wkind], GM_EPI=EPILOGUES[self.epilogue], GM_K=self.K,
-                    GM_MT=self.m_tiles, GM_WARPS=WARPS, GM_KT=self.k_tile, GM_SPLIT=self.split)
-        # m beyond one M tile (bulk append chunks) runs unsplit: the partial sums
-        # of all its tiles would need a workspace sized for the largest m.
-        self._kernel = kernels.load_module(self.backend, "gemm_mma.cu", **opts).get_function("gemm_mma")
-        self._kernel_split = None
-        nw = 2 if self.epilogue == "silu_mul" else 1
-        if self.k_split > 1:
-            self._kernel_split = kernels.load_module(self.backend, "gemm_mma.cu", GM_KSPLIT=self.k_split,
-                                                     **opts).get_function("gemm_mma")
-            self._ws = self.backend.zeros((self.k_split * nw * rows * self.N,), np.float32)
-            self._counters = self.backend.zeros((self._nblk,), np.int32)
-        else:
-            self._ws = None
-            self._counters = self.backend.zeros((1,), np.int32)  # a valid pointer, never used
 
     # ---- launch configurations (autotuning: dflash_cupy/tuning.py)
     def launch_candidates(self, m: int) -> list:
         """``(mt, ks)`` configurations the ``"stream"`` path can run ``m`` rows
         with (``[]`` on the other paths: they have one)."""
-        return self._stream.candidates(checks.int_arg(m, "m", 1)) if self.path == "stream" else []
+        return self._stream.candidates(checks.int_arg(m, "m", 1)) if self.spec.path == "stream" else []
 
     def default_config(self, m: int):
         """The cost rule's ``(mt, ks)`` for ``m`` rows (``None`` off the stream path)."""
@@ -267,7 +302,7 @@ class Gemm:
         return self._stream_config(m, default=False)
 
     def _stream_config(self, m: int, default: bool):
-        if self.path != "stream":
+        if self.spec.path != "stream":
             return None
         m = checks.int_arg(m, "m", 1)
         p = self._stream.default_plan(m) if default else self._stream.plan(m)
@@ -276,15 +311,15 @@ class Gemm:
     def use_config(self, m: int, config) -> None:
         """Launch ``m`` rows with ``config`` (one of ``launch_candidates(m)``)
         from now on; before the first graph capture only."""
-        if self.path != "stream":
-            raise ValueError(f"use_config needs the 'stream' path (this Gemm runs {self.path!r})")
+        if self.spec.path != "stream":
+            raise ValueError(f"use_config needs the 'stream' path (this Gemm runs {self.spec.path!r})")
         mt, ks = config
         self._stream.use(checks.int_arg(m, "m", 1), mt, ks)
         self._counters = self._stream._counters
 
     def __repr__(self):
-        return (f"Gemm(N={self.N}, K={self.K}, w={self.wkind}, epilogue={self.epilogue!r}, "
-                f"max_m={self.max_m}, path={self.path}, R={self.rows_per_warp}, KT={self.k_tile}, "
+        return (f"Gemm(N={self.spec.N}, K={self.spec.K}, w={self.spec.wkind}, epilogue={self.spec.epilogue!r}, "
+                f"max_m={self.spec.max_m}, path={self.spec.path}, R={self.rows_per_warp}, KT={self.k_tile}, "
                 f"k_split={self.k_split})")
 
     def fuses_rope(self, m: int) -> bool:
@@ -293,38 +328,33 @@ class Gemm:
         variant with every head inside one column group. Otherwise the caller runs the GEMM
         into its qkv matrix and ``QkvNormRope`` after it."""
         m = checks.int_arg(m, "m", 1)
-        return self.path == "stream" and self.rope is not None and self._stream.fuses_rope(m)
+        return self.spec.path == "stream" and self.spec.rope is not None and self._stream.fuses_rope(m)
 
     def launch_config(self, m: int):
         """``(grid, block, shared_mem)`` of a launch over ``m`` rows."""
-        if self.path == "stream":
+        if self.spec.path == "stream":
             return self._stream.launch_config(m)
-        if self.path == "mma":
-            rows = 16 * self.m_tiles
-            kz = self.k_split if m <= rows else 1
-            return ((self._nblk, -(-m // rows), kz), (self.threads, 1, 1),
-                    self.split * rows * (self.k_tile + 8) * 2)
-        mtiles = -(-m // self.tile_m)
-        smem = min(m, self.tile_m) * self.k_tile * 4
+        mtiles = -(-m // self.spec.tile_m)
+        smem = min(m, self.spec.tile_m) * self.k_tile * 4
         return (self._nblk * mtiles, 1, 1), (self.threads, 1, 1), smem
 
     def bytes_moved(self, m: int) -> int:
         """Compulsory traffic of one call: weights once, x read, y written,
         residual read, the folded norm's scale. (Beyond one M tile each extra
         M tile re-reads the weights from L2, on the "stream" path in the same wave; not counted.)"""
-        b = (self.w_rows * self.K * dtypes.ITEMSIZE[self.wkind] + m * self.K * self.x_dtype.itemsize
-             + m * self.N * self.y_dtype.itemsize)
-        if self.epilogue == "residual":
-            b += m * self.N * 4
-        if self.norm_eps is not None:
-            b += self.K * 4
+        s = self.spec
+        b = s.w_rows * s.K * dtypes.ITEMSIZE[s.wkind] + m * s.K * s.x_dtype.itemsize + m * s.N * s.y_dtype.itemsize
+        if s.epilogue == "residual":
+            b += m * s.N * 4
+        if s.norm_eps is not None:
+            b += s.K * 4
         return b
 
     def _pad(self, pad_rows, m):
         if pad_rows is None:
             return None
-        if self.path != "stream":
-            raise ValueError(f"pad_rows needs path 'stream' (this Gemm runs {self.path!r})")
+        if self.spec.path != "stream":
+            raise ValueError(f"pad_rows needs path 'stream' (this Gemm runs {self.spec.path!r})")
         lo, hi = pad_rows
         checks.device_array(self.backend, "pad_rows[0]", lo, np.int32, ndim=1)
         if lo.shape[0] < 1:
@@ -340,21 +370,22 @@ class Gemm:
         if tile_live.shape[0] < -(-m // 16):
             raise ValueError(f"tile_live must hold >= ceil(m/16) = {-(-m // 16)} entries (one per 16 rows), "
                              f"got shape {tuple(tile_live.shape)}")
-        return tile_live if self.path == "stream" else None  # the fallbacks compute every row
+        return tile_live if self.spec.path == "stream" else None  # the fallbacks compute every row
 
     def _call_rope(self, x, w, y, m, rope, stream, pad_rows, norm, tile_live, x2=None):
         be = self.backend
         if not self.fuses_rope(m):
-            raise ValueError(f"rope given but this Gemm cannot fold it at m={m} (rope={self.rope}, launch "
-                             f"{self.config(m) if self.path == 'stream' else self.path!r}): run QkvNormRope after it")
+            launch = self.config(m) if self.spec.path == "stream" else self.spec.path
+            raise ValueError(f"rope given but this Gemm cannot fold it at m={m} (rope={self.spec.rope}, launch "
+                             f"{launch!r}): run QkvNormRope after it")
         if not isinstance(rope, tuple) or len(rope) != 7:
             raise ValueError("rope must be (q_norm, k_norm, inv_freq, pos, rows, k_cache, v_cache)")
         q_norm, k_norm, inv_freq, pos, rows, k_cache, v_cache = rope
-        check_rope_targets(be, self.rope, m, q_norm, k_norm, inv_freq, pos, rows, y, k_cache, v_cache)
-        checks.device_array(be, "x", x, self.x_dtype)
-        checks.device_array(be, "w", w, self.w_device_dtype)
-        if x.shape[1] != self.K or tuple(w.shape) != (self.w_rows, self.K):
-            raise ValueError(f"x must be [>= m, {self.K}] and w [{self.w_rows}, {self.K}], got "
+        check_rope_targets(be, self.spec.rope, m, q_norm, k_norm, inv_freq, pos, rows, y, k_cache, v_cache)
+        checks.device_array(be, "x", x, self.spec.x_dtype)
+        checks.device_array(be, "w", w, self.spec.w_device_dtype)
+        if x.shape[1] != self.spec.K or tuple(w.shape) != (self.spec.w_rows, self.spec.K):
+            raise ValueError(f"x must be [>= m, {self.spec.K}] and w [{self.spec.w_rows}, {self.spec.K}], got "
                              f"{tuple(x.shape)} and {tuple(w.shape)}")
         if m < 1:
             raise ValueError(f"m={m} must be >= 1")
@@ -366,30 +397,30 @@ class Gemm:
         tile_live = self._tile_live(tile_live, m)
         if norm is not None:
             norm = self._norm_args(norm, m)
-        s = self.rope
+        s = self.spec.rope
         self._stream(x, w, y, y, m, stream=stream, pad_rows=pad_rows, norm=norm, tile_live=tile_live, x2=x2,
                      rope=(q_norm, k_norm, inv_freq, pos, rows, k_cache, v_cache, k_cache.shape[0], s.eps,
                            s.attn_scale_factor))
 
     def _norm_args(self, norm, m):
-        if self.norm_eps is None:
+        if self.spec.norm_eps is None:
             raise ValueError("norm given but this Gemm was built without norm_eps")
         if not isinstance(norm, tuple) or len(norm) not in (2, 3):
             raise ValueError("norm must be (ln, norm_lo) or (ln, norm_lo, ln_lo)")
         ln, norm_lo = norm[:2]
         ln_lo = norm[2] if len(norm) == 3 else None
         checks.device_array(self.backend, "norm[0]", ln, np.float32, ndim=1)
-        if ln.shape[0] != self.K:
-            raise ValueError(f"norm[0] must have shape ({self.K},), got {tuple(ln.shape)}")
+        if ln.shape[0] != self.spec.K:
+            raise ValueError(f"norm[0] must have shape ({self.spec.K},), got {tuple(ln.shape)}")
         if not isinstance(norm_lo, (int, np.integer)) or isinstance(norm_lo, bool) or not 0 <= norm_lo <= m:
             raise ValueError(f"norm[1] must be an int in [0, m={m}], got {norm_lo!r}")
         checks.aligned16(norm=ln)
         if ln_lo is not None:
             checks.device_array(self.backend, "norm[2] (ln_lo)", ln_lo, np.float32, ndim=1)
-            if ln_lo.shape[0] != self.K:
-                raise ValueError(f"norm[2] (ln_lo) must have shape ({self.K},), got {tuple(ln_lo.shape)}")
+            if ln_lo.shape[0] != self.spec.K:
+                raise ValueError(f"norm[2] (ln_lo) must have shape ({self.spec.K},), got {tuple(ln_lo.shape)}")
             checks.aligned16(ln_lo=ln_lo)
-        return (ln, self.norm_eps, int(norm_lo), ln_lo)
+        return (ln, self.spec.norm_eps, int(norm_lo), ln_lo)
 
     def _x2_args(self, x, x2, m, y_like):
         """Validated ``x2=(a, row_split)``: x must hold rows ``[0, row_split)``, ``a`` rows
@@ -398,14 +429,14 @@ class Gemm:
             if not 1 <= m <= x.shape[0]:
                 raise ValueError(f"m={m} must be in [1, x rows={x.shape[0]}]")
             return None
-        if self.path != "stream":
-            raise ValueError(f"x2 needs path 'stream' (this Gemm runs {self.path!r})")
+        if self.spec.path != "stream":
+            raise ValueError(f"x2 needs path 'stream' (this Gemm runs {self.spec.path!r})")
         if not isinstance(x2, tuple) or len(x2) != 2:
             raise ValueError("x2 must be (array, row_split)")
         a, row_split = x2
-        checks.device_array(self.backend, "x2[0]", a, self.x_dtype)
-        if a.shape[1] != self.K:
-            raise ValueError(f"x2[0] must have K={self.K} columns, got shape {tuple(a.shape)}")
+        checks.device_array(self.backend, "x2[0]", a, self.spec.x_dtype)
+        if a.shape[1] != self.spec.K:
+            raise ValueError(f"x2[0] must have K={self.spec.K} columns, got shape {tuple(a.shape)}")
         if not isinstance(row_split, (int, np.integer)) or isinstance(row_split, bool) or not 0 <= row_split <= m:
             raise ValueError(f"x2[1] (row_split) must be an int in [0, m={m}], got {row_split!r}")
         if x.shape[0] < row_split:
@@ -437,8 +468,8 @@ class Gemm:
         runs, so a captured graph follows it): entry ``t`` covers rows
         ``[16t, 16t + 16)``; on the ``"stream"`` path a tile whose entry is 0
         is skipped (no x read, no MMA) and its rows of ``y`` (and of the argmax
-        ``partials``) are not written at all. The ``"mma"`` and ``"fma"`` paths
-        ignore it and compute every row (the dead rows' outputs are never
+        ``partials``) are not written at all. The ``"fma"`` path
+        ignores it and computes every row (the dead rows' outputs are never
         consumed by contract). ``None``: every tile is live. An entry of 2 is a
         live tile whose rows need only the columns ``>= skip_cols`` (this
         Gemm's): the wgmma kernel leaves the column groups wholly below
@@ -456,49 +487,65 @@ class Gemm:
         ``x2=(a, row_split)`` (``"stream"`` path): rows ``>= row_split`` are read from ``a``
         (row ``r`` from ``a[r - row_split]``), rows below from x: two producers' rows in one
         GEMM without a concatenated copy. Bit-identical to one x holding both."""
-        be = self.backend
         m = checks.int_arg(m, "m")
         if rope is not None:
             self._call_rope(x, w, y, m, rope, stream, pad_rows, norm, tile_live, x2)
             return
-        if x2 is not None and (self.epilogue == "argmax" or self.path != "stream"):
+        y, r, x2 = self._check_io(x, w, y, m, residual, partials, x2)
+        pad_rows = self._pad(pad_rows, m)
+        tile_live = self._tile_live(tile_live, m)
+        if norm is not None:
+            norm = self._norm_args(norm, m)
+        self._run(x, w, y, r, m, stream, pad_rows, norm, partials, tile_live, x2)
+
+    def _run(self, x, w, y, r, m, stream, pad_rows=None, norm=None, partials=None, tile_live=None, x2=None):
+        """The launch of checked arguments (``r``: the residual, or any valid pointer)."""
+        if self.spec.path == "stream":
+            self._stream(x, w, y, r, m, stream=stream, pad_rows=pad_rows, norm=norm, partials=partials,
+                         tile_live=tile_live, x2=x2)
+            return
+        grid, block, smem = self.launch_config(m)
+        self._kernel(grid, block, (x, w, y, r, np.int32(m), np.int32(self.spec.N)), shared_mem=smem, stream=stream)
+
+    def _check_io(self, x, w, y, m, residual, partials, x2):
+        """``(y, r, x2)`` of a call's checked arrays: y (the argmax partials where no logits
+        are written), the residual (or y: any valid pointer), x2 checked."""
+        be = self.backend
+        if x2 is not None and (self.spec.epilogue == "argmax" or self.spec.path != "stream"):
             raise ValueError(f"x2 needs path 'stream' and an epilogue other than argmax (this Gemm: "
-                             f"{self.path!r}, {self.epilogue!r})")
-        if self.epilogue == "argmax":
+                             f"{self.spec.path!r}, {self.spec.epilogue!r})")
+        if self.spec.epilogue == "argmax":
             if partials is None:
                 raise ValueError("partials is required for epilogue 'argmax'")
             checks.device_array(be, "partials", partials, np.uint32, ndim=3)
             if partials.shape[0] < m or tuple(partials.shape[1:]) != self.partials_shape(m)[1:]:
                 raise ValueError(f"partials must have shape [>= {m}, {self._nblk}, 2], got "
                                  f"{tuple(partials.shape)}")
-            if not self.logits:
+            if not self.spec.logits:
                 if y is not None:
                     raise ValueError("y must be None: this argmax Gemm writes no logits (logits=False)")
         elif partials is not None:
-            raise ValueError(f"partials given but epilogue is {self.epilogue!r}")
-        if y is None and self.epilogue == "argmax" and not self.logits:
-            checks.device_array(be, "x", x, self.x_dtype)
-            checks.device_array(be, "w", w, self.w_device_dtype)
-            if x.shape[1] != self.K or tuple(w.shape) != (self.w_rows, self.K):
-                raise ValueError(f"x must be [>= m, {self.K}] and w [{self.w_rows}, {self.K}], got "
+            raise ValueError(f"partials given but epilogue is {self.spec.epilogue!r}")
+        if y is None and self.spec.epilogue == "argmax" and not self.spec.logits:
+            checks.device_array(be, "x", x, self.spec.x_dtype)
+            checks.device_array(be, "w", w, self.spec.w_device_dtype)
+            if x.shape[1] != self.spec.K or tuple(w.shape) != (self.spec.w_rows, self.spec.K):
+                raise ValueError(f"x must be [>= m, {self.spec.K}] and w [{self.spec.w_rows}, {self.spec.K}], got "
                                  f"{tuple(x.shape)} and {tuple(w.shape)}")
             if not 1 <= m <= x.shape[0]:
                 raise ValueError(f"m={m} must be in [1, x rows={x.shape[0]}]")
             checks.aligned16(x=x, w=w)
-            # y is never written without logits: the partials stand in for the pointer
-            self._stream(x, w, partials, partials, m, stream=stream, pad_rows=self._pad(pad_rows, m),
-                         partials=partials, tile_live=self._tile_live(tile_live, m))
-            return
-        checks.device_array(be, "x", x, self.x_dtype)
-        checks.device_array(be, "w", w, self.w_device_dtype)
-        checks.device_array(be, "y", y, self.y_dtype)
-        if x.shape[1] != self.K:
-            raise ValueError(f"x must have K={self.K} columns, got shape {tuple(x.shape)}")
-        if tuple(w.shape) != (self.w_rows, self.K):
-            raise ValueError(f"w must have shape {(self.w_rows, self.K)} for epilogue "
-                             f"{self.epilogue!r}, got {tuple(w.shape)}")
-        if y.shape[1] != self.N:
-            raise ValueError(f"y must have N={self.N} columns, got shape {tuple(y.shape)}")
+            return partials, partials, None   # y is never written without logits: any valid pointer
+        checks.device_array(be, "x", x, self.spec.x_dtype)
+        checks.device_array(be, "w", w, self.spec.w_device_dtype)
+        checks.device_array(be, "y", y, self.spec.y_dtype)
+        if x.shape[1] != self.spec.K:
+            raise ValueError(f"x must have K={self.spec.K} columns, got shape {tuple(x.shape)}")
+        if tuple(w.shape) != (self.spec.w_rows, self.spec.K):
+            raise ValueError(f"w must have shape {(self.spec.w_rows, self.spec.K)} for epilogue "
+                             f"{self.spec.epilogue!r}, got {tuple(w.shape)}")
+        if y.shape[1] != self.spec.N:
+            raise ValueError(f"y must have N={self.spec.N} columns, got shape {tuple(y.shape)}")
         if x2 is None and (m < 1 or m > x.shape[0] or m > y.shape[0]):
             raise ValueError(f"m={m} must be in [1, min(x rows={x.shape[0]}, y rows={y.shape[0]})]")
         if m < 1 or m > y.shape[0]:
@@ -506,12 +553,12 @@ class Gemm:
         x2 = self._x2_args(x, x2, m, {"y": y})
         checks.check_no_overlap(y=y, x=x)
         checks.check_no_overlap(y=y, w=w)
-        if self.epilogue == "residual":
+        if self.spec.epilogue == "residual":
             if residual is None:
                 raise ValueError("residual is required for epilogue 'residual'")
             checks.device_array(be, "residual", residual, np.float32)
-            if residual.shape[1] != self.N or residual.shape[0] < m:
-                raise ValueError(f"residual must have shape [>= m={m}, N={self.N}], "
+            if residual.shape[1] != self.spec.N or residual.shape[0] < m:
+                raise ValueError(f"residual must have shape [>= m={m}, N={self.spec.N}], "
                                  f"got {tuple(residual.shape)}")
             # Exact aliasing (same element read then written by one thread) is fine;
             # a shifted overlap would read elements other blocks already wrote.
@@ -520,28 +567,16 @@ class Gemm:
             r = residual
         else:
             if residual is not None:
-                raise ValueError(f"residual given but epilogue is {self.epilogue!r}")
+                raise ValueError(f"residual given but epilogue is {self.spec.epilogue!r}")
             r = y  # unused by the kernel; any valid pointer
         if self.vectorized:
             checks.aligned16(x=x, w=w, y=y, residual=r)
-        pad_rows = self._pad(pad_rows, m)
-        tile_live = self._tile_live(tile_live, m)
-        if norm is not None:
-            norm = self._norm_args(norm, m)
-        if self.path == "stream":
-            self._stream(x, w, y, r, m, stream=stream, pad_rows=pad_rows, norm=norm, partials=partials,
-                         tile_live=tile_live, x2=x2)
-            return
-        grid, block, smem = self.launch_config(m)
-        if self.path == "fma":
-            self._kernel(grid, block, (x, w, y, r, np.int32(m), np.int32(self.N)),
-                         shared_mem=smem, stream=stream)
-        elif grid[2] > 1:
-            self._kernel_split(grid, block, (x, w, y, r, np.int32(m), np.int32(self.N), self._ws,
-                                             self._counters), shared_mem=smem, stream=stream)
-        else:
-            self._kernel(grid, block, (x, w, y, r, np.int32(m), np.int32(self.N), y, self._counters),
-                         shared_mem=smem, stream=stream)
+        return y, r, x2
+
+
+for _name in sorted(_SPEC_NAMES):   # the spec's fields and properties read as the Gemm's own
+    setattr(Gemm, _name, property(lambda self, _n=_name: getattr(self.spec, _n),
+                                  doc=f"``self.spec.{_name}`` (``GemmSpec``)"))
 
 
 def gemm_reference(x, w, epilogue: str = "none", residual=None, x_round: str | None = None,

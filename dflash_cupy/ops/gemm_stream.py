@@ -1,19 +1,15 @@
 """Launch planning for ``cuda_src/gemm_stream.cu`` (the weight-streaming
-tensor-core GEMM) and the figures that justify it.
+tensor-core GEMM) and ``cuda_src/gemm_wgmma.cu`` (its many-row variant).
 
 ``plan(N, K, m, ...)`` picks, for one call over ``m`` rows, the M-tile
 variant (16/32/64 rows), the split-K count, the slice and the staged x chunk,
 from the device's SM count and shared-memory opt-in limit (a ``Device``; the
-emulator uses the explicit H200 profile ``H200``). ``stream_figures`` adds the
-numbers the kernel header derives (bytes in flight per SM, shared-memory
-bytes read per weight byte, L2 re-reads of x, wave efficiency);
-``mma_figures`` computes the same for the old ``gemm_mma.cu`` launch, so
-tests pin both. ``StreamKernels`` compiles the variants and launches them;
-``ops.gemm.Gemm(path="stream")`` is the public entry.
-
-    python -c "from dflash_cupy.ops.gemm_stream import figures_table; print(figures_table())"
-
-prints the before/after table at the drafter shapes.
+emulator uses the explicit H200 profile ``H200``); ``plan_wgmma`` the same for
+the wgmma kernel. ``GemmVariant`` is what one GEMM is compiled for (its ``-D``
+options and tuning key). ``StreamKernels`` compiles the variants and launches
+them; ``ops.gemm.Gemm(path="stream")`` is the public entry. The figures these
+plans imply (bytes in flight, shared-memory reads per weight byte, waves):
+``profiling/gemm_figures.py``.
 """
 from __future__ import annotations
 
@@ -38,7 +34,6 @@ PARTIAL_COST = 0.5        # L2 bytes (split-K partials) cost vs HBM weight bytes
 REDUCE_COST = 0.33        # the last block's serial read of the partials: one SM's L2 rate (~110 GB/s)
                           # vs its share of HBM (4.8 TB/s / 132 ~ 36 GB/s)
 INFLIGHT_TARGET = 24 * 1024
-HBM_BPS = 4.8e12          # H200 HBM3e, for the tensor-core pace figure only
 
 # ptxas (NVRTC, sm_90) registers per thread of each M variant, with GS_MINB
 # from the kernel (2 blocks for MT 1, else 1); tests/test_gemm_stream.py
@@ -105,7 +100,7 @@ def block_inflight(mt: int) -> int:
     return WARPS * WTILES * 8 * 128
 
 
-def _stream_terms(blocks: int, block_bytes: int, mt: int, dev: Device) -> tuple:
+def stream_terms(blocks: int, block_bytes: int, mt: int, dev: Device) -> tuple:
     """``(spread, busiest)``: a launch's weight stream in bytes at one SM's share of HBM, its
     bytes spread over the SMs, and the busiest SM's bytes (its blocks one after another, as many
     at once as fit) slowed by Little's law where it keeps less than INFLIGHT_TARGET in flight."""
@@ -190,12 +185,10 @@ def plan(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device = H200
         block_bytes = cols * nw * kz * 2
         if raw:
             # x staged by cp.async (a chunk's copies all in flight, whatever its size): the
-            # stream by bytes in flight (_stream_terms), not by rounds of blocks. A slice costs
+            # stream by bytes in flight (stream_terms), not by rounds of blocks. A slice costs
             # its partials and its share of the reduction, and buys bytes in flight only where
-            # an SM lacks them. (By rounds, h4096's gate_up took 8 slices, 768 blocks in 3
-            # rounds on 264 slots, each round paying a block's prologue, staging and reduction
-            # as compiled; it takes 2.)
-            stream = max(_stream_terms(blocks, block_bytes, mt, dev))
+            # an SM lacks them (docs/decisions/gemm.md: the folded norm's launch rule).
+            stream = max(stream_terms(blocks, block_bytes, mt, dev))
         else:
             # x staged through registers (GS_XB items per thread per L2 round trip): a thicker
             # slice is a longer dependent chain (tests/test_sass_kernels.py: CHAIN_MAX), so the
@@ -232,10 +225,8 @@ WG_DEPTH = {64: 3, 128: 2}
 # H200: 74-84% of HBM at m = 64 vs 86-98% with wgmma), and at m <= 48 both stream at the floor.
 WG_MIN_M = 49
 # ptxas (NVRTC, sm_90a) registers per thread, max over dtypes, epilogues, hi + lo and the folded
-# norm (tests/test_gemm_wgmma.py holds the kernel to them); one block of 256 threads per SM.
-# The qkv epilogue (GW_EPI 3) measured 220 / 247 (250 with the live split), no spills. The second x
-# pointer and ln_lo (the folded hidden norm) moved wg64 from <= 241 to <= 244 (the same allocation
-# of 248: one block per SM either way) and wg128 to <= 252, no spills.
+# norm (tests/test_gemm_wgmma.py holds the kernel to them); one block of 256 threads per SM
+# either way (history: docs/decisions/gemm.md).
 WG_PTXAS_REGS = {64: 248, 128: 255}
 WG_EPI_UNITS = kernels.constants("gemm_wgmma.cu")["GW_EPI_UNITS"]   # qkv epilogue units per warp at once
 WG_BLOCK_STEPS = 2        # a block's fixed cost in 64-k steps: its first loads, the epilogue
@@ -385,106 +376,6 @@ def wgmma_verified(backend) -> bool:
         return False
     from .. import selfcheck_verdict
     return selfcheck_verdict.variant_usable(backend, "gemm.wgmma")
-
-
-def weight_passes(groups: int, mblocks: int, concurrent: int, m_fastest: bool = True) -> float:
-    """HBM reads of each weight byte (mean over column groups), modelling that the
-    blocks of one wave (``concurrent`` = SMs x resident blocks, in launch order)
-    share their weight reads through L2 and nothing survives to a later wave.
-    ``m_fastest``: this kernel's order (the M blocks of a column group adjacent);
-    False: the previous grid (column group fastest, M block in grid y)."""
-    total = 0
-    for cg in range(groups):
-        pos = [cg * mblocks + mb if m_fastest else mb * groups + cg for mb in range(mblocks)]
-        total += len({p // concurrent for p in pos})
-    return total / groups
-
-
-def stream_figures(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device = H200,
-                   raw: bool = False) -> dict:
-    """The header's derivation for one call: see ``cuda_src/gemm_stream.cu``."""
-    p = plan(N, K, m, nw, split, dev, raw=raw)
-    blocks = p.grid[0] * p.grid[1] * p.grid[2]
-    spread, busiest = _stream_terms(blocks, cols_per_block(nw) * nw * p.kz * 2, p.mt, dev)
-    resident = blocks_per_sm(p.mt, p.smem)
-    concurrent = resident * dev.sm_count
-    per_sm = min(resident, -(-blocks // dev.sm_count))
-    warp_inflight = (DEPTH[p.mt] - 1) * WTILES * 8 * 128  # bytes, while a warp computes one step
-    weight_bytes = N * nw * K * 2
-    return {
-        "plan": p,
-        "blocks": blocks,
-        "blocks_per_sm_resident": resident,
-        "registers": PTXAS_REGS[p.mt],
-        "inflight_per_sm": per_sm * WARPS * warp_inflight,
-        "smem_read_per_weight_byte": p.tiles * split * 4 * 512 / (WTILES * 1024),
-        "smem_conflict_ways": max(xtile_conflict_ways(p.kt)),
-        "x_l2_per_weight_byte": p.groups * m * K * 4 / weight_bytes,
-        # HBM reads of each weight byte over the M blocks (1 = once), and with the old grid order
-        "weight_hbm_passes": weight_passes(p.groups, p.mblocks, concurrent),
-        "weight_hbm_passes_old_order": weight_passes(p.groups, p.mblocks, concurrent, m_fastest=False),
-        "partial_per_weight_byte": (2 * p.ks * min(m, 16 * p.mt) * N * nw * 4 / weight_bytes) if p.ks > 1 else 0.0,
-        "wave_efficiency": blocks / (-(-blocks // dev.sm_count) * dev.sm_count),
-        # the busiest SM's stream by its bytes in flight over the launch's bytes at the SMs'
-        # share of HBM (plan's rule): <= 1 streams at the HBM rate
-        "inflight_bound_ratio": busiest / spread,
-        # tensor-core rate the MMAs need to keep pace with 90% of H200 HBM (4.8 TB/s):
-        # 16 rows per live tile, x GS_SPLIT for hi + lo, 2 flops per multiply-add
-        "mma_tflops_at_90pct_hbm": 2 * 16 * p.tiles * split / 2 * 0.9 * HBM_BPS / 1e12,
-    }
-
-
-def mma_figures(N: int, K: int, m: int, nw: int = 1, max_m: int = 64, dev: Device = H200) -> dict:
-    """The same figures for the old ``gemm_mma.cu`` launch (``ops.gemm`` with
-    ``path="mma"``, hi + lo, the launcher's own tiling and split rule)."""
-    mt = 1 if max_m <= 16 else (2 if max_m <= 32 else 4)
-    rows, warps, split = 16 * mt, 4, 2
-    kt = min(-(-K // 32) * 32, (48 * 1024 // (2 * rows * split) - 8) // 32 * 32)
-    nblk = -(-N // (warps * 8))
-    ks = max(1, min(8, (4 * 132) // nblk, K // 512))
-    gy = -(-m // rows)
-    ks = ks if m <= rows else 1
-    blocks = nblk * gy * ks
-    smem = split * rows * (kt + 8) * 2
-    regs = {1: 62, 2: 104, 4: 124}[mt]   # ptxas sm_90, the file's nvrtc-check cases
-    resident = min(REGS_PER_SM // (-(-regs // 8) * 8 * warps * 32), SMEM_PER_SM // (smem + SMEM_RESERVED),
-                   THREADS_PER_SM // (warps * 32))
-    per_sm = min(resident, blocks / dev.sm_count)
-    # one 16-byte load per lane per 32-k step per weight matrix; the loop is
-    # unrolled 4 deep, so 1..4 steps of loads are outstanding per warp
-    warp_step = nw * 32 * 16
-    weight_bytes = N * nw * K * 2
-    return {
-        "blocks": blocks,
-        "blocks_per_sm_resident": resident,
-        "inflight_per_sm": (per_sm * warps * warp_step, per_sm * warps * warp_step * 4),
-        # x: MT tiles * split * 2 loads * 512 B per 32-k step, weights 512 B * nw
-        "smem_read_per_weight_byte": mt * split * 2 * 512 / (512 * nw),
-        "smem_conflict_ways": 2 if (2 * (kt + 8)) % 128 in (16, 48, 80, 112) else 1,
-        "x_l2_per_weight_byte": nblk * m * K * 4 / weight_bytes,
-        "wave_efficiency": blocks / (-(-blocks // dev.sm_count) * dev.sm_count),
-    }
-
-
-def xtile_conflict_ways(kt: int, pad: int = XPAD) -> list[int]:
-    """Shared-memory wavefronts per quarter warp of each 16-byte x-fragment load
-    of the kernel (row stride kt + pad halves; lane (g, t) reads row g (+8) at
-    byte 16t (+64)): 1 = conflict-free. Computed from the address formula,
-    bank by bank (32 banks of 4 bytes)."""
-    stride = 2 * (kt + pad)
-    ways = []
-    for rowoff in (0, 8):
-        for half in (0, 64):
-            for phase in range(4):  # a 16-byte access is served a quarter warp at a time
-                banks: dict[int, set] = {}
-                for lane in range(8 * phase, 8 * phase + 8):
-                    g, t = lane >> 2, lane & 3
-                    addr = (g + rowoff) * stride + 16 * t + half
-                    for b in range(4):
-                        word = addr // 4 + b
-                        banks.setdefault(word % 32, set()).add(word)
-                ways.append(max(len(v) for v in banks.values()))
-    return ways
 
 
 ARGMAX_EPI = 3  # gemm_stream.cu GS_EPI 3: the lm_head GEMM with the greedy token fused
@@ -811,31 +702,3 @@ def launch_args(kernel, params: dict) -> tuple:
     if len(sig) == 1 and sig[0].is_struct:
         return (params,)
     return tuple(params[p.name] for p in sig)
-
-
-# (name, N, K, weight matrices per output column) of a qwen3-8b-like and a hidden-5120 drafter layer
-FIGURE_SHAPES = [("8b qkv", 6144, 4096, 1), ("8b o", 4096, 4096, 1), ("8b gate_up", 12288, 4096, 2),
-                 ("8b down", 4096, 12288, 1), ("5120 qkv", 7168, 5120, 1), ("5120 o", 5120, 5120, 1),
-                 ("5120 gate_up", 17408, 5120, 2), ("5120 down", 5120, 17408, 1),
-                 ("5120 gate_up", 25600, 5120, 2), ("5120 down", 5120, 25600, 1)]
-
-
-def figures_table(ms=(16, 32, 64), dev: Device = H200) -> str:
-    """Before (gemm_mma.cu) and after (gemm_stream.cu) figures, one line per shape and m."""
-    out = [f"device: {dev.sm_count} SMs, {dev.smem_optin} B smem opt-in",
-           "shape          m | grid         kz    kt   smem R inflight smemB/wB xL2/wB part/wB wave"
-           " | old: blocks inflight     smemB/wB xL2/wB wave"]
-    for m in ms:
-        for name, N, K, nw in FIGURE_SHAPES:
-            f, o, p = stream_figures(N, K, m, nw, dev=dev), mma_figures(N, K, m, nw, dev=dev), None
-            p = f["plan"]
-            lo, hi = o["inflight_per_sm"]
-            out.append(f"{name:13s} {m:3d} | {str(p.grid):12s} {p.kz:5d} {p.kt:5d} {p.smem // 1024:4d}K "
-                       f"{f['blocks_per_sm_resident']} {f['inflight_per_sm'] // 1024:5d}K "
-                       f"{f['smem_read_per_weight_byte']:8.2f} {f['x_l2_per_weight_byte']:6.3f} "
-                       f"{f['partial_per_weight_byte']:7.3f} {f['wave_efficiency']:4.2f} | "
-                       f"{o['blocks']:5d} {lo / 1024:5.1f}-{hi / 1024:4.1f}K "
-                       f"{o['smem_read_per_weight_byte']:5.0f}x{o['smem_conflict_ways']} "
-                       f"{o['x_l2_per_weight_byte']:6.2f} {o['wave_efficiency']:4.2f}")
-    return "\n".join(out)
-

@@ -29,11 +29,13 @@ def archs_for(source: str) -> tuple[str, ...]:
     return (arch,) if arch else ARCHS
 
 
-def option_sets(source: str) -> list[tuple[str, ...]]:
-    """The default option set () plus one per ``// nvrtc-check:`` line."""
+def option_sets(source: str, filename: str | None = None) -> list[tuple[str, ...]]:
+    """The default option set () plus one per ``// nvrtc-check:`` line, plus (a GEMM kernel
+    ``filename``) the options of the variants ``tests/support/gemm_variants.py`` lists."""
+    from tests.support import gemm_variants
     sets: list[tuple[str, ...]] = [()]
-    for m in CHECK_RE.finditer(source):
-        opts = tuple(shlex.split(m.group(1)))
+    found = [tuple(shlex.split(m.group(1))) for m in CHECK_RE.finditer(source)]
+    for opts in found + (gemm_variants.option_sets(filename) if filename else []):
         if opts and opts not in sets:
             sets.append(opts)
     return sets
