@@ -60,7 +60,7 @@ from .ops.step_descriptor import (DESC_ACTIVE, DESC_COMMITTED, DESC_LEN, DESC_ST
 from .rope_params import rope_parameters
 from .step_graphs import StepGraphs
 from .step_recipe import StepRecipe
-from .stream_order import StreamOrder
+from .stream_order import PinnedStaging, StreamOrder
 
 GEMM_MAX_M = 64  # the GEMMs' largest M tile; more rows run as more row blocks of the same launch
 TILE_ROWS = 16   # the stream GEMM's row tile: lane regions are whole tiles, so a dead lane is whole dead tiles
@@ -183,22 +183,20 @@ class StepEngine:
         self._knobs_host = [h[knobs_at:knobs_at + 12].view(np.float32) for h in self._step_in_host]
         self._rng_host = [h[rng_at:rng_at + 16].view(np.uint64) for h in self._step_in_host] if sampled else None
         self._sampling_in = [None, None]   # (knobs, rng) last written into each staging buffer
-        self._noise_host = [be.pinned_empty((NN, H), np.float32) for _ in range(2)]
-        for a in self._step_in_host + self._noise_host:
+        for a in self._step_in_host:
             a[...] = 0
-        self._noise_events = [be.event() for _ in range(2)]
-        self._noise_next = 0
+        self._noise_staging = PinnedStaging(be, (NN, H), np.float32, f"{owner} noise staging")
+        self._noise_events = self._noise_staging.events
         self._n_chunks = -(-g.capacity // self.bulk_chunk) + 1
         self._bulk_desc_host = be.pinned_empty((lanes * self._n_chunks, DESC_LEN), np.int32)
         # DFlash 2: the anchors' pinned staging (two: alternating steps), and whether the
         # planned step has its anchors
-        self._anchor_host = [be.pinned_empty((lanes,), np.int32) for _ in range(2)] if self.selects else None
-        self._anchor_events = [be.event() for _ in range(2)] if self.selects else None
-        self._anchor_next, self._anchored = 0, False
+        self._anchor_staging = PinnedStaging(be, (lanes,), np.int32, f"{owner} anchor staging") \
+            if self.selects else None
+        self._anchored = False
         for i in range(2):
             be.label(self._step_in_host[i], f"{owner} step inputs staging [{i}] (descriptors"
                      + (", sampling knobs, rng)" if sampled else ")"))
-            be.label(self._noise_host[i], f"{owner} noise staging [{i}]")
         be.label(self._bulk_desc_host, f"{owner} bulk descriptor staging")
         self._events = [be.event() for _ in range(2)]   # after the replay that read each input buffer
         self._bulk_event = be.event()
@@ -778,14 +776,9 @@ class StepEngine:
                 for i in range(self.lanes):
                     be.copy_d2d_async(self.noise_embed[i * BS:i * BS + B], dev[i], stream=s)
         else:
-            i = self._noise_next
-            self._noise_next ^= 1
-            self.order.reuse(self._noise_events[i])  # the copy that last read this staging buffer
-            stage = self._noise_host[i]
-            be.host_write(stage, f"{self.owner}.set_noise_embed (staging)")
-            stage.reshape(self.lanes, BS, -1)[:, :B] = host   # each lane's rows; the padding is never read
-            be.copy_h2d_async(self.noise_embed, stage, stream=s)
-            self._noise_events[i].record(s)
+            def fill(stage):   # each lane's rows; the padding is never read
+                stage.reshape(self.lanes, BS, -1)[:, :B] = host
+            self._noise_staging.copy(self.order, self.noise_embed, fill, s)
         self.order.issued(s)
 
     # ------------------------------------------------------------------ anchors (DFlash 2)
@@ -818,14 +811,9 @@ class StepEngine:
         if dev is not None:
             be.copy_d2d_async(self.anchors, dev, stream=s)
         else:
-            i = self._anchor_next
-            self._anchor_next ^= 1
-            self.order.reuse(self._anchor_events[i])   # the copy that last read this staging buffer
-            stage = self._anchor_host[i]
-            be.host_write(stage, f"{self.owner} anchor staging")
-            stage[:] = host
-            be.copy_h2d_async(self.anchors, stage, stream=s)
-            self._anchor_events[i].record(s)
+            def fill(stage):
+                stage[:] = host
+            self._anchor_staging.copy(self.order, self.anchors, fill, s)
         self.order.issued(s)
         self._anchored = True
 

@@ -48,3 +48,30 @@ class StreamOrder:
             self.tail.synchronize()
         except Exception:
             pass
+
+
+class PinnedStaging:
+    """``PinnedStaging(backend, shape, dtype, label)``: two pinned host buffers used in turn to
+    copy host inputs to the device outside the step graph (noise embeddings, anchors).
+    ``copy(order, dst, fill, s)``: wait (``order.reuse``) until the copy that last read the next
+    buffer has run, ``fill(buffer)``, then copy it into ``dst`` on ``s``. ``events``: after the
+    copy that read each buffer."""
+
+    def __init__(self, backend, shape, dtype, label: str):
+        self.backend, self.label = backend, label
+        self.buffers = [backend.pinned_empty(shape, dtype) for _ in range(2)]
+        for i, b in enumerate(self.buffers):
+            b[...] = 0
+            backend.label(b, f"{label} [{i}]")
+        self.events = [backend.event() for _ in range(2)]
+        self._next = 0
+
+    def copy(self, order: StreamOrder, dst, fill, s) -> None:
+        i = self._next
+        self._next ^= 1
+        order.reuse(self.events[i])   # the copy that last read this buffer
+        stage = self.buffers[i]
+        self.backend.host_write(stage, self.label)
+        fill(stage)
+        self.backend.copy_h2d_async(dst, stage, stream=s)
+        self.events[i].record(s)
