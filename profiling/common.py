@@ -350,12 +350,23 @@ class _Layer:
         self.w_attn_gate = (random_bf16(backend, (gate_rows, H), scale=H ** -0.5, seed=s + 8)
                             if gate_rows else None)
         self.sliding = c.is_sliding(i)
+        # DFlash 2: the convolutions' projections (bf16) and bases (f32 [2, taps, H], tiny)
+        self.conv_a_kp = self.conv_a_base = self.conv_m_kp = self.conv_m_base = None
+        d2 = c.dflash2
+        if d2 is not None:
+            P = d2.projection_rows(H)
+            self.conv_a_kp = random_bf16(backend, (P, H), scale=H ** -0.5, seed=s + 9)
+            self.conv_m_kp = random_bf16(backend, (P, H), scale=H ** -0.5, seed=s + 10)
+            self.conv_a_base = _norm_scale(backend, H, s + 11, rows=2 * d2.conv_kernel_size).reshape(2, -1, H)
+            self.conv_m_base = _norm_scale(backend, H, s + 12, rows=2 * d2.conv_kernel_size).reshape(2, -1, H)
 
     def arrays(self):
         yield from (self.input_layernorm, self.post_attention_layernorm, self.q_norm, self.k_norm,
                     self.w_qkv, self.w_o, self.w_gate_up, self.w_down)
         if self.w_attn_gate is not None:
             yield self.w_attn_gate
+        if self.conv_a_kp is not None:
+            yield from (self.conv_a_kp, self.conv_a_base, self.conv_m_kp, self.conv_m_base)
 
 
 class RandomDeviceWeights:
@@ -373,6 +384,14 @@ class RandomDeviceWeights:
         self.layers = [_Layer(backend, c, i, seed) for i in range(c.n_layer)]
         arrays = [self.fc, self.hidden_norm, self.norm] + ([self.aux_norms] if self.aux_norms is not None
                                                            else [])
+        self.selector_hp = self.selector_pred = self.selector_succ = None
+        d2 = c.dflash2
+        if d2 is not None:   # DFlash 2: the candidate selector's projection and codebooks
+            R, V = d2.selector_rank, d2.vocab_size
+            self.selector_hp = random_bf16(backend, (R, H), scale=H ** -0.5, seed=seed + 5)
+            self.selector_pred = random_bf16(backend, (V, R), scale=R ** -0.5, seed=seed + 6)
+            self.selector_succ = random_bf16(backend, (V, R), scale=R ** -0.5, seed=seed + 7)
+            arrays += [self.selector_hp, self.selector_pred, self.selector_succ]
         for L in self.layers:
             arrays.extend(L.arrays())
         self.nbytes = sum(int(a.nbytes) for a in arrays)
