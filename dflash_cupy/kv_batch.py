@@ -82,7 +82,7 @@ class DraftKvBatch(EngineFacade):
         if not isinstance(logits, (bool, np.bool_)):
             raise TypeError(f"logits must be a bool, got {type(logits).__name__}")
         ring_device_dtype = _ring_device_dtype(ring_dtype)
-        self.engine = e = StepEngine(weights, capacity, lanes, owner="DraftKvBatch", lm_head=lm_head, logits=logits,
+        self.engine = e = StepEngine.build(weights, capacity, lanes, owner="DraftKvBatch", lm_head=lm_head, logits=logits,
                                      backend=backend, bulk_chunk=bulk_chunk, x_split=x_split, tune=tune, pdl=pdl,
                                      selfcheck=selfcheck)
         be, c = e.backend, e.config

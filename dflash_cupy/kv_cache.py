@@ -131,7 +131,7 @@ class DraftKvCache(EngineFacade):
         if not logits and sampling.temperature > 0 and weights.config.dflash2 is None:
             raise ValueError("sampling with temperature > 0 needs logits=True (the fused argmax is greedy)")
         # the one step engine, with one lane (its checks of the shared arguments come next)
-        self.engine = e = StepEngine(weights, capacity, 1, owner="DraftKvCache", lm_head=lm_head, logits=logits,
+        self.engine = e = StepEngine.build(weights, capacity, 1, owner="DraftKvCache", lm_head=lm_head, logits=logits,
                                      sampling=sampling, backend=backend, bulk_chunk=bulk_chunk, x_split=x_split,
                                      tune=tune, pdl=pdl, selfcheck=selfcheck)
         self.backend, self.config, self.weights, self.geom = e.backend, e.config, weights, e.geom

@@ -45,6 +45,7 @@ from .checks import bool_arg
 from .device_weights import device_dtype, to_device_matrix
 from .geometry import RingGeometry, align_up
 from .interop import device_view
+from .memory_plan import MemoryReport
 from .nvtx_ranges import nvtx_range
 from .ops.attention import RingAttention
 from .ops.conv import GroupedConv
@@ -159,6 +160,7 @@ class StepEngine:
 
         # ---- lm head: logits and tokens (greedy, or drawn per ``sampling``)
         self.lm_head = self.logits = self.draft_tokens = self._logits = self._tokens = None
+        self._lm_owned = False
         self.sample_knobs = self.sample_rng = None
         if lm_head is not None:
             self.lm_head = self._place_lm_head(lm_head)
@@ -248,9 +250,12 @@ class StepEngine:
         be, H = self.backend, self.config.hidden_size
         dev = device_view(be, lm_head, "lm_head", dtype=(np.float32, np.float16, np.uint16),
                           shape=(None, H))
+        self._lm_owned = True   # a copy this engine allocated (memory_report counts it as weights)
         if dev is not None:  # the caller's device matrix, used in place
             if not be.is_device_array(dev):  # emulated: foreign CPU memory has no guard pages
                 dev = be.asarray(dev)
+            else:
+                self._lm_owned = False
             return dev
         if not isinstance(lm_head, np.ndarray):
             lm_head = np.asarray(lm_head)
@@ -826,6 +831,32 @@ class StepEngine:
         """Host wait for every piece of work this engine issued, on any stream."""
         self.order.synchronize()
 
+    @classmethod
+    def build(cls, weights, capacity: int, lanes: int, **kwargs) -> "StepEngine":
+        """``StepEngine(weights, capacity, lanes, **kwargs)`` with ``allocated``: the bytes its
+        construction allocated (an ``AllocationLedger``). The device weights are placed first,
+        outside that count: they are shared by every cache built on the same weights."""
+        be = backends.get(kwargs.get("backend"))
+        weights.device(be)
+        with be.ledger() as led:
+            engine = cls(weights, capacity, lanes, **kwargs)
+        engine.allocated = led
+        return engine
+
+    def memory_report(self, ring_bytes: int = 0) -> MemoryReport:
+        """The device bytes this engine holds, by pool (``memory_plan``): the K/V rows, the
+        masks and tables, the step's own buffers (everything else its construction allocated),
+        ``ring_bytes`` of feature rings the facade owns, and the shared weights apart."""
+        nbytes = lambda arrays: sum(int(a.nbytes) for a in arrays if a is not None)  # noqa: E731
+        kv = nbytes((*self.k_cache, *self.v_cache))
+        masks = nbytes((self.mask_full, self.mask_swa, self.slot_pos))
+        lm = 0 if self.lm_head is None else int(self.lm_head.nbytes)
+        lm_owned = lm if self._lm_owned else 0
+        step = self.allocated.device - kv - masks - lm_owned
+        pools = {"kv": kv, "feature_rings": int(ring_bytes), "masks": masks, "step": step,
+                 "weights": self.dw.nbytes + lm}
+        return MemoryReport(pools)
+
     def close(self) -> None:
         """Wait for the queued work (its errors not raised here), stop being a reader of the
         rings, and drop every device array, pinned buffer, graph and compiled op."""
@@ -863,6 +894,13 @@ class EngineFacade:
     def synchronize(self) -> None:
         """Host wait for every piece of work this object issued, on any stream."""
         self.engine.synchronize()
+
+    def memory(self):
+        """The device memory this object holds, by pool: a ``MemoryReport`` (``memory_plan``;
+        ``.table()`` prints it). ``bytes_for`` sizes the same pools before allocating."""
+        self._check_open()
+        rings = getattr(self, "ring_storage", None)
+        return self.engine.memory_report(0 if rings is None else int(rings.nbytes))
 
     def _check_open(self):
         if self._closed:

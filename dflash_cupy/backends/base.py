@@ -150,10 +150,72 @@ class Module(abc.ABC):
     def get_function(self, name: str) -> Kernel: ...
 
 
+class AllocationLedger:
+    """Bytes allocated through one backend on this thread while the ledger is open
+    (``Backend.ledger()``): ``device`` (``empty``/``zeros``/``asarray``) and ``pinned``
+    (``pinned_empty``) host memory, each allocation counted once (``zeros`` that calls
+    ``empty`` is one)."""
+
+    def __init__(self):
+        self.device = 0
+        self.pinned = 0
+
+
+# allocation method -> the ledger field it adds to
+_ALLOCATORS = {"empty": "device", "zeros": "device", "asarray": "device", "pinned_empty": "pinned"}
+_open = threading.local()   # (id(backend)) -> [open ledgers], and the allocation call depth
+
+
+def _ledgered(fn, field_name: str):
+    """``fn`` (a backend allocation method) adding its array's bytes to every ledger open
+    on this thread for that backend; nested allocation calls count once, at the outermost."""
+    def wrapper(self, *args, **kwargs):
+        ledgers = getattr(_open, "ledgers", {}).get(id(self))
+        if not ledgers:
+            return fn(self, *args, **kwargs)
+        _open.depth = getattr(_open, "depth", 0) + 1
+        try:
+            arr = fn(self, *args, **kwargs)
+        finally:
+            _open.depth -= 1
+        if _open.depth == 0:
+            for led in ledgers:
+                setattr(led, field_name, getattr(led, field_name) + int(arr.nbytes))
+        return arr
+    wrapper.__name__, wrapper.__qualname__, wrapper.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
 class Backend(abc.ABC):
     """Arrays, compilation, launches, copies, streams/events and capture."""
 
     name: str = "?"
+
+    def __init_subclass__(cls, **kwargs):
+        # every backend's allocations are counted by open ledgers (``ledger()``), whichever
+        # way the subclass implements them
+        super().__init_subclass__(**kwargs)
+        for name, field_name in _ALLOCATORS.items():
+            fn = cls.__dict__.get(name)
+            if fn is not None and not getattr(fn, "__isabstractmethod__", False):
+                setattr(cls, name, _ledgered(fn, field_name))
+
+    @contextlib.contextmanager
+    def ledger(self):
+        """``with backend.ledger() as led:`` counts the bytes this thread allocates through
+        this backend inside the block (``AllocationLedger``)."""
+        led = AllocationLedger()
+        table = getattr(_open, "ledgers", None)
+        if table is None:
+            table = _open.ledgers = {}
+        table.setdefault(id(self), []).append(led)
+        try:
+            yield led
+        finally:
+            table[id(self)].remove(led)
+            if not table[id(self)]:
+                del table[id(self)]
 
     # ---- arrays -----------------------------------------------------------
     @abc.abstractmethod

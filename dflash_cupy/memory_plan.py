@@ -1,0 +1,154 @@
+"""Device memory of a drafter deployment, by pool: ``bytes_for`` sizes one before anything is
+allocated; ``MemoryReport`` is what ``DraftKvBatch.memory()`` / ``DraftKvCache.memory()``
+return for a live one (the same pools, from the arrays it holds, plus page usage).
+
+Pools (bytes; GiB = 2^30 in the printed tables):
+  kv              every layer's K and V rows, f16 ``[rows, n_head_kv * head_dim]`` x 2 x n_layer
+                  (dense: lanes x kv_total rows; paged: the page pool's rows)
+  feature_rings   the lanes' feature rings ``[lanes, ring_capacity, fc_in]`` in ``ring_dtype``
+  masks           the step's masks f16 ``[lanes, q_len, kv_total]`` (full and/or sliding layers),
+                  ``slot_pos`` int32 and the page table int32
+  step            the step's own buffers (activations over every lane's rows, the bulk-append
+                  workspace, logits / tokens / selector outputs, the GEMMs' split-K workspaces);
+                  ``memory()`` counts it, ``bytes_for`` estimates it without the split-K
+                  workspaces (their size follows the device's SM count and the tuned tilings)
+  weights         the drafter's device weights and the LM head: shared by every cache built on
+                  the same ``DraftWeights``, so reported apart from the cache's own total
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import dtypes
+from .checks import int_arg
+from .geometry import RingGeometry, align_up
+
+GIB = float(1 << 30)
+POOLS = ("kv", "feature_rings", "masks", "step")   # a cache's own pools; weights are shared
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes per pool (``pools``: ``POOLS`` plus ``weights``), and, for a paged K/V pool, its
+    pages: ``page_size`` rows each, ``pages_used`` / ``pages_free`` and ``lane_pages`` (pages
+    held per lane). ``total``: the cache's own pools (weights excluded, they are shared);
+    ``with_weights``: everything."""
+    pools: dict
+    page_size: int = 0
+    pages_used: int = 0
+    pages_free: int = 0
+    lane_pages: tuple = ()
+    notes: tuple = field(default=())
+
+    @property
+    def total(self) -> int:
+        return sum(self.pools.get(k, 0) for k in POOLS)
+
+    @property
+    def with_weights(self) -> int:
+        return self.total + self.pools.get("weights", 0)
+
+    def table(self) -> str:
+        """The pools as a small text table (GiB), then the pages, if any."""
+        rows = [f"  {k:<14} {self.pools.get(k, 0) / GIB:10.3f} GiB" for k in (*POOLS, "weights")]
+        rows.append(f"  {'total':<14} {self.total / GIB:10.3f} GiB  (with weights {self.with_weights / GIB:.3f} GiB)")
+        if self.page_size:
+            rows.append(f"  pages of {self.page_size} rows: {self.pages_used} used, {self.pages_free} free; "
+                        f"per lane {list(self.lane_pages)}")
+        rows.extend(f"  {n}" for n in self.notes)
+        return "\n".join(rows)
+
+
+def weight_bytes(config, weight_dtype=np.float16, vocab: int = 0, lm_head_dtype=np.float16) -> int:
+    """Device bytes of the drafter's weights as ``DeviceWeights`` places them (matrices in their
+    checkpoint dtype, norms and convolution bases f32) plus an LM head ``[vocab, hidden]``."""
+    from .weights import expected_shapes
+    wsize = dtypes.DEVICE[dtypes.kind_of(weight_dtype, "weight_dtype")].itemsize
+    total = 0
+    for name, shape in expected_shapes(config).items():
+        f32 = len(shape) == 1 or name.endswith(".base_kernel")
+        total += int(np.prod(shape)) * (4 if f32 else wsize)
+    if vocab:
+        total += vocab * config.hidden_size * dtypes.DEVICE[dtypes.kind_of(lm_head_dtype, "lm_head_dtype")].itemsize
+    return total
+
+
+def mask_bytes(config, lanes: int, geom: RingGeometry, table_entries: int = 0) -> int:
+    """The masks (one per attention kind present), ``slot_pos`` and ``table_entries`` page-table
+    entries per lane."""
+    n_masks = int(config.any_full) + int(config.any_sliding)
+    slots = getattr(geom, "slots", geom.capacity)
+    return lanes * (n_masks * geom.q_len * geom.kv_total * 2 + slots * 4 + table_entries * 4)
+
+
+def kv_bytes(config, rows: int) -> int:
+    """K and V of every layer over ``rows`` cache rows (f16)."""
+    return 2 * config.n_layer * rows * config.kv_dim * 2
+
+
+def step_bytes_estimate(config, lanes: int, *, vocab: int = 0, logits: bool = True, bulk_chunk: int = 256) -> int:
+    """An estimate of the step's own buffers (every activation f32, where the engine stores
+    some in 16 bits; no split-K workspace): the rows of every lane's step, the bulk-append
+    workspace, the LM head's outputs."""
+    H, B = config.hidden_size, config.block_size
+    cs, bs = align_up(2 * B + 2, 16), align_up(B, 16)
+    nc, nn = lanes * cs, lanes * bs
+    kvw, gate = config.kv_dim, {"none": 0, "head": config.n_head, "element": config.q_dim}[config.attn_gate]
+    rows = (nc + nn) * (3 * H + config.q_dim + 2 * kvw + config.q_dim + 1)   # resid, xin, qkv, q_all, tiles
+    rows += nc * config.fc_in + nn * (H + config.q_dim + gate + config.intermediate_size + 2 * H)
+    if config.dflash2 is not None:
+        rows += nn * (2 * H + config.dflash2.projection_rows(H))
+    bulk = bulk_chunk * (config.fc_in + 2 * H + 2 * kvw + 2)
+    out = 0
+    if vocab:
+        out = nn * (vocab * (4 if logits or config.dflash2 is not None else 0) + 1 + 16)
+        if config.dflash2 is not None:
+            k = config.dflash2.selector_top_k
+            out += lanes * (B + 1 + (B - 1) * (3 * k + 1))
+    return 4 * (rows + bulk + out) + 4096
+
+
+def bytes_for(config, lanes: int, window: int, *, rewind_slack: int = 0, ring_capacity: int | None = None,
+              ring_dtype=np.float32, page_size: int = 0, kv_pages: int | None = None, weight_dtype=np.float16,
+              vocab: int = 0, lm_head_dtype=np.float16, logits: bool = True, bulk_chunk: int = 256) -> MemoryReport:
+    """The device memory of ``lanes`` requests with ``window``-position windows, before anything
+    is allocated: a ``MemoryReport`` (``.total``, ``.with_weights``, ``.table()``).
+
+    ``rewind_slack``: extra K/V ring slots per lane; ``ring_capacity``: feature-ring rows per
+    lane (default ``window``); ``page_size`` > 0: a paged K/V pool of ``kv_pages`` pages
+    (default: every lane's worst case) plus the one shared zero page; ``vocab`` > 0: an LM head."""
+    lanes = int_arg(lanes, "lanes", 1)
+    window = int_arg(window, "window", 1)
+    rewind_slack = int_arg(rewind_slack, "rewind_slack", 0)
+    ring_capacity = window if ring_capacity is None else int_arg(ring_capacity, "ring_capacity", 1)
+    page_size = int_arg(page_size, "page_size", 0)
+    geom = _geometry(window, config.block_size, rewind_slack)
+    rsize = dtypes.DEVICE[dtypes.kind_of(ring_dtype, "ring_dtype")].itemsize
+    lane_pages, table = 0, 0
+    if page_size:
+        table = lane_pages = -(-geom.kv_total // page_size)
+        pages = lanes * lane_pages if kv_pages is None else int_arg(kv_pages, "kv_pages", 1)
+        kv_rows = (pages + 1) * page_size
+    else:
+        if kv_pages is not None:
+            raise ValueError("kv_pages needs page_size > 0 (a paged K/V pool)")
+        pages, kv_rows = 0, lanes * geom.kv_total
+    pools = {
+        "kv": kv_bytes(config, kv_rows),
+        "feature_rings": lanes * ring_capacity * config.fc_in * rsize,
+        "masks": mask_bytes(config, lanes, geom, table),
+        "step": step_bytes_estimate(config, lanes, vocab=vocab, logits=logits, bulk_chunk=bulk_chunk),
+        "weights": weight_bytes(config, weight_dtype, vocab, lm_head_dtype),
+    }
+    return MemoryReport(pools, page_size=page_size, pages_free=pages, lane_pages=(0,) * lanes if page_size else ())
+
+
+def _geometry(window: int, q_len: int, slack: int) -> RingGeometry:
+    try:
+        return RingGeometry(window, q_len, slack)   # with rewind slack (ring slots = window + slack)
+    except TypeError:
+        if slack:
+            raise ValueError("rewind_slack needs a ring geometry with slack") from None
+        return RingGeometry(window, q_len)
