@@ -74,7 +74,8 @@
 
 // Launch shapes (read by ops/selector.py through kernels.constants).
 #define SEL_TK_NT 256      // threads of both top-K kernels
-#define SEL_TK_PER 4       // columns per thread in selector_topk_blocks
+#define SEL_TK_PER 16      // columns per thread in selector_topk_blocks (K block-wide rounds per
+                           // block whatever the tile: wide tiles make fewer blocks and rounds)
 #define SEL_WK_NW 8        // warps of selector_walk (one hidden_projection row each)
 #define SEL_MAX_K 64
 
@@ -94,12 +95,16 @@ constexpr int V = SEL_V, K = SEL_K, Q = SEL_Q, R = SEL_Q - 1, H = SEL_H, RANK = 
 constexpr int RA = R > 0 ? R : 1;  // register arrays need a positive size
 constexpr int TK_NT = SEL_TK_NT, TK_PER = SEL_TK_PER, TK_TILE = TK_NT * TK_PER, TK_NW = TK_NT / 32;
 constexpr int WK_NW = SEL_WK_NW, WK_NT = WK_NW * 32;
+// selector_topk_merge: pairs per thread held in registers (its own blocks' K best each)
+constexpr int MP = ((V + TK_TILE - 1) / TK_TILE * K + TK_NT - 1) / TK_NT;
 constexpr unsigned long long ALL = ~0ull;
 constexpr float MULT = (float)(SEL_MULT), CAP = (float)(SEL_CAP);
 constexpr float CAP_DIV = CAP > 0.0f ? CAP : 1.0f;  // (no division by a zero constant when CAP is off)
 // The walk keeps each warp's candidates' successor rows in registers when they fit in 64.
 constexpr int CPW = (K + WK_NW - 1) / WK_NW, SCH = (RANK + 255) / 256;
 constexpr bool SREG = CPW * SCH * 8 <= 64;
+// whole 16-byte loads of hidden_projection / hidden rows (H) and codebook rows (RANK)
+constexpr bool VEC_H = H % 8 == 0, VEC_RANK = RANK % 8 == 0;
 // selector_walk's static shared memory (ops/selector.py checks the same bound first)
 static_assert(RA * K * 8 + RANK * 4 + K * 12 + RA * 8 + 8 <= 48 * 1024,
               "selector_walk: (q_len - 1) * K * 8 + rank * 4 bytes of shared memory exceed 48 KiB");
@@ -137,35 +142,69 @@ __device__ __forceinline__ const void* cb_row(const void* cb, int id)
     return static_cast<const char*>(cb) + (long long)id * RANK * (SEL_CBT ? 2 : 4);
 }
 
-// acc[n] = warp_dot(w[0..len), x + n * ldx) for n < N, in every lane (see the header).
-template <int WT, int N>
+// w[e0 .. e0 + 8) as f32: one 16-byte load per 8 16-bit elements (two for f32) when VEC
+// (the row and e0 16-byte aligned: whole 8-element chunks of rows whose length is a multiple
+// of 8), else element by element (len: the row's end).
+template <int WT, bool VEC>
+__device__ __forceinline__ void load8_w(const void* w, int e0, int len, float* out)
+{
+    if (VEC) {
+        if (WT == 0) {
+            const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(w) + e0);
+            const float4 a = p[0], b = p[1];
+            out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+            out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+        } else {
+            const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(w) + e0);
+            out[0] = from_bits16<WT>(v.x & 0xffffu); out[1] = from_bits16<WT>(v.x >> 16);
+            out[2] = from_bits16<WT>(v.y & 0xffffu); out[3] = from_bits16<WT>(v.y >> 16);
+            out[4] = from_bits16<WT>(v.z & 0xffffu); out[5] = from_bits16<WT>(v.z >> 16);
+            out[6] = from_bits16<WT>(v.w & 0xffffu); out[7] = from_bits16<WT>(v.w >> 16);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) out[i] = e0 + i < len ? load_w<WT>(w, e0 + i) : 0.0f;
+    }
+}
+
+// acc[n] = warp_dot(w[0..len), x + n * ldx) for n < N, in every lane (see the header). VEC:
+// len, ldx and the bases are multiples of 8 elements / 16 bytes (whole 16-byte loads).
+template <int WT, int N, bool VEC>
 __device__ __forceinline__ void warp_dot(const void* w, int len, const float* x, int ldx, float* acc)
 {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int n = 0; n < N; ++n) acc[n] = 0.0f;
     for (int c0 = lane * 8; c0 < len; c0 += 256) {
-        const int e1 = min(len, c0 + 8);
-        for (int e = c0; e < e1; ++e) {
-            const float we = load_w<WT>(w, e);
+        const int n8 = min(len - c0, 8);
+        float we[8];
+        load8_w<WT, VEC>(w, c0, len, we);
 #pragma unroll
-            for (int n = 0; n < N; ++n) acc[n] = __fadd_rn(acc[n], __fmul_rn(we, x[n * ldx + e]));
+        for (int n = 0; n < N; ++n) {
+            float xe[8];
+            load8_w<0, VEC>(x + (long long)n * ldx, c0, len, xe);
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                if (e < n8) acc[n] = __fadd_rn(acc[n], __fmul_rn(we[e], xe[e]));
         }
     }
     warp_sum_n<N>(acc);
 }
 // The elements of w[0..len) lane i owns in warp_dot's order, into regs [CH * 8] (0 past len).
-template <int WT, int CH>
+template <int WT, int CH, bool VEC>
 __device__ __forceinline__ void warp_load(const void* w, int len, float* regs)
 {
     const int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int ch = 0; ch < CH; ++ch)
+    for (int ch = 0; ch < CH; ++ch) {
+        const int c0 = lane * 8 + ch * 256;
+        if (c0 < len) {
+            load8_w<WT, VEC>(w, c0, len, regs + ch * 8);
+        } else {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const int idx = lane * 8 + ch * 256 + e;
-            regs[ch * 8 + e] = idx < len ? load_w<WT>(w, idx) : 0.0f;
+            for (int e = 0; e < 8; ++e) regs[ch * 8 + e] = 0.0f;
         }
+    }
 }
 
 // warp_dot of the row warp_load cached with x (the same order and bits).
@@ -273,15 +312,32 @@ selector_topk_merge(const unsigned int* part, int nblk, int* ids, float* vals)
     const int g = blockIdx.x;
     const unsigned int* p = part + (long long)g * nblk * K * 2;
     const int n = nblk * K;
+    // an empty slot (any key, id 0xffffffff) ranks as 0: below every real pair
+    auto word = [&](int i) -> unsigned long long {
+        const unsigned int id = p[2 * i + 1];
+        return id >= (unsigned int)V ? 0ull : ((unsigned long long)p[2 * i] << 32) | (0xffffffffu - id);
+    };
+    // this kernel's own blocks' pairs (n <= MP * TK_NT) are read once into registers; more
+    // (another writer's column blocks) are read again in every round
+    unsigned long long held[MP];
+    const bool cached = n <= MP * TK_NT;
+#pragma unroll
+    for (int m = 0; m < MP; ++m) {
+        const int i = threadIdx.x + m * TK_NT;
+        held[m] = cached && i < n ? word(i) : 0ull;
+    }
     unsigned long long last = ALL;
     for (int t = 0; t < K; ++t) {
         unsigned long long mine = 0ull;
-        for (int i = threadIdx.x; i < n; i += TK_NT) {
-            const unsigned int id = p[2 * i + 1];
-            // an empty slot (any key, id 0xffffffff) ranks as 0: below every real pair
-            const unsigned long long wd = id >= (unsigned int)V ? 0ull
-                : ((unsigned long long)p[2 * i] << 32) | (0xffffffffu - id);
-            if (wd < last && wd > mine) mine = wd;
+        if (cached) {
+#pragma unroll
+            for (int m = 0; m < MP; ++m)
+                if (held[m] < last && held[m] > mine) mine = held[m];
+        } else {
+            for (int i = threadIdx.x; i < n; i += TK_NT) {
+                const unsigned long long wd = word(i);
+                if (wd < last && wd > mine) mine = wd;
+            }
         }
         last = block_max64(mine, red);
         if (threadIdx.x == 0) {
@@ -297,7 +353,9 @@ selector_topk_merge(const unsigned int* part, int nblk, int* ids, float* vals)
     }
 }
 
-extern "C" __global__ void __launch_bounds__(SEL_WK_NW * 32)
+// (min 1 block per SM: without it ptxas targets 64 registers and spills the hidden
+// projection's N accumulators; the grid is small, ILP is what hides the loads)
+extern "C" __global__ void __launch_bounds__(SEL_WK_NW * 32, 1)
 selector_walk(const float* hidden, int hidden_rows, const void* hp_w, const void* pred_cb, const void* succ_cb,
               const int* anchors, const int* ids, const float* vals, const float* knobs,
               const unsigned long long* rng, const unsigned long long* lane_counters, int per_lane,
@@ -306,7 +364,7 @@ selector_walk(const float* hidden, int hidden_rows, const void* hp_w, const void
     pdl_wait();
     pdl_launch_dependents();
     using namespace selector_detail;
-    __shared__ float u_s[RANK];
+    __shared__ __align__(16) float u_s[RANK];   // read as float4 (warp_dot VEC)
     __shared__ float s_s[K];
     __shared__ int prev_s, ticket;
     const int lane = blockIdx.y, warp = threadIdx.x >> 5, wl = threadIdx.x & 31;
@@ -314,7 +372,7 @@ selector_walk(const float* hidden, int hidden_rows, const void* hp_w, const void
         const int k = blockIdx.x * WK_NW + warp;
         if (k < RANK) {
             float acc[RA];
-            warp_dot<SEL_HPT, RA>((const char*)hp_w + (long long)k * H * (SEL_HPT ? 2 : 4), H,
+            warp_dot<SEL_HPT, RA, VEC_H>((const char*)hp_w + (long long)k * H * (SEL_HPT ? 2 : 4), H,
                                   hidden + ((long long)lane * hidden_rows + 1) * H, H, acc);
             if (wl == 0)
                 for (int j = 0; j < R; ++j) hp_ws[((long long)lane * R + j) * RANK + k] = acc[j];
@@ -359,7 +417,7 @@ selector_walk(const float* hidden, int hidden_rows, const void* hp_w, const void
             for (int i = 0; i < (SREG ? CPW : 1); ++i) {
                 const int c = warp + i * WK_NW;
                 if (c < K)
-                    warp_load<SEL_CBT, SREG ? SCH : 1>(cb_row(succ_cb, ids_s[j * K + c]), RANK, sreg[i]);
+                    warp_load<SEL_CBT, SREG ? SCH : 1, VEC_RANK>(cb_row(succ_cb, ids_s[j * K + c]), RANK, sreg[i]);
             }
         }
         const int pred = prev_s;
@@ -372,7 +430,7 @@ selector_walk(const float* hidden, int hidden_rows, const void* hp_w, const void
             if (c >= K) break;
             float d[1];
             if (SREG) d[0] = warp_dot_regs<SREG ? SCH : 1>(sreg[SREG ? i : 0], RANK, u_s);
-            else warp_dot<SEL_CBT, 1>(cb_row(succ_cb, ids_s[j * K + c]), RANK, u_s, 0, d);
+            else warp_dot<SEL_CBT, 1, VEC_RANK>(cb_row(succ_cb, ids_s[j * K + c]), RANK, u_s, 0, d);
             if (wl == 0) s_s[c] = __fadd_rn(vals_s[j * K + c], d[0]);
         }
         __syncthreads();
