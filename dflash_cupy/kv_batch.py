@@ -136,14 +136,15 @@ class DraftKvBatch(EngineFacade):
         stream = self.backend.as_stream(stream)
         self.engine.append(self._per_lane(committed, "committed", "ints or None"), stream)
 
-    def prefill(self, lane, rows, stream=None) -> None:
+    def prefill(self, lane, rows, stream=None, *, start=None) -> None:
         """Streaming prefill of lane ``lane``: write its feature rows ``rows [n, fc_in]``
-        (positions ``next_pos[lane] ..``; ``n`` may exceed its ring) into ``rings[lane]`` and
+        (positions ``start ..``, default ``next_pos[lane]``; ``n`` may exceed its ring) into
+        ``rings[lane]`` and
         append them chunk by chunk, as ``DraftKvCache.prefill``. Other lanes are untouched; a
         planned, not yet run step is dropped; bad ``rows`` raise before any change."""
         self._check_open()
         lane = self._check_lane(lane)
-        self.engine.prefill(lane, rows, self.backend.as_stream(stream))
+        self.engine.prefill(lane, rows, self.backend.as_stream(stream), start)
 
     @property
     def next_pos(self) -> list:

@@ -222,19 +222,21 @@ class DraftKvCache(EngineFacade):
         self._use_ring(ring, committed)
         self.engine.append((committed,), stream, single=True)
 
-    def prefill(self, ring: FeatureRing, rows, stream=None) -> None:
+    def prefill(self, ring: FeatureRing, rows, stream=None, *, start=None) -> None:
         """Streaming prefill: write the feature rows ``rows [n, fc_in]`` (NumPy, or a device
-        array of the ring's storage dtype) of positions ``next_pos .. next_pos+n`` into
-        ``ring`` and append them, in chunks of at most ``min(ring.capacity, capacity)`` rows,
-        on the current stream (or ``stream``): ``n`` may exceed the ring. Rows that fall below
-        the final window are skipped. After it ``begin_step(ring, next_pos)`` appends nothing.
+        array of the ring's storage dtype) of positions ``start .. start+n`` (``start``:
+        default ``next_pos``; after ``reset`` it may be the window's first position, see
+        ``StepEngine.prefill``) into ``ring`` and append them, in chunks of at most
+        ``min(ring.capacity, capacity)`` rows, on the current stream (or ``stream``): ``n``
+        may exceed the ring. Rows that fall below the final window are skipped. After it
+        ``begin_step(ring, next_pos)`` appends nothing.
         Equals appending the whole prompt at once within the f16 K/V tolerance (bit for bit
         where the chunks are the bulk append's own: ``tests/test_rings.py``). A planned, not
         yet run step is dropped; bad ``rows`` raise before any change."""
         self._check_open()
         stream = self.backend.as_stream(stream)
         self._use_ring(ring)
-        self.engine.prefill(0, rows, stream)
+        self.engine.prefill(0, rows, stream, start)
 
     def _check_ring(self, ring) -> None:
         if not isinstance(ring, FeatureRing):

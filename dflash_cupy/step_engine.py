@@ -42,7 +42,7 @@ import numpy as np
 
 from . import backends, dtypes, tuning
 from . import selfcheck_verdict as selfcheck_mod
-from .checks import bool_arg
+from .checks import bool_arg, int_arg
 from .device_weights import device_dtype, to_device_matrix
 from .geometry import RingGeometry, align_up
 from .interop import device_view
@@ -702,33 +702,42 @@ class StepEngine:
         for i, p in plan.restart:
             self._kv_lo[i] = p
 
-    def prefill(self, lane: int, rows, stream) -> None:
-        """Write ``rows`` (feature rows of positions ``next_pos ..``, any number: checked by
+    def prefill(self, lane: int, rows, stream, start=None) -> None:
+        """Write ``rows`` (feature rows of positions ``start ..``, any number: checked by
         ``FeatureRing.check_rows`` before any change) into lane ``lane``'s ring and append
         them, chunk by chunk (at most ``min(ring capacity, capacity)`` rows each, so a prompt
-        longer than the ring streams through it). Rows below the last ``capacity`` positions
-        are outside every later window: neither written nor appended (the lane's run then
-        starts past ``next_pos``, as after a jump). A planned, not yet run step is dropped.
+        longer than the ring streams through it); ``next_pos`` becomes ``start + len(rows)``.
+        ``start`` (default ``next_pos``) may skip ahead of ``next_pos`` only as far as the
+        final window's first position (a jump: the window must not reach rows never given).
+        Rows below the final window are neither written nor appended (the lane's run then
+        starts past ``start``, as after a jump). A planned, not yet run step is dropped.
         Each chunk is one bulk append; the host waits for the previous one to have read its
         pinned chunk descriptors before it writes the next."""
         ring, g = self.rings[lane], self.geom
         _, checked, _ = ring.check_rows(rows)
         p0 = self._next[lane]
         n = int(checked.shape[0])
-        end = p0 + n
+        start = p0 if start is None else int_arg(start, "start", 0)
+        end = start + n
         if end > INT32_MAX - g.q_len:
-            raise ValueError(f"rows: positions [{p0}, {end}) overflow int32 (with the noise block)")
+            raise ValueError(f"rows: positions [{start}, {end}) overflow int32 (with the noise block)")
+        win_lo = end - min(end, g.capacity)
+        if start != p0 and not p0 < start <= win_lo:
+            where = "behind" if start < p0 else "ahead of"
+            raise ValueError(f"start={start} is {where} next_pos={p0}: prefill continues at next_pos, or jumps "
+                             f"ahead no further than its final window's first position ({win_lo} for "
+                             f"{n} rows); for a rewind use begin_step / append, or reset first")
         # ---- validated: from here on state changes
         self._planned = self._anchored = False
         if not n:
             return
-        first = max(p0, end - g.capacity)
+        first = max(start, win_lo)
         if first > p0:
             self._kv_lo[lane] = first
         step = min(ring.capacity, g.capacity)
         for s in range(first, end, step):
             c = min(step, end - s)
-            ring.write(s, checked[s - p0:s - p0 + c], stream, check_finite=False)
+            ring.write(s, checked[s - start:s - start + c], stream, check_finite=False)
             lo = max(0, s + c - g.capacity)
             self._issue_bulk([(lane, StepFields(s + c, lo, s + c, 0, lo, False, s, c))], stream)
 

@@ -369,7 +369,8 @@ def test_bad_input_leaves_cache_unchanged(backend):
         bad(ValueError, "fc_in", kv.begin_step, wide, 5)
         bad(RuntimeError, "ring is closed", kv.begin_step, closed, 5)
         d.feed(cap + 4)
-        bad(ValueError, "ring capacity", kv.begin_step, small, cap + 4)   # window cap > cap-1
+        # a ring smaller than the window is allowed; it must hold the rows the step appends
+        bad(KeyError, r"missing \[5, " + str(cap + 4) + r"\).*re-prefill", kv.begin_step, small, cap + 4)
         valid(cap + 4)
         for shape in ((q, H - 1), (q + 1, H), (H,), (q * H,)):
             bad(ValueError, "noise_embed", kv.step, ring, cap + 5, np.zeros(shape, np.float32))
