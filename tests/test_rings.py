@@ -17,7 +17,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dflash_cupy import backends
+from dflash_cupy import backends, reference
 from dflash_cupy.feature_ring import FeatureRing
 from dflash_cupy.geometry import RingGeometry
 from dflash_cupy.kv_cache import DraftKvCache
@@ -26,6 +26,7 @@ from dflash_cupy.ops.step_descriptor import DESC_LEN, DESC_N_NEW, DESC_START, de
 from dflash_cupy.reference import ring_masks
 from tests.support.drafters import SPECS, Driver, built
 from tests.support.lanes import play
+from tests.support.tolerances import assert_close
 
 P20 = 2**20
 
@@ -284,3 +285,116 @@ def test_lanes_with_slack_equal_single_caches_bitwise():
         batch.close()
         for t in twins:
             t.close()
+
+
+# --------------------------------------------------------------------------- 4. a rewind within the slack
+def _shared(d0, d1):
+    """``d0`` reads ``d1``'s features and both the noise the test sets in the returned dict."""
+    d0.features = d1.features
+    d0.forget_from = lambda p: setattr(d0, "valid_hi", min(d0.valid_hi, p))
+    cur = {}
+    d1.noise = d0.noise = lambda: cur["noise"]
+    return cur
+
+
+@pytest.mark.parametrize("name,slack", [("a", 3), ("b", 19), ("c", 1)])
+def test_rewind_within_slack_equals_never_appending(name, slack):
+    """A rewind within the slack hides the rewound rows and appends nothing: every later
+    step is bit for bit the step of a cache (same slack) that never appended them, its
+    masks included; both match the oracle. (Against slack 0 only the oracle's tolerance
+    holds: the slots, hence the order the attention reads keys in, differ; measured
+    max |slack 3 - slack 0| = 2.4e-5 on drafter a's slack_ops.)"""
+    be = backends.get("emulated")
+    s = SPECS[name]
+    q, A = s.config.q_len, 2 * s.config.q_len + 2
+    # growth by at most the window per step keeps the rows one run (a jump would restart it)
+    X = s.capacity + slack + 3
+    r = min(slack, s.capacity)
+    Y = X + 1 + min(A, s.capacity)
+    # (A's op, B's op): B skips what A appends and then rewinds over
+    pairs = [(1, 1), (1 + q, 1 + q), (X, X), (X + min(slack, A, s.capacity), None), (("rewind", X), X),
+             (X + 1, X + 1), (Y, None), (("rewind", Y - r), Y - r), (Y - r + q, Y - r + q)]
+    da = RingDriver(be, name, slack=slack, seed=11)
+    db = RingDriver(be, name, slack=slack, seed=11)
+    cur = _shared(db, da)
+    nr = np.random.default_rng(12)
+    try:
+        for op_a, op_b in pairs:
+            cur["noise"] = nr.standard_normal((q, s.config.hidden_size)).astype(np.float32)
+            da.run_ops([op_a])
+            if op_b is None:
+                continue
+            db.run_ops([op_b])
+            what = f"{name}: {op_a} / {op_b}"
+            for n in ("hidden_states", "logits", "mask_full", "mask_swa"):
+                a, b = getattr(da.kv, n), getattr(db.kv, n)
+                if a is not None:
+                    assert np.array_equal(be.to_numpy(a).view(np.uint8), be.to_numpy(b).view(np.uint8)), \
+                        f"{what}: {n}"
+        assert da.stats["hide"] == 2 and db.stats["hide"] == 0, (da.stats, db.stats)
+    finally:
+        da.close()
+        db.close()
+
+
+# --------------------------------------------------------------------------- 5. streaming prefill
+def _window_rows(kv, be, lo, c):
+    """Every layer's K and V rows of positions [lo, c)."""
+    sl = [p % kv.geom.slots for p in range(lo, c)]
+    return [be.to_numpy(a)[sl] for a in (*kv.k_cache, *kv.v_cache)]
+
+
+@pytest.mark.parametrize("name,prompt,ring_caps,base", [
+    ("a", 60, (4, 23, 7), 0),        # cap 23: the prompt is 2.6 windows, rings of 4, 7, 23 rows
+    ("a", 9, (3,), 0),               # within a_step: the one-shot appends it inside the step
+    ("a", 30, (3,), P20 - 5),        # a prompt from position 2^20 - 5 (start=): a jump onto the window
+    ("e", 1000, (128, 50), 0),       # cap 491, bulk_chunk 64: aligned chunks (128) and not (50)
+    ("c", 40, (1,), 2**31 - 100),    # a 1-row ring, positions near 2^31
+])
+def test_streaming_prefill_equals_appending_at_once(name, prompt, ring_caps, base):
+    """``prefill`` through rings far smaller than the prompt equals writing the last window
+    into a full ring and appending it at once (``begin_step``): the window's K/V rows and
+    the step's outputs bit for bit (on the emulator: each row's K/V does not depend on which
+    rows share its launch), and the oracle."""
+    be = backends.get("emulated")
+    s = SPECS[name]
+    c = s.config
+    w, lm = built(name)
+    rng = np.random.default_rng(prompt)
+    X = rng.standard_normal((prompt, c.fc_in)).astype(np.float32)
+    noise = rng.standard_normal((c.q_len, c.hidden_size)).astype(np.float32)
+    P = base + prompt
+    lo = P - min(P, s.capacity)
+    one = DraftKvCache(w, s.capacity, lm_head=lm, backend=be, bulk_chunk=s.bulk_chunk)
+    full = FeatureRing(max(s.ring_capacity, s.capacity), c.n_captured, c.hidden_size, s.ring_dtype, backend=be)
+    try:
+        full.write(lo, X[lo - base:])
+        want = be.to_numpy(one.step(full, P, noise)).copy()
+        want_kv = _window_rows(one, be, lo, P)
+        ref = reference_hidden(w, lm, X[lo - base:].astype(full.dtype), noise, lo)
+        for rc in ring_caps:
+            kv = DraftKvCache(w, s.capacity, lm_head=lm, backend=be, bulk_chunk=s.bulk_chunk, rewind_slack=2)
+            ring = FeatureRing(rc, c.n_captured, c.hidden_size, s.ring_dtype, backend=be)
+            try:
+                kv.prefill(ring, X, start=None if base == 0 else base)
+                assert kv.next_pos == P and (ring.lo, ring.hi) == (P - min(rc, s.capacity, prompt), P)
+                kv.begin_step(ring, P)
+                assert kv.last_plan.n_new == 0 and kv.last_plan.bulk_count == 0
+                got_kv = _window_rows(kv, be, lo, P)
+                assert all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in zip(got_kv, want_kv)), rc
+                kv.set_noise_embed(noise)
+                got = be.to_numpy(kv.run())
+                assert_close(got, ref, "step", f"{name} prompt {prompt} ring {rc}")
+                # the slack moves the noise rows: bits equal the one-shot only at slack 0
+                assert float(np.abs(got - want).max()) < 1e-4
+            finally:
+                kv.close()
+                ring.close()
+    finally:
+        one.close()
+        full.close()
+
+
+def reference_hidden(w, lm, X, noise, lo):
+    out = reference.draft_forward(w, X, noise, lm_head=lm, pos_offset=lo)
+    return out[0] if lm is not None else out
