@@ -228,7 +228,7 @@ class DraftKvCache(EngineFacade):
         default ``next_pos``; after ``reset`` it may be the window's first position, see
         ``StepEngine.prefill``) into ``ring`` and append them, in chunks of at most
         ``min(ring.capacity, capacity)`` rows, on the current stream (or ``stream``): ``n``
-        may exceed the ring. Rows that fall below the final window are skipped. After it
+        may exceed the ring. Rows below the final window and the slack are skipped. After it
         ``begin_step(ring, next_pos)`` appends nothing.
         Equals appending the whole prompt at once within the f16 K/V tolerance (bit for bit
         where the chunks are the bulk append's own: ``tests/test_rings.py``). A planned, not

@@ -709,8 +709,9 @@ class StepEngine:
         longer than the ring streams through it); ``next_pos`` becomes ``start + len(rows)``.
         ``start`` (default ``next_pos``) may skip ahead of ``next_pos`` only as far as the
         final window's first position (a jump: the window must not reach rows never given).
-        Rows below the final window are neither written nor appended (the lane's run then
-        starts past ``start``, as after a jump). A planned, not yet run step is dropped.
+        Rows below the final window and its slack (the last ``capacity + rewind_slack``
+        positions) are neither written nor appended (the lane's run then starts past
+        ``start``, as after a jump). A planned, not yet run step is dropped.
         Each chunk is one bulk append; the host waits for the previous one to have read its
         pinned chunk descriptors before it writes the next."""
         ring, g = self.rings[lane], self.geom
@@ -731,7 +732,8 @@ class StepEngine:
         self._planned = self._anchored = False
         if not n:
             return
-        first = max(start, win_lo)
+        # the last capacity + rewind_slack rows: the window, and what a rewind within the slack needs
+        first = max(start, end - min(end, g.slots))
         if first > p0:
             self._kv_lo[lane] = first
         step = min(ring.capacity, g.capacity)

@@ -398,3 +398,69 @@ def test_streaming_prefill_equals_appending_at_once(name, prompt, ring_caps, bas
 def reference_hidden(w, lm, X, noise, lo):
     out = reference.draft_forward(w, X, noise, lm_head=lm, pos_offset=lo)
     return out[0] if lm is not None else out
+
+
+# --------------------------------------------------------------------------- 6. the batch's prefill / append
+def test_batch_prefill_and_append_equal_single_caches_and_refuse_cleanly():
+    """Lanes of a batch (4-row feature rings for a 23-position window, slack 2) filled by
+    ``prefill`` (50 rows) and by alternating ``rings[i].write`` / ``append`` equal single
+    caches filled the same way, bit for bit; bad calls raise naming the problem and change
+    nothing (positions, slot tables, rings), and the batch goes on."""
+    from dflash_cupy.kv_batch import DraftKvBatch
+    be = backends.get("emulated")
+    s = SPECS["a"]
+    c = s.config
+    w, lm = built("a")
+    rng = np.random.default_rng(28)
+    X = [rng.standard_normal((n, c.fc_in)).astype(np.float32) for n in (7, 50)]
+    noise = rng.standard_normal((3, c.q_len, c.hidden_size)).astype(np.float32)
+    kw = dict(lm_head=lm, backend=be, bulk_chunk=s.bulk_chunk, rewind_slack=2)
+    batch = DraftKvBatch(w, s.capacity, 3, ring_capacity=4, **kw)
+    singles = [DraftKvCache(w, s.capacity, **kw) for _ in range(2)]
+    rings = [FeatureRing(4, c.n_captured, c.hidden_size, backend=be) for _ in range(2)]
+    try:
+        for p in range(0, 7, 3):            # lane 0: the caller alternates write / append
+            batch.rings[0].write(p, X[0][p:p + 3])
+            batch.append([min(p + 3, 7), None, None])
+            rings[0].write(p, X[0][p:p + 3])
+            singles[0].append(rings[0], min(p + 3, 7))
+        batch.prefill(1, X[1])
+        singles[1].prefill(rings[1], X[1])
+        assert batch.next_pos == [7, 50, 0]
+        out = be.to_numpy(batch.step([7, 50, None], noise))
+        for i in range(2):
+            h = be.to_numpy(singles[i].step(rings[i], [7, 50][i], noise[i]))
+            assert np.array_equal(out[i], h), i
+            assert np.array_equal(be.to_numpy(batch.slot_pos)[i], be.to_numpy(singles[i].slot_pos)), i
+        # ---- bad calls change nothing
+        def state():
+            return (batch.next_pos, be.to_numpy(batch.slot_pos).tolist(), be.to_numpy(batch.k_cache[0]).tobytes(),
+                    [(r.lo, r.hi) for r in batch.rings])
+        before = state()
+        bad = X[1][:5].copy()
+        bad[3, 2] = np.nan
+        with pytest.raises(ValueError, match=r"rows\[3, 2\]"):
+            batch.prefill(1, bad)
+        with pytest.raises(ValueError, match="start=3 is behind next_pos=7"):
+            batch.prefill(0, X[1][:5], start=3)
+        with pytest.raises(ValueError, match="start=100 is ahead of next_pos=7"):
+            batch.prefill(0, X[1][:5], start=100)
+        with pytest.raises(ValueError, match=r"rows must have shape \[n, "):
+            batch.prefill(0, X[1][:, :5])
+        with pytest.raises(ValueError, match="lane=3"):
+            batch.prefill(3, X[1])
+        with pytest.raises(KeyError, match=r"lane 1: .*missing \[50, 60\)"):
+            batch.append([None, 60, None])
+        with pytest.raises(KeyError, match=r"lane 1: .*missing \[24, 46\).*rewind_slack=2"):
+            batch.begin_step([None, 47, None])   # a rewind by 3 > slack, its rows gone from the ring
+        assert state() == before
+        # rewinds the K/V ring covers: by 2 = the slack (the prefill kept the slack's rows), and
+        # any rewind of a window that has not slid yet; nothing appended, no feature rows read
+        batch.begin_step([3, 48, None])
+        assert [(f.n_new, f.reset) for f in batch.last_plan[:2]] == [(0, False), (0, False)]
+        batch.run()
+        assert batch.next_pos == [3, 48, 0]
+    finally:
+        batch.close()
+        for x in (*singles, *rings):
+            x.close()
