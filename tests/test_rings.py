@@ -376,7 +376,8 @@ def test_streaming_prefill_equals_appending_at_once(name, prompt, ring_caps, bas
             kv = DraftKvCache(w, s.capacity, lm_head=lm, backend=be, bulk_chunk=s.bulk_chunk, rewind_slack=2)
             ring = FeatureRing(rc, c.n_captured, c.hidden_size, s.ring_dtype, backend=be)
             try:
-                kv.prefill(ring, X, start=None if base == 0 else base)
+                rows = be.asarray(X.astype(ring.dtype)) if rc == 7 else X   # device rows too
+                kv.prefill(ring, rows, start=None if base == 0 else base)
                 assert kv.next_pos == P and (ring.lo, ring.hi) == (P - min(rc, s.capacity, prompt), P)
                 kv.begin_step(ring, P)
                 assert kv.last_plan.n_new == 0 and kv.last_plan.bulk_count == 0
@@ -463,4 +464,47 @@ def test_batch_prefill_and_append_equal_single_caches_and_refuse_cleanly():
     finally:
         batch.close()
         for x in (*singles, *rings):
+            x.close()
+
+
+def test_cache_prefill_and_append_refuse_bad_input():
+    """A single cache's ``prefill`` / ``append``: bad rows, ``start``, ``committed`` or ring
+    raise naming it, with nothing changed; then both work."""
+    be = backends.get("emulated")
+    s = SPECS["a"]
+    c = s.config
+    w, _ = built("a")
+    kv = DraftKvCache(w, s.capacity, backend=be, rewind_slack=1)
+    ring = FeatureRing(5, c.n_captured, c.hidden_size, backend=be)
+    closed = FeatureRing(5, c.n_captured, c.hidden_size, backend=be)
+    closed.close()
+    wide = FeatureRing(5, c.n_captured + 1, c.hidden_size, backend=be)
+    rows = np.random.default_rng(3).standard_normal((12, c.fc_in)).astype(np.float32)
+    try:
+        def state():
+            return kv.next_pos, be.to_numpy(kv.slot_pos).tolist(), (ring.lo, ring.hi)
+        before = state()
+        with pytest.raises(RuntimeError, match="ring is closed"):
+            kv.prefill(closed, rows)
+        with pytest.raises(ValueError, match="fc_in"):
+            kv.prefill(wide, rows)
+        with pytest.raises(TypeError, match="ring must be a FeatureRing"):
+            kv.append(rows, 3)
+        with pytest.raises(TypeError, match="rows: expected a float array"):
+            kv.prefill(ring, rows.astype(np.complex64))
+        with pytest.raises(ValueError, match="start=-1"):
+            kv.prefill(ring, rows, start=-1)
+        with pytest.raises(ValueError, match="committed=0"):
+            kv.append(ring, 0)
+        with pytest.raises(KeyError, match=r"missing \[0, 3\)"):
+            kv.append(ring, 3)
+        assert state() == before
+        kv.prefill(ring, rows)
+        ring.write(12, rows[:3])
+        kv.append(ring, 15)
+        assert kv.next_pos == 15 and (ring.lo, ring.hi) == (10, 15)
+        sp = be.to_numpy(kv.slot_pos)
+        assert sorted(sp[sp >= 0].tolist()) == list(range(15))
+    finally:
+        for x in (kv, ring, wide):
             x.close()
