@@ -16,6 +16,8 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dflash_cupy import backends, reference
 from dflash_cupy.feature_ring import FeatureRing
@@ -242,6 +244,53 @@ def test_slack_schedule_matches_oracle(backend, name, slack, ring_capacity, base
     assert st["hide"] >= 2 and st["reset"] + st["re-prefill"] >= 2, st
     if ring_capacity is not None and ring_capacity < s.capacity:
         assert st["refused"] >= 1 and st["prefill"] >= 2, st
+
+
+@st.composite
+def ring_scenarios(draw):
+    name = draw(st.sampled_from(("a", "b", "c", "a", "b", "c", "g")))
+    s = SPECS[name]
+    cap, q = s.capacity, s.config.q_len
+    A = 2 * q + 2
+    slack = draw(st.sampled_from([1, 3, 19, 33]))
+    ring_capacity = draw(st.sampled_from([None, 1, 3, 19]))   # None: the drafter's (>= the window)
+    S = cap + slack
+    op = st.one_of(
+        st.tuples(st.just("accept"), st.integers(1, q)),
+        st.tuples(st.just("grow"), st.integers(0, A)),
+        st.tuples(st.just("jump"), st.integers(A + 1, A + 2 * S + 3)),
+        st.tuples(st.just("rewind"), st.integers(1, 2 * S + q)),
+        st.tuples(st.just("reset"), st.integers(1, cap + A + 2)),
+    )
+    ops = draw(st.lists(st.tuples(op, st.booleans()), min_size=2, max_size=7))
+    return (name, slack, ring_capacity, draw(st.sampled_from([0, 0, P20 - 5])),
+            draw(st.integers(1, cap + A + 2)), ops, draw(st.integers(0, 2**16)))
+
+
+@pytest.mark.slow
+@settings(max_examples=30, deadline=None, derandomize=True, database=None, print_blob=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(scenario=ring_scenarios())
+def test_slack_property(scenario):
+    """Drawn schedules (slack 1..33, feature rings of 1..19 rows or the window's) against the
+    oracle, as ``test_kv_cache.test_invariant_property`` with the slack's model."""
+    name, slack, ring_capacity, base, first, ops, seed = scenario
+    d = RingDriver(backends.get("emulated"), name, slack=slack, ring_capacity=ring_capacity, base=base, seed=seed)
+    try:
+        d.step(d.floor - 1 + first)
+        for (kind, k), eager in ops:
+            c = d.committed
+            if kind in ("accept", "grow", "jump"):
+                c += k
+            elif kind == "rewind":
+                c = max(d.floor, c - k)
+                d.forget_from(c)
+            else:
+                d.reset()
+                c = d.floor - 1 + k
+            d.step(c, eager=eager)
+    finally:
+        d.close()
 
 
 # --------------------------------------------------------------------------- 3. lanes = single caches
