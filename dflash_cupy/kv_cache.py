@@ -88,9 +88,10 @@ class DraftKvCache(EngineFacade):
     the window again from the ring); 0 (default): every rewind resets. The feature ring
     passed to ``begin_step`` may be smaller than ``capacity``: a step reads only the rows
     it appends, and a deeper rewind or a jump whose rows the ring no longer holds raises
-    ``KeyError`` (nothing changed): re-prefill (``reset`` + ``prefill``). ``lm_head``: the target's ``[vocab, hidden]`` matrix
-    (NumPy f32/f16/bf16, or a device array: CuPy, PyTorch, JAX, DLPack — used
-    in place), optional; with it each step also ends in ``draft_tokens``,
+    ``KeyError`` (nothing changed): re-prefill (``reset`` + ``prefill``).
+    ``lm_head``: the target's ``[vocab, hidden]`` matrix (NumPy f32/f16/bf16, or a
+    device array: CuPy, PyTorch, JAX, DLPack — used in place), optional; with it each
+    step also ends in ``draft_tokens``,
     greedy by default or sampled per ``sampling`` (a ``SamplingParams``;
     ``set_sampling`` changes it between steps, no recapture).
 

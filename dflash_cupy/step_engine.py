@@ -86,8 +86,9 @@ class StepEngine:
     """``StepEngine(weights, capacity, lanes, *, owner, lm_head=None, logits=True, sampling=None,
     backend=None, bulk_chunk=256, x_split=True, tune=None, pdl=False, selfcheck=None,
     rewind_slack=0)``: ``lanes`` independent requests, each with a window of ``capacity``
-    positions and a K/V ring of ``capacity + rewind_slack`` slots, drafted by one captured step. The facade checks its own arguments first and binds the lanes' feature
-    rings (``bind_rings``) before the first ``plan``. ``owner``: the facade's name (labels,
+    positions and a K/V ring of ``capacity + rewind_slack`` slots, drafted by one captured
+    step. The facade checks its own arguments first and binds the lanes' feature rings
+    (``bind_rings``) before the first ``plan``. ``owner``: the facade's name (labels,
     NVTX ranges, messages). The other arguments are ``DraftKvCache``'s."""
 
     def __init__(self, weights, capacity: int, lanes: int, *, owner: str, lm_head=None, logits: bool = True,

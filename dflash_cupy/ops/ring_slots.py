@@ -30,7 +30,8 @@ class RingSlots:
     """Slot-table kernels of one ring geometry: ``RingSlots(backend, geom)``.
 
     All methods take device arrays and ``stream``; no allocation, no host sync
-    (capture-safe). ``slot_pos [slots] int32`` (``geom.slots``: the window plus the rewind slack), ``desc [DESC_LEN] int32``.
+    (capture-safe). ``slot_pos [slots] int32`` (``geom.slots``: the window plus the rewind
+    slack), ``desc [DESC_LEN] int32``.
     """
 
     def __init__(self, backend, geom: RingGeometry):
