@@ -277,18 +277,7 @@ def test_slack_property(scenario):
     name, slack, ring_capacity, base, first, ops, seed = scenario
     d = RingDriver(backends.get("emulated"), name, slack=slack, ring_capacity=ring_capacity, base=base, seed=seed)
     try:
-        d.step(d.floor - 1 + first)
-        for (kind, k), eager in ops:
-            c = d.committed
-            if kind in ("accept", "grow", "jump"):
-                c += k
-            elif kind == "rewind":
-                c = max(d.floor, c - k)
-                d.forget_from(c)
-            else:
-                d.reset()
-                c = d.floor - 1 + k
-            d.step(c, eager=eager)
+        d.run_drawn(first, ops)
     finally:
         d.close()
 
