@@ -146,6 +146,31 @@ class FeatureRing:
             yield done, slot, c
             done += c
 
+    def check_rows(self, rows, *, check_finite: bool = True):
+        """``write``'s checks of ``rows`` (any number of them), before any change:
+        ``(on_device, rows, host)``: a device view of them, or the NumPy rows and their
+        copy in the storage's host dtype (bf16 as uint16 bits)."""
+        self._check_open()
+        dev = device_view(self.backend, rows, "rows", shape=(None, self.fc_in))  # foreign device arrays too
+        if dev is not None:
+            if dev.dtype != self.storage.dtype:
+                raise TypeError(f"rows: a device array must have the ring's storage dtype "
+                                f"{self.storage.dtype} ({self.kind}), got {dev.dtype}")
+            return True, dev, None
+        rows = np.asarray(rows)
+        if rows.ndim != 2 or rows.shape[1] != self.fc_in:
+            raise ValueError(f"rows must have shape [n, {self.fc_in}], got {list(rows.shape)}")
+        host = rows
+        if host.dtype.kind not in "fiu" and host.dtype != _HOST_VIEW["bf16"]:
+            raise TypeError(f"rows: expected a float array, got dtype {host.dtype}")
+        if check_finite:
+            _check_finite_rows(host, self.kind)
+        with np.errstate(over="ignore"):  # (refused above unless check_finite=False)
+            host = host.astype(_HOST_VIEW[self.kind], copy=False)
+        if self.kind == "bf16":
+            host = host.view(np.uint16)
+        return False, rows, host
+
     def write(self, start_pos: int, rows, stream=None, *, check_finite: bool = True) -> None:
         """Store feature rows ``[n, fc_in]`` (NumPy of any float dtype, or a
         device array of the storage dtype) for positions ``start_pos ..``,
@@ -161,33 +186,12 @@ class FeatureRing:
         start = _pos_int(start_pos, "start_pos")
         be = self.backend
         stream = be.as_stream(stream)
-        dev = device_view(be, rows, "rows", shape=(None, self.fc_in))  # foreign device arrays too
-        on_device = dev is not None
-        if on_device:
-            rows = dev
-        else:
-            rows = np.asarray(rows)
-            if rows.ndim != 2 or rows.shape[1] != self.fc_in:
-                raise ValueError(f"rows must have shape [n, {self.fc_in}], got {list(rows.shape)}")
+        on_device, rows, host = self.check_rows(rows, check_finite=check_finite)
         n = int(rows.shape[0])
         if n > self.capacity:
             raise ValueError(f"rows: {n} rows do not fit a ring of capacity {self.capacity}")
         if start + n > 2**31 - 1:
             raise ValueError(f"start_pos={start}: positions overflow int32")
-        if on_device:
-            if dev.dtype != self.storage.dtype:
-                raise TypeError(f"rows: a device array must have the ring's storage dtype "
-                                f"{self.storage.dtype} ({self.kind}), got {dev.dtype}")
-        else:
-            host = rows
-            if host.dtype.kind not in "fiu" and host.dtype != _HOST_VIEW["bf16"]:
-                raise TypeError(f"rows: expected a float array, got dtype {host.dtype}")
-            if check_finite:
-                _check_finite_rows(host, self.kind)
-            with np.errstate(over="ignore"):  # (refused above unless check_finite=False)
-                host = host.astype(_HOST_VIEW[self.kind], copy=False)
-            if self.kind == "bf16":
-                host = host.view(np.uint16)
         # ---- validated: from here on the ring changes
         # readers garbage-collected without close(): dropped once their last read has run
         self._readers = {k: ev for k, ev in self._readers.items()

@@ -44,13 +44,15 @@ def _lane_word(lane: int) -> str:
 class DraftKvBatch(EngineFacade):
     """``DraftKvBatch(weights, capacity, lanes, *, ring_capacity=None,
     ring_dtype=np.float32, lm_head=None, logits=True, backend=None, bulk_chunk=256, x_split=True,
-    tune=None, pdl=False, selfcheck=None)``.
+    tune=None, pdl=False, selfcheck=None, rewind_slack=0)``.
 
-    ``capacity``: each lane's context window cap (ring-cache slots, as
-    ``DraftKvCache``). ``ring_capacity`` (default ``capacity``) and
+    ``capacity``: each lane's context window cap; ``rewind_slack``: as ``DraftKvCache``
+    (each lane's K/V ring has ``capacity + rewind_slack`` slots). ``ring_capacity`` (default
+    ``capacity``; smaller is allowed: a step reads only the rows it appends) and
     ``ring_dtype`` size the lanes' feature rings, ``batch.rings[i]``: write a
     lane's target hidden states there (``rings[i].write(pos, rows)``) before
-    planning a step that needs them. ``lm_head``: ``[vocab, hidden]`` (NumPy or
+    planning a step that needs them, or stream a prompt longer than the ring with
+    ``prefill(lane, rows)``. ``lm_head``: ``[vocab, hidden]`` (NumPy or
     a device array, as for ``DraftKvCache``); draft tokens are greedy.
     ``x_split``: as ``DraftKvCache`` (a lane equals a single cache built with
     the same ``x_split`` bit for bit). With many active lanes the GEMMs are
@@ -63,20 +65,16 @@ class DraftKvBatch(EngineFacade):
 
     def __init__(self, weights: DraftWeights, capacity: int, lanes: int, *, ring_capacity=None,
                  ring_dtype=np.float32, lm_head=None, logits: bool = True, backend=None, bulk_chunk: int = 256,
-                 x_split: bool = True, tune: bool | None = None, pdl: bool = False, selfcheck=None):
+                 x_split: bool = True, tune: bool | None = None, pdl: bool = False, selfcheck=None,
+                 rewind_slack: int = 0):
         if not isinstance(weights, DraftWeights):
             raise TypeError(f"weights must be a DraftWeights, got {type(weights).__name__}")
-        from .kv_cache import MAX_CAPACITY
-        capacity = int_arg(capacity, "capacity", 1)
-        if capacity > MAX_CAPACITY:
-            raise ValueError(f"capacity={capacity} exceeds {MAX_CAPACITY} ring slots")
+        from .kv_cache import check_ring_size
+        capacity, rewind_slack = check_ring_size(capacity, rewind_slack)
         lanes = int_arg(lanes, "lanes", 1)
         if lanes > MAX_LANES:
             raise ValueError(f"lanes={lanes} exceeds {MAX_LANES}")
         ring_capacity = capacity if ring_capacity is None else int_arg(ring_capacity, "ring_capacity", 1)
-        if ring_capacity < capacity:
-            raise ValueError(f"ring_capacity={ring_capacity} is smaller than capacity={capacity}: a lane's ring "
-                             f"must hold its whole window")
         if not isinstance(bulk_chunk, int) or isinstance(bulk_chunk, bool) or not 1 <= bulk_chunk <= BULK_CHUNK:
             raise ValueError(f"bulk_chunk must be an int in [1, {BULK_CHUNK}], got {bulk_chunk!r}")
         if not isinstance(logits, (bool, np.bool_)):
@@ -84,7 +82,7 @@ class DraftKvBatch(EngineFacade):
         ring_device_dtype = _ring_device_dtype(ring_dtype)
         self.engine = e = StepEngine.build(weights, capacity, lanes, owner="DraftKvBatch", lm_head=lm_head, logits=logits,
                                      backend=backend, bulk_chunk=bulk_chunk, x_split=x_split, tune=tune, pdl=pdl,
-                                     selfcheck=selfcheck)
+                                     selfcheck=selfcheck, rewind_slack=rewind_slack)
         be, c = e.backend, e.config
         self.backend, self.config, self.weights, self.geom, self.lanes = be, c, weights, e.geom, lanes
         # ---- lanes' feature rings: one lane-axis storage, a FeatureRing view per lane
@@ -128,6 +126,26 @@ class DraftKvBatch(EngineFacade):
             stream = self.backend.as_stream(stream)
             self.engine.plan(self._per_lane(committed, "committed", "ints or None"), stream)
 
+    def append(self, committed, stream=None) -> None:
+        """Append each lane's rows up to ``committed[i]`` (``None``: lane untouched) as
+        ``begin_step`` would, outside the graph and with no step (a caller can alternate
+        ``rings[i].write`` and ``append`` to stream a prompt through a smaller ring;
+        ``prefill`` does both). Validates every lane before changing anything; a planned,
+        not yet run step is dropped."""
+        self._check_open()
+        stream = self.backend.as_stream(stream)
+        self.engine.append(self._per_lane(committed, "committed", "ints or None"), stream)
+
+    def prefill(self, lane, rows, stream=None, *, start=None) -> None:
+        """Streaming prefill of lane ``lane``: write its feature rows ``rows [n, fc_in]``
+        (positions ``start ..``, default ``next_pos[lane]``; ``n`` may exceed its ring) into
+        ``rings[lane]`` and
+        append them chunk by chunk, as ``DraftKvCache.prefill``. Other lanes are untouched; a
+        planned, not yet run step is dropped; bad ``rows`` raise before any change."""
+        self._check_open()
+        lane = self._check_lane(lane)
+        self.engine.prefill(lane, rows, self.backend.as_stream(stream), start)
+
     @property
     def next_pos(self) -> list:
         """Per lane: the position after the last row its cache holds."""
@@ -139,6 +157,7 @@ class DraftKvBatch(EngineFacade):
         if len(v) != self.lanes:
             raise ValueError(f"next_pos has {len(v)} entries, expected one per lane ({self.lanes})")
         self.engine._next[:] = v
+        self.engine._kv_lo[:] = v   # (a model's shortcut: nothing below next_pos is known to be cached)
 
     @property
     def last_plan(self) -> list:

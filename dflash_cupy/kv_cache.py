@@ -66,15 +66,32 @@ def _ring_word(lane: int) -> str:
     return "the ring this step was planned on"
 
 
+def check_ring_size(capacity, rewind_slack) -> tuple:
+    """The facades' ``capacity`` (the window) and ``rewind_slack``, checked: ``(capacity,
+    rewind_slack)`` as ints whose ring slots ``capacity + rewind_slack`` fit ``MAX_CAPACITY``."""
+    capacity = int_arg(capacity, "capacity", 1)
+    rewind_slack = int_arg(rewind_slack, "rewind_slack", 0)
+    if capacity + rewind_slack > MAX_CAPACITY:
+        raise ValueError(f"capacity={capacity} + rewind_slack={rewind_slack} exceeds {MAX_CAPACITY} ring slots")
+    return capacity, rewind_slack
+
+
 class DraftKvCache(EngineFacade):
     """``DraftKvCache(weights, capacity, *, lm_head=None, sampling=None, backend=None, bulk_chunk=256,
-    x_split=True, tune=None, pdl=False, selfcheck=None)``.
+    x_split=True, tune=None, pdl=False, selfcheck=None, rewind_slack=0)``.
 
     ``weights``: ``DraftWeights`` (host) — placed on the backend once and
-    cached on the weights object. ``capacity``: ring slots, the drafter's
-    feature-window cap. ``lm_head``: the target's ``[vocab, hidden]`` matrix
-    (NumPy f32/f16/bf16, or a device array: CuPy, PyTorch, JAX, DLPack — used
-    in place), optional; with it each step also ends in ``draft_tokens``,
+    cached on the weights object. ``capacity``: the drafter's feature-window cap.
+    ``rewind_slack``: the K/V ring keeps that many positions below the window too
+    (``capacity + rewind_slack`` slots), so a rewind by at most that many positions
+    needs no feature rows and appends nothing (SPEC §3 step 1 otherwise: reset and append
+    the window again from the ring); 0 (default): every rewind resets. The feature ring
+    passed to ``begin_step`` may be smaller than ``capacity``: a step reads only the rows
+    it appends, and a deeper rewind or a jump whose rows the ring no longer holds raises
+    ``KeyError`` (nothing changed): re-prefill (``reset`` + ``prefill``).
+    ``lm_head``: the target's ``[vocab, hidden]`` matrix (NumPy f32/f16/bf16, or a
+    device array: CuPy, PyTorch, JAX, DLPack — used in place), optional; with it each
+    step also ends in ``draft_tokens``,
     greedy by default or sampled per ``sampling`` (a ``SamplingParams``;
     ``set_sampling`` changes it between steps, no recapture).
 
@@ -115,12 +132,10 @@ class DraftKvCache(EngineFacade):
 
     def __init__(self, weights: DraftWeights, capacity: int, *, lm_head=None, sampling=None,
                  logits: bool = True, backend=None, bulk_chunk: int = 256, x_split: bool = True,
-                 tune: bool | None = None, pdl: bool = False, selfcheck=None):
+                 tune: bool | None = None, pdl: bool = False, selfcheck=None, rewind_slack: int = 0):
         if not isinstance(weights, DraftWeights):
             raise TypeError(f"weights must be a DraftWeights, got {type(weights).__name__}")
-        capacity = int_arg(capacity, "capacity", 1)
-        if capacity > MAX_CAPACITY:
-            raise ValueError(f"capacity={capacity} exceeds {MAX_CAPACITY} ring slots")
+        capacity, rewind_slack = check_ring_size(capacity, rewind_slack)
         if not isinstance(bulk_chunk, int) or isinstance(bulk_chunk, bool) or not 1 <= bulk_chunk <= BULK_CHUNK:
             raise ValueError(f"bulk_chunk must be an int in [1, {BULK_CHUNK}], got {bulk_chunk!r}")
         sampling = SamplingParams() if sampling is None else sampling
@@ -133,7 +148,7 @@ class DraftKvCache(EngineFacade):
         # the one step engine, with one lane (its checks of the shared arguments come next)
         self.engine = e = StepEngine.build(weights, capacity, 1, owner="DraftKvCache", lm_head=lm_head, logits=logits,
                                      sampling=sampling, backend=backend, bulk_chunk=bulk_chunk, x_split=x_split,
-                                     tune=tune, pdl=pdl, selfcheck=selfcheck)
+                                     tune=tune, pdl=pdl, selfcheck=selfcheck, rewind_slack=rewind_slack)
         self.backend, self.config, self.weights, self.geom = e.backend, e.config, weights, e.geom
         B = e.q_len
         # lane 0's views of the engine's buffers, under the single cache's shapes
@@ -182,12 +197,47 @@ class DraftKvCache(EngineFacade):
         e = self.engine
         with nvtx_range("dflash plan", "green"):
             stream = self.backend.as_stream(stream)  # (a bad stream raises before any change)
-            if ring is not self._ring:
-                self._check_ring(ring)
-                # the one host planner checks committed and the ring's rows before any change
-                decide_lanes((committed,), e._next, (ring,), self.geom, self.config.swa_window, single=True)
-                self._switch_ring(ring)
+            self._use_ring(ring, committed)
             e.plan((committed,), stream, single=True)
+
+    def _use_ring(self, ring, committed=None) -> None:
+        """Bind ``ring`` for the next plan, append or prefill, once it and (given) ``committed``
+        pass the host planner's checks (nothing changes otherwise)."""
+        if ring is self._ring:
+            return
+        self._check_ring(ring)
+        if committed is not None:   # the one host planner checks committed and the ring's rows
+            e = self.engine
+            decide_lanes((committed,), e._next, (ring,), self.geom, self.config.swa_window, single=True,
+                         kv_lo=e._kv_lo)
+        self._switch_ring(ring)
+
+    def append(self, ring: FeatureRing, committed: int, stream=None) -> None:
+        """Append the rows ``begin_step(ring, committed)`` would (the positions up to
+        ``committed`` that the cache lacks in its window, read from ``ring``), outside the
+        graph and with no step; ``next_pos`` becomes ``committed``. Lets a caller alternate
+        ``ring.write`` and ``append`` to stream a prompt through a ring smaller than it
+        (``prefill`` does both). A planned, not yet run step is dropped."""
+        self._check_open()
+        stream = self.backend.as_stream(stream)
+        self._use_ring(ring, committed)
+        self.engine.append((committed,), stream, single=True)
+
+    def prefill(self, ring: FeatureRing, rows, stream=None, *, start=None) -> None:
+        """Streaming prefill: write the feature rows ``rows [n, fc_in]`` (NumPy, or a device
+        array of the ring's storage dtype) of positions ``start .. start+n`` (``start``:
+        default ``next_pos``; after ``reset`` it may be the window's first position, see
+        ``StepEngine.prefill``) into ``ring`` and append them, in chunks of at most
+        ``min(ring.capacity, capacity)`` rows, on the current stream (or ``stream``): ``n``
+        may exceed the ring. Rows below the final window and the slack are skipped. After it
+        ``begin_step(ring, next_pos)`` appends nothing.
+        Equals appending the whole prompt at once within the f16 K/V tolerance (bit for bit
+        where the chunks are the bulk append's own: ``tests/test_rings.py``). A planned, not
+        yet run step is dropped; bad ``rows`` raise before any change."""
+        self._check_open()
+        stream = self.backend.as_stream(stream)
+        self._use_ring(ring)
+        self.engine.prefill(0, rows, stream, start)
 
     def _check_ring(self, ring) -> None:
         if not isinstance(ring, FeatureRing):

@@ -494,26 +494,27 @@ def ring_masks(slot_pos, committed: int, geom: RingGeometry, rule) -> tuple[np.n
     0 where visible and -inf where hidden, under ``rule`` (a ``MaskRule``, or a bare
     sliding window for the default rule: ``MaskRule.of``).
 
-    ``slot_pos [capacity]`` is the absolute position held by each ring slot
-    (-1: empty); noise slot ``capacity + j`` holds position ``committed + j``. With
-    ``win = min(committed, capacity)``, ``lo = committed - win``, ring slot ``s`` is a key
-    of the window iff ``lo <= slot_pos[s] < committed``, every noise slot is a key of the
-    block, and ``block_visibility`` decides per row; the trash slot and the padding rows
-    are hidden in both.
+    ``slot_pos [slots]`` (``geom.slots``: the window plus the rewind slack) is the
+    absolute position held by each ring slot (-1: empty; a rewind within the slack leaves
+    positions >= committed there); noise slot ``slots + j`` holds position
+    ``committed + j``. With ``win = min(committed, capacity)``, ``lo = committed - win``,
+    ring slot ``s`` is a key of the window iff ``lo <= slot_pos[s] < committed``, every
+    noise slot is a key of the block, and ``block_visibility`` decides per row; the trash
+    slot and the padding rows are hidden in both.
     """
     if not isinstance(geom, RingGeometry):
         raise TypeError(f"geom must be a RingGeometry, got {type(geom).__name__}")
-    cap, B, total = geom.capacity, geom.q_len, geom.kv_total
+    cap, B, total = geom.slots, geom.q_len, geom.kv_total
     sp = np.asarray(slot_pos)
     if sp.shape != (cap,) or not np.issubdtype(sp.dtype, np.integer):
         raise ValueError(f"slot_pos: shape {sp.shape} dtype {sp.dtype}, expected integer "
-                         f"[capacity={cap}]")
+                         f"[slots={cap}]")
     committed = int(committed)
     if committed <= 0:
         raise ValueError(f"committed={committed}: must be > 0")
     rule = MaskRule.of(rule)
 
-    win = min(committed, cap)
+    win = min(committed, geom.capacity)
     lo = committed - win
     key_pos = np.full(total, -1, dtype=np.int64)
     key_pos[:cap] = sp

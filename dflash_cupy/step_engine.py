@@ -14,8 +14,9 @@ Device layout (lanes ``L``; ``CS = align16(a_step)``, ``BS = align16(q_len)``):
                       sampling knobs f32 [3] and the RNG state u64 [2]
   k_cache[l], v_cache[l]
                       [L*kv_total, n_head_kv*head_dim] f16: lane ``i``'s ring at rows
-                      ``[i*kv_total, (i+1)*kv_total)`` (SPEC §3 layout)
-  slot_pos [L, capacity] int32;  mask_full / mask_swa [L, q_len, kv_total] f16
+                      ``[i*kv_total, (i+1)*kv_total)`` (SPEC §3 layout; its ring: ``slots`` =
+                      capacity + rewind_slack rows)
+  slot_pos [L, slots] int32;  mask_full / mask_swa [L, q_len, kv_total] f16
   ring_storage        [L, ring_capacity, fc_in]: the lanes' feature rings (bound by the facade)
   step rows (the GEMMs' M axis): context rows ``[0, L*CS)``: the active lanes' appended
                       rows packed back to back in lane order (lane ``i``'s at
@@ -41,7 +42,7 @@ import numpy as np
 
 from . import backends, dtypes, tuning
 from . import selfcheck_verdict as selfcheck_mod
-from .checks import bool_arg
+from .checks import bool_arg, int_arg
 from .device_weights import device_dtype, to_device_matrix
 from .geometry import RingGeometry, align_up
 from .interop import device_view
@@ -56,8 +57,8 @@ from .ops.rope import QkvNormRope
 from .ops.gemm import weight_kind
 from .ops.sample import SamplingParams, TokenSampler
 from .ops.selector import SelectorKernels
-from .ops.step_descriptor import (DESC_ACTIVE, DESC_COMMITTED, DESC_LEN, DESC_START, bulk_chunks, decide_lanes,
-                                  fill_chunk_descriptor, pack_descriptors)
+from .ops.step_descriptor import (DESC_ACTIVE, DESC_COMMITTED, DESC_LEN, DESC_START, INT32_MAX, StepFields,
+                                  bulk_chunks, decide_lanes, fill_chunk_descriptor, pack_descriptors)
 from .rope_params import rope_parameters
 from .step_graphs import StepGraphs
 from .step_recipe import StepRecipe
@@ -84,15 +85,16 @@ def _step_in_layout(lanes: int, sampled: bool) -> tuple:
 
 class StepEngine:
     """``StepEngine(weights, capacity, lanes, *, owner, lm_head=None, logits=True, sampling=None,
-    backend=None, bulk_chunk=256, x_split=True, tune=None, pdl=False, selfcheck=None)``:
-    ``lanes`` independent requests, each with a window of ``capacity`` positions, drafted by
-    one captured step. The facade checks its own arguments first and binds the lanes' feature
-    rings (``bind_rings``) before the first ``plan``. ``owner``: the facade's name (labels,
+    backend=None, bulk_chunk=256, x_split=True, tune=None, pdl=False, selfcheck=None,
+    rewind_slack=0)``: ``lanes`` independent requests, each with a window of ``capacity``
+    positions and a K/V ring of ``capacity + rewind_slack`` slots, drafted by one captured
+    step. The facade checks its own arguments first and binds the lanes' feature rings
+    (``bind_rings``) before the first ``plan``. ``owner``: the facade's name (labels,
     NVTX ranges, messages). The other arguments are ``DraftKvCache``'s."""
 
     def __init__(self, weights, capacity: int, lanes: int, *, owner: str, lm_head=None, logits: bool = True,
                  sampling=None, backend=None, bulk_chunk: int = 256, x_split: bool = True,
-                 tune: bool | None = None, pdl: bool = False, selfcheck=None):
+                 tune: bool | None = None, pdl: bool = False, selfcheck=None, rewind_slack: int = 0):
         self.owner = owner
         self._nvtx = "dflash" if lanes == 1 else "dflash batch"
         self.x_split = bool_arg(x_split, "x_split")
@@ -105,7 +107,7 @@ class StepEngine:
         self.checked = selfcheck_mod.for_cache(be, selfcheck)   # failed variants -> their fallbacks
         self.pdl = self.pdl and self.checked.pdl                # PDL -> the plain graph
         self.lanes = lanes
-        self.geom = g = RingGeometry(int(capacity), c.q_len)
+        self.geom = g = RingGeometry(int(capacity), c.q_len, rewind_slack)
         if lanes * g.kv_total >= 2**31:
             raise ValueError(f"lanes={lanes} x {g.kv_total} cache rows per lane overflow int32 row indices")
         # DFlash 2 with an LM head: the draft tokens are the candidate selector's walk (SPEC §6)
@@ -126,7 +128,7 @@ class StepEngine:
         self.v_cache = [be.zeros((lanes * g.kv_total, kvw), np.float16) for _ in range(c.n_layer)]
         self.mask_full = be.zeros((lanes, B, g.kv_total), np.float16) if c.any_full else None
         self.mask_swa = be.zeros((lanes, B, g.kv_total), np.float16) if c.any_sliding else None
-        self.slot_pos = be.asarray(np.full((lanes, g.capacity), -1, np.int32))
+        self.slot_pos = be.asarray(np.full((lanes, g.slots), -1, np.int32))
         sampled = lm_head is not None
         knobs_at, rng_at, in_bytes = _step_in_layout(lanes, sampled)
         self._step_in = be.zeros((in_bytes,), np.uint8)
@@ -137,7 +139,7 @@ class StepEngine:
         rows0 = np.zeros(NC + NN, np.int32)
         for i in range(lanes):   # noise rows: fixed cache rows (the lane's noise scratch, padding -> trash)
             j = np.arange(BS)
-            rows0[NC + i * BS + j] = i * g.kv_total + np.where(j < B, g.capacity + j, g.trash_slot)
+            rows0[NC + i * BS + j] = i * g.kv_total + np.where(j < B, g.slots + j, g.trash_slot)
             rows0[i * CS:(i + 1) * CS] = i * g.kv_total + g.trash_slot
         self.pos_all, self.rows_all = be.asarray(pos0), be.asarray(rows0)
         inv_freq, self.attn_scaling = rope_parameters(c)
@@ -213,6 +215,9 @@ class StepEngine:
         self._ring_writes = [-1] * lanes   # each ring's write count when a step last waited for it
 
         self._next = [0] * lanes          # per lane: the next position to append (next_pos)
+        # per lane: kv_lo, where the run of rows appended up to next_pos starts (the K/V ring
+        # holds [max(kv_lo, next_pos - slots), next_pos): what a rewind within the slack needs)
+        self._kv_lo = [0] * lanes
         self._plan = self._plan_desc = None
         self._plan_fields = [None] * lanes
         self._slot = 0         # the input buffer the planned step uses
@@ -228,6 +233,7 @@ class StepEngine:
         self.order = StreamOrder(be)
 
     capacity = property(lambda self: self.geom.capacity)
+    rewind_slack = property(lambda self: self.geom.rewind_slack)
     q_len = property(lambda self: self.geom.q_len)
     kv_total = property(lambda self: self.geom.kv_total)
     a_step = property(lambda self: self.geom.a_step)
@@ -641,22 +647,17 @@ class StepEngine:
         idle) on ``stream`` (an ``as_stream`` result): validate every lane before any change
         (``decide_lanes``; ``single``: messages name a single cache's arguments), run the bulk
         appends, pack the step's inputs. Returns the ``LaneDecisions``."""
-        plan = decide_lanes(committed, self._next, self.rings, self.geom, self.config.swa_window, single=single)
+        plan = self.decide(committed, single)
         # ---- validated: from here on state changes
         be = self.backend
         slot = self._slot ^ 1
         self.order.reuse(self._events[slot])   # the replay that read this slot's inputs
         if plan.bulk:
-            self.order.reuse(self._bulk_event)  # the pinned chunk descriptors of the last bulk were read
-            s = self.order.order(stream)
-            with nvtx_range(f"{self._nvtx} bulk append", "red"):
-                for i, f in plan.bulk:
-                    self._bulk_append(i, f, s)
-                    self._next[i] = f.committed
-            self._bulk_event.record(s)
-            for i, _ in plan.bulk:
-                self.rings[i].note_read(self, self._bulk_event)
-            self.order.issued(s)
+            self._issue_bulk(plan.bulk, stream)
+            bulk = {i for i, _ in plan.bulk}
+            for i, p in plan.restart:
+                if i in bulk:
+                    self._kv_lo[i] = p
         be.host_write(self._step_in_host[slot], f"{self.owner}.begin_step (step inputs)")
         pack_descriptors(self._desc_host[slot], plan.vals)
         if self._rng_host is not None:
@@ -672,6 +673,81 @@ class StepEngine:
         self._plan, self._plan_fields, self._plan_desc = plan, None, self._desc_host[slot]
         self._planned = True
         return plan
+
+    def decide(self, committed, single: bool = False, in_graph_max=None):
+        """``decide_lanes`` over this engine's lanes (their positions, rings and runs)."""
+        return decide_lanes(committed, self._next, self.rings, self.geom, self.config.swa_window, single=single,
+                            kv_lo=self._kv_lo, in_graph_max=in_graph_max)
+
+    def _issue_bulk(self, bulk, stream) -> None:
+        """The bulk appends ``bulk`` (``(lane, StepFields)``) on ``stream``; each lane's
+        ``next_pos`` becomes its ``committed``."""
+        self.order.reuse(self._bulk_event)  # the pinned chunk descriptors of the last bulk were read
+        s = self.order.order(stream)
+        with nvtx_range(f"{self._nvtx} bulk append", "red"):
+            for i, f in bulk:
+                self._bulk_append(i, f, s)
+                self._next[i] = f.committed
+        self._bulk_event.record(s)
+        for i, _ in bulk:
+            self.rings[i].note_read(self, self._bulk_event)
+        self.order.issued(s)
+
+    def append(self, committed, stream, single: bool = False) -> None:
+        """Append each lane's rows up to ``committed[i]`` (``None``: lane untouched) as
+        ``begin_step`` would, outside the graph and with no step; a planned, not yet run
+        step is dropped. Validates every lane first (``decide_lanes``)."""
+        plan = self.decide(committed, single, in_graph_max=0)
+        # ---- validated: from here on state changes
+        self._planned = self._anchored = False
+        if plan.bulk:
+            self._issue_bulk(plan.bulk, stream)
+        for i, v in enumerate(committed):   # lanes with nothing to append (a rewind within the slack)
+            if v is not None:
+                self._next[i] = int(v)
+        for i, p in plan.restart:
+            self._kv_lo[i] = p
+
+    def prefill(self, lane: int, rows, stream, start=None) -> None:
+        """Write ``rows`` (feature rows of positions ``start ..``, any number: checked by
+        ``FeatureRing.check_rows`` before any change) into lane ``lane``'s ring and append
+        them, chunk by chunk (at most ``min(ring capacity, capacity)`` rows each, so a prompt
+        longer than the ring streams through it); ``next_pos`` becomes ``start + len(rows)``.
+        ``start`` (default ``next_pos``) may skip ahead of ``next_pos`` only as far as the
+        final window's first position (a jump: the window must not reach rows never given).
+        Rows below the final window and its slack (the last ``capacity + rewind_slack``
+        positions) are neither written nor appended (the lane's run then starts past
+        ``start``, as after a jump). A planned, not yet run step is dropped.
+        Each chunk is one bulk append; the host waits for the previous one to have read its
+        pinned chunk descriptors before it writes the next."""
+        ring, g = self.rings[lane], self.geom
+        _, checked, _ = ring.check_rows(rows)
+        p0 = self._next[lane]
+        n = int(checked.shape[0])
+        start = p0 if start is None else int_arg(start, "start", 0)
+        end = start + n
+        if end > INT32_MAX - g.q_len:
+            raise ValueError(f"rows: positions [{start}, {end}) overflow int32 (with the noise block)")
+        win_lo = end - min(end, g.capacity)
+        if start != p0 and not p0 < start <= win_lo:
+            where = "behind" if start < p0 else "ahead of"
+            raise ValueError(f"start={start} is {where} next_pos={p0}: prefill continues at next_pos, or jumps "
+                             f"ahead no further than its final window's first position ({win_lo} for "
+                             f"{n} rows); for a rewind use begin_step / append, or reset first")
+        # ---- validated: from here on state changes
+        self._planned = self._anchored = False
+        if not n:
+            return
+        # the last capacity + rewind_slack rows: the window, and what a rewind within the slack needs
+        first = max(start, end - min(end, g.slots))
+        if first > p0:
+            self._kv_lo[lane] = first
+        step = min(ring.capacity, g.capacity)
+        for s in range(first, end, step):
+            c = min(step, end - s)
+            ring.write(s, checked[s - start:s - start + c], stream, check_finite=False)
+            lo = max(0, s + c - g.capacity)
+            self._issue_bulk([(lane, StepFields(s + c, lo, s + c, 0, lo, False, s, c))], stream)
 
     def lane_fields(self) -> list:
         """Per lane: the ``StepFields`` of the latest planned step (``None``: idle)."""
@@ -745,6 +821,8 @@ class StepEngine:
         vals = self._plan.vals
         self._next = [c if a else n for n, a, c in zip(self._next, vals[DESC_ACTIVE::DESC_LEN],
                                                        vals[DESC_COMMITTED::DESC_LEN])]
+        for i, p in self._plan.restart:   # (rare: resets and jumps)
+            self._kv_lo[i] = p
 
     def reset(self, lanes, stream) -> None:
         """Forget the cached rows of ``lanes`` on ``stream``; a planned, not yet run step is
@@ -752,7 +830,7 @@ class StepEngine:
         s = self.order.order(stream)
         self._planned = self._anchored = False
         for i in lanes:
-            self._next[i] = 0
+            self._next[i] = self._kv_lo[i] = 0
             self.ring_slots.reset_slots(self.slot_pos[i], stream=s)
         self.order.issued(s)
 
@@ -867,7 +945,7 @@ class StepEngine:
             if not ring._closed:
                 ring.forget_reader(self)
         self.graphs.release()
-        keep = {"backend", "config", "weights", "geom", "lanes", "owner", "_next", "_plan", "_plan_fields",
+        keep = {"backend", "config", "weights", "geom", "lanes", "owner", "_next", "_kv_lo", "_plan", "_plan_fields",
                 "sampling", "write_logits", "bulk_chunk", "graphs", "order", "_closed"}
         for name in list(vars(self)):
             if name not in keep:

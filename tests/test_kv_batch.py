@@ -163,7 +163,9 @@ def test_constructor_rejects_bad_arguments():
     with pytest.raises(TypeError, match="lanes"):
         DraftKvBatch(w, 23, 2.0, backend=be)
     with pytest.raises(ValueError, match="ring_capacity"):
-        DraftKvBatch(w, 23, 2, ring_capacity=5, backend=be)
+        DraftKvBatch(w, 23, 2, ring_capacity=0, backend=be)
+    with pytest.raises(ValueError, match="rewind_slack"):
+        DraftKvBatch(w, 23, 2, rewind_slack=-1, backend=be)
     for bad in (1, "no", None):
         with pytest.raises(TypeError, match="x_split"):
             DraftKvBatch(w, 23, 2, backend=be, x_split=bad)

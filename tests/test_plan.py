@@ -189,15 +189,20 @@ def test_step_sequence_matches_simulation(backend, rng, capacity, q_len, swa, ch
         assert np.array_equal(bits(be.to_numpy(dev.mask_swa)), bits(ms)), f"{what}: mask_swa"
 
 
-MASK_GEOMS = [(1, 1), (3, 16), (7, 4), (33, 5), (100, 16), (31, 1)]
+# (capacity, q_len, rewind_slack): with a slack the ring has capacity + slack slots, and after
+# a rewind within it slots hold positions >= committed (hidden) next to the window's
+MASK_GEOMS = [(1, 1, 0), (3, 16, 0), (7, 4, 0), (33, 5, 0), (100, 16, 0), (31, 1, 0),
+              (1, 1, 3), (3, 16, 19), (19, 3, 1), (33, 5, 33)]
 
 
-@pytest.mark.parametrize("capacity,q_len", MASK_GEOMS)
-def test_masks_exact(backend, rng, capacity, q_len):
-    """Arbitrary slot_pos (empty, stale, in/out of both windows) for many
-    (committed, swa_window): bit-exact against ring_masks, all three entry points."""
+@pytest.mark.parametrize("capacity,q_len,slack", MASK_GEOMS)
+def test_masks_exact(backend, rng, capacity, q_len, slack):
+    """Arbitrary slot_pos (empty, stale, in/out of both windows, stale positions up to
+    ``slack`` past committed) for many (committed, swa_window): bit-exact against
+    ring_masks, all three entry points."""
     be = backend
-    geom = RingGeometry(capacity, q_len)
+    geom = RingGeometry(capacity, q_len, slack)
+    slots = geom.slots
     planner = UnfusedPlanning(be, geom)
     shape = (q_len, geom.kv_total)
     mf_d, ms_d = be.zeros(shape, np.float16), be.zeros(shape, np.float16)
@@ -210,9 +215,9 @@ def test_masks_exact(backend, rng, capacity, q_len):
         for swa in sorted({0, 1, 3, capacity - 1, capacity, capacity + 5}):
             if swa < 0:
                 continue
-            span = capacity + 8
-            sp = rng.integers(max(-1, committed - span), committed + 4, capacity).astype(np.int32)
-            sp[rng.random(capacity) < 0.2] = -1
+            span = slots + 8
+            sp = rng.integers(max(-1, committed - span), committed + 4 + slack, slots).astype(np.int32)
+            sp[rng.random(slots) < 0.2] = -1
             f = plan_step(committed, committed, geom, swa)
             fill_step_descriptor(desc_h, f)
             desc, sp_d = be.asarray(desc_h), be.asarray(sp)

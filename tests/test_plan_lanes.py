@@ -30,22 +30,25 @@ def _descs(rng, lanes, geom, ring_cap, idle):
     return d
 
 
-@pytest.mark.parametrize("lanes,cap,q_len,fc_in,kind,idle,rule", [
-    (3, 19, 3, 19, "f16", {0}, MaskRule(5)),
-    (4, 33, 5, 40, "bf16", {3}, MaskRule(3, causal_sliding=False, causal_full=True)),
-    (1, 7, 1, 8, "f32", set(), MaskRule(5, per_row=False)),
+@pytest.mark.parametrize("lanes,cap,q_len,fc_in,kind,idle,rule,slack", [
+    (3, 19, 3, 19, "f16", {0}, MaskRule(5), 0),
+    (4, 33, 5, 40, "bf16", {3}, MaskRule(3, causal_sliding=False, causal_full=True), 0),
+    (1, 7, 1, 8, "f32", set(), MaskRule(5, per_row=False), 0),
+    # rewind slack: slots = cap + slack (slot p % slots), the window stays cap
+    (3, 3, 3, 19, "f16", {1}, MaskRule(5), 19),
+    (2, 33, 5, 8, "f32", set(), MaskRule(3, per_row=False), 1),
 ])
-def test_plan_lanes_equals_the_unfused_launches_per_lane(lanes, cap, q_len, fc_in, kind, idle, rule):
+def test_plan_lanes_equals_the_unfused_launches_per_lane(lanes, cap, q_len, fc_in, kind, idle, rule, slack):
     be = backends.get("emulated")
-    rng = np.random.default_rng(1000 + lanes)
-    g = RingGeometry(cap, q_len)
+    rng = np.random.default_rng(1000 + lanes + slack)
+    g = RingGeometry(cap, q_len, slack)
     cs, bs = align_up(g.a_step, 16), align_up(q_len, 16)
     ring_cap = cap + 3
     dt = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[kind]
     ring_h = (rng.standard_normal((lanes, ring_cap, fc_in)).astype(np.float32).astype(dt) if kind != "bf16" else
               rng.integers(0, 0x7f00, (lanes, ring_cap, fc_in)).astype(np.uint16))
     desc_h = _descs(rng, lanes, g, ring_cap, idle)
-    slot0 = rng.integers(-1, 4 * cap, (lanes, cap)).astype(np.int32)
+    slot0 = rng.integers(-1, 4 * g.slots, (lanes, g.slots)).astype(np.int32)
     mask0 = rng.standard_normal((lanes, q_len, g.kv_total)).astype(np.float16)
     rows = lanes * (cs + bs)
     sentinel_pos = np.full(rows, -7, np.int32)

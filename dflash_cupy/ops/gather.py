@@ -72,7 +72,8 @@ class FeatureGather:
         (packed at ``DESC_CTX_ROW0``) and its noise positions, the gather of those rows into
         ``ap_feat``, and the masks from the updated slot table. ``desc [lanes, DESC_LEN]``,
         ``ring [lanes, ring_capacity, fc_in]``, ``ap_feat [lanes*cs, fc_in]``,
-        ``slot_pos [lanes, capacity]``, ``pos_all``/``rows_all [lanes*(cs+bs)]``,
+        ``slot_pos [lanes, slots]`` (``geom.slots``: the window plus the rewind slack),
+        ``pos_all``/``rows_all [lanes*(cs+bs)]``,
         ``tile_live [lanes*(cs+bs)/16]`` int32, masks ``[lanes, q_len, kv_total]`` under
         ``rule`` (a ``MaskRule``, or a bare sliding window: ``MaskRule.of``)."""
         be = self.backend
@@ -92,7 +93,7 @@ class FeatureGather:
         rows = lanes * (cs + bs)
         for name, a, dt, shape in (("ring", ring, self.ring_device_dtype, (lanes, self.ring_capacity, self.fc_in)),
                                    ("ap_feat", ap_feat, np.float32, (lanes * cs, self.fc_in)),
-                                   ("slot_pos", slot_pos, np.int32, (lanes, geom.capacity)),
+                                   ("slot_pos", slot_pos, np.int32, (lanes, geom.slots)),
                                    ("pos_all", pos_all, np.int32, (rows,)),
                                    ("rows_all", rows_all, np.int32, (rows,)),
                                    ("tile_live", tile_live, np.int32, (rows // 16,))):
@@ -115,7 +116,7 @@ class FeatureGather:
         blocks = self._gx * a + -(-max(geom.kv_total, cs, bs) // THREADS)
         self._lanes_kernel((blocks, lanes, 1), (THREADS, 1, 1),
                            (desc, ring, ap_feat, np.int32(a), np.int32(cs), slot_pos, pos_all, rows_all, tile_live,
-                            mf, ms, np.int32(geom.capacity), np.int32(geom.q_len), np.int32(bs),
+                            mf, ms, np.int32(geom.slots), np.int32(geom.q_len), np.int32(bs),
                             np.int32(geom.kv_total), np.int32(flags), np.int32(rule.window),
                             np.int32(lanes)), stream=stream)
 

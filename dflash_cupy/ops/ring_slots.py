@@ -30,7 +30,8 @@ class RingSlots:
     """Slot-table kernels of one ring geometry: ``RingSlots(backend, geom)``.
 
     All methods take device arrays and ``stream``; no allocation, no host sync
-    (capture-safe). ``slot_pos [capacity] int32``, ``desc [DESC_LEN] int32``.
+    (capture-safe). ``slot_pos [slots] int32`` (``geom.slots``: the window plus the rewind
+    slack), ``desc [DESC_LEN] int32``.
     """
 
     def __init__(self, backend, geom: RingGeometry):
@@ -38,19 +39,19 @@ class RingSlots:
             raise TypeError(f"geom must be a RingGeometry, got {type(geom).__name__}")
         self.backend = backend
         self.geom = geom
-        self._module = kernels.load_module(backend, "ring_slots.cu", CAP=geom.capacity, Q_LEN=geom.q_len,
+        self._module = kernels.load_module(backend, "ring_slots.cu", CAP=geom.slots, Q_LEN=geom.q_len,
                                            KV_TOTAL=geom.kv_total)
         f = self._module.get_function
         self._reset, self._append = f("reset_slots"), f("plan_append")
-        self._slot_grid = (-(-geom.capacity // SLOT_THREADS), 1, 1)
+        self._slot_grid = (-(-geom.slots // SLOT_THREADS), 1, 1)
 
     def __repr__(self):
         return f"RingSlots({self.geom})"
 
     def _check_slot_pos(self, slot_pos):
         checks.device_array(self.backend, "slot_pos", slot_pos, np.int32, ndim=1)
-        if slot_pos.shape[0] != self.geom.capacity:
-            raise ValueError(f"slot_pos must have shape ({self.geom.capacity},), "
+        if slot_pos.shape[0] != self.geom.slots:
+            raise ValueError(f"slot_pos must have shape ({self.geom.slots},), "
                              f"got {tuple(slot_pos.shape)}")
 
     def reset_slots(self, slot_pos, stream=None):
@@ -60,7 +61,7 @@ class RingSlots:
 
     def plan_append(self, desc, ap_pos, ap_rows, slot_pos, pos_q=None, n_rows=None, stream=None):
         """Append rows ``i < n_rows`` (default ``len(ap_pos)``): real rows
-        ``i < desc.n_new`` get ``pos = start+i``, ``row = pos % capacity`` and
+        ``i < desc.n_new`` get ``pos = start+i``, ``row = pos % slots`` and
         update ``slot_pos``; the rest get ``pos 0, row trash_slot``. With
         ``pos_q [q_len] int32``: ``pos_q[j] = committed + j``."""
         be = self.backend
@@ -100,7 +101,7 @@ def plan_append_reference(desc, slot_pos, n_rows: int, geom: RingGeometry, with_
     for i in range(min(n_new, n_rows)):
         p = start + i
         ap_pos[i] = p
-        ap_rows[i] = p % geom.capacity
-        sp[p % geom.capacity] = p
+        ap_rows[i] = p % geom.slots
+        sp[p % geom.slots] = p
     pos_q = (committed + np.arange(geom.q_len)).astype(np.int32) if with_noise else None
     return ap_pos, ap_rows, sp, pos_q

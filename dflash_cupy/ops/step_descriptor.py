@@ -51,8 +51,10 @@ class StepFields(NamedTuple):
     """What ``begin_step(committed)`` decides (SPEC §3 steps 1-4).
 
     ``reset``: rewind, the ring must be emptied first (``next_pos`` was beyond
-    ``committed``): by ``reset_slots`` before the bulk chunks when
-    ``bulk_count > 0``, else inside the graph via the descriptor's reset flag.
+    ``committed`` and the ring no longer holds the rewound window): by
+    ``reset_slots`` before the bulk chunks when ``bulk_count > 0``, else inside
+    the graph via the descriptor's reset flag. A rewind whose window the ring still
+    holds (``rewind_slack``) has ``reset`` clear and appends nothing.
     ``bulk_start, bulk_count``: rows to bulk-append outside the graph (count
     0: none). ``start, n_new``: rows the step appends itself.
     """
@@ -76,9 +78,13 @@ class LaneDecisions(NamedTuple):
     (``DESC_CTX_ROW0``, ``DESC_CTX_ROWS``; ``pack_context_rows``); a lane that needs a bulk
     append first has ``start = committed, n_new = 0`` and its reset flag clear (the bulk path
     resets). The step (the graph) reads ring positions ``[start, committed)`` of each active
-    lane. ``bulk``: ``(lane, StepFields)`` of the lanes that need a bulk append first."""
+    lane. ``bulk``: ``(lane, StepFields)`` of the lanes that need a bulk append first.
+    ``restart``: ``(lane, position)`` of the lanes whose cached rows stop being one run
+    ending at ``next_pos`` (a reset or a jump past ``next_pos``): after this step the lane
+    holds ``[position, committed)`` (its ``kv_lo``, see ``decide_lanes``)."""
     vals: list
     bulk: list
+    restart: list
 
     def fields(self, lane: int):
         """Lane ``lane``'s ``StepFields`` (``None``: idle)."""
@@ -91,18 +97,49 @@ class LaneDecisions(NamedTuple):
         return StepFields(c, lo, start, n_new, swa_lo, bool(reset), start, 0)
 
 
-def decide_lanes(committed, next_pos, rings, geom: RingGeometry, swa_window=0, *, single: bool = False) -> LaneDecisions:
+def _missing(start: int, stop: int, ring) -> str:
+    """The positions of ``[start, stop)`` that ``ring`` does not hold, as ranges."""
+    lo, hi = ring.lo, ring.hi
+    if hi <= lo or stop <= lo or hi <= start:
+        return f"[{start}, {stop})"
+    parts = [f"[{a}, {b})" for a, b in ((start, min(stop, lo)), (max(start, hi), stop)) if a < b]
+    return " and ".join(parts)
+
+
+def _not_held(lane: str, start: int, v: int, n: int, rewound: bool, r, geom: RingGeometry) -> KeyError:
+    why = (f" (a rewind from next_pos={n} that the K/V ring's rewind_slack={geom.rewind_slack} does not "
+           f"cover appends the whole window again)" if rewound else "")
+    return KeyError(f"{lane}feature rows for positions [{start}, {v}) are not all in {'the' if not lane else 'its'} "
+                    f"ring (it holds [{r.lo}, {r.hi}); missing {_missing(start, v, r)}); committed={v}{why}: "
+                    f"write them into the ring first, or re-prefill (reset, then prefill, which streams a "
+                    f"prompt longer than the ring)")
+
+
+def decide_lanes(committed, next_pos, rings, geom: RingGeometry, swa_window=0, *, single: bool = False,
+                 kv_lo=None, in_graph_max=None) -> LaneDecisions:
     """The host planner (SPEC §3 steps 1-4 and the masks' window bounds) of one step of
     every lane: ``committed[i]`` (an int > 0, or ``None``: lane ``i`` idle), ``next_pos[i]``
     (its next position to append), ``rings[i]`` (its ``FeatureRing``: it must hold the rows the
     step appends). Validates every lane before returning (nothing changes state here): a bad
     entry raises naming its lane (``single``: a ``DraftKvCache``'s one lane, named as its
-    arguments; ``None`` not allowed; the ring must hold the window too). Plain Python, one
-    pass: for a few lanes far cheaper than NumPy's fixed cost, ~0.4 us per lane."""
-    cap, A = geom.capacity, geom.a_step
+    arguments; ``None`` not allowed).
+
+    Rewinds (``next_pos > committed``): with ``geom.rewind_slack > 0`` a lane whose K/V ring
+    still holds every position of the rewound window ``[lo, committed)`` (from ``kv_lo[i]``,
+    the first position of the run of rows it appended up to ``next_pos``, and the ring's
+    ``slots``) only moves ``next_pos`` back: rows at positions >= committed stay in their
+    slots, hidden by the masks (``slot_pos >= committed``) until re-appended over. Any other
+    rewind (and every rewind at slack 0) resets the lane and appends its window again from
+    the feature ring. ``kv_lo`` (default: every lane's run starts at 0) is read only then.
+    ``in_graph_max`` (default ``a_step``): lanes appending more rows are bulk-appended first
+    (0: every appending lane; ``append`` without a step).
+    Plain Python, one pass: for a few lanes far cheaper than NumPy's fixed cost, ~0.4 us per
+    lane."""
+    cap, A = geom.capacity, geom.a_step if in_graph_max is None else in_graph_max
+    slack, slots = geom.rewind_slack, geom.slots
     vmax = INT32_MAX - geom.q_len             # the last noise position must fit int32
     w = int(swa_window or 0)
-    vals, bulk = [], []
+    vals, bulk, restart = [], [], []
     row0 = 0                                  # packed context rows so far
     # (the lane's index, for messages: len(vals) // DESC_LEN, the lanes listed so far)
     for v, n, r in zip(committed, next_pos, rings):
@@ -120,21 +157,22 @@ def decide_lanes(committed, next_pos, rings, geom: RingGeometry, swa_window=0, *
         if not 0 < v <= vmax:
             e = f"committed={v}: must be > 0" if v <= 0 else f"committed={v}: noise positions overflow int32"
             raise ValueError(e if single else f"committed[{len(vals) // DESC_LEN}]: {e}")
-        reset = n > v
-        if reset:
-            n = 0
         win = v if v < cap else cap
         lo = v - win
+        n0 = n
+        reset = n > v
+        if reset:
+            # the K/V ring holds [max(kv_lo, n - slots), n): enough for the rewound window?
+            if slack and max(0 if kv_lo is None else kv_lo[len(vals) // DESC_LEN], n - slots) <= lo:
+                reset, n = False, v
+            else:
+                n = 0
         start = n if n > lo else lo
         nn = v - start
-        if single and r.capacity < win:
-            raise ValueError(f"ring capacity {r.capacity} is smaller than the window of {win} positions "
-                             f"(committed={v})")
         if nn and not (r.lo <= start and v <= r.hi):
-            raise KeyError(f"feature rows for positions [{start}, {v}) are not all in the ring (it holds "
-                           f"[{r.lo}, {r.hi})); committed={v}" if single else
-                           f"lane {len(vals) // DESC_LEN}: feature rows for positions [{start}, {v}) are not "
-                           f"all in its ring (it holds [{r.lo}, {r.hi})); committed={v}")
+            raise _not_held("" if single else f"lane {len(vals) // DESC_LEN}: ", start, v, n0, reset, r, geom)
+        if reset or start > n:   # the lane's cached run restarts at start
+            restart.append((len(vals) // DESC_LEN, start))
         if nn > A:    # a bulk append first, outside the graph (it resets the ring itself)
             swa_lo = v - w if 0 < w < win else lo
             bulk.append((len(vals) // DESC_LEN, StepFields(v, lo, v, 0, swa_lo, reset, start, nn)))
@@ -143,7 +181,7 @@ def decide_lanes(committed, next_pos, rings, geom: RingGeometry, swa_window=0, *
             vals += (v, lo, start, nn, v - w if 0 < w < win else lo, reset, 1, row0, 0, 0)
             row0 += nn
     vals[DESC_CTX_ROWS::DESC_LEN] = [row0] * (len(vals) // DESC_LEN)
-    return LaneDecisions(vals, bulk)
+    return LaneDecisions(vals, bulk, restart)
 
 
 class _EveryPosition:

@@ -281,6 +281,23 @@ class Driver:
                 c = self.floor - 1 + op
             self.step(c, eager=eager)
 
+    def run_drawn(self, first, ops):
+        """A drawn schedule: a first step at ``first`` (relative to ``floor - 1``), then
+        ``((kind, k), eager)`` ops: accept / grow / jump by ``k``, rewind by ``k`` (features
+        from there on change), reset then step at ``k``."""
+        self.step(self.floor - 1 + first)
+        for (kind, k), eager in ops:
+            c = self.committed
+            if kind in ("accept", "grow", "jump"):
+                c += k
+            elif kind == "rewind":
+                c = max(self.floor, c - k)
+                self.forget_from(c)
+            else:
+                self.reset()
+                c = self.floor - 1 + k
+            self.step(c, eager=eager)
+
     def close(self):
         self.kv.close()
         self.ring.close()

@@ -22,7 +22,7 @@ _modules: dict = {}   # (id(backend), options) -> module, as kernels.load_module
 
 
 def _module(backend, geom):
-    opts = kernels.compile_options(CAP=geom.capacity, Q_LEN=geom.q_len, KV_TOTAL=geom.kv_total)
+    opts = kernels.compile_options(CAP=geom.slots, Q_LEN=geom.q_len, KV_TOTAL=geom.kv_total)
     key = (id(backend), opts)
     if key not in _modules:
         _modules[key] = backend.compile(SOURCE.read_text(), opts, filename=str(SOURCE))
