@@ -79,8 +79,7 @@ def mask_bytes(config, lanes: int, geom: RingGeometry, table_entries: int = 0) -
     """The masks (one per attention kind present), ``slot_pos`` and ``table_entries`` page-table
     entries per lane."""
     n_masks = int(config.any_full) + int(config.any_sliding)
-    slots = getattr(geom, "slots", geom.capacity)
-    return lanes * (n_masks * geom.q_len * geom.kv_total * 2 + slots * 4 + table_entries * 4)
+    return lanes * (n_masks * geom.q_len * geom.kv_total * 2 + geom.slots * 4 + table_entries * 4)
 
 
 def kv_bytes(config, rows: int) -> int:
@@ -124,7 +123,7 @@ def bytes_for(config, lanes: int, window: int, *, rewind_slack: int = 0, ring_ca
     rewind_slack = int_arg(rewind_slack, "rewind_slack", 0)
     ring_capacity = window if ring_capacity is None else int_arg(ring_capacity, "ring_capacity", 1)
     page_size = int_arg(page_size, "page_size", 0)
-    geom = _geometry(window, config.block_size, rewind_slack)
+    geom = RingGeometry(window, config.block_size, rewind_slack)
     rsize = dtypes.DEVICE[dtypes.kind_of(ring_dtype, "ring_dtype")].itemsize
     lane_pages, table = 0, 0
     if page_size:
@@ -143,12 +142,3 @@ def bytes_for(config, lanes: int, window: int, *, rewind_slack: int = 0, ring_ca
         "weights": weight_bytes(config, weight_dtype, vocab, lm_head_dtype),
     }
     return MemoryReport(pools, page_size=page_size, pages_free=pages, lane_pages=(0,) * lanes if page_size else ())
-
-
-def _geometry(window: int, q_len: int, slack: int) -> RingGeometry:
-    try:
-        return RingGeometry(window, q_len, slack)   # with rewind slack (ring slots = window + slack)
-    except TypeError:
-        if slack:
-            raise ValueError("rewind_slack needs a ring geometry with slack") from None
-        return RingGeometry(window, q_len)

@@ -30,22 +30,21 @@ def test_ledger_counts_each_allocation_once_on_its_thread(emu):
     assert (led.device, led.pinned, inner.device, inner.pinned) == (160 + 24 + 4, 20, 4, 0)
 
 
-@pytest.mark.parametrize("name,lanes,capacity", [("a", 3, 33), ("g", 2, 19)])
-def test_batch_memory_matches_bytes_for(emu, name, lanes, capacity):
+@pytest.mark.parametrize("name,lanes,capacity,slack,ring", [("a", 3, 33, 0, 38), ("g", 2, 19, 5, 3)])
+def test_batch_memory_matches_bytes_for(emu, name, lanes, capacity, slack, ring):
     """A real allocation's K/V, feature-ring, mask and weight pools equal ``bytes_for``'s to
     the byte; the step's own buffers are counted by ``memory()`` and estimated by ``bytes_for``
     (reported: the GEMMs' split-K workspaces follow the device)."""
     sp = SPECS[name]
     w, lm = built(name)[:2]
-    ring = capacity + 5
     with DraftKvBatch(w, capacity, lanes, ring_capacity=ring, ring_dtype=sp.ring_dtype, lm_head=lm,
-                      backend=emu) as b:
+                      rewind_slack=slack, backend=emu) as b:
         got = b.memory()
-    want = bytes_for(sp.config, lanes, capacity, ring_capacity=ring, ring_dtype=sp.ring_dtype,
+    want = bytes_for(sp.config, lanes, capacity, rewind_slack=slack, ring_capacity=ring, ring_dtype=sp.ring_dtype,
                      weight_dtype=sp.wdtype, vocab=0 if lm is None else lm.shape[0], lm_head_dtype=sp.lm_dtype)
     for pool in ("kv", "feature_rings", "masks", "weights"):
         assert got.pools[pool] == want.pools[pool], pool
-    g = RingGeometry(capacity, sp.config.block_size)
+    g = RingGeometry(capacity, sp.config.block_size, slack)
     assert got.pools["kv"] == 2 * sp.config.n_layer * lanes * g.kv_total * sp.config.kv_dim * 2
     assert got.pools["feature_rings"] == lanes * ring * sp.config.fc_in * np.dtype(sp.ring_dtype).itemsize
     assert got.pools["step"] > 0
@@ -81,8 +80,10 @@ def test_bytes_for_serving_scale():
     cfg = DraftConfig(n_layer=5, hidden_size=4096, n_head=32, n_head_kv=8, head_dim=128, intermediate_size=12288,
                       block_size=16, target_layer_ids=(1, 9, 17, 25, 33), rms_norm_eps=1e-6,
                       rope_theta=1_000_000.0)
-    r = bytes_for(cfg, 64, 32768, ring_capacity=1024, ring_dtype=np.float16, weight_dtype=np.float16)
-    assert r.pools["kv"] == 2 * 5 * 64 * RingGeometry(32768, 16).kv_total * 1024 * 2
+    r = bytes_for(cfg, 64, 32768, rewind_slack=64, ring_capacity=1024, ring_dtype=np.float16,
+                  weight_dtype=np.float16)
+    assert r.pools["kv"] == 2 * 5 * 64 * RingGeometry(32768, 16, 64).kv_total * 1024 * 2
+    assert RingGeometry(32768, 16, 64).kv_total == 32768 + 64 + 32   # slots, noise, trash, padded to 32
     assert r.pools["feature_rings"] == 64 * 1024 * 5 * 4096 * 2
     print(f"\nh4096, 64 lanes x 32K window, ring 1024 (f16):\n{r.table()}")
     assert r.total / GIB == pytest.approx(sum(r.pools[p] for p in ("kv", "feature_rings", "masks", "step")) / GIB)
