@@ -39,6 +39,7 @@ def run(args, be, w) -> int:
     """The demo's options ``args`` on backend ``be`` with drafter weights ``w``."""
     from . import reference
     from .kv_batch import DraftKvBatch
+    from .memory_plan import bytes_for, side_by_side
     from .tolerances import TOL, within
 
     lanes = int(args.lanes)
@@ -56,6 +57,10 @@ def run(args, be, w) -> int:
     print(f"backend: {be.name}; drafter: {w}")
     print(f"{lanes} lanes; ring cache per lane: capacity={batch.capacity} q_len={batch.q_len} "
           f"kv_total={batch.kv_total}; built in {build_s:.2f} s")
+    planned = bytes_for(cfg, lanes, args.capacity, vocab=vocab, lm_head_dtype=lm.dtype,
+                        weight_dtype=w.dtype or np.float32)
+    print("device memory by pool, sized before allocating (bytes_for) and held (memory()):")
+    print(side_by_side(planned, batch.memory()))
     head = f"{'step':>5} {'active':>6}  {'committed per lane (-: idle)':<48} {'max err':>9} {'host us':>8}"
     print(head)
     print("-" * len(head))

@@ -61,6 +61,19 @@ class MemoryReport:
         return "\n".join(rows)
 
 
+def side_by_side(planned: MemoryReport, held: MemoryReport) -> str:
+    """``bytes_for``'s report beside a live object's ``memory()`` (MiB), pool by pool."""
+    mib = float(1 << 20)
+    rows = [f"  {'pool':<14} {'bytes_for':>12} {'memory()':>12}"]
+    for k in (*POOLS, "weights"):
+        rows.append(f"  {k:<14} {planned.pools.get(k, 0) / mib:10.3f} MiB {held.pools.get(k, 0) / mib:8.3f} MiB")
+    rows.append(f"  {'total':<14} {planned.total / mib:10.3f} MiB {held.total / mib:8.3f} MiB  (weights apart)")
+    if held.page_size:
+        rows.append(f"  pages of {held.page_size} rows: {held.pages_used} used, {held.pages_free} free; "
+                    f"per lane {list(held.lane_pages)}")
+    return "\n".join(rows)
+
+
 def weight_bytes(config, weight_dtype=np.float16, vocab: int = 0, lm_head_dtype=np.float16) -> int:
     """Device bytes of the drafter's weights as ``DeviceWeights`` places them (matrices in their
     checkpoint dtype, norms and convolution bases f32) plus an LM head ``[vocab, hidden]``."""
