@@ -3,7 +3,8 @@
 //
 // Layouts (row-major, contiguous; per lane, attention_common.cuh says where each lane's slices are):
 //   q        [B, NH, D] f32 (after q_norm and RoPE)
-//   k_cache, v_cache [KV_TOTAL, NKV*D] f16 (row = one position, kv heads fused)
+//   k_cache, v_cache [pool rows, NKV*D] f16 (row = one position, kv heads fused), the
+//            lane's key k at its page table's row (pages [LANES, N_PAGES] int32)
 //   mask     [B, KV_TOTAL] f16 additive (0 visible, -inf hidden)
 //   gate     GATE=1: [B, NH] f32 logits, GATE=2: [B, NH*D] f32; unused if 0
 //   out      [B, NH*D] f32 = softmax(q k^T * scale + mask) v  (* softplus(gate))
@@ -79,6 +80,7 @@ extern "C" __global__ void __launch_bounds__(NT)
 ring_attn_split(const float* __restrict__ q,
                 const __half* __restrict__ k_cache,
                 const __half* __restrict__ v_cache,
+                const int* __restrict__ pages,
                 const __half* __restrict__ mask,
                 float* __restrict__ part_o,
                 float* __restrict__ part_ml,
@@ -102,8 +104,7 @@ ring_attn_split(const float* __restrict__ q,
         q += lo.q_o;
         out += lo.q_o;
         gate += lo.gate;
-        k_cache += lo.kv;
-        v_cache += lo.kv;
+        pages += lo.pages;
         mask += lo.mask;
         part_o += lo.part_o;
         part_ml += lo.part_ml;
@@ -151,12 +152,13 @@ ring_attn_split(const float* __restrict__ q,
     // softmax denominator, reduced once at the end.
     for (int k0 = k_begin; k0 < k_end; k0 += TILE) {
         __syncthreads();  // previous tile fully consumed (and q_s written, first time)
+        const long long row0_k = tile_row(pages, k0);   // the tile's keys: consecutive rows of one page
         for (int i = threadIdx.x; i < TILE * CPR; i += NT) {
             const int t = i / CPR, c = i % CPR;
             const int key = k0 + t;
             uint4 kc = make_uint4(0u, 0u, 0u, 0u), vc = make_uint4(0u, 0u, 0u, 0u);
             if (key < k_end) {
-                const long long off = (long long)key * KV_W + kvh * D + c * 8;
+                const long long off = (row0_k + t) * KV_W + kvh * D + c * 8;
                 kc = *reinterpret_cast<const uint4*>(k_cache + off);
                 vc = *reinterpret_cast<const uint4*>(v_cache + off);
             }

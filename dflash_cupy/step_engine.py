@@ -13,8 +13,12 @@ Device layout (lanes ``L``; ``CS = align16(a_step)``, ``BS = align16(q_len)``):
                       (``DESC_ACTIVE`` 0: an idle lane), then, with an LM head, the
                       sampling knobs f32 [3] and the RNG state u64 [2]
   k_cache[l], v_cache[l]
-                      [L*kv_total, n_head_kv*head_dim] f16: lane ``i``'s ring at rows
-                      ``[i*kv_total, (i+1)*kv_total)`` (SPEC §3 layout)
+                      [(kv_pages + 1) * page_size, n_head_kv*head_dim] f16: layer l's pools of
+                      pages shared by the lanes (``kv_pages.py``); lane ``i``'s logical rows
+                      (SPEC §3 layout, ``[0, kv_total)``) through its page table
+  page_table          [L, ceil(kv_total / page_size)] int32: each entry a page's first row;
+                      uploaded by ``plan`` only when a lane's pages changed (stream order
+                      puts it after the last step that read it, before the bulk and the step)
   slot_pos [L, capacity] int32;  mask_full / mask_swa [L, q_len, kv_total] f16
   ring_storage        [L, ring_capacity, fc_in]: the lanes' feature rings (bound by the facade)
   step rows (the GEMMs' M axis): context rows ``[0, L*CS)``: the active lanes' appended
@@ -45,6 +49,7 @@ from .checks import bool_arg
 from .device_weights import device_dtype, to_device_matrix
 from .geometry import RingGeometry, align_up
 from .interop import device_view
+from .kv_pages import DEFAULT_PAGE, KvPages
 from .nvtx_ranges import nvtx_range
 from .ops.attention import RingAttention
 from .ops.conv import GroupedConv
@@ -55,7 +60,8 @@ from .ops.rope import QkvNormRope
 from .ops.gemm import weight_kind
 from .ops.sample import SamplingParams, TokenSampler
 from .ops.selector import SelectorKernels
-from .ops.step_descriptor import (DESC_ACTIVE, DESC_COMMITTED, DESC_LEN, DESC_START, bulk_chunks, decide_lanes,
+from .ops.step_descriptor import (DESC_ACTIVE, DESC_COMMITTED, DESC_LEN, DESC_RESET, DESC_START, bulk_chunks,
+                                  decide_lanes,
                                   fill_chunk_descriptor, pack_descriptors)
 from .rope_params import rope_parameters
 from .step_graphs import StepGraphs
@@ -85,13 +91,15 @@ class StepEngine:
     """``StepEngine(weights, capacity, lanes, *, owner, lm_head=None, logits=True, sampling=None,
     backend=None, bulk_chunk=256, x_split=True, tune=None, pdl=False, selfcheck=None)``:
     ``lanes`` independent requests, each with a window of ``capacity`` positions, drafted by
-    one captured step. The facade checks its own arguments first and binds the lanes' feature
+    one captured step. ``page_size`` (rows per K/V page) and ``kv_pages`` (pages per pool,
+    default every lane's worst case: ``kv_pages.py``). The facade checks its own arguments first and binds the lanes' feature
     rings (``bind_rings``) before the first ``plan``. ``owner``: the facade's name (labels,
     NVTX ranges, messages). The other arguments are ``DraftKvCache``'s."""
 
     def __init__(self, weights, capacity: int, lanes: int, *, owner: str, lm_head=None, logits: bool = True,
                  sampling=None, backend=None, bulk_chunk: int = 256, x_split: bool = True,
-                 tune: bool | None = None, pdl: bool = False, selfcheck=None):
+                 tune: bool | None = None, pdl: bool = False, selfcheck=None, page_size: int = DEFAULT_PAGE,
+                 kv_pages=None):
         self.owner = owner
         self._nvtx = "dflash" if lanes == 1 else "dflash batch"
         self.x_split = bool_arg(x_split, "x_split")
@@ -105,8 +113,8 @@ class StepEngine:
         self.pdl = self.pdl and self.checked.pdl                # PDL -> the plain graph
         self.lanes = lanes
         self.geom = g = RingGeometry(int(capacity), c.q_len)
-        if lanes * g.kv_total >= 2**31:
-            raise ValueError(f"lanes={lanes} x {g.kv_total} cache rows per lane overflow int32 row indices")
+        self.kv_pages = KvPages(lanes, g.capacity, g.q_len, g.kv_total, page_size, kv_pages)
+        self.page = self.kv_pages.page
         # DFlash 2 with an LM head: the draft tokens are the candidate selector's walk (SPEC §6)
         self.selects = c.dflash2 is not None and lm_head is not None
         self.dw = weights.device(be)   # placed once per backend, cached on the weights
@@ -121,8 +129,12 @@ class StepEngine:
         NC, NN = lanes * CS, lanes * BS   # context rows, noise rows
 
         # ---- caches and step state
-        self.k_cache = [be.zeros((lanes * g.kv_total, kvw), np.float16) for _ in range(c.n_layer)]
-        self.v_cache = [be.zeros((lanes * g.kv_total, kvw), np.float16) for _ in range(c.n_layer)]
+        pool_rows = (self.kv_pages.pages + 1) * self.page   # page 0: the shared page
+        self.k_cache = [be.zeros((pool_rows, kvw), np.float16) for _ in range(c.n_layer)]
+        self.v_cache = [be.zeros((pool_rows, kvw), np.float16) for _ in range(c.n_layer)]
+        self.page_table = be.zeros((lanes, self.kv_pages.n), np.int32)   # every entry the shared page
+        self._pages_staging = PinnedStaging(be, (lanes, self.kv_pages.n), np.int32, f"{owner} page table staging")
+        self._pages_version = 0
         self.mask_full = be.zeros((lanes, B, g.kv_total), np.float16) if c.any_full else None
         self.mask_swa = be.zeros((lanes, B, g.kv_total), np.float16) if c.any_sliding else None
         self.slot_pos = be.asarray(np.full((lanes, g.capacity), -1, np.int32))
@@ -132,13 +144,8 @@ class StepEngine:
         self.desc = self._step_in[:knobs_at].view(np.int32).reshape(lanes, DESC_LEN)
         self.tile_live = be.zeros(((NC + NN) // TILE_ROWS,), np.int32)
         self.tiles_ctx, self.tiles_noise = self.tile_live[:NC // TILE_ROWS], self.tile_live[NC // TILE_ROWS:]
-        pos0 = np.zeros(NC + NN, np.int32)
-        rows0 = np.zeros(NC + NN, np.int32)
-        for i in range(lanes):   # noise rows: fixed cache rows (the lane's noise scratch, padding -> trash)
-            j = np.arange(BS)
-            rows0[NC + i * BS + j] = i * g.kv_total + np.where(j < B, g.capacity + j, g.trash_slot)
-            rows0[i * CS:(i + 1) * CS] = i * g.kv_total + g.trash_slot
-        self.pos_all, self.rows_all = be.asarray(pos0), be.asarray(rows0)
+        # positions and cache rows of the step rows: the planning launch writes them every step
+        self.pos_all, self.rows_all = be.zeros((NC + NN,), np.int32), be.zeros((NC + NN,), np.int32)
         inv_freq, self.attn_scaling = rope_parameters(c)
         self.inv_freq = be.asarray(np.asarray(inv_freq, np.float64))
 
@@ -216,7 +223,7 @@ class StepEngine:
         self._slot = 0         # the input buffer the planned step uses
         self._planned = False
         self._closed = False
-        self._label_arrays(("_hs", "_logits", "_tokens", "noise_embed", "k_cache", "v_cache", "slot_pos",
+        self._label_arrays(("_hs", "_logits", "_tokens", "noise_embed", "k_cache", "v_cache", "page_table", "slot_pos",
                             "_step_in", "resid", "xin", "ap_feat", "tile_live"))
         selfcheck_mod.require(self.checked, self)   # a failed variant with no fallback left: raise
         self.tuned = tuning.tune_sites(self._tune_sites(), backend=be, tune=tune)
@@ -350,8 +357,9 @@ class StepEngine:
         self.attention = RingAttention(be, c.head_dim, c.n_head, c.n_head_kv, self.q_len, self.kv_total,
                                        gate=None if c.attn_gate == "none" else c.attn_gate,
                                        out_kind=self.recipe.attn16,
-                                       path="auto" if self.checked.attention_mma else "fma", **attn_kw)
-        self.ring_slots = RingSlots(be, self.geom)
+                                       path="auto" if self.checked.attention_mma else "fma", page=self.page,
+                                       **attn_kw)
+        self.ring_slots = RingSlots(be, self.geom, page=self.page)
         d2 = c.dflash2
         self.conv = GroupedConv(be, c.hidden_size, d2.conv_kernel_size, d2.conv_group_size) if d2 else None
 
@@ -440,7 +448,7 @@ class StepEngine:
         self.gather.plan_lanes(self.desc, self.ring_storage, self.ap_feat, self.geom, self.slot_pos, self.pos_all,
                                self.rows_all, self.tile_live, cs=self.ctx_rows, bs=self.lane_rows,
                                mask_full=self.mask_full, mask_swa=self.mask_swa, rule=self.config.mask_rule,
-                               stream=stream)
+                               stream=stream, pages=self.page_table, page=self.page)
         self._run_rows(stream, eager)
 
     def _layer_input(self, li: int):
@@ -540,7 +548,7 @@ class StepEngine:
             self.g_attn_gate(self.hn, L.w_attn_gate, self.gate, nn, tile_live=live, stream=stream)
         mask = self.mask_swa if L.sliding else self.mask_full
         self.attention(self.q, self.k_cache[li], self.v_cache[li], mask, self.attn, gate=self.gate,
-                       stream=stream, live=self.desc)
+                       stream=stream, live=self.desc, pages=self.page_table)
         self.g_o(self.attn, L.w_o, out, nn, tile_live=live, stream=stream,
                  **({} if residual is None else {"residual": residual}))
 
@@ -613,7 +621,7 @@ class StepEngine:
     def _bulk_append(self, lane: int, fields, s) -> None:
         """Append lane ``lane``'s ``[bulk_start, bulk_start+bulk_count)`` outside the graph,
         chunk by chunk, on ``s``."""
-        be, ring, kv = self.backend, self.rings[lane], self.geom.kv_total
+        be, ring = self.backend, self.rings[lane]
         s.wait_event(ring.write_event)
         slot_pos = self.slot_pos[lane]
         if fields.reset:
@@ -625,10 +633,10 @@ class StepEngine:
             be.host_write(host, f"{self.owner} bulk chunk descriptor")
             fill_chunk_descriptor(host, fields, start, count)
             be.copy_h2d_async(self.bulk_desc, host, stream=s)
-            self.ring_slots.plan_append(self.bulk_desc, self.ap_pos, self.ap_rows, slot_pos, n_rows=count, stream=s)
+            self.ring_slots.plan_append(self.bulk_desc, self.ap_pos, self.ap_rows, slot_pos, n_rows=count, stream=s,
+                                        pages=self.page_table[lane])
             self.gather(self.bulk_desc, self.ring_storage[lane], self.bulk_feat, n_rows=count, stream=s)
-            self._append_rows(self.bulk_feat, count, [k[lane * kv:(lane + 1) * kv] for k in self.k_cache],
-                              [v[lane * kv:(lane + 1) * kv] for v in self.v_cache], s)
+            self._append_rows(self.bulk_feat, count, self.k_cache, self.v_cache, s)
 
     # ------------------------------------------------------------------ plan / run
     def plan(self, committed, stream, single: bool = False):
@@ -637,8 +645,13 @@ class StepEngine:
         (``decide_lanes``; ``single``: messages name a single cache's arguments), run the bulk
         appends, pack the step's inputs. Returns the ``LaneDecisions``."""
         plan = decide_lanes(committed, self._next, self.rings, self.geom, self.config.swa_window, single=single)
+        resets = {i for i, f in plan.bulk if f.reset}
+        resets.update(i for i in range(self.lanes) if plan.vals[i * DESC_LEN + DESC_RESET])
+        pages = self.kv_pages.plan(committed, resets)   # raises (nothing changed) if a lane gets none
         # ---- validated: from here on state changes
         be = self.backend
+        self.kv_pages.commit(pages)
+        self._upload_pages(stream)
         slot = self._slot ^ 1
         self.order.reuse(self._events[slot])   # the replay that read this slot's inputs
         if plan.bulk:
@@ -667,6 +680,22 @@ class StepEngine:
         self._plan, self._plan_fields, self._plan_desc = plan, None, self._desc_host[slot]
         self._planned = True
         return plan
+
+    def _upload_pages(self, stream) -> None:
+        """The page tables onto the device when a lane's pages changed (in stream order: after
+        the steps that read the old tables, before the bulk appends and the step that read
+        the new ones)."""
+        if self.kv_pages.version == self._pages_version:
+            return
+        s = self.order.order(stream)
+        self._pages_staging.copy(self.order, self.page_table, lambda st: np.copyto(st, self.kv_pages.table), s)
+        self.order.issued(s)
+        self._pages_version = self.kv_pages.version
+
+    def kv_memory(self):
+        """The K/V pools' accounting (``kv_pages.PagesUsage``): bytes per pool, used and free
+        pages, pages per lane."""
+        return self.kv_pages.usage(self.config.kv_dim * 2, 2 * self.config.n_layer)
 
     def lane_fields(self) -> list:
         """Per lane: the ``StepFields`` of the latest planned step (``None``: idle)."""
@@ -750,6 +779,7 @@ class StepEngine:
             self._next[i] = 0
             self.ring_slots.reset_slots(self.slot_pos[i], stream=s)
         self.order.issued(s)
+        self.kv_pages.release(lanes)   # the next plan uploads the tables
 
     # ------------------------------------------------------------------ noise embeddings
     def check_host_noise(self, noise_embed, shape) -> np.ndarray:
