@@ -299,9 +299,11 @@ ring_attn_mma_split(const float* __restrict__ q,
     publish_visibility(mk_next, vis_s[1], warp, lane);
     __syncthreads();
     uint4 vc[KV_PER];
-    // the current and the next tile's first physical rows: one table load per tile, a tile
-    // ahead (a tile past the split's keys has no keys any row sees: nothing read)
-    long long row_cur = 0, row_next = 0;
+    // First physical rows of the tiles (page table, one load per tile): the current one's,
+    // the next one's and the one after (loaded a tile before its K/V loads need it, as the
+    // mask is, so no round trip waits on it). A tile past the split's keys has no key any row
+    // sees: nothing is read there.
+    long long row_cur = 0, row_next = 0, row_ahead = 0;
     {
         const unsigned int vis = read_visibility(vis_s[0]);
         if (k_begin < k_end) {
@@ -309,6 +311,7 @@ ring_attn_mma_split(const float* __restrict__ q,
             load_k_async(k_cache, row_cur, vis, kvh, k_s[0]);
         }
         load_v(v_cache, row_cur, vis, kvh, vc);
+        if (k_begin + TILE < k_end) row_ahead = tile_row(pages, k_begin + TILE);
     }
 
     // Isolation: a slot hidden from a query row never reaches that row's output,
@@ -335,12 +338,13 @@ ring_attn_mma_split(const float* __restrict__ q,
         // while this tile computes
         {
             const unsigned int vis = read_visibility(vis_s[nx1]);
+            row_next = row_ahead;
             if (k0 + TILE < k_end) {
                 store_mask(mk_next, m_s[par ^ 1], warp, lane);
-                row_next = tile_row(pages, k0 + TILE);
                 load_k_async(k_cache, row_next, vis, kvh, k_s[par ^ 1]);
             }
             load_v(v_cache, row_next, vis, kvh, vc);
+            if (k0 + 2 * TILE < k_end) row_ahead = tile_row(pages, k0 + 2 * TILE);
         }
         load_mask(mask, k0 + 2 * TILE, k_end, mk_next, warp, lane);
         const bool bad_tile = __syncthreads_or(bad);
