@@ -3,8 +3,7 @@
 //
 // Layouts (row-major, contiguous; per lane, attention_common.cuh says where each lane's slices are):
 //   q        [B, NH, D] f32 (after q_norm and RoPE)
-//   k_cache, v_cache [pool rows, NKV*D] f16 (row = one position, kv heads fused), the
-//            lane's key k at its page table's row (pages [LANES, N_PAGES] int32)
+//   k_cache, v_cache [pool rows, NKV*D] f16 (kv heads fused), key k at its page's row (pages)
 //   mask     [B, KV_TOTAL] f16 additive (0 visible, -inf hidden)
 //   gate     GATE=1: [B, NH] f32 logits, GATE=2: [B, NH*D] f32; unused if 0
 //   out      [B, NH*D] f32 = softmax(q k^T * scale + mask) v  (* softplus(gate))
@@ -150,9 +149,13 @@ ring_attn_split(const float* __restrict__ q,
     // pre-scaled by scale*log2(e)); the P·V product broadcasts p_t with a
     // shuffle while lane owns output dims lane + 32*j. The lane keeps a partial
     // softmax denominator, reduced once at the end.
+    // the tile's keys: consecutive rows of one page; its first row from the page table, loaded
+    // one tile ahead (no round trip before the tile's K/V loads)
+    long long row_k = k_begin < k_end ? tile_row(pages, k_begin) : 0;
     for (int k0 = k_begin; k0 < k_end; k0 += TILE) {
         __syncthreads();  // previous tile fully consumed (and q_s written, first time)
-        const long long row0_k = tile_row(pages, k0);   // the tile's keys: consecutive rows of one page
+        const long long row0_k = row_k;
+        if (k0 + TILE < k_end) row_k = tile_row(pages, k0 + TILE);
         for (int i = threadIdx.x; i < TILE * CPR; i += NT) {
             const int t = i / CPR, c = i % CPR;
             const int key = k0 + t;
