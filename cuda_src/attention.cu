@@ -151,10 +151,10 @@ ring_attn_split(const float* __restrict__ q,
     // softmax denominator, reduced once at the end.
     // the tile's keys: consecutive rows of one page; its first row from the page table, loaded
     // one tile ahead (no round trip before the tile's K/V loads)
-    long long row_k = k_begin < k_end ? tile_row(pages, k_begin) : 0;
+    int row_k = k_begin < k_end ? tile_row(pages, k_begin) : 0;
     for (int k0 = k_begin; k0 < k_end; k0 += TILE) {
         __syncthreads();  // previous tile fully consumed (and q_s written, first time)
-        const long long row0_k = row_k;
+        const long long row0_k = row_k;   // 64-bit: times KV_W below
         if (k0 + TILE < k_end) row_k = tile_row(pages, k0 + TILE);
         for (int i = threadIdx.x; i < TILE * CPR; i += NT) {
             const int t = i / CPR, c = i % CPR;

@@ -180,7 +180,8 @@ __device__ __forceinline__ LaneOffsets lane_offsets(int lane) {
 }
 
 // The first physical row of the key tile at logical key k0 (a multiple of TILE).
-__device__ __forceinline__ long long tile_row(const int* __restrict__ pages, int k0) {
+// (int: a pool's rows fit int32, kv_pages.py checks; 32-bit registers where the mma kernel has none to spare)
+__device__ __forceinline__ int tile_row(const int* __restrict__ pages, int k0) {
     return page_row(pages, PAGE, k0);
 }
 

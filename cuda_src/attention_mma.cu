@@ -161,20 +161,20 @@ __device__ __forceinline__ unsigned int read_visibility(const unsigned int* vis_
 #define KV_PER ((KV_ITEMS + THR - 1) / THR)
 
 // kr: the tile's first physical row (tile_row)
-__device__ __forceinline__ void load_k_async(const __half* __restrict__ k_cache, long long kr, unsigned int vis, int kvh,
+__device__ __forceinline__ void load_k_async(const __half* __restrict__ k_cache, int kr, unsigned int vis, int kvh,
                                              __half* k_tile) {
 #pragma unroll
     for (int j = 0; j < KV_PER; ++j) {
         const int i = (int)threadIdx.x + THR * j, key = i / (D / 8), c = (i % (D / 8)) * 8;
         if (KV_ITEMS % THR == 0 || i < KV_ITEMS) {
             const bool seen = (vis >> key) & 1u;
-            cp_async16(&k_tile[key * KS + c], seen ? k_cache + ((kr + key) * KV_W + kvh * D + c) : k_cache, seen);
+            cp_async16(&k_tile[key * KS + c], seen ? k_cache + ((long long)(kr + key) * KV_W + kvh * D + c) : k_cache, seen);
         }
     }
     cp_async_commit();
 }
 
-__device__ __forceinline__ void load_v(const __half* __restrict__ v_cache, long long kr, unsigned int vis, int kvh,
+__device__ __forceinline__ void load_v(const __half* __restrict__ v_cache, int kr, unsigned int vis, int kvh,
                                        uint4 (&vc)[KV_PER]) {
 #pragma unroll
     for (int j = 0; j < KV_PER; ++j) {
@@ -183,7 +183,7 @@ __device__ __forceinline__ void load_v(const __half* __restrict__ v_cache, long 
         if ((KV_ITEMS % THR == 0 || i < KV_ITEMS) && ((vis >> key) & 1u))
             // coherent (__ldcg): stays before the barrier it is issued before (ptxas may
             // sink a read-only .nc load past it, into the tile's math)
-            vc[j] = __ldcg(reinterpret_cast<const uint4*>(v_cache + (kr + key) * KV_W + kvh * D + c));
+            vc[j] = __ldcg(reinterpret_cast<const uint4*>(v_cache + (long long)(kr + key) * KV_W + kvh * D + c));
     }
 }
 
@@ -299,18 +299,16 @@ ring_attn_mma_split(const float* __restrict__ q,
     publish_visibility(mk_next, vis_s[1], warp, lane);
     __syncthreads();
     uint4 vc[KV_PER];
-    // First physical rows of the tiles (page table, one load per tile): the current one's,
-    // the next one's and the one after (loaded a tile before its K/V loads need it, as the
-    // mask is, so no round trip waits on it). A tile past the split's keys has no key any row
-    // sees: nothing is read there.
-    long long row_cur = 0, row_next = 0, row_ahead = 0;
+    // First physical rows of the tiles (page table, one load per tile): the next tile's and
+    // the one after (loaded a tile before its K/V loads need it, as the mask is, so no round
+    // trip waits on it). A tile past the split's keys has no key any row sees: nothing is
+    // read there.
+    int row_next = 0, row_ahead = 0;
     {
         const unsigned int vis = read_visibility(vis_s[0]);
-        if (k_begin < k_end) {
-            row_cur = tile_row(pages, k_begin);
-            load_k_async(k_cache, row_cur, vis, kvh, k_s[0]);
-        }
-        load_v(v_cache, row_cur, vis, kvh, vc);
+        const int row0 = k_begin < k_end ? tile_row(pages, k_begin) : 0;
+        if (k_begin < k_end) load_k_async(k_cache, row0, vis, kvh, k_s[0]);
+        load_v(v_cache, row0, vis, kvh, vc);
         if (k_begin + TILE < k_end) row_ahead = tile_row(pages, k_begin + TILE);
     }
 
@@ -430,6 +428,7 @@ ring_attn_mma_split(const float* __restrict__ q,
         // exactly (p * v) to the rows that see the key, and to no other row.
         // Per key, the lane's DN pairs of V in DN independent 4-byte loads.
         if (bad_tile) {
+            const int row_cur = tile_row(pages, k0);   // rare: the table read again, no register held for it
 #pragma unroll
             for (int n = 0; n < TILE / 8; ++n) {
                 for (int kb = 0; kb < 8; ++kb) {
@@ -442,7 +441,7 @@ ring_attn_mma_split(const float* __restrict__ q,
                         see[u] = rok[u] && key < k_end && __half_as_ushort(m_s[par][bq[u] * MS + 8 * n + kb]) != 0xfc00u;
                     }
                     if (!see[0] && !see[1]) continue;
-                    const __half* vr = v_cache + (row_cur + (key - k0)) * KV_W + kvh * D + 2 * t;
+                    const __half* vr = v_cache + (long long)(row_cur + (key - k0)) * KV_W + kvh * D + 2 * t;
                     unsigned int w[DN];
 #pragma unroll
                     for (int j = 0; j < DN; ++j) w[j] = ld32(vr + 8 * j);
@@ -461,7 +460,6 @@ ring_attn_mma_split(const float* __restrict__ q,
             }
         }
         publish_visibility(mk_next, vis_s[nx2], warp, lane);   // tile +2's: read past the next barrier
-        row_cur = row_next;
     }
 
     // Row sums over the 4 lanes of a row, then the partial (or, unsplit, the output).
