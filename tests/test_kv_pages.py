@@ -149,3 +149,53 @@ def test_a_lane_without_pages_is_refused_with_nothing_changed():
     batch.reset(0)                                    # lane 0's pages back to the pool
     _drive(batch, [None, 300], rng)
     assert batch.kv_memory().per_lane == (0, 11)
+
+
+def test_paged_lanes_random_schedules_equal_single_caches():
+    """Seeded random schedules (growth, idle steps, rewinds, jumps past the window, resets) of 3
+    lanes sharing 26 pages (their worst case is 48), taken in shuffled order: every active lane
+    equals its twin bit for bit at every step. A step the pool cannot hold (found on a copy of
+    the allocator) first resets its largest lane to a short request, as a server would evict."""
+    import copy
+    rng = np.random.default_rng(11)
+    be, batch, twins = make("e", 3, page_size=32, kv_pages=26)
+    _shuffle_pool(batch, 3)
+    pages, cap, q = batch.engine.kv_pages, batch.capacity, batch.q_len
+    cur, evicted, peak = [0] * 3, 0, 0
+    for _ in range(12):
+        ops = []
+        for i in range(3):
+            kind = rng.choice(["grow", "grow", "idle", "rewind", "jump", "reset"])
+            if kind == "idle" or (kind == "rewind" and cur[i] <= 1):
+                ops.append(IDLE)
+            elif kind == "grow" or cur[i] == 0:
+                ops.append(cur[i] + int(rng.integers(1, q + 2)))
+            elif kind == "rewind":
+                ops.append(("rewind", int(rng.integers(1, cur[i]))))
+            elif kind == "jump":
+                ops.append(cur[i] + int(rng.integers(batch.a_step + 1, batch.a_step + 2 * cap)))
+            else:
+                ops.append(("reset", int(rng.integers(1, 2 * cap))))
+        while True:
+            sim = copy.deepcopy(pages)
+            sim.release([i for i, o in enumerate(ops) if isinstance(o, tuple) and o[0] == "reset"])
+            try:
+                sim.plan([None if o is IDLE else (o[1] if isinstance(o, tuple) else o) for o in ops])
+                break
+            except PagesRefused:
+                big = [i for i, o in enumerate(ops) if o is not IDLE and not (isinstance(o, tuple) and o[1] <= q + 1)]
+                i = max(big, key=lambda i: pages.held(i) if not isinstance(ops[i], tuple) or ops[i][0] != "reset"
+                        else sim._need(min(ops[i][1], cap)))
+                ops[i] = ("reset", int(rng.integers(1, q + 2)))
+                evicted += 1
+        play(be, batch, twins, ops)
+        for i, o in enumerate(ops):
+            if o is not IDLE:
+                cur[i] = o[1] if isinstance(o, tuple) else o
+        held = [pages.held(i) for i in range(3)]
+        peak = max(peak, sum(held))
+        assert sum(held) == pages.pages - pages.free <= 26
+        owned = [set(t[t > 0].tolist()) for t in be.to_numpy(batch.engine.page_table)]
+        assert sum(map(len, owned)) == len(set().union(*owned)) == sum(held)
+    assert batch.captures == 2
+    assert evicted >= 1 and peak >= 20, (evicted, peak)   # the schedule did fill the pool
