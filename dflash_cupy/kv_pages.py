@@ -176,16 +176,20 @@ class KvPages:
             self.version += 1
 
     def _resize(self, i: int, ring: int, tail: bool) -> None:
-        """Lane ``i`` to hold ring pages ``[0, ring)`` and (``tail``) its tail pages."""
-        want = set(range(ring)) | (set(range(self._tail0, self._tail1)) if tail else set())
-        have = set(range(self._ring[i])) | (set(range(self._tail0, self._tail1)) if self._tail[i] else set())
+        """Lane ``i`` to hold ring pages ``[0, ring)`` and (``tail``) its tail pages: only the
+        pages between the old and the new ring end, and the tail's, are looked at."""
+        t0, t1, r0, h0 = self._tail0, self._tail1, self._ring[i], self._tail[i]
         row = self.table[i]
-        for j in sorted(have - want):
-            self._free.append(int(row[j]) // self.page)
-            row[j] = SHARED_PAGE
-        for j in sorted(want - have):
-            row[j] = self._free.pop() * self.page
-        self._ring[i], self._tail[i], self._held[i] = ring, tail, len(want)
+        for j in sorted(set(range(min(r0, ring), max(r0, ring))) | set(range(t0, t1))):
+            had = j < r0 or (h0 and t0 <= j < t1)
+            has = j < ring or (tail and t0 <= j < t1)
+            if had and not has:
+                self._free.append(int(row[j]) // self.page)
+                row[j] = SHARED_PAGE
+            elif has and not had:
+                row[j] = self._free.pop() * self.page
+        self._ring[i], self._tail[i] = ring, tail
+        self._held[i] = ring + (t1 - max(t0, ring) if tail else 0)
 
     def usage(self, row_bytes: int, pools: int) -> PagesUsage:
         return PagesUsage(self.page, row_bytes, pools, self.pages, self.pages - self.free, self.free,
