@@ -41,7 +41,7 @@
 // nvrtc-check: -DD=128 -DNH=64 -DNKV=8 -DB=16 -DKV_TOTAL=4128 -DSPLITS=8 -DGATE=1 -DOUT16=2
 // nvrtc-check: -DD=32 -DNH=4 -DNKV=4 -DB=1 -DKV_TOTAL=37 -DSPLITS=1 -DGATE=1 -DOUT16=1
 // nvrtc-check: -DD=64 -DNH=8 -DNKV=2 -DB=16 -DKV_TOTAL=100 -DSPLITS=3 -DGATE=2 -DFOLD_MERGE=0
-// nvrtc-check: -DD=128 -DNH=32 -DNKV=8 -DB=16 -DKV_TOTAL=2080 -DSPLITS=4 -DGATE=2 -DLANES=64 -DLANE_ROWS=16
+// nvrtc-check: -DD=128 -DNH=32 -DNKV=8 -DB=16 -DKV_TOTAL=2080 -DSPLITS=4 -DGATE=2 -DLANES=64 -DLANE_ROWS=16 -DPAGE=128
 #include <cuda_fp16.h>
 #include "attention_common.cuh"
 #include "mma.cuh"
