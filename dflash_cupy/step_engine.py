@@ -61,8 +61,7 @@ from .ops.gemm import weight_kind
 from .ops.sample import SamplingParams, TokenSampler
 from .ops.selector import SelectorKernels
 from .ops.step_descriptor import (DESC_ACTIVE, DESC_COMMITTED, DESC_LEN, DESC_RESET, DESC_START, bulk_chunks,
-                                  decide_lanes,
-                                  fill_chunk_descriptor, pack_descriptors)
+                                  decide_lanes, fill_chunk_descriptor, pack_descriptors)
 from .rope_params import rope_parameters
 from .step_graphs import StepGraphs
 from .step_recipe import StepRecipe
@@ -89,11 +88,12 @@ def _step_in_layout(lanes: int, sampled: bool) -> tuple:
 
 class StepEngine:
     """``StepEngine(weights, capacity, lanes, *, owner, lm_head=None, logits=True, sampling=None,
-    backend=None, bulk_chunk=256, x_split=True, tune=None, pdl=False, selfcheck=None)``:
-    ``lanes`` independent requests, each with a window of ``capacity`` positions, drafted by
-    one captured step. ``page_size`` (rows per K/V page) and ``kv_pages`` (pages per pool,
-    default every lane's worst case: ``kv_pages.py``). The facade checks its own arguments first and binds the lanes' feature
-    rings (``bind_rings``) before the first ``plan``. ``owner``: the facade's name (labels,
+    backend=None, bulk_chunk=256, x_split=True, tune=None, pdl=False, selfcheck=None, page_size=64,
+    kv_pages=None)``: ``lanes`` independent requests, each with a window of ``capacity``
+    positions, drafted by one captured step, their K/V in pools of ``kv_pages`` pages of
+    ``page_size`` rows (default: every lane's worst case; ``kv_pages.py``). The facade checks
+    its own arguments first and binds the lanes' feature rings (``bind_rings``) before the
+    first ``plan``. ``owner``: the facade's name (labels,
     NVTX ranges, messages). The other arguments are ``DraftKvCache``'s."""
 
     def __init__(self, weights, capacity: int, lanes: int, *, owner: str, lm_head=None, logits: bool = True,
@@ -223,8 +223,8 @@ class StepEngine:
         self._slot = 0         # the input buffer the planned step uses
         self._planned = False
         self._closed = False
-        self._label_arrays(("_hs", "_logits", "_tokens", "noise_embed", "k_cache", "v_cache", "page_table", "slot_pos",
-                            "_step_in", "resid", "xin", "ap_feat", "tile_live"))
+        self._label_arrays(("_hs", "_logits", "_tokens", "noise_embed", "k_cache", "v_cache", "page_table",
+                            "slot_pos", "_step_in", "resid", "xin", "ap_feat", "tile_live"))
         selfcheck_mod.require(self.checked, self)   # a failed variant with no fallback left: raise
         self.tuned = tuning.tune_sites(self._tune_sites(), backend=be, tune=tune)
         self.graphs = StepGraphs(be, self._issue_step, pdl=self.pdl, nvtx=self._nvtx)
