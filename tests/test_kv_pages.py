@@ -199,3 +199,12 @@ def test_paged_lanes_random_schedules_equal_single_caches():
         assert sum(map(len, owned)) == len(set().union(*owned)) == sum(held)
     assert batch.captures == 2
     assert evicted >= 1 and peak >= 20, (evicted, peak)   # the schedule did fill the pool
+
+
+def test_bad_pool_arguments_raise():
+    with pytest.raises(ValueError, match="page_size=48 must be a multiple of 32"):
+        DraftKvBatch(built("e")[0], 491, 2, backend=backends.get("emulated"), page_size=48)
+    with pytest.raises(ValueError, match="kv_pages"):
+        DraftKvBatch(built("e")[0], 491, 2, backend=backends.get("emulated"), kv_pages=0)
+    with pytest.raises(ValueError, match="overflow int32"):
+        KvPages(1, 100, 16, 128, 2**20, pages=2**12)
