@@ -208,3 +208,19 @@ def test_bad_pool_arguments_raise():
         DraftKvBatch(built("e")[0], 491, 2, backend=backends.get("emulated"), kv_pages=0)
     with pytest.raises(ValueError, match="overflow int32"):
         KvPages(1, 100, 16, 128, 2**20, pages=2**12)
+
+
+def test_the_page_table_is_uploaded_only_when_pages_change():
+    rng = np.random.default_rng(8)
+    batch = _batch(2)
+    staging = batch.engine._pages_staging
+    copies = []
+    real = staging.copy
+    staging.copy = lambda *a: (copies.append(1), real(*a))
+    for c_all, want in (([5, None], 1), ([9, None], 0), ([13, 4], 1), ([17, 8], 0), ([40, 12], 1), ([44, 16], 0)):
+        n = len(copies)
+        _drive(batch, c_all, rng)
+        assert len(copies) - n == want, c_all   # a lane's first page / a page boundary crossed (32 rows)
+    batch.reset(0)
+    _drive(batch, [None, 20], rng)
+    assert len(copies) == 4 and batch.kv_memory().per_lane == (0, 2)
