@@ -58,6 +58,25 @@ def physical_rows(table_row, page: int, kv_total: int) -> np.ndarray:
     return np.asarray(table_row, np.int64)[r // page] + r % page
 
 
+def lane_pages(window: int, capacity: int, q_len: int, page: int) -> int:
+    """Pages a lane holds at a window of ``window`` slots: the pages under ring slots
+    ``[0, window)`` and its tail (the noise scratch and the trash slot, ``[capacity,
+    capacity + q_len]``)."""
+    ring = -(-min(window, capacity) // page)
+    t0, t1 = capacity // page, (capacity + q_len) // page + 1
+    return ring + (t1 - max(t0, ring))
+
+
+def pool_bytes(lanes: int, capacity: int, q_len: int, row_bytes: int, pools: int, page: int = DEFAULT_PAGE,
+               pages=None) -> int:
+    """Bytes of an engine's K/V pools before anything is allocated: ``pools`` pools (``2 *
+    n_layer``) of ``pages`` pages (default every lane's worst case) plus the shared page, of
+    ``page`` rows of ``row_bytes`` (``kv_dim * 2``)."""
+    page = check_page(page)
+    n = lanes * lane_pages(capacity, capacity, q_len, page) if pages is None else int_arg(pages, "kv_pages", 1)
+    return pools * (n + 1) * page * row_bytes
+
+
 @dataclass(frozen=True)
 class PagesUsage:
     """One page pool's accounting (one pool per layer and per K / V, all alike):
@@ -108,7 +127,7 @@ class KvPages:
         self.n = pages_per_lane(kv_total, page)
         # the tail: the pages under the noise scratch and the trash slot, held by an active lane
         self._tail0, self._tail1 = capacity // page, (capacity + q_len) // page + 1
-        self.worst = self._need(capacity)
+        self.worst = lane_pages(capacity, capacity, q_len, self.page)
         pages = lanes * self.worst if pages is None else int_arg(pages, "kv_pages", 1)
         self.pages = pages
         if (pages + 1) * page >= 2**31:
@@ -121,9 +140,7 @@ class KvPages:
         self.version = 0
 
     def _need(self, window: int) -> int:
-        """Pages a lane needs for a window of ``window`` slots: its ring prefix and its tail."""
-        ring = -(-window // self.page)
-        return ring + (self._tail1 - max(self._tail0, ring))
+        return lane_pages(window, self.capacity, self.q_len, self.page)
 
     @property
     def free(self) -> int:

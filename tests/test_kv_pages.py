@@ -13,16 +13,19 @@ import pytest
 
 from dflash_cupy import backends
 from dflash_cupy.kv_batch import DraftKvBatch
-from dflash_cupy.kv_pages import KvPages, PagesRefused, dense_table, physical_rows
+from dflash_cupy.kv_pages import KvPages, PagesRefused, dense_table, lane_pages, physical_rows, pool_bytes
 from tests.support.drafters import SPECS, built
 from tests.support.lanes import IDLE, make, play
 
 
 def _expected_pages(c, cap, q_len, page):
-    """Pages a lane at ``c`` committed holds: its ring prefix and its tail (noise scratch, trash)."""
+    """Pages a lane at ``c`` committed holds: its ring prefix and its tail (noise scratch, trash),
+    counted as sets (``lane_pages`` counts them in closed form)."""
     ring = -(-min(c, cap) // page)
     tail = set(range(cap // page, (cap + q_len) // page + 1))
-    return len(set(range(ring)) | tail)
+    n = len(set(range(ring)) | tail)
+    assert n == lane_pages(c, cap, q_len, page)
+    return n
 
 
 def _shuffle_pool(batch, seed):
@@ -124,6 +127,8 @@ def test_short_and_long_requests_hold_pages_in_proportion():
     kv_row = batch.config.kv_dim * 2
     assert m.pools == 2 * batch.config.n_layer and m.row_bytes == kv_row
     assert m.pool_bytes == (m.pages + 1) * page * kv_row == batch.engine.k_cache[0].nbytes
+    assert m.total_bytes == pool_bytes(6, cap, q, kv_row, m.pools, page) == sum(
+        a.nbytes for a in batch.engine.k_cache + batch.engine.v_cache)
     assert m.used_bytes == m.pools * 32 * page * kv_row
     batch.reset(3)
     assert batch.kv_memory().per_lane[3] == 0 and batch.kv_memory().used == 16
