@@ -3,7 +3,7 @@
 //
 // Layouts (row-major, contiguous; per lane, attention_common.cuh says where each lane's slices are):
 //   q        [B, NH, D] f32 (after q_norm and RoPE)
-//   k_cache, v_cache [KV_TOTAL, NKV*D] f16 (row = one position, kv heads fused)
+//   k_cache, v_cache [pool rows, NKV*D] f16 (kv heads fused), key k at its page's row (pages)
 //   mask     [B, KV_TOTAL] f16 additive (0 visible, -inf hidden)
 //   gate     GATE=1: [B, NH] f32 logits, GATE=2: [B, NH*D] f32; unused if 0
 //   out      [B, NH*D] f32 = softmax(q k^T * scale + mask) v  (* softplus(gate))
@@ -43,7 +43,7 @@
 // nvrtc-check: -DD=256 -DNH=16 -DNKV=4 -DB=16 -DKV_TOTAL=1000 -DSPLITS=2 -DRB=16 -DNWARPS=8
 // nvrtc-check: -DD=64 -DNH=8 -DNKV=2 -DB=16 -DKV_TOTAL=100 -DSPLITS=3 -DGATE=2 -DRB=64 -DNWARPS=8 -DFOLD_MERGE=0
 // nvrtc-check: -DD=128 -DNH=64 -DNKV=8 -DB=16 -DKV_TOTAL=4128 -DSPLITS=8 -DGATE=1 -DRB=64 -DNWARPS=8
-// nvrtc-check: -DD=128 -DNH=64 -DNKV=8 -DB=16 -DKV_TOTAL=4128 -DSPLITS=8 -DGATE=2 -DRB=64 -DNWARPS=8 -DLANES=64 -DLANE_ROWS=32
+// nvrtc-check: -DD=128 -DNH=64 -DNKV=8 -DB=16 -DKV_TOTAL=4128 -DSPLITS=8 -DGATE=2 -DRB=64 -DNWARPS=8 -DLANES=64 -DLANE_ROWS=32 -DPAGE=64
 // nvrtc-check: -DD=64 -DNH=8 -DNKV=2 -DB=16 -DKV_TOTAL=100 -DSPLITS=3 -DGATE=2 -DRB=64 -DNWARPS=8 -DFOLD_MERGE=0 -DOUT16=2
 // nvrtc-check: -DD=32 -DNH=4 -DNKV=4 -DB=1 -DKV_TOTAL=37 -DSPLITS=3 -DGATE=1 -DRB=4 -DNWARPS=4 -DOUT16=1
 #include <cuda_fp16.h>
@@ -79,6 +79,7 @@ extern "C" __global__ void __launch_bounds__(NT)
 ring_attn_split(const float* __restrict__ q,
                 const __half* __restrict__ k_cache,
                 const __half* __restrict__ v_cache,
+                const int* __restrict__ pages,
                 const __half* __restrict__ mask,
                 float* __restrict__ part_o,
                 float* __restrict__ part_ml,
@@ -102,8 +103,7 @@ ring_attn_split(const float* __restrict__ q,
         q += lo.q_o;
         out += lo.q_o;
         gate += lo.gate;
-        k_cache += lo.kv;
-        v_cache += lo.kv;
+        pages += lo.pages;
         mask += lo.mask;
         part_o += lo.part_o;
         part_ml += lo.part_ml;
@@ -149,14 +149,19 @@ ring_attn_split(const float* __restrict__ q,
     // pre-scaled by scale*log2(e)); the P·V product broadcasts p_t with a
     // shuffle while lane owns output dims lane + 32*j. The lane keeps a partial
     // softmax denominator, reduced once at the end.
+    // the tile's keys: consecutive rows of one page; its first row from the page table, loaded
+    // one tile ahead (no round trip before the tile's K/V loads)
+    int row_k = k_begin < k_end ? tile_row(pages, k_begin) : 0;
     for (int k0 = k_begin; k0 < k_end; k0 += TILE) {
         __syncthreads();  // previous tile fully consumed (and q_s written, first time)
+        const long long row0_k = row_k;   // 64-bit: times KV_W below
+        if (k0 + TILE < k_end) row_k = tile_row(pages, k0 + TILE);
         for (int i = threadIdx.x; i < TILE * CPR; i += NT) {
             const int t = i / CPR, c = i % CPR;
             const int key = k0 + t;
             uint4 kc = make_uint4(0u, 0u, 0u, 0u), vc = make_uint4(0u, 0u, 0u, 0u);
             if (key < k_end) {
-                const long long off = (long long)key * KV_W + kvh * D + c * 8;
+                const long long off = (row0_k + t) * KV_W + kvh * D + c * 8;
                 kc = *reinterpret_cast<const uint4*>(k_cache + off);
                 vc = *reinterpret_cast<const uint4*>(v_cache + off);
             }

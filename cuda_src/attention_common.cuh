@@ -27,7 +27,10 @@
 //   q, out   rows [l*LANE_ROWS, l*LANE_ROWS + B) of [LANES*LANE_ROWS, NH*D]
 //            (LANE_ROWS >= B: the lane's rows in the step's row space)
 //   gate     the same rows of [LANES*LANE_ROWS, NH] or [.., NH*D]
-//   k_cache, v_cache rows [l*KV_TOTAL, (l+1)*KV_TOTAL), mask [LANES, B, KV_TOTAL]
+//   k_cache, v_cache the lane's logical rows [0, KV_TOTAL) through its page table
+//            pages [LANES, N_PAGES] (step_desc.cuh's page_row; PAGE rows per page, a
+//            multiple of TILE: a key tile is one piece of one page, one table load per
+//            tile); mask [LANES, B, KV_TOTAL]
 //   part_o, part_ml [LANES, SPLITS, ...] (the workspace per lane)
 // With use_live, live = the step descriptors [LANES, DESC_LEN] int32 and a lane
 // with live[l*DESC_LEN + DESC_ACTIVE] == 0 is idle: its blocks return before
@@ -69,6 +72,9 @@
 #ifndef LANE_ROWS
 #define LANE_ROWS B
 #endif
+#ifndef PAGE
+#define PAGE 32               // K/V rows per page (kv_pages.py)
+#endif
 // The folded merge saves a launch (a graph node) and the combine's read of the
 // whole workspace by a full grid, but the lone merging block of a unit reads
 // its unit's partials at one SM's share of the L2 bandwidth: which is faster
@@ -98,6 +104,7 @@
 #define N_TILES ((KV_TOTAL + TILE - 1) / TILE)
 #define TILES_PER_SPLIT ((N_TILES + SPLITS - 1) / SPLITS)
 #define SPLIT_KEYS (TILES_PER_SPLIT * TILE)
+#define N_PAGES ((KV_TOTAL + PAGE - 1) / PAGE)   // page table entries per lane
 
 #if NH % NKV != 0
 #error "attention: NH must be a multiple of NKV"
@@ -110,6 +117,9 @@
 #endif
 #if LANES < 1 || LANE_ROWS < B
 #error "attention: LANES must be >= 1 and LANE_ROWS >= B"
+#endif
+#if PAGE < TILE || PAGE % TILE != 0
+#error "attention: PAGE must be a multiple of TILE (a key tile within one page)"
 #endif
 #if FOLD_MERGE != 0 && FOLD_MERGE != 1
 #error "attention: FOLD_MERGE must be 0 or 1"
@@ -152,9 +162,9 @@ __device__ __forceinline__ bool lane_idle(const int* live, int use_live, int lan
 }
 
 // Element offsets of lane l's slices (see the top of this file): q and out
-// (q_o), gate, the K/V caches, the mask, part_o and part_ml.
+// (q_o), gate, the page table, the mask, part_o and part_ml.
 struct LaneOffsets {
-    long long q_o, gate, kv, mask, part_o, part_ml;
+    long long q_o, gate, pages, mask, part_o, part_ml;
 };
 
 __device__ __forceinline__ LaneOffsets lane_offsets(int lane) {
@@ -162,11 +172,17 @@ __device__ __forceinline__ LaneOffsets lane_offsets(int lane) {
     LaneOffsets o;
     o.q_o = rows * D;
     o.gate = rows * (GATE == 2 ? D : 1);
-    o.kv = (long long)lane * KV_TOTAL * KV_W;
+    o.pages = (long long)lane * N_PAGES;
     o.mask = (long long)lane * B * KV_TOTAL;
     o.part_o = (long long)lane * SPLITS * B * NH * D;
     o.part_ml = (long long)lane * SPLITS * B * NH * 2;
     return o;
+}
+
+// The first physical row of the key tile at logical key k0 (a multiple of TILE).
+// (int: a pool's rows fit int32, kv_pages.py checks; 32-bit registers where the mma kernel has none to spare)
+__device__ __forceinline__ int tile_row(const int* __restrict__ pages, int k0) {
+    return page_row(pages, PAGE, k0);
 }
 
 // Asynchronous 16-byte copies global -> shared (cp.async.cg, sm_80+): no

@@ -41,7 +41,7 @@
 // nvrtc-check: -DD=128 -DNH=64 -DNKV=8 -DB=16 -DKV_TOTAL=4128 -DSPLITS=8 -DGATE=1 -DOUT16=2
 // nvrtc-check: -DD=32 -DNH=4 -DNKV=4 -DB=1 -DKV_TOTAL=37 -DSPLITS=1 -DGATE=1 -DOUT16=1
 // nvrtc-check: -DD=64 -DNH=8 -DNKV=2 -DB=16 -DKV_TOTAL=100 -DSPLITS=3 -DGATE=2 -DFOLD_MERGE=0
-// nvrtc-check: -DD=128 -DNH=32 -DNKV=8 -DB=16 -DKV_TOTAL=2080 -DSPLITS=4 -DGATE=2 -DLANES=64 -DLANE_ROWS=16
+// nvrtc-check: -DD=128 -DNH=32 -DNKV=8 -DB=16 -DKV_TOTAL=2080 -DSPLITS=4 -DGATE=2 -DLANES=64 -DLANE_ROWS=16 -DPAGE=128
 #include <cuda_fp16.h>
 #include "attention_common.cuh"
 #include "mma.cuh"
@@ -160,20 +160,21 @@ __device__ __forceinline__ unsigned int read_visibility(const unsigned int* vis_
 #define KV_ITEMS (TILE * (D / 8))
 #define KV_PER ((KV_ITEMS + THR - 1) / THR)
 
-__device__ __forceinline__ void load_k_async(const __half* __restrict__ k_cache, int k0, unsigned int vis, int kvh,
+// kr: the tile's first physical row (tile_row)
+__device__ __forceinline__ void load_k_async(const __half* __restrict__ k_cache, int kr, unsigned int vis, int kvh,
                                              __half* k_tile) {
 #pragma unroll
     for (int j = 0; j < KV_PER; ++j) {
         const int i = (int)threadIdx.x + THR * j, key = i / (D / 8), c = (i % (D / 8)) * 8;
         if (KV_ITEMS % THR == 0 || i < KV_ITEMS) {
             const bool seen = (vis >> key) & 1u;
-            cp_async16(&k_tile[key * KS + c], seen ? k_cache + ((long long)(k0 + key) * KV_W + kvh * D + c) : k_cache, seen);
+            cp_async16(&k_tile[key * KS + c], seen ? k_cache + ((long long)(kr + key) * KV_W + kvh * D + c) : k_cache, seen);
         }
     }
     cp_async_commit();
 }
 
-__device__ __forceinline__ void load_v(const __half* __restrict__ v_cache, int k0, unsigned int vis, int kvh,
+__device__ __forceinline__ void load_v(const __half* __restrict__ v_cache, int kr, unsigned int vis, int kvh,
                                        uint4 (&vc)[KV_PER]) {
 #pragma unroll
     for (int j = 0; j < KV_PER; ++j) {
@@ -182,7 +183,7 @@ __device__ __forceinline__ void load_v(const __half* __restrict__ v_cache, int k
         if ((KV_ITEMS % THR == 0 || i < KV_ITEMS) && ((vis >> key) & 1u))
             // coherent (__ldcg): stays before the barrier it is issued before (ptxas may
             // sink a read-only .nc load past it, into the tile's math)
-            vc[j] = __ldcg(reinterpret_cast<const uint4*>(v_cache + (long long)(k0 + key) * KV_W + kvh * D + c));
+            vc[j] = __ldcg(reinterpret_cast<const uint4*>(v_cache + (long long)(kr + key) * KV_W + kvh * D + c));
     }
 }
 
@@ -208,6 +209,7 @@ extern "C" __global__ void __launch_bounds__(THR, 1)
 ring_attn_mma_split(const float* __restrict__ q,
                     const __half* __restrict__ k_cache,
                     const __half* __restrict__ v_cache,
+                    const int* __restrict__ pages,
                     const __half* __restrict__ mask,
                     float* __restrict__ part_o,
                     float* __restrict__ part_ml,
@@ -228,8 +230,7 @@ ring_attn_mma_split(const float* __restrict__ q,
         q += lo.q_o;
         out += lo.q_o;
         gate += lo.gate;
-        k_cache += lo.kv;
-        v_cache += lo.kv;
+        pages += lo.pages;
         mask += lo.mask;
         part_o += lo.part_o;
         part_ml += lo.part_ml;
@@ -298,10 +299,17 @@ ring_attn_mma_split(const float* __restrict__ q,
     publish_visibility(mk_next, vis_s[1], warp, lane);
     __syncthreads();
     uint4 vc[KV_PER];
+    // First physical rows of the tiles (page table, one load per tile): the next tile's and
+    // the one after (loaded a tile before its K/V loads need it, as the mask is, so no round
+    // trip waits on it). A tile past the split's keys has no key any row sees: nothing is
+    // read there.
+    int row_next = 0, row_ahead = 0;
     {
         const unsigned int vis = read_visibility(vis_s[0]);
-        if (k_begin < k_end) load_k_async(k_cache, k_begin, vis, kvh, k_s[0]);
-        load_v(v_cache, k_begin, vis, kvh, vc);
+        const int row0 = k_begin < k_end ? tile_row(pages, k_begin) : 0;
+        if (k_begin < k_end) load_k_async(k_cache, row0, vis, kvh, k_s[0]);
+        load_v(v_cache, row0, vis, kvh, vc);
+        if (k_begin + TILE < k_end) row_ahead = tile_row(pages, k_begin + TILE);
     }
 
     // Isolation: a slot hidden from a query row never reaches that row's output,
@@ -328,11 +336,13 @@ ring_attn_mma_split(const float* __restrict__ q,
         // while this tile computes
         {
             const unsigned int vis = read_visibility(vis_s[nx1]);
+            row_next = row_ahead;
             if (k0 + TILE < k_end) {
                 store_mask(mk_next, m_s[par ^ 1], warp, lane);
-                load_k_async(k_cache, k0 + TILE, vis, kvh, k_s[par ^ 1]);
+                load_k_async(k_cache, row_next, vis, kvh, k_s[par ^ 1]);
             }
-            load_v(v_cache, k0 + TILE, vis, kvh, vc);
+            load_v(v_cache, row_next, vis, kvh, vc);
+            if (k0 + 2 * TILE < k_end) row_ahead = tile_row(pages, k0 + 2 * TILE);
         }
         load_mask(mask, k0 + 2 * TILE, k_end, mk_next, warp, lane);
         const bool bad_tile = __syncthreads_or(bad);
@@ -418,6 +428,7 @@ ring_attn_mma_split(const float* __restrict__ q,
         // exactly (p * v) to the rows that see the key, and to no other row.
         // Per key, the lane's DN pairs of V in DN independent 4-byte loads.
         if (bad_tile) {
+            const int row_cur = tile_row(pages, k0);   // rare: the table read again, no register held for it
 #pragma unroll
             for (int n = 0; n < TILE / 8; ++n) {
                 for (int kb = 0; kb < 8; ++kb) {
@@ -430,7 +441,7 @@ ring_attn_mma_split(const float* __restrict__ q,
                         see[u] = rok[u] && key < k_end && __half_as_ushort(m_s[par][bq[u] * MS + 8 * n + kb]) != 0xfc00u;
                     }
                     if (!see[0] && !see[1]) continue;
-                    const __half* vr = v_cache + (long long)key * KV_W + kvh * D + 2 * t;
+                    const __half* vr = v_cache + (long long)(row_cur + (key - k0)) * KV_W + kvh * D + 2 * t;
                     unsigned int w[DN];
 #pragma unroll
                     for (int j = 0; j < DN; ++j) w[j] = ld32(vr + 8 * j);

@@ -4,20 +4,22 @@
 // planning is step_plan.cu's plan_lanes, one launch.
 //
 // Compile-time: CAP = ring slots, Q_LEN = noise rows, KV_TOTAL = cache rows
-// (> CAP + Q_LEN); TRASH_SLOT = CAP + Q_LEN. desc: the step descriptor
-// (step_desc.cuh, its one definition).
+// (> CAP + Q_LEN); TRASH_SLOT = CAP + Q_LEN; PAGE = rows per K/V page. desc: the step
+// descriptor (step_desc.cuh, its one definition). pages: the lane's page table
+// [ceil(KV_TOTAL / PAGE)] int32 (step_desc.cuh's page_row): ap_rows are physical rows.
 //
 // reset_slots (slot_pos): slot_pos[s] = -1 for s < CAP.
 //   grid (ceil(CAP / PLAN_SLOT_THREADS)), block (PLAN_SLOT_THREADS).
-// plan_append (desc, ap_pos, ap_rows, slot_pos, pos_q, a_rows, n_q):
-//   for i < a_rows: i < n_new -> ap_pos[i] = start + i,
-//     ap_rows[i] = (start + i) % CAP, slot_pos[ap_rows[i]] = start + i;
-//     else ap_pos[i] = 0, ap_rows[i] = TRASH_SLOT.
+// plan_append (desc, pages, ap_pos, ap_rows, slot_pos, pos_q, a_rows, n_q):
+//   for i < a_rows: i < n_new -> ap_pos[i] = start + i, s = (start + i) % CAP,
+//     ap_rows[i] = page_row(pages, PAGE, s), slot_pos[s] = start + i;
+//     else ap_pos[i] = 0, ap_rows[i] = page_row(pages, PAGE, TRASH_SLOT).
 //   for j < n_q: pos_q[j] = committed + j (n_q = 0 for bulk chunks).
 //   grid (ceil(max(a_rows, n_q) / PLAN_ROW_THREADS)), block (PLAN_ROW_THREADS).
 //   The real rows of one launch hit distinct slots (n_new <= min(committed,
 //   CAP)), so the slot_pos writes never race.
 // nvrtc-check: -DCAP=3 -DQ_LEN=16 -DKV_TOTAL=32
+// nvrtc-check: -DCAP=100 -DQ_LEN=16 -DKV_TOTAL=128 -DPAGE=64
 #include <cuda_fp16.h>
 #include "step_desc.cuh"
 #include "pdl.cuh"
@@ -30,6 +32,10 @@
 #endif
 #ifndef KV_TOTAL
 #define KV_TOTAL 1056
+#endif
+
+#ifndef PAGE
+#define PAGE 32
 #endif
 
 #define TRASH_SLOT (CAP + Q_LEN)
@@ -49,6 +55,7 @@ reset_slots(int* __restrict__ slot_pos)
 
 extern "C" __global__ void __launch_bounds__(PLAN_ROW_THREADS)
 plan_append(const int* __restrict__ desc,
+            const int* __restrict__ pages,
             int* __restrict__ ap_pos,
             int* __restrict__ ap_rows,
             int* __restrict__ slot_pos,
@@ -63,13 +70,13 @@ plan_append(const int* __restrict__ desc,
         const int n_new = desc[DESC_N_NEW];
         if (i < n_new) {
             const int p = start + i;
-            const int row = p % CAP;
+            const int slot = p % CAP;
             ap_pos[i] = p;
-            ap_rows[i] = row;
-            slot_pos[row] = p;
+            ap_rows[i] = page_row(pages, PAGE, slot);
+            slot_pos[slot] = p;
         } else {
             ap_pos[i] = 0;
-            ap_rows[i] = TRASH_SLOT;
+            ap_rows[i] = page_row(pages, PAGE, TRASH_SLOT);
         }
     }
     if (i < n_q) pos_q[i] = desc[DESC_COMMITTED] + i;

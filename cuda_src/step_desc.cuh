@@ -34,6 +34,14 @@
 #define PLAN_SLOT_THREADS 256
 #define PLAN_ROW_THREADS 128
 
+// K/V pages (dflash_cupy/kv_pages.py): a lane's logical cache row r (geometry.py's layout) lives
+// at physical row pages[r / page] + r % page of its layer's pool; pages: the lane's page table,
+// int32 [ceil(kv_total / page)], each entry the first physical row of that page (a dense
+// layout is the table of consecutive row starts).
+__device__ __forceinline__ int page_row(const int* __restrict__ pages, int page, int r) {
+    return pages[r / page] + r % page;
+}
+
 // The descriptor copied into registers, its loads issued together: one L2 round trip where
 // reading each field at its use made a chain of them (profiling/sass.py). Callers index d with
 // constants only, so it stays in registers; the empty asm keeps the compiler from sinking each

@@ -12,7 +12,8 @@
 //       grid (ceil(FC_IN / (GATHER_THREADS*4)), a_rows), block (GATHER_THREADS)
 //
 //   plan_lanes (desc, ring, ap_feat, a_rows, cs, slot_pos, pos_all, rows_all, tile_live,
-//               mask_full, mask_swa, cap, q_len, bs, kv_total, masks, window, lanes)
+//               mask_full, mask_swa, cap, q_len, bs, kv_total, masks, window, lanes,
+//               pages, page, n_pages)
 //       In one launch, per lane l = blockIdx.y: the reset flag (slot_pos[:] = -1), the
 //       append plan (ring_slots.cu's plan_append), the gather above and the masks from the
 //       updated slot table (tests/cuda/planning_unfused.cu holds these as separate
@@ -24,7 +25,9 @@
 //       ctx rows [0, lanes*cs): the active lanes' appended rows packed back to back
 //       (lane l's min(n_new, a_rows) at desc[DESC_CTX_ROW0], T = desc[DESC_CTX_ROWS] in
 //       all), then padding rows; then lane l's noise rows at lanes*cs + l*bs. rows_all
-//       holds absolute cache rows (lane l's from l*kv_total). tile_live
+//       holds physical cache rows: lane l's logical row r at page_row(pages + l*n_pages,
+//       page, r) (step_desc.cuh; pages [lanes, n_pages] int32), rewritten every step for
+//       the noise rows too (a lane's pages change between steps). tile_live
 //       [lanes*(cs + bs)/16]: 2 for a live context tile, 1 for a live noise tile, 0 else
 //       (cs, bs multiples of 16). An idle lane (desc[DESC_ACTIVE] == 0) gathers nothing,
 //       clears its noise tiles and leaves its slot table and masks as they are.
@@ -148,7 +151,8 @@ plan_lanes(const int* __restrict__ desc_all,
            int* __restrict__ tile_live,
            __half* __restrict__ mask_full_all,
            __half* __restrict__ mask_swa_all,
-           int cap, int q_len, int bs, int kv_total, int masks, int window, int lanes)
+           int cap, int q_len, int bs, int kv_total, int masks, int window, int lanes,
+           const int* __restrict__ pages_all, int page, int n_pages)
 {
     pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
     pdl_launch_dependents();
@@ -168,29 +172,29 @@ plan_lanes(const int* __restrict__ desc_all,
         return;
     }
     const int c = (b - GATHER_GX * a_rows) * GATHER_THREADS + threadIdx.x;
-    const long long kv0 = (long long)lane * kv_total;
+    const int* pages = pages_all + (long long)lane * n_pages;
     if (c < n_app) {   // this lane's packed rows
         const int p = desc[DESC_START] + c;
         pos_all[row0 + c] = p;
-        rows_all[row0 + c] = (int)(kv0 + p % cap);
+        rows_all[row0 + c] = page_row(pages, page, p % cap);
     }
     // Padding rows [T, lanes*cs): position 0, cache row = the trash slot of lane r / cs.
     // Lane l rewrites the padding rows of [l*cs, (l+1)*cs) every step (a row live last step
     // may be padding now). ap_feat rows past T are not written: stale but finite, they only
-    // reach padding rows, whose K/V go to a trash slot. The noise rows' rows_all entries are
-    // fixed (the host writes them once). A live context tile is 2: its rows feed K and V
-    // only, and the qkv GEMM skips their Q columns (gemm_wgmma.cu GW_SKIP_COLS).
+    // reach padding rows, whose K/V go to a trash slot. A live context tile is 2: its rows
+    // feed K and V only, and the qkv GEMM skips their Q columns (gemm_wgmma.cu GW_SKIP_COLS).
     if (c < cs) {      // padding duty for rows [lane*cs, (lane+1)*cs) past the packed ones
         const int r = lane * cs + c, total = desc[DESC_CTX_ROWS];
         if (r >= total) {
             pos_all[r] = 0;
-            rows_all[r] = (int)(kv0 + cap + q_len);  // the lane's trash slot
+            rows_all[r] = page_row(pages, page, cap + q_len);  // the lane's trash slot
         }
         if (c % 16 == 0) tile_live[r / 16] = (r < total) ? 2 : 0;
     }
     const int noise0 = lanes * cs + lane * bs;
-    if (c < bs) {
+    if (c < bs) {      // noise row c: the lane's noise scratch (padding: its trash slot)
         if (active && c < q_len) pos_all[noise0 + c] = desc[DESC_COMMITTED] + c;
+        rows_all[noise0 + c] = page_row(pages, page, cap + (c < q_len ? c : q_len));
         if (c % 16 == 0) tile_live[(noise0 + c) / 16] = active;
     }
     if (!active || c >= kv_total) return;

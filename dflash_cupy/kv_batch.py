@@ -29,6 +29,7 @@ from .checks import int_arg
 from .feature_ring import FeatureRing
 from .geometry import BULK_CHUNK
 from .interop import array_like, device_view
+from .kv_pages import DEFAULT_PAGE
 from .nvtx_ranges import nvtx_range
 from .ops.step_descriptor import DESC_ACTIVE, DESC_LEN
 from .step_engine import EngineFacade, StepEngine
@@ -44,7 +45,7 @@ def _lane_word(lane: int) -> str:
 class DraftKvBatch(EngineFacade):
     """``DraftKvBatch(weights, capacity, lanes, *, ring_capacity=None,
     ring_dtype=np.float32, lm_head=None, logits=True, backend=None, bulk_chunk=256, x_split=True,
-    tune=None, pdl=False, selfcheck=None, rewind_slack=0)``.
+    tune=None, pdl=False, selfcheck=None, rewind_slack=0, page_size=64, kv_pages=None)``.
 
     ``capacity``: each lane's context window cap; ``rewind_slack``: as ``DraftKvCache``
     (each lane's K/V ring has ``capacity + rewind_slack`` slots). ``ring_capacity`` (default
@@ -61,12 +62,18 @@ class DraftKvBatch(EngineFacade):
     as ``DraftKvCache`` (the GEMMs tuned at the batch's full row count). ``pdl``:
     as ``DraftKvCache`` (programmatic dependent launch in the step graphs; off by default).
     ``selfcheck``: as ``DraftKvCache`` (the device's self-check verdict picks the kernel variants).
+    ``page_size``, ``kv_pages``: the K/V pools (``kv_pages.py``): rows per page (a multiple
+    of 32) and pages per pool, shared by the lanes (default: every lane's worst case, so no
+    step is ever refused); a lane takes pages as its window grows and gives them back on
+    ``reset``; a step whose lanes cannot get their pages is refused at ``begin_step``
+    (``kv_pages.PagesRefused``, naming the lane and the shortfall; nothing changed).
+    ``kv_memory()``: the pools' accounting.
     """
 
     def __init__(self, weights: DraftWeights, capacity: int, lanes: int, *, ring_capacity=None,
                  ring_dtype=np.float32, lm_head=None, logits: bool = True, backend=None, bulk_chunk: int = 256,
                  x_split: bool = True, tune: bool | None = None, pdl: bool = False, selfcheck=None,
-                 rewind_slack: int = 0):
+                 rewind_slack: int = 0, page_size: int = DEFAULT_PAGE, kv_pages=None):
         if not isinstance(weights, DraftWeights):
             raise TypeError(f"weights must be a DraftWeights, got {type(weights).__name__}")
         from .kv_cache import check_ring_size
@@ -82,7 +89,8 @@ class DraftKvBatch(EngineFacade):
         ring_device_dtype = _ring_device_dtype(ring_dtype)
         self.engine = e = StepEngine.build(weights, capacity, lanes, owner="DraftKvBatch", lm_head=lm_head, logits=logits,
                                      backend=backend, bulk_chunk=bulk_chunk, x_split=x_split, tune=tune, pdl=pdl,
-                                     selfcheck=selfcheck, rewind_slack=rewind_slack)
+                                     selfcheck=selfcheck, rewind_slack=rewind_slack, page_size=page_size,
+                                     kv_pages=kv_pages)
         be, c = e.backend, e.config
         self.backend, self.config, self.weights, self.geom, self.lanes = be, c, weights, e.geom, lanes
         # ---- lanes' feature rings: one lane-axis storage, a FeatureRing view per lane

@@ -52,6 +52,7 @@ from .checks import int_arg
 from .feature_ring import FeatureRing
 from .geometry import BULK_CHUNK
 from .interop import array_like, device_view
+from .kv_pages import DEFAULT_PAGE
 from .nvtx_ranges import nvtx_range
 from .ops.sample import SamplingParams
 from .ops.step_descriptor import decide_lanes
@@ -78,7 +79,8 @@ def check_ring_size(capacity, rewind_slack) -> tuple:
 
 class DraftKvCache(EngineFacade):
     """``DraftKvCache(weights, capacity, *, lm_head=None, sampling=None, backend=None, bulk_chunk=256,
-    x_split=True, tune=None, pdl=False, selfcheck=None, rewind_slack=0)``.
+    x_split=True, tune=None, pdl=False, selfcheck=None, rewind_slack=0, page_size=64, kv_pages=None)``
+    (``page_size``, ``kv_pages``: the K/V pools, as ``DraftKvBatch``: this is its one-lane case).
 
     ``weights``: ``DraftWeights`` (host) — placed on the backend once and
     cached on the weights object. ``capacity``: the drafter's feature-window cap.
@@ -132,7 +134,8 @@ class DraftKvCache(EngineFacade):
 
     def __init__(self, weights: DraftWeights, capacity: int, *, lm_head=None, sampling=None,
                  logits: bool = True, backend=None, bulk_chunk: int = 256, x_split: bool = True,
-                 tune: bool | None = None, pdl: bool = False, selfcheck=None, rewind_slack: int = 0):
+                 tune: bool | None = None, pdl: bool = False, selfcheck=None, rewind_slack: int = 0,
+                 page_size: int = DEFAULT_PAGE, kv_pages=None):
         if not isinstance(weights, DraftWeights):
             raise TypeError(f"weights must be a DraftWeights, got {type(weights).__name__}")
         capacity, rewind_slack = check_ring_size(capacity, rewind_slack)
@@ -148,7 +151,8 @@ class DraftKvCache(EngineFacade):
         # the one step engine, with one lane (its checks of the shared arguments come next)
         self.engine = e = StepEngine.build(weights, capacity, 1, owner="DraftKvCache", lm_head=lm_head, logits=logits,
                                      sampling=sampling, backend=backend, bulk_chunk=bulk_chunk, x_split=x_split,
-                                     tune=tune, pdl=pdl, selfcheck=selfcheck, rewind_slack=rewind_slack)
+                                     tune=tune, pdl=pdl, selfcheck=selfcheck, rewind_slack=rewind_slack,
+                                     page_size=page_size, kv_pages=kv_pages)
         self.backend, self.config, self.weights, self.geom = e.backend, e.config, weights, e.geom
         B = e.q_len
         # lane 0's views of the engine's buffers, under the single cache's shapes

@@ -3,11 +3,11 @@ allocated; ``MemoryReport`` is what ``DraftKvBatch.memory()`` / ``DraftKvCache.m
 return for a live one (the same pools, from the arrays it holds, plus page usage).
 
 Pools (bytes; GiB = 2^30 in the printed tables):
-  kv              every layer's K and V rows, f16 ``[rows, n_head_kv * head_dim]`` x 2 x n_layer
-                  (dense: lanes x kv_total rows; paged: the page pool's rows)
+  kv              every layer's K and V page pools, f16 ``[(pages + 1) * page_size, n_head_kv *
+                  head_dim]`` x 2 x n_layer (``kv_pages.py``; the shared page included)
   feature_rings   the lanes' feature rings ``[lanes, ring_capacity, fc_in]`` in ``ring_dtype``
   masks           the step's masks f16 ``[lanes, q_len, kv_total]`` (full and/or sliding layers),
-                  ``slot_pos`` int32 and the page table int32
+                  ``slot_pos`` int32 ``[lanes, slots]`` and the page table int32
   step            the step's own buffers (activations over every lane's rows, the bulk-append
                   workspace, logits / tokens / selector outputs, the GEMMs' split-K workspaces);
                   ``memory()`` counts it, ``bytes_for`` estimates it without the split-K
@@ -24,6 +24,7 @@ import numpy as np
 from . import dtypes
 from .checks import int_arg
 from .geometry import RingGeometry, align_up
+from .kv_pages import DEFAULT_PAGE, check_page, lane_pages, pages_per_lane, pool_bytes
 
 GIB = float(1 << 30)
 POOLS = ("kv", "feature_rings", "masks", "step")   # a cache's own pools; weights are shared
@@ -95,11 +96,6 @@ def mask_bytes(config, lanes: int, geom: RingGeometry, table_entries: int = 0) -
     return lanes * (n_masks * geom.q_len * geom.kv_total * 2 + geom.slots * 4 + table_entries * 4)
 
 
-def kv_bytes(config, rows: int) -> int:
-    """K and V of every layer over ``rows`` cache rows (f16)."""
-    return 2 * config.n_layer * rows * config.kv_dim * 2
-
-
 def step_bytes_estimate(config, lanes: int, *, vocab: int = 0, logits: bool = True, bulk_chunk: int = 256) -> int:
     """An estimate of the step's own buffers (every activation f32, where the engine stores
     some in 16 bits; no split-K workspace): the rows of every lane's step, the bulk-append
@@ -123,35 +119,32 @@ def step_bytes_estimate(config, lanes: int, *, vocab: int = 0, logits: bool = Tr
 
 
 def bytes_for(config, lanes: int, window: int, *, rewind_slack: int = 0, ring_capacity: int | None = None,
-              ring_dtype=np.float32, page_size: int = 0, kv_pages: int | None = None, weight_dtype=np.float16,
-              vocab: int = 0, lm_head_dtype=np.float16, logits: bool = True, bulk_chunk: int = 256) -> MemoryReport:
+              ring_dtype=np.float32, page_size: int = DEFAULT_PAGE, kv_pages: int | None = None,
+              weight_dtype=np.float16, vocab: int = 0, lm_head_dtype=np.float16, logits: bool = True,
+              bulk_chunk: int = 256) -> MemoryReport:
     """The device memory of ``lanes`` requests with ``window``-position windows, before anything
-    is allocated: a ``MemoryReport`` (``.total``, ``.with_weights``, ``.table()``).
+    is allocated: a ``MemoryReport`` (``.total``, ``.with_weights``, ``.table()``), the same
+    pools ``memory()`` reports for ``DraftKvBatch(weights, window, lanes, ...)`` built with
+    these arguments.
 
     ``rewind_slack``: extra K/V ring slots per lane; ``ring_capacity``: feature-ring rows per
-    lane (default ``window``); ``page_size`` > 0: a paged K/V pool of ``kv_pages`` pages
-    (default: every lane's worst case) plus the one shared zero page; ``vocab`` > 0: an LM head."""
+    lane (default ``window``); ``page_size`` / ``kv_pages``: the K/V pools (``kv_pages.py``:
+    ``kv_pages`` usable pages of ``page_size`` rows per pool, default every lane's worst case,
+    plus the shared page); ``vocab`` > 0: an LM head."""
     lanes = int_arg(lanes, "lanes", 1)
     window = int_arg(window, "window", 1)
     rewind_slack = int_arg(rewind_slack, "rewind_slack", 0)
     ring_capacity = window if ring_capacity is None else int_arg(ring_capacity, "ring_capacity", 1)
-    page_size = int_arg(page_size, "page_size", 0)
     geom = RingGeometry(window, config.block_size, rewind_slack)
     rsize = dtypes.DEVICE[dtypes.kind_of(ring_dtype, "ring_dtype")].itemsize
-    lane_pages, table = 0, 0
-    if page_size:
-        table = lane_pages = -(-geom.kv_total // page_size)
-        pages = lanes * lane_pages if kv_pages is None else int_arg(kv_pages, "kv_pages", 1)
-        kv_rows = (pages + 1) * page_size
-    else:
-        if kv_pages is not None:
-            raise ValueError("kv_pages needs page_size > 0 (a paged K/V pool)")
-        pages, kv_rows = 0, lanes * geom.kv_total
+    page = check_page(page_size)
+    worst = lane_pages(geom.slots, geom.slots, geom.q_len, page)
+    pages = lanes * worst if kv_pages is None else int_arg(kv_pages, "kv_pages", 1)
     pools = {
-        "kv": kv_bytes(config, kv_rows),
+        "kv": pool_bytes(lanes, geom.slots, geom.q_len, config.kv_dim * 2, 2 * config.n_layer, page, pages),
         "feature_rings": lanes * ring_capacity * config.fc_in * rsize,
-        "masks": mask_bytes(config, lanes, geom, table),
+        "masks": mask_bytes(config, lanes, geom, pages_per_lane(geom.kv_total, page)),
         "step": step_bytes_estimate(config, lanes, vocab=vocab, logits=logits, bulk_chunk=bulk_chunk),
         "weights": weight_bytes(config, weight_dtype, vocab, lm_head_dtype),
     }
-    return MemoryReport(pools, page_size=page_size, pages_free=pages, lane_pages=(0,) * lanes if page_size else ())
+    return MemoryReport(pools, page_size=page, pages_free=pages, lane_pages=(0,) * lanes)

@@ -13,9 +13,13 @@ Device layout (lanes ``L``; ``CS = align16(a_step)``, ``BS = align16(q_len)``):
                       (``DESC_ACTIVE`` 0: an idle lane), then, with an LM head, the
                       sampling knobs f32 [3] and the RNG state u64 [2]
   k_cache[l], v_cache[l]
-                      [L*kv_total, n_head_kv*head_dim] f16: lane ``i``'s ring at rows
-                      ``[i*kv_total, (i+1)*kv_total)`` (SPEC §3 layout; its ring: ``slots`` =
-                      capacity + rewind_slack rows)
+                      [(kv_pages + 1) * page_size, n_head_kv*head_dim] f16: layer l's pools of
+                      pages shared by the lanes (``kv_pages.py``); lane ``i``'s logical rows
+                      (SPEC §3 layout, ``[0, kv_total)``; its ring: ``slots`` = capacity +
+                      rewind_slack rows) through its page table
+  page_table          [L, ceil(kv_total / page_size)] int32: each entry a page's first row;
+                      uploaded by ``plan`` only when a lane's pages changed (stream order
+                      puts it after the last step that read it, before the bulk and the step)
   slot_pos [L, slots] int32;  mask_full / mask_swa [L, q_len, kv_total] f16
   ring_storage        [L, ring_capacity, fc_in]: the lanes' feature rings (bound by the facade)
   step rows (the GEMMs' M axis): context rows ``[0, L*CS)``: the active lanes' appended
@@ -46,6 +50,7 @@ from .checks import bool_arg, int_arg
 from .device_weights import device_dtype, to_device_matrix
 from .geometry import RingGeometry, align_up
 from .interop import device_view
+from .kv_pages import DEFAULT_PAGE, KvPages
 from .memory_plan import MemoryReport
 from .nvtx_ranges import nvtx_range
 from .ops.attention import RingAttention
@@ -57,8 +62,8 @@ from .ops.rope import QkvNormRope
 from .ops.gemm import weight_kind
 from .ops.sample import SamplingParams, TokenSampler
 from .ops.selector import SelectorKernels
-from .ops.step_descriptor import (DESC_ACTIVE, DESC_COMMITTED, DESC_LEN, DESC_START, INT32_MAX, StepFields,
-                                  bulk_chunks, decide_lanes, fill_chunk_descriptor, pack_descriptors)
+from .ops.step_descriptor import (DESC_ACTIVE, DESC_COMMITTED, DESC_LEN, DESC_RESET, DESC_START, INT32_MAX,
+                                  StepFields, bulk_chunks, decide_lanes, fill_chunk_descriptor, pack_descriptors)
 from .rope_params import rope_parameters
 from .step_graphs import StepGraphs
 from .step_recipe import StepRecipe
@@ -86,15 +91,18 @@ def _step_in_layout(lanes: int, sampled: bool) -> tuple:
 class StepEngine:
     """``StepEngine(weights, capacity, lanes, *, owner, lm_head=None, logits=True, sampling=None,
     backend=None, bulk_chunk=256, x_split=True, tune=None, pdl=False, selfcheck=None,
-    rewind_slack=0)``: ``lanes`` independent requests, each with a window of ``capacity``
-    positions and a K/V ring of ``capacity + rewind_slack`` slots, drafted by one captured
-    step. The facade checks its own arguments first and binds the lanes' feature rings
-    (``bind_rings``) before the first ``plan``. ``owner``: the facade's name (labels,
+    rewind_slack=0, page_size=64, kv_pages=None)``: ``lanes`` independent requests, each with a
+    window of ``capacity`` positions and a K/V ring of ``capacity + rewind_slack`` slots, drafted
+    by one captured step, their K/V in pools of ``kv_pages`` pages of ``page_size`` rows
+    (default: every lane's worst case; ``kv_pages.py``). The facade checks its own arguments
+    first and binds the lanes' feature rings (``bind_rings``) before the first ``plan``.
+    ``owner``: the facade's name (labels,
     NVTX ranges, messages). The other arguments are ``DraftKvCache``'s."""
 
     def __init__(self, weights, capacity: int, lanes: int, *, owner: str, lm_head=None, logits: bool = True,
                  sampling=None, backend=None, bulk_chunk: int = 256, x_split: bool = True,
-                 tune: bool | None = None, pdl: bool = False, selfcheck=None, rewind_slack: int = 0):
+                 tune: bool | None = None, pdl: bool = False, selfcheck=None, rewind_slack: int = 0,
+                 page_size: int = DEFAULT_PAGE, kv_pages=None):
         self.owner = owner
         self._nvtx = "dflash" if lanes == 1 else "dflash batch"
         self.x_split = bool_arg(x_split, "x_split")
@@ -108,8 +116,9 @@ class StepEngine:
         self.pdl = self.pdl and self.checked.pdl                # PDL -> the plain graph
         self.lanes = lanes
         self.geom = g = RingGeometry(int(capacity), c.q_len, rewind_slack)
-        if lanes * g.kv_total >= 2**31:
-            raise ValueError(f"lanes={lanes} x {g.kv_total} cache rows per lane overflow int32 row indices")
+        # the page allocator sees the ring's slots (window + slack) as its ring
+        self.kv_pages = KvPages(lanes, g.slots, g.q_len, g.kv_total, page_size, kv_pages)
+        self.page = self.kv_pages.page
         # DFlash 2 with an LM head: the draft tokens are the candidate selector's walk (SPEC §6)
         self.selects = c.dflash2 is not None and lm_head is not None
         self.dw = weights.device(be)   # placed once per backend, cached on the weights
@@ -124,8 +133,12 @@ class StepEngine:
         NC, NN = lanes * CS, lanes * BS   # context rows, noise rows
 
         # ---- caches and step state
-        self.k_cache = [be.zeros((lanes * g.kv_total, kvw), np.float16) for _ in range(c.n_layer)]
-        self.v_cache = [be.zeros((lanes * g.kv_total, kvw), np.float16) for _ in range(c.n_layer)]
+        pool_rows = (self.kv_pages.pages + 1) * self.page   # page 0: the shared page
+        self.k_cache = [be.zeros((pool_rows, kvw), np.float16) for _ in range(c.n_layer)]
+        self.v_cache = [be.zeros((pool_rows, kvw), np.float16) for _ in range(c.n_layer)]
+        self.page_table = be.zeros((lanes, self.kv_pages.n), np.int32)   # every entry the shared page
+        self._pages_staging = PinnedStaging(be, (lanes, self.kv_pages.n), np.int32, f"{owner} page table staging")
+        self._pages_version = 0
         self.mask_full = be.zeros((lanes, B, g.kv_total), np.float16) if c.any_full else None
         self.mask_swa = be.zeros((lanes, B, g.kv_total), np.float16) if c.any_sliding else None
         self.slot_pos = be.asarray(np.full((lanes, g.slots), -1, np.int32))
@@ -135,13 +148,8 @@ class StepEngine:
         self.desc = self._step_in[:knobs_at].view(np.int32).reshape(lanes, DESC_LEN)
         self.tile_live = be.zeros(((NC + NN) // TILE_ROWS,), np.int32)
         self.tiles_ctx, self.tiles_noise = self.tile_live[:NC // TILE_ROWS], self.tile_live[NC // TILE_ROWS:]
-        pos0 = np.zeros(NC + NN, np.int32)
-        rows0 = np.zeros(NC + NN, np.int32)
-        for i in range(lanes):   # noise rows: fixed cache rows (the lane's noise scratch, padding -> trash)
-            j = np.arange(BS)
-            rows0[NC + i * BS + j] = i * g.kv_total + np.where(j < B, g.slots + j, g.trash_slot)
-            rows0[i * CS:(i + 1) * CS] = i * g.kv_total + g.trash_slot
-        self.pos_all, self.rows_all = be.asarray(pos0), be.asarray(rows0)
+        # positions and cache rows of the step rows: the planning launch writes them every step
+        self.pos_all, self.rows_all = be.zeros((NC + NN,), np.int32), be.zeros((NC + NN,), np.int32)
         inv_freq, self.attn_scaling = rope_parameters(c)
         self.inv_freq = be.asarray(np.asarray(inv_freq, np.float64))
 
@@ -223,8 +231,8 @@ class StepEngine:
         self._slot = 0         # the input buffer the planned step uses
         self._planned = False
         self._closed = False
-        self._label_arrays(("_hs", "_logits", "_tokens", "noise_embed", "k_cache", "v_cache", "slot_pos",
-                            "_step_in", "resid", "xin", "ap_feat", "tile_live"))
+        self._label_arrays(("_hs", "_logits", "_tokens", "noise_embed", "k_cache", "v_cache", "page_table",
+                            "slot_pos", "_step_in", "resid", "xin", "ap_feat", "tile_live"))
         selfcheck_mod.require(self.checked, self)   # a failed variant with no fallback left: raise
         self.tuned = tuning.tune_sites(self._tune_sites(), backend=be, tune=tune)
         self.graphs = StepGraphs(be, self._issue_step, pdl=self.pdl, nvtx=self._nvtx)
@@ -361,8 +369,9 @@ class StepEngine:
         self.attention = RingAttention(be, c.head_dim, c.n_head, c.n_head_kv, self.q_len, self.kv_total,
                                        gate=None if c.attn_gate == "none" else c.attn_gate,
                                        out_kind=self.recipe.attn16,
-                                       path="auto" if self.checked.attention_mma else "fma", **attn_kw)
-        self.ring_slots = RingSlots(be, self.geom)
+                                       path="auto" if self.checked.attention_mma else "fma", page=self.page,
+                                       **attn_kw)
+        self.ring_slots = RingSlots(be, self.geom, page=self.page)
         d2 = c.dflash2
         self.conv = GroupedConv(be, c.hidden_size, d2.conv_kernel_size, d2.conv_group_size) if d2 else None
 
@@ -451,7 +460,7 @@ class StepEngine:
         self.gather.plan_lanes(self.desc, self.ring_storage, self.ap_feat, self.geom, self.slot_pos, self.pos_all,
                                self.rows_all, self.tile_live, cs=self.ctx_rows, bs=self.lane_rows,
                                mask_full=self.mask_full, mask_swa=self.mask_swa, rule=self.config.mask_rule,
-                               stream=stream)
+                               stream=stream, pages=self.page_table, page=self.page)
         self._run_rows(stream, eager)
 
     def _layer_input(self, li: int):
@@ -551,7 +560,7 @@ class StepEngine:
             self.g_attn_gate(self.hn, L.w_attn_gate, self.gate, nn, tile_live=live, stream=stream)
         mask = self.mask_swa if L.sliding else self.mask_full
         self.attention(self.q, self.k_cache[li], self.v_cache[li], mask, self.attn, gate=self.gate,
-                       stream=stream, live=self.desc)
+                       stream=stream, live=self.desc, pages=self.page_table)
         self.g_o(self.attn, L.w_o, out, nn, tile_live=live, stream=stream,
                  **({} if residual is None else {"residual": residual}))
 
@@ -624,7 +633,7 @@ class StepEngine:
     def _bulk_append(self, lane: int, fields, s) -> None:
         """Append lane ``lane``'s ``[bulk_start, bulk_start+bulk_count)`` outside the graph,
         chunk by chunk, on ``s``."""
-        be, ring, kv = self.backend, self.rings[lane], self.geom.kv_total
+        be, ring = self.backend, self.rings[lane]
         s.wait_event(ring.write_event)
         slot_pos = self.slot_pos[lane]
         if fields.reset:
@@ -636,10 +645,10 @@ class StepEngine:
             be.host_write(host, f"{self.owner} bulk chunk descriptor")
             fill_chunk_descriptor(host, fields, start, count)
             be.copy_h2d_async(self.bulk_desc, host, stream=s)
-            self.ring_slots.plan_append(self.bulk_desc, self.ap_pos, self.ap_rows, slot_pos, n_rows=count, stream=s)
+            self.ring_slots.plan_append(self.bulk_desc, self.ap_pos, self.ap_rows, slot_pos, n_rows=count, stream=s,
+                                        pages=self.page_table[lane])
             self.gather(self.bulk_desc, self.ring_storage[lane], self.bulk_feat, n_rows=count, stream=s)
-            self._append_rows(self.bulk_feat, count, [k[lane * kv:(lane + 1) * kv] for k in self.k_cache],
-                              [v[lane * kv:(lane + 1) * kv] for v in self.v_cache], s)
+            self._append_rows(self.bulk_feat, count, self.k_cache, self.v_cache, s)
 
     # ------------------------------------------------------------------ plan / run
     def plan(self, committed, stream, single: bool = False):
@@ -648,8 +657,10 @@ class StepEngine:
         (``decide_lanes``; ``single``: messages name a single cache's arguments), run the bulk
         appends, pack the step's inputs. Returns the ``LaneDecisions``."""
         plan = self.decide(committed, single)
+        pages = self._plan_pages(committed, plan)   # raises (nothing changed) if a lane gets none
         # ---- validated: from here on state changes
         be = self.backend
+        self._take_pages(pages, stream)
         slot = self._slot ^ 1
         self.order.reuse(self._events[slot])   # the replay that read this slot's inputs
         if plan.bulk:
@@ -673,6 +684,19 @@ class StepEngine:
         self._plan, self._plan_fields, self._plan_desc = plan, None, self._desc_host[slot]
         self._planned = True
         return plan
+
+    def _plan_pages(self, committed, plan) -> list:
+        """The lanes' page changes for ``committed`` (``KvPages.plan``; raises
+        ``PagesRefused`` with nothing changed): lanes whose slot table ``plan`` empties (a
+        reset, in a bulk append or in the graph) may shrink."""
+        resets = {i for i, f in plan.bulk if f.reset}
+        resets.update(i for i in range(self.lanes) if plan.vals[i * DESC_LEN + DESC_RESET])
+        return self.kv_pages.plan(committed, resets)
+
+    def _take_pages(self, pages, stream) -> None:
+        """Apply planned page changes and upload the tables if they changed."""
+        self.kv_pages.commit(pages)
+        self._upload_pages(stream)
 
     def decide(self, committed, single: bool = False, in_graph_max=None):
         """``decide_lanes`` over this engine's lanes (their positions, rings and runs)."""
@@ -698,8 +722,10 @@ class StepEngine:
         ``begin_step`` would, outside the graph and with no step; a planned, not yet run
         step is dropped. Validates every lane first (``decide_lanes``)."""
         plan = self.decide(committed, single, in_graph_max=0)
+        pages = self._plan_pages(committed, plan)
         # ---- validated: from here on state changes
         self._planned = self._anchored = False
+        self._take_pages(pages, stream)
         if plan.bulk:
             self._issue_bulk(plan.bulk, stream)
         for i, v in enumerate(committed):   # lanes with nothing to append (a rewind within the slack)
@@ -734,10 +760,12 @@ class StepEngine:
             raise ValueError(f"start={start} is {where} next_pos={p0}: prefill continues at next_pos, or jumps "
                              f"ahead no further than its final window's first position ({win_lo} for "
                              f"{n} rows); for a rewind use begin_step / append, or reset first")
+        pages = self.kv_pages.plan([end if i == lane else None for i in range(self.lanes)]) if n else []
         # ---- validated: from here on state changes
         self._planned = self._anchored = False
         if not n:
             return
+        self._take_pages(pages, stream)
         # the last capacity + rewind_slack rows: the window, and what a rewind within the slack needs
         first = max(start, end - min(end, g.slots))
         if first > p0:
@@ -748,6 +776,22 @@ class StepEngine:
             ring.write(s, checked[s - start:s - start + c], stream, check_finite=False)
             lo = max(0, s + c - g.capacity)
             self._issue_bulk([(lane, StepFields(s + c, lo, s + c, 0, lo, False, s, c))], stream)
+
+    def _upload_pages(self, stream) -> None:
+        """The page tables onto the device when a lane's pages changed (in stream order: after
+        the steps that read the old tables, before the bulk appends and the step that read
+        the new ones)."""
+        if self.kv_pages.version == self._pages_version:
+            return
+        s = self.order.order(stream)
+        self._pages_staging.copy(self.order, self.page_table, lambda st: np.copyto(st, self.kv_pages.table), s)
+        self.order.issued(s)
+        self._pages_version = self.kv_pages.version
+
+    def kv_memory(self):
+        """The K/V pools' accounting (``kv_pages.PagesUsage``): bytes per pool, used and free
+        pages, pages per lane."""
+        return self.kv_pages.usage(self.config.kv_dim * 2, 2 * self.config.n_layer)
 
     def lane_fields(self) -> list:
         """Per lane: the ``StepFields`` of the latest planned step (``None``: idle)."""
@@ -833,6 +877,7 @@ class StepEngine:
             self._next[i] = self._kv_lo[i] = 0
             self.ring_slots.reset_slots(self.slot_pos[i], stream=s)
         self.order.issued(s)
+        self.kv_pages.release(lanes)   # the next plan uploads the tables
 
     # ------------------------------------------------------------------ noise embeddings
     def check_host_noise(self, noise_embed, shape) -> np.ndarray:
@@ -927,13 +972,15 @@ class StepEngine:
         ``ring_bytes`` of feature rings the facade owns, and the shared weights apart."""
         nbytes = lambda arrays: sum(int(a.nbytes) for a in arrays if a is not None)  # noqa: E731
         kv = nbytes((*self.k_cache, *self.v_cache))
-        masks = nbytes((self.mask_full, self.mask_swa, self.slot_pos))
+        masks = nbytes((self.mask_full, self.mask_swa, self.slot_pos, self.page_table))
         lm = 0 if self.lm_head is None else int(self.lm_head.nbytes)
         lm_owned = lm if self._lm_owned else 0
         step = self.allocated.device - kv - masks - lm_owned
         pools = {"kv": kv, "feature_rings": int(ring_bytes), "masks": masks, "step": step,
                  "weights": self.dw.nbytes + lm}
-        return MemoryReport(pools)
+        use = self.kv_memory()
+        return MemoryReport(pools, page_size=use.page_rows, pages_used=use.used, pages_free=use.free,
+                            lane_pages=tuple(use.per_lane))
 
     def close(self) -> None:
         """Wait for the queued work (its errors not raised here), stop being a reader of the

@@ -1124,6 +1124,12 @@ def _attn_mma(L) -> KernelCounters:
         c.barriers += NKV   # the merge's row pass (the arrival's two: below, per block)
     c.dram_bytes = 2 * kv_bytes + B * KVT * 2 + B * NH * D * 4 + (
         out_w + 2 * part_b if fold else part_b if SPLITS > 1 else out_w)
+    # the lane's page table (kv_pages.py): one 4-B entry per key tile per block, the same word
+    # for every thread (one sector per warp request, a tile ahead); its entries once from DRAM
+    table_b = -(-KVT // d.get("PAGE", 32)) * 4
+    c.add_global("ld", tiles_total * MW, 1, 4)
+    c.bytes_read[_name(P.get("pages"))] = table_b
+    c.dram_bytes += table_b
     # a tile's K/V loads and the mask loads of the tile after it are issued together before
     # the math of the tile before, and consumed after it: one round trip per tile
     c.dram_round_trips_per_block = max_tiles

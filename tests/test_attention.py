@@ -766,3 +766,61 @@ def test_use_config_checks_and_refuses_after_capture(emu, rng):
     graph.launch(stream)
     stream.synchronize()
     assert _bits_equal(be.to_numpy(out), eager)
+
+
+# (D, NH, NKV, B, kv_total, n_splits, gate, page, lanes): awkward kv_total (a partial last page
+# and tile), pages of one, two and four key tiles, one lane and three
+PAGED = [(64, 8, 2, 3, 100, 3, "head", 64, 3), (32, 4, 4, 1, 37, 1, None, 32, 1),
+         (128, 8, 8, 16, 300, 2, "element", 128, 2)]
+
+
+@pytest.mark.parametrize("D,NH,NKV,B,kv_total,n_splits,gate,page,L", PAGED)
+def test_paged_pools_match_the_dense_layout(backend, rng, D, NH, NKV, B, kv_total, n_splits, gate, page, L):
+    """Every lane's keys through a shuffled page table into one shared pool (pages of the
+    lanes interleaved, in reverse and random order; unmapped pages hold NaN): bit-identical
+    to the dense layout of the same logical rows, and the paged NumPy reference."""
+    from dflash_cupy.kv_pages import pages_per_lane
+    from dflash_cupy.ops.attention import paged_reference
+    n = pages_per_lane(kv_total, page)
+    pool_pages = L * n + 3
+    perm = rng.permutation(pool_pages)[:L * n].reshape(L, n)
+    table = (perm * page).astype(np.int32)
+    k_pool = np.full((pool_pages * page, NKV * D), np.nan, np.float16)
+    v_pool = np.full_like(k_pool, np.nan)
+    q = (rng.standard_normal((L * B, NH, D)) * 2).astype(np.float32)
+    k_dense = rng.standard_normal((L * kv_total, NKV * D)).astype(np.float16)
+    v_dense = rng.standard_normal((L * kv_total, NKV * D)).astype(np.float16)
+    from dflash_cupy.kv_pages import physical_rows
+    for l in range(L):
+        rows = physical_rows(table[l], page, kv_total)
+        k_pool[rows] = k_dense[l * kv_total:(l + 1) * kv_total]
+        v_pool[rows] = v_dense[l * kv_total:(l + 1) * kv_total]
+    mask = np.where(rng.random((L, B, kv_total)) < 0.5, np.float16(0), NEG_INF).astype(np.float16)
+    mask[:, :, kv_total - 1] = 0                       # the last key: the partial page's
+    g = None if gate is None else (rng.standard_normal((L * B, NH) if gate == "head" else (L * B, NH * D))
+                                   ).astype(np.float32)
+    for path in paths(D):
+        att = RingAttention(backend, D, NH, NKV, B, kv_total, n_splits=n_splits, gate=gate, path=path, lanes=L,
+                            page=page)
+        outs = []
+        for k, v, pages in ((k_dense, v_dense, None), (k_pool, v_pool, table)):
+            out = backend.asarray(np.full((L * B, NH * D), np.nan, np.float32))
+            att(backend.asarray(q), backend.asarray(k), backend.asarray(v), backend.asarray(mask), out,
+                gate=None if g is None else backend.asarray(g),
+                pages=None if pages is None else backend.asarray(pages))
+            outs.append(backend.to_numpy(out))
+        np.testing.assert_array_equal(outs[1], outs[0], err_msg=f"paged vs dense, {path}")
+        ref = paged_reference(q.reshape(L, B, NH, D), k_pool, v_pool, mask, table, page, n_head_kv=NKV,
+                              gate=None if g is None else g.reshape(L, B, -1), gate_mode=gate)
+        assert_close(outs[1], ref.reshape(L * B, -1), "f32", f"paged attention, {path}")
+
+
+def test_paged_arguments_raise(emu):
+    att = RingAttention(emu, 32, 4, 4, 2, 100, lanes=2, page=64)
+    q = emu.zeros((4, 128), np.float32)
+    kv = emu.zeros((640, 128), np.float16)
+    mask, out = emu.zeros((2, 2, 100), np.float16), emu.zeros((4, 128), np.float32)
+    with pytest.raises(ValueError, match=r"pages must have shape \(2, 2\)"):
+        att(q, kv, kv, mask, out, pages=emu.zeros((2, 3), np.int32))
+    with pytest.raises(ValueError, match="page_size=48 must be a multiple of 32"):
+        RingAttention(emu, 32, 4, 4, 2, 100, page=48)

@@ -15,7 +15,7 @@ PKG = ROOT / "dflash_cupy"
 PRODUCT = ("dflash_cupy.backends", "dflash_cupy.build_cache", "dflash_cupy.checks", "dflash_cupy.config", "dflash_cupy.device_props",
            "dflash_cupy.device_weights", "dflash_cupy.dtypes", "dflash_cupy.emu", "dflash_cupy.feature_ring",
            "dflash_cupy.geometry", "dflash_cupy.interop", "dflash_cupy.kernels", "dflash_cupy.kv_batch",
-           "dflash_cupy.kv_cache", "dflash_cupy.mask_rule", "dflash_cupy.memory_plan", "dflash_cupy.nvtx_ranges", "dflash_cupy.ops", "dflash_cupy.rope_params",
+           "dflash_cupy.kv_cache", "dflash_cupy.kv_pages", "dflash_cupy.mask_rule", "dflash_cupy.memory_plan", "dflash_cupy.nvtx_ranges", "dflash_cupy.ops", "dflash_cupy.rope_params",
            "dflash_cupy.selfcheck_verdict", "dflash_cupy.source_dir",
            "dflash_cupy.step_engine", "dflash_cupy.step_graphs", "dflash_cupy.step_recipe", "dflash_cupy.stream_order", "dflash_cupy.tolerances", "dflash_cupy.tuning",
            "dflash_cupy.weights")

@@ -12,6 +12,7 @@ from dflash_cupy.config import DraftConfig
 from dflash_cupy.geometry import RingGeometry
 from dflash_cupy.kv_batch import DraftKvBatch
 from dflash_cupy.kv_cache import DraftKvCache
+from dflash_cupy.kv_pages import DEFAULT_PAGE, lane_pages
 from dflash_cupy.memory_plan import GIB, bytes_for, weight_bytes
 from tests.support.drafters import SPECS, built
 
@@ -45,7 +46,10 @@ def test_batch_memory_matches_bytes_for(emu, name, lanes, capacity, slack, ring)
     for pool in ("kv", "feature_rings", "masks", "weights"):
         assert got.pools[pool] == want.pools[pool], pool
     g = RingGeometry(capacity, sp.config.block_size, slack)
-    assert got.pools["kv"] == 2 * sp.config.n_layer * lanes * g.kv_total * sp.config.kv_dim * 2
+    worst = lane_pages(g.slots, g.slots, g.q_len, DEFAULT_PAGE)   # a lane's pages at a full ring
+    assert got.pools["kv"] == 2 * sp.config.n_layer * (lanes * worst + 1) * DEFAULT_PAGE * sp.config.kv_dim * 2
+    assert (got.page_size, got.pages_used, got.pages_free, got.lane_pages) == (DEFAULT_PAGE, 0, lanes * worst,
+                                                                              (0,) * lanes)
     assert got.pools["feature_rings"] == lanes * ring * sp.config.fc_in * np.dtype(sp.ring_dtype).itemsize
     assert got.pools["step"] > 0
     assert got.total == sum(got.pools[p] for p in ("kv", "feature_rings", "masks", "step"))
@@ -82,8 +86,10 @@ def test_bytes_for_serving_scale():
                       rope_theta=1_000_000.0)
     r = bytes_for(cfg, 64, 32768, rewind_slack=64, ring_capacity=1024, ring_dtype=np.float16,
                   weight_dtype=np.float16)
-    assert r.pools["kv"] == 2 * 5 * 64 * RingGeometry(32768, 16, 64).kv_total * 1024 * 2
-    assert RingGeometry(32768, 16, 64).kv_total == 32768 + 64 + 32   # slots, noise, trash, padded to 32
+    # per lane: 513 pages of 64 rows under the 32832 ring slots, one more for the noise scratch
+    # and the trash slot; one shared page per pool
+    assert lane_pages(32832, 32832, 16, 64) == 514
+    assert r.pools["kv"] == 2 * 5 * (64 * 514 + 1) * 64 * 1024 * 2
     assert r.pools["feature_rings"] == 64 * 1024 * 5 * 4096 * 2
     print(f"\nh4096, 64 lanes x 32K window, ring 1024 (f16):\n{r.table()}")
     assert r.total / GIB == pytest.approx(sum(r.pools[p] for p in ("kv", "feature_rings", "masks", "step")) / GIB)
@@ -91,10 +97,31 @@ def test_bytes_for_serving_scale():
 
 @pytest.mark.parametrize("kw,match", [(dict(lanes=0), "lanes"), (dict(window=0), "window"),
                                       (dict(rewind_slack=-1), "rewind_slack"), (dict(ring_capacity=0), "ring_capacity"),
-                                      (dict(kv_pages=4), "kv_pages"), (dict(ring_dtype=np.int8), "ring_dtype"),
+                                      (dict(kv_pages=0), "kv_pages"), (dict(page_size=48), "page_size"),
+                                      (dict(ring_dtype=np.int8), "ring_dtype"),
                                       (dict(weight_dtype=np.int32), "weight_dtype")])
 def test_bytes_for_refuses_bad_arguments(kw, match):
     args = dict(lanes=2, window=64)
     args.update(kw)
     with pytest.raises((ValueError, TypeError), match=match):
         bytes_for(SPECS["a"].config, args.pop("lanes"), args.pop("window"), **args)
+
+
+def test_memory_follows_the_pages_lanes_hold(emu):
+    """A pool smaller than the worst case: ``bytes_for`` and ``memory()`` agree on it; the pages
+    in use follow what each lane holds (a prefill takes them, a reset gives them back)."""
+    sp = SPECS["a"]
+    w = built("a")[0]
+    cfg, lanes, capacity, page = sp.config, 3, 200, 32
+    g = RingGeometry(capacity, cfg.block_size)
+    with DraftKvBatch(w, capacity, lanes, page_size=page, kv_pages=9, backend=emu) as b:
+        want = bytes_for(cfg, lanes, capacity, page_size=page, kv_pages=9, weight_dtype=sp.wdtype)
+        assert b.memory().pools["kv"] == want.pools["kv"] == 2 * cfg.n_layer * 10 * page * cfg.kv_dim * 2
+        assert b.memory().pools["masks"] == want.pools["masks"]
+        rows = np.random.default_rng(3).standard_normal((70, cfg.fc_in)).astype(np.float32)
+        b.prefill(1, rows)
+        m = b.memory()
+        held = lane_pages(70, g.slots, g.q_len, page)
+        assert (m.pages_used, m.pages_free, m.lane_pages) == (held, 9 - held, (0, held, 0))
+        b.reset(1)
+        assert b.memory().pages_used == 0

@@ -94,13 +94,15 @@ def test_attention_v_transpose_store_conflict():
 def _attn_launch(D=128, NH=32, NKV=8, B=16, KVT=2080, SPLITS=16, FOLD=1):
     d = dict(D=D, NH=NH, NKV=NKV, B=B, KV_TOTAL=KVT, SPLITS=SPLITS, GATE=0, FOLD_MERGE=FOLD)
     args = [arr("q", (B, NH, D), np.float32), arr("k", (KVT, NKV * D), np.float16),
-            arr("v", (KVT, NKV * D), np.float16), arr("mask", (B, KVT), np.float16),
+            arr("v", (KVT, NKV * D), np.float16), arr("pages", (1, -(-KVT // 32)), np.int32),
+            arr("mask", (B, KVT), np.float16),
             arr("part_o", (SPLITS, B * NH, D), np.float32), arr("part_ml", (SPLITS, B * NH, 2), np.float32),
             arr("counters", (NKV,), np.int32), arr("out", (B, NH * D), np.float32),
             arr("out", (B, NH * D), np.float32), 0.1]
     R = B * NH // NKV
     return Launch("ring_attn_mma_split", "attention_mma.cu", d, (NKV, SPLITS, 1), (-(-R // 16) * 32, 1, 1), 0, args,
-                  names=["q", "k_cache", "v_cache", "mask", "part_o", "part_ml", "counters", "out", "gate", "scale"])
+                  names=["q", "k_cache", "v_cache", "pages", "mask", "part_o", "part_ml", "counters", "out", "gate",
+                         "scale"])
 
 
 def test_attention_v_ldmatrix_is_conflict_free():
@@ -120,7 +122,8 @@ def test_attention_v_ldmatrix_is_conflict_free():
     # the folded merge, per kv head x split: 2 warps of rows x (max, (max, sum)), then 64 warp
     # items (one 128-dim row each) x (one max + 4 part_o loads)
     merge_req = 8 * 16 * (2 * 2 + 64 * 5)
-    assert c.gld_requests == mask_req + kv_req + q_req + merge_req
+    page_req = tiles_ * 4                          # the page table: one word per tile per warp (4 warps)
+    assert c.gld_requests == mask_req + kv_req + q_req + merge_req + page_req
     # 65 key tiles in 16 splits of 5 (the last 5 splits short or empty) x 8 kv heads;
     # 4 warps; per warp per tile: QK^T 4 x 8 x 2 and PV 2 x 16 x 2 MMAs
     tiles = 8 * 65
@@ -131,7 +134,7 @@ def test_attention_v_ldmatrix_is_conflict_free():
     # merge="launch" (FOLD_MERGE 0): no merge in the split kernel, out not written, partials
     # written once; ring_attn_combine (its own launch) reads them and writes out
     two = ctr.static_counters(_attn_launch(FOLD=0))
-    assert two.gld_requests == mask_req + kv_req + q_req
+    assert two.gld_requests == mask_req + kv_req + q_req + page_req
     assert two.barriers == 2 * tiles + 8 * 16
     assert two.tail_l2_bytes == two.tail_l2_round_trips == 0
     assert "out" not in two.bytes_written and two.bytes_written["part_o"] == 16 * 16 * 32 * 128 * 4

@@ -96,6 +96,7 @@ class DeviceRing:
         s = self.stream = be.stream()
         be.synchronize()  # the zeros are memset on the default stream; the work runs on s
         fill_descriptor(self.desc_h[0], 1, 0, 0, 0, 0)
+        self.gather.dense_pages(1, geom.kv_total)   # allocated before the capture
         be.begin_capture(s)
         be.copy_h2d_async(self.desc_all, self.desc_h, stream=s)
         if fused:   # the engine's step graph: one launch
@@ -284,6 +285,32 @@ def test_plan_append_reference_and_reset_if(backend, rng):
         fill_descriptor(desc_h, 5, 0, 0, 0, 0, reset=bool(flag))
         planner.reset_slots_if(be.asarray(desc_h), sp)
         assert np.array_equal(be.to_numpy(sp), np.full(10, -1, np.int32) if flag else sp0)
+
+
+def test_plan_append_through_a_page_table(backend, rng):
+    """The bulk path's rows through a shuffled page table of 64-row pages (ring slots on two
+    pages, the trash slot on the third), and the reference's."""
+    from dflash_cupy.ops.ring_slots import RingSlots
+    be = backend
+    geom = RingGeometry(100, 16)   # kv_total 128: pages 0, 1 (slots, noise, trash)
+    slots = RingSlots(be, geom, page=64)
+    table = np.array([7 * 64, 3 * 64], np.int32)
+    desc_h = np.zeros(DESC_LEN, np.int32)
+    sp0 = np.full(100, -1, np.int32)
+    for start, n_new, n_rows in ((0, 70, 72), (150, 40, 40), (250, 3, 9)):
+        fill_descriptor(desc_h, start + n_new, 0, start, n_new, 0)
+        sp = be.asarray(sp0)
+        ap_pos, ap_rows = be.zeros((n_rows,), np.int32), be.zeros((n_rows,), np.int32)
+        slots.plan_append(be.asarray(desc_h), ap_pos, ap_rows, sp, n_rows=n_rows, pages=be.asarray(table))
+        e_pos, e_rows, e_sp, _ = plan_append_reference(desc_h, sp0, n_rows, geom, False, pages=table, page=64)
+        s = (start + np.arange(min(n_new, n_rows))) % 100
+        want = np.where(s < 64, 7 * 64 + s, 3 * 64 + s - 64)
+        assert np.array_equal(e_rows[:len(s)], want)
+        assert (e_rows[len(s):] == 3 * 64 + geom.trash_slot - 64).all()
+        assert np.array_equal(be.to_numpy(ap_rows), e_rows)
+        assert np.array_equal(be.to_numpy(ap_pos), e_pos) and np.array_equal(be.to_numpy(sp), e_sp)
+    with pytest.raises(ValueError, match=r"pages must have shape \(2,\)"):
+        slots.plan_append(be.asarray(desc_h), ap_pos, ap_rows, sp, pages=be.zeros((3,), np.int32))
 
 
 def test_plan_step_host_fields():

@@ -2,13 +2,15 @@
 equals, bit for bit, the unfused planning launches (tests/cuda/planning_unfused.cu:
 reset_slots_if, plan_append, gather_features, build_masks) run on each active lane's
 slices, with cache rows offset by the lane and the appended context rows packed back
-to back (DESC_CTX_ROW0 / DESC_CTX_ROWS); idle lanes are left untouched (slot table,
-masks), and the padding rows and tiles are dead."""
+to back (DESC_CTX_ROW0 / DESC_CTX_ROWS), cache rows through the lanes' page tables
+(shuffled, or the dense layout); idle lanes are left untouched (slot table, masks), and
+the padding rows and tiles are dead."""
 import numpy as np
 import pytest
 
 from dflash_cupy import backends
 from dflash_cupy.geometry import RingGeometry, align_up
+from dflash_cupy.kv_pages import dense_table, pages_per_lane, physical_rows
 from dflash_cupy.mask_rule import MaskRule
 from dflash_cupy.ops.gather import FeatureGather
 from dflash_cupy.ops.step_descriptor import (DESC_ACTIVE, DESC_CTX_ROW0, DESC_CTX_ROWS, DESC_LEN, DESC_N_NEW,
@@ -30,15 +32,18 @@ def _descs(rng, lanes, geom, ring_cap, idle):
     return d
 
 
-@pytest.mark.parametrize("lanes,cap,q_len,fc_in,kind,idle,rule,slack", [
-    (3, 19, 3, 19, "f16", {0}, MaskRule(5), 0),
-    (4, 33, 5, 40, "bf16", {3}, MaskRule(3, causal_sliding=False, causal_full=True), 0),
-    (1, 7, 1, 8, "f32", set(), MaskRule(5, per_row=False), 0),
+@pytest.mark.parametrize("lanes,cap,q_len,fc_in,kind,idle,rule,slack,page", [
+    (3, 19, 3, 19, "f16", {0}, MaskRule(5), 0, None),
+    (4, 33, 5, 40, "bf16", {3}, MaskRule(3, causal_sliding=False, causal_full=True), 0, 32),
+    (1, 7, 1, 8, "f32", set(), MaskRule(5, per_row=False), 0, 64),
+    (3, 100, 16, 19, "f16", {1}, MaskRule(5), 0, 64),
     # rewind slack: slots = cap + slack (slot p % slots), the window stays cap
-    (3, 3, 3, 19, "f16", {1}, MaskRule(5), 19),
-    (2, 33, 5, 8, "f32", set(), MaskRule(3, per_row=False), 1),
+    (3, 3, 3, 19, "f16", {1}, MaskRule(5), 19, None),
+    (2, 33, 5, 8, "f32", set(), MaskRule(3, per_row=False), 1, 32),
 ])
-def test_plan_lanes_equals_the_unfused_launches_per_lane(lanes, cap, q_len, fc_in, kind, idle, rule, slack):
+def test_plan_lanes_equals_the_unfused_launches_per_lane(lanes, cap, q_len, fc_in, kind, idle, rule, slack, page):
+    """``page``: the rows through a shuffled page table over a shared pool (pages of the lanes
+    interleaved, some unheld: the shared page 0); ``None``: the dense layout."""
     be = backends.get("emulated")
     rng = np.random.default_rng(1000 + lanes + slack)
     g = RingGeometry(cap, q_len, slack)
@@ -61,8 +66,18 @@ def test_plan_lanes_equals_the_unfused_launches_per_lane(lanes, cap, q_len, fc_i
     slot_pos, mf, ms = be.asarray(slot0), be.asarray(mask0), be.asarray(mask0 + 1)
     pos_all, rows_all = be.asarray(sentinel_pos), be.asarray(sentinel_pos)
     tiles = be.asarray(np.full(rows // 16, -1, np.int32))
-    gather.plan_lanes(desc, ring, ap_feat, g, slot_pos, pos_all, rows_all, tiles, cs=cs, bs=bs,
-                      mask_full=mf, mask_swa=ms, rule=rule)
+    if page is None:
+        table, pg = dense_table(lanes, g.kv_total, 32), 32
+        gather.plan_lanes(desc, ring, ap_feat, g, slot_pos, pos_all, rows_all, tiles, cs=cs, bs=bs,
+                          mask_full=mf, mask_swa=ms, rule=rule)
+    else:
+        n = pages_per_lane(g.kv_total, page)
+        table = ((1 + rng.permutation(lanes * n + 2)[:lanes * n]) * page).reshape(lanes, n).astype(np.int32)
+        table[0, 0] = 0   # a page lane 0 does not hold: the shared page
+        pg = page
+        gather.plan_lanes(desc, ring, ap_feat, g, slot_pos, pos_all, rows_all, tiles, cs=cs, bs=bs,
+                          mask_full=mf, mask_swa=ms, rule=rule, pages=be.asarray(table), page=page)
+    phys = [physical_rows(table[l], pg, g.kv_total) for l in range(lanes)]
     got = {k: be.to_numpy(v) for k, v in dict(ap_feat=ap_feat, slot_pos=slot_pos, mf=mf, ms=ms, pos=pos_all,
                                               rows=rows_all, tiles=tiles).items()}
 
@@ -93,7 +108,7 @@ def test_plan_lanes_equals_the_unfused_launches_per_lane(lanes, cap, q_len, fc_i
         assert np.array_equal(got["mf"][l].view(np.uint16), be.to_numpy(mf1).view(np.uint16))
         assert np.array_equal(got["ms"][l].view(np.uint16), be.to_numpy(ms1).view(np.uint16))
         assert np.array_equal(got["pos"][ctx], be.to_numpy(ap_pos)[:n_app])
-        assert np.array_equal(got["rows"][ctx], be.to_numpy(ap_rows)[:n_app] + l * g.kv_total)
+        assert np.array_equal(got["rows"][ctx], phys[l][be.to_numpy(ap_rows)[:n_app]])
         assert np.array_equal(got["pos"][noise:noise + q_len], be.to_numpy(pos_q))
         assert (got["tiles"][noise // 16:(noise + bs) // 16] == 1).all()   # noise rows: every column
     # the packed context rows: live tiles exactly those holding one of them; the
@@ -102,12 +117,14 @@ def test_plan_lanes_equals_the_unfused_launches_per_lane(lanes, cap, q_len, fc_i
     assert list(got["tiles"][:lanes * cs // 16]) == [2 if 16 * t < total else 0 for t in range(lanes * cs // 16)]
     r = np.arange(total, lanes * cs)
     assert (got["pos"][r] == 0).all()
-    assert (got["rows"][r] == (r // cs) * g.kv_total + g.trash_slot).all()
+    assert (got["rows"][r] == [phys[l][g.trash_slot] for l in r // cs]).all()
     assert (got["ap_feat"][total:] == 5.0).all()   # nothing gathered past the packed rows
-    # padding rows past a_step / q_len: the noise padding is the host's (untouched here)
+    # noise rows (idle lanes' too: pages change between steps): the lane's noise scratch, padding
+    # past q_len its trash slot; their positions past q_len are the host's (untouched here)
     for l in range(lanes):
         n0 = lanes * cs + l * bs
-        assert (got["rows"][n0:n0 + bs] == -7).all()
+        j = np.arange(bs)
+        assert (got["rows"][n0:n0 + bs] == phys[l][g.slots + np.minimum(j, q_len)]).all()
         assert (got["pos"][n0 + q_len:n0 + bs] == -7).all()
     assert desc_h[:, DESC_ACTIVE].sum() == lanes - len(idle)
 
@@ -139,3 +156,7 @@ def test_plan_lanes_rejects_bad_layout():
         gather.plan_lanes(desc, ring, ap, g, sp, pa, ra, tl, **args(mask_full=m, mask_swa=m))
     with pytest.raises(TypeError, match="geom"):
         gather.plan_lanes(desc, ring, ap, (7, 2), sp, pa, ra, tl, **args())
+    with pytest.raises(ValueError, match=r"pages must have shape \(2, 1\)"):
+        gather.plan_lanes(desc, ring, ap, g, sp, pa, ra, tl, **args(pages=be.zeros((2, 2), np.int32)))
+    with pytest.raises(ValueError, match="page_size=16"):
+        gather.plan_lanes(desc, ring, ap, g, sp, pa, ra, tl, **args(pages=be.zeros((2, 1), np.int32), page=16))

@@ -9,6 +9,7 @@ groups) the call refuses ``rope`` and the step issuer runs the separate kernel."
 import numpy as np
 import pytest
 
+from dflash_cupy.kv_pages import physical_rows
 from dflash_cupy.ops import gemm_stream as gs
 from dflash_cupy.ops.gemm import Gemm
 from dflash_cupy.ops.rope import QkvNormRope, RopeSpec
@@ -283,7 +284,10 @@ def test_cache_steps_fused_equal_unfused_and_the_oracle(monkeypatch):
                                           err_msg=f"hidden c={c}")
             # every cache row but the trash slot, which the padding rows of a live context
             # tile write (stale features: what lands there is never read, and differs)
-            keep = np.arange(d.kv.kv_total) != d.kv.trash_slot
+            # (logical rows, read through the lane's page table: the same in both caches)
+            assert np.array_equal(d.kv.engine.kv_pages.table, d0.kv.engine.kv_pages.table)
+            keep = physical_rows(d.kv.engine.kv_pages.table[0], d.kv.page, d.kv.kv_total)[
+                np.arange(d.kv.kv_total) != d.kv.trash_slot]
             for li in range(2):
                 for name in ("k_cache", "v_cache"):
                     np.testing.assert_array_equal(be.to_numpy(getattr(d.kv, name)[li]).view(np.uint16)[keep],

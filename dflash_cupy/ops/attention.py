@@ -53,6 +53,7 @@ import math
 import numpy as np
 
 from .. import checks, device_props, dtypes, kernels
+from ..kv_pages import PAGE_ALIGN, check_page, dense_table, pages_per_lane, physical_rows
 
 GATES = {None: 0, "head": 1, "element": 2}
 DESC_LEN = kernels.constants("step_desc.cuh")["DESC_LEN"]   # the per-lane descriptor row of ``live``
@@ -144,16 +145,19 @@ def split_candidates(n_head_kv: int, kv_total: int, sm_count: int, row_groups: i
 class RingAttention:
     """``RingAttention(backend, head_dim, n_head, n_head_kv, q_len, kv_total,
     n_splits=None, gate=None, scale=None, path="auto", lanes=1, lane_rows=None,
-    merge=None)``; ``gate`` is ``None``, ``"head"`` or ``"element"``; ``scale``
+    merge=None, page=32)``; ``gate`` is ``None``, ``"head"`` or ``"element"``; ``scale``
     defaults to ``1/sqrt(head_dim)``; ``merge`` is ``"launch"``, ``"fold"`` or
     ``None`` (``default_merge``), and nothing with one split.
 
-    ``__call__(q, k_cache, v_cache, mask, out, gate=None, stream=None, live=None)``,
+    ``__call__(q, k_cache, v_cache, mask, out, gate=None, stream=None, live=None, pages=None)``,
     with ``BS = lane_rows`` (default ``q_len``; lane ``l``'s ``q_len`` rows
     start at row ``l*BS`` of q, out and gate):
     ``q [lanes*BS, n_head, head_dim]`` or ``[lanes*BS, n_head*head_dim]`` f32;
     ``k_cache``, ``v_cache [lanes*kv_total, n_head_kv*head_dim]`` f16 (16-byte
-    aligned; lane ``l``'s rows at ``l*kv_total``); ``mask [lanes, q_len,
+    aligned; lane ``l``'s rows at ``l*kv_total``), or with ``pages`` (the lanes' page
+    tables, device int32 ``[lanes, ceil(kv_total / page)]``, ``kv_pages.py``: lane ``l``'s
+    key ``r`` at row ``pages[l, r // page] + r % page``) pools of any row count, every
+    table entry plus ``page`` rows within them (not checked: on the device); ``mask [lanes, q_len,
     kv_total]`` f16 (``[q_len, kv_total]`` too when ``lanes == 1``); ``out
     [lanes*BS, n_head*head_dim]`` f32; ``gate [lanes*BS, n_head]`` /
     ``[lanes*BS, n_head*head_dim]`` f32 per the mode. Rows of q/out/gate past a
@@ -181,7 +185,7 @@ class RingAttention:
     def __init__(self, backend, head_dim: int, n_head: int, n_head_kv: int, q_len: int,
                  kv_total: int, n_splits: int | None = None, gate: str | None = None,
                  scale: float | None = None, path: str = "auto", lanes: int = 1, lane_rows: int | None = None,
-                 merge: str | None = None, out_kind: str | None = None):
+                 merge: str | None = None, out_kind: str | None = None, page: int = PAGE_ALIGN):
         self.backend = backend
         # out: f32, or rounded once to "f16" / "bf16" (the o projection's weight type, read by a
         # single-rounding GEMM with x16: the same bits it would round f32 to, half the bytes)
@@ -233,6 +237,9 @@ class RingAttention:
         self._unit_rows = 1 if self.path == "mma" else self.row_groups   # row groups per unit of splits
         if self.lanes > 65535:   # grid z (tensor cores) and the combine's y
             raise ValueError(f"lanes={lanes} exceeds the 65535 limit of grid y/z")
+        self.page = check_page(page)   # K/V rows per page: a multiple of the key tile
+        self.n_pages = pages_per_lane(self.kv_total, self.page)
+        self._dense = backend.asarray(dense_table(self.lanes, self.kv_total, self.page))   # pages=None's table
         self._captured = False     # a graph holds the workspace's address: no reconfiguring
         self.part_o = self.part_ml = self.counters = None
         self._configure(*self._resolve(n_splits, merge))
@@ -264,6 +271,7 @@ class RingAttention:
                                                                                  LANE_ROWS=self.lane_rows)
         fold = {} if n_splits == 1 else dict(FOLD_MERGE=int(merge == "fold"))
         sizes = dict(D=self.D, NH=self.NH, NKV=self.NKV, B=self.B, KV_TOTAL=self.kv_total, SPLITS=n_splits,
+                     **({} if self.page == PAGE_ALIGN else {"PAGE": self.page}),
                      GATE=GATES[self.gate], **lane_opts, **fold,
                      **({} if self.out_kind is None else {"OUT16": dtypes.CODE[self.out_kind]}))
         # attention.cu: the CUDA-core split kernel and ring_attn_combine
@@ -339,7 +347,7 @@ class RingAttention:
             b += 2 * self.n_splits * self.B * self.NH * (self.D + 2) * 4
         return b
 
-    def __call__(self, q, k_cache, v_cache, mask, out, gate=None, stream=None, live=None):
+    def __call__(self, q, k_cache, v_cache, mask, out, gate=None, stream=None, live=None, pages=None):
         be = self.backend
         B, NH, D, L = self.B, self.NH, self.D, self.lanes
         rows = L * self.lane_rows
@@ -348,10 +356,19 @@ class RingAttention:
             raise ValueError(f"q must have shape {(rows, NH, D)} or {(rows, NH * D)}, got {tuple(q.shape)}")
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
             checks.device_array(be, name, c, np.float16, ndim=2)
-            if tuple(c.shape) != (L * self.kv_total, self.NKV * D):
+            if pages is None and tuple(c.shape) != (L * self.kv_total, self.NKV * D):
                 raise ValueError(f"{name} must have shape {(L * self.kv_total, self.NKV * D)}, "
                                  f"got {tuple(c.shape)}")
+            if pages is not None and (c.shape[1] != self.NKV * D or c.shape[0] < self.page):
+                raise ValueError(f"{name} must have shape [pool rows >= {self.page}, {self.NKV * D}], "
+                                 f"got {tuple(c.shape)}")
             checks.aligned16(**{name: c})
+        if pages is None:
+            pages = self._dense
+        checks.device_array(be, "pages", pages, np.int32, ndim=2)
+        if tuple(pages.shape) != (L, self.n_pages):
+            raise ValueError(f"pages must have shape {(L, self.n_pages)} (kv_total={self.kv_total} keys in pages "
+                             f"of {self.page}), got {tuple(pages.shape)}")
         checks.device_array(be, "mask", mask, np.float16, ndim=None)
         if tuple(mask.shape) != (L, B, self.kv_total) and not (L == 1 and tuple(mask.shape) == (B, self.kv_total)):
             want = (L, B, self.kv_total) if L > 1 else f"{(B, self.kv_total)} or {(1, B, self.kv_total)}"
@@ -361,6 +378,8 @@ class RingAttention:
             raise ValueError(f"out must have shape {(rows, NH * D)}, got {tuple(out.shape)}")
         for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("mask", mask)):
             checks.check_no_overlap(out=out, **{name: a})
+        if pages is not None:
+            checks.check_no_overlap(out=out, pages=pages)
         if self.gate is None:
             if gate is not None:
                 raise ValueError("gate given but this RingAttention was built with gate=None")
@@ -386,12 +405,27 @@ class RingAttention:
         if be.is_capturing():
             self._captured = True
         self._split(self._grid, self._block,
-                    (q, k_cache, v_cache, mask, po, pml, cnt, out, gate, np.float32(self.scale), lv,
+                    (q, k_cache, v_cache, pages, mask, po, pml, cnt, out, gate, np.float32(self.scale), lv,
                      np.int32(use)),
                     stream=stream)
         if self._combine is not None:
             self._combine(self._cgrid, (COMBINE_THREADS, 1, 1), (po, pml, gate, out, lv, np.int32(use)),
                           stream=stream)
+
+
+def paged_reference(q, k_pool, v_pool, mask, pages, page: int, **kw) -> np.ndarray:
+    """``ring_attention_reference`` of every lane of a paged call: lane ``l``'s keys read
+    from the pools through its page table ``pages[l]``; ``q [lanes, q_len, ...]``, ``mask
+    [lanes, q_len, kv_total]``, ``gate [lanes, q_len, ...]`` (``kw``). Returns ``[lanes, q_len,
+    nh*d]``."""
+    mask = np.asarray(mask)
+    gate = kw.pop("gate", None)
+    out = []
+    for l in range(mask.shape[0]):
+        rows = physical_rows(pages[l], page, mask.shape[2])
+        out.append(ring_attention_reference(q[l], np.asarray(k_pool)[rows], np.asarray(v_pool)[rows], mask[l],
+                                            gate=None if gate is None else gate[l], **kw))
+    return np.stack(out)
 
 
 def ring_attention_reference(q, k_cache, v_cache, mask, *, n_head_kv: int, scale: float | None = None,

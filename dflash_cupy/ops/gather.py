@@ -12,6 +12,7 @@ import numpy as np
 
 from .. import checks, dtypes, kernels
 from ..geometry import RingGeometry
+from ..kv_pages import PAGE_ALIGN, check_page, dense_table, pages_per_lane
 from ..mask_rule import MaskRule
 from .ring_slots import check_desc
 from .step_descriptor import DESC_LEN, DESC_N_NEW, DESC_START
@@ -40,6 +41,7 @@ class FeatureGather:
         self._kernel = self._module.get_function("gather_features")
         self._lanes_kernel = self._module.get_function("plan_lanes")
         self._gx = -(-self.fc_in // (THREADS * 4))
+        self._dense = {}   # (lanes, kv_total, page) -> the dense layout's page table, on the device
 
     def __repr__(self):
         return f"FeatureGather(fc_in={self.fc_in}, ring_capacity={self.ring_capacity}, ring={self.kind})"
@@ -64,8 +66,19 @@ class FeatureGather:
         self._kernel((self._gx, n, 1), (THREADS, 1, 1),
                      (desc, ring, ap_feat, np.int32(n)), stream=stream)
 
+    def dense_pages(self, lanes: int, kv_total: int, page: int = PAGE_ALIGN):
+        """The dense layout's page tables (lane ``i``'s rows at ``i*kv_total``), on the device,
+        built once (``plan_lanes`` without ``pages``; call it before a capture that does)."""
+        key = (lanes, kv_total, page)
+        if key not in self._dense:
+            if self.backend.is_capturing():
+                raise RuntimeError("plan_lanes without pages= during a capture: call dense_pages(lanes, "
+                                   "kv_total, page) once before it (an allocation cannot be captured)")
+            self._dense[key] = self.backend.asarray(dense_table(lanes, kv_total, page))
+        return self._dense[key]
+
     def plan_lanes(self, desc, ring, ap_feat, geom, slot_pos, pos_all, rows_all, tile_live, *, cs: int, bs: int,
-                   mask_full=None, mask_swa=None, rule=None, stream=None):
+                   mask_full=None, mask_swa=None, rule=None, stream=None, pages=None, page: int = PAGE_ALIGN):
         """The step's planning for every lane in one launch (``step_plan.cu``'s
         ``plan_lanes``: layouts there): per active lane, in effect and in this order,
         ``slot_pos[lane] = -1`` if its reset flag is set, the append plan of its new rows
@@ -75,7 +88,10 @@ class FeatureGather:
         ``slot_pos [lanes, slots]`` (``geom.slots``: the window plus the rewind slack),
         ``pos_all``/``rows_all [lanes*(cs+bs)]``,
         ``tile_live [lanes*(cs+bs)/16]`` int32, masks ``[lanes, q_len, kv_total]`` under
-        ``rule`` (a ``MaskRule``, or a bare sliding window: ``MaskRule.of``)."""
+        ``rule`` (a ``MaskRule``, or a bare sliding window: ``MaskRule.of``). ``rows_all``:
+        physical rows through ``pages`` (the lanes' page tables of ``page``-row pages, device
+        int32 ``[lanes, ceil(kv_total / page)]``, ``kv_pages.py``), else the dense layout
+        (lane ``i``'s rows at ``i*kv_total``)."""
         be = self.backend
         if not isinstance(geom, RingGeometry):
             raise TypeError(f"geom must be a RingGeometry, got {type(geom).__name__}")
@@ -91,7 +107,11 @@ class FeatureGather:
         if lanes * geom.kv_total >= 2**31:
             raise ValueError(f"lanes={lanes} x kv_total={geom.kv_total} cache rows overflow int32")
         rows = lanes * (cs + bs)
-        for name, a, dt, shape in (("ring", ring, self.ring_device_dtype, (lanes, self.ring_capacity, self.fc_in)),
+        page = check_page(page)
+        n_pages = pages_per_lane(geom.kv_total, page)
+        if pages is None:
+            pages = self.dense_pages(lanes, geom.kv_total, page)
+        for name, a, dt, shape in (("pages", pages, np.int32, (lanes, n_pages)),("ring", ring, self.ring_device_dtype, (lanes, self.ring_capacity, self.fc_in)),
                                    ("ap_feat", ap_feat, np.float32, (lanes * cs, self.fc_in)),
                                    ("slot_pos", slot_pos, np.int32, (lanes, geom.slots)),
                                    ("pos_all", pos_all, np.int32, (rows,)),
@@ -118,7 +138,7 @@ class FeatureGather:
                            (desc, ring, ap_feat, np.int32(a), np.int32(cs), slot_pos, pos_all, rows_all, tile_live,
                             mf, ms, np.int32(geom.slots), np.int32(geom.q_len), np.int32(bs),
                             np.int32(geom.kv_total), np.int32(flags), np.int32(rule.window),
-                            np.int32(lanes)), stream=stream)
+                            np.int32(lanes), pages, np.int32(page), np.int32(n_pages)), stream=stream)
 
 
 def gather_features_reference(desc, ring, n_rows: int) -> np.ndarray:
