@@ -63,10 +63,13 @@ def trace_batch_step(config, window: int, lanes: int, active: int, *, accept: in
     be = RecordingBackend()
     w = ShapeOnlyWeights(config, be, np.uint16)
     lm = be.empty((int(lm_head_vocab), config.hidden_size), np.uint16) if lm_head_vocab else None
-    b = DraftKvBatch(w, int(window), lanes, ring_dtype=ml_dtypes.bfloat16, backend=be, lm_head=lm,
-                     logits=False, x_split=x_split, pdl=pdl)
+    # feature rings of at most 1024 rows (a step reads only the rows it appends: the same
+    # launches), so 64 lanes at a 32K window fit in this machine's address space
+    b = DraftKvBatch(w, int(window), lanes, ring_capacity=min(int(window), 1024), ring_dtype=ml_dtypes.bfloat16,
+                     backend=be, lm_head=lm, logits=False, x_split=x_split, pdl=pdl)
     for r in b.rings:   # the rings "hold" every position the plans read; rows never looked at
-        r.lo, r.hi = 0, int(window) + 2 * accept
+        r.hi = int(window) + 2 * accept
+        r.lo = max(0, r.hi - r.capacity)
     b.next_pos = [int(window)] * lanes
     for c in (int(window) + accept // 2, int(window) + accept):   # both step graphs captured
         b.begin_step([c] * active + [None] * (lanes - active))
