@@ -24,9 +24,9 @@
 // so the weights stream through once while the x tile (<= GEMM_MAX_M rows by GEMM_KT
 // columns) is staged in shared memory and reused by every weight row of the block.
 // Each lane reads 4 consecutive K elements per step (float4 / 8-byte loads) and the
-// partial sums are folded across the warp with xor shuffles at the end. (The
-// tensor-core kernels for f16/bf16 weights are gemm_stream.cu and gemm_wgmma.cu; this
-// one serves f32 weights, K tails and unrounded activations.)
+// partial sums are folded across the warp at the end, up to 8 rows per transposed xor
+// reduction. (The tensor-core kernels for f16/bf16 weights are gemm_stream.cu and
+// gemm_wgmma.cu; this one serves f32 weights, K tails and unrounded activations.)
 //
 // K tails: K need not be a multiple of 4. When it is (GEMM_K % 4 == 0) weight and x
 // loads are vectorised (the launcher checks 16-byte alignment of every pointer);
@@ -94,6 +94,10 @@ constexpr int KTILES = (K + KT - 1) / KT;
 constexpr int KSTEPS = KT / GEMM_WARP_K;
 constexpr bool VEC = (K % GEMM_LANE_K) == 0;
 constexpr int NW = (GEMM_EPI == 2) ? 2 : 1;   // weight rows per output column
+// Rows per transposed reduction: GEMM_MAX_M rounded up to a power of two, at most 8
+// (8 rows: 9 shuffles; more would save little and cost more for short M tiles).
+constexpr int RG = GEMM_MAX_M > 4 ? 8 : GEMM_MAX_M > 2 ? 4 : GEMM_MAX_M;
+constexpr int RG_SHIFT = RG == 8 ? 2 : RG == 4 ? 3 : RG == 2 ? 4 : 5;   // 5 - log2(RG)
 
 __device__ __forceinline__ float w_to_float(gemm_w_t v) {
 #if GEMM_WTYPE == 0
@@ -222,28 +226,33 @@ gemm(const float* x, const gemm_w_t* w, float* y, const float* r, int m, int n)
         }
     }
 
+    // Fold the lanes' partial sums: RG rows at a time with warp.cuh's transposed warp_sum
+    // (the same bits as one warp_sum per row, a third of the shuffles); afterwards lane l
+    // holds row g0 + (l >> RG_SHIFT) and the first lane of each such group stores it.
 #pragma unroll
     for (int i = 0; i < GEMM_R; ++i) {
         if (!wvalid[i]) continue;   // warp-uniform
         const int col = col0 + i;
 #pragma unroll
-        for (int mm = 0; mm < GEMM_MAX_M; ++mm) {
-            if (mm < mt) {
-                const float a0 = warp_sum(acc[i][0][mm]);
-#if GEMM_EPI == 2
-                const float a1 = warp_sum(acc[i][NW - 1][mm]);
-#endif
-                // spread the stores over the lanes instead of serialising them on lane 0
-                if (lane == (mm & 31)) {
-                    const long long o = (long long)(m0 + mm) * n + col;
+        for (int g0 = 0; g0 < GEMM_MAX_M; g0 += RG) {
+            if (g0 >= mt) break;   // warp-uniform
+            float s[NW][RG];
+#pragma unroll
+            for (int j = 0; j < NW; ++j) {
+#pragma unroll
+                for (int rr = 0; rr < RG; ++rr) s[j][rr] = (g0 + rr < GEMM_MAX_M) ? acc[i][j][g0 + rr] : 0.f;
+                warp_sum_transposed<RG>(s[j], lane);
+            }
+            const int row = g0 + (lane >> RG_SHIFT);
+            if ((lane & ((1 << RG_SHIFT) - 1)) == 0 && row < mt) {
+                const long long o = (long long)(m0 + row) * n + col;
 #if GEMM_EPI == 0
-                    y[o] = a0;
+                y[o] = s[0][0];
 #elif GEMM_EPI == 1
-                    y[o] = r[o] + a0;   // same thread reads then writes: r == y is safe
+                y[o] = r[o] + s[0][0];   // same thread reads then writes: r == y is safe
 #else
-                    y[o] = silu(a0) * a1;
+                y[o] = silu(s[0][0]) * s[NW - 1][0];
 #endif
-                }
             }
         }
     }

@@ -736,6 +736,20 @@ def test_split_k_workspace_covers_every_m(backend):
     assert sk._ws.size <= gs.H200.sm_count * 64 * per_row
 
 
+@pytest.mark.parametrize("N,K,nw,max_m", [(40, 32, 1, 64), (64, 96, 2, 200), (300, 840, 1, 300), (19, 520, 1, 49)])
+def test_plan_representatives_give_every_distinct_default_plan(emu, N, K, nw, max_m):
+    """The constructor sizes the workspace from representative row counts only: their default
+    plans are exactly the set of every m's up to m_hi (wgmma plans depend on m only through
+    the variant and its row blocks)."""
+    op = Gemm(emu, N, K, "bf16", "silu_mul" if nw == 2 else "none", max_m=max_m, path="stream")
+    sk = op._stream
+    assert sk.wg_variants                      # the collapsed case
+    m_hi = sk.m_hi
+    reps = sk.plan_representatives(m_hi)
+    assert len(reps) < m_hi / 4 and max(reps) == m_hi
+    assert {sk.default_plan(m) for m in reps} == {sk.default_plan(m) for m in range(1, m_hi + 1)}
+
+
 def test_split_k_static_counters_per_m_block():
     # profiling.counters counts split K per (column group, M block): partial tiles of the
     # stored rows only, a wholly dead M block leaves before the count (no partials)

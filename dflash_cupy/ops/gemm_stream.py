@@ -521,9 +521,9 @@ class StreamKernels:
         groups = -(-N // cols_per_block(nw))
         nbx = groups
         wave = self.dev.sm_count * blocks_per_sm(top, 0)
-        m_hi = 16 * top * max(1, wave // (2 * groups))
+        m_hi = self.m_hi = 16 * top * max(1, wave // (2 * groups))
         self.m_split_max = 0     # the largest m that splits K (mma.sync variants)
-        sizes = [m for m in range(1, m_hi + 1)]
+        sizes = self.plan_representatives(m_hi)
         if self.wg_variants:
             sizes += [WG_MIN_M, 64] + [max(65, min(self.max_m, 128 * tb)) for tb in range(1, -(-self.max_m // 128) + 1)]
         for m in sizes:
@@ -541,6 +541,20 @@ class StreamKernels:
                 ws = max(ws, self._live_slots(bt, tb, self.split_cap) * bt * (nw * wg_cols(nw) + int(self.norm)))
         self._ws = backend.zeros((max(ws, 1),), np.float32)
         self._counters = backend.zeros((nbx,), np.int32)
+
+    def plan_representatives(self, m_hi: int) -> list[int]:
+        """Row counts whose default plans are every distinct default plan of ``m`` in
+        ``[1, m_hi]``: all of them below ``WG_MIN_M`` (or where the wgmma rule does not
+        apply), and above it one per (variant, row blocks), on which alone a wgmma plan
+        depends (``plan_wgmma``). m_hi reaches thousands for narrow GEMMs: planning each
+        row count cost ~50 ms per construction."""
+        if not (self.wg_variants and self.k_split is None) or m_hi < WG_MIN_M:
+            return list(range(1, m_hi + 1))
+        sizes = list(range(1, WG_MIN_M)) + [min(m_hi, 64)]    # wg64, one row block: 49..64
+        if m_hi > 64:
+            bt = wg_tokens("wg128" if "wg128" in self.wg_variants else "wg64")
+            sizes += [min(m_hi, tb * bt) for tb in range(-(-65 // bt), -(-m_hi // bt) + 1)]
+        return sizes
 
     def _live_slots(self, bt: int, tblocks: int, cap: int) -> int:
         return wg_live_slots(groups_wg(self.N, self.nw), tblocks, self.skip_groups, self.K, cap,
