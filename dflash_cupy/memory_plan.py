@@ -51,13 +51,19 @@ class MemoryReport:
     def with_weights(self) -> int:
         return self.total + self.pools.get("weights", 0)
 
+    def pages_line(self) -> str:
+        """The page pool's use in one line (per lane for up to 16 lanes, else a summary)."""
+        lp = list(self.lane_pages)
+        per = (f"per lane {lp}" if len(lp) <= 16 else
+               f"{sum(1 for p in lp if p)} of {len(lp)} lanes hold pages (at most {max(lp, default=0)})")
+        return f"  pages of {self.page_size} rows: {self.pages_used} used, {self.pages_free} free; {per}"
+
     def table(self) -> str:
         """The pools as a small text table (GiB), then the pages, if any."""
         rows = [f"  {k:<14} {self.pools.get(k, 0) / GIB:10.3f} GiB" for k in (*POOLS, "weights")]
         rows.append(f"  {'total':<14} {self.total / GIB:10.3f} GiB  (with weights {self.with_weights / GIB:.3f} GiB)")
         if self.page_size:
-            rows.append(f"  pages of {self.page_size} rows: {self.pages_used} used, {self.pages_free} free; "
-                        f"per lane {list(self.lane_pages)}")
+            rows.append(self.pages_line())
         rows.extend(f"  {n}" for n in self.notes)
         return "\n".join(rows)
 
@@ -70,8 +76,7 @@ def side_by_side(planned: MemoryReport, held: MemoryReport) -> str:
         rows.append(f"  {k:<14} {planned.pools.get(k, 0) / mib:10.3f} MiB {held.pools.get(k, 0) / mib:8.3f} MiB")
     rows.append(f"  {'total':<14} {planned.total / mib:10.3f} MiB {held.total / mib:8.3f} MiB  (weights apart)")
     if held.page_size:
-        rows.append(f"  pages of {held.page_size} rows: {held.pages_used} used, {held.pages_free} free; "
-                    f"per lane {list(held.lane_pages)}")
+        rows.append(held.pages_line())
     return "\n".join(rows)
 
 

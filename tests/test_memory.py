@@ -125,3 +125,22 @@ def test_memory_follows_the_pages_lanes_hold(emu):
         assert (m.pages_used, m.pages_free, m.lane_pages) == (held, 9 - held, (0, held, 0))
         b.reset(1)
         assert b.memory().pages_used == 0
+
+
+def test_serving_scale_configuration_allocated_matches_bytes_for(emu):
+    """The serving-scale configuration (64 lanes, 32K windows, rewind slack 64, f16 feature
+    rings of 1024 rows, 5 captured layers, 16-row blocks) at a scaled-down hidden size (32,
+    one layer, one kv head of 32) allocated for real on the emulator: its pools equal
+    ``bytes_for``'s to the byte."""
+    cfg = DraftConfig(n_layer=1, hidden_size=32, n_head=1, n_head_kv=1, head_dim=32, intermediate_size=48,
+                      block_size=16, target_layer_ids=(1, 9, 17, 25, 33), rms_norm_eps=1e-6, rope_theta=1e6)
+    from dflash_cupy.weights import DraftWeights
+    w = DraftWeights.random(cfg, seed=5, dtype=np.float16)
+    kw = dict(rewind_slack=64, ring_capacity=1024, ring_dtype=np.float16)
+    with DraftKvBatch(w, 32768, 64, backend=emu, **kw) as b:
+        got = b.memory()
+    want = bytes_for(cfg, 64, 32768, weight_dtype=np.float16, **kw)
+    for pool in ("kv", "feature_rings", "masks", "weights"):
+        assert got.pools[pool] == want.pools[pool], pool
+    assert got.pages_free == want.pages_free == 64 * lane_pages(32832, 32832, 16, DEFAULT_PAGE)
+    print(f"\nscaled-down serving configuration, allocated:\n{got.table()}")
