@@ -116,7 +116,8 @@ def step_bytes_estimate(config, lanes: int, *, vocab: int = 0, logits: bool = Tr
     bulk = bulk_chunk * (config.fc_in + 2 * H + 2 * kvw + 2)
     out = 0
     if vocab:
-        out = nn * (vocab * (4 if logits or config.dflash2 is not None else 0) + 1 + 16)
+        # 4-byte elements: the logits (when written, or the selector reads them), the tokens
+        out = nn * (vocab * int(logits or config.dflash2 is not None) + 1)
         if config.dflash2 is not None:
             k = config.dflash2.selector_top_k
             out += lanes * (B + 1 + (B - 1) * (3 * k + 1))
