@@ -393,8 +393,10 @@ def test_rewind_within_slack_equals_never_appending(name, slack):
 
 # --------------------------------------------------------------------------- 5. streaming prefill
 def _window_rows(kv, be, lo, c):
-    """Every layer's K and V rows of positions [lo, c)."""
-    sl = [p % kv.geom.slots for p in range(lo, c)]
+    """Every layer's K and V rows of positions [lo, c) (their slots through the page table)."""
+    from dflash_cupy.kv_pages import physical_rows
+    phys = physical_rows(be.to_numpy(kv.engine.page_table)[0], kv.engine.page, kv.geom.kv_total)
+    sl = phys[[p % kv.geom.slots for p in range(lo, c)]]
     return [be.to_numpy(a)[sl] for a in (*kv.k_cache, *kv.v_cache)]
 
 
