@@ -153,6 +153,7 @@ EMU_INTERNAL static void shared_yield(MemTable* t) {
 
 EMU_INTERNAL static inline void check_access(unsigned long long a, unsigned long long n, bool store) {
     MemTable* t = tl_mem;
+    const Fiber* f = tl_fiber;  // read beside tl_mem: one lookup of this module's TLS block for both
     if (!t || !n) return;
     // A scalar load or store of 2, 4 or 8 bytes (16: a 128-bit integer) must be aligned to its
     // size: the GPU faults ("misaligned address") on e.g. a 4-byte load through
@@ -165,7 +166,6 @@ EMU_INTERNAL static inline void check_access(unsigned long long a, unsigned long
     // (yield_in == -1) or is not running: skip the scan of the shared regions then (the same
     // schedule, the same draws). Otherwise an address outside the regions' hull is global memory.
     if (t->yield) {
-        const Fiber* f = tl_fiber;
         if (!f || f->state != RUNNABLE || f->yield_in == -1) return;
         if (a - t->sh_lo >= t->sh_len) return;
         for (int i = 0; i < t->nsh; i++)
