@@ -94,6 +94,9 @@ if ((DRY)); then
     SMOKE=(--smoke)
     PYTEST_ARGS=(--collect-only -q -x -k "not emulated")
     DIFF_ARGS=(--collect-only -q -k emulated)
+    # the runner's plumbing on one file: the tests step collects every file, and
+    # tests/test_differential.py runs the runner itself on real tests
+    DIFF_FILES=(tests/test_norm.py)
     HOST_BACKEND=emulated
     say "DRY RUN: emulated backend, tiny shapes (--smoke); pytest only collects"
     # the plumbing only: the emulated self-check in full is CI's (tests/test_selfcheck.py)
@@ -107,6 +110,8 @@ else
         PYTEST_ARGS=(--maxfail=25 -k "not emulated")  # first contact: see many failures, not one
     fi
     DIFF_ARGS=(--maxfail=40 -k emulated)
+    DIFF_FILES=(tests/test_norm.py tests/test_rope.py tests/test_plan.py tests/test_mma.py
+                tests/test_gemm.py tests/test_attention.py)
     HOST_BACKEND=cuda
     SELFCHECK_ONLY=()
 fi
@@ -215,8 +220,7 @@ TLOG=$OUTDIR/tests.log
 # file's table says which kernels differ at all.
 run_step differential "$( ((QUICK && !DRY)) && echo 80 || echo 110)" "$TLOG" "$PY" -m profiling.run_differential \
     --timeout-s "$( ((QUICK && !DRY)) && echo 70 || echo 95)" \
-    tests/test_norm.py tests/test_rope.py tests/test_plan.py tests/test_mma.py \
-    tests/test_gemm.py tests/test_attention.py -- "${DIFF_ARGS[@]}"
+    "${DIFF_FILES[@]}" -- "${DIFF_ARGS[@]}"
 
 if ((QUICK)); then
     # one step timing per drafter preset (4K window, the graph replay) with every node's own time

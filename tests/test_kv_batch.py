@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from dflash_cupy import backends
+from dflash_cupy.emu.guarded_memory import live_serials
 from dflash_cupy.kv_batch import DraftKvBatch
 from tests.support.drafters import SPECS, built
 from tests.support.lanes import IDLE, make, play
@@ -89,7 +90,8 @@ def test_lanes_property_random_schedules(data):
 @pytest.mark.slow
 def test_graph_reuse_hundreds_of_steps():
     """300 steps with lanes joining and leaving (idle, reset, rewind) capture
-    the step graph exactly twice (one per descriptor buffer)."""
+    the step graph exactly twice (one per descriptor buffer) and allocate
+    nothing after the first steps (the same live device allocations)."""
     be = backends.get("emulated")
     s = SPECS["c"]
     w, lm = built("c")
@@ -120,7 +122,11 @@ def test_graph_reuse_hundreds_of_steps():
         live = [i for i, c in enumerate(c_all) if c is not None]
         if step % 50 == 0 and live:
             assert np.isfinite(be.to_numpy(batch.hidden_states)[live]).all()
+        if step == 20:
+            held = live_serials()
+    batch.synchronize()
     assert batch.captures == 2
+    assert live_serials() == held
 
 
 def test_bad_input_names_the_lane_and_changes_nothing():

@@ -151,6 +151,7 @@ EMU_INTERNAL static void run_blocks(void (*body)(void**), void** args, const uns
         b.bidx.z = (unsigned)(i / ((unsigned long long)grid[0] * grid[1]));
         Rng rng{seed ^ (0x9e3779b97f4a7c15ULL * (i + 1))};
         mem.nsh = 0;
+        mem.sh_len = 0;
         mem.yield = order == ORDER_SHUFFLE;
         mem.yrng = rng.next() | 1;
         if (poison) poison(shmem);

@@ -29,6 +29,7 @@ struct MemTable {
     // before any shared-memory access, so lanes interleave between warp-level
     // synchronisation points as they may on Volta and later, not only there.
     struct { unsigned long long lo, len; } sh[32];
+    unsigned long long sh_lo, sh_len;  // the hull of sh[0..nsh): [sh_lo, sh_lo + sh_len)
     int nsh;
     bool yield;
     bool count;  // counter mode: tl_cnt is this launch's counting state
@@ -59,6 +60,7 @@ EMU_INTERNAL static void build_mem_table(MemTable* t, const unsigned long long* 
     std::memset(t->key, 0, sizeof t->key);
     t->n = 0;
     t->nsh = 0;
+    t->sh_lo = t->sh_len = 0;
     t->yield = false;
     t->count = false;
     t->yrng = 1;
@@ -151,6 +153,7 @@ EMU_INTERNAL static void shared_yield(MemTable* t) {
 
 EMU_INTERNAL static inline void check_access(unsigned long long a, unsigned long long n, bool store) {
     MemTable* t = tl_mem;
+    const Fiber* f = tl_fiber;  // read beside tl_mem: one lookup of this module's TLS block for both
     if (!t || !n) return;
     // A scalar load or store of 2, 4 or 8 bytes (16: a 128-bit integer) must be aligned to its
     // size: the GPU faults ("misaligned address") on e.g. a 4-byte load through
@@ -159,9 +162,15 @@ EMU_INTERNAL static inline void check_access(unsigned long long a, unsigned long
     if ((n == 2 || n == 4 || n == 8 || n == 16) && (a & (n - 1))) misaligned((const void*)a, (unsigned)n, "scalar", store);
     check_page(t, a >> 12, a, n, store);
     if ((a & 4095) + n > 4096) check_page(t, (a + n - 1) >> 12, a, n, store);
-    if (t->yield)
+    // The yield below is a no-op for a lane that has already handed over in this interval
+    // (yield_in == -1) or is not running: skip the scan of the shared regions then (the same
+    // schedule, the same draws). Otherwise an address outside the regions' hull is global memory.
+    if (t->yield) {
+        if (!f || f->state != RUNNABLE || f->yield_in == -1) return;
+        if (a - t->sh_lo >= t->sh_len) return;
         for (int i = 0; i < t->nsh; i++)
             if (a - t->sh[i].lo < t->sh[i].len) { shared_yield(t); break; }
+    }
 }
 
 // Called by the generated poison function for each shared-memory region of this OS thread.
@@ -171,6 +180,11 @@ EMU_INTERNAL static void note_shared(const void* p, unsigned long long n) {
         t->sh[t->nsh].lo = (unsigned long long)p;
         t->sh[t->nsh].len = n;
         t->nsh++;
+        const unsigned long long lo = (unsigned long long)p, hi = lo + n;
+        const unsigned long long hlo = t->sh_len && t->sh_lo < lo ? t->sh_lo : lo;
+        const unsigned long long hhi = t->sh_len && t->sh_lo + t->sh_len > hi ? t->sh_lo + t->sh_len : hi;
+        t->sh_lo = hlo;
+        t->sh_len = hhi - hlo;
     }
 }
 

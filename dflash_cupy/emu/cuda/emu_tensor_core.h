@@ -305,16 +305,25 @@ EMU_INTERNAL static void wg_retire(WgState* s, int tid, unsigned limit) {
         auto elem = [bf](unsigned short h) { return bf ? bf16_bits_to_f32(h) : f16_bits_to_f32(h); };
         float* d = e.d;
         const unsigned long long before = e.d_hash;
+        // This thread's two rows of A and, per column, the column of B, widened once (each
+        // element is exact in double); every accumulator adds its 16 products in k order.
+        double a2[2][16], bcol[16];
+        for (int r = 0; r < 2; r++)
+            for (int k = 0; k < 16; k++) a2[r][k] = (double)elem(rec.a[g + 8 * r][k]);
         for (int j = 0; j < rec.n / 8; j++)
-            for (int i = 0; i < 4; i++) {
-                const int row = g + ((i & 2) ? 8 : 0), col = 8 * j + 2 * t + (i & 1);
-                double acc = rec.scale_d ? (double)d[4 * j + i] : 0.0;
+            for (int c = 0; c < 2; c++) {
+                const int col = 8 * j + 2 * t + c;
                 for (int k = 0; k < 16; k++) {
                     unsigned short h;
                     std::memcpy(&h, bp + (col / 8) * sbo + (k / 8) * lbo + (col % 8) * 16 + (k % 8) * 2, 2);
-                    acc += (double)elem(rec.a[row][k]) * (double)elem(h);
+                    bcol[k] = (double)elem(h);
                 }
-                d[4 * j + i] = (float)acc;
+                for (int r = 0; r < 2; r++) {  // i = c + 2r: rows g and g + 8
+                    const int i = c + 2 * r;
+                    double acc = rec.scale_d ? (double)d[4 * j + i] : 0.0;
+                    for (int k = 0; k < 16; k++) acc += a2[r][k] * bcol[k];
+                    d[4 * j + i] = (float)acc;
+                }
             }
         // Later wgmmas into the same registers, issued while this one was in flight, read them
         // as this one leaves them.
