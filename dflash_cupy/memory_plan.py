@@ -17,7 +17,7 @@ Pools (bytes; GiB = 2^30 in the printed tables):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -41,7 +41,6 @@ class MemoryReport:
     pages_used: int = 0
     pages_free: int = 0
     lane_pages: tuple = ()
-    notes: tuple = field(default=())
 
     @property
     def total(self) -> int:
@@ -64,7 +63,6 @@ class MemoryReport:
         rows.append(f"  {'total':<14} {self.total / GIB:10.3f} GiB  (with weights {self.with_weights / GIB:.3f} GiB)")
         if self.page_size:
             rows.append(self.pages_line())
-        rows.extend(f"  {n}" for n in self.notes)
         return "\n".join(rows)
 
 
