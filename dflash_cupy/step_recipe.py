@@ -54,10 +54,9 @@ class StepRecipe:
     below norm_lo enter raw, unscaled, ln never read), i.e. staged by cp.async instead of
     through registers, on the stream path with a 16-bit weight and H % 8 == 0 (where the
     fold would apply). Why: the register-staged x chunk is a dependent chain that grows with
-    the K slice, so its launch rule prices the partial second round of h5120's 136 column
-    groups on 132 SMs whole and splits K 9 ways (1224 blocks) to flatten it; cp.async puts a
-    chunk's copies in flight at once, so its rule prices bytes in flight and keeps one slice
-    (docs/decisions/gemm.md, "The folded norm's x staging by cp.async")."""
+    the K slice, so its launch rule prices a partial second round of blocks whole and splits
+    K to flatten it (h5120: 9 slices); cp.async puts a chunk's copies in flight at once, so
+    its rule prices bytes in flight and keeps fewer (docs/decisions/dflash2.md, gemm.md)."""
     fold_norms: bool
     fold_hidden: bool
     attn16: str | None
