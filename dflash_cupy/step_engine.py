@@ -373,7 +373,9 @@ class StepEngine:
                                        **attn_kw)
         self.ring_slots = RingSlots(be, self.geom, page=self.page)
         d2 = c.dflash2
-        self.conv = GroupedConv(be, c.hidden_size, d2.conv_kernel_size, d2.conv_group_size) if d2 else None
+        # the finish convolutions write the next norm's output too (finish_norm)
+        self.conv = GroupedConv(be, c.hidden_size, d2.conv_kernel_size, d2.conv_group_size,
+                                norm_eps=c.rms_norm_eps) if d2 else None
 
     def _build_gemms(self, max_m: int, gate_w: int, logits: bool, lm_rows: int) -> None:
         """The step's GEMMs (``g_fc`` .. ``g_lm``), compiled now, every one
@@ -406,8 +408,10 @@ class StepEngine:
         resid = "none" if r.conv else "residual"
         self.g_o = gemm(H, c.q_dim, L0.w_o.dtype, resid, x16=r.attn16 is not None)
         x16 = r.gate_up_x16 is not None   # its norm a launch of its own (rms16), 16-bit rows
+        # (recipe.gate_up_async: the folded-norm variant, every row raw: its cp.async staging)
+        gu_eps = c.rms_norm_eps if r.gate_up_async else None if x16 else fold_eps
         self.g_gate_up = gemm(c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul",
-                              norm_eps=None if x16 else fold_eps, x16=x16, y16=r.act16 is not None)
+                              norm_eps=gu_eps, x16=x16, y16=r.act16 is not None)
         self.g_down = gemm(H, c.intermediate_size, L0.w_down.dtype, resid, x16=r.act16 is not None)
         self.g_attn_gate = gemm(gate_w, H, L0.w_attn_gate.dtype) if gate_w else None
         self.g_conv = gemm(c.dflash2.projection_rows(H), H, L0.conv_a_kp.dtype) if r.conv else None
@@ -570,23 +574,33 @@ class StepEngine:
         of ``cx`` is the sublayer's input, and the ``finish`` convolution of its output is
         added to the residual stream. Context rows take the DFlash path unchanged (their
         K/V from T, or rmsnorm(T) * input_layernorm). Each lane's block is its own sequence
-        (``lane_rows``)."""
+        (``lane_rows``). Each finish also writes the norm that reads its output
+        (``finish_norm``, bit for bit ``rms``'s): the post-attention norm into ``cx``, the
+        next layer's input norm into ``cx`` (the last layer: the final norm into ``_hs``), so
+        only the first layer's input norm is a launch of its own."""
         nc, nn, live, bs = self.n_ctx, self.n_noise, self.tiles_noise, self.lane_rows
         conv_kw = dict(lane_rows=bs, tile_live=live, stream=stream)
+        layers = self.dw.layers
         if self.config.context_kv_layer_norm:
             self.rms(self.ctx_step, L.input_layernorm, self.xin[:nc], stream=stream)
-        self.rms(h_in, L.input_layernorm, self.cx, stream=stream)
+        if li == 0:
+            self.rms(h_in, L.input_layernorm, self.cx, stream=stream)
         self.g_conv(self.cx, L.conv_a_kp, self.dconv, nn, tile_live=live, stream=stream)
         self.conv(self.cx, L.conv_a_base[0], self.dconv, 0, self.hn, **conv_kw)   # hn = xin[nc:]
         self._qkv_rope(li, L, self.xin, nc + nn, stream, tile_live=self.tile_live)
         self._attend(li, L, self.obuf, None, stream)
-        self.conv(self.obuf, L.conv_a_base[1], self.dconv, 1, self.h, residual=h_in, **conv_kw)
-        self.rms(self.h, L.post_attention_layernorm, self.cx, stream=stream)
+        self.conv.finish_norm(self.obuf, L.conv_a_base[1], self.dconv, self.h, h_in, L.post_attention_layernorm,
+                              self.cx, **conv_kw)
         self.g_conv(self.cx, L.conv_m_kp, self.dconv, nn, tile_live=live, stream=stream)
         self.conv(self.cx, L.conv_m_base[0], self.dconv, 0, self.hn, **conv_kw)
-        self.g_gate_up(self.hn, L.w_gate_up, self.act, nn, tile_live=live, stream=stream)
+        # gate_up_async: norm_lo = nn, so no row is normalised (ln is never read)
+        raw = {"norm": (L.post_attention_layernorm, nn)} if self.recipe.gate_up_async else {}
+        self.g_gate_up(self.hn, L.w_gate_up, self.act, nn, tile_live=live, stream=stream, **raw)
         self.g_down(self.act, L.w_down, self.obuf, nn, tile_live=live, stream=stream)
-        self.conv(self.obuf, L.conv_m_base[1], self.dconv, 1, self.h, residual=self.h, **conv_kw)
+        last = li + 1 == len(layers)
+        self.conv.finish_norm(self.obuf, L.conv_m_base[1], self.dconv, self.h, self.h,
+                              self.dw.norm if last else layers[li + 1].input_layernorm,
+                              self._hs if last else self.cx, **conv_kw)
 
     def _run_rows(self, stream, eager: bool) -> None:
         """The step after its planning launch: T for the appended context rows (the hidden
@@ -600,7 +614,8 @@ class StepEngine:
             # per-layer ranges only when eager: inside a graph they would mark capture time
             with nvtx_range(f"layer {li}") if eager else contextlib.nullcontext():
                 self._step_layer(li, L, stream)
-        self.rms(self.h, dw.norm, self._hs, stream=stream)
+        if not self.recipe.conv:   # DFlash 2: the last layer's finish wrote it (_conv_layer)
+            self.rms(self.h, dw.norm, self._hs, stream=stream)
         if self.selector is not None:   # DFlash 2: top-K of the logits, then the walk from the anchor
             self.g_lm(self._hs, self.lm_head, self._logits, nn, tile_live=live, stream=stream)
             sel = self.selector

@@ -48,7 +48,15 @@ class StepRecipe:
     ``conv``: DFlash 2's convolutions wrap each sublayer (SPEC §6): the input norms run as
     launches of their own (a convolution sits between each norm and its GEMM, so nothing
     folds) and the o / down GEMMs write their plain outputs, which the ``finish``
-    convolution adds to the residual stream."""
+    convolution adds to the residual stream.
+    ``gate_up_async``: with ``conv``, the gate_up GEMM reads the prepare convolution's f32
+    rows through the folded-norm variant with ``norm_lo`` = every row (GS_NORM's contract: rows
+    below norm_lo enter raw, unscaled, ln never read), i.e. staged by cp.async instead of
+    through registers, on the stream path with a 16-bit weight and H % 8 == 0 (where the
+    fold would apply). Why: the register-staged x chunk is a dependent chain that grows with
+    the K slice, so its launch rule prices a partial second round of blocks whole and splits
+    K to flatten it (h5120: 9 slices); cp.async puts a chunk's copies in flight at once, so
+    its rule prices bytes in flight and keeps fewer (docs/decisions/dflash2.md, gemm.md)."""
     fold_norms: bool
     fold_hidden: bool
     attn16: str | None
@@ -56,6 +64,7 @@ class StepRecipe:
     gate_up_x16: str | None
     qkv_rope: bool
     conv: bool = False
+    gate_up_async: bool = False
 
     @classmethod
     def derive(cls, config, dw, checked, x_split: bool, n_ctx: int, n_noise: int) -> "StepRecipe":
@@ -75,5 +84,7 @@ class StepRecipe:
             act = dn if dn in sixteen and gu == dn and c.intermediate_size % 8 == 0 and H % 8 == 0 else None
             if n_noise >= GATE_UP_X16_MIN_ROWS and gu in sixteen and H % 8 == 0 and not conv:
                 x16 = gu
+        gu_async = conv and checked.stream and H % 8 == 0 and kind["w_gate_up"] in sixteen
         return cls(fold_norms=bool(fold), fold_hidden=bool(fold and not c.context_kv_layer_norm and x_split),
-                   attn16=attn, act16=act, gate_up_x16=x16, qkv_rope=n_ctx + n_noise >= WG_MIN_M, conv=conv)
+                   attn16=attn, act16=act, gate_up_x16=x16, qkv_rope=n_ctx + n_noise >= WG_MIN_M, conv=conv,
+                   gate_up_async=bool(gu_async))

@@ -1263,6 +1263,15 @@ def _small(L) -> KernelCounters:
         return _bytes_only(L, reads, [(n("y"), live * H * 4)],
                            "the taps' earlier rows re-read from L1/L2, not counted"
                            + (f"; tile_live: {rows - live} dead row(s) skipped" if flags is not None else ""))
+    if k == "grouped_conv_norm":   # conv.cu: the finish convolution + the next RMSNorm, grid (rows)
+        rows, H, T, gs = L.grid[0], d["CONV_H"], d["CONV_TAPS"], d["CONV_GROUP"]
+        flags = L.known.get("tile_live") if int(P.get("use_live", 0)) else None
+        live = rows if flags is None else sum(1 for r in range(rows) if flags[r // 16])
+        reads = [(n("x"), live * H * 4), (n("base"), T * H * 4), (n("d"), live * T * (H // gs) * 4),
+                 (n("residual"), live * H * 4), (n("w"), H * 4)]
+        return _bytes_only(L, reads, [(n("y"), live * H * 4), (n("yn"), live * H * 4)],
+                           "the taps' earlier rows re-read from L1/L2, not counted"
+                           + (f"; tile_live: {rows - live} dead row(s) skipped" if flags is not None else ""))
     if k == "selector_topk_blocks":   # selector.cu: each (row, column block)'s best K
         rows, nblk, K = L.grid[1], P["nblk"], d["SEL_K"]
         return _bytes_only(L, [(n("logits"), rows * d["SEL_V"] * 4)], [(n("part"), rows * nblk * K * 8)])

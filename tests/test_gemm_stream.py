@@ -331,6 +331,30 @@ def test_folded_rmsnorm_matches_norm_then_gemm(backend, rng, epilogue, k_split):
             assert not np.allclose(plain[norm_lo:], ref[norm_lo:], rtol=1e-2, atol=1e-2)
 
 
+def test_folded_rmsnorm_variant_with_every_row_raw(backend, rng):
+    """norm_lo = m: every row enters raw (the step's DFlash 2 gate_up: StepRecipe.gate_up_async,
+    the folded-norm variant for its cp.async staging). ln is NaN: never read, never applied; the
+    result is the plain GEMM's, through the stream kernel and (m >= 49) the wgmma one, with
+    and without dead tiles."""
+    N, K = 260, 840
+    op = Gemm(backend, N, K, "bf16", epilogue="silu_mul", max_m=128, path="stream", norm_eps=1e-6)
+    wh = host_weights(rng, 2 * N, K, "bf16")
+    w, ln = backend.asarray(wh), backend.asarray(np.full(K, np.nan, np.float32))
+    for m in (5, 16, 37, 64, 80):
+        xh = rng.standard_normal((m, K)).astype(np.float32)
+        ref = gemm_reference(xh, wh, "silu_mul", x_round=op.x_round)
+        y = backend.zeros((m, N), np.float32)
+        op(backend.asarray(xh), w, y, m, norm=(ln, m))
+        assert_close(backend.to_numpy(y), ref, "f32", f"{op!r} m={m} norm_lo=m ({op._stream.plan(m).mt})")
+        flags = tile_flags(rng, m)
+        live = live_rows(flags, m)
+        y = backend.asarray(np.full((m, N), SENTINEL, np.float32))
+        op(backend.asarray(xh), w, y, m, norm=(ln, m), tile_live=backend.asarray(flags))
+        got = backend.to_numpy(y)
+        assert_close(got[live], ref[live], "f32", f"m={m} flags={flags.tolist()}")
+        assert (got[~live] == SENTINEL).all()
+
+
 def test_folded_rmsnorm_with_padding_rows(backend, rng):
     """The step's qkv: rows [lo, 34) padding, rows >= 34 normalised."""
     N, K, m = 96, 256, 50

@@ -29,6 +29,7 @@ def run(backend, rng, D, xh, wh, *, eps=1e-6, rows=None, in_place=False):
     (19, 32),      # scalar loads, several rows per block
     (128, 32),     # one warp per row
     (1000, 64),    # two warps per row, two rows per block: shared partials
+    (1300, 96),    # three warps per row: one row per block (128 would not be whole rows)
     (4096, 256),   # 8 warps, 4 float4 chunks per thread
     (5000, 320),   # chunk count not a multiple of the row's threads
 ])

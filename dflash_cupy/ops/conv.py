@@ -5,12 +5,15 @@ reference.
 * x[r - t, c]`` with ``i = r % lane_rows`` (each lane's block is its own sequence: a tap
 before its first row reads zero). ``half`` 0 is the "prepare" convolution of a sublayer's
 normed input, half 1 the "finish" convolution of its output (with the residual added).
+``GroupedConv(..., norm_eps=eps).finish_norm`` fuses a finish with the RMSNorm of its output
+(``grouped_conv_norm``: that norm's output as ``RmsNorm`` computes it, bit for bit).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .. import checks, kernels
+from .norm import norm_threads
 
 THREADS = 128
 
@@ -22,9 +25,10 @@ class GroupedConv:
     ``x``, ``y`` (and ``residual``) f32 ``[rows, hidden]``; ``base`` f32 ``[taps, hidden]`` (one
     half of the checkpoint's ``base_kernel``); ``d`` f32 ``[rows, 2*taps*G]``; ``lane_rows``
     (default ``rows``): rows per lane block. ``y`` may be ``residual`` itself, never ``x``.
-    ``tile_live``: rows of a 16-row tile marked 0 are skipped. Capture-safe."""
+    ``tile_live``: rows of a 16-row tile marked 0 are skipped. Capture-safe.
+    ``norm_eps``: also compile ``finish_norm`` (the finish fused with an RMSNorm of that eps)."""
 
-    def __init__(self, backend, hidden: int, taps: int, group_size: int):
+    def __init__(self, backend, hidden: int, taps: int, group_size: int, norm_eps: float | None = None):
         self.backend = backend
         self.hidden = checks.int_arg(hidden, "hidden", 1)
         self.taps = checks.int_arg(taps, "taps", 1)
@@ -32,15 +36,63 @@ class GroupedConv:
         if self.hidden % self.group_size:
             raise ValueError(f"group_size={group_size} must divide hidden={hidden}")
         self.groups = self.hidden // self.group_size
-        self._kernel = kernels.load_module(backend, "conv.cu", CONV_H=self.hidden, CONV_TAPS=self.taps,
-                                           CONV_GROUP=self.group_size,
-                                           CONV_THREADS=THREADS).get_function("grouped_conv")
+        self.norm_eps = None
+        if norm_eps is not None:
+            self.norm_eps = checks.float_arg(norm_eps, "norm_eps")
+            if not self.norm_eps >= 0.0:
+                raise ValueError(f"norm_eps must be >= 0, got {norm_eps!r}")
+        self.norm_tpr = norm_threads(self.hidden)   # rmsnorm's threads per row (its sums' order)
+        module = kernels.load_module(backend, "conv.cu", CONV_H=self.hidden, CONV_TAPS=self.taps,
+                                     CONV_GROUP=self.group_size, CONV_THREADS=THREADS, CONV_NORM_TPR=self.norm_tpr)
+        self._kernel = module.get_function("grouped_conv")
+        self._norm_kernel = None if norm_eps is None else module.get_function("grouped_conv_norm")
         self._no_live = backend.zeros((1,), np.int32)   # tile_live's placeholder (never read)
 
     def __repr__(self):
-        return f"GroupedConv(hidden={self.hidden}, taps={self.taps}, group_size={self.group_size})"
+        norm = "" if self.norm_eps is None else f", norm_eps={self.norm_eps}"
+        return f"GroupedConv(hidden={self.hidden}, taps={self.taps}, group_size={self.group_size}{norm})"
 
     def __call__(self, x, base, d, half: int, y, residual=None, lane_rows=None, tile_live=None, stream=None):
+        rows, lane_rows = self._check(x, base, d, half, y, residual, lane_rows, tile_live)
+        if rows == 0:
+            return
+        self._kernel((-(-self.hidden // THREADS), rows, 1), (THREADS, 1, 1),
+                     (x, base, d, np.int32(half), y if residual is None else residual,
+                      np.int32(residual is not None), y, np.int32(lane_rows),
+                      self._no_live if tile_live is None else tile_live, np.int32(tile_live is not None)),
+                     stream=stream)
+
+    def finish_norm(self, x, base, d, y, residual, w, yn, lane_rows=None, tile_live=None, stream=None) -> None:
+        """The finish convolution (half 1) into ``y`` = ``residual`` + conv (``y`` may be
+        ``residual``), and ``yn`` = rmsnorm(``y``) * ``w`` (f32 ``[rows, hidden]`` and
+        ``[hidden]``; ``yn`` overlaps none of the others) as ``RmsNorm(hidden, norm_eps)``
+        computes it; rows of dead tiles leave both untouched. Needs ``norm_eps``."""
+        if self._norm_kernel is None:
+            raise RuntimeError("finish_norm needs a GroupedConv built with norm_eps")
+        if residual is None:
+            raise ValueError("finish_norm adds the residual: residual must be given")
+        rows, lane_rows = self._check(x, base, d, 1, y, residual, lane_rows, tile_live)
+        be, H = self.backend, self.hidden
+        checks.device_array(be, "w", w, np.float32, ndim=1)
+        if tuple(w.shape) != (H,):
+            raise ValueError(f"w must have shape {(H,)}, got {tuple(w.shape)}")
+        checks.device_array(be, "yn", yn, np.float32, ndim=2)
+        if tuple(yn.shape) != tuple(x.shape):
+            raise ValueError(f"yn must have shape {tuple(x.shape)}, got {tuple(yn.shape)}")
+        for name, a in (("x", x), ("y", y), ("residual", residual), ("w", w), ("d", d), ("base", base)):
+            if checks.overlaps(a, yn):
+                raise ValueError(f"yn must not overlap {name}")
+        if H % 4 == 0:   # the kernel moves 4 channels at once (norm.cu's chunks)
+            checks.aligned16(x=x, base=base, residual=residual, y=y, w=w, yn=yn)
+        if rows == 0:
+            return
+        self._norm_kernel((rows, 1, 1), (self.norm_tpr, 1, 1),
+                          (x, base, d, np.int32(1), residual, y, np.int32(lane_rows), w, np.float32(self.norm_eps),
+                           yn, self._no_live if tile_live is None else tile_live, np.int32(tile_live is not None)),
+                          stream=stream)
+
+    def _check(self, x, base, d, half, y, residual, lane_rows, tile_live) -> tuple:
+        """Every argument check both launches share; ``(rows, lane_rows)``."""
         be, H = self.backend, self.hidden
         checks.device_array(be, "x", x, np.float32, ndim=2)
         rows = x.shape[0]
@@ -64,13 +116,7 @@ class GroupedConv:
         checks.check_no_overlap(y=y, base=base, d=d)
         if tile_live is not None:
             checks.tile_flags(be, tile_live, rows)
-        if rows == 0:
-            return
-        self._kernel((-(-H // THREADS), rows, 1), (THREADS, 1, 1),
-                     (x, base, d, np.int32(half), y if residual is None else residual,
-                      np.int32(residual is not None), y, np.int32(lane_rows),
-                      self._no_live if tile_live is None else tile_live, np.int32(tile_live is not None)),
-                     stream=stream)
+        return rows, lane_rows
 
 
 def grouped_conv_reference(x, base, d, half: int, group_size: int, residual=None, lane_rows=None) -> np.ndarray:

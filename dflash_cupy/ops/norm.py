@@ -18,6 +18,15 @@ MAX_TPR = 1024      # threads per row at most (one block)
 CHUNKS_PER_THREAD = 4  # target register chunks per thread before widening the row group
 
 
+def norm_threads(D: int) -> int:
+    """Threads per row of ``rmsnorm`` (NORM_TPR) for rows of width ``D``: about
+    ``CHUNKS_PER_THREAD`` chunks of 4 (or 1) each. Its sums of squares depend on it, so a
+    kernel that reproduces them bit for bit (conv.cu's ``grouped_conv_norm``) takes it too."""
+    chunks = D // (4 if D % 4 == 0 else 1)
+    want = -(-chunks // CHUNKS_PER_THREAD)
+    return min(MAX_TPR, max(32, -(-want // 32) * 32))
+
+
 class RmsNorm:
     """``RmsNorm(backend, D, eps=1e-6, out_kind=None)``; ``__call__(x, w, y, rows=None, stream=None)``.
 
@@ -39,10 +48,8 @@ class RmsNorm:
         self.D = int(D)
         self.eps = eps
         self.vec = 4 if self.D % 4 == 0 else 1
-        chunks = self.D // self.vec
-        want = -(-chunks // CHUNKS_PER_THREAD)
-        self.tpr = min(MAX_TPR, max(32, -(-want // 32) * 32))
-        self.block = max(self.tpr, 128)
+        self.tpr = norm_threads(self.D)
+        self.block = self.tpr * max(1, 128 // self.tpr)   # whole rows per block (tpr 96: one)
         self.rows_per_block = self.block // self.tpr
         self._module = kernels.load_module(backend, "norm.cu", NORM_D=self.D, NORM_TPR=self.tpr,
                                            NORM_BLOCK=self.block,
