@@ -200,15 +200,6 @@ class DraftKvBatch(EngineFacade):
         host = e.check_host_noise(noise_embed, shape) if dev is None else None
         e.copy_noise(host, dev, self.backend.as_stream(stream))
 
-    def set_sampling(self, sampling) -> None:
-        """How the next planned steps turn each lane's logits into ``draft_tokens``: one
-        ``SamplingParams`` for every lane or a sequence of one per lane (temperature 0:
-        greedy), as at construction. It takes effect at the next ``begin_step`` (the knobs
-        travel with that step's inputs: no recapture, no host wait). Bad input raises naming
-        ``sampling`` (or ``sampling[i]``) and changes nothing."""
-        self._check_open()
-        self.engine.set_sampling(sampling)
-
     def set_anchors(self, anchors, stream=None) -> None:
         """DFlash 2: each lane's block's first token (the anchor its selector walks from) for the
         next ``run``: a host sequence of ``lanes`` ints in ``[0, vocab)`` (``None`` for a lane

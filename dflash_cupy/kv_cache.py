@@ -279,15 +279,6 @@ class DraftKvCache(EngineFacade):
         self.engine.copy_noise(None if host is None else host[None], None if dev is None else dev.reshape(1, B, H),
                                stream)
 
-    def set_sampling(self, sampling) -> None:
-        """How the next planned steps turn logits into ``draft_tokens``: a
-        ``SamplingParams`` (temperature 0: greedy). It takes effect at the next
-        ``begin_step`` (the knobs travel with that step's descriptor: no
-        recapture, no host wait); each step draws with counter = its first
-        noise position, so a seed reproduces a whole run."""
-        self._check_open()
-        self.engine.set_sampling(sampling)
-
     def set_anchor(self, anchor, stream=None) -> None:
         """DFlash 2: the block's first token (the verified anchor the selector walks from) for
         the next ``run``: a host int in ``[0, vocab)``, or a device int32 array of one element

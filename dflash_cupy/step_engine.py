@@ -10,8 +10,9 @@ never by recapturing: two step graphs (alternating input buffers) are captured o
 Device layout (lanes ``L``; ``CS = align16(a_step)``, ``BS = align16(q_len)``):
 
   step_in             one block the graph copies in at once: desc [L, DESC_LEN] int32
-                      (``DESC_ACTIVE`` 0: an idle lane), then, with an LM head, the
-                      sampling knobs f32 [3] and the RNG state u64 [2]
+                      (``DESC_ACTIVE`` 0: an idle lane), then, with an LM head, each
+                      lane's sampling knobs f32 [L, 3] and RNG state u64 [L, 2] (seed,
+                      counter = the lane's committed count: ``lane_sampling``)
   k_cache[l], v_cache[l]
                       [(kv_pages + 1) * page_size, n_head_kv*head_dim] f16: layer l's pools of
                       pages shared by the lanes (``kv_pages.py``); lane ``i``'s logical rows
@@ -1050,8 +1051,8 @@ class StepEngine:
 class EngineFacade:
     """What ``DraftKvCache`` and ``DraftKvBatch`` share as facades of one ``StepEngine``
     (``self.engine``): attributes they do not define are the engine's (the ops, buffers,
-    recipe, graphs, stream order, tuning), the geometry, the host wait, the closed check and
-    the release. Nothing of the step is here: it is the engine's."""
+    recipe, graphs, stream order, tuning), the geometry, the host wait, the closed check,
+    ``set_sampling`` and the release. Nothing of the step is here: it is the engine's."""
 
     def __getattr__(self, name):
         if name == "engine":
@@ -1077,6 +1078,16 @@ class EngineFacade:
     def _check_open(self):
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} is closed")
+
+    def set_sampling(self, sampling) -> None:
+        """How the next planned steps turn logits into ``draft_tokens``: a ``SamplingParams``
+        (temperature 0: greedy) for every lane, or (``DraftKvBatch``) a sequence of one per
+        lane. It takes effect at the next ``begin_step`` (the knobs travel with that step's
+        inputs: no recapture, no host wait); each lane draws with counter = its first noise
+        position, so a seed reproduces a whole run. Bad input raises naming ``sampling`` (or
+        ``sampling[i]``) and changes nothing."""
+        self._check_open()
+        self.engine.set_sampling(sampling)
 
     def _release(self, keep) -> None:
         """Close the engine and drop every attribute but ``keep`` (only what repr and the
