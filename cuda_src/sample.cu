@@ -7,6 +7,8 @@
 //   knobs f32 [3]: temperature (0: greedy), top_p (>= 1: off), top_k (0 or >= V: off;
 //                  an integer held exactly in f32);
 //   rng   u64 [2]: seed, counter base (e.g. the step's first noise position).
+//   lane_rows > 0: rows are lanes' blocks of lane_rows rows; row = lane * lane_rows + r reads
+//   knobs [lane][3] and rng [lane][2] and draws as row r (each lane as a one-lane call).
 // Launch: grid = n_rows (one block per row), block = SAMPLE_BLOCK. No dynamic shared memory.
 //
 // What it computes (ops/sample.py's NumPy reference mirrors every step):
@@ -126,7 +128,7 @@ __device__ unsigned int radix_select(const float* zrow, float inv_t, float m, un
 
 extern "C" __global__ void __launch_bounds__(SAMPLE_BLOCK)
 sample_rows(const float* logits, int ld, int n_rows, const float* knobs, const unsigned long long* rng,
-            int* tokens)
+            int lane_rows, int* tokens)
 {
     pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
     pdl_launch_dependents();
@@ -135,7 +137,8 @@ sample_rows(const float* logits, int ld, int n_rows, const float* knobs, const u
     const int row = blockIdx.x;
     if (row >= n_rows) return;
     const float* lrow = logits + (long long)row * ld;
-    const float temperature = knobs[0], top_p = knobs[1], top_k_f = knobs[2];
+    const float* kn = lane_rows > 0 ? knobs + 3 * (row / lane_rows) : knobs;
+    const float temperature = kn[0], top_p = kn[1], top_k_f = kn[2];
 
     if (!(temperature > 0.0f)) {  // greedy: largest key, lowest index among equals
         unsigned int best = 0u;
@@ -211,7 +214,10 @@ sample_rows(const float* logits, int ld, int n_rows, const float* knobs, const u
     if (threadIdx.x == 0 && total == 0ull) tokens[row] = 0;  // nothing drawable (all NaN)
     if (total == 0ull || mine == 0ull) return;
 
-    const unsigned long long target = draw_target(row_bits64((unsigned int)row, rng), total);
+    // the lane (rl) and the row within it, derived here: nothing held live through the selection
+    const int rl = lane_rows > 0 ? row / lane_rows : 0;
+    const unsigned long long target =
+        draw_target(row_bits64((unsigned int)(row - rl * lane_rows), rng + 2 * rl), total);
     if (target < start || target >= start + mine) return;
     unsigned long long run = start;
     for (int i = c0; i < c1; ++i) {

@@ -13,9 +13,11 @@ Bulk appends (a joining lane's prefill, jumps, the append after a rewind) run
 outside the graph, for that lane only, in chunks.
 
 Outputs: ``hidden_states [L, q_len, hidden]`` f32 and, with ``lm_head``,
-``draft_tokens [L, q_len]`` int32 (greedy) and ``logits [L, q_len, vocab]``
-(iff ``logits=True``): views of the batch's own buffers, rewritten by every
-step; an idle lane's rows are not meaningful.
+``draft_tokens [L, q_len]`` int32 (greedy, or drawn per each lane's ``sampling``) and
+``logits [L, q_len, vocab]`` (iff ``logits=True``); a DFlash 2 drafter adds the selector's
+``candidate_ids`` / ``candidate_values`` / ``selector_choice`` / ``selector_q`` per lane. All
+are views of the batch's own buffers, rewritten by every step; an idle lane's rows are not
+meaningful.
 
 Streams: as ``DraftKvCache`` (work on the caller's current stream or
 ``stream=``; event edges order it after this batch's earlier work and the
@@ -44,8 +46,8 @@ def _lane_word(lane: int) -> str:
 
 class DraftKvBatch(EngineFacade):
     """``DraftKvBatch(weights, capacity, lanes, *, ring_capacity=None,
-    ring_dtype=np.float32, lm_head=None, logits=True, backend=None, bulk_chunk=256, x_split=True,
-    tune=None, pdl=False, selfcheck=None, rewind_slack=0, page_size=64, kv_pages=None)``.
+    ring_dtype=np.float32, lm_head=None, logits=True, sampling=None, backend=None, bulk_chunk=256,
+    x_split=True, tune=None, pdl=False, selfcheck=None, rewind_slack=0, page_size=64, kv_pages=None)``.
 
     ``capacity``: each lane's context window cap; ``rewind_slack``: as ``DraftKvCache``
     (each lane's K/V ring has ``capacity + rewind_slack`` slots). ``ring_capacity`` (default
@@ -54,7 +56,16 @@ class DraftKvBatch(EngineFacade):
     lane's target hidden states there (``rings[i].write(pos, rows)``) before
     planning a step that needs them, or stream a prompt longer than the ring with
     ``prefill(lane, rows)``. ``lm_head``: ``[vocab, hidden]`` (NumPy or
-    a device array, as for ``DraftKvCache``); draft tokens are greedy.
+    a device array, as for ``DraftKvCache``); with it each step ends in ``draft_tokens``.
+    ``sampling`` (default None: greedy), as ``DraftKvCache``'s but per lane: one
+    ``SamplingParams`` for every lane, or a sequence of ``lanes`` of them (lane ``i`` uses
+    ``sampling[i]``); ``set_sampling`` changes it between steps (no recapture). Each lane draws
+    with its own temperature (top-k, top-p: DFlash v1 with ``logits=True``), its own seed and,
+    as the counter, its own first noise position (``committed[i]``), so lane ``i`` equals a
+    single ``DraftKvCache`` built with the same ``SamplingParams`` bit for bit (tokens and, for
+    DFlash 2, the selector's ``selector_q``). One ``SamplingParams`` shared by lanes gives them
+    the same seed: lanes at the same position then draw the same uniforms; give independent
+    requests their own seeds with a sequence.
     ``x_split``: as ``DraftKvCache`` (a lane equals a single cache built with
     the same ``x_split`` bit for bit). With many active lanes the GEMMs are
     bound by MMA issue, not by the weight stream, and ``x_split=False`` halves
@@ -71,9 +82,9 @@ class DraftKvBatch(EngineFacade):
     """
 
     def __init__(self, weights: DraftWeights, capacity: int, lanes: int, *, ring_capacity=None,
-                 ring_dtype=np.float32, lm_head=None, logits: bool = True, backend=None, bulk_chunk: int = 256,
-                 x_split: bool = True, tune: bool | None = None, pdl: bool = False, selfcheck=None,
-                 rewind_slack: int = 0, page_size: int = DEFAULT_PAGE, kv_pages=None):
+                 ring_dtype=np.float32, lm_head=None, logits: bool = True, sampling=None, backend=None,
+                 bulk_chunk: int = 256, x_split: bool = True, tune: bool | None = None, pdl: bool = False,
+                 selfcheck=None, rewind_slack: int = 0, page_size: int = DEFAULT_PAGE, kv_pages=None):
         if not isinstance(weights, DraftWeights):
             raise TypeError(f"weights must be a DraftWeights, got {type(weights).__name__}")
         from .kv_cache import check_ring_size
@@ -88,7 +99,8 @@ class DraftKvBatch(EngineFacade):
             raise TypeError(f"logits must be a bool, got {type(logits).__name__}")
         ring_device_dtype = _ring_device_dtype(ring_dtype)
         self.engine = e = StepEngine.build(weights, capacity, lanes, owner="DraftKvBatch", lm_head=lm_head, logits=logits,
-                                     backend=backend, bulk_chunk=bulk_chunk, x_split=x_split, tune=tune, pdl=pdl,
+                                     sampling=sampling, per_lane_sampling=True, backend=backend,
+                                     bulk_chunk=bulk_chunk, x_split=x_split, tune=tune, pdl=pdl,
                                      selfcheck=selfcheck, rewind_slack=rewind_slack, page_size=page_size,
                                      kv_pages=kv_pages)
         be, c = e.backend, e.config
@@ -110,6 +122,11 @@ class DraftKvBatch(EngineFacade):
         self._closed = False
 
     # ------------------------------------------------------------------ properties
+    @property
+    def sampling(self) -> tuple:
+        """Per lane: the ``SamplingParams`` its next planned steps draw with."""
+        return self.engine.sampling
+
     def __repr__(self):
         return (f"DraftKvBatch(lanes={self.lanes}, {self.geom}, layers={self.config.n_layer}, "
                 f"backend={self.backend.name})")

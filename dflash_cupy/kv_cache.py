@@ -54,7 +54,6 @@ from .geometry import BULK_CHUNK
 from .interop import array_like, device_view
 from .kv_pages import DEFAULT_PAGE
 from .nvtx_ranges import nvtx_range
-from .ops.sample import SamplingParams
 from .ops.step_descriptor import decide_lanes
 from .step_engine import EngineFacade, StepEngine
 from .weights import DraftWeights
@@ -141,14 +140,9 @@ class DraftKvCache(EngineFacade):
         capacity, rewind_slack = check_ring_size(capacity, rewind_slack)
         if not isinstance(bulk_chunk, int) or isinstance(bulk_chunk, bool) or not 1 <= bulk_chunk <= BULK_CHUNK:
             raise ValueError(f"bulk_chunk must be an int in [1, {BULK_CHUNK}], got {bulk_chunk!r}")
-        sampling = SamplingParams() if sampling is None else sampling
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         if not isinstance(logits, (bool, np.bool_)):
             raise TypeError(f"logits must be a bool, got {type(logits).__name__}")
-        if not logits and sampling.temperature > 0 and weights.config.dflash2 is None:
-            raise ValueError("sampling with temperature > 0 needs logits=True (the fused argmax is greedy)")
-        # the one step engine, with one lane (its checks of the shared arguments come next)
+        # the one step engine, with one lane (it checks the shared arguments, sampling among them)
         self.engine = e = StepEngine.build(weights, capacity, 1, owner="DraftKvCache", lm_head=lm_head, logits=logits,
                                      sampling=sampling, backend=backend, bulk_chunk=bulk_chunk, x_split=x_split,
                                      tune=tune, pdl=pdl, selfcheck=selfcheck, rewind_slack=rewind_slack,
@@ -177,7 +171,7 @@ class DraftKvCache(EngineFacade):
 
     # ------------------------------------------------------------------ properties
     trash_slot = property(lambda self: self.geom.trash_slot)
-    sampling = property(lambda self: self.engine.sampling)
+    sampling = property(lambda self: self.engine.sampling[0])
 
     @property
     def next_pos(self) -> int:
@@ -284,24 +278,6 @@ class DraftKvCache(EngineFacade):
         B, H = self.q_len, self.config.hidden_size
         self.engine.copy_noise(None if host is None else host[None], None if dev is None else dev.reshape(1, B, H),
                                stream)
-
-    def set_sampling(self, sampling) -> None:
-        """How the next planned steps turn logits into ``draft_tokens``: a
-        ``SamplingParams`` (temperature 0: greedy). It takes effect at the next
-        ``begin_step`` (the knobs travel with that step's descriptor: no
-        recapture, no host wait); each step draws with counter = its first
-        noise position, so a seed reproduces a whole run."""
-        self._check_open()
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        if self.engine.lm_head is None:
-            raise ValueError("sampling needs an lm_head (this cache has none)")
-        if self.engine.selects:
-            self.engine.check_selector_sampling(sampling)
-        elif self.logits is None and sampling.temperature > 0:
-            raise ValueError("sampling with temperature > 0 needs logits=True (this cache fuses the greedy "
-                             "token into the lm_head GEMM and writes no logits)")
-        self.engine.sampling = sampling
 
     def set_anchor(self, anchor, stream=None) -> None:
         """DFlash 2: the block's first token (the verified anchor the selector walks from) for

@@ -23,6 +23,10 @@ kernels, ``tolerances.TOL`` elsewhere), never only against another GPU kernel:
 * ``step.f32`` / ``step.bf16`` / ``step.f16``: a 2-layer drafter (one sliding layer) through
   a prefill in bulk chunks and two in-graph steps that wrap its ring, hidden states, logits
   and tokens against ``reference.draft_forward`` (the fused argmax with f16 weights);
+* ``step.dflash2``: the same drafter shape as DFlash 2 (bf16: the convolutions around every
+  sublayer, the selector's top-K and walk from an anchor) through the same schedule, greedy
+  then sampled, hidden states, candidates, draft tokens and ``q`` against
+  ``reference.draft_forward`` / ``reference.select_draft``;
 * ``graph.pdl``: the same step captured with programmatic dependent launch, bit-identical to
   the plain graph (on the emulator under its PDL ordering check, ``emu/pdl_order.py``).
 
@@ -110,7 +114,7 @@ class _Runner:
     ``Check``, and ends early (the rest "not run") if a GPU error ends the CUDA context."""
 
     ORDER = ("plan", "norm", "rope", "sample", "dflash2", "gemm.fma", "gemm.stream", "gemm.wgmma", "attention.fma",
-             "attention.mma", "step.f32", "step.bf16", "step.f16", "graph.pdl")
+             "attention.mma", "step.f32", "step.bf16", "step.f16", "step.dflash2", "graph.pdl")
 
     def __init__(self, be, only, known_failures):
         self.be, self.only, self.known = be, only, known_failures
@@ -830,6 +834,8 @@ def _e2e_run(be, kind: str, choices: Choices, pdl: bool = False, on_graph=None):
 def _e2e(runner: _Runner, variant: str, kind: str, choices: Choices) -> list:
     from . import reference
     from .tolerances import TOL
+    if kind == "dflash2":
+        return _e2e_dflash2(runner, variant, choices)
     be = runner.be
     steps, w, lm, used = _e2e_run(be, kind, choices)
     how = f"{'stream' if used['stream'] else 'fma'} GEMMs, {used['attention']} attention"
@@ -847,6 +853,101 @@ def _e2e(runner: _Runner, variant: str, kind: str, choices: Choices) -> list:
         bad = (toks < 0) | (toks >= ref_l.shape[1]) | (got < best - (t["atol"] + t["rtol"] * np.abs(best)))
         out.append(Check(variant, f"greedy tokens are the oracle's argmax, {tag}" +
                          (" (fused argmax)" if lg is None else ""), not bad.any(), float(bad.sum()), "exact"))
+    return out
+
+
+# The DFlash 2 step check: the E2E drafter's shape and schedule with the convolutions (2 taps,
+# groups of 16) and the selector (K 16 of the 300-token vocabulary, rank 32) in the published
+# config's non-causal per-row masks; an anchor per step, the last step sampled (SPEC §6).
+E2E_DFLASH2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=32, selector_top_k=16,
+                   final_logit_softcapping=20.0, output_multiplier=0.196)
+E2E_ANCHORS = (7, 123, 299)
+E2E_SAMPLED = dict(temperature=0.8, seed=2026)   # the last step's sampling
+# A walk whose token differs from the oracle's fails only where the oracle's decision is clear
+# of the step's error (scores and q move by ~1e-4 here): the best score's lead over the
+# runner-up (greedy), the uniform's distance to the nearest boundary in units of the row's
+# mass (sampled).
+E2E_CLEAR = dict(greedy=1e-2, sampled=1e-3)
+
+
+def _e2e_dflash2_run(be, choices: Choices):
+    """The DFlash 2 drafter through ``E2E_SCHEDULE`` in a ``DraftKvCache``: [(committed, noise, X,
+    anchor, sampling, hidden, candidate ids, values, tokens, q)] per step."""
+    from .config import DFlash2Config, DraftConfig
+    from .feature_ring import FeatureRing
+    from .kv_cache import DraftKvCache
+    from .ops.sample import SamplingParams
+    from .weights import DraftWeights
+    cfg = DraftConfig(**E2E, is_causal=False, mask_token_id=0,
+                      dflash2=DFlash2Config(vocab_size=E2E_VOCAB, **E2E_DFLASH2))
+    w = DraftWeights.random(cfg, seed=zlib.crc32(b"dflash2") & 0xFFFF, dtype="bf16")
+    rng = _seed("e2e dflash2")
+    import ml_dtypes
+    lm = (rng.standard_normal((E2E_VOCAB, cfg.hidden_size)) / np.sqrt(cfg.hidden_size)).astype(ml_dtypes.bfloat16)
+    feats = rng.standard_normal((E2E_SCHEDULE[-1], cfg.fc_in)).astype(np.float32)
+    out = []
+    with FeatureRing(E2E_RING, cfg.n_captured, cfg.hidden_size, np.float32, backend=be) as ring, \
+            DraftKvCache(w, E2E_CAPACITY, lm_head=lm, logits=False, backend=be, bulk_chunk=E2E_BULK, tune=False,
+                         selfcheck=choices) as kv:
+        have = 0
+        for i, (committed, anchor) in enumerate(zip(E2E_SCHEDULE, E2E_ANCHORS)):
+            lo = committed - min(committed, E2E_CAPACITY)
+            start = max(have, lo)
+            ring.write(start, feats[start:committed])
+            have = committed
+            sp = SamplingParams(**E2E_SAMPLED) if i == len(E2E_SCHEDULE) - 1 else SamplingParams()
+            kv.set_sampling(sp)
+            noise = rng.standard_normal((cfg.q_len, cfg.hidden_size)).astype(np.float32)
+            kv.step(ring, committed, noise, anchor=anchor)
+            out.append((committed, noise, feats[lo:committed], anchor, sp, be.to_numpy(kv.hidden_states),
+                        *(be.to_numpy(a) for a in (kv.candidate_ids, kv.candidate_values, kv.draft_tokens,
+                                                   kv.selector_q))))
+    return out, w, lm.astype(np.float32)
+
+
+def _e2e_dflash2(runner: _Runner, variant: str, choices: Choices) -> list:
+    """Each step against the float64 oracle: hidden states and candidate values within the
+    step tolerance; every candidate id a (near-)equal of the oracle's at its rank (its oracle
+    logit within the step tolerance of the oracle's rank-k logit); then the walk row by row
+    while it follows the oracle's (same predecessor, same candidate set): q within the step
+    tolerance (by candidate id) and the same token, unless the oracle's decision is not clear
+    of the step's error (``E2E_CLEAR``), where the walks may part."""
+    from . import reference
+    from .ops.selector import selector_uniforms
+    from .tolerances import TOL
+    steps, w, lm = _e2e_dflash2_run(runner.be, choices)
+    t = TOL["step"]
+    out = []
+    for committed, noise, X, anchor, sp, hidden, ids, vals, tokens, q in steps:
+        how = "greedy" if sp.temperature == 0 else f"T={sp.temperature}"
+        tag = f"DFlash 2 committed={committed} ({how})"
+        ref_h, ref_l = reference.draft_forward(w, X, noise, lm_head=lm)
+        out.append(runner.close(variant, f"hidden states, {tag}", hidden, ref_h, "step"))
+        uni = selector_uniforms(sp.seed, committed, 1, len(hidden))[0] if sp.temperature else None
+        sel = reference.select_draft(w, ref_h, lm, anchor, temperature=sp.temperature, uniforms=uni)
+        out.append(runner.close(variant, f"candidate values, {tag}", vals, sel.candidate_values, "step"))
+        # the kernel's k-th candidate has (nearly) the oracle's k-th largest logit
+        want = np.take_along_axis(ref_l[1:], sel.candidate_ids, axis=1)
+        got = np.take_along_axis(ref_l[1:], np.clip(ids, 0, E2E_VOCAB - 1), axis=1)
+        bad = (ids < 0) | (ids >= E2E_VOCAB) | ~(np.abs(got - want) <= t["atol"] + t["rtol"] * np.abs(want))
+        out.append(Check(variant, f"candidate ids rank as the oracle's, {tag}", not bad.any(), float(bad.sum()),
+                         "exact"))
+        # the walk, row by row while it follows the oracle's
+        clear = E2E_CLEAR["sampled" if sp.temperature else "greedy"]
+        rows, wrong, q_err = 0, int(tokens[0] != anchor), 0.0
+        for j in range(len(sel.draft_tokens)):
+            mine, theirs = np.argsort(ids[j], kind="stable"), np.argsort(sel.candidate_ids[j], kind="stable")
+            if not np.array_equal(ids[j][mine], sel.candidate_ids[j][theirs]):
+                break                     # a near tie at rank K: other candidates, other walks
+            rows += 1
+            q_err = max(q_err, float(np.abs(q[j][mine] - sel.q[j][theirs]).max()))
+            wrong += int(not runner.close(variant, "", q[j][mine], sel.q[j][theirs], "step").ok)
+            if tokens[j + 1] != sel.draft_tokens[j]:
+                wrong += int(sel.margin[j] > clear)
+                break
+        out.append(Check(variant, f"draft tokens and q, {tag}", wrong == 0, float(wrong), "exact",
+                         f"{rows}/{len(sel.draft_tokens)} rows followed the oracle's walk; "
+                         f"max |q - oracle| {q_err:.2e}"))
     return out
 
 

@@ -43,6 +43,7 @@ VARIANTS = {
     "step.f32": "a cached drafter step, f32 weights, vs the float64 oracle",
     "step.bf16": "a cached drafter step, bf16 weights, vs the float64 oracle",
     "step.f16": "a cached drafter step, f16 weights (fused argmax), vs the float64 oracle",
+    "step.dflash2": "a cached DFlash 2 drafter step (convolutions, selector), bf16 weights, vs the float64 oracle",
     "graph.pdl": "step graph with programmatic dependent launch",
 }
 # the documented fallback order: what a cache uses instead of a failed variant
@@ -469,7 +470,7 @@ def require(choices: Choices, issuer) -> None:
     if getattr(issuer, "sampler", None) is not None:
         need.add("sample")
     if getattr(issuer, "conv", None) is not None or getattr(issuer, "selector", None) is not None:
-        need.add("dflash2")
+        need |= {"dflash2", "step.dflash2"}
     kinds = set()
     for name in ("g_fc", "g_kv", "g_qkv", "g_o", "g_gate_up", "g_down", "g_attn_gate", "g_lm"):
         g = getattr(issuer, name, None)

@@ -10,8 +10,9 @@ never by recapturing: two step graphs (alternating input buffers) are captured o
 Device layout (lanes ``L``; ``CS = align16(a_step)``, ``BS = align16(q_len)``):
 
   step_in             one block the graph copies in at once: desc [L, DESC_LEN] int32
-                      (``DESC_ACTIVE`` 0: an idle lane), then, with an LM head, the
-                      sampling knobs f32 [3] and the RNG state u64 [2]
+                      (``DESC_ACTIVE`` 0: an idle lane), then, with an LM head, each
+                      lane's sampling knobs f32 [L, 3] and RNG state u64 [L, 2] (seed,
+                      counter = the lane's committed count: ``lane_sampling``)
   k_cache[l], v_cache[l]
                       [(kv_pages + 1) * page_size, n_head_kv*head_dim] f16: layer l's pools of
                       pages shared by the lanes (``kv_pages.py``); lane ``i``'s logical rows
@@ -79,13 +80,43 @@ _PUBLIC = {"_hs": "hidden_states", "_logits": "logits", "_tokens": "draft_tokens
 
 
 def _step_in_layout(lanes: int, sampled: bool) -> tuple:
-    """Byte offsets of the step-inputs block: the descriptors, the sampling knobs f32 [3] and
-    the RNG state u64 [2] at the next multiple of 8; its size."""
+    """Byte offsets of the step-inputs block: the descriptors, the sampling knobs f32 [lanes, 3]
+    and the RNG state u64 [lanes, 2] at the next multiple of 8; its size."""
     knobs = lanes * DESC_LEN * 4
     if not sampled:
         return knobs, knobs, knobs
-    rng = -(-(knobs + 12) // 8) * 8
-    return knobs, rng, rng + 16
+    rng = -(-(knobs + 12 * lanes) // 8) * 8
+    return knobs, rng, rng + 16 * lanes
+
+
+def lane_sampling(sampling, lanes: int, *, per_lane: bool, lm_head: bool, logits: bool, selects: bool,
+                  default=None) -> tuple:
+    """``sampling`` checked, as one ``SamplingParams`` per lane: a ``SamplingParams`` (every
+    lane), with ``per_lane`` a sequence of ``lanes`` of them, or None (``default``, if given).
+    ``lm_head``: the engine has one; ``logits``: it writes logits; ``selects``: DFlash 2's
+    selector draws the tokens. Raises naming ``sampling`` (or ``sampling[i]``)."""
+    if sampling is None and default is not None:
+        sampling = default
+    if isinstance(sampling, SamplingParams):
+        per, names = (sampling,) * lanes, ("sampling",) * lanes
+    elif per_lane and isinstance(sampling, (list, tuple)):
+        if len(sampling) != lanes:
+            raise ValueError(f"sampling has {len(sampling)} entries, expected one per lane ({lanes})")
+        for i, sp in enumerate(sampling):
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"sampling[{i}] must be a SamplingParams, got {type(sp).__name__}")
+        per, names = tuple(sampling), tuple(f"sampling[{i}]" for i in range(lanes))
+    else:
+        also = f" or a sequence of one per lane ({lanes})" if per_lane else ""
+        raise TypeError(f"sampling must be a SamplingParams{also}, got {type(sampling).__name__}")
+    for sp, name in zip(per, names):
+        if sp.temperature > 0 and not lm_head:
+            raise ValueError(f"{name} with temperature > 0 needs an lm_head (none was given)")
+        if selects:
+            StepEngine.check_selector_sampling(sp, name)
+        elif sp.temperature > 0 and not logits:
+            raise ValueError(f"{name} with temperature > 0 needs logits=True (the fused argmax is greedy)")
+    return per
 
 
 class StepEngine:
@@ -97,13 +128,20 @@ class StepEngine:
     (default: every lane's worst case; ``kv_pages.py``). The facade checks its own arguments
     first and binds the lanes' feature rings (``bind_rings``) before the first ``plan``.
     ``owner``: the facade's name (labels,
-    NVTX ranges, messages). The other arguments are ``DraftKvCache``'s."""
+    NVTX ranges, messages). ``sampling``: a ``SamplingParams`` for every lane, or with
+    ``per_lane_sampling`` a sequence of one per lane (``lane_sampling``); ``self.sampling`` holds
+    one per lane. The other arguments are ``DraftKvCache``'s."""
 
     def __init__(self, weights, capacity: int, lanes: int, *, owner: str, lm_head=None, logits: bool = True,
-                 sampling=None, backend=None, bulk_chunk: int = 256, x_split: bool = True,
-                 tune: bool | None = None, pdl: bool = False, selfcheck=None, rewind_slack: int = 0,
-                 page_size: int = DEFAULT_PAGE, kv_pages=None):
+                 sampling=None, per_lane_sampling: bool = False, backend=None, bulk_chunk: int = 256,
+                 x_split: bool = True, tune: bool | None = None, pdl: bool = False, selfcheck=None,
+                 rewind_slack: int = 0, page_size: int = DEFAULT_PAGE, kv_pages=None):
         self.owner = owner
+        # each lane's sampling, checked before anything is built
+        selects = weights.config.dflash2 is not None and lm_head is not None
+        self.sampling = lane_sampling(sampling, lanes, per_lane=per_lane_sampling, lm_head=lm_head is not None,
+                                      logits=bool(logits), selects=selects, default=SamplingParams())
+        self._per_lane_sampling = per_lane_sampling
         self._nvtx = "dflash" if lanes == 1 else "dflash batch"
         self.x_split = bool_arg(x_split, "x_split")
         self.pdl = bool_arg(pdl, "pdl")
@@ -124,9 +162,6 @@ class StepEngine:
         self.dw = weights.device(be)   # placed once per backend, cached on the weights
         self.bulk_chunk = int(bulk_chunk)
         self.write_logits = bool(logits)
-        self.sampling = SamplingParams() if sampling is None else sampling
-        if self.selects:
-            self.check_selector_sampling(self.sampling)
         H, B, A, kvw = c.hidden_size, g.q_len, g.a_step, c.kv_dim
         CS, BS = align_up(A, TILE_ROWS), align_up(B, TILE_ROWS)
         self.ctx_rows, self.lane_rows = CS, BS
@@ -186,15 +221,18 @@ class StepEngine:
                 # partial maxima, one reduction) and the logits are never written
                 self._logits = be.zeros((NN, V), np.float32)
                 self.logits = self._logits.reshape(lanes, BS, V)[:, :B]
-            self.sample_knobs = self._step_in[knobs_at:knobs_at + 12].view(np.float32)
-            self.sample_rng = self._step_in[rng_at:rng_at + 16].view(np.uint64)
+            # per lane: (temperature, top_p, top_k) and (seed, counter base)
+            self.sample_knobs = self._step_in[knobs_at:knobs_at + 12 * lanes].view(np.float32).reshape(lanes, 3)
+            self.sample_rng = self._step_in[rng_at:rng_at + 16 * lanes].view(np.uint64).reshape(lanes, 2)
 
         # ---- pinned staging (two of each: alternating steps)
         self._step_in_host = [be.pinned_empty((in_bytes,), np.uint8) for _ in range(2)]
         self._desc_host = [h[:knobs_at].view(np.int32).reshape(lanes, DESC_LEN) for h in self._step_in_host]
-        self._knobs_host = [h[knobs_at:knobs_at + 12].view(np.float32) for h in self._step_in_host]
-        self._rng_host = [h[rng_at:rng_at + 16].view(np.uint64) for h in self._step_in_host] if sampled else None
-        self._sampling_in = [None, None]   # (knobs, rng) last written into each staging buffer
+        self._knobs_host = [h[knobs_at:knobs_at + 12 * lanes].view(np.float32).reshape(lanes, 3)
+                            for h in self._step_in_host] if sampled else None
+        self._rng_host = [h[rng_at:rng_at + 16 * lanes].view(np.uint64).reshape(lanes, 2)
+                          for h in self._step_in_host] if sampled else None
+        self._sampling_in = [None, None]   # the lanes' sampling last written into each staging buffer
         for a in self._step_in_host:
             a[...] = 0
         self._noise_staging = PinnedStaging(be, (NN, H), np.float32, f"{owner} noise staging")
@@ -304,12 +342,21 @@ class StepEngine:
             self._logits = be.zeros((self.n_noise, V), np.float32)
 
     @staticmethod
-    def check_selector_sampling(sampling) -> None:
+    def check_selector_sampling(sampling, name: str = "sampling") -> None:
         """The selector draws from its K candidates at ``temperature`` (SPEC §6): top-k and
         top-p have no meaning there."""
         if sampling.top_k or sampling.top_p != 1.0:
-            raise ValueError(f"sampling: a DFlash 2 drafter's candidate selector samples its own top-K at the "
+            raise ValueError(f"{name}: a DFlash 2 drafter's candidate selector samples its own top-K at the "
                              f"temperature only; top_k={sampling.top_k} / top_p={sampling.top_p} do not apply")
+
+    def set_sampling(self, sampling) -> None:
+        """The lanes' sampling from the next ``plan`` on (``lane_sampling``'s forms; the knobs
+        travel in the step inputs: no recapture, no host wait). Raises, nothing changed, on a
+        bad ``sampling``."""
+        if self.lm_head is None:
+            raise ValueError("sampling needs an lm_head (this cache has none)")
+        self.sampling = lane_sampling(sampling, self.lanes, per_lane=self._per_lane_sampling, lm_head=True,
+                                      logits=self.logits is not None, selects=self.selects)
 
     def _alloc_step_rows(self, n_ctx: int, n_noise: int) -> int:
         """The fusion decisions (``recipe``) and the step's activations over its rows (``n_ctx``
@@ -630,7 +677,8 @@ class StepEngine:
                 self.sampler.reduce_partials(self._lm_part, self._tokens, nn, stream=stream)
             else:
                 self.g_lm(self._hs, self.lm_head, self._logits, nn, tile_live=live, stream=stream)
-                self.sampler(self._logits, self._tokens, self.sample_knobs, self.sample_rng, nn, stream=stream)
+                self.sampler(self._logits, self._tokens, self.sample_knobs, self.sample_rng, nn, stream=stream,
+                             lane_rows=self.lane_rows)
 
     def _append_rows(self, feat, m: int, k_caches, v_caches, stream) -> None:
         """Bulk append: rows [0, m) of ``feat`` at ``ap_pos``/``ap_rows`` -> the K/V
@@ -687,14 +735,14 @@ class StepEngine:
         be.host_write(self._step_in_host[slot], f"{self.owner}.begin_step (step inputs)")
         pack_descriptors(self._desc_host[slot], plan.vals)
         if self._rng_host is not None:
-            # the draw's counter: lane 0's first noise position (a single cache's step)
-            # (SamplingParams is frozen: the same object, the same knobs)
-            sp, c0 = self.sampling, plan.vals[DESC_COMMITTED]
-            last = self._sampling_in[slot]
-            if last is None or last[0] is not sp or last[1] != c0:
-                self._knobs_host[slot][:] = sp.knobs()
-                self._rng_host[slot][:] = (sp.seed, c0)
-                self._sampling_in[slot] = (sp, c0)
+            # each lane draws with its own knobs and seed, and counter = its first noise
+            # position (committed): what a single cache with that lane's SamplingParams draws
+            sp, rng = self.sampling, self._rng_host[slot]
+            if self._sampling_in[slot] is not sp:   # (a tuple of frozen SamplingParams: same object, same knobs)
+                self._knobs_host[slot][:] = [p.knobs() for p in sp]
+                rng[:, 0] = [p.seed for p in sp]
+                self._sampling_in[slot] = sp
+            rng[:, 1] = plan.vals[DESC_COMMITTED::DESC_LEN]
         self._slot = slot
         self._plan, self._plan_fields, self._plan_desc = plan, None, self._desc_host[slot]
         self._planned = True
@@ -1018,8 +1066,8 @@ class StepEngine:
 class EngineFacade:
     """What ``DraftKvCache`` and ``DraftKvBatch`` share as facades of one ``StepEngine``
     (``self.engine``): attributes they do not define are the engine's (the ops, buffers,
-    recipe, graphs, stream order, tuning), the geometry, the host wait, the closed check and
-    the release. Nothing of the step is here: it is the engine's."""
+    recipe, graphs, stream order, tuning), the geometry, the host wait, the closed check,
+    ``set_sampling`` and the release. Nothing of the step is here: it is the engine's."""
 
     def __getattr__(self, name):
         if name == "engine":
@@ -1045,6 +1093,16 @@ class EngineFacade:
     def _check_open(self):
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} is closed")
+
+    def set_sampling(self, sampling) -> None:
+        """How the next planned steps turn logits into ``draft_tokens``: a ``SamplingParams``
+        (temperature 0: greedy) for every lane, or (``DraftKvBatch``) a sequence of one per
+        lane. It takes effect at the next ``begin_step`` (the knobs travel with that step's
+        inputs: no recapture, no host wait); each lane draws with counter = its first noise
+        position, so a seed reproduces a whole run. Bad input raises naming ``sampling`` (or
+        ``sampling[i]``) and changes nothing."""
+        self._check_open()
+        self.engine.set_sampling(sampling)
 
     def _release(self, keep) -> None:
         """Close the engine and drop every attribute but ``keep`` (only what repr and the

@@ -205,3 +205,108 @@ def test_bad_selector_input_changes_nothing(emu):
         assert batch.next_pos == [0, 0]
         batch.step([5, None], noise, anchors=[1, None])
         assert batch.next_pos == [5, 0]
+
+
+_SEL_OUT = ("hidden_states", "draft_tokens", "candidate_ids", "candidate_values", "selector_choice", "selector_q")
+
+
+def test_sampled_lanes_equal_single_caches(emu):
+    """At temperature > 0 each lane draws with its own SamplingParams and its own first noise
+    position as the counter: lane i equals a single cache built with the same SamplingParams
+    bit for bit (walk, candidates, q), over steps with an idle lane, a rewind and a jump; one
+    SamplingParams for every lane, then a per-lane list (a greedy lane among them) set between
+    steps without recapture."""
+    be = emu
+    w, _ = built("g")
+    lm = _lm()
+    c = w.config
+    H, B, L = c.hidden_size, c.q_len, 3
+    rng = np.random.default_rng(31)
+    shared = SamplingParams(temperature=0.9, seed=77)
+    per_lane = [SamplingParams(temperature=1.4, seed=5), SamplingParams(), SamplingParams(temperature=0.6, seed=5)]
+    schedule = [[9, None, 17], [13, 5, 19], [None, 8, 12],      # lane 2 rewinds (19 -> 12)
+                "set", [15, 11, 14], [16, None, 40], [17, 12, 41]]   # lane 2 jumps past its window
+    batch = DraftKvBatch(w, 23, L, ring_capacity=25, ring_dtype=BF16, lm_head=lm, backend=be, sampling=shared)
+    singles = [DraftKvCache(w, 23, lm_head=lm, backend=be, sampling=shared) for _ in range(L)]
+    rings = [FeatureRing(25, c.n_captured, H, BF16, backend=be) for _ in range(L)]
+    try:
+        assert batch.sampling == (shared,) * L
+        graphs = None
+        sampled_q = 0
+        for k, committed in enumerate(schedule):
+            if committed == "set":
+                graphs = list(batch._graphs)
+                batch.set_sampling(per_lane)
+                for kv, sp in zip(singles, per_lane):
+                    kv.set_sampling(sp)
+                assert batch.sampling == tuple(per_lane)
+                continue
+            noise = rng.standard_normal((L, B, H)).astype(np.float32)
+            anchors = [None if x is None else int(rng.integers(0, V)) for x in committed]
+            for i, x in enumerate(committed):
+                if x is not None:   # the window's rows, new ones each step (a rewind's too)
+                    lo = max(0, x - 23)
+                    f = rng.standard_normal((x - lo, c.fc_in)).astype(np.float32)
+                    batch.rings[i].write(lo, f)
+                    rings[i].write(lo, f)
+            batch.step(committed, noise, anchors=anchors)
+            got = {name: be.to_numpy(getattr(batch, name)) for name in _SEL_OUT}
+            for i, x in enumerate(committed):
+                if x is None:
+                    continue
+                singles[i].step(rings[i], x, noise[i], anchor=anchors[i])
+                for name in _SEL_OUT:
+                    assert np.array_equal(got[name][i], be.to_numpy(getattr(singles[i], name))), (k, i, name)
+                q = got["selector_q"][i]
+                sampled_q += int(((q > 0) & (q < 1)).any())
+        assert sampled_q >= 8, sampled_q           # the draws were sampled, not one-hot
+        assert batch._graphs == graphs and batch.captures == 2   # knobs as data: never recaptured
+        # the greedy lane's q is one-hot (per-lane temperatures reached the walk)
+        q1 = be.to_numpy(batch.selector_q)[1]
+        assert ((q1 == 0) | (q1 == 1)).all()
+    finally:
+        batch.close()
+        for kv, r in zip(singles, rings):
+            kv.close()
+            r.close()
+
+
+def test_bad_batch_sampling_changes_nothing(emu):
+    """Bad ``sampling`` (type, per-lane length, an entry's type, top-k/top-p for the selector,
+    temperature > 0 without an lm_head) raises naming it; set_sampling leaves the lanes'
+    sampling as it was."""
+    be = emu
+    w, _ = built("g")
+    lm = _lm()
+    kw = dict(ring_capacity=25, ring_dtype=BF16, backend=be)
+    hot = SamplingParams(temperature=1.0, seed=1)
+    cases = [({"temperature": 1.0}, TypeError,
+              r"^sampling must be a SamplingParams or a sequence of one per lane \(3\)"),
+             ([hot, hot], ValueError, r"^sampling has 2 entries, expected one per lane \(3\)"),
+             ([hot, 0.5, hot], TypeError, r"^sampling\[1\] must be a SamplingParams, got float"),
+             ([hot, hot, SamplingParams(temperature=1.0, top_p=0.9)], ValueError, r"^sampling\[2\]: a DFlash 2"),
+             (SamplingParams(temperature=1.0, top_k=2), ValueError, r"^sampling: a DFlash 2")]
+    for bad, err, msg in cases:
+        with pytest.raises(err, match=msg):
+            DraftKvBatch(w, 23, 3, lm_head=lm, sampling=bad, **kw)
+    with pytest.raises(ValueError, match=r"^sampling with temperature > 0 needs an lm_head"):
+        DraftKvBatch(w, 23, 3, sampling=hot, **kw)
+    with pytest.raises(ValueError, match=r"^sampling with temperature > 0 needs an lm_head"):
+        DraftKvCache(w, 23, sampling=hot, backend=be)
+    with DraftKvBatch(w, 23, 3, lm_head=lm, sampling=[hot, SamplingParams(), hot], **kw) as batch:
+        before = batch.sampling
+        for bad, err, msg in cases:
+            with pytest.raises(err, match=msg):
+                batch.set_sampling(bad)
+            assert batch.sampling == before
+        with pytest.raises(TypeError, match="^sampling must be a SamplingParams or a sequence"):
+            batch.set_sampling(None)
+        assert batch.sampling == before
+    with DraftKvBatch(w, 23, 2, **kw) as batch:        # no lm_head: nothing to sample
+        with pytest.raises(ValueError, match="needs an lm_head"):
+            batch.set_sampling(hot)
+        assert batch.sampling == (SamplingParams(),) * 2
+    with DraftKvCache(w, 23, lm_head=lm, backend=be) as kv:   # a single cache takes no per-lane list
+        with pytest.raises(TypeError, match=r"^sampling must be a SamplingParams, got list"):
+            kv.set_sampling([hot])
+        assert kv.sampling == SamplingParams()

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from dflash_cupy import backends
 from dflash_cupy.emu.guarded_memory import live_serials
 from dflash_cupy.kv_batch import DraftKvBatch
+from dflash_cupy.ops.sample import SamplingParams
 from tests.support.drafters import SPECS, built
 from tests.support.lanes import IDLE, make, play
 
@@ -85,6 +86,50 @@ def test_lanes_property_random_schedules(data):
             cur[i] = c
         play(be, batch, twins, ops)
     assert batch.captures <= 2
+
+
+def test_sampled_lanes_equal_single_caches():
+    """DFlash v1 drafters sample from the logits per lane (its temperature, top-k, top-p and
+    seed; counter = its committed count): each lane's draft tokens equal its twin single cache
+    built with the same SamplingParams bit for bit, over idle steps, a rewind and a reset, with
+    one SamplingParams for every lane set between steps (no recapture)."""
+    sps = [SamplingParams(temperature=1.2, top_p=0.9, seed=3), SamplingParams(temperature=0.7, top_k=5, seed=2**64 - 1),
+           SamplingParams(temperature=1.2, top_p=0.9, seed=3)]
+    be, batch, twins = make("a", 3, sampling=sps)
+    for t, sp in zip(twins, sps):
+        t.kv.set_sampling(sp)
+    not_argmax = 0
+
+    def steps(schedule):
+        nonlocal not_argmax
+        for ops in schedule:
+            c_all = play(be, batch, twins, ops)     # tokens and logits lane vs twin, bit for bit
+            toks, logits = be.to_numpy(batch.draft_tokens), be.to_numpy(batch.logits)
+            live = [i for i, c in enumerate(c_all) if c is not None]
+            not_argmax += int((toks[live] != logits[live].argmax(-1)).sum())
+    steps([[5, IDLE, 9], [9, 3, 12], [IDLE, ("rewind", 2), 13]])
+    graphs = list(batch._graphs)
+    one = SamplingParams(temperature=0.5, seed=9)
+    batch.set_sampling(one)
+    for t in twins:
+        t.kv.set_sampling(one)
+    assert batch.sampling == (one,) * 3
+    steps([[("reset", 7), 6, 14], [8, 9, IDLE]])
+    assert batch._graphs == graphs and batch.captures == 2
+    assert not_argmax >= 5, not_argmax             # sampled, not greedy
+    # temperature > 0 needs the logits (the fused argmax is greedy): refused, nothing changed
+    s = SPECS["c"]
+    w, lm = built("c")
+    hot = SamplingParams(temperature=0.8)
+    with pytest.raises(ValueError, match=r"^sampling\[0\] with temperature > 0 needs logits=True"):
+        DraftKvBatch(w, s.capacity, 2, lm_head=lm, logits=False, sampling=[hot, SamplingParams()], backend=be)
+    with DraftKvBatch(w, s.capacity, 2, lm_head=lm, logits=False, backend=be) as fused:
+        with pytest.raises(ValueError, match=r"^sampling\[1\] with temperature > 0 needs logits=True"):
+            fused.set_sampling([SamplingParams(), hot])
+        assert fused.sampling == (SamplingParams(),) * 2
+    batch.close()
+    for t in twins:
+        t.kv.close()
 
 
 @pytest.mark.slow

@@ -135,3 +135,35 @@ def test_bad_input(backend):
         op(lg, tok, knobs, backend.asarray(np.zeros(3, np.uint64)), 2)
     with pytest.raises(ValueError, match="vocab"):
         TokenSampler(backend, 0)
+
+
+def test_lane_blocks_draw_as_one_lane_calls(backend, rng):
+    """``lane_rows``: lanes' blocks of rows, each with its own knobs [lanes, 3] and rng
+    [lanes, 2], drawn as row r of a one-lane call (so a lane of a batch equals a single cache);
+    the padding rows of the last lane are left out by n_rows."""
+    V, lanes, lane_rows = 37, 3, 5
+    params = [SamplingParams(temperature=0.9, top_p=0.8, seed=4), SamplingParams(),
+              SamplingParams(temperature=1.4, top_k=6, seed=2**64 - 3)]
+    counters = [9, 0, 2**33 + 1]
+    lg = (2.0 * rng.standard_normal((lanes * lane_rows, V))).astype(np.float32)
+    n_rows = lanes * lane_rows - 2
+    op = TokenSampler(backend, V)
+    tokens = backend.asarray(np.full(lanes * lane_rows, -7, np.int32))
+    knobs = backend.asarray(np.stack([p.knobs() for p in params]))
+    rngs = backend.asarray(np.array([[p.seed, c] for p, c in zip(params, counters)], np.uint64))
+    op(backend.asarray(lg), tokens, knobs, rngs, n_rows, lane_rows=lane_rows)
+    got = backend.to_numpy(tokens)
+    for lane, (p, c) in enumerate(zip(params, counters)):
+        rows = slice(lane * lane_rows, min((lane + 1) * lane_rows, n_rows))
+        one = _run(backend, lg[rows], p, c)
+        np.testing.assert_array_equal(got[rows], one, err_msg=f"lane {lane}")
+        ref, margin = sample_reference(lg[rows], p, c)
+        np.testing.assert_array_equal(got[rows][margin > 1e-6], ref[margin > 1e-6])
+    assert (got[n_rows:] == -7).all()
+    with pytest.raises(ValueError, match=r"^rng must have shape \[3, 2\]"):
+        op(backend.asarray(lg), tokens, knobs, backend.asarray(np.zeros((2, 2), np.uint64)), n_rows,
+           lane_rows=lane_rows)
+    with pytest.raises(ValueError, match="exceeds 3 lanes of lane_rows=4"):
+        op(backend.asarray(lg), tokens, knobs, rngs, n_rows, lane_rows=4)
+    with pytest.raises(ValueError, match="^knobs must be 2-D"):
+        op(backend.asarray(lg), tokens, backend.asarray(params[0].knobs()), rngs, n_rows, lane_rows=lane_rows)

@@ -414,3 +414,47 @@ def test_bad_input_names_the_argument(backend, rng):
         SelectorKernels(backend, config(vocab=100, K=64, rank=4096), 64)
     with pytest.raises(TypeError, match="weight_kind"):
         SelectorKernels(backend, c, 3, weight_kind="int8")
+
+
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
+def test_per_lane_step_blocks_equal_one_lane_walks(backend, kind):
+    """knobs [lanes, 3] / rng [lanes, 2] (a step engine's lanes, each with its own
+    SamplingParams): each lane walks exactly as a one-lane walk with its own temperature,
+    seed and counter; a greedy lane among sampled ones stays one-hot."""
+    rng = np.random.default_rng(23)
+    vocab, K, lanes, q_len, H, rank = 33, 5, 3, 6, 40, 16
+    c = config(vocab=vocab, K=K, H=H, rank=rank, q_len=q_len)
+    inp = _walk_inputs(rng, vocab, K, lanes, q_len, H, rank, kind)
+    lane_t, lane_seed, lane_ctr = [0.9, 0.0, 1.7], [3, 2**64 - 1, 3], [11, 11, 2**35 + 1]
+    sel = SelectorKernels(backend, c, q_len, lanes, weight_kind=kind)
+    dev = {k: backend.asarray(dtypes.device_bits(v)) for k, v in inp.items()}
+    out = [backend.asarray(np.full(s, -7, dt)) for s, dt in (((lanes, q_len), np.int32),
+                                                              ((lanes, q_len - 1), np.int32),
+                                                              ((lanes, q_len - 1, K), np.float32))]
+    knobs = backend.asarray(np.array([[t, 1.0, 0.0] for t in lane_t], np.float32))
+    rngs = backend.asarray(np.array(list(zip(lane_seed, lane_ctr)), np.uint64))
+    sel.walk(*(dev[k] for k in ("hidden", "hp_w", "pred_cb", "succ_cb", "anchors", "ids", "vals")), *out, knobs, rngs)
+    got = [backend.to_numpy(a) for a in out]
+    one = SelectorKernels(backend, c, q_len, 1, weight_kind=kind)
+    for lane in range(lanes):
+        lane_inp = {k: v[lane:lane + 1] if k in ("hidden", "anchors", "ids", "vals") else v for k, v in inp.items()}
+        single = _run_walk(backend, one, lane_inp, T=lane_t[lane], seed=lane_seed[lane], counter=lane_ctr[lane])
+        for name, g in zip(("tokens", "choice", "q"), got):
+            np.testing.assert_array_equal(g[lane], single[name][0], err_msg=f"lane {lane} {name}")
+        want = walk_reference(**lane_inp, vocab=vocab, temperature=lane_t[lane], seed=lane_seed[lane],
+                              counter=lane_ctr[lane])
+        assert (want["margin"] > 1e-6).all()
+        np.testing.assert_array_equal(got[0][lane], want["tokens"][0], err_msg=f"lane {lane} vs the reference")
+    q = got[2]
+    assert ((q[1] == 0) | (q[1] == 1)).all() and (q[1].sum(-1) == 1).all()      # the greedy lane
+    assert ((q[0] > 0) & (q[0] < 1)).any() and ((q[2] > 0) & (q[2] < 1)).any()  # the sampled ones
+    # lanes 0 and 2 share seed and counter yet differ in temperature: the same uniforms,
+    # other distributions
+    assert not np.array_equal(q[0], q[2])
+    # per-lane blocks already carry the counters
+    with pytest.raises(ValueError, match="^lane_counters: per-lane knobs"):
+        sel.walk(*(dev[k] for k in ("hidden", "hp_w", "pred_cb", "succ_cb", "anchors", "ids", "vals")), *out,
+                 knobs, rngs, lane_counters=backend.zeros((lanes,), np.uint64))
+    with pytest.raises(ValueError, match=r"^rng must have shape \[3, 2\]"):
+        sel.walk(*(dev[k] for k in ("hidden", "hp_w", "pred_cb", "succ_cb", "anchors", "ids", "vals")), *out,
+                 knobs, backend.zeros((2, 2), np.uint64))

@@ -233,6 +233,50 @@ def test_cache_raises_when_no_fallback_is_left(emu, verdicts):
     DraftKvCache(w, sc.E2E_CAPACITY, lm_head=lm, backend=emu, tune=False, selfcheck="off").close()
 
 
+def test_dflash2_step_check_follows_the_oracle_and_has_teeth(emu, verdicts, monkeypatch):
+    """step.dflash2 runs a DFlash 2 drafter through a cache (prefill, a ring wrap, a sampled
+    step) and follows the oracle's walk on every row; it fails when the cache's outputs stop
+    matching the oracle: draws from other uniforms (the sampled step only), a step without the
+    convolutions (the hidden states). DFlash 2 caches need it; DFlash v1 caches do not."""
+    from dflash_cupy import reference as ref_mod
+    from dflash_cupy.ops import selector as sel_mod
+    rep = sc.run(emu, only=["step.dflash2"], store_report=False)
+    checks = [c for c in rep.checks if c.variant == "step.dflash2"]
+    assert rep.status["step.dflash2"] == "pass" and len(checks) == 4 * len(sc.E2E_SCHEDULE), rep.text()
+    walks = [c for c in checks if c.name.startswith("draft tokens and q")]
+    assert all(c.detail.startswith("15/15 rows") for c in walks), [c.detail for c in walks]
+    assert "T=0.8" in walks[-1].name
+    # the kernel drawing with another counter (as the oracle sees it): the sampled step fails
+    uniforms = sel_mod.selector_uniforms
+    monkeypatch.setattr(sel_mod, "selector_uniforms",
+                        lambda seed, counter, *a, **kw: uniforms(seed, counter + 1, *a, **kw))
+    bad = sc.run(emu, only=["step.dflash2"], store_report=False)
+    failed = [c.name for c in bad.checks if c.variant == "step.dflash2" and not c.ok]
+    assert bad.status["step.dflash2"] == "fail" and failed and all("T=0.8" in n for n in failed), failed
+    monkeypatch.setattr(sel_mod, "selector_uniforms", uniforms)
+    # the convolutions left out (as the oracle sees it): the hidden states fail at every step
+    forward = ref_mod.draft_forward
+
+    def without_conv(w, *a, **kw):
+        c = w.config
+        return forward(DraftWeights(c.replace(dflash2=None), {k: v for k, v in w.items() if "_conv." not in k
+                                                              and not k.startswith("candidate_selector.")}), *a, **kw)
+    monkeypatch.setattr(ref_mod, "draft_forward", without_conv)
+    bad = sc.run(emu, only=["step.dflash2"], store_report=False)
+    failed = [c.name for c in bad.checks if c.variant == "step.dflash2" and not c.ok]
+    assert sum(n.startswith("hidden states") for n in failed) == len(sc.E2E_SCHEDULE), failed
+    monkeypatch.setattr(ref_mod, "draft_forward", forward)
+    # a verdict failing it: DFlash 2 caches refuse to build, DFlash v1 caches do not mind
+    from tests.support.drafters import built
+    w2, _ = built("g")
+    lm2 = np.random.default_rng(1).standard_normal((19, w2.config.hidden_size)).astype(np.float32)
+    failing = _report(emu, fail=("step.dflash2",))
+    with pytest.warns(RuntimeWarning), pytest.raises(sv.SelfCheckError, match=r"step\.dflash2"):
+        DraftKvCache(w2, 23, lm_head=lm2, backend=emu, tune=False, selfcheck=failing)
+    _, w32, lm32 = _drafter("f32")
+    DraftKvCache(w32, sc.E2E_CAPACITY, lm_head=lm32, backend=emu, tune=False, selfcheck=failing).close()
+
+
 def test_lane_batch_obeys_the_verdict(emu, verdicts):
     _, w, _ = _drafter("f32")
     rep = _report(emu, fail=("attention.mma", "graph.pdl"))

@@ -2,10 +2,13 @@
 sampler that reproduces them from the same Philox uniforms.
 
 ``TokenSampler(backend, vocab)``; ``__call__(logits, tokens, knobs, rng,
-n_rows, stream=None)`` writes ``tokens[:n_rows]`` (int32). The per-step
+n_rows, stream=None, lane_rows=None)`` writes ``tokens[:n_rows]`` (int32). The per-step
 values are device arrays, so a captured graph reads new ones at each replay:
 ``knobs`` f32 ``[3]`` = (temperature, top_p, top_k), ``rng`` u64 ``[2]`` =
-(seed, counter base). ``SamplingParams`` validates and packs them.
+(seed, counter base). ``SamplingParams`` validates and packs them. Lanes: with
+``lane_rows``, ``knobs`` ``[lanes, 3]`` and ``rng`` ``[lanes, 2]``, row ``lane *
+lane_rows + r`` takes its lane's knobs and draws as row ``r`` (each lane's rows come out
+as a one-lane call with that lane's knobs and rng would give them).
 
 Greedy (temperature 0) is the argmax with ties to the lowest token id (as
 ``torch.argmax``). Sampling is deterministic for a given seed and counter:
@@ -79,26 +82,34 @@ class TokenSampler:
     def __repr__(self):
         return f"TokenSampler(vocab={self.vocab}, block={self.block})"
 
-    def __call__(self, logits, tokens, knobs, rng, n_rows: int, stream=None) -> None:
+    def __call__(self, logits, tokens, knobs, rng, n_rows: int, stream=None, lane_rows=None) -> None:
         be = self.backend
         checks.device_array(be, "logits", logits, np.float32)
         checks.device_array(be, "tokens", tokens, np.int32, ndim=1)
-        checks.device_array(be, "knobs", knobs, np.float32, ndim=1)
-        checks.device_array(be, "rng", rng, np.uint64, ndim=1)
+        lanes = None if lane_rows is None else -1
+        checks.device_array(be, "knobs", knobs, np.float32, ndim=1 if lanes is None else 2)
+        checks.device_array(be, "rng", rng, np.uint64, ndim=1 if lanes is None else 2)
         if logits.shape[1] < self.vocab:
             raise ValueError(f"logits must have >= {self.vocab} columns, got shape {tuple(logits.shape)}")
-        if knobs.shape[0] != 3:
-            raise ValueError(f"knobs must have shape [3], got {tuple(knobs.shape)}")
-        if rng.shape[0] != 2:
-            raise ValueError(f"rng must have shape [2], got {tuple(rng.shape)}")
+        if lanes is not None:
+            lane_rows = checks.int_arg(lane_rows, "lane_rows", 1)
+            lanes = knobs.shape[0]
+        want_k, want_r = ((3,), (2,)) if lanes is None else ((lanes, 3), (lanes, 2))
+        if tuple(knobs.shape) != want_k:
+            raise ValueError(f"knobs must have shape {list(want_k)}, got {tuple(knobs.shape)}")
+        if tuple(rng.shape) != want_r:
+            raise ValueError(f"rng must have shape {list(want_r)}, got {tuple(rng.shape)}")
         if isinstance(n_rows, bool) or not isinstance(n_rows, (int, np.integer)):
             raise TypeError(f"n_rows must be an int, got {type(n_rows).__name__}")
         if not 0 <= n_rows <= min(logits.shape[0], tokens.shape[0]):
             raise ValueError(f"n_rows={n_rows} must be in [0, {min(logits.shape[0], tokens.shape[0])}]")
+        if lanes is not None and n_rows > lanes * lane_rows:
+            raise ValueError(f"n_rows={n_rows} exceeds {lanes} lanes of lane_rows={lane_rows}")
         if n_rows == 0:
             return
         self._kernel((int(n_rows), 1, 1), (self.block, 1, 1),
-                     (logits, np.int32(logits.shape[1]), np.int32(n_rows), knobs, rng, tokens),
+                     (logits, np.int32(logits.shape[1]), np.int32(n_rows), knobs, rng,
+                      np.int32(0 if lane_rows is None else lane_rows), tokens),
                      stream=stream)
 
 

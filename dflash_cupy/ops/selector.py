@@ -36,7 +36,11 @@ seed, counter) / 2^64`` (``selector_uniforms``), drawn by ``draw.cuh``'s integer
 CDF, the same generator and draw as ``TokenSampler``. With ``walk(..., lane_counters=)``
 (device u64 ``[lanes]``, e.g. each lane's first noise position) it is ``row_uniform64(r,
 seed, lane_counters[l]) / 2^64`` instead: each lane draws exactly as a one-lane walk with
-that counter, so a lane batch is bit-identical to single caches.
+that counter. With per-lane step blocks, ``knobs`` f32 ``[lanes, 3]`` and ``rng`` u64
+``[lanes, 2]`` (a step engine's lanes, each with its own ``SamplingParams``), lane ``l``
+walks at temperature ``knobs[l, 0]`` with ``row_uniform64(r, rng[l, 0], rng[l, 1]) / 2^64``:
+exactly a one-lane walk with that lane's knobs and rng, so a lane batch is bit-identical to
+single caches.
 """
 from __future__ import annotations
 
@@ -162,9 +166,13 @@ class SelectorKernels:
         if R:
             self._out("choice", choice, np.int32, (L, R))
             self._out("q", q, np.float32, (L, R, K))
-        self._out("knobs", knobs, np.float32, (3,))
-        self._out("rng", rng, np.uint64, (2,))
+        blocks = getattr(knobs, "ndim", 1) == 2   # per-lane step blocks
+        self._out("knobs", knobs, np.float32, (L, 3) if blocks else (3,))
+        self._out("rng", rng, np.uint64, (L, 2) if blocks else (2,))
         if lane_counters is not None:
+            if blocks:
+                raise ValueError("lane_counters: per-lane knobs [lanes, 3] and rng [lanes, 2] already give each "
+                                 "lane its counter base")
             self._out("lane_counters", lane_counters, np.uint64, (L,))
         if R:
             checks.check_no_overlap(tokens=tokens, choice=choice, q=q, ids=ids, vals=vals, anchors=anchors,
@@ -177,7 +185,7 @@ class SelectorKernels:
         self._walk(grid, (WK_NW * 32, 1, 1),
                    (hidden, np.int32(hidden.shape[1]), hp_w, pred_cb, succ_cb, anchors, ids, vals, knobs, rng,
                     self._no_lane_counters if lane_counters is None else lane_counters,
-                    np.int32(lane_counters is not None), tokens, choice, q, self.hp_ws, self.counters,
+                    np.int32(2 if blocks else lane_counters is not None), tokens, choice, q, self.hp_ws, self.counters,
                     self.flags), stream=stream)
 
     def anchors_to_device(self, anchors):
