@@ -22,8 +22,8 @@ def _fixed_mmap_threshold(nbytes: int = 1 << 20) -> None:
     """glibc's malloc raises its mmap threshold (up to 32 MB) each time a large block is
     freed; from then on calloc (np.zeros) hands out reused heap memory and must write zeros
     into all of it. The cost model's traces allocate GBs of zeros they never touch: a worker
-    grew to 10 GB (CI's OOM killer took one) and spent its time zeroing. A fixed threshold
-    keeps every block from ``nbytes`` up in fresh mappings, untouched pages costing nothing."""
+    grows past 10 GB and spends its time zeroing. A fixed threshold keeps every block from
+    ``nbytes`` up in fresh mappings, untouched pages costing nothing."""
     import ctypes
     try:
         ctypes.CDLL(None).mallopt(-3, nbytes)   # M_MMAP_THRESHOLD (glibc; elsewhere absent)
