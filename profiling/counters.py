@@ -247,35 +247,50 @@ def splitk_reduce_global(c: KernelCounters, m0: int, rows, c0: int, N: int, COLS
     residual as one float4 per item when N % 4 == 0 (r 16-byte aligned), else as 4 scalars
     like the stores; EPI 3 keeps them in shared memory (no y traffic). Returns the warp-level
     item instructions with a lane at work (each reads its row's scale with NORM)."""
+    # The traffic depends on each stored row's first element modulo 32 (the sectors' pattern),
+    # the elements left from c0 (past COLS + 128 every item is full) and N % 4: the model's
+    # GEMMs ask for the same few blocks thousands of times (every column group, every layer).
+    offs = tuple(((m0 + lrow) * N + c0) % 32 for lrow, stored in rows if stored)
+    key = (offs, min(N - c0, COLS + 128), N % 4, COLS, gz * NW, EPI, YB)
+    t = _cache.get(key)
+    if t is None:
+        t = _cache[key] = _splitk_reduce_traffic(*key)
+    n_items, (ldr, lds, ldb, sr, ss, sb) = t
+    c.gld_requests += ldr
+    c.gld_sectors += lds
+    c.gld_bytes += ldb
+    c.gst_requests += sr
+    c.gst_sectors += ss
+    c.gst_bytes += sb
+    return n_items
+
+
+def _splitk_reduce_traffic(offs, left: int, n_mod4: int, COLS: int, parts: int, EPI: int, YB: int):
+    """``splitk_reduce_global``'s (items, (gld requests, sectors, bytes, gst requests, sectors,
+    bytes)) for stored rows starting at ``offs`` (mod 32) with ``left`` elements from c0."""
+    c = KernelCounters("splitk_reduce", "static estimate", 1)
     C4 = COLS // 4
     n_items = 0
-    for lrow, stored in rows:
-        if not stored:
-            continue
+    for off0 in offs:
         for w0 in range(0, C4, 32):
-            lim = min(128, N - c0 - 4 * w0)    # elements of the row from the warp's first column
+            lim = min(128, left - 4 * w0)    # elements of the row from the warp's first column
             if lim <= 0:
                 continue
             act = -(-lim // 4)
             n_items += 1
-            c.add_global("ld", gz * NW, -(-act * 16 // SECTOR), act * 16)
+            c.add_global("ld", parts, -(-act * 16 // SECTOR), act * 16)
             if EPI == 3:
                 continue
-            off = ((m0 + lrow) * N + c0 + 4 * w0) % 32   # the sectors' pattern repeats every 32 elements
-            key = (off, lim, YB)
-            if key not in _cache:
-                _cache[key] = [(global_sectors([(off + 4 * ln + e) * YB if 4 * ln + e < lim else None
-                                                for ln in range(32)], YB),
-                                global_sectors([(off + 4 * ln + e) * 4 if 4 * ln + e < lim else None
-                                                for ln in range(32)], 4))
-                               for e in range(4) if e < lim]
-            for (sec, req), (rsec, rreq) in _cache[key]:
-                c.add_global("st", 1, sec, req)
-                if EPI == 1 and N % 4:
-                    c.add_global("ld", 1, rsec, rreq)
-            if EPI == 1 and N % 4 == 0:   # lim is a multiple of 4: every active lane's float4
+            off = (off0 + 4 * w0) % 32
+            for e in range(min(4, lim)):
+                c.add_global("st", 1, *global_sectors([(off + 4 * ln + e) * YB if 4 * ln + e < lim else None
+                                                       for ln in range(32)], YB))
+                if EPI == 1 and n_mod4:
+                    c.add_global("ld", 1, *global_sectors([(off + 4 * ln + e) * 4 if 4 * ln + e < lim else None
+                                                           for ln in range(32)], 4))
+            if EPI == 1 and n_mod4 == 0:   # lim is a multiple of 4: every active lane's float4
                 c.add_global("ld", 1, *global_sectors([(off + 4 * ln) * 4 for ln in range(act)], 16))
-    return n_items
+    return n_items, (c.gld_requests, c.gld_sectors, c.gld_bytes, c.gst_requests, c.gst_sectors, c.gst_bytes)
 
 
 def _splitk_constants() -> dict:

@@ -606,9 +606,15 @@ def analyse_text(text: str) -> dict[str, KernelSass]:
     return {name: analyse(name, ins) for name, ins in parse(text).items()}
 
 
+# The analyses of the last disassemblies read, by their text: a step's layers launch the same
+# few builds again and again (the model table's 136 launches are 18 builds), and the parse
+# and replays are pure functions of the text. Callers only read a KernelSass.
+_analysed = functools.lru_cache(maxsize=24)(analyse_text)
+
+
 def facts(file: str, defines: dict, arch: str | None = None) -> dict[str, KernelSass]:
     """``{kernel: KernelSass}`` of ``cuda_src/<file>`` built with ``defines``."""
-    return analyse_text(sass_text(file, defines, arch))
+    return _analysed(sass_text(file, defines, arch))
 
 
 def launch_facts(launch) -> KernelSass:

@@ -17,6 +17,22 @@ os.environ["DFLASH_CUPY_EMU_POISON"] = "1"
 # DFLASH_CUPY_EMU_LAZY=0 builds every compiled variant, as a program does by default.
 os.environ.setdefault("DFLASH_CUPY_EMU_LAZY", "1")
 
+
+def _fixed_mmap_threshold(nbytes: int = 1 << 20) -> None:
+    """glibc's malloc raises its mmap threshold (up to 32 MB) each time a large block is
+    freed; from then on calloc (np.zeros) hands out reused heap memory and must write zeros
+    into all of it. The cost model's traces allocate GBs of zeros they never touch: a worker
+    grows past 10 GB and spends its time zeroing. A fixed threshold keeps every block from
+    ``nbytes`` up in fresh mappings, untouched pages costing nothing."""
+    import ctypes
+    try:
+        ctypes.CDLL(None).mallopt(-3, nbytes)   # M_MMAP_THRESHOLD (glibc; elsewhere absent)
+    except (OSError, AttributeError):
+        pass
+
+
+_fixed_mmap_threshold()
+
 from hypothesis import settings
 
 from dflash_cupy import backends
