@@ -12,8 +12,9 @@
 //   __syncthreads shows up as a wrong result rather than hiding behind a
 //   friendly order.
 // - `__shared__` is `thread_local`: one copy per OS thread, i.e. per block in
-//   flight. `extern __shared__` buffers are defined by the launcher generator
-//   and poisoned with 0xFF (NaN for f32/f16) before each block.
+//   flight. `extern __shared__` buffers are defined once per name in a library
+//   every module links (build.dynamic_shared) and poisoned with 0xFF (NaN for
+//   f32/f16) before each block.
 // - f32 arithmetic runs with FTZ/DAZ set in MXCSR, as CuPy compiles with
 //   -ftz=true. Conversions to/from f16/bf16 are bit-exact round-to-nearest-even.
 // - Deadlocks (a barrier or a collective not reached by every live thread)
