@@ -9,7 +9,6 @@ change that serialises its loads fails here, on the CPU.
 * no other phase of those launches (staging, split-K reduction, epilogue) has a dependent
   chain of more than 4 global loads per thread (loop trips from the emulator's counts).
 """
-import dataclasses
 import math
 
 import pytest
@@ -36,9 +35,7 @@ def launches(drafter, window, vocab):
         for n in trace.nodes:
             if isinstance(n, Launch) and n.kernel in STREAMING and n.variant() not in seen:
                 seen.add(n.variant())
-                # without the recording's arrays: the process keeps this cache, and with them
-                # it kept each trace's 1.2 GB LM head copy (a CI worker was OOM-killed)
-                out.append(dataclasses.replace(n, arrays=[]))
+                out.append(n)
         _traces[key] = out
     return _traces[key]
 
