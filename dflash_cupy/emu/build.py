@@ -263,14 +263,20 @@ def runtime_object(flags: tuple[str, ...]) -> Path:
         src.write_text("#define EMU_RT_DEFINE 1\n" + pch_header_text())
         cmd = [CXX, *_compile_only(flags), "-c", f"-I{EMU_DIR}", f"-I{EMU_DIR / 'include'}", str(src),
                "-o", str(tmp / RT_OBJECT)]
-        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if r.returncode != 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise CompileError(f"g++ failed to compile the emulator's runtime:\n{r.stderr.strip()}\n"
-                               f"(command: {' '.join(shlex.quote(c) for c in cmd)})")
+        _gxx(cmd, tmp, "to compile the emulator's runtime")
         _publish(tmp, d)
     return d / RT_OBJECT
+
+
+def _gxx(cmd: list, tmp: Path, what: str) -> None:
+    """Run g++ (``cmd``) outside any LD_PRELOAD; on failure remove ``tmp`` and raise
+    ``CompileError`` saying it failed ``what`` (its message and the command)."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CompileError(f"g++ failed {what}:\n{r.stderr.strip()}\n"
+                           f"(command: {' '.join(shlex.quote(c) for c in cmd)})")
 
 
 def dynamic_shared(name: str) -> Path:
@@ -295,12 +301,7 @@ def dynamic_shared(name: str) -> Path:
         # an unmangled global, as the kernel's namespace-scope or block-scope extern names it
         src.write_text(f"thread_local __attribute__((aligned(128))) char {name}[{SMEM_BYTES}];\n")
         cmd = [CXX, "-std=c++17", "-O2", "-fPIC", "-shared", str(src), "-o", str(tmp / lib.name)]
-        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if r.returncode != 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise CompileError(f"g++ failed to build the shared-memory library for {name!r}:\n"
-                               f"{r.stderr.strip()}\n(command: {' '.join(shlex.quote(c) for c in cmd)})")
+        _gxx(cmd, tmp, f"to build the shared-memory library for {name!r}")
         _publish(tmp, d)
     return lib
 
@@ -359,13 +360,7 @@ def _build_into(d: Path, key: str, source: str, fname: str, kernels, smem, count
     tu.write_text(generate_tu(src_copy, kernels, smem, counters))
     cmd = [CXX, *flags, f"-I{pch}", f"-I{EMU_DIR}", f"-I{EMU_DIR / 'include'}",
            *[f"-I{p}" for p in includes], *defines, str(tu), str(rt), *map(str, libs), "-o", str(tmp / "module.so")]
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if r.returncode != 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        msg = r.stderr.strip()
-        raise CompileError(f"g++ failed to compile {fname} for the emulator:\n{msg}\n"
-                           f"(command: {' '.join(shlex.quote(c) for c in cmd)})")
+    _gxx(cmd, tmp, f"to compile {fname} for the emulator")
     try:
         anchor, smem_vars = static_shared(tmp / "module.so")
     except CompileError:
