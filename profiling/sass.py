@@ -60,21 +60,6 @@ class SassUnavailable(RuntimeError):
 
 # ----------------------------------------------------------------------------- build
 @functools.lru_cache(maxsize=1)
-def _nvrtc_lib():
-    """libnvrtc itself (the cubin calls; ``cupy_backends``' ``getCUBIN`` cuts the ELF at its
-    first NUL byte), the same library CuPy loads."""
-    nvrtc_info._nvrtc()
-    try:
-        from cuda.pathfinder import load_nvidia_dynamic_lib
-        lib = ctypes.CDLL(load_nvidia_dynamic_lib("nvrtc").abs_path)
-    except Exception as e:  # pathfinder missing or finds nothing
-        raise SassUnavailable(f"libnvrtc cannot be opened for its cubin ({type(e).__name__}: {e})") from None
-    for fn in (lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN):
-        fn.restype = ctypes.c_int
-    return lib
-
-
-@functools.lru_cache(maxsize=1)
 def nvdisasm_path() -> str:
     env = os.environ.get("DFLASH_CUPY_NVDISASM")
     if env:
@@ -91,26 +76,13 @@ def nvdisasm_path() -> str:
 
 
 def compile_cubin(source: str, filename: str, options: Sequence[str], arch: str) -> bytes:
-    """NVRTC's cubin of ``source`` (the backends' options, ``-lineinfo`` added)."""
-    from cupy_backends.cuda.libs import nvrtc
-    lib = _nvrtc_lib()
-    opts = nvrtc_info.nvrtc_options(arch, options) + ["-lineinfo"]
-    prog = nvrtc.createProgram(nvrtc_info.with_line_directive(source, filename), filename, [], [])
-    try:
-        try:
-            nvrtc.compileProgram(prog, opts)
-        except nvrtc.NVRTCError as e:
-            log = nvrtc.getProgramLog(prog)
-            raise nvrtc_info.NvrtcCompileError(f"{filename} [{arch}]: NVRTC error {e}:\n{log}", log) from None
-        size = ctypes.c_size_t()
-        if lib.nvrtcGetCUBINSize(ctypes.c_void_p(prog), ctypes.byref(size)) != 0 or not size.value:
-            raise SassUnavailable(f"{filename}: NVRTC gave no cubin for {arch}")
-        buf = ctypes.create_string_buffer(size.value)
-        if lib.nvrtcGetCUBIN(ctypes.c_void_p(prog), buf) != 0:
-            raise SassUnavailable(f"{filename}: nvrtcGetCUBIN failed")
-        return buf.raw
-    finally:
-        nvrtc.destroyProgram(prog)
+    """NVRTC's cubin of ``source`` (the backends' options, ``-lineinfo`` added): the very
+    compile whose resources the emulator checks, shared through ``nvrtc_info``'s cache."""
+    elf = nvrtc_info.cached_cubin(source, filename, options, arch)
+    if elf is None:
+        raise SassUnavailable(f"{filename}: libnvrtc's cubin calls cannot be loaded (cuda-pathfinder "
+                              "finds no libnvrtc)")
+    return elf
 
 
 def disassemble(cubin: bytes) -> str:

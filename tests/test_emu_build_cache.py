@@ -176,4 +176,31 @@ def test_two_threads_asking_nvrtc_for_the_same_source_compile_it_once(tmp_path, 
         t.join()
     assert calls == ["once.cu"], calls
     assert len(got) == 2 and got[0].kernels == got[1].kernels and "add_one" in got[0].kernels
-    assert [p.suffix for p in (tmp_path / "cache" / "nvrtc").iterdir()] == [".json"]   # no temporaries left
+    # the record and the build's cubin (kept for profiling.sass); no temporaries left
+    assert sorted(p.suffix for p in (tmp_path / "cache" / "nvrtc").iterdir()) == [".cubin", ".json"]
+
+
+def test_the_resource_check_and_the_sass_share_one_nvrtc_compile(tmp_path, monkeypatch):
+    """``profiling.sass`` disassembles the cubin of the very compile whose resources the
+    emulator checks: once a record exists, asking for its SASS compiles nothing; a record
+    written without its cubin (an older cache) is compiled once more, then both are kept."""
+    from dflash_cupy.backends import nvrtc_info
+    from profiling import sass
+    monkeypatch.setenv("DFLASH_CUPY_EMU_CACHE", str(tmp_path / "cache"))
+    real, calls = nvrtc_info.compile_info, []
+
+    def counted(*a, **kw):
+        calls.append(a[1])
+        return real(*a, **kw)
+    monkeypatch.setattr(nvrtc_info, "compile_info", counted)
+    info = nvrtc_info.cached_compile_info(SRC, "shared.cu")
+    text = sass.sass_of_source(SRC, "shared.cu")
+    assert calls == ["shared.cu"], calls
+    assert "add_one" in text and "add_one" in info.kernels
+    assert "add_one" in sass._analysed(text)   # the line-annotated disassembly parses
+    assert 'shared.cu", line 3' in text   # -lineinfo: each instruction's source line
+    for p in (tmp_path / "cache" / "nvrtc").glob("*.cubin"):   # an older cache: records only
+        p.unlink()
+    elf = nvrtc_info.cached_cubin(SRC, "shared.cu")
+    assert calls == ["shared.cu", "shared.cu"] and elf[:4] == b"\x7fELF"
+    assert nvrtc_info.cached_cubin(SRC, "shared.cu") == elf and len(calls) == 2

@@ -14,7 +14,10 @@ Runs without a GPU (NVRTC is a plain library, loaded through
 Results are cached on disk beside the emulator's build cache
 (``build_cache.cache_dir()/nvrtc``), keyed by the source, its options, the
 content of every header it includes, the architecture and the NVRTC version,
-so a warm run costs a hash and a small JSON read per module.
+so a warm run costs a hash and a small JSON read per module. Each record's build
+keeps its cubin beside it (``-lineinfo`` added: line tables only, the same code and
+resources), which ``profiling.sass`` disassembles: one NVRTC compile per variant
+serves the resource check and the SASS.
 """
 from __future__ import annotations
 
@@ -75,6 +78,7 @@ class CompileInfo:
     arch: str
     log: str                                  # NVRTC front end + ptxas -v output
     kernels: dict[str, KernelResources]
+    cubin: bytes | None = None                # the ELF (with line info), when asked for and loadable
 
 
 # ---------------------------------------------------------------------------
@@ -280,11 +284,41 @@ def parse_maxntid(ptx: str) -> dict[str, int]:
     return out
 
 
-def compile_info(source: str, filename: str, options: Sequence[str] = (), arch: str = ARCH) -> CompileInfo:
+@functools.lru_cache(maxsize=1)
+def _cubin_lib():
+    """libnvrtc itself, for the cubin calls (``cupy_backends``' ``getCUBIN`` cuts the ELF at
+    its first NUL byte): the library CuPy loads, found by ``cuda.pathfinder``; None if not."""
+    try:
+        import ctypes
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+        lib = ctypes.CDLL(load_nvidia_dynamic_lib("nvrtc").abs_path)
+        for fn in (lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN):
+            fn.restype = ctypes.c_int
+        return lib
+    except Exception:  # pathfinder missing or finds nothing: resources only
+        return None
+
+
+def _program_cubin(prog) -> bytes | None:
+    import ctypes
+    lib = _cubin_lib()
+    if lib is None:
+        return None
+    size = ctypes.c_size_t()
+    if lib.nvrtcGetCUBINSize(ctypes.c_void_p(prog), ctypes.byref(size)) != 0 or not size.value:
+        return None
+    buf = ctypes.create_string_buffer(size.value)
+    return buf.raw if lib.nvrtcGetCUBIN(ctypes.c_void_p(prog), buf) == 0 else None
+
+
+def compile_info(source: str, filename: str, options: Sequence[str] = (), arch: str = ARCH, *,
+                 cubin: bool = False) -> CompileInfo:
     """Compile with NVRTC (uncached). Raises ``NvrtcCompileError`` naming ``filename`` when
-    NVRTC or ptxas reports an error; warnings are left in ``log``."""
+    NVRTC or ptxas reports an error; warnings are left in ``log``. With ``cubin``, the build
+    adds ``-lineinfo`` (line tables only: ptxas makes the same code) and keeps the ELF, so
+    one compile serves both the resource check and ``profiling.sass``."""
     nvrtc = _nvrtc()
-    opts = nvrtc_options(arch, options)
+    opts = nvrtc_options(arch, options) + (["-lineinfo"] if cubin else [])
     prog = nvrtc.createProgram(with_line_directive(source, filename), filename, [], [])
     try:
         try:
@@ -295,6 +329,7 @@ def compile_info(source: str, filename: str, options: Sequence[str] = (), arch: 
                                     f"NVRTC error {e}:\n{log}", log) from None
         log = nvrtc.getProgramLog(prog)
         ptx = nvrtc.getPTX(prog)
+        elf = _program_cubin(prog) if cubin else None
     finally:
         nvrtc.destroyProgram(prog)
     ptx = ptx.decode(errors="replace") if isinstance(ptx, bytes) else str(ptx)
@@ -302,7 +337,7 @@ def compile_info(source: str, filename: str, options: Sequence[str] = (), arch: 
     kernels = {name: KernelResources(name, r["registers"], r["smem"], r["stack"], r["spill_stores"],
                                      r["spill_loads"], bounds.get(name))
                for name, r in parse_ptxas(log).items()}
-    return CompileInfo(arch, log, kernels)
+    return CompileInfo(arch, log, kernels, elf)
 
 
 # ---------------------------------------------------------------------------
@@ -342,6 +377,35 @@ def cached_compile_info(source: str, filename: str | None, options: Sequence[str
     return CompileInfo(arch, rec["log"], {k["name"]: KernelResources(**k) for k in rec["kernels"]})
 
 
+def cached_cubin(source: str, filename: str | None, options: Sequence[str] = (),
+                 arch: str = ARCH) -> bytes | None:
+    """The cubin of the build ``cached_compile_info`` checks (the same compile: a record
+    written by this version keeps its ELF beside it), or None when libnvrtc's cubin calls
+    cannot be loaded. Raises ``NvrtcCompileError`` for a rejected source."""
+    fname = filename or "<source>.cu"
+    key = cache_key(source, fname, options, arch)
+    path = cache_root() / (key + ".json")
+    elf = _read_cubin(path)
+    if elf is None:
+        with key_lock("nvrtc-" + key):
+            elf = _read_cubin(path)
+            if elf is None:
+                rec = _read_record(path)
+                if rec is None or rec["ok"]:   # no record, or one written before cubins were kept
+                    rec = _compile_record(source, fname, options, arch, path)
+                if not rec["ok"]:
+                    raise NvrtcCompileError(rec["message"], rec["log"])
+                elf = _read_cubin(path)
+    return elf
+
+
+def _read_cubin(path: Path) -> bytes | None:
+    try:
+        return path.with_suffix(".cubin").read_bytes()
+    except OSError:
+        return None
+
+
 def _read_record(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -353,8 +417,13 @@ def _compile_record(source: str, fname: str, options: Sequence[str], arch: str, 
     """Compile and write the cache record ``path`` (atomically: readers see all or nothing)."""
     t0 = time.perf_counter()
     try:
-        info = compile_info(source, fname, options, arch)
+        info = compile_info(source, fname, options, arch, cubin=True)
         rec = {"ok": True, "log": info.log, "kernels": [asdict(k) for k in info.kernels.values()]}
+        if info.cubin is not None:   # before the record: a reader that sees the record sees it
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(info.cubin)
+            os.replace(tmp, path.with_suffix(".cubin"))
     except NvrtcCompileError as e:
         rec = {"ok": False, "message": str(e), "log": e.log}
     rec["seconds"] = round(time.perf_counter() - t0, 4)  # what the cache saves (cold-cost audits)
