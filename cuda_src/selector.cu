@@ -26,9 +26,9 @@
 //   knobs f32 [3] (sample.cu's block): temperature = knobs[0]. T <= 0 (greedy): the first
 //   largest order key. T > 0: z = score * (1 / T), masses draw_mass(z, max z) (draw.cuh),
 //   target = draw_target(row_bits64(lane * Q + j + 1, rng), total), the first c whose running
-//   mass exceeds it; total 0 (every score NaN): choice 0, q row all 0. per_lane 1: row j + 1
-//   with counter base lane_counters[lane] (u64 [lanes]); per_lane 2: each lane its own step
-//   block, knobs [lanes][3] and rng [lanes][2], row j + 1 (each lane draws as a one-lane walk).
+//   mass exceeds it; total 0 (every score NaN): choice 0, q row all 0 (per_lane 0). per_lane 1:
+//   each lane its own step block, knobs [lanes][3] and rng [lanes][2], row j + 1 (each lane
+//   draws as a one-lane walk).
 //   q [lanes, R, K] f32: f32(mass_c) / f32(total) (T > 0), one-hot (T <= 0); choice [lanes, R]
 //   int32. Layouts: hidden [lanes, hidden_rows >= Q, H] f32 (rows 1..Q-1 read), hp_w [RANK, H], codebooks
 //   [V, RANK], all row-major; ids / vals as the merge writes them.
@@ -359,7 +359,7 @@ selector_topk_merge(const unsigned int* part, int nblk, int* ids, float* vals)
 extern "C" __global__ void __launch_bounds__(SEL_WK_NW * 32, 1)
 selector_walk(const float* hidden, int hidden_rows, const void* hp_w, const void* pred_cb, const void* succ_cb,
               const int* anchors, const int* ids, const float* vals, const float* knobs,
-              const unsigned long long* rng, const unsigned long long* lane_counters, int per_lane,
+              const unsigned long long* rng, int per_lane,
               int* tokens, int* choice, float* q, float* hp_ws, int* counters, int* flags)
 {
     pdl_wait();
@@ -386,7 +386,7 @@ selector_walk(const float* hidden, int hidden_rows, const void* hp_w, const void
     __shared__ int ids_s[RA * K];
     __shared__ float vals_s[RA * K];
     __shared__ unsigned long long bits_s[RA], mass_s[K];
-    const float temperature = knobs[per_lane == 2 ? 3 * lane : 0];
+    const float temperature = knobs[per_lane ? 3 * lane : 0];
     const bool sampled = temperature > 0.0f;
     for (int i = threadIdx.x; i < R * K; i += WK_NT) {
         const int id = ids[(long long)lane * R * K + i];
@@ -394,10 +394,9 @@ selector_walk(const float* hidden, int hidden_rows, const void* hp_w, const void
         vals_s[i] = vals[(long long)lane * R * K + i];
     }
     if (sampled) {
-        // per_lane: the lane draws as a single lane (lanes = 1) with its own counter base (1) or
-        // its own seed and counter base (2) would
-        const unsigned long long* lr = per_lane == 2 ? rng + 2 * lane : rng;
-        const unsigned long long sb[2] = {lr[0], per_lane == 1 ? lane_counters[lane] : lr[1]};
+        // per_lane: the lane draws as a single lane (lanes = 1) with its own seed and counter
+        // base would
+        const unsigned long long* sb = per_lane ? rng + 2 * lane : rng;
         const int row0 = per_lane ? 1 : lane * Q + 1;
         for (int j = threadIdx.x; j < R; j += WK_NT) bits_s[j] = row_bits64((unsigned int)(row0 + j), sb);
     }

@@ -175,7 +175,7 @@ def _walk_inputs(rng, vocab, K, lanes, q_len, H, rank, kind, anchors=None):
     return dict(hidden=hidden, hp_w=hp_w, pred_cb=pred, succ_cb=succ, anchors=anchors, ids=ids, vals=vals)
 
 
-def _run_walk(be, sel, inp, T=0.0, seed=0, counter=0, lane_counters=None):
+def _run_walk(be, sel, inp, T=0.0, seed=0, counter=0):
     L, Q, R, K = sel.lanes, sel.q_len, sel.R, sel.K
     dev = {k: be.asarray(dtypes.device_bits(v)) if v.size else None for k, v in inp.items()}
     out = dict(tokens=be.asarray(np.full((L, Q), -7, np.int32)),
@@ -184,8 +184,7 @@ def _run_walk(be, sel, inp, T=0.0, seed=0, counter=0, lane_counters=None):
     knobs = be.asarray(np.array([T, 1.0, 0.0], np.float32))
     rngs = be.asarray(np.array([seed, counter], np.uint64))
     sel.walk(dev["hidden"], dev["hp_w"], dev["pred_cb"], dev["succ_cb"], dev["anchors"], dev["ids"], dev["vals"],
-             out["tokens"], out["choice"], out["q"], knobs, rngs,
-             lane_counters=None if lane_counters is None else be.asarray(np.asarray(lane_counters, np.uint64)))
+             out["tokens"], out["choice"], out["q"], knobs, rngs)
     got = {k: be.to_numpy(v) if v is not None else np.zeros((L, 0) + ((K,) if k == "q" else ()))
            for k, v in out.items()}
     got["flags"] = be.to_numpy(sel.flags)
@@ -274,28 +273,6 @@ def test_sampled_walk_reproduces_the_numpy_sampler(backend, rng, vocab, K, lanes
     # the uniforms are a function of (seed, counter, lane * q_len + row): another seed moves the draws
     other = _run_walk(backend, sel, inp, T=T, seed=seed + 1, counter=counter)
     assert (other["choice"] != got["choice"]).any()
-
-
-@pytest.mark.parametrize("T", [0.0, 0.8])
-def test_lanes_are_bit_identical_to_single_lanes(backend, T):
-    """With per-lane counters each lane draws as a one-lane walk with its counter would."""
-    rng = np.random.default_rng(17)
-    vocab, K, lanes, q_len, H, rank = 33, 6, 3, 5, 40, 16
-    c = config(vocab=vocab, K=K, H=H, rank=rank, q_len=q_len)
-    inp = _walk_inputs(rng, vocab, K, lanes, q_len, H, rank, "bf16")
-    counters = [5, 2**40 + 3, 5]              # lanes 0 and 2 share a counter: the same uniforms
-    got = _run_walk(backend, SelectorKernels(backend, c, q_len, lanes), inp, T=T, seed=9, lane_counters=counters)
-    want = walk_reference(**inp, vocab=vocab, temperature=T, seed=9, lane_counters=counters)
-    one = SelectorKernels(backend, c, q_len, 1)
-    for lane in range(lanes):
-        single = _run_walk(backend, one, {k: v[lane:lane + 1] if k in ("hidden", "anchors", "ids", "vals") else v
-                                          for k, v in inp.items()}, T=T, seed=9, counter=counters[lane])
-        for k in ("tokens", "choice", "q"):
-            np.testing.assert_array_equal(got[k][lane], single[k][0], err_msg=f"lane {lane} {k}")
-    np.testing.assert_array_equal(got["tokens"], want["tokens"])
-    u = selector_uniforms(9, 0, lanes, q_len, lane_counters=counters)
-    assert (u[0] == u[2]).all() and (u[0] != u[1]).all()
-    assert (u == selector_uniforms(9, counters[1], 1, q_len)).any(axis=1).tolist() == [False, True, False]
 
 
 # chi-square critical values at p = 0.001 by degrees of freedom
@@ -391,8 +368,6 @@ def test_bad_input_names_the_argument(backend, rng):
         bad[i] = backend.zeros(args[i].shape, np.float64)                   # wrong dtype
         with pytest.raises(TypeError, match=rf"^{name} must have dtype"):
             sel.walk(*bad)
-    with pytest.raises(ValueError, match=r"^lane_counters must have shape \[2\]"):
-        sel.walk(*args, lane_counters=backend.zeros((3,), np.uint64))
     with pytest.raises(TypeError, match="^hp_w must be a device array"):
         sel.walk(*([args[0], np.zeros((5, 12), np.uint16)] + args[2:]))
     lg = backend.zeros((6, 19), np.float32)
@@ -451,10 +426,6 @@ def test_per_lane_step_blocks_equal_one_lane_walks(backend, kind):
     # lanes 0 and 2 share seed and counter yet differ in temperature: the same uniforms,
     # other distributions
     assert not np.array_equal(q[0], q[2])
-    # per-lane blocks already carry the counters
-    with pytest.raises(ValueError, match="^lane_counters: per-lane knobs"):
-        sel.walk(*(dev[k] for k in ("hidden", "hp_w", "pred_cb", "succ_cb", "anchors", "ids", "vals")), *out,
-                 knobs, rngs, lane_counters=backend.zeros((lanes,), np.uint64))
     with pytest.raises(ValueError, match=r"^rng must have shape \[3, 2\]"):
         sel.walk(*(dev[k] for k in ("hidden", "hp_w", "pred_cb", "succ_cb", "anchors", "ids", "vals")), *out,
                  knobs, backend.zeros((2, 2), np.uint64))

@@ -23,9 +23,9 @@ selector rows per lane (block rows 1..q_len-1). Shapes and dtypes (device arrays
   (``ops/sample.py``'s step block: temperature = knobs[0], (seed, counter base)). Writes
   ``tokens`` int32 ``[lanes, q_len]`` (row 0 the anchor, rows 1.. the walk), ``choice``
   int32 ``[lanes, R]`` (the candidate index taken) and ``q`` f32 ``[lanes, R, K]`` (the
-  distribution drawn from; one-hot at temperature 0); optional ``lane_counters`` u64
-  ``[lanes]`` (below). ``self.flags`` int32 ``[lanes]``:
-  1 where the lane's device anchor was outside ``[0, vocab)`` (then clamped into it).
+  distribution drawn from; one-hot at temperature 0); per-lane ``knobs`` / ``rng``
+  below. ``self.flags`` int32 ``[lanes]``: 1 where the lane's device anchor was outside
+  ``[0, vocab)`` (then clamped into it).
 
 With ``q_len`` 1 (no selector rows) ``topk`` does nothing and ``walk`` writes only
 ``tokens[:, 0]``; ``ids``, ``vals``, ``choice`` and ``q`` are then not read (None is fine).
@@ -33,14 +33,11 @@ Both are capture-safe: no host sync, no allocation (workspaces are made here, so
 instance has one ``topk`` and one ``walk`` in flight at a time). The
 walk's uniform for lane ``l``, block row ``r`` (1..R) is ``row_uniform64(l * q_len + r,
 seed, counter) / 2^64`` (``selector_uniforms``), drawn by ``draw.cuh``'s integer inverse
-CDF, the same generator and draw as ``TokenSampler``. With ``walk(..., lane_counters=)``
-(device u64 ``[lanes]``, e.g. each lane's first noise position) it is ``row_uniform64(r,
-seed, lane_counters[l]) / 2^64`` instead: each lane draws exactly as a one-lane walk with
-that counter. With per-lane step blocks, ``knobs`` f32 ``[lanes, 3]`` and ``rng`` u64
-``[lanes, 2]`` (a step engine's lanes, each with its own ``SamplingParams``), lane ``l``
-walks at temperature ``knobs[l, 0]`` with ``row_uniform64(r, rng[l, 0], rng[l, 1]) / 2^64``:
-exactly a one-lane walk with that lane's knobs and rng, so a lane batch is bit-identical to
-single caches.
+CDF, the same generator and draw as ``TokenSampler``. With per-lane step blocks, ``knobs``
+f32 ``[lanes, 3]`` and ``rng`` u64 ``[lanes, 2]`` (a step engine's lanes, each with its own
+``SamplingParams``), lane ``l`` walks at temperature ``knobs[l, 0]`` with ``row_uniform64(r,
+rng[l, 0], rng[l, 1]) / 2^64``: exactly a one-lane walk with that lane's knobs and rng, so a
+lane batch is bit-identical to single caches.
 """
 from __future__ import annotations
 
@@ -97,7 +94,6 @@ class SelectorKernels:
         self.hp_ws = backend.zeros((self.lanes, max(1, self.R), self.rank), np.float32)
         self.counters = backend.zeros((self.lanes,), np.int32)   # zero between launches
         self.flags = backend.zeros((self.lanes,), np.int32)
-        self._no_lane_counters = backend.zeros((1,), np.uint64)   # walk's placeholder (never read)
 
     def __repr__(self):
         return (f"SelectorKernels(vocab={self.vocab}, K={self.K}, q_len={self.q_len}, lanes={self.lanes}, "
@@ -149,7 +145,7 @@ class SelectorKernels:
                     stream=stream)
 
     def walk(self, hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, tokens, choice, q, knobs, rng,
-             lane_counters=None, stream=None) -> None:
+             stream=None) -> None:
         be, L, R, K, Q = self.backend, self.lanes, self.R, self.K, self.q_len
         checks.device_array(be, "hidden", hidden, np.float32, ndim=3)
         if hidden.shape[0] != L or hidden.shape[1] < Q or hidden.shape[2] != self.H:
@@ -169,11 +165,6 @@ class SelectorKernels:
         blocks = getattr(knobs, "ndim", 1) == 2   # per-lane step blocks
         self._out("knobs", knobs, np.float32, (L, 3) if blocks else (3,))
         self._out("rng", rng, np.uint64, (L, 2) if blocks else (2,))
-        if lane_counters is not None:
-            if blocks:
-                raise ValueError("lane_counters: per-lane knobs [lanes, 3] and rng [lanes, 2] already give each "
-                                 "lane its counter base")
-            self._out("lane_counters", lane_counters, np.uint64, (L,))
         if R:
             checks.check_no_overlap(tokens=tokens, choice=choice, q=q, ids=ids, vals=vals, anchors=anchors,
                                     hidden=hidden)
@@ -184,9 +175,7 @@ class SelectorKernels:
         grid = (self.split if R else 1, L, 1)
         self._walk(grid, (WK_NW * 32, 1, 1),
                    (hidden, np.int32(hidden.shape[1]), hp_w, pred_cb, succ_cb, anchors, ids, vals, knobs, rng,
-                    self._no_lane_counters if lane_counters is None else lane_counters,
-                    np.int32(2 if blocks else lane_counters is not None), tokens, choice, q, self.hp_ws, self.counters,
-                    self.flags), stream=stream)
+                    np.int32(blocks), tokens, choice, q, self.hp_ws, self.counters, self.flags), stream=stream)
 
     def anchors_to_device(self, anchors):
         """Host anchors (one token id per lane) as the device int32 ``[lanes]`` array ``walk``
@@ -262,22 +251,16 @@ def warp_dot_reference(w, x) -> np.ndarray:
     return acc[:, 0, :]
 
 
-def _walk_bits(lane: int, r: int, q_len: int, seed: int, counter: int, lane_counters) -> int:
-    """The 64 random bits of lane ``lane``'s block row ``r`` (see the module docstring)."""
-    if lane_counters is None:
-        return row_uniform64(lane * q_len + r, seed, counter)
-    return row_uniform64(r, seed, int(lane_counters[lane]))
-
-
-def selector_uniforms(seed: int, counter: int, lanes: int, q_len: int, lane_counters=None) -> np.ndarray:
-    """The walk's uniforms ``[lanes, q_len - 1]`` float64 (``_walk_bits / 2^64``): what the
-    float64 oracle (``reference.select_draft(..., uniforms=)``) takes."""
-    return np.array([[_walk_bits(l, r, q_len, seed, counter, lane_counters) / 2.0 ** 64 for r in range(1, q_len)]
+def selector_uniforms(seed: int, counter: int, lanes: int, q_len: int) -> np.ndarray:
+    """The walk's uniforms ``[lanes, q_len - 1]`` float64 (``row_uniform64(l * q_len + r,
+    seed, counter) / 2^64``): what the float64 oracle (``reference.select_draft(...,
+    uniforms=)``) takes."""
+    return np.array([[row_uniform64(l * q_len + r, seed, counter) / 2.0 ** 64 for r in range(1, q_len)]
                      for l in range(lanes)], np.float64).reshape(lanes, q_len - 1)
 
 
 def walk_reference(hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, vocab: int,
-                   temperature: float = 0.0, seed: int = 0, counter: int = 0, lane_counters=None) -> dict:
+                   temperature: float = 0.0, seed: int = 0, counter: int = 0) -> dict:
     """``selector_walk`` in NumPy: weights in any layout ``dtypes.to_float`` widens, the rest
     as ``SelectorKernels.walk`` takes them (host arrays). Returns ``tokens, choice, q, flags,
     scores [lanes, R, K]`` (the row's edge scores given the choice before) and ``margin [lanes,
@@ -313,7 +296,7 @@ def walk_reference(hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, vocab: in
                 mass = draw_masses(s * inv_t)
                 total = int(mass.sum(dtype=np.uint64))
                 if total:
-                    c, out["margin"][lane, j] = inverse_cdf(_walk_bits(lane, j + 1, Q, seed, counter, lane_counters), mass)
+                    c, out["margin"][lane, j] = inverse_cdf(row_uniform64(lane * Q + j + 1, seed, counter), mass)
                     out["q"][lane, j] = mass.astype(np.float32) / np.float32(total)
                 else:
                     c = 0
