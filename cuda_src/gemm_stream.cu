@@ -108,9 +108,9 @@
 #if GS_EPI == 4 && (GS_NORM || GS_Y16 || GS_TOPK < 1 || GS_TOPK > 64)
 #error "the fused top-K (GS_EPI 4) needs 1 <= GS_TOPK <= 64, no GS_NORM, no GS_Y16"
 #endif
-// GS_EPI 4: the key tile [16][COLS + 8] u32 in the x staging's dynamic shared memory (the
+// GS_EPI 4: the key tile [ROWS][COLS + 8] u32 in the x staging's dynamic shared memory (the
 // launcher provides at least this; row stride 8 mod 32 words: conflict-free stores and reads)
-#define GS_TK_SMEM (16 * (GS_WARPS * 8 * GS_NT + 8) * 4)
+#define GS_TK_SMEM (16 * GS_MT * (GS_WARPS * 8 * GS_NT + 8) * 4)
 #if GS_MT != 1 && GS_MT != 2 && GS_MT != 4
 #error "GS_MT must be 1, 2 or 4 (16, 32 or 64 rows per block)"
 #endif
@@ -664,67 +664,66 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
     }
 #elif GS_EPI == 4
     {
-        // Per 16-row tile: every thread's order keys into the key tile (y too with GS_LOGITS),
-        // then warp w selects rows w, w + GS_WARPS: K rounds, each the largest rank word below
-        // the last winner over the row's COLS columns (lane l: columns l + 32u), round r's
-        // winner kept by lane r % 32 (r < 32: w0, else w1), stored by those lanes at the end.
+        // Every thread's order keys into the key tile (y too with GS_LOGITS), then warp w selects
+        // rows w, w + GS_WARPS, ...: K rounds, each the largest rank word below the last winner
+        // over the row's COLS columns (lane l: columns l + 32u), round r's winner kept by lane
+        // r % 32 (r < 32: w0, else w1), stored by those lanes at the end.
         constexpr int TKS = COLS + 8, TKU = COLS / 32, TK = GS_TOPK;
         unsigned int* keys = reinterpret_cast<unsigned int*>(smem);
         unsigned int* part = reinterpret_cast<unsigned int*>(ws);
         const int groups = (int)gridDim.x / mblocks;
+        __syncthreads();  // every warp past its MMAs' reads of xs
 #pragma unroll
         for (int i = 0; i < MT; i++) {
             if (!((tmask >> (8 + i)) & 1u)) continue;  // dead tile: no partial (block-uniform)
-            __syncthreads();  // every warp past its MMAs' reads of xs, or the last tile's keys
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                const int row = m0 + i * 16 + g + 8 * h;
+                const int lr = i * 16 + g + 8 * h, row = m0 + lr;
 #pragma unroll
                 for (int jn = 0; jn < NT; jn++) {
                     const int lc = warp * 8 * NT + 8 * jn + 2 * t, col = n0 + 8 * jn + 2 * t;
                     const float a0 = acc[i][jn][2 * h], a1 = acc[i][jn][2 * h + 1];
                     if (row < M && col < N) store(y, r, (long long)row * N + col, a0, a0);
                     if (row < M && col + 1 < N) store(y, r, (long long)row * N + col + 1, a1, a1);
-                    *reinterpret_cast<uint2*>(keys + (g + 8 * h) * TKS + lc) = make_uint2(order_key(a0), order_key(a1));
+                    *reinterpret_cast<uint2*>(keys + lr * TKS + lc) = make_uint2(order_key(a0), order_key(a1));
                 }
             }
-            __syncthreads();
-            for (int rr = warp; rr < 16; rr += GS_WARPS) {
-                const int row = m0 + i * 16 + rr;
-                if (row >= M) break;  // warp-uniform
-                unsigned long long wv[TKU];
+        }
+        __syncthreads();
+        for (int lr = warp; lr < live; lr += GS_WARPS) {
+            if (!((tmask >> (8 + (lr >> 4))) & 1u)) continue;  // warp-uniform
+            unsigned long long wv[TKU];
 #pragma unroll
-                for (int u = 0; u < TKU; u++) {
-                    const int col = cg * COLS + lane + 32 * u;
-                    wv[u] = col < N ? ((unsigned long long)keys[rr * TKS + lane + 32 * u] << 32) |
-                                          (0xffffffffu - (unsigned int)col)
-                                    : 0ull;
+            for (int u = 0; u < TKU; u++) {
+                const int col = cg * COLS + lane + 32 * u;
+                wv[u] = col < N ? ((unsigned long long)keys[lr * TKS + lane + 32 * u] << 32) |
+                                      (0xffffffffu - (unsigned int)col)
+                                : 0ull;
+            }
+            unsigned long long last = ~0ull, w0 = 0ull, w1 = 0ull;
+            for (int q = 0; q < TK; q++) {
+                unsigned long long mine = 0ull;
+#pragma unroll
+                for (int u = 0; u < TKU; u++)
+                    if (wv[u] < last && wv[u] > mine) mine = wv[u];
+#pragma unroll
+                for (int o = 16; o; o >>= 1) {
+                    const unsigned long long ot = __shfl_xor_sync(0xffffffffu, mine, o);
+                    mine = ot > mine ? ot : mine;
                 }
-                unsigned long long last = ~0ull, w0 = 0ull, w1 = 0ull;
-                for (int q = 0; q < TK; q++) {
-                    unsigned long long mine = 0ull;
-#pragma unroll
-                    for (int u = 0; u < TKU; u++)
-                        if (wv[u] < last && wv[u] > mine) mine = wv[u];
-#pragma unroll
-                    for (int o = 16; o; o >>= 1) {
-                        const unsigned long long ot = __shfl_xor_sync(0xffffffffu, mine, o);
-                        mine = ot > mine ? ot : mine;
-                    }
-                    last = mine;
-                    if (lane == (q & 31)) {
-                        if (q < 32) w0 = mine; else w1 = mine;
-                    }
+                last = mine;
+                if (lane == (q & 31)) {
+                    if (q < 32) w0 = mine; else w1 = mine;
                 }
-                unsigned int* out = part + ((long long)row * groups + cg) * TK * 2;
+            }
+            unsigned int* out = part + ((long long)(m0 + lr) * groups + cg) * TK * 2;
 #pragma unroll
-                for (int hh = 0; hh < 2; hh++) {
-                    const int q = lane + 32 * hh;
-                    const unsigned long long wq = hh ? w1 : w0;
-                    if (q < TK)
-                        *reinterpret_cast<uint2*>(out + 2 * q) =
-                            make_uint2((unsigned int)(wq >> 32), wq ? 0xffffffffu - (unsigned int)wq : 0xffffffffu);
-                }
+            for (int hh = 0; hh < 2; hh++) {
+                const int q = lane + 32 * hh;
+                const unsigned long long wq = hh ? w1 : w0;
+                if (q < TK)
+                    *reinterpret_cast<uint2*>(out + 2 * q) =
+                        make_uint2((unsigned int)(wq >> 32), wq ? 0xffffffffu - (unsigned int)wq : 0xffffffffu);
             }
         }
         return;

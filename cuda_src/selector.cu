@@ -38,6 +38,7 @@
 //   without contraction, w[e] * x[e] over e in chunks of 8 (chunk = i, i + 32, ...), ascending;
 //   then the xor butterfly of warp.cuh's warp_sum (offsets 16, 8, 4, 2, 1).
 // nvrtc-check: -DSEL_V=202048 -DSEL_K=16 -DSEL_Q=16 -DSEL_H=6656 -DSEL_RANK=256 -DSEL_HPT=2 -DSEL_CBT=2 -DSEL_MULT=0.196 -DSEL_CAP=20.0
+// nvrtc-check: -DSEL_V=202048 -DSEL_K=16 -DSEL_Q=16 -DSEL_H=6656 -DSEL_RANK=256 -DSEL_HPT=2 -DSEL_CBT=2 -DSEL_MULT=0.196 -DSEL_CAP=20.0 -DSEL_PBLK=790
 // nvrtc-check: -DSEL_V=19 -DSEL_K=3 -DSEL_Q=1 -DSEL_H=12 -DSEL_RANK=5 -DSEL_HPT=0 -DSEL_CBT=1 -DSEL_MULT=1.0 -DSEL_CAP=0
 
 #ifndef SEL_V

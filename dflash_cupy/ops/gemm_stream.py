@@ -39,8 +39,8 @@ INFLIGHT_TARGET = 24 * 1024
 # from the kernel (2 blocks for MT 1, else 1); tests/test_gemm_stream.py
 # recompiles and checks these are not exceeded. Rounded up to the allocation
 # granularity of 8 they set the register-limited residency.
-PTXAS_REGS = {1: 128, 2: 208, 4: 238}   # max over f16/bf16, the three epilogues, hi+lo or not
-                                        # (history: docs/decisions/gemm.md)
+PTXAS_REGS = {1: 128, 2: 208, 4: 240}   # max over f16/bf16, the epilogues, hi+lo or not (MT 4:
+                                        # the fused top-K at K 4096, 239; history: docs/decisions/gemm.md)
 REGS_PER_SM = 65536
 THREADS_PER_SM = 2048
 SMEM_RESERVED = 1024      # per block, by the driver
@@ -385,9 +385,9 @@ SELECTS = ("argmax", "topk")   # the fused selections: per-block partials, no sp
 TOPK_MAX = 64                  # GS_TOPK's bound
 
 
-def topk_smem(nw: int = 1) -> int:
-    """Dynamic shared memory GS_EPI 4 needs at least (its key tile, GS_TK_SMEM)."""
-    return 16 * (cols_per_block(nw) + 8) * 4
+def topk_smem(mt: int, nw: int = 1) -> int:
+    """Dynamic shared memory GS_EPI 4 needs at least (its key tile of 16 * mt rows, GS_TK_SMEM)."""
+    return 16 * mt * (cols_per_block(nw) + 8) * 4
 
 
 @dataclass(frozen=True)
@@ -478,7 +478,7 @@ class StreamKernels:
         self._argmax = v.argmax
         if self._argmax:  # the fused argmax / top-K reduces within a block: no split K
             k_split = 1
-        self._tk_smem = topk_smem(nw) if v.top_k else 0   # GS_EPI 4's key tile (in the x staging's smem)
+        self._tk = bool(v.top_k)   # GS_EPI 4: its key tile in the x staging's shared memory
         self.backend = backend
         self.N, self.K, self.nw, self.split, self.k_split = N, K, nw, split, k_split
         self.norm = v.norm
@@ -588,7 +588,7 @@ class StreamKernels:
             return plan_wgmma(self.N, self.K, m, self.nw, self.split, self.dev, variant=mt, ks=ks)
         p = plan(self.N, self.K, m, self.nw, self.split, self.dev, mt=mt, ks=ks,
                  raw=self.norm and not self.x16)
-        return dataclasses.replace(p, smem=max(p.smem, self._tk_smem)) if self._tk_smem > p.smem else p
+        return dataclasses.replace(p, smem=topk_smem(mt, self.nw)) if self._tk and topk_smem(mt, self.nw) > p.smem else p
 
     def plan(self, m: int) -> Plan:
         c = self._choice.get(m)
