@@ -323,19 +323,23 @@ selector_topk_merge(const unsigned int* part, int nblk, int prow0, int prow_stri
     const unsigned int* p = part + ((long long)lane * prow_stride + prow0 + j) * nblk * K * 2;
     const int n = nblk * K;
     // an empty slot (any key, id 0xffffffff) ranks as 0: below every real pair
-    auto word = [&](int i) -> unsigned long long {
-        const unsigned int id = p[2 * i + 1];
-        return id >= (unsigned int)V ? 0ull : ((unsigned long long)p[2 * i] << 32) | (0xffffffffu - id);
+    auto word = [&](uint2 v) -> unsigned long long {
+        return v.y >= (unsigned int)V ? 0ull : ((unsigned long long)v.x << 32) | (0xffffffffu - v.y);
     };
+    const uint2* p2 = reinterpret_cast<const uint2*>(p);   // (key, id): 8-byte aligned pairs
     // up to MP * TK_NT pairs (this kernel's own blocks', or SEL_PBLK blocks') are read once
-    // into registers; more are read again in every round
+    // into registers, every load issued before any is used; more are read again in every round
     unsigned long long held[MP];
     const bool cached = n <= MP * TK_NT;
+    uint2 raw[MP];
 #pragma unroll
     for (int m = 0; m < MP; ++m) {
         const int i = threadIdx.x + m * TK_NT;
-        held[m] = cached && i < n ? word(i) : 0ull;
+        raw[m] = make_uint2(0u, 0xffffffffu);
+        if (cached && i < n) raw[m] = p2[i];
     }
+#pragma unroll
+    for (int m = 0; m < MP; ++m) held[m] = word(raw[m]);
     unsigned long long last = ALL;
     for (int t = 0; t < K; ++t) {
         unsigned long long mine = 0ull;
@@ -345,7 +349,7 @@ selector_topk_merge(const unsigned int* part, int nblk, int prow0, int prow_stri
                 if (held[m] < last && held[m] > mine) mine = held[m];
         } else {
             for (int i = threadIdx.x; i < n; i += TK_NT) {
-                const unsigned long long wd = word(i);
+                const unsigned long long wd = word(p2[i]);
                 if (wd < last && wd > mine) mine = wd;
             }
         }
