@@ -1,7 +1,7 @@
 """The DFlash 2 candidate selector (``cuda_src/selector.cu``, SPEC §6) and its NumPy
 references, which round where the kernels round.
 
-``SelectorKernels(backend, config, q_len, lanes=1, weight_kind="bf16")`` for a
+``SelectorKernels(backend, config, q_len, lanes=1, weight_kind="bf16", partial_blocks=0)`` for a
 ``DraftConfig`` with ``dflash2`` (K = ``selector_top_k`` <= 64, ``selector_rank``,
 ``vocab_size``, ``output_multiplier``, ``final_logit_softcapping``). ``R = q_len - 1``
 selector rows per lane (block rows 1..q_len-1). Shapes and dtypes (device arrays):
@@ -14,6 +14,11 @@ selector rows per lane (block rows 1..q_len-1). Shapes and dtypes (device arrays
   ``tanh(v / cap) * cap`` (no cap: v). Non-finite logits rank by ``float_order.cuh``'s
   total order: +inf above every finite logit, -inf below, NaN below everything (the
   module's argmax rule); their values follow IEEE (+-inf -> +-cap, NaN -> NaN).
+- ``merge_partials(partials, ids, vals, row0=0, row_stride=R)``: the same ``ids`` / ``vals``
+  from per-column-block candidates (u32 ``[rows, blocks, K, 2]`` (order key, id), e.g. the
+  lm_head GEMM's fused top-K, ``Gemm(..., "topk")``, whose rows are every step row: then
+  ``row0=1, row_stride`` the lane's rows); ``partial_blocks``: their blocks, which size the
+  merge's registers (more than fit are read again in each of its K rounds).
 - ``walk(hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, tokens, choice, q, knobs,
   rng)``: ``hidden`` f32 ``[lanes, S >= q_len, H]`` (the block's final normed hidden rows,
   S rows per lane, e.g. a step engine's 16-row lane blocks; rows 1..q_len-1 are read), ``hp_w`` ``[rank, H]``, ``pred_cb`` / ``succ_cb`` ``[vocab, rank]`` in
