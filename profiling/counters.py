@@ -660,9 +660,14 @@ def _gemm_stream(L) -> KernelCounters:
         c.bytes_written[_name(y)] = m_st * N * YB
     part_bytes = 0
     if SEL:
-        part_bytes = _gs_select_epilogue(c, EPI, TOPK, m_st, gx, WARPS, NT, COLS, ws,
-                                         sum(1 for by, t in enumerate(block_rows) if any(t)
-                                             for i in range(MT) if stored_tile(by, i)), YW)
+        # per working M block: its rows below M in stored tiles (the threads / warps that store)
+        sel_blocks = []
+        for by, t in enumerate(block_rows):
+            st = [i for i in range(MT) if stored_tile(by, i)]
+            if any(t) and st:
+                sel_blocks.append((by * ROWS, [lr for i in st for lr in range(16 * i, min(16 * i + 16, M - by * ROWS))],
+                                   len(st)))
+        part_bytes = _gs_select_epilogue(c, EPI, TOPK, gx, WARPS, NT, MT, COLS, ws, sel_blocks, YW, N)
     if EPI == 1:
         c.bytes_read[_name(r) + " (residual)"] = m_st * N * 4
     if pad_hi:   # every thread of every block reads the padding start: a request per warp
@@ -703,29 +708,52 @@ def _gemm_stream(L) -> KernelCounters:
     return c
 
 
-def _gs_select_epilogue(c: KernelCounters, EPI: int, TOPK: int, m_st: int, gx: int, WARPS: int, NT: int,
-                       COLS: int, ws, tiles: int, logits: bool) -> int:
-    """gemm_stream.cu's fused argmax (GS_EPI 3) / top-K (GS_EPI 4) epilogue, added to ``c``
-    for ``m_st`` stored rows in ``tiles`` stored 16-row tiles of each of ``gx`` column groups;
-    returns the partials' bytes. EPI 3: per tile and warp the lanes' winners into shared memory
-    (4-byte words), then a thread per row reads WARPS of each and stores one 8-byte pair. EPI 4:
-    per tile every thread's keys into the key tile (NT uint2 stores per half, conflict-free), a
-    warp per row reads its COLS keys (COLS / 32 conflict-free loads) and runs TOPK rounds in
-    registers (shuffles: no memory), then lanes < TOPK store one 8-byte pair each."""
-    pair_bytes = m_st * gx * TOPK * 8
+def _by_warp(rows: list) -> list:
+    """``rows`` (a thread per local row, threadIdx = the row) grouped by warp, empty warps left out."""
+    out: dict = {}
+    for r in rows:
+        out.setdefault(r // 32, []).append(r)
+    return list(out.values())
+
+
+def _gs_select_epilogue(c: KernelCounters, EPI: int, TOPK: int, gx: int, WARPS: int, NT: int, MT: int,
+                       COLS: int, ws, blocks: list, logits: bool, N: int) -> int:
+    """gemm_stream.cu's fused argmax (GS_EPI 3) / top-K (GS_EPI 4) epilogue, added to ``c`` for
+    ``blocks``: per working M block ``(m0, stored local rows, stored tiles)`` of each of ``gx``
+    column groups; returns the partials' bytes. EPI 3: per tile, half and warp two 4-byte stores
+    of 8 lanes' winners into shared memory, one barrier, then a thread per stored row reads
+    2 x WARPS words and stores its (key, column). EPI 4: per stored tile every thread's keys into
+    the key tile (NT uint2 stores per half, conflict-free), two barriers, a warp per stored row
+    loads its keys below N (one conflict-free request per 32 columns), runs TOPK rounds in
+    registers (shuffles: no memory), and lanes < TOPK store one 8-byte pair each."""
+    rows = sum(len(r) for _, r, _ in blocks)
+    pair_bytes = rows * gx * TOPK * 8
+    sectors = Counter()   # (kind, sectors, bytes) of the warp-level partial stores, summed over groups
+    for m0, rws, _ in blocks:
+        for cg in range(gx):
+            if EPI == 3:
+                for lanes in _by_warp(rws):
+                    for off in (0, 4):
+                        sectors[global_sectors([((m0 + lr) * gx + cg) * 8 + off for lr in lanes], 4)] += 1
+            else:
+                for lr in rws:
+                    base = ((m0 + lr) * gx + cg) * TOPK * 8
+                    for q0 in range(0, TOPK, 32):
+                        sectors[global_sectors([base + 8 * q for q in range(q0, min(TOPK, q0 + 32))], 8)] += 1
+    for (sec, nb), n in sectors.items():
+        c.add_global("st", n, sec, nb)
     if EPI == 3:
-        _smem_words(c, gx * tiles * WARPS * 2 * 2 + gx * m_st * 2 * WARPS)
-        c.barriers += gx * tiles
-        c.add_global("st", gx * m_st * 2, 1, 4)
+        _smem_words(c, gx * len(blocks) * WARPS * MT * 2 * 2
+                    + gx * sum(2 * WARPS * len(_by_warp(r)) for _, r, _ in blocks))
+        c.barriers += gx * len(blocks)
     else:
+        tiles = sum(t for _, _, t in blocks)
         for h in range(2):
             c.add_smem(gx * tiles * WARPS * NT, [((g + 8 * h) * (COLS + 8) + 2 * t) * 4
                                                  for g in range(8) for t in range(4)], 8)
-        c.add_smem(gx * m_st * (COLS // 32), [l * 4 for l in range(32)], 4)
-        c.barriers += gx * tiles * 2
-        for q0 in range(0, TOPK, 32):
-            lanes = min(32, TOPK - q0)
-            c.add_global("st", gx * m_st, -(-lanes * 8 // SECTOR), lanes * 8)
+        reads = sum(-(-max(0, min(COLS, N - bx * COLS)) // 32) for bx in range(gx))
+        c.add_smem(rows * reads, [l * 4 for l in range(32)], 4)
+        c.barriers += gx * len(blocks) * 2
     c.bytes_written[_name(ws) + " (partials)"] = pair_bytes
     c.notes.append(f"fused {'argmax' if EPI == 3 else f'top-{TOPK}'}: {pair_bytes / 1e6:.2f} MB of (key, id) "
                    f"partials" + ("" if logits else "; no logits written"))

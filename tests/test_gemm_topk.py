@@ -219,3 +219,28 @@ def test_step_lanes_equal_single_caches_fused(emu):
             one = _step(be, w, lm, False, feats[i], c, noise[i], anchors[i])
             for k in OUTS:
                 assert np.array_equal(got[k][i], one[k]), (i, k)
+
+
+# --------------------------------------------------------------------------- the cost model's counters
+@pytest.mark.parametrize("epi,N,K,M,k", [("topk", 600, 64, 19, 16), ("topk", 531, 64, 40, 5),
+                                         ("topk", 300, 128, 16, 64), ("argmax", 600, 64, 19, 0)])
+def test_static_counters_of_the_fused_select_match_the_emulator(epi, N, K, M, k):
+    """profiling/counters.py's access model of the fused top-K (and argmax) epilogue against the
+    emulator's counts of the same launch (every block run): requests, sectors, shared-memory
+    wavefronts and barriers exactly (argmax: its partial stores' sectors aside)."""
+    from profiling import counters as ctr
+    from profiling.emulated_counters import emulated_counters
+    from profiling.step_trace import RecordingBackend
+    be = RecordingBackend()
+    op = Gemm(be, N, K, "bf16", epi, max_m=64, logits=False, **({"top_k": k} if k else {}))
+    part = be.empty(op.partials_shape(M), np.uint32)
+    op(be.empty((M, K), np.float32), be.empty((N, K), np.uint16), None, M, partials=part)
+    launch = be.eager[-1]
+    s, e = ctr.static_counters(launch), emulated_counters(launch, n=10**6)
+    fields = ["gld_requests", "gst_requests", "smem_requests", "smem_wavefronts", "barriers", "mma"]
+    if epi == "topk":
+        fields += ["gst_sectors", "gst_bytes"]
+        assert s.bytes_written[next(n for n in s.bytes_written if "partials" in n)] == M * -(-N // COLS) * k * 8
+    for f in fields:
+        assert getattr(s, f) == getattr(e, f), (f, getattr(s, f), getattr(e, f))
+    assert not any("logits" == n for n in s.bytes_written)
