@@ -6,6 +6,11 @@
 //   GS_EPI 0: y = acc   1: y = r + acc (r may be y)   2: y = silu(acc_gate) * acc_up (W [2N, K])
 //   GS_EPI 3: the lm_head's greedy token: per (row, column block) the best column (float_order.cuh,
 //             ties: lowest) into ws as u32 pairs [M][groups][2]; y = acc only with GS_LOGITS 1.
+//   GS_EPI 4: the lm_head's top-K (K = GS_TOPK <= 64): per (row, column block) its K best
+//             (order key, id) into ws as u32 [M][groups][K][2], best first, rank word key << 32 |
+//             (0xffffffff - id) (ties: lowest id; +inf first, NaN last); past the block's
+//             columns empty slots (0, 0xffffffff): selector.cu's partials (its merge, rows mapped
+//             there). y = acc only with GS_LOGITS 1. Needs >= GS_TK_SMEM dynamic shared memory.
 //   GS_NORM 1: rows >= norm_lo enter as rmsnorm(x_row) * ln (fixed-order sums, also across
 //             split-K slices: replays bit-identical); rows < norm_lo raw, or with ln_lo (use_ln_lo).
 //   Rows < row_split are read from x, the rest from x2 (its row 0 first).
@@ -97,6 +102,15 @@
 #if GS_EPI == 3 && defined(GS_NORM) && GS_NORM
 #error "the fused argmax (GS_EPI 3) does not apply a folded RMSNorm (GS_NORM)"
 #endif
+#ifndef GS_TOPK
+#define GS_TOPK 16
+#endif
+#if GS_EPI == 4 && (GS_NORM || GS_Y16 || GS_TOPK < 1 || GS_TOPK > 64)
+#error "the fused top-K (GS_EPI 4) needs 1 <= GS_TOPK <= 64, no GS_NORM, no GS_Y16"
+#endif
+// GS_EPI 4: the key tile [ROWS][COLS + 8] u32 in the x staging's dynamic shared memory (the
+// launcher provides at least this; row stride 8 mod 32 words: conflict-free stores and reads)
+#define GS_TK_SMEM (16 * GS_MT * (GS_WARPS * 8 * GS_NT + 8) * 4)
 #if GS_MT != 1 && GS_MT != 2 && GS_MT != 4
 #error "GS_MT must be 1, 2 or 4 (16, 32 or 64 rows per block)"
 #endif
@@ -175,8 +189,8 @@ __device__ __forceinline__ void mma(float d[4], const unsigned int a[4], unsigne
 }
 
 __device__ __forceinline__ void store(GS_YT* y, const float* r, long long o, float a, float u) {
-#if GS_EPI == 3
-    if (GS_LOGITS) y[o] = a;  // the fused argmax: logits only on request
+#if GS_EPI == 3 || GS_EPI == 4
+    if (GS_LOGITS) y[o] = a;  // the fused argmax / top-K: logits only on request
     (void)r;
     (void)u;
 #else
@@ -645,6 +659,72 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
             const long long o = ((long long)(m0 + lr) * ((int)gridDim.x / mblocks) + cg) * 2;  // [M][groups][2]
             part[o] = bk;
             part[o + 1] = (unsigned int)bc;
+        }
+        return;
+    }
+#elif GS_EPI == 4
+    {
+        // Every thread's order keys into the key tile (y too with GS_LOGITS), then warp w selects
+        // rows w, w + GS_WARPS, ...: K rounds, each the largest rank word below the last winner
+        // over the row's COLS columns (lane l: columns l + 32u), round r's winner kept by lane
+        // r % 32 (r < 32: w0, else w1), stored by those lanes at the end.
+        constexpr int TKS = COLS + 8, TKU = COLS / 32, TK = GS_TOPK;
+        unsigned int* keys = reinterpret_cast<unsigned int*>(smem);
+        unsigned int* part = reinterpret_cast<unsigned int*>(ws);
+        const int groups = (int)gridDim.x / mblocks;
+        __syncthreads();  // every warp past its MMAs' reads of xs
+#pragma unroll
+        for (int i = 0; i < MT; i++) {
+            if (!((tmask >> (8 + i)) & 1u)) continue;  // dead tile: no partial (block-uniform)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int lr = i * 16 + g + 8 * h, row = m0 + lr;
+#pragma unroll
+                for (int jn = 0; jn < NT; jn++) {
+                    const int lc = warp * 8 * NT + 8 * jn + 2 * t, col = n0 + 8 * jn + 2 * t;
+                    const float a0 = acc[i][jn][2 * h], a1 = acc[i][jn][2 * h + 1];
+                    if (row < M && col < N) store(y, r, (long long)row * N + col, a0, a0);
+                    if (row < M && col + 1 < N) store(y, r, (long long)row * N + col + 1, a1, a1);
+                    *reinterpret_cast<uint2*>(keys + lr * TKS + lc) = make_uint2(order_key(a0), order_key(a1));
+                }
+            }
+        }
+        __syncthreads();
+        for (int lr = warp; lr < live; lr += GS_WARPS) {
+            if (!((tmask >> (8 + (lr >> 4))) & 1u)) continue;  // warp-uniform
+            unsigned long long wv[TKU];
+#pragma unroll
+            for (int u = 0; u < TKU; u++) {
+                const int col = cg * COLS + lane + 32 * u;
+                wv[u] = col < N ? ((unsigned long long)keys[lr * TKS + lane + 32 * u] << 32) |
+                                      (0xffffffffu - (unsigned int)col)
+                                : 0ull;
+            }
+            unsigned long long last = ~0ull, w0 = 0ull, w1 = 0ull;
+            for (int q = 0; q < TK; q++) {
+                unsigned long long mine = 0ull;
+#pragma unroll
+                for (int u = 0; u < TKU; u++)
+                    if (wv[u] < last && wv[u] > mine) mine = wv[u];
+#pragma unroll
+                for (int o = 16; o; o >>= 1) {
+                    const unsigned long long ot = __shfl_xor_sync(0xffffffffu, mine, o);
+                    mine = ot > mine ? ot : mine;
+                }
+                last = mine;
+                if (lane == (q & 31)) {
+                    if (q < 32) w0 = mine; else w1 = mine;
+                }
+            }
+            unsigned int* out = part + ((long long)(m0 + lr) * groups + cg) * TK * 2;
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++) {
+                const int q = lane + 32 * hh;
+                const unsigned long long wq = hh ? w1 : w0;
+                if (q < TK)
+                    *reinterpret_cast<uint2*>(out + 2 * q) =
+                        make_uint2((unsigned int)(wq >> 32), wq ? 0xffffffffu - (unsigned int)wq : 0xffffffffu);
+            }
         }
         return;
     }

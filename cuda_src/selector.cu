@@ -12,8 +12,10 @@
 //   block's K best as part [lanes * R][nblk][K][2] u32 (order key, id), best first, empty slots
 //   (0, 0xffffffff). The merge needs only the K best of each block, in any order, so a GEMM
 //   epilogue with its own column blocks may write this (GS_EPI 3's argmax pairs are K = 1).
-// selector_topk_merge: grid lanes * R, block TK_NT: the K best of the row's nblk * K pairs ->
-//   ids [lanes * R, K] int32, vals [lanes * R, K] f32 = softcap(logit * MULT) (tanhf(v / CAP) * CAP).
+// selector_topk_merge: grid lanes * R, block TK_NT: the K best of the row's nblk * K pairs (row g =
+//   lane * R + j reads part row lane * prow_stride + prow0 + j: gemm_stream.cu GS_EPI 4 writes
+//   every GEMM row) -> ids [lanes * R, K] int32, vals [lanes * R, K] f32 = softcap(logit * MULT)
+//   (tanhf(v / CAP) * CAP). SEL_PBLK: blocks such partials have (sizes the registers that hold them).
 // selector_walk: grid (SPLIT = ceil(RANK / WK_NW), lanes), block WK_NW * 32.
 //   Phase 1 (every block): warp w computes hp[lane][j][k], k = blockIdx.x * WK_NW + w, into
 //   hp_ws [lanes, R, RANK] f32 (warp_dot below). The last block of a lane to arrive
@@ -36,6 +38,7 @@
 //   without contraction, w[e] * x[e] over e in chunks of 8 (chunk = i, i + 32, ...), ascending;
 //   then the xor butterfly of warp.cuh's warp_sum (offsets 16, 8, 4, 2, 1).
 // nvrtc-check: -DSEL_V=202048 -DSEL_K=16 -DSEL_Q=16 -DSEL_H=6656 -DSEL_RANK=256 -DSEL_HPT=2 -DSEL_CBT=2 -DSEL_MULT=0.196 -DSEL_CAP=20.0
+// nvrtc-check: -DSEL_V=202048 -DSEL_K=16 -DSEL_Q=16 -DSEL_H=6656 -DSEL_RANK=256 -DSEL_HPT=2 -DSEL_CBT=2 -DSEL_MULT=0.196 -DSEL_CAP=20.0 -DSEL_PBLK=790
 // nvrtc-check: -DSEL_V=19 -DSEL_K=3 -DSEL_Q=1 -DSEL_H=12 -DSEL_RANK=5 -DSEL_HPT=0 -DSEL_CBT=1 -DSEL_MULT=1.0 -DSEL_CAP=0
 
 #ifndef SEL_V
@@ -96,8 +99,14 @@ constexpr int V = SEL_V, K = SEL_K, Q = SEL_Q, R = SEL_Q - 1, H = SEL_H, RANK = 
 constexpr int RA = R > 0 ? R : 1;  // register arrays need a positive size
 constexpr int TK_NT = SEL_TK_NT, TK_PER = SEL_TK_PER, TK_TILE = TK_NT * TK_PER, TK_NW = TK_NT / 32;
 constexpr int WK_NW = SEL_WK_NW, WK_NT = WK_NW * 32;
-// selector_topk_merge: pairs per thread held in registers (its own blocks' K best each)
-constexpr int MP = ((V + TK_TILE - 1) / TK_TILE * K + TK_NT - 1) / TK_NT;
+// selector_topk_merge: pairs per thread held in registers (its own blocks' K best each, or
+// SEL_PBLK blocks' when more, up to 64 pairs: 128 registers; more are read again each round)
+#ifndef SEL_PBLK
+#define SEL_PBLK 0
+#endif
+constexpr int NBLK_OWN = (V + TK_TILE - 1) / TK_TILE, NBLK_MAX = NBLK_OWN > SEL_PBLK ? NBLK_OWN : SEL_PBLK;
+constexpr int MP_ALL = (NBLK_MAX * K + TK_NT - 1) / TK_NT, MP_OWN = (NBLK_OWN * K + TK_NT - 1) / TK_NT;
+constexpr int MP = MP_ALL <= 64 ? MP_ALL : MP_OWN;
 constexpr unsigned long long ALL = ~0ull;
 constexpr float MULT = (float)(SEL_MULT), CAP = (float)(SEL_CAP);
 constexpr float CAP_DIV = CAP > 0.0f ? CAP : 1.0f;  // (no division by a zero constant when CAP is off)
@@ -304,29 +313,33 @@ selector_topk_blocks(const float* logits, int ld, int row0, int row_stride, int 
 }
 
 extern "C" __global__ void __launch_bounds__(SEL_TK_NT)
-selector_topk_merge(const unsigned int* part, int nblk, int* ids, float* vals)
+selector_topk_merge(const unsigned int* part, int nblk, int prow0, int prow_stride, int* ids, float* vals)
 {
     pdl_wait();
     pdl_launch_dependents();
     using namespace selector_detail;
     __shared__ unsigned long long red[TK_NW];
-    const int g = blockIdx.x;
-    const unsigned int* p = part + (long long)g * nblk * K * 2;
+    const int g = blockIdx.x, lane = g / RA, j = g - lane * RA;
+    const unsigned int* p = part + ((long long)lane * prow_stride + prow0 + j) * nblk * K * 2;
     const int n = nblk * K;
     // an empty slot (any key, id 0xffffffff) ranks as 0: below every real pair
-    auto word = [&](int i) -> unsigned long long {
-        const unsigned int id = p[2 * i + 1];
-        return id >= (unsigned int)V ? 0ull : ((unsigned long long)p[2 * i] << 32) | (0xffffffffu - id);
+    auto word = [&](uint2 v) -> unsigned long long {
+        return v.y >= (unsigned int)V ? 0ull : ((unsigned long long)v.x << 32) | (0xffffffffu - v.y);
     };
-    // this kernel's own blocks' pairs (n <= MP * TK_NT) are read once into registers; more
-    // (another writer's column blocks) are read again in every round
+    const uint2* p2 = reinterpret_cast<const uint2*>(p);   // (key, id): 8-byte aligned pairs
+    // up to MP * TK_NT pairs (this kernel's own blocks', or SEL_PBLK blocks') are read once
+    // into registers, every load issued before any is used; more are read again in every round
     unsigned long long held[MP];
     const bool cached = n <= MP * TK_NT;
+    uint2 raw[MP];
 #pragma unroll
     for (int m = 0; m < MP; ++m) {
         const int i = threadIdx.x + m * TK_NT;
-        held[m] = cached && i < n ? word(i) : 0ull;
+        raw[m] = make_uint2(0u, 0xffffffffu);
+        if (cached && i < n) raw[m] = p2[i];
     }
+#pragma unroll
+    for (int m = 0; m < MP; ++m) held[m] = word(raw[m]);
     unsigned long long last = ALL;
     for (int t = 0; t < K; ++t) {
         unsigned long long mine = 0ull;
@@ -336,7 +349,7 @@ selector_topk_merge(const unsigned int* part, int nblk, int* ids, float* vals)
                 if (held[m] < last && held[m] > mine) mine = held[m];
         } else {
             for (int i = threadIdx.x; i < n; i += TK_NT) {
-                const unsigned long long wd = word(i);
+                const unsigned long long wd = word(p2[i]);
                 if (wd < last && wd > mine) mine = wd;
             }
         }

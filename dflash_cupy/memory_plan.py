@@ -99,10 +99,12 @@ def mask_bytes(config, lanes: int, geom: RingGeometry, table_entries: int = 0) -
     return lanes * (n_masks * geom.q_len * geom.kv_total * 2 + geom.slots * 4 + table_entries * 4)
 
 
-def step_bytes_estimate(config, lanes: int, *, vocab: int = 0, logits: bool = True, bulk_chunk: int = 256) -> int:
+def step_bytes_estimate(config, lanes: int, *, vocab: int = 0, logits: bool = True, bulk_chunk: int = 256,
+                        lm16: bool = True) -> int:
     """An estimate of the step's own buffers (every activation f32, where the engine stores
     some in 16 bits; no split-K workspace): the rows of every lane's step, the bulk-append
-    workspace, the LM head's outputs."""
+    workspace, the LM head's outputs (``lm16``: a 16-bit LM head, whose DFlash 2 top-K is
+    fused into its GEMM: per-block partials instead of logits the selector reads)."""
     H, B = config.hidden_size, config.block_size
     cs, bs = align_up(2 * B + 2, 16), align_up(B, 16)
     nc, nn = lanes * cs, lanes * bs
@@ -115,10 +117,13 @@ def step_bytes_estimate(config, lanes: int, *, vocab: int = 0, logits: bool = Tr
     out = 0
     if vocab:
         # 4-byte elements: the logits (when written, or the selector reads them), the tokens
-        out = nn * (vocab * int(logits or config.dflash2 is not None) + 1)
+        fused = config.dflash2 is not None and lm16
+        out = nn * (vocab * int(logits or (config.dflash2 is not None and not fused)) + 1)
         if config.dflash2 is not None:
             k = config.dflash2.selector_top_k
             out += lanes * (B + 1 + (B - 1) * (3 * k + 1))
+            if fused:   # the fused top-K's partials: (key, id) per row, 256-column block and candidate
+                out += nn * -(-vocab // 256) * k * 2
     return 4 * (rows + bulk + out) + 4096
 
 
@@ -148,7 +153,8 @@ def bytes_for(config, lanes: int, window: int, *, rewind_slack: int = 0, ring_ca
         "kv": pool_bytes(lanes, geom.slots, geom.q_len, config.kv_dim * 2, 2 * config.n_layer, page, pages),
         "feature_rings": lanes * ring_capacity * config.fc_in * rsize,
         "masks": mask_bytes(config, lanes, geom, pages_per_lane(geom.kv_total, page)),
-        "step": step_bytes_estimate(config, lanes, vocab=vocab, logits=logits, bulk_chunk=bulk_chunk),
+        "step": step_bytes_estimate(config, lanes, vocab=vocab, logits=logits, bulk_chunk=bulk_chunk,
+                                    lm16=dtypes.kind_of(lm_head_dtype, "lm_head_dtype") != "f32"),
         "weights": weight_bytes(config, weight_dtype, vocab, lm_head_dtype),
     }
     return MemoryReport(pools, page_size=page, pages_free=pages, lane_pages=(0,) * lanes)

@@ -478,19 +478,21 @@ class _Runner:
     # ---- GEMMs
     def _gemm(self, variant, name, N, K, wkind, epi="none", *, m, max_m=64, path="auto", wgmma=None,
               x_split=True, norm_lo=None, ln_lo=False, x16=False, y16=False, use=None, pad=None, tile_live=None,
-              x2=None, skip_cols=0, live_split=False, argmax=False):
+              x2=None, skip_cols=0, live_split=False, argmax=False, topk=0):
         """One GEMM call against ``gemm_reference`` (``f32`` tolerance; the weight type's for a
         16-bit y). ``use=(mt, ks)`` forces a launch configuration; ``pad=lo`` zero rows
         [lo, m); ``tile_live``: per-16-row flags (dead rows untouched, rows of tiles marked 2
         only the columns >= skip_cols where the wgmma kernel skips); ``x2=row_split``: rows from
-        row_split on through the second input pointer."""
+        row_split on through the second input pointer. ``topk``: the fused top-K epilogue, each
+        column block's ids where the reference's K-th and (K+1)-th are apart."""
         from . import dtypes
         from .ops.gemm import Gemm, gemm_reference
         be = self.be
         rng = _seed(f"{variant} {name}")
-        g = Gemm(be, N, K, wkind, "argmax" if argmax else epi, max_m=max_m, path=path, wgmma=wgmma,
-                 x_split=x_split, norm_eps=1e-6 if norm_lo is not None else None, x16=x16, y16=y16,
-                 logits=not argmax, skip_cols=skip_cols, live_split=live_split)
+        g = Gemm(be, N, K, wkind, "argmax" if argmax else "topk" if topk else epi, max_m=max_m, path=path,
+                 wgmma=wgmma, x_split=x_split, norm_eps=1e-6 if norm_lo is not None else None, x16=x16, y16=y16,
+                 logits=not (argmax or topk), skip_cols=skip_cols, live_split=live_split,
+                 top_k=topk if topk else None)
         if use is not None:
             g.use_config(m, use)
         host = dtypes.HOST[wkind]
@@ -539,6 +541,26 @@ class _Runner:
             clear = top2[:, 1] - top2[:, 0] > 1e-3
             return [self.exact(variant, f"{name}: fused argmax tokens ({int(clear.sum())}/{m} rows clear)",
                                got_t[clear], want[clear].astype(np.int32))]
+        if topk:
+            part = be.zeros(g.partials_shape(m), np.uint32)
+            g(x, wd, None, m, partials=part, **kw)
+            ids = be.to_numpy(part)[..., 1].astype(np.int64)   # [m, blocks, topk]
+            from .ops.gemm_stream import cols_per_block
+            cols = cols_per_block(1)
+            got_s, want_s = [], []
+            for r in range(m):
+                for b in range(ids.shape[1]):
+                    seg = ref[r, b * cols:(b + 1) * cols].astype(np.float64)
+                    order = np.argsort(-seg, kind="stable")
+                    n = min(topk, seg.size)
+                    if seg.size > topk and seg[order[topk - 1]] - seg[order[topk]] <= 1e-3:
+                        continue   # the K-th is not clear of rounding
+                    want_s.append(np.sort(order[:n] + b * cols))
+                    got_s.append(np.sort(ids[r, b, :n]))
+                    want_s.append(np.full(topk - n, 0xFFFFFFFF))   # empty slots past the columns
+                    got_s.append(ids[r, b, n:])
+            return [self.exact(variant, f"{name}: fused top-{topk} ids per column block ({len(got_s) // 2} clear)",
+                               np.concatenate(got_s), np.concatenate(want_s))]
         y0 = resid.copy() if resid is not None else np.full((m, N), sentinel, np.float32)
         if y16:
             y0 = dtypes.device_bits(np.full((m, N), sentinel, np.float32).astype(host))
@@ -602,6 +624,8 @@ class _Runner:
             ("bf16 qkv: two inputs, both rows normed", G("bf16 qkv N=256, x2 from row 20, norm + ln_lo, m=45", QKV, H,
                                                          "bf16", m=45, norm_lo=20, ln_lo=True, x2=20)),
             ("f16 fused argmax", G("f16 lm_head N=300", V, H, "f16", m=16, argmax=True)),
+            ("bf16 fused top-K", G("bf16 lm_head N=300 top-40 (more than the last block's 44 columns)", V, H,
+                                   "bf16", m=16, topk=40)),
             ("f16 16-bit x, one term", G("f16 residual x16 (x_split=False) m=13", H, H, "f16", "residual", m=13,
                                         max_m=16, x_split=False, x16=True)),
             ("bf16 16-bit y", G("bf16 silu_mul y16 (x_split=False) m=13", H, H, "bf16", "silu_mul", m=13, max_m=16,

@@ -324,8 +324,9 @@ class StepEngine:
     def _alloc_selector(self, V: int) -> None:
         """DFlash 2's selector buffers (SPEC §6; ``ops/selector.py`` has the layouts): the
         anchors (the block's first token per lane), the walk's tokens (``draft_tokens``), the
-        candidates (ids, values), the choice and ``q``; the logits are always written (into
-        the engine's own buffer when the caller asked for none)."""
+        candidates (ids, values), the choice and ``q``. The top-K's input (``_build_gemms``): the
+        fused top-K's partials, else the logits (the engine's own buffer when the caller asked
+        for none)."""
         be, c, L, B = self.backend, self.config, self.lanes, self.q_len
         d2 = c.dflash2
         if V != d2.vocab_size:
@@ -338,8 +339,6 @@ class StepEngine:
         self.candidate_values = be.zeros((L, R, K), np.float32)
         self.selector_choice = be.zeros((L, R), np.int32)
         self.selector_q = be.zeros((L, R, K), np.float32)
-        if not self.write_logits:
-            self._logits = be.zeros((self.n_noise, V), np.float32)
 
     @staticmethod
     def check_selector_sampling(sampling, name: str = "sampling") -> None:
@@ -407,8 +406,10 @@ class StepEngine:
         self.selector = None
         if self.selects:   # the selector's tokens replace the sampler's
             self.sampler = None
+            # the fused top-K's partials: its column blocks size the merge's registers
+            pblk = 0 if self._lm_part is None else int(self._lm_part.shape[1])
             self.selector = SelectorKernels(be, c, self.q_len, self.lanes,
-                                            weight_kind=weight_kind(self.dw.selector_hp.dtype))
+                                            weight_kind=weight_kind(self.dw.selector_hp.dtype), partial_blocks=pblk)
         self.rope_ctx = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, False, c.rms_norm_eps,
                                     self.attn_scaling)
         self.rope_step = QkvNormRope(be, c.head_dim, c.n_head, c.n_head_kv, True, c.rms_norm_eps,
@@ -427,7 +428,8 @@ class StepEngine:
     def _build_gemms(self, max_m: int, gate_w: int, logits: bool, lm_rows: int) -> None:
         """The step's GEMMs (``g_fc`` .. ``g_lm``), compiled now, every one
         rounding its activations as ``self.x_split`` says; ``_lm_part``: the
-        fused argmax's partials for ``lm_rows`` rows (``logits=False``)."""
+        fused argmax's partials for ``lm_rows`` rows (``logits=False``), or (DFlash 2, a
+        16-bit lm_head on the stream path, with or without logits) the fused top-K's."""
         from .ops.gemm import Gemm
         from .ops.rope import RopeSpec
         be, c, H = self.backend, self.config, self.config.hidden_size
@@ -466,12 +468,20 @@ class StepEngine:
         if self.lm_head is not None:
             V = self.lm_head.shape[0]
             fused = not logits and ch.stream and not self.selects   # the fused argmax: a stream-GEMM epilogue
-            self.g_lm = (gemm(V, H, self.lm_head.dtype) if not fused else
-                         gemm(V, H, self.lm_head.dtype, "argmax", logits=False))
-            if fused:
+            # DFlash 2: each column block's top-K in the lm_head GEMM's epilogue (logits only when
+            # asked for: the same GEMM either way, so the candidates do not depend on it), merged
+            # by the selector; an f32 lm_head (or a failed stream GEMM): logits, then its top-K
+            topk = self.selects and ch.stream and weight_kind(self.lm_head.dtype) != "f32" and H % 8 == 0
+            if topk:
+                self.g_lm = gemm(V, H, self.lm_head.dtype, "topk", logits=logits,
+                                 top_k=c.dflash2.selector_top_k)
+            else:
+                self.g_lm = (gemm(V, H, self.lm_head.dtype) if not fused else
+                             gemm(V, H, self.lm_head.dtype, "argmax", logits=False))
+            if fused or topk:
                 self._lm_part = be.zeros(self.g_lm.partials_shape(lm_rows), np.uint32)
-            elif not logits and not self.selects:   # its fallback: logits into a buffer of the engine's,
-                self._logits = be.zeros((lm_rows, V), np.float32)   # then the greedy sampler
+            elif not logits:   # logits into a buffer of the engine's, then the greedy sampler or the top-K
+                self._logits = be.zeros((lm_rows, V), np.float32)
 
     def _tune_sites(self) -> list:
         """``(label, op, m)`` of every GEMM call a step or a bulk chunk makes, and the attention."""
@@ -664,10 +674,16 @@ class StepEngine:
         if not self.recipe.conv:   # DFlash 2: the last layer's finish wrote it (_conv_layer)
             self.rms(self.h, dw.norm, self._hs, stream=stream)
         if self.selector is not None:   # DFlash 2: top-K of the logits, then the walk from the anchor
-            self.g_lm(self._hs, self.lm_head, self._logits, nn, tile_live=live, stream=stream)
             sel = self.selector
-            sel.topk(self._logits, self.candidate_ids, self.candidate_values, row0=1, row_stride=self.lane_rows,
-                     stream=stream)
+            if self._lm_part is not None:   # fused: each column block's top-K, merged (rows 1.. of each lane)
+                self.g_lm(self._hs, self.lm_head, self._logits if self.write_logits else None, nn, tile_live=live,
+                          partials=self._lm_part, stream=stream)
+                sel.merge_partials(self._lm_part, self.candidate_ids, self.candidate_values, row0=1,
+                                   row_stride=self.lane_rows, stream=stream)
+            else:
+                self.g_lm(self._hs, self.lm_head, self._logits, nn, tile_live=live, stream=stream)
+                sel.topk(self._logits, self.candidate_ids, self.candidate_values, row0=1,
+                         row_stride=self.lane_rows, stream=stream)
             sel.walk(self._hs.reshape(self.lanes, self.lane_rows, -1), dw.selector_hp, dw.selector_pred,
                      dw.selector_succ, self.anchors, self.candidate_ids, self.candidate_values, self.draft_tokens,
                      self.selector_choice, self.selector_q, self.sample_knobs, self.sample_rng, stream=stream)

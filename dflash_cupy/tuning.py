@@ -148,7 +148,7 @@ def _scratch_gemm(gemm, m: int):
     kw = {}
     if gemm.norm_eps is not None:
         kw["norm"] = (be.asarray(np.ones(K, np.float32)), 0)
-    if gemm.epilogue == "argmax":
+    if gemm.epilogue in ("argmax", "topk"):
         kw["partials"] = be.zeros(gemm.partials_shape(m), np.uint32)
         y = be.zeros((m, N), np.float32) if gemm.logits else None
     else:

@@ -579,10 +579,15 @@ def _gemm_stream(L) -> KernelCounters:
 
     # Epilogue
     red_l2_trips = 0
+    # the fused argmax / top-K (GS_EPI 3 / 4): logits only with GS_LOGITS; per row and column
+    # group its best column / TOPK best (key, id) pairs into ws
+    SEL = EPI in (3, 4)
+    TOPK = d.get("GS_TOPK", 16) if EPI == 4 else 1
+    YW = (not SEL) or bool(d.get("GS_LOGITS", 0))   # y written
     if gz == 1:
         # lane (g, t) stores row g (+8), columns 2t, 2t+1 of each 8-column tile below N:
         # the 8-column tiles are numbered bx*WARPS*NT + warp*NT + jn, so ceil(N/8) of them store
-        n_ct = min(-(-N // 8), gx * WARPS * NT)
+        n_ct = min(-(-N // 8), gx * WARPS * NT) if YW else 0
         for by in range(gy):
             for i in range(MT):
                 # every stored tile, wholly padding ones too (their rows get the epilogue of 0), in
@@ -651,7 +656,18 @@ def _gemm_stream(L) -> KernelCounters:
     # rows stored: the stored tiles' rows below M in the working blocks
     m_st = sum(min(16, M - by * ROWS - 16 * i) for by, t in enumerate(block_rows) if any(t)
                for i in range(MT) if stored_tile(by, i))
-    c.bytes_written[_name(y)] = m_st * N * YB
+    if YW:
+        c.bytes_written[_name(y)] = m_st * N * YB
+    part_bytes = 0
+    if SEL:
+        # per working M block: its rows below M in stored tiles (the threads / warps that store)
+        sel_blocks = []
+        for by, t in enumerate(block_rows):
+            st = [i for i in range(MT) if stored_tile(by, i)]
+            if any(t) and st:
+                sel_blocks.append((by * ROWS, [lr for i in st for lr in range(16 * i, min(16 * i + 16, M - by * ROWS))],
+                                   len(st)))
+        part_bytes = _gs_select_epilogue(c, EPI, TOPK, gx, WARPS, NT, MT, COLS, ws, sel_blocks, YW, N)
     if EPI == 1:
         c.bytes_read[_name(r) + " (residual)"] = m_st * N * 4
     if pad_hi:   # every thread of every block reads the padding start: a request per warp
@@ -662,7 +678,7 @@ def _gemm_stream(L) -> KernelCounters:
         c.add_global("ld", flag_loads * WARPS, 1, 128)
         c.bytes_read[_name(P["tile_live"])] = 4 * -(-M // 16)
     c.dram_bytes = ((N * NW * K * 2 if live_blocks else 0) + len(x_rows) * K * XB
-                    + m_st * N * (8 if EPI == 1 else YB))
+                    + (m_st * N * (8 if EPI == 1 else YB) if YW else 0) + part_bytes)
     if NORM:
         _gamma_reads(c, ln, ln_lo, gam_rows, norm_lo_ln, K)
         c.notes.append(f"RMSNorm of rows >= {norm_lo_ln} folded in: x * ln staged, the row scale applied "
@@ -690,6 +706,58 @@ def _gemm_stream(L) -> KernelCounters:
         c.notes.append(f"M={M}: {-(-M // 16) * 16 - M} zero rows in the last live 16-row tile "
                        f"(MMAs and x reads; tiles wholly past M are skipped)")
     return c
+
+
+def _by_warp(rows: list) -> list:
+    """``rows`` (a thread per local row, threadIdx = the row) grouped by warp, empty warps left out."""
+    out: dict = {}
+    for r in rows:
+        out.setdefault(r // 32, []).append(r)
+    return list(out.values())
+
+
+def _gs_select_epilogue(c: KernelCounters, EPI: int, TOPK: int, gx: int, WARPS: int, NT: int, MT: int,
+                       COLS: int, ws, blocks: list, logits: bool, N: int) -> int:
+    """gemm_stream.cu's fused argmax (GS_EPI 3) / top-K (GS_EPI 4) epilogue, added to ``c`` for
+    ``blocks``: per working M block ``(m0, stored local rows, stored tiles)`` of each of ``gx``
+    column groups; returns the partials' bytes. EPI 3: per tile, half and warp two 4-byte stores
+    of 8 lanes' winners into shared memory, one barrier, then a thread per stored row reads
+    2 x WARPS words and stores its (key, column). EPI 4: per stored tile every thread's keys into
+    the key tile (NT uint2 stores per half, conflict-free), two barriers, a warp per stored row
+    loads its keys below N (one conflict-free request per 32 columns), runs TOPK rounds in
+    registers (shuffles: no memory), and lanes < TOPK store one 8-byte pair each."""
+    rows = sum(len(r) for _, r, _ in blocks)
+    pair_bytes = rows * gx * TOPK * 8
+    sectors = Counter()   # (kind, sectors, bytes) of the warp-level partial stores, summed over groups
+    for m0, rws, _ in blocks:
+        for cg in range(gx):
+            if EPI == 3:
+                for lanes in _by_warp(rws):
+                    for off in (0, 4):
+                        sectors[global_sectors([((m0 + lr) * gx + cg) * 8 + off for lr in lanes], 4)] += 1
+            else:
+                for lr in rws:
+                    base = ((m0 + lr) * gx + cg) * TOPK * 8
+                    for q0 in range(0, TOPK, 32):
+                        sectors[global_sectors([base + 8 * q for q in range(q0, min(TOPK, q0 + 32))], 8)] += 1
+    for (sec, nb), n in sectors.items():
+        c.add_global("st", n, sec, nb)
+    if EPI == 3:
+        _smem_words(c, gx * len(blocks) * WARPS * MT * 2 * 2
+                    + gx * sum(2 * WARPS * len(_by_warp(r)) for _, r, _ in blocks))
+        c.barriers += gx * len(blocks)
+    else:
+        tiles = sum(t for _, _, t in blocks)
+        for h in range(2):
+            c.add_smem(gx * tiles * WARPS * NT, [((g + 8 * h) * (COLS + 8) + 2 * t) * 4
+                                                 for g in range(8) for t in range(4)], 8)
+        reads = sum(-(-max(0, min(COLS, N - bx * COLS)) // 32) for bx in range(gx))
+        c.add_smem(rows * reads, [l * 4 for l in range(32)], 4)
+        c.barriers += gx * len(blocks) * 2
+    c.bytes_written[_name(ws) + " (partials)"] = pair_bytes
+    c.notes.append(f"fused {'argmax' if EPI == 3 else f'top-{TOPK}'}: {pair_bytes / 1e6:.2f} MB of (key, id) "
+                   f"partials" + ("" if logits else "; no logits written"))
+    return pair_bytes
 
 
 # ---------------------------------------------------------------------------- gemm_wgmma.cu
@@ -1193,6 +1261,10 @@ def _bytes_only(L, reads, writes, note="") -> KernelCounters:
     return c
 
 
+def _C_SEL() -> dict:
+    return kernels.constants("selector.cu")
+
+
 def _small(L) -> KernelCounters:
     k, d = L.kernel, L.defines
     P = L.params()          # the arguments by the kernel's parameter names
@@ -1290,10 +1362,16 @@ def _small(L) -> KernelCounters:
     if k == "selector_topk_blocks":   # selector.cu: each (row, column block)'s best K
         rows, nblk, K = L.grid[1], P["nblk"], d["SEL_K"]
         return _bytes_only(L, [(n("logits"), rows * d["SEL_V"] * 4)], [(n("part"), rows * nblk * K * 8)])
-    if k == "selector_topk_merge":
-        rows, K = L.grid[0], d["SEL_K"]
-        return _bytes_only(L, [(n("part"), rows * P["nblk"] * K * 8)],
-                           [(n("ids"), rows * K * 4), (n("vals"), rows * K * 4)])
+    if k == "selector_topk_merge":   # pairs held in registers when they fit (MP), else re-read per round
+        rows, K, V = L.grid[0], d["SEL_K"], d["SEL_V"]
+        tile = _C_SEL()["SEL_TK_NT"] * _C_SEL()["SEL_TK_PER"]
+        own, nt = -(-V // tile), _C_SEL()["SEL_TK_NT"]
+        mp_all, mp_own = -(-max(own, d.get("SEL_PBLK", 0)) * K // nt), -(-own * K // nt)
+        mp = mp_all if mp_all <= 64 else mp_own
+        reads = 1 if P["nblk"] * K <= mp * nt else K
+        return _bytes_only(L, [(n("part"), reads * rows * P["nblk"] * K * 8)],
+                           [(n("ids"), rows * K * 4), (n("vals"), rows * K * 4)],
+                           "" if reads == 1 else f"{P['nblk'] * K} pairs per row exceed the registers: read {K} times")
     if k == "selector_walk":   # one lane per grid row: hp = W hidden, then the walk's codebook rows
         lanes, Q, H, rank, K = L.grid[1], d["SEL_Q"], d["SEL_H"], d["SEL_RANK"], d["SEL_K"]
         R, wb = Q - 1, (4 if d.get("SEL_HPT", 2) == 0 else 2)

@@ -182,19 +182,21 @@ def time_nodes(graph_nodes, gpu, source, compiled: bool = True) -> list:
 
 def model_step(drafter: str, window: int, gpu, *, accept: int = 6, lm_head_vocab: int | None = None,
                counter_source=None, attn_config=None, pdl: bool = False, compiled: bool = True,
-               plain: bool = False) -> dict:
+               plain: bool = False, logits: bool = True) -> dict:
     """The model of one step: per node times, totals, floor, ratio, losses.
     ``counter_source(launch) -> KernelCounters`` defaults to the static estimates.
     ``attn_config``: the attention's ``(n_splits, merge)`` (``trace_step``;
     ``None``: the cost rule's). ``pdl``: the graph captured with programmatic dependent
     launch (each launch that follows a launch: ``gpu.pdl_gap_s`` instead of ``node_gap_s``).
-    ``plain``: a DFlash 2 preset as the same drafter without its convolutions and selector."""
+    ``plain``: a DFlash 2 preset as the same drafter without its convolutions and selector.
+    ``logits``: the cache's switch (False: no logits written; the LM head's fused argmax, or
+    DFlash 2's fused top-K)."""
     name = resolve_drafter(drafter)
     cfg = drafter_config(name)
     if plain:   # a DFlash 2 preset without its convolutions and selector (the LM head's argmax instead)
         cfg = cfg.replace(dflash2=None)
     plan = trace_step(cfg, window, accept=accept, lm_head_vocab=lm_head_vocab, attn_config=attn_config,
-                     pdl=pdl)
+                     pdl=pdl, logits=logits)
     nodes = time_nodes(plan.nodes, gpu, counter_source or ctr.static_counters, compiled)
     n_pdl = sum(1 for n in plan.launches if n.pdl)
     gap_us = (gpu.node_gap_s * (plan.n_nodes - n_pdl) + gpu.pdl_gap_s * n_pdl) * 1e6

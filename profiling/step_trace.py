@@ -508,14 +508,15 @@ def mark_live_tiles(b, nodes, active: int, accept: int) -> None:
 
 def trace_step(config: DraftConfig, window: int, *, ring_dtype=np.uint16, w_dtype=np.uint16,
               accept: int = 6, lm_head_vocab: int | None = None, attn_config=None,
-              pdl: bool = False) -> StepTrace:
+              pdl: bool = False, logits: bool = True) -> StepTrace:
     """The step graph of a steady-state step at ``window`` (``capacity = window``,
     the ring full, ``accept`` rows appended in the graph). Weights and ring
     default to bf16 (``np.uint16`` bits). ``attn_config``: the attention's
     ``(n_splits, merge)`` (``RingAttention.use_config``; ``None`` in either
     place: its default), as the autotuner would set it before the capture;
     ``None``: the cost rule's. ``pdl``: the cache's switch (``Launch.pdl`` marks the
-    launches that carry programmatic stream serialization)."""
+    launches that carry programmatic stream serialization). ``logits``: the cache's switch (False:
+    the LM head's fused argmax / DFlash 2's fused top-K, no logits written)."""
     from dflash_cupy.feature_ring import FeatureRing
     from dflash_cupy.kv_cache import DraftKvCache
 
@@ -524,7 +525,7 @@ def trace_step(config: DraftConfig, window: int, *, ring_dtype=np.uint16, w_dtyp
     be = RecordingBackend()
     w = ShapeOnlyWeights(config, be, w_dtype)
     lm = be.empty((int(lm_head_vocab), config.hidden_size), w_dtype) if lm_head_vocab else None
-    kv = DraftKvCache(w, capacity=int(window), backend=be, lm_head=lm, pdl=pdl)
+    kv = DraftKvCache(w, capacity=int(window), backend=be, lm_head=lm, pdl=pdl, logits=bool(logits))
     if attn_config is not None:
         n, merge = attn_config
         d_n, d_merge = kv.attention.default_config()

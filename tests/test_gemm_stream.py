@@ -206,8 +206,9 @@ def test_ptxas_registers_within_the_table():
     from tests.support.nvrtc_check import nvrtc_check
     src = gs.kernels.source_path("gemm_stream.cu")
     for mt in gs.MT_BUCKETS:
-        for epi in ("none", "silu_mul"):   # the options the launcher compiles (GemmVariant)
-            variant = gs.GemmVariant(256, 4096, "bf16", epi, split=2)
+        for epi in ("none", "silu_mul", "topk"):   # the options the launcher compiles (GemmVariant)
+            variant = gs.GemmVariant(256, 4096, "bf16", epi, split=2, **({"logits": False, "top_k": 64}
+                                                                        if epi == "topk" else {}))
             opts = tuple(gs.kernels.compile_options(**variant.stream_defines(mt)))[1:]
             info = nvrtc_check(src.read_text(), str(src), "sm_90", opts)["gemm_stream"]
             assert info["registers"] <= gs.PTXAS_REGS[mt] and info["spill_stores"] == 0, (mt, epi, info)

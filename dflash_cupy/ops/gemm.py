@@ -85,20 +85,21 @@ class GemmSpec:
     x_split: bool              # x as hi + lo halves of the weight type (stream path)
     forced_k_split: int | None  # K slices the caller forced (stream path); None: the cost rule's per m
     norm_eps: float | None     # an RMSNorm of x's rows folded in (stream path)
-    logits: bool               # argmax: y written too
+    logits: bool               # argmax / topk: y written too
     wgmma: bool | None         # the wgmma kernel: None auto, True required, False never
     x16: bool                  # x read in the weight type
     y16: bool                  # y written in the weight type
     skip_cols: int             # tile_live 2: column groups below skipped (wgmma)
     live_split: bool           # the wgmma kernel picks its K split per launch
     rope: RopeSpec | None      # the qkv epilogue folded in
+    top_k: int = 0             # topk: each column block's K best per row (1..64), else 0
 
     @classmethod
     def make(cls, backend, N: int, K: int, w_dtype, epilogue: str = "none", max_m: int = 64,
              path: str = "auto", x_split: bool = True, k_split: int | None = None,
              norm_eps: float | None = None, logits: bool = True, wgmma: bool | None = None,
              x16: bool = False, y16: bool = False, skip_cols: int = 0, live_split: bool = False,
-             rope: RopeSpec | None = None) -> "GemmSpec":
+             rope: RopeSpec | None = None, top_k: int | None = None) -> "GemmSpec":
         """The spec of ``Gemm(backend, ...)``'s arguments; a clear exception naming the bad
         one otherwise. ``backend``: only for ``path="auto"`` (the self-check's verdict)."""
         N, K, max_m = (checks.int_arg(v, name, 1) for v, name in ((N, "N"), (K, "K"), (max_m, "max_m")))
@@ -110,15 +111,25 @@ class GemmSpec:
         tc_ok = wkind in ("f16", "bf16") and K % 8 == 0
         if path == "stream" and not tc_ok:
             raise ValueError(f"path {path!r} needs f16/bf16 weights and K % 8 == 0 (got {wkind}, K={K})")
-        stream_only = epilogue == "argmax" or norm_eps is not None or x16 or y16 or rope is not None
+        stream_only = epilogue in gemm_stream.SELECTS or norm_eps is not None or x16 or y16 or rope is not None
         if path == "auto" and tc_ok and not stream_only and not _stream_usable(backend):
             tc_ok = False   # the device's self-check failed gemm_stream.cu: gemm.cu instead
         path = "stream" if path == "auto" and tc_ok else ("fma" if path == "auto" else path)
         # "argmax": the lm_head GEMM with the greedy token fused (per column block the best
         # column into ``partials``; ``logits=False``: y is never written)
-        if epilogue == "argmax" and path != "stream":
-            raise ValueError(f"epilogue 'argmax' needs the 'stream' path: f16/bf16 weights and K % 8 == 0 "
+        # "topk": the same with each column block's ``top_k`` best (order key, id) pairs
+        # (``ops/selector.py``'s partials)
+        if epilogue in gemm_stream.SELECTS and path != "stream":
+            raise ValueError(f"epilogue {epilogue!r} needs the 'stream' path: f16/bf16 weights and K % 8 == 0 "
                              f"(got {wkind}, K={K}, path {path!r})")
+        if epilogue == "topk":
+            top_k = checks.int_arg(top_k, "top_k", 1)
+            if top_k > gemm_stream.TOPK_MAX:
+                raise ValueError(f"top_k={top_k} must be <= {gemm_stream.TOPK_MAX}")
+            if norm_eps is not None:
+                raise ValueError("epilogue 'topk' does not fold an RMSNorm (norm_eps must be None)")
+        elif top_k is not None:
+            raise ValueError(f"top_k={top_k!r} given but epilogue is {epilogue!r} (only 'topk' takes it)")
         x_split = bool(x_split)
         if norm_eps is not None:
             if path != "stream":
@@ -158,8 +169,9 @@ class GemmSpec:
             raise ValueError(f"k_split={k_split}: only the 'stream' path splits K")
         return cls(int(N), int(K), wkind, epilogue, int(max_m), path, x_split,
                    None if k_split is None or path != "stream" else int(k_split),
-                   None if norm_eps is None else float(norm_eps), bool(logits) if epilogue == "argmax" else True,
-                   wgmma, x16, y16, skip, bool(live_split), rope)
+                   None if norm_eps is None else float(norm_eps),
+                   bool(logits) if epilogue in gemm_stream.SELECTS else True,
+                   wgmma, x16, y16, skip, bool(live_split), rope, int(top_k) if epilogue == "topk" else 0)
 
     @functools.cached_property
     def nw(self) -> int:
@@ -206,7 +218,8 @@ class GemmSpec:
         return gemm_stream.GemmVariant(
             self.N, self.K, self.wkind, self.epilogue, self.split, norm=self.norm_eps is not None,
             logits=self.logits, x16=self.x16, y16=self.y16, live_split=self.live_split, skip_cols=self.skip_cols,
-            rope=None if self.rope is None else (self.rope.head_dim, self.rope.q_width, self.rope.kv_width))
+            rope=None if self.rope is None else (self.rope.head_dim, self.rope.q_width, self.rope.kv_width),
+            top_k=self.top_k)
 
 
 _SPEC_NAMES = frozenset(f.name for f in dataclasses.fields(GemmSpec)) | frozenset(
@@ -218,13 +231,14 @@ class Gemm:
 
     Constructor: ``Gemm(backend, N, K, w_dtype, epilogue="none", max_m=64, path="auto",
     x_split=True, k_split=None, norm_eps=None, logits=True, wgmma=None, x16=False, y16=False,
-    skip_cols=0, live_split=False, rope=None)``, checked and resolved once into ``self.spec``
+    skip_cols=0, live_split=False, rope=None, top_k=None)``, checked and resolved once into ``self.spec``
     (a frozen ``GemmSpec``, whose fields and properties read as this object's own:
     ``op.path``, ``op.x_round``, ``op.variant``, ...), then the kernels are compiled:
 
     * ``N, K, w_dtype``: ``w [N, K]`` (``[2N, K]`` for ``"silu_mul"``), f32 / f16 / bf16 bits;
-    * ``epilogue``: ``"none" | "residual" | "silu_mul" | "argmax"`` (argmax: stream path;
-      ``logits`` False stores no logits, only the per-block ``partials``);
+    * ``epilogue``: ``"none" | "residual" | "silu_mul" | "argmax" | "topk"`` (argmax, topk:
+      stream path; ``logits`` False stores no logits, only the per-block ``partials``; topk:
+      ``top_k`` <= 64 pairs per row and column block, ``gemm_stream.cu`` GS_EPI 4);
     * ``max_m``: rows planned for (any ``m >= 1`` still works: more M tiles);
     * ``path``: ``"auto" | "stream" | "fma"``; ``wgmma``: None (auto), True, False;
     * ``x_split``: x as bf16/f16 hi + lo halves (exact f32 products) or one half;
@@ -246,9 +260,9 @@ class Gemm:
                  path: str = "auto", x_split: bool = True, k_split: int | None = None,
                  norm_eps: float | None = None, logits: bool = True, wgmma: bool | None = None,
                  x16: bool = False, y16: bool = False, skip_cols: int = 0, live_split: bool = False,
-                 rope: RopeSpec | None = None):
+                 rope: RopeSpec | None = None, top_k: int | None = None):
         self.spec = GemmSpec.make(backend, N, K, w_dtype, epilogue, max_m, path, x_split, k_split, norm_eps,
-                                  logits, wgmma, x16, y16, skip_cols, live_split, rope)
+                                  logits, wgmma, x16, y16, skip_cols, live_split, rope, top_k)
         self.backend = backend
         self.threads = WARPS * 32
         if self.spec.path == "stream":
@@ -449,9 +463,10 @@ class Gemm:
         checks.aligned16(x2=a)
         return (a, int(row_split))
 
-    def partials_shape(self, m: int) -> tuple[int, int, int]:
-        """Shape of the u32 ``partials`` the "argmax" epilogue writes for ``m`` rows."""
-        return (int(m), self._nblk, 2)
+    def partials_shape(self, m: int) -> tuple:
+        """Shape of the u32 ``partials`` the "argmax" (``[m, blocks, 2]``) or "topk"
+        (``[m, blocks, top_k, 2]``) epilogue writes for ``m`` rows."""
+        return (int(m), self._nblk, self.spec.top_k, 2) if self.spec.top_k else (int(m), self._nblk, 2)
 
     def __call__(self, x, w, y, m, residual=None, stream=None, pad_rows=None, norm=None,
                  partials=None, tile_live=None, rope=None, x2=None):
@@ -462,8 +477,10 @@ class Gemm:
         ``norm=(ln, norm_lo)`` (a ``Gemm`` built with ``norm_eps``): rows
         ``[norm_lo, m)`` of x enter as ``rmsnorm(x_row) * ln`` (``ln`` [K] f32),
         folded into the GEMM: no separate pass, x unchanged.
-        ``partials`` (epilogue "argmax" only, u32 ``partials_shape(m)``): each
-        row's best column per column block; ``y`` is None unless ``logits``.
+        ``partials`` (epilogue "argmax" / "topk" only, u32 ``partials_shape(m)``): each
+        row's best column (its ``top_k`` best (order key, id) pairs, best first, empty
+        slots (0, 0xffffffff) past the block's columns) per column block; ``y`` is None
+        unless ``logits``.
         ``tile_live`` (device int32 ``[>= ceil(m/16)]``, read when the kernel
         runs, so a captured graph follows it): entry ``t`` covers rows
         ``[16t, 16t + 16)``; on the ``"stream"`` path a tile whose entry is 0
@@ -511,22 +528,25 @@ class Gemm:
         """``(y, r, x2)`` of a call's checked arrays: y (the argmax partials where no logits
         are written), the residual (or y: any valid pointer), x2 checked."""
         be = self.backend
-        if x2 is not None and (self.spec.epilogue == "argmax" or self.spec.path != "stream"):
+        sel = self.spec.epilogue in gemm_stream.SELECTS
+        if x2 is not None and (sel or self.spec.path != "stream"):
             raise ValueError(f"x2 needs path 'stream' and an epilogue other than argmax (this Gemm: "
                              f"{self.spec.path!r}, {self.spec.epilogue!r})")
-        if self.spec.epilogue == "argmax":
+        if sel:
             if partials is None:
-                raise ValueError("partials is required for epilogue 'argmax'")
-            checks.device_array(be, "partials", partials, np.uint32, ndim=3)
-            if partials.shape[0] < m or tuple(partials.shape[1:]) != self.partials_shape(m)[1:]:
-                raise ValueError(f"partials must have shape [>= {m}, {self._nblk}, 2], got "
+                raise ValueError(f"partials is required for epilogue {self.spec.epilogue!r}")
+            want = self.partials_shape(m)
+            checks.device_array(be, "partials", partials, np.uint32, ndim=len(want))
+            if partials.shape[0] < m or tuple(partials.shape[1:]) != want[1:]:
+                raise ValueError(f"partials must have shape [>= {m}, {', '.join(map(str, want[1:]))}], got "
                                  f"{tuple(partials.shape)}")
             if not self.spec.logits:
                 if y is not None:
-                    raise ValueError("y must be None: this argmax Gemm writes no logits (logits=False)")
+                    raise ValueError(f"y must be None: this {self.spec.epilogue} Gemm writes no logits "
+                                     f"(logits=False)")
         elif partials is not None:
             raise ValueError(f"partials given but epilogue is {self.spec.epilogue!r}")
-        if y is None and self.spec.epilogue == "argmax" and not self.spec.logits:
+        if y is None and sel and not self.spec.logits:
             checks.device_array(be, "x", x, self.spec.x_dtype)
             checks.device_array(be, "w", w, self.spec.w_device_dtype)
             if x.shape[1] != self.spec.K or tuple(w.shape) != (self.spec.w_rows, self.spec.K):

@@ -39,8 +39,8 @@ INFLIGHT_TARGET = 24 * 1024
 # from the kernel (2 blocks for MT 1, else 1); tests/test_gemm_stream.py
 # recompiles and checks these are not exceeded. Rounded up to the allocation
 # granularity of 8 they set the register-limited residency.
-PTXAS_REGS = {1: 128, 2: 208, 4: 238}   # max over f16/bf16, the three epilogues, hi+lo or not
-                                        # (history: docs/decisions/gemm.md)
+PTXAS_REGS = {1: 128, 2: 208, 4: 240}   # max over f16/bf16, the epilogues, hi+lo or not (MT 4:
+                                        # the fused top-K at K 4096, 239; history: docs/decisions/gemm.md)
 REGS_PER_SM = 65536
 THREADS_PER_SM = 2048
 SMEM_RESERVED = 1024      # per block, by the driver
@@ -379,7 +379,15 @@ def wgmma_verified(backend) -> bool:
 
 
 ARGMAX_EPI = 3  # gemm_stream.cu GS_EPI 3: the lm_head GEMM with the greedy token fused
-EPILOGUES = {"none": 0, "residual": 1, "silu_mul": 2, "argmax": 3}   # GS_EPI / GW_EPI / GEMM_EPI
+TOPK_EPI = 4    # GS_EPI 4: the lm_head GEMM with each column block's top-K fused (stream only)
+EPILOGUES = {"none": 0, "residual": 1, "silu_mul": 2, "argmax": 3, "topk": 4}   # GS_EPI / GW_EPI / GEMM_EPI
+SELECTS = ("argmax", "topk")   # the fused selections: per-block partials, no split K, no wgmma
+TOPK_MAX = 64                  # GS_TOPK's bound
+
+
+def topk_smem(mt: int, nw: int = 1) -> int:
+    """Dynamic shared memory GS_EPI 4 needs at least (its key tile of 16 * mt rows, GS_TK_SMEM)."""
+    return 16 * mt * (cols_per_block(nw) + 8) * 4
 
 
 @dataclass(frozen=True)
@@ -394,20 +402,25 @@ class GemmVariant:
     epilogue: str = "none"     # EPILOGUES key
     split: int = 2             # x as hi + lo halves (2) or one (1)
     norm: bool = False
-    logits: bool = True        # argmax: the logits stored too
+    logits: bool = True        # argmax / topk: the logits stored too
     x16: bool = False
     y16: bool = False
     live_split: bool = False
     skip_cols: int = 0
     rope: tuple | None = None
+    top_k: int = 0             # topk: K (1..TOPK_MAX), else 0
 
     def __post_init__(self):
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"epilogue {self.epilogue!r}: expected one of {tuple(EPILOGUES)}")
         if self.x16 and self.split != 1:
             raise ValueError("x16=True (x stored in the weight type) needs split=1: a 16-bit x has no lo half")
-        if self.y16 and self.epilogue == "argmax":
-            raise ValueError("y16=True does not apply to the fused argmax (its logits stay f32)")
+        if self.y16 and self.epilogue in SELECTS:
+            raise ValueError(f"y16=True does not apply to the fused {self.epilogue} (its logits stay f32)")
+        if (self.epilogue == "topk") != (1 <= self.top_k <= TOPK_MAX) or (self.epilogue != "topk" and self.top_k):
+            raise ValueError(f"top_k={self.top_k}: epilogue 'topk' needs 1 <= top_k <= {TOPK_MAX}, others 0")
+        if self.epilogue == "topk" and self.norm:
+            raise ValueError("the fused top-K does not apply a folded RMSNorm (norm=True)")
 
     @property
     def nw(self) -> int:
@@ -416,12 +429,14 @@ class GemmVariant:
 
     @property
     def argmax(self) -> bool:
-        return self.epilogue == "argmax"
+        """A fused selection (argmax or top-K): per-block partials, one K slice, no wgmma."""
+        return self.epilogue in SELECTS
 
     def key(self) -> str:
         return (f"N{self.N}|K{self.K}|{self.wkind}|{self.epilogue}|split{self.split}|norm{int(self.norm)}"
                 f"|logits{int(self.logits)}|x16{int(self.x16)}|y16{int(self.y16)}"
-                f"|rope{int(self.rope is not None)}|live{int(self.live_split)}|skip{self.skip_cols}")
+                f"|rope{int(self.rope is not None)}|live{int(self.live_split)}|skip{self.skip_cols}"
+                + (f"|topk{self.top_k}" if self.top_k else ""))
 
     def _common(self) -> dict:
         return dict(WTYPE=dtypes.CODE[self.wkind], EPI=EPILOGUES[self.epilogue], K=self.K, SPLIT=self.split,
@@ -432,7 +447,8 @@ class GemmVariant:
         """gemm_stream.cu's options for M tiles ``mt``."""
         return dict(**{"GS_" + k: v for k, v in self._common().items()}, GS_MT=mt, GS_NT=WTILES // self.nw,
                     GS_WARPS=WARPS, GS_DEPTH=DEPTH[mt],
-                    **({"GS_LOGITS": int(self.logits)} if self.argmax else {}))
+                    **({"GS_LOGITS": int(self.logits)} if self.argmax else {}),
+                    **({"GS_TOPK": self.top_k} if self.top_k else {}))
 
     def wgmma_defines(self, bt: int, sms: int = 0, skip_cols: int = 0, qkv: bool = False) -> dict:
         """gemm_wgmma.cu's options for row blocks of ``bt``; ``sms``: the live split's SM
@@ -460,8 +476,9 @@ class StreamKernels:
         N, K, nw, split, rope = v.N, v.K, v.nw, v.split, v.rope
         self.x16, self.y16 = v.x16, v.y16
         self._argmax = v.argmax
-        if self._argmax:  # the fused argmax reduces within a block: no split K
+        if self._argmax:  # the fused argmax / top-K reduces within a block: no split K
             k_split = 1
+        self._tk = bool(v.top_k)   # GS_EPI 4: its key tile in the x staging's shared memory
         self.backend = backend
         self.N, self.K, self.nw, self.split, self.k_split = N, K, nw, split, k_split
         self.norm = v.norm
@@ -569,8 +586,9 @@ class StreamKernels:
     def _plan(self, m: int, mt, ks) -> Plan:
         if isinstance(mt, str):
             return plan_wgmma(self.N, self.K, m, self.nw, self.split, self.dev, variant=mt, ks=ks)
-        return plan(self.N, self.K, m, self.nw, self.split, self.dev, mt=mt, ks=ks,
-                    raw=self.norm and not self.x16)
+        p = plan(self.N, self.K, m, self.nw, self.split, self.dev, mt=mt, ks=ks,
+                 raw=self.norm and not self.x16)
+        return dataclasses.replace(p, smem=topk_smem(mt, self.nw)) if self._tk and topk_smem(mt, self.nw) > p.smem else p
 
     def plan(self, m: int) -> Plan:
         c = self._choice.get(m)
@@ -652,8 +670,8 @@ class StreamKernels:
         read at run time; 0 = the tile is neither computed nor stored.
         ``norm=(ln, eps, norm_lo)`` (a ``norm=True`` kernel): rows ``>= norm_lo``
         of x are RMS-normalised with scale ``ln`` [K] f32 inside the GEMM.
-        ``partials`` (the argmax epilogue): u32 ``[>= m, blocks, 2]`` written
-        in place of the split-K workspace.
+        ``partials`` (the argmax / topk epilogue): u32 ``[>= m, blocks, 2]`` /
+        ``[>= m, blocks, top_k, 2]`` written in place of the split-K workspace.
         ``rope=(q_norm, k_norm, inv_freq, pos, rows, k_cache, v_cache, kv_rows, eps, scale)``
         (``fuses_rope(m)`` only): the qkv epilogue, y the Q output.
         ``norm`` may carry a fourth element ``ln_lo`` [K] f32: rows ``< norm_lo`` are then

@@ -1,7 +1,7 @@
 """The DFlash 2 candidate selector (``cuda_src/selector.cu``, SPEC §6) and its NumPy
 references, which round where the kernels round.
 
-``SelectorKernels(backend, config, q_len, lanes=1, weight_kind="bf16")`` for a
+``SelectorKernels(backend, config, q_len, lanes=1, weight_kind="bf16", partial_blocks=0)`` for a
 ``DraftConfig`` with ``dflash2`` (K = ``selector_top_k`` <= 64, ``selector_rank``,
 ``vocab_size``, ``output_multiplier``, ``final_logit_softcapping``). ``R = q_len - 1``
 selector rows per lane (block rows 1..q_len-1). Shapes and dtypes (device arrays):
@@ -14,6 +14,11 @@ selector rows per lane (block rows 1..q_len-1). Shapes and dtypes (device arrays
   ``tanh(v / cap) * cap`` (no cap: v). Non-finite logits rank by ``float_order.cuh``'s
   total order: +inf above every finite logit, -inf below, NaN below everything (the
   module's argmax rule); their values follow IEEE (+-inf -> +-cap, NaN -> NaN).
+- ``merge_partials(partials, ids, vals, row0=0, row_stride=R)``: the same ``ids`` / ``vals``
+  from per-column-block candidates (u32 ``[rows, blocks, K, 2]`` (order key, id), e.g. the
+  lm_head GEMM's fused top-K, ``Gemm(..., "topk")``, whose rows are every step row: then
+  ``row0=1, row_stride`` the lane's rows); ``partial_blocks``: their blocks, which size the
+  merge's registers (more than fit are read again in each of its K rounds).
 - ``walk(hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, tokens, choice, q, knobs,
   rng)``: ``hidden`` f32 ``[lanes, S >= q_len, H]`` (the block's final normed hidden rows,
   S rows per lane, e.g. a step engine's 16-row lane blocks; rows 1..q_len-1 are read), ``hp_w`` ``[rank, H]``, ``pred_cb`` / ``succ_cb`` ``[vocab, rank]`` in
@@ -57,7 +62,7 @@ class SelectorKernels:
     """See the module docstring. ``weight_kind``: the selector tensors' device kind
     ("f32", "f16" or "bf16"), fixed at build time as the other weight kernels' types."""
 
-    def __init__(self, backend, config, q_len: int, lanes: int = 1, weight_kind="bf16"):
+    def __init__(self, backend, config, q_len: int, lanes: int = 1, weight_kind="bf16", partial_blocks: int = 0):
         d2 = getattr(config, "dflash2", None)
         if d2 is None:
             raise ValueError(f"config: {type(config).__name__} has no dflash2 (a DFlash 2 "
@@ -82,10 +87,14 @@ class SelectorKernels:
         self.nblk = -(-self.vocab // TK_TILE)
         self.split = -(-self.rank // WK_NW)
         self.backend = backend
+        # column blocks of the partials merge_partials will be given (a fused lm_head top-K's):
+        # they size the merge's registers (SEL_PBLK)
+        self.partial_blocks = checks.int_arg(partial_blocks, "partial_blocks", 0)
         code = dtypes.CODE[self.weight_kind]
         mod = kernels.load_module(backend, "selector.cu", SEL_V=self.vocab, SEL_K=self.K, SEL_Q=self.q_len,
                                   SEL_H=self.H, SEL_RANK=self.rank, SEL_HPT=code, SEL_CBT=code,
-                                  SEL_MULT=self.multiplier, SEL_CAP=float(self.cap or 0.0))
+                                  SEL_MULT=self.multiplier, SEL_CAP=float(self.cap or 0.0),
+                                  **({"SEL_PBLK": self.partial_blocks} if self.partial_blocks else {}))
         self._blocks = mod.get_function("selector_topk_blocks")
         self._merge = mod.get_function("selector_topk_merge")
         self._walk = mod.get_function("selector_walk")
@@ -125,24 +134,35 @@ class SelectorKernels:
         self._blocks((self.nblk, L * R, 1), (TK_NT, 1, 1),
                      (logits, np.int32(logits.shape[1]), np.int32(row0), np.int32(row_stride),
                       np.int32(self.nblk), self.part), stream=stream)
-        self._merge((L * R, 1, 1), (TK_NT, 1, 1), (self.part, np.int32(self.nblk), ids, vals), stream=stream)
+        self._merge((L * R, 1, 1), (TK_NT, 1, 1), (self.part, np.int32(self.nblk), np.int32(0), np.int32(R),
+                                                    ids, vals), stream=stream)
 
-    def merge_partials(self, partials, ids, vals, stream=None) -> None:
+    def merge_partials(self, partials, ids, vals, row0: int = 0, row_stride: int | None = None,
+                       stream=None) -> None:
         """``ids`` / ``vals`` (as ``topk`` writes them) from per-column-block candidates:
-        ``partials`` u32 ``[lanes * R, blocks, K, 2]``, each column block's K best (order
-        key, id) pairs in any order, empty slots with an id >= vocab (e.g. 0xffffffff); any
-        column partition. The merge ``topk`` runs, for a GEMM epilogue that writes them."""
+        ``partials`` u32 ``[rows, blocks, K, 2]``, each column block's K best (order key, id)
+        pairs in any order, empty slots with an id >= vocab (e.g. 0xffffffff); any column
+        partition. Lane ``l``'s selector row ``j`` is partials row ``l * row_stride + row0 + j``
+        (default: ``[lanes * R, ...]``, row_stride R; a fused lm_head top-K's partials of every
+        step row: ``row0=1``, ``row_stride`` the lane's rows). The merge ``topk`` runs, for a
+        GEMM epilogue that writes them (``Gemm(..., "topk")``, ``gemm_stream.cu`` GS_EPI 4)."""
         be, L, R, K = self.backend, self.lanes, self.R, self.K
         if not R:
             return
         checks.device_array(be, "partials", partials, np.uint32, ndim=4)
-        if partials.shape[0] != L * R or partials.shape[2:] != (K, 2) or partials.shape[1] < 1:
-            raise ValueError(f"partials must have shape [{L * R}, blocks >= 1, {K}, 2], got {list(partials.shape)}")
+        row0 = checks.int_arg(row0, "row0", 0)
+        row_stride = R if row_stride is None else checks.int_arg(row_stride, "row_stride", 1)
+        if L > 1 and row_stride < R:
+            raise ValueError(f"row_stride={row_stride} must be >= R={R} (lanes' rows may not overlap)")
+        need = (L - 1) * row_stride + row0 + R
+        if partials.shape[0] < need or partials.shape[2:] != (K, 2) or partials.shape[1] < 1:
+            raise ValueError(f"partials must have shape [>= {need}, blocks >= 1, {K}, 2] (lanes={L}, row0={row0}, "
+                             f"row_stride={row_stride}), got {list(partials.shape)}")
         self._out("ids", ids, np.int32, (L, R, K))
         self._out("vals", vals, np.float32, (L, R, K))
         checks.check_no_overlap(ids=ids, vals=vals, partials=partials)
-        self._merge((L * R, 1, 1), (TK_NT, 1, 1), (partials, np.int32(partials.shape[1]), ids, vals),
-                    stream=stream)
+        self._merge((L * R, 1, 1), (TK_NT, 1, 1), (partials, np.int32(partials.shape[1]), np.int32(row0),
+                                                    np.int32(row_stride), ids, vals), stream=stream)
 
     def walk(self, hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, tokens, choice, q, knobs, rng,
              stream=None) -> None:
