@@ -387,7 +387,9 @@ class GemmVariant:
     """What one stream GEMM is compiled for, once: its ``key()`` is the tuning key's
     variant part (``tuning.gemm_key``) and its ``*_defines`` the ``-D`` options of
     gemm_stream.cu and gemm_wgmma.cu (NVRTC checks compile the same). ``rope``:
-    (head_dim, q_width, kv_width) of the qkv epilogue, or None."""
+    (head_dim, q_width, kv_width) of the qkv epilogue, or None. ``conv``: (taps, group_size) of
+    DFlash 2's prepare convolution fused after the kernel_projection GEMM (gemm_stream.cu's
+    GS_CONV; its mma.sync variants only), or None."""
     N: int
     K: int
     wkind: str                 # dtypes.CODE key: the weights' type
@@ -400,6 +402,7 @@ class GemmVariant:
     live_split: bool = False
     skip_cols: int = 0
     rope: tuple | None = None
+    conv: tuple | None = None
 
     def __post_init__(self):
         if self.epilogue not in EPILOGUES:
@@ -408,6 +411,14 @@ class GemmVariant:
             raise ValueError("x16=True (x stored in the weight type) needs split=1: a 16-bit x has no lo half")
         if self.y16 and self.epilogue == "argmax":
             raise ValueError("y16=True does not apply to the fused argmax (its logits stay f32)")
+        if self.conv is not None:
+            taps, group = self.conv
+            if self.epilogue != "none" or self.norm or self.x16 or self.y16:
+                raise ValueError("conv (the fused prepare convolution) needs epilogue 'none', an f32 x and y "
+                                 "and no folded norm")
+            if self.K % group or self.N != 2 * taps * (self.K // group):
+                raise ValueError(f"conv=(taps={taps}, group={group}) needs N = 2 * taps * K / group "
+                                 f"(K={self.K}, N={self.N})")
 
     @property
     def nw(self) -> int:
@@ -421,7 +432,8 @@ class GemmVariant:
     def key(self) -> str:
         return (f"N{self.N}|K{self.K}|{self.wkind}|{self.epilogue}|split{self.split}|norm{int(self.norm)}"
                 f"|logits{int(self.logits)}|x16{int(self.x16)}|y16{int(self.y16)}"
-                f"|rope{int(self.rope is not None)}|live{int(self.live_split)}|skip{self.skip_cols}")
+                f"|rope{int(self.rope is not None)}|live{int(self.live_split)}|skip{self.skip_cols}"
+                + ("" if self.conv is None else f"|conv{self.conv[0]}x{self.conv[1]}"))
 
     def _common(self) -> dict:
         return dict(WTYPE=dtypes.CODE[self.wkind], EPI=EPILOGUES[self.epilogue], K=self.K, SPLIT=self.split,
@@ -432,7 +444,9 @@ class GemmVariant:
         """gemm_stream.cu's options for M tiles ``mt``."""
         return dict(**{"GS_" + k: v for k, v in self._common().items()}, GS_MT=mt, GS_NT=WTILES // self.nw,
                     GS_WARPS=WARPS, GS_DEPTH=DEPTH[mt],
-                    **({"GS_LOGITS": int(self.logits)} if self.argmax else {}))
+                    **({"GS_LOGITS": int(self.logits)} if self.argmax else {}),
+                    **({} if self.conv is None else {"GS_CONV": 1, "GS_CONV_TAPS": self.conv[0],
+                                                     "GS_CONV_GROUP": self.conv[1]}))
 
     def wgmma_defines(self, bt: int, sms: int = 0, skip_cols: int = 0, qkv: bool = False) -> dict:
         """gemm_wgmma.cu's options for row blocks of ``bt``; ``sms``: the live split's SM
@@ -639,13 +653,21 @@ class StreamKernels:
         ``m``, tuned or not, is a wgmma variant)."""
         return isinstance(self.plan(m).mt, str) and self.plan(m).mt in self._fused
 
+    def fuses_conv(self, m: int) -> bool:
+        """Whether a launch over ``m`` rows runs the prepare convolution (``conv`` compiled, the
+        plan for ``m`` an mma.sync variant, and every group's taps inside one column block)."""
+        if self.variant.conv is None or isinstance(self.plan(m).mt, str):
+            return False
+        taps = self.variant.conv[0]
+        return cols_per_block(self.nw) % taps == 0 or self.N // 2 <= cols_per_block(self.nw)
+
     def launch_config(self, m: int):
         """``(grid, block, shared_mem)``; grid ``(groups * mblocks, 1, ks)``."""
         p = self.plan(m)
         return p.grid, (p.threads, 1, 1), p.smem
 
     def __call__(self, x, w, y, r, m: int, stream=None, pad_rows=None, norm=None, partials=None,
-                 tile_live=None, rope=None, x2=None):
+                 tile_live=None, rope=None, x2=None, conv=None):
         """``pad_rows=(lo, hi)``: rows ``[lo[0], hi)`` are zero rows, ``lo`` a
         device int32 array read at run time (``None``: no padding rows).
         ``tile_live``: device int32, entry ``t`` for rows ``[16t, 16t + 16)``,
@@ -659,8 +681,13 @@ class StreamKernels:
         ``norm`` may carry a fourth element ``ln_lo`` [K] f32: rows ``< norm_lo`` are then
         RMS-normalised with it (else used raw).
         ``x2=(a, row_split)``: rows ``>= row_split`` are read from ``a`` (its row 0 first),
-        rows below from x (checked by ``ops.gemm.Gemm``)."""
+        rows below from x (checked by ``ops.gemm.Gemm``).
+        ``conv=(base, out, lane_rows)`` (``fuses_conv(m)`` only): the prepare convolution of x
+        into ``out`` (gemm_conv.cuh; checked by ``ops.gemm.Gemm``)."""
         p = self.plan(m)
+        if conv is not None and not self.fuses_conv(m):
+            raise ValueError(f"m={m}: the fused convolution needs a gemm_stream.cu launch with it compiled "
+                             f"(plan {p.mt!r}, conv {self.variant.conv})")
         if rope is not None and not self.fuses_rope(m):
             raise ValueError(f"m={m}: the qkv epilogue needs a wgmma launch with it compiled (plan {p.mt!r})")
         if tile_live is not None and self.live_split and isinstance(p.mt, str):
@@ -694,6 +721,9 @@ class StreamKernels:
                       use_live=np.int32(tile_live is not None),
                       x2=xb, row_split=np.int32(row_split), ln_lo=ln if ln_lo is None else ln_lo,
                       use_ln_lo=np.int32(ln_lo is not None))
+        if not isinstance(p.mt, str):   # gemm_stream.cu's GS_CONV arguments (lane_rows 0: off; unused without it)
+            params.update(conv_base=self._ws if conv is None else conv[0], conv_y=self._ws if conv is None else conv[1],
+                          conv_lane_rows=np.int32(0 if conv is None else conv[2]))
         kernel = self._kernels[p.mt]
         if isinstance(p.mt, str):   # the wgmma kernel's qkv-epilogue fields
             if rope is None:
