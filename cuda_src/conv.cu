@@ -7,9 +7,9 @@
 // Layouts (row-major, f32): x, y, residual [rows, CONV_H]; base [CONV_TAPS, CONV_H] (one
 //   half of the checkpoint's base_kernel [2, taps, H]); d [rows, 2*CONV_TAPS*G] (the
 //   kernel_projection GEMM's output, read at half 0 by "prepare", half 1 by "finish"), its
-//   columns [half][tap][group] as published, or with CONV_GMAJOR 1 [half][group][tap] (the
-//   projection's rows permuted at upload so a GEMM column block holds whole groups:
-//   gemm_stream.cu's GS_CONV fuses "prepare" there; ops/conv.group_major_rows).
+//   columns [half][tap][group] as published, or with CONV_GMAJOR 1 [group][half][tap] (the
+//   projection's rows permuted at upload so a GEMM column block holds whole groups, both
+//   halves: gemm_stream.cu's GS_CONV fuses "prepare" there; ops/conv.group_major_rows).
 //   y may be residual itself (each element reads its own residual, then writes it), never x.
 // Each product-sum is fmaf in tap order t = 0, 1, ... on w = base + d (ops/conv.py's reference
 // rounds the same way). Rows of a tile whose tile_live entry is 0 (use_live) are skipped.
@@ -49,10 +49,12 @@
 #ifndef CONV_GMAJOR
 #define CONV_GMAJOR 0
 #endif
-// d's column of (tap t, group g) within a half
+// d's column of (half h, tap t, group g): CONV_HOFF(h) + CONV_DOFF(t, g)
 #if CONV_GMAJOR
-#define CONV_DOFF(t, g) ((g) * CONV_TAPS + (t))
+#define CONV_HOFF(h) ((h) * CONV_TAPS)
+#define CONV_DOFF(t, g) ((g) * 2 * CONV_TAPS + (t))
 #else
+#define CONV_HOFF(h) ((h) * CONV_TAPS * CONV_G)
 #define CONV_DOFF(t, g) ((t) * CONV_G + (g))
 #endif
 
@@ -67,7 +69,7 @@ grouped_conv(const float* __restrict__ x, const float* __restrict__ base, const 
     const int r = blockIdx.y;
     if (c >= CONV_H || (use_live && tile_live[r / 16] == 0)) return;
     const int i = r % lane_rows;
-    const float* dr = d + (long long)r * (2 * CONV_TAPS * CONV_G) + half * CONV_TAPS * CONV_G;
+    const float* dr = d + (long long)r * (2 * CONV_TAPS * CONV_G) + CONV_HOFF(half);
     const int gc = c / CONV_GROUP;
     float acc = 0.0f;
 #pragma unroll
@@ -127,7 +129,7 @@ grouped_conv_norm(const float* __restrict__ x, const float* __restrict__ base, c
     if (use_live && tile_live[r / 16] == 0) return;   // the whole block: before any barrier
     const int t = threadIdx.x;
     const int i = r % lane_rows;
-    const float* dr = d + (long long)r * (2 * CONV_TAPS * CONV_G) + half * CONV_TAPS * CONV_G;
+    const float* dr = d + (long long)r * (2 * CONV_TAPS * CONV_G) + CONV_HOFF(half);
     const long long row = (long long)r * CONV_H;
     // Every load before the first store (y may be residual: no store may precede a load the
     // compiler cannot prove it does not alias), and no branch between them (a chunk past the

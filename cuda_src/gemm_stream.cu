@@ -10,7 +10,7 @@
 //             split-K slices: replays bit-identical); rows < norm_lo raw, or with ln_lo (use_ln_lo).
 //   GS_CONV 1 (GS_CONV_TAPS, GS_CONV_GROUP; GS_EPI 0, f32 x and y; else conv_* unused): where conv_lane_rows > 0
 //             also DFlash 2's "prepare" convolution of x into conv_y (gemm_conv.cuh; y = its
-//             coefficients, columns [half][group][tap]) by the block holding the final d.
+//             coefficients, columns [group][half][tap]) by the block holding the final d.
 //   Rows < row_split are read from x, the rest from x2 (its row 0 first).
 //   Padding rows [*pad_lo, pad_hi) count as zero rows (not read; all-padding tiles not computed).
 //   use_live: tile_live[t] == 0 (per 16 rows) makes tile t dead: not computed, not stored.

@@ -11,7 +11,7 @@ rounded. Norm scales are f32 (tiny).
 
 DFlash 2 (SPEC §6): each layer's two ``kernel_projection`` matrices (role ``conv``, one
 GEMM for both), their rows permuted to ``ops.conv``'s ``layout="group"`` (coefficients
-``[half][group][tap]``: a GEMM column block holds whole groups, so the GEMM runs the prepare
+``[group][half][tap]``: a GEMM column block holds whole groups, so the GEMM runs the prepare
 convolution itself; host weights and the oracle keep the published order), and its
 ``base_kernel`` tensors (f32 ``[2, taps, H]``, tiny); the candidate selector's
 ``hidden_projection`` and codebooks in their checkpoint dtype.

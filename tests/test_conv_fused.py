@@ -42,15 +42,16 @@ def _run(be, rows, H, taps, group, lane_rows, k_split, rng, tile_live=None, max_
 
 @pytest.mark.parametrize("rows,lane_rows,H,taps,group,k_split", [
     (1, 1, 64, 2, 16, None),     # one row: tap 0 only; one column block
-    (3, 3, 48, 3, 8, 1),         # 3 taps (whole groups: half 0 inside one column block)
-    (19, 19, 544, 2, 4, 1),      # no split: half 0 over two column blocks, H not a multiple of them
+    (3, 3, 48, 3, 8, 1),         # 3 taps (whole groups: N inside one column block)
+    (19, 19, 544, 2, 4, 1),      # no split: the groups over three column blocks, H not a multiple
     (20, 5, 544, 2, 4, 3),       # split K, lanes of 5 rows straddling 16-row tiles
     (19, 19, 288, 2, 2, 2),      # group 2: scalar channels (no 16-byte chunks)
     (32, 16, 200, 4, 8, 2),      # 4 taps, two lanes
     (80, 16, 64, 2, 16, 2),      # two M blocks of 64 rows: a lane's taps cross the block edge
     (80, 40, 64, 2, 16, 1),
 ])
-def test_fused_prepare_is_gemm_then_conv(emu, rng, rows, lane_rows, H, taps, group, k_split):
+def test_fused_prepare_is_gemm_then_conv(emu, rng, monkeypatch, rows, lane_rows, H, taps, group, k_split):
+    monkeypatch.setattr(gs, "CONV_FUSE_MAX_TRIPS", 10**6)   # the kernel at every size, not the policy's
     x, w, base, d, out, d2, out2 = _run(emu, rows, H, taps, group, lane_rows, k_split, rng)
     np.testing.assert_array_equal(d, d2)
     np.testing.assert_array_equal(out, out2)
@@ -79,8 +80,9 @@ def test_group_major_layout_is_a_column_permutation(emu, rng):
         np.testing.assert_array_equal(a, b)
 
 
-def test_fused_prepare_skips_dead_tiles(emu, rng):
+def test_fused_prepare_skips_dead_tiles(emu, rng, monkeypatch):
     be = emu
+    monkeypatch.setattr(gs, "CONV_FUSE_MAX_TRIPS", 10**6)
     rows, H, taps, group = 48, 544, 2, 4
     x, w, base, d, out, d2, out2 = _run(be, rows, H, taps, group, 16, 2, rng, tile_live=[1, 0, 1])
     assert (out[16:32] == 7.0).all() and (d[16:32] == 5.0).all()     # the dead tile untouched
@@ -94,12 +96,16 @@ def test_fused_prepare_skips_dead_tiles(emu, rng):
     assert_close(out[32], (base[0] + dcol) * x[32], "f32", "first row of a lane")
 
 
-def test_fuses_conv_only_where_whole_groups_fit(emu):
+def test_fuses_conv_only_where_whole_groups_fit_and_the_tail_is_short(emu):
     be = emu
-    # 3 taps, half 0 beyond one column block (COLS % 3 != 0): a group would straddle
+    # DFlash 2 at hidden 5120: 16 and 32 rows fuse (4, 8 round trips), 48 do not (12)
+    g = Gemm(be, 1280, 5120, np.uint16, max_m=48, conv=(2, 16), wgmma=False)
+    assert [g.fuses_conv(m) for m in (16, 32, 48)] == [True, True, False]
+    assert gs.conv_tail_trips(48, 1280, 2, 16, 256) == 12 > gs.CONV_FUSE_MAX_TRIPS
+    # 3 taps, N beyond one column block (COLS % 6 != 0): a group would straddle two
     H, group, taps = 688, 8, 3
     N = 2 * taps * (H // group)
-    assert N // 2 > gs.cols_per_block(1) and gs.cols_per_block(1) % taps
+    assert N > gs.cols_per_block(1) and gs.cols_per_block(1) % (2 * taps)
     g = Gemm(be, N, H, np.float16, max_m=16, conv=(taps, group), wgmma=False)
     assert not g.fuses_conv(16)
     x, y = be.zeros((16, H), np.float32), be.zeros((16, N), np.float32)

@@ -7,9 +7,10 @@ before its first row reads zero). ``half`` 0 is the "prepare" convolution of a s
 normed input, half 1 the "finish" convolution of its output (with the residual added).
 ``GroupedConv(..., norm_eps=eps).finish_norm`` fuses a finish with the RMSNorm of its output
 (``grouped_conv_norm``: that norm's output as ``RmsNorm`` computes it, bit for bit).
-``layout="group"``: ``d``'s columns ``[half][group][tap]`` instead of the published
+``layout="group"``: ``d``'s columns ``[group][half][tap]`` instead of the published
 ``[half][tap][group]`` (the kernel_projection's rows permuted by ``group_major_rows``, so that a
-GEMM column block holds whole groups: ``Gemm(conv=...)`` fuses "prepare" into that GEMM).
+GEMM column block holds whole groups, both halves: ``Gemm(conv=...)`` fuses "prepare" into
+that GEMM, every column block taking its share).
 """
 from __future__ import annotations
 
@@ -19,20 +20,20 @@ from .. import checks, kernels
 from .norm import norm_threads
 
 THREADS = 128
-LAYOUTS = ("tap", "group")   # d's columns per half: [tap][group] (published) or [group][tap]
+LAYOUTS = ("tap", "group")   # d's columns: [half][tap][group] (published) or [group][half][tap]
 
 
 def group_major_rows(taps: int, groups: int) -> np.ndarray:
     """The row order that turns a kernel_projection ``[2*taps*groups, H]`` (rows
-    ``[half][tap][group]``) into ``layout="group"``'s ``[half][group][tap]``: ``W[perm]``."""
-    h, g, t = np.meshgrid(np.arange(2), np.arange(groups), np.arange(taps), indexing="ij")
+    ``[half][tap][group]``) into ``layout="group"``'s ``[group][half][tap]``: ``W[perm]``."""
+    g, h, t = np.meshgrid(np.arange(groups), np.arange(2), np.arange(taps), indexing="ij")
     return ((h * taps + t) * groups + g).reshape(-1)
 
 
 def d_column(half, tap, group, taps: int, groups: int, layout: str = "tap"):
     """``d``'s column of ``(half, tap, group)`` in ``layout``."""
     if layout == "group":
-        return (half * groups + group) * taps + tap
+        return (group * 2 + half) * taps + tap
     return (half * taps + tap) * groups + group
 
 

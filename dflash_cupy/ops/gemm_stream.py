@@ -111,6 +111,23 @@ def stream_terms(blocks: int, block_bytes: int, mt: int, dev: Device) -> tuple:
 
 GRID_X_MAX = 2**31 - 1
 
+# GS_CONV (the prepare convolution after the kernel_projection GEMM, cuda_src/gemm_conv.cuh): the
+# blocks holding final coefficients convolve their groups' channels after the GEMM, a serial tail
+# of conv_tail_trips dependent L2 round trips; fused while that stays within CONV_FUSE_MAX_TRIPS
+# (8 x ~280 ns: below a conv.cu launch plus its graph-node gap, ~1.1 + 1.5 us), else the caller
+# runs conv.cu's grouped_conv (docs/decisions/dflash2.md)
+CONV_FUSE_MAX_TRIPS = 8
+
+
+def conv_tail_trips(rows: int, N: int, taps: int, group: int, cols: int) -> int:
+    """gemm_conv.cuh's dependent L2 round trips in a block of ``rows`` live rows holding ``cols``
+    output columns of ``N`` ([group][half][tap]): row batches x channel chunks per thread (each
+    batch's x window, base and d loads in flight together)."""
+    rb = max(1, kernels.constants("gemm_conv.cuh")["GEMM_CONV_ROWS"] // taps)
+    vec = 4 if group % 4 == 0 else 1
+    groups = min(cols, N) // (2 * taps)
+    return -(-rows // rb) * -(-(groups * group // vec) // (WARPS * 32))
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -655,11 +672,15 @@ class StreamKernels:
 
     def fuses_conv(self, m: int) -> bool:
         """Whether a launch over ``m`` rows runs the prepare convolution (``conv`` compiled, the
-        plan for ``m`` an mma.sync variant, and every group's taps inside one column block)."""
+        plan for ``m`` an mma.sync variant, every group's columns inside one column block, and
+        its tail within ``CONV_FUSE_MAX_TRIPS``)."""
         if self.variant.conv is None or isinstance(self.plan(m).mt, str):
             return False
-        taps = self.variant.conv[0]
-        return cols_per_block(self.nw) % taps == 0 or self.N // 2 <= cols_per_block(self.nw)
+        taps, group = self.variant.conv
+        cols, p = cols_per_block(self.nw), self.plan(m)
+        if cols % (2 * taps) and self.N > cols:
+            return False
+        return conv_tail_trips(min(m, p.rows), self.N, taps, group, cols) <= CONV_FUSE_MAX_TRIPS
 
     def launch_config(self, m: int):
         """``(grid, block, shared_mem)``; grid ``(groups * mblocks, 1, ks)``."""
