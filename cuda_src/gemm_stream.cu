@@ -8,9 +8,9 @@
 //             ties: lowest) into ws as u32 pairs [M][groups][2]; y = acc only with GS_LOGITS 1.
 //   GS_NORM 1: rows >= norm_lo enter as rmsnorm(x_row) * ln (fixed-order sums, also across
 //             split-K slices: replays bit-identical); rows < norm_lo raw, or with ln_lo (use_ln_lo).
-//   GS_CONV 1 (GS_CONV_TAPS, GS_CONV_GROUP; GS_EPI 0, f32 x and y; else conv_* unused): where conv_lane_rows > 0
-//             also DFlash 2's "prepare" convolution of x into conv_y (gemm_conv.cuh; y = its
-//             coefficients, columns [group][half][tap]) by the block holding the final d.
+//   GS_CONV 1 (GS_CONV_TAPS, GS_CONV_GROUP; EPI 0, f32 x, y): where conv_lane_rows > 0 also DFlash 2's
+//             "prepare" convolution of x into conv_y (gemm_conv.cuh; y = its coefficients, columns
+//             [group][half][tap]) by the block holding the final d (conv_* unused without GS_CONV).
 //   Rows < row_split are read from x, the rest from x2 (its row 0 first).
 //   Padding rows [*pad_lo, pad_hi) count as zero rows (not read; all-padding tiles not computed).
 //   use_live: tile_live[t] == 0 (per 16 rows) makes tile t dead: not computed, not stored.
