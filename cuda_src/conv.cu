@@ -6,7 +6,10 @@
 //   lanes or steps). res = residual with add_residual, else 0. G = CONV_H / CONV_GROUP.
 // Layouts (row-major, f32): x, y, residual [rows, CONV_H]; base [CONV_TAPS, CONV_H] (one
 //   half of the checkpoint's base_kernel [2, taps, H]); d [rows, 2*CONV_TAPS*G] (the
-//   kernel_projection GEMM's output, read at half 0 by "prepare", half 1 by "finish").
+//   kernel_projection GEMM's output, read at half 0 by "prepare", half 1 by "finish"), its
+//   columns [half][tap][group] as published, or with CONV_GMAJOR 1 [group][half][tap] (the
+//   projection's rows permuted at upload so a GEMM column block holds whole groups, both
+//   halves: gemm_stream.cu's GS_CONV fuses "prepare" there; ops/conv.group_major_rows).
 //   y may be residual itself (each element reads its own residual, then writes it), never x.
 // Each product-sum is fmaf in tap order t = 0, 1, ... on w = base + d (ops/conv.py's reference
 // rounds the same way). Rows of a tile whose tile_live entry is 0 (use_live) are skipped.
@@ -23,6 +26,7 @@
 // nvrtc-check: -DCONV_H=5120 -DCONV_TAPS=2 -DCONV_GROUP=16 -DCONV_NORM_TPR=320
 // nvrtc-check: -DCONV_H=6656 -DCONV_TAPS=2 -DCONV_GROUP=16 -DCONV_NORM_TPR=416
 // nvrtc-check: -DCONV_H=50 -DCONV_TAPS=3 -DCONV_GROUP=5 -DCONV_NORM_TPR=32
+// nvrtc-check: -DCONV_H=5120 -DCONV_TAPS=2 -DCONV_GROUP=16 -DCONV_NORM_TPR=320 -DCONV_GMAJOR=1
 #include "pdl.cuh"
 #include "warp.cuh"
 
@@ -42,6 +46,17 @@
 #error "conv.cu: CONV_GROUP must divide CONV_H"
 #endif
 #define CONV_G (CONV_H / CONV_GROUP)
+#ifndef CONV_GMAJOR
+#define CONV_GMAJOR 0
+#endif
+// d's column of (half h, tap t, group g): CONV_HOFF(h) + CONV_DOFF(t, g)
+#if CONV_GMAJOR
+#define CONV_HOFF(h) ((h) * CONV_TAPS)
+#define CONV_DOFF(t, g) ((g) * 2 * CONV_TAPS + (t))
+#else
+#define CONV_HOFF(h) ((h) * CONV_TAPS * CONV_G)
+#define CONV_DOFF(t, g) ((t) * CONV_G + (g))
+#endif
 
 extern "C" __global__ void __launch_bounds__(CONV_THREADS)
 grouped_conv(const float* __restrict__ x, const float* __restrict__ base, const float* __restrict__ d,
@@ -54,12 +69,13 @@ grouped_conv(const float* __restrict__ x, const float* __restrict__ base, const 
     const int r = blockIdx.y;
     if (c >= CONV_H || (use_live && tile_live[r / 16] == 0)) return;
     const int i = r % lane_rows;
-    const float* dr = d + (long long)r * (2 * CONV_TAPS * CONV_G) + half * CONV_TAPS * CONV_G + c / CONV_GROUP;
+    const float* dr = d + (long long)r * (2 * CONV_TAPS * CONV_G) + CONV_HOFF(half);
+    const int gc = c / CONV_GROUP;
     float acc = 0.0f;
 #pragma unroll
     for (int t = 0; t < CONV_TAPS; ++t) {
         if (i - t < 0) break;
-        const float w = base[t * CONV_H + c] + dr[t * CONV_G];
+        const float w = base[t * CONV_H + c] + dr[CONV_DOFF(t, gc)];
         acc = fmaf(w, x[(long long)(r - t) * CONV_H + c], acc);
     }
     const long long o = (long long)r * CONV_H + c;
@@ -113,7 +129,7 @@ grouped_conv_norm(const float* __restrict__ x, const float* __restrict__ base, c
     if (use_live && tile_live[r / 16] == 0) return;   // the whole block: before any barrier
     const int t = threadIdx.x;
     const int i = r % lane_rows;
-    const float* dr = d + (long long)r * (2 * CONV_TAPS * CONV_G) + half * CONV_TAPS * CONV_G;
+    const float* dr = d + (long long)r * (2 * CONV_TAPS * CONV_G) + CONV_HOFF(half);
     const long long row = (long long)r * CONV_H;
     // Every load before the first store (y may be residual: no store may precede a load the
     // compiler cannot prove it does not alias), and no branch between them (a chunk past the
@@ -134,12 +150,12 @@ grouped_conv_norm(const float* __restrict__ x, const float* __restrict__ base, c
             ld_vec(bv[k], base + k * CONV_H + c0);
             ld_vec(xv[k], x + row - (long long)(i - k >= 0 ? k : 0) * CONV_H + c0);
             if (CONV_GROUP % VEC == 0) {   // the chunk's channels share a group: one coefficient
-                const float dk = dr[k * CONV_G + c0 / CONV_GROUP];
+                const float dk = dr[CONV_DOFF(k, c0 / CONV_GROUP)];
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) dv[k][e] = dk;
             } else {
 #pragma unroll
-                for (int e = 0; e < VEC; ++e) dv[k][e] = dr[k * CONV_G + (c0 + e) / CONV_GROUP];
+                for (int e = 0; e < VEC; ++e) dv[k][e] = dr[CONV_DOFF(k, (c0 + e) / CONV_GROUP)];
             }
         }
 #pragma unroll

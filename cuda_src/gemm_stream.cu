@@ -6,13 +6,13 @@
 //   GS_EPI 0: y = acc   1: y = r + acc (r may be y)   2: y = silu(acc_gate) * acc_up (W [2N, K])
 //   GS_EPI 3: the lm_head's greedy token: per (row, column block) the best column (float_order.cuh,
 //             ties: lowest) into ws as u32 pairs [M][groups][2]; y = acc only with GS_LOGITS 1.
-//   GS_EPI 4: the lm_head's top-K (K = GS_TOPK <= 64): per (row, column block) its K best
-//             (order key, id) into ws as u32 [M][groups][K][2], best first, rank word key << 32 |
-//             (0xffffffff - id) (ties: lowest id; +inf first, NaN last); past the block's
-//             columns empty slots (0, 0xffffffff): selector.cu's partials (its merge, rows mapped
-//             there). y = acc only with GS_LOGITS 1. Needs >= GS_TK_SMEM dynamic shared memory.
+//   GS_EPI 4: top-K (GS_TOPK <= 64): per (row, column block) its K best (order key, id) into ws,
+//             u32 [M][groups][K][2], best first, empty slots (0, 0xffffffff): selector.cu's partials
+//             (its ranking and merge). y = acc only with GS_LOGITS 1; >= GS_TK_SMEM dynamic smem.
 //   GS_NORM 1: rows >= norm_lo enter as rmsnorm(x_row) * ln (fixed-order sums, also across
 //             split-K slices: replays bit-identical); rows < norm_lo raw, or with ln_lo (use_ln_lo).
+//   GS_CONV 1 (EPI 0, f32 x, y): with conv_lane_rows > 0 also DFlash 2's prepare convolution of x
+//             into conv_y by the block holding the final d (gemm_conv.cuh; y: [group][half][tap]).
 //   Rows < row_split are read from x, the rest from x2 (its row 0 first).
 //   Padding rows [*pad_lo, pad_hi) count as zero rows (not read; all-padding tiles not computed).
 //   use_live: tile_live[t] == 0 (per 16 rows) makes tile t dead: not computed, not stored.
@@ -29,8 +29,7 @@
 // per bucket.
 // Split K (gridDim.z > 1): partial tiles in ws [groups * mblocks][ks][NW][ROWS][COLS] (then, with
 // GS_NORM, the slices' row sums of squares); the last slice to arrive (counters[blockIdx.x], zero
-// between launches, reset by that block) sums them in z order and applies the epilogue
-// (gemm_splitk.cuh).
+// between launches, reset by it) sums them in z order and applies the epilogue (gemm_splitk.cuh).
 // Inner loop: each warp streams its weight rows through a register ring GS_DEPTH 64-k steps deep
 // (two 16-byte ld.global.cs per row and step, no shared memory); x is staged once per chunk into
 // a conflict-free shared tile (row stride 64 mod 128 bytes) read by mma.sync m16n8k16 (GS_NORM
@@ -45,6 +44,7 @@
 #include "bits16.cuh"
 #include "gemm_epilogue.cuh"
 #include "gemm_splitk.cuh"
+#include "gemm_conv.cuh"
 #include "mma.cuh"
 #include "warp.cuh"
 #include "pdl.cuh"
@@ -97,6 +97,19 @@
 #endif
 #ifndef GS_MINB
 #define GS_MINB (GS_MT == 1 ? 2 : 1)  // blocks per SM ptxas must fit: MT 1 fits 2 in 128 registers
+#endif
+
+#ifndef GS_CONV
+#define GS_CONV 0
+#endif
+#if GS_CONV && (GS_EPI != 0 || GS_NORM || GS_X16 || GS_Y16)
+#error "GS_CONV (the fused prepare convolution) needs GS_EPI 0 and an f32 x and y, no folded norm"
+#endif
+#if GS_CONV && (!defined(GS_CONV_TAPS) || !defined(GS_CONV_GROUP))
+#error "GS_CONV needs GS_CONV_TAPS and GS_CONV_GROUP"
+#endif
+#if GS_CONV && GS_K % GS_CONV_GROUP != 0
+#error "GS_CONV: GS_CONV_GROUP must divide the hidden size GS_K"
 #endif
 
 #if GS_EPI == 3 && defined(GS_NORM) && GS_NORM
@@ -224,7 +237,8 @@ extern "C" __global__ void __launch_bounds__(GS_WARPS * 32, GS_MINB)
 gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, GS_YT* y, const float* r,
             int M, int N, int kz, int kt, float* ws, int* counters, const int* pad_lo, int pad_hi,
             const float* __restrict__ ln, float eps, int norm_lo, const int* tile_live, int use_live,
-            const GS_XT* __restrict__ x2, int row_split, const float* __restrict__ ln_lo, int use_ln_lo) {
+            const GS_XT* __restrict__ x2, int row_split, const float* __restrict__ ln_lo, int use_ln_lo,
+            const float* __restrict__ conv_base, float* conv_y, int conv_lane_rows) {
     using namespace gemm_stream_detail;
     extern __shared__ __align__(16) unsigned char smem[];
     unsigned short* xs = reinterpret_cast<unsigned short*>(smem);
@@ -769,6 +783,12 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
                 }
             }
         }
+#if GS_CONV
+        if (conv_lane_rows > 0)   // this block's d is final: the prepare convolution of its groups
+            gemm_conv_prepare<GS_CONV_TAPS, GS_CONV_GROUP, K, COLS, THREADS>(
+                x, y, N, conv_base, conv_y, m0, live, cg * COLS, conv_lane_rows,
+                [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; });
+#endif
         return;
     }
 
@@ -799,8 +819,19 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
 #else
     const float* ssw = ws;  // unused
 #endif
-    splitk_reduce<NW, ROWS, COLS, THREADS, GS_EPI, GS_NORM, K, GS_WTYPE>(
+    const bool reduced = splitk_reduce<NW, ROWS, COLS, THREADS, GS_EPI, GS_NORM, K, GS_WTYPE>(
         wsb, ssw, ks, counters + bx, y, r, m0, live, cg * COLS, N, eps, scale_lo,
         [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; });
+#if GS_CONV
+    if (reduced && conv_lane_rows > 0)   // the last slice: d final, the prepare convolution of its groups
+        gemm_conv_prepare<GS_CONV_TAPS, GS_CONV_GROUP, K, COLS, THREADS>(
+            x, y, N, conv_base, conv_y, m0, live, cg * COLS, conv_lane_rows,
+            [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; });
+#else
+    (void)reduced;
+    (void)conv_base;
+    (void)conv_y;
+    (void)conv_lane_rows;
+#endif
 #endif
 }

@@ -10,14 +10,18 @@ dtype, serves a role in every layer, so a role whose tensors differ in dtype
 rounded. Norm scales are f32 (tiny).
 
 DFlash 2 (SPEC §6): each layer's two ``kernel_projection`` matrices (role ``conv``, one
-GEMM for both) and its ``base_kernel`` tensors (f32 ``[2, taps, H]``, tiny); the candidate
-selector's ``hidden_projection`` and codebooks in their checkpoint dtype.
+GEMM for both), their rows permuted to ``ops.conv``'s ``layout="group"`` (coefficients
+``[group][half][tap]``: a GEMM column block holds whole groups, so the GEMM runs the prepare
+convolution itself; host weights and the oracle keep the published order), and its
+``base_kernel`` tensors (f32 ``[2, taps, H]``, tiny); the candidate selector's
+``hidden_projection`` and codebooks in their checkpoint dtype.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from . import dtypes
+from .ops.conv import group_major_rows
 
 
 def device_dtype(dt) -> np.dtype:
@@ -70,7 +74,9 @@ class LayerWeights:
         # DFlash 2: [kernel_projection; base_kernel] per convolution (attention, mlp)
         self.conv_a_kp = self.conv_a_base = self.conv_m_kp = self.conv_m_base = None
         if c.dflash2 is not None:
-            one = lambda n: to_device_matrix(backend, w.layer(i, n).astype(dtypes["conv"], copy=False))  # noqa: E731
+            d2 = c.dflash2
+            perm = group_major_rows(d2.conv_kernel_size, c.hidden_size // d2.conv_group_size)
+            one = lambda n: to_device_matrix(backend, w.layer(i, n).astype(dtypes["conv"], copy=False)[perm])  # noqa: E731
             base = lambda n: backend.asarray(np.asarray(w[f"layers.{i}.{n}.base_kernel"], np.float32))  # noqa: E731
             self.conv_a_kp, self.conv_m_kp = one("attention_conv.kernel_projection"), one("mlp_conv.kernel_projection")
             self.conv_a_base, self.conv_m_base = base("attention_conv"), base("mlp_conv")

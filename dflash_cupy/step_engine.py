@@ -422,8 +422,9 @@ class StepEngine:
         self.ring_slots = RingSlots(be, self.geom, page=self.page)
         d2 = c.dflash2
         # the finish convolutions write the next norm's output too (finish_norm)
+        # (d in the device weights' group-major layout: device_weights.py)
         self.conv = GroupedConv(be, c.hidden_size, d2.conv_kernel_size, d2.conv_group_size,
-                                norm_eps=c.rms_norm_eps) if d2 else None
+                                norm_eps=c.rms_norm_eps, layout="group") if d2 else None
 
     def _build_gemms(self, max_m: int, gate_w: int, logits: bool, lm_rows: int) -> None:
         """The step's GEMMs (``g_fc`` .. ``g_lm``), compiled now, every one
@@ -463,7 +464,9 @@ class StepEngine:
                               norm_eps=gu_eps, x16=x16, y16=r.act16 is not None)
         self.g_down = gemm(H, c.intermediate_size, L0.w_down.dtype, resid, x16=r.act16 is not None)
         self.g_attn_gate = gemm(gate_w, H, L0.w_attn_gate.dtype) if gate_w else None
-        self.g_conv = gemm(c.dflash2.projection_rows(H), H, L0.conv_a_kp.dtype) if r.conv else None
+        # the prepare convolution after it where its launch allows (fuses_conv: _prepare)
+        self.g_conv = gemm(c.dflash2.projection_rows(H), H, L0.conv_a_kp.dtype,
+                           conv=(c.dflash2.conv_kernel_size, c.dflash2.conv_group_size)) if r.conv else None
         self.g_lm = self._lm_part = None
         if self.lm_head is not None:
             V = self.lm_head.shape[0]
@@ -628,7 +631,8 @@ class StepEngine:
     def _conv_layer(self, li: int, L, h_in, stream) -> None:
         """A DFlash 2 decoder layer (SPEC §6): each sublayer's normed noise rows ``cx`` give
         the convolution coefficients (``g_conv`` into ``dconv``), the ``prepare`` convolution
-        of ``cx`` is the sublayer's input, and the ``finish`` convolution of its output is
+        of ``cx`` (run by ``g_conv`` itself where it fuses it, ``_prepare``) is the sublayer's
+        input, and the ``finish`` convolution of its output is
         added to the residual stream. Context rows take the DFlash path unchanged (their
         K/V from T, or rmsnorm(T) * input_layernorm). Each lane's block is its own sequence
         (``lane_rows``). Each finish also writes the norm that reads its output
@@ -642,14 +646,12 @@ class StepEngine:
             self.rms(self.ctx_step, L.input_layernorm, self.xin[:nc], stream=stream)
         if li == 0:
             self.rms(h_in, L.input_layernorm, self.cx, stream=stream)
-        self.g_conv(self.cx, L.conv_a_kp, self.dconv, nn, tile_live=live, stream=stream)
-        self.conv(self.cx, L.conv_a_base[0], self.dconv, 0, self.hn, **conv_kw)   # hn = xin[nc:]
+        self._prepare(L.conv_a_kp, L.conv_a_base, conv_kw)   # hn = xin[nc:]
         self._qkv_rope(li, L, self.xin, nc + nn, stream, tile_live=self.tile_live)
         self._attend(li, L, self.obuf, None, stream)
         self.conv.finish_norm(self.obuf, L.conv_a_base[1], self.dconv, self.h, h_in, L.post_attention_layernorm,
                               self.cx, **conv_kw)
-        self.g_conv(self.cx, L.conv_m_kp, self.dconv, nn, tile_live=live, stream=stream)
-        self.conv(self.cx, L.conv_m_base[0], self.dconv, 0, self.hn, **conv_kw)
+        self._prepare(L.conv_m_kp, L.conv_m_base, conv_kw)
         # gate_up_async: norm_lo = nn, so no row is normalised (ln is never read)
         raw = {"norm": (L.post_attention_layernorm, nn)} if self.recipe.gate_up_async else {}
         self.g_gate_up(self.hn, L.w_gate_up, self.act, nn, tile_live=live, stream=stream, **raw)
@@ -658,6 +660,19 @@ class StepEngine:
         self.conv.finish_norm(self.obuf, L.conv_m_base[1], self.dconv, self.h, self.h,
                               self.dw.norm if last else layers[li + 1].input_layernorm,
                               self._hs if last else self.cx, **conv_kw)
+
+    def _prepare(self, kp, base, conv_kw) -> None:
+        """A sublayer's coefficients ``dconv`` = kernel_projection(``cx``) and its prepare
+        convolution into ``hn``: one launch where the GEMM fuses it (``fuses_conv``), else the
+        GEMM and ``GroupedConv`` (bit-identical either way)."""
+        nn, live = self.n_noise, self.tiles_noise
+        stream = conv_kw["stream"]
+        if self.g_conv.fuses_conv(nn):
+            self.g_conv(self.cx, kp, self.dconv, nn, tile_live=live, stream=stream,
+                        conv=(base[0], self.hn, conv_kw["lane_rows"]))
+            return
+        self.g_conv(self.cx, kp, self.dconv, nn, tile_live=live, stream=stream)
+        self.conv(self.cx, base[0], self.dconv, 0, self.hn, **conv_kw)
 
     def _run_rows(self, stream, eager: bool) -> None:
         """The step after its planning launch: T for the appended context rows (the hidden

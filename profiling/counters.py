@@ -679,6 +679,8 @@ def _gemm_stream(L) -> KernelCounters:
         c.bytes_read[_name(P["tile_live"])] = 4 * -(-M // 16)
     c.dram_bytes = ((N * NW * K * 2 if live_blocks else 0) + len(x_rows) * K * XB
                     + (m_st * N * (8 if EPI == 1 else YB) if YW else 0) + part_bytes)
+    if d.get("GS_CONV", 0) and int(P.get("conv_lane_rows", 0)) > 0:
+        _gemm_conv(c, L, d, P, gx, gy, ROWS, COLS, THREADS, M, N, K, flags)
     if NORM:
         _gamma_reads(c, ln, ln_lo, gam_rows, norm_lo_ln, K)
         c.notes.append(f"RMSNorm of rows >= {norm_lo_ln} folded in: x * ln staged, the row scale applied "
@@ -758,6 +760,55 @@ def _gs_select_epilogue(c: KernelCounters, EPI: int, TOPK: int, gx: int, WARPS: 
     c.notes.append(f"fused {'argmax' if EPI == 3 else f'top-{TOPK}'}: {pair_bytes / 1e6:.2f} MB of (key, id) "
                    f"partials" + ("" if logits else "; no logits written"))
     return pair_bytes
+
+
+def _gemm_conv(c: KernelCounters, L, d: dict, P: dict, gx: int, gy: int, ROWS: int, COLS: int, THREADS: int,
+               M: int, N: int, H: int, flags) -> None:
+    """gemm_stream.cu's GS_CONV epilogue (cuda_src/gemm_conv.cuh): the block that holds a column
+    group's final d (split K: the reducing slice) convolves the channels of the half-0 groups
+    wholly inside it, over its stored rows: per VEC-channel chunk (a thread each, consecutive
+    threads on consecutive chunks of a row) its taps' base, then per batch of RB rows the x
+    window (RB + TAPS - 1 rows) and each row's TAPS coefficients, and one store per stored row.
+    Its dependent L2 round trips (a batch's loads in flight together) are the tail after the
+    reduction: ``tail_l2_round_trips`` (the compiled model reads the SASS loops instead)."""
+    T, G = d["GS_CONV_TAPS"], d["GS_CONV_GROUP"]
+    VEC = 4 if G % 4 == 0 and H % 4 == 0 else 1
+    RB = max(1, kernels.constants("gemm_conv.cuh")["GEMM_CONV_ROWS"] // T)
+    XW = RB + T - 1
+    trips = tail_bytes = 0
+    rows_out = 0
+    for bx in range(gx):
+        c0 = bx * COLS
+        c1 = min(c0 + COLS, N)
+        g0, g1 = -(-c0 // (2 * T)), c1 // (2 * T)
+        if g1 <= g0:
+            continue
+        nch = (g1 - g0) * G
+        nq = nch // VEC
+        warps_q = -(-nq // 32)            # warp-level chunk instructions per row
+        span = max(1, min(32 * VEC, nch) // G) * 2 * T * 4   # bytes a warp's d load spans (its groups)
+        for by in range(gy):
+            live = max(0, min(ROWS, M - by * ROWS))
+            st = [lr for lr in range(live) if flags is None or flags[(by * ROWS + lr) // 16]]
+            if not st:
+                continue
+            batches = -(-live // RB)
+            _contig(c, "ld", T * nch * 4, 4 * VEC)                             # base
+            _contig(c, "ld", batches * XW * nch * 4, 4 * VEC)                  # x windows
+            c.add_global("ld", warps_q * batches * RB * T, max(1, -(-span // SECTOR)), 32 * 4)   # d
+            _contig(c, "st", len(st) * nch * 4, 4 * VEC)                       # y
+            c.barriers += 1
+            rows_out += len(st) * nch
+            trips = max(trips, batches * -(-nq // THREADS))   # as gemm_stream.conv_tail_trips counts them
+            tail_bytes = max(tail_bytes, (batches * XW + len(st)) * nch * 4 + batches * RB * T * 32 * warps_q)
+    conv_y, base = P.get("conv_y"), P.get("conv_base")
+    _rw(c, [(_name(base), T * H * 4)], [(_name(conv_y), rows_out * 4)])
+    c.dram_bytes += rows_out * 4 + T * H * 4
+    c.tail_l2_round_trips = max(c.tail_l2_round_trips, float(trips))
+    c.tail_l2_bytes = max(c.tail_l2_bytes, tail_bytes)   # one block's share of L2 (the source model)
+    c.notes.append(f"prepare convolution fused (GS_CONV, {T} taps): {rows_out * 4 / 1e6:.2f} MB written by the "
+                   f"blocks holding final coefficients, {trips} dependent L2 round trips and "
+                   f"{tail_bytes / 1e3:.0f} KB through one SM after the reduction")
 
 
 # ---------------------------------------------------------------------------- gemm_wgmma.cu

@@ -98,7 +98,8 @@ def line_executions(launch, backend=None) -> dict[str, float]:
     gx, gy, gz = launch.grid
     warps = max(1, -(-launch.threads // 32))
     best: dict[str, float] = {}
-    x = gx // 2
+    # a middle column group; GS_CONV: the first, whose blocks convolve the most channels
+    x = 0 if launch.defines.get("GS_CONV", 0) else gx // 2
     for z in range(gz):
         lc = count_launch(k, launch.grid, launch.block, args, launch.shared_mem, blocks=[(x, 0, z)])
         resolve_sites(lc)

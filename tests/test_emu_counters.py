@@ -273,7 +273,7 @@ def test_gemm_stream_weight_sectors_and_x_tile_wavefronts(be, N, K, M):
     row cover 64 contiguous bytes per instruction) and the x-tile reads of the MMA
     loop are conflict-free: 4 wavefronts per 16-byte warp-level read (the minimum)."""
     from dflash_cupy.ops import gemm_stream as gs
-    from tests.support.gemm import by_field
+    from tests.support.gemm import by_field, no_conv
 
     sk = gs.StreamKernels(be, gs.GemmVariant(N, K, "bf16"), max_m=M)
     p = sk.plan(M)
@@ -283,7 +283,7 @@ def test_gemm_stream_weight_sectors_and_x_tile_wavefronts(be, N, K, M):
     y = be.zeros((M, N), np.float32)
     args = (x, w, y, y, np.int32(M), np.int32(N), np.int32(p.kz), np.int32(p.kt), sk._ws, sk._counters,
             sk._counters, np.int32(0), x, np.float32(0), np.int32(M), sk._counters, np.int32(0),
-            x, np.int32(M), sk._ws, np.int32(0))   # one input, no ln_lo
+            x, np.int32(M), sk._ws, np.int32(0)) + no_conv(sk)   # one input, no ln_lo, no convolution
     c = count_launch(sk._kernels[p.mt], p.grid, (256, 1, 1), by_field(sk._kernels[p.mt], args), p.smem)
     # the grouping of lanes into instructions does not depend on the fiber schedule
     c2 = count_launch(sk._kernels[p.mt], p.grid, (256, 1, 1), by_field(sk._kernels[p.mt], args), p.smem, order="shuffle", seed=9)

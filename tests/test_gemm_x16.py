@@ -15,7 +15,7 @@ import pytest
 
 from dflash_cupy.ops import gemm_stream as gs
 from dflash_cupy.ops.gemm import Gemm, gemm_reference
-from tests.support.gemm import SENTINEL, by_field, host_weights, live_rows, no_rope
+from tests.support.gemm import SENTINEL, by_field, host_weights, live_rows, no_conv, no_rope
 from tests.support.tolerances import assert_close
 
 MAX_M = 160
@@ -193,6 +193,8 @@ def test_static_counters_follow_the_element_size(emu, rng, cfg, norm):
     if isinstance(p.mt, str):   # the wgmma kernel's qkv-epilogue arguments (missing here since that merge)
         args += no_rope(sk)
     args += (x, np.int32(m), ln, np.int32(0))   # one input, no ln_lo
+    if not isinstance(p.mt, str):   # gemm_stream.cu's convolution arguments (off)
+        args += no_conv(sk)
     c = count_launch(sk._kernels[p.mt], p.grid, (p.threads, 1, 1), by_field(sk._kernels[p.mt], args), p.smem)
     xc = c.arrays["x"]
     assert xc.read_distinct == m * K * 2 == st.bytes_read["x"]

@@ -7,6 +7,10 @@ before its first row reads zero). ``half`` 0 is the "prepare" convolution of a s
 normed input, half 1 the "finish" convolution of its output (with the residual added).
 ``GroupedConv(..., norm_eps=eps).finish_norm`` fuses a finish with the RMSNorm of its output
 (``grouped_conv_norm``: that norm's output as ``RmsNorm`` computes it, bit for bit).
+``layout="group"``: ``d``'s columns ``[group][half][tap]`` instead of the published
+``[half][tap][group]`` (the kernel_projection's rows permuted by ``group_major_rows``, so that a
+GEMM column block holds whole groups, both halves: ``Gemm(conv=...)`` fuses "prepare" into
+that GEMM, every column block taking its share).
 """
 from __future__ import annotations
 
@@ -16,6 +20,21 @@ from .. import checks, kernels
 from .norm import norm_threads
 
 THREADS = 128
+LAYOUTS = ("tap", "group")   # d's columns: [half][tap][group] (published) or [group][half][tap]
+
+
+def group_major_rows(taps: int, groups: int) -> np.ndarray:
+    """The row order that turns a kernel_projection ``[2*taps*groups, H]`` (rows
+    ``[half][tap][group]``) into ``layout="group"``'s ``[group][half][tap]``: ``W[perm]``."""
+    g, h, t = np.meshgrid(np.arange(groups), np.arange(2), np.arange(taps), indexing="ij")
+    return ((h * taps + t) * groups + g).reshape(-1)
+
+
+def d_column(half, tap, group, taps: int, groups: int, layout: str = "tap"):
+    """``d``'s column of ``(half, tap, group)`` in ``layout``."""
+    if layout == "group":
+        return (group * 2 + half) * taps + tap
+    return (half * taps + tap) * groups + group
 
 
 class GroupedConv:
@@ -26,9 +45,11 @@ class GroupedConv:
     half of the checkpoint's ``base_kernel``); ``d`` f32 ``[rows, 2*taps*G]``; ``lane_rows``
     (default ``rows``): rows per lane block. ``y`` may be ``residual`` itself, never ``x``.
     ``tile_live``: rows of a 16-row tile marked 0 are skipped. Capture-safe.
-    ``norm_eps``: also compile ``finish_norm`` (the finish fused with an RMSNorm of that eps)."""
+    ``norm_eps``: also compile ``finish_norm`` (the finish fused with an RMSNorm of that eps).
+    ``layout``: ``d``'s column order, ``"tap"`` (published) or ``"group"`` (module docstring)."""
 
-    def __init__(self, backend, hidden: int, taps: int, group_size: int, norm_eps: float | None = None):
+    def __init__(self, backend, hidden: int, taps: int, group_size: int, norm_eps: float | None = None,
+                 layout: str = "tap"):
         self.backend = backend
         self.hidden = checks.int_arg(hidden, "hidden", 1)
         self.taps = checks.int_arg(taps, "taps", 1)
@@ -36,6 +57,9 @@ class GroupedConv:
         if self.hidden % self.group_size:
             raise ValueError(f"group_size={group_size} must divide hidden={hidden}")
         self.groups = self.hidden // self.group_size
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout {layout!r}: expected one of {LAYOUTS}")
+        self.layout = layout
         self.norm_eps = None
         if norm_eps is not None:
             self.norm_eps = checks.float_arg(norm_eps, "norm_eps")
@@ -43,14 +67,16 @@ class GroupedConv:
                 raise ValueError(f"norm_eps must be >= 0, got {norm_eps!r}")
         self.norm_tpr = norm_threads(self.hidden)   # rmsnorm's threads per row (its sums' order)
         module = kernels.load_module(backend, "conv.cu", CONV_H=self.hidden, CONV_TAPS=self.taps,
-                                     CONV_GROUP=self.group_size, CONV_THREADS=THREADS, CONV_NORM_TPR=self.norm_tpr)
+                                     CONV_GROUP=self.group_size, CONV_THREADS=THREADS, CONV_NORM_TPR=self.norm_tpr,
+                                     **({"CONV_GMAJOR": 1} if layout == "group" else {}))
         self._kernel = module.get_function("grouped_conv")
         self._norm_kernel = None if norm_eps is None else module.get_function("grouped_conv_norm")
         self._no_live = backend.zeros((1,), np.int32)   # tile_live's placeholder (never read)
 
     def __repr__(self):
         norm = "" if self.norm_eps is None else f", norm_eps={self.norm_eps}"
-        return f"GroupedConv(hidden={self.hidden}, taps={self.taps}, group_size={self.group_size}{norm})"
+        lay = "" if self.layout == "tap" else f", layout={self.layout!r}"
+        return f"GroupedConv(hidden={self.hidden}, taps={self.taps}, group_size={self.group_size}{norm}{lay})"
 
     def __call__(self, x, base, d, half: int, y, residual=None, lane_rows=None, tile_live=None, stream=None):
         rows, lane_rows = self._check(x, base, d, half, y, residual, lane_rows, tile_live)
@@ -119,10 +145,11 @@ class GroupedConv:
         return rows, lane_rows
 
 
-def grouped_conv_reference(x, base, d, half: int, group_size: int, residual=None, lane_rows=None) -> np.ndarray:
+def grouped_conv_reference(x, base, d, half: int, group_size: int, residual=None, lane_rows=None,
+                           layout: str = "tap") -> np.ndarray:
     """NumPy oracle of ``GroupedConv``, rounding where the kernel rounds: ``w = base + d`` in
     f32, then one fused multiply-add per tap in tap order (f64 product and sum of f32 values,
-    rounded to f32), then the residual added in f32."""
+    rounded to f32), then the residual added in f32. ``layout``: ``d``'s column order."""
     x = np.asarray(x, np.float32)
     base = np.asarray(base, np.float32)
     d = np.asarray(d, np.float32)
@@ -134,7 +161,7 @@ def grouped_conv_reference(x, base, d, half: int, group_size: int, residual=None
     grp = np.arange(H) // group_size
     acc = np.zeros((rows, H), np.float32)
     for t in range(taps):
-        w = (base[t][None, :] + d[:, (half * taps + t) * G + grp]).astype(np.float32)
+        w = (base[t][None, :] + d[:, d_column(half, t, grp, taps, G, layout)]).astype(np.float32)
         xs = np.zeros((rows, H), np.float32)
         xs[t:] = x[:rows - t] if t else x
         term = (w.astype(np.float64) * xs + acc).astype(np.float32)

@@ -93,13 +93,15 @@ class GemmSpec:
     live_split: bool           # the wgmma kernel picks its K split per launch
     rope: RopeSpec | None      # the qkv epilogue folded in
     top_k: int = 0             # topk: each column block's K best per row (1..64), else 0
+    conv: tuple | None = None  # (taps, group_size): DFlash 2's prepare convolution after it (stream path)
 
     @classmethod
     def make(cls, backend, N: int, K: int, w_dtype, epilogue: str = "none", max_m: int = 64,
              path: str = "auto", x_split: bool = True, k_split: int | None = None,
              norm_eps: float | None = None, logits: bool = True, wgmma: bool | None = None,
              x16: bool = False, y16: bool = False, skip_cols: int = 0, live_split: bool = False,
-             rope: RopeSpec | None = None, top_k: int | None = None) -> "GemmSpec":
+             rope: RopeSpec | None = None, top_k: int | None = None,
+             conv: tuple | None = None) -> "GemmSpec":
         """The spec of ``Gemm(backend, ...)``'s arguments; a clear exception naming the bad
         one otherwise. ``backend``: only for ``path="auto"`` (the self-check's verdict)."""
         N, K, max_m = (checks.int_arg(v, name, 1) for v, name in ((N, "N"), (K, "K"), (max_m, "max_m")))
@@ -161,6 +163,16 @@ class GemmSpec:
         if rope is not None and (epilogue != "none" or rope.q_width + 2 * rope.kv_width != N):
             raise ValueError(f"rope needs epilogue 'none' and N = q_width + 2 * kv_width "
                              f"({rope.q_width} + 2 * {rope.kv_width}), got {epilogue!r} and N={N}")
+        if conv is not None:
+            if not isinstance(conv, tuple) or len(conv) != 2:
+                raise ValueError(f"conv must be (taps, group_size), got {conv!r}")
+            conv = (checks.int_arg(conv[0], "conv taps", 1), checks.int_arg(conv[1], "conv group_size", 1))
+            if epilogue != "none" or norm_eps is not None or x16 or y16 or rope is not None:
+                raise ValueError("conv (the fused prepare convolution) needs epilogue 'none', f32 x and y, "
+                                 "no norm_eps and no rope")
+            if K % conv[1] or N != 2 * conv[0] * (K // conv[1]):
+                raise ValueError(f"conv=(taps={conv[0]}, group_size={conv[1]}) needs N = 2 * taps * K / group_size "
+                                 f"(N={N}, K={K})")
         if path == "stream":
             if k_split is not None and (not isinstance(k_split, (int, np.integer)) or isinstance(k_split, bool)
                                         or k_split < 1):
@@ -171,7 +183,8 @@ class GemmSpec:
                    None if k_split is None or path != "stream" else int(k_split),
                    None if norm_eps is None else float(norm_eps),
                    bool(logits) if epilogue in gemm_stream.SELECTS else True,
-                   wgmma, x16, y16, skip, bool(live_split), rope, int(top_k) if epilogue == "topk" else 0)
+                   wgmma, x16, y16, skip, bool(live_split), rope, int(top_k) if epilogue == "topk" else 0,
+                   conv)
 
     @functools.cached_property
     def nw(self) -> int:
@@ -219,7 +232,7 @@ class GemmSpec:
             self.N, self.K, self.wkind, self.epilogue, self.split, norm=self.norm_eps is not None,
             logits=self.logits, x16=self.x16, y16=self.y16, live_split=self.live_split, skip_cols=self.skip_cols,
             rope=None if self.rope is None else (self.rope.head_dim, self.rope.q_width, self.rope.kv_width),
-            top_k=self.top_k)
+            top_k=self.top_k, conv=self.conv)
 
 
 _SPEC_NAMES = frozenset(f.name for f in dataclasses.fields(GemmSpec)) | frozenset(
@@ -248,9 +261,11 @@ class Gemm:
     * ``skip_cols``, ``live_split``: lane-batched launches (``tile_live`` entries of 2 skip the
       column groups below ``skip_cols``; the wgmma kernel picks its K split per launch);
     * ``rope``: a ``RopeSpec``: the qkv epilogue (q/k norm, rope, K/V into the caches) folded in.
+    * ``conv``: ``(taps, group_size)``: DFlash 2's prepare convolution after the kernel_projection
+      GEMM (w's rows in ``ops.conv``'s ``layout="group"``; ``conv=`` at the call, ``fuses_conv``).
 
     ``__call__(x, w, y, m, residual=None, stream=None, pad_rows=None, norm=None, partials=None,
-    tile_live=None, rope=None, x2=None)`` checks its arguments against the spec and launches
+    tile_live=None, rope=None, x2=None, conv=None)`` checks its arguments against the spec and launches
     rows ``[0, m)`` on ``stream``; the optional arguments are described on ``__call__``. The
     partial sums of a K split live in a workspace this object owns, so one ``Gemm`` serves one
     stream at a time. No allocation, no host sync: safe inside graph capture.
@@ -260,9 +275,9 @@ class Gemm:
                  path: str = "auto", x_split: bool = True, k_split: int | None = None,
                  norm_eps: float | None = None, logits: bool = True, wgmma: bool | None = None,
                  x16: bool = False, y16: bool = False, skip_cols: int = 0, live_split: bool = False,
-                 rope: RopeSpec | None = None, top_k: int | None = None):
+                 rope: RopeSpec | None = None, top_k: int | None = None, conv: tuple | None = None):
         self.spec = GemmSpec.make(backend, N, K, w_dtype, epilogue, max_m, path, x_split, k_split, norm_eps,
-                                  logits, wgmma, x16, y16, skip_cols, live_split, rope, top_k)
+                                  logits, wgmma, x16, y16, skip_cols, live_split, rope, top_k, conv)
         self.backend = backend
         self.threads = WARPS * 32
         if self.spec.path == "stream":
@@ -343,6 +358,14 @@ class Gemm:
         into its qkv matrix and ``QkvNormRope`` after it."""
         m = checks.int_arg(m, "m", 1)
         return self.spec.path == "stream" and self.spec.rope is not None and self._stream.fuses_rope(m)
+
+    def fuses_conv(self, m: int) -> bool:
+        """Whether a call over ``m`` rows can take ``conv=`` (the prepare convolution after the
+        GEMM): a ``conv`` Gemm on the stream path whose launch for ``m`` (tuned or not) is a
+        gemm_stream.cu variant with every group's taps in one column block. Otherwise the caller
+        runs ``GroupedConv`` (``layout="group"``) after it."""
+        m = checks.int_arg(m, "m", 1)
+        return self.spec.path == "stream" and self.spec.conv is not None and self._stream.fuses_conv(m)
 
     def launch_config(self, m: int):
         """``(grid, block, shared_mem)`` of a launch over ``m`` rows."""
@@ -469,7 +492,7 @@ class Gemm:
         return (int(m), self._nblk, self.spec.top_k, 2) if self.spec.top_k else (int(m), self._nblk, 2)
 
     def __call__(self, x, w, y, m, residual=None, stream=None, pad_rows=None, norm=None,
-                 partials=None, tile_live=None, rope=None, x2=None):
+                 partials=None, tile_live=None, rope=None, x2=None, conv=None):
         """``pad_rows=(lo, hi)`` (``"stream"`` path): rows ``[lo[0], hi)`` of x
         are padding and count as zeros (not read; 16-row tiles of padding only
         are not computed); ``lo`` is a device int32 array read when the kernel
@@ -503,7 +526,11 @@ class Gemm:
         too (instead of raw).
         ``x2=(a, row_split)`` (``"stream"`` path): rows ``>= row_split`` are read from ``a``
         (row ``r`` from ``a[r - row_split]``), rows below from x: two producers' rows in one
-        GEMM without a concatenated copy. Bit-identical to one x holding both."""
+        GEMM without a concatenated copy. Bit-identical to one x holding both.
+        ``conv=(base, out, lane_rows)`` (a Gemm built with ``conv`` where ``fuses_conv(m)``):
+        also ``out[:m] = GroupedConv(layout="group")(x, base, y, half=0, lane_rows=lane_rows)``
+        bit for bit (``base`` f32 ``[taps, K]``, ``out`` f32 ``[>= m, K]``; rows of dead tiles
+        untouched), without its launch."""
         m = checks.int_arg(m, "m")
         if rope is not None:
             self._call_rope(x, w, y, m, rope, stream, pad_rows, norm, tile_live, x2)
@@ -513,7 +540,40 @@ class Gemm:
         tile_live = self._tile_live(tile_live, m)
         if norm is not None:
             norm = self._norm_args(norm, m)
+        if conv is not None:
+            conv = self._conv_args(conv, x, w, y, m, pad_rows, x2)
+            self._stream(x, w, y, r, m, stream=stream, tile_live=tile_live, conv=conv)
+            return
         self._run(x, w, y, r, m, stream, pad_rows, norm, partials, tile_live, x2)
+
+    def _conv_args(self, conv, x, w, y, m, pad_rows, x2):
+        """Validated ``conv=(base, out, lane_rows)``."""
+        be, s = self.backend, self.spec
+        if not self.fuses_conv(m):
+            launch = self.config(m) if s.path == "stream" else s.path
+            raise ValueError(f"conv given but this Gemm cannot fuse it at m={m} (conv={s.conv}, launch "
+                             f"{launch!r}): run GroupedConv after it")
+        if pad_rows is not None or x2 is not None:
+            raise ValueError("conv does not combine with pad_rows or x2 (the convolution reads x's rows)")
+        if not isinstance(conv, tuple) or len(conv) != 3:
+            raise ValueError("conv must be (base, out, lane_rows)")
+        base, out, lane_rows = conv
+        taps = s.conv[0]
+        checks.device_array(be, "conv base", base, np.float32, ndim=2)
+        if tuple(base.shape) != (taps, s.K):
+            raise ValueError(f"conv base must have shape {(taps, s.K)}, got {tuple(base.shape)}")
+        checks.device_array(be, "conv out", out, np.float32, ndim=2)
+        if out.shape[1] != s.K or out.shape[0] < m:
+            raise ValueError(f"conv out must have shape [>= {m}, {s.K}], got {tuple(out.shape)}")
+        lane_rows = checks.int_arg(lane_rows, "conv lane_rows", 1)
+        if m % lane_rows:
+            raise ValueError(f"conv lane_rows={lane_rows} must divide m={m}")
+        for name, a in (("x", x), ("w", w), ("y", y), ("conv base", base)):
+            if checks.overlaps(out, a):
+                raise ValueError(f"conv out must not overlap {name}")
+        if s.K % 4 == 0 and s.conv[1] % 4 == 0:   # 16-byte channel chunks
+            checks.aligned16(conv_base=base, conv_out=out)
+        return (base, out, lane_rows)
 
     def _run(self, x, w, y, r, m, stream, pad_rows=None, norm=None, partials=None, tile_live=None, x2=None):
         """The launch of checked arguments (``r``: the residual, or any valid pointer)."""

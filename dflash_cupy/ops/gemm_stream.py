@@ -111,6 +111,23 @@ def stream_terms(blocks: int, block_bytes: int, mt: int, dev: Device) -> tuple:
 
 GRID_X_MAX = 2**31 - 1
 
+# GS_CONV (the prepare convolution after the kernel_projection GEMM, cuda_src/gemm_conv.cuh): the
+# blocks holding final coefficients convolve their groups' channels after the GEMM, a serial tail
+# of conv_tail_trips dependent L2 round trips; fused while that stays within CONV_FUSE_MAX_TRIPS
+# (8 x ~280 ns: below a conv.cu launch plus its graph-node gap, ~1.1 + 1.5 us), else the caller
+# runs conv.cu's grouped_conv (docs/decisions/dflash2.md)
+CONV_FUSE_MAX_TRIPS = 8
+
+
+def conv_tail_trips(rows: int, N: int, taps: int, group: int, cols: int) -> int:
+    """gemm_conv.cuh's dependent L2 round trips in a block of ``rows`` live rows holding ``cols``
+    output columns of ``N`` ([group][half][tap]): row batches x channel chunks per thread (each
+    batch's x window, base and d loads in flight together)."""
+    rb = max(1, kernels.constants("gemm_conv.cuh")["GEMM_CONV_ROWS"] // taps)
+    vec = 4 if group % 4 == 0 else 1
+    groups = min(cols, N) // (2 * taps)
+    return -(-rows // rb) * -(-(groups * group // vec) // (WARPS * 32))
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -395,7 +412,9 @@ class GemmVariant:
     """What one stream GEMM is compiled for, once: its ``key()`` is the tuning key's
     variant part (``tuning.gemm_key``) and its ``*_defines`` the ``-D`` options of
     gemm_stream.cu and gemm_wgmma.cu (NVRTC checks compile the same). ``rope``:
-    (head_dim, q_width, kv_width) of the qkv epilogue, or None."""
+    (head_dim, q_width, kv_width) of the qkv epilogue, or None. ``conv``: (taps, group_size) of
+    DFlash 2's prepare convolution fused after the kernel_projection GEMM (gemm_stream.cu's
+    GS_CONV; its mma.sync variants only), or None."""
     N: int
     K: int
     wkind: str                 # dtypes.CODE key: the weights' type
@@ -409,6 +428,7 @@ class GemmVariant:
     skip_cols: int = 0
     rope: tuple | None = None
     top_k: int = 0             # topk: K (1..TOPK_MAX), else 0
+    conv: tuple | None = None
 
     def __post_init__(self):
         if self.epilogue not in EPILOGUES:
@@ -421,6 +441,14 @@ class GemmVariant:
             raise ValueError(f"top_k={self.top_k}: epilogue 'topk' needs 1 <= top_k <= {TOPK_MAX}, others 0")
         if self.epilogue == "topk" and self.norm:
             raise ValueError("the fused top-K does not apply a folded RMSNorm (norm=True)")
+        if self.conv is not None:
+            taps, group = self.conv
+            if self.epilogue != "none" or self.norm or self.x16 or self.y16:
+                raise ValueError("conv (the fused prepare convolution) needs epilogue 'none', an f32 x and y "
+                                 "and no folded norm")
+            if self.K % group or self.N != 2 * taps * (self.K // group):
+                raise ValueError(f"conv=(taps={taps}, group={group}) needs N = 2 * taps * K / group "
+                                 f"(K={self.K}, N={self.N})")
 
     @property
     def nw(self) -> int:
@@ -436,7 +464,8 @@ class GemmVariant:
         return (f"N{self.N}|K{self.K}|{self.wkind}|{self.epilogue}|split{self.split}|norm{int(self.norm)}"
                 f"|logits{int(self.logits)}|x16{int(self.x16)}|y16{int(self.y16)}"
                 f"|rope{int(self.rope is not None)}|live{int(self.live_split)}|skip{self.skip_cols}"
-                + (f"|topk{self.top_k}" if self.top_k else ""))
+                + (f"|topk{self.top_k}" if self.top_k else "")
+                + ("" if self.conv is None else f"|conv{self.conv[0]}x{self.conv[1]}"))
 
     def _common(self) -> dict:
         return dict(WTYPE=dtypes.CODE[self.wkind], EPI=EPILOGUES[self.epilogue], K=self.K, SPLIT=self.split,
@@ -448,7 +477,9 @@ class GemmVariant:
         return dict(**{"GS_" + k: v for k, v in self._common().items()}, GS_MT=mt, GS_NT=WTILES // self.nw,
                     GS_WARPS=WARPS, GS_DEPTH=DEPTH[mt],
                     **({"GS_LOGITS": int(self.logits)} if self.argmax else {}),
-                    **({"GS_TOPK": self.top_k} if self.top_k else {}))
+                    **({"GS_TOPK": self.top_k} if self.top_k else {}),
+                    **({} if self.conv is None else {"GS_CONV": 1, "GS_CONV_TAPS": self.conv[0],
+                                                     "GS_CONV_GROUP": self.conv[1]}))
 
     def wgmma_defines(self, bt: int, sms: int = 0, skip_cols: int = 0, qkv: bool = False) -> dict:
         """gemm_wgmma.cu's options for row blocks of ``bt``; ``sms``: the live split's SM
@@ -657,13 +688,25 @@ class StreamKernels:
         ``m``, tuned or not, is a wgmma variant)."""
         return isinstance(self.plan(m).mt, str) and self.plan(m).mt in self._fused
 
+    def fuses_conv(self, m: int) -> bool:
+        """Whether a launch over ``m`` rows runs the prepare convolution (``conv`` compiled, the
+        plan for ``m`` an mma.sync variant, every group's columns inside one column block, and
+        its tail within ``CONV_FUSE_MAX_TRIPS``)."""
+        if self.variant.conv is None or isinstance(self.plan(m).mt, str):
+            return False
+        taps, group = self.variant.conv
+        cols, p = cols_per_block(self.nw), self.plan(m)
+        if cols % (2 * taps) and self.N > cols:
+            return False
+        return conv_tail_trips(min(m, p.rows), self.N, taps, group, cols) <= CONV_FUSE_MAX_TRIPS
+
     def launch_config(self, m: int):
         """``(grid, block, shared_mem)``; grid ``(groups * mblocks, 1, ks)``."""
         p = self.plan(m)
         return p.grid, (p.threads, 1, 1), p.smem
 
     def __call__(self, x, w, y, r, m: int, stream=None, pad_rows=None, norm=None, partials=None,
-                 tile_live=None, rope=None, x2=None):
+                 tile_live=None, rope=None, x2=None, conv=None):
         """``pad_rows=(lo, hi)``: rows ``[lo[0], hi)`` are zero rows, ``lo`` a
         device int32 array read at run time (``None``: no padding rows).
         ``tile_live``: device int32, entry ``t`` for rows ``[16t, 16t + 16)``,
@@ -677,8 +720,13 @@ class StreamKernels:
         ``norm`` may carry a fourth element ``ln_lo`` [K] f32: rows ``< norm_lo`` are then
         RMS-normalised with it (else used raw).
         ``x2=(a, row_split)``: rows ``>= row_split`` are read from ``a`` (its row 0 first),
-        rows below from x (checked by ``ops.gemm.Gemm``)."""
+        rows below from x (checked by ``ops.gemm.Gemm``).
+        ``conv=(base, out, lane_rows)`` (``fuses_conv(m)`` only): the prepare convolution of x
+        into ``out`` (gemm_conv.cuh; checked by ``ops.gemm.Gemm``)."""
         p = self.plan(m)
+        if conv is not None and not self.fuses_conv(m):
+            raise ValueError(f"m={m}: the fused convolution needs a gemm_stream.cu launch with it compiled "
+                             f"(plan {p.mt!r}, conv {self.variant.conv})")
         if rope is not None and not self.fuses_rope(m):
             raise ValueError(f"m={m}: the qkv epilogue needs a wgmma launch with it compiled (plan {p.mt!r})")
         if tile_live is not None and self.live_split and isinstance(p.mt, str):
@@ -712,6 +760,9 @@ class StreamKernels:
                       use_live=np.int32(tile_live is not None),
                       x2=xb, row_split=np.int32(row_split), ln_lo=ln if ln_lo is None else ln_lo,
                       use_ln_lo=np.int32(ln_lo is not None))
+        if not isinstance(p.mt, str):   # gemm_stream.cu's GS_CONV arguments (lane_rows 0: off; unused without it)
+            params.update(conv_base=self._ws if conv is None else conv[0], conv_y=self._ws if conv is None else conv[1],
+                          conv_lane_rows=np.int32(0 if conv is None else conv[2]))
         kernel = self._kernels[p.mt]
         if isinstance(p.mt, str):   # the wgmma kernel's qkv-epilogue fields
             if rope is None:

@@ -88,6 +88,12 @@ def no_rope(sk):
             np.float32(0.0), np.float32(1.0))
 
 
+def no_conv(sk):
+    """gemm_stream.cu's trailing GS_CONV arguments (base, out, lane_rows 0: off), as
+    StreamKernels passes them to every gemm_stream launch."""
+    return (sk._ws, sk._ws, np.int32(0))
+
+
 def qkv_setup(be, rng, spec, K, m, wkind, kv_rows, x16=False):
     N = spec.q_width + 2 * spec.kv_width
     xh = rng.standard_normal((m, K)).astype(np.float32)

@@ -31,6 +31,9 @@ STREAM = [
     (V(256, 4096, 'bf16', 'none', split=1, norm=True, x16=True), 1),
     (V(256, 4096, 'bf16', 'silu_mul', split=1, norm=True, y16=True), 4),
     (V(256, 4096, 'f16', 'silu_mul', y16=True), 1),
+    (V(1280, 5120, 'bf16', 'none', conv=(2, 16)), 1),     # DFlash 2's kernel_projection + prepare
+    (V(1664, 6656, 'bf16', 'none', conv=(2, 16)), 4),
+    (V(800, 200, 'f16', 'none', conv=(4, 2)), 2),        # scalar channels, 4 taps
 ]
 
 # (variant, row block, wgmma_defines options) of gemm_wgmma.cu: also the lane batches' live
