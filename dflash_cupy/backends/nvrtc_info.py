@@ -363,17 +363,7 @@ def cached_compile_info(source: str, filename: str | None, options: Sequence[str
     so a failing module costs one NVRTC run, not one per test. A miss compiles under the
     cache's per-key lock: a process (or thread) asking for a source another one is
     compiling waits for that record instead of compiling it again."""
-    fname = filename or "<source>.cu"
-    key = cache_key(source, fname, options, arch)
-    path = cache_root() / (key + ".json")
-    rec = _read_record(path)
-    if rec is None:
-        with key_lock("nvrtc-" + key):
-            rec = _read_record(path)   # written while this one waited
-            if rec is None:
-                rec = _compile_record(source, fname, options, arch, path)
-    if not rec["ok"]:
-        raise NvrtcCompileError(rec["message"], rec["log"])
+    rec, _ = _cached_record(source, filename, options, arch)
     return CompileInfo(arch, rec["log"], {k["name"]: KernelResources(**k) for k in rec["kernels"]})
 
 
@@ -382,21 +372,35 @@ def cached_cubin(source: str, filename: str | None, options: Sequence[str] = (),
     """The cubin of the build ``cached_compile_info`` checks (the same compile: a record
     written by this version keeps its ELF beside it), or None when libnvrtc's cubin calls
     cannot be loaded. Raises ``NvrtcCompileError`` for a rejected source."""
+    if _cubin_lib() is None:
+        return None
+    _, path = _cached_record(source, filename, options, arch, cubin=True)
+    return _read_cubin(path)
+
+
+def _cached_record(source: str, filename: str | None, options: Sequence[str], arch: str,
+                   cubin: bool = False) -> tuple[dict, Path]:
+    """The record (and its path) of a build, compiled on a miss under the key's lock; with
+    ``cubin``, a successful record without its cubin (written before cubins were kept) is a
+    miss too. Raises ``NvrtcCompileError`` for a rejected source."""
     fname = filename or "<source>.cu"
     key = cache_key(source, fname, options, arch)
     path = cache_root() / (key + ".json")
-    elf = _read_cubin(path)
-    if elf is None:
+
+    def ready() -> dict | None:
+        rec = _read_record(path)
+        if rec is not None and cubin and rec["ok"] and not path.with_suffix(".cubin").exists():
+            return None
+        return rec
+    rec = ready()
+    if rec is None:
         with key_lock("nvrtc-" + key):
-            elf = _read_cubin(path)
-            if elf is None:
-                rec = _read_record(path)
-                if rec is None or rec["ok"]:   # no record, or one written before cubins were kept
-                    rec = _compile_record(source, fname, options, arch, path)
-                if not rec["ok"]:
-                    raise NvrtcCompileError(rec["message"], rec["log"])
-                elf = _read_cubin(path)
-    return elf
+            rec = ready()   # written while this one waited
+            if rec is None:
+                rec = _compile_record(source, fname, options, arch, path)
+    if not rec["ok"]:
+        raise NvrtcCompileError(rec["message"], rec["log"])
+    return rec, path
 
 
 def _read_cubin(path: Path) -> bytes | None:
