@@ -233,6 +233,7 @@ def test_plan_fills_the_sms_in_whole_waves():
     assert gs.plan_wgmma(4096, 4096, 256, dev=gs.Device(78, 232448)).ks != a.ks
 
 
+@pytest.mark.slow
 def test_ptxas_registers_within_the_table():
     from tests.support.nvrtc_check import nvrtc_check
     src = gs.kernels.source_path("gemm_wgmma.cu")

@@ -51,6 +51,7 @@ def _run_both(be, ops, xs, w, m, cfg, residual=None, **call):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("epilogue", ["none", "residual", "silu_mul"])
 def test_bit_identical_to_f32_x_every_variant(emu, rng, epilogue, norm):
@@ -218,6 +219,7 @@ def test_static_counters_follow_the_element_size(emu, rng, cfg, norm):
             assert c.sst_requests == st.smem_requests and c.sst_wavefronts == st.smem_wavefronts
 
 
+@pytest.mark.slow
 def test_ptxas_registers_within_the_tables():
     """The x16 variants fit the residency arithmetic's register tables (PTXAS_REGS,
     WG_PTXAS_REGS), with no spills and (wgmma) no serialised wgmma (nvrtc_check fails on C7515)."""

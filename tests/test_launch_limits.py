@@ -288,6 +288,7 @@ def test_without_nvrtc_the_emulator_warns_and_checks_configuration(monkeypatch):
         assert nvrtc_info.resources_for_emulator("// x\n", "x.cu", ()) is None
 
 
+@pytest.mark.slow
 def test_product_kernels_fit_their_launch_bounds_and_registers():
     """Every product kernel's launch bound is a block the register file can hold
     (what the launchers' own launches are checked against in every kernel test)."""

@@ -45,6 +45,7 @@ def _report(be, fail=(), **status):
 
 
 # ---------------------------------------------------------------- the whole check
+@pytest.mark.slow
 def test_emulated_selfcheck_passes_every_variant(emu, verdicts):
     """CI's run: every variant, every check passes on the emulator (a second run, its kernels
     built, stays within the budget); the report reads for people and round-trips as JSON."""

@@ -116,6 +116,7 @@ def _cache(w, lm, be, **kw):
 
 
 # ---------------------------------------------------------------- one test per fault
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_fault_is_caught_disabled_reported_and_worked_around(emu, monkeypatch, verdicts, fault):
     macro, files, only, must_fail, kind = FAULTS[fault]

@@ -44,6 +44,7 @@ def _check(be, op, m, xh, wh, rh, what):
     (70, 520, "f16", "silu_mul", True),
     (260, 840, "bf16", "residual", False),
 ])
+@pytest.mark.slow
 def test_every_candidate_matches_the_reference(emu, N, K, wkind, epilogue, x_split):
     rng = np.random.default_rng(N + K)
     op = Gemm(emu, N, K, wkind, epilogue, max_m=64, x_split=x_split)
