@@ -9,6 +9,10 @@
 //   i = r % lane_rows,
 // with grouped_conv's rounding: w = base + d in f32, then fmaf per tap in tap order from 0.
 // x [M, H] f32 is the GEMM's own input (H = K), base [TAPS, H] f32, y [M, H] f32.
+// NORM (the GEMM folds an RMSNorm, GS_NORM): rows >= norm_lo of x are convolved normed, as
+// x'[r, c] = (x[r, c] * ln[c]) * rsc[r - m0], two f32 roundings: the product the GEMM's staging
+// feeds its MMAs, times the row scale its epilogue multiplies the sums by (rsc: shared memory,
+// the block's rows; the caller keeps every tap inside the block: no lane block straddles two).
 // Called by all threads of the block after its d is stored (split K: the reducing block);
 // d is read back from global memory after a barrier (the block's own stores).
 // Work: the block's rows RB at a time; per batch a thread per VEC channels of one group (VEC 4
@@ -43,10 +47,11 @@ __device__ __forceinline__ void gemm_conv_st(float* p, const float* o) {
     }
 }
 
-template <int TAPS, int GROUP, int H, int COLS, int THREADS, typename Stored>
+template <int TAPS, int GROUP, int H, int COLS, int THREADS, int NORM, typename Stored>
 __device__ __forceinline__ void gemm_conv_prepare(const float* __restrict__ x, const float* d, int N,
                                                   const float* __restrict__ base, float* y, int m0, int live,
-                                                  int c0, int lane_rows, Stored stored) {
+                                                  int c0, int lane_rows, Stored stored,
+                                                  const float* __restrict__ ln, const float* rsc, int norm_lo) {
     constexpr int VEC = (GROUP % 4 == 0 && H % 4 == 0) ? 4 : 1;
     constexpr int RB = (GEMM_CONV_ROWS / TAPS) > 1 ? GEMM_CONV_ROWS / TAPS : 1;   // rows per batch
     constexpr int XW = RB + TAPS - 1;                      // x rows per batch (window)
@@ -63,9 +68,10 @@ __device__ __forceinline__ void gemm_conv_prepare(const float* __restrict__ x, c
         for (int q = threadIdx.x; q < nq; q += THREADS) {
             const int c = ch0 + q * VEC;
             const int g = c / GROUP;
-            float bv[TAPS][VEC], xv[XW][VEC], dv[RB][TAPS];
+            float bv[TAPS][VEC], xv[XW][VEC], dv[RB][TAPS], gv[NORM ? VEC : 1];
 #pragma unroll
             for (int t = 0; t < TAPS; ++t) gemm_conv_ld<VEC>(bv[t], base + t * H + c);
+            if (NORM) gemm_conv_ld<VEC>(gv, ln + c);
             // window row w: row m0 + lr0 + w - (TAPS - 1) clamped into [0, top] (a clamped row
             // is one no tap reads), d of rows past the block: the last row's; no branch between
             // the loads and the sums (every load in flight at once)
@@ -80,6 +86,17 @@ __device__ __forceinline__ void gemm_conv_prepare(const float* __restrict__ x, c
                 const int r = (m0 + lr0 + j < top) ? m0 + lr0 + j : top;
 #pragma unroll
                 for (int t = 0; t < TAPS; ++t) dv[j][t] = d[(long long)r * N + g * GC + t];
+            }
+            if (NORM) {   // the normed rows (after every load of the batch is issued)
+#pragma unroll
+                for (int w = 0; w < XW; ++w) {
+                    int xr = m0 + lr0 + w - (TAPS - 1);
+                    xr = xr < m0 ? m0 : (xr > top ? top : xr);   // a row no tap reads: any scale
+                    const float s = rsc[xr - m0];
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e)
+                        if (xr >= norm_lo) xv[w][e] = __fmul_rn(__fmul_rn(xv[w][e], gv[NORM ? e : 0]), s);
+                }
             }
             float* yp = y + ((long long)(m0 + lr0) * H + c);
             int i = i0;

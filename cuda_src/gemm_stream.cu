@@ -12,7 +12,8 @@
 //   GS_NORM 1: rows >= norm_lo enter as rmsnorm(x_row) * ln (fixed-order sums, also across
 //             split-K slices: replays bit-identical); rows < norm_lo raw, or with ln_lo (use_ln_lo).
 //   GS_CONV 1 (EPI 0, f32 x, y): with conv_lane_rows > 0 also DFlash 2's prepare convolution of x
-//             into conv_y by the block holding the final d (gemm_conv.cuh; y: [group][half][tap]).
+//             into conv_y by the block holding the final d (gemm_conv.cuh; y: [group][half][tap]);
+//             with GS_NORM of the normed x (x * ln, times the row scale; no ln_lo).
 //   Rows < row_split are read from x, the rest from x2 (its row 0 first).
 //   Padding rows [*pad_lo, pad_hi) count as zero rows (not read; all-padding tiles not computed).
 //   use_live: tile_live[t] == 0 (per 16 rows) makes tile t dead: not computed, not stored.
@@ -102,8 +103,8 @@
 #ifndef GS_CONV
 #define GS_CONV 0
 #endif
-#if GS_CONV && (GS_EPI != 0 || GS_NORM || GS_X16 || GS_Y16)
-#error "GS_CONV (the fused prepare convolution) needs GS_EPI 0 and an f32 x and y, no folded norm"
+#if GS_CONV && (GS_EPI != 0 || GS_X16 || GS_Y16)
+#error "GS_CONV (the fused prepare convolution) needs GS_EPI 0 and an f32 x and y"
 #endif
 #if GS_CONV && (!defined(GS_CONV_TAPS) || !defined(GS_CONV_GROUP))
 #error "GS_CONV needs GS_CONV_TAPS and GS_CONV_GROUP"
@@ -784,10 +785,19 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
             }
         }
 #if GS_CONV
-        if (conv_lane_rows > 0)   // this block's d is final: the prepare convolution of its groups
-            gemm_conv_prepare<GS_CONV_TAPS, GS_CONV_GROUP, K, COLS, THREADS>(
+        if (conv_lane_rows > 0) {   // this block's d is final: the prepare convolution of its groups
+#if GS_NORM
+            __shared__ float conv_sc[ROWS];   // the rows' scales, as the epilogue above took them
+            if ((int)threadIdx.x < live)
+                conv_sc[threadIdx.x] = m0 + (int)threadIdx.x >= scale_lo
+                                           ? rsqrtf(ss_s[threadIdx.x] * (1.0f / K) + eps) : 1.0f;
+#else
+            float* const conv_sc = nullptr;
+#endif
+            gemm_conv_prepare<GS_CONV_TAPS, GS_CONV_GROUP, K, COLS, THREADS, GS_NORM>(
                 x, y, N, conv_base, conv_y, m0, live, cg * COLS, conv_lane_rows,
-                [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; });
+                [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; }, ln, conv_sc, norm_lo);
+        }
 #endif
         return;
     }
@@ -819,14 +829,19 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
 #else
     const float* ssw = ws;  // unused
 #endif
+#if GS_CONV && GS_NORM
+    __shared__ float conv_sc[ROWS];   // the reduction's row scales, for the normed x
+#else
+    float* const conv_sc = nullptr;
+#endif
     const bool reduced = splitk_reduce<NW, ROWS, COLS, THREADS, GS_EPI, GS_NORM, K, GS_WTYPE>(
         wsb, ssw, ks, counters + bx, y, r, m0, live, cg * COLS, N, eps, scale_lo,
-        [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; });
+        [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; }, nullptr, 0, conv_sc);
 #if GS_CONV
     if (reduced && conv_lane_rows > 0)   // the last slice: d final, the prepare convolution of its groups
-        gemm_conv_prepare<GS_CONV_TAPS, GS_CONV_GROUP, K, COLS, THREADS>(
+        gemm_conv_prepare<GS_CONV_TAPS, GS_CONV_GROUP, K, COLS, THREADS, GS_NORM>(
             x, y, N, conv_base, conv_y, m0, live, cg * COLS, conv_lane_rows,
-            [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; });
+            [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; }, ln, conv_sc, norm_lo);
 #else
     (void)reduced;
     (void)conv_base;

@@ -167,9 +167,9 @@ class GemmSpec:
             if not isinstance(conv, tuple) or len(conv) != 2:
                 raise ValueError(f"conv must be (taps, group_size), got {conv!r}")
             conv = (checks.int_arg(conv[0], "conv taps", 1), checks.int_arg(conv[1], "conv group_size", 1))
-            if epilogue != "none" or norm_eps is not None or x16 or y16 or rope is not None:
-                raise ValueError("conv (the fused prepare convolution) needs epilogue 'none', f32 x and y, "
-                                 "no norm_eps and no rope")
+            if epilogue != "none" or x16 or y16 or rope is not None:
+                raise ValueError("conv (the fused prepare convolution) needs epilogue 'none', f32 x and y "
+                                 "and no rope")
             if K % conv[1] or N != 2 * conv[0] * (K // conv[1]):
                 raise ValueError(f"conv=(taps={conv[0]}, group_size={conv[1]}) needs N = 2 * taps * K / group_size "
                                  f"(N={N}, K={K})")
@@ -530,7 +530,10 @@ class Gemm:
         ``conv=(base, out, lane_rows)`` (a Gemm built with ``conv`` where ``fuses_conv(m)``):
         also ``out[:m] = GroupedConv(layout="group")(x, base, y, half=0, lane_rows=lane_rows)``
         bit for bit (``base`` f32 ``[taps, K]``, ``out`` f32 ``[>= m, K]``; rows of dead tiles
-        untouched), without its launch."""
+        untouched), without its launch. With ``norm=(ln, norm_lo)`` (no ``ln_lo``) the convolution
+        reads rows ``>= norm_lo`` normed: ``(x[r, c] * ln[c]) * s[r]``, each product rounded to
+        f32, ``s[r]`` the row scale the GEMM multiplies its sums by (lanes must not straddle the
+        launch's row blocks)."""
         m = checks.int_arg(m, "m")
         if rope is not None:
             self._call_rope(x, w, y, m, rope, stream, pad_rows, norm, tile_live, x2)
@@ -541,13 +544,13 @@ class Gemm:
         if norm is not None:
             norm = self._norm_args(norm, m)
         if conv is not None:
-            conv = self._conv_args(conv, x, w, y, m, pad_rows, x2)
-            self._stream(x, w, y, r, m, stream=stream, tile_live=tile_live, conv=conv)
+            conv = self._conv_args(conv, x, w, y, m, pad_rows, x2, norm)
+            self._stream(x, w, y, r, m, stream=stream, tile_live=tile_live, conv=conv, norm=norm)
             return
         self._run(x, w, y, r, m, stream, pad_rows, norm, partials, tile_live, x2)
 
-    def _conv_args(self, conv, x, w, y, m, pad_rows, x2):
-        """Validated ``conv=(base, out, lane_rows)``."""
+    def _conv_args(self, conv, x, w, y, m, pad_rows, x2, norm=None):
+        """Validated ``conv=(base, out, lane_rows)`` (``norm``: the checked norm arguments)."""
         be, s = self.backend, self.spec
         if not self.fuses_conv(m):
             launch = self.config(m) if s.path == "stream" else s.path
@@ -568,6 +571,14 @@ class Gemm:
         lane_rows = checks.int_arg(lane_rows, "conv lane_rows", 1)
         if m % lane_rows:
             raise ValueError(f"conv lane_rows={lane_rows} must divide m={m}")
+        if norm is not None:
+            if norm[3] is not None:
+                raise ValueError("conv with norm takes no ln_lo (norm=(ln, norm_lo)): rows below norm_lo "
+                                 "are convolved raw")
+            rows = self._stream.plan(m).rows
+            if m > rows and rows % lane_rows:
+                raise ValueError(f"conv with norm: lane_rows={lane_rows} must divide the launch's {rows}-row "
+                                 f"blocks (m={m}): a lane's taps would need another block's row scales")
         for name, a in (("x", x), ("w", w), ("y", y), ("conv base", base)):
             if checks.overlaps(out, a):
                 raise ValueError(f"conv out must not overlap {name}")
