@@ -21,6 +21,8 @@
 // their d issued together, then the sums. A tap before the lane block's first row is not added
 // (its load reads an in-bounds stand-in row; the select keeps acc). Each row's lane index is
 // stepped from the batch's first (one division per batch, not per row).
+// lane_rows < 0: y[r, c] = x[r, c] (NORM: the normed x' below) instead, the rows conv.cu's
+// grouped_conv then convolves as this would (a launch whose tail would be too long).
 #pragma once
 
 // rows x taps per batch: the batch's loads in flight at once in MT 1's 128 registers (16 made
@@ -63,14 +65,18 @@ __device__ __forceinline__ void gemm_conv_prepare(const float* __restrict__ x, c
     const int nq = (g1 - g0) * (GROUP / VEC);               // VEC-channel chunks
     __syncthreads();   // every thread's d stores before any load of them
     const int top = m0 + live - 1;                          // the block's last row
+    const bool xonly = lane_rows < 0;                       // y = the (normed) x rows, no sums
     for (int lr0 = 0; lr0 < live; lr0 += RB) {
-        const int i0 = (m0 + lr0) % lane_rows;              // the batch's first row's index in its lane
+        const int i0 = xonly ? 0 : (m0 + lr0) % lane_rows;  // the batch's first row's index in its lane
         for (int q = threadIdx.x; q < nq; q += THREADS) {
             const int c = ch0 + q * VEC;
             const int g = c / GROUP;
             float bv[TAPS][VEC], xv[XW][VEC], dv[RB][TAPS], gv[NORM ? VEC : 1];
 #pragma unroll
-            for (int t = 0; t < TAPS; ++t) gemm_conv_ld<VEC>(bv[t], base + t * H + c);
+            for (int t = 0; t < TAPS; ++t) {
+                for (int e = 0; e < VEC; ++e) bv[t][e] = 0.0f;
+                if (!xonly) gemm_conv_ld<VEC>(bv[t], base + t * H + c);   // xonly: base may be any pointer
+            }
             if (NORM) gemm_conv_ld<VEC>(gv, ln + c);
             // window row w: row m0 + lr0 + w - (TAPS - 1) clamped into [0, top] (a clamped row
             // is one no tap reads), d of rows past the block: the last row's; no branch between
@@ -109,7 +115,7 @@ __device__ __forceinline__ void gemm_conv_prepare(const float* __restrict__ x, c
 #pragma unroll
                     for (int t = 0; t < TAPS; ++t)
                         acc = i - t >= 0 ? fmaf(bv[t][e] + dv[j][t], xv[j + TAPS - 1 - t][e], acc) : acc;
-                    o[e] = acc;
+                    o[e] = xonly ? xv[j + TAPS - 1][e] : acc;
                 }
                 if (lr0 + j < live && stored(lr0 + j)) gemm_conv_st<VEC>(yp + j * H, o);
                 i = (i + 1 == lane_rows) ? 0 : i + 1;

@@ -13,7 +13,8 @@
 //             split-K slices: replays bit-identical); rows < norm_lo raw, or with ln_lo (use_ln_lo).
 //   GS_CONV 1 (EPI 0, f32 x, y): with conv_lane_rows > 0 also DFlash 2's prepare convolution of x
 //             into conv_y by the block holding the final d (gemm_conv.cuh; y: [group][half][tap]);
-//             with GS_NORM of the normed x (x * ln, times the row scale; no ln_lo).
+//             with GS_NORM of the normed x (x * ln, times the row scale; no ln_lo); conv_lane_rows
+//             < 0: that x itself into conv_y (for conv.cu to convolve).
 //   Rows < row_split are read from x, the rest from x2 (its row 0 first).
 //   Padding rows [*pad_lo, pad_hi) count as zero rows (not read; all-padding tiles not computed).
 //   use_live: tile_live[t] == 0 (per 16 rows) makes tile t dead: not computed, not stored.
@@ -785,7 +786,7 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
             }
         }
 #if GS_CONV
-        if (conv_lane_rows > 0) {   // this block's d is final: the prepare convolution of its groups
+        if (conv_lane_rows != 0) {   // this block's d is final: the prepare convolution of its groups
 #if GS_NORM
             __shared__ float conv_sc[ROWS];   // the rows' scales, as the epilogue above took them
             if ((int)threadIdx.x < live)
@@ -838,7 +839,7 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
         wsb, ssw, ks, counters + bx, y, r, m0, live, cg * COLS, N, eps, scale_lo,
         [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; }, nullptr, 0, conv_sc);
 #if GS_CONV
-    if (reduced && conv_lane_rows > 0)   // the last slice: d final, the prepare convolution of its groups
+    if (reduced && conv_lane_rows != 0)   // the last slice: d final, the prepare convolution of its groups
         gemm_conv_prepare<GS_CONV_TAPS, GS_CONV_GROUP, K, COLS, THREADS, GS_NORM>(
             x, y, N, conv_base, conv_y, m0, live, cg * COLS, conv_lane_rows,
             [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; }, ln, conv_sc, norm_lo);

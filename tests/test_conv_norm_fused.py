@@ -53,9 +53,21 @@ def _run(be, rows, H, taps, group, lane_rows, k_split, rng, norm_lo=0, tile_live
     normed = np.arange(rows) >= norm_lo
     s[~normed] = 1.0
     x = np.where(normed[:, None], (h * ln) * s[:, None], h).astype(np.float32)   # f32 products
+    conv = GroupedConv(be, H, taps, group, layout="group")
     out2 = be.asarray(np.full((rows, H), 7.0, np.float32))
-    GroupedConv(be, H, taps, group, layout="group")(be.asarray(x), bd, be.asarray(d), 0, out2,
-                                                    lane_rows=lane_rows, tile_live=live)
+    conv(be.asarray(x), bd, be.asarray(d), 0, out2, lane_rows=lane_rows, tile_live=live)
+    # the unfused launch of the step (norm_out): the GEMM stores x, GroupedConv convolves it
+    d3 = be.asarray(np.full((rows, N), 5.0, np.float32))
+    cx = be.asarray(np.full((rows, H), 7.0, np.float32))
+    fused(hd, wd, d3, rows, tile_live=live, norm=(lnd, norm_lo), norm_out=cx)
+    np.testing.assert_array_equal(be.to_numpy(d3), d)
+    cx = be.to_numpy(cx)
+    stored = np.repeat(np.asarray([1] * -(-rows // 16) if tile_live is None else tile_live) != 0, 16)[:rows]
+    np.testing.assert_array_equal(cx[stored], x[stored])
+    assert (cx[~stored] == 7.0).all()
+    out3 = be.asarray(np.full((rows, H), 7.0, np.float32))
+    conv(be.asarray(cx), bd, be.asarray(d), 0, out3, lane_rows=lane_rows, tile_live=live)
+    np.testing.assert_array_equal(be.to_numpy(out3), be.to_numpy(out2))
     return h, ln, base, d, x, s, be.to_numpy(out), be.to_numpy(out2)
 
 
@@ -132,6 +144,21 @@ def test_folded_norm_prepare_bad_input(emu, monkeypatch):
         g(x, w, y, m, norm=(be.asarray(np.ones(H + 8, np.float32)), 0), conv=(base, out, m))
     with pytest.raises(ValueError, match="built without norm_eps"):
         plain(x, w, y, m, norm=(ln, 0), conv=(base, out, m))
+    with pytest.raises(ValueError, match="norm_out takes norm= and no conv="):
+        g(x, w, y, m, norm=(ln, 0), conv=(base, out, m), norm_out=out)
+    with pytest.raises(ValueError, match="norm_out takes norm="):
+        g(x, w, y, m, norm_out=out)
+    with pytest.raises(ValueError, match="norm_out must not overlap x"):
+        g(x, w, y, m, norm=(ln, 0), norm_out=x)
+    with pytest.raises(ValueError, match="norm_out must have shape"):
+        g(x, w, y, m, norm=(ln, 0), norm_out=be.zeros((m - 1, H), np.float32))
+    with pytest.raises(ValueError, match="built without norm_eps"):
+        plain(x, w, y, m, norm_out=out, norm=(ln, 0))
+    wg = Gemm(be, N, H, np.float16, max_m=64, conv=(taps, group), wgmma=True, norm_eps=EPS)
+    assert wg.stores_norm(16) and not wg.stores_norm(64) and not wg.fuses_conv_norm(64, 16)
+    xw, yw = be.zeros((64, H), np.float32), be.zeros((64, N), np.float32)
+    with pytest.raises(ValueError, match="norm_out needs a Gemm built with conv and norm_eps on a gemm_stream"):
+        wg(xw, w, yw, 64, norm=(ln, 0), norm_out=be.zeros((64, H), np.float32))
     assert (be.to_numpy(y) == 3.0).all() and (be.to_numpy(out) == 3.0).all()   # nothing launched
     # a lane straddling two row blocks would need the other block's row scales
     big = Gemm(be, N, H, np.float16, max_m=80, k_split=1, wgmma=False, norm_eps=EPS, conv=(taps, group))

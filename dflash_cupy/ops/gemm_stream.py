@@ -721,9 +721,13 @@ class StreamKernels:
         ``x2=(a, row_split)``: rows ``>= row_split`` are read from ``a`` (its row 0 first),
         rows below from x (checked by ``ops.gemm.Gemm``).
         ``conv=(base, out, lane_rows)`` (``fuses_conv(m)`` only): the prepare convolution of x
-        (with ``norm``: of the normed x) into ``out`` (gemm_conv.cuh; checked by ``ops.gemm.Gemm``)."""
+        (with ``norm``: of the normed x) into ``out`` (gemm_conv.cuh; checked by ``ops.gemm.Gemm``);
+        ``lane_rows < 0``: that x itself into ``out`` (any mma.sync launch of a GS_CONV variant)."""
         p = self.plan(m)
-        if conv is not None and not self.fuses_conv(m):
+        if conv is not None and conv[2] < 0 and (self.variant.conv is None or isinstance(p.mt, str)):
+            raise ValueError(f"m={m}: the normed rows' store needs a gemm_stream.cu launch with GS_CONV "
+                             f"(plan {p.mt!r})")
+        if conv is not None and conv[2] > 0 and not self.fuses_conv(m):
             raise ValueError(f"m={m}: the fused convolution needs a gemm_stream.cu launch with it compiled "
                              f"(plan {p.mt!r}, conv {self.variant.conv})")
         if rope is not None and not self.fuses_rope(m):
