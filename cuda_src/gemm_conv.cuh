@@ -22,7 +22,8 @@
 // (its load reads an in-bounds stand-in row; the select keeps acc). Each row's lane index is
 // stepped from the batch's first (one division per batch, not per row).
 // lane_rows < 0: y[r, c] = x[r, c] (NORM: the normed x' below) instead, the rows conv.cu's
-// grouped_conv then convolves as this would (a launch whose tail would be too long).
+// grouped_conv then convolves as this would (a launch whose tail would be too long); base is
+// still read (any TAPS * H floats: no branch before the loads), its values unused.
 #pragma once
 
 // rows x taps per batch: the batch's loads in flight at once in MT 1's 128 registers (16 made
@@ -73,10 +74,7 @@ __device__ __forceinline__ void gemm_conv_prepare(const float* __restrict__ x, c
             const int g = c / GROUP;
             float bv[TAPS][VEC], xv[XW][VEC], dv[RB][TAPS], gv[NORM ? VEC : 1];
 #pragma unroll
-            for (int t = 0; t < TAPS; ++t) {
-                for (int e = 0; e < VEC; ++e) bv[t][e] = 0.0f;
-                if (!xonly) gemm_conv_ld<VEC>(bv[t], base + t * H + c);   // xonly: base may be any pointer
-            }
+            for (int t = 0; t < TAPS; ++t) gemm_conv_ld<VEC>(bv[t], base + t * H + c);   // xonly: unused
             if (NORM) gemm_conv_ld<VEC>(gv, ln + c);
             // window row w: row m0 + lr0 + w - (TAPS - 1) clamped into [0, top] (a clamped row
             // is one no tap reads), d of rows past the block: the last row's; no branch between

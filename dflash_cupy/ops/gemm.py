@@ -590,7 +590,7 @@ class Gemm:
                 raise ValueError(f"norm_out must not overlap {name}")
         if self.spec.K % 4 == 0 and self.spec.conv[1] % 4 == 0:
             checks.aligned16(norm_out=out)
-        return (self._stream._ws, out, -1)
+        return (w, out, -1)   # base: w, read (>= taps * K floats: N * K * 2 bytes), unused
 
     def _conv_args(self, conv, x, w, y, m, pad_rows, x2, norm=None):
         """Validated ``conv=(base, out, lane_rows)`` (``norm``: the checked norm arguments)."""
