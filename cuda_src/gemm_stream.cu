@@ -11,10 +11,8 @@
 //             (its ranking and merge). y = acc only with GS_LOGITS 1; >= GS_TK_SMEM dynamic smem.
 //   GS_NORM 1: rows >= norm_lo enter as rmsnorm(x_row) * ln (fixed-order sums, also across
 //             split-K slices: replays bit-identical); rows < norm_lo raw, or with ln_lo (use_ln_lo).
-//   GS_CONV 1 (EPI 0, f32 x, y): with conv_lane_rows > 0 also DFlash 2's prepare convolution of x
-//             into conv_y by the block holding the final d (gemm_conv.cuh; y: [group][half][tap]);
-//             with GS_NORM of the normed x (x * ln, times the row scale; no ln_lo); conv_lane_rows
-//             < 0: that x itself into conv_y (for conv.cu to convolve).
+//   GS_CONV 1 (EPI 0, f32 x, y): conv_lane_rows > 0: DFlash 2's prepare convolution of x (GS_NORM: normed)
+//             into conv_y by the block holding the final d (gemm_conv.cuh); < 0: that x into conv_y.
 //   Rows < row_split are read from x, the rest from x2 (its row 0 first).
 //   Padding rows [*pad_lo, pad_hi) count as zero rows (not read; all-padding tiles not computed).
 //   use_live: tile_live[t] == 0 (per 16 rows) makes tile t dead: not computed, not stored.
