@@ -21,7 +21,7 @@
 // their d issued together, then the sums. A tap before the lane block's first row is not added
 // (its load reads an in-bounds stand-in row; the select keeps acc). Each row's lane index is
 // stepped from the batch's first (one division per batch, not per row).
-// lane_rows < 0: y[r, c] = x[r, c] (NORM: the normed x' below) instead, the rows conv.cu's
+// NORM, lane_rows < 0: y[r, c] = the normed x' below instead, the rows conv.cu's
 // grouped_conv then convolves as this would (a launch whose tail would be too long); base is
 // still read (any TAPS * H floats: no branch before the loads), its values unused.
 #pragma once
@@ -66,7 +66,7 @@ __device__ __forceinline__ void gemm_conv_prepare(const float* __restrict__ x, c
     const int nq = (g1 - g0) * (GROUP / VEC);               // VEC-channel chunks
     __syncthreads();   // every thread's d stores before any load of them
     const int top = m0 + live - 1;                          // the block's last row
-    const bool xonly = lane_rows < 0;                       // y = the (normed) x rows, no sums
+    const bool xonly = NORM && lane_rows < 0;               // y = the normed x rows, no sums
     for (int lr0 = 0; lr0 < live; lr0 += RB) {
         const int i0 = xonly ? 0 : (m0 + lr0) % lane_rows;  // the batch's first row's index in its lane
         for (int q = threadIdx.x; q < nq; q += THREADS) {
