@@ -9,6 +9,10 @@
 //   i = r % lane_rows,
 // with grouped_conv's rounding: w = base + d in f32, then fmaf per tap in tap order from 0.
 // x [M, H] f32 is the GEMM's own input (H = K), base [TAPS, H] f32, y [M, H] f32.
+// NORM (the GEMM folds an RMSNorm, GS_NORM): rows >= norm_lo of x are convolved normed, as
+// x'[r, c] = (x[r, c] * ln[c]) * rsc[r - m0], two f32 roundings: the product the GEMM's staging
+// feeds its MMAs, times the row scale its epilogue multiplies the sums by (rsc: shared memory,
+// the block's rows; the caller keeps every tap inside the block: no lane block straddles two).
 // Called by all threads of the block after its d is stored (split K: the reducing block);
 // d is read back from global memory after a barrier (the block's own stores).
 // Work: the block's rows RB at a time; per batch a thread per VEC channels of one group (VEC 4
@@ -17,6 +21,9 @@
 // their d issued together, then the sums. A tap before the lane block's first row is not added
 // (its load reads an in-bounds stand-in row; the select keeps acc). Each row's lane index is
 // stepped from the batch's first (one division per batch, not per row).
+// NORM, lane_rows < 0: y[r, c] = the normed x' below instead, the rows conv.cu's
+// grouped_conv then convolves as this would (a launch whose tail would be too long); base is
+// still read (any TAPS * H floats: no branch before the loads), its values unused.
 #pragma once
 
 // rows x taps per batch: the batch's loads in flight at once in MT 1's 128 registers (16 made
@@ -43,10 +50,11 @@ __device__ __forceinline__ void gemm_conv_st(float* p, const float* o) {
     }
 }
 
-template <int TAPS, int GROUP, int H, int COLS, int THREADS, typename Stored>
+template <int TAPS, int GROUP, int H, int COLS, int THREADS, int NORM, typename Stored>
 __device__ __forceinline__ void gemm_conv_prepare(const float* __restrict__ x, const float* d, int N,
                                                   const float* __restrict__ base, float* y, int m0, int live,
-                                                  int c0, int lane_rows, Stored stored) {
+                                                  int c0, int lane_rows, Stored stored,
+                                                  const float* __restrict__ ln, const float* rsc, int norm_lo) {
     constexpr int VEC = (GROUP % 4 == 0 && H % 4 == 0) ? 4 : 1;
     constexpr int RB = (GEMM_CONV_ROWS / TAPS) > 1 ? GEMM_CONV_ROWS / TAPS : 1;   // rows per batch
     constexpr int XW = RB + TAPS - 1;                      // x rows per batch (window)
@@ -58,14 +66,16 @@ __device__ __forceinline__ void gemm_conv_prepare(const float* __restrict__ x, c
     const int nq = (g1 - g0) * (GROUP / VEC);               // VEC-channel chunks
     __syncthreads();   // every thread's d stores before any load of them
     const int top = m0 + live - 1;                          // the block's last row
+    const bool xonly = NORM && lane_rows < 0;               // y = the normed x rows, no sums
     for (int lr0 = 0; lr0 < live; lr0 += RB) {
-        const int i0 = (m0 + lr0) % lane_rows;              // the batch's first row's index in its lane
+        const int i0 = xonly ? 0 : (m0 + lr0) % lane_rows;  // the batch's first row's index in its lane
         for (int q = threadIdx.x; q < nq; q += THREADS) {
             const int c = ch0 + q * VEC;
             const int g = c / GROUP;
-            float bv[TAPS][VEC], xv[XW][VEC], dv[RB][TAPS];
+            float bv[TAPS][VEC], xv[XW][VEC], dv[RB][TAPS], gv[NORM ? VEC : 1];
 #pragma unroll
-            for (int t = 0; t < TAPS; ++t) gemm_conv_ld<VEC>(bv[t], base + t * H + c);
+            for (int t = 0; t < TAPS; ++t) gemm_conv_ld<VEC>(bv[t], base + t * H + c);   // xonly: unused
+            if (NORM) gemm_conv_ld<VEC>(gv, ln + c);
             // window row w: row m0 + lr0 + w - (TAPS - 1) clamped into [0, top] (a clamped row
             // is one no tap reads), d of rows past the block: the last row's; no branch between
             // the loads and the sums (every load in flight at once)
@@ -81,6 +91,17 @@ __device__ __forceinline__ void gemm_conv_prepare(const float* __restrict__ x, c
 #pragma unroll
                 for (int t = 0; t < TAPS; ++t) dv[j][t] = d[(long long)r * N + g * GC + t];
             }
+            if (NORM) {   // the normed rows (after every load of the batch is issued)
+#pragma unroll
+                for (int w = 0; w < XW; ++w) {
+                    int xr = m0 + lr0 + w - (TAPS - 1);
+                    xr = xr < m0 ? m0 : (xr > top ? top : xr);   // a row no tap reads: any scale
+                    const float s = rsc[xr - m0];
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e)
+                        if (xr >= norm_lo) xv[w][e] = __fmul_rn(__fmul_rn(xv[w][e], gv[NORM ? e : 0]), s);
+                }
+            }
             float* yp = y + ((long long)(m0 + lr0) * H + c);
             int i = i0;
 #pragma unroll
@@ -92,7 +113,7 @@ __device__ __forceinline__ void gemm_conv_prepare(const float* __restrict__ x, c
 #pragma unroll
                     for (int t = 0; t < TAPS; ++t)
                         acc = i - t >= 0 ? fmaf(bv[t][e] + dv[j][t], xv[j + TAPS - 1 - t][e], acc) : acc;
-                    o[e] = acc;
+                    o[e] = xonly ? xv[j + TAPS - 1][e] : acc;
                 }
                 if (lr0 + j < live && stored(lr0 + j)) gemm_conv_st<VEC>(yp + j * H, o);
                 i = (i + 1 == lane_rows) ? 0 : i + 1;

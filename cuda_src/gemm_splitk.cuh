@@ -26,11 +26,13 @@
 // (gemm_epilogue.cuh). EPI 3 (gemm_wgmma.cu's qkv epilogue): the reduced values (scaled by
 // the folded norm's row scale, as y would get them) go to tile (shared memory, row stride
 // tile_stride floats, local rows and columns) instead of y, for the caller to finish.
-// Returns whether this block reduced (block-uniform).
+// Returns whether this block reduced (block-uniform). sc_keep (NORM, shared memory [ROWS]): the
+// rows' scales kept there too, for a caller's later use (gemm_conv.cuh's normed x).
 template <int NW, int ROWS, int COLS, int THREADS, int EPI, int NORM, int K, int WT, typename Y, typename Stored>
 __device__ __forceinline__ bool splitk_reduce(const float* wsb, const float* ssw, int ks, int* counter, Y* y,
                                               const float* r, int m0, int live, int c0, int N, float eps,
-                                              int norm_lo, Stored stored, float* tile = nullptr, int tile_stride = 0) {
+                                              int norm_lo, Stored stored, float* tile = nullptr, int tile_stride = 0,
+                                              float* sc_keep = nullptr) {
     __shared__ int ticket;
     if (!last_block_to_arrive(counter, ks, &ticket)) return false;   // arrive.cuh: the memory order
     __shared__ float sc_s[NORM ? ROWS : 1];
@@ -46,7 +48,9 @@ __device__ __forceinline__ bool splitk_reduce(const float* wsb, const float* ssw
                 for (int z = 0; z < SPLITK_SLICES; z++)
                     if (z0 + z < ks) ss += p[z];
             }
-            sc_s[threadIdx.x] = (m0 + (int)threadIdx.x >= norm_lo) ? rsqrtf(ss * (1.0f / K) + eps) : 1.0f;
+            const float sc = (m0 + (int)threadIdx.x >= norm_lo) ? rsqrtf(ss * (1.0f / K) + eps) : 1.0f;
+            sc_s[threadIdx.x] = sc;
+            if (sc_keep) sc_keep[threadIdx.x] = sc;
         }
         __syncthreads();
     }

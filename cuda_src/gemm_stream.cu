@@ -11,8 +11,8 @@
 //             (its ranking and merge). y = acc only with GS_LOGITS 1; >= GS_TK_SMEM dynamic smem.
 //   GS_NORM 1: rows >= norm_lo enter as rmsnorm(x_row) * ln (fixed-order sums, also across
 //             split-K slices: replays bit-identical); rows < norm_lo raw, or with ln_lo (use_ln_lo).
-//   GS_CONV 1 (EPI 0, f32 x, y): with conv_lane_rows > 0 also DFlash 2's prepare convolution of x
-//             into conv_y by the block holding the final d (gemm_conv.cuh; y: [group][half][tap]).
+//   GS_CONV 1 (EPI 0, f32 x, y): conv_lane_rows > 0: DFlash 2's prepare convolution of x (GS_NORM: normed)
+//             into conv_y by the block holding the final d (gemm_conv.cuh); < 0: that x into conv_y.
 //   Rows < row_split are read from x, the rest from x2 (its row 0 first).
 //   Padding rows [*pad_lo, pad_hi) count as zero rows (not read; all-padding tiles not computed).
 //   use_live: tile_live[t] == 0 (per 16 rows) makes tile t dead: not computed, not stored.
@@ -102,8 +102,8 @@
 #ifndef GS_CONV
 #define GS_CONV 0
 #endif
-#if GS_CONV && (GS_EPI != 0 || GS_NORM || GS_X16 || GS_Y16)
-#error "GS_CONV (the fused prepare convolution) needs GS_EPI 0 and an f32 x and y, no folded norm"
+#if GS_CONV && (GS_EPI != 0 || GS_X16 || GS_Y16)
+#error "GS_CONV (the fused prepare convolution) needs GS_EPI 0 and an f32 x and y"
 #endif
 #if GS_CONV && (!defined(GS_CONV_TAPS) || !defined(GS_CONV_GROUP))
 #error "GS_CONV needs GS_CONV_TAPS and GS_CONV_GROUP"
@@ -743,6 +743,12 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
         return;
     }
 #else
+#if GS_CONV && GS_NORM
+    __shared__ float conv_sc[ROWS];   // the rows' scales, as the epilogue takes them (the normed x)
+#else
+    float* const conv_sc = nullptr;
+#endif
+    [[maybe_unused]] bool conv_now;   // d final (block-uniform): the prepare tail below, one copy
     if (gridDim.z == 1) {
         // GS_EPI 1: every residual this thread adds is loaded first (all in flight together),
         // then the stores (y may be r: each element is read before its own store)
@@ -783,52 +789,51 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
                 }
             }
         }
-#if GS_CONV
-        if (conv_lane_rows > 0)   // this block's d is final: the prepare convolution of its groups
-            gemm_conv_prepare<GS_CONV_TAPS, GS_CONV_GROUP, K, COLS, THREADS>(
-                x, y, N, conv_base, conv_y, m0, live, cg * COLS, conv_lane_rows,
-                [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; });
+#if GS_CONV && GS_NORM
+        if (conv_lane_rows != 0 && (int)threadIdx.x < live)
+            conv_sc[threadIdx.x] = m0 + (int)threadIdx.x >= scale_lo ? rsqrtf(ss_s[threadIdx.x] * (1.0f / K) + eps)
+                                                                      : 1.0f;
 #endif
-        return;
-    }
-
-    // ---- split K: publish this slice's partial tile; the last slice to arrive reduces.
-    // ws holds each (column group, M block)'s slices together, [ks][NW][ROWS][COLS] per
-    // block x, so the reduction reads 16-byte vectors whatever N is.
-    const int ks = (int)gridDim.z;
-    const int bx = cg * mblocks + m0 / ROWS;                   // = blockIdx.x
-    float* wsb = ws + ((long long)cg * mblocks * ks + (long long)(m0 / ROWS) * ks) * (NW * ROWS * COLS);
+        conv_now = true;
+    } else {
+        // ---- split K: publish this slice's partial tile; the last slice to arrive reduces.
+        // ws holds each (column group, M block)'s slices together, [ks][NW][ROWS][COLS] per
+        // block x, so the reduction reads 16-byte vectors whatever N is.
+        const int ks = (int)gridDim.z;
+        const int bx = cg * mblocks + m0 / ROWS;                   // = blockIdx.x
+        float* wsb = ws + ((long long)cg * mblocks * ks + (long long)(m0 / ROWS) * ks) * (NW * ROWS * COLS);
 #pragma unroll
-    for (int i = 0; i < MT; i++) {
+        for (int i = 0; i < MT; i++) {
 #pragma unroll
-        for (int j = 0; j < WT; j++) {
+            for (int j = 0; j < WT; j++) {
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int lrow = i * 16 + g + 8 * h;
-                const int lc = warp * 8 * NT + 8 * (j % NT) + 2 * t;
-                if (lrow < live && ((tmask >> (8 + i)) & 1u))
-                    *reinterpret_cast<float2*>(wsb + ((long long)(blockIdx.z * NW + j / NT) * ROWS + lrow) * COLS + lc) =
-                        make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+                for (int h = 0; h < 2; h++) {
+                    const int lrow = i * 16 + g + 8 * h;
+                    const int lc = warp * 8 * NT + 8 * (j % NT) + 2 * t;
+                    if (lrow < live && ((tmask >> (8 + i)) & 1u))
+                        *reinterpret_cast<float2*>(wsb + ((long long)(blockIdx.z * NW + j / NT) * ROWS + lrow) * COLS + lc) =
+                            make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+                }
             }
         }
-    }
 #if GS_NORM
-    // the rows' partial sums of squares of this slice, after every block's partial tiles
-    float* ssw = ws + (long long)gridDim.x * ks * NW * ROWS * COLS + (long long)bx * ks * ROWS;
-    if (threadIdx.x < live) ssw[blockIdx.z * ROWS + threadIdx.x] = ss_s[threadIdx.x];
+        // the rows' partial sums of squares of this slice, after every block's partial tiles
+        float* ssw = ws + (long long)gridDim.x * ks * NW * ROWS * COLS + (long long)bx * ks * ROWS;
+        if (threadIdx.x < live) ssw[blockIdx.z * ROWS + threadIdx.x] = ss_s[threadIdx.x];
 #else
-    const float* ssw = ws;  // unused
+        const float* ssw = ws;  // unused
 #endif
-    const bool reduced = splitk_reduce<NW, ROWS, COLS, THREADS, GS_EPI, GS_NORM, K, GS_WTYPE>(
-        wsb, ssw, ks, counters + bx, y, r, m0, live, cg * COLS, N, eps, scale_lo,
-        [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; });
+        conv_now = splitk_reduce<NW, ROWS, COLS, THREADS, GS_EPI, GS_NORM, K, GS_WTYPE>(   // the last slice
+            wsb, ssw, ks, counters + bx, y, r, m0, live, cg * COLS, N, eps, scale_lo,
+            [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; }, nullptr, 0, conv_sc);
+    }
 #if GS_CONV
-    if (reduced && conv_lane_rows > 0)   // the last slice: d final, the prepare convolution of its groups
-        gemm_conv_prepare<GS_CONV_TAPS, GS_CONV_GROUP, K, COLS, THREADS>(
+    if (conv_now && conv_lane_rows != 0)   // the prepare convolution of this column block's groups
+        gemm_conv_prepare<GS_CONV_TAPS, GS_CONV_GROUP, K, COLS, THREADS, GS_NORM>(
             x, y, N, conv_base, conv_y, m0, live, cg * COLS, conv_lane_rows,
-            [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; });
+            [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; }, ln, conv_sc, norm_lo);
 #else
-    (void)reduced;
+    (void)conv_sc;
     (void)conv_base;
     (void)conv_y;
     (void)conv_lane_rows;

@@ -445,7 +445,7 @@ class StepEngine:
             # tile_live: the K split per launch from the live tiles; the qkv GEMM skips the
             # context rows' Q columns (tile_live 2)
             with selfcheck_mod.applied(ch):
-                return Gemm(be, *a, max_m=max_m, x_split=self.x_split, live_split=True, **fallback, **kw)
+                return Gemm(be, *a, max_m=max_m, x_split=self.x_split, live_split=True, **{**fallback, **kw})
         self.g_fc = gemm(H, c.fc_in, self.dw.fc.dtype)
         self.g_kv = gemm(2 * kvw, H, L0.w_qkv.dtype)
         # rope: the q/k norm + RoPE + K/V scatter folds into the qkv GEMM's epilogue where its
@@ -465,8 +465,14 @@ class StepEngine:
         self.g_down = gemm(H, c.intermediate_size, L0.w_down.dtype, resid, x16=r.act16 is not None)
         self.g_attn_gate = gemm(gate_w, H, L0.w_attn_gate.dtype) if gate_w else None
         # the prepare convolution after it where its launch allows (fuses_conv: _prepare)
-        self.g_conv = gemm(c.dflash2.projection_rows(H), H, L0.conv_a_kp.dtype,
-                           conv=(c.dflash2.conv_kernel_size, c.dflash2.conv_group_size)) if r.conv else None
+        conv = (c.dflash2.conv_kernel_size, c.dflash2.conv_group_size) if r.conv else None
+        self.g_conv = gemm(c.dflash2.projection_rows(H), H, L0.conv_a_kp.dtype, conv=conv) if r.conv else None
+        # the first layer's: its input norm folded in too (_conv_layer), a variant of its own (the
+        # folded norm's staging costs the other sublayers ~0.4 us a launch), at every row count:
+        # mma.sync launches only (a wgmma one could neither fuse nor store the normed rows, and a
+        # lane must equal a single cache whichever way each takes)
+        self.g_conv0 = gemm(c.dflash2.projection_rows(H), H, L0.conv_a_kp.dtype, norm_eps=c.rms_norm_eps,
+                            conv=conv, wgmma=False) if r.conv else None
         self.g_lm = self._lm_part = None
         if self.lm_head is not None:
             V = self.lm_head.shape[0]
@@ -491,7 +497,8 @@ class StepEngine:
         nc, nn, R = self.n_ctx, self.n_noise, self.bulk_chunk
         return [("fc", self.g_fc, nc), ("fc", self.g_fc, R), ("kv", self.g_kv, R), ("qkv", self.g_qkv, nc + nn),
                 ("attn_gate", self.g_attn_gate, nn), ("o", self.g_o, nn), ("gate_up", self.g_gate_up, nn),
-                ("down", self.g_down, nn), ("conv", self.g_conv, nn), ("lm_head", self.g_lm, nn),
+                ("down", self.g_down, nn), ("conv", self.g_conv, nn), ("conv0", self.g_conv0, nn),
+                ("lm_head", self.g_lm, nn),
                 ("attention", self.attention, 0)]
 
     # the composed objects' state under the names the step code and the tests read
@@ -637,16 +644,20 @@ class StepEngine:
         K/V from T, or rmsnorm(T) * input_layernorm). Each lane's block is its own sequence
         (``lane_rows``). Each finish also writes the norm that reads its output
         (``finish_norm``, bit for bit ``rms``'s): the post-attention norm into ``cx``, the
-        next layer's input norm into ``cx`` (the last layer: the final norm into ``_hs``), so
-        only the first layer's input norm is a launch of its own."""
+        next layer's input norm into ``cx`` (the last layer: the final norm into ``_hs``); the
+        first layer's input norm is folded into its kernel_projection GEMM (``g_conv0``), which
+        reads ``h_in`` and convolves the rows it normed (``_prepare``; a gemm.cu fallback: a
+        launch of its own)."""
         nc, nn, live, bs = self.n_ctx, self.n_noise, self.tiles_noise, self.lane_rows
         conv_kw = dict(lane_rows=bs, tile_live=live, stream=stream)
         layers = self.dw.layers
         if self.config.context_kv_layer_norm:
             self.rms(self.ctx_step, L.input_layernorm, self.xin[:nc], stream=stream)
-        if li == 0:
+        fold = li == 0 and self.g_conv0.stores_norm(nn)
+        if li == 0 and not fold:
             self.rms(h_in, L.input_layernorm, self.cx, stream=stream)
-        self._prepare(L.conv_a_kp, L.conv_a_base, conv_kw)   # hn = xin[nc:]
+        self._prepare(L.conv_a_kp, L.conv_a_base, conv_kw,
+                      (h_in, L.input_layernorm) if fold else None)   # hn = xin[nc:]
         self._qkv_rope(li, L, self.xin, nc + nn, stream, tile_live=self.tile_live)
         self._attend(li, L, self.obuf, None, stream)
         self.conv.finish_norm(self.obuf, L.conv_a_base[1], self.dconv, self.h, h_in, L.post_attention_layernorm,
@@ -661,12 +672,25 @@ class StepEngine:
                               self.dw.norm if last else layers[li + 1].input_layernorm,
                               self._hs if last else self.cx, **conv_kw)
 
-    def _prepare(self, kp, base, conv_kw) -> None:
+    def _prepare(self, kp, base, conv_kw, norm=None) -> None:
         """A sublayer's coefficients ``dconv`` = kernel_projection(``cx``) and its prepare
         convolution into ``hn``: one launch where the GEMM fuses it (``fuses_conv``), else the
-        GEMM and ``GroupedConv`` (bit-identical either way)."""
+        GEMM and ``GroupedConv`` (bit-identical either way). ``norm=(h, ln)`` (``g_conv0``,
+        ``stores_norm``): the GEMM reads ``h`` and normalises it with ``ln``, and convolves those
+        rows itself (``fuses_conv_norm``: ``cx`` not written) or stores them in ``cx`` for
+        ``GroupedConv`` (the same bits either way)."""
         nn, live = self.n_noise, self.tiles_noise
         stream = conv_kw["stream"]
+        if norm is not None:
+            h, ln = norm
+            g = self.g_conv0
+            if g.fuses_conv_norm(nn, conv_kw["lane_rows"]):
+                g(h, kp, self.dconv, nn, tile_live=live, stream=stream, norm=(ln, 0),
+                  conv=(base[0], self.hn, conv_kw["lane_rows"]))
+                return
+            g(h, kp, self.dconv, nn, tile_live=live, stream=stream, norm=(ln, 0), norm_out=self.cx)
+            self.conv(self.cx, base[0], self.dconv, 0, self.hn, **conv_kw)
+            return
         if self.g_conv.fuses_conv(nn):
             self.g_conv(self.cx, kp, self.dconv, nn, tile_live=live, stream=stream,
                         conv=(base[0], self.hn, conv_kw["lane_rows"]))

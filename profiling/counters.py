@@ -679,7 +679,7 @@ def _gemm_stream(L) -> KernelCounters:
         c.bytes_read[_name(P["tile_live"])] = 4 * -(-M // 16)
     c.dram_bytes = ((N * NW * K * 2 if live_blocks else 0) + len(x_rows) * K * XB
                     + (m_st * N * (8 if EPI == 1 else YB) if YW else 0) + part_bytes)
-    if d.get("GS_CONV", 0) and int(P.get("conv_lane_rows", 0)) > 0:
+    if d.get("GS_CONV", 0) and int(P.get("conv_lane_rows", 0)) != 0:
         _gemm_conv(c, L, d, P, gx, gy, ROWS, COLS, THREADS, M, N, K, flags)
     if NORM:
         _gamma_reads(c, ln, ln_lo, gam_rows, norm_lo_ln, K)
@@ -770,8 +770,11 @@ def _gemm_conv(c: KernelCounters, L, d: dict, P: dict, gx: int, gy: int, ROWS: i
     threads on consecutive chunks of a row) its taps' base, then per batch of RB rows the x
     window (RB + TAPS - 1 rows) and each row's TAPS coefficients, and one store per stored row.
     Its dependent L2 round trips (a batch's loads in flight together) are the tail after the
-    reduction: ``tail_l2_round_trips`` (the compiled model reads the SASS loops instead)."""
+    reduction: ``tail_l2_round_trips`` (the compiled model reads the SASS loops instead).
+    GS_NORM: also the chunk's ln per batch (the row scales from shared memory); conv_lane_rows
+    < 0: the same loads, the (normed) x rows stored instead of the sums."""
     T, G = d["GS_CONV_TAPS"], d["GS_CONV_GROUP"]
+    NORM, xonly = d.get("GS_NORM", 0), int(P.get("conv_lane_rows", 0)) < 0
     VEC = 4 if G % 4 == 0 and H % 4 == 0 else 1
     RB = max(1, kernels.constants("gemm_conv.cuh")["GEMM_CONV_ROWS"] // T)
     XW = RB + T - 1
@@ -795,20 +798,29 @@ def _gemm_conv(c: KernelCounters, L, d: dict, P: dict, gx: int, gy: int, ROWS: i
             batches = -(-live // RB)
             _contig(c, "ld", T * nch * 4, 4 * VEC)                             # base
             _contig(c, "ld", batches * XW * nch * 4, 4 * VEC)                  # x windows
+            if NORM:
+                _contig(c, "ld", batches * nch * 4, 4 * VEC)                   # ln
             c.add_global("ld", warps_q * batches * RB * T, max(1, -(-span // SECTOR)), 32 * 4)   # d
             _contig(c, "st", len(st) * nch * 4, 4 * VEC)                       # y
             c.barriers += 1
             rows_out += len(st) * nch
             trips = max(trips, batches * -(-nq // THREADS))   # as gemm_stream.conv_tail_trips counts them
-            tail_bytes = max(tail_bytes, (batches * XW + len(st)) * nch * 4 + batches * RB * T * 32 * warps_q)
+            tail_bytes = max(tail_bytes, (batches * (XW + NORM) + len(st)) * nch * 4
+                             + batches * RB * T * 32 * warps_q)
     conv_y, base = P.get("conv_y"), P.get("conv_base")
     _rw(c, [(_name(base), T * H * 4)], [(_name(conv_y), rows_out * 4)])
     c.dram_bytes += rows_out * 4 + T * H * 4
+    if xonly:
+        c.notes.append(f"the normed rows stored for conv.cu (GS_CONV, lane_rows < 0): {rows_out * 4 / 1e6:.2f} MB, "
+                       f"{trips} dependent L2 round trips after the reduction")
+        c.tail_l2_round_trips = max(c.tail_l2_round_trips, float(trips))
+        c.tail_l2_bytes = max(c.tail_l2_bytes, tail_bytes)
+        return
     c.tail_l2_round_trips = max(c.tail_l2_round_trips, float(trips))
     c.tail_l2_bytes = max(c.tail_l2_bytes, tail_bytes)   # one block's share of L2 (the source model)
-    c.notes.append(f"prepare convolution fused (GS_CONV, {T} taps): {rows_out * 4 / 1e6:.2f} MB written by the "
-                   f"blocks holding final coefficients, {trips} dependent L2 round trips and "
-                   f"{tail_bytes / 1e3:.0f} KB through one SM after the reduction")
+    c.notes.append(f"prepare convolution fused (GS_CONV, {T} taps{', of the normed x' if NORM else ''}): "
+                   f"{rows_out * 4 / 1e6:.2f} MB written by the blocks holding final coefficients, {trips} "
+                   f"dependent L2 round trips and {tail_bytes / 1e3:.0f} KB through one SM after the reduction")
 
 
 # ---------------------------------------------------------------------------- gemm_wgmma.cu

@@ -167,9 +167,9 @@ class GemmSpec:
             if not isinstance(conv, tuple) or len(conv) != 2:
                 raise ValueError(f"conv must be (taps, group_size), got {conv!r}")
             conv = (checks.int_arg(conv[0], "conv taps", 1), checks.int_arg(conv[1], "conv group_size", 1))
-            if epilogue != "none" or norm_eps is not None or x16 or y16 or rope is not None:
-                raise ValueError("conv (the fused prepare convolution) needs epilogue 'none', f32 x and y, "
-                                 "no norm_eps and no rope")
+            if epilogue != "none" or x16 or y16 or rope is not None:
+                raise ValueError("conv (the fused prepare convolution) needs epilogue 'none', f32 x and y "
+                                 "and no rope")
             if K % conv[1] or N != 2 * conv[0] * (K // conv[1]):
                 raise ValueError(f"conv=(taps={conv[0]}, group_size={conv[1]}) needs N = 2 * taps * K / group_size "
                                  f"(N={N}, K={K})")
@@ -367,6 +367,22 @@ class Gemm:
         m = checks.int_arg(m, "m", 1)
         return self.spec.path == "stream" and self.spec.conv is not None and self._stream.fuses_conv(m)
 
+    def stores_norm(self, m: int) -> bool:
+        """Whether a call over ``m`` rows can take ``norm_out=`` (a ``conv`` Gemm built with
+        ``norm_eps`` whose launch for ``m`` is a gemm_stream.cu variant)."""
+        m = checks.int_arg(m, "m", 1)
+        return (self.spec.path == "stream" and self.spec.conv is not None and self.spec.norm_eps is not None
+                and not isinstance(self._stream.plan(m).mt, str))
+
+    def fuses_conv_norm(self, m: int, lane_rows: int) -> bool:
+        """Whether a call over ``m`` rows of lanes of ``lane_rows`` can take ``conv=`` with
+        ``norm=`` (the prepare convolution of the normed x): ``fuses_conv(m)``, a Gemm built with
+        ``norm_eps``, and no lane straddling two row blocks of the launch."""
+        if self.spec.norm_eps is None or not self.fuses_conv(m):
+            return False
+        rows = self._stream.plan(m).rows
+        return m <= rows or rows % checks.int_arg(lane_rows, "lane_rows", 1) == 0
+
     def launch_config(self, m: int):
         """``(grid, block, shared_mem)`` of a launch over ``m`` rows."""
         if self.spec.path == "stream":
@@ -492,7 +508,7 @@ class Gemm:
         return (int(m), self._nblk, self.spec.top_k, 2) if self.spec.top_k else (int(m), self._nblk, 2)
 
     def __call__(self, x, w, y, m, residual=None, stream=None, pad_rows=None, norm=None,
-                 partials=None, tile_live=None, rope=None, x2=None, conv=None):
+                 partials=None, tile_live=None, rope=None, x2=None, conv=None, norm_out=None):
         """``pad_rows=(lo, hi)`` (``"stream"`` path): rows ``[lo[0], hi)`` of x
         are padding and count as zeros (not read; 16-row tiles of padding only
         are not computed); ``lo`` is a device int32 array read when the kernel
@@ -530,7 +546,13 @@ class Gemm:
         ``conv=(base, out, lane_rows)`` (a Gemm built with ``conv`` where ``fuses_conv(m)``):
         also ``out[:m] = GroupedConv(layout="group")(x, base, y, half=0, lane_rows=lane_rows)``
         bit for bit (``base`` f32 ``[taps, K]``, ``out`` f32 ``[>= m, K]``; rows of dead tiles
-        untouched), without its launch."""
+        untouched), without its launch. With ``norm=(ln, norm_lo)`` (no ``ln_lo``) the convolution
+        reads rows ``>= norm_lo`` normed: ``(x[r, c] * ln[c]) * s[r]``, each product rounded to
+        f32, ``s[r]`` the row scale the GEMM multiplies its sums by (lanes must not straddle the
+        launch's row blocks). ``norm_out`` (f32 ``[>= m, K]``, with ``norm`` and no ``conv``,
+        ``stores_norm(m)``): those normed rows (rows ``< norm_lo``: x) stored there, bit for bit
+        what the fused convolution reads, so that ``GroupedConv`` of them gives its output where
+        the launch cannot fuse it (``fuses_conv_norm``)."""
         m = checks.int_arg(m, "m")
         if rope is not None:
             self._call_rope(x, w, y, m, rope, stream, pad_rows, norm, tile_live, x2)
@@ -540,14 +562,38 @@ class Gemm:
         tile_live = self._tile_live(tile_live, m)
         if norm is not None:
             norm = self._norm_args(norm, m)
+        if norm_out is not None:
+            conv = self._norm_out_args(norm_out, conv, norm, x, w, y, m, pad_rows, x2)
+        elif conv is not None:
+            conv = self._conv_args(conv, x, w, y, m, pad_rows, x2, norm)
         if conv is not None:
-            conv = self._conv_args(conv, x, w, y, m, pad_rows, x2)
-            self._stream(x, w, y, r, m, stream=stream, tile_live=tile_live, conv=conv)
+            self._stream(x, w, y, r, m, stream=stream, tile_live=tile_live, conv=conv, norm=norm)
             return
         self._run(x, w, y, r, m, stream, pad_rows, norm, partials, tile_live, x2)
 
-    def _conv_args(self, conv, x, w, y, m, pad_rows, x2):
-        """Validated ``conv=(base, out, lane_rows)``."""
+    def _norm_out_args(self, out, conv, norm, x, w, y, m, pad_rows, x2):
+        """Validated ``norm_out``: the launch's conv arguments (lane_rows -1: store x')."""
+        if conv is not None or norm is None:
+            raise ValueError("norm_out takes norm= and no conv=")
+        if not self.stores_norm(m):
+            raise ValueError(f"norm_out needs a Gemm built with conv and norm_eps on a gemm_stream.cu launch "
+                             f"(m={m}: {self.config(m) if self.spec.path == 'stream' else self.spec.path!r})")
+        if norm[3] is not None:
+            raise ValueError("norm_out takes no ln_lo (norm=(ln, norm_lo))")
+        if pad_rows is not None or x2 is not None:
+            raise ValueError("norm_out does not combine with pad_rows or x2")
+        checks.device_array(self.backend, "norm_out", out, np.float32, ndim=2)
+        if out.shape[1] != self.spec.K or out.shape[0] < m:
+            raise ValueError(f"norm_out must have shape [>= {m}, {self.spec.K}], got {tuple(out.shape)}")
+        for name, a in (("x", x), ("w", w), ("y", y)):
+            if checks.overlaps(out, a):
+                raise ValueError(f"norm_out must not overlap {name}")
+        if self.spec.K % 4 == 0 and self.spec.conv[1] % 4 == 0:
+            checks.aligned16(norm_out=out)
+        return (w, out, -1)   # base: w, read (>= taps * K floats: N * K * 2 bytes), unused
+
+    def _conv_args(self, conv, x, w, y, m, pad_rows, x2, norm=None):
+        """Validated ``conv=(base, out, lane_rows)`` (``norm``: the checked norm arguments)."""
         be, s = self.backend, self.spec
         if not self.fuses_conv(m):
             launch = self.config(m) if s.path == "stream" else s.path
@@ -568,6 +614,14 @@ class Gemm:
         lane_rows = checks.int_arg(lane_rows, "conv lane_rows", 1)
         if m % lane_rows:
             raise ValueError(f"conv lane_rows={lane_rows} must divide m={m}")
+        if norm is not None:
+            if norm[3] is not None:
+                raise ValueError("conv with norm takes no ln_lo (norm=(ln, norm_lo)): rows below norm_lo "
+                                 "are convolved raw")
+            rows = self._stream.plan(m).rows
+            if not self.fuses_conv_norm(m, lane_rows):
+                raise ValueError(f"conv with norm: lane_rows={lane_rows} must divide the launch's {rows}-row "
+                                 f"blocks (m={m}): a lane's taps would need another block's row scales")
         for name, a in (("x", x), ("w", w), ("y", y), ("conv base", base)):
             if checks.overlaps(out, a):
                 raise ValueError(f"conv out must not overlap {name}")

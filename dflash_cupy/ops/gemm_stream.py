@@ -414,7 +414,7 @@ class GemmVariant:
     gemm_stream.cu and gemm_wgmma.cu (NVRTC checks compile the same). ``rope``:
     (head_dim, q_width, kv_width) of the qkv epilogue, or None. ``conv``: (taps, group_size) of
     DFlash 2's prepare convolution fused after the kernel_projection GEMM (gemm_stream.cu's
-    GS_CONV; its mma.sync variants only), or None."""
+    GS_CONV; its mma.sync variants only; with ``norm`` it convolves the normed x), or None."""
     N: int
     K: int
     wkind: str                 # dtypes.CODE key: the weights' type
@@ -443,9 +443,8 @@ class GemmVariant:
             raise ValueError("the fused top-K does not apply a folded RMSNorm (norm=True)")
         if self.conv is not None:
             taps, group = self.conv
-            if self.epilogue != "none" or self.norm or self.x16 or self.y16:
-                raise ValueError("conv (the fused prepare convolution) needs epilogue 'none', an f32 x and y "
-                                 "and no folded norm")
+            if self.epilogue != "none" or self.x16 or self.y16:
+                raise ValueError("conv (the fused prepare convolution) needs epilogue 'none' and an f32 x and y")
             if self.K % group or self.N != 2 * taps * (self.K // group):
                 raise ValueError(f"conv=(taps={taps}, group={group}) needs N = 2 * taps * K / group "
                                  f"(K={self.K}, N={self.N})")
@@ -722,9 +721,13 @@ class StreamKernels:
         ``x2=(a, row_split)``: rows ``>= row_split`` are read from ``a`` (its row 0 first),
         rows below from x (checked by ``ops.gemm.Gemm``).
         ``conv=(base, out, lane_rows)`` (``fuses_conv(m)`` only): the prepare convolution of x
-        into ``out`` (gemm_conv.cuh; checked by ``ops.gemm.Gemm``)."""
+        (with ``norm``: of the normed x) into ``out`` (gemm_conv.cuh; checked by ``ops.gemm.Gemm``);
+        ``lane_rows < 0``: that x itself into ``out`` (any mma.sync launch of a GS_CONV variant)."""
         p = self.plan(m)
-        if conv is not None and not self.fuses_conv(m):
+        if conv is not None and conv[2] < 0 and (self.variant.conv is None or isinstance(p.mt, str)):
+            raise ValueError(f"m={m}: the normed rows' store needs a gemm_stream.cu launch with GS_CONV "
+                             f"(plan {p.mt!r})")
+        if conv is not None and conv[2] > 0 and not self.fuses_conv(m):
             raise ValueError(f"m={m}: the fused convolution needs a gemm_stream.cu launch with it compiled "
                              f"(plan {p.mt!r}, conv {self.variant.conv})")
         if rope is not None and not self.fuses_rope(m):

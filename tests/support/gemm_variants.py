@@ -34,6 +34,8 @@ STREAM = [
     (V(1280, 5120, 'bf16', 'none', conv=(2, 16)), 1),     # DFlash 2's kernel_projection + prepare
     (V(1664, 6656, 'bf16', 'none', conv=(2, 16)), 4),
     (V(800, 200, 'f16', 'none', conv=(4, 2)), 2),        # scalar channels, 4 taps
+    (V(1280, 5120, 'bf16', 'none', norm=True, conv=(2, 16)), 1),   # layer 0: its input norm folded too
+    (V(1280, 5120, 'bf16', 'none', norm=True, conv=(2, 16)), 2),
 ]
 
 # (variant, row block, wgmma_defines options) of gemm_wgmma.cu: also the lane batches' live
