@@ -13,6 +13,8 @@
 //             split-K slices: replays bit-identical); rows < norm_lo raw, or with ln_lo (use_ln_lo).
 //   GS_CONV 1 (EPI 0, f32 x, y): with conv_lane_rows > 0 also DFlash 2's prepare convolution of x
 //             into conv_y by the block holding the final d (gemm_conv.cuh; y: [group][half][tap]).
+//   GS_FIN 1 (EPI 1, f32 y): with fin_lane_rows > 0, y = r + DFlash 2's finish convolution of acc
+//             (gemm_fin.cuh; the final tile staged in >= GS_FIN_SMEM dynamic smem), lanes in a block.
 //   Rows < row_split are read from x, the rest from x2 (its row 0 first).
 //   Padding rows [*pad_lo, pad_hi) count as zero rows (not read; all-padding tiles not computed).
 //   use_live: tile_live[t] == 0 (per 16 rows) makes tile t dead: not computed, not stored.
@@ -35,7 +37,6 @@
 // a conflict-free shared tile (row stride 64 mod 128 bytes) read by mma.sync m16n8k16 (GS_NORM
 // with an f32 x: converted there from the raw chunk that cp.async brought in during the last one).
 // Registers: ops/gemm_stream.PTXAS_REGS (held by tests/test_gemm_stream.py).
-//
 // NVRTC checks: the launcher's options of each GemmVariant in tests/support/gemm_variants.py.
 
 #include <cuda_fp16.h>
@@ -45,6 +46,7 @@
 #include "gemm_epilogue.cuh"
 #include "gemm_splitk.cuh"
 #include "gemm_conv.cuh"
+#include "gemm_fin.cuh"
 #include "mma.cuh"
 #include "warp.cuh"
 #include "pdl.cuh"
@@ -111,6 +113,18 @@
 #if GS_CONV && GS_K % GS_CONV_GROUP != 0
 #error "GS_CONV: GS_CONV_GROUP must divide the hidden size GS_K"
 #endif
+
+#ifndef GS_FIN
+#define GS_FIN 0
+#endif
+#if GS_FIN && (GS_EPI != 1 || GS_NORM || GS_Y16 || GS_CONV)
+#error "GS_FIN (the fused finish convolution) needs GS_EPI 1 and an f32 y, no folded norm, no GS_CONV"
+#endif
+#if GS_FIN && (!defined(GS_CONV_TAPS) || !defined(GS_CONV_GROUP))
+#error "GS_FIN needs GS_CONV_TAPS and GS_CONV_GROUP"
+#endif
+// GS_FIN: the staged tile [ROWS][COLS + GEMM_FIN_PAD] f32 in the x staging's dynamic shared memory
+#define GS_FIN_SMEM (16 * GS_MT * (GS_WARPS * 8 * GS_NT + GEMM_FIN_PAD) * 4)
 
 #if GS_EPI == 3 && defined(GS_NORM) && GS_NORM
 #error "the fused argmax (GS_EPI 3) does not apply a folded RMSNorm (GS_NORM)"
@@ -238,7 +252,8 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
             int M, int N, int kz, int kt, float* ws, int* counters, const int* pad_lo, int pad_hi,
             const float* __restrict__ ln, float eps, int norm_lo, const int* tile_live, int use_live,
             const GS_XT* __restrict__ x2, int row_split, const float* __restrict__ ln_lo, int use_ln_lo,
-            const float* __restrict__ conv_base, float* conv_y, int conv_lane_rows) {
+            const float* __restrict__ conv_base, float* conv_y, int conv_lane_rows,
+            const float* __restrict__ fin_base, const float* __restrict__ fin_d, int fin_lane_rows) {
     using namespace gemm_stream_detail;
     extern __shared__ __align__(16) unsigned char smem[];
     unsigned short* xs = reinterpret_cast<unsigned short*>(smem);
@@ -743,6 +758,31 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
         return;
     }
 #else
+#if GS_FIN
+    // the finish convolution reads rows of other threads: the block's final tile in shared memory
+    float* const fin_tile = reinterpret_cast<float*>(smem);
+    constexpr int FIN_FS = COLS + GEMM_FIN_PAD;
+    auto fin_stored = [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; };
+    if (gridDim.z == 1 && fin_lane_rows > 0) {
+        __syncthreads();   // every warp past its MMAs' reads of xs
+#pragma unroll
+        for (int i = 0; i < MT; i++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int jn = 0; jn < NT; jn++)
+                    *reinterpret_cast<float2*>(fin_tile + (i * 16 + g + 8 * h) * FIN_FS + warp * 8 * NT + 8 * jn + 2 * t) =
+                        make_float2(acc[i][jn][2 * h], acc[i][jn][2 * h + 1]);
+        __syncthreads();
+        gemm_fin_finish<GS_CONV_TAPS, GS_CONV_GROUP, ROWS, COLS, THREADS>(
+            fin_tile, r, y, fin_base, fin_d, N, m0, live, cg * COLS, fin_lane_rows, fin_stored);
+        return;
+    }
+#else
+    (void)fin_base;
+    (void)fin_d;
+    (void)fin_lane_rows;
+#endif
     if (gridDim.z == 1) {
         // GS_EPI 1: every residual this thread adds is loaded first (all in flight together),
         // then the stores (y may be r: each element is read before its own store)
@@ -818,6 +858,18 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
     if (threadIdx.x < live) ssw[blockIdx.z * ROWS + threadIdx.x] = ss_s[threadIdx.x];
 #else
     const float* ssw = ws;  // unused
+#endif
+#if GS_FIN
+    if (fin_lane_rows > 0) {   // the last slice: the reduced tile into shared memory, then the finish
+        if (splitk_reduce<NW, ROWS, COLS, THREADS, 3, 0, K, GS_WTYPE>(
+                wsb, ssw, ks, counters + bx, y, r, m0, live, cg * COLS, N, eps, scale_lo, fin_stored, fin_tile,
+                FIN_FS)) {
+            __syncthreads();
+            gemm_fin_finish<GS_CONV_TAPS, GS_CONV_GROUP, ROWS, COLS, THREADS>(
+                fin_tile, r, y, fin_base, fin_d, N, m0, live, cg * COLS, fin_lane_rows, fin_stored);
+        }
+        return;
+    }
 #endif
     const bool reduced = splitk_reduce<NW, ROWS, COLS, THREADS, GS_EPI, GS_NORM, K, GS_WTYPE>(
         wsb, ssw, ks, counters + bx, y, r, m0, live, cg * COLS, N, eps, scale_lo,
