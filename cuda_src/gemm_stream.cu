@@ -759,31 +759,14 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
     }
 #else
 #if GS_FIN
-    // the finish convolution reads rows of other threads: the block's final tile in shared memory
-    float* const fin_tile = reinterpret_cast<float*>(smem);
-    constexpr int FIN_FS = COLS + GEMM_FIN_PAD;
-    auto fin_stored = [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; };
-    if (gridDim.z == 1 && fin_lane_rows > 0) {
-        __syncthreads();   // every warp past its MMAs' reads of xs
-#pragma unroll
-        for (int i = 0; i < MT; i++)
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-#pragma unroll
-                for (int jn = 0; jn < NT; jn++)
-                    *reinterpret_cast<float2*>(fin_tile + (i * 16 + g + 8 * h) * FIN_FS + warp * 8 * NT + 8 * jn + 2 * t) =
-                        make_float2(acc[i][jn][2 * h], acc[i][jn][2 * h + 1]);
-        __syncthreads();
-        gemm_fin_finish<GS_CONV_TAPS, GS_CONV_GROUP, ROWS, COLS, THREADS>(
-            fin_tile, r, y, fin_base, fin_d, N, m0, live, cg * COLS, fin_lane_rows, fin_stored);
-        return;
-    }
+    const bool fin = fin_lane_rows > 0;   // the finish convolution (gemm_fin.cuh) after the split-K part
 #else
+    constexpr bool fin = false;
     (void)fin_base;
     (void)fin_d;
     (void)fin_lane_rows;
 #endif
-    if (gridDim.z == 1) {
+    if (gridDim.z == 1 && !fin) {
         // GS_EPI 1: every residual this thread adds is loaded first (all in flight together),
         // then the stores (y may be r: each element is read before its own store)
         float rv[MT][2][NT][2];
@@ -846,7 +829,7 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
             for (int h = 0; h < 2; h++) {
                 const int lrow = i * 16 + g + 8 * h;
                 const int lc = warp * 8 * NT + 8 * (j % NT) + 2 * t;
-                if (lrow < live && ((tmask >> (8 + i)) & 1u))
+                if (lrow < live && ((tmask >> (8 + i)) & 1u) && !(fin && gridDim.z == 1))   // (no partial: finish)
                     *reinterpret_cast<float2*>(wsb + ((long long)(blockIdx.z * NW + j / NT) * ROWS + lrow) * COLS + lc) =
                         make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
             }
@@ -860,17 +843,38 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
     const float* ssw = ws;  // unused
 #endif
 #if GS_FIN
-    if (fin_lane_rows > 0) {   // the last slice: the reduced tile into shared memory, then the finish
-        if (splitk_reduce<NW, ROWS, COLS, THREADS, 3, 0, K, GS_WTYPE>(
-                wsb, ssw, ks, counters + bx, y, r, m0, live, cg * COLS, N, eps, scale_lo, fin_stored, fin_tile,
-                FIN_FS)) {
+    {
+        // the finish reads rows of other threads: the block's final tile into shared memory (one
+        // K slice: its fragments; split K, fused or not: the last slice's reduction, the variant's
+        // one instance of it), then the convolution (fin_lane_rows 0: y = r + the tile)
+        float* const fin_tile = reinterpret_cast<float*>(smem);
+        constexpr int FIN_FS = COLS + GEMM_FIN_PAD;
+        auto fin_stored = [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; };
+        bool mine = true;
+        if (gridDim.z == 1) {
+            __syncthreads();   // every warp past its MMAs' reads of xs
+#pragma unroll
+            for (int i = 0; i < MT; i++)
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+#pragma unroll
+                    for (int jn = 0; jn < NT; jn++)
+                        *reinterpret_cast<float2*>(fin_tile + (i * 16 + g + 8 * h) * FIN_FS + warp * 8 * NT + 8 * jn + 2 * t) =
+                            make_float2(acc[i][jn][2 * h], acc[i][jn][2 * h + 1]);
+        } else {
+            mine = splitk_reduce<NW, ROWS, COLS, THREADS, 3, 0, K, GS_WTYPE>(
+                wsb, ssw, ks, counters + bx, y, r, m0, live, cg * COLS, N, eps, scale_lo, fin_stored, fin_tile, FIN_FS);
+        }
+        if (mine) {
             __syncthreads();
             gemm_fin_finish<GS_CONV_TAPS, GS_CONV_GROUP, ROWS, COLS, THREADS>(
                 fin_tile, r, y, fin_base, fin_d, N, m0, live, cg * COLS, fin_lane_rows, fin_stored);
         }
-        return;
+        (void)conv_base;
+        (void)conv_y;
+        (void)conv_lane_rows;
     }
-#endif
+#else
     const bool reduced = splitk_reduce<NW, ROWS, COLS, THREADS, GS_EPI, GS_NORM, K, GS_WTYPE>(
         wsb, ssw, ks, counters + bx, y, r, m0, live, cg * COLS, N, eps, scale_lo,
         [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; });
@@ -885,5 +889,6 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
     (void)conv_y;
     (void)conv_lane_rows;
 #endif
+#endif  // GS_FIN
 #endif
 }

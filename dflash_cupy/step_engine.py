@@ -453,16 +453,29 @@ class StepEngine:
         rope = RopeSpec(c.head_dim, c.n_head, c.n_head_kv, c.rms_norm_eps, self.attn_scaling) \
             if r.qkv_rope else None
         self.g_qkv = gemm(c.q_dim + 2 * kvw, H, L0.w_qkv.dtype, norm_eps=fold_eps, skip_cols=c.q_dim, rope=rope)
-        # DFlash 2 (recipe.conv): the o / down outputs go through the finish convolution,
-        # which adds them to the residual stream
+        # DFlash 2 (recipe.conv): the o / down outputs go through the finish convolution, which
+        # adds them to the residual stream: in their epilogue (finish, _finish) where the stream
+        # path serves them, else they write plain outputs and GroupedConv's finish follows
+        d2 = c.dflash2
+        fin_ok = lambda w, k: ch.stream and weight_kind(w.dtype) in ("f16", "bf16") and k % 8 == 0   # noqa: E731
+        fin = lambda w, k: ({"finish": (d2.conv_kernel_size, d2.conv_group_size)}   # noqa: E731
+                            if r.conv and fin_ok(w, k) else {})
         resid = "none" if r.conv else "residual"
-        self.g_o = gemm(H, c.q_dim, L0.w_o.dtype, resid, x16=r.attn16 is not None)
+        self.g_o = gemm(H, c.q_dim, L0.w_o.dtype, "residual" if fin(L0.w_o, c.q_dim) else resid,
+                        x16=r.attn16 is not None, **fin(L0.w_o, c.q_dim))
         x16 = r.gate_up_x16 is not None   # its norm a launch of its own (rms16), 16-bit rows
         # (recipe.gate_up_async: the folded-norm variant, every row raw: its cp.async staging)
         gu_eps = c.rms_norm_eps if r.gate_up_async else None if x16 else fold_eps
         self.g_gate_up = gemm(c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul",
                               norm_eps=gu_eps, x16=x16, y16=r.act16 is not None)
-        self.g_down = gemm(H, c.intermediate_size, L0.w_down.dtype, resid, x16=r.act16 is not None)
+        self.g_down = gemm(H, c.intermediate_size, L0.w_down.dtype,
+                           "residual" if fin(L0.w_down, c.intermediate_size) else resid, x16=r.act16 is not None,
+                           **fin(L0.w_down, c.intermediate_size))
+        # a finish GEMM whose launch cannot fuse (a tuned wgmma plan, lanes straddling its row
+        # blocks) writes its plain output through a zero residual (0 + p: p up to a zero's sign,
+        # which the finish convolution's sums cannot see)
+        self._zero_rows = (self.backend.zeros((self.n_noise, H), np.float32)
+                           if self.g_o.finish is not None or self.g_down.finish is not None else None)
         self.g_attn_gate = gemm(gate_w, H, L0.w_attn_gate.dtype) if gate_w else None
         # the prepare convolution after it where its launch allows (fuses_conv: _prepare)
         self.g_conv = gemm(c.dflash2.projection_rows(H), H, L0.conv_a_kp.dtype,
@@ -615,16 +628,20 @@ class StepEngine:
             self.g_gate_up(self.hn, L.w_gate_up, self.act, nn, tile_live=live, stream=stream)
         self.g_down(self.act, L.w_down, self.h, nn, tile_live=live, residual=self.h, stream=stream)
 
-    def _attend(self, li: int, L, out, residual, stream) -> None:
+    def _attend(self, li: int, L, out, residual, stream, finish=None) -> None:
         """The attention sublayer after the qkv projection: the gate GEMM (reading ``hn``), the
         masked ring attention, and the o GEMM into ``out`` (``+ residual``, its epilogue, when
-        given)."""
+        given); ``finish=(base, residual, ln, out, conv_kw)``: DFlash 2's finish and norm
+        after it instead (``_finish``)."""
         nn, live = self.n_noise, self.tiles_noise
         if self.g_attn_gate is not None:
             self.g_attn_gate(self.hn, L.w_attn_gate, self.gate, nn, tile_live=live, stream=stream)
         mask = self.mask_swa if L.sliding else self.mask_full
         self.attention(self.q, self.k_cache[li], self.v_cache[li], mask, self.attn, gate=self.gate,
                        stream=stream, live=self.desc, pages=self.page_table)
+        if finish is not None:
+            self._finish(self.g_o, self.attn, L.w_o, *finish)
+            return
         self.g_o(self.attn, L.w_o, out, nn, tile_live=live, stream=stream,
                  **({} if residual is None else {"residual": residual}))
 
@@ -635,10 +652,11 @@ class StepEngine:
         input, and the ``finish`` convolution of its output is
         added to the residual stream. Context rows take the DFlash path unchanged (their
         K/V from T, or rmsnorm(T) * input_layernorm). Each lane's block is its own sequence
-        (``lane_rows``). Each finish also writes the norm that reads its output
-        (``finish_norm``, bit for bit ``rms``'s): the post-attention norm into ``cx``, the
-        next layer's input norm into ``cx`` (the last layer: the final norm into ``_hs``), so
-        only the first layer's input norm is a launch of its own."""
+        (``lane_rows``). Each finish runs in the o / down GEMM's epilogue where it fuses
+        (``_finish``), then the norm that reads its output is an ``rms`` launch; else it runs
+        as ``finish_norm``, which writes that norm too (bit for bit ``rms``'s): the
+        post-attention norm into ``cx``, the next layer's input norm into ``cx`` (the last
+        layer: the final norm into ``_hs``)."""
         nc, nn, live, bs = self.n_ctx, self.n_noise, self.tiles_noise, self.lane_rows
         conv_kw = dict(lane_rows=bs, tile_live=live, stream=stream)
         layers = self.dw.layers
@@ -648,18 +666,29 @@ class StepEngine:
             self.rms(h_in, L.input_layernorm, self.cx, stream=stream)
         self._prepare(L.conv_a_kp, L.conv_a_base, conv_kw)   # hn = xin[nc:]
         self._qkv_rope(li, L, self.xin, nc + nn, stream, tile_live=self.tile_live)
-        self._attend(li, L, self.obuf, None, stream)
-        self.conv.finish_norm(self.obuf, L.conv_a_base[1], self.dconv, self.h, h_in, L.post_attention_layernorm,
-                              self.cx, **conv_kw)
+        self._attend(li, L, self.obuf, None, stream, finish=(L.conv_a_base[1], h_in, L.post_attention_layernorm,
+                                                             self.cx, conv_kw))
         self._prepare(L.conv_m_kp, L.conv_m_base, conv_kw)
         # gate_up_async: norm_lo = nn, so no row is normalised (ln is never read)
         raw = {"norm": (L.post_attention_layernorm, nn)} if self.recipe.gate_up_async else {}
         self.g_gate_up(self.hn, L.w_gate_up, self.act, nn, tile_live=live, stream=stream, **raw)
-        self.g_down(self.act, L.w_down, self.obuf, nn, tile_live=live, stream=stream)
         last = li + 1 == len(layers)
-        self.conv.finish_norm(self.obuf, L.conv_m_base[1], self.dconv, self.h, self.h,
-                              self.dw.norm if last else layers[li + 1].input_layernorm,
-                              self._hs if last else self.cx, **conv_kw)
+        self._finish(self.g_down, self.act, L.w_down, L.conv_m_base[1], self.h,
+                     self.dw.norm if last else layers[li + 1].input_layernorm, self._hs if last else self.cx, conv_kw)
+
+    def _finish(self, g, x, w, base, residual, ln, out, conv_kw) -> None:
+        """``h`` = ``residual`` + finish(``g``'s product of ``x`` and ``w``), then ``out`` = its
+        norm with ``ln``: the finish in ``g``'s epilogue and an ``rms`` launch where ``g`` fuses
+        it, else ``g``'s plain output into ``obuf`` and ``finish_norm`` (bit-identical)."""
+        nn, live, bs, stream = self.n_noise, self.tiles_noise, self.lane_rows, conv_kw["stream"]
+        if g.finish is not None and g.fuses_finish(nn, bs):
+            g(x, w, self.h, nn, residual=residual, tile_live=live, stream=stream,
+              finish=(base, self.dconv, bs))
+            self.rms(self.h, ln, out, tile_live=live, stream=stream)
+            return
+        plain = {} if g.finish is None else {"residual": self._zero_rows}
+        g(x, w, self.obuf, nn, tile_live=live, stream=stream, **plain)
+        self.conv.finish_norm(self.obuf, base, self.dconv, self.h, residual, ln, out, **conv_kw)
 
     def _prepare(self, kp, base, conv_kw) -> None:
         """A sublayer's coefficients ``dconv`` = kernel_projection(``cx``) and its prepare

@@ -681,6 +681,8 @@ def _gemm_stream(L) -> KernelCounters:
                     + (m_st * N * (8 if EPI == 1 else YB) if YW else 0) + part_bytes)
     if d.get("GS_CONV", 0) and int(P.get("conv_lane_rows", 0)) > 0:
         _gemm_conv(c, L, d, P, gx, gy, ROWS, COLS, THREADS, M, N, K, flags)
+    if d.get("GS_FIN", 0) and int(P.get("fin_lane_rows", 0)) > 0:
+        _gemm_fin(c, d, P, gx, gy, gz, ROWS, COLS, THREADS, MT, NT, M, N, flags)
     if NORM:
         _gamma_reads(c, ln, ln_lo, gam_rows, norm_lo_ln, K)
         c.notes.append(f"RMSNorm of rows >= {norm_lo_ln} folded in: x * ln staged, the row scale applied "
@@ -809,6 +811,60 @@ def _gemm_conv(c: KernelCounters, L, d: dict, P: dict, gx: int, gy: int, ROWS: i
     c.notes.append(f"prepare convolution fused (GS_CONV, {T} taps): {rows_out * 4 / 1e6:.2f} MB written by the "
                    f"blocks holding final coefficients, {trips} dependent L2 round trips and "
                    f"{tail_bytes / 1e3:.0f} KB through one SM after the reduction")
+
+
+def _gemm_fin(c: KernelCounters, d: dict, P: dict, gx: int, gy: int, gz: int, ROWS: int, COLS: int, THREADS: int,
+              MT: int, NT: int, M: int, N: int, flags) -> None:
+    """gemm_stream.cu's GS_FIN epilogue (cuda_src/gemm_fin.cuh): the block holding a column
+    group's final tile (split K: the reducing slice, whose reduction writes the tile instead of
+    y) stages it in shared memory (one K slice: each thread's fragments as float2, two
+    barriers), then a thread per column runs the finish over the block's rows RB at a time:
+    its taps' base, per batch each row's TAPS coefficients (one vector load for 2 or 4 taps; a
+    warp's 32 columns share 32 / GROUP groups' words), residual and tile word, and a store per
+    stored row (the taps before a batch: the previous batch's words, in registers).
+    y's stores and the residual's loads replace the plain epilogue's (counted there); the
+    coefficients, base, tile traffic and the tail's dependent L2 round trips (one per batch,
+    the batch's loads in flight together) are added here."""
+    T, G = d["GS_CONV_TAPS"], d["GS_CONV_GROUP"]
+    RW = kernels.constants("gemm_fin.cuh")["GEMM_FIN_LOADS"] // (T + 1)
+    RB = next(b for b in (16, 8, 4, 2, 1) if RW >= b or b == 1)
+    VW = T * 4 if T in (2, 4) else 4          # a row's coefficients: one vector load (2, 4 taps)
+    VN = 1 if T in (2, 4) else T
+    FS = COLS + kernels.constants("gemm_fin.cuh")["GEMM_FIN_PAD"]
+    ds = 2 * T * (N // G)
+    trips = tail_bytes = blocks = 0
+    d_bytes = 0
+    for bx in range(gx):
+        ncol = max(0, min(COLS, N - bx * COLS))
+        warps_c = -(-ncol // 32)
+        sec, nb = global_sectors([((l // G) * 2 * T + T) * 4 if l < ncol else None for l in range(32)], VW)
+        for by in range(gy):
+            live = max(0, min(ROWS, M - by * ROWS))
+            st = [lr for lr in range(live) if flags is None or flags[(by * ROWS + lr) // 16]]
+            if not st or ncol == 0:
+                continue
+            blocks += 1
+            batches = -(-live // RB)
+            _contig(c, "ld", T * ncol * 4)                                            # base
+            c.add_global("ld", warps_c * live * VN, sec, nb)                          # d
+            _smem_words(c, warps_c * live)                                            # the tile
+            if gz == 1:   # the fragments' float2 stores (row stride 8 mod 32 words: conflict-free)
+                for h in range(2):
+                    c.add_smem((THREADS // 32) * MT * NT, [((g + 8 * h) * FS + 2 * t) * 4
+                                                          for g in range(8) for t in range(4)], 8)
+                c.barriers += 2
+            else:
+                c.barriers += 1
+            d_bytes += live * (ncol // G + (1 if ncol % G else 0)) * T * 4
+            trips = max(trips, batches)
+            tail_bytes = max(tail_bytes, live * (1 + T) * ncol * 4 + len(st) * ncol * 4)
+    base, dd = P.get("fin_base"), P.get("fin_d")
+    _rw(c, [(_name(base), T * N * 4), (_name(dd) + " (finish half)", d_bytes)])
+    c.dram_bytes += T * N * 4 + M * ds * 4 // 2
+    c.tail_l2_round_trips = max(c.tail_l2_round_trips, float(trips))
+    c.tail_l2_bytes = max(c.tail_l2_bytes, tail_bytes)
+    c.notes.append(f"finish convolution fused (GS_FIN, {T} taps): {blocks} blocks convolve their final tiles "
+                   f"from shared memory, {trips} dependent L2 round trips after the reduction")
 
 
 # ---------------------------------------------------------------------------- gemm_wgmma.cu
