@@ -59,6 +59,7 @@ def _run(be, rows, lane_rows, H, taps, group, k_split, rng, tile_live=None, in_p
     (19, 19, 288, 3, 8, 1),
     (48, 16, 288, 3, 8, 1),      # two row blocks of 32: lanes of 16 inside them
     (48, 16, 544, 2, 16, 2),
+    (19, 19, 288, 6, 8, 1),      # 6 taps: the taps before a batch reach past the previous batch
 ])
 def test_fused_finish_is_gemm_then_conv(emu, rng, rows, lane_rows, H, taps, group, k_split):
     (x, w, base, d, res), y, y2, p = _run(emu, rows, lane_rows, H, taps, group, k_split, rng)
