@@ -12,15 +12,16 @@
 // convolution, y = res + acc (the variant's unfused split-K launches: one reduction instance).
 // The caller guarantees m0 % lane_rows == 0 (a lane block never straddles two row blocks), so
 // every row a tap reads is in the tile. A tap row of a tile that is not stored (dead) reads 0.
-// Work: a thread per column, the block's rows RB at a time (RB divides 16: a batch is in one
-// 16-row tile): the batch's residuals, coefficients (one vector load per row) and tile words
-// loaded together, then the sums and stores; the taps before a batch read the previous batch's
-// tile words, kept in registers; a row past the block re-reads the last row (in bounds), unstored.
+// Work: a thread per VEC channels of one group (VEC 4 where GROUP % 4 == 0: 16-byte accesses)
+// and batches of GEMM_FIN_ROWS rows (in one 16-row tile: one stored flag), the block's threads
+// on THREADS * VEC / COLS batches at once: the batch's tile window (RB + TAPS - 1 rows), residuals
+// and coefficients (one vector load per row) loaded together, then the sums and stores; a row
+// past the block re-reads the last row (in bounds, never stored).
 #pragma once
 
 #define GEMM_FIN_PAD 8     // tile row stride COLS + 8 words: 8 mod 32, the fragment stores conflict-free
                            // (ops/gemm_stream.fin_smem reads it)
-#define GEMM_FIN_LOADS 32  // registers a batch's loads take (rows x (1 + TAPS)); profiling/counters.py reads it
+#define GEMM_FIN_ROWS 4    // rows per batch (a power of two <= 16); profiling/counters.py reads it
 
 // TAPS consecutive coefficients: one 8- or 16-byte load where TAPS is 2 or 4 (d's row stride
 // and the group's offset keep them aligned), else one each
@@ -38,67 +39,81 @@ __device__ __forceinline__ void gemm_fin_ld_taps(float* o, const float* p) {
     }
 }
 
+// VEC consecutive floats (VEC 4: one 16-byte access; the caller keeps them aligned)
+template <int VEC>
+__device__ __forceinline__ void gemm_fin_ld(float* o, const float* p) {
+    if (VEC == 4) {
+        const float4 v = *reinterpret_cast<const float4*>(p);
+        o[0] = v.x; o[VEC > 1 ? 1 : 0] = v.y; o[VEC > 2 ? 2 : 0] = v.z; o[VEC > 3 ? 3 : 0] = v.w;
+    } else {
+        o[0] = *p;
+    }
+}
+
+template <int VEC>
+__device__ __forceinline__ void gemm_fin_st(float* p, const float* o) {
+    if (VEC == 4) {
+        *reinterpret_cast<float4*>(p) = make_float4(o[0], o[VEC > 1 ? 1 : 0], o[VEC > 2 ? 2 : 0], o[VEC > 3 ? 3 : 0]);
+    } else {
+        *p = o[0];
+    }
+}
+
 template <int TAPS, int GROUP, int ROWS, int COLS, int THREADS, typename Stored>
 __device__ __forceinline__ void gemm_fin_finish(const float* tile, const float* r, float* y,
                                                 const float* __restrict__ base, const float* __restrict__ d,
                                                 int N, int m0, int live, int c0, int lane_rows, Stored stored) {
-    // rows per batch: a power of two <= 16, so a batch lies in one 16-row tile (one stored flag)
-    constexpr int RW = GEMM_FIN_LOADS / (TAPS + 1);
-    constexpr int RB = RW >= 16 ? 16 : RW >= 8 ? 8 : RW >= 4 ? 4 : RW >= 2 ? 2 : 1;
+    constexpr int VEC = GROUP % 4 == 0 ? 4 : 1;      // channels per thread (one group's: one coefficient)
+    constexpr int QN = COLS / VEC;                    // channel chunks of the block
+    constexpr int RG = THREADS / QN > 0 ? THREADS / QN : 1;   // row batches in flight at once
+    constexpr int RB = GEMM_FIN_ROWS;                 // rows per batch (divides 16: one stored flag)
+    constexpr int XW = RB + TAPS - 1;                 // tile rows per batch (window)
     constexpr int FS = COLS + GEMM_FIN_PAD;
-    constexpr int PV = TAPS > 1 ? TAPS - 1 : 1;      // the rows before a batch its taps read
     const int ds = 2 * TAPS * (N / GROUP);            // d's row stride
-    for (int lc = threadIdx.x; lc < COLS; lc += THREADS) {
-        const int c = c0 + lc;
-        if (c >= N) break;
-        const float* dp = d + (long long)m0 * ds + (c / GROUP) * 2 * TAPS + TAPS;   // half 1, tap 0
-        const float* rp = r + (long long)m0 * N + c;
-        float* yp = y + (long long)m0 * N + c;
-        float bv[TAPS], prev[PV];
+    const int top = live - 1;
+    for (int it = threadIdx.x; it < QN * RG; it += THREADS) {
+        const int lc = (it % QN) * VEC, c = c0 + lc;
+        if (c >= N) continue;
+        float bv[TAPS][VEC];
 #pragma unroll
-        for (int t = 0; t < TAPS; ++t) bv[t] = base[t * N + c];
+        for (int t = 0; t < TAPS; ++t) gemm_fin_ld<VEC>(bv[t], base + t * N + c);
+        const float* dc = d + (c / GROUP) * 2 * TAPS + TAPS;   // half 1, tap 0 of the chunk's group
+        for (int lr0 = (it / QN) * RB; lr0 < live; lr0 += RG * RB) {
+            if (!stored(lr0)) continue;   // a dead tile: untouched
+            // the batch's loads, all before any store (y may be r), no branch among them: window
+            // row w is local row lr0 + w - (TAPS - 1) (before the block, past it, or in a dead
+            // tile: 0; the taps of a lane's first rows never reach before it), a row past the
+            // block loads the last row's words (in bounds, never stored)
+            float av[XW][VEC], rv[RB][VEC], dv[RB][TAPS];
 #pragma unroll
-        for (int k = 0; k < PV; ++k) prev[k] = 0.0f;   // before the block: never read (a lane starts there)
-        for (int lr0 = 0; lr0 < live; lr0 += RB) {
-            if (!stored(lr0)) {   // a dead tile (block-uniform): untouched, its rows read 0 by later taps
+            for (int w = 0; w < XW; ++w) {
+                const int lr = lr0 + w - (TAPS - 1);
+                const bool ok = lr >= 0 && lr <= top && stored(lr >= 0 ? lr : 0);
+                gemm_fin_ld<VEC>(av[w], tile + (ok ? lr : lr0) * FS + lc);
 #pragma unroll
-                for (int k = 0; k < PV; ++k) prev[k] = 0.0f;
-                continue;
+                for (int e = 0; e < VEC; ++e) av[w][e] = ok ? av[w][e] : 0.0f;
             }
-            // the batch's loads, all before any store (y may be r), no branch among them: a row
-            // past the block loads the last row's words (in bounds, never stored)
-            float av[RB], rv[RB], dv[RB][TAPS];
-            // running pointers (a row past the block stays on the last: no per-row 64-bit product)
-            const float* rq = rp + (long long)lr0 * N;
-            const float* dq = dp + (long long)lr0 * ds;
-            const float* aq = tile + lr0 * FS + lc;
 #pragma unroll
             for (int j = 0; j < RB; ++j) {
-                av[j] = *aq;
-                rv[j] = *rq;
-                gemm_fin_ld_taps<TAPS>(dv[j], dq);
-                const bool step = lr0 + j + 1 < live;
-                aq += step ? FS : 0;
-                rq += step ? N : 0;
-                dq += step ? ds : 0;
+                const long long row = m0 + (lr0 + j <= top ? lr0 + j : top);
+                gemm_fin_ld<VEC>(rv[j], r + row * N + c);
+                gemm_fin_ld_taps<TAPS>(dv[j], dc + row * ds);
             }
-            float* yb = yp + (long long)lr0 * N;
             int i = lane_rows > 0 ? (m0 + lr0) % lane_rows : 0;
 #pragma unroll
             for (int j = 0; j < RB; ++j) {
-                float acc = 0.0f;
+                float o[VEC];
 #pragma unroll
-                for (int t = 0; t < TAPS; ++t) {
-                    const float a = j - t >= 0 ? av[j - t >= 0 ? j - t : 0] : prev[t - j - 1 < PV ? t - j - 1 : 0];
-                    acc = i - t >= 0 ? fmaf(bv[t] + dv[j][t], a, acc) : acc;
+                for (int e = 0; e < VEC; ++e) {
+                    float acc = 0.0f;
+#pragma unroll
+                    for (int t = 0; t < TAPS; ++t)
+                        acc = i - t >= 0 ? fmaf(bv[t][e] + dv[j][t], av[j + TAPS - 1 - t][e], acc) : acc;
+                    o[e] = rv[j][e] + (lane_rows > 0 ? acc : av[j + TAPS - 1][e]);
                 }
-                if (lr0 + j < live) *yb = lane_rows > 0 ? rv[j] + acc : rv[j] + av[j];
-                yb += N;
+                if (lr0 + j <= top) gemm_fin_st<VEC>(y + (long long)(m0 + lr0 + j) * N + c, o);
                 i = (i + 1 == lane_rows) ? 0 : i + 1;
             }
-#pragma unroll
-            for (int k = PV - 1; k >= 0; --k)   // row lr0 + RB - 1 - k: this batch's, or an older one's
-                prev[k] = k < RB ? av[k < RB ? RB - 1 - k : 0] : prev[k >= RB ? k - RB : 0];
         }
     }
 }

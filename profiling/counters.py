@@ -818,36 +818,41 @@ def _gemm_fin(c: KernelCounters, d: dict, P: dict, gx: int, gy: int, gz: int, RO
     """gemm_stream.cu's GS_FIN epilogue (cuda_src/gemm_fin.cuh): the block holding a column
     group's final tile (split K: the reducing slice, whose reduction writes the tile instead of
     y) stages it in shared memory (one K slice: each thread's fragments as float2, two
-    barriers), then a thread per column runs the finish over the block's rows RB at a time:
-    its taps' base, per batch each row's TAPS coefficients (one vector load for 2 or 4 taps; a
-    warp's 32 columns share 32 / GROUP groups' words), residual and tile word, and a store per
-    stored row (the taps before a batch: the previous batch's words, in registers).
-    y's stores and the residual's loads replace the plain epilogue's (counted there); the
-    coefficients, base, tile traffic and the tail's dependent L2 round trips (one per batch,
-    the batch's loads in flight together) are added here."""
+    barriers), then each thread takes VEC channels (4 where GROUP % 4 == 0: 16-byte accesses)
+    and batches of RB rows (COLS / VEC threads per batch, the block's threads on THREADS * VEC /
+    COLS batches at once): its taps' base, per batch the tile window (RB + TAPS - 1 rows), each
+    row's residual and TAPS coefficients (one vector load for 2 or 4 taps; the chunk's channels
+    share one group) and a store per stored row. y's stores and the residual's loads replace
+    the plain epilogue's (counted there); the coefficients, base, tile traffic and the tail's
+    dependent L2 round trips (one per batch a thread runs) are added here."""
     T, G = d["GS_CONV_TAPS"], d["GS_CONV_GROUP"]
-    RW = kernels.constants("gemm_fin.cuh")["GEMM_FIN_LOADS"] // (T + 1)
-    RB = next(b for b in (16, 8, 4, 2, 1) if RW >= b or b == 1)
-    VW = T * 4 if T in (2, 4) else 4          # a row's coefficients: one vector load (2, 4 taps)
-    VN = 1 if T in (2, 4) else T
+    RB = kernels.constants("gemm_fin.cuh")["GEMM_FIN_ROWS"]
     FS = COLS + kernels.constants("gemm_fin.cuh")["GEMM_FIN_PAD"]
+    VEC = 4 if G % 4 == 0 else 1
+    QN = COLS // VEC
+    RG = max(1, THREADS // QN)
+    XW = RB + T - 1
+    VW = T * 4 if T in (2, 4) else 4
+    VN = 1 if T in (2, 4) else T
     ds = 2 * T * (N // G)
     trips = tail_bytes = blocks = 0
     d_bytes = 0
     for bx in range(gx):
         ncol = max(0, min(COLS, N - bx * COLS))
-        warps_c = -(-ncol // 32)
-        sec, nb = global_sectors([((l // G) * 2 * T + T) * 4 if l < ncol else None for l in range(32)], VW)
+        nq = ncol // VEC
+        warps_q = -(-nq // 32)
+        sec, nb = global_sectors([((q * VEC // G) * 2 * T + T) * 4 if q < nq else None for q in range(32)], VW)
         for by in range(gy):
             live = max(0, min(ROWS, M - by * ROWS))
             st = [lr for lr in range(live) if flags is None or flags[(by * ROWS + lr) // 16]]
             if not st or ncol == 0:
                 continue
             blocks += 1
-            batches = -(-live // RB)
-            _contig(c, "ld", T * ncol * 4)                                            # base
-            c.add_global("ld", warps_c * live * VN, sec, nb)                          # d
-            _smem_words(c, warps_c * live)                                            # the tile
+            sb = [b for b in range(-(-live // RB)) if flags is None or flags[(by * ROWS + b * RB) // 16]]
+            _contig(c, "ld", T * ncol * 4 * min(RG, len(sb)), 4 * VEC)                 # base, per batch lane
+            c.add_global("ld", warps_q * len(sb) * RB * VN, sec, nb)                   # d
+            _contig(c, "ld", len(sb) * RB * ncol * 4, 4 * VEC)                         # residual (clamped rows too)
+            c.add_smem(warps_q * len(sb) * XW, [l * 4 * VEC for l in range(32)], 4 * VEC)   # tile windows
             if gz == 1:   # the fragments' float2 stores (row stride 8 mod 32 words: conflict-free)
                 for h in range(2):
                     c.add_smem((THREADS // 32) * MT * NT, [((g + 8 * h) * FS + 2 * t) * 4
@@ -855,9 +860,10 @@ def _gemm_fin(c: KernelCounters, d: dict, P: dict, gx: int, gy: int, gz: int, RO
                 c.barriers += 2
             else:
                 c.barriers += 1
-            d_bytes += live * (ncol // G + (1 if ncol % G else 0)) * T * 4
-            trips = max(trips, batches)
-            tail_bytes = max(tail_bytes, live * (1 + T) * ncol * 4 + len(st) * ncol * 4)
+            d_bytes += live * -(-ncol // G) * T * 4
+            per_thread = -(-len(sb) // RG)
+            trips = max(trips, per_thread)
+            tail_bytes = max(tail_bytes, len(sb) * RB * ((1 + T) * ncol * 4) + len(st) * ncol * 4)
     base, dd = P.get("fin_base"), P.get("fin_d")
     _rw(c, [(_name(base), T * N * 4), (_name(dd) + " (finish half)", d_bytes)])
     c.dram_bytes += T * N * 4 + M * ds * 4 // 2

@@ -60,6 +60,7 @@ def _run(be, rows, lane_rows, H, taps, group, k_split, rng, tile_live=None, in_p
     (48, 16, 288, 3, 8, 1),      # two row blocks of 32: lanes of 16 inside them
     (48, 16, 544, 2, 16, 2),
     (19, 19, 288, 6, 8, 1),      # 6 taps: the taps before a batch reach past the previous batch
+    (20, 5, 288, 2, 2, 2),       # group 2: one channel per thread (no 16-byte chunks)
 ])
 def test_fused_finish_is_gemm_then_conv(emu, rng, rows, lane_rows, H, taps, group, k_split):
     (x, w, base, d, res), y, y2, p = _run(emu, rows, lane_rows, H, taps, group, k_split, rng)
@@ -122,7 +123,8 @@ def test_fused_finish_bad_input(emu):
            ((base, d, 5), "must divide"),
            ((base, d, 0), "lane_rows"),
            ((base, y.reshape(-1)[:m * dw].reshape(m, dw), m), "must not overlap"),
-           ((base, d), "finish must be")]
+           ((base, d), "finish must be"),
+           ((base, be.zeros((m * dw + 1,), np.float32)[1:].reshape(m, dw), m), "aligned")]
     for fin, msg in bad:
         with pytest.raises((ValueError, TypeError), match=msg):
             g(x, w, y, m, residual=y, finish=fin)

@@ -636,6 +636,9 @@ class Gemm:
         for name, a in (("finish base", base), ("finish d", d)):
             if checks.overlaps(a, y):
                 raise ValueError(f"y must not overlap {name}")
+        checks.aligned16(finish_d=d)   # a row's coefficients: one 8- or 16-byte load (2, 4 taps)
+        if group % 4 == 0:   # 16-byte channel chunks
+            checks.aligned16(finish_base=base)
         return (base, d, lane_rows)
 
     def _run(self, x, w, y, r, m, stream, pad_rows=None, norm=None, partials=None, tile_live=None, x2=None):
