@@ -13,6 +13,8 @@
 //             split-K slices: replays bit-identical); rows < norm_lo raw, or with ln_lo (use_ln_lo).
 //   GS_CONV 1 (EPI 0, f32 x, y): conv_lane_rows > 0: DFlash 2's prepare convolution of x (GS_NORM: normed)
 //             into conv_y by the block holding the final d (gemm_conv.cuh); < 0: that x into conv_y.
+//   GS_FIN 1 (EPI 1, f32 y): with fin_lane_rows > 0, y = r + DFlash 2's finish convolution of acc
+//             (gemm_fin.cuh; the final tile staged in >= GS_FIN_SMEM dynamic smem), lanes in a block.
 //   Rows < row_split are read from x, the rest from x2 (its row 0 first).
 //   Padding rows [*pad_lo, pad_hi) count as zero rows (not read; all-padding tiles not computed).
 //   use_live: tile_live[t] == 0 (per 16 rows) makes tile t dead: not computed, not stored.
@@ -35,7 +37,6 @@
 // a conflict-free shared tile (row stride 64 mod 128 bytes) read by mma.sync m16n8k16 (GS_NORM
 // with an f32 x: converted there from the raw chunk that cp.async brought in during the last one).
 // Registers: ops/gemm_stream.PTXAS_REGS (held by tests/test_gemm_stream.py).
-//
 // NVRTC checks: the launcher's options of each GemmVariant in tests/support/gemm_variants.py.
 
 #include <cuda_fp16.h>
@@ -45,6 +46,7 @@
 #include "gemm_epilogue.cuh"
 #include "gemm_splitk.cuh"
 #include "gemm_conv.cuh"
+#include "gemm_fin.cuh"
 #include "mma.cuh"
 #include "warp.cuh"
 #include "pdl.cuh"
@@ -111,6 +113,18 @@
 #if GS_CONV && GS_K % GS_CONV_GROUP != 0
 #error "GS_CONV: GS_CONV_GROUP must divide the hidden size GS_K"
 #endif
+
+#ifndef GS_FIN
+#define GS_FIN 0
+#endif
+#if GS_FIN && (GS_EPI != 1 || GS_NORM || GS_Y16 || GS_CONV)
+#error "GS_FIN (the fused finish convolution) needs GS_EPI 1 and an f32 y, no folded norm, no GS_CONV"
+#endif
+#if GS_FIN && (!defined(GS_CONV_TAPS) || !defined(GS_CONV_GROUP))
+#error "GS_FIN needs GS_CONV_TAPS and GS_CONV_GROUP"
+#endif
+// GS_FIN: the staged tile [ROWS][COLS + GEMM_FIN_PAD] f32 in the x staging's dynamic shared memory
+#define GS_FIN_SMEM (16 * GS_MT * (GS_WARPS * 8 * GS_NT + GEMM_FIN_PAD) * 4)
 
 #if GS_EPI == 3 && defined(GS_NORM) && GS_NORM
 #error "the fused argmax (GS_EPI 3) does not apply a folded RMSNorm (GS_NORM)"
@@ -238,7 +252,8 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
             int M, int N, int kz, int kt, float* ws, int* counters, const int* pad_lo, int pad_hi,
             const float* __restrict__ ln, float eps, int norm_lo, const int* tile_live, int use_live,
             const GS_XT* __restrict__ x2, int row_split, const float* __restrict__ ln_lo, int use_ln_lo,
-            const float* __restrict__ conv_base, float* conv_y, int conv_lane_rows) {
+            const float* __restrict__ conv_base, float* conv_y, int conv_lane_rows,
+            const float* __restrict__ fin_base, const float* __restrict__ fin_d, int fin_lane_rows) {
     using namespace gemm_stream_detail;
     extern __shared__ __align__(16) unsigned char smem[];
     unsigned short* xs = reinterpret_cast<unsigned short*>(smem);
@@ -743,13 +758,21 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
         return;
     }
 #else
+#if GS_FIN
+    const bool fin = fin_lane_rows > 0;   // the finish convolution (gemm_fin.cuh) after the split-K part
+#else
+    constexpr bool fin = false;
+    (void)fin_base;
+    (void)fin_d;
+    (void)fin_lane_rows;
+#endif
 #if GS_CONV && GS_NORM
     __shared__ float conv_sc[ROWS];   // the rows' scales, as the epilogue takes them (the normed x)
 #else
     float* const conv_sc = nullptr;
 #endif
     [[maybe_unused]] bool conv_now;   // d final (block-uniform): the prepare tail below, one copy
-    if (gridDim.z == 1) {
+    if (gridDim.z == 1 && !fin) {
         // GS_EPI 1: every residual this thread adds is loaded first (all in flight together),
         // then the stores (y may be r: each element is read before its own store)
         float rv[MT][2][NT][2];
@@ -810,7 +833,7 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
                 for (int h = 0; h < 2; h++) {
                     const int lrow = i * 16 + g + 8 * h;
                     const int lc = warp * 8 * NT + 8 * (j % NT) + 2 * t;
-                    if (lrow < live && ((tmask >> (8 + i)) & 1u))
+                    if (lrow < live && ((tmask >> (8 + i)) & 1u) && !(fin && gridDim.z == 1))   // (no partial: finish)
                         *reinterpret_cast<float2*>(wsb + ((long long)(blockIdx.z * NW + j / NT) * ROWS + lrow) * COLS + lc) =
                             make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
                 }
@@ -823,9 +846,41 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
 #else
         const float* ssw = ws;  // unused
 #endif
+#if GS_FIN
+        {
+            // the finish reads rows of other threads: the block's final tile into shared memory (one
+            // K slice: its fragments; split K, fused or not: the last slice's reduction, the variant's
+            // one instance of it), then the convolution (fin_lane_rows 0: y = r + the tile)
+            float* const fin_tile = reinterpret_cast<float*>(smem);
+            constexpr int FIN_FS = COLS + GEMM_FIN_PAD;
+            auto fin_stored = [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; };
+            bool mine = true;
+            if (gridDim.z == 1) {
+                __syncthreads();   // every warp past its MMAs' reads of xs
+#pragma unroll
+                for (int i = 0; i < MT; i++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+#pragma unroll
+                        for (int jn = 0; jn < NT; jn++)
+                            *reinterpret_cast<float2*>(fin_tile + (i * 16 + g + 8 * h) * FIN_FS + warp * 8 * NT + 8 * jn + 2 * t) =
+                                make_float2(acc[i][jn][2 * h], acc[i][jn][2 * h + 1]);
+            } else {
+                mine = splitk_reduce<NW, ROWS, COLS, THREADS, 3, 0, K, GS_WTYPE>(
+                    wsb, ssw, ks, counters + bx, y, r, m0, live, cg * COLS, N, eps, scale_lo, fin_stored, fin_tile, FIN_FS);
+            }
+            if (mine) {
+                __syncthreads();
+                gemm_fin_finish<GS_CONV_TAPS, GS_CONV_GROUP, ROWS, COLS, THREADS>(
+                    fin_tile, r, y, fin_base, fin_d, N, m0, live, cg * COLS, fin_lane_rows, fin_stored);
+            }
+            conv_now = false;
+        }
+#else
         conv_now = splitk_reduce<NW, ROWS, COLS, THREADS, GS_EPI, GS_NORM, K, GS_WTYPE>(   // the last slice
             wsb, ssw, ks, counters + bx, y, r, m0, live, cg * COLS, N, eps, scale_lo,
             [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; }, nullptr, 0, conv_sc);
+#endif  // GS_FIN
     }
 #if GS_CONV
     if (conv_now && conv_lane_rows != 0)   // the prepare convolution of this column block's groups

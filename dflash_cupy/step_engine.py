@@ -453,16 +453,29 @@ class StepEngine:
         rope = RopeSpec(c.head_dim, c.n_head, c.n_head_kv, c.rms_norm_eps, self.attn_scaling) \
             if r.qkv_rope else None
         self.g_qkv = gemm(c.q_dim + 2 * kvw, H, L0.w_qkv.dtype, norm_eps=fold_eps, skip_cols=c.q_dim, rope=rope)
-        # DFlash 2 (recipe.conv): the o / down outputs go through the finish convolution,
-        # which adds them to the residual stream
+        # DFlash 2 (recipe.conv): the o / down outputs go through the finish convolution, which
+        # adds them to the residual stream: in their epilogue (finish, _finish) where the stream
+        # path serves them, else they write plain outputs and GroupedConv's finish follows
+        d2 = c.dflash2
+        fin_ok = lambda w, k: ch.stream and weight_kind(w.dtype) in ("f16", "bf16") and k % 8 == 0   # noqa: E731
+        fin = lambda w, k: ({"finish": (d2.conv_kernel_size, d2.conv_group_size)}   # noqa: E731
+                            if r.conv and fin_ok(w, k) else {})
         resid = "none" if r.conv else "residual"
-        self.g_o = gemm(H, c.q_dim, L0.w_o.dtype, resid, x16=r.attn16 is not None)
+        self.g_o = gemm(H, c.q_dim, L0.w_o.dtype, "residual" if fin(L0.w_o, c.q_dim) else resid,
+                        x16=r.attn16 is not None, **fin(L0.w_o, c.q_dim))
         x16 = r.gate_up_x16 is not None   # its norm a launch of its own (rms16), 16-bit rows
         # (recipe.gate_up_async: the folded-norm variant, every row raw: its cp.async staging)
         gu_eps = c.rms_norm_eps if r.gate_up_async else None if x16 else fold_eps
         self.g_gate_up = gemm(c.intermediate_size, H, L0.w_gate_up.dtype, "silu_mul",
                               norm_eps=gu_eps, x16=x16, y16=r.act16 is not None)
-        self.g_down = gemm(H, c.intermediate_size, L0.w_down.dtype, resid, x16=r.act16 is not None)
+        self.g_down = gemm(H, c.intermediate_size, L0.w_down.dtype,
+                           "residual" if fin(L0.w_down, c.intermediate_size) else resid, x16=r.act16 is not None,
+                           **fin(L0.w_down, c.intermediate_size))
+        # a finish GEMM whose launch cannot fuse (a tuned wgmma plan, lanes straddling its row
+        # blocks) writes its plain output through a zero residual (0 + p: p up to a zero's sign,
+        # which the finish convolution's sums cannot see)
+        self._zero_rows = (self.backend.zeros((self.n_noise, H), np.float32)
+                           if self.g_o.finish is not None or self.g_down.finish is not None else None)
         self.g_attn_gate = gemm(gate_w, H, L0.w_attn_gate.dtype) if gate_w else None
         # the prepare convolution after it where its launch allows (fuses_conv: _prepare)
         conv = (c.dflash2.conv_kernel_size, c.dflash2.conv_group_size) if r.conv else None
@@ -622,55 +635,84 @@ class StepEngine:
             self.g_gate_up(self.hn, L.w_gate_up, self.act, nn, tile_live=live, stream=stream)
         self.g_down(self.act, L.w_down, self.h, nn, tile_live=live, residual=self.h, stream=stream)
 
-    def _attend(self, li: int, L, out, residual, stream) -> None:
+    def _attend(self, li: int, L, out, residual, stream, finish=None) -> None:
         """The attention sublayer after the qkv projection: the gate GEMM (reading ``hn``), the
         masked ring attention, and the o GEMM into ``out`` (``+ residual``, its epilogue, when
-        given)."""
+        given); ``finish=(base, residual, ln, out, conv_kw)``: DFlash 2's finish and norm
+        after it instead (``_finish``)."""
         nn, live = self.n_noise, self.tiles_noise
         if self.g_attn_gate is not None:
             self.g_attn_gate(self.hn, L.w_attn_gate, self.gate, nn, tile_live=live, stream=stream)
         mask = self.mask_swa if L.sliding else self.mask_full
         self.attention(self.q, self.k_cache[li], self.v_cache[li], mask, self.attn, gate=self.gate,
                        stream=stream, live=self.desc, pages=self.page_table)
+        if finish is not None:
+            self._finish(self.g_o, self.attn, L.w_o, *finish)
+            return
         self.g_o(self.attn, L.w_o, out, nn, tile_live=live, stream=stream,
                  **({} if residual is None else {"residual": residual}))
 
     def _conv_layer(self, li: int, L, h_in, stream) -> None:
-        """A DFlash 2 decoder layer (SPEC §6): each sublayer's normed noise rows ``cx`` give
-        the convolution coefficients (``g_conv`` into ``dconv``), the ``prepare`` convolution
-        of ``cx`` (run by ``g_conv`` itself where it fuses it, ``_prepare``) is the sublayer's
-        input, and the ``finish`` convolution of its output is
-        added to the residual stream. Context rows take the DFlash path unchanged (their
-        K/V from T, or rmsnorm(T) * input_layernorm). Each lane's block is its own sequence
-        (``lane_rows``). Each finish also writes the norm that reads its output
-        (``finish_norm``, bit for bit ``rms``'s): the post-attention norm into ``cx``, the
-        next layer's input norm into ``cx`` (the last layer: the final norm into ``_hs``); the
-        first layer's input norm is folded into its kernel_projection GEMM (``g_conv0``), which
-        reads ``h_in`` and convolves the rows it normed (``_prepare``; a gemm.cu fallback: a
-        launch of its own)."""
+        """A DFlash 2 decoder layer (SPEC §6): each sublayer's normed noise rows give the
+        convolution coefficients (a kernel_projection GEMM into ``dconv``), the ``prepare``
+        convolution of those rows (run by that GEMM itself where it fuses it, ``_prepare``) is
+        the sublayer's input, and the ``finish`` convolution of its output is added to the
+        residual stream. Context rows take the DFlash path unchanged (their K/V from T, or
+        rmsnorm(T) * input_layernorm). Each lane's block is its own sequence (``lane_rows``).
+        Each finish runs in the o / down GEMM's epilogue where it fuses (``_finish``; else
+        after the GEMM, bit for bit the same). The norm that reads its output, and the first
+        layer's input norm, are folded into the next kernel_projection GEMM where it can take
+        them (``g_conv0`` reads ``h`` with the norm's weight, ``_folds_norm``: a property of
+        the step's rows, so a lane and a single cache fold alike); else the norm is written
+        into ``cx`` (``rms``, or ``finish_norm`` with the finish). After the last layer the
+        final norm is an ``rms`` launch (or ``finish_norm``)."""
         nc, nn, live, bs = self.n_ctx, self.n_noise, self.tiles_noise, self.lane_rows
         conv_kw = dict(lane_rows=bs, tile_live=live, stream=stream)
         layers = self.dw.layers
         if self.config.context_kv_layer_norm:
             self.rms(self.ctx_step, L.input_layernorm, self.xin[:nc], stream=stream)
-        fold = li == 0 and self.g_conv0.stores_norm(nn)
+        fold = self._folds_norm()
         if li == 0 and not fold:
             self.rms(h_in, L.input_layernorm, self.cx, stream=stream)
         self._prepare(L.conv_a_kp, L.conv_a_base, conv_kw,
                       (h_in, L.input_layernorm) if fold else None)   # hn = xin[nc:]
         self._qkv_rope(li, L, self.xin, nc + nn, stream, tile_live=self.tile_live)
-        self._attend(li, L, self.obuf, None, stream)
-        self.conv.finish_norm(self.obuf, L.conv_a_base[1], self.dconv, self.h, h_in, L.post_attention_layernorm,
-                              self.cx, **conv_kw)
-        self._prepare(L.conv_m_kp, L.conv_m_base, conv_kw)
+        self._attend(li, L, self.obuf, None, stream, finish=(L.conv_a_base[1], h_in, L.post_attention_layernorm,
+                                                             None if fold else self.cx, conv_kw))
+        self._prepare(L.conv_m_kp, L.conv_m_base, conv_kw, (self.h, L.post_attention_layernorm) if fold else None)
         # gate_up_async: norm_lo = nn, so no row is normalised (ln is never read)
         raw = {"norm": (L.post_attention_layernorm, nn)} if self.recipe.gate_up_async else {}
         self.g_gate_up(self.hn, L.w_gate_up, self.act, nn, tile_live=live, stream=stream, **raw)
-        self.g_down(self.act, L.w_down, self.obuf, nn, tile_live=live, stream=stream)
         last = li + 1 == len(layers)
-        self.conv.finish_norm(self.obuf, L.conv_m_base[1], self.dconv, self.h, self.h,
-                              self.dw.norm if last else layers[li + 1].input_layernorm,
-                              self._hs if last else self.cx, **conv_kw)
+        self._finish(self.g_down, self.act, L.w_down, L.conv_m_base[1], self.h,
+                     self.dw.norm if last else layers[li + 1].input_layernorm,
+                     self._hs if last else (None if fold else self.cx), conv_kw)
+
+    def _folds_norm(self) -> bool:
+        """Whether each sublayer's input norm is folded into its kernel_projection GEMM:
+        ``g_conv0`` takes a norm at this step's rows (it then convolves the rows it normed, or
+        stores them for ``GroupedConv``: the same bits either way)."""
+        return self.g_conv0 is not None and self.g_conv0.stores_norm(self.n_noise)
+
+    def _finish(self, g, x, w, base, residual, ln, out, conv_kw) -> None:
+        """``h`` = ``residual`` + finish(``g``'s product of ``x`` and ``w``), then ``out`` = its
+        norm with ``ln``: the finish in ``g``'s epilogue where ``g`` fuses it, then an ``rms``
+        launch unless ``out`` is None (the next kernel_projection GEMM folds the norm,
+        ``_folds_norm``); else ``g``'s plain output into ``obuf``, then ``GroupedConv``'s
+        finish, or ``finish_norm`` with ``out`` (bit-identical)."""
+        nn, live, bs, stream = self.n_noise, self.tiles_noise, self.lane_rows, conv_kw["stream"]
+        if g.finish is not None and g.fuses_finish(nn, bs):
+            g(x, w, self.h, nn, residual=residual, tile_live=live, stream=stream,
+              finish=(base, self.dconv, bs))
+            if out is not None:
+                self.rms(self.h, ln, out, tile_live=live, stream=stream)
+            return
+        plain = {} if g.finish is None else {"residual": self._zero_rows}
+        g(x, w, self.obuf, nn, tile_live=live, stream=stream, **plain)
+        if out is None:
+            self.conv(self.obuf, base, self.dconv, 1, self.h, residual=residual, **conv_kw)
+            return
+        self.conv.finish_norm(self.obuf, base, self.dconv, self.h, residual, ln, out, **conv_kw)
 
     def _prepare(self, kp, base, conv_kw, norm=None) -> None:
         """A sublayer's coefficients ``dconv`` = kernel_projection(``cx``) and its prepare

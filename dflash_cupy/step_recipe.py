@@ -47,8 +47,9 @@ class StepRecipe:
     cost a build where they would never run).
     ``conv``: DFlash 2's convolutions wrap each sublayer (SPEC §6): the input norms run as
     launches of their own (a convolution sits between each norm and its GEMM, so nothing
-    folds) and the o / down GEMMs write their plain outputs, which the ``finish``
-    convolution adds to the residual stream.
+    folds) and the ``finish`` convolution adds the o / down GEMMs' outputs to the residual
+    stream, in their epilogue where the launch fuses it (``Gemm(finish=...)``), else after
+    them from their plain outputs (``GroupedConv.finish_norm``).
     ``gate_up_async``: with ``conv``, the gate_up GEMM reads the prepare convolution's f32
     rows through the folded-norm variant with ``norm_lo`` = every row (GS_NORM's contract: rows
     below norm_lo enter raw, unscaled, ln never read), i.e. staged by cp.async instead of

@@ -681,6 +681,8 @@ def _gemm_stream(L) -> KernelCounters:
                     + (m_st * N * (8 if EPI == 1 else YB) if YW else 0) + part_bytes)
     if d.get("GS_CONV", 0) and int(P.get("conv_lane_rows", 0)) != 0:
         _gemm_conv(c, L, d, P, gx, gy, ROWS, COLS, THREADS, M, N, K, flags)
+    if d.get("GS_FIN", 0) and int(P.get("fin_lane_rows", 0)) > 0:
+        _gemm_fin(c, d, P, gx, gy, gz, ROWS, COLS, THREADS, MT, NT, M, N, flags)
     if NORM:
         _gamma_reads(c, ln, ln_lo, gam_rows, norm_lo_ln, K)
         c.notes.append(f"RMSNorm of rows >= {norm_lo_ln} folded in: x * ln staged, the row scale applied "
@@ -821,6 +823,66 @@ def _gemm_conv(c: KernelCounters, L, d: dict, P: dict, gx: int, gy: int, ROWS: i
     c.notes.append(f"prepare convolution fused (GS_CONV, {T} taps{', of the normed x' if NORM else ''}): "
                    f"{rows_out * 4 / 1e6:.2f} MB written by the blocks holding final coefficients, {trips} "
                    f"dependent L2 round trips and {tail_bytes / 1e3:.0f} KB through one SM after the reduction")
+
+
+def _gemm_fin(c: KernelCounters, d: dict, P: dict, gx: int, gy: int, gz: int, ROWS: int, COLS: int, THREADS: int,
+              MT: int, NT: int, M: int, N: int, flags) -> None:
+    """gemm_stream.cu's GS_FIN epilogue (cuda_src/gemm_fin.cuh): the block holding a column
+    group's final tile (split K: the reducing slice, whose reduction writes the tile instead of
+    y) stages it in shared memory (one K slice: each thread's fragments as float2, two
+    barriers), then each thread takes VEC channels (4 where GROUP % 4 == 0: 16-byte accesses)
+    and batches of RB rows (COLS / VEC threads per batch, the block's threads on THREADS * VEC /
+    COLS batches at once): its taps' base, per batch the tile window (RB + TAPS - 1 rows), each
+    row's residual and TAPS coefficients (one vector load for 2 or 4 taps; the chunk's channels
+    share one group) and a store per stored row. y's stores and the residual's loads replace
+    the plain epilogue's (counted there); the coefficients, base, tile traffic and the tail's
+    dependent L2 round trips (one per batch a thread runs) are added here."""
+    T, G = d["GS_CONV_TAPS"], d["GS_CONV_GROUP"]
+    RB = kernels.constants("gemm_fin.cuh")["GEMM_FIN_ROWS"]
+    FS = COLS + kernels.constants("gemm_fin.cuh")["GEMM_FIN_PAD"]
+    VEC = 4 if G % 4 == 0 else 1
+    QN = COLS // VEC
+    RG = max(1, THREADS // QN)
+    XW = RB + T - 1
+    VW = T * 4 if T in (2, 4) else 4
+    VN = 1 if T in (2, 4) else T
+    ds = 2 * T * (N // G)
+    trips = tail_bytes = blocks = 0
+    d_bytes = 0
+    for bx in range(gx):
+        ncol = max(0, min(COLS, N - bx * COLS))
+        nq = ncol // VEC
+        warps_q = -(-nq // 32)
+        sec, nb = global_sectors([((q * VEC // G) * 2 * T + T) * 4 if q < nq else None for q in range(32)], VW)
+        for by in range(gy):
+            live = max(0, min(ROWS, M - by * ROWS))
+            st = [lr for lr in range(live) if flags is None or flags[(by * ROWS + lr) // 16]]
+            if not st or ncol == 0:
+                continue
+            blocks += 1
+            sb = [b for b in range(-(-live // RB)) if flags is None or flags[(by * ROWS + b * RB) // 16]]
+            _contig(c, "ld", T * ncol * 4 * min(RG, len(sb)), 4 * VEC)                 # base, per batch lane
+            c.add_global("ld", warps_q * len(sb) * RB * VN, sec, nb)                   # d
+            _contig(c, "ld", len(sb) * RB * ncol * 4, 4 * VEC)                         # residual (clamped rows too)
+            c.add_smem(warps_q * len(sb) * XW, [l * 4 * VEC for l in range(32)], 4 * VEC)   # tile windows
+            if gz == 1:   # the fragments' float2 stores (row stride 8 mod 32 words: conflict-free)
+                for h in range(2):
+                    c.add_smem((THREADS // 32) * MT * NT, [((g + 8 * h) * FS + 2 * t) * 4
+                                                          for g in range(8) for t in range(4)], 8)
+                c.barriers += 2
+            else:
+                c.barriers += 1
+            d_bytes += live * -(-ncol // G) * T * 4
+            per_thread = -(-len(sb) // RG)
+            trips = max(trips, per_thread)
+            tail_bytes = max(tail_bytes, len(sb) * RB * ((1 + T) * ncol * 4) + len(st) * ncol * 4)
+    base, dd = P.get("fin_base"), P.get("fin_d")
+    _rw(c, [(_name(base), T * N * 4), (_name(dd) + " (finish half)", d_bytes)])
+    c.dram_bytes += T * N * 4 + M * ds * 4 // 2
+    c.tail_l2_round_trips = max(c.tail_l2_round_trips, float(trips))
+    c.tail_l2_bytes = max(c.tail_l2_bytes, tail_bytes)
+    c.notes.append(f"finish convolution fused (GS_FIN, {T} taps): {blocks} blocks convolve their final tiles "
+                   f"from shared memory, {trips} dependent L2 round trips after the reduction")
 
 
 # ---------------------------------------------------------------------------- gemm_wgmma.cu

@@ -310,3 +310,24 @@ def test_bad_batch_sampling_changes_nothing(emu):
         with pytest.raises(TypeError, match=r"^sampling must be a SamplingParams, got list"):
             kv.set_sampling([hot])
         assert kv.sampling == SamplingParams()
+
+
+def test_step_finish_fused_or_not_is_bit_identical(emu, monkeypatch):
+    """The finish convolutions in the o / down GEMMs' epilogue (gemm_fin.cuh, then an rms
+    launch) and the fallback a launch that cannot fuse takes (the plain product through a zero
+    residual, then finish_norm): the same step outputs bit for bit."""
+    from dflash_cupy.ops.gemm import Gemm
+    out = []
+    for fuse in (True, False):
+        if not fuse:
+            monkeypatch.setattr(Gemm, "fuses_finish", lambda self, m, lane_rows=None: False)
+        d = Driver(emu, "g", seed=5)
+        try:
+            eng = d.kv.engine
+            assert eng.g_o.finish is not None and eng.g_down.finish is not None
+            assert eng.g_o.fuses_finish(eng.n_noise, eng.lane_rows) == fuse
+            d.step(11)                                       # checked against the oracle inside
+            out.append(emu.to_numpy(d.kv.hidden_states).copy())
+        finally:
+            d.close()
+    np.testing.assert_array_equal(out[0], out[1])

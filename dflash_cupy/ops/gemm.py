@@ -94,6 +94,7 @@ class GemmSpec:
     rope: RopeSpec | None      # the qkv epilogue folded in
     top_k: int = 0             # topk: each column block's K best per row (1..64), else 0
     conv: tuple | None = None  # (taps, group_size): DFlash 2's prepare convolution after it (stream path)
+    finish: tuple | None = None  # (taps, group_size): DFlash 2's finish convolution in its epilogue (stream)
 
     @classmethod
     def make(cls, backend, N: int, K: int, w_dtype, epilogue: str = "none", max_m: int = 64,
@@ -101,7 +102,7 @@ class GemmSpec:
              norm_eps: float | None = None, logits: bool = True, wgmma: bool | None = None,
              x16: bool = False, y16: bool = False, skip_cols: int = 0, live_split: bool = False,
              rope: RopeSpec | None = None, top_k: int | None = None,
-             conv: tuple | None = None) -> "GemmSpec":
+             conv: tuple | None = None, finish: tuple | None = None) -> "GemmSpec":
         """The spec of ``Gemm(backend, ...)``'s arguments; a clear exception naming the bad
         one otherwise. ``backend``: only for ``path="auto"`` (the self-check's verdict)."""
         N, K, max_m = (checks.int_arg(v, name, 1) for v, name in ((N, "N"), (K, "K"), (max_m, "max_m")))
@@ -173,6 +174,17 @@ class GemmSpec:
             if K % conv[1] or N != 2 * conv[0] * (K // conv[1]):
                 raise ValueError(f"conv=(taps={conv[0]}, group_size={conv[1]}) needs N = 2 * taps * K / group_size "
                                  f"(N={N}, K={K})")
+        if finish is not None:
+            if not isinstance(finish, tuple) or len(finish) != 2:
+                raise ValueError(f"finish must be (taps, group_size), got {finish!r}")
+            finish = (checks.int_arg(finish[0], "finish taps", 1), checks.int_arg(finish[1], "finish group_size", 1))
+            if path != "stream":
+                raise ValueError(f"finish needs path 'stream' (this Gemm runs {path!r})")
+            if epilogue != "residual" or norm_eps is not None or y16 or conv is not None or rope is not None:
+                raise ValueError("finish (the fused finish convolution) needs epilogue 'residual', an f32 y, "
+                                 "no norm_eps, conv or rope")
+            if N % finish[1]:
+                raise ValueError(f"finish=(taps={finish[0]}, group_size={finish[1]}): group_size must divide N={N}")
         if path == "stream":
             if k_split is not None and (not isinstance(k_split, (int, np.integer)) or isinstance(k_split, bool)
                                         or k_split < 1):
@@ -184,7 +196,7 @@ class GemmSpec:
                    None if norm_eps is None else float(norm_eps),
                    bool(logits) if epilogue in gemm_stream.SELECTS else True,
                    wgmma, x16, y16, skip, bool(live_split), rope, int(top_k) if epilogue == "topk" else 0,
-                   conv)
+                   conv, finish)
 
     @functools.cached_property
     def nw(self) -> int:
@@ -232,7 +244,7 @@ class GemmSpec:
             self.N, self.K, self.wkind, self.epilogue, self.split, norm=self.norm_eps is not None,
             logits=self.logits, x16=self.x16, y16=self.y16, live_split=self.live_split, skip_cols=self.skip_cols,
             rope=None if self.rope is None else (self.rope.head_dim, self.rope.q_width, self.rope.kv_width),
-            top_k=self.top_k, conv=self.conv)
+            top_k=self.top_k, conv=self.conv, finish=self.finish)
 
 
 _SPEC_NAMES = frozenset(f.name for f in dataclasses.fields(GemmSpec)) | frozenset(
@@ -263,9 +275,11 @@ class Gemm:
     * ``rope``: a ``RopeSpec``: the qkv epilogue (q/k norm, rope, K/V into the caches) folded in.
     * ``conv``: ``(taps, group_size)``: DFlash 2's prepare convolution after the kernel_projection
       GEMM (w's rows in ``ops.conv``'s ``layout="group"``; ``conv=`` at the call, ``fuses_conv``).
+    * ``finish``: ``(taps, group_size)``: DFlash 2's finish convolution of the product, added to the
+      residual, in the epilogue of a ``"residual"`` GEMM (``finish=`` at the call, ``fuses_finish``).
 
     ``__call__(x, w, y, m, residual=None, stream=None, pad_rows=None, norm=None, partials=None,
-    tile_live=None, rope=None, x2=None, conv=None)`` checks its arguments against the spec and launches
+    tile_live=None, rope=None, x2=None, conv=None, finish=None)`` checks its arguments against the spec and launches
     rows ``[0, m)`` on ``stream``; the optional arguments are described on ``__call__``. The
     partial sums of a K split live in a workspace this object owns, so one ``Gemm`` serves one
     stream at a time. No allocation, no host sync: safe inside graph capture.
@@ -275,9 +289,10 @@ class Gemm:
                  path: str = "auto", x_split: bool = True, k_split: int | None = None,
                  norm_eps: float | None = None, logits: bool = True, wgmma: bool | None = None,
                  x16: bool = False, y16: bool = False, skip_cols: int = 0, live_split: bool = False,
-                 rope: RopeSpec | None = None, top_k: int | None = None, conv: tuple | None = None):
+                 rope: RopeSpec | None = None, top_k: int | None = None, conv: tuple | None = None,
+                 finish: tuple | None = None):
         self.spec = GemmSpec.make(backend, N, K, w_dtype, epilogue, max_m, path, x_split, k_split, norm_eps,
-                                  logits, wgmma, x16, y16, skip_cols, live_split, rope, top_k, conv)
+                                  logits, wgmma, x16, y16, skip_cols, live_split, rope, top_k, conv, finish)
         self.backend = backend
         self.threads = WARPS * 32
         if self.spec.path == "stream":
@@ -382,6 +397,15 @@ class Gemm:
             return False
         rows = self._stream.plan(m).rows
         return m <= rows or rows % checks.int_arg(lane_rows, "lane_rows", 1) == 0
+    def fuses_finish(self, m: int, lane_rows: int | None = None) -> bool:
+        """Whether a call over ``m`` rows in lane blocks of ``lane_rows`` (default ``m``) can take
+        ``finish=``: a ``finish`` Gemm whose launch for ``m`` (tuned or not) is a gemm_stream.cu
+        variant in which no lane block straddles two row blocks. Otherwise the caller runs the
+        GEMM without the residual and ``GroupedConv``'s finish after it."""
+        m = checks.int_arg(m, "m", 1)
+        lane_rows = m if lane_rows is None else checks.int_arg(lane_rows, "lane_rows", 1)
+        return (self.spec.path == "stream" and self.spec.finish is not None
+                and self._stream.fin_problem(m, lane_rows) is None)
 
     def launch_config(self, m: int):
         """``(grid, block, shared_mem)`` of a launch over ``m`` rows."""
@@ -508,7 +532,7 @@ class Gemm:
         return (int(m), self._nblk, self.spec.top_k, 2) if self.spec.top_k else (int(m), self._nblk, 2)
 
     def __call__(self, x, w, y, m, residual=None, stream=None, pad_rows=None, norm=None,
-                 partials=None, tile_live=None, rope=None, x2=None, conv=None, norm_out=None):
+                 partials=None, tile_live=None, rope=None, x2=None, conv=None, norm_out=None, finish=None):
         """``pad_rows=(lo, hi)`` (``"stream"`` path): rows ``[lo[0], hi)`` of x
         are padding and count as zeros (not read; 16-row tiles of padding only
         are not computed); ``lo`` is a device int32 array read when the kernel
@@ -552,7 +576,13 @@ class Gemm:
         launch's row blocks). ``norm_out`` (f32 ``[>= m, K]``, with ``norm`` and no ``conv``,
         ``stores_norm(m)``): those normed rows (rows ``< norm_lo``: x) stored there, bit for bit
         what the fused convolution reads, so that ``GroupedConv`` of them gives its output where
-        the launch cannot fuse it (``fuses_conv_norm``)."""
+        the launch cannot fuse it (``fuses_conv_norm``).
+        ``finish=(base, d, lane_rows)`` (a Gemm built with ``finish`` where ``fuses_finish(m,
+        lane_rows)``): ``y[:m] = GroupedConv(layout="group")(p, base, d, half=1, residual=residual,
+        lane_rows=lane_rows)`` bit for bit, ``p`` the product this call would add to ``residual``
+        (``base`` f32 ``[taps, N]``: half 1 of base_kernel; ``d`` f32 ``[>= m, 2 * taps * N / group]``,
+        the kernel_projection's output; ``residual`` may be ``y``). ``p`` is never stored; a tap
+        into a dead tile (``tile_live``) reads 0 there; rows of dead tiles are untouched."""
         m = checks.int_arg(m, "m")
         if rope is not None:
             self._call_rope(x, w, y, m, rope, stream, pad_rows, norm, tile_live, x2)
@@ -568,6 +598,11 @@ class Gemm:
             conv = self._conv_args(conv, x, w, y, m, pad_rows, x2, norm)
         if conv is not None:
             self._stream(x, w, y, r, m, stream=stream, tile_live=tile_live, conv=conv, norm=norm)
+            return
+        if finish is not None:
+            finish = self._finish_args(finish, x, w, y, m)
+            self._stream(x, w, y, r, m, stream=stream, pad_rows=pad_rows, tile_live=tile_live, x2=x2,
+                         finish=finish)
             return
         self._run(x, w, y, r, m, stream, pad_rows, norm, partials, tile_live, x2)
 
@@ -628,6 +663,36 @@ class Gemm:
         if s.K % 4 == 0 and s.conv[1] % 4 == 0:   # 16-byte channel chunks
             checks.aligned16(conv_base=base, conv_out=out)
         return (base, out, lane_rows)
+
+    def _finish_args(self, finish, x, w, y, m):
+        """Validated ``finish=(base, d, lane_rows)`` (y and the residual already checked)."""
+        be, s = self.backend, self.spec
+        if s.finish is None:
+            raise ValueError("finish given but this Gemm was built without finish=(taps, group_size)")
+        if not isinstance(finish, tuple) or len(finish) != 3:
+            raise ValueError("finish must be (base, d, lane_rows)")
+        base, d, lane_rows = finish
+        taps, group = s.finish
+        lane_rows = checks.int_arg(lane_rows, "finish lane_rows", 1)
+        if m % lane_rows:
+            raise ValueError(f"finish lane_rows={lane_rows} must divide m={m}")
+        if not self.fuses_finish(m, lane_rows):
+            raise ValueError(f"finish given but this Gemm cannot fuse it at m={m}, lane_rows={lane_rows}: "
+                             f"{self._stream.fin_problem(m, lane_rows)}; run GroupedConv after it")
+        checks.device_array(be, "finish base", base, np.float32, ndim=2)
+        if tuple(base.shape) != (taps, s.N):
+            raise ValueError(f"finish base must have shape {(taps, s.N)}, got {tuple(base.shape)}")
+        dw = 2 * taps * (s.N // group)
+        checks.device_array(be, "finish d", d, np.float32, ndim=2)
+        if d.shape[1] != dw or d.shape[0] < m:
+            raise ValueError(f"finish d must have shape [>= {m}, {dw}], got {tuple(d.shape)}")
+        for name, a in (("finish base", base), ("finish d", d)):
+            if checks.overlaps(a, y):
+                raise ValueError(f"y must not overlap {name}")
+        checks.aligned16(finish_d=d)   # a row's coefficients: one 8- or 16-byte load (2, 4 taps)
+        if group % 4 == 0:   # 16-byte channel chunks
+            checks.aligned16(finish_base=base)
+        return (base, d, lane_rows)
 
     def _run(self, x, w, y, r, m, stream, pad_rows=None, norm=None, partials=None, tile_live=None, x2=None):
         """The launch of checked arguments (``r``: the residual, or any valid pointer)."""

@@ -407,6 +407,11 @@ def topk_smem(mt: int, nw: int = 1) -> int:
     return 16 * mt * (cols_per_block(nw) + 8) * 4
 
 
+def fin_smem(mt: int) -> int:
+    """Dynamic shared memory GS_FIN needs at least (the staged tile of 16 * mt rows, GS_FIN_SMEM)."""
+    return 16 * mt * (cols_per_block(1) + kernels.constants("gemm_fin.cuh")["GEMM_FIN_PAD"]) * 4
+
+
 @dataclass(frozen=True)
 class GemmVariant:
     """What one stream GEMM is compiled for, once: its ``key()`` is the tuning key's
@@ -414,7 +419,8 @@ class GemmVariant:
     gemm_stream.cu and gemm_wgmma.cu (NVRTC checks compile the same). ``rope``:
     (head_dim, q_width, kv_width) of the qkv epilogue, or None. ``conv``: (taps, group_size) of
     DFlash 2's prepare convolution fused after the kernel_projection GEMM (gemm_stream.cu's
-    GS_CONV; its mma.sync variants only; with ``norm`` it convolves the normed x), or None."""
+    GS_CONV; its mma.sync variants only; with ``norm`` it convolves the normed x), or None. ``finish``:
+    (taps, group_size) of DFlash 2's finish convolution fused into a residual GEMM's epilogue (GS_FIN, gemm_fin.cuh), or None."""
     N: int
     K: int
     wkind: str                 # dtypes.CODE key: the weights' type
@@ -429,6 +435,7 @@ class GemmVariant:
     rope: tuple | None = None
     top_k: int = 0             # topk: K (1..TOPK_MAX), else 0
     conv: tuple | None = None
+    finish: tuple | None = None
 
     def __post_init__(self):
         if self.epilogue not in EPILOGUES:
@@ -448,6 +455,13 @@ class GemmVariant:
             if self.K % group or self.N != 2 * taps * (self.K // group):
                 raise ValueError(f"conv=(taps={taps}, group={group}) needs N = 2 * taps * K / group "
                                  f"(K={self.K}, N={self.N})")
+        if self.finish is not None:
+            taps, group = self.finish
+            if self.epilogue != "residual" or self.norm or self.y16 or self.conv is not None:
+                raise ValueError("finish (the fused finish convolution) needs epilogue 'residual', an f32 y, "
+                                 "no folded norm and no conv")
+            if self.N % group:
+                raise ValueError(f"finish=(taps={taps}, group={group}): group must divide N={self.N}")
 
     @property
     def nw(self) -> int:
@@ -464,7 +478,8 @@ class GemmVariant:
                 f"|logits{int(self.logits)}|x16{int(self.x16)}|y16{int(self.y16)}"
                 f"|rope{int(self.rope is not None)}|live{int(self.live_split)}|skip{self.skip_cols}"
                 + (f"|topk{self.top_k}" if self.top_k else "")
-                + ("" if self.conv is None else f"|conv{self.conv[0]}x{self.conv[1]}"))
+                + ("" if self.conv is None else f"|conv{self.conv[0]}x{self.conv[1]}")
+                + ("" if self.finish is None else f"|fin{self.finish[0]}x{self.finish[1]}"))
 
     def _common(self) -> dict:
         return dict(WTYPE=dtypes.CODE[self.wkind], EPI=EPILOGUES[self.epilogue], K=self.K, SPLIT=self.split,
@@ -478,7 +493,9 @@ class GemmVariant:
                     **({"GS_LOGITS": int(self.logits)} if self.argmax else {}),
                     **({"GS_TOPK": self.top_k} if self.top_k else {}),
                     **({} if self.conv is None else {"GS_CONV": 1, "GS_CONV_TAPS": self.conv[0],
-                                                     "GS_CONV_GROUP": self.conv[1]}))
+                                                     "GS_CONV_GROUP": self.conv[1]}),
+                    **({} if self.finish is None else {"GS_FIN": 1, "GS_CONV_TAPS": self.finish[0],
+                                                       "GS_CONV_GROUP": self.finish[1]}))
 
     def wgmma_defines(self, bt: int, sms: int = 0, skip_cols: int = 0, qkv: bool = False) -> dict:
         """gemm_wgmma.cu's options for row blocks of ``bt``; ``sms``: the live split's SM
@@ -509,6 +526,7 @@ class StreamKernels:
         if self._argmax:  # the fused argmax / top-K reduces within a block: no split K
             k_split = 1
         self._tk = bool(v.top_k)   # GS_EPI 4: its key tile in the x staging's shared memory
+        self._fin = v.finish is not None   # GS_FIN: the staged tile there too
         self.backend = backend
         self.N, self.K, self.nw, self.split, self.k_split = N, K, nw, split, k_split
         self.norm = v.norm
@@ -618,7 +636,9 @@ class StreamKernels:
             return plan_wgmma(self.N, self.K, m, self.nw, self.split, self.dev, variant=mt, ks=ks)
         p = plan(self.N, self.K, m, self.nw, self.split, self.dev, mt=mt, ks=ks,
                  raw=self.norm and not self.x16)
-        return dataclasses.replace(p, smem=topk_smem(mt, self.nw)) if self._tk and topk_smem(mt, self.nw) > p.smem else p
+        if self._tk and topk_smem(mt, self.nw) > p.smem:
+            return dataclasses.replace(p, smem=topk_smem(mt, self.nw))
+        return dataclasses.replace(p, smem=fin_smem(mt)) if self._fin and fin_smem(mt) > p.smem else p
 
     def plan(self, m: int) -> Plan:
         c = self._choice.get(m)
@@ -699,13 +719,26 @@ class StreamKernels:
             return False
         return conv_tail_trips(min(m, p.rows), self.N, taps, group, cols) <= CONV_FUSE_MAX_TRIPS
 
+    def fin_problem(self, m: int, lane_rows: int) -> str | None:
+        """Why a call over ``m`` rows in lane blocks of ``lane_rows`` cannot take ``finish=``, or
+        None: ``finish`` compiled, the plan for ``m`` an mma.sync variant, and no lane block
+        straddling two of its row blocks (the taps read the block's own staged tile)."""
+        if self.variant.finish is None:
+            return "this GEMM was built without finish"
+        p = self.plan(m)
+        if isinstance(p.mt, str):
+            return f"the launch for m={m} is a wgmma variant ({p.mt})"
+        if p.mblocks > 1 and p.rows % lane_rows:
+            return f"lane blocks of {lane_rows} rows straddle the launch's row blocks of {p.rows}"
+        return None
+
     def launch_config(self, m: int):
         """``(grid, block, shared_mem)``; grid ``(groups * mblocks, 1, ks)``."""
         p = self.plan(m)
         return p.grid, (p.threads, 1, 1), p.smem
 
     def __call__(self, x, w, y, r, m: int, stream=None, pad_rows=None, norm=None, partials=None,
-                 tile_live=None, rope=None, x2=None, conv=None):
+                 tile_live=None, rope=None, x2=None, conv=None, finish=None):
         """``pad_rows=(lo, hi)``: rows ``[lo[0], hi)`` are zero rows, ``lo`` a
         device int32 array read at run time (``None``: no padding rows).
         ``tile_live``: device int32, entry ``t`` for rows ``[16t, 16t + 16)``,
@@ -722,8 +755,12 @@ class StreamKernels:
         rows below from x (checked by ``ops.gemm.Gemm``).
         ``conv=(base, out, lane_rows)`` (``fuses_conv(m)`` only): the prepare convolution of x
         (with ``norm``: of the normed x) into ``out`` (gemm_conv.cuh; checked by ``ops.gemm.Gemm``);
-        ``lane_rows < 0``: that x itself into ``out`` (any mma.sync launch of a GS_CONV variant)."""
+        ``lane_rows < 0``: that x itself into ``out`` (any mma.sync launch of a GS_CONV variant).
+        ``finish=(base, d, lane_rows)`` (``fin_problem`` None only): y = r + the finish
+        convolution of the product (gemm_fin.cuh; checked by ``ops.gemm.Gemm``)."""
         p = self.plan(m)
+        if finish is not None and self.fin_problem(m, int(finish[2])) is not None:
+            raise ValueError(f"m={m}: the fused finish cannot run: {self.fin_problem(m, int(finish[2]))}")
         if conv is not None and conv[2] < 0 and (self.variant.conv is None or isinstance(p.mt, str)):
             raise ValueError(f"m={m}: the normed rows' store needs a gemm_stream.cu launch with GS_CONV "
                              f"(plan {p.mt!r})")
@@ -765,7 +802,10 @@ class StreamKernels:
                       use_ln_lo=np.int32(ln_lo is not None))
         if not isinstance(p.mt, str):   # gemm_stream.cu's GS_CONV arguments (lane_rows 0: off; unused without it)
             params.update(conv_base=self._ws if conv is None else conv[0], conv_y=self._ws if conv is None else conv[1],
-                          conv_lane_rows=np.int32(0 if conv is None else conv[2]))
+                          conv_lane_rows=np.int32(0 if conv is None else conv[2]),
+                          fin_base=self._ws if finish is None else finish[0],
+                          fin_d=self._ws if finish is None else finish[1],
+                          fin_lane_rows=np.int32(0 if finish is None else finish[2]))
         kernel = self._kernels[p.mt]
         if isinstance(p.mt, str):   # the wgmma kernel's qkv-epilogue fields
             if rope is None:

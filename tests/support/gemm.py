@@ -89,9 +89,9 @@ def no_rope(sk):
 
 
 def no_conv(sk):
-    """gemm_stream.cu's trailing GS_CONV arguments (base, out, lane_rows 0: off), as
-    StreamKernels passes them to every gemm_stream launch."""
-    return (sk._ws, sk._ws, np.int32(0))
+    """gemm_stream.cu's trailing GS_CONV arguments (base, out, lane_rows 0: off) and GS_FIN's
+    (base, d, lane_rows 0: off), as StreamKernels passes them to every gemm_stream launch."""
+    return (sk._ws, sk._ws, np.int32(0), sk._ws, sk._ws, np.int32(0))
 
 
 def qkv_setup(be, rng, spec, K, m, wkind, kv_rows, x16=False):

@@ -36,6 +36,9 @@ STREAM = [
     (V(800, 200, 'f16', 'none', conv=(4, 2)), 2),        # scalar channels, 4 taps
     (V(1280, 5120, 'bf16', 'none', norm=True, conv=(2, 16)), 1),   # layer 0: its input norm folded too
     (V(1280, 5120, 'bf16', 'none', norm=True, conv=(2, 16)), 2),
+    (V(5120, 4096, 'bf16', 'residual', finish=(2, 16)), 1),   # DFlash 2's o / down + finish
+    (V(6656, 17920, 'bf16', 'residual', split=1, x16=True, finish=(2, 16)), 4),
+    (V(288, 128, 'f16', 'residual', finish=(4, 8)), 2),      # 4 taps, a partial column block
 ]
 
 # (variant, row block, wgmma_defines options) of gemm_wgmma.cu: also the lane batches' live
