@@ -18,6 +18,7 @@
 // and coefficients (one vector load per row) loaded together, then the sums and stores; a row
 // past the block re-reads the last row (in bounds, never stored).
 #pragma once
+#include "gemm_conv.cuh"   // gemm_conv_ld / gemm_conv_st: VEC-wide f32 accesses
 
 #define GEMM_FIN_PAD 8     // tile row stride COLS + 8 words: 8 mod 32, the fragment stores conflict-free
                            // (ops/gemm_stream.fin_smem reads it)
@@ -39,26 +40,6 @@ __device__ __forceinline__ void gemm_fin_ld_taps(float* o, const float* p) {
     }
 }
 
-// VEC consecutive floats (VEC 4: one 16-byte access; the caller keeps them aligned)
-template <int VEC>
-__device__ __forceinline__ void gemm_fin_ld(float* o, const float* p) {
-    if (VEC == 4) {
-        const float4 v = *reinterpret_cast<const float4*>(p);
-        o[0] = v.x; o[VEC > 1 ? 1 : 0] = v.y; o[VEC > 2 ? 2 : 0] = v.z; o[VEC > 3 ? 3 : 0] = v.w;
-    } else {
-        o[0] = *p;
-    }
-}
-
-template <int VEC>
-__device__ __forceinline__ void gemm_fin_st(float* p, const float* o) {
-    if (VEC == 4) {
-        *reinterpret_cast<float4*>(p) = make_float4(o[0], o[VEC > 1 ? 1 : 0], o[VEC > 2 ? 2 : 0], o[VEC > 3 ? 3 : 0]);
-    } else {
-        *p = o[0];
-    }
-}
-
 template <int TAPS, int GROUP, int ROWS, int COLS, int THREADS, typename Stored>
 __device__ __forceinline__ void gemm_fin_finish(const float* tile, const float* r, float* y,
                                                 const float* __restrict__ base, const float* __restrict__ d,
@@ -76,7 +57,7 @@ __device__ __forceinline__ void gemm_fin_finish(const float* tile, const float* 
         if (c >= N) continue;
         float bv[TAPS][VEC];
 #pragma unroll
-        for (int t = 0; t < TAPS; ++t) gemm_fin_ld<VEC>(bv[t], base + t * N + c);
+        for (int t = 0; t < TAPS; ++t) gemm_conv_ld<VEC>(bv[t], base + t * N + c);
         const float* dc = d + (c / GROUP) * 2 * TAPS + TAPS;   // half 1, tap 0 of the chunk's group
         for (int lr0 = (it / QN) * RB; lr0 < live; lr0 += RG * RB) {
             if (!stored(lr0)) continue;   // a dead tile: untouched
@@ -89,14 +70,14 @@ __device__ __forceinline__ void gemm_fin_finish(const float* tile, const float* 
             for (int w = 0; w < XW; ++w) {
                 const int lr = lr0 + w - (TAPS - 1);
                 const bool ok = lr >= 0 && lr <= top && stored(lr >= 0 ? lr : 0);
-                gemm_fin_ld<VEC>(av[w], tile + (ok ? lr : lr0) * FS + lc);
+                gemm_conv_ld<VEC>(av[w], tile + (ok ? lr : lr0) * FS + lc);
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) av[w][e] = ok ? av[w][e] : 0.0f;
             }
 #pragma unroll
             for (int j = 0; j < RB; ++j) {
                 const long long row = m0 + (lr0 + j <= top ? lr0 + j : top);
-                gemm_fin_ld<VEC>(rv[j], r + row * N + c);
+                gemm_conv_ld<VEC>(rv[j], r + row * N + c);
                 gemm_fin_ld_taps<TAPS>(dv[j], dc + row * ds);
             }
             int i = lane_rows > 0 ? (m0 + lr0) % lane_rows : 0;
@@ -111,7 +92,7 @@ __device__ __forceinline__ void gemm_fin_finish(const float* tile, const float* 
                         acc = i - t >= 0 ? fmaf(bv[t][e] + dv[j][t], av[j + TAPS - 1 - t][e], acc) : acc;
                     o[e] = rv[j][e] + (lane_rows > 0 ? acc : av[j + TAPS - 1][e]);
                 }
-                if (lr0 + j <= top) gemm_fin_st<VEC>(y + (long long)(m0 + lr0 + j) * N + c, o);
+                if (lr0 + j <= top) gemm_conv_st<VEC>(y + (long long)(m0 + lr0 + j) * N + c, o);
                 i = (i + 1 == lane_rows) ? 0 : i + 1;
             }
         }
