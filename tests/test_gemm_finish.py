@@ -130,6 +130,10 @@ def test_fused_finish_bad_input(emu):
             g(x, w, y, m, residual=y, finish=fin)
     with pytest.raises(ValueError, match="residual is required"):
         g(x, w, y, m, finish=(base, d, m))
+    ln = be.zeros((K,), np.float32)
+    for extra, name in ((dict(norm=(ln, 0)), "norm"), (dict(partials=be.zeros((m, 3, 2), np.uint32)), "partials")):
+        with pytest.raises(ValueError, match=f"finish does not combine with {name}"):
+            g(x, w, y, m, residual=y, finish=(base, d, m), **extra)
     plain = Gemm(be, H, K, np.float16, "residual", max_m=MAX_M, wgmma=False)
     with pytest.raises(ValueError, match="without finish"):
         plain(x, w, y, m, residual=y, finish=(base, d, m))

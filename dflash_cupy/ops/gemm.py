@@ -587,6 +587,11 @@ class Gemm:
         if rope is not None:
             self._call_rope(x, w, y, m, rope, stream, pad_rows, norm, tile_live, x2)
             return
+        if finish is not None:
+            given = [n for n, v in (("norm", norm), ("conv", conv), ("norm_out", norm_out), ("partials", partials))
+                     if v is not None]
+            if given:
+                raise ValueError(f"finish does not combine with {', '.join(given)} (a GS_FIN launch applies none)")
         y, r, x2 = self._check_io(x, w, y, m, residual, partials, x2)
         pad_rows = self._pad(pad_rows, m)
         tile_live = self._tile_live(tile_live, m)
