@@ -70,6 +70,13 @@ def weight_kind(dtype) -> str:
     return dtypes.kind_of(dtype, "w_dtype")
 
 
+def _taps_group(name: str, v) -> tuple:
+    """A DFlash 2 convolution's ``(taps, group_size)`` argument, checked (``name``: the argument)."""
+    if not isinstance(v, tuple) or len(v) != 2:
+        raise ValueError(f"{name} must be (taps, group_size), got {v!r}")
+    return (checks.int_arg(v[0], f"{name} taps", 1), checks.int_arg(v[1], f"{name} group_size", 1))
+
+
 @dataclass(frozen=True)
 class GemmSpec:
     """What one ``Gemm`` computes and with which kernel, decided once (``GemmSpec.make``
@@ -165,9 +172,7 @@ class GemmSpec:
             raise ValueError(f"rope needs epilogue 'none' and N = q_width + 2 * kv_width "
                              f"({rope.q_width} + 2 * {rope.kv_width}), got {epilogue!r} and N={N}")
         if conv is not None:
-            if not isinstance(conv, tuple) or len(conv) != 2:
-                raise ValueError(f"conv must be (taps, group_size), got {conv!r}")
-            conv = (checks.int_arg(conv[0], "conv taps", 1), checks.int_arg(conv[1], "conv group_size", 1))
+            conv = _taps_group("conv", conv)
             if epilogue != "none" or x16 or y16 or rope is not None:
                 raise ValueError("conv (the fused prepare convolution) needs epilogue 'none', f32 x and y "
                                  "and no rope")
@@ -175,9 +180,7 @@ class GemmSpec:
                 raise ValueError(f"conv=(taps={conv[0]}, group_size={conv[1]}) needs N = 2 * taps * K / group_size "
                                  f"(N={N}, K={K})")
         if finish is not None:
-            if not isinstance(finish, tuple) or len(finish) != 2:
-                raise ValueError(f"finish must be (taps, group_size), got {finish!r}")
-            finish = (checks.int_arg(finish[0], "finish taps", 1), checks.int_arg(finish[1], "finish group_size", 1))
+            finish = _taps_group("finish", finish)
             if path != "stream":
                 raise ValueError(f"finish needs path 'stream' (this Gemm runs {path!r})")
             if epilogue != "residual" or norm_eps is not None or y16 or conv is not None or rope is not None:
