@@ -479,13 +479,15 @@ class StepEngine:
         self.g_attn_gate = gemm(gate_w, H, L0.w_attn_gate.dtype) if gate_w else None
         # the prepare convolution after it where its launch allows (fuses_conv: _prepare)
         conv = (c.dflash2.conv_kernel_size, c.dflash2.conv_group_size) if r.conv else None
-        self.g_conv = gemm(c.dflash2.projection_rows(H), H, L0.conv_a_kp.dtype, conv=conv) if r.conv else None
-        # the first layer's: its input norm folded in too (_conv_layer), a variant of its own (the
-        # folded norm's staging costs the other sublayers ~0.4 us a launch), at every row count:
-        # mma.sync launches only (a wgmma one could neither fuse nor store the normed rows, and a
-        # lane must equal a single cache whichever way each takes)
+        # every sublayer's norm folded in (_conv_layer) where this variant takes it at the step's
+        # rows: mma.sync launches only (a wgmma one could neither fuse nor store the normed rows,
+        # and a lane must equal a single cache whichever way each takes); decided once here
         self.g_conv0 = gemm(c.dflash2.projection_rows(H), H, L0.conv_a_kp.dtype, norm_eps=c.rms_norm_eps,
                             conv=conv, wgmma=False) if r.conv else None
+        self._fold_norms = self.g_conv0 is not None and self.g_conv0.stores_norm(self.n_noise)
+        # otherwise the GEMM reads the norms' outputs (cx)
+        self.g_conv = (gemm(c.dflash2.projection_rows(H), H, L0.conv_a_kp.dtype, conv=conv)
+                       if r.conv and not self._fold_norms else None)
         self.g_lm = self._lm_part = None
         if self.lm_head is not None:
             V = self.lm_head.shape[0]
@@ -662,7 +664,7 @@ class StepEngine:
         Each finish runs in the o / down GEMM's epilogue where it fuses (``_finish``; else
         after the GEMM, bit for bit the same). The norm that reads its output, and the first
         layer's input norm, are folded into the next kernel_projection GEMM where it can take
-        them (``g_conv0`` reads ``h`` with the norm's weight, ``_folds_norm``: a property of
+        them (``g_conv0`` reads ``h`` with the norm's weight, ``_fold_norms``: a property of
         the step's rows, so a lane and a single cache fold alike); else the norm is written
         into ``cx`` (``rms``, or ``finish_norm`` with the finish). After the last layer the
         final norm is an ``rms`` launch (or ``finish_norm``)."""
@@ -671,7 +673,7 @@ class StepEngine:
         layers = self.dw.layers
         if self.config.context_kv_layer_norm:
             self.rms(self.ctx_step, L.input_layernorm, self.xin[:nc], stream=stream)
-        fold = self._folds_norm()
+        fold = self._fold_norms
         if li == 0 and not fold:
             self.rms(h_in, L.input_layernorm, self.cx, stream=stream)
         self._prepare(L.conv_a_kp, L.conv_a_base, conv_kw,
@@ -688,17 +690,11 @@ class StepEngine:
                      self.dw.norm if last else layers[li + 1].input_layernorm,
                      self._hs if last else (None if fold else self.cx), conv_kw)
 
-    def _folds_norm(self) -> bool:
-        """Whether each sublayer's input norm is folded into its kernel_projection GEMM:
-        ``g_conv0`` takes a norm at this step's rows (it then convolves the rows it normed, or
-        stores them for ``GroupedConv``: the same bits either way)."""
-        return self.g_conv0 is not None and self.g_conv0.stores_norm(self.n_noise)
-
     def _finish(self, g, x, w, base, residual, ln, out, conv_kw) -> None:
         """``h`` = ``residual`` + finish(``g``'s product of ``x`` and ``w``), then ``out`` = its
         norm with ``ln``: the finish in ``g``'s epilogue where ``g`` fuses it, then an ``rms``
         launch unless ``out`` is None (the next kernel_projection GEMM folds the norm,
-        ``_folds_norm``); else ``g``'s plain output into ``obuf``, then ``GroupedConv``'s
+        ``_fold_norms``); else ``g``'s plain output into ``obuf``, then ``GroupedConv``'s
         finish, or ``finish_norm`` with ``out`` (bit-identical)."""
         nn, live, bs, stream = self.n_noise, self.tiles_noise, self.lane_rows, conv_kw["stream"]
         if g.finish is not None and g.fuses_finish(nn, bs):
