@@ -10,12 +10,14 @@
 // selector_topk_blocks: grid (nblk, lanes * R), block TK_NT; row g = lane * R + j reads logits
 //   row lane * row_stride + row0 + j, columns [b * TK_TILE, +TK_TILE). Writes the column
 //   block's K best as part [lanes * R][nblk][K][2] u32 (order key, id), best first, empty slots
-//   (0, 0xffffffff). The merge needs only the K best of each block, in any order, so a GEMM
-//   epilogue with its own column blocks may write this (GS_EPI 3's argmax pairs are K = 1).
+//   (0, 0xffffffff). The merge needs each block's K best, best first, so a GEMM epilogue with
+//   its own column blocks may write this (GS_EPI 4; GS_EPI 3's argmax pairs are K = 1).
 // selector_topk_merge: grid lanes * R, block TK_NT: the K best of the row's nblk * K pairs (row g =
 //   lane * R + j reads part row lane * prow_stride + prow0 + j: gemm_stream.cu GS_EPI 4 writes
 //   every GEMM row) -> ids [lanes * R, K] int32, vals [lanes * R, K] f32 = softcap(logit * MULT)
-//   (tanhf(v / CAP) * CAP). SEL_PBLK: blocks such partials have (sizes the registers that hold them).
+//   (tanhf(v / CAP) * CAP). Two phases of K block-wide rounds: the K blocks with the best first
+//   pairs, then the K best of their K * K pairs (two round trips). nblk <= NBLK_MAX (SEL_PBLK:
+//   blocks such partials have, when more than this kernel's own).
 // selector_walk: grid (SPLIT = ceil(RANK / WK_NW), lanes), block WK_NW * 32.
 //   Phase 1 (every block): warp w computes hp[lane][j][k], k = blockIdx.x * WK_NW + w, into
 //   hp_ws [lanes, R, RANK] f32 (warp_dot below). The last block of a lane to arrive
@@ -99,14 +101,13 @@ constexpr int V = SEL_V, K = SEL_K, Q = SEL_Q, R = SEL_Q - 1, H = SEL_H, RANK = 
 constexpr int RA = R > 0 ? R : 1;  // register arrays need a positive size
 constexpr int TK_NT = SEL_TK_NT, TK_PER = SEL_TK_PER, TK_TILE = TK_NT * TK_PER, TK_NW = TK_NT / 32;
 constexpr int WK_NW = SEL_WK_NW, WK_NT = WK_NW * 32;
-// selector_topk_merge: pairs per thread held in registers (its own blocks' K best each, or
-// SEL_PBLK blocks' when more, up to 64 pairs: 128 registers; more are read again each round)
+// selector_topk_merge: list heads per thread (up to NBLK_MAX lists: its own blocks', or SEL_PBLK
+// when more) and pairs per thread of the K chosen lists, held in registers
 #ifndef SEL_PBLK
 #define SEL_PBLK 0
 #endif
 constexpr int NBLK_OWN = (V + TK_TILE - 1) / TK_TILE, NBLK_MAX = NBLK_OWN > SEL_PBLK ? NBLK_OWN : SEL_PBLK;
-constexpr int MP_ALL = (NBLK_MAX * K + TK_NT - 1) / TK_NT, MP_OWN = (NBLK_OWN * K + TK_NT - 1) / TK_NT;
-constexpr int MP = MP_ALL <= 64 ? MP_ALL : MP_OWN;
+constexpr int MH = (NBLK_MAX + TK_NT - 1) / TK_NT, MQ = (K * K + TK_NT - 1) / TK_NT;
 constexpr unsigned long long ALL = ~0ull;
 constexpr float MULT = (float)(SEL_MULT), CAP = (float)(SEL_CAP);
 constexpr float CAP_DIV = CAP > 0.0f ? CAP : 1.0f;  // (no division by a zero constant when CAP is off)
@@ -319,40 +320,50 @@ selector_topk_merge(const unsigned int* part, int nblk, int prow0, int prow_stri
     pdl_launch_dependents();
     using namespace selector_detail;
     __shared__ unsigned long long red[TK_NW];
+    __shared__ int pick[K];
     const int g = blockIdx.x, lane = g / RA, j = g - lane * RA;
-    const unsigned int* p = part + ((long long)lane * prow_stride + prow0 + j) * nblk * K * 2;
-    const int n = nblk * K;
+    const uint2* p2 = reinterpret_cast<const uint2*>(part + ((long long)lane * prow_stride + prow0 + j) * nblk * K * 2);
     // an empty slot (any key, id 0xffffffff) ranks as 0: below every real pair
     auto word = [&](uint2 v) -> unsigned long long {
         return v.y >= (unsigned int)V ? 0ull : ((unsigned long long)v.x << 32) | (0xffffffffu - v.y);
     };
-    const uint2* p2 = reinterpret_cast<const uint2*>(p);   // (key, id): 8-byte aligned pairs
-    // up to MP * TK_NT pairs (this kernel's own blocks', or SEL_PBLK blocks') are read once
-    // into registers, every load issued before any is used; more are read again in every round
-    unsigned long long held[MP];
-    const bool cached = n <= MP * TK_NT;
-    uint2 raw[MP];
+    // Phase 1: the K lists with the largest heads. Each list is best first, so an element of
+    // any other list is below its own head, itself below K heads: the row's K best all lie in
+    // these K lists. Every head load is issued before any is used (nblk <= NBLK_MAX).
+    unsigned long long head[MH];
 #pragma unroll
-    for (int m = 0; m < MP; ++m) {
-        const int i = threadIdx.x + m * TK_NT;
-        raw[m] = make_uint2(0u, 0xffffffffu);
-        if (cached && i < n) raw[m] = p2[i];
+    for (int m = 0; m < MH; ++m) {
+        const int b = threadIdx.x + m * TK_NT;
+        head[m] = b < nblk ? word(p2[(long long)b * K]) : 0ull;
     }
-#pragma unroll
-    for (int m = 0; m < MP; ++m) held[m] = word(raw[m]);
     unsigned long long last = ALL;
     for (int t = 0; t < K; ++t) {
         unsigned long long mine = 0ull;
-        if (cached) {
 #pragma unroll
-            for (int m = 0; m < MP; ++m)
-                if (held[m] < last && held[m] > mine) mine = held[m];
-        } else {
-            for (int i = threadIdx.x; i < n; i += TK_NT) {
-                const unsigned long long wd = word(p2[i]);
-                if (wd < last && wd > mine) mine = wd;
-            }
-        }
+        for (int m = 0; m < MH; ++m)
+            if (head[m] < last && head[m] > mine) mine = head[m];
+        last = block_max64(mine, red);
+        // real words are unique (one id each): one owner records its list; none left: -1
+#pragma unroll
+        for (int m = 0; m < MH; ++m)
+            if (last && head[m] == last) pick[t] = threadIdx.x + m * TK_NT;
+        if (!last && threadIdx.x == 0) pick[t] = -1;
+    }
+    __syncthreads();
+    // Phase 2: the K best of those lists' K * K pairs, all loads in flight at once.
+    unsigned long long held[MQ];
+#pragma unroll
+    for (int m = 0; m < MQ; ++m) {
+        const int i = threadIdx.x + m * TK_NT, l = i / K;
+        const int b = i < K * K ? pick[l] : -1;
+        held[m] = b >= 0 ? word(p2[(long long)b * K + (i - l * K)]) : 0ull;
+    }
+    last = ALL;
+    for (int t = 0; t < K; ++t) {
+        unsigned long long mine = 0ull;
+#pragma unroll
+        for (int m = 0; m < MQ; ++m)
+            if (held[m] < last && held[m] > mine) mine = held[m];
         last = block_max64(mine, red);
         if (threadIdx.x == 0) {
             // K <= V real pairs exist when every block wrote its K best; an empty winner

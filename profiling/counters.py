@@ -1386,10 +1386,6 @@ def _bytes_only(L, reads, writes, note="") -> KernelCounters:
     return c
 
 
-def _C_SEL() -> dict:
-    return kernels.constants("selector.cu")
-
-
 def _small(L) -> KernelCounters:
     k, d = L.kernel, L.defines
     P = L.params()          # the arguments by the kernel's parameter names
@@ -1487,16 +1483,14 @@ def _small(L) -> KernelCounters:
     if k == "selector_topk_blocks":   # selector.cu: each (row, column block)'s best K
         rows, nblk, K = L.grid[1], P["nblk"], d["SEL_K"]
         return _bytes_only(L, [(n("logits"), rows * d["SEL_V"] * 4)], [(n("part"), rows * nblk * K * 8)])
-    if k == "selector_topk_merge":   # pairs held in registers when they fit (MP), else re-read per round
-        rows, K, V = L.grid[0], d["SEL_K"], d["SEL_V"]
-        tile = _C_SEL()["SEL_TK_NT"] * _C_SEL()["SEL_TK_PER"]
-        own, nt = -(-V // tile), _C_SEL()["SEL_TK_NT"]
-        mp_all, mp_own = -(-max(own, d.get("SEL_PBLK", 0)) * K // nt), -(-own * K // nt)
-        mp = mp_all if mp_all <= 64 else mp_own
-        reads = 1 if P["nblk"] * K <= mp * nt else K
-        return _bytes_only(L, [(n("part"), reads * rows * P["nblk"] * K * 8)],
-                           [(n("ids"), rows * K * 4), (n("vals"), rows * K * 4)],
-                           "" if reads == 1 else f"{P['nblk'] * K} pairs per row exceed the registers: read {K} times")
+    if k == "selector_topk_merge":   # each block's first pair, then the K best blocks' K pairs
+        rows, K = L.grid[0], d["SEL_K"]
+        nb = min(P["nblk"], K)
+        c = _bytes_only(L, [(n("part"), rows * (P["nblk"] + nb * K) * 8)],
+                        [(n("ids"), rows * K * 4), (n("vals"), rows * K * 4)],
+                        f"{P['nblk']} first pairs, then the {nb} best blocks' {K} pairs each, per row")
+        c.dram_round_trips_per_block = 2.0   # the chosen blocks' pairs wait for the first pairs' rounds
+        return c
     if k == "selector_walk":   # one lane per grid row: hp = W hidden, then the walk's codebook rows
         lanes, Q, H, rank, K = L.grid[1], d["SEL_Q"], d["SEL_H"], d["SEL_RANK"], d["SEL_K"]
         R, wb = Q - 1, (4 if d.get("SEL_HPT", 2) == 0 else 2)

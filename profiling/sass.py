@@ -614,7 +614,10 @@ def _parse_defines(items: Sequence[str]) -> dict:
     out = {}
     for it in items:
         k, _, v = it.partition("=")
-        out[k] = int(v, 0) if v else 1
+        try:
+            out[k] = int(v, 0) if v else 1
+        except ValueError:   # a float size (e.g. SEL_MULT=0.196)
+            out[k] = float(v)
     return out
 
 

@@ -106,22 +106,32 @@ def test_topk_row_offsets_and_q_len_1(backend, rng):
 
 @pytest.mark.parametrize("cols", [1, 5, 37, 300])
 def test_merge_of_epilogue_partials_is_the_full_top_k(backend, rng, cols):
-    """Any column partition, each block's K best in any order, empty slots: the merge gives the
-    top-K of the full row (what a top-K fused into the lm_head GEMM's epilogue relies on)."""
+    """Any column partition, each block's K best first, empty slots: the merge gives the
+    top-K of the full row (what a top-K fused into the lm_head GEMM's epilogue relies on),
+    also where one block holds all K (the merge keeps the K blocks with the best first pairs)."""
     vocab, K, lanes, q_len = 1007, 16, 3, 3
+    nb = -(-vocab // cols)
     c = config(vocab=vocab, K=K, q_len=q_len)
-    sel = SelectorKernels(backend, c, q_len, lanes)
+    sel = SelectorKernels(backend, c, q_len, lanes, partial_blocks=nb)
     lg = rng.standard_normal((lanes * 2, vocab)).astype(np.float32)
     lg[0, [3, 500, 1006]] = 9.0                                    # ties across blocks
     lg[1, 7] = np.nan
-    part = partials_reference(lg, K, vocab, cols, seed=cols)
+    lg[2, 600:600 + min(cols, K)] = 5.0 + np.arange(min(cols, K))    # one block's K best lead the row
+    lg[3, :] = -np.inf                                             # every pair ties: ids decide
+    part = partials_reference(lg, K, vocab, cols)
     ids, vals = backend.zeros((lanes, 2, K), np.int32), backend.zeros((lanes, 2, K), np.float32)
     sel.merge_partials(backend.asarray(part), ids, vals)
     want_ids, want_vals = topk_reference(lg, K, vocab, 0.7, 3.0)
     np.testing.assert_array_equal(backend.to_numpy(ids).reshape(-1, K), want_ids)
     _values_match(backend.to_numpy(vals).reshape(-1, K), want_vals, "vals")
+    before = backend.to_numpy(ids).copy()
     with pytest.raises(ValueError, match="^partials must have shape"):
         sel.merge_partials(backend.asarray(part[:, :, :K - 1].copy()), ids, vals)
+    # more blocks than the merge was built for: refused, nothing written
+    wide = np.concatenate([part, part[:, :1]], axis=1)
+    with pytest.raises(ValueError, match=f"partials has {nb + 1} column blocks.*partial_blocks"):
+        sel.merge_partials(backend.asarray(wide), ids, vals)
+    np.testing.assert_array_equal(backend.to_numpy(ids), before)
 
 
 def test_topk_and_walk_replay_from_a_graph(emu):

@@ -17,8 +17,9 @@ selector rows per lane (block rows 1..q_len-1). Shapes and dtypes (device arrays
 - ``merge_partials(partials, ids, vals, row0=0, row_stride=R)``: the same ``ids`` / ``vals``
   from per-column-block candidates (u32 ``[rows, blocks, K, 2]`` (order key, id), e.g. the
   lm_head GEMM's fused top-K, ``Gemm(..., "topk")``, whose rows are every step row: then
-  ``row0=1, row_stride`` the lane's rows); ``partial_blocks``: their blocks, which size the
-  merge's registers (more than fit are read again in each of its K rounds).
+  ``row0=1, row_stride`` the lane's rows), each block's pairs best first; ``partial_blocks``:
+  their blocks, which size the merge's registers (partials with more blocks than this and
+  ``topk``'s own are refused).
 - ``walk(hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, tokens, choice, q, knobs,
   rng)``: ``hidden`` f32 ``[lanes, S >= q_len, H]`` (the block's final normed hidden rows,
   S rows per lane, e.g. a step engine's 16-row lane blocks; rows 1..q_len-1 are read), ``hp_w`` ``[rank, H]``, ``pred_cb`` / ``succ_cb`` ``[vocab, rank]`` in
@@ -90,6 +91,7 @@ class SelectorKernels:
         # column blocks of the partials merge_partials will be given (a fused lm_head top-K's):
         # they size the merge's registers (SEL_PBLK)
         self.partial_blocks = checks.int_arg(partial_blocks, "partial_blocks", 0)
+        self.max_partial_blocks = max(self.nblk, self.partial_blocks)   # the merge's NBLK_MAX
         code = dtypes.CODE[self.weight_kind]
         mod = kernels.load_module(backend, "selector.cu", SEL_V=self.vocab, SEL_K=self.K, SEL_Q=self.q_len,
                                   SEL_H=self.H, SEL_RANK=self.rank, SEL_HPT=code, SEL_CBT=code,
@@ -141,8 +143,10 @@ class SelectorKernels:
                        stream=None) -> None:
         """``ids`` / ``vals`` (as ``topk`` writes them) from per-column-block candidates:
         ``partials`` u32 ``[rows, blocks, K, 2]``, each column block's K best (order key, id)
-        pairs in any order, empty slots with an id >= vocab (e.g. 0xffffffff); any column
-        partition. Lane ``l``'s selector row ``j`` is partials row ``l * row_stride + row0 + j``
+        pairs best first (the merge reads each block's first pair as its best), empty slots
+        with an id >= vocab (e.g. 0xffffffff) last; any column partition into at most
+        ``max(partial_blocks, the kernel's own blocks)`` blocks (the merge holds one first pair
+        per block in registers; more are refused). Lane ``l``'s selector row ``j`` is partials row ``l * row_stride + row0 + j``
         (default: ``[lanes * R, ...]``, row_stride R; a fused lm_head top-K's partials of every
         step row: ``row0=1``, ``row_stride`` the lane's rows). The merge ``topk`` runs, for a
         GEMM epilogue that writes them (``Gemm(..., "topk")``, ``gemm_stream.cu`` GS_EPI 4)."""
@@ -158,6 +162,9 @@ class SelectorKernels:
         if partials.shape[0] < need or partials.shape[2:] != (K, 2) or partials.shape[1] < 1:
             raise ValueError(f"partials must have shape [>= {need}, blocks >= 1, {K}, 2] (lanes={L}, row0={row0}, "
                              f"row_stride={row_stride}), got {list(partials.shape)}")
+        if partials.shape[1] > self.max_partial_blocks:
+            raise ValueError(f"partials has {partials.shape[1]} column blocks; this merge was built for at most "
+                             f"{self.max_partial_blocks} (SelectorKernels(partial_blocks=...) sizes it)")
         self._out("ids", ids, np.int32, (L, R, K))
         self._out("vals", vals, np.float32, (L, R, K))
         checks.check_no_overlap(ids=ids, vals=vals, partials=partials)
@@ -231,13 +238,12 @@ def topk_reference(logits, k: int, vocab: int, multiplier: float, cap) -> tuple[
     return ids, x.astype(np.float32)
 
 
-def partials_reference(logits, k: int, vocab: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Per-column-block candidates as a GEMM epilogue with ``cols``-wide column blocks may
-    write them: u32 ``[rows, blocks, k, 2]``, each block's k best (order key, id) in a
-    seeded random order, empty slots (0, 0xffffffff)."""
+def partials_reference(logits, k: int, vocab: int, cols: int) -> np.ndarray:
+    """Per-column-block candidates as a GEMM epilogue with ``cols``-wide column blocks writes
+    them: u32 ``[rows, blocks, k, 2]``, each block's k best (order key, id) best first (ties
+    to the lower id), then empty slots (0, 0xffffffff)."""
     lg = np.asarray(logits, np.float32)[:, :vocab]
     nb = -(-vocab // cols)
-    rng = np.random.default_rng(seed)
     out = np.zeros((lg.shape[0], nb, k, 2), np.uint32)
     out[..., 1] = 0xFFFFFFFF
     for r in range(lg.shape[0]):
@@ -245,9 +251,8 @@ def partials_reference(logits, k: int, vocab: int, cols: int, seed: int = 0) -> 
             seg = lg[r, b * cols:(b + 1) * cols]
             keys = _order_keys(seg)
             best = np.lexsort((np.arange(seg.size), -keys.astype(np.int64)))[:k]
-            slots = rng.permutation(k)[:best.size]
-            out[r, b, slots, 0] = keys[best]
-            out[r, b, slots, 1] = best + b * cols
+            out[r, b, :best.size, 0] = keys[best]
+            out[r, b, :best.size, 1] = best + b * cols
     return out
 
 
