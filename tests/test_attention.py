@@ -700,6 +700,7 @@ def test_launch_candidates_of_the_presets(kvt, default):
     assert att.launch_candidates(16) == cands and att.config(16) == att.config()   # m: ignored
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["mma", "fma"])
 def test_every_tuning_candidate_is_correct(backend, rng, path):
     """use_config to each candidate: what it allocates matches the

@@ -1,5 +1,6 @@
 """profiling.lanes_model: the recorded batch step and its per-lane cost."""
 import numpy as np
+import pytest
 
 from profiling import lanes_model as lm
 from profiling.common import drafter_config
@@ -20,6 +21,7 @@ def test_batch_plan_marks_live_tiles_and_floor_shares_weights():
     assert lm.floor_bytes(single, 1) == 150 and lm.floor_bytes(single, 4) == 110 + 4 * 40
 
 
+@pytest.mark.slow
 def test_per_lane_cost_falls_with_lanes():
     gpu = get_gpu("H200")
     rows = [lm.model_batch("qwen3-8b", 2048, n, gpu) for n in (1, 4)]
@@ -49,6 +51,7 @@ def test_gemm_stream_counters_skip_dead_tiles():
     assert any("assumed live" in n for n in unknown.notes)
 
 
+@pytest.mark.slow
 def test_single_term_activations_halve_the_mmas_where_they_bind(request):
     """x_split=False: one rounding of each GEMM input halves the modelled MMAs;
     at one lane (a weight stream) the step is unchanged, at 16 lanes (MMA-bound
@@ -72,6 +75,7 @@ def test_single_term_activations_halve_the_mmas_where_they_bind(request):
     assert many[False]["x_split"] is False and "single" in lm.format_table([many[False]])
 
 
+@pytest.mark.slow
 def test_batch_attention_splits_fall_with_lanes(monkeypatch, request):
     """ops/attention.py counts the lanes in the units that fill the SMs: at 16
     lanes (2K window) the batch's attention splits each lane's keys 4 ways
@@ -131,6 +135,7 @@ def test_pdl_charges_the_programmatic_edges_their_own_gap():
     assert pdl["single_step_us"] < plain["single_step_us"]   # the reference step modelled with PDL too
 
 
+@pytest.mark.slow
 def test_sixteen_lanes_take_the_x16_gate_up_path(monkeypatch, request):
     """At 16 active lanes (h4096, 2K, one rounding of the GEMM inputs) the gate_up GEMM reads
     16-bit normalised rows from a norm launch of its own (one node more per layer) instead of

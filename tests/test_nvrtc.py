@@ -41,6 +41,7 @@ def _cases():
     return out or [pytest.param(None, None, (), id="no-cu-files-yet")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path,arch,opts", _cases())
 def test_cu_file_compiles_clean(path: Path | None, arch, opts):
     if path is None:

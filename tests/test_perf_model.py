@@ -319,6 +319,7 @@ def test_model_step_structure():
     assert m["losses"] and m["losses"][0]["loss_us"] >= m["losses"][-1]["loss_us"]
 
 
+@pytest.mark.slow
 def test_model_h5120_names_the_tail_wave(monkeypatch, request):
     """The hidden-5120 gate_up: its default split (1 slice, one round of blocks) leaves no
     latency-bound tail; forced to 10 slices (1360 blocks on 264 slots) the model names the
@@ -555,6 +556,7 @@ def test_step_qkv_gemm_knows_the_step_padding():
                                  and n.arg("norm_lo") == cs for n in qkv)
 
 
+@pytest.mark.slow
 def test_gemm_model_table(request):
     """profiling.gemm_model: every drafter GEMM at M = 16, 32, 64 with both
     activation roundings, planned as the product plans it; how many reach 85% of
@@ -577,6 +579,7 @@ def test_gemm_model_table(request):
     assert "gate_up" in gemm_model.format_table(rows[:15])
 
 
+@pytest.mark.slow
 def test_pdl_edges_cost_the_pdl_gap():
     """--pdl: each launch right after a launch costs pdl_gap_s instead of node_gap_s; the
     kernels' times do not change (the prefetch is not modelled)."""

@@ -151,6 +151,7 @@ def test_bench_step_legacy_window_cap_and_merge(backend, tmp_path):
     assert [r.get("merged_from") for r in res["rows"]] == [str(first)] * 2
 
 
+@pytest.mark.slow
 def test_bench_gemm_smoke_bytes(backend, tmp_path):
     res = bench_gemm.main(["--smoke", "--backend", backend.name, "--out", str(tmp_path / "g.json"),
                            "--ms", "16,34,64", "--warmup", "1", "--repeats", "2", "--mma-sync"])
@@ -438,6 +439,7 @@ def test_dry_run_steps_the_smoke_tests_lanes(tmp_path):
     assert len(lanes) == 1 and lanes[0][lanes[0].index("--lanes") + 1] == DRY_RUN_LANES, lanes
 
 
+@pytest.mark.slow
 def test_bench_lanes_smoke(tmp_path):
     """bench_lanes on the emulator: every row, the per-lane arithmetic, one
     batch for every lane count (its step graphs captured twice in all), and

@@ -50,6 +50,7 @@ def facts(n):
     return phases, st, resident
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter,window,vocab", CASES)
 def test_streams_keep_enough_in_flight(drafter, window, vocab):
     bad = []
