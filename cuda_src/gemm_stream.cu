@@ -284,6 +284,28 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
     pdl_wait();
     pdl_launch_dependents();
 
+    // The weight ring's first slots depend on nothing the step writes: issued before the
+    // row flags below, so both are one L2 round trip, not two (a dead block drops them)
+    const int k_begin = blockIdx.z * kz;
+    const int k_end = (k_begin + kz < K) ? k_begin + kz : K;
+    const int nsteps = (k_end > k_begin) ? (k_end - k_begin + KSTEP - 1) / KSTEP : 0;
+    const int spc = kt / KSTEP;                                // ring steps per staged x chunk
+
+    // Weight tile j: gate (or only) rows for j < NT, up rows (N further) for j >= NT.
+    const unsigned short* wrow[WT];
+    unsigned int ok = 0u;
+#pragma unroll
+    for (int j = 0; j < WT; j++) {
+        const int n = n0 + 8 * (j % NT) + g;
+        const bool v = n < N;
+        ok |= (v ? 1u : 0u) << j;
+        wrow[j] = w + ((long long)(v ? n : 0) + (j >= NT ? (long long)N : 0ll) * (v ? 1 : 0)) * K;
+    }
+
+    Slot ring[D];
+#pragma unroll
+    for (int d = 0; d < D; d++) load_slot(ring[d], wrow, ok, k_begin + d * KSTEP + 8 * t, k_end);
+
     // Padding rows [lo, pad_hi), lo read from device memory (inside a captured
     // graph the live row count changes per step): they count as zero rows, never
     // read from x, and a 16-row tile with no other row is not computed. Their
@@ -343,25 +365,6 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
     (void)scale_lo;
 #endif
 
-    const int k_begin = blockIdx.z * kz;
-    const int k_end = (k_begin + kz < K) ? k_begin + kz : K;
-    const int nsteps = (k_end > k_begin) ? (k_end - k_begin + KSTEP - 1) / KSTEP : 0;
-    const int spc = kt / KSTEP;                                // ring steps per staged x chunk
-
-    // Weight tile j: gate (or only) rows for j < NT, up rows (N further) for j >= NT.
-    const unsigned short* wrow[WT];
-    unsigned int ok = 0u;
-#pragma unroll
-    for (int j = 0; j < WT; j++) {
-        const int n = n0 + 8 * (j % NT) + g;
-        const bool v = n < N;
-        ok |= (v ? 1u : 0u) << j;
-        wrow[j] = w + ((long long)(v ? n : 0) + (j >= NT ? (long long)N : 0ll) * (v ? 1 : 0)) * K;
-    }
-
-    Slot ring[D];
-#pragma unroll
-    for (int d = 0; d < D; d++) load_slot(ring[d], wrow, ok, k_begin + d * KSTEP + 8 * t, k_end);
 
 #if GS_RAW
     // The x chunk [tiles * 16][kt] f32 and its gammas (ln [kt], then ln_lo [kt]) behind the
