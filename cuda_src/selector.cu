@@ -6,18 +6,15 @@
 // SEL_MULT output_multiplier, SEL_CAP softcap (0: none). R = SEL_Q - 1 selector rows per lane.
 // Candidate order: (float_order.cuh key of the raw logit, then lower id) — +inf first, NaN last.
 // A pair's rank word is key << 32 | (0xffffffff - id); 0 is the empty slot (below every pair).
-//
 // selector_topk_blocks: grid (nblk, lanes * R), block TK_NT; row g = lane * R + j reads logits
-//   row lane * row_stride + row0 + j, columns [b * TK_TILE, +TK_TILE). Writes the column
-//   block's K best as part [lanes * R][nblk][K][2] u32 (order key, id), best first, empty slots
-//   (0, 0xffffffff). The merge needs each block's K best, best first, so a GEMM epilogue with
-//   its own column blocks may write this (GS_EPI 4; GS_EPI 3's argmax pairs are K = 1).
+//   row lane * row_stride + row0 + j, columns [b * TK_TILE, +TK_TILE). Writes the column block's
+//   K best as part [lanes * R][nblk][K][2] u32 (order key, id), best first, empty slots (0,
+//   0xffffffff): what a GEMM epilogue may write instead (GS_EPI 4; GS_EPI 3's argmax: K = 1).
 // selector_topk_merge: grid lanes * R, block TK_NT: the K best of the row's nblk * K pairs (row g =
 //   lane * R + j reads part row lane * prow_stride + prow0 + j: gemm_stream.cu GS_EPI 4 writes
 //   every GEMM row) -> ids [lanes * R, K] int32, vals [lanes * R, K] f32 = softcap(logit * MULT)
 //   (tanhf(v / CAP) * CAP). Two phases of K block-wide rounds: the K blocks with the best first
-//   pairs, then the K best of their K * K pairs (two round trips). nblk <= NBLK_MAX (SEL_PBLK:
-//   blocks such partials have, when more than this kernel's own).
+//   pairs, then the K best of their K * K pairs. nblk <= NBLK_MAX (SEL_PBLK: such partials' blocks).
 // selector_walk: grid (SPLIT = ceil(RANK / WK_NW), lanes), block WK_NW * 32.
 //   Phase 1 (every block): warp w computes hp[lane][j][k], k = blockIdx.x * WK_NW + w, into
 //   hp_ws [lanes, R, RANK] f32 (warp_dot below). The last block of a lane to arrive
@@ -32,16 +29,19 @@
 //   target = draw_target(row_bits64(lane * Q + j + 1, rng), total), the first c whose running
 //   mass exceeds it; total 0 (every score NaN): choice 0, q row all 0 (per_lane 0). per_lane 1:
 //   each lane its own step block, knobs [lanes][3] and rng [lanes][2], row j + 1 (each lane
-//   draws as a one-lane walk).
-//   q [lanes, R, K] f32: f32(mass_c) / f32(total) (T > 0), one-hot (T <= 0); choice [lanes, R]
-//   int32. Layouts: hidden [lanes, hidden_rows >= Q, H] f32 (rows 1..Q-1 read), hp_w [RANK, H], codebooks
-//   [V, RANK], all row-major; ids / vals as the merge writes them.
-// warp_dot(w row, x vectors) (the fixed order ops/selector.py mirrors): lane i sums, in f32
-//   without contraction, w[e] * x[e] over e in chunks of 8 (chunk = i, i + 32, ...), ascending;
-//   then the xor butterfly of warp.cuh's warp_sum (offsets 16, 8, 4, 2, 1).
+//   draws as a one-lane walk). q [lanes, R, K] f32: f32(mass_c) / f32(total) (T > 0), one-hot
+//   (T <= 0); choice [lanes, R] int32. hidden [lanes, hidden_rows >= Q, H] f32 (rows 1..Q-1),
+//   hp_w [RANK, H], codebooks [V, RANK], row-major; ids / vals as the merge writes them.
+// selector_merge_walk: the two above in one launch, grid (R + SPLIT, lanes) ((1, lanes) at R 0):
+//   block x < R merges the lane's row x, the others are the walk's phase-1 slices x - R; the
+//   last of the lane's R + SPLIT to arrive walks. Arguments: the merge's, then the walk's.
+// warp_dot(w row, x vectors) (the fixed order ops/selector.py mirrors): lane i sums, in f32 without
+//   contraction, w[e] * x[e] over e in chunks of 8 (chunk = i, i + 32, ...), ascending; then the
+//   xor butterfly of warp.cuh's warp_sum (offsets 16, 8, 4, 2, 1).
 // nvrtc-check: -DSEL_V=202048 -DSEL_K=16 -DSEL_Q=16 -DSEL_H=6656 -DSEL_RANK=256 -DSEL_HPT=2 -DSEL_CBT=2 -DSEL_MULT=0.196 -DSEL_CAP=20.0
 // nvrtc-check: -DSEL_V=202048 -DSEL_K=16 -DSEL_Q=16 -DSEL_H=6656 -DSEL_RANK=256 -DSEL_HPT=2 -DSEL_CBT=2 -DSEL_MULT=0.196 -DSEL_CAP=20.0 -DSEL_PBLK=790
 // nvrtc-check: -DSEL_V=19 -DSEL_K=3 -DSEL_Q=1 -DSEL_H=12 -DSEL_RANK=5 -DSEL_HPT=0 -DSEL_CBT=1 -DSEL_MULT=1.0 -DSEL_CAP=0
+// nvrtc-check: -DSEL_V=151936 -DSEL_K=16 -DSEL_Q=16 -DSEL_H=5120 -DSEL_RANK=256 -DSEL_HPT=2 -DSEL_CBT=2 -DSEL_MULT=0.196 -DSEL_CAP=20.0 -DSEL_PBLK=594
 
 #ifndef SEL_V
 #define SEL_V 1000
@@ -116,9 +116,11 @@ constexpr int CPW = (K + WK_NW - 1) / WK_NW, SCH = (RANK + 255) / 256;
 constexpr bool SREG = CPW * SCH * 8 <= 64;
 // whole 16-byte loads of hidden_projection / hidden rows (H) and codebook rows (RANK)
 constexpr bool VEC_H = H % 8 == 0, VEC_RANK = RANK % 8 == 0;
-// selector_walk's static shared memory (ops/selector.py checks the same bound first)
-static_assert(RA * K * 8 + RANK * 4 + K * 12 + RA * 8 + 8 <= 48 * 1024,
-              "selector_walk: (q_len - 1) * K * 8 + rank * 4 bytes of shared memory exceed 48 KiB");
+// selector_merge_walk's static shared memory, the most of the kernels': the walk's (staged rows,
+// rank vector, scores and masses, bits, 2 ints) and the merge's (TK_NW words, K picks), + 16 for
+// u_s's alignment (ops/selector.py checks the same bound first)
+static_assert(RA * K * 8 + RANK * 4 + K * 12 + RA * 8 + 8 + TK_NW * 8 + K * 4 + 16 <= 48 * 1024,
+              "selector: (q_len - 1) * K * 8 + rank * 4 bytes of shared memory exceed 48 KiB");
 
 __device__ __forceinline__ unsigned long long rank_word(float logit, unsigned int id)
 {
@@ -280,48 +282,18 @@ __device__ __forceinline__ int choose(const float* s, bool sampled, float inv_t,
     for (int c = wl; c < K; c += 32) qr[c] = total ? (float)mass_s[c] / (float)total : 0.0f;
     return best;
 }
-}  // namespace selector_detail
 
-extern "C" __global__ void __launch_bounds__(SEL_TK_NT)
-selector_topk_blocks(const float* logits, int ld, int row0, int row_stride, int nblk, unsigned int* part)
+// merge_row and walk_lane are static: the __shared__ arrays declared in them must be
+// each module's own (the emulator loads every size variant as a library, where an inline
+// function's block-scope statics would be one GNU_UNIQUE symbol sized by the first one loaded).
+//
+// selector_topk_merge's row g = lane * R + j (every thread of the block calls it).
+static __device__ __forceinline__ void merge_row(const unsigned int* part, int nblk, int prow0, int prow_stride, int g,
+                                                 int* ids, float* vals)
 {
-    pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
-    pdl_launch_dependents();
-    using namespace selector_detail;
-    __shared__ unsigned long long red[TK_NW];
-    const int g = blockIdx.y, b = blockIdx.x;
-    const int lane = g / (R > 0 ? R : 1), j = g - lane * (R > 0 ? R : 1);
-    const float* row = logits + (long long)(lane * row_stride + row0 + j) * ld;
-    unsigned long long w[TK_PER];
-#pragma unroll
-    for (int i = 0; i < TK_PER; ++i) {
-        const int col = b * TK_TILE + i * TK_NT + threadIdx.x;
-        w[i] = col < V ? rank_word(row[col], (unsigned int)col) : 0ull;
-    }
-    unsigned int* out = part + ((long long)g * nblk + b) * K * 2;
-    unsigned long long last = ALL;  // each round takes the largest word below the previous winner
-    for (int t = 0; t < K; ++t) {
-        unsigned long long mine = 0ull;
-#pragma unroll
-        for (int i = 0; i < TK_PER; ++i)
-            if (w[i] < last && w[i] > mine) mine = w[i];
-        last = block_max64(mine, red);
-        if (threadIdx.x == 0) {
-            out[2 * t] = (unsigned int)(last >> 32);
-            out[2 * t + 1] = last ? 0xffffffffu - (unsigned int)last : 0xffffffffu;
-        }
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(SEL_TK_NT)
-selector_topk_merge(const unsigned int* part, int nblk, int prow0, int prow_stride, int* ids, float* vals)
-{
-    pdl_wait();
-    pdl_launch_dependents();
-    using namespace selector_detail;
     __shared__ unsigned long long red[TK_NW];
     __shared__ int pick[K];
-    const int g = blockIdx.x, lane = g / RA, j = g - lane * RA;
+    const int lane = g / RA, j = g - lane * RA;
     const uint2* p2 = reinterpret_cast<const uint2*>(part + ((long long)lane * prow_stride + prow0 + j) * nblk * K * 2);
     // an empty slot (any key, id 0xffffffff) ranks as 0: below every real pair
     auto word = [&](uint2 v) -> unsigned long long {
@@ -378,44 +350,44 @@ selector_topk_merge(const unsigned int* part, int nblk, int prow0, int prow_stri
     }
 }
 
-// (min 1 block per SM: without it ptxas targets 64 registers and spills the hidden
-// projection's N accumulators; the grid is small, ILP is what hides the loads)
-extern "C" __global__ void __launch_bounds__(SEL_WK_NW * 32, 1)
-selector_walk(const float* hidden, int hidden_rows, const void* hp_w, const void* pred_cb, const void* succ_cb,
-              const int* anchors, const int* ids, const float* vals, const float* knobs,
-              const unsigned long long* rng, int per_lane,
-              int* tokens, int* choice, float* q, float* hp_ws, int* counters, int* flags)
+// The walk's phase 1 slice s of lane `lane` (R > 0): warp w's hidden_projection row
+// k = s * WK_NW + w against the lane's rows 1..Q-1, into hp_ws.
+__device__ __forceinline__ void hp_slice(const float* hidden, int hidden_rows, const void* hp_w, int lane, int s,
+                                         float* hp_ws)
 {
-    pdl_wait();
-    pdl_launch_dependents();
-    using namespace selector_detail;
+    const int k = s * WK_NW + (threadIdx.x >> 5);
+    if (k >= RANK) return;
+    float acc[RA];
+    warp_dot<SEL_HPT, RA, VEC_H>((const char*)hp_w + (long long)k * H * (SEL_HPT ? 2 : 4), H,
+                                 hidden + ((long long)lane * hidden_rows + 1) * H, H, acc);
+    if ((threadIdx.x & 31) == 0)
+        for (int j = 0; j < R; ++j) hp_ws[((long long)lane * R + j) * RANK + k] = acc[j];
+}
+
+// The walk of lane `lane` by one block, once every hp slice (and, fused, every merge row) of
+// the lane has arrived: ids, vals and hp_ws are read through L2 (__ldcg: other SMs may have
+// written them in this launch, arrive.cuh).
+static __device__ __forceinline__ void walk_lane(int lane, const void* pred_cb, const void* succ_cb, const int* anchors,
+                                                 const int* ids, const float* vals, const float* knobs,
+                                                 const unsigned long long* rng, int per_lane, int* tokens, int* choice,
+                                                 float* q, const float* hp_ws, int* counters, int* flags)
+{
     __shared__ __align__(16) float u_s[RANK];   // read as float4 (warp_dot VEC)
     __shared__ float s_s[K];
-    __shared__ int prev_s, ticket;
-    const int lane = blockIdx.y, warp = threadIdx.x >> 5, wl = threadIdx.x & 31;
-    if (R > 0) {
-        const int k = blockIdx.x * WK_NW + warp;
-        if (k < RANK) {
-            float acc[RA];
-            warp_dot<SEL_HPT, RA, VEC_H>((const char*)hp_w + (long long)k * H * (SEL_HPT ? 2 : 4), H,
-                                  hidden + ((long long)lane * hidden_rows + 1) * H, H, acc);
-            if (wl == 0)
-                for (int j = 0; j < R; ++j) hp_ws[((long long)lane * R + j) * RANK + k] = acc[j];
-        }
-        if (!last_block_to_arrive(&counters[lane], gridDim.x, &ticket)) return;
-    }
-    // The walk. What no row's choice changes is staged first (every row's candidates and
-    // values, every row's random bits), so a row's only dependent load is its predecessor's
-    // codebook row; each warp holds its candidates' successor rows in registers meanwhile.
+    __shared__ int prev_s;
+    const int warp = threadIdx.x >> 5, wl = threadIdx.x & 31;
+    // What no row's choice changes is staged first (every row's candidates and values, every
+    // row's random bits), so a row's only dependent load is its predecessor's codebook row;
+    // each warp holds its candidates' successor rows in registers meanwhile.
     __shared__ int ids_s[RA * K];
     __shared__ float vals_s[RA * K];
     __shared__ unsigned long long bits_s[RA], mass_s[K];
     const float temperature = knobs[per_lane ? 3 * lane : 0];
     const bool sampled = temperature > 0.0f;
     for (int i = threadIdx.x; i < R * K; i += WK_NT) {
-        const int id = ids[(long long)lane * R * K + i];
+        const int id = __ldcg(ids + (long long)lane * R * K + i);
         ids_s[i] = id < 0 ? 0 : (id >= V ? V - 1 : id);  // never read outside the codebook
-        vals_s[i] = vals[(long long)lane * R * K + i];
+        vals_s[i] = __ldcg(vals + (long long)lane * R * K + i);
     }
     if (sampled) {
         // per_lane: the lane draws as a single lane (lanes = 1) with its own seed and counter
@@ -471,4 +443,90 @@ selector_walk(const float* hidden, int hidden_rows, const void* hp_w, const void
         }
         __syncthreads();
     }
+}
+}  // namespace selector_detail
+
+extern "C" __global__ void __launch_bounds__(SEL_TK_NT)
+selector_topk_blocks(const float* logits, int ld, int row0, int row_stride, int nblk, unsigned int* part)
+{
+    pdl_wait();  // pdl.cuh: everything below may read what the kernel before wrote
+    pdl_launch_dependents();
+    using namespace selector_detail;
+    __shared__ unsigned long long red[TK_NW];
+    const int g = blockIdx.y, b = blockIdx.x;
+    const int lane = g / (R > 0 ? R : 1), j = g - lane * (R > 0 ? R : 1);
+    const float* row = logits + (long long)(lane * row_stride + row0 + j) * ld;
+    unsigned long long w[TK_PER];
+#pragma unroll
+    for (int i = 0; i < TK_PER; ++i) {
+        const int col = b * TK_TILE + i * TK_NT + threadIdx.x;
+        w[i] = col < V ? rank_word(row[col], (unsigned int)col) : 0ull;
+    }
+    unsigned int* out = part + ((long long)g * nblk + b) * K * 2;
+    unsigned long long last = ALL;  // each round takes the largest word below the previous winner
+    for (int t = 0; t < K; ++t) {
+        unsigned long long mine = 0ull;
+#pragma unroll
+        for (int i = 0; i < TK_PER; ++i)
+            if (w[i] < last && w[i] > mine) mine = w[i];
+        last = block_max64(mine, red);
+        if (threadIdx.x == 0) {
+            out[2 * t] = (unsigned int)(last >> 32);
+            out[2 * t + 1] = last ? 0xffffffffu - (unsigned int)last : 0xffffffffu;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(SEL_TK_NT)
+selector_topk_merge(const unsigned int* part, int nblk, int prow0, int prow_stride, int* ids, float* vals)
+{
+    pdl_wait();
+    pdl_launch_dependents();
+    selector_detail::merge_row(part, nblk, prow0, prow_stride, blockIdx.x, ids, vals);
+}
+
+// (min 1 block per SM: without it ptxas targets 64 registers and spills the hidden
+// projection's N accumulators; the grid is small, ILP is what hides the loads)
+extern "C" __global__ void __launch_bounds__(SEL_WK_NW * 32, 1)
+selector_walk(const float* hidden, int hidden_rows, const void* hp_w, const void* pred_cb, const void* succ_cb,
+              const int* anchors, const int* ids, const float* vals, const float* knobs,
+              const unsigned long long* rng, int per_lane,
+              int* tokens, int* choice, float* q, float* hp_ws, int* counters, int* flags)
+{
+    pdl_wait();
+    pdl_launch_dependents();
+    using namespace selector_detail;
+    __shared__ int ticket;
+    const int lane = blockIdx.y;
+    if (R > 0) {
+        hp_slice(hidden, hidden_rows, hp_w, lane, blockIdx.x, hp_ws);
+        if (!last_block_to_arrive(&counters[lane], gridDim.x, &ticket)) return;
+    }
+    walk_lane(lane, pred_cb, succ_cb, anchors, ids, vals, knobs, rng, per_lane, tokens, choice, q, hp_ws, counters,
+              flags);
+}
+
+// selector_topk_merge's rows and selector_walk in one launch: grid (R + SPLIT, lanes) (R = 0:
+// (1, lanes)); block x < R merges the lane's row x, the others compute hp slice x - R; all of
+// a lane's blocks arrive on counters[lane] and the last walks, reading the merged ids / vals.
+extern "C" __global__ void __launch_bounds__(SEL_WK_NW * 32, 1)
+selector_merge_walk(const unsigned int* part, int nblk, int prow0, int prow_stride,
+                    const float* hidden, int hidden_rows, const void* hp_w, const void* pred_cb, const void* succ_cb,
+                    const int* anchors, int* ids, float* vals, const float* knobs,
+                    const unsigned long long* rng, int per_lane,
+                    int* tokens, int* choice, float* q, float* hp_ws, int* counters, int* flags)
+{
+    pdl_wait();
+    pdl_launch_dependents();
+    using namespace selector_detail;
+    static_assert(TK_NT == WK_NT, "selector_merge_walk: the merge and the walk share the block size");
+    __shared__ int ticket;
+    const int lane = blockIdx.y;
+    if (R > 0) {
+        if ((int)blockIdx.x < R) merge_row(part, nblk, prow0, prow_stride, lane * R + blockIdx.x, ids, vals);
+        else hp_slice(hidden, hidden_rows, hp_w, lane, blockIdx.x - R, hp_ws);
+        if (!last_block_to_arrive(&counters[lane], gridDim.x, &ticket)) return;
+    }
+    walk_lane(lane, pred_cb, succ_cb, anchors, ids, vals, knobs, rng, per_lane, tokens, choice, q, hp_ws, counters,
+              flags);
 }

@@ -752,18 +752,19 @@ class StepEngine:
             self.rms(self.h, dw.norm, self._hs, stream=stream)
         if self.selector is not None:   # DFlash 2: top-K of the logits, then the walk from the anchor
             sel = self.selector
-            if self._lm_part is not None:   # fused: each column block's top-K, merged (rows 1.. of each lane)
+            walk_args = (self._hs.reshape(self.lanes, self.lane_rows, -1), dw.selector_hp, dw.selector_pred,
+                         dw.selector_succ, self.anchors, self.candidate_ids, self.candidate_values, self.draft_tokens,
+                         self.selector_choice, self.selector_q, self.sample_knobs, self.sample_rng)
+            if self._lm_part is not None:   # fused: each column block's top-K; merged (rows 1.. of each lane)
                 self.g_lm(self._hs, self.lm_head, self._logits if self.write_logits else None, nn, tile_live=live,
                           partials=self._lm_part, stream=stream)
-                sel.merge_partials(self._lm_part, self.candidate_ids, self.candidate_values, row0=1,
-                                   row_stride=self.lane_rows, stream=stream)
+                # and walked in one launch
+                sel.merge_and_walk(self._lm_part, *walk_args, row0=1, row_stride=self.lane_rows, stream=stream)
             else:
                 self.g_lm(self._hs, self.lm_head, self._logits, nn, tile_live=live, stream=stream)
                 sel.topk(self._logits, self.candidate_ids, self.candidate_values, row0=1,
                          row_stride=self.lane_rows, stream=stream)
-            sel.walk(self._hs.reshape(self.lanes, self.lane_rows, -1), dw.selector_hp, dw.selector_pred,
-                     dw.selector_succ, self.anchors, self.candidate_ids, self.candidate_values, self.draft_tokens,
-                     self.selector_choice, self.selector_q, self.sample_knobs, self.sample_rng, stream=stream)
+                sel.walk(*walk_args, stream=stream)
         elif self.g_lm is not None:
             if self._logits is None:
                 self.g_lm(self._hs, self.lm_head, None, nn, tile_live=live, partials=self._lm_part, stream=stream)

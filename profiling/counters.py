@@ -1502,6 +1502,23 @@ def _small(L) -> KernelCounters:
         c = _bytes_only(L, reads, writes, "codebook rows gathered: one predecessor and K successors per row")
         c.dram_round_trips_per_block = float(2 + R)   # hp, then each row's gathers depend on the last choice
         return c
+    if k == "selector_merge_walk":   # the merge's rows and the walk's hp slices in one grid; the last walks
+        lanes, Q, H, rank, K = L.grid[1], d["SEL_Q"], d["SEL_H"], d["SEL_RANK"], d["SEL_K"]
+        R, wb = Q - 1, (4 if d.get("SEL_HPT", 2) == 0 else 2)
+        cb = 4 if d.get("SEL_CBT", 2) == 0 else 2
+        nb = min(P["nblk"], K)
+        reads = [(n("part"), lanes * R * (P["nblk"] + nb * K) * 8), (n("hidden"), lanes * R * H * 4),
+                 (n("hp_w"), rank * H * wb), (n("pred_cb"), lanes * R * rank * cb),
+                 (n("succ_cb"), lanes * R * K * rank * cb)]
+        writes = [(n("ids"), lanes * R * K * 4), (n("vals"), lanes * R * K * 4), (n("tokens"), lanes * Q * 4),
+                  (n("choice"), lanes * R * 4), (n("q"), lanes * R * K * 4)]
+        c = _bytes_only(L, reads, writes, f"merge: {P['nblk']} first pairs, then the {nb} best blocks' {K} pairs "
+                        "each, per row; walk: one predecessor and K successor codebook rows per row; the walk's "
+                        "re-read of the merged ids / vals (L2) not counted")
+        # the merge's two (first pairs, chosen pairs; the hp slices' one runs beside them), then
+        # the walk's staging and each row's gathers, which depend on the last choice
+        c.dram_round_trips_per_block = float(3 + R) if R else 1.0
+        return c
     return _bytes_only(L, [], [], f"no access model for kernel {k!r}: counters are empty")
 
 

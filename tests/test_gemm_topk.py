@@ -14,8 +14,9 @@ from dflash_cupy.kv_batch import DraftKvBatch
 from dflash_cupy.kv_cache import DraftKvCache
 from dflash_cupy.ops import gemm_stream
 from dflash_cupy.ops.gemm import Gemm
-from dflash_cupy.ops.sample import _order_keys
-from dflash_cupy.ops.selector import SelectorKernels, topk_reference
+from dflash_cupy.ops.sample import SamplingParams, _order_keys
+from dflash_cupy.ops.selector import SelectorKernels, topk_reference, walk_reference
+from dflash_cupy.tolerances import assert_close
 from tests.support.drafters import BF16, built
 from tests.support.gemm import host_weights
 from tests.test_selector import _values_match, config
@@ -219,6 +220,36 @@ def test_step_lanes_equal_single_caches_fused(emu):
             one = _step(be, w, lm, False, feats[i], c, noise[i], anchors[i])
             for k in OUTS:
                 assert np.array_equal(got[k][i], one[k]), (i, k)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_step_walks_the_merged_candidates(emu, temperature):
+    """The fused path merges and walks in one launch (SelectorKernels.merge_and_walk): the
+    step's tokens, choices and q are the walk's NumPy reference from the step's own hidden
+    states and merged candidates."""
+    be = emu
+    w, _ = built("g")
+    lm = _lm16(w, seed=7)
+    c = w.config
+    rng = np.random.default_rng(14)
+    feats = rng.standard_normal((11, c.fc_in)).astype(np.float32)
+    noise = rng.standard_normal((c.q_len, c.hidden_size)).astype(np.float32)
+    ring = FeatureRing(25, c.n_captured, c.hidden_size, BF16, backend=be)
+    ring.write(0, feats)
+    sp = SamplingParams(temperature=temperature, seed=3)
+    with DraftKvCache(w, 23, lm_head=lm, logits=False, backend=be, sampling=sp) as kv:
+        assert kv.engine._lm_part is not None                   # the fused path
+        kv.step(ring, 11, noise, anchor=5)
+        got = {k: be.to_numpy(getattr(kv, k)) for k in OUTS + ("hidden_states",)}
+        dw = w.device(be)
+        ref = walk_reference(got["hidden_states"][None], be.to_numpy(dw.selector_hp), be.to_numpy(dw.selector_pred),
+                             be.to_numpy(dw.selector_succ), np.array([5], np.int32), got["candidate_ids"][None],
+                             got["candidate_values"][None], 19, temperature=temperature, seed=3, counter=11)
+    ring.close()
+    assert (ref["margin"] > 1e-6).all()
+    np.testing.assert_array_equal(got["draft_tokens"], ref["tokens"][0])
+    np.testing.assert_array_equal(got["selector_choice"], ref["choice"][0])
+    assert_close(got["selector_q"], ref["q"][0], "f32", "q")
 
 
 # --------------------------------------------------------------------------- the cost model's counters

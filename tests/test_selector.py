@@ -439,3 +439,120 @@ def test_per_lane_step_blocks_equal_one_lane_walks(backend, kind):
     with pytest.raises(ValueError, match=r"^rng must have shape \[3, 2\]"):
         sel.walk(*(dev[k] for k in ("hidden", "hp_w", "pred_cb", "succ_cb", "anchors", "ids", "vals")), *out,
                  knobs, backend.zeros((2, 2), np.uint64))
+
+
+def _fused_vs_separate(be, sel, inp, part, row0, stride, knobs, rngs):
+    """merge_partials + walk, then merge_and_walk (twice: the counters were reset), on outputs
+    filled with -7: every output as raw bytes."""
+    L, Q, R, K = sel.lanes, sel.q_len, sel.R, sel.K
+    dev = {k: be.asarray(dtypes.device_bits(v)) if v.size else None for k, v in inp.items()}
+    shapes = dict(ids=((L, R, K), np.int32), vals=((L, R, K), np.float32), tokens=((L, Q), np.int32),
+                  choice=((L, R), np.int32), q=((L, R, K), np.float32))
+    names = ("hidden", "hp_w", "pred_cb", "succ_cb", "anchors")
+    runs = []
+    for fused in (False, True, True):
+        out = {k: be.asarray(np.full(s, -7, dt)) if R or k == "tokens" else None for k, (s, dt) in shapes.items()}
+        args = [dev[k] for k in names] + [out[k] for k in ("ids", "vals", "tokens", "choice", "q")] + [knobs, rngs]
+        if fused:
+            sel.merge_and_walk(part, *args, row0=row0, row_stride=stride)
+        else:
+            sel.merge_partials(part, out["ids"], out["vals"], row0=row0, row_stride=stride)
+            sel.walk(*args)
+        got = {k: be.to_numpy(v) for k, v in out.items() if v is not None}
+        got["flags"] = be.to_numpy(sel.flags)
+        runs.append(got)
+    for got in runs[1:]:
+        for k, want in runs[0].items():
+            np.testing.assert_array_equal(got[k].view(np.uint8), want.view(np.uint8), err_msg=k)
+    assert (be.to_numpy(sel.counters) == 0).all()
+    return runs[0]
+
+
+# vocab 2 * TK_TILE + 7 and 1007 / 19 with 256-, 37- and 5-column blocks: last blocks narrower
+# than K; lane blocks of q_len + 2 rows (row 0 the anchor's, rows past q_len unread)
+@pytest.mark.parametrize("vocab,K,lanes,q_len,cols,temps", [
+    (1007, 3, 1, 2, 256, [0.0]), (1007, 5, 3, 4, 37, [0.9]), (19, 5, 3, 4, 5, [1.1]),
+    (2 * TK_TILE + 7, 16, 3, 16, 256, [0.0, 1.3, 0.7]),       # per-lane knobs: a greedy lane among sampled
+    (1007, 16, 1, 16, 300, [0.0]), (1007, 3, 3, 2, 256, [0.6, 0.0, 2.0]), (33, 5, 3, 1, 5, [0.8])])
+def test_merge_and_walk_is_merge_then_walk(backend, vocab, K, lanes, q_len, cols, temps):
+    rng = np.random.default_rng(vocab + K + q_len)
+    H, rank, stride = 40, 16, q_len + 2
+    c = config(vocab=vocab, K=K, H=H, rank=rank, q_len=q_len)
+    nb = -(-vocab // cols)
+    sel = SelectorKernels(backend, c, q_len, lanes, partial_blocks=nb)
+    inp = _walk_inputs(rng, vocab, K, lanes, stride, H, rank, "bf16",
+                       anchors=[vocab + 3] + list(rng.integers(0, vocab, lanes - 1)))   # lane 0 clamped, flagged
+    lg = (3 * rng.standard_normal((lanes * stride, vocab))).astype(np.float32)
+    lg[1, [0, vocab // 2, vocab - 1]] = 50.0                                     # ties across blocks
+    part = backend.asarray(partials_reference(lg, K, vocab, cols))
+    per_lane = len(temps) > 1
+    knobs = np.array([[t, 1.0, 0.0] for t in temps], np.float32)
+    seeds = np.array([[7 + l, 2**33 + l] for l in range(len(temps))], np.uint64)
+    knobs_d = backend.asarray(knobs if per_lane else knobs[0])
+    rng_d = backend.asarray(seeds if per_lane else seeds[0])
+    got = _fused_vs_separate(backend, sel, inp, part, 1, stride, knobs_d, rng_d)
+    # and both are the references': the merged candidates, the walk's tokens
+    R = q_len - 1
+    assert got["flags"][0] == 1 and got["tokens"][0, 0] == vocab - 1
+    if not R:
+        np.testing.assert_array_equal(got["tokens"][:, 0], np.clip(inp["anchors"], 0, vocab - 1))
+        return
+    want_ids, want_vals = topk_reference(_selector_rows(lg, lanes, R, 1, stride), K, vocab, 0.7, 3.0)
+    np.testing.assert_array_equal(got["ids"].reshape(-1, K), want_ids)
+    _values_match(got["vals"].reshape(-1, K), want_vals, "vals")
+    if per_lane:   # each lane as a one-lane walk with its own knobs and rng
+        for lane in range(lanes):
+            want = walk_reference(inp["hidden"][lane:lane + 1, :q_len], inp["hp_w"], inp["pred_cb"], inp["succ_cb"],
+                                  inp["anchors"][lane:lane + 1], got["ids"][lane:lane + 1], got["vals"][lane:lane + 1],
+                                  vocab, temperature=temps[lane], seed=int(seeds[lane, 0]), counter=int(seeds[lane, 1]))
+            assert (want["margin"] > 1e-6).all()
+            np.testing.assert_array_equal(got["tokens"][lane], want["tokens"][0], err_msg=f"lane {lane}")
+            np.testing.assert_array_equal(got["choice"][lane], want["choice"][0], err_msg=f"lane {lane}")
+    else:
+        want = walk_reference(inp["hidden"][:, :q_len], inp["hp_w"], inp["pred_cb"], inp["succ_cb"], inp["anchors"],
+                              got["ids"], got["vals"], vocab, temperature=temps[0], seed=int(seeds[0, 0]),
+                              counter=int(seeds[0, 1]))
+        assert (want["margin"] > 1e-6).all()
+        np.testing.assert_array_equal(got["tokens"], want["tokens"])
+        np.testing.assert_array_equal(got["choice"], want["choice"])
+
+
+def test_merge_and_walk_bad_input_launches_nothing(backend, rng):
+    """merge_partials' and walk's checks, each naming its argument, all before the one launch:
+    the outputs and the arrival counters stay as they were."""
+    c = config(vocab=19, K=3, H=12, rank=5, q_len=3)
+    sel = SelectorKernels(backend, c, 3, 2, partial_blocks=4)
+    inp = _walk_inputs(rng, 19, 3, 2, 4, 12, 5, "bf16")
+    dev = {k: backend.asarray(dtypes.device_bits(v)) for k, v in inp.items()}
+    part = backend.asarray(partials_reference(rng.standard_normal((8, 19)).astype(np.float32), 3, 19, 5))
+    shapes = [((2, 2, 3), np.int32), ((2, 2, 3), np.float32), ((2, 3), np.int32), ((2, 2), np.int32),
+              ((2, 2, 3), np.float32)]
+    outs = [backend.asarray(np.full(s, -7, dt)) for s, dt in shapes]
+    args = ([part] + [dev[k] for k in ("hidden", "hp_w", "pred_cb", "succ_cb", "anchors")] + outs
+            + [backend.zeros((3,), np.float32), backend.zeros((2,), np.uint64)])
+    names = ["partials", "hidden", "hp_w", "pred_cb", "succ_cb", "anchors", "ids", "vals", "tokens", "choice", "q",
+             "knobs", "rng"]
+    for i, name in enumerate(names):
+        bad = list(args)
+        bad[i] = backend.zeros((7,) * args[i].ndim, args[i].dtype)          # wrong shape
+        with pytest.raises(ValueError, match=rf"^{name} must have shape"):
+            sel.merge_and_walk(*bad, row0=1, row_stride=4)
+        bad[i] = backend.zeros(args[i].shape, np.float64)                   # wrong dtype
+        with pytest.raises(TypeError, match=rf"^{name} must have dtype"):
+            sel.merge_and_walk(*bad, row0=1, row_stride=4)
+    with pytest.raises(ValueError, match="^row_stride=1 must be >= R=2"):
+        sel.merge_and_walk(*args, row0=1, row_stride=1)
+    with pytest.raises(ValueError, match=r"^partials must have shape \[>= 9"):        # rows past the partials
+        sel.merge_and_walk(*args, row0=3, row_stride=4)
+    with pytest.raises(ValueError, match="^partials has 5 column blocks"):
+        sel.merge_and_walk(backend.zeros((8, 5, 3, 2), np.uint32), *args[1:], row0=1, row_stride=4)
+    with pytest.raises(ValueError, match="^q must not overlap vals"):
+        sel.merge_and_walk(*args[:10], args[7], *args[11:], row0=1, row_stride=4)
+    in_part = part.view(np.float32).reshape(-1)[:12].reshape(2, 2, 3)
+    with pytest.raises(ValueError, match="^vals must not overlap partials"):
+        sel.merge_and_walk(*args[:7], in_part, *args[8:], row0=1, row_stride=4)
+    for o in outs:
+        assert (backend.to_numpy(o) == -7).all()
+    assert (backend.to_numpy(sel.counters) == 0).all()
+    sel.merge_and_walk(*args, row0=1, row_stride=4)                       # the good call writes them
+    assert (backend.to_numpy(outs[2]) != -7).all() and (backend.to_numpy(outs[4]) != -7).all()

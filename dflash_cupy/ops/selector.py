@@ -32,11 +32,17 @@ selector rows per lane (block rows 1..q_len-1). Shapes and dtypes (device arrays
   distribution drawn from; one-hot at temperature 0); per-lane ``knobs`` / ``rng``
   below. ``self.flags`` int32 ``[lanes]``: 1 where the lane's device anchor was outside
   ``[0, vocab)`` (then clamped into it).
+- ``merge_and_walk(partials, hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, tokens,
+  choice, q, knobs, rng, row0=0, row_stride=R)``: ``merge_partials`` then ``walk`` in one
+  launch (``selector_merge_walk``: the merge's rows and the walk's projection slices count
+  in on one arrival counter per lane, the last block walks), with both checks before it and
+  the same outputs bit for bit (``ids`` / ``vals`` too); a step engine's fused lm_head top-K.
 
-With ``q_len`` 1 (no selector rows) ``topk`` does nothing and ``walk`` writes only
-``tokens[:, 0]``; ``ids``, ``vals``, ``choice`` and ``q`` are then not read (None is fine).
-Both are capture-safe: no host sync, no allocation (workspaces are made here, so one
-instance has one ``topk`` and one ``walk`` in flight at a time). The
+With ``q_len`` 1 (no selector rows) ``topk`` and ``merge_partials`` do nothing and ``walk`` /
+``merge_and_walk`` write only ``tokens[:, 0]``; ``partials``, ``ids``, ``vals``, ``choice``
+and ``q`` are then not read (None is fine). All are capture-safe: no host sync, no
+allocation (workspaces are made here, so one instance has one ``topk`` and one ``walk`` or
+``merge_and_walk`` in flight at a time). The
 walk's uniform for lane ``l``, block row ``r`` (1..R) is ``row_uniform64(l * q_len + r,
 seed, counter) / 2^64`` (``selector_uniforms``), drawn by ``draw.cuh``'s integer inverse
 CDF, the same generator and draw as ``TokenSampler``. With per-lane step blocks, ``knobs``
@@ -75,8 +81,7 @@ class SelectorKernels:
         self.K, self.rank, self.vocab = d2.selector_top_k, d2.selector_rank, d2.vocab_size
         if self.K > MAX_K:
             raise ValueError(f"config.dflash2.selector_top_k={self.K}: the kernels take K <= {MAX_K}")
-        if max(1, self.q_len - 1) * self.K * 8 + self.rank * 4 + self.K * 12 + max(1, self.q_len - 1) * 8 + 8 \
-                > 48 * 1024:
+        if _shared_bytes(self.q_len, self.K, self.rank) > 48 * 1024:
             raise ValueError(f"q_len={self.q_len}, selector_top_k={self.K}, selector_rank={self.rank}: the walk's "
                              f"staged candidates and rank vector exceed 48 KiB of shared memory")
         self.H = int(config.hidden_size)
@@ -100,6 +105,7 @@ class SelectorKernels:
         self._blocks = mod.get_function("selector_topk_blocks")
         self._merge = mod.get_function("selector_topk_merge")
         self._walk = mod.get_function("selector_walk")
+        self._merge_walk = mod.get_function("selector_merge_walk")
         rows = max(1, self.lanes * self.R)
         self.part = backend.zeros((rows, self.nblk, self.K, 2), np.uint32)   # (order key, id) per block
         self.hp_ws = backend.zeros((self.lanes, max(1, self.R), self.rank), np.float32)
@@ -150,10 +156,20 @@ class SelectorKernels:
         (default: ``[lanes * R, ...]``, row_stride R; a fused lm_head top-K's partials of every
         step row: ``row0=1``, ``row_stride`` the lane's rows). The merge ``topk`` runs, for a
         GEMM epilogue that writes them (``Gemm(..., "topk")``, ``gemm_stream.cu`` GS_EPI 4)."""
-        be, L, R, K = self.backend, self.lanes, self.R, self.K
+        L, R, K = self.lanes, self.R, self.K
         if not R:
             return
-        checks.device_array(be, "partials", partials, np.uint32, ndim=4)
+        row0, row_stride = self._check_partials(partials, row0, row_stride)
+        self._out("ids", ids, np.int32, (L, R, K))
+        self._out("vals", vals, np.float32, (L, R, K))
+        checks.check_no_overlap(ids=ids, vals=vals, partials=partials)
+        self._merge((L * R, 1, 1), (TK_NT, 1, 1), (partials, np.int32(partials.shape[1]), np.int32(row0),
+                                                    np.int32(row_stride), ids, vals), stream=stream)
+
+    def _check_partials(self, partials, row0, row_stride) -> tuple[int, int]:
+        """merge_partials' checks of ``partials`` and its row mapping: ``(row0, row_stride)``."""
+        L, R, K = self.lanes, self.R, self.K
+        checks.device_array(self.backend, "partials", partials, np.uint32, ndim=4)
         row0 = checks.int_arg(row0, "row0", 0)
         row_stride = R if row_stride is None else checks.int_arg(row_stride, "row_stride", 1)
         if L > 1 and row_stride < R:
@@ -165,14 +181,35 @@ class SelectorKernels:
         if partials.shape[1] > self.max_partial_blocks:
             raise ValueError(f"partials has {partials.shape[1]} column blocks; this merge was built for at most "
                              f"{self.max_partial_blocks} (SelectorKernels(partial_blocks=...) sizes it)")
-        self._out("ids", ids, np.int32, (L, R, K))
-        self._out("vals", vals, np.float32, (L, R, K))
-        checks.check_no_overlap(ids=ids, vals=vals, partials=partials)
-        self._merge((L * R, 1, 1), (TK_NT, 1, 1), (partials, np.int32(partials.shape[1]), np.int32(row0),
-                                                    np.int32(row_stride), ids, vals), stream=stream)
+        return row0, row_stride
 
     def walk(self, hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, tokens, choice, q, knobs, rng,
              stream=None) -> None:
+        args = self._walk_args(hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, tokens, choice, q, knobs, rng)
+        self._walk((self.split if self.R else 1, self.lanes, 1), (WK_NW * 32, 1, 1), args, stream=stream)
+
+    def merge_and_walk(self, partials, hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, tokens, choice, q,
+                       knobs, rng, row0: int = 0, row_stride: int | None = None, stream=None) -> None:
+        """``merge_partials(partials, ids, vals, row0, row_stride)`` then ``walk(hidden, ...,
+        rng)`` in one launch (``selector_merge_walk``: the merge's rows and the walk's
+        projection slices arrive on one counter per lane, the last block walks): the same
+        checks (raised before anything is launched) and the same outputs bit for bit, ``ids``
+        / ``vals`` included. With ``q_len`` 1 it writes only ``tokens[:, 0]``, as ``walk``
+        does (``partials``, ``ids``, ``vals``, ``choice``, ``q`` unread: None is fine)."""
+        L, R = self.lanes, self.R
+        if R:
+            row0, row_stride = self._check_partials(partials, row0, row_stride)
+        args = self._walk_args(hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, tokens, choice, q, knobs, rng,
+                               partials=partials if R else None)
+        part, nblk = (partials, partials.shape[1]) if R else (self.part, 1)
+        self._merge_walk((R + self.split if R else 1, L, 1), (WK_NW * 32, 1, 1),
+                         (part, np.int32(nblk), np.int32(row0 if R else 0), np.int32(row_stride if R else 0)) + args,
+                         stream=stream)
+
+    def _walk_args(self, hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, tokens, choice, q, knobs, rng,
+                   partials=None) -> tuple:
+        """walk's checks; its kernel arguments (placeholders for what q_len 1 does not read).
+        ``partials``: also checked not to overlap the others (merge_and_walk)."""
         be, L, R, K, Q = self.backend, self.lanes, self.R, self.K, self.q_len
         checks.device_array(be, "hidden", hidden, np.float32, ndim=3)
         if hidden.shape[0] != L or hidden.shape[1] < Q or hidden.shape[2] != self.H:
@@ -194,15 +231,13 @@ class SelectorKernels:
         self._out("rng", rng, np.uint64, (L, 2) if blocks else (2,))
         if R:
             checks.check_no_overlap(tokens=tokens, choice=choice, q=q, ids=ids, vals=vals, anchors=anchors,
-                                    hidden=hidden)
+                                    hidden=hidden, **({} if partials is None else {"partials": partials}))
         else:   # no selector rows: only tokens[:, 0] is written; unread pointers get placeholders
             checks.check_no_overlap(tokens=tokens, anchors=anchors)
             ids = choice = self.counters
             vals = q = self.hp_ws
-        grid = (self.split if R else 1, L, 1)
-        self._walk(grid, (WK_NW * 32, 1, 1),
-                   (hidden, np.int32(hidden.shape[1]), hp_w, pred_cb, succ_cb, anchors, ids, vals, knobs, rng,
-                    np.int32(blocks), tokens, choice, q, self.hp_ws, self.counters, self.flags), stream=stream)
+        return (hidden, np.int32(hidden.shape[1]), hp_w, pred_cb, succ_cb, anchors, ids, vals, knobs, rng,
+                np.int32(blocks), tokens, choice, q, self.hp_ws, self.counters, self.flags)
 
     def anchors_to_device(self, anchors):
         """Host anchors (one token id per lane) as the device int32 ``[lanes]`` array ``walk``
@@ -217,6 +252,12 @@ class SelectorKernels:
         if bad.size:
             raise ValueError(f"anchors[{bad[0]}]={a[bad[0]]} is outside the vocabulary [0, {self.vocab})")
         return self.backend.asarray(a.astype(np.int32))
+
+
+def _shared_bytes(q_len: int, k: int, rank: int) -> int:
+    """selector_merge_walk's static shared memory (selector.cu's static_assert, the same sum)."""
+    ra = max(1, q_len - 1)
+    return ra * k * 8 + rank * 4 + k * 12 + ra * 8 + 8 + (TK_NT // 32) * 8 + k * 4 + 16
 
 
 # ---------------------------------------------------------------- NumPy references
