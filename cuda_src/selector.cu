@@ -32,9 +32,9 @@
 //   draws as a one-lane walk). q [lanes, R, K] f32: f32(mass_c) / f32(total) (T > 0), one-hot
 //   (T <= 0); choice [lanes, R] int32. hidden [lanes, hidden_rows >= Q, H] f32 (rows 1..Q-1),
 //   hp_w [RANK, H], codebooks [V, RANK], row-major; ids / vals as the merge writes them.
-// selector_merge_walk: the two above in one launch, grid (R + SPLIT, lanes) ((1, lanes) at R 0):
-//   block x < R merges the lane's row x, the others are the walk's phase-1 slices x - R; the
-//   last of the lane's R + SPLIT to arrive walks. Arguments: the merge's, then the walk's.
+// selector_merge_walk: the two above in one launch, grid (SPLIT + R, lanes) ((1, lanes) at R 0):
+//   block x < SPLIT is the walk's phase-1 slice x, the others merge the lane's row x - SPLIT; the
+//   last of the lane's SPLIT + R to arrive walks. Arguments: the merge's, then the walk's.
 // warp_dot(w row, x vectors) (the fixed order ops/selector.py mirrors): lane i sums, in f32 without
 //   contraction, w[e] * x[e] over e in chunks of 8 (chunk = i, i + 32, ...), ascending; then the
 //   xor butterfly of warp.cuh's warp_sum (offsets 16, 8, 4, 2, 1).
@@ -506,9 +506,9 @@ selector_walk(const float* hidden, int hidden_rows, const void* hp_w, const void
               flags);
 }
 
-// selector_topk_merge's rows and selector_walk in one launch: grid (R + SPLIT, lanes) (R = 0:
-// (1, lanes)); block x < R merges the lane's row x, the others compute hp slice x - R; all of
-// a lane's blocks arrive on counters[lane] and the last walks, reading the merged ids / vals.
+// selector_topk_merge's rows and selector_walk in one launch: grid (SPLIT + R, lanes) (R = 0:
+// (1, lanes)); block x < SPLIT computes hp slice x, the others merge the lane's row x - SPLIT;
+// all of a lane's blocks arrive on counters[lane] and the last walks, reading the merged ids / vals.
 extern "C" __global__ void __launch_bounds__(SEL_WK_NW * 32, 1)
 selector_merge_walk(const unsigned int* part, int nblk, int prow0, int prow_stride,
                     const float* hidden, int hidden_rows, const void* hp_w, const void* pred_cb, const void* succ_cb,
@@ -523,8 +523,11 @@ selector_merge_walk(const unsigned int* part, int nblk, int prow0, int prow_stri
     __shared__ int ticket;
     const int lane = blockIdx.y;
     if (R > 0) {
-        if ((int)blockIdx.x < R) merge_row(part, nblk, prow0, prow_stride, lane * R + blockIdx.x, ids, vals);
-        else hp_slice(hidden, hidden_rows, hp_w, lane, blockIdx.x - R, hp_ws);
+        // merge blocks last: they take longest, so one of them usually walks (and does on the
+        // emulator, which starts blocks in index order)
+        const int split = (int)gridDim.x - R;
+        if ((int)blockIdx.x < split) hp_slice(hidden, hidden_rows, hp_w, lane, blockIdx.x, hp_ws);
+        else merge_row(part, nblk, prow0, prow_stride, lane * R + blockIdx.x - split, ids, vals);
         if (!last_block_to_arrive(&counters[lane], gridDim.x, &ticket)) return;
     }
     walk_lane(lane, pred_cb, succ_cb, anchors, ids, vals, knobs, rng, per_lane, tokens, choice, q, hp_ws, counters,
