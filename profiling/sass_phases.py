@@ -36,8 +36,13 @@ from dflash_cupy.backends import nvrtc_info
 
 from . import sass
 
-_VERSION = "4"   # 3: phases counted before the site-resolution fix (emulator frames by name) are recounted;
-#                  4: the key names the launch's known device values (tile_live, pad_lo)
+_VERSION = "5"   # 3: phases counted before the site-resolution fix (emulator frames by name) are recounted;
+#                  4: the key names the launch's known device values (tile_live, pad_lo);
+#                  5: an arrival kernel's blocks are all counted (the last one's work, e.g. the walk)
+# An arrival kernel (global atomics, one z slice) with at most this many blocks a grid row has
+# every block of its first row counted, in index order, so the one that arrives last (and does
+# the serial work after the arrival) is among them; wider grids count their middle block only.
+ARRIVAL_SCAN_MAX = 64
 _WHERE = re.compile(r"^(\S+?):(\d+)")
 
 
@@ -82,10 +87,13 @@ def _witness(ins) -> str | None:
     return f"{_line_key(ins.src)}|{kind}" if kind and ins.src[0] else None
 
 
-def line_executions(launch, backend=None) -> dict[str, float]:
+def line_executions(launch, backend=None, scan_row: bool = False) -> dict[str, float]:
     """``{"file:line|kind": executions per warp}`` of each source line's global and shared loads
     and stores ("global load", "global store", "shared load", "shared store") in the busiest
-    block of one z column of ``launch`` (``step_trace.Launch``), run in counter mode."""
+    block of one z column of ``launch`` (``step_trace.Launch``), run in counter mode.
+    ``scan_row``: every block of the first grid row instead (each line its most in one block),
+    counted one after another on the same arrays, so an arrival kernel's last block does the
+    work that follows its arrival."""
     from dflash_cupy import backends
     from dflash_cupy.emu.counting import count_launch, resolve_sites
 
@@ -100,8 +108,9 @@ def line_executions(launch, backend=None) -> dict[str, float]:
     best: dict[str, float] = {}
     # a middle column group; GS_CONV: the first, whose blocks convolve the most channels
     x = 0 if launch.defines.get("GS_CONV", 0) else gx // 2
-    for z in range(gz):
-        lc = count_launch(k, launch.grid, launch.block, args, launch.shared_mem, blocks=[(x, 0, z)])
+    cells = [(b, 0, 0) for b in range(gx)] if scan_row else [(x, 0, z) for z in range(gz)]
+    for cell in cells:
+        lc = count_launch(k, launch.grid, launch.block, args, launch.shared_mem, blocks=[cell])
         resolve_sites(lc)
         per: dict[str, float] = {}
         for s in lc.sites:
@@ -240,7 +249,9 @@ def launch_phases(launch, *, emulate: bool = True, backend=None) -> tuple[sass.K
         try:
             execs = json.loads(p.read_text())
         except (OSError, ValueError):
-            execs = line_executions(launch, backend)
+            gx, _, gz = launch.grid
+            scan = gz == 1 and 1 < gx <= ARRIVAL_SCAN_MAX and any(sass.is_atomic(i) for i in ks.instrs)
+            execs = line_executions(launch, backend, scan_row=scan)
             fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=p.stem, suffix=".tmp")
             with os.fdopen(fd, "w") as f:
                 json.dump(execs, f)
