@@ -117,9 +117,9 @@ constexpr bool SREG = CPW * SCH * 8 <= 64;
 // whole 16-byte loads of hidden_projection / hidden rows (H) and codebook rows (RANK)
 constexpr bool VEC_H = H % 8 == 0, VEC_RANK = RANK % 8 == 0;
 // selector_merge_walk's static shared memory, the most of the kernels': the walk's (staged rows,
-// rank vector, scores and masses, bits, 2 ints) and the merge's (TK_NW words, K picks), + 16 for
+// rank vector, scores and masses, bits, 3 ints) and the merge's (TK_NW words, K picks), + 16 for
 // u_s's alignment (ops/selector.py checks the same bound first)
-static_assert(RA * K * 8 + RANK * 4 + K * 12 + RA * 8 + 8 + TK_NW * 8 + K * 4 + 16 <= 48 * 1024,
+static_assert(RA * K * 8 + RANK * 4 + K * 12 + RA * 8 + 12 + TK_NW * 8 + K * 4 + 16 <= 48 * 1024,
               "selector: (q_len - 1) * K * 8 + rank * 4 bytes of shared memory exceed 48 KiB");
 
 __device__ __forceinline__ unsigned long long rank_word(float logit, unsigned int id)
@@ -374,7 +374,7 @@ static __device__ __forceinline__ void walk_lane(int lane, const void* pred_cb, 
 {
     __shared__ __align__(16) float u_s[RANK];   // read as float4 (warp_dot VEC)
     __shared__ float s_s[K];
-    __shared__ int prev_s;
+    __shared__ int prev_s, best_s;
     const int warp = threadIdx.x >> 5, wl = threadIdx.x & 31;
     // What no row's choice changes is staged first (every row's candidates and values, every
     // row's random bits), so a row's only dependent load is its predecessor's codebook row;
@@ -407,20 +407,62 @@ static __device__ __forceinline__ void walk_lane(int lane, const void* pred_cb, 
     }
     __syncthreads();
     const float inv_t = sampled ? 1.0f / temperature : 1.0f;
-    for (int j = 0; j < R; ++j) {
-        const long long rj = (long long)lane * R + j;
-        float sreg[SREG ? CPW : 1][SREG ? SCH * 8 : 8];
+    // Row j's loads that its predecessor's choice does not decide (its candidates' successor
+    // rows, its hp row) and the codebook rows of every token row j - 1 may choose (row j's
+    // predecessor is one of them, PRE_K * PK values a thread) are issued a row ahead, while the
+    // row before is scored and chosen: the walk's serial chain has no global load. Where
+    // they would not fit in registers (PRE_K * PK > 32) the predecessor's row is loaded
+    // once chosen, as before. The products are the same either way (pred_cb * hp in f32).
+    constexpr int PK = (RANK + WK_NT - 1) / WK_NT;          // u elements a thread
+    constexpr bool PRE = K * PK <= 32;
+    constexpr int PRE_K = PRE ? K : 1;
+    float pv[PK], hv[PK], hn[PK], pc[PRE_K][PK];
+    float sreg[SREG ? CPW : 1][SREG ? SCH * 8 : 8], snext[SREG ? CPW : 1][SREG ? SCH * 8 : 8];
+    auto load_succ = [&](int j, float (*dst)[SREG ? SCH * 8 : 8]) {
         if (SREG) {
 #pragma unroll
             for (int i = 0; i < (SREG ? CPW : 1); ++i) {
                 const int c = warp + i * WK_NW;
                 if (c < K)
-                    warp_load<SEL_CBT, SREG ? SCH : 1, VEC_RANK>(cb_row(succ_cb, ids_s[j * K + c]), RANK, sreg[i]);
+                    warp_load<SEL_CBT, SREG ? SCH : 1, VEC_RANK>(cb_row(succ_cb, ids_s[j * K + c]), RANK, dst[i]);
             }
         }
-        const int pred = prev_s;
-        for (int k = threadIdx.x; k < RANK; k += WK_NT)
-            u_s[k] = __fmul_rn(load_w<SEL_CBT>(pred_cb, (long long)pred * RANK + k), __ldcg(hp_ws + rj * RANK + k));
+    };
+    auto load_hp = [&](int j, float* dst) {
+#pragma unroll
+        for (int p = 0; p < PK; ++p) {
+            const int k = threadIdx.x + p * WK_NT;
+            dst[p] = k < RANK ? __ldcg(hp_ws + ((long long)lane * R + j) * RANK + k) : 0.0f;
+        }
+    };
+    auto load_pred = [&](int tok, float* dst) {
+#pragma unroll
+        for (int p = 0; p < PK; ++p) {
+            const int k = threadIdx.x + p * WK_NT;
+            dst[p] = k < RANK ? load_w<SEL_CBT>(pred_cb, (long long)tok * RANK + k) : 0.0f;
+        }
+    };
+    if (R > 0) {
+        load_succ(0, sreg);
+        load_hp(0, hv);
+        load_pred(prev_s, pv);
+    }
+    for (int j = 0; j < R; ++j) {
+        const long long rj = (long long)lane * R + j;
+#pragma unroll
+        for (int p = 0; p < PK; ++p) {
+            const int k = threadIdx.x + p * WK_NT;
+            if (k < RANK) u_s[k] = __fmul_rn(pv[p], hv[p]);
+        }
+        const bool more = j + 1 < R;
+        if (more) {   // row j + 1's loads, in flight while row j is scored and chosen
+            load_succ(j + 1, snext);
+            load_hp(j + 1, hn);
+            if (PRE) {
+#pragma unroll
+                for (int c = 0; c < PRE_K; ++c) load_pred(ids_s[j * K + c], pc[c]);
+            }
+        }
         __syncthreads();
 #pragma unroll
         for (int i = 0; i < CPW; ++i) {
@@ -439,9 +481,29 @@ static __device__ __forceinline__ void walk_lane(int lane, const void* pred_cb, 
                 choice[rj] = best;
                 tokens[(long long)lane * Q + j + 1] = tok;
                 prev_s = tok;
+                best_s = best;
             }
         }
         __syncthreads();
+        if (more) {
+            if (PRE) {   // the chosen candidate's row, selected without a dynamic register index
+                const int b = best_s;
+#pragma unroll
+                for (int c = 0; c < PRE_K; ++c)
+#pragma unroll
+                    for (int p = 0; p < PK; ++p) pv[p] = c == b ? pc[c][p] : pv[p];
+            } else {
+                load_pred(prev_s, pv);
+            }
+#pragma unroll
+            for (int p = 0; p < PK; ++p) hv[p] = hn[p];
+            if (SREG) {
+#pragma unroll
+                for (int i = 0; i < (SREG ? CPW : 1); ++i)
+#pragma unroll
+                    for (int e = 0; e < (SREG ? SCH * 8 : 8); ++e) sreg[i][e] = snext[i][e];
+            }
+        }
     }
 }
 }  // namespace selector_detail

@@ -257,7 +257,7 @@ class SelectorKernels:
 def _shared_bytes(q_len: int, k: int, rank: int) -> int:
     """selector_merge_walk's static shared memory (selector.cu's static_assert, the same sum)."""
     ra = max(1, q_len - 1)
-    return ra * k * 8 + rank * 4 + k * 12 + ra * 8 + 8 + (TK_NT // 32) * 8 + k * 4 + 16
+    return ra * k * 8 + rank * 4 + k * 12 + ra * 8 + 12 + (TK_NT // 32) * 8 + k * 4 + 16
 
 
 # ---------------------------------------------------------------- NumPy references
