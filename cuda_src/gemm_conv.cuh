@@ -15,29 +15,36 @@
 // the block's rows; the caller keeps every tap inside the block: no lane block straddles two).
 // Called by all threads of the block after its d is stored (split K: the reducing block);
 // d is read back from global memory after a barrier (the block's own stores).
-// Work: the block's rows RB at a time; per batch a thread per VEC channels of one group (VEC 4
-// where GROUP % 4 == 0: 16-byte x, base and y accesses, consecutive threads on consecutive
-// chunks of a row): the rows' x window (RB + TAPS - 1 rows, each tap's earlier row shared) and
-// their d issued together, then the sums. A tap before the lane block's first row is not added
-// (its load reads an in-bounds stand-in row; the select keeps acc). Each row's lane index is
-// stepped from the batch's first (one division per batch, not per row).
+// Work: a thread per VEC channels of one group (VEC 4 where GROUP % 4 == 0: 16-byte x, base and
+// y accesses, consecutive threads on consecutive chunks of a row), its rows RB at a time in two
+// register sets: batch b + 1's x window (RB + TAPS - 1 rows, each tap's earlier row shared) and
+// d (one access for 2 or 4 taps) are issued before batch b's norm, sums and stores, so a pair of
+// batches costs one L2 round trip (ops/gemm_stream.py conv_tail_trips). A row that does not exist
+// (past the block's live rows, before row 0) is not loaded, and nothing reads its register; a
+// tap before the lane's first row is not added (each row's lane index stepped row by row).
+// d is not __restrict__: its loads (this kernel's own stores) stay ahead of the y stores after them.
 // NORM, lane_rows < 0: y[r, c] = the normed x' below instead, the rows conv.cu's
-// grouped_conv then convolves as this would (a launch whose tail would be too long); base is
-// still read (any TAPS * H floats: no branch before the loads), its values unused.
+// grouped_conv then convolves as this would (a launch whose tail would be too long).
 #pragma once
 
-// rows x taps per batch: the batch's loads in flight at once in MT 1's 128 registers (16 made
-// ptxas interleave them with the sums: 2 to 12 round trips a batch); ops/gemm_stream.py reads it
+// rows x taps per batch: two batches' loads in flight at once in MT 1's 128 registers (16 rows x
+// taps in one batch made ptxas interleave the loads with the sums, or spill); ops/gemm_stream.py
+// and profiling/counters.py read it
 #define GEMM_CONV_ROWS 8
 
-// VEC consecutive floats (VEC 4: one 16-byte access; the caller keeps them aligned)
-template <int VEC>
+// V consecutive floats (V 4: one 16-byte access, V 2: one 8-byte access; the caller keeps them
+// aligned; any other V: one float at a time)
+template <int V>
 __device__ __forceinline__ void gemm_conv_ld(float* o, const float* p) {
-    if (VEC == 4) {
+    if (V == 4) {
         const float4 v = *reinterpret_cast<const float4*>(p);
-        o[0] = v.x; o[VEC > 1 ? 1 : 0] = v.y; o[VEC > 2 ? 2 : 0] = v.z; o[VEC > 3 ? 3 : 0] = v.w;
+        o[0] = v.x; o[V > 1 ? 1 : 0] = v.y; o[V > 2 ? 2 : 0] = v.z; o[V > 3 ? 3 : 0] = v.w;
+    } else if (V == 2) {
+        const float2 v = *reinterpret_cast<const float2*>(p);
+        o[0] = v.x; o[V > 1 ? 1 : 0] = v.y;
     } else {
-        o[0] = *p;
+#pragma unroll
+        for (int e = 0; e < V; ++e) o[e] = p[e];
     }
 }
 
@@ -65,45 +72,76 @@ __device__ __forceinline__ void gemm_conv_prepare(const float* __restrict__ x, c
     const int ch0 = g0 * GROUP;
     const int nq = (g1 - g0) * (GROUP / VEC);               // VEC-channel chunks
     __syncthreads();   // every thread's d stores before any load of them
-    const int top = m0 + live - 1;                          // the block's last row
-    const bool xonly = NORM && lane_rows < 0;               // y = the normed x rows, no sums
-    for (int lr0 = 0; lr0 < live; lr0 += RB) {
-        const int i0 = xonly ? 0 : (m0 + lr0) % lane_rows;  // the batch's first row's index in its lane
+    const int nlo = norm_lo - m0;                           // the first normed row, block-relative
+    if (NORM && lane_rows < 0) {   // the normed rows only, XR a round trip (no base, no d)
+        constexpr int XR = 2 * RB;
         for (int q = threadIdx.x; q < nq; q += THREADS) {
             const int c = ch0 + q * VEC;
-            const int g = c / GROUP;
-            float bv[TAPS][VEC], xv[XW][VEC], dv[RB][TAPS], gv[NORM ? VEC : 1];
+            const float* xm = x + ((long long)m0 * H + c);
+            float* ym = y + ((long long)m0 * H + c);
+            float gv[VEC], xv[XR][VEC] = {};
+            gemm_conv_ld<VEC>(gv, ln + c);
+            for (int lr0 = 0; lr0 < live; lr0 += XR) {
 #pragma unroll
-            for (int t = 0; t < TAPS; ++t) gemm_conv_ld<VEC>(bv[t], base + t * H + c);   // xonly: unused
-            if (NORM) gemm_conv_ld<VEC>(gv, ln + c);
-            // window row w: row m0 + lr0 + w - (TAPS - 1) clamped into [0, top] (a clamped row
-            // is one no tap reads), d of rows past the block: the last row's; no branch between
-            // the loads and the sums (every load in flight at once)
+                for (int j = 0; j < XR; ++j)
+                    if (lr0 + j < live) gemm_conv_ld<VEC>(xv[j], xm + (lr0 + j) * H);
 #pragma unroll
-            for (int w = 0; w < XW; ++w) {
-                int xr = m0 + lr0 + w - (TAPS - 1);
-                xr = xr < 0 ? 0 : (xr > top ? top : xr);
-                gemm_conv_ld<VEC>(xv[w], x + ((long long)xr * H + c));
-            }
+                for (int j = 0; j < XR; ++j) {
+                    const int r = lr0 + j;
+                    if (r < live) {
+                        const float s = rsc[r];
 #pragma unroll
-            for (int j = 0; j < RB; ++j) {
-                const int r = (m0 + lr0 + j < top) ? m0 + lr0 + j : top;
-#pragma unroll
-                for (int t = 0; t < TAPS; ++t) dv[j][t] = d[(long long)r * N + g * GC + t];
-            }
-            if (NORM) {   // the normed rows (after every load of the batch is issued)
-#pragma unroll
-                for (int w = 0; w < XW; ++w) {
-                    int xr = m0 + lr0 + w - (TAPS - 1);
-                    xr = xr < m0 ? m0 : (xr > top ? top : xr);   // a row no tap reads: any scale
-                    const float s = rsc[xr - m0];
-#pragma unroll
-                    for (int e = 0; e < VEC; ++e)
-                        if (xr >= norm_lo) xv[w][e] = __fmul_rn(__fmul_rn(xv[w][e], gv[NORM ? e : 0]), s);
+                        for (int e = 0; e < VEC; ++e)
+                            if (r >= nlo) xv[j][e] = __fmul_rn(__fmul_rn(xv[j][e], gv[e]), s);
+                        if (stored(r)) gemm_conv_st<VEC>(ym + r * H, xv[j]);
+                    }
                 }
             }
-            float* yp = y + ((long long)(m0 + lr0) * H + c);
-            int i = i0;
+        }
+        return;
+    }
+    static_assert(16 % RB == 0, "a batch's rows lie in one 16-row tile (stored() once a batch)");
+    constexpr int NC = 2 * TAPS * (H / GROUP);              // = N (the caller's contract): d's row stride
+    const int i0 = m0 % lane_rows;                          // the block's first row's index in its lane
+    for (int q = threadIdx.x; q < nq; q += THREADS) {
+        const int c = ch0 + q * VEC;
+        // the chunk's first row (row offsets below: block-relative, int)
+        const float* xm = x + ((long long)m0 * H + c);
+        const float* dm = d + ((long long)m0 * NC + (c / GROUP) * GC);   // its group's half-0 taps
+        float* ym = y + ((long long)m0 * H + c);
+        float bv[TAPS][VEC], gv[NORM ? VEC : 1];
+#pragma unroll
+        for (int t = 0; t < TAPS; ++t) gemm_conv_ld<VEC>(bv[t], base + t * H + c);
+        if (NORM) gemm_conv_ld<VEC>(gv, ln + c);
+        // a batch's loads (its first row's x, d at xr, dr): its x window (window row w: row
+        // lr0 + w - (TAPS - 1)) and its rows' d, each row that exists (before the block: from
+        // row 0; its own: up to live) loaded, no branch among them; a row not loaded keeps an
+        // earlier value, which no tap or store reads
+        auto issue = [&](float (&xv)[XW][VEC], float (&dv)[RB][TAPS], const float* xr, const float* dr, int lr0) {
+#pragma unroll
+            for (int w = 0; w < TAPS - 1; ++w)
+                if (lr0 + w - (TAPS - 1) >= -m0) gemm_conv_ld<VEC>(xv[w], xr + (w - (TAPS - 1)) * H);
+#pragma unroll
+            for (int j = 0; j < RB; ++j)
+                if (j < live - lr0) {
+                    gemm_conv_ld<VEC>(xv[TAPS - 1 + j], xr + j * H);
+                    gemm_conv_ld<TAPS>(dv[j], dr + j * NC);
+                }
+        };
+        // a batch's sums and stores (after its loads arrive), its window normed first
+        int i = i0;   // the row's index in its lane, stepped row by row
+        auto finish = [&](float (&xv)[XW][VEC], const float (&dv)[RB][TAPS], float* yr, int lr0) {
+            if (NORM) {   // (rows past live: rsc's entries up to lr0 + RB <= ROWS, read for rows no store reads)
+#pragma unroll
+                for (int w = 0; w < XW; ++w) {
+                    const int r = lr0 + w - (TAPS - 1);
+                    const float s = rsc[r < 0 ? 0 : r];   // r < 0: a row no tap reads (NORM: lanes inside the block)
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e)
+                        if (r >= nlo) xv[w][e] = __fmul_rn(__fmul_rn(xv[w][e], gv[NORM ? e : 0]), s);
+                }
+            }
+            const bool st = stored(lr0);   // the batch's 16-row tile's (RB divides 16)
 #pragma unroll
             for (int j = 0; j < RB; ++j) {
                 float o[VEC];
@@ -112,12 +150,26 @@ __device__ __forceinline__ void gemm_conv_prepare(const float* __restrict__ x, c
                     float acc = 0.0f;
 #pragma unroll
                     for (int t = 0; t < TAPS; ++t)
-                        acc = i - t >= 0 ? fmaf(bv[t][e] + dv[j][t], xv[j + TAPS - 1 - t][e], acc) : acc;
-                    o[e] = xonly ? xv[j + TAPS - 1][e] : acc;
+                        acc = t == 0 || i >= t ? fmaf(bv[t][e] + dv[j][t], xv[j + TAPS - 1 - t][e], acc) : acc;
+                    o[e] = acc;
                 }
-                if (lr0 + j < live && stored(lr0 + j)) gemm_conv_st<VEC>(yp + j * H, o);
+                if (st && j < live - lr0) gemm_conv_st<VEC>(yr + j * H, o);
                 i = (i + 1 == lane_rows) ? 0 : i + 1;
             }
+        };
+        // two register sets (batches a and b): the next batch's loads are issued before this
+        // one's sums and stores, so a pair of batches costs one round trip
+        float xa[XW][VEC] = {}, da[RB][TAPS] = {}, xb[XW][VEC] = {}, db[RB][TAPS] = {};
+        const float* xr = xm;   // batch a's first row's
+        const float* dr = dm;
+        float* yr = ym;
+        issue(xa, da, xr, dr, 0);
+        for (int lr0 = 0; lr0 < live; lr0 += 2 * RB, xr += 2 * RB * H, dr += 2 * RB * NC, yr += 2 * RB * H) {
+            const bool second = lr0 + RB < live;
+            if (second) issue(xb, db, xr + RB * H, dr + RB * NC, lr0 + RB);
+            finish(xa, da, yr, lr0);
+            if (lr0 + 2 * RB < live) issue(xa, da, xr + 2 * RB * H, dr + 2 * RB * NC, lr0 + 2 * RB);
+            if (second) finish(xb, db, yr + RB * H, lr0 + RB);
         }
     }
 }

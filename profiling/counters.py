@@ -770,16 +770,19 @@ def _gemm_conv(c: KernelCounters, L, d: dict, P: dict, gx: int, gy: int, ROWS: i
     group's final d (split K: the reducing slice) convolves the channels of the half-0 groups
     wholly inside it, over its stored rows: per VEC-channel chunk (a thread each, consecutive
     threads on consecutive chunks of a row) its taps' base, then per batch of RB rows the x
-    window (RB + TAPS - 1 rows) and each row's TAPS coefficients, and one store per stored row.
-    Its dependent L2 round trips (a batch's loads in flight together) are the tail after the
-    reduction: ``tail_l2_round_trips`` (the compiled model reads the SASS loops instead).
-    GS_NORM: also the chunk's ln per batch (the row scales from shared memory); conv_lane_rows
-    < 0: the same loads, the (normed) x rows stored instead of the sums."""
+    window (RB + TAPS - 1 rows) and each row's TAPS coefficients (one vector load for 2 or 4
+    taps), and one store per stored row. Its dependent L2 round trips (the batches in pairs: a
+    batch's loads issued before the one ahead's sums) are the tail after the reduction:
+    ``tail_l2_round_trips`` (the compiled model reads the SASS loops instead). GS_NORM: also
+    the chunk's ln (the row scales from shared memory); conv_lane_rows < 0: the chunk's ln and
+    its x rows (2 * RB at a time: one round trip each), the normed rows stored instead of the sums."""
     T, G = d["GS_CONV_TAPS"], d["GS_CONV_GROUP"]
     NORM, xonly = d.get("GS_NORM", 0), int(P.get("conv_lane_rows", 0)) < 0
     VEC = 4 if G % 4 == 0 and H % 4 == 0 else 1
     RB = max(1, kernels.constants("gemm_conv.cuh")["GEMM_CONV_ROWS"] // T)
     XW = RB + T - 1
+    VW = T * 4 if T in (2, 4) else 4     # a row's coefficients: one access of VW bytes, VN of them
+    VN = 1 if T in (2, 4) else T
     trips = tail_bytes = 0
     rows_out = 0
     for bx in range(gx):
@@ -798,20 +801,26 @@ def _gemm_conv(c: KernelCounters, L, d: dict, P: dict, gx: int, gy: int, ROWS: i
             if not st:
                 continue
             batches = -(-live // RB)
-            _contig(c, "ld", T * nch * 4, 4 * VEC)                             # base
-            _contig(c, "ld", batches * XW * nch * 4, 4 * VEC)                  # x windows
+            passes = -(-nq // THREADS)        # chunks a thread runs
             if NORM:
-                _contig(c, "ld", batches * nch * 4, 4 * VEC)                   # ln
-            c.add_global("ld", warps_q * batches * RB * T, max(1, -(-span // SECTOR)), 32 * 4)   # d
+                _contig(c, "ld", nch * 4, 4 * VEC)                             # ln
             _contig(c, "st", len(st) * nch * 4, 4 * VEC)                       # y
             c.barriers += 1
             rows_out += len(st) * nch
-            trips = max(trips, batches * -(-nq // THREADS))   # as gemm_stream.conv_tail_trips counts them
-            tail_bytes = max(tail_bytes, (batches * (XW + NORM) + len(st)) * nch * 4
-                             + batches * RB * T * 32 * warps_q)
+            if xonly:   # the rows that exist, 2 * RB a round trip
+                _contig(c, "ld", live * nch * 4, 4 * VEC)                      # x rows
+                trips = max(trips, -(-live // (2 * RB)) * passes)
+                tail_bytes = max(tail_bytes, (live + NORM + len(st)) * nch * 4)
+                continue
+            xrows = live + batches * (XW - RB)   # rows that exist: each batch's and the rows before it
+            _contig(c, "ld", T * nch * 4, 4 * VEC)                             # base
+            _contig(c, "ld", xrows * nch * 4, 4 * VEC)                         # x windows
+            c.add_global("ld", warps_q * live * VN, max(1, -(-span // SECTOR)), 32 * VW)   # d
+            trips = max(trips, -(-batches // 2) * passes)   # as gemm_stream.conv_tail_trips counts them
+            tail_bytes = max(tail_bytes, (T + xrows + NORM + len(st)) * nch * 4 + live * VN * 32 * VW * warps_q)
     conv_y, base = P.get("conv_y"), P.get("conv_base")
-    _rw(c, [(_name(base), T * H * 4)], [(_name(conv_y), rows_out * 4)])
-    c.dram_bytes += rows_out * 4 + T * H * 4
+    _rw(c, [] if xonly else [(_name(base), T * H * 4)], [(_name(conv_y), rows_out * 4)])
+    c.dram_bytes += rows_out * 4 + (0 if xonly else T * H * 4)
     if xonly:
         c.notes.append(f"the normed rows stored for conv.cu (GS_CONV, lane_rows < 0): {rows_out * 4 / 1e6:.2f} MB, "
                        f"{trips} dependent L2 round trips after the reduction")

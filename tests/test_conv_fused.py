@@ -96,12 +96,16 @@ def test_fused_prepare_skips_dead_tiles(emu, rng, monkeypatch):
     assert_close(out[32], (base[0] + dcol) * x[32], "f32", "first row of a lane")
 
 
-def test_fuses_conv_only_where_whole_groups_fit_and_the_tail_is_short(emu):
+def test_fuses_conv_only_where_whole_groups_fit_and_the_tail_is_short(emu, monkeypatch):
     be = emu
-    # DFlash 2 at hidden 5120: 16 and 32 rows fuse (4, 8 round trips), 48 do not (12)
+    # DFlash 2 at hidden 5120: 16, 32 and 48 rows fuse (2, 4, 6 round trips: batches of 4 rows
+    # in pairs), a tail over CONV_FUSE_MAX_TRIPS does not
     g = Gemm(be, 1280, 5120, np.uint16, max_m=48, conv=(2, 16), wgmma=False)
-    assert [g.fuses_conv(m) for m in (16, 32, 48)] == [True, True, False]
-    assert gs.conv_tail_trips(48, 1280, 2, 16, 256) == 12 > gs.CONV_FUSE_MAX_TRIPS
+    assert [g.fuses_conv(m) for m in (16, 32, 48)] == [True, True, True]
+    assert [gs.conv_tail_trips(r, 1280, 2, 16, 256) for r in (16, 32, 48, 64)] == [2, 4, 6, 8]
+    with monkeypatch.context() as mp:
+        mp.setattr(gs, "CONV_FUSE_MAX_TRIPS", 5)
+        assert [g.fuses_conv(m) for m in (16, 32, 48)] == [True, True, False]
     # 3 taps, N beyond one column block (COLS % 6 != 0): a group would straddle two
     H, group, taps = 688, 8, 3
     N = 2 * taps * (H // group)

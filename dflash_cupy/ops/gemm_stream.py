@@ -121,12 +121,13 @@ CONV_FUSE_MAX_TRIPS = 8
 
 def conv_tail_trips(rows: int, N: int, taps: int, group: int, cols: int) -> int:
     """gemm_conv.cuh's dependent L2 round trips in a block of ``rows`` live rows holding ``cols``
-    output columns of ``N`` ([group][half][tap]): row batches x channel chunks per thread (each
-    batch's x window, base and d loads in flight together)."""
+    output columns of ``N`` ([group][half][tap]): pairs of row batches x channel chunks per
+    thread (a batch's x window and d loads issued before the batch ahead's sums and stores: two
+    batches' loads in flight together)."""
     rb = max(1, kernels.constants("gemm_conv.cuh")["GEMM_CONV_ROWS"] // taps)
     vec = 4 if group % 4 == 0 else 1
     groups = min(cols, N) // (2 * taps)
-    return -(-rows // rb) * -(-(groups * group // vec) // (WARPS * 32))
+    return -(-rows // (2 * rb)) * -(-(groups * group // vec) // (WARPS * 32))
 
 
 @dataclass(frozen=True)
