@@ -143,6 +143,18 @@ __device__ __forceinline__ unsigned long long block_max64(unsigned long long v, 
     return t;
 }
 
+// One round of a block-wide top-K: the largest of every thread's v[0..N) below `last`.
+template <int N>
+__device__ __forceinline__ unsigned long long block_next_below(const unsigned long long* v, unsigned long long last,
+                                                               unsigned long long* red)
+{
+    unsigned long long mine = 0ull;
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+        if (v[i] < last && v[i] > mine) mine = v[i];
+    return block_max64(mine, red);
+}
+
 template <int WT>
 __device__ __forceinline__ float load_w(const void* p, long long i)
 {
@@ -310,11 +322,7 @@ static __device__ __forceinline__ void merge_row(const unsigned int* part, int n
     }
     unsigned long long last = ALL;
     for (int t = 0; t < K; ++t) {
-        unsigned long long mine = 0ull;
-#pragma unroll
-        for (int m = 0; m < MH; ++m)
-            if (head[m] < last && head[m] > mine) mine = head[m];
-        last = block_max64(mine, red);
+        last = block_next_below<MH>(head, last, red);
         // real words are unique (one id each): one owner records its list; none left: -1
 #pragma unroll
         for (int m = 0; m < MH; ++m)
@@ -332,11 +340,7 @@ static __device__ __forceinline__ void merge_row(const unsigned int* part, int n
     }
     last = ALL;
     for (int t = 0; t < K; ++t) {
-        unsigned long long mine = 0ull;
-#pragma unroll
-        for (int m = 0; m < MQ; ++m)
-            if (held[m] < last && held[m] > mine) mine = held[m];
-        last = block_max64(mine, red);
+        last = block_next_below<MQ>(held, last, red);
         if (threadIdx.x == 0) {
             // K <= V real pairs exist when every block wrote its K best; an empty winner
             // (a malformed partial buffer) becomes id 0 with a NaN value
@@ -527,11 +531,7 @@ selector_topk_blocks(const float* logits, int ld, int row0, int row_stride, int 
     unsigned int* out = part + ((long long)g * nblk + b) * K * 2;
     unsigned long long last = ALL;  // each round takes the largest word below the previous winner
     for (int t = 0; t < K; ++t) {
-        unsigned long long mine = 0ull;
-#pragma unroll
-        for (int i = 0; i < TK_PER; ++i)
-            if (w[i] < last && w[i] > mine) mine = w[i];
-        last = block_max64(mine, red);
+        last = block_next_below<TK_PER>(w, last, red);
         if (threadIdx.x == 0) {
             out[2 * t] = (unsigned int)(last >> 32);
             out[2 * t + 1] = last ? 0xffffffffu - (unsigned int)last : 0xffffffffu;
