@@ -1395,6 +1395,39 @@ def _bytes_only(L, reads, writes, note="") -> KernelCounters:
     return c
 
 
+def _selector_merge_bytes(n, d: dict, P: dict, rows: int) -> tuple[list, list, str]:
+    """selector.cu's merge of ``rows`` rows: (reads, writes, note)."""
+    K = d["SEL_K"]
+    nb = min(P["nblk"], K)
+    return ([(n("part"), rows * (P["nblk"] + nb * K) * 8)], [(n("ids"), rows * K * 4), (n("vals"), rows * K * 4)],
+            f"{P['nblk']} first pairs, then the {nb} best blocks' {K} pairs each, per row")
+
+
+def _selector_walk_bytes(n, d: dict, lanes: int, fused: bool = False) -> tuple[list, list, str, float]:
+    """selector.cu's walk of ``lanes`` lanes (its hp slices included): (reads, writes, note, dependent
+    DRAM round trips a lane). Where each thread holds K * ceil(rank / 256) <= 32 values the
+    codebook rows of every token a row may choose are read a row ahead (the walk's PRE): K
+    predecessor rows a row after the first, no gather waiting on a choice; else the chosen one."""
+    Q, H, rank, K = d["SEL_Q"], d["SEL_H"], d["SEL_RANK"], d["SEL_K"]
+    R, wb = Q - 1, (4 if d.get("SEL_HPT", 2) == 0 else 2)
+    cb = 4 if d.get("SEL_CBT", 2) == 0 else 2
+    pre = K * -(-rank // (_C_SEL_WK_NW() * 32)) <= 32
+    preds = (1 + max(0, R - 1) * K) if pre else R
+    reads = [(n("hidden"), lanes * R * H * 4), (n("hp_w"), rank * H * wb), (n("pred_cb"), lanes * preds * rank * cb),
+             (n("succ_cb"), lanes * R * K * rank * cb)]
+    if not fused:   # the fused kernel's ids / vals are the merge's own writes (L2)
+        reads += [(n("ids"), lanes * R * K * 4), (n("vals"), lanes * R * K * 4)]
+    writes = [(n("tokens"), lanes * Q * 4), (n("choice"), lanes * R * 4), (n("q"), lanes * R * K * 4)]
+    note = (f"codebook rows gathered: {'K predecessors a row ahead' if pre else 'one predecessor'} and K "
+            f"successors per row")
+    # hp, then the staging; without PRE each row's gather waits on the last choice
+    return reads, writes, note, float(2 + (0 if pre else R))
+
+
+def _C_SEL_WK_NW() -> int:
+    return kernels.constants("selector.cu")["SEL_WK_NW"]
+
+
 def _small(L) -> KernelCounters:
     k, d = L.kernel, L.defines
     P = L.params()          # the arguments by the kernel's parameter names
@@ -1493,40 +1526,23 @@ def _small(L) -> KernelCounters:
         rows, nblk, K = L.grid[1], P["nblk"], d["SEL_K"]
         return _bytes_only(L, [(n("logits"), rows * d["SEL_V"] * 4)], [(n("part"), rows * nblk * K * 8)])
     if k == "selector_topk_merge":   # each block's first pair, then the K best blocks' K pairs
-        rows, K = L.grid[0], d["SEL_K"]
-        nb = min(P["nblk"], K)
-        c = _bytes_only(L, [(n("part"), rows * (P["nblk"] + nb * K) * 8)],
-                        [(n("ids"), rows * K * 4), (n("vals"), rows * K * 4)],
-                        f"{P['nblk']} first pairs, then the {nb} best blocks' {K} pairs each, per row")
+        reads, writes, note = _selector_merge_bytes(n, d, P, L.grid[0])
+        c = _bytes_only(L, reads, writes, note)
         c.dram_round_trips_per_block = 2.0   # the chosen blocks' pairs wait for the first pairs' rounds
         return c
     if k == "selector_walk":   # one lane per grid row: hp = W hidden, then the walk's codebook rows
-        lanes, Q, H, rank, K = L.grid[1], d["SEL_Q"], d["SEL_H"], d["SEL_RANK"], d["SEL_K"]
-        R, wb = Q - 1, (4 if d.get("SEL_HPT", 2) == 0 else 2)
-        cb = 4 if d.get("SEL_CBT", 2) == 0 else 2
-        reads = [(n("hidden"), lanes * R * H * 4), (n("hp_w"), rank * H * wb),
-                 (n("pred_cb"), lanes * R * rank * cb), (n("succ_cb"), lanes * R * K * rank * cb),
-                 (n("ids"), lanes * R * K * 4), (n("vals"), lanes * R * K * 4)]
-        writes = [(n("tokens"), lanes * Q * 4), (n("choice"), lanes * R * 4), (n("q"), lanes * R * K * 4)]
-        c = _bytes_only(L, reads, writes, "codebook rows gathered: one predecessor and K successors per row")
-        c.dram_round_trips_per_block = float(2 + R)   # hp, then each row's gathers depend on the last choice
+        reads, writes, note, trips = _selector_walk_bytes(n, d, L.grid[1])
+        c = _bytes_only(L, reads, writes, note)
+        c.dram_round_trips_per_block = trips
         return c
     if k == "selector_merge_walk":   # the merge's rows and the walk's hp slices in one grid; the last walks
-        lanes, Q, H, rank, K = L.grid[1], d["SEL_Q"], d["SEL_H"], d["SEL_RANK"], d["SEL_K"]
-        R, wb = Q - 1, (4 if d.get("SEL_HPT", 2) == 0 else 2)
-        cb = 4 if d.get("SEL_CBT", 2) == 0 else 2
-        nb = min(P["nblk"], K)
-        reads = [(n("part"), lanes * R * (P["nblk"] + nb * K) * 8), (n("hidden"), lanes * R * H * 4),
-                 (n("hp_w"), rank * H * wb), (n("pred_cb"), lanes * R * rank * cb),
-                 (n("succ_cb"), lanes * R * K * rank * cb)]
-        writes = [(n("ids"), lanes * R * K * 4), (n("vals"), lanes * R * K * 4), (n("tokens"), lanes * Q * 4),
-                  (n("choice"), lanes * R * 4), (n("q"), lanes * R * K * 4)]
-        c = _bytes_only(L, reads, writes, f"merge: {P['nblk']} first pairs, then the {nb} best blocks' {K} pairs "
-                        "each, per row; walk: one predecessor and K successor codebook rows per row; the walk's "
-                        "re-read of the merged ids / vals (L2) not counted")
-        # the merge's two (first pairs, chosen pairs; the hp slices' one runs beside them), then
-        # the walk's staging and each row's gathers, which depend on the last choice
-        c.dram_round_trips_per_block = float(3 + R) if R else 1.0
+        lanes, R = L.grid[1], d["SEL_Q"] - 1
+        m_reads, m_writes, m_note = _selector_merge_bytes(n, d, P, lanes * R)
+        w_reads, w_writes, w_note, w_trips = _selector_walk_bytes(n, d, lanes, fused=True)
+        c = _bytes_only(L, m_reads + w_reads, m_writes + w_writes,
+                        f"merge: {m_note}; walk: {w_note}; the walk's re-read of the merged ids / vals (L2) not counted")
+        # the merge's two (the hp slices' one runs beside them), then the walk's
+        c.dram_round_trips_per_block = 2.0 + w_trips if R else 1.0
         return c
     return _bytes_only(L, [], [], f"no access model for kernel {k!r}: counters are empty")
 

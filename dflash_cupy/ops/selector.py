@@ -152,8 +152,8 @@ class SelectorKernels:
         pairs best first (the merge reads each block's first pair as its best), empty slots
         with an id >= vocab (e.g. 0xffffffff) last; any column partition into at most
         ``max(partial_blocks, the kernel's own blocks)`` blocks (the merge holds one first pair
-        per block in registers; more are refused). Lane ``l``'s selector row ``j`` is partials row ``l * row_stride + row0 + j``
-        (default: ``[lanes * R, ...]``, row_stride R; a fused lm_head top-K's partials of every
+        per block in registers; more are refused). Lane ``l``'s selector row ``j`` is partials
+        row ``l * row_stride + row0 + j`` (default: ``[lanes * R, ...]``, row_stride R; a fused lm_head top-K's partials of every
         step row: ``row0=1``, ``row_stride`` the lane's rows). The merge ``topk`` runs, for a
         GEMM epilogue that writes them (``Gemm(..., "topk")``, ``gemm_stream.cu`` GS_EPI 4)."""
         L, R, K = self.lanes, self.R, self.K
