@@ -15,26 +15,27 @@
 //   every GEMM row) -> ids [lanes * R, K] int32, vals [lanes * R, K] f32 = softcap(logit * MULT)
 //   (tanhf(v / CAP) * CAP). Two phases of K block-wide rounds: the K blocks with the best first
 //   pairs, then the K best of their K * K pairs. nblk <= NBLK_MAX (SEL_PBLK: such partials' blocks).
-// selector_walk: grid (SPLIT = ceil(RANK / WK_NW), lanes), block WK_NW * 32.
-//   Phase 1 (every block): warp w computes hp[lane][j][k], k = blockIdx.x * WK_NW + w, into
-//   hp_ws [lanes, R, RANK] f32 (warp_dot below). The last block of a lane to arrive
-//   (arrive.cuh, counters [lanes] int32, zero between launches, reset here) stages every
-//   row's ids, vals and random bits in shared memory, then walks (warp 0 chooses each row):
-//   anchor a = anchors[lane] (int32 [lanes]); outside [0, V): clamped, flags[lane] = 1, else 0.
-//   tokens [lanes, Q] int32: row 0 = a; row j+1 = ids[j][choice[j]]. For j = 0..R-1, pred = a
-//   (j = 0) or the token chosen before: u[k] = cb(pred_cb[pred][k]) * hp[j][k];
-//   score[c] = vals[j][c] + warp_dot(succ_cb[ids[j][c]], u).
-//   knobs f32 [3] (sample.cu's block): temperature = knobs[0]. T <= 0 (greedy): the first
-//   largest order key. T > 0: z = score * (1 / T), masses draw_mass(z, max z) (draw.cuh),
-//   target = draw_target(row_bits64(lane * Q + j + 1, rng), total), the first c whose running
-//   mass exceeds it; total 0 (every score NaN): choice 0, q row all 0 (per_lane 0). per_lane 1:
-//   each lane its own step block, knobs [lanes][3] and rng [lanes][2], row j + 1 (each lane
-//   draws as a one-lane walk). q [lanes, R, K] f32: f32(mass_c) / f32(total) (T > 0), one-hot
-//   (T <= 0); choice [lanes, R] int32. hidden [lanes, hidden_rows >= Q, H] f32 (rows 1..Q-1),
-//   hp_w [RANK, H], codebooks [V, RANK], row-major; ids / vals as the merge writes them.
-// selector_merge_walk: the two above in one launch, grid (SPLIT + R, lanes) ((1, lanes) at R 0):
-//   block x < SPLIT is the walk's phase-1 slice x, the others merge the lane's row x - SPLIT; the
-//   last of the lane's SPLIT + R to arrive walks. Arguments: the merge's, then the walk's.
+// selector_project_merge: grid (SPLIT + merge_rows, lanes), block WK_NW * 32, SPLIT = ceil(RANK /
+//   WK_NW); merge_rows R (the merge's rows too) or 0. Block x < SPLIT: warp w computes hp[lane][j][k],
+//   k = x * WK_NW + w, into hp_ws [lanes, R, RANK] f32 (warp_dot below); the others merge the lane's
+//   row x - SPLIT as selector_topk_merge does (arguments: the merge's, then the projection's).
+// selector_edges_walk: grid (max(R, 1), lanes), block WK_NW * 32, after the projection (and merge).
+//   Block j: row j's edge scores edges [lanes, R, K, K] f32, [i][c] = vals[j][c] +
+//   warp_dot(succ_cb[ids[j][c]], u_i), u_i[k] = cb(pred_cb[p_i][k]) * hp[j][k] (f32), p_i = the
+//   anchor (j = 0, i = 0) or ids[j - 1][i]: every predecessor the walk may hold. The last block of
+//   a lane to arrive (arrive.cuh, counters [lanes] int32, zero between launches, reset here) walks
+//   (warp 0): anchor a = anchors[lane] (int32 [lanes]); outside [0, V): clamped, flags[lane] = 1,
+//   else 0. tokens [lanes, Q] int32: row 0 = a; row j+1 = ids[j][choice[j]]; row j's scores are
+//   edges[j][choice[j - 1]] (j = 0: [0]). knobs f32 [3] (sample.cu's block): temperature =
+//   knobs[0]. T <= 0 (greedy): the first largest order key. T > 0: z = score * (1 / T), masses
+//   draw_mass(z, max z) (draw.cuh), target = draw_target(row_bits64(lane * Q + j + 1, rng),
+//   total), the first c whose running mass exceeds it; total 0 (every score NaN): choice 0, q
+//   row all 0 (per_lane 0). per_lane 1: each lane its own step block, knobs [lanes][3] and rng
+//   [lanes][2], row j + 1 (each lane draws as a one-lane walk). q [lanes, R, K] f32: f32(mass_c)
+//   / f32(total) (T > 0), one-hot (T <= 0); choice [lanes, R] int32. hidden [lanes, hidden_rows
+//   >= Q, H] f32 (rows 1..Q-1), hp_w [RANK, H], codebooks [V, RANK], row-major. The scores are
+//   computed before the walk, K x K a row in parallel, so the serial walk holds no dot product
+//   and no global load (docs/decisions/dflash2.md).
 // warp_dot(w row, x vectors) (the fixed order ops/selector.py mirrors): lane i sums, in f32 without
 //   contraction, w[e] * x[e] over e in chunks of 8 (chunk = i, i + 32, ...), ascending; then the
 //   xor butterfly of warp.cuh's warp_sum (offsets 16, 8, 4, 2, 1).
@@ -82,7 +83,7 @@
 #define SEL_TK_NT 256      // threads of both top-K kernels
 #define SEL_TK_PER 16      // columns per thread in selector_topk_blocks (K block-wide rounds per
                            // block whatever the tile: wide tiles make fewer blocks and rounds)
-#define SEL_WK_NW 8        // warps of selector_walk (one hidden_projection row each)
+#define SEL_WK_NW 8        // warps of selector_project_merge / selector_edges_walk
 #define SEL_MAX_K 64
 
 #if SEL_K > SEL_MAX_K
@@ -111,16 +112,21 @@ constexpr int MH = (NBLK_MAX + TK_NT - 1) / TK_NT, MQ = (K * K + TK_NT - 1) / TK
 constexpr unsigned long long ALL = ~0ull;
 constexpr float MULT = (float)(SEL_MULT), CAP = (float)(SEL_CAP);
 constexpr float CAP_DIV = CAP > 0.0f ? CAP : 1.0f;  // (no division by a zero constant when CAP is off)
-// The walk keeps each warp's candidates' successor rows in registers when they fit in 64.
+// selector_edges_walk: each warp holds its candidates' successor rows in registers (CPW rows of
+// SCH * 8 values a lane) where they fit in 64; the predecessors' rank vectors u are staged in
+// shared memory UI at a time (16 KiB); every row's K x K edges are staged for the walk where they
+// fit in 16 KiB (ESTAGE; else each row reads its chosen predecessor's scores from L2).
 constexpr int CPW = (K + WK_NW - 1) / WK_NW, SCH = (RANK + 255) / 256;
 constexpr bool SREG = CPW * SCH * 8 <= 64;
+constexpr int UI = (16 * 1024) / (RANK * 4) < K ? ((16 * 1024) / (RANK * 4) > 0 ? (16 * 1024) / (RANK * 4) : 1) : K;
+constexpr bool ESTAGE = RA * K * K * 4 <= 16 * 1024;
 // whole 16-byte loads of hidden_projection / hidden rows (H) and codebook rows (RANK)
 constexpr bool VEC_H = H % 8 == 0, VEC_RANK = RANK % 8 == 0;
-// selector_merge_walk's static shared memory, the most of the kernels': the walk's (staged rows,
-// rank vector, scores and masses, bits, 3 ints) and the merge's (TK_NW words, K picks), + 16 for
-// u_s's alignment (ops/selector.py checks the same bound first)
-static_assert(RA * K * 8 + RANK * 4 + K * 12 + RA * 8 + 12 + TK_NW * 8 + K * 4 + 16 <= 48 * 1024,
-              "selector: (q_len - 1) * K * 8 + rank * 4 bytes of shared memory exceed 48 KiB");
+// selector_edges_walk's static shared memory, the most of the kernels': the edges' (rank
+// vectors, 3 K-arrays), the walk's (staged edges, scores, ids, bits, masses) and the ticket,
+// + 16 for u_s's alignment (ops/selector.py checks the same bound first)
+static_assert(UI * RANK * 4 + K * 12 + (ESTAGE ? RA * K * K * 4 : 4) + K * 4 + RA * K * 4 + RA * 8 + K * 8 + 4 + 16
+              <= 48 * 1024, "selector: the edges' rank vectors and the walk's staging exceed 48 KiB");
 
 __device__ __forceinline__ unsigned long long rank_word(float logit, unsigned int id)
 {
@@ -232,22 +238,6 @@ __device__ __forceinline__ void warp_load(const void* w, int len, float* regs)
     }
 }
 
-// warp_dot of the row warp_load cached with x (the same order and bits).
-template <int CH>
-__device__ __forceinline__ float warp_dot_regs(const float* regs, int len, const float* x)
-{
-    const int lane = threadIdx.x & 31;
-    float acc = 0.0f;
-#pragma unroll
-    for (int ch = 0; ch < CH; ++ch)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const int idx = lane * 8 + ch * 256 + e;
-            if (idx < len) acc = __fadd_rn(acc, __fmul_rn(regs[ch * 8 + e], x[idx]));
-        }
-    return warp_sum(acc);
-}
-
 // One row's choice by one warp (every lane returns it): greedy, the first largest key;
 // sampled, the integer-mass draw with `bits`. Writes the row's q [K].
 __device__ __forceinline__ int choose(const float* s, bool sampled, float inv_t, unsigned long long bits,
@@ -330,28 +320,44 @@ static __device__ __forceinline__ void merge_row(const unsigned int* part, int n
         if (!last && threadIdx.x == 0) pick[t] = -1;
     }
     __syncthreads();
-    // Phase 2: the K best of those lists' K * K pairs, all loads in flight at once.
+    // Phase 2: the K best of those lists' K * K pairs, all loads in flight at once, each ranked
+    // by the pairs above it (real words are unique: the ranks of the nz real pairs are 0..nz-1,
+    // the order K rounds of block_next_below would give) against every pair in shared memory.
+    __shared__ __align__(16) unsigned long long pw[(K * K + 1) / 2 * 2];
     unsigned long long held[MQ];
+    int nz = 0;
 #pragma unroll
     for (int m = 0; m < MQ; ++m) {
         const int i = threadIdx.x + m * TK_NT, l = i / K;
         const int b = i < K * K ? pick[l] : -1;
         held[m] = b >= 0 ? word(p2[(long long)b * K + (i - l * K)]) : 0ull;
+        if (i < (K * K + 1) / 2 * 2) pw[i] = held[m];
+        nz += __syncthreads_count(held[m] != 0ull);   // (also the barrier before pw is read)
     }
-    last = ALL;
-    for (int t = 0; t < K; ++t) {
-        last = block_next_below<MQ>(held, last, red);
-        if (threadIdx.x == 0) {
-            // K <= V real pairs exist when every block wrote its K best; an empty winner
-            // (a malformed partial buffer) becomes id 0 with a NaN value
-            const unsigned int key = (unsigned int)(last >> 32);
-            const int id = last ? (int)(0xffffffffu - (unsigned int)last) : 0;
-            float v = (last ? key_value(key) : __uint_as_float(0x7fc00000u)) * MULT;
-            if (CAP > 0.0f) v = tanhf(v / CAP_DIV) * CAP;
-            ids[(long long)g * K + t] = id;
-            vals[(long long)g * K + t] = v;
-        }
+    int rank[MQ];
+#pragma unroll
+    for (int m = 0; m < MQ; ++m) rank[m] = 0;
+    const ulonglong2* pw2 = reinterpret_cast<const ulonglong2*>(pw);
+#pragma unroll 8
+    for (int u = 0; u < (K * K + 1) / 2; ++u) {
+        const ulonglong2 w = pw2[u];   // (a pad word past K * K is 0: above no word)
+#pragma unroll
+        for (int m = 0; m < MQ; ++m) rank[m] += (w.x > held[m]) + (w.y > held[m]);
     }
+    auto put = [&](int t, unsigned long long w) {
+        // K <= V real pairs exist when every block wrote its K best; an empty slot (a
+        // malformed partial buffer) becomes id 0 with a NaN value
+        const unsigned int key = (unsigned int)(w >> 32);
+        const int id = w ? (int)(0xffffffffu - (unsigned int)w) : 0;
+        float v = (w ? key_value(key) : __uint_as_float(0x7fc00000u)) * MULT;
+        if (CAP > 0.0f) v = tanhf(v / CAP_DIV) * CAP;
+        ids[(long long)g * K + t] = id;
+        vals[(long long)g * K + t] = v;
+    };
+#pragma unroll
+    for (int m = 0; m < MQ; ++m)
+        if (held[m] && rank[m] < K) put(rank[m], held[m]);
+    if ((int)threadIdx.x < K && (int)threadIdx.x >= nz) put(threadIdx.x, 0ull);
 }
 
 // The walk's phase 1 slice s of lane `lane` (R > 0): warp w's hidden_projection row
@@ -368,34 +374,109 @@ __device__ __forceinline__ void hp_slice(const float* hidden, int hidden_rows, c
         for (int j = 0; j < R; ++j) hp_ws[((long long)lane * R + j) * RANK + k] = acc[j];
 }
 
-// The walk of lane `lane` by one block, once every hp slice (and, fused, every merge row) of
-// the lane has arrived: ids, vals and hp_ws are read through L2 (__ldcg: other SMs may have
-// written them in this launch, arrive.cuh).
-static __device__ __forceinline__ void walk_lane(int lane, const void* pred_cb, const void* succ_cb, const int* anchors,
-                                                 const int* ids, const float* vals, const float* knobs,
-                                                 const unsigned long long* rng, int per_lane, int* tokens, int* choice,
-                                                 float* q, const float* hp_ws, int* counters, int* flags)
+// Edge scores of lane `lane`'s row j (R > 0), one block: edges[lane][j][i][c] = vals[j][c] +
+// warp_dot(succ_cb[ids[j][c]], u_i), u_i[k] = cb(pred_cb[p_i][k]) * hp[j][k] (f32), for every
+// predecessor p_i the walk may hold before row j: the anchor (j = 0, i = 0 only) or row j - 1's
+// candidate i. Warp w scores its candidates c = w + m * WK_NW (successor rows in registers,
+// SREG) against every u_i staged in shared memory: after the ids, one round trip for all the
+// codebook rows, then no global load. Ids are clamped into [0, V) as the walk clamps them.
+static __device__ __forceinline__ void edges_row(int lane, int j, const void* pred_cb, const void* succ_cb,
+                                                 const int* anchors, const int* ids, const float* vals,
+                                                 const float* hp_ws, float* edges)
 {
-    __shared__ __align__(16) float u_s[RANK];   // read as float4 (warp_dot VEC)
-    __shared__ float s_s[K];
-    __shared__ int prev_s, best_s;
+    __shared__ __align__(16) float u_s[UI * RANK];   // read as float4 where VEC_RANK
+    __shared__ int cand_s[K], pred_s[K];
+    __shared__ float val_s[K];
     const int warp = threadIdx.x >> 5, wl = threadIdx.x & 31;
-    // What no row's choice changes is staged first (every row's candidates and values, every
-    // row's random bits), so a row's only dependent load is its predecessor's codebook row;
-    // each warp holds its candidates' successor rows in registers meanwhile.
+    const long long rj = (long long)lane * R + j;
+    auto clamp_id = [](int id) { return id < 0 ? 0 : (id >= V ? V - 1 : id); };
+    for (int i = threadIdx.x; i < K; i += WK_NT) {
+        cand_s[i] = clamp_id(ids[rj * K + i]);
+        val_s[i] = vals[rj * K + i];
+        pred_s[i] = clamp_id(j == 0 ? anchors[lane] : ids[(rj - 1) * K + i]);
+    }
+    __syncthreads();
+    const int np = j == 0 ? 1 : K;
+    float sreg[SREG ? CPW : 1][SREG ? SCH * 8 : 8];
+    if (SREG) {
+#pragma unroll
+        for (int m = 0; m < (SREG ? CPW : 1); ++m) {
+            const int c = warp + m * WK_NW;
+            if (c < K) warp_load<SEL_CBT, SREG ? SCH : 1, VEC_RANK>(cb_row(succ_cb, cand_s[c]), RANK, sreg[m]);
+        }
+    }
+    const float* hp = hp_ws + rj * RANK;
+    for (int i0 = 0; i0 < np; i0 += UI) {
+        // u of predecessors i0 .. i0 + UI: every load of a thread issued before any product
+        for (int k = threadIdx.x; k < RANK; k += WK_NT) {
+            const float h = hp[k];
+            float pv[UI];
+#pragma unroll
+            for (int e = 0; e < UI; ++e)
+                pv[e] = i0 + e < np ? load_w<SEL_CBT>(pred_cb, (long long)pred_s[i0 + e] * RANK + k) : 0.0f;
+#pragma unroll
+            for (int e = 0; e < UI; ++e) u_s[e * RANK + k] = __fmul_rn(pv[e], h);
+        }
+        __syncthreads();
+        for (int e = 0; e < UI && i0 + e < np; ++e) {
+            const float* u = u_s + e * RANK;
+            float acc[CPW];
+#pragma unroll
+            for (int m = 0; m < CPW; ++m) {
+                acc[m] = 0.0f;
+                const int c = warp + m * WK_NW;
+                if (c >= K) continue;
+                if (SREG) {   // warp_dot's order: lane chunks lane * 8 + ch * 256, elements ascending
+#pragma unroll
+                    for (int ch = 0; ch < (SREG ? SCH : 1); ++ch) {
+                        const int c0 = wl * 8 + ch * 256;
+                        if (c0 >= RANK) break;
+                        float xe[8];
+                        load8_w<0, VEC_RANK>(u, c0, RANK, xe);
+#pragma unroll
+                        for (int x = 0; x < 8; ++x)
+                            if (c0 + x < RANK) acc[m] = __fadd_rn(acc[m], __fmul_rn(sreg[SREG ? m : 0][ch * 8 + x], xe[x]));
+                    }
+                } else {   // rows too many to hold: each from L2 (the same order and bits)
+                    float d[1];
+                    warp_dot<SEL_CBT, 1, VEC_RANK>(cb_row(succ_cb, cand_s[c]), RANK, u, 0, d);
+                    acc[m] = d[0];
+                }
+            }
+            if (SREG) warp_sum_n<CPW>(acc);
+            if (wl == 0) {
+#pragma unroll
+                for (int m = 0; m < CPW; ++m) {
+                    const int c = warp + m * WK_NW;
+                    if (c < K) edges[(rj * K + i0 + e) * K + c] = __fadd_rn(val_s[c], acc[m]);
+                }
+            }
+        }
+        __syncthreads();   // u_s is rewritten for the next predecessors
+    }
+}
+
+// The walk of lane `lane` by one block, once every row's edges have arrived (read through L2:
+// other SMs wrote them in this launch, arrive.cuh). Row j's scores are the edges of the
+// predecessor chosen before it, so a row's choice is its only dependence on the row before:
+// warp 0 walks, every row's scores staged in shared memory first where they fit (ESTAGE).
+static __device__ __forceinline__ void walk_lane(int lane, const int* anchors, const int* ids, const float* knobs,
+                                                 const unsigned long long* rng, int per_lane, int* tokens,
+                                                 int* choice, float* q, const float* edges, int* counters, int* flags)
+{
+    __shared__ float e_s[ESTAGE ? RA * K * K : 1];
+    __shared__ float s_s[K];
     __shared__ int ids_s[RA * K];
-    __shared__ float vals_s[RA * K];
     __shared__ unsigned long long bits_s[RA], mass_s[K];
+    const int warp = threadIdx.x >> 5, wl = threadIdx.x & 31;
     const float temperature = knobs[per_lane ? 3 * lane : 0];
     const bool sampled = temperature > 0.0f;
-    for (int i = threadIdx.x; i < R * K; i += WK_NT) {
-        const int id = __ldcg(ids + (long long)lane * R * K + i);
-        ids_s[i] = id < 0 ? 0 : (id >= V ? V - 1 : id);  // never read outside the codebook
-        vals_s[i] = __ldcg(vals + (long long)lane * R * K + i);
-    }
+    const float* el = edges + (long long)lane * R * K * K;
+    for (int i = threadIdx.x; i < R * K; i += WK_NT) ids_s[i] = ids[(long long)lane * R * K + i];
+    if (ESTAGE)
+        for (int i = threadIdx.x; i < R * K * K; i += WK_NT) e_s[i] = __ldcg(el + i);
     if (sampled) {
-        // per_lane: the lane draws as a single lane (lanes = 1) with its own seed and counter
-        // base would
+        // per_lane: the lane draws as a single lane (lanes = 1) with its own seed and counter base would
         const unsigned long long* sb = per_lane ? rng + 2 * lane : rng;
         const int row0 = per_lane ? 1 : lane * Q + 1;
         for (int j = threadIdx.x; j < R; j += WK_NT) bits_s[j] = row_bits64((unsigned int)(row0 + j), sb);
@@ -406,108 +487,29 @@ static __device__ __forceinline__ void walk_lane(int lane, const void* pred_cb, 
         a = a < 0 ? 0 : (a >= V ? V - 1 : a);
         flags[lane] = bad ? 1 : 0;
         tokens[(long long)lane * Q] = a;
-        prev_s = a;
         if (R > 0) counters[lane] = 0;  // every block of this lane has arrived: ready for the next launch
     }
     __syncthreads();
+    if (warp != 0) return;
     const float inv_t = sampled ? 1.0f / temperature : 1.0f;
-    // Row j's loads that its predecessor's choice does not decide (its candidates' successor
-    // rows, its hp row) and the codebook rows of every token row j - 1 may choose (row j's
-    // predecessor is one of them, PRE_K * PK values a thread) are issued a row ahead, while the
-    // row before is scored and chosen: the walk's serial chain has no global load. Where
-    // they would not fit in registers (PRE_K * PK > 32) the predecessor's row is loaded
-    // once chosen, as before. The products are the same either way (pred_cb * hp in f32).
-    constexpr int PK = (RANK + WK_NT - 1) / WK_NT;          // u elements a thread
-    constexpr bool PRE = K * PK <= 32;
-    constexpr int PRE_K = PRE ? K : 1;
-    float pv[PK], hv[PK], hn[PK], pc[PRE_K][PK];
-    float sreg[SREG ? CPW : 1][SREG ? SCH * 8 : 8], snext[SREG ? CPW : 1][SREG ? SCH * 8 : 8];
-    auto load_succ = [&](int j, float (*dst)[SREG ? SCH * 8 : 8]) {
-        if (SREG) {
-#pragma unroll
-            for (int i = 0; i < (SREG ? CPW : 1); ++i) {
-                const int c = warp + i * WK_NW;
-                if (c < K)
-                    warp_load<SEL_CBT, SREG ? SCH : 1, VEC_RANK>(cb_row(succ_cb, ids_s[j * K + c]), RANK, dst[i]);
-            }
-        }
-    };
-    auto load_hp = [&](int j, float* dst) {
-#pragma unroll
-        for (int p = 0; p < PK; ++p) {
-            const int k = threadIdx.x + p * WK_NT;
-            dst[p] = k < RANK ? __ldcg(hp_ws + ((long long)lane * R + j) * RANK + k) : 0.0f;
-        }
-    };
-    auto load_pred = [&](int tok, float* dst) {
-#pragma unroll
-        for (int p = 0; p < PK; ++p) {
-            const int k = threadIdx.x + p * WK_NT;
-            dst[p] = k < RANK ? load_w<SEL_CBT>(pred_cb, (long long)tok * RANK + k) : 0.0f;
-        }
-    };
-    if (R > 0) {
-        load_succ(0, sreg);
-        load_hp(0, hv);
-        load_pred(prev_s, pv);
-    }
+    int prev = 0;   // the predecessor's candidate index (row 0: the anchor's one row)
     for (int j = 0; j < R; ++j) {
         const long long rj = (long long)lane * R + j;
-#pragma unroll
-        for (int p = 0; p < PK; ++p) {
-            const int k = threadIdx.x + p * WK_NT;
-            if (k < RANK) u_s[k] = __fmul_rn(pv[p], hv[p]);
+        const float* s = s_s;
+        if (ESTAGE) {
+            s = e_s + (j * K + prev) * K;
+        } else {   // scores too many to stage: the chosen row's, a dependent L2 round trip
+            for (int c = wl; c < K; c += 32) s_s[c] = __ldcg(el + (j * K + prev) * K + c);
+            __syncwarp();
         }
-        const bool more = j + 1 < R;
-        if (more) {   // row j + 1's loads, in flight while row j is scored and chosen
-            load_succ(j + 1, snext);
-            load_hp(j + 1, hn);
-            if (PRE) {
-#pragma unroll
-                for (int c = 0; c < PRE_K; ++c) load_pred(ids_s[j * K + c], pc[c]);
-            }
+        const int best = choose(s, sampled, inv_t, sampled ? bits_s[j] : 0ull, mass_s, q + rj * K);
+        if (wl == 0) {
+            choice[rj] = best;
+            const int id = ids_s[j * K + best];
+            tokens[(long long)lane * Q + j + 1] = id < 0 ? 0 : (id >= V ? V - 1 : id);
         }
-        __syncthreads();
-#pragma unroll
-        for (int i = 0; i < CPW; ++i) {
-            const int c = warp + i * WK_NW;
-            if (c >= K) break;
-            float d[1];
-            if (SREG) d[0] = warp_dot_regs<SREG ? SCH : 1>(sreg[SREG ? i : 0], RANK, u_s);
-            else warp_dot<SEL_CBT, 1, VEC_RANK>(cb_row(succ_cb, ids_s[j * K + c]), RANK, u_s, 0, d);
-            if (wl == 0) s_s[c] = __fadd_rn(vals_s[j * K + c], d[0]);
-        }
-        __syncthreads();
-        if (warp == 0) {
-            const int best = choose(s_s, sampled, inv_t, sampled ? bits_s[j] : 0ull, mass_s, q + rj * K);
-            if (wl == 0) {
-                const int tok = ids_s[j * K + best];
-                choice[rj] = best;
-                tokens[(long long)lane * Q + j + 1] = tok;
-                prev_s = tok;
-                best_s = best;
-            }
-        }
-        __syncthreads();
-        if (more) {
-            if (PRE) {   // the chosen candidate's row, selected without a dynamic register index
-                const int b = best_s;
-#pragma unroll
-                for (int c = 0; c < PRE_K; ++c)
-#pragma unroll
-                    for (int p = 0; p < PK; ++p) pv[p] = c == b ? pc[c][p] : pv[p];
-            } else {
-                load_pred(prev_s, pv);
-            }
-#pragma unroll
-            for (int p = 0; p < PK; ++p) hv[p] = hn[p];
-            if (SREG) {
-#pragma unroll
-                for (int i = 0; i < (SREG ? CPW : 1); ++i)
-#pragma unroll
-                    for (int e = 0; e < (SREG ? SCH * 8 : 8); ++e) sreg[i][e] = snext[i][e];
-            }
-        }
+        prev = best;
+        __syncwarp();   // s_s and mass_s are rewritten for the next row
     }
 }
 }  // namespace selector_detail
@@ -550,48 +552,31 @@ selector_topk_merge(const unsigned int* part, int nblk, int prow0, int prow_stri
 // (min 1 block per SM: without it ptxas targets 64 registers and spills the hidden
 // projection's N accumulators; the grid is small, ILP is what hides the loads)
 extern "C" __global__ void __launch_bounds__(SEL_WK_NW * 32, 1)
-selector_walk(const float* hidden, int hidden_rows, const void* hp_w, const void* pred_cb, const void* succ_cb,
-              const int* anchors, const int* ids, const float* vals, const float* knobs,
-              const unsigned long long* rng, int per_lane,
-              int* tokens, int* choice, float* q, float* hp_ws, int* counters, int* flags)
+selector_project_merge(const unsigned int* part, int nblk, int prow0, int prow_stride, int merge_rows,
+                       const float* hidden, int hidden_rows, const void* hp_w, int* ids, float* vals, float* hp_ws)
 {
     pdl_wait();
     pdl_launch_dependents();
     using namespace selector_detail;
-    __shared__ int ticket;
-    const int lane = blockIdx.y;
-    if (R > 0) {
-        hp_slice(hidden, hidden_rows, hp_w, lane, blockIdx.x, hp_ws);
-        if (!last_block_to_arrive(&counters[lane], gridDim.x, &ticket)) return;
-    }
-    walk_lane(lane, pred_cb, succ_cb, anchors, ids, vals, knobs, rng, per_lane, tokens, choice, q, hp_ws, counters,
-              flags);
+    static_assert(TK_NT == WK_NT, "selector_project_merge: the merge and the projection share the block size");
+    const int lane = blockIdx.y, split = (int)gridDim.x - merge_rows;
+    if ((int)blockIdx.x < split) hp_slice(hidden, hidden_rows, hp_w, lane, blockIdx.x, hp_ws);
+    else merge_row(part, nblk, prow0, prow_stride, lane * R + blockIdx.x - split, ids, vals);
 }
 
-// selector_topk_merge's rows and selector_walk in one launch: grid (SPLIT + R, lanes) (R = 0:
-// (1, lanes)); block x < SPLIT computes hp slice x, the others merge the lane's row x - SPLIT;
-// all of a lane's blocks arrive on counters[lane] and the last walks, reading the merged ids / vals.
 extern "C" __global__ void __launch_bounds__(SEL_WK_NW * 32, 1)
-selector_merge_walk(const unsigned int* part, int nblk, int prow0, int prow_stride,
-                    const float* hidden, int hidden_rows, const void* hp_w, const void* pred_cb, const void* succ_cb,
-                    const int* anchors, int* ids, float* vals, const float* knobs,
-                    const unsigned long long* rng, int per_lane,
-                    int* tokens, int* choice, float* q, float* hp_ws, int* counters, int* flags)
+selector_edges_walk(const void* pred_cb, const void* succ_cb, const int* anchors, const int* ids, const float* vals,
+                    const float* knobs, const unsigned long long* rng, int per_lane, int* tokens, int* choice,
+                    float* q, const float* hp_ws, float* edges, int* counters, int* flags)
 {
     pdl_wait();
     pdl_launch_dependents();
     using namespace selector_detail;
-    static_assert(TK_NT == WK_NT, "selector_merge_walk: the merge and the walk share the block size");
     __shared__ int ticket;
     const int lane = blockIdx.y;
     if (R > 0) {
-        // merge blocks last: they take longest, so one of them usually walks (and does on the
-        // emulator, which starts blocks in index order)
-        const int split = (int)gridDim.x - R;
-        if ((int)blockIdx.x < split) hp_slice(hidden, hidden_rows, hp_w, lane, blockIdx.x, hp_ws);
-        else merge_row(part, nblk, prow0, prow_stride, lane * R + blockIdx.x - split, ids, vals);
+        edges_row(lane, blockIdx.x, pred_cb, succ_cb, anchors, ids, vals, hp_ws, edges);
         if (!last_block_to_arrive(&counters[lane], gridDim.x, &ticket)) return;
     }
-    walk_lane(lane, pred_cb, succ_cb, anchors, ids, vals, knobs, rng, per_lane, tokens, choice, q, hp_ws, counters,
-              flags);
+    walk_lane(lane, anchors, ids, knobs, rng, per_lane, tokens, choice, q, edges, counters, flags);
 }

@@ -36,12 +36,15 @@ from dflash_cupy.backends import nvrtc_info
 
 from . import sass
 
-_VERSION = "5"   # 3: phases counted before the site-resolution fix (emulator frames by name) are recounted;
+_VERSION = "7"   # 3: phases counted before the site-resolution fix (emulator frames by name) are recounted;
 #                  4: the key names the launch's known device values (tile_live, pad_lo);
 #                  5: an arrival kernel's blocks are all counted (the last one's work, e.g. the walk)
-# An arrival kernel (global atomics, one z slice) with at most this many blocks a grid row has
-# every block of its first row counted, in index order, so the one that arrives last (and does
-# the serial work after the arrival) is among them; wider grids count their middle block only.
+#                  6, 7: every small one-slice grid's blocks are counted; the busiest warp's executions too;
+#                     executions in bytes a lane
+# A grid of one z slice with at most this many blocks a row has every block of its first row
+# counted, in index order: an arrival kernel's last block (the serial work after the arrival) and
+# a grid of blocks with different roles (e.g. the selector's projection slices and merge rows)
+# are among them; wider grids count their middle block only.
 ARRIVAL_SCAN_MAX = 64
 _WHERE = re.compile(r"^(\S+?):(\d+)")
 
@@ -66,6 +69,9 @@ class Phase:
     # a loop with inner loops: the round trips of each run of its own code between them (the
     # inner loops' loads separate the runs, as loops cut straight-line code into phases)
     run_round_trips: list = field(default_factory=list)
+    warp_trips: float | None = None   # the busiest warp's trips (None: as trips): one warp issues at
+    #                                   most one instruction a clock, so a loop one warp runs alone
+    #                                   costs its instructions x these trips at least
 
     def longest_chain(self) -> float:
         """The longest dependent chain with nothing between its loads: the whole phase for
@@ -88,7 +94,8 @@ def _witness(ins) -> str | None:
 
 
 def line_executions(launch, backend=None, scan_row: bool = False) -> dict[str, float]:
-    """``{"file:line|kind": executions per warp}`` of each source line's global and shared loads
+    """``{"file:line|kind": executions per warp}`` (and ``{"file:line|kind|warp": the busiest
+    warp's executions}``), in bytes a lane (executions x access width), of each source line's global and shared loads
     and stores ("global load", "global store", "shared load", "shared store") in the busiest
     block of one z column of ``launch`` (``step_trace.Launch``), run in counter mode.
     ``scan_row``: every block of the first grid row instead (each line its most in one block),
@@ -117,7 +124,9 @@ def line_executions(launch, backend=None, scan_row: bool = False) -> dict[str, f
             m = _WHERE.match(s.where or "")
             if m:
                 key = f"{m.group(1)}:{m.group(2)}|{s.kind}"
-                per[key] = per.get(key, 0.0) + s.requests / warps
+                # bytes a lane (phases_of counts the SASS's in bytes too)
+                per[key] = per.get(key, 0.0) + s.requests * max(1, s.width) / warps
+                per[key + "|warp"] = per.get(key + "|warp", 0.0) + s.warp_requests * max(1, s.width)
         for key, v in per.items():
             best[key] = max(best.get(key, 0.0), v)
     return best
@@ -137,10 +146,14 @@ def phases_of(ks: sass.KernelSass, executions: dict[str, float] | None) -> list[
     per_line: dict[str, dict] = {}
     for ins in ks.instrs:
         if ins.addr in home:
+            # counted in bytes a lane: ptxas may merge a line's accesses into wider ones (two
+            # 8-byte shared reads into one LDS.128) or split them; the bytes stay the same
             d = per_line.setdefault(_witness(ins), {})
-            d[id(home[ins.addr])] = d.get(id(home[ins.addr]), 0) + 1
-    # global loads first: the most direct witnesses
-    per_line = dict(sorted(per_line.items(), key=lambda kv: not kv[0].endswith("|global load")))
+            d[id(home[ins.addr])] = d.get(id(home[ins.addr]), 0) + max(1, sass.access_bytes(ins))
+    # global loads first: the most direct witnesses; then shared loads, then stores (a store is
+    # often one thread's result, e.g. a top-K round's winner, which counts a loop's trips short)
+    _rank = {"global load": 0, "shared load": 1, "global store": 2, "shared store": 3}
+    per_line = dict(sorted(per_line.items(), key=lambda kv: _rank.get(kv[0].rsplit("|", 1)[1], 4)))
     # Trips (total iterations per warp): each source line's executions are its straight-line
     # loads (once each) plus, per loop holding some, the loop's loads of it per iteration x the
     # loop's trips. Solved line by line while a line leaves one loop unknown; copies of a loop
@@ -181,13 +194,28 @@ def phases_of(ks: sass.KernelSass, executions: dict[str, float] | None) -> list[
             if id(l) not in trips and lines:
                 if not any(executions.get(k) for k in lines):
                     trips[id(l)] = (0.0, "emulator: not run")
+    # the busiest warp's trips of each loop: the same solve with that warp's executions, from
+    # the lines whose accesses sit in one loop only (a loop some warps skip runs more often in
+    # the busiest warp than on average)
+    # the busiest warp's trips of each loop: the same solve with that warp's executions, from
+    # the lines whose accesses sit in one loop only (a loop some warps skip, e.g. a walk one
+    # warp runs, runs more often in the busiest warp than on average)
+    warp_trips: dict[int, float] = {}
+    if executions is not None:
+        for key, d in per_line.items():
+            e = executions.get(key + "|warp")
+            lids = [lid for lid in d if lid != id(None)]
+            if e is None or len(lids) != 1:
+                continue
+            t = max(0.0, (e - d.get(id(None), 0)) / d[lids[0]])
+            warp_trips[lids[0]] = max(warp_trips.get(lids[0], 0.0), t)
     out = []
     for l in loops:
         t, src = trips.get(id(l), (1.0, "unknown"))
         out.append(Phase("loop", f"{l.head:#06x}-{l.tail:#06x}", l.depth, t, l.round_trips, t * l.round_trips,
                          l.global_loads, l.global_bytes, l.peak_inflight_bytes, l.instructions, l.barriers,
                          l.fences, l.atomics, [f"{f}:{n}" for f, n in l.lines], src,
-                         _own_runs(ks, l, loops)))
+                         _own_runs(ks, l, loops), warp_trips.get(id(l))))
     # straight-line code, cut where loops sit: each run between two loops is a phase of its own
     in_loop = {i.addr for l in loops for i in ks.instrs if i.addr in l.addrs}
     for run in _runs(ks.instrs, in_loop):
@@ -250,7 +278,7 @@ def launch_phases(launch, *, emulate: bool = True, backend=None) -> tuple[sass.K
             execs = json.loads(p.read_text())
         except (OSError, ValueError):
             gx, _, gz = launch.grid
-            scan = gz == 1 and 1 < gx <= ARRIVAL_SCAN_MAX and any(sass.is_atomic(i) for i in ks.instrs)
+            scan = gz == 1 and 1 < gx <= ARRIVAL_SCAN_MAX
             execs = line_executions(launch, backend, scan_row=scan)
             fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=p.stem, suffix=".tmp")
             with os.fdopen(fd, "w") as f:
@@ -323,6 +351,10 @@ def compiled_time(phases: list[Phase], *, gpu, threads: int, resident: int, per_
             continue
         chain = p.chain * gpu.l2_latency_s
         issue = p.instructions * p.trips * warps * resident / ISSUE_PER_CLK_SM / clk
+        # one warp issues at most one instruction a clock: a loop its busiest warp runs alone
+        # (the walk of one warp) costs that warp's instruction stream at least
+        wt = p.trips if p.warp_trips is None else max(p.trips, p.warp_trips)
+        issue = max(issue, p.instructions * wt / clk)
         fences = p.trips * (p.fences * FENCE_L2_TRIPS + p.atomics * ATOMIC_L2_TRIPS) * gpu.l2_latency_s
         t = (max(chain, issue)) * rounds
         ct.phases_s += t

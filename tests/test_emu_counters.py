@@ -88,6 +88,13 @@ extern "C" __global__ void reduce(const float* x, float* y, int n) {
     }
     if (threadIdx.x == 0) y[blockIdx.x] = sqrtf(fabsf(s[0]));
 }
+// warp 0 loops n times, the other warps once (a serial walk one warp runs)
+extern "C" __global__ void lone(const float* a, float* out, int n) {
+    float s = 0.0f;
+    const int reps = threadIdx.x < 32 ? n : 1;
+    for (int i = 0; i < reps; ++i) s += a[i];
+    out[threadIdx.x] = s;
+}
 """
 
 
@@ -183,6 +190,22 @@ def test_mma_count(be, mod):
     c = count_launch(mod.get_function("mmas"), (3,), (64,), [out, np.int32(5)])
     assert c.mma == 3 * 2 * 5          # blocks x warps x reps
     assert np.all(be.to_numpy(out) == 5 * 16.0)
+
+
+def test_sites_count_the_busiest_warp(be, mod):
+    """A site's warp-level executions and its busiest warp's: warp 0 loads 9 times, the other
+    three warps once (profiling.sass_phases bounds a loop one warp runs by that warp's count)."""
+    from dflash_cupy.emu.counting import resolve_sites
+
+    a, out = be.asarray(np.arange(16, dtype=np.float32)), be.zeros((128,), np.float32)
+    c = count_launch(mod.get_function("lone"), (1,), (128,), [a, out, np.int32(9)])
+    resolve_sites(c)
+    loads = [s for s in c.sites if s.kind == "global load"]
+    assert len(loads) == 1, c.sites
+    assert (loads[0].requests, loads[0].warp_requests) == (9 + 3, 9)
+    stores = [s for s in c.sites if s.kind == "global store"]
+    assert [(s.requests, s.warp_requests) for s in stores] == [(4, 1)]
+    assert np.all(be.to_numpy(out)[:32] == np.arange(9).sum()) and np.all(be.to_numpy(out)[32:] == 0.0)
 
 
 def test_barrier_count(be, mod):

@@ -147,6 +147,27 @@ def test_phases_refuse_counts_that_name_no_line_of_the_kernel(probes):
     assert sass_phases.phases_of(k, {})  # nothing counted at all: the loops keep their static trips
 
 
+def test_one_warps_loop_costs_that_warps_instruction_stream():
+    """The issue of a phase is its warps' instructions over the SM's four schedulers, but never
+    less than its busiest warp's own stream at one instruction a clock: a walk that one warp of
+    eight runs (15 rows, 1.875 a warp on average) costs 15 rows of that warp's code."""
+    from profiling import sass_phases
+    from profiling.hw_params import get_gpu
+
+    gpu = get_gpu("H200")
+    args = dict(gpu=gpu, threads=256, resident=1, per_sm_max=1, rounds=1, blocks=1, dram_bytes=0.0)
+    even = sass_phases.Phase("loop", "0x0-0x10", trips=15.0, instructions=310, warp_trips=15.0)
+    lone = sass_phases.Phase("loop", "0x0-0x10", trips=15.0 / 8, instructions=310, warp_trips=15.0)
+    unknown = sass_phases.Phase("loop", "0x0-0x10", trips=15.0 / 8, instructions=310)
+    t_even = sass_phases.compiled_time([even], **args).phases_s
+    t_lone = sass_phases.compiled_time([lone], **args).phases_s
+    t_unknown = sass_phases.compiled_time([unknown], **args).phases_s
+    assert t_even == pytest.approx(310 * 15 * 8 / sass_phases.ISSUE_PER_CLK_SM / gpu.clock_hz)
+    assert t_lone == pytest.approx(310 * 15 / gpu.clock_hz)                  # the one warp's stream
+    assert t_unknown == pytest.approx(310 * 15 / 8 * 8 / sass_phases.ISSUE_PER_CLK_SM / gpu.clock_hz)
+    assert t_unknown < t_lone < t_even
+
+
 def test_phase_cache_names_the_launchs_known_device_values(tmp_path, monkeypatch):
     """The phases' disk cache is keyed by what decides a loop's trips: the variant, the launch
     shape and the device values the plan knows (``known``: which row tiles are live). A count

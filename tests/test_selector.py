@@ -396,7 +396,7 @@ def test_bad_input_names_the_argument(backend, rng):
     with pytest.raises(ValueError, match="selector_top_k=65"):
         SelectorKernels(backend, config(vocab=100, K=65), 3)
     with pytest.raises(ValueError, match="exceed 48 KiB of shared memory"):
-        SelectorKernels(backend, config(vocab=100, K=64, rank=4096), 64)
+        SelectorKernels(backend, config(vocab=100, K=64, rank=8192), 64)
     with pytest.raises(TypeError, match="weight_kind"):
         SelectorKernels(backend, c, 3, weight_kind="int8")
 

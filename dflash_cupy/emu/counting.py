@@ -39,7 +39,7 @@ _TOTALS = ("gld_requests", "gld_sectors", "gld_bytes", "gst_requests", "gst_sect
 _TOTALS_AT = {18: "wgmma", 19: "wgmma_mma", 20: "wgmma_smem_bytes", 21: "pdl_waited_blocks",
               22: "pdl_waits", 23: "pdl_early_triggers"}
 _N_TOTALS, _PER_RANGE, _MAX_RANGES = 24, 8, 128
-_SITE_VALS, _MAX_SITES = 7, 2048
+_SITE_VALS, _MAX_SITES = 8, 2048
 _KINDS = {0: "global load", 1: "global store", 2: "shared load", 3: "shared store"}
 _ERRLEN = 1024
 _ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}
@@ -67,6 +67,7 @@ class SiteCounts:
     units: int                  # sectors (global) or wavefronts (shared)
     ideal: int                  # the minimum: ceil(bytes / 32) sectors, ceil(bytes / 128) wavefronts
     bytes: int                  # requested by the lanes
+    warp_requests: int = 0      # the busiest warp's executions (of requests)
     where: str = ""             # "file:line (function)" once resolved
 
     @property

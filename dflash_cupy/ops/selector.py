@@ -33,10 +33,11 @@ selector rows per lane (block rows 1..q_len-1). Shapes and dtypes (device arrays
   below. ``self.flags`` int32 ``[lanes]``: 1 where the lane's device anchor was outside
   ``[0, vocab)`` (then clamped into it).
 - ``merge_and_walk(partials, hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, tokens,
-  choice, q, knobs, rng, row0=0, row_stride=R)``: ``merge_partials`` then ``walk`` in one
-  launch (``selector_merge_walk``: the merge's rows and the walk's projection slices count
-  in on one arrival counter per lane, the last block walks), with both checks before it and
-  the same outputs bit for bit (``ids`` / ``vals`` too); a step engine's fused lm_head top-K.
+  choice, q, knobs, rng, row0=0, row_stride=R)``: ``merge_partials`` then ``walk`` in the two
+  launches ``walk`` alone takes (``selector_project_merge``: the merge's rows beside the
+  projection's slices; ``selector_edges_walk``: every row's K x K edge scores, one block a row,
+  then the lane's last block walks), with both checks before them and the same outputs bit for
+  bit (``ids`` / ``vals`` too); a step engine's fused lm_head top-K.
 
 With ``q_len`` 1 (no selector rows) ``topk`` and ``merge_partials`` do nothing and ``walk`` /
 ``merge_and_walk`` write only ``tokens[:, 0]``; ``partials``, ``ids``, ``vals``, ``choice``
@@ -82,8 +83,8 @@ class SelectorKernels:
         if self.K > MAX_K:
             raise ValueError(f"config.dflash2.selector_top_k={self.K}: the kernels take K <= {MAX_K}")
         if _shared_bytes(self.q_len, self.K, self.rank) > 48 * 1024:
-            raise ValueError(f"q_len={self.q_len}, selector_top_k={self.K}, selector_rank={self.rank}: the walk's "
-                             f"staged candidates and rank vector exceed 48 KiB of shared memory")
+            raise ValueError(f"q_len={self.q_len}, selector_top_k={self.K}, selector_rank={self.rank}: the edge "
+                             f"scores' rank vectors and the walk's staging exceed 48 KiB of shared memory")
         self.H = int(config.hidden_size)
         self.multiplier = float(d2.output_multiplier)
         self.cap = d2.final_logit_softcapping
@@ -104,11 +105,12 @@ class SelectorKernels:
                                   **({"SEL_PBLK": self.partial_blocks} if self.partial_blocks else {}))
         self._blocks = mod.get_function("selector_topk_blocks")
         self._merge = mod.get_function("selector_topk_merge")
-        self._walk = mod.get_function("selector_walk")
-        self._merge_walk = mod.get_function("selector_merge_walk")
+        self._project = mod.get_function("selector_project_merge")
+        self._edges_walk = mod.get_function("selector_edges_walk")
         rows = max(1, self.lanes * self.R)
         self.part = backend.zeros((rows, self.nblk, self.K, 2), np.uint32)   # (order key, id) per block
         self.hp_ws = backend.zeros((self.lanes, max(1, self.R), self.rank), np.float32)
+        self.edges = backend.zeros((self.lanes, max(1, self.R), self.K, self.K), np.float32)   # [i][c] a row
         self.counters = backend.zeros((self.lanes,), np.int32)   # zero between launches
         self.flags = backend.zeros((self.lanes,), np.int32)
 
@@ -186,25 +188,38 @@ class SelectorKernels:
     def walk(self, hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, tokens, choice, q, knobs, rng,
              stream=None) -> None:
         args = self._walk_args(hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, tokens, choice, q, knobs, rng)
-        self._walk((self.split if self.R else 1, self.lanes, 1), (WK_NW * 32, 1, 1), args, stream=stream)
+        self._launch(self.part, 1, 0, 0, 0, args, stream)
 
     def merge_and_walk(self, partials, hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, tokens, choice, q,
                        knobs, rng, row0: int = 0, row_stride: int | None = None, stream=None) -> None:
         """``merge_partials(partials, ids, vals, row0, row_stride)`` then ``walk(hidden, ...,
-        rng)`` in one launch (``selector_merge_walk``: the merge's rows and the walk's
-        projection slices arrive on one counter per lane, the last block walks): the same
+        rng)`` in two launches, as ``walk`` alone takes (``selector_project_merge``: the
+        merge's rows beside the projection's slices; then ``selector_edges_walk``): the same
         checks (raised before anything is launched) and the same outputs bit for bit, ``ids``
         / ``vals`` included. With ``q_len`` 1 it writes only ``tokens[:, 0]``, as ``walk``
         does (``partials``, ``ids``, ``vals``, ``choice``, ``q`` unread: None is fine)."""
-        L, R = self.lanes, self.R
+        R = self.R
         if R:
             row0, row_stride = self._check_partials(partials, row0, row_stride)
         args = self._walk_args(hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, tokens, choice, q, knobs, rng,
                                partials=partials if R else None)
-        part, nblk = (partials, partials.shape[1]) if R else (self.part, 1)
-        self._merge_walk((R + self.split if R else 1, L, 1), (WK_NW * 32, 1, 1),
-                         (part, np.int32(nblk), np.int32(row0 if R else 0), np.int32(row_stride if R else 0)) + args,
-                         stream=stream)
+        if R:
+            self._launch(partials, partials.shape[1], row0, row_stride, R, args, stream)
+        else:
+            self._launch(self.part, 1, 0, 0, 0, args, stream)
+
+    def _launch(self, part, nblk, row0, row_stride, merge_rows, args, stream) -> None:
+        """The projection (and ``merge_rows`` merge rows) then the edges and the walk; q_len 1:
+        the walk's launch alone (it writes ``tokens[:, 0]``)."""
+        (hidden, hidden_rows, hp_w, pred_cb, succ_cb, anchors, ids, vals, knobs, rng, per_lane, tokens, choice, q) = args
+        L, R = self.lanes, self.R
+        if R:
+            self._project((self.split + merge_rows, L, 1), (WK_NW * 32, 1, 1),
+                          (part, np.int32(nblk), np.int32(row0), np.int32(row_stride), np.int32(merge_rows),
+                           hidden, hidden_rows, hp_w, ids, vals, self.hp_ws), stream=stream)
+        self._edges_walk((max(R, 1), L, 1), (WK_NW * 32, 1, 1),
+                         (pred_cb, succ_cb, anchors, ids, vals, knobs, rng, per_lane, tokens, choice, q, self.hp_ws,
+                          self.edges, self.counters, self.flags), stream=stream)
 
     def _walk_args(self, hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, tokens, choice, q, knobs, rng,
                    partials=None) -> tuple:
@@ -237,7 +252,7 @@ class SelectorKernels:
             ids = choice = self.counters
             vals = q = self.hp_ws
         return (hidden, np.int32(hidden.shape[1]), hp_w, pred_cb, succ_cb, anchors, ids, vals, knobs, rng,
-                np.int32(blocks), tokens, choice, q, self.hp_ws, self.counters, self.flags)
+                np.int32(blocks), tokens, choice, q)
 
     def anchors_to_device(self, anchors):
         """Host anchors (one token id per lane) as the device int32 ``[lanes]`` array ``walk``
@@ -255,9 +270,11 @@ class SelectorKernels:
 
 
 def _shared_bytes(q_len: int, k: int, rank: int) -> int:
-    """selector_merge_walk's static shared memory (selector.cu's static_assert, the same sum)."""
+    """selector_edges_walk's static shared memory (selector.cu's static_assert, the same sum)."""
     ra = max(1, q_len - 1)
-    return ra * k * 8 + rank * 4 + k * 12 + ra * 8 + 12 + (TK_NT // 32) * 8 + k * 4 + 16
+    ui = min(k, max(1, 16 * 1024 // (rank * 4)))                   # selector.cu's UI
+    stage = ra * k * k * 4 if ra * k * k * 4 <= 16 * 1024 else 4  # its ESTAGE
+    return ui * rank * 4 + k * 12 + stage + k * 4 + ra * k * 4 + ra * 8 + k * 8 + 4 + 16
 
 
 # ---------------------------------------------------------------- NumPy references

@@ -44,11 +44,13 @@ enum : int { CNT_GLD_REQ, CNT_GLD_SEC, CNT_GLD_BYTES, CNT_GST_REQ, CNT_GST_SEC, 
 
 struct CntOcc { unsigned long long site; int tid; unsigned n; };
 struct CntSlot { unsigned long long site; int warp; unsigned occ; int store; int idx; };
-struct CntGroup { unsigned long long addr[32], site; unsigned lanes, width; int space, store, range; };
+struct CntGroup { unsigned long long addr[32], site; unsigned lanes, width; int space, store, range, warp; };
 struct CntSec { unsigned long long key; unsigned rd, wr, prd, pwr; };  // p*: before pdl_wait
-// Per site (instruction of the g++ build): what its warp-level executions cost.
-struct CntSite { unsigned long long site, kind, width, requests, units, ideal, bytes; };  // kind = store | space << 1
-enum : int { CNT_SITE_VALS = 7 };
+// Per site (instruction of the g++ build): what its warp-level executions cost, and how many
+// each warp made (the busiest warp's count bounds a serial loop's issue: one warp issues one
+// instruction a clock, whatever the others do; warps past 32 count in warp 31).
+struct CntSite { unsigned long long site, kind, width, requests, units, ideal, bytes, warp_req[32]; };  // kind = store | space << 1
+enum : int { CNT_SITE_VALS = 8 };
 struct Count {
     unsigned long long* out;
     int nranges;
@@ -141,6 +143,7 @@ EMU_INTERNAL static CntGroup* cnt_group(Count* c, int warp, unsigned long long s
     g->space = space;
     g->store = store;
     g->range = range;
+    g->warp = warp;
     CntSlot& e = c->gt[h];
     e.site = site; e.warp = warp; e.occ = occ; e.store = store; e.idx = (int)c->ng;
     c->gt_used++;
@@ -196,6 +199,7 @@ EMU_INTERNAL static void cnt_site(Count* c, const CntGroup& g, unsigned long lon
     CntSite& e = c->st[i];
     if (g.width > e.width) e.width = g.width;
     e.requests++;
+    e.warp_req[g.warp < 0 ? 0 : (g.warp > 31 ? 31 : g.warp)]++;
     e.units += units;
     e.ideal += ideal;
     e.bytes += bytes;
@@ -273,6 +277,8 @@ EMU_INTERNAL static void cnt_finish(Count* c, unsigned long long* sites_out, int
             unsigned long long* v = sites_out + 1 + (unsigned long long)CNT_SITE_VALS * i;
             v[0] = e.site; v[1] = e.kind; v[2] = e.width; v[3] = e.requests; v[4] = e.units; v[5] = e.ideal;
             v[6] = e.bytes;
+            v[7] = 0;
+            for (int w = 0; w < 32; w++) v[7] = e.warp_req[w] > v[7] ? e.warp_req[w] : v[7];
         }
     }
     for (unsigned i = 0; i < (1u << c->sec_bits); i++) {

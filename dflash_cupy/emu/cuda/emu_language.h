@@ -70,7 +70,7 @@ EMU_VEC2(int, int2, 8) EMU_VEC3(int, int3) EMU_VEC4(int, int4, 16)
 EMU_VEC2(unsigned int, uint2, 8) EMU_VEC4(unsigned int, uint4, 16)
 EMU_VEC2(float, float2, 8) EMU_VEC3(float, float3) EMU_VEC4(float, float4, 16)
 EMU_VEC2(double, double2, 16)
-EMU_VEC2(long long, longlong2, 16)
+EMU_VEC2(long long, longlong2, 16) EMU_VEC2(unsigned long long, ulonglong2, 16)
 static inline uint3 make_uint3(unsigned int x, unsigned int y, unsigned int z) { uint3 r{x, y, z}; return r; }
 #undef EMU_VEC2
 #undef EMU_VEC3
