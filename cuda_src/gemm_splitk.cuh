@@ -17,7 +17,11 @@
 // GS_MT 1 fits 2 blocks per SM in 128 registers), SPLITK_INFLIGHT / SPLITK_SLICES / NW above.
 #define SPLITK_SLICES 8
 #define SPLITK_INFLIGHT_16 16
+#define SPLITK_INFLIGHT_16_ONE 32   // a 16-row tile of a kernel built for one block an SM (SPLITK_ONE_BLOCK 1)
 #define SPLITK_INFLIGHT 32
+#ifndef SPLITK_ONE_BLOCK
+#define SPLITK_ONE_BLOCK 0
+#endif
 
 // The calling block wrote its partial tile (and row sums) for its slice of the ks slices.
 // Returns after the reduction (the last slice to arrive) or at once (the others).
@@ -61,7 +65,7 @@ __device__ __forceinline__ bool splitk_reduce(const float* wsb, const float* ssw
     // EPI 1's residual of the chunk (float4 where aligned) is issued before its first batch.
     constexpr int C4 = COLS / 4;
     constexpr int JMAX = (ROWS * C4 + THREADS - 1) / THREADS;   // items per thread of a full tile
-    constexpr int LOADS = ROWS <= 16 ? SPLITK_INFLIGHT_16 : SPLITK_INFLIGHT;
+    constexpr int LOADS = ROWS <= 16 ? (SPLITK_ONE_BLOCK ? SPLITK_INFLIGHT_16_ONE : SPLITK_INFLIGHT_16) : SPLITK_INFLIGHT;
     constexpr int ZB = SPLITK_SLICES;                                 // slices per batch
     constexpr int JL = LOADS / (ZB * NW) > 0 ? LOADS / (ZB * NW) : 1;
     constexpr int JC = JMAX < JL ? JMAX : JL;                         // items per chunk

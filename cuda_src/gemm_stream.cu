@@ -44,6 +44,12 @@
 #include "float_order.cuh"
 #include "bits16.cuh"
 #include "gemm_epilogue.cuh"
+// GS_CONV (kernel_projection: K slices of a few column groups, a grid under one wave whatever
+// the rows) fits one block an SM (GS_MINB 1): its reduction keeps twice the partial loads in
+// flight (gemm_splitk.cuh's SPLITK_INFLIGHT_16_ONE)
+#if defined(GS_CONV) && GS_CONV
+#define SPLITK_ONE_BLOCK 1
+#endif
 #include "gemm_splitk.cuh"
 #include "gemm_conv.cuh"
 #include "gemm_fin.cuh"
@@ -98,7 +104,11 @@
 #define GS_DEPTH (GS_MT == 1 ? 2 : 3)  // MT 1 keeps 2 blocks per SM in 128 registers; MT 2, 4 have the room
 #endif
 #ifndef GS_MINB
+#if defined(GS_CONV) && GS_CONV
+#define GS_MINB 1                     // (see SPLITK_ONE_BLOCK above)
+#else
 #define GS_MINB (GS_MT == 1 ? 2 : 1)  // blocks per SM ptxas must fit: MT 1 fits 2 in 128 registers
+#endif
 #endif
 
 #ifndef GS_CONV

@@ -13,32 +13,26 @@
 // selector_topk_merge: grid lanes * R, block TK_NT: the K best of the row's nblk * K pairs (row g =
 //   lane * R + j reads part row lane * prow_stride + prow0 + j: gemm_stream.cu GS_EPI 4 writes
 //   every GEMM row) -> ids [lanes * R, K] int32, vals [lanes * R, K] f32 = softcap(logit * MULT)
-//   (tanhf(v / CAP) * CAP). Two phases of K block-wide rounds: the K blocks with the best first
-//   pairs, then the K best of their K * K pairs. nblk <= NBLK_MAX (SEL_PBLK: such partials' blocks).
-// selector_project_merge: grid (SPLIT + merge_rows, lanes), block WK_NW * 32, SPLIT = ceil(RANK /
-//   WK_NW); merge_rows R (the merge's rows too) or 0. Block x < SPLIT: warp w computes hp[lane][j][k],
-//   k = x * WK_NW + w, into hp_ws [lanes, R, RANK] f32 (warp_dot below); the others merge the lane's
-//   row x - SPLIT as selector_topk_merge does (arguments: the merge's, then the projection's).
-// selector_edges_walk: grid (max(R, 1), lanes), block WK_NW * 32, after the projection (and merge).
-//   Block j: row j's edge scores edges [lanes, R, K, K] f32, [i][c] = vals[j][c] +
-//   warp_dot(succ_cb[ids[j][c]], u_i), u_i[k] = cb(pred_cb[p_i][k]) * hp[j][k] (f32), p_i = the
-//   anchor (j = 0, i = 0) or ids[j - 1][i]: every predecessor the walk may hold. The last block of
-//   a lane to arrive (arrive.cuh, counters [lanes] int32, zero between launches, reset here) walks
-//   (warp 0): anchor a = anchors[lane] (int32 [lanes]); outside [0, V): clamped, flags[lane] = 1,
-//   else 0. tokens [lanes, Q] int32: row 0 = a; row j+1 = ids[j][choice[j]]; row j's scores are
-//   edges[j][choice[j - 1]] (j = 0: [0]). knobs f32 [3] (sample.cu's block): temperature =
-//   knobs[0]. T <= 0 (greedy): the first largest order key. T > 0: z = score * (1 / T), masses
-//   draw_mass(z, max z) (draw.cuh), target = draw_target(row_bits64(lane * Q + j + 1, rng),
-//   total), the first c whose running mass exceeds it; total 0 (every score NaN): choice 0, q
-//   row all 0 (per_lane 0). per_lane 1: each lane its own step block, knobs [lanes][3] and rng
-//   [lanes][2], row j + 1 (each lane draws as a one-lane walk). q [lanes, R, K] f32: f32(mass_c)
-//   / f32(total) (T > 0), one-hot (T <= 0); choice [lanes, R] int32. hidden [lanes, hidden_rows
-//   >= Q, H] f32 (rows 1..Q-1), hp_w [RANK, H], codebooks [V, RANK], row-major. The scores are
-//   computed before the walk, K x K a row in parallel, so the serial walk holds no dot product
-//   and no global load (docs/decisions/dflash2.md).
-// warp_dot(w row, x vectors) (the fixed order ops/selector.py mirrors): lane i sums, in f32 without
-//   contraction, w[e] * x[e] over e in chunks of 8 (chunk = i, i + 32, ...), ascending; then the
-//   xor butterfly of warp.cuh's warp_sum (offsets 16, 8, 4, 2, 1).
+//   (tanhf(v / CAP) * CAP): the K lists with the best heads (K block-wide rounds), then their
+//   K * K pairs ranked by count. nblk <= NBLK_MAX (SEL_PBLK: such partials' blocks).
+// selector_project_merge: grid (SPLIT + merge_rows, lanes), SPLIT = ceil(RANK / WK_NW), merge_rows
+//   R or 0. Block x < SPLIT: warp w computes hp[lane][j][x * WK_NW + w] into hp_ws [lanes, R, RANK]
+//   f32 (warp_dot); the others merge the lane's row x - SPLIT (the merge's arguments first).
+// selector_edges_walk: grid (max(R * ESPLIT, 1), lanes), after it. Blocks j * ESPLIT..: row j's
+//   edges [lanes, R, K, K] f32, [i][c] = vals[j][c] + warp_dot(succ_cb[ids[j][c]], u_i), u_i[k] =
+//   cb(pred_cb[p_i][k]) * hp[j][k] (f32), p_i = the anchor (j = 0, i = 0) or ids[j - 1][i]. The
+//   lane's last block to arrive (arrive.cuh, counters [lanes] int32, zero between launches, reset
+//   here) walks in warp 0: anchor a = anchors[lane] (int32; outside [0, V): clamped, flags[lane]
+//   = 1); tokens [lanes, Q] int32: row 0 = a, row j+1 = ids[j][choice[j]], row j's scores =
+//   edges[j][choice[j - 1]] (j = 0: [0]). knobs f32 [3] (sample.cu's block): T = knobs[0] <= 0:
+//   the first largest order key; T > 0: z = score / T, masses draw_mass(z, max z) (draw.cuh),
+//   target = draw_target(row_bits64(lane * Q + j + 1, rng), total), the first c whose running
+//   mass exceeds it (total 0: choice 0, q row 0). per_lane 1: knobs [lanes][3], rng [lanes][2],
+//   row j + 1 (a one-lane walk each). q [lanes, R, K] f32 = f32(mass) / f32(total) (one-hot at
+//   T <= 0), choice [lanes, R] int32; hidden [lanes, >= Q, H] f32 (rows 1..Q-1), hp_w [RANK, H],
+//   codebooks [V, RANK]. The serial walk holds no dot product, no global load.
+// warp_dot(w, x) (ops/selector.py mirrors it): lane i sums w[e] * x[e] in f32 without contraction
+//   over its chunks of 8 (i, i + 32, ...) ascending, then warp.cuh's warp_sum butterfly.
 // nvrtc-check: -DSEL_V=202048 -DSEL_K=16 -DSEL_Q=16 -DSEL_H=6656 -DSEL_RANK=256 -DSEL_HPT=2 -DSEL_CBT=2 -DSEL_MULT=0.196 -DSEL_CAP=20.0
 // nvrtc-check: -DSEL_V=202048 -DSEL_K=16 -DSEL_Q=16 -DSEL_H=6656 -DSEL_RANK=256 -DSEL_HPT=2 -DSEL_CBT=2 -DSEL_MULT=0.196 -DSEL_CAP=20.0 -DSEL_PBLK=790
 // nvrtc-check: -DSEL_V=19 -DSEL_K=3 -DSEL_Q=1 -DSEL_H=12 -DSEL_RANK=5 -DSEL_HPT=0 -DSEL_CBT=1 -DSEL_MULT=1.0 -DSEL_CAP=0
@@ -120,6 +114,10 @@ constexpr int CPW = (K + WK_NW - 1) / WK_NW, SCH = (RANK + 255) / 256;
 constexpr bool SREG = CPW * SCH * 8 <= 64;
 constexpr int UI = (16 * 1024) / (RANK * 4) < K ? ((16 * 1024) / (RANK * 4) > 0 ? (16 * 1024) / (RANK * 4) : 1) : K;
 constexpr bool ESTAGE = RA * K * K * 4 <= 16 * 1024;
+// blocks per selector row (each a share of the row's predecessors: more SMs for the dots) and
+// the staged edges a walking thread loads at once
+constexpr int ESPLIT = K < 4 ? K : 4, EPB = (K + ESPLIT - 1) / ESPLIT;
+constexpr int EST = (RA * K * K + WK_NT - 1) / WK_NT;
 // whole 16-byte loads of hidden_projection / hidden rows (H) and codebook rows (RANK)
 constexpr bool VEC_H = H % 8 == 0, VEC_RANK = RANK % 8 == 0;
 // selector_edges_walk's static shared memory, the most of the kernels': the edges' (rank
@@ -377,10 +375,11 @@ __device__ __forceinline__ void hp_slice(const float* hidden, int hidden_rows, c
 // Edge scores of lane `lane`'s row j (R > 0), one block: edges[lane][j][i][c] = vals[j][c] +
 // warp_dot(succ_cb[ids[j][c]], u_i), u_i[k] = cb(pred_cb[p_i][k]) * hp[j][k] (f32), for every
 // predecessor p_i the walk may hold before row j: the anchor (j = 0, i = 0 only) or row j - 1's
-// candidate i. Warp w scores its candidates c = w + m * WK_NW (successor rows in registers,
+// candidate i; ESPLIT blocks a row, each EPB of the predecessors. Warp w scores its
+// candidates c = w + m * WK_NW (successor rows in registers,
 // SREG) against every u_i staged in shared memory: after the ids, one round trip for all the
 // codebook rows, then no global load. Ids are clamped into [0, V) as the walk clamps them.
-static __device__ __forceinline__ void edges_row(int lane, int j, const void* pred_cb, const void* succ_cb,
+static __device__ __forceinline__ void edges_row(int lane, int j, int part, const void* pred_cb, const void* succ_cb,
                                                  const int* anchors, const int* ids, const float* vals,
                                                  const float* hp_ws, float* edges)
 {
@@ -396,7 +395,8 @@ static __device__ __forceinline__ void edges_row(int lane, int j, const void* pr
         pred_s[i] = clamp_id(j == 0 ? anchors[lane] : ids[(rj - 1) * K + i]);
     }
     __syncthreads();
-    const int np = j == 0 ? 1 : K;
+    // this block's predecessors [p0, np): its part of the row's (row 0: the anchor, part 0's)
+    const int p0 = part * EPB, np = j == 0 ? (part == 0 ? 1 : 0) : min(K, p0 + EPB);
     float sreg[SREG ? CPW : 1][SREG ? SCH * 8 : 8];
     if (SREG) {
 #pragma unroll
@@ -406,7 +406,7 @@ static __device__ __forceinline__ void edges_row(int lane, int j, const void* pr
         }
     }
     const float* hp = hp_ws + rj * RANK;
-    for (int i0 = 0; i0 < np; i0 += UI) {
+    for (int i0 = p0; i0 < np; i0 += UI) {
         // u of predecessors i0 .. i0 + UI: every load of a thread issued before any product
         for (int k = threadIdx.x; k < RANK; k += WK_NT) {
             const float h = hp[k];
@@ -472,9 +472,37 @@ static __device__ __forceinline__ void walk_lane(int lane, const int* anchors, c
     const float temperature = knobs[per_lane ? 3 * lane : 0];
     const bool sampled = temperature > 0.0f;
     const float* el = edges + (long long)lane * R * K * K;
-    for (int i = threadIdx.x; i < R * K; i += WK_NT) ids_s[i] = ids[(long long)lane * R * K + i];
-    if (ESTAGE)
-        for (int i = threadIdx.x; i < R * K * K; i += WK_NT) e_s[i] = __ldcg(el + i);
+    // every load of a thread in flight at once, then the stores (unpredicated where the items
+    // fill whole rounds of threads: ptxas batches predicated loads by its 7 predicates)
+    constexpr bool WHOLE = (R * K * K) % WK_NT == 0;
+    constexpr int IDT = (RA * K + WK_NT - 1) / WK_NT;
+    float ev[ESTAGE ? EST : 1];
+    int iv[IDT];
+    if (ESTAGE) {
+#pragma unroll
+        for (int t = 0; t < EST; ++t) {
+            const int i = threadIdx.x + t * WK_NT;
+            ev[t] = WHOLE || i < R * K * K ? __ldcg(el + i) : 0.0f;
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < IDT; ++t) {
+        const int i = threadIdx.x + t * WK_NT;
+        iv[t] = i < R * K ? ids[(long long)lane * R * K + i] : 0;
+    }
+    const int a_in = threadIdx.x == 0 ? anchors[lane] : 0;
+    if (ESTAGE) {
+#pragma unroll
+        for (int t = 0; t < EST; ++t) {
+            const int i = threadIdx.x + t * WK_NT;
+            if (WHOLE || i < R * K * K) e_s[i] = ev[t];
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < IDT; ++t) {
+        const int i = threadIdx.x + t * WK_NT;
+        if (i < R * K) ids_s[i] = iv[t];
+    }
     if (sampled) {
         // per_lane: the lane draws as a single lane (lanes = 1) with its own seed and counter base would
         const unsigned long long* sb = per_lane ? rng + 2 * lane : rng;
@@ -482,7 +510,7 @@ static __device__ __forceinline__ void walk_lane(int lane, const int* anchors, c
         for (int j = threadIdx.x; j < R; j += WK_NT) bits_s[j] = row_bits64((unsigned int)(row0 + j), sb);
     }
     if (threadIdx.x == 0) {
-        int a = anchors[lane];
+        int a = a_in;
         const bool bad = a < 0 || a >= V;
         a = a < 0 ? 0 : (a >= V ? V - 1 : a);
         flags[lane] = bad ? 1 : 0;
@@ -575,7 +603,7 @@ selector_edges_walk(const void* pred_cb, const void* succ_cb, const int* anchors
     __shared__ int ticket;
     const int lane = blockIdx.y;
     if (R > 0) {
-        edges_row(lane, blockIdx.x, pred_cb, succ_cb, anchors, ids, vals, hp_ws, edges);
+        edges_row(lane, blockIdx.x / ESPLIT, blockIdx.x % ESPLIT, pred_cb, succ_cb, anchors, ids, vals, hp_ws, edges);
         if (!last_block_to_arrive(&counters[lane], gridDim.x, &ticket)) return;
     }
     walk_lane(lane, anchors, ids, knobs, rng, per_lane, tokens, choice, q, edges, counters, flags);

@@ -222,15 +222,18 @@ def _staging_loads(ROWS, KT, K, m_valid, kvalid, elem=4, _cache={}):
     return _cache[key]
 
 
-def splitk_reduce_trips(live: int, rows: int, cols: int, threads: int, ks: int, nw: int) -> int:
+def splitk_reduce_trips(live: int, rows: int, cols: int, threads: int, ks: int, nw: int,
+                        one_block: bool = False) -> int:
     """Dependent L2 round trips of gemm_splitk.cuh's reduction of ``live`` rows: a thread's
     float4 items in chunks of JC (``SPLITK_INFLIGHT[_16] / SPLITK_SLICES / nw``, at most a full
     tile's share), each chunk one round trip per ``SPLITK_SLICES`` slices (a batch's loads are
-    in flight together; EPI 1's residual is issued with the chunk's first batch)."""
+    in flight together; EPI 1's residual is issued with the chunk's first batch). ``one_block``:
+    a kernel built for one block an SM (SPLITK_ONE_BLOCK, gemm_stream.cu's GS_CONV)."""
     k = _splitk_constants()
     c4 = cols // 4
     jmax = -(-rows * c4 // threads)
-    loads = k["SPLITK_INFLIGHT_16"] if rows <= 16 else k["SPLITK_INFLIGHT"]
+    loads = (k["SPLITK_INFLIGHT_16_ONE" if one_block else "SPLITK_INFLIGHT_16"] if rows <= 16
+             else k["SPLITK_INFLIGHT"])
     zb = k["SPLITK_SLICES"]
     jc = min(jmax, max(1, loads // (zb * nw)))
     items = -(-live * c4 // threads)
@@ -413,7 +416,7 @@ def _gemm_stream(L) -> KernelCounters:
     gy = L.grid[0] // gx
     gz = L.grid[2]
     c = KernelCounters("gemm_stream", "static estimate", L.n_blocks)
-    p = gs.plan(N, K, M, NW, SPLIT, mt=MT, raw=bool(NORM and not X16))
+    p = gs.plan(N, K, M, NW, SPLIT, mt=MT, raw=bool(NORM and not X16), conv=bool(d.get("GS_CONV", 0)))
     if (p.grid, p.kz, p.kt) != (tuple(L.grid), kz, kt):
         c.notes.append(f"launch differs from gemm_stream.plan: grid {L.grid} kz {kz} kt {kt} vs "
                        f"{p.grid} {p.kz} {p.kt}")
@@ -634,7 +637,8 @@ def _gemm_stream(L) -> KernelCounters:
             items = sum(splitk_reduce_global(c, by * ROWS, rows_st, bx * COLS, N, COLS, gz, NW, EPI, YB)
                         for bx in range(gx))
             live = max(0, min(ROWS, M - by * ROWS))
-            red_l2_trips = max(red_l2_trips, splitk_reduce_trips(live, ROWS, COLS, THREADS, gz, NW))
+            red_l2_trips = max(red_l2_trips, splitk_reduce_trips(live, ROWS, COLS, THREADS, gz, NW,
+                                                                 one_block=bool(d.get("GS_CONV", 0))))
             # per slice its arrival ticket (an atomic), the reducer's reset of the counter
             c.add_global("st", gx * (gz + 1), 1, 4)
             if NORM:   # each slice's row sums of squares (threads < live), read back by the reducer

@@ -331,6 +331,8 @@ class Loop:
     instructions: int = 0
     global_loads: int = 0
     global_bytes: int = 0
+    coherent_bytes: int = 0      # of global_bytes: L2-coherent loads (ld.cg: LDG.STRONG.GPU)
+    evict_first_bytes: int = 0   # of global_bytes: evict-first loads (ld.cs: LDG.EF), a weight stream
     wide_loads: int = 0          # 16-byte global loads
     shared_loads: int = 0
     round_trips: int = 0         # waits that retire a global load
@@ -392,6 +394,8 @@ class Replay:
     instructions: int = 0
     global_loads: int = 0
     global_bytes: int = 0
+    coherent_bytes: int = 0
+    evict_first_bytes: int = 0
     wide_loads: int = 0
     shared_loads: int = 0
     round_trips: int = 0
@@ -435,6 +439,8 @@ def replay(run: list[Instr], outstanding: list | None = None, t0: int = 0) -> tu
             nbytes = access_bytes(ins)
             r.global_loads += 1
             r.global_bytes += nbytes
+            r.coherent_bytes += nbytes if "STRONG" in ins.mods else 0
+            r.evict_first_bytes += nbytes if "EF" in ins.mods else 0
             r.wide_loads += nbytes == 16
             r.lines.append(ins.src)
             if ins.wbar < 6:
@@ -555,7 +561,8 @@ def analyse(name: str, instrs: list[Instr]) -> KernelSass:
         own = [i for i in instrs if i.addr in l.addrs and i.addr not in inner]
         first, carry, t1 = replay(own)
         steady, _, _ = replay(own, carry, t1)
-        for k in ("instructions", "global_loads", "global_bytes", "wide_loads", "shared_loads", "round_trips",
+        for k in ("instructions", "global_loads", "global_bytes", "coherent_bytes", "evict_first_bytes",
+                  "wide_loads", "shared_loads", "round_trips",
                   "barriers", "fences", "atomics"):
             setattr(l, k, getattr(steady, k))
         body = l.body(instrs)

@@ -72,6 +72,8 @@ class Phase:
     warp_trips: float | None = None   # the busiest warp's trips (None: as trips): one warp issues at
     #                                   most one instruction a clock, so a loop one warp runs alone
     #                                   costs its instructions x these trips at least
+    coherent_bytes: int = 0   # of global_bytes: L2-coherent loads (ld.cg), e.g. a split K's partials
+    evict_first_bytes: int = 0   # of global_bytes: evict-first loads (ld.cs), a weight stream
 
     def longest_chain(self) -> float:
         """The longest dependent chain with nothing between its loads: the whole phase for
@@ -188,6 +190,18 @@ def phases_of(ks: sass.KernelSass, executions: dict[str, float] | None) -> list[
             share = max(0.0, rest) / sum(d[lid] for lid in unknown)
             for lid in unknown:
                 trips[lid] = (share, f"emulator: {key}, shared by {len(unknown)} copies")
+        # an immediate bound is a loop's most: one with a second exit (a run-time count of
+        # items) or that some warps skip (a walk one warp runs) runs fewer trips on average,
+        # which its loads witness (a load is every thread's that runs the loop)
+        for key, d in per_line.items():
+            e = executions.get(key)
+            lids = [lid for lid in d if lid != id(None)]
+            if e is None or len(lids) != 1 or not key.endswith("load"):
+                continue
+            t, src = trips.get(lids[0], (None, ""))
+            seen = max(0.0, (e - d.get(id(None), 0)) / d[lids[0]])
+            if src == "sass" and seen < t:
+                trips[lids[0]] = (seen, f"emulator: {key} (below the immediate bound {t:g})")
         # a loop none of whose memory accesses ran in the busiest block did not run there
         for l in loops:
             lines = {_witness(i) for i in ks.instrs if home.get(i.addr) is l}
@@ -209,13 +223,35 @@ def phases_of(ks: sass.KernelSass, executions: dict[str, float] | None) -> list[
                 continue
             t = max(0.0, (e - d.get(id(None), 0)) / d[lids[0]])
             warp_trips[lids[0]] = max(warp_trips.get(lids[0], 0.0), t)
+    # Code that did not run is not issued: a basic block of a loop's own code whose every
+    # memory access the emulator saw none of (the sampled branch of a greedy walk), in a loop
+    # that ran and has lines that did, is left out of the loop's issue slots.
+    dead: dict[int, int] = {}
+    if executions:
+        own = {}
+        for l in loops:
+            inner = set().union(*[c.addrs for c in loops if c is not l and c.addrs < l.addrs])
+            own[id(l)] = l.addrs - inner
+        ran = {lid for lid, d in ((lid, [k for k, dd in per_line.items() if lid in dd]) for lid in own)
+               if any(executions.get(k, 0) > 0 for k in d)}
+        blocks, _ = sass.basic_blocks(ks.instrs)
+        for first, last in blocks:
+            run = ks.instrs[first:last + 1]
+            keys = [_witness(i) for i in run if _witness(i)]
+            if not keys or any(executions.get(k, 0) > 0 for k in keys):
+                continue
+            holder = [lid for lid, a in own.items() if run[0].addr in a and run[-1].addr in a]
+            if holder and holder[0] in ran:
+                dead[holder[0]] = dead.get(holder[0], 0) + len(run)
     out = []
     for l in loops:
         t, src = trips.get(id(l), (1.0, "unknown"))
         out.append(Phase("loop", f"{l.head:#06x}-{l.tail:#06x}", l.depth, t, l.round_trips, t * l.round_trips,
-                         l.global_loads, l.global_bytes, l.peak_inflight_bytes, l.instructions, l.barriers,
+                         l.global_loads, l.global_bytes, l.peak_inflight_bytes,
+                         max(1, l.instructions - dead.get(id(l), 0)), l.barriers,
                          l.fences, l.atomics, [f"{f}:{n}" for f, n in l.lines], src,
-                         _own_runs(ks, l, loops), warp_trips.get(id(l))))
+                         _own_runs(ks, l, loops), warp_trips.get(id(l)), l.coherent_bytes,
+                         l.evict_first_bytes))
     # straight-line code, cut where loops sit: each run between two loops is a phase of its own
     in_loop = {i.addr for l in loops for i in ks.instrs if i.addr in l.addrs}
     for run in _runs(ks.instrs, in_loop):
@@ -225,7 +261,7 @@ def phases_of(ks: sass.KernelSass, executions: dict[str, float] | None) -> list[
         out.append(Phase("straight", f"{run[0].addr:#06x}-{run[-1].addr:#06x}", 0, 1.0, r.round_trips,
                          float(r.round_trips), r.global_loads, r.global_bytes, r.peak_inflight_bytes,
                          r.instructions, r.barriers, r.fences, r.atomics,
-                         sorted({_line_key(x) for x in r.lines}), "sass"))
+                         sorted({_line_key(x) for x in r.lines}), "sass", coherent_bytes=r.coherent_bytes))
     return out
 
 
@@ -307,9 +343,15 @@ ISSUE_PER_CLK_SM = 4.0     # four warp schedulers per SM, one instruction each p
 
 def stream_phase(phases: list[Phase]) -> Phase | None:
     """The phase that moves the most global bytes (trips x bytes per iteration) with 16-byte
-    loads: the weight stream of a GEMM, the K/V tiles of the attention."""
-    cands = [p for p in phases if p.kind == "loop" and p.global_bytes and p.global_loads]
-    return max(cands, key=lambda p: p.trips * p.global_bytes, default=None)
+    loads: the weight stream of a GEMM, the K/V tiles of the attention. A loop of evict-first
+    loads (ld.global.cs, how gemm_stream.cu streams its weights) is that stream before any
+    other; L2-coherent loads (ld.cg) never are: they read what other blocks of the launch
+    wrote. In a thin K slice's reducing block the partial tiles, or the prepare convolution's
+    rows, may outweigh the slice's own weights, yet every block streams its weights and only
+    a few reduce."""
+    cands = [p for p in phases if p.kind == "loop" and p.global_bytes > p.coherent_bytes and p.global_loads]
+    return max(cands, key=lambda p: (p.trips * p.evict_first_bytes, p.trips * (p.global_bytes - p.coherent_bytes)),
+               default=None)
 
 
 @dataclass

@@ -214,6 +214,21 @@ def test_ptxas_registers_within_the_table():
             assert info["registers"] <= gs.PTXAS_REGS[mt] and info["spill_stores"] == 0, (mt, epi, info)
 
 
+def test_conv_variant_registers_within_its_table():
+    # GS_CONV (kernel_projection + its prepare convolution) is built for one block an SM: the
+    # planner's residency for it (PTXAS_REGS_CONV) and no spills with the split-K reduction's
+    # doubled loads in flight (gemm_splitk.cuh SPLITK_ONE_BLOCK)
+    from tests.support.nvrtc_check import nvrtc_check
+    src = gs.kernels.source_path("gemm_stream.cu")
+    for mt in gs.MT_BUCKETS:
+        for norm in (False, True):
+            variant = gs.GemmVariant(1280, 5120, "bf16", "none", split=2, norm=norm, conv=(2, 16))
+            opts = tuple(gs.kernels.compile_options(**variant.stream_defines(mt)))[1:]
+            info = nvrtc_check(src.read_text(), str(src), "sm_90", opts)["gemm_stream"]
+            assert info["registers"] <= gs.PTXAS_REGS_CONV[mt] and info["spill_stores"] == 0, (mt, norm, info)
+            assert gs.blocks_per_sm(mt, 0, conv=True) == 1
+
+
 # ---- padding rows read from device memory ------------------------------------
 
 def _pad_case(backend, rng, N, K, epilogue, m):

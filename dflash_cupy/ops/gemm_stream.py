@@ -41,6 +41,10 @@ INFLIGHT_TARGET = 24 * 1024
 # granularity of 8 they set the register-limited residency.
 PTXAS_REGS = {1: 128, 2: 208, 4: 240}   # max over f16/bf16, the epilogues, hi+lo or not (MT 4:
                                         # the fused top-K at K 4096, 239; history: docs/decisions/gemm.md)
+# GS_CONV (kernel_projection, its prepare convolution fused) is built for one block an SM at every
+# MT (GS_MINB 1): its grids stay under a wave, and its split-K reduction keeps twice the partial
+# loads in flight in the room (gemm_splitk.cuh SPLITK_ONE_BLOCK); held by tests/test_gemm_stream.py
+PTXAS_REGS_CONV = {1: 255, 2: 255, 4: 255}
 REGS_PER_SM = 65536
 THREADS_PER_SM = 2048
 SMEM_RESERVED = 1024      # per block, by the driver
@@ -86,8 +90,8 @@ def raw_bytes(tiles: int, kt: int) -> int:
     return (16 * tiles + 2) * kt * 4
 
 
-def blocks_per_sm(mt: int, smem: int) -> int:
-    regs = -(-PTXAS_REGS[mt] // 8) * 8
+def blocks_per_sm(mt: int, smem: int, conv: bool = False) -> int:
+    regs = -(-(PTXAS_REGS_CONV if conv else PTXAS_REGS)[mt] // 8) * 8
     by_regs = REGS_PER_SM // (regs * WARPS * 32)
     by_smem = SMEM_PER_SM // (smem + SMEM_RESERVED)
     return max(0, min(by_regs, by_smem, THREADS_PER_SM // (WARPS * 32)))
@@ -100,12 +104,12 @@ def block_inflight(mt: int) -> int:
     return WARPS * WTILES * 8 * 128
 
 
-def stream_terms(blocks: int, block_bytes: int, mt: int, dev: Device) -> tuple:
+def stream_terms(blocks: int, block_bytes: int, mt: int, dev: Device, conv: bool = False) -> tuple:
     """``(spread, busiest)``: a launch's weight stream in bytes at one SM's share of HBM, its
     bytes spread over the SMs, and the busiest SM's bytes (its blocks one after another, as many
     at once as fit) slowed by Little's law where it keeps less than INFLIGHT_TARGET in flight."""
     per_sm = -(-blocks // dev.sm_count)
-    inflight = min(max(1, blocks_per_sm(mt, 0)), per_sm) * block_inflight(mt)
+    inflight = min(max(1, blocks_per_sm(mt, 0, conv)), per_sm) * block_inflight(mt)
     return blocks * block_bytes / dev.sm_count, per_sm * block_bytes * INFLIGHT_TARGET / inflight
 
 
@@ -168,7 +172,7 @@ def _kt_for(kz: int, mt: int, tiles: int, split: int, dev: Device, raw: bool = F
 
 
 def plan(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device = H200, mt: int | None = None,
-         ks: int | None = None, raw: bool = False) -> Plan:
+         ks: int | None = None, raw: bool = False, conv: bool = False) -> Plan:
     """Launch of one call over ``m`` rows (``mt``: force a compiled variant;
     ``ks``: force the K split, at most what K's 64-wide steps allow and, with
     several M blocks, what one wave holds; ``raw``: the variant stages a raw
@@ -180,7 +184,8 @@ def plan(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device = H200
     the partial-tile workspace of such splits by one wave's tiles whatever
     ``m`` is (at most 132 x 64 rows x 256 columns x 2 matrices x 4 B = 17 MB,
     silu_mul at GS_MT 4 on an H200; 8.7 MB for one matrix). One M block keeps
-    the rule it had (its split grid may exceed a wave)."""
+    the rule it had (its split grid may exceed a wave). ``conv``: a GS_CONV variant (one
+    block an SM, PTXAS_REGS_CONV)."""
     mt = bucket(m) if mt is None else mt
     rows = 16 * mt
     gy = -(-m // rows)
@@ -193,7 +198,7 @@ def plan(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device = H200
     for ks in range(1, MAX_K_SPLIT + 1):
         if forced is not None and ks not in (1, forced):
             continue
-        if ks > 1 and gy > 1 and nblk * gy * ks > dev.sm_count * blocks_per_sm(mt, 0):
+        if ks > 1 and gy > 1 and nblk * gy * ks > dev.sm_count * blocks_per_sm(mt, 0, conv):
             break  # several M blocks: split K only inside one wave (see above)
         kz = -(-(-(-K // ks)) // KSTEP) * KSTEP
         ks_eff = -(-K // kz)
@@ -206,14 +211,14 @@ def plan(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device = H200
             # stream by bytes in flight (stream_terms), not by rounds of blocks. A slice costs
             # its partials and its share of the reduction, and buys bytes in flight only where
             # an SM lacks them (docs/decisions/gemm.md: the folded norm's launch rule).
-            stream = max(stream_terms(blocks, block_bytes, mt, dev))
+            stream = max(stream_terms(blocks, block_bytes, mt, dev, conv))
         else:
             # x staged through registers (GS_XB items per thread per L2 round trip): a thicker
             # slice is a longer dependent chain (tests/test_sass_kernels.py: CHAIN_MAX), so the
             # busiest SM's blocks x their bytes; past one wave of resident blocks a partial
             # last wave is priced whole (its few blocks run alone: latency- not bandwidth-bound;
             # h5120 gate_up: 10 slices left a 40-block tail on 264 slots, 9 none)
-            slots = dev.sm_count * max(1, blocks_per_sm(mt, 0))
+            slots = dev.sm_count * max(1, blocks_per_sm(mt, 0, conv))
             rounds = (-(-blocks // slots) * (slots // dev.sm_count) if blocks > slots
                       else -(-blocks // dev.sm_count))
             stream = rounds * block_bytes
@@ -636,7 +641,7 @@ class StreamKernels:
         if isinstance(mt, str):
             return plan_wgmma(self.N, self.K, m, self.nw, self.split, self.dev, variant=mt, ks=ks)
         p = plan(self.N, self.K, m, self.nw, self.split, self.dev, mt=mt, ks=ks,
-                 raw=self.norm and not self.x16)
+                 raw=self.norm and not self.x16, conv=self.variant.conv is not None)
         if self._tk and topk_smem(mt, self.nw) > p.smem:
             return dataclasses.replace(p, smem=topk_smem(mt, self.nw))
         return dataclasses.replace(p, smem=fin_smem(mt)) if self._fin and fin_smem(mt) > p.smem else p

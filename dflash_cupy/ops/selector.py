@@ -66,6 +66,11 @@ WK_NW = _C["SEL_WK_NW"]                   # warps per block of selector_walk (on
 MAX_K = _C["SEL_MAX_K"]
 
 
+def edge_blocks_per_row(k: int) -> int:
+    """selector_edges_walk's blocks per selector row (selector.cu's ESPLIT)."""
+    return min(k, 4)
+
+
 class SelectorKernels:
     """See the module docstring. ``weight_kind``: the selector tensors' device kind
     ("f32", "f16" or "bf16"), fixed at build time as the other weight kernels' types."""
@@ -217,7 +222,7 @@ class SelectorKernels:
             self._project((self.split + merge_rows, L, 1), (WK_NW * 32, 1, 1),
                           (part, np.int32(nblk), np.int32(row0), np.int32(row_stride), np.int32(merge_rows),
                            hidden, hidden_rows, hp_w, ids, vals, self.hp_ws), stream=stream)
-        self._edges_walk((max(R, 1), L, 1), (WK_NW * 32, 1, 1),
+        self._edges_walk((max(R * edge_blocks_per_row(self.K), 1), L, 1), (WK_NW * 32, 1, 1),
                          (pred_cb, succ_cb, anchors, ids, vals, knobs, rng, per_lane, tokens, choice, q, self.hp_ws,
                           self.edges, self.counters, self.flags), stream=stream)
 
