@@ -13,8 +13,8 @@
 // selector_topk_merge: grid lanes * R, block TK_NT: the K best of the row's nblk * K pairs (row g =
 //   lane * R + j reads part row lane * prow_stride + prow0 + j: gemm_stream.cu GS_EPI 4 writes
 //   every GEMM row) -> ids [lanes * R, K] int32, vals [lanes * R, K] f32 = softcap(logit * MULT)
-//   (tanhf(v / CAP) * CAP): the K lists with the best heads (K block-wide rounds), then their
-//   K * K pairs ranked by count. nblk <= NBLK_MAX (SEL_PBLK: such partials' blocks).
+//   (tanhf(v / CAP) * CAP): the K lists with the best heads (warp rounds, finalists ranked),
+//   then their K * K pairs ranked by count. nblk <= NBLK_MAX (SEL_PBLK: such partials' blocks).
 // selector_project_merge: grid (SPLIT + merge_rows, lanes), SPLIT = ceil(RANK / WK_NW), merge_rows
 //   R or 0. Block x < SPLIT: warp w computes hp[lane][j][x * WK_NW + w] into hp_ws [lanes, R, RANK]
 //   f32 (warp_dot); the others merge the lane's row x - SPLIT (the merge's arguments first).
@@ -291,7 +291,6 @@ __device__ __forceinline__ int choose(const float* s, bool sampled, float inv_t,
 static __device__ __forceinline__ void merge_row(const unsigned int* part, int nblk, int prow0, int prow_stride, int g,
                                                  int* ids, float* vals)
 {
-    __shared__ unsigned long long red[TK_NW];
     __shared__ int pick[K];
     const int lane = g / RA, j = g - lane * RA;
     const uint2* p2 = reinterpret_cast<const uint2*>(part + ((long long)lane * prow_stride + prow0 + j) * nblk * K * 2);
@@ -301,21 +300,48 @@ static __device__ __forceinline__ void merge_row(const unsigned int* part, int n
     };
     // Phase 1: the K lists with the largest heads. Each list is best first, so an element of
     // any other list is below its own head, itself below K heads: the row's K best all lie in
-    // these K lists. Every head load is issued before any is used (nblk <= NBLK_MAX).
+    // these K lists (their set is all phase 2 needs). Every head load is issued before any is
+    // used (nblk <= NBLK_MAX). Each warp finds its K best heads (K warp-wide rounds, no block
+    // barrier); each of the TK_NW * K finalists is then ranked by the finalists above it.
     unsigned long long head[MH];
 #pragma unroll
     for (int m = 0; m < MH; ++m) {
         const int b = threadIdx.x + m * TK_NT;
         head[m] = b < nblk ? word(p2[(long long)b * K]) : 0ull;
     }
+    __shared__ __align__(16) unsigned long long fin_w[TK_NW * K];
+    __shared__ int fin_b[TK_NW * K];
+    const int warp = threadIdx.x >> 5, wl = threadIdx.x & 31;
     unsigned long long last = ALL;
     for (int t = 0; t < K; ++t) {
-        last = block_next_below<MH>(head, last, red);
-        // real words are unique (one id each): one owner records its list; none left: -1
+        unsigned long long w = 0ull;
 #pragma unroll
         for (int m = 0; m < MH; ++m)
-            if (last && head[m] == last) pick[t] = threadIdx.x + m * TK_NT;
-        if (!last && threadIdx.x == 0) pick[t] = -1;
+            if (head[m] < last && head[m] > w) w = head[m];
+#pragma unroll
+        for (int o = 16; o; o >>= 1) {
+            const unsigned long long x = __shfl_xor_sync(0xffffffffu, w, o);
+            w = x > w ? x : w;
+        }
+        // real words are unique (one id each): one owner records its list
+#pragma unroll
+        for (int m = 0; m < MH; ++m)
+            if (w && head[m] == w) fin_b[warp * K + t] = threadIdx.x + m * TK_NT;
+        if (wl == 0) fin_w[warp * K + t] = w;
+        last = w;
+    }
+    if ((int)threadIdx.x < K) pick[threadIdx.x] = -1;   // (fewer than K real heads: empty lists)
+    __syncthreads();
+    const ulonglong2* fw2 = reinterpret_cast<const ulonglong2*>(fin_w);
+    for (int f = threadIdx.x; f < TK_NW * K; f += TK_NT) {
+        const unsigned long long w = fin_w[f];
+        int r = 0;
+#pragma unroll 8
+        for (int u = 0; u < TK_NW * K / 2; ++u) {
+            const ulonglong2 x = fw2[u];
+            r += (x.x > w) + (x.y > w);
+        }
+        if (w && r < K) pick[r] = fin_b[f];
     }
     __syncthreads();
     // Phase 2: the K best of those lists' K * K pairs, all loads in flight at once, each ranked
