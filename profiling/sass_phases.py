@@ -97,8 +97,8 @@ def _witness(ins) -> str | None:
 
 def line_executions(launch, backend=None, scan_row: bool = False) -> dict[str, float]:
     """``{"file:line|kind": executions per warp}`` (and ``{"file:line|kind|warp": the busiest
-    warp's executions}``), in bytes a lane (executions x access width), of each source line's global and shared loads
-    and stores ("global load", "global store", "shared load", "shared store") in the busiest
+    warp's executions}``), in bytes a lane (executions x access width), of each source line's
+    global and shared loads and stores ("global load", "global store", "shared load", "shared store") in the busiest
     block of one z column of ``launch`` (``step_trace.Launch``), run in counter mode.
     ``scan_row``: every block of the first grid row instead (each line its most in one block),
     counted one after another on the same arrays, so an arrival kernel's last block does the
@@ -208,9 +208,6 @@ def phases_of(ks: sass.KernelSass, executions: dict[str, float] | None) -> list[
             if id(l) not in trips and lines:
                 if not any(executions.get(k) for k in lines):
                     trips[id(l)] = (0.0, "emulator: not run")
-    # the busiest warp's trips of each loop: the same solve with that warp's executions, from
-    # the lines whose accesses sit in one loop only (a loop some warps skip runs more often in
-    # the busiest warp than on average)
     # the busiest warp's trips of each loop: the same solve with that warp's executions, from
     # the lines whose accesses sit in one loop only (a loop some warps skip, e.g. a walk one
     # warp runs, runs more often in the busiest warp than on average)

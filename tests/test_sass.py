@@ -168,6 +168,21 @@ def test_one_warps_loop_costs_that_warps_instruction_stream():
     assert t_unknown < t_lone < t_even
 
 
+def test_the_stream_is_the_weight_loop_not_a_reduction_of_partials():
+    """The stream phase is the loop of evict-first loads (gemm_stream's weights) even where a
+    reducing block's ld.cg partial reads (or its other loads) move more bytes; L2-coherent loads
+    alone are never the stream."""
+    from profiling import sass_phases
+
+    P = sass_phases.Phase
+    weights = P("loop", "w", trips=1.5, global_loads=2, global_bytes=32, evict_first_bytes=32)
+    partials = P("loop", "p", trips=4.0, global_loads=32, global_bytes=512, coherent_bytes=512)
+    tail = P("loop", "t", trips=2.2, global_loads=8, global_bytes=128)
+    assert sass_phases.stream_phase([partials, tail, weights]) is weights
+    assert sass_phases.stream_phase([partials, tail]) is tail
+    assert sass_phases.stream_phase([partials]) is None
+
+
 def test_phase_cache_names_the_launchs_known_device_values(tmp_path, monkeypatch):
     """The phases' disk cache is keyed by what decides a loop's trips: the variant, the launch
     shape and the device values the plan knows (``known``: which row tiles are live). A count
