@@ -1407,29 +1407,26 @@ def _selector_merge_bytes(n, d: dict, P: dict, rows: int) -> tuple[list, list, s
             f"{P['nblk']} first pairs, then the {nb} best blocks' {K} pairs each, per row")
 
 
-def _selector_walk_bytes(n, d: dict, lanes: int, fused: bool = False) -> tuple[list, list, str, float]:
-    """selector.cu's walk of ``lanes`` lanes (its hp slices included): (reads, writes, note, dependent
-    DRAM round trips a lane). Where each thread holds K * ceil(rank / 256) <= 32 values the
-    codebook rows of every token a row may choose are read a row ahead (the walk's PRE): K
-    predecessor rows a row after the first, no gather waiting on a choice; else the chosen one."""
-    Q, H, rank, K = d["SEL_Q"], d["SEL_H"], d["SEL_RANK"], d["SEL_K"]
+def _selector_project_bytes(n, d: dict, lanes: int) -> tuple[list, list]:
+    """selector.cu's hidden projection of ``lanes`` lanes: (reads, writes)."""
+    Q, H, rank = d["SEL_Q"], d["SEL_H"], d["SEL_RANK"]
     R, wb = Q - 1, (4 if d.get("SEL_HPT", 2) == 0 else 2)
-    cb = 4 if d.get("SEL_CBT", 2) == 0 else 2
-    pre = K * -(-rank // (_C_SEL_WK_NW() * 32)) <= 32
-    preds = (1 + max(0, R - 1) * K) if pre else R
-    reads = [(n("hidden"), lanes * R * H * 4), (n("hp_w"), rank * H * wb), (n("pred_cb"), lanes * preds * rank * cb),
-             (n("succ_cb"), lanes * R * K * rank * cb)]
-    if not fused:   # the fused kernel's ids / vals are the merge's own writes (L2)
-        reads += [(n("ids"), lanes * R * K * 4), (n("vals"), lanes * R * K * 4)]
-    writes = [(n("tokens"), lanes * Q * 4), (n("choice"), lanes * R * 4), (n("q"), lanes * R * K * 4)]
-    note = (f"codebook rows gathered: {'K predecessors a row ahead' if pre else 'one predecessor'} and K "
-            f"successors per row")
-    # hp, then the staging; without PRE each row's gather waits on the last choice
-    return reads, writes, note, float(2 + (0 if pre else R))
+    return ([(n("hidden"), lanes * R * H * 4), (n("hp_w"), rank * H * wb)], [(n("hp_ws"), lanes * R * rank * 4)])
 
 
-def _C_SEL_WK_NW() -> int:
-    return kernels.constants("selector.cu")["SEL_WK_NW"]
+def _selector_edges_walk_bytes(n, d: dict, lanes: int) -> tuple[list, list, str]:
+    """selector.cu's edges and walk of ``lanes`` lanes: (reads, writes, note). Each row's
+    blocks read its K candidates' successor rows and their share of the K predecessor rows
+    (row 0: the anchor's); the walker reads every row's edges back (L2, counted once)."""
+    Q, rank, K = d["SEL_Q"], d["SEL_RANK"], d["SEL_K"]
+    R, cb = Q - 1, (4 if d.get("SEL_CBT", 2) == 0 else 2)
+    preds = 1 + max(0, R - 1) * K
+    reads = [(n("hp_ws"), lanes * R * rank * 4), (n("pred_cb"), lanes * preds * rank * cb),
+             (n("succ_cb"), lanes * R * K * rank * cb), (n("ids"), lanes * R * K * 4), (n("vals"), lanes * R * K * 4)]
+    writes = [(n("edges"), lanes * R * K * K * 4), (n("tokens"), lanes * Q * 4), (n("choice"), lanes * R * 4),
+              (n("q"), lanes * R * K * 4)]
+    return reads, writes, ("codebook rows gathered once per row (the successor rows re-read by the row's "
+                           "other blocks and the edges read back by the walker come from L2, not counted)")
 
 
 def _small(L) -> KernelCounters:
@@ -1534,19 +1531,20 @@ def _small(L) -> KernelCounters:
         c = _bytes_only(L, reads, writes, note)
         c.dram_round_trips_per_block = 2.0   # the chosen blocks' pairs wait for the first pairs' rounds
         return c
-    if k == "selector_walk":   # one lane per grid row: hp = W hidden, then the walk's codebook rows
-        reads, writes, note, trips = _selector_walk_bytes(n, d, L.grid[1])
+    if k == "selector_project_merge":   # the hp slices and (merge_rows) the merge's rows in one grid
+        lanes, R, mr = L.grid[1], d["SEL_Q"] - 1, P["merge_rows"]
+        reads, writes = _selector_project_bytes(n, d, lanes)
+        note = "hp = hidden_projection(hidden)"
+        if mr:
+            m_reads, m_writes, m_note = _selector_merge_bytes(n, d, P, lanes * R)
+            reads, writes, note = reads + m_reads, writes + m_writes, f"{note}; merge: {m_note}"
         c = _bytes_only(L, reads, writes, note)
-        c.dram_round_trips_per_block = trips
+        c.dram_round_trips_per_block = 2.0 if mr else 1.0   # the merge's first pairs, then its chosen lists'
         return c
-    if k == "selector_merge_walk":   # the merge's rows and the walk's hp slices in one grid; the last walks
-        lanes, R = L.grid[1], d["SEL_Q"] - 1
-        m_reads, m_writes, m_note = _selector_merge_bytes(n, d, P, lanes * R)
-        w_reads, w_writes, w_note, w_trips = _selector_walk_bytes(n, d, lanes, fused=True)
-        c = _bytes_only(L, m_reads + w_reads, m_writes + w_writes,
-                        f"merge: {m_note}; walk: {w_note}; the walk's re-read of the merged ids / vals (L2) not counted")
-        # the merge's two (the hp slices' one runs beside them), then the walk's
-        c.dram_round_trips_per_block = 2.0 + w_trips if R else 1.0
+    if k == "selector_edges_walk":   # every row's K x K edges, then the lane's last block walks
+        reads, writes, note = _selector_edges_walk_bytes(n, d, L.grid[1])
+        c = _bytes_only(L, reads, writes, note)
+        c.dram_round_trips_per_block = 3.0 if d["SEL_Q"] > 1 else 1.0   # ids, codebook rows; the staged edges
         return c
     return _bytes_only(L, [], [], f"no access model for kernel {k!r}: counters are empty")
 

@@ -319,6 +319,20 @@ def test_model_step_structure():
     assert m["losses"] and m["losses"][0]["loss_us"] >= m["losses"][-1]["loss_us"]
 
 
+@pytest.mark.parametrize("drafter,vocab", [("dflash2-h5120", 151936), ("qwen3.5-27b", None)])
+def test_every_kernel_of_a_step_has_an_access_model(drafter, vocab):
+    """A kernel the static counters do not know would be priced with no bytes and no round
+    trips (its weights streamed for free): every node of the plain and the DFlash 2 step has
+    an access model."""
+    m = pm.model_step(drafter, 2048, H200, lm_head_vocab=vocab, compiled=False)
+    assert m["n_nodes"] > 30
+    unknown = [t.label for t in m["nodes"] if t.counters is not None
+               and any("no access model" in note for note in t.counters.notes)]
+    assert unknown == []
+    sel = [t for t in m["nodes"] if t.kernel.startswith("selector_")]
+    assert len(sel) == (2 if vocab else 0) and all(t.counters.dram_bytes > 0 for t in sel)
+
+
 @pytest.mark.slow
 def test_model_h5120_names_the_tail_wave(monkeypatch, request):
     """The hidden-5120 gate_up: its default split (1 slice, one round of blocks) leaves no
