@@ -35,7 +35,7 @@ selector rows per lane (block rows 1..q_len-1). Shapes and dtypes (device arrays
 - ``merge_and_walk(partials, hidden, hp_w, pred_cb, succ_cb, anchors, ids, vals, tokens,
   choice, q, knobs, rng, row0=0, row_stride=R)``: ``merge_partials`` then ``walk`` in the two
   launches ``walk`` alone takes (``selector_project_merge``: the merge's rows beside the
-  projection's slices; ``selector_edges_walk``: every row's K x K edge scores, one block a row,
+  projection's slices; ``selector_edges_walk``: every row's K x K edge scores, 4 blocks a row,
   then the lane's last block walks), with both checks before them and the same outputs bit for
   bit (``ids`` / ``vals`` too); a step engine's fused lm_head top-K.
 
