@@ -16,7 +16,10 @@
 // Called by all threads of the block after its d is stored (split K: the reducing block);
 // d is read back from global memory after a barrier (the block's own stores).
 // Work: a thread per VEC channels of one group (VEC 4 where GROUP % 4 == 0: 16-byte x, base and
-// y accesses, consecutive threads on consecutive chunks of a row), its rows RB at a time in two
+// y accesses, consecutive threads on consecutive chunks of a row) and its rows, or where a full
+// column block has fewer chunks than threads (a 128-column GS_CONV block: 128 chunks), one of
+// PARTS parts of its rows (whole batch pairs, each part's first tap reading the row before it),
+// so no thread idles and each one's chain is its part's; a work item's rows RB at a time in two
 // register sets: batch b + 1's x window (RB + TAPS - 1 rows, each tap's earlier row shared) and
 // d (one access for 2 or 4 taps) are issued before batch b's norm, sums and stores, so a pair of
 // batches costs one L2 round trip (ops/gemm_stream.py conv_tail_trips). A row that does not exist
@@ -57,7 +60,7 @@ __device__ __forceinline__ void gemm_conv_st(float* p, const float* o) {
     }
 }
 
-template <int TAPS, int GROUP, int H, int COLS, int THREADS, int NORM, typename Stored>
+template <int TAPS, int GROUP, int H, int COLS, int ROWS, int THREADS, int NORM, typename Stored>
 __device__ __forceinline__ void gemm_conv_prepare(const float* __restrict__ x, const float* d, int N,
                                                   const float* __restrict__ base, float* y, int m0, int live,
                                                   int c0, int lane_rows, Stored stored,
@@ -102,13 +105,24 @@ __device__ __forceinline__ void gemm_conv_prepare(const float* __restrict__ x, c
     }
     static_assert(16 % RB == 0, "a batch's rows lie in one 16-row tile (stored() once a batch)");
     constexpr int NC = 2 * TAPS * (H / GROUP);              // = N (the caller's contract): d's row stride
+    // Work items: a chunk's rows, or where a full column block has fewer chunks (NQF) than
+    // threads, PARTS parts of them of PART_ROWS (whole batch pairs; a part's first tap reads the
+    // row before it like any batch's): each thread's dependent chain is its part's pairs, not
+    // the block's; compile-time bounds, so the divisions are shifts and a part's pairs unroll
+    constexpr int NQF = (COLS / GC) * (GROUP / VEC) > 0 ? (COLS / GC) * (GROUP / VEC) : 1;
+    constexpr int NPAIRS = (ROWS + 2 * RB - 1) / (2 * RB);
+    constexpr int PARTS = THREADS / NQF < 1 ? 1 : (THREADS / NQF < NPAIRS ? THREADS / NQF : NPAIRS);
+    constexpr int PART_ROWS = (NPAIRS + PARTS - 1) / PARTS * (2 * RB);
     const int i0 = m0 % lane_rows;                          // the block's first row's index in its lane
-    for (int q = threadIdx.x; q < nq; q += THREADS) {
+    for (int it = threadIdx.x; it < NQF * PARTS; it += THREADS) {
+        const int q = it % NQF, r0 = (it / NQF) * PART_ROWS;
+        const int rend = (r0 + PART_ROWS < live) ? r0 + PART_ROWS : live;
+        if (q >= nq || r0 >= rend) continue;   // (a column block's missing groups; short blocks)
         const int c = ch0 + q * VEC;
-        // the chunk's first row (row offsets below: block-relative, int)
-        const float* xm = x + ((long long)m0 * H + c);
-        const float* dm = d + ((long long)m0 * NC + (c / GROUP) * GC);   // its group's half-0 taps
-        float* ym = y + ((long long)m0 * H + c);
+        // the part's first row (row offsets below: block-relative, int)
+        const float* xm = x + ((long long)(m0 + r0) * H + c);
+        const float* dm = d + ((long long)(m0 + r0) * NC + (c / GROUP) * GC);   // its group's half-0 taps
+        float* ym = y + ((long long)(m0 + r0) * H + c);
         float bv[TAPS][VEC], gv[NORM ? VEC : 1];
 #pragma unroll
         for (int t = 0; t < TAPS; ++t) gemm_conv_ld<VEC>(bv[t], base + t * H + c);
@@ -123,13 +137,14 @@ __device__ __forceinline__ void gemm_conv_prepare(const float* __restrict__ x, c
                 if (lr0 + w - (TAPS - 1) >= -m0) gemm_conv_ld<VEC>(xv[w], xr + (w - (TAPS - 1)) * H);
 #pragma unroll
             for (int j = 0; j < RB; ++j)
-                if (j < live - lr0) {
+                if (j < rend - lr0) {
                     gemm_conv_ld<VEC>(xv[TAPS - 1 + j], xr + j * H);
                     gemm_conv_ld<TAPS>(dv[j], dr + j * NC);
                 }
         };
         // a batch's sums and stores (after its loads arrive), its window normed first
-        int i = i0;   // the row's index in its lane, stepped row by row
+        int i = i0 + r0;   // the row's index in its lane, stepped row by row
+        if (i >= lane_rows) i %= lane_rows;
         auto finish = [&](float (&xv)[XW][VEC], const float (&dv)[RB][TAPS], float* yr, int lr0) {
             if (NORM) {   // (rows past live: rsc's entries up to lr0 + RB <= ROWS, read for rows no store reads)
 #pragma unroll
@@ -153,7 +168,7 @@ __device__ __forceinline__ void gemm_conv_prepare(const float* __restrict__ x, c
                         acc = t == 0 || i >= t ? fmaf(bv[t][e] + dv[j][t], xv[j + TAPS - 1 - t][e], acc) : acc;
                     o[e] = acc;
                 }
-                if (st && j < live - lr0) gemm_conv_st<VEC>(yr + j * H, o);
+                if (st && j < rend - lr0) gemm_conv_st<VEC>(yr + j * H, o);
                 i = (i + 1 == lane_rows) ? 0 : i + 1;
             }
         };
@@ -163,12 +178,15 @@ __device__ __forceinline__ void gemm_conv_prepare(const float* __restrict__ x, c
         const float* xr = xm;   // batch a's first row's
         const float* dr = dm;
         float* yr = ym;
-        issue(xa, da, xr, dr, 0);
-        for (int lr0 = 0; lr0 < live; lr0 += 2 * RB, xr += 2 * RB * H, dr += 2 * RB * NC, yr += 2 * RB * H) {
-            const bool second = lr0 + RB < live;
+        issue(xa, da, xr, dr, r0);
+#pragma unroll
+        for (int p0 = 0; p0 < PART_ROWS; p0 += 2 * RB, xr += 2 * RB * H, dr += 2 * RB * NC, yr += 2 * RB * H) {
+            const int lr0 = r0 + p0;
+            if (lr0 >= rend) break;
+            const bool second = lr0 + RB < rend;
             if (second) issue(xb, db, xr + RB * H, dr + RB * NC, lr0 + RB);
             finish(xa, da, yr, lr0);
-            if (lr0 + 2 * RB < live) issue(xa, da, xr + 2 * RB * H, dr + 2 * RB * NC, lr0 + 2 * RB);
+            if (lr0 + 2 * RB < rend) issue(xa, da, xr + 2 * RB * H, dr + 2 * RB * NC, lr0 + 2 * RB);
             if (second) finish(xb, db, yr + RB * H, lr0 + RB);
         }
     }

@@ -16,6 +16,10 @@
 // batches) of SPLITK_INFLIGHT_16 / SPLITK_SLICES / NW items for a 16-row tile (gemm_stream's
 // GS_MT 1 fits 2 blocks per SM in 128 registers), SPLITK_INFLIGHT / SPLITK_SLICES / NW above.
 #define SPLITK_SLICES 8
+// the rows' sums of squares (NORM): up to 16 slices' loads at once, one round trip for any split
+// gemm_stream plans (MAX_K_SPLIT): one warp's chain before every partial's load; a narrow tile's
+// partials batch as many slices where the loads in flight allow
+#define SPLITK_SS_SLICES 16
 #define SPLITK_INFLIGHT_16 16
 #define SPLITK_INFLIGHT_16_ONE 32   // a 16-row tile of a kernel built for one block an SM (SPLITK_ONE_BLOCK 1)
 #define SPLITK_INFLIGHT 32
@@ -43,13 +47,13 @@ __device__ __forceinline__ bool splitk_reduce(const float* wsb, const float* ssw
     if (NORM) {
         if ((int)threadIdx.x < live) {
             float ss = 0.0f;
-            for (int z0 = 0; z0 < ks; z0 += SPLITK_SLICES) {   // a batch's loads in flight, summed in z order
-                float p[SPLITK_SLICES];
+            for (int z0 = 0; z0 < ks; z0 += SPLITK_SS_SLICES) {   // a batch's loads in flight, summed in z order
+                float p[SPLITK_SS_SLICES];
 #pragma unroll
-                for (int z = 0; z < SPLITK_SLICES; z++)
+                for (int z = 0; z < SPLITK_SS_SLICES; z++)
                     p[z] = (z0 + z < ks) ? __ldcg(ssw + (z0 + z) * ROWS + threadIdx.x) : 0.0f;
 #pragma unroll
-                for (int z = 0; z < SPLITK_SLICES; z++)
+                for (int z = 0; z < SPLITK_SS_SLICES; z++)
                     if (z0 + z < ks) ss += p[z];
             }
             const float sc = (m0 + (int)threadIdx.x >= norm_lo) ? rsqrtf(ss * (1.0f / K) + eps) : 1.0f;
@@ -66,7 +70,10 @@ __device__ __forceinline__ bool splitk_reduce(const float* wsb, const float* ssw
     constexpr int C4 = COLS / 4;
     constexpr int JMAX = (ROWS * C4 + THREADS - 1) / THREADS;   // items per thread of a full tile
     constexpr int LOADS = ROWS <= 16 ? (SPLITK_ONE_BLOCK ? SPLITK_INFLIGHT_16_ONE : SPLITK_INFLIGHT_16) : SPLITK_INFLIGHT;
-    constexpr int ZB = SPLITK_SLICES;                                 // slices per batch
+    // slices per batch: SPLITK_SLICES, or up to SPLITK_SS_SLICES where a thread's items of a full
+    // tile leave that room in LOADS (a narrow tile: every slice's loads at once, one round trip)
+    constexpr int ZR = LOADS / (JMAX * NW) < SPLITK_SS_SLICES ? LOADS / (JMAX * NW) : SPLITK_SS_SLICES;
+    constexpr int ZB = ZR > SPLITK_SLICES ? ZR : SPLITK_SLICES;
     constexpr int JL = LOADS / (ZB * NW) > 0 ? LOADS / (ZB * NW) : 1;
     constexpr int JC = JMAX < JL ? JMAX : JL;                         // items per chunk
     constexpr long long SLICE = (long long)NW * ROWS * COLS;   // floats per slice

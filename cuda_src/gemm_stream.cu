@@ -897,7 +897,7 @@ gemm_stream(const GS_XT* __restrict__ x, const unsigned short* __restrict__ w, G
     }
 #if GS_CONV
     if (conv_now && conv_lane_rows != 0)   // the prepare convolution of this column block's groups
-        gemm_conv_prepare<GS_CONV_TAPS, GS_CONV_GROUP, K, COLS, THREADS, GS_NORM>(
+        gemm_conv_prepare<GS_CONV_TAPS, GS_CONV_GROUP, K, COLS, ROWS, THREADS, GS_NORM>(
             x, y, N, conv_base, conv_y, m0, live, cg * COLS, conv_lane_rows,
             [&](int lrow) { return ((tmask >> (8 + (lrow >> 4))) & 1u) != 0u; }, ln, conv_sc, norm_lo);
 #else

@@ -225,8 +225,9 @@ def _staging_loads(ROWS, KT, K, m_valid, kvalid, elem=4, _cache={}):
 def splitk_reduce_trips(live: int, rows: int, cols: int, threads: int, ks: int, nw: int,
                         one_block: bool = False) -> int:
     """Dependent L2 round trips of gemm_splitk.cuh's reduction of ``live`` rows: a thread's
-    float4 items in chunks of JC (``SPLITK_INFLIGHT[_16] / SPLITK_SLICES / nw``, at most a full
-    tile's share), each chunk one round trip per ``SPLITK_SLICES`` slices (a batch's loads are
+    float4 items in chunks of JC (``SPLITK_INFLIGHT[_16] / ZB / nw``, at most a full tile's
+    share), each chunk one round trip per ZB slices (``SPLITK_SLICES``, or up to
+    ``SPLITK_SS_SLICES`` where a full tile's items leave the loads in flight; a batch's loads are
     in flight together; EPI 1's residual is issued with the chunk's first batch). ``one_block``:
     a kernel built for one block an SM (SPLITK_ONE_BLOCK, gemm_stream.cu's GS_CONV)."""
     k = _splitk_constants()
@@ -234,7 +235,7 @@ def splitk_reduce_trips(live: int, rows: int, cols: int, threads: int, ks: int, 
     jmax = -(-rows * c4 // threads)
     loads = (k["SPLITK_INFLIGHT_16_ONE" if one_block else "SPLITK_INFLIGHT_16"] if rows <= 16
              else k["SPLITK_INFLIGHT"])
-    zb = k["SPLITK_SLICES"]
+    zb = max(k["SPLITK_SLICES"], min(loads // (jmax * nw), k["SPLITK_SS_SLICES"]))   # gemm_splitk.cuh's ZB
     jc = min(jmax, max(1, loads // (zb * nw)))
     items = -(-live * c4 // threads)
     return -(-items // jc) * -(-ks // zb)
@@ -820,7 +821,12 @@ def _gemm_conv(c: KernelCounters, L, d: dict, P: dict, gx: int, gy: int, ROWS: i
             _contig(c, "ld", T * nch * 4, 4 * VEC)                             # base
             _contig(c, "ld", xrows * nch * 4, 4 * VEC)                         # x windows
             c.add_global("ld", warps_q * live * VN, max(1, -(-span // SECTOR)), 32 * VW)   # d
-            trips = max(trips, -(-batches // 2) * passes)   # as gemm_stream.conv_tail_trips counts them
+            # work items (a chunk's rows, in parts where a full column block has fewer chunks than
+            # threads) x their pairs of batches, as gemm_stream.conv_tail_trips counts them
+            npairs = -(-ROWS // (2 * RB))
+            parts = max(1, min(THREADS // max(1, COLS // (2 * T) * G // VEC), npairs))
+            part_rows = -(-npairs // parts) * 2 * RB
+            trips = max(trips, -(-min(part_rows, live) // (2 * RB)) * -(-nq * parts // THREADS))
             tail_bytes = max(tail_bytes, (T + xrows + NORM + len(st)) * nch * 4 + live * VN * 32 * VW * warps_q)
     conv_y, base = P.get("conv_y"), P.get("conv_base")
     _rw(c, [] if xonly else [(_name(base), T * H * 4)], [(_name(conv_y), rows_out * 4)])

@@ -56,7 +56,7 @@ class Phase:
     depth: int = 0
     trips: float = 1.0        # per thread of the busiest block (None-free: 0 when never run)
     round_trips: int = 0      # per iteration
-    chain: float = 0.0        # trips x round_trips: the phase's dependent global-load chain
+    chain: float = 0.0        # the busiest warp's trips x round_trips: the dependent global-load chain
     global_loads: int = 0     # per iteration
     global_bytes: int = 0     # per iteration
     peak_inflight_bytes: int = 0
@@ -78,7 +78,8 @@ class Phase:
     def longest_chain(self) -> float:
         """The longest dependent chain with nothing between its loads: the whole phase for
         straight code and innermost loops, the longest run between inner loops (x trips) else."""
-        return self.trips * max(self.run_round_trips) if self.run_round_trips else self.chain
+        wt = self.trips if self.warp_trips is None else max(self.trips, self.warp_trips)
+        return wt * max(self.run_round_trips) if self.run_round_trips else self.chain
 
 
 def _line_key(src: tuple) -> str:
@@ -243,7 +244,10 @@ def phases_of(ks: sass.KernelSass, executions: dict[str, float] | None) -> list[
     out = []
     for l in loops:
         t, src = trips.get(id(l), (1.0, "unknown"))
-        out.append(Phase("loop", f"{l.head:#06x}-{l.tail:#06x}", l.depth, t, l.round_trips, t * l.round_trips,
+        # a dependent chain is one warp's: the busiest warp's trips of it (a loop half the warps
+        # skip is as long for the others as if all ran it; its issue is the average's)
+        wt = max(t, warp_trips.get(id(l)) or 0.0)
+        out.append(Phase("loop", f"{l.head:#06x}-{l.tail:#06x}", l.depth, t, l.round_trips, wt * l.round_trips,
                          l.global_loads, l.global_bytes, l.peak_inflight_bytes,
                          max(1, l.instructions - dead.get(id(l), 0)), l.barriers,
                          l.fences, l.atomics, [f"{f}:{n}" for f, n in l.lines], src,

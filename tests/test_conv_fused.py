@@ -98,18 +98,22 @@ def test_fused_prepare_skips_dead_tiles(emu, rng, monkeypatch):
 
 def test_fuses_conv_only_where_whole_groups_fit_and_the_tail_is_short(emu, monkeypatch):
     be = emu
-    # DFlash 2 at hidden 5120: 16, 32 and 48 rows fuse (2, 4, 6 round trips: batches of 4 rows
-    # in pairs), a tail over CONV_FUSE_MAX_TRIPS does not
+    # DFlash 2 at hidden 5120: 16, 32 and 48 rows fuse (batches of 4 rows in pairs; a GS_CONV
+    # column block of 128 holds 128 chunks of 4 channels, so its 256 threads take each chunk's
+    # rows in two parts: 1, 2, 4 round trips, the parts of the 64-row variant 32 rows whatever
+    # lives; 256 columns, a chunk's rows a thread: 2, 4, 6), a tail over CONV_FUSE_MAX_TRIPS does not
     g = Gemm(be, 1280, 5120, np.uint16, max_m=48, conv=(2, 16), wgmma=False)
+    assert gs.cols_per_block(1, conv=True) == 128
     assert [g.fuses_conv(m) for m in (16, 32, 48)] == [True, True, True]
+    assert [gs.conv_tail_trips(r, 1280, 2, 16, 128, 16 * gs.bucket(r)) for r in (16, 32, 48, 64)] == [1, 2, 4, 4]
     assert [gs.conv_tail_trips(r, 1280, 2, 16, 256) for r in (16, 32, 48, 64)] == [2, 4, 6, 8]
     with monkeypatch.context() as mp:
-        mp.setattr(gs, "CONV_FUSE_MAX_TRIPS", 5)
+        mp.setattr(gs, "CONV_FUSE_MAX_TRIPS", 2)
         assert [g.fuses_conv(m) for m in (16, 32, 48)] == [True, True, False]
     # 3 taps, N beyond one column block (COLS % 6 != 0): a group would straddle two
     H, group, taps = 688, 8, 3
     N = 2 * taps * (H // group)
-    assert N > gs.cols_per_block(1) and gs.cols_per_block(1) % (2 * taps)
+    assert N > gs.cols_per_block(1, conv=True) and gs.cols_per_block(1, conv=True) % (2 * taps)
     g = Gemm(be, N, H, np.float16, max_m=16, conv=(taps, group), wgmma=False)
     assert not g.fuses_conv(16)
     x, y = be.zeros((16, H), np.float32), be.zeros((16, N), np.float32)

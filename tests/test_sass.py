@@ -168,6 +168,32 @@ def test_one_warps_loop_costs_that_warps_instruction_stream():
     assert t_unknown < t_lone < t_even
 
 
+def test_a_loops_chain_is_its_busiest_warps(probes):
+    """A loop's trips (its issue) are the average warp's, but its dependent chain is one warp's:
+    where the busiest warp runs the loop twice as often as the average (half the warps skip
+    it, e.g. a tail whose chunks fill half the block), the chain is that warp's trips x the
+    loop's round trips."""
+    from profiling import sass_phases
+
+    k = next(k for k in probes.values() if any(l.trips is None and l.round_trips for l in k.loops))
+    loop = next(l for l in k.loops if l.trips is None and l.round_trips)
+    keys = [sass_phases._witness(i) for i in k.instrs if i.addr in loop.addrs and sass_phases._witness(i)
+            and sass_phases._witness(i).endswith("global load")]
+    assert keys, sass.describe(k)
+    lines = {sass_phases._witness(i) for i in k.instrs if sass_phases._witness(i)}
+    counts = {key: 8.0 for key in lines}
+
+    def phase(ex):
+        return next(p for p in sass_phases.phases_of(k, ex) if p.where == f"{loop.head:#06x}-{loop.tail:#06x}")
+
+    even = phase(counts)
+    lone = phase({**counts, **{key + "|warp": 16.0 for key in keys}})
+    assert lone.trips == even.trips > 0
+    assert lone.warp_trips == pytest.approx(2 * even.trips)
+    assert even.chain == pytest.approx(even.trips * loop.round_trips)
+    assert lone.chain == pytest.approx(2 * even.trips * loop.round_trips)
+
+
 def test_the_stream_is_the_weight_loop_not_a_reduction_of_partials():
     """The stream phase is the loop of evict-first loads (gemm_stream's weights) even where a
     reducing block's ld.cg partial reads (or its other loads) move more bytes; L2-coherent loads

@@ -100,3 +100,20 @@ def test_folded_norm_staging_keeps_a_whole_chunk_in_flight():
     phases, st, _ = facts(one)
     chains = sorted((p.chain, p.where, p.lines[:2]) for p in phases if p is not st)
     assert chains and chains[-1][0] <= 2.0, chains[-3:]
+
+
+def test_kernel_projection_reducing_block_one_round_trip_a_phase():
+    """DFlash 2's kernel_projection (gemm_stream's GS_CONV, 128-column blocks) at hidden 5120:
+    after the weight stream its reducing block's phases (the rows' sums of squares of the
+    folded norm, the split-K reduction of 12 slices, the prepare convolution) are one dependent
+    L2 round trip each in the busiest warp: the 12 slices' loads at once (2 items a thread) and
+    the convolution's 16 rows in two parts of one batch pair (every thread a chunk). With 256
+    columns the reduction took 2 and the convolution's 128 busy threads 2 each."""
+    n = next(n for n in launches("dflash2-h5120", 2048, None) if node_label(n).startswith("gemm_stream[conv_"))
+    assert n.defines["GS_NT"] == 2 and n.grid[2] == 12, (n.defines, n.grid)
+    phases, st, _ = facts(n)
+    tail = [p for p in phases if p is not st and p.kind == "loop" and p.round_trips
+            and any(l.startswith(("gemm_splitk.cuh", "gemm_conv.cuh")) for l in p.lines)]
+    assert len(tail) >= 2, [(p.where, p.lines) for p in phases]
+    for p in tail:   # (1.25: the x window's row before a part reads as a tenth of a trip more)
+        assert p.chain <= 1.25, (p.where, p.lines[:3], p.trips, p.warp_trips, p.round_trips)

@@ -330,7 +330,7 @@ class Gemm:
                                                  wgmma=s.wgmma)
         self.k_split = self._stream.plan(s.max_m).ks   # at m = max_m; each call plans its own m
         self.k_tile = self._stream.plan(s.max_m).kt
-        self.cols_per_block = gemm_stream.cols_per_block(s.nw)
+        self.cols_per_block = gemm_stream.cols_per_block(s.nw, s.variant.conv is not None)
         self._nblk = -(-s.N // self.cols_per_block)
         self._counters = self._stream._counters
 

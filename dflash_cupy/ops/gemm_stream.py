@@ -75,8 +75,13 @@ def bucket(m: int) -> int:
     return MT_BUCKETS[-1]
 
 
-def cols_per_block(nw: int) -> int:
-    return WARPS * 8 * (WTILES // nw)
+def cols_per_block(nw: int, conv: bool = False) -> int:
+    return WARPS * 8 * tiles_per_warp(nw, conv)
+
+
+def tiles_per_warp(nw: int, conv: bool = False) -> int:
+    """GS_NT: 8-row weight tiles per warp and weight matrix (CONV_NT for a GS_CONV variant)."""
+    return CONV_NT if conv else WTILES // nw
 
 
 def smem_bytes(tiles: int, kt: int, split: int, raw: bool = False) -> int:
@@ -97,11 +102,11 @@ def blocks_per_sm(mt: int, smem: int, conv: bool = False) -> int:
     return max(0, min(by_regs, by_smem, THREADS_PER_SM // (WARPS * 32)))
 
 
-def block_inflight(mt: int) -> int:
+def block_inflight(mt: int, conv: bool = False) -> int:
     """Weight bytes a block keeps in flight as compiled: one ring slot per warp (128 B per
     thread in every variant's steady-state loop, profiling/sass.py; the source's DEPTH - 1
     slots would be twice that for MT 2 and 4)."""
-    return WARPS * WTILES * 8 * 128
+    return WARPS * (CONV_NT if conv else WTILES) * 8 * 128
 
 
 def stream_terms(blocks: int, block_bytes: int, mt: int, dev: Device, conv: bool = False) -> tuple:
@@ -109,7 +114,7 @@ def stream_terms(blocks: int, block_bytes: int, mt: int, dev: Device, conv: bool
     bytes spread over the SMs, and the busiest SM's bytes (its blocks one after another, as many
     at once as fit) slowed by Little's law where it keeps less than INFLIGHT_TARGET in flight."""
     per_sm = -(-blocks // dev.sm_count)
-    inflight = min(max(1, blocks_per_sm(mt, 0, conv)), per_sm) * block_inflight(mt)
+    inflight = min(max(1, blocks_per_sm(mt, 0, conv)), per_sm) * block_inflight(mt, conv)
     return blocks * block_bytes / dev.sm_count, per_sm * block_bytes * INFLIGHT_TARGET / inflight
 
 
@@ -121,17 +126,31 @@ GRID_X_MAX = 2**31 - 1
 # (8 x ~280 ns: below a conv.cu launch plus its graph-node gap, ~1.1 + 1.5 us), else the caller
 # runs conv.cu's grouped_conv (docs/decisions/dflash2.md)
 CONV_FUSE_MAX_TRIPS = 8
+# A GS_CONV variant's column block: CONV_NT weight tiles a warp (128 columns, not 256). Its grids
+# stay under a wave, so narrower blocks spread the same weights over more SMs (h5120's
+# kernel_projection: 10 column groups x 12 slices = 120 blocks, where 256 columns gave 5 x 16 =
+# 80) and halve what each reducing block does alone after the stream: the split-K reduction (its
+# 12 slices' loads at once, one round trip) and the prepare convolution (gemm_conv.cuh: a
+# chunk's rows in two parts, every thread busy). docs/decisions/dflash2.md.
+CONV_NT = 2
 
 
-def conv_tail_trips(rows: int, N: int, taps: int, group: int, cols: int) -> int:
-    """gemm_conv.cuh's dependent L2 round trips in a block of ``rows`` live rows holding ``cols``
-    output columns of ``N`` ([group][half][tap]): pairs of row batches x channel chunks per
-    thread (a batch's x window and d loads issued before the batch ahead's sums and stores: two
-    batches' loads in flight together)."""
+def conv_tail_trips(rows: int, N: int, taps: int, group: int, cols: int, block_rows: int | None = None) -> int:
+    """gemm_conv.cuh's dependent L2 round trips in a block of ``block_rows`` (16 * MT; default
+    ``rows`` rounded up to 16) with ``rows`` live, holding ``cols`` output columns of ``N``
+    ([group][half][tap]): a thread's work items x the pairs of row batches of each (a batch's
+    x window and d loads issued before the batch ahead's sums and stores: two batches' loads in
+    flight together). A work item is a chunk's rows or, where a full column block has fewer
+    chunks than threads, one of PARTS parts of them."""
     rb = max(1, kernels.constants("gemm_conv.cuh")["GEMM_CONV_ROWS"] // taps)
     vec = 4 if group % 4 == 0 else 1
-    groups = min(cols, N) // (2 * taps)
-    return -(-rows // (2 * rb)) * -(-(groups * group // vec) // (WARPS * 32))
+    block_rows = -(-rows // 16) * 16 if block_rows is None else block_rows
+    chunks = min(cols, N) // (2 * taps) * group // vec
+    full = max(1, cols // (2 * taps) * group // vec)
+    npairs = -(-block_rows // (2 * rb))
+    parts = max(1, min(WARPS * 32 // full, npairs))
+    part_rows = -(-npairs // parts) * 2 * rb
+    return -(-min(part_rows, rows) // (2 * rb)) * -(-chunks * parts // (WARPS * 32))
 
 
 @dataclass(frozen=True)
@@ -190,7 +209,7 @@ def plan(N: int, K: int, m: int, nw: int = 1, split: int = 2, dev: Device = H200
     rows = 16 * mt
     gy = -(-m // rows)
     tiles = -(-min(m, rows) // 16)
-    cols = cols_per_block(nw)
+    cols = cols_per_block(nw, conv)
     nblk = -(-N // cols)
     k64 = -(-K // KSTEP) * KSTEP
     best = None
@@ -494,7 +513,7 @@ class GemmVariant:
 
     def stream_defines(self, mt: int) -> dict:
         """gemm_stream.cu's options for M tiles ``mt``."""
-        return dict(**{"GS_" + k: v for k, v in self._common().items()}, GS_MT=mt, GS_NT=WTILES // self.nw,
+        return dict(**{"GS_" + k: v for k, v in self._common().items()}, GS_MT=mt, GS_NT=tiles_per_warp(self.nw, self.conv is not None),
                     GS_WARPS=WARPS, GS_DEPTH=DEPTH[mt],
                     **({"GS_LOGITS": int(self.logits)} if self.argmax else {}),
                     **({"GS_TOPK": self.top_k} if self.top_k else {}),
@@ -589,7 +608,7 @@ class StreamKernels:
         # leave SMs idle (whole waves), so its row blocks up to max_m bound it too.
         # Counters: one per block x of a split launch.
         ws = 0
-        groups = -(-N // cols_per_block(nw))
+        groups = -(-N // cols_per_block(nw, v.conv is not None))
         nbx = groups
         wave = self.dev.sm_count * blocks_per_sm(top, 0)
         m_hi = self.m_hi = 16 * top * max(1, wave // (2 * groups))
@@ -634,7 +653,7 @@ class StreamKernels:
     def _ws_len(self, p: Plan) -> int:
         """f32 workspace a split launch ``p`` needs: per block x and slice a partial
         tile, then (GS_NORM) each slice's row sums of squares."""
-        cols = wg_cols(self.nw) if isinstance(p.mt, str) else cols_per_block(self.nw)
+        cols = wg_cols(self.nw) if isinstance(p.mt, str) else cols_per_block(self.nw, self.variant.conv is not None)
         return p.grid[0] * p.ks * p.rows * (self.nw * cols + int(self.norm))
 
     def _plan(self, m: int, mt, ks) -> Plan:
@@ -720,10 +739,10 @@ class StreamKernels:
         if self.variant.conv is None or isinstance(self.plan(m).mt, str):
             return False
         taps, group = self.variant.conv
-        cols, p = cols_per_block(self.nw), self.plan(m)
+        cols, p = cols_per_block(self.nw, True), self.plan(m)
         if cols % (2 * taps) and self.N > cols:
             return False
-        return conv_tail_trips(min(m, p.rows), self.N, taps, group, cols) <= CONV_FUSE_MAX_TRIPS
+        return conv_tail_trips(min(m, p.rows), self.N, taps, group, cols, p.rows) <= CONV_FUSE_MAX_TRIPS
 
     def fin_problem(self, m: int, lane_rows: int) -> str | None:
         """Why a call over ``m`` rows in lane blocks of ``lane_rows`` cannot take ``finish=``, or
