@@ -55,17 +55,18 @@ __device__ __forceinline__ void gemm_fin_finish(const float* tile, const float* 
     for (int it = threadIdx.x; it < QN * RG; it += THREADS) {
         const int lc = (it % QN) * VEC, c = c0 + lc;
         if (c >= N) continue;
-        float bv[TAPS][VEC];
-#pragma unroll
-        for (int t = 0; t < TAPS; ++t) gemm_conv_ld<VEC>(bv[t], base + t * N + c);
         const float* dc = d + (c / GROUP) * 2 * TAPS + TAPS;   // half 1, tap 0 of the chunk's group
         for (int lr0 = (it / QN) * RB; lr0 < live; lr0 += RG * RB) {
             if (!stored(lr0)) continue;   // a dead tile: untouched
-            // the batch's loads, all before any store (y may be r), no branch among them: window
+            // the batch's loads, all before any store (y may be r), no branch among them: the
+            // taps' base (with the batch's: one round trip, where loading it once per chunk before
+            // the batches made a round trip of its own; a thread runs one batch at 16 rows), window
             // row w is local row lr0 + w - (TAPS - 1) (before the block, past it, or in a dead
             // tile: 0; the taps of a lane's first rows never reach before it), a row past the
             // block loads the last row's words (in bounds, never stored)
-            float av[XW][VEC], rv[RB][VEC], dv[RB][TAPS];
+            float bv[TAPS][VEC], av[XW][VEC], rv[RB][VEC], dv[RB][TAPS];
+#pragma unroll
+            for (int t = 0; t < TAPS; ++t) gemm_conv_ld<VEC>(bv[t], base + t * N + c);
 #pragma unroll
             for (int w = 0; w < XW; ++w) {
                 const int lr = lr0 + w - (TAPS - 1);
