@@ -108,15 +108,20 @@ constexpr float MULT = (float)(SEL_MULT), CAP = (float)(SEL_CAP);
 constexpr float CAP_DIV = CAP > 0.0f ? CAP : 1.0f;  // (no division by a zero constant when CAP is off)
 // selector_edges_walk: each warp holds its candidates' successor rows in registers (CPW rows of
 // SCH * 8 values a lane) where they fit in 64; the predecessors' rank vectors u are staged in
-// shared memory UI at a time (16 KiB); every row's K x K edges are staged for the walk where they
-// fit in 16 KiB (ESTAGE; else each row reads its chosen predecessor's scores from L2).
+// shared memory UI at a time (at most 16 KiB and a block's EPB); every row's K x K edges are
+// staged for the walk where they fit in 16 KiB (ESTAGE; else each row reads its chosen
+// predecessor's scores from L2).
 constexpr int CPW = (K + WK_NW - 1) / WK_NW, SCH = (RANK + 255) / 256;
 constexpr bool SREG = CPW * SCH * 8 <= 64;
-constexpr int UI = (16 * 1024) / (RANK * 4) < K ? ((16 * 1024) / (RANK * 4) > 0 ? (16 * 1024) / (RANK * 4) : 1) : K;
 constexpr bool ESTAGE = RA * K * K * 4 <= 16 * 1024;
 // blocks per selector row (each a share of the row's predecessors: more SMs for the dots) and
 // the staged edges a walking thread loads at once
 constexpr int ESPLIT = K < 4 ? K : 4, EPB = (K + ESPLIT - 1) / ESPLIT;
+// (at most a block's EPB predecessors: each u load a thread issues is one it needs, so all of
+// them fit ptxas's predicate registers and go out together, one round trip; 16 at K 16 went
+// out 4 at a time behind the conversions of the ones before)
+constexpr int UI_FIT = (16 * 1024) / (RANK * 4) > 0 ? (16 * 1024) / (RANK * 4) : 1;
+constexpr int UI = UI_FIT < EPB ? UI_FIT : EPB;
 constexpr int EST = (RA * K * K + WK_NT - 1) / WK_NT;
 // whole 16-byte loads of hidden_projection / hidden rows (H) and codebook rows (RANK)
 constexpr bool VEC_H = H % 8 == 0, VEC_RANK = RANK % 8 == 0;

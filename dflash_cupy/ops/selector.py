@@ -277,7 +277,7 @@ class SelectorKernels:
 def _shared_bytes(q_len: int, k: int, rank: int) -> int:
     """selector_edges_walk's static shared memory (selector.cu's static_assert, the same sum)."""
     ra = max(1, q_len - 1)
-    ui = min(k, max(1, 16 * 1024 // (rank * 4)))                   # selector.cu's UI
+    ui = min(-(-k // edge_blocks_per_row(k)), max(1, 16 * 1024 // (rank * 4)))   # selector.cu's UI
     stage = ra * k * k * 4 if ra * k * k * 4 <= 16 * 1024 else 4  # its ESTAGE
     return ui * rank * 4 + k * 12 + stage + k * 4 + ra * k * 4 + ra * 8 + k * 8 + 4 + 16
 
