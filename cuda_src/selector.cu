@@ -103,6 +103,8 @@ constexpr int WK_NW = SEL_WK_NW, WK_NT = WK_NW * 32;
 #endif
 constexpr int NBLK_OWN = (V + TK_TILE - 1) / TK_TILE, NBLK_MAX = NBLK_OWN > SEL_PBLK ? NBLK_OWN : SEL_PBLK;
 constexpr int MH = (NBLK_MAX + TK_NT - 1) / TK_NT, MQ = (K * K + TK_NT - 1) / TK_NT;
+// the largest power of two <= K: the merge's binary search over a list of K
+constexpr int K_POW2 = K >= 64 ? 64 : K >= 32 ? 32 : K >= 16 ? 16 : K >= 8 ? 8 : K >= 4 ? 4 : K >= 2 ? 2 : 1;
 constexpr unsigned long long ALL = ~0ull;
 constexpr float MULT = (float)(SEL_MULT), CAP = (float)(SEL_CAP);
 constexpr float CAP_DIV = CAP > 0.0f ? CAP : 1.0f;  // (no division by a zero constant when CAP is off)
@@ -351,7 +353,9 @@ static __device__ __forceinline__ void merge_row(const unsigned int* part, int n
     __syncthreads();
     // Phase 2: the K best of those lists' K * K pairs, all loads in flight at once, each ranked
     // by the pairs above it (real words are unique: the ranks of the nz real pairs are 0..nz-1,
-    // the order K rounds of block_next_below would give) against every pair in shared memory.
+    // the order K rounds of block_next_below would give): per list in shared memory, best first
+    // (as every block wrote its own, empty slots last), a binary search for how many of its
+    // pairs are above (log2 K + 1 reads a list, where comparing against every pair took K * K).
     __shared__ __align__(16) unsigned long long pw[(K * K + 1) / 2 * 2];
     unsigned long long held[MQ];
     int nz = 0;
@@ -365,13 +369,16 @@ static __device__ __forceinline__ void merge_row(const unsigned int* part, int n
     }
     int rank[MQ];
 #pragma unroll
-    for (int m = 0; m < MQ; ++m) rank[m] = 0;
-    const ulonglong2* pw2 = reinterpret_cast<const ulonglong2*>(pw);
-#pragma unroll 8
-    for (int u = 0; u < (K * K + 1) / 2; ++u) {
-        const ulonglong2 w = pw2[u];   // (a pad word past K * K is 0: above no word)
+    for (int m = 0; m < MQ; ++m) {
+        rank[m] = 0;
+        for (int l = 0; l < K; ++l) {   // list l's pairs above held[m]: its first pos words
+            const unsigned long long* a = pw + l * K;
+            int pos = 0;
 #pragma unroll
-        for (int m = 0; m < MQ; ++m) rank[m] += (w.x > held[m]) + (w.y > held[m]);
+            for (int step = K_POW2; step; step >>= 1)
+                if (pos + step <= K && a[pos + step - 1] > held[m]) pos += step;
+            rank[m] += pos;
+        }
     }
     auto put = [&](int t, unsigned long long w) {
         // K <= V real pairs exist when every block wrote its K best; an empty slot (a
