@@ -309,7 +309,8 @@ static __device__ __forceinline__ void merge_row(const unsigned int* part, int n
     // any other list is below its own head, itself below K heads: the row's K best all lie in
     // these K lists (their set is all phase 2 needs). Every head load is issued before any is
     // used (nblk <= NBLK_MAX). Each warp finds its K best heads (K warp-wide rounds, no block
-    // barrier); each of the TK_NW * K finalists is then ranked by the finalists above it.
+    // barrier); each of the TK_NW * K finalists is then ranked by the finalists above it (a
+    // binary search in each warp's list, best first).
     unsigned long long head[MH];
 #pragma unroll
     for (int m = 0; m < MH; ++m) {
@@ -339,14 +340,17 @@ static __device__ __forceinline__ void merge_row(const unsigned int* part, int n
     }
     if ((int)threadIdx.x < K) pick[threadIdx.x] = -1;   // (fewer than K real heads: empty lists)
     __syncthreads();
-    const ulonglong2* fw2 = reinterpret_cast<const ulonglong2*>(fin_w);
     for (int f = threadIdx.x; f < TK_NW * K; f += TK_NT) {
         const unsigned long long w = fin_w[f];
-        int r = 0;
-#pragma unroll 8
-        for (int u = 0; u < TK_NW * K / 2; ++u) {
-            const ulonglong2 x = fw2[u];
-            r += (x.x > w) + (x.y > w);
+        int r = 0;   // the finalists above w: per warp's list (best first, its rounds' order) a binary search
+#pragma unroll
+        for (int l = 0; l < TK_NW; ++l) {
+            const unsigned long long* a = fin_w + l * K;
+            int pos = 0;
+#pragma unroll
+            for (int step = K_POW2; step; step >>= 1)
+                if (pos + step <= K && a[pos + step - 1] > w) pos += step;
+            r += pos;
         }
         if (w && r < K) pick[r] = fin_b[f];
     }
