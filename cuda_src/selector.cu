@@ -290,6 +290,18 @@ __device__ __forceinline__ int choose(const float* s, bool sampled, float inv_t,
     return best;
 }
 
+// How many of a best-first list's K words (descending; empty slots, 0, last) are above w: a
+// binary search, log2 K + 1 shared reads (the merge's ranks: unique real words, so the counts
+// over its lists are each element's rank)
+__device__ __forceinline__ int count_above(const unsigned long long* a, unsigned long long w)
+{
+    int pos = 0;
+#pragma unroll
+    for (int step = K_POW2; step; step >>= 1)
+        if (pos + step <= K && a[pos + step - 1] > w) pos += step;
+    return pos;
+}
+
 // merge_row and walk_lane are static: the __shared__ arrays declared in them must be
 // each module's own (the emulator loads every size variant as a library, where an inline
 // function's block-scope statics would be one GNU_UNIQUE symbol sized by the first one loaded).
@@ -342,16 +354,9 @@ static __device__ __forceinline__ void merge_row(const unsigned int* part, int n
     __syncthreads();
     for (int f = threadIdx.x; f < TK_NW * K; f += TK_NT) {
         const unsigned long long w = fin_w[f];
-        int r = 0;   // the finalists above w: per warp's list (best first, its rounds' order) a binary search
+        int r = 0;   // the finalists above w: per warp's list (best first, its rounds' order)
 #pragma unroll
-        for (int l = 0; l < TK_NW; ++l) {
-            const unsigned long long* a = fin_w + l * K;
-            int pos = 0;
-#pragma unroll
-            for (int step = K_POW2; step; step >>= 1)
-                if (pos + step <= K && a[pos + step - 1] > w) pos += step;
-            r += pos;
-        }
+        for (int l = 0; l < TK_NW; ++l) r += count_above(fin_w + l * K, w);
         if (w && r < K) pick[r] = fin_b[f];
     }
     __syncthreads();
@@ -375,14 +380,7 @@ static __device__ __forceinline__ void merge_row(const unsigned int* part, int n
 #pragma unroll
     for (int m = 0; m < MQ; ++m) {
         rank[m] = 0;
-        for (int l = 0; l < K; ++l) {   // list l's pairs above held[m]: its first pos words
-            const unsigned long long* a = pw + l * K;
-            int pos = 0;
-#pragma unroll
-            for (int step = K_POW2; step; step >>= 1)
-                if (pos + step <= K && a[pos + step - 1] > held[m]) pos += step;
-            rank[m] += pos;
-        }
+        for (int l = 0; l < K; ++l) rank[m] += count_above(pw + l * K, held[m]);
     }
     auto put = [&](int t, unsigned long long w) {
         // K <= V real pairs exist when every block wrote its K best; an empty slot (a
