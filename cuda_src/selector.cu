@@ -329,7 +329,7 @@ static __device__ __forceinline__ void merge_row(const unsigned int* part, int n
         const int b = threadIdx.x + m * TK_NT;
         head[m] = b < nblk ? word(p2[(long long)b * K]) : 0ull;
     }
-    __shared__ __align__(16) unsigned long long fin_w[TK_NW * K];
+    __shared__ unsigned long long fin_w[TK_NW * K];
     __shared__ int fin_b[TK_NW * K];
     const int warp = threadIdx.x >> 5, wl = threadIdx.x & 31;
     unsigned long long last = ALL;
@@ -365,7 +365,7 @@ static __device__ __forceinline__ void merge_row(const unsigned int* part, int n
     // the order K rounds of block_next_below would give): per list in shared memory, best first
     // (as every block wrote its own, empty slots last), a binary search for how many of its
     // pairs are above (log2 K + 1 reads a list, where comparing against every pair took K * K).
-    __shared__ __align__(16) unsigned long long pw[(K * K + 1) / 2 * 2];
+    __shared__ unsigned long long pw[K * K];
     unsigned long long held[MQ];
     int nz = 0;
 #pragma unroll
@@ -373,7 +373,7 @@ static __device__ __forceinline__ void merge_row(const unsigned int* part, int n
         const int i = threadIdx.x + m * TK_NT, l = i / K;
         const int b = i < K * K ? pick[l] : -1;
         held[m] = b >= 0 ? word(p2[(long long)b * K + (i - l * K)]) : 0ull;
-        if (i < (K * K + 1) / 2 * 2) pw[i] = held[m];
+        if (i < K * K) pw[i] = held[m];
         nz += __syncthreads_count(held[m] != 0ull);   // (also the barrier before pw is read)
     }
     int rank[MQ];
