@@ -781,6 +781,7 @@ def _gemm_conv(c: KernelCounters, L, d: dict, P: dict, gx: int, gy: int, ROWS: i
     ``tail_l2_round_trips`` (the compiled model reads the SASS loops instead). GS_NORM: also
     the chunk's ln (the row scales from shared memory); conv_lane_rows < 0: the chunk's ln and
     its x rows (2 * RB at a time: one round trip each), the normed rows stored instead of the sums."""
+    from dflash_cupy.ops import gemm_stream as gs
     T, G = d["GS_CONV_TAPS"], d["GS_CONV_GROUP"]
     NORM, xonly = d.get("GS_NORM", 0), int(P.get("conv_lane_rows", 0)) < 0
     VEC = 4 if G % 4 == 0 and H % 4 == 0 else 1
@@ -822,11 +823,8 @@ def _gemm_conv(c: KernelCounters, L, d: dict, P: dict, gx: int, gy: int, ROWS: i
             _contig(c, "ld", xrows * nch * 4, 4 * VEC)                         # x windows
             c.add_global("ld", warps_q * live * VN, max(1, -(-span // SECTOR)), 32 * VW)   # d
             # work items (a chunk's rows, in parts where a full column block has fewer chunks than
-            # threads) x their pairs of batches, as gemm_stream.conv_tail_trips counts them
-            npairs = -(-ROWS // (2 * RB))
-            parts = max(1, min(THREADS // max(1, COLS // (2 * T) * G // VEC), npairs))
-            part_rows = -(-npairs // parts) * 2 * RB
-            trips = max(trips, -(-min(part_rows, live) // (2 * RB)) * -(-nq * parts // THREADS))
+            # threads) x their pairs of batches: the block's own columns [c0, c1)
+            trips = max(trips, gs.conv_tail_trips(live, c1 - c0, T, G, COLS, ROWS))
             tail_bytes = max(tail_bytes, (T + xrows + NORM + len(st)) * nch * 4 + live * VN * 32 * VW * warps_q)
     conv_y, base = P.get("conv_y"), P.get("conv_base")
     _rw(c, [] if xonly else [(_name(base), T * H * 4)], [(_name(conv_y), rows_out * 4)])
